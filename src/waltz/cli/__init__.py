@@ -1,0 +1,4 @@
+"""The ``waltz`` command line.
+
+Each module here with a ``register(subparsers)`` function adds a command group.
+"""

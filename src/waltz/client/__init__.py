@@ -1,0 +1,1 @@
+"""The Waltz client library."""

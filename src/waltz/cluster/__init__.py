@@ -1,0 +1,1 @@
+"""Cluster coordination on ZooKeeper: metadata, membership and partition assignment."""

@@ -1,0 +1,211 @@
+"""The one exception tree of Waltz.
+
+Every error Waltz raises on purpose is a :class:`WaltzError`. Each class says whether retrying the same
+operation later can succeed (``retriable``); callers decide on that flag, never on message text::
+
+    WaltzError
+    ├── ConfigError                    bad configuration file, key or CLI argument (not retriable)
+    ├── ProtocolError                  bytes that do not follow a Waltz wire format
+    │   ├── LocalProtocolError         we were asked to send something the format cannot carry
+    │   └── RemoteProtocolError        a peer sent something malformed; the connection is closed
+    │       └── FrameTooLargeError     a frame header announced more than the configured maximum
+    ├── ConnectionError_               the transport is gone
+    │   ├── ClosedResourceError        we closed it ourselves (not retriable on the same object)
+    │   └── BrokenResourceError        the peer or the network broke it (retriable with a new connection)
+    ├── StorageError                   storage node and on-disk format
+    │   ├── CorruptionError            a checksum or structure on disk does not verify
+    │   ├── StorageRpcError            a storage node answered a request with a failure response
+    │   ├── ClusterKeyMismatchError    the peer belongs to another cluster (wrong key or partition count)
+    │   ├── SessionFencedError         a newer store session exists; this one may no longer write
+    │   ├── PartitionNotAssignedError  the partition is not assigned (or not available) on that node
+    │   └── TransactionOutOfOrderError an append did not continue the log densely
+    ├── ClusterError                   ZooKeeper metadata and membership
+    │   ├── ClusterNotFoundError       no cluster at that root
+    │   ├── ConcurrentUpdateError      a version-checked write lost a race (retriable)
+    │   └── MetadataError              a znode holds something we cannot read, or an edit is refused
+    ├── ServerError
+    │   ├── GenerationMismatchError    a request carried another partition generation (retriable)
+    │   ├── PartitionNotReadyError     this server does not (yet) own the partition (retriable)
+    │   └── QuorumLostError            too few replicas are reachable to commit (retriable)
+    └── ClientError
+        ├── ClientClosedError          the client was closed
+        ├── ClientTimeoutError         an operation did not finish in its time limit (retriable)
+        ├── ClientAheadError           the application's high-water mark is past the server's
+        ├── LockFailureError           an optimistic-lock conflict rejected the transaction (retriable)
+        └── DataChecksumError          transaction data did not match its checksum after retries
+
+Storage failure responses carry a class name (the first frame of the wire ``StorageRpcException``);
+:func:`error_from_wire` maps it back to the class here so a remote failure keeps its meaning.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class WaltzError(Exception):
+    """Base of every error Waltz raises on purpose."""
+
+    retriable: ClassVar[bool] = False
+
+
+class ConfigError(WaltzError):
+    """A configuration value, file or command-line argument is invalid."""
+
+
+class ProtocolError(WaltzError):
+    """Bytes that do not follow a Waltz wire format."""
+
+
+class LocalProtocolError(ProtocolError):
+    """We were asked to encode something the wire format cannot carry (a bug on our side)."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent malformed bytes; the connection must be closed."""
+
+
+class FrameTooLargeError(RemoteProtocolError):
+    """A frame header announced a payload larger than the configured maximum."""
+
+
+class ConnectionError_(WaltzError):  # noqa: N801 - avoids shadowing the builtin ConnectionError
+    """The transport is gone."""
+
+
+class ClosedResourceError(ConnectionError_):
+    """We closed the connection (or client) ourselves."""
+
+
+class BrokenResourceError(ConnectionError_):
+    """The peer or the network broke the connection; a new connection may succeed."""
+
+    retriable = True
+
+
+class StorageError(WaltzError):
+    """An error of a storage node or of the on-disk format."""
+
+
+class CorruptionError(StorageError):
+    """A checksum or structure on disk does not verify."""
+
+
+class StorageRpcError(StorageError):
+    """A storage node answered a request with a failure response."""
+
+    retriable = True
+
+
+class ClusterKeyMismatchError(StorageError):
+    """The peer belongs to another cluster: the cluster key or partition count differs."""
+
+
+class SessionFencedError(StorageError):
+    """A newer store session exists for the partition; the older session may no longer write."""
+
+
+class PartitionNotAssignedError(StorageError):
+    """The partition is not assigned to, or not available on, the storage node."""
+
+    retriable = True
+
+
+class TransactionOutOfOrderError(StorageError):
+    """An append did not continue the log densely (its first id is not max id + 1)."""
+
+
+class ClusterError(WaltzError):
+    """An error of the ZooKeeper-held cluster metadata or membership."""
+
+
+class ClusterNotFoundError(ClusterError):
+    """No Waltz cluster exists at the given ZooKeeper root."""
+
+
+class ConcurrentUpdateError(ClusterError):
+    """A version-checked (compare-and-set) write lost a race; re-read and retry."""
+
+    retriable = True
+
+
+class MetadataError(ClusterError):
+    """A znode holds something unreadable, or a metadata edit is refused."""
+
+
+class ServerError(WaltzError):
+    """An error of a Waltz server."""
+
+
+class GenerationMismatchError(ServerError):
+    """A request carried another generation than the partition's current one."""
+
+    retriable = True
+
+
+class PartitionNotReadyError(ServerError):
+    """The server does not own the partition, or has not finished opening it."""
+
+    retriable = True
+
+
+class QuorumLostError(ServerError):
+    """Too few replicas are reachable to commit or to decide the high-water mark."""
+
+    retriable = True
+
+
+class ClientError(WaltzError):
+    """An error raised by the Waltz client library."""
+
+
+class ClientClosedError(ClientError):
+    """The client was closed."""
+
+
+class ClientTimeoutError(ClientError):
+    """An operation did not finish within its time limit."""
+
+    retriable = True
+
+
+class ClientAheadError(ClientError):
+    """The application's high-water mark is ahead of the server's: wrong cluster or lost data."""
+
+
+class LockFailureError(ClientError):
+    """An optimistic-lock conflict rejected the transaction."""
+
+    retriable = True
+
+
+class DataChecksumError(ClientError):
+    """Transaction data did not match its CRC-32 after the allowed number of re-reads."""
+
+
+_WIRE_CLASSES: dict[str, type[WaltzError]] = {
+    cls.__name__: cls
+    for cls in (
+        StorageError,
+        CorruptionError,
+        StorageRpcError,
+        ClusterKeyMismatchError,
+        SessionFencedError,
+        PartitionNotAssignedError,
+        TransactionOutOfOrderError,
+        RemoteProtocolError,
+        ConfigError,
+    )
+}
+
+
+def error_from_wire(class_name: str, message: str) -> WaltzError:
+    """Rebuild an error received from a peer; unknown class names become :class:`StorageRpcError`."""
+    cls = _WIRE_CLASSES.get(class_name, StorageRpcError)
+    return cls(message)
+
+
+def wire_name(error: BaseException) -> str:
+    """The class name to put on the wire for ``error`` (so the peer can rebuild its meaning)."""
+    name = type(error).__name__
+    return name if name in _WIRE_CLASSES else StorageRpcError.__name__

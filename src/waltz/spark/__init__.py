@@ -1,0 +1,1 @@
+"""The PySpark ``waltz`` data source (optional extra: ``pip install waltz-log[spark]``)."""

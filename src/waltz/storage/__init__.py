@@ -1,0 +1,1 @@
+"""The storage node: on-disk segments, index, control file, and the asyncio node serving them."""

@@ -1,0 +1,78 @@
+"""The dotted-key YAML config loader."""
+
+from pathlib import Path
+
+import pytest
+
+from waltz.cli.common import host_port, parse_partition_ranges
+from waltz.config import ConfigSchema, Key, distinct_ports
+from waltz.errors import ConfigError
+
+SCHEMA = ConfigSchema(
+    [
+        Key("storage.port", int, min_value=1, max_value=65535),
+        Key("storage.directory", str),
+        Key("storage.segment.size.threshold", int, 1_000_000_000, min_value=1024),
+        Key("storage.fsync", bool, True),
+    ]
+)
+
+
+def test_flat_and_nested_keys_are_the_same(tmp_path: Path) -> None:
+    f = tmp_path / "s.yaml"
+    f.write_text("storage:\n  port: 5000\n  segment:\n    size.threshold: 2048\nstorage.directory: /d\n")
+    cfg = SCHEMA.load(f)
+    assert cfg == {
+        "storage.port": 5000,
+        "storage.directory": "/d",
+        "storage.segment.size.threshold": 2048,
+        "storage.fsync": True,
+    }
+
+
+def test_all_problems_reported_with_suggestion() -> None:
+    with pytest.raises(ConfigError) as e:
+        SCHEMA.parse(
+            {"storage.prot": 1, "storage.segment.size.threshold": 5, "storage.fsync": "maybe"}, "x.yaml"
+        )
+    text = str(e.value)
+    assert "x.yaml" in text
+    assert "did you mean 'storage.port'" in text
+    assert "at least 1024" in text
+    assert "true or false" in text
+    assert "storage.directory: required" in text
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        SCHEMA.load(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        SCHEMA.load(bad)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        SCHEMA.load(lst)
+
+
+def test_distinct_ports() -> None:
+    distinct_ports({"a": 1, "b": 2, "c": 0, "d": 0}, ["a", "b", "c", "d"])
+    with pytest.raises(ConfigError, match="distinct"):
+        distinct_ports({"a": 1, "b": 1}, ["a", "b"])
+
+
+def test_partition_ranges() -> None:
+    assert parse_partition_ranges("0-3,7, 2") == [0, 1, 2, 3, 7]
+    for bad in ["", "a", "3-1", "-1", "1-x"]:
+        with pytest.raises(ConfigError):
+            parse_partition_ranges(bad)
+    with pytest.raises(ConfigError, match="out of range"):
+        parse_partition_ranges("0-8", num_partitions=8)
+
+
+def test_host_port() -> None:
+    assert host_port("127.0.0.1:80") == ("127.0.0.1", 80)
+    for bad in ["x", ":1", "h:0", "h:p", "h:70000"]:
+        with pytest.raises(ConfigError):
+            host_port(bad)
