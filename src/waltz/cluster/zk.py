@@ -1,0 +1,233 @@
+"""ZooKeeper client helpers: connecting, the znode layout, and kazoo errors mapped onto Waltz's tree.
+
+Everything here is blocking (kazoo's synchronous API) and meant to be called from a plain thread, a CLI, or
+from asyncio code through ``asyncio.to_thread``. Errors that reach callers are always Waltz errors:
+
+* a version-checked write or transaction that lost a race -> :class:`~waltz.errors.ConcurrentUpdateError`
+  (retriable: re-read and try again);
+* ZooKeeper unreachable, connection lost mid-call, session expired -> :class:`~waltz.errors.ClusterError`;
+* a znode that should exist but does not, or holds unreadable bytes -> :class:`~waltz.errors.MetadataError`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import (
+    BadVersionError,
+    ConnectionLoss,
+    KazooException,
+    NodeExistsError,
+    NoNodeError,
+    NotEmptyError,
+    OperationTimeoutError,
+    SessionExpiredError,
+)
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.retry import KazooRetry
+
+from waltz.errors import ClusterError, ConcurrentUpdateError, MetadataError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_SESSION_TIMEOUT_MS = 30000
+DEFAULT_CONNECT_TIMEOUT_MS = 10000
+
+
+@dataclass(frozen=True)
+class ClusterPaths:
+    """The znode layout under one cluster root (see docs/zookeeper.md)."""
+
+    root: str
+
+    def __post_init__(self) -> None:
+        if not self.root.startswith("/") or (self.root != "/" and self.root.endswith("/")):
+            raise ClusterError(f"cluster root must be an absolute znode path, got {self.root!r}")
+        if self.root == "/":
+            raise ClusterError("the cluster root cannot be the ZooKeeper root '/'")
+
+    @property
+    def server_descriptors(self) -> str:
+        return f"{self.root}/serverDescriptors"
+
+    @property
+    def server_descriptor_prefix(self) -> str:
+        return f"{self.root}/serverDescriptors/s_"
+
+    @property
+    def ids(self) -> str:
+        return f"{self.root}/ids"
+
+    @property
+    def client_ids(self) -> str:
+        return f"{self.root}/ids/client"
+
+    @property
+    def server_ids(self) -> str:
+        return f"{self.root}/ids/server"
+
+    @property
+    def store(self) -> str:
+        return f"{self.root}/store"
+
+    @property
+    def partitions(self) -> str:
+        return f"{self.root}/store/partition"
+
+    def partition(self, partition_id: int) -> str:
+        return f"{self.root}/store/partition/{partition_id}"
+
+    @property
+    def replica_assignments(self) -> str:
+        return f"{self.root}/store/assignment"
+
+    @property
+    def groups(self) -> str:
+        return f"{self.root}/store/group"
+
+    @property
+    def connections(self) -> str:
+        return f"{self.root}/store/connection"
+
+    @property
+    def admin_lock(self) -> str:
+        return f"{self.root}/store/adminLock"
+
+
+def connect(
+    connect_string: str,
+    *,
+    session_timeout_ms: int = DEFAULT_SESSION_TIMEOUT_MS,
+    connect_timeout_ms: int = DEFAULT_CONNECT_TIMEOUT_MS,
+) -> KazooClient:
+    """Start a kazoo client and wait until it has a session.
+
+    ``connect_string`` is ``host:port[,host:port...][/chroot]``. Raises ClusterError (and leaves no thread
+    behind) when no server answers within ``connect_timeout_ms``. Once connected, the client keeps
+    reconnecting by itself after a drop, and opens a new session after an expiry.
+    """
+    client = KazooClient(
+        hosts=connect_string,
+        timeout=session_timeout_ms / 1000.0,
+        # Reconnect forever with a capped back-off: a server process must survive a ZooKeeper outage.
+        connection_retry=KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0),
+        # Individual commands are retried across a connection drop, within the session timeout.
+        command_retry=KazooRetry(max_tries=3, delay=0.1, max_delay=1.0),
+    )
+    try:
+        client.start(timeout=connect_timeout_ms / 1000.0)
+    except (KazooTimeoutError, KazooException, OSError, ValueError) as e:
+        close(client)
+        reason = str(e) or type(e).__name__
+        raise ClusterError(f"cannot connect to ZooKeeper at {connect_string}: {reason}") from None
+    return client
+
+
+def close(client: KazooClient) -> None:
+    """Stop ``client`` (its session ends, its ephemeral znodes go) and release its threads."""
+    try:
+        client.stop()
+    finally:
+        client.close()
+
+
+def connect_from_config(config: Mapping[str, Any]) -> KazooClient:
+    """Connect using ``zookeeper.connectString``/``sessionTimeout``/``connectTimeout`` of a parsed config."""
+    return connect(
+        str(config["zookeeper.connectString"]),
+        session_timeout_ms=int(config.get("zookeeper.sessionTimeout", DEFAULT_SESSION_TIMEOUT_MS)),
+        connect_timeout_ms=int(config.get("zookeeper.connectTimeout", DEFAULT_CONNECT_TIMEOUT_MS)),
+    )
+
+
+@contextmanager
+def session(config: Mapping[str, Any]) -> Iterator[KazooClient]:
+    """A connected client for the duration of a ``with`` block (used by the CLI)."""
+    client = connect_from_config(config)
+    try:
+        yield client
+    finally:
+        close(client)
+
+
+@contextmanager
+def zk_errors(what: str) -> Iterator[None]:
+    """Translate kazoo exceptions raised inside the block into Waltz errors mentioning ``what``."""
+    try:
+        yield
+    except BadVersionError:
+        raise ConcurrentUpdateError(f"{what}: changed concurrently, re-read and retry") from None
+    except NodeExistsError:
+        raise ConcurrentUpdateError(f"{what}: created concurrently, re-read and retry") from None
+    except NoNodeError:
+        raise MetadataError(f"{what}: znode missing") from None
+    except NotEmptyError:
+        raise MetadataError(f"{what}: znode has children") from None
+    except (ConnectionLoss, SessionExpiredError, OperationTimeoutError, KazooTimeoutError) as e:
+        raise ClusterError(f"{what}: ZooKeeper unavailable ({type(e).__name__})") from None
+    except KazooException as e:
+        raise ClusterError(f"{what}: ZooKeeper error {type(e).__name__}: {e}") from None
+
+
+def read_value(client: KazooClient, path: str, decode: Callable[[bytes], T], what: str) -> tuple[T, Any]:
+    """Read and decode one znode; returns ``(value, stat)``. A missing znode is a MetadataError."""
+    with zk_errors(what):
+        raw, stat = client.get(path)
+    return decode(raw), stat
+
+
+def commit(transaction: Any, what: str) -> list[Any]:
+    """Commit a kazoo transaction; any failed operation raises (BadVersion/NodeExists -> retriable)."""
+    with zk_errors(what):
+        results: list[Any] = transaction.commit()
+    failures = [r for r in results if isinstance(r, Exception)]
+    # In a failed multi, the operation that failed carries its real error; all others are RolledBackError.
+    for failure in failures:
+        if isinstance(failure, BadVersionError | NodeExistsError):
+            raise ConcurrentUpdateError(f"{what}: changed concurrently, re-read and retry")
+    for failure in failures:
+        if isinstance(failure, NoNodeError):
+            raise MetadataError(f"{what}: znode missing")
+    for failure in failures:
+        if type(failure).__name__ != "RolledBackError":
+            raise ClusterError(f"{what}: transaction failed: {type(failure).__name__}")
+    if failures:
+        raise ClusterError(f"{what}: transaction rolled back")
+    return results
+
+
+def compare_and_set(
+    client: KazooClient,
+    path: str,
+    decode: Callable[[bytes], T],
+    update: Callable[[T], bytes | None],
+    what: str,
+    *,
+    max_attempts: int = 10,
+) -> T | None:
+    """Read-modify-write ``path`` with a version check, retrying a lost race up to ``max_attempts`` times.
+
+    ``update`` receives the decoded value and returns new bytes, or ``None`` to write nothing. Returns the
+    value ``update`` saw on the successful attempt (or ``None`` if nothing was written). Raises
+    ConcurrentUpdateError if every attempt lost a race.
+    """
+    for _ in range(max_attempts):
+        value, stat = read_value(client, path, decode, what)
+        new = update(value)
+        if new is None:
+            return None
+        try:
+            with zk_errors(what):
+                client.set(path, new, version=stat.version)
+        except ConcurrentUpdateError:
+            log.debug("%s: lost a compare-and-set race, retrying", what)
+            continue
+        return value
+    raise ConcurrentUpdateError(f"{what}: lost {max_attempts} compare-and-set races in a row")
