@@ -1,0 +1,892 @@
+"""The client <-> server message codec (frame magic ``'L'``, codec versions V0..V4), with no I/O.
+
+:func:`encode` turns a message into a frame *payload* (the framing layer adds ``magic · version · length``);
+:func:`decode` turns one payload back into a message. The version is the one the hello handshake negotiated.
+
+Every payload starts ``type:u8 · ReqId(16)``; the fields below follow in this order. Integers are
+big-endian (``i32``/``i64`` two's complement, ``u32`` unsigned), ``bool`` is one byte 0/1, ``int[]`` is
+``i32 n · n x i32`` (``n = -1``, Java's null array, is read as empty and never written), ``bytes`` is
+``i32 n · n bytes`` and ``string`` is UTF-8 written as ``bytes`` (``n = -1`` is ``None``).
+ReqId = ``u64 msb · u64 lsb`` (see :mod:`waltz.protocol.records`)::
+
+    code message                             fields after the ReqId                                    codec
+    ---- ----------------------------------- --------------------------------------------------------- -----
+     0   MountRequest                        i64 clientHighWaterMark · i64 seqNum                      V0+
+     1   MountResponse                       V0-V2: bool partitionReady                                V0+
+                                             V3+:   i32 partitionState (0 READY, 1 NOT_READY,
+                                                    2 CLIENT_AHEAD)
+     2   AppendRequest                       i64 clientHighWaterMark · int[] writeLocks ·              V0+
+                                             int[] readLocks (V1+) · int[] appendLocks (V2+) ·
+                                             i32 header · bytes data · u32 checksum
+     3   FeedRequest                         i64 clientHighWaterMark                                   V0+
+     4   FeedData                            i64 transactionId · i32 header                            V0+
+     5   FeedSuspended                       -                                                         V0+
+     6   TransactionDataRequest              i64 transactionId                                         V0+
+     7   TransactionDataResponse             i64 transactionId · bool ok ·                             V0+
+                                             ok:  bytes data · u32 checksum
+                                             not: string error
+     8   FlushRequest                        -                                                         V0+
+     9   FlushResponse                       i64 transactionId                                         V0+
+    10   LockFailure                         i64 transactionId                                         V0+
+    11   HighWaterMarkRequest                -                                                         V0+
+    12   HighWaterMarkResponse               i64 transactionId                                         V0+
+    13   CheckStorageConnectivityRequest     -                                                         V1+
+    14   CheckStorageConnectivityResponse    i32 n · n x (string connectString · bool reachable)       V1+
+    15   ServerPartitionsAssignmentRequest   -                                                         V2+
+    16   ServerPartitionsAssignmentResponse  i32 n · n x i32 partitionId                               V2+
+    17   AddPreferredPartitionRequest        i32 n · n x i32 partitionId                               V2+
+    18   AddPreferredPartitionResponse       bool result                                               V2+
+    19   RemovePreferredPartitionRequest     i32 n · n x i32 partitionId                               V2+
+    20   RemovePreferredPartitionResponse    bool result                                               V2+
+    21   ServerPartitionsHealthStatRequest   -                                                         V4
+    22   ServerPartitionsHealthStatResponse  i32 n · n x (i32 partitionId · bool healthy)              V4
+
+Checksums: ``checksum`` is the CRC-32 (java.util.zip.CRC32) of ``data`` alone, computed by the client that
+built the transaction. Decoding an AppendRequest or a successful TransactionDataResponse verifies it and
+raises :class:`~waltz.errors.RemoteProtocolError` on a mismatch, so corrupted data never leaves the codec.
+Encoding does not recompute it: the client computed it from the very bytes it sends, and the server relays the
+checksum stored with the record so the client checks the data end to end.
+
+Versions: V1 added read locks and 13/14; V2 append locks and 15-20; V3 the three-state MountResponse (older
+codecs carry CLIENT_AHEAD as ``partitionReady = false``, which decodes as NOT_READY); V4 added 21/22.
+
+Guarantees (the h11 contract):
+
+* :func:`decode` returns one whole message or raises :class:`~waltz.errors.RemoteProtocolError`, never
+  anything else: on an unknown type, a type the negotiated version does not have, a short payload, trailing
+  bytes, a bad boolean, a negative or oversized length, invalid UTF-8, an unknown partition state or a
+  checksum mismatch. Every count is checked against the bytes that remain before anything is allocated, so
+  list lengths are bounded by the payload (itself bounded by the framing layer's maximum frame size).
+* :func:`encode` raises :class:`~waltz.errors.LocalProtocolError` for anything the negotiated version cannot
+  carry: a message type newer than the version, read locks under V0 or append locks under V0/V1 ("not
+  supported, upgrade servers"), an out-of-range integer, or inconsistent TransactionDataResponse fields.
+* A version outside :data:`SUPPORTED_VERSIONS` is a bug of the caller (the handshake only picks supported
+  ones) and raises LocalProtocolError on both sides.
+
+AppendRequest and FeedData are the hot path (tens of thousands per second per server), so they are encoded
+and decoded with precompiled structs and explicit bounds checks instead of the generic Reader/Writer walk the
+other messages use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import ClassVar
+
+from waltz.errors import LocalProtocolError, RemoteProtocolError
+from waltz.protocol.records import ReqId, crc32
+from waltz.protocol.wire import Reader, Writer
+
+__all__ = [
+    "MAGIC",
+    "SUPPORTED_VERSIONS",
+    "AddPreferredPartitionRequest",
+    "AddPreferredPartitionResponse",
+    "AppendRequest",
+    "CheckStorageConnectivityRequest",
+    "CheckStorageConnectivityResponse",
+    "FeedData",
+    "FeedRequest",
+    "FeedSuspended",
+    "FlushRequest",
+    "FlushResponse",
+    "HighWaterMarkRequest",
+    "HighWaterMarkResponse",
+    "LockFailure",
+    "Message",
+    "MessageType",
+    "MountRequest",
+    "MountResponse",
+    "PartitionState",
+    "RemovePreferredPartitionRequest",
+    "RemovePreferredPartitionResponse",
+    "ServerPartitionsAssignmentRequest",
+    "ServerPartitionsAssignmentResponse",
+    "ServerPartitionsHealthStatRequest",
+    "ServerPartitionsHealthStatResponse",
+    "TransactionDataRequest",
+    "TransactionDataResponse",
+    "decode",
+    "encode",
+]
+
+MAGIC = 0x4C
+"""Frame magic byte of this codec (``'L'``)."""
+
+SUPPORTED_VERSIONS: tuple[int, ...] = (0, 1, 2, 3, 4)
+"""Codec versions this module speaks; the hello handshake picks the highest one both peers have."""
+
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+_PREFIX = struct.Struct(">BQQ")  # type, ReqId msb, ReqId lsb
+_PREFIX_BYTES = _PREFIX.size  # 17
+_APPEND_HEAD = struct.Struct(">BQQqi")  # type, ReqId, clientHighWaterMark, writeLocks count
+_FEED_DATA = struct.Struct(">BQQqi")  # type, ReqId, transactionId, header
+_I32 = struct.Struct(">i")
+_HEADER_AND_LENGTH = struct.Struct(">ii")
+_U32 = struct.Struct(">I")
+
+
+class MessageType(IntEnum):
+    """The ``type`` byte that starts every payload."""
+
+    MOUNT_REQUEST = 0
+    MOUNT_RESPONSE = 1
+    APPEND_REQUEST = 2
+    FEED_REQUEST = 3
+    FEED_DATA = 4
+    FEED_SUSPENDED = 5
+    TRANSACTION_DATA_REQUEST = 6
+    TRANSACTION_DATA_RESPONSE = 7
+    FLUSH_REQUEST = 8
+    FLUSH_RESPONSE = 9
+    LOCK_FAILURE = 10
+    HIGH_WATER_MARK_REQUEST = 11
+    HIGH_WATER_MARK_RESPONSE = 12
+    CHECK_STORAGE_CONNECTIVITY_REQUEST = 13
+    CHECK_STORAGE_CONNECTIVITY_RESPONSE = 14
+    SERVER_PARTITIONS_ASSIGNMENT_REQUEST = 15
+    SERVER_PARTITIONS_ASSIGNMENT_RESPONSE = 16
+    ADD_PREFERRED_PARTITION_REQUEST = 17
+    ADD_PREFERRED_PARTITION_RESPONSE = 18
+    REMOVE_PREFERRED_PARTITION_REQUEST = 19
+    REMOVE_PREFERRED_PARTITION_RESPONSE = 20
+    SERVER_PARTITIONS_HEALTH_STAT_REQUEST = 21
+    SERVER_PARTITIONS_HEALTH_STAT_RESPONSE = 22
+
+
+class PartitionState(IntEnum):
+    """The answer to a mount (V3+ carries it as an int; V0-V2 only as ``partitionReady``)."""
+
+    READY = 0
+    NOT_READY = 1
+    CLIENT_AHEAD = 2
+
+
+# Field kinds of the generic (non hot path) messages. Each message class lists the kinds of the fields that
+# follow its ReqId; the generic walker below writes and reads them in that order.
+
+_I64 = "i64"
+_BOOL = "bool"
+_INTS = "ints"  # i32 n · n x i32
+_STR_BOOLS = "str_bools"  # i32 n · n x (string · bool)
+_INT_BOOLS = "int_bools"  # i32 n · n x (i32 · bool)
+
+
+def _write_field(w: Writer, kind: str, value: object) -> None:
+    if kind == _I64:
+        w.i64(value)  # type: ignore[arg-type]
+    elif kind == _BOOL:
+        w.bool(value)  # type: ignore[arg-type]
+    elif kind == _INTS:
+        w.int_list(value)  # type: ignore[arg-type]
+    elif kind == _STR_BOOLS:
+        pairs: tuple[tuple[str, bool], ...] = value  # type: ignore[assignment]
+        w.i32(len(pairs))
+        for text, flag in pairs:
+            if text is None:
+                raise LocalProtocolError("a connect string may not be None")
+            w.string(text).bool(flag)
+    elif kind == _INT_BOOLS:
+        int_pairs: tuple[tuple[int, bool], ...] = value  # type: ignore[assignment]
+        w.i32(len(int_pairs))
+        for number, flag in int_pairs:
+            w.i32(number).bool(flag)
+    else:  # pragma: no cover - the kinds are module constants
+        raise LocalProtocolError(f"unknown field kind {kind}")
+
+
+def _read_field(r: Reader, kind: str) -> object:
+    if kind == _I64:
+        return r.i64()
+    if kind == _BOOL:
+        return r.bool()
+    if kind == _INTS:
+        n = r.count(4)  # bounded by the bytes that remain, so a forged count cannot allocate
+        start = r._take(4 * n)
+        return struct.unpack_from(f">{n}i", r.data, start)
+    if kind == _STR_BOOLS:
+        n = r.count(5)  # an empty string (4) and a bool (1) at least
+        return tuple((r.string_required(), r.bool()) for _ in range(n))
+    if kind == _INT_BOOLS:
+        n = r.count(5)
+        return tuple((r.i32(), r.bool()) for _ in range(n))
+    raise LocalProtocolError(f"unknown field kind {kind}")  # pragma: no cover
+
+
+class _Message:
+    """Base of every message: its type code, the first codec version that has it and its field layout."""
+
+    __slots__ = ()
+
+    TYPE: ClassVar[MessageType]
+    MIN_VERSION: ClassVar[int] = 0
+    # Kinds of the fields after the ReqId, in wire order; None for messages with their own codec methods.
+    # _FIELDS (set below, once per class) names the dataclass fields in declaration order = wire order.
+    _FIELDS: ClassVar[tuple[str, ...]] = ()
+    _KINDS: ClassVar[tuple[str, ...] | None] = ()
+
+    req_id: ReqId
+
+    def _encode(self, version: int) -> bytes:
+        kinds = self._KINDS
+        if kinds is None:  # pragma: no cover - classes without _KINDS override _encode
+            raise NotImplementedError(type(self).__name__)
+        w = Writer()
+        w.buf += _prefix(self.TYPE, self.req_id)
+        # Dataclass slots are the fields in declaration order; the first is req_id, written above.
+        for name, kind in zip(self._FIELDS[1:], kinds, strict=True):
+            _write_field(w, kind, getattr(self, name))
+        return w.getvalue()
+
+    @classmethod
+    def _decode(cls, payload: bytes | bytearray | memoryview, version: int) -> _Message:
+        kinds = cls._KINDS
+        if kinds is None:  # pragma: no cover - classes without _KINDS override _decode
+            raise NotImplementedError(cls.__name__)
+        r = Reader(payload)
+        r._take(1)  # the type byte, already checked by decode()
+        req_id = ReqId(r.u64(), r.u64())
+        values = [_read_field(r, kind) for kind in kinds]
+        r.expect_end()
+        return cls(req_id, *values)  # type: ignore[call-arg]
+
+
+def _prefix(type_code: int, req_id: ReqId) -> bytes:
+    return _PREFIX.pack(type_code, req_id.msb & _MASK64, req_id.lsb & _MASK64)
+
+
+def _fields_layout(cls: type[_Message]) -> None:
+    """Check at import time that each generic message lists one kind per field after its ReqId."""
+    names = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+    kinds = cls._KINDS
+    if names[0] != "req_id" or (kinds is not None and len(names) != len(kinds) + 1):  # pragma: no cover
+        raise TypeError(f"{cls.__name__}: fields {names} do not match the kinds {kinds}")
+    cls._FIELDS = names
+
+
+# The generic _encode walks the dataclass fields after ``req_id``, so the field order of each class IS the
+# wire order. ``_KINDS`` lists the kind of each of those fields.
+
+
+@dataclass(frozen=True, slots=True)
+class MountRequest(_Message):
+    """Mount a partition: stream every transaction after ``client_high_water_mark``, then answer READY.
+
+    ``seq_num`` is the incarnation number of the client's network connection; the server ignores older ones.
+    """
+
+    TYPE: ClassVar[MessageType] = MessageType.MOUNT_REQUEST
+    _KINDS: ClassVar[tuple[str, ...] | None] = (_I64, _I64)
+
+    req_id: ReqId
+    client_high_water_mark: int
+    seq_num: int
+
+
+@dataclass(frozen=True, slots=True)
+class MountResponse(_Message):
+    """The server's answer to a mount. Under V0-V2 only READY / not READY survives the wire."""
+
+    TYPE: ClassVar[MessageType] = MessageType.MOUNT_RESPONSE
+    _KINDS: ClassVar[tuple[str, ...] | None] = None
+
+    req_id: ReqId
+    state: PartitionState
+
+    @property
+    def partition_ready(self) -> bool:
+        return self.state == PartitionState.READY
+
+    def _encode(self, version: int) -> bytes:
+        head = _prefix(self.TYPE, self.req_id)
+        if version >= 3:
+            try:
+                return head + _I32.pack(PartitionState(self.state).value)
+            except ValueError:
+                raise LocalProtocolError(f"unknown partition state {self.state}") from None
+        # Older codecs have only a boolean: CLIENT_AHEAD travels as "not ready", as the original does.
+        return head + (b"\x01" if self.state == PartitionState.READY else b"\x00")
+
+    @classmethod
+    def _decode(cls, payload: bytes | bytearray | memoryview, version: int) -> MountResponse:
+        r = Reader(payload, _PREFIX_BYTES)
+        req_id = _read_req_id(payload)
+        if version >= 3:
+            code = r.i32()
+            try:
+                state = PartitionState(code)
+            except ValueError:
+                raise RemoteProtocolError(f"unknown partition state {code}") from None
+        else:
+            state = PartitionState.READY if r.bool() else PartitionState.NOT_READY
+        r.expect_end()
+        return cls(req_id, state)
+
+
+def _read_req_id(payload: bytes | bytearray | memoryview) -> ReqId:
+    if len(payload) < _PREFIX_BYTES:
+        raise RemoteProtocolError(f"message truncated: {len(payload)} bytes, a ReqId needs {_PREFIX_BYTES}")
+    _, msb, lsb = _PREFIX.unpack_from(payload, 0)
+    return ReqId(msb, lsb)
+
+
+def _truncated(need: int, have: int) -> RemoteProtocolError:
+    return RemoteProtocolError(f"message truncated: need {need} bytes, have {have}")
+
+
+def _read_locks(
+    payload: bytes | bytearray | memoryview, pos: int, end: int, n: int
+) -> tuple[tuple[int, ...], int]:
+    """Read ``n`` lock hashes at ``pos`` (the count already read); return them and the next position."""
+    if n < 0:
+        if n == -1:  # Java's null array: no locks
+            return (), pos
+        raise RemoteProtocolError(f"negative lock count {n}")
+    stop = pos + 4 * n
+    if stop > end:  # checked before unpacking, so a forged count cannot allocate
+        raise _truncated(stop, end)
+    return struct.unpack_from(f">{n}i", payload, pos), stop
+
+
+@dataclass(frozen=True, slots=True)
+class AppendRequest(_Message):
+    """Append one transaction, guarded by optimistic locks checked against ``client_high_water_mark``.
+
+    Lock values are the 32-bit hashes of :class:`waltz.client.locks.PartitionLocalLock`. ``checksum`` is the
+    unsigned CRC-32 of ``data``; use :meth:`build` to compute it.
+    """
+
+    TYPE: ClassVar[MessageType] = MessageType.APPEND_REQUEST
+    _KINDS: ClassVar[tuple[str, ...] | None] = None
+
+    req_id: ReqId
+    client_high_water_mark: int
+    write_locks: tuple[int, ...]
+    read_locks: tuple[int, ...]
+    append_locks: tuple[int, ...]
+    header: int
+    data: bytes
+    checksum: int
+
+    @classmethod
+    def build(
+        cls,
+        req_id: ReqId,
+        client_high_water_mark: int,
+        header: int,
+        data: bytes,
+        write_locks: tuple[int, ...] = (),
+        read_locks: tuple[int, ...] = (),
+        append_locks: tuple[int, ...] = (),
+    ) -> AppendRequest:
+        """An AppendRequest whose checksum is the CRC-32 of ``data``."""
+        return cls(
+            req_id,
+            client_high_water_mark,
+            write_locks,
+            read_locks,
+            append_locks,
+            header,
+            data,
+            crc32(data),
+        )
+
+    def _encode(self, version: int) -> bytes:
+        w, r, a = self.write_locks, self.read_locks, self.append_locks
+        nw, nr, na = len(w), len(r), len(a)
+        data = self.data
+        try:
+            if version >= 2:
+                head = struct.pack(
+                    f">BQQqi{nw}ii{nr}ii{na}iii",
+                    2,
+                    self.req_id.msb & _MASK64,
+                    self.req_id.lsb & _MASK64,
+                    self.client_high_water_mark,
+                    nw,
+                    *w,
+                    nr,
+                    *r,
+                    na,
+                    *a,
+                    self.header,
+                    len(data),
+                )
+            else:
+                if na:
+                    raise LocalProtocolError(
+                        f"append locks need codec V2, V{version} is in use: not supported, upgrade servers"
+                    )
+                if version == 1:
+                    head = struct.pack(
+                        f">BQQqi{nw}ii{nr}iii",
+                        2,
+                        self.req_id.msb & _MASK64,
+                        self.req_id.lsb & _MASK64,
+                        self.client_high_water_mark,
+                        nw,
+                        *w,
+                        nr,
+                        *r,
+                        self.header,
+                        len(data),
+                    )
+                else:
+                    if nr:
+                        raise LocalProtocolError(
+                            "read locks need codec V1, V0 is in use: not supported, upgrade servers"
+                        )
+                    head = struct.pack(
+                        f">BQQqi{nw}iii",
+                        2,
+                        self.req_id.msb & _MASK64,
+                        self.req_id.lsb & _MASK64,
+                        self.client_high_water_mark,
+                        nw,
+                        *w,
+                        self.header,
+                        len(data),
+                    )
+            tail = _U32.pack(self.checksum)
+        except struct.error as e:
+            raise LocalProtocolError(f"AppendRequest field out of range: {e}") from None
+        return b"".join((head, data, tail))
+
+    @classmethod
+    def _decode(cls, payload: bytes | bytearray | memoryview, version: int) -> AppendRequest:
+        end = len(payload)
+        pos = _APPEND_HEAD.size
+        if end < pos:
+            raise _truncated(pos, end)
+        _, msb, lsb, hwm, n = _APPEND_HEAD.unpack_from(payload, 0)
+        write_locks, pos = _read_locks(payload, pos, end, n)
+        read_locks: tuple[int, ...] = ()
+        append_locks: tuple[int, ...] = ()
+        if version >= 1:
+            if pos + 4 > end:
+                raise _truncated(pos + 4, end)
+            read_locks, pos = _read_locks(payload, pos + 4, end, _I32.unpack_from(payload, pos)[0])
+            if version >= 2:
+                if pos + 4 > end:
+                    raise _truncated(pos + 4, end)
+                append_locks, pos = _read_locks(payload, pos + 4, end, _I32.unpack_from(payload, pos)[0])
+        if pos + 8 > end:
+            raise _truncated(pos + 8, end)
+        header, length = _HEADER_AND_LENGTH.unpack_from(payload, pos)
+        if length < 0:
+            raise RemoteProtocolError(f"invalid transaction data length {length}")
+        pos += 8
+        stop = pos + length
+        if stop + 4 != end:
+            if stop + 4 > end:
+                raise _truncated(stop + 4, end)
+            raise RemoteProtocolError(f"{end - stop - 4} unexpected trailing bytes")
+        data = bytes(payload[pos:stop])
+        checksum: int = _U32.unpack_from(payload, stop)[0]
+        if crc32(data) != checksum:
+            raise RemoteProtocolError(
+                f"AppendRequest data checksum mismatch: carried {checksum:#010x}, "
+                f"computed {crc32(data):#010x}"
+            )
+        return cls(ReqId(msb, lsb), hwm, write_locks, read_locks, append_locks, header, data, checksum)
+
+
+@dataclass(frozen=True, slots=True)
+class FeedRequest(_Message):
+    """Open a feed window: stream transactions after ``client_high_water_mark``."""
+
+    TYPE: ClassVar[MessageType] = MessageType.FEED_REQUEST
+    _KINDS: ClassVar[tuple[str, ...] | None] = (_I64,)
+
+    req_id: ReqId
+    client_high_water_mark: int
+
+
+@dataclass(frozen=True, slots=True)
+class FeedData(_Message):
+    """One committed transaction in the feed; ``req_id`` is the ReqId of its original append."""
+
+    TYPE: ClassVar[MessageType] = MessageType.FEED_DATA
+    _KINDS: ClassVar[tuple[str, ...] | None] = None
+
+    req_id: ReqId
+    transaction_id: int
+    header: int
+
+    def _encode(self, version: int) -> bytes:
+        try:
+            return _FEED_DATA.pack(
+                4, self.req_id.msb & _MASK64, self.req_id.lsb & _MASK64, self.transaction_id, self.header
+            )
+        except struct.error as e:
+            raise LocalProtocolError(f"FeedData field out of range: {e}") from None
+
+    @classmethod
+    def _decode(cls, payload: bytes | bytearray | memoryview, version: int) -> FeedData:
+        if len(payload) != _FEED_DATA.size:
+            if len(payload) < _FEED_DATA.size:
+                raise _truncated(_FEED_DATA.size, len(payload))
+            raise RemoteProtocolError(f"{len(payload) - _FEED_DATA.size} unexpected trailing bytes")
+        _, msb, lsb, txn, header = _FEED_DATA.unpack_from(payload, 0)
+        return cls(ReqId(msb, lsb), txn, header)
+
+
+@dataclass(frozen=True, slots=True)
+class FeedSuspended(_Message):
+    """The feed window is used up; the client should send a new FeedRequest."""
+
+    TYPE: ClassVar[MessageType] = MessageType.FEED_SUSPENDED
+
+    req_id: ReqId
+
+
+@dataclass(frozen=True, slots=True)
+class TransactionDataRequest(_Message):
+    """Fetch the data of one committed transaction (RPC connection)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.TRANSACTION_DATA_REQUEST
+    _KINDS: ClassVar[tuple[str, ...] | None] = (_I64,)
+
+    req_id: ReqId
+    transaction_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransactionDataResponse(_Message):
+    """The data of a transaction (``data`` and ``checksum``), or why it could not be read (``error``).
+
+    Exactly one of ``data`` and ``error`` is meaningful: the response is ``ok`` when ``data`` is not None. Use
+    :meth:`success` and :meth:`failure` to build one.
+    """
+
+    TYPE: ClassVar[MessageType] = MessageType.TRANSACTION_DATA_RESPONSE
+    _KINDS: ClassVar[tuple[str, ...] | None] = None
+
+    req_id: ReqId
+    transaction_id: int
+    data: bytes | None
+    checksum: int
+    error: str | None
+
+    @classmethod
+    def success(
+        cls, req_id: ReqId, transaction_id: int, data: bytes, checksum: int | None = None
+    ) -> TransactionDataResponse:
+        return cls(req_id, transaction_id, data, crc32(data) if checksum is None else checksum, None)
+
+    @classmethod
+    def failure(cls, req_id: ReqId, transaction_id: int, error: str | None) -> TransactionDataResponse:
+        return cls(req_id, transaction_id, None, 0, error)
+
+    @property
+    def ok(self) -> bool:
+        return self.data is not None
+
+    def _encode(self, version: int) -> bytes:
+        w = Writer()
+        w.buf += _prefix(self.TYPE, self.req_id)
+        w.i64(self.transaction_id)
+        if self.data is not None:
+            if self.error is not None:
+                raise LocalProtocolError("a TransactionDataResponse carries data or an error, not both")
+            w.bool(True).bytes_(self.data)
+            try:
+                w.buf += _U32.pack(self.checksum)
+            except struct.error:
+                raise LocalProtocolError(f"checksum is not an unsigned 32-bit int: {self.checksum}") from None
+        else:
+            w.bool(False).string(self.error)
+        return w.getvalue()
+
+    @classmethod
+    def _decode(cls, payload: bytes | bytearray | memoryview, version: int) -> TransactionDataResponse:
+        req_id = _read_req_id(payload)
+        r = Reader(payload, _PREFIX_BYTES)
+        txn = r.i64()
+        if r.bool():
+            data = r.bytes_required()
+            checksum = r.u32()
+            r.expect_end()
+            if crc32(data) != checksum:
+                raise RemoteProtocolError(
+                    f"transaction {txn} data checksum mismatch: carried {checksum:#010x}, "
+                    f"computed {crc32(data):#010x}"
+                )
+            return cls(req_id, txn, data, checksum, None)
+        error = r.string()
+        r.expect_end()
+        return cls(req_id, txn, None, 0, error)
+
+
+@dataclass(frozen=True, slots=True)
+class FlushRequest(_Message):
+    """Answer once every append sent before this request is resolved."""
+
+    TYPE: ClassVar[MessageType] = MessageType.FLUSH_REQUEST
+
+    req_id: ReqId
+
+
+@dataclass(frozen=True, slots=True)
+class FlushResponse(_Message):
+    """The partition high-water mark once the appends sent before the flush were resolved."""
+
+    TYPE: ClassVar[MessageType] = MessageType.FLUSH_RESPONSE
+    _KINDS: ClassVar[tuple[str, ...] | None] = (_I64,)
+
+    req_id: ReqId
+    transaction_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class LockFailure(_Message):
+    """The append of ``req_id`` was rejected; ``transaction_id`` is the conflicting lock high-water mark."""
+
+    TYPE: ClassVar[MessageType] = MessageType.LOCK_FAILURE
+    _KINDS: ClassVar[tuple[str, ...] | None] = (_I64,)
+
+    req_id: ReqId
+    transaction_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class HighWaterMarkRequest(_Message):
+    """Ask for the partition's last committed transaction id."""
+
+    TYPE: ClassVar[MessageType] = MessageType.HIGH_WATER_MARK_REQUEST
+
+    req_id: ReqId
+
+
+@dataclass(frozen=True, slots=True)
+class HighWaterMarkResponse(_Message):
+    """The partition's last committed transaction id (-1 for an empty log)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.HIGH_WATER_MARK_RESPONSE
+    _KINDS: ClassVar[tuple[str, ...] | None] = (_I64,)
+
+    req_id: ReqId
+    transaction_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class CheckStorageConnectivityRequest(_Message):
+    """Admin: ask the server which storage nodes it can reach (V1+)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.CHECK_STORAGE_CONNECTIVITY_REQUEST
+    MIN_VERSION: ClassVar[int] = 1
+
+    req_id: ReqId
+
+
+@dataclass(frozen=True, slots=True)
+class CheckStorageConnectivityResponse(_Message):
+    """Admin: ``(storage connect string, reachable)`` for each storage node, in the server's order (V1+)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.CHECK_STORAGE_CONNECTIVITY_RESPONSE
+    MIN_VERSION: ClassVar[int] = 1
+    _KINDS: ClassVar[tuple[str, ...] | None] = (_STR_BOOLS,)
+
+    req_id: ReqId
+    storage_connectivity: tuple[tuple[str, bool], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerPartitionsAssignmentRequest(_Message):
+    """Admin: ask which partitions the server owns (V2+)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.SERVER_PARTITIONS_ASSIGNMENT_REQUEST
+    MIN_VERSION: ClassVar[int] = 2
+
+    req_id: ReqId
+
+
+@dataclass(frozen=True, slots=True)
+class ServerPartitionsAssignmentResponse(_Message):
+    """Admin: the partitions the server owns (V2+)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.SERVER_PARTITIONS_ASSIGNMENT_RESPONSE
+    MIN_VERSION: ClassVar[int] = 2
+    _KINDS: ClassVar[tuple[str, ...] | None] = (_INTS,)
+
+    req_id: ReqId
+    partition_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AddPreferredPartitionRequest(_Message):
+    """Admin: make the server the preferred owner of these partitions (V2+)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.ADD_PREFERRED_PARTITION_REQUEST
+    MIN_VERSION: ClassVar[int] = 2
+    _KINDS: ClassVar[tuple[str, ...] | None] = (_INTS,)
+
+    req_id: ReqId
+    partition_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AddPreferredPartitionResponse(_Message):
+    """Admin: whether adding the preferred partitions succeeded (V2+)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.ADD_PREFERRED_PARTITION_RESPONSE
+    MIN_VERSION: ClassVar[int] = 2
+    _KINDS: ClassVar[tuple[str, ...] | None] = (_BOOL,)
+
+    req_id: ReqId
+    result: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RemovePreferredPartitionRequest(_Message):
+    """Admin: stop preferring the server for these partitions (V2+)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.REMOVE_PREFERRED_PARTITION_REQUEST
+    MIN_VERSION: ClassVar[int] = 2
+    _KINDS: ClassVar[tuple[str, ...] | None] = (_INTS,)
+
+    req_id: ReqId
+    partition_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RemovePreferredPartitionResponse(_Message):
+    """Admin: whether removing the preferred partitions succeeded (V2+)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.REMOVE_PREFERRED_PARTITION_RESPONSE
+    MIN_VERSION: ClassVar[int] = 2
+    _KINDS: ClassVar[tuple[str, ...] | None] = (_BOOL,)
+
+    req_id: ReqId
+    result: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ServerPartitionsHealthStatRequest(_Message):
+    """Admin: ask for the health of each partition the server owns (V4)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.SERVER_PARTITIONS_HEALTH_STAT_REQUEST
+    MIN_VERSION: ClassVar[int] = 4
+
+    req_id: ReqId
+
+
+@dataclass(frozen=True, slots=True)
+class ServerPartitionsHealthStatResponse(_Message):
+    """Admin: ``(partition id, healthy)`` for each partition the server owns (V4)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.SERVER_PARTITIONS_HEALTH_STAT_RESPONSE
+    MIN_VERSION: ClassVar[int] = 4
+    _KINDS: ClassVar[tuple[str, ...] | None] = (_INT_BOOLS,)
+
+    req_id: ReqId
+    partition_health: tuple[tuple[int, bool], ...]
+
+
+Message = (
+    MountRequest
+    | MountResponse
+    | AppendRequest
+    | FeedRequest
+    | FeedData
+    | FeedSuspended
+    | TransactionDataRequest
+    | TransactionDataResponse
+    | FlushRequest
+    | FlushResponse
+    | LockFailure
+    | HighWaterMarkRequest
+    | HighWaterMarkResponse
+    | CheckStorageConnectivityRequest
+    | CheckStorageConnectivityResponse
+    | ServerPartitionsAssignmentRequest
+    | ServerPartitionsAssignmentResponse
+    | AddPreferredPartitionRequest
+    | AddPreferredPartitionResponse
+    | RemovePreferredPartitionRequest
+    | RemovePreferredPartitionResponse
+    | ServerPartitionsHealthStatRequest
+    | ServerPartitionsHealthStatResponse
+)
+"""Any client <-> server message."""
+
+_CLASSES: tuple[type[_Message], ...] = (
+    MountRequest,
+    MountResponse,
+    AppendRequest,
+    FeedRequest,
+    FeedData,
+    FeedSuspended,
+    TransactionDataRequest,
+    TransactionDataResponse,
+    FlushRequest,
+    FlushResponse,
+    LockFailure,
+    HighWaterMarkRequest,
+    HighWaterMarkResponse,
+    CheckStorageConnectivityRequest,
+    CheckStorageConnectivityResponse,
+    ServerPartitionsAssignmentRequest,
+    ServerPartitionsAssignmentResponse,
+    AddPreferredPartitionRequest,
+    AddPreferredPartitionResponse,
+    RemovePreferredPartitionRequest,
+    RemovePreferredPartitionResponse,
+    ServerPartitionsHealthStatRequest,
+    ServerPartitionsHealthStatResponse,
+)
+
+for _code, _cls in enumerate(_CLASSES):
+    if _code != _cls.TYPE:  # pragma: no cover - a bug in this module
+        raise TypeError(f"{_cls.__name__} has type {_cls.TYPE}, expected {_code}")
+    _fields_layout(_cls)
+
+# Per type code: (first version that has it, decoder); indexed by the type byte.
+_DECODERS: tuple[tuple[int, Callable[[bytes | bytearray | memoryview, int], _Message]], ...] = tuple(
+    (cls.MIN_VERSION, cls._decode) for cls in _CLASSES
+)
+
+
+def _check_version(version: int) -> None:
+    if version not in SUPPORTED_VERSIONS:
+        raise LocalProtocolError(f"unsupported client-server codec version {version}")
+
+
+def encode(msg: Message, version: int) -> bytes:
+    """The payload of ``msg`` under codec ``version`` (no frame header).
+
+    Raises LocalProtocolError if the version cannot carry the message (see the module docstring).
+    """
+    if version not in SUPPORTED_VERSIONS:
+        _check_version(version)
+    if version < msg.MIN_VERSION:
+        raise LocalProtocolError(
+            f"{type(msg).__name__} needs codec V{msg.MIN_VERSION} but V{version} is in use: "
+            "not supported, upgrade servers"
+        )
+    return msg._encode(version)
+
+
+def decode(payload: bytes | bytearray | memoryview, version: int) -> Message:
+    """The one message in ``payload`` (a whole frame payload) under codec ``version``.
+
+    Returns a whole message or raises RemoteProtocolError (see the module docstring); never anything else.
+    """
+    if version not in SUPPORTED_VERSIONS:
+        _check_version(version)
+    if not payload:
+        raise RemoteProtocolError("empty client-server message")
+    code = payload[0]
+    if code >= len(_DECODERS):
+        raise RemoteProtocolError(f"unknown client-server message type {code}")
+    min_version, decoder = _DECODERS[code]
+    if version < min_version:
+        raise RemoteProtocolError(
+            f"message type {code} ({_CLASSES[code].__name__}) is not part of codec V{version}"
+        )
+    return decoder(payload, version)  # type: ignore[return-value]

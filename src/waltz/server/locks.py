@@ -1,0 +1,197 @@
+"""The per-partition optimistic lock table (a Bloom-filter-like array of high-water marks).
+
+The table is ``size`` transaction ids (default 30000), all starting at the partition high-water mark when the
+partition's append task starts. A lock (the signed 32-bit value a client sends, see
+:mod:`waltz.client.locks`) maps to 3 slots, found by iterating the 32-bit linear congruential step::
+
+    h = (h * 1103515245 + 12345) mod 2**32      three times, starting from the lock value
+    slot_i = (h_i & 0x3FFFFFFF) % size          for i = 1, 2, 3
+
+Java does the step in ``int`` arithmetic (wrapping, signed); only the low 30 bits are used, and they are the
+same whether ``h`` is read as signed or unsigned, so the slots equal the original server's. (For the same
+reason only the low 30 bits of a lock value matter: two values that differ only in their top two bits share
+all three slots. The original behaves the same; it costs false rejections, never missed conflicts.)
+
+* **Estimate** of one lock = the *minimum* over its 3 slots; of a request = the *maximum* over its write and
+  read locks (-1 when it has none). The request conflicts when that estimate is greater than the client
+  high-water mark the transaction was computed at.
+* **Write** locks are checked, and on commit their slots are raised to the new transaction id. **Read** locks
+  are checked and never updated. **Append** locks are never checked (an append never fails on them) but their
+  slots are raised on commit, so they invalidate other transactions' read and write locks.
+* Slots of write and append locks are **busy** from :meth:`LockTable.begin` until the append is resolved
+  (:meth:`LockTable.release`); a request that needs a busy slot of any kind (read locks included) cannot
+  begin, because the in-flight append may still commit and raise it.
+
+Guarantee: every slot of a lock is at least the id of the last committed transaction that held it as a write
+or append lock, so the estimate is never below the exact per-lock high-water mark. Hash collisions can
+therefore only cause false rejections, never hide a real conflict. This module is single-threaded: one
+partition's append task owns its table.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable
+
+__all__ = ["DEFAULT_LOCK_TABLE_SIZE", "NUM_HASHES", "LockRequest", "LockTable", "lock_slots"]
+
+DEFAULT_LOCK_TABLE_SIZE = 30000
+"""Slots per partition (``server.optimisticLockTableSize`` in the original)."""
+
+NUM_HASHES = 3
+"""Slots per lock; hard-coded in the original, and part of what makes Java and Python tables agree."""
+
+_MASK32 = 0xFFFFFFFF
+_LCG_MULTIPLIER = 1103515245
+_LCG_INCREMENT = 12345
+
+
+def lock_slots(lock: int, size: int) -> tuple[int, int, int]:
+    """The 3 slots of ``lock`` (a 32-bit lock value, signed or unsigned) in a table of ``size`` slots."""
+    h1 = (lock * _LCG_MULTIPLIER + _LCG_INCREMENT) & _MASK32
+    h2 = (h1 * _LCG_MULTIPLIER + _LCG_INCREMENT) & _MASK32
+    h3 = (h2 * _LCG_MULTIPLIER + _LCG_INCREMENT) & _MASK32
+    return (h1 & 0x3FFFFFFF) % size, (h2 & 0x3FFFFFFF) % size, (h3 & 0x3FFFFFFF) % size
+
+
+class LockRequest:
+    """The slots one append holds in a :class:`LockTable`, from :meth:`LockTable.begin` to its release.
+
+    ``checked`` has one slot triple per write and read lock (what the estimate looks at); ``updated`` is the
+    set of slots of write and append locks (marked busy, raised on commit).
+    """
+
+    __slots__ = ("_epoch", "_released", "checked", "updated")
+
+    def __init__(
+        self, checked: tuple[tuple[int, int, int], ...], updated: frozenset[int], epoch: int
+    ) -> None:
+        self.checked = checked
+        self.updated = updated
+        self._epoch = epoch
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def __repr__(self) -> str:
+        return (
+            f"LockRequest(checked={len(self.checked)}, updated={len(self.updated)}, "
+            f"released={self._released})"
+        )
+
+
+class LockTable:
+    """The lock table of one partition; see the module docstring for the exact semantics."""
+
+    __slots__ = ("_busy", "_epoch", "_hwms", "size")
+
+    def __init__(self, size: int = DEFAULT_LOCK_TABLE_SIZE, initial_high_water_mark: int = -1) -> None:
+        if size < 1:
+            raise ValueError(f"lock table size must be positive, got {size}")
+        self.size = size
+        self._hwms = array("q", [initial_high_water_mark]) * size
+        # One byte per slot: 1 while an in-flight append holds a write or append lock on it.
+        self._busy = bytearray(size)
+        # Bumped by reset(), so a request begun before a reset cannot clear busy marks taken after it.
+        self._epoch = 0
+
+    def begin(
+        self,
+        write_locks: Iterable[int] = (),
+        read_locks: Iterable[int] = (),
+        append_locks: Iterable[int] = (),
+    ) -> LockRequest | None:
+        """Take the slots of an append's locks, or return None if any of them is busy (nothing is taken then).
+
+        On success the slots of the write and append locks are busy until :meth:`release`.
+        """
+        size = self.size
+        busy = self._busy
+        checked: list[tuple[int, int, int]] = []
+        updated: set[int] = set()
+        for lock in write_locks:
+            slots = lock_slots(lock, size)
+            checked.append(slots)
+            updated.update(slots)
+        checked.extend(lock_slots(lock, size) for lock in read_locks)
+        for lock in append_locks:
+            updated.update(lock_slots(lock, size))
+        for slots in checked:
+            if busy[slots[0]] or busy[slots[1]] or busy[slots[2]]:
+                return None
+        for slot in updated:
+            if busy[slot]:
+                return None
+        for slot in updated:
+            busy[slot] = 1
+        return LockRequest(tuple(checked), frozenset(updated), self._epoch)
+
+    def estimate(self, request: LockRequest) -> int:
+        """The estimated lock high-water mark of ``request``: max over write/read locks of min over slots.
+
+        -1 when the request has no write or read locks (so it never conflicts).
+        """
+        hwms = self._hwms
+        result = -1
+        for a, b, c in request.checked:
+            lock_hwm = min(hwms[a], hwms[b], hwms[c])
+            if lock_hwm > result:
+                result = lock_hwm
+        return result
+
+    def check(self, request: LockRequest, client_high_water_mark: int) -> int | None:
+        """The conflicting lock high-water mark if the estimate exceeds ``client_high_water_mark``, else None.
+
+        Pure: it changes nothing. A non-None result is what a LockFailure message carries.
+        """
+        estimate = self.estimate(request)
+        return estimate if estimate > client_high_water_mark else None
+
+    def commit(self, request: LockRequest, transaction_id: int) -> None:
+        """Record that ``request``'s append committed as ``transaction_id``: raise its write and append slots.
+
+        Slots are raised to ``max(slot, transaction_id)`` rather than overwritten: ids only grow, so this
+        equals the original's assignment, and it keeps the no-missed-conflict guarantee even if a stale
+        request commits. Read-lock slots are never touched. Does not release the request.
+        """
+        hwms = self._hwms
+        for slot in request.updated:
+            if hwms[slot] < transaction_id:
+                hwms[slot] = transaction_id
+
+    def release(self, request: LockRequest) -> None:
+        """The append of ``request`` is resolved (committed or failed): its busy slots become free.
+
+        Idempotent; a request begun before the last :meth:`reset` releases nothing (its marks were cleared).
+        """
+        if request._released:
+            return
+        request._released = True
+        if request._epoch != self._epoch:
+            return
+        busy = self._busy
+        for slot in request.updated:
+            busy[slot] = 0
+
+    def reset(self, high_water_mark: int) -> None:
+        """Set every slot to ``high_water_mark`` and clear every busy mark.
+
+        The append task calls this when a request still cannot begin although no append is pending, i.e. busy
+        marks leaked; setting every slot to the partition high-water mark is safe because no committed
+        transaction is newer than it.
+        """
+        self._hwms = array("q", [high_water_mark]) * self.size
+        self._busy = bytearray(self.size)
+        self._epoch += 1
+
+    def lock_high_water_mark(self, lock: int) -> int:
+        """The estimated high-water mark of one lock value (min over its slots); for diagnostics and tests."""
+        a, b, c = lock_slots(lock, self.size)
+        hwms = self._hwms
+        return min(hwms[a], hwms[b], hwms[c])
+
+    def busy_slots(self) -> int:
+        """How many slots in-flight appends hold; for diagnostics and tests."""
+        return self.size - self._busy.count(0)

@@ -1,0 +1,495 @@
+"""Client <-> server codec: golden bytes for every message and version, the one-error contract, fuzz."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from waltz.errors import LocalProtocolError, RemoteProtocolError
+from waltz.protocol import client_server as cs
+from waltz.protocol.client_server import (
+    MAGIC,
+    SUPPORTED_VERSIONS,
+    AddPreferredPartitionRequest,
+    AddPreferredPartitionResponse,
+    AppendRequest,
+    CheckStorageConnectivityRequest,
+    CheckStorageConnectivityResponse,
+    FeedData,
+    FeedRequest,
+    FeedSuspended,
+    FlushRequest,
+    FlushResponse,
+    HighWaterMarkRequest,
+    HighWaterMarkResponse,
+    LockFailure,
+    Message,
+    MountRequest,
+    MountResponse,
+    PartitionState,
+    RemovePreferredPartitionRequest,
+    RemovePreferredPartitionResponse,
+    ServerPartitionsAssignmentRequest,
+    ServerPartitionsAssignmentResponse,
+    ServerPartitionsHealthStatRequest,
+    ServerPartitionsHealthStatResponse,
+    TransactionDataRequest,
+    TransactionDataResponse,
+    decode,
+    encode,
+)
+from waltz.protocol.records import ReqId, crc32
+
+REQ = ReqId.of(client_id=1, generation=2, partition_id=3, seq_num=4)
+# msb = client 1 << 32 | generation 2; lsb = partition 3 << 32 | seq 4
+REQ_HEX = "00000001000000020000000300000004"
+ABC_CRC_HEX = "352441c2"  # CRC-32 of b"abc" (the standard check value of zlib / java.util.zip.CRC32)
+
+ALL = SUPPORTED_VERSIONS
+V1_UP = (1, 2, 3, 4)
+V2_UP = (2, 3, 4)
+
+
+def h(*parts: str) -> bytes:
+    """Golden bytes written field by field, so each expectation reads like the layout table."""
+    return bytes.fromhex("".join(parts).replace(" ", ""))
+
+
+# (message, versions it encodes to exactly these bytes under, payload)
+GOLDEN: list[tuple[Message, tuple[int, ...], bytes]] = [
+    (MountRequest(REQ, 5, 6), ALL, h("00", REQ_HEX, "0000000000000005", "0000000000000006")),
+    (MountResponse(REQ, PartitionState.READY), (0, 1, 2), h("01", REQ_HEX, "01")),
+    (MountResponse(REQ, PartitionState.NOT_READY), (0, 1, 2), h("01", REQ_HEX, "00")),
+    (MountResponse(REQ, PartitionState.READY), (3, 4), h("01", REQ_HEX, "00000000")),
+    (MountResponse(REQ, PartitionState.NOT_READY), (3, 4), h("01", REQ_HEX, "00000001")),
+    (MountResponse(REQ, PartitionState.CLIENT_AHEAD), (3, 4), h("01", REQ_HEX, "00000002")),
+    (
+        AppendRequest(REQ, 9, (1, -1), (), (), 7, b"abc", crc32(b"abc")),
+        (0,),
+        h(
+            "02",
+            REQ_HEX,
+            "0000000000000009",  # client high-water mark
+            "00000002 00000001 ffffffff",  # write locks
+            "00000007",  # header
+            "00000003 616263",  # data
+            ABC_CRC_HEX,
+        ),
+    ),
+    (
+        AppendRequest(REQ, 9, (1,), (3,), (), 7, b"abc", crc32(b"abc")),
+        (1,),
+        h(
+            "02",
+            REQ_HEX,
+            "0000000000000009",
+            "00000001 00000001",  # write locks
+            "00000001 00000003",  # read locks
+            "00000007",
+            "00000003 616263",
+            ABC_CRC_HEX,
+        ),
+    ),
+    (
+        AppendRequest(REQ, -1, (1,), (3,), (-2,), -7, b"abc", crc32(b"abc")),
+        V2_UP,
+        h(
+            "02",
+            REQ_HEX,
+            "ffffffffffffffff",
+            "00000001 00000001",  # write locks
+            "00000001 00000003",  # read locks
+            "00000001 fffffffe",  # append locks
+            "fffffff9",
+            "00000003 616263",
+            ABC_CRC_HEX,
+        ),
+    ),
+    (
+        AppendRequest(REQ, 0, (), (), (), 0, b"", 0),
+        V2_UP,
+        h(
+            "02",
+            REQ_HEX,
+            "0000000000000000",
+            "00000000",
+            "00000000",
+            "00000000",
+            "00000000",
+            "00000000",
+            "00000000",
+        ),
+    ),
+    (FeedRequest(REQ, 9), ALL, h("03", REQ_HEX, "0000000000000009")),
+    (FeedData(REQ, 10, -1), ALL, h("04", REQ_HEX, "000000000000000a", "ffffffff")),
+    (FeedSuspended(REQ), ALL, h("05", REQ_HEX)),
+    (TransactionDataRequest(REQ, 10), ALL, h("06", REQ_HEX, "000000000000000a")),
+    (
+        TransactionDataResponse.success(REQ, 10, b"abc"),
+        ALL,
+        h("07", REQ_HEX, "000000000000000a", "01", "00000003 616263", ABC_CRC_HEX),
+    ),
+    (
+        TransactionDataResponse.failure(REQ, 10, "oops"),
+        ALL,
+        h("07", REQ_HEX, "000000000000000a", "00", "00000004 6f6f7073"),
+    ),
+    (
+        TransactionDataResponse.failure(REQ, 10, None),
+        ALL,
+        h("07", REQ_HEX, "000000000000000a", "00", "ffffffff"),
+    ),
+    (FlushRequest(REQ), ALL, h("08", REQ_HEX)),
+    (FlushResponse(REQ, -1), ALL, h("09", REQ_HEX, "ffffffffffffffff")),
+    (LockFailure(REQ, 42), ALL, h("0a", REQ_HEX, "000000000000002a")),
+    (HighWaterMarkRequest(REQ), ALL, h("0b", REQ_HEX)),
+    (HighWaterMarkResponse(REQ, 0), ALL, h("0c", REQ_HEX, "0000000000000000")),
+    (CheckStorageConnectivityRequest(REQ), V1_UP, h("0d", REQ_HEX)),
+    (
+        CheckStorageConnectivityResponse(REQ, (("h:1", True), ("é", False))),
+        V1_UP,
+        h("0e", REQ_HEX, "00000002", "00000003 683a31", "01", "00000002 c3a9", "00"),
+    ),
+    (ServerPartitionsAssignmentRequest(REQ), V2_UP, h("0f", REQ_HEX)),
+    (
+        ServerPartitionsAssignmentResponse(REQ, (0, 5)),
+        V2_UP,
+        h("10", REQ_HEX, "00000002", "00000000", "00000005"),
+    ),
+    (AddPreferredPartitionRequest(REQ, (3,)), V2_UP, h("11", REQ_HEX, "00000001", "00000003")),
+    (AddPreferredPartitionResponse(REQ, True), V2_UP, h("12", REQ_HEX, "01")),
+    (RemovePreferredPartitionRequest(REQ, ()), V2_UP, h("13", REQ_HEX, "00000000")),
+    (RemovePreferredPartitionResponse(REQ, False), V2_UP, h("14", REQ_HEX, "00")),
+    (ServerPartitionsHealthStatRequest(REQ), (4,), h("15", REQ_HEX)),
+    (
+        ServerPartitionsHealthStatResponse(REQ, ((1, True), (2, False))),
+        (4,),
+        h("16", REQ_HEX, "00000002", "00000001 01", "00000002 00"),
+    ),
+]
+
+CASES = [(msg, version, payload) for msg, versions, payload in GOLDEN for version in versions]
+CASE_IDS = [f"{type(msg).__name__}-V{version}-{i}" for i, (msg, version, _) in enumerate(CASES)]
+
+
+def test_constants() -> None:
+    assert ord("L") == MAGIC
+    assert SUPPORTED_VERSIONS == (0, 1, 2, 3, 4)
+
+
+def test_golden_covers_every_message_type_at_every_version_that_has_it() -> None:
+    covered = {(payload[0], version) for _, version, payload in CASES}
+    for cls in cs._CLASSES:
+        for version in SUPPORTED_VERSIONS:
+            if version >= cls.MIN_VERSION:
+                assert (int(cls.TYPE), version) in covered, (cls.__name__, version)
+    assert sorted({int(cls.TYPE) for cls in cs._CLASSES}) == list(range(23))
+
+
+@pytest.mark.parametrize(("msg", "version", "payload"), CASES, ids=CASE_IDS)
+def test_golden_encode(msg: Message, version: int, payload: bytes) -> None:
+    assert encode(msg, version) == payload
+
+
+@pytest.mark.parametrize(("msg", "version", "payload"), CASES, ids=CASE_IDS)
+def test_golden_decode_whole(msg: Message, version: int, payload: bytes) -> None:
+    assert decode(payload, version) == msg
+    assert decode(bytearray(payload), version) == msg
+    assert decode(memoryview(payload), version) == msg
+
+
+@pytest.mark.parametrize(("msg", "version", "payload"), CASES, ids=CASE_IDS)
+def test_golden_decode_rejects_trailing_bytes(msg: Message, version: int, payload: bytes) -> None:
+    with pytest.raises(RemoteProtocolError):
+        decode(payload + b"\x00", version)
+
+
+@pytest.mark.parametrize(("msg", "version", "payload"), CASES, ids=CASE_IDS)
+def test_golden_decode_rejects_every_truncation(msg: Message, version: int, payload: bytes) -> None:
+    for n in range(len(payload)):
+        with pytest.raises(RemoteProtocolError):
+            decode(payload[:n], version)
+
+
+# -- version rules
+
+NEWER_MESSAGES: list[tuple[Message, int]] = [
+    (msg, version)
+    for msg, versions, _ in GOLDEN
+    if type(msg).MIN_VERSION > 0
+    for version in SUPPORTED_VERSIONS
+    if version < type(msg).MIN_VERSION
+]
+
+
+@pytest.mark.parametrize(("msg", "version"), NEWER_MESSAGES)
+def test_message_newer_than_the_version_is_refused_on_both_sides(msg: Message, version: int) -> None:
+    with pytest.raises(LocalProtocolError, match="upgrade servers"):
+        encode(msg, version)
+    payload = encode(msg, 4)
+    with pytest.raises(RemoteProtocolError, match="not part of codec"):
+        decode(payload, version)
+
+
+def test_append_read_locks_need_v1_and_append_locks_need_v2() -> None:
+    with pytest.raises(LocalProtocolError, match="not supported, upgrade servers"):
+        encode(AppendRequest.build(REQ, 0, 0, b"", read_locks=(1,)), 0)
+    for version in (0, 1):
+        with pytest.raises(LocalProtocolError, match="not supported, upgrade servers"):
+            encode(AppendRequest.build(REQ, 0, 0, b"", append_locks=(1,)), version)
+    # The same request without those locks is fine under the old codecs.
+    assert decode(encode(AppendRequest.build(REQ, 0, 0, b"x", (5,)), 0), 0) == AppendRequest.build(
+        REQ, 0, 0, b"x", (5,)
+    )
+
+
+def test_client_ahead_travels_as_not_ready_before_v3() -> None:
+    for version in (0, 1, 2):
+        payload = encode(MountResponse(REQ, PartitionState.CLIENT_AHEAD), version)
+        assert payload == h("01", REQ_HEX, "00")
+        decoded = decode(payload, version)
+        assert isinstance(decoded, MountResponse)
+        assert decoded.state is PartitionState.NOT_READY
+        assert not decoded.partition_ready
+
+
+def test_unsupported_version_is_a_local_error() -> None:
+    with pytest.raises(LocalProtocolError):
+        encode(FlushRequest(REQ), 5)
+    with pytest.raises(LocalProtocolError):
+        decode(h("08", REQ_HEX), -1)
+
+
+# -- malformed input
+
+
+@pytest.mark.parametrize("version", SUPPORTED_VERSIONS)
+def test_empty_and_unknown_types_are_remote_errors(version: int) -> None:
+    with pytest.raises(RemoteProtocolError, match="empty"):
+        decode(b"", version)
+    for code in (23, 0x7F, 0xFF):
+        with pytest.raises(RemoteProtocolError, match="unknown"):
+            decode(bytes([code]) + h(REQ_HEX), version)
+
+
+def test_append_checksum_mismatch_is_a_remote_error() -> None:
+    payload = bytearray(encode(AppendRequest.build(REQ, 1, 2, b"abc", (1,)), 4))
+    payload[-1] ^= 1  # corrupt the checksum
+    with pytest.raises(RemoteProtocolError, match="checksum"):
+        decode(bytes(payload), 4)
+    payload[-1] ^= 1
+    payload[-5] ^= 0x20  # corrupt the data instead
+    with pytest.raises(RemoteProtocolError, match="checksum"):
+        decode(bytes(payload), 4)
+
+
+def test_transaction_data_checksum_mismatch_is_a_remote_error() -> None:
+    bad = TransactionDataResponse(REQ, 10, b"abc", crc32(b"abd"), None)
+    payload = encode(bad, 4)  # encoding relays the checksum as given (the server does not recompute it)
+    with pytest.raises(RemoteProtocolError, match="checksum"):
+        decode(payload, 4)
+
+
+def test_transaction_data_ok_with_null_data_is_a_remote_error() -> None:
+    with pytest.raises(RemoteProtocolError):
+        decode(h("07", REQ_HEX, "000000000000000a", "01", "ffffffff", "00000000"), 4)
+
+
+def test_bad_booleans_and_states_are_remote_errors() -> None:
+    with pytest.raises(RemoteProtocolError, match="boolean"):
+        decode(h("01", REQ_HEX, "02"), 0)
+    with pytest.raises(RemoteProtocolError, match="partition state"):
+        decode(h("01", REQ_HEX, "00000003"), 3)
+    with pytest.raises(RemoteProtocolError, match="boolean"):
+        decode(h("12", REQ_HEX, "ff"), 2)
+    with pytest.raises(RemoteProtocolError):
+        decode(h("0e", REQ_HEX, "00000001", "00000001 ff", "01"), 1)  # invalid UTF-8
+
+
+def test_null_lock_arrays_decode_as_empty() -> None:
+    payload = h(
+        "02",
+        REQ_HEX,
+        "0000000000000000",
+        "ffffffff",
+        "ffffffff",
+        "ffffffff",
+        "00000000",
+        "00000000",
+        "00000000",
+    )
+    assert decode(payload, 2) == AppendRequest(REQ, 0, (), (), (), 0, b"", 0)
+
+
+@pytest.mark.parametrize("count", ["fffffffe", "80000000", "7fffffff", "00000002"])
+def test_bad_or_oversized_lock_counts_are_remote_errors(count: str) -> None:
+    payload = h("02", REQ_HEX, "0000000000000000", count, "00000001")
+    with pytest.raises(RemoteProtocolError):
+        decode(payload, 0)
+
+
+@pytest.mark.parametrize("code", ["0e", "10", "11", "13", "16"])
+@pytest.mark.parametrize("count", ["ffffffff", "80000000", "7fffffff", "00000001"])
+def test_bad_or_oversized_list_counts_are_remote_errors(code: str, count: str) -> None:
+    with pytest.raises(RemoteProtocolError):
+        decode(h(code, REQ_HEX, count), 4)
+
+
+def test_negative_data_length_is_a_remote_error() -> None:
+    payload = h("02", REQ_HEX, "0000000000000000", "00000000", "00000000", "ffffffff", ABC_CRC_HEX)
+    with pytest.raises(RemoteProtocolError):
+        decode(payload, 0)
+
+
+# -- encoding errors
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        AppendRequest(REQ, 2**63, (), (), (), 0, b"", 0),
+        AppendRequest(REQ, 0, (2**31,), (), (), 0, b"", 0),
+        AppendRequest(REQ, 0, (), (), (), -(2**31) - 1, b"", 0),
+        AppendRequest(REQ, 0, (), (), (), 0, b"", -1),
+        AppendRequest(REQ, 0, (), (), (), 0, b"", 2**32),
+        FeedData(REQ, 0, 2**31),
+        FeedRequest(REQ, -(2**63) - 1),
+        TransactionDataResponse(REQ, 0, b"", 2**32, None),
+        TransactionDataResponse(REQ, 0, b"", 0, "both"),
+        ServerPartitionsAssignmentResponse(REQ, (2**31,)),
+        ServerPartitionsHealthStatResponse(REQ, ((2**31, True),)),
+    ],
+)
+def test_unencodable_fields_are_local_errors(msg: Message) -> None:
+    with pytest.raises(LocalProtocolError):
+        encode(msg, 4)
+
+
+def test_append_build_computes_the_checksum() -> None:
+    msg = AppendRequest.build(REQ, 1, 2, b"abc", (1,), (2,), (3,))
+    assert msg.checksum == 0x352441C2
+    assert TransactionDataResponse.success(REQ, 1, b"abc").checksum == 0x352441C2
+    assert TransactionDataResponse.success(REQ, 1, b"abc").ok
+    assert not TransactionDataResponse.failure(REQ, 1, "x").ok
+
+
+# -- fuzz and round trips
+
+versions = st.sampled_from(SUPPORTED_VERSIONS)
+
+
+def _decodes_or_remote_error(payload: bytes, version: int) -> None:
+    try:
+        decode(payload, version)
+    except RemoteProtocolError:
+        pass
+
+
+@given(st.binary(max_size=300), versions)
+def test_fuzz_random_bytes(payload: bytes, version: int) -> None:
+    _decodes_or_remote_error(payload, version)
+
+
+@given(st.integers(0, 24), st.binary(min_size=16, max_size=16), st.binary(max_size=120), versions)
+def test_fuzz_valid_type_and_req_id_random_body(code: int, req: bytes, body: bytes, version: int) -> None:
+    _decodes_or_remote_error(bytes([code]) + req + body, version)
+
+
+@given(st.sampled_from(CASES), st.data())
+def test_fuzz_mutated_golden_payloads(case: tuple[Message, int, bytes], data: st.DataObject) -> None:
+    _, version, payload = case
+    buf = bytearray(payload)
+    for _ in range(data.draw(st.integers(1, 4))):
+        op = data.draw(st.sampled_from(["flip", "insert", "delete"]))
+        pos = data.draw(st.integers(0, len(buf)))
+        if op == "insert":
+            buf[pos:pos] = data.draw(st.binary(min_size=1, max_size=8))
+        elif buf:
+            pos = min(pos, len(buf) - 1)
+            if op == "flip":
+                buf[pos] = data.draw(st.integers(0, 255))
+            else:
+                del buf[pos]
+    _decodes_or_remote_error(bytes(buf), version)
+
+
+u64 = st.integers(0, 2**64 - 1)
+i64 = st.integers(-(2**63), 2**63 - 1)
+i32 = st.integers(-(2**31), 2**31 - 1)
+req_ids = st.builds(ReqId, u64, u64)
+int_tuples = st.lists(i32, max_size=6).map(tuple)
+
+
+@st.composite
+def messages(draw: st.DrawFn, version: int) -> Message:
+    req = draw(req_ids)
+    choices: list[st.SearchStrategy[Message]] = [
+        st.builds(MountRequest, st.just(req), i64, i64),
+        st.builds(
+            MountResponse,
+            st.just(req),
+            st.sampled_from(
+                list(PartitionState) if version >= 3 else [PartitionState.READY, PartitionState.NOT_READY]
+            ),
+        ),
+        st.builds(
+            AppendRequest.build,
+            st.just(req),
+            i64,
+            i32,
+            st.binary(max_size=64),
+            int_tuples,
+            int_tuples if version >= 1 else st.just(()),
+            int_tuples if version >= 2 else st.just(()),
+        ),
+        st.builds(FeedRequest, st.just(req), i64),
+        st.builds(FeedData, st.just(req), i64, i32),
+        st.just(FeedSuspended(req)),
+        st.builds(TransactionDataRequest, st.just(req), i64),
+        st.builds(TransactionDataResponse.success, st.just(req), i64, st.binary(max_size=64)),
+        st.builds(TransactionDataResponse.failure, st.just(req), i64, st.none() | st.text(max_size=20)),
+        st.just(FlushRequest(req)),
+        st.builds(FlushResponse, st.just(req), i64),
+        st.builds(LockFailure, st.just(req), i64),
+        st.just(HighWaterMarkRequest(req)),
+        st.builds(HighWaterMarkResponse, st.just(req), i64),
+    ]
+    if version >= 1:
+        choices += [
+            st.just(CheckStorageConnectivityRequest(req)),
+            st.builds(
+                CheckStorageConnectivityResponse,
+                st.just(req),
+                st.lists(st.tuples(st.text(max_size=12), st.booleans()), max_size=4).map(tuple),
+            ),
+        ]
+    if version >= 2:
+        choices += [
+            st.just(ServerPartitionsAssignmentRequest(req)),
+            st.builds(ServerPartitionsAssignmentResponse, st.just(req), int_tuples),
+            st.builds(AddPreferredPartitionRequest, st.just(req), int_tuples),
+            st.builds(AddPreferredPartitionResponse, st.just(req), st.booleans()),
+            st.builds(RemovePreferredPartitionRequest, st.just(req), int_tuples),
+            st.builds(RemovePreferredPartitionResponse, st.just(req), st.booleans()),
+        ]
+    if version >= 4:
+        choices += [
+            st.just(ServerPartitionsHealthStatRequest(req)),
+            st.builds(
+                ServerPartitionsHealthStatResponse,
+                st.just(req),
+                st.lists(st.tuples(i32, st.booleans()), max_size=4).map(tuple),
+            ),
+        ]
+    return draw(st.one_of(choices))
+
+
+@given(st.data())
+def test_round_trip(data: st.DataObject) -> None:
+    version = data.draw(versions)
+    msg = data.draw(messages(version))
+    payload = encode(msg, version)
+    assert payload[0] == msg.TYPE
+    assert decode(payload, version) == msg
+    assert encode(decode(payload, version), version) == payload
