@@ -1,0 +1,43 @@
+"""``ClientCallbacks``: how the client talks to the application."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from waltz.client.transaction import Transaction
+
+
+class ClientCallbacks(ABC):
+    """The application side of a Waltz client.
+
+    Guarantees:
+
+    * For each partition, :meth:`apply_transaction` is called for every committed transaction after the
+      application's high-water mark, one at a time, in transaction-id order, with no gaps.
+    * If :meth:`apply_transaction` raises, :meth:`uncaught_exception` is called with that exception and the
+      **same** transaction is delivered again (after a short backoff); the client's high-water mark does not
+      advance past a transaction until :meth:`apply_transaction` returned normally.
+    * Callbacks run on the client's callback threads (``client.numConsumerThreads``), never on the event
+      loop, so a slow callback does not stall networking. Different partitions may be applied concurrently
+      on different threads: callbacks must be thread-safe across partitions.
+    * Do not wait on the client (``submit``, ``flush_transactions``) from inside a callback: the partition's
+      feed waits for the callback, so the wait could not finish before its timeout.
+    """
+
+    @abstractmethod
+    def client_high_water_mark(self, partition_id: int) -> int:
+        """The id of the last transaction of ``partition_id`` the application applied (-1 for none).
+
+        Called when the partition is mounted; the client tracks the value itself afterwards.
+        """
+
+    @abstractmethod
+    def apply_transaction(self, transaction: Transaction) -> None:
+        """Apply a committed transaction to the application's state (idempotently, or exactly once as
+        :class:`waltz.client.sql.SqlClientCallbacks` does)."""
+
+    @abstractmethod
+    def uncaught_exception(self, partition_id: int, transaction_id: int, exception: BaseException) -> None:
+        """``apply_transaction`` raised (or ``client_high_water_mark``: then ``transaction_id`` is -1)."""

@@ -1,0 +1,186 @@
+"""Client configuration: the keys of the original ``WaltzClientConfig`` plus the limits this client adds.
+
+A YAML file may spell keys dotted or nested (see :mod:`waltz.config`). Durations are milliseconds.
+
+=====================================  =========  ===========================================================
+key                                    default    meaning
+=====================================  =========  ===========================================================
+zookeeper.connectString                required   ZooKeeper ensemble ``host:port[,host:port...]``
+zookeeper.sessionTimeout               required   ZooKeeper session timeout (ms)
+cluster.root                           required   the cluster's root znode, e.g. ``/waltz/mycluster``
+client.autoMount                       true       mount every partition; false: only ``set_partitions``
+client.numTransactionRetryThreads      1          accepted for compatibility; retries are asyncio tasks
+client.numConsumerThreads              10         threads running callbacks and ``execute``
+client.longWaitThreshold               5000       a partition with appends pending this long gets a flush
+client.maxConcurrentTransactions       5          contexts in flight per partition (back pressure)
+client.submitTimeout                   10000      how long ``submit`` waits for room before it fails
+client.mountTimeout                    10000      how long an append waits for its partition to be mounted
+client.requestTimeout                  30000      time limit of one RPC (data fetch, high-water mark)
+client.retryInitialBackoff             10         first delay before re-executing a failed context
+client.retryMaxBackoff                 1000       the delay doubles up to this bound
+client.maxTransactionAttempts          0          executions of one context before it fails (0: no limit)
+client.transactionTimeout              0          a context older than this fails (0: never expires)
+client.feedQueueSize                   1000       committed transactions buffered per partition
+client.ssl.*                                      passed to the network driver unchecked
+=====================================  =========  ===========================================================
+
+``client.mockDriver`` cannot come from a file: set :attr:`ClientConfig.mock_driver` in code (or pass
+``driver=`` to the client) to run against :class:`waltz.testing.MockDriver`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from waltz.config import ConfigSchema, Key, read_yaml
+from waltz.errors import ConfigError
+
+if TYPE_CHECKING:
+    from waltz.client.driver import ClientDriver
+
+
+def _non_blank(value: Any) -> str | None:
+    return "must not be empty" if not str(value).strip() else None
+
+
+def _znode_path(value: Any) -> str | None:
+    text = str(value)
+    if not text.startswith("/") or (len(text) > 1 and text.endswith("/")):
+        return f"must be an absolute znode path like /waltz/mycluster, got {text!r}"
+    return None
+
+
+CLIENT_SCHEMA = ConfigSchema(
+    [
+        Key("zookeeper.connectString", str, doc="ZooKeeper ensemble", check=_non_blank),
+        Key("zookeeper.sessionTimeout", int, doc="ZooKeeper session timeout (ms)", min_value=1),
+        Key("cluster.root", str, doc="the cluster's root znode", check=_znode_path),
+        Key("client.autoMount", bool, True, "mount every partition automatically"),
+        Key("client.numTransactionRetryThreads", int, 1, "compatibility only", min_value=1),
+        Key("client.numConsumerThreads", int, 10, "callback threads", min_value=1, max_value=1024),
+        Key("client.longWaitThreshold", int, 5000, "nudge a stuck partition (ms)", min_value=1),
+        Key("client.maxConcurrentTransactions", int, 5, "contexts in flight per partition", min_value=1),
+        Key("client.submitTimeout", int, 10000, "submit waits this long for room (ms)", min_value=1),
+        Key("client.mountTimeout", int, 10000, "wait for a mounted partition (ms)", min_value=1),
+        Key("client.requestTimeout", int, 30000, "one RPC's time limit (ms)", min_value=1),
+        Key("client.retryInitialBackoff", int, 10, "first retry delay (ms)", min_value=0),
+        Key("client.retryMaxBackoff", int, 1000, "largest retry delay (ms)", min_value=0),
+        Key("client.maxTransactionAttempts", int, 0, "0 = unlimited", min_value=0),
+        Key("client.transactionTimeout", int, 0, "0 = never (ms)", min_value=0),
+        Key("client.feedQueueSize", int, 1000, "feed records buffered per partition", min_value=1),
+    ],
+    passthrough_prefixes=("client.ssl.",),
+)
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Validated client settings. Build it with :meth:`from_yaml` / :meth:`from_dict`, or directly in code
+    (for the mock driver, where the ZooKeeper keys may stay empty).
+
+    Instances are immutable; use :meth:`replace` to derive a variant.
+    """
+
+    zookeeper_connect_string: str = ""
+    zookeeper_session_timeout_ms: int = 30000
+    cluster_root: str = ""
+    auto_mount: bool = True
+    num_transaction_retry_threads: int = 1
+    num_consumer_threads: int = 10
+    long_wait_threshold_ms: int = 5000
+    max_concurrent_transactions: int = 5
+    submit_timeout_ms: int = 10000
+    mount_timeout_ms: int = 10000
+    request_timeout_ms: int = 30000
+    retry_initial_backoff_ms: int = 10
+    retry_max_backoff_ms: int = 1000
+    max_transaction_attempts: int = 0
+    transaction_timeout_ms: int = 0
+    feed_queue_size: int = 1000
+    ssl: Mapping[str, Any] = field(default_factory=dict)
+    """``client.ssl.*`` keys without the prefix, for the network driver."""
+    mock_driver: ClientDriver | None = field(default=None, compare=False)
+    """The driver to use instead of the network driver (tests; see :mod:`waltz.testing`)."""
+
+    def __post_init__(self) -> None:
+        # Values built in code get the same checks as values read from a file.
+        problems: list[str] = []
+        for key_name, attr in _KEY_TO_ATTR.items():
+            key = CLIENT_SCHEMA.keys[key_name]
+            value = getattr(self, attr)
+            if key_name in ("zookeeper.connectString", "cluster.root") and value == "":
+                continue  # Only needed by the network driver, which checks them (see require_cluster).
+            try:
+                key.convert(value)
+            except ValueError as e:
+                problems.append(f"{key_name} ({attr}): {e}")
+        if self.retry_max_backoff_ms < self.retry_initial_backoff_ms:
+            problems.append(
+                "client.retryMaxBackoff must be at least client.retryInitialBackoff "
+                f"({self.retry_max_backoff_ms} < {self.retry_initial_backoff_ms})"
+            )
+        if problems:
+            raise ConfigError("client config: " + "; ".join(problems))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "client config") -> ClientConfig:
+        """Parse dotted (or nested) keys; every problem is reported at once in one ``ConfigError``."""
+        if "client.mockDriver" in values or "mockDriver" in values.get("client", {}):
+            raise ConfigError(
+                f"{source}: client.mockDriver cannot be set from a file; set ClientConfig.mock_driver in code"
+            )
+        parsed = CLIENT_SCHEMA.parse(values, source)
+        kwargs: dict[str, Any] = {attr: parsed[key] for key, attr in _KEY_TO_ATTR.items()}
+        kwargs["ssl"] = {
+            k.removeprefix("client.ssl."): v for k, v in parsed.items() if k.startswith("client.ssl.")
+        }
+        return cls(**kwargs)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: Mapping[str, Any] | None = None) -> ClientConfig:
+        """Read a YAML file (``overrides``, dotted keys, win over the file)."""
+        values = read_yaml(path)
+        if overrides:
+            values.update(overrides)
+        return cls.from_dict(values, source=str(path))
+
+    def replace(self, **changes: Any) -> ClientConfig:
+        """A copy with some attributes changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def require_cluster(self) -> None:
+        """Raise ``ConfigError`` unless the keys needed to reach a real cluster are set."""
+        missing = [
+            key
+            for key, attr in (
+                ("zookeeper.connectString", "zookeeper_connect_string"),
+                ("cluster.root", "cluster_root"),
+            )
+            if not getattr(self, attr)
+        ]
+        if missing:
+            raise ConfigError(f"client config: {', '.join(missing)} required to connect to a cluster")
+
+
+_KEY_TO_ATTR: dict[str, str] = {
+    "zookeeper.connectString": "zookeeper_connect_string",
+    "zookeeper.sessionTimeout": "zookeeper_session_timeout_ms",
+    "cluster.root": "cluster_root",
+    "client.autoMount": "auto_mount",
+    "client.numTransactionRetryThreads": "num_transaction_retry_threads",
+    "client.numConsumerThreads": "num_consumer_threads",
+    "client.longWaitThreshold": "long_wait_threshold_ms",
+    "client.maxConcurrentTransactions": "max_concurrent_transactions",
+    "client.submitTimeout": "submit_timeout_ms",
+    "client.mountTimeout": "mount_timeout_ms",
+    "client.requestTimeout": "request_timeout_ms",
+    "client.retryInitialBackoff": "retry_initial_backoff_ms",
+    "client.retryMaxBackoff": "retry_max_backoff_ms",
+    "client.maxTransactionAttempts": "max_transaction_attempts",
+    "client.transactionTimeout": "transaction_timeout_ms",
+    "client.feedQueueSize": "feed_queue_size",
+}

@@ -1,0 +1,728 @@
+"""``AsyncWaltzClient``: the driver-independent client core, on one asyncio event loop.
+
+What it does, per partition:
+
+* **mount**: asks the application for its high-water mark (``client_high_water_mark``), then has the driver
+  stream the feed from there (see :mod:`waltz.client.driver`);
+* **feed**: every committed transaction goes through the :class:`~waltz.client.monitor.TransactionMonitor`
+  (which resolves our own appends) and into a bounded queue; one *applier* task per partition hands the
+  transactions to ``apply_transaction`` one at a time, in id order, on a callback thread;
+* **contexts**: each submitted :class:`~waltz.client.context.TransactionContext` gets a *run* task that
+  executes it, appends, waits for the monitor's verdict and, on failure, executes it again after a backoff,
+  until it is appended, gives up, raises or expires;
+* **back pressure**: a partition admits at most ``client.maxConcurrentTransactions`` runs at a time; a run
+  holds its slot until its context is appended or ends, so the appends outstanding on the wire never exceed
+  that number either. ``submit`` waits up to ``client.submitTimeout`` for a slot;
+* **nudge**: a task sends a flush for any partition whose appends have been pending longer than
+  ``client.longWaitThreshold``, so a lost append is detected even when the application is idle.
+
+Threading guarantee: all state here lives on the event loop. Application code (``execute``, the context hooks,
+``ClientCallbacks``) runs on a thread pool of ``client.numConsumerThreads`` threads ("waltz-callback-N"); for
+one partition ``apply_transaction`` calls are strictly sequential and in transaction-id order, so a slow
+callback delays only its own partition's feed, never the network or other partitions. Every task is owned by
+the client and cancelled by :meth:`AsyncWaltzClient.close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
+from typing import Any, TypeVar
+
+from waltz.client.api import ClientCallbacks
+from waltz.client.builder import TransactionBuilder
+from waltz.client.config import ClientConfig
+from waltz.client.context import TransactionContext
+from waltz.client.driver import ClientDriver, MountState, create_network_driver
+from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
+from waltz.client.retry import APPLY_RETRY, FETCH_RETRY, MAX_CHECKSUM_ATTEMPTS, RetryPolicy
+from waltz.client.transaction import Transaction
+from waltz.errors import (
+    ClientAheadError,
+    ClientClosedError,
+    ClientError,
+    ClientTimeoutError,
+    DataChecksumError,
+    RemoteProtocolError,
+    WaltzError,
+)
+from waltz.protocol.records import ReqId, crc32
+
+__all__ = ["AsyncWaltzClient"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class _Slots:
+    """A counting semaphore with a timeout that never loses a slot to a cancellation (FIFO wake-up)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    async def acquire(self, timeout_s: float) -> None:
+        if self.used < self.limit and not self._waiters:
+            self.used += 1
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # Granted just as we gave up: pass the slot on.
+            else:
+                waiter.cancel()
+            raise
+
+    def release(self) -> None:
+        self.used -= 1
+        while self._waiters and self.used < self.limit:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.used += 1
+                waiter.set_result(None)
+
+
+class _Partition:
+    """The client's state for one partition (event loop only)."""
+
+    def __init__(self, partition_id: int, config: ClientConfig) -> None:
+        self.id = partition_id
+        self.slots = _Slots(config.max_concurrent_transactions)
+        self.feed: asyncio.Queue[Transaction] = asyncio.Queue(maxsize=config.feed_queue_size)
+        self.monitor: TransactionMonitor | None = None  # Set once the application's HWM is known.
+        self.state: MountState | None = None
+        self.error: ClientError | None = None  # Set when the partition is released or the client closes.
+        self.outcomes: dict[ReqId, asyncio.Future[Resolution]] = {}
+        self.tasks: list[asyncio.Task[Any]] = []  # Mount and applier tasks, cancelled on release.
+        self._changed = asyncio.Event()
+
+    def notify(self) -> None:
+        """Wake everything waiting for a state or high-water-mark change."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def changed(self) -> None:
+        await self._changed.wait()
+
+
+class _Run:
+    """One submitted context, from ``submit`` to its last hook."""
+
+    def __init__(self, context: TransactionContext, partition: _Partition, first_send: asyncio.Future[None]):
+        self.context = context
+        self.partition = partition
+        self.first_send = first_send  # Resolved when the first append is sent (or the context ended).
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.holds_slot = True
+        self.ended = False  # A terminal hook (on_completion / on_exception) has been called.
+
+
+class _Listener:
+    """The :class:`~waltz.client.driver.DriverListener` the core hands its driver."""
+
+    def __init__(self, client: AsyncWaltzClient) -> None:
+        self._client = client
+
+    async def on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
+        await self._client._on_feed_data(partition_id, transaction_id, req_id, header)
+
+    async def on_mount_state(self, partition_id: int, state: MountState) -> None:
+        self._client._on_mount_state(partition_id, state)
+
+    async def on_lock_failure(self, partition_id: int, req_id: ReqId, transaction_id: int) -> None:
+        self._client._on_monitor_event(partition_id, lambda m: m.on_lock_failure(req_id, transaction_id))
+
+    async def on_flush_response(self, partition_id: int, req_id: ReqId, transaction_id: int) -> None:
+        self._client._on_monitor_event(partition_id, lambda m: m.on_flush_response(req_id, transaction_id))
+
+
+class _DataSource:
+    """Fetches transaction data for :class:`Transaction` objects, from the loop or from other threads."""
+
+    def __init__(self, client: AsyncWaltzClient, loop: asyncio.AbstractEventLoop) -> None:
+        self._client = client
+        self._loop = loop
+
+    def fetch_blocking(self, partition_id: int, transaction_id: int) -> bytes:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            raise ClientError(
+                "Transaction.get_transaction_data() blocks and cannot run on the client's event loop; "
+                "use 'await transaction.fetch_transaction_data()' there"
+            )
+        try:
+            future = asyncio.run_coroutine_threadsafe(self.fetch(partition_id, transaction_id), self._loop)
+        except RuntimeError:
+            raise ClientClosedError("the client is closed") from None
+        return future.result()
+
+    async def fetch(self, partition_id: int, transaction_id: int) -> bytes:
+        return await self._client._fetch_data(partition_id, transaction_id)
+
+
+class AsyncWaltzClient:
+    """A Waltz client for asyncio applications.
+
+    Use ``async with AsyncWaltzClient(callbacks, config) as client:`` (or ``await client.start()`` and
+    ``await client.close()``). Every method must be called on the loop that started the client; for threads,
+    use :class:`waltz.client.sync.WaltzClient`. ``driver`` (or ``config.mock_driver``) replaces the network
+    driver, for tests with :class:`waltz.testing.MockDriver`.
+    """
+
+    def __init__(
+        self,
+        callbacks: ClientCallbacks,
+        config: ClientConfig,
+        *,
+        driver: ClientDriver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._callbacks = callbacks
+        self._config = config
+        self._driver_arg = driver if driver is not None else config.mock_driver
+        self._driver: ClientDriver | None = None
+        self._clock = clock
+        self._retry = RetryPolicy(
+            initial_backoff_ms=config.retry_initial_backoff_ms,
+            max_backoff_ms=config.retry_max_backoff_ms,
+            max_attempts=config.max_transaction_attempts,
+            timeout_ms=config.transaction_timeout_ms,
+        )
+        self._partitions: dict[int, _Partition] = {}
+        self._next_seq: dict[int, int] = {}  # Survives set_partitions, so request ids are never reused.
+        self._runs: set[_Run] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._executor: ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._source: _DataSource | None = None
+        self._started = False
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect through the driver and, with ``client.autoMount``, start mounting every partition."""
+        if self._started:
+            raise ClientError("the client is already started")
+        if self._closed:
+            raise ClientClosedError("the client is closed")
+        self._started = True
+        self._loop = asyncio.get_running_loop()
+        self._source = _DataSource(self, self._loop)
+        self._executor = ThreadPoolExecutor(
+            max_workers=self._config.num_consumer_threads, thread_name_prefix="waltz-callback"
+        )
+        if self._driver_arg is None:
+            self._config.require_cluster()
+            self._driver_arg = create_network_driver(self._config)
+        try:
+            await self._driver_arg.open(_Listener(self))
+        except BaseException:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            raise
+        self._driver = self._driver_arg
+        if self._config.auto_mount:
+            for partition_id in range(self._driver.num_partitions):
+                self._add_partition(partition_id)
+        self._spawn(self._nudge_loop(), "waltz-nudge")
+
+    async def close(self) -> None:
+        """Stop: contexts still in flight end with ``on_exception(ClientClosedError)``; nothing is flushed.
+
+        Idempotent. Waits for callbacks already running to return.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        closed = ClientClosedError("the client was closed")
+        for partition in self._partitions.values():
+            partition.error = closed
+            partition.notify()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for run in list(self._runs):
+            await self._end_with_exception(run, closed)
+        if self._driver is not None:
+            try:
+                await self._driver.close()
+            except Exception:
+                log.exception("closing the client driver failed")
+        if self._executor is not None:
+            await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+
+    async def __aenter__(self) -> AsyncWaltzClient:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # -- properties --------------------------------------------------------------------------------------
+
+    @property
+    def client_id(self) -> int:
+        """This client's id, unique in the cluster."""
+        return self._require_driver().client_id
+
+    @property
+    def cluster_name(self) -> str:
+        return self._require_driver().cluster_name
+
+    @property
+    def num_partitions(self) -> int:
+        return self._require_driver().num_partitions
+
+    @property
+    def partitions(self) -> frozenset[int]:
+        """The partitions this client mounts."""
+        return frozenset(self._partitions)
+
+    @property
+    def config(self) -> ClientConfig:
+        return self._config
+
+    # -- public operations -------------------------------------------------------------------------------
+
+    async def submit(self, context: TransactionContext) -> None:
+        """Execute ``context`` and append its transaction; return once the first append is sent.
+
+        Waits (up to ``client.submitTimeout``) while the partition already has
+        ``client.maxConcurrentTransactions`` contexts in flight, and (up to ``client.mountTimeout``) for
+        the partition to be mounted. Failures after the return are retried in the background and reported
+        through the context's hooks. If the first attempt fails with an exception (``execute`` raised, a
+        timeout, ``CLIENT_AHEAD``, a closed client), ``on_exception`` is called and the exception is raised
+        here as well.
+        """
+        self._check_open()
+        try:
+            num_partitions = self.num_partitions
+            partition_id = await self._call_user(context.partition_id, num_partitions)
+            if isinstance(partition_id, bool) or not isinstance(partition_id, int):
+                raise ClientError(f"partition_id() returned {partition_id!r}, not an int")
+            if not 0 <= partition_id < num_partitions:
+                raise ClientError(f"partition_id() returned {partition_id}, outside 0..{num_partitions - 1}")
+            partition = self._partitions.get(partition_id)
+            if partition is None:
+                raise ClientError(
+                    f"partition {partition_id} is not mounted by this client "
+                    f"(mounted: {sorted(self._partitions)}; see set_partitions)"
+                )
+            try:
+                await partition.slots.acquire(self._config.submit_timeout_ms / 1000)
+            except TimeoutError:
+                raise ClientTimeoutError(
+                    f"submit timed out after {self._config.submit_timeout_ms} ms: partition {partition_id} "
+                    f"already has {partition.slots.limit} transactions in flight "
+                    "(client.maxConcurrentTransactions); is the feed stalled or the application overloaded?"
+                ) from None
+            self._check_open()
+        except Exception as e:
+            await self._call_hook(context.on_exception, e)
+            raise
+        first_send: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        run = _Run(context, partition, first_send)
+        self._runs.add(run)
+        self._spawn(self._run_context(run), f"waltz-run-p{partition_id}")
+        await asyncio.shield(first_send)
+
+    async def flush_transactions(self, timeout: float | None = None) -> None:
+        """Wait until every context submitted before this call has ended and, if it was appended, has been
+        applied by this client (``on_application`` ran). Sends a flush to every partition with pending
+        appends, so lost appends are detected at once. ``timeout`` in seconds (None: no limit) raises
+        :class:`~waltz.errors.ClientTimeoutError`."""
+        self._check_open()
+        waiting = [run.done for run in self._runs]
+        driver = self._require_driver()
+        for partition in self._partitions.values():
+            if partition.monitor is not None and partition.state is MountState.READY:
+                req_id = partition.monitor.flush_request(self._clock())
+                if req_id is not None:
+                    driver.send_flush(partition.id, req_id)
+        if not waiting:
+            return
+        done, _ = await asyncio.wait(waiting, timeout=timeout)
+        if len(done) < len(waiting):
+            raise ClientTimeoutError(
+                f"flush_transactions timed out after {timeout} s: "
+                f"{len(waiting) - len(done)} contexts still in flight"
+            )
+        if self._closed:
+            raise ClientClosedError("the client was closed during flush_transactions")
+
+    def has_pending_transactions(self) -> bool:
+        """True while a submitted context has not ended (or its transaction has not been applied yet)."""
+        return bool(self._runs)
+
+    async def high_water_mark(self, partition_id: int) -> int:
+        """The partition's high-water mark (an RPC, retried within ``client.requestTimeout``)."""
+        self._check_open()
+        driver = self._require_driver()
+        if not 0 <= partition_id < driver.num_partitions:
+            raise ClientError(f"partition {partition_id} outside 0..{driver.num_partitions - 1}")
+        return await self._rpc(
+            lambda: driver.high_water_mark(partition_id), f"high_water_mark({partition_id})"
+        )
+
+    async def set_partitions(self, partition_ids: Iterable[int]) -> None:
+        """Mount exactly ``partition_ids`` (only with ``client.autoMount: false``).
+
+        Contexts in flight on a released partition end with ``on_exception(ClientError)``.
+        """
+        self._check_open()
+        if self._config.auto_mount:
+            raise ClientError(
+                "set_partitions needs client.autoMount: false (this client mounts every partition)"
+            )
+        driver = self._require_driver()
+        wanted = set(partition_ids)
+        bad = sorted(p for p in wanted if not (isinstance(p, int) and 0 <= p < driver.num_partitions))
+        if bad:
+            raise ClientError(f"partitions {bad} outside 0..{driver.num_partitions - 1}")
+        for partition_id in sorted(set(self._partitions) - wanted):
+            partition = self._partitions.pop(partition_id)
+            partition.error = ClientError(f"partition {partition_id} was released by set_partitions")
+            for outcome in partition.outcomes.values():
+                if not outcome.done():
+                    outcome.set_exception(partition.error)
+            partition.outcomes.clear()
+            partition.notify()
+            for task in partition.tasks:
+                task.cancel()
+            await driver.unmount(partition_id)
+        for partition_id in sorted(wanted - set(self._partitions)):
+            self._add_partition(partition_id)
+
+    # -- partitions: mount, feed, apply --------------------------------------------------------------------
+
+    def _add_partition(self, partition_id: int) -> None:
+        partition = _Partition(partition_id, self._config)
+        self._partitions[partition_id] = partition
+        partition.tasks.append(self._spawn(self._mount(partition), f"waltz-mount-p{partition_id}"))
+
+    async def _mount(self, partition: _Partition) -> None:
+        retry = 0
+        while True:
+            try:
+                hwm = await self._call_user(self._callbacks.client_high_water_mark, partition.id)
+                if isinstance(hwm, bool) or not isinstance(hwm, int) or hwm < -1:
+                    raise ClientError(
+                        f"client_high_water_mark({partition.id}) returned {hwm!r}, not an int >= -1"
+                    )
+                break
+            except Exception as e:  # noqa: BLE001 - application code: report it and ask again
+                retry += 1
+                await self._call_hook(self._callbacks.uncaught_exception, partition.id, -1, e)
+                await asyncio.sleep(APPLY_RETRY.delay_s(retry))
+        partition.monitor = TransactionMonitor(hwm)
+        partition.tasks.append(self._spawn(self._apply_loop(partition), f"waltz-apply-p{partition.id}"))
+        await self._require_driver().mount(partition.id, hwm)
+
+    def _active(self, partition_id: int) -> _Partition | None:
+        partition = self._partitions.get(partition_id)
+        if partition is None or partition.monitor is None or partition.error is not None:
+            return None
+        return partition
+
+    async def _on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
+        partition = self._active(partition_id)
+        if partition is None or partition.monitor is None:
+            return
+        monitor = partition.monitor
+        if transaction_id <= monitor.feed_high_water_mark:
+            return  # Delivered twice (a driver re-mounting conservatively): already queued.
+        if transaction_id != monitor.feed_high_water_mark + 1:
+            raise RemoteProtocolError(
+                f"partition {partition_id}: the feed jumped from {monitor.feed_high_water_mark} "
+                f"to {transaction_id}"
+            )
+        assert self._source is not None
+        # Queue first: if the driver is cancelled while we wait for room, nothing has changed and it may
+        # deliver the same id again. After the put nothing awaits, so the monitor sees every queued record.
+        await partition.feed.put(Transaction(partition_id, transaction_id, header, req_id, self._source))
+        self._resolve(partition, monitor.on_feed(transaction_id, req_id))
+
+    def _on_mount_state(self, partition_id: int, state: MountState) -> None:
+        partition = self._active(partition_id)
+        if partition is None or partition.monitor is None:
+            return
+        partition.state = state
+        partition.notify()
+        if state is MountState.READY:
+            # Appends sent on an earlier connection may be lost; a flush resolves them (see driver.py).
+            req_id = partition.monitor.flush_request(self._clock())
+            if req_id is not None:
+                self._require_driver().send_flush(partition_id, req_id)
+        elif state is MountState.CLIENT_AHEAD:
+            log.error(
+                "partition %d: the application's high-water mark %d is ahead of the server's",
+                partition_id,
+                partition.monitor.applied_high_water_mark,
+            )
+
+    def _on_monitor_event(
+        self, partition_id: int, event: Callable[[TransactionMonitor], list[Resolution]]
+    ) -> None:
+        partition = self._active(partition_id)
+        if partition is not None and partition.monitor is not None:
+            self._resolve(partition, event(partition.monitor))
+
+    def _resolve(self, partition: _Partition, resolutions: list[Resolution]) -> None:
+        for resolution in resolutions:
+            outcome = partition.outcomes.pop(resolution.req_id, None)
+            if outcome is not None and not outcome.done():
+                outcome.set_result(resolution)
+
+    async def _apply_loop(self, partition: _Partition) -> None:
+        monitor = partition.monitor
+        assert monitor is not None
+        while True:
+            transaction = await partition.feed.get()
+            retry = 0
+            while True:
+                try:
+                    await self._call_user(self._callbacks.apply_transaction, transaction)
+                    break
+                except Exception as e:  # noqa: BLE001 - application code: report, deliver again
+                    retry += 1
+                    await self._call_hook(
+                        self._callbacks.uncaught_exception, partition.id, transaction.transaction_id, e
+                    )
+                    # The high-water mark stays put: the same transaction is delivered again.
+                    await asyncio.sleep(APPLY_RETRY.delay_s(retry))
+            self._resolve(partition, monitor.on_applied(transaction.transaction_id))
+            partition.notify()
+
+    async def _nudge_loop(self) -> None:
+        threshold_s = self._config.long_wait_threshold_ms / 1000
+        while True:
+            await asyncio.sleep(max(threshold_s / 2, 0.005))
+            now = self._clock()
+            for partition in list(self._partitions.values()):
+                if partition.monitor is None or partition.state is not MountState.READY:
+                    continue
+                req_id = partition.monitor.nudge(now, threshold_s)
+                if req_id is not None:
+                    log.debug(
+                        "partition %d: appends pending for %.1f s, sending a flush", partition.id, threshold_s
+                    )
+                    self._require_driver().send_flush(partition.id, req_id)
+
+    # -- contexts ----------------------------------------------------------------------------------------
+
+    async def _run_context(self, run: _Run) -> None:
+        partition = run.partition
+        context = run.context
+        attempts = 0
+        try:
+            while True:
+                if attempts > 0 and self._retry.attempts_exhausted(attempts):
+                    raise ClientTimeoutError(
+                        f"transaction context gave up after {attempts} attempts "
+                        "(client.maxTransactionAttempts)"
+                    )
+                if self._retry.expired(context.creation_time, time.time()):
+                    raise ClientTimeoutError(
+                        f"transaction context expired after {self._config.transaction_timeout_ms} ms "
+                        f"and {attempts} attempts (client.transactionTimeout)"
+                    )
+                attempts += 1
+                monitor = await self._wait_mounted(partition)
+                builder = TransactionBuilder(partition.id, monitor.applied_high_water_mark)
+                if not await self._call_user(context.execute, builder):
+                    self._release_slot(run)
+                    run.ended = True
+                    await self._call_hook(context.on_completion, False)
+                    return
+                # The mount may have changed while execute ran; its high-water mark is still a safe one.
+                monitor = await self._wait_mounted(partition)
+                outcome = self._send(partition, monitor, builder)
+                if not run.first_send.done():
+                    run.first_send.set_result(None)
+                resolution = await outcome
+                if resolution.outcome is Outcome.COMMITTED:
+                    self._release_slot(run)
+                    run.ended = True
+                    await self._call_hook(context.on_completion, True)
+                    await self._wait_applied(partition, resolution.transaction_id)
+                    await self._call_hook(context.on_application)
+                    return
+                if resolution.outcome is Outcome.LOCK_FAILED:
+                    await self._call_hook(context.on_lock_failure)
+                await asyncio.sleep(self._retry.delay_s(attempts))
+        except asyncio.CancelledError:
+            raise  # close() reports ClientClosedError to the context.
+        except Exception as e:  # noqa: BLE001 - every failure ends the context through on_exception
+            await self._end_with_exception(run, e)
+        finally:
+            self._release_slot(run)
+            if run.ended or not self._closed:
+                self._finish(run)
+
+    def _send(
+        self, partition: _Partition, monitor: TransactionMonitor, builder: TransactionBuilder
+    ) -> asyncio.Future[Resolution]:
+        """Register and send one append; synchronous, so registration order is send order."""
+        driver = self._require_driver()
+        seq = self._next_seq.get(partition.id, 0) + 1
+        self._next_seq[partition.id] = seq
+        req_id = ReqId.of(driver.client_id, driver.generation(partition.id), partition.id, seq)
+        request = builder.build(req_id)
+        outcome: asyncio.Future[Resolution] = asyncio.get_running_loop().create_future()
+        partition.outcomes[req_id] = outcome
+        monitor.register(req_id, seq, self._clock())
+        try:
+            driver.send_append(partition.id, request)
+        except WaltzError as e:
+            log.warning("partition %d: append %r not sent: %s", partition.id, req_id, e)
+            self._resolve(partition, monitor.fail(req_id))
+        return outcome
+
+    async def _wait_mounted(self, partition: _Partition) -> TransactionMonitor:
+        timeout_ms = self._config.mount_timeout_ms
+        try:
+            async with asyncio.timeout(timeout_ms / 1000):
+                while True:
+                    if partition.error is not None:
+                        raise partition.error
+                    if partition.state is MountState.CLIENT_AHEAD:
+                        raise ClientAheadError(
+                            f"partition {partition.id}: the application's high-water mark is ahead of the "
+                            "server's (wrong cluster, or the log lost data)"
+                        )
+                    if partition.state is MountState.READY and partition.monitor is not None:
+                        return partition.monitor
+                    await partition.changed()
+        except TimeoutError:
+            raise ClientTimeoutError(
+                f"partition {partition.id} was not mounted within {timeout_ms} ms (client.mountTimeout)"
+            ) from None
+
+    async def _wait_applied(self, partition: _Partition, transaction_id: int) -> None:
+        while partition.monitor is None or partition.monitor.applied_high_water_mark < transaction_id:
+            if partition.error is not None:
+                raise partition.error
+            await partition.changed()
+
+    def _release_slot(self, run: _Run) -> None:
+        if run.holds_slot:
+            run.holds_slot = False
+            run.partition.slots.release()
+
+    def _finish(self, run: _Run) -> None:
+        self._runs.discard(run)
+        if not run.done.done():
+            run.done.set_result(None)
+        if not run.first_send.done():
+            run.first_send.set_result(None)
+
+    async def _end_with_exception(self, run: _Run, error: BaseException) -> None:
+        """End ``run`` with ``on_exception(error)`` (once); a first attempt also raises it from submit."""
+        self._release_slot(run)
+        if not run.ended:
+            run.ended = True
+            await self._call_hook(run.context.on_exception, error)
+        if not run.first_send.done():
+            run.first_send.set_exception(error)
+            run.first_send.exception()  # submit() retrieves it; never log "exception was never retrieved".
+        self._finish(run)
+
+    # -- RPC ---------------------------------------------------------------------------------------------
+
+    async def _fetch_data(self, partition_id: int, transaction_id: int) -> bytes:
+        self._check_open()
+        driver = self._require_driver()
+        for _ in range(MAX_CHECKSUM_ATTEMPTS):
+            data, checksum = await self._rpc(
+                lambda: driver.fetch_transaction_data(partition_id, transaction_id),
+                f"transaction data of {partition_id}:{transaction_id}",
+            )
+            if crc32(data) == checksum & 0xFFFFFFFF:
+                return data
+            log.warning(
+                "partition %d: data of transaction %d failed its checksum", partition_id, transaction_id
+            )
+        raise DataChecksumError(
+            f"partition {partition_id}: data of transaction {transaction_id} failed its CRC-32 "
+            f"{MAX_CHECKSUM_ATTEMPTS} times"
+        )
+
+    async def _rpc(self, call: Callable[[], Awaitable[T]], what: str) -> T:
+        """``call()`` retried with backoff on retriable errors, all within ``client.requestTimeout``."""
+        timeout_s = self._config.request_timeout_ms / 1000
+        deadline = self._clock() + timeout_s
+        retry = 0
+        last_error: BaseException | None = None
+        while True:
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise ClientTimeoutError(
+                    f"{what} did not succeed within {self._config.request_timeout_ms} ms"
+                ) from (last_error)
+            try:
+                async with asyncio.timeout(remaining):
+                    return await call()
+            except TimeoutError:
+                raise ClientTimeoutError(
+                    f"{what} timed out after {self._config.request_timeout_ms} ms"
+                ) from (last_error)
+            except WaltzError as e:
+                if not e.retriable or self._closed:
+                    raise
+                last_error = e
+            retry += 1
+            await asyncio.sleep(min(FETCH_RETRY.delay_s(retry), max(deadline - self._clock(), 0)))
+
+    # -- helpers -----------------------------------------------------------------------------------------
+
+    async def _call_user(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run application code on a callback thread."""
+        assert self._executor is not None
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+
+    async def _call_hook(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run an application hook; its exceptions are logged (there is nobody else to tell)."""
+        try:
+            await self._call_user(fn, *args)
+        except Exception:
+            log.exception("%s raised", getattr(fn, "__qualname__", fn))
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("client task %s failed", task.get_name(), exc_info=task.exception())
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosedError("the client is closed")
+        if self._driver is None:
+            raise ClientError("the client is not started (use 'async with' or 'await client.start()')")
+
+    def _require_driver(self) -> ClientDriver:
+        if self._driver is None:
+            raise ClientError("the client is not started (use 'async with' or 'await client.start()')")
+        return self._driver

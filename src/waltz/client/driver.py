@@ -1,0 +1,213 @@
+"""The contract between the client core and whatever carries its messages: ``ClientDriver``.
+
+The client is split in two:
+
+* the **core** (:class:`~waltz.client.core.AsyncWaltzClient`): transaction contexts, the transaction monitor,
+  retries, back pressure, ordered application of the feed. It knows nothing about sockets or ZooKeeper.
+* a **driver** (:class:`ClientDriver`): finds the servers, keeps connections, sends requests and turns what
+  comes back into the events of :class:`DriverListener`. Two exist: the in-memory
+  :class:`~waltz.client.mock.MockDriver` and, later, the network driver (ZooKeeper discovery + TCP).
+
+Everything below is per **partition**. A driver method and a listener event always name the partition.
+
+Threading
+---------
+Every driver method is called on the client's asyncio event loop (the one running the core), and the driver
+must deliver every listener event **on that same loop** (hop with ``loop.call_soon_threadsafe`` or
+``asyncio.run_coroutine_threadsafe`` if the network or ZooKeeper calls back on another thread). Listener
+methods are coroutines: the driver ``await``s each one before delivering the next event **of the same
+partition**, which keeps the events of a partition in order and lets the core apply back pressure (the
+``on_feed_data`` coroutine only returns once the core has room for the record; a network driver should then
+stop reading, or stop re-requesting the feed). Events of different partitions may be delivered concurrently.
+
+Lifecycle
+---------
+1. ``await driver.open(listener)``: connect/discover. Afterwards ``client_id``, ``cluster_name`` and
+   ``num_partitions`` are valid and constant.
+2. ``driver.mount(p, client_hwm)``: from now on the driver owns partition ``p``'s stream. It delivers, in
+   order, the feed of committed transactions ``client_hwm + 1, client_hwm + 2, ...`` (dense: no gaps, no
+   repeats) and :class:`MountState` changes. The **driver keeps the feed position** across reconnects and
+   server moves: after a reconnect it re-mounts from the last transaction id it delivered, never from
+   ``client_hwm`` again. The core ignores a repeated id and treats a gap as a driver bug
+   (``RemoteProtocolError`` raised from ``on_feed_data``).
+3. While mounted (after ``READY``), ``send_append``/``send_flush`` may be called.
+4. ``await driver.unmount(p)`` stops the partition; no more events for it afterwards.
+5. ``await driver.close()`` closes everything; it must return even if the cluster is unreachable.
+
+Mount states (the events :meth:`DriverListener.on_mount_state` carries)
+------------------------------------------------------------------------
+* ``READY``: the server owns the partition, streamed every transaction up to its high-water mark at mount
+  time, and holds no pending append of ours from an earlier connection (the server drained its append queue
+  before answering). Sent after every successful (re)mount. The core then sends a flush for its last pending
+  append, which resolves appends lost with an old connection.
+* ``NOT_READY``: the partition is not usable right now (server not ready, connection lost, server moving).
+  The driver keeps trying on its own (re-discover, reconnect, re-mount) and reports ``READY`` when it is back;
+  meanwhile the core holds new appends.
+* ``CLIENT_AHEAD``: the application's high-water mark is past the server's (wrong cluster or lost data).
+  Terminal for this mount: submits to the partition fail with :class:`~waltz.errors.ClientAheadError`.
+
+Appends and flushes
+-------------------
+``send_append`` and ``send_flush`` are **synchronous and non-blocking**: the driver queues the request and
+must transmit the requests of one partition **in call order** on the partition's stream. The core depends on
+this: once it sees one of its own request ids in the feed it fails every older pending append, which is only
+correct if the server received them in the order they were registered. The core never has more than
+``client.maxConcurrentTransactions`` appends outstanding per partition, plus one flush per partition at a
+time (rarely two), so the driver's queue is bounded by that. If a request cannot be sent (no connection), the
+driver may drop it silently: after the next ``READY`` the core's flush resolves it as failed. A failed append
+on the server sends nothing back; a lock conflict comes back as ``on_lock_failure``; a flush is always
+answered by ``on_flush_response`` with the partition's high-water mark once every earlier append of this
+client has been resolved.
+
+Data and high-water mark (RPC, no ordering)
+-------------------------------------------
+``fetch_transaction_data`` returns ``(data, checksum)`` as stored (the core verifies the CRC-32 and re-asks
+on a mismatch), and ``high_water_mark`` the partition's last committed id (-1 for an empty log). Both may
+raise a retriable :class:`~waltz.errors.WaltzError` (for example ``PartitionNotReadyError`` or
+``BrokenResourceError``) which the core retries with backoff; the core applies its own timeout
+(``client.requestTimeout``) by cancelling the coroutine, so a driver must tolerate cancellation.
+
+Request ids
+-----------
+The core builds every :class:`~waltz.protocol.records.ReqId` with ``ReqId.of(client_id, generation,
+partition, seq)``: ``seq`` is a per-partition counter starting at 1, ``generation`` is
+:meth:`ClientDriver.generation` at the time the append is sent. Flushes carry the request id of the last
+pending append (the server echoes it back in the flush response).
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from waltz.errors import ConfigError
+from waltz.protocol.records import ReqId
+
+if TYPE_CHECKING:
+    from waltz.client.config import ClientConfig
+
+
+class MountState(enum.IntEnum):
+    """State of a partition's mount, as the server's MountResponse reports it (wire values 0, 1, 2)."""
+
+    READY = 0
+    NOT_READY = 1
+    CLIENT_AHEAD = 2
+
+
+@dataclass(frozen=True, slots=True)
+class AppendRequest:
+    """One append, as the core hands it to the driver (the fields of the wire AppendRequest).
+
+    ``client_high_water_mark`` is the application's high-water mark captured just before ``execute`` ran;
+    the server rejects the append with a lock failure if a lock it holds was taken by a later transaction.
+    Lock values are the 32-bit hashes of :func:`waltz.client.locks.lock_hash`. ``checksum`` is the CRC-32 of
+    ``data``.
+    """
+
+    req_id: ReqId
+    client_high_water_mark: int
+    write_locks: tuple[int, ...]
+    read_locks: tuple[int, ...]
+    append_locks: tuple[int, ...]
+    header: int
+    data: bytes
+    checksum: int
+
+
+class DriverListener(Protocol):
+    """What the core offers the driver: one coroutine per event. Await each; see the module docstring."""
+
+    async def on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
+        """A committed transaction: its id, the request id of the append that wrote it, and its header."""
+
+    async def on_mount_state(self, partition_id: int, state: MountState) -> None:
+        """The partition's mount changed state (see :class:`MountState`)."""
+
+    async def on_lock_failure(self, partition_id: int, req_id: ReqId, transaction_id: int) -> None:
+        """The append ``req_id`` was rejected by the lock check; ``transaction_id`` is the (estimated) id of
+        the transaction that took the conflicting lock."""
+
+    async def on_flush_response(self, partition_id: int, req_id: ReqId, transaction_id: int) -> None:
+        """Every append sent before the flush ``req_id`` is resolved; ``transaction_id`` is the partition's
+        high-water mark at that point."""
+
+
+class ClientDriver(ABC):
+    """Carries the core's requests to a Waltz cluster and its events back. See the module docstring."""
+
+    @abstractmethod
+    async def open(self, listener: DriverListener) -> None:
+        """Connect (discover the cluster, obtain a client id). Called once, before anything else."""
+
+    @property
+    @abstractmethod
+    def client_id(self) -> int:
+        """This client's id, unique in the cluster (valid after :meth:`open`)."""
+
+    @property
+    @abstractmethod
+    def cluster_name(self) -> str:
+        """The cluster's name (valid after :meth:`open`)."""
+
+    @property
+    @abstractmethod
+    def num_partitions(self) -> int:
+        """The cluster's number of partitions (valid after :meth:`open`)."""
+
+    @abstractmethod
+    def generation(self, partition_id: int) -> int:
+        """The latest generation of the partition this driver knows (0 if unknown)."""
+
+    @abstractmethod
+    async def mount(self, partition_id: int, client_high_water_mark: int) -> None:
+        """Start streaming the partition from ``client_high_water_mark + 1``; return without waiting for
+        ``READY`` (which arrives as an event)."""
+
+    @abstractmethod
+    async def unmount(self, partition_id: int) -> None:
+        """Stop the partition: no events for it after this returns."""
+
+    @abstractmethod
+    def send_append(self, partition_id: int, request: AppendRequest) -> None:
+        """Queue an append; requests of one partition are transmitted in call order. Never blocks."""
+
+    @abstractmethod
+    def send_flush(self, partition_id: int, req_id: ReqId) -> None:
+        """Queue a flush for the partition, after every append queued before it. Never blocks."""
+
+    @abstractmethod
+    async def fetch_transaction_data(self, partition_id: int, transaction_id: int) -> tuple[bytes, int]:
+        """Return ``(data, checksum)`` of a committed transaction, as stored."""
+
+    @abstractmethod
+    async def high_water_mark(self, partition_id: int) -> int:
+        """Return the partition's current high-water mark (-1 for an empty log)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Close connections and cancel the driver's own tasks; no events after this returns."""
+
+
+NETWORK_DRIVER_MODULE = "waltz.client.network"
+"""Where the network driver lives: a module exposing ``NetworkDriver(config: ClientConfig)``."""
+
+
+def create_network_driver(config: ClientConfig) -> ClientDriver:
+    """Build the network driver for ``config`` (ZooKeeper discovery + TCP to the servers)."""
+    try:
+        module = importlib.import_module(NETWORK_DRIVER_MODULE)
+    except ModuleNotFoundError as e:
+        if e.name != NETWORK_DRIVER_MODULE:
+            raise
+        raise ConfigError(
+            "the network client driver is not available in this build; "
+            "pass driver=MockDriver() (waltz.testing) or set ClientConfig.mock_driver"
+        ) from None
+    driver = module.NetworkDriver(config)
+    if not isinstance(driver, ClientDriver):
+        raise ConfigError(f"{NETWORK_DRIVER_MODULE}.NetworkDriver is not a ClientDriver")
+    return driver

@@ -1,0 +1,154 @@
+"""``WaltzClient``: the thread-safe, blocking facade over :class:`~waltz.client.core.AsyncWaltzClient`.
+
+The facade owns a private event loop running on its own daemon thread ("waltz-client-loop"); each
+method submits a coroutine to it with :func:`asyncio.run_coroutine_threadsafe` and waits for the result.
+Any number of application threads may call it concurrently. Application callbacks run on the client's
+callback threads, as described in :mod:`waltz.client.core`.
+
+Do not call the blocking methods from inside a callback of the same client (``apply_transaction``, a context
+hook): the partition's feed waits for the callback, so such a call can only end in its timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable, Coroutine, Iterable
+from types import TracebackType
+from typing import Any, TypeVar
+
+from waltz.client.api import ClientCallbacks
+from waltz.client.config import ClientConfig
+from waltz.client.context import TransactionContext
+from waltz.client.core import AsyncWaltzClient
+from waltz.client.driver import ClientDriver
+from waltz.errors import ClientClosedError, ClientError, ClientTimeoutError
+
+__all__ = ["WaltzClient"]
+
+T = TypeVar("T")
+
+START_TIMEOUT_S = 60.0
+"""How long the constructor waits for the driver to open (ZooKeeper discovery)."""
+
+
+class WaltzClient:
+    """A Waltz client for threaded applications; thread-safe. Use as a context manager, or call :meth:`close`.
+
+    The constructor connects (through the network driver, or ``driver`` / ``config.mock_driver``) and starts
+    mounting partitions in the background.
+    """
+
+    def __init__(
+        self,
+        callbacks: ClientCallbacks,
+        config: ClientConfig,
+        *,
+        driver: ClientDriver | None = None,
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="waltz-client-loop", daemon=True)
+        self._thread.start()
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._client = AsyncWaltzClient(callbacks, config, driver=driver)
+        try:
+            self._call(self._client.start(), timeout=START_TIMEOUT_S)
+        except BaseException:
+            self._call(self._client.close(), timeout=START_TIMEOUT_S)
+            self._stop_loop()
+            raise
+
+    # -- bridging ----------------------------------------------------------------------------------------
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            coro.close()
+            raise ClientError("a blocking WaltzClient method was called on the client's own event loop")
+        if not self._thread.is_alive():
+            coro.close()
+            raise ClientClosedError("the client is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise ClientTimeoutError(f"the client did not answer within {timeout} s") from None
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    # -- API ---------------------------------------------------------------------------------------------
+
+    def submit(self, context: TransactionContext) -> None:
+        """Execute and append ``context``; blocks while the partition is at
+        ``client.maxConcurrentTransactions`` (up to ``client.submitTimeout``, then
+        :class:`~waltz.errors.ClientTimeoutError`). See :meth:`AsyncWaltzClient.submit`."""
+        self._call(self._client.submit(context))
+
+    def flush_transactions(self, timeout: float | None = None) -> None:
+        """Block until every context submitted before the call has ended and been applied (seconds)."""
+        self._call(self._client.flush_transactions(timeout))
+
+    def has_pending_transactions(self) -> bool:
+        """True while a submitted context has not ended, or its transaction has not been applied yet."""
+        return self._call(_value(self._client.has_pending_transactions))
+
+    def high_water_mark(self, partition_id: int) -> int:
+        """The partition's high-water mark on the server (an RPC)."""
+        return self._call(self._client.high_water_mark(partition_id))
+
+    def set_partitions(self, partition_ids: Iterable[int]) -> None:
+        """Mount exactly these partitions (needs ``client.autoMount: false``)."""
+        self._call(self._client.set_partitions(list(partition_ids)))
+
+    @property
+    def partitions(self) -> frozenset[int]:
+        return self._call(_value(lambda: self._client.partitions))
+
+    @property
+    def num_partitions(self) -> int:
+        return self._client.num_partitions  # Constant after start: no need to hop.
+
+    @property
+    def client_id(self) -> int:
+        return self._client.client_id
+
+    @property
+    def cluster_name(self) -> str:
+        return self._client.cluster_name
+
+    @property
+    def config(self) -> ClientConfig:
+        return self._client.config
+
+    def close(self) -> None:
+        """Close the client (idempotent, thread-safe); contexts in flight end with ``ClientClosedError``."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._call(self._client.close())
+            finally:
+                self._stop_loop()
+
+    def __enter__(self) -> WaltzClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+async def _value(fn: Callable[[], T]) -> T:
+    """Read loop-owned state on the loop."""
+    return fn()

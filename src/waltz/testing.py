@@ -1,0 +1,22 @@
+"""Test support for Waltz applications: an in-memory cluster, no network, ZooKeeper or storage.
+
+::
+
+    from waltz import WaltzClient, ClientConfig
+    from waltz.testing import MockDriver
+
+    driver = MockDriver()                      # client 0, one partition
+    with WaltzClient(callbacks, ClientConfig(), driver=driver) as client:
+        client.submit(context)
+        client.flush_transactions()
+
+Several clients share one :class:`MockCluster` (``MockDriver(cluster=cluster)`` each). Fault injection:
+:meth:`MockDriver.set_fault_rate`, :meth:`~MockDriver.force_next_append_fail`,
+:meth:`~MockDriver.force_next_lock_fail`, :meth:`~MockDriver.set_max_delay`,
+:meth:`~MockDriver.suspend_feed` / :meth:`~MockDriver.resume_feed`,
+:meth:`~MockDriver.corrupt_next_fetch`, :meth:`~MockDriver.disconnect`.
+"""
+
+from waltz.client.mock import MockCluster, MockDriver
+
+__all__ = ["MockCluster", "MockDriver"]
