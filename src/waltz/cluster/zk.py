@@ -123,7 +123,12 @@ def connect(
     )
     try:
         client.start(timeout=connect_timeout_ms / 1000.0)
-    except (KazooTimeoutError, KazooException, OSError, ValueError) as e:
+    except KazooTimeoutError:
+        close(client)
+        raise ClusterError(
+            f"cannot connect to ZooKeeper at {connect_string}: no answer within {connect_timeout_ms} ms"
+        ) from None
+    except (KazooException, OSError, ValueError) as e:
         close(client)
         reason = str(e) or type(e).__name__
         raise ClusterError(f"cannot connect to ZooKeeper at {connect_string}: {reason}") from None

@@ -1,0 +1,215 @@
+"""``waltz cluster ...``: create, inspect and edit a cluster's metadata in ZooKeeper (REFERENCE §7.1).
+
+Every command reads ``-c/--cli-config-path`` (``zookeeper.connectString``, ``zookeeper.sessionTimeout``,
+``zookeeper.connectTimeout``, ``cluster.root``) and is a thin layer over :mod:`waltz.cluster.store_metadata`.
+Failures (bad arguments, unreachable ZooKeeper, no cluster, refused edit) are Waltz errors, which
+``waltz.cli.main`` prints as one line with a non-zero exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from kazoo.client import KazooClient
+
+from waltz.cli.common import add_cli_config_arg, host_port, load_cli_config, parse_partition_ranges
+from waltz.cluster import store_metadata as sm
+from waltz.cluster.partition_metadata import UNRESOLVED
+from waltz.cluster.zk import session
+from waltz.errors import ConfigError
+
+Command = Callable[[KazooClient, str, argparse.Namespace, TextIO], int | None]
+
+
+def _run(command: Command) -> Callable[[argparse.Namespace], int]:
+    def handler(args: argparse.Namespace) -> int:
+        if not getattr(args, "verbose", False):
+            # kazoo logs each failed connection attempt as a warning; the CLI reports the outcome in one line.
+            logging.getLogger("kazoo").setLevel(logging.ERROR)
+        config = load_cli_config(args.cli_config_path)
+        with session(config) as client:
+            return int(command(client, str(config["cluster.root"]), args, sys.stdout) or 0)
+
+    return handler
+
+
+def _storage(text: str) -> str:
+    # argparse turns ArgumentTypeError into a usage error (exit 2); a ConfigError would escape it.
+    try:
+        host, port = host_port(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return f"{host}:{port}"
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return value
+
+
+# -------------------------------------------------------------------------------------------------- commands
+
+
+def cmd_create(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    store = sm.create_cluster(client, root, args.name, args.partitions)
+    print(
+        f"created cluster {args.name!r} at {root}: {args.partitions} partitions, key {store.cluster_key}",
+        file=out,
+    )
+    return 0
+
+
+def cmd_delete(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    if not args.force and not args.name:
+        raise ConfigError("--name is required unless --force is given")
+    sm.delete_cluster(client, root, args.name, force=args.force)
+    print(f"deleted cluster at {root}", file=out)
+    return 0
+
+
+def cmd_show_cluster_key(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    sm.read_cluster_params(client, root)
+    print(sm.read_store_params(client, root).cluster_key, file=out)
+    return 0
+
+
+def cmd_list(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    info = sm.describe_cluster(client, root)
+    w = out.write
+    w(f"cluster root: {root}\n")
+    w(f"cluster name: {info.params.name}\n")
+    w(f"number of partitions: {info.params.num_partitions}\n")
+    w(f"cluster key: {info.store.cluster_key}\n")
+    w("servers:\n")
+    live = {d.server_id: d for d in info.servers.values()}
+    consistent = "" if info.assignment.cversion >= 0 else " (none computed yet)"
+    w(f"  assignment cversion {info.assignment.cversion}{consistent}\n")
+    for sid in sorted(set(live) | set(info.assignment.servers)):
+        d = live.get(sid)
+        where = d.endpoint if d else "(not live)"
+        parts = info.assignment.servers.get(sid, {})
+        shown = ", ".join(f"{p}@gen{g}" for p, g in sorted(parts.items())) or "-"
+        prefs = (
+            f" preferred [{sm.format_ranges(d.preferred_partitions)}]" if d and d.preferred_partitions else ""
+        )
+        w(f"  server {sid} {where}{prefs}: {shown}\n")
+    w("storage nodes:\n")
+    if not info.groups.groups:
+        w("  (none)\n")
+    for storage in sorted(set(info.groups.groups) | set(info.replicas.replicas)):
+        group = info.groups.groups.get(storage, "?")
+        admin = info.connections.admin_ports.get(storage, "?")
+        held = sm.format_ranges(info.replicas.replicas.get(storage, [])) or "-"
+        w(f"  {storage} group {group} admin port {admin}: partitions {held}\n")
+    w("partition metadata:\n")
+    for p, md in sorted(info.partitions.items()):
+        replicas = ", ".join(
+            f"{r.storage} session {r.session_id} closingHWM "
+            f"{'UNRESOLVED' if r.closing_high_water_mark == UNRESOLVED else r.closing_high_water_mark}"
+            for r in md.replicas.values()
+        )
+        w(
+            f"  partition {p}: generation {md.generation} session {md.session_id}"
+            + (f" [{replicas}]" if replicas else "")
+            + "\n"
+        )
+    return 0
+
+
+def cmd_add_storage_node(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    sm.add_storage_node(client, root, args.storage, args.group, args.admin_port)
+    print(f"added storage node {args.storage} (group {args.group}, admin port {args.admin_port})", file=out)
+    return 0
+
+
+def cmd_remove_storage_node(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    sm.remove_storage_node(client, root, args.storage)
+    print(f"removed storage node {args.storage}", file=out)
+    return 0
+
+
+def _partitions(client: KazooClient, root: str, text: str) -> list[int]:
+    return parse_partition_ranges(text, sm.read_cluster_params(client, root).num_partitions)
+
+
+def cmd_assign_partition(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    parts = _partitions(client, root, args.partition)
+    sm.assign_partitions(client, root, args.storage, parts)
+    print(f"assigned partitions {sm.format_ranges(parts)} to {args.storage}", file=out)
+    return 0
+
+
+def cmd_unassign_partition(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    parts = _partitions(client, root, args.partition)
+    sm.unassign_partitions(client, root, args.storage, parts)
+    print(f"unassigned partitions {sm.format_ranges(parts)} from {args.storage}", file=out)
+    return 0
+
+
+def cmd_auto_assign(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    result = sm.auto_assign(client, root, args.group)
+    for storage, parts in sorted(result.items()):
+        print(f"{storage}: {sm.format_ranges(parts) or '-'}", file=out)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- registration
+
+
+def register(groups: Any) -> None:
+    parser = groups.add_parser("cluster", help="create, inspect and edit cluster metadata in ZooKeeper")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, fn: Command, help_text: str) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = sub.add_parser(name, help=help_text, description=help_text)
+        add_cli_config_arg(p)
+        p.set_defaults(handler=_run(fn))
+        return p
+
+    p = command("create", cmd_create, "create a cluster (random cluster key) at cluster.root")
+    p.add_argument("-n", "--name", required=True, help="cluster name")
+    p.add_argument("-p", "--partitions", required=True, type=_positive, help="number of partitions")
+
+    p = command("delete", cmd_delete, "delete the cluster at cluster.root (recursively)")
+    p.add_argument("-n", "--name", help="the cluster's name, which must match")
+    p.add_argument("-f", "--force", action="store_true", help="delete even if the name does not match")
+
+    command("list", cmd_list, "show the cluster: servers, storage nodes, assignments, partition metadata")
+    command("show-cluster-key", cmd_show_cluster_key, "print the cluster key (a UUID)")
+
+    p = command("add-storage-node", cmd_add_storage_node, "register a storage node in a group")
+    p.add_argument("-s", "--storage", required=True, type=_storage, help="host:port (data port)")
+    p.add_argument("-a", "--admin-port", required=True, type=_positive, help="the node's admin port")
+    p.add_argument("-g", "--group", required=True, type=_non_negative, help="replica group id")
+
+    p = command(
+        "remove-storage-node", cmd_remove_storage_node, "forget a storage node that holds no partitions"
+    )
+    p.add_argument("-s", "--storage", required=True, type=_storage, help="host:port (data port)")
+
+    for name, fn, what in (
+        ("assign-partition", cmd_assign_partition, "add replicas of partitions on a storage node"),
+        ("unassign-partition", cmd_unassign_partition, "remove replicas of partitions from a storage node"),
+    ):
+        p = command(name, fn, what)
+        p.add_argument("-p", "--partition", required=True, help="partition ranges, e.g. 0-6,7,10-16")
+        p.add_argument("-s", "--storage", required=True, type=_storage, help="host:port (data port)")
+
+    p = command("auto-assign", cmd_auto_assign, "spread all partitions round-robin over a group's nodes")
+    p.add_argument("-g", "--group", required=True, type=_non_negative, help="replica group id")
