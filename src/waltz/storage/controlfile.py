@@ -1,0 +1,363 @@
+"""The storage node's control file, ``<storage directory>/waltz-storage.ctl``.
+
+All integers big-endian. Header (128 bytes)::
+
+    offset  size  field
+         0     4  i32 format version (0)
+         4     8  i64 creation time, ms since the epoch
+        12     8  i64 cluster key, most significant half of the UUID
+        20     8  i64 cluster key, least significant half
+        28     4  i32 number of partitions
+        32    96  zero padding (reserved)
+
+Then, for partition ``p`` = 0 .. numPartitions-1, a PartitionInfo of 76 bytes at ``128 + 76·p``::
+
+         0     4  i32 partition id (== p)
+         4    36  struct A
+        40    36  struct B
+
+Each struct (36 bytes)::
+
+         0     8  i64 session id
+         8     8  i64 low-water mark        (cluster high-water mark when that session started)
+        16     8  i64 local low-water mark  (this replica's max transaction id at that moment)
+        24     4  i32 flags                 (1 = AVAILABLE, 4 = ASSIGNED)
+        28     4  i32 sequence number
+        32     4  u32 checksum              CRC-32 of bytes 0..31 of the struct
+
+A new file holds, for every partition, struct A = (-1, -1, -1, AVAILABLE, seq -1) and struct B =
+(-1, -1, -1, AVAILABLE, seq 0). Of the structs whose checksum verifies, the one with the higher sequence
+number is current; equal numbers or no valid struct raise :class:`~waltz.errors.CorruptionError`. An update
+writes the *other* struct with sequence + 1 and fsyncs before returning, so a write torn by a crash fails its
+checksum and the partition rolls back exactly one update.
+
+The file is created once (written to ``waltz-storage.ctl.tmp``, fsynced, renamed) with the cluster key and
+partition count from ZooKeeper; every later open verifies both
+(:class:`~waltz.errors.ClusterKeyMismatchError`).
+While open it holds an exclusive ``flock`` so two storage processes cannot share a directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from waltz.errors import ClusterKeyMismatchError, CorruptionError, StorageError
+from waltz.protocol.records import crc32
+from waltz.storage.fileio import OS_FS, File, FileSystem
+
+log = logging.getLogger(__name__)
+
+CONTROL_FILE_NAME = "waltz-storage.ctl"
+FORMAT_VERSION = 0
+HEADER_BYTES = 128
+PARTITION_INFO_BYTES = 76
+STRUCT_BYTES = 36
+MAX_PARTITIONS = 1 << 16
+"""Upper bound on the partition count a control file may hold (bounds the file to about 5 MB)."""
+
+FLAG_AVAILABLE = 1
+FLAG_ASSIGNED = 4
+_KNOWN_FLAGS = FLAG_AVAILABLE | FLAG_ASSIGNED
+_I32_MAX = 2**31 - 1
+
+_HEADER = struct.Struct(">iqqqi")
+_STRUCT_BODY = struct.Struct(">qqqii")  # the 32 bytes covered by the checksum
+_U32 = struct.Struct(">I")
+_I32 = struct.Struct(">i")
+
+
+@dataclass(frozen=True)
+class ControlHeader:
+    """The first 128 bytes of the control file."""
+
+    version: int
+    creation_time_ms: int
+    key: uuid.UUID
+    num_partitions: int
+
+    def encode(self) -> bytes:
+        msb, lsb = _uuid_halves(self.key)
+        raw = _HEADER.pack(self.version, self.creation_time_ms, msb, lsb, self.num_partitions)
+        return raw + bytes(HEADER_BYTES - len(raw))
+
+    @classmethod
+    def decode(cls, raw: bytes, path: str = CONTROL_FILE_NAME) -> ControlHeader:
+        if len(raw) < HEADER_BYTES:
+            raise CorruptionError(f"{path}: control file header is {len(raw)} bytes, expected {HEADER_BYTES}")
+        version, created, msb, lsb, n = _HEADER.unpack_from(raw, 0)
+        if version != FORMAT_VERSION:
+            raise CorruptionError(f"{path}: unsupported control file version {version}")
+        if not 0 < n <= MAX_PARTITIONS:
+            raise CorruptionError(f"{path}: bad partition count {n}")
+        return cls(version, created, _uuid_from_halves(msb, lsb), n)
+
+
+@dataclass(frozen=True)
+class PartitionInfo:
+    """The current store-session state of one partition on this node."""
+
+    session_id: int = -1
+    low_water_mark: int = -1
+    local_low_water_mark: int = -1
+    flags: int = FLAG_AVAILABLE
+
+    @property
+    def available(self) -> bool:
+        return bool(self.flags & FLAG_AVAILABLE)
+
+    @property
+    def assigned(self) -> bool:
+        return bool(self.flags & FLAG_ASSIGNED)
+
+
+def encode_struct(info: PartitionInfo, sequence_number: int) -> bytes:
+    """The 36 bytes of one PartitionInfo struct, checksum included."""
+    try:
+        body = _STRUCT_BODY.pack(
+            info.session_id, info.low_water_mark, info.local_low_water_mark, info.flags, sequence_number
+        )
+    except struct.error:
+        raise StorageError(f"partition info field out of range: {info!r} seq {sequence_number}") from None
+    return body + _U32.pack(crc32(body))
+
+
+def decode_struct(raw: bytes | memoryview) -> tuple[PartitionInfo, int] | None:
+    """``(info, sequence_number)``, or None if the checksum does not verify."""
+    body = raw[:32]
+    if len(raw) != STRUCT_BYTES or _U32.unpack_from(raw, 32)[0] != crc32(body):
+        return None
+    session, lwm, llwm, flags, seq = _STRUCT_BODY.unpack_from(raw, 0)
+    return PartitionInfo(session, lwm, llwm, flags), seq
+
+
+def fresh_partition_info_bytes(partition_id: int) -> bytes:
+    """A new PartitionInfo: both structs (-1, -1, -1, AVAILABLE), sequence numbers -1 (A) and 0 (B)."""
+    fresh = PartitionInfo()
+    return _I32.pack(partition_id) + encode_struct(fresh, -1) + encode_struct(fresh, 0)
+
+
+def decode_partition_info(
+    raw: bytes | memoryview, partition_id: int, path: str
+) -> tuple[PartitionInfo, int, int]:
+    """``(current info, its sequence number, its slot 0|1)`` of one 76-byte PartitionInfo."""
+    if len(raw) != PARTITION_INFO_BYTES:
+        raise CorruptionError(f"{path}: partition info {partition_id} is {len(raw)} bytes")
+    (stored_id,) = _I32.unpack_from(raw, 0)
+    if stored_id != partition_id:
+        raise CorruptionError(f"{path}: partition info {partition_id} holds partition id {stored_id}")
+    a = decode_struct(raw[4 : 4 + STRUCT_BYTES])
+    b = decode_struct(raw[4 + STRUCT_BYTES :])
+    if a is None and b is None:
+        raise CorruptionError(
+            f"{path}: partition info {partition_id} corrupted: both structs fail their checksum"
+        )
+    if a is not None and b is not None:
+        if a[1] == b[1]:
+            raise CorruptionError(f"{path}: partition info {partition_id}: both structs have sequence {a[1]}")
+        return (a[0], a[1], 0) if a[1] > b[1] else (b[0], b[1], 1)
+    if a is not None:
+        log.warning("%s: partition %d: struct B fails its checksum; using struct A", path, partition_id)
+        return a[0], a[1], 0
+    assert b is not None
+    log.warning("%s: partition %d: struct A fails its checksum; using struct B", path, partition_id)
+    return b[0], b[1], 1
+
+
+def read_control_file(path: str, fs: FileSystem = OS_FS) -> tuple[ControlHeader, list[PartitionInfo]]:
+    """Read and verify a control file without locking it (for tools; safe while a node runs)."""
+    f = fs.open(path, read_only=True)
+    try:
+        header, slots = _load(f, path)
+    finally:
+        f.close()
+    return header, [s[0] for s in slots]
+
+
+def _load(f: File, path: str) -> tuple[ControlHeader, list[tuple[PartitionInfo, int, int]]]:
+    header = ControlHeader.decode(f.pread(HEADER_BYTES, 0), path)
+    body_bytes = header.num_partitions * PARTITION_INFO_BYTES
+    size = f.size()
+    if size != HEADER_BYTES + body_bytes:
+        raise CorruptionError(
+            f"{path}: control file is {size} bytes, expected {HEADER_BYTES + body_bytes} "
+            f"for {header.num_partitions} partitions"
+        )
+    body = memoryview(f.pread(body_bytes, HEADER_BYTES))
+    slots = [
+        decode_partition_info(body[p * PARTITION_INFO_BYTES : (p + 1) * PARTITION_INFO_BYTES], p, path)
+        for p in range(header.num_partitions)
+    ]
+    return header, slots
+
+
+class ControlFile:
+    """The open, locked control file. Not thread-safe: one owner (the storage node) calls it."""
+
+    def __init__(
+        self, path: str, f: File, header: ControlHeader, slots: list[tuple[PartitionInfo, int, int]]
+    ):
+        self.path = path
+        self._file: File | None = f
+        self.header = header
+        self._slots = slots
+
+    @classmethod
+    def open_or_create(
+        cls,
+        directory: str,
+        key: uuid.UUID,
+        num_partitions: int,
+        *,
+        fs: FileSystem = OS_FS,
+        clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+    ) -> ControlFile:
+        """Open ``<directory>/waltz-storage.ctl``, creating it on first start, and lock it.
+
+        Raises ClusterKeyMismatchError if the file was made for another key or partition count, StorageError
+        if another process holds the lock, CorruptionError if the file does not verify.
+        """
+        if not 0 < num_partitions <= MAX_PARTITIONS:
+            raise StorageError(f"bad partition count {num_partitions}: must be 1..{MAX_PARTITIONS}")
+        fs.makedirs(directory)
+        path = os.path.join(directory, CONTROL_FILE_NAME)
+        if not fs.exists(path):
+            cls._create(fs, path, key, num_partitions, clock_ms())
+        f = fs.open(path)
+        try:
+            f.lock_exclusive()
+            header, slots = _load(f, path)
+            if header.key != key:
+                raise ClusterKeyMismatchError(f"{path}: cluster key {header.key} does not match {key}")
+            if header.num_partitions != num_partitions:
+                raise ClusterKeyMismatchError(
+                    f"{path}: made for {header.num_partitions} partitions, the cluster has {num_partitions}"
+                )
+        except BaseException:
+            f.close()
+            raise
+        return cls(path, f, header, slots)
+
+    @staticmethod
+    def _create(fs: FileSystem, path: str, key: uuid.UUID, num_partitions: int, now_ms: int) -> None:
+        # Written aside and renamed, so a crash mid-creation never leaves a half-written control file.
+        tmp = path + ".tmp"
+        f = fs.open(tmp, create=True)
+        try:
+            f.lock_exclusive()
+            buf = bytearray(ControlHeader(FORMAT_VERSION, now_ms, key, num_partitions).encode())
+            for p in range(num_partitions):
+                buf += fresh_partition_info_bytes(p)
+            f.truncate(0)
+            f.pwrite(buf, 0)
+            f.fsync()
+        finally:
+            f.close()
+        fs.rename(tmp, path)
+        log.info("%s: created for cluster key %s with %d partitions", path, key, num_partitions)
+
+    @property
+    def key(self) -> uuid.UUID:
+        return self.header.key
+
+    @property
+    def num_partitions(self) -> int:
+        return self.header.num_partitions
+
+    @property
+    def creation_time_ms(self) -> int:
+        return self.header.creation_time_ms
+
+    def _check(self, partition_id: int) -> File:
+        if self._file is None:
+            raise StorageError(f"{self.path}: control file is closed")
+        if not 0 <= partition_id < self.header.num_partitions:
+            raise StorageError(f"partition {partition_id} out of range 0..{self.header.num_partitions - 1}")
+        return self._file
+
+    def partition_info(self, partition_id: int) -> PartitionInfo:
+        self._check(partition_id)
+        return self._slots[partition_id][0]
+
+    def sequence_number(self, partition_id: int) -> int:
+        """The sequence number of the current struct (for tests and tools)."""
+        self._check(partition_id)
+        return self._slots[partition_id][1]
+
+    def update(
+        self,
+        partition_id: int,
+        *,
+        session_id: int | None = None,
+        low_water_mark: int | None = None,
+        local_low_water_mark: int | None = None,
+        flags: int | None = None,
+    ) -> PartitionInfo:
+        """Change some fields of a partition's info; durable (fsynced) when this returns."""
+        f = self._check(partition_id)
+        current, seq, slot = self._slots[partition_id]
+        changes: dict[str, int] = {}
+        if session_id is not None:
+            changes["session_id"] = session_id
+        if low_water_mark is not None:
+            changes["low_water_mark"] = low_water_mark
+        if local_low_water_mark is not None:
+            changes["local_low_water_mark"] = local_low_water_mark
+        if flags is not None:
+            if flags & ~_KNOWN_FLAGS:
+                raise StorageError(f"unknown partition flags {flags:#x}")
+            changes["flags"] = flags
+        new = replace(current, **changes)
+        if seq >= _I32_MAX:
+            raise StorageError(f"{self.path}: partition {partition_id} sequence number exhausted")
+        raw = encode_struct(new, seq + 1)
+        # Verify right before the write: the encoding must read back as exactly what we mean to store.
+        if decode_struct(raw) != (new, seq + 1):
+            raise StorageError(f"partition info {partition_id} does not round-trip: {new!r}")
+        other = 1 - slot
+        offset = HEADER_BYTES + partition_id * PARTITION_INFO_BYTES + 4 + other * STRUCT_BYTES
+        f.pwrite(raw, offset)
+        f.fsync()
+        self._slots[partition_id] = (new, seq + 1, other)
+        return new
+
+    def set_assigned(self, partition_id: int, assigned: bool) -> PartitionInfo:
+        flags = self.partition_info(partition_id).flags
+        return self.update(partition_id, flags=flags | FLAG_ASSIGNED if assigned else flags & ~FLAG_ASSIGNED)
+
+    def set_available(self, partition_id: int, available: bool) -> PartitionInfo:
+        flags = self.partition_info(partition_id).flags
+        return self.update(
+            partition_id, flags=flags | FLAG_AVAILABLE if available else flags & ~FLAG_AVAILABLE
+        )
+
+    def close(self) -> None:
+        """Release the lock and the file; idempotent."""
+        if self._file is not None:
+            f, self._file = self._file, None
+            f.close()
+
+    def __enter__(self) -> ControlFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _uuid_halves(key: uuid.UUID) -> tuple[int, int]:
+    """The UUID as two signed longs, as java.util.UUID stores it."""
+    msb, lsb = key.int >> 64, key.int & ((1 << 64) - 1)
+    return _signed64(msb), _signed64(lsb)
+
+
+def _uuid_from_halves(msb: int, lsb: int) -> uuid.UUID:
+    return uuid.UUID(int=((msb & ((1 << 64) - 1)) << 64) | (lsb & ((1 << 64) - 1)))
+
+
+def _signed64(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v

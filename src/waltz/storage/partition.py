@@ -1,0 +1,410 @@
+"""The log of one partition on a storage node: every segment in ``<storage directory>/<partition id>/``.
+
+Segments are named after their first transaction id (see :mod:`waltz.storage.segment` for the byte layout)
+and hold consecutive ranges: segment ``k+1`` starts at the max id of segment ``k`` plus one. Only the last
+segment is writable; it is recovered (index recovery) when the partition opens. Older segments are read-only,
+opened lazily on a read and kept in a bounded LRU cache (``segment_cache_capacity``) that closes the files of
+evicted segments.
+
+Durability: :meth:`PartitionLog.append` does not fsync (except at a 1000-id checkpoint or a rollover);
+:meth:`PartitionLog.flush` fsyncs the data file and must be called before an append is acknowledged. The node
+calls it once per group of batches (group commit). :meth:`PartitionLog.truncate` is durable when it returns.
+
+Rollover: once the writable segment's data file passes ``segment_size_threshold_bytes`` (possibly in the
+middle of a batch), it is fsynced and closed, and the next record opens a new segment whose first id is that
+record's id.
+
+List reads (:meth:`PartitionLog.read_records`, :meth:`PartitionLog.read_headers`) continue across segment
+boundaries until ``max_count`` items, ``max_bytes`` of records or the end of the log, whichever comes first.
+
+Crash leftovers handled at open: an index file without its data file (a deletion cut short) is removed; a last
+segment whose data file holds no record and whose header or index is missing or unreadable (a creation cut
+short) is removed. Anything else that does not verify raises CorruptionError.
+
+Everything here is synchronous and not thread-safe: the node runs each partition from its own task, and every
+call does a bounded amount of work.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
+from waltz.protocol.records import Record, RecordHeader
+from waltz.storage.fileio import OS_FS, FileSystem
+from waltz.storage.segment import (
+    DEFAULT_MAX_READ_BYTES,
+    MAX_READ_RECORDS,
+    SEGMENT_HEADER_BYTES,
+    Segment,
+    SegmentHeader,
+    data_file_name,
+    index_file_name,
+    parse_segment_name,
+    verify_client_checksums,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SEGMENT_SIZE_THRESHOLD_BYTES = 1_000_000_000
+DEFAULT_SEGMENT_CACHE_CAPACITY = 5
+MIN_SEGMENT_SIZE_THRESHOLD_BYTES = SEGMENT_HEADER_BYTES
+
+
+class PartitionLog:
+    """All segments of one partition. Use :meth:`open`; call :meth:`close` when done."""
+
+    def __init__(
+        self,
+        fs: FileSystem,
+        directory: str,
+        key: uuid.UUID,
+        partition_id: int,
+        first_ids: list[int],
+        current: Segment,
+        segment_size_threshold_bytes: int,
+        segment_cache_capacity: int,
+        clock_ms: Callable[[], int],
+    ) -> None:
+        self._fs = fs
+        self.directory = directory
+        self.key = key
+        self.partition_id = partition_id
+        self._first_ids = first_ids
+        self._current: Segment | None = current
+        self.segment_size_threshold_bytes = segment_size_threshold_bytes
+        self.segment_cache_capacity = segment_cache_capacity
+        self._cache: OrderedDict[int, Segment] = OrderedDict()
+        self._clock_ms = clock_ms
+
+    @classmethod
+    def open(
+        cls,
+        storage_directory: str,
+        key: uuid.UUID,
+        partition_id: int,
+        *,
+        fs: FileSystem = OS_FS,
+        segment_size_threshold_bytes: int = DEFAULT_SEGMENT_SIZE_THRESHOLD_BYTES,
+        segment_cache_capacity: int = DEFAULT_SEGMENT_CACHE_CAPACITY,
+        local_low_water_mark: int = -1,
+        clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+    ) -> PartitionLog:
+        """Open (creating if new) the partition's directory and recover its last segment."""
+        if segment_size_threshold_bytes < MIN_SEGMENT_SIZE_THRESHOLD_BYTES:
+            raise StorageError(
+                f"segment_size_threshold_bytes must be at least {MIN_SEGMENT_SIZE_THRESHOLD_BYTES}, "
+                f"got {segment_size_threshold_bytes}"
+            )
+        if segment_cache_capacity < 1:
+            raise StorageError(f"segment_cache_capacity must be at least 1, got {segment_cache_capacity}")
+        directory = os.path.join(storage_directory, str(partition_id))
+        fs.makedirs(directory)
+        segs: set[int] = set()
+        idxs: set[int] = set()
+        for name in fs.listdir(directory):
+            parsed = parse_segment_name(name)
+            if parsed is not None:
+                (segs if parsed[1] == ".seg" else idxs).add(parsed[0])
+        for orphan in sorted(idxs - segs):
+            log.warning("%s: removing index %s without a data file", directory, index_file_name(orphan))
+            fs.remove(os.path.join(directory, index_file_name(orphan)))
+        first_ids = sorted(segs)
+        current: Segment | None = None
+        while first_ids and current is None:
+            first = first_ids[-1]
+            if _is_half_created(fs, directory, first, first in idxs):
+                log.warning("%s: removing segment %d left half-created by a crash", directory, first)
+                fs.remove(os.path.join(directory, data_file_name(first)))
+                fs.remove(os.path.join(directory, index_file_name(first)))
+                fs.fsync_dir(directory)
+                first_ids.pop()
+                continue
+            if first not in idxs:
+                raise CorruptionError(f"{directory}: segment {first} has records but no index file")
+            current = Segment.open(
+                fs,
+                directory,
+                first,
+                key=key,
+                partition_id=partition_id,
+                writable=True,
+                recover=True,
+                local_low_water_mark=local_low_water_mark,
+            )
+        if current is None:
+            current = Segment.create(fs, directory, key, partition_id, 0, clock_ms=clock_ms)
+            first_ids = [0]
+        part = cls(
+            fs,
+            directory,
+            key,
+            partition_id,
+            first_ids,
+            current,
+            segment_size_threshold_bytes,
+            segment_cache_capacity,
+            clock_ms,
+        )
+        try:
+            if len(first_ids) > 1:
+                # The segment before the last must end right where the last begins.
+                part._segment_at(len(first_ids) - 2)
+        except BaseException:
+            part.close()
+            raise
+        return part
+
+    # ------------------------------------------------------------------------------------------- state
+
+    def _writable(self) -> Segment:
+        if self._current is None:
+            raise StorageError(f"{self.directory}: partition log is closed")
+        return self._current
+
+    @property
+    def max_transaction_id(self) -> int:
+        """The highest transaction id stored (durable or not); -1 when the log is empty."""
+        return self._writable().max_transaction_id
+
+    @property
+    def segment_first_ids(self) -> list[int]:
+        """First transaction ids of all segments, oldest first (a copy)."""
+        return list(self._first_ids)
+
+    @property
+    def cached_segment_count(self) -> int:
+        return len(self._cache)
+
+    # ------------------------------------------------------------------------------------------ writes
+
+    def append(self, records: Sequence[Record]) -> None:
+        """Append records whose ids continue the log densely from :attr:`max_transaction_id` + 1.
+
+        The whole batch is checked (ids, client checksums) before anything is written. Not durable until
+        :meth:`flush` returns.
+        """
+        if not records:
+            return
+        current = self._writable()
+        expected = current.next_transaction_id
+        if records[0].transaction_id != expected:
+            raise TransactionOutOfOrderError(
+                f"partition {self.partition_id}: transaction out of order: expected {expected}, "
+                f"got {records[0].transaction_id}"
+            )
+        verify_client_checksums(records, expected)
+        i = 0
+        total = len(records)
+        while i < total:
+            current = self._writable()
+            if current.size_bytes > self.segment_size_threshold_bytes and current.record_count > 0:
+                current = self._roll_over()
+            i += current.append_verified(records, i, size_threshold_bytes=self.segment_size_threshold_bytes)
+
+    def _roll_over(self) -> Segment:
+        old = self._writable()
+        next_id = old.next_transaction_id
+        # The full segment becomes durable (data and index) before its successor exists, so recovery only
+        # ever has to repair the last segment.
+        old.close()
+        self._current = None
+        new = Segment.create(
+            self._fs, self.directory, self.key, self.partition_id, next_id, clock_ms=self._clock_ms
+        )
+        self._first_ids.append(next_id)
+        self._current = new
+        log.debug("%s: rolled over to a new segment at %d", self.directory, next_id)
+        return new
+
+    def flush(self) -> None:
+        """Make every appended record durable (fsync of the writable segment's data file)."""
+        self._writable().flush()
+
+    def truncate(self, transaction_id: int) -> int:
+        """Keep only the records ``<= transaction_id``; durable on return. Returns the new max id."""
+        current = self._writable()
+        if transaction_id < -1:
+            raise StorageError(f"cannot truncate to {transaction_id}")
+        if transaction_id >= current.max_transaction_id:
+            return current.max_transaction_id
+        # Newest first, so that a crash part-way leaves a consistent, shorter set of whole segments.
+        while len(self._first_ids) > 1 and self._first_ids[-1] > transaction_id + 1:
+            first = self._first_ids[-1]
+            seg = (
+                self._current
+                if self._current is not None and self._current.first_transaction_id == first
+                else None
+            )
+            if seg is None:
+                seg = self._cache.pop(first, None)
+            if seg is not None:
+                seg.delete_files(self._fs)
+            else:
+                self._fs.remove(os.path.join(self.directory, data_file_name(first)))
+                self._fs.remove(os.path.join(self.directory, index_file_name(first)))
+                self._fs.fsync_dir(self.directory)
+            if self._current is seg:
+                self._current = None
+            self._first_ids.pop()
+        last_first = self._first_ids[-1]
+        if self._current is None or self._current.first_transaction_id != last_first:
+            cached = self._cache.pop(last_first, None)
+            if cached is not None:
+                cached.close()
+            self._current = Segment.open(
+                self._fs,
+                self.directory,
+                last_first,
+                key=self.key,
+                partition_id=self.partition_id,
+                writable=True,
+            )
+        self._current.truncate(max(transaction_id, last_first - 1))
+        return self._current.max_transaction_id
+
+    # ------------------------------------------------------------------------------------------- reads
+
+    def _segment_index(self, transaction_id: int) -> int:
+        return bisect.bisect_right(self._first_ids, transaction_id) - 1
+
+    def _segment_at(self, i: int) -> Segment:
+        first = self._first_ids[i]
+        current = self._writable()
+        if first == current.first_transaction_id:
+            return current
+        seg = self._cache.get(first)
+        if seg is not None:
+            self._cache.move_to_end(first)
+            return seg
+        seg = Segment.open(self._fs, self.directory, first, key=self.key, partition_id=self.partition_id)
+        expected_max = self._first_ids[i + 1] - 1
+        if seg.max_transaction_id != expected_max:
+            seg.close()
+            raise CorruptionError(
+                f"{seg.index_path}: index ends at transaction {seg.max_transaction_id}, "
+                f"the next segment starts at {expected_max + 1}"
+            )
+        self._cache[first] = seg
+        while len(self._cache) > self.segment_cache_capacity:
+            _, evicted = self._cache.popitem(last=False)
+            evicted.close()
+        return seg
+
+    def segment_for(self, transaction_id: int) -> Segment | None:
+        """The segment holding ``transaction_id``, or None if no segment does."""
+        if transaction_id < 0 or transaction_id > self.max_transaction_id:
+            return None
+        i = self._segment_index(transaction_id)
+        return self._segment_at(i) if i >= 0 else None
+
+    def read_record(self, transaction_id: int) -> Record | None:
+        """The record, verified; None if ``transaction_id`` is not in the log."""
+        seg = self.segment_for(transaction_id)
+        return seg.read_record(transaction_id) if seg is not None else None
+
+    def read_header(self, transaction_id: int) -> RecordHeader | None:
+        seg = self.segment_for(transaction_id)
+        return seg.read_header(transaction_id) if seg is not None else None
+
+    def read_records(
+        self, transaction_id: int, max_count: int, *, max_bytes: int = DEFAULT_MAX_READ_BYTES
+    ) -> list[Record]:
+        """Consecutive verified records from ``transaction_id``, across segments; empty if not in the log."""
+        out: list[Record] = []
+        budget = max_bytes
+        count = min(max_count, MAX_READ_RECORDS)
+        txn = transaction_id
+        while len(out) < count and budget > 0:
+            seg = self.segment_for(txn)
+            if seg is None:
+                break
+            got = seg.read_records(txn, count - len(out), max_bytes=budget)
+            if not got:
+                break
+            out.extend(got)
+            budget -= sum(len(r.data) + 40 for r in got)
+            txn += len(got)
+        return out
+
+    def read_headers(
+        self, transaction_id: int, max_count: int, *, max_bytes: int = DEFAULT_MAX_READ_BYTES
+    ) -> list[RecordHeader]:
+        """Like :meth:`read_records`, headers only (each record is still verified whole)."""
+        out: list[RecordHeader] = []
+        count = min(max_count, MAX_READ_RECORDS)
+        txn = transaction_id
+        while len(out) < count:
+            seg = self.segment_for(txn)
+            if seg is None:
+                break
+            got = seg.read_headers(txn, count - len(out), max_bytes=max_bytes)
+            if not got:
+                break
+            out.extend(got)
+            txn += len(got)
+        return out
+
+    # --------------------------------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Fsync and close the writable segment and close every cached one. Idempotent."""
+        cached = list(self._cache.values())
+        self._cache.clear()
+        current, self._current = self._current, None
+        try:
+            if current is not None:
+                current.close()
+        finally:
+            for seg in cached:
+                seg.close()
+
+    def delete_files(self) -> None:
+        """Close the log and remove all its segment files and its directory."""
+        self.close()
+        for name in self._fs.listdir(self.directory):
+            if parse_segment_name(name) is not None:
+                self._fs.remove(os.path.join(self.directory, name))
+        self._fs.fsync_dir(self.directory)
+        try:
+            self._fs.rmdir(self.directory)
+        except StorageError as e:
+            log.warning("%s: directory left in place: %s", self.directory, e)
+        self._first_ids = []
+
+    def __enter__(self) -> PartitionLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _is_half_created(fs: FileSystem, directory: str, first: int, has_index: bool) -> bool:
+    """True for a segment whose creation a crash interrupted: no record, and a header or index missing."""
+    data = fs.open(os.path.join(directory, data_file_name(first)), read_only=True)
+    try:
+        if data.size() > SEGMENT_HEADER_BYTES:
+            return False
+        if not has_index:
+            return True
+        for f_path in (data.path, os.path.join(directory, index_file_name(first))):
+            f = fs.open(f_path, read_only=True)
+            try:
+                raw = f.pread(SEGMENT_HEADER_BYTES, 0)
+            finally:
+                f.close()
+            try:
+                SegmentHeader.decode(raw, f_path)
+            except CorruptionError:
+                # A short or unreadable header on a file with no record: its creation never completed. A
+                # readable header of another key or partition is not ours to delete: Segment.open reports it.
+                return True
+        return False
+    finally:
+        data.close()

@@ -1,0 +1,755 @@
+"""One segment of a partition's log: a data file ``%019d.seg`` and an index file ``%019d.idx``.
+
+Both files are named after the segment's first transaction id and begin with the same 128-byte header (all
+integers big-endian)::
+
+    offset  size  field
+         0     4  i32 format version (0)
+         4     8  i64 creation time, ms since the epoch
+        12     8  i64 cluster key, most significant half of the UUID
+        20     8  i64 cluster key, least significant half
+        28     4  i32 partition id
+        32     8  i64 first transaction id
+        40    88  zero padding (reserved)
+
+Opening a segment checks the version, key, partition id and first id of both headers.
+
+The data file then holds records back to back, each ``40 + n`` bytes::
+
+         0     8  i64 transaction id
+         8     8  u64 ReqId most significant half
+        16     8  u64 ReqId least significant half
+        24     4  i32 application header
+        28     4  i32 n, the data length
+        32     4  u32 data checksum: the client's CRC-32 of the data
+        36     n  data
+      36+n     4  u32 record checksum: CRC-32 of bytes 0 .. 36+n-1 (the 36-byte record header and the data)
+
+The index file holds, after its header, one i64 per record: entry ``i`` at ``128 + 8·i`` is the data-file
+offset of transaction ``first + i``; the index length gives the max id (``first + (size - 128) // 8 - 1``).
+
+Durability protocol (what recovery relies on):
+
+* an append batch is written with one ``pwrite`` to the data file and one to the index; nothing is fsynced;
+  :meth:`Segment.flush` fsyncs the data file (the caller's group commit);
+* **checkpoint**: before the record whose id is a multiple of ``CHECKPOINT_INTERVAL`` (1000) is written, both
+  files are fsynced (unless that record is the segment's first). So if the index covers an id
+  ``c = k·1000 > first``, every record and index entry below ``c`` is durable;
+* :meth:`Segment.truncate` cuts and fsyncs the data file first, then the index, so a crash in between never
+  resurrects truncated records;
+* a new segment's headers are fsynced before its first append; a full segment is fsynced before the next one
+  is created.
+
+**Index recovery** (:meth:`Segment.open` with ``recover=True``, done for the partition's last segment): the
+restart point is the last checkpoint ``c - 1`` covered by the index (``c`` the largest multiple of 1000 with
+``first < c <= index max``), whose entry and record are durable by the protocol above; its record must verify
+(id and checksum), or the previous checkpoint is tried, down to a rescan from the header. From there the
+records are re-verified one by one (id sequence, length inside the file, record checksum), their index entries
+rewritten, until the first bad or partial record; the data file is truncated after the last good record, the
+index trimmed to match, and both fsynced. The original Waltz restarts from ``localLowWaterMark`` when it is
+higher; we do not, because index entries after the last checkpoint were never fsynced and may be garbage even
+when the records are durable. Rescanning from the checkpoint costs at most 1000 records more.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, overload
+
+from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
+from waltz.protocol.records import Record, RecordHeader, ReqId
+from waltz.storage.fileio import OS_FS, File, FileSystem
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 0
+SEGMENT_HEADER_BYTES = 128
+RECORD_HEADER_BYTES = 36
+RECORD_OVERHEAD_BYTES = 40
+INDEX_ENTRY_BYTES = 8
+CHECKPOINT_INTERVAL = 1000
+MAX_READ_RECORDS = 10_000
+"""Upper bound on the records one read call returns."""
+DEFAULT_MAX_READ_BYTES = 16 * 1024 * 1024
+"""Default bound on the bytes one list read loads (at least one record is always returned)."""
+SCAN_CHUNK_BYTES = 1024 * 1024
+"""Recovery and verification read the data file in chunks of this size."""
+MAX_RECORD_DATA_BYTES = 2**31 - 1
+
+_HEADER = struct.Struct(">iqqqiq")
+_PREFIX = struct.Struct(">qQQiiI")
+_U32 = struct.Struct(">I")
+_I64 = struct.Struct(">q")
+_MASK32 = 0xFFFFFFFF
+
+
+def data_file_name(first_transaction_id: int) -> str:
+    return f"{first_transaction_id:019d}.seg"
+
+
+def index_file_name(first_transaction_id: int) -> str:
+    return f"{first_transaction_id:019d}.idx"
+
+
+def parse_segment_name(name: str) -> tuple[int, str] | None:
+    """``(first id, ".seg" | ".idx")`` for a segment file name, else None."""
+    stem, ext = os.path.splitext(name)
+    if ext in (".seg", ".idx") and len(stem) == 19 and stem.isdigit():
+        return int(stem), ext
+    return None
+
+
+@dataclass(frozen=True)
+class SegmentHeader:
+    """The 128-byte header shared by a segment's data and index files."""
+
+    version: int
+    creation_time_ms: int
+    key: uuid.UUID
+    partition_id: int
+    first_transaction_id: int
+
+    def encode(self) -> bytes:
+        msb = _signed64(self.key.int >> 64)
+        lsb = _signed64(self.key.int & ((1 << 64) - 1))
+        raw = _HEADER.pack(
+            self.version, self.creation_time_ms, msb, lsb, self.partition_id, self.first_transaction_id
+        )
+        return raw + bytes(SEGMENT_HEADER_BYTES - len(raw))
+
+    @classmethod
+    def decode(cls, raw: bytes, path: str) -> SegmentHeader:
+        if len(raw) < SEGMENT_HEADER_BYTES:
+            raise CorruptionError(
+                f"{path}: segment header is {len(raw)} bytes, expected {SEGMENT_HEADER_BYTES}"
+            )
+        version, created, msb, lsb, pid, first = _HEADER.unpack_from(raw, 0)
+        if version != FORMAT_VERSION:
+            raise CorruptionError(f"{path}: unsupported segment version {version}")
+        key = uuid.UUID(int=((msb & ((1 << 64) - 1)) << 64) | (lsb & ((1 << 64) - 1)))
+        return cls(version, created, key, pid, first)
+
+
+def encode_record(rec: Record) -> bytes:
+    """One record as stored in a ``.seg`` file (for tests and tools; appends build batches in place)."""
+    prefix = _PREFIX.pack(
+        rec.transaction_id, rec.req_id.msb, rec.req_id.lsb, rec.header, len(rec.data), rec.checksum
+    )
+    return prefix + rec.data + _U32.pack(zlib.crc32(rec.data, zlib.crc32(prefix)) & _MASK32)
+
+
+def verify_client_checksums(records: Sequence[Record], first_transaction_id: int) -> None:
+    """Check that ``records`` continue densely from ``first_transaction_id`` and each data matches its CRC-32.
+
+    Raises TransactionOutOfOrderError or CorruptionError; called right before anything is written.
+    """
+    expected = first_transaction_id
+    for rec in records:
+        if rec.transaction_id != expected:
+            raise TransactionOutOfOrderError(
+                f"transaction out of order: expected {expected}, got {rec.transaction_id}"
+            )
+        if zlib.crc32(rec.data) != rec.checksum:
+            raise CorruptionError(
+                f"transaction {expected}: data does not match its checksum {rec.checksum:#010x}; not written"
+            )
+        if len(rec.data) > MAX_RECORD_DATA_BYTES:
+            raise StorageError(f"transaction {expected}: {len(rec.data)} bytes of data is too large")
+        expected += 1
+
+
+class Segment:
+    """One open segment. Not thread-safe: its partition's single owner calls it.
+
+    A writable segment accepts appends and truncation; a read-only one only reads. Reads verify every record
+    checksum right after reading and raise CorruptionError on a mismatch.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        header: SegmentHeader,
+        data: File,
+        index: File,
+        count: int,
+        data_size: int,
+        writable: bool,
+    ) -> None:
+        self.directory = directory
+        self.header = header
+        self.first_transaction_id = header.first_transaction_id
+        self.data_path = os.path.join(directory, data_file_name(header.first_transaction_id))
+        self.index_path = os.path.join(directory, index_file_name(header.first_transaction_id))
+        self._data: File | None = data
+        self._index: File | None = index
+        self._count = count
+        self._data_size = data_size
+        self.writable = writable
+        self._data_dirty = False
+        self._index_dirty = False
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def create(
+        cls,
+        fs: FileSystem,
+        directory: str,
+        key: uuid.UUID,
+        partition_id: int,
+        first_transaction_id: int,
+        *,
+        clock_ms: Callable[[], int] | None = None,
+    ) -> Segment:
+        """Create an empty writable segment; both headers are fsynced before this returns."""
+        now = clock_ms() if clock_ms is not None else time.time_ns() // 1_000_000
+        header = SegmentHeader(FORMAT_VERSION, now, key, partition_id, first_transaction_id)
+        raw = header.encode()
+        files: list[File] = []
+        try:
+            for name in (data_file_name(first_transaction_id), index_file_name(first_transaction_id)):
+                f = fs.open(os.path.join(directory, name), create=True)
+                files.append(f)
+                f.truncate(0)
+                f.pwrite(raw, 0)
+                f.fsync()
+            fs.fsync_dir(directory)
+        except BaseException:
+            for f in files:
+                f.close()
+            raise
+        return cls(directory, header, files[0], files[1], 0, SEGMENT_HEADER_BYTES, True)
+
+    @classmethod
+    def open(
+        cls,
+        fs: FileSystem,
+        directory: str,
+        first_transaction_id: int,
+        *,
+        key: uuid.UUID | None,
+        partition_id: int | None,
+        writable: bool = False,
+        recover: bool = False,
+        local_low_water_mark: int = -1,
+    ) -> Segment:
+        """Open an existing segment, checking both headers; ``recover`` runs index recovery."""
+        if recover and not writable:
+            raise StorageError("index recovery needs a writable segment")
+        data_path = os.path.join(directory, data_file_name(first_transaction_id))
+        index_path = os.path.join(directory, index_file_name(first_transaction_id))
+        data = fs.open(data_path, read_only=not writable)
+        try:
+            index = fs.open(index_path, read_only=not writable)
+        except BaseException:
+            data.close()
+            raise
+        try:
+            header = SegmentHeader.decode(data.pread(SEGMENT_HEADER_BYTES, 0), data_path)
+            index_header = SegmentHeader.decode(index.pread(SEGMENT_HEADER_BYTES, 0), index_path)
+            _check_header(header, data_path, key, partition_id, first_transaction_id)
+            _check_header(index_header, index_path, header.key, header.partition_id, first_transaction_id)
+            count = max(0, (index.size() - SEGMENT_HEADER_BYTES) // INDEX_ENTRY_BYTES)
+            seg = cls(directory, header, data, index, count, data.size(), writable)
+            if recover:
+                seg._recover(local_low_water_mark)
+        except BaseException:
+            data.close()
+            index.close()
+            raise
+        return seg
+
+    @classmethod
+    def inspect(cls, data_path: str, *, fs: FileSystem = OS_FS) -> Segment:
+        """Open a segment read-only from its ``.seg`` path, for tools: no key check, no recovery."""
+        parsed = parse_segment_name(os.path.basename(data_path))
+        if parsed is None or parsed[1] != ".seg":
+            raise StorageError(
+                f"{data_path}: not a segment data file name (expected NNNNNNNNNNNNNNNNNNN.seg)"
+            )
+        return cls.open(fs, os.path.dirname(data_path) or ".", parsed[0], key=None, partition_id=None)
+
+    def close(self) -> None:
+        """Close both files; a writable segment is fsynced first. Idempotent."""
+        if self._data is None or self._index is None:
+            return
+        try:
+            if self.writable:
+                self.sync()
+        finally:
+            data, index = self._data, self._index
+            self._data = self._index = None
+            data.close()
+            index.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._data is None
+
+    def _files(self) -> tuple[File, File]:
+        if self._data is None or self._index is None:
+            raise StorageError(f"{self.data_path}: segment is closed")
+        return self._data, self._index
+
+    # -------------------------------------------------------------------------------------------- state
+
+    @property
+    def max_transaction_id(self) -> int:
+        """The last transaction id held, ``first - 1`` when empty."""
+        return self.first_transaction_id + self._count - 1
+
+    @property
+    def next_transaction_id(self) -> int:
+        return self.first_transaction_id + self._count
+
+    @property
+    def record_count(self) -> int:
+        return self._count
+
+    @property
+    def size_bytes(self) -> int:
+        """Size of the data file, header included."""
+        return self._data_size
+
+    # ------------------------------------------------------------------------------------------- writes
+
+    def append(
+        self, records: Sequence[Record], start: int = 0, *, size_threshold_bytes: int | None = None
+    ) -> int:
+        """Verify and write ``records[start:]`` (ids continuing this segment); return how many were written.
+
+        Writing stops after the record that takes the data file past ``size_threshold_bytes`` (the caller then
+        continues in a new segment). Each run of records is one ``pwrite`` to each file; a batch is split only
+        at a checkpoint id (a multiple of 1000), before which both files are fsynced. Nothing else is fsynced:
+        call :meth:`flush`.
+        """
+        verify_client_checksums(records[start:], self.next_transaction_id)
+        return self.append_verified(records, start, size_threshold_bytes=size_threshold_bytes)
+
+    def append_verified(
+        self, records: Sequence[Record], start: int = 0, *, size_threshold_bytes: int | None = None
+    ) -> int:
+        """:meth:`append` for records already checked by :func:`verify_client_checksums` (the lean path)."""
+        self._files()
+        if not self.writable:
+            raise StorageError(f"{self.data_path}: segment is read-only")
+        threshold = size_threshold_bytes if size_threshold_bytes is not None else 1 << 62
+        i = start
+        total = len(records)
+        while i < total and self._data_size <= threshold:
+            if self.next_transaction_id % CHECKPOINT_INTERVAL == 0 and self._count > 0:
+                self._checkpoint()
+            i += self._write_chunk(records, i, threshold)
+        return i - start
+
+    def _write_chunk(self, records: Sequence[Record], start: int, threshold: int) -> int:
+        """One pwrite of data and one of index entries, up to the threshold or the next checkpoint id."""
+        data_file, index_file = self._files()
+        expected = self.next_transaction_id
+        pack_prefix = _PREFIX.pack
+        pack_u32 = _U32.pack
+        crc = zlib.crc32
+        buf = bytearray()
+        offsets: list[int] = []
+        pos = self._data_size
+        i = start
+        total = len(records)
+        while i < total:
+            rec = records[i]
+            txn = rec.transaction_id
+            if txn != expected:
+                raise TransactionOutOfOrderError(f"transaction out of order: expected {expected}, got {txn}")
+            if i > start and txn % CHECKPOINT_INTERVAL == 0:
+                break
+            data = rec.data
+            prefix = pack_prefix(txn, rec.req_id.msb, rec.req_id.lsb, rec.header, len(data), rec.checksum)
+            buf += prefix
+            buf += data
+            buf += pack_u32(crc(data, crc(prefix)))
+            offsets.append(pos)
+            pos += RECORD_OVERHEAD_BYTES + len(data)
+            expected += 1
+            i += 1
+            if pos > threshold:
+                break
+        if not offsets:
+            return 0
+        data_file.pwrite(buf, self._data_size)
+        index_file.pwrite(
+            struct.pack(f">{len(offsets)}q", *offsets), SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * self._count
+        )
+        self._data_size = pos
+        self._count += len(offsets)
+        self._data_dirty = self._index_dirty = True
+        return len(offsets)
+
+    def _checkpoint(self) -> None:
+        # Everything below the checkpoint id becomes durable before that id is written: index recovery then
+        # trusts the index up to the last checkpoint it covers.
+        self.sync()
+
+    def flush(self) -> None:
+        """Make every appended record durable (fsync of the data file; the index waits for a checkpoint)."""
+        data_file, _ = self._files()
+        if self._data_dirty:
+            data_file.fsync(data_only=True)
+            self._data_dirty = False
+
+    def sync(self) -> None:
+        """Make the data file and the index durable."""
+        data_file, index_file = self._files()
+        if self._data_dirty:
+            data_file.fsync(data_only=True)
+            self._data_dirty = False
+        if self._index_dirty:
+            index_file.fsync(data_only=True)
+            self._index_dirty = False
+
+    def truncate(self, transaction_id: int) -> None:
+        """Keep the records ``<= transaction_id``; durable when this returns."""
+        data_file, index_file = self._files()
+        if not self.writable:
+            raise StorageError(f"{self.data_path}: segment is read-only")
+        if transaction_id < self.first_transaction_id - 1:
+            raise StorageError(
+                f"{self.data_path}: cannot truncate to {transaction_id}, before the segment's first id"
+            )
+        if transaction_id >= self.max_transaction_id:
+            self.sync()
+            return
+        keep = transaction_id - self.first_transaction_id + 1
+        cut = self._offset_of(keep) if keep > 0 else SEGMENT_HEADER_BYTES
+        # Data first: once the records are gone durably, a stale index can only point past the end of the
+        # data, which recovery detects; the other order could resurrect truncated records.
+        data_file.truncate(cut)
+        data_file.fsync()
+        index_file.truncate(SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * keep)
+        index_file.fsync()
+        self._count = keep
+        self._data_size = cut
+        self._data_dirty = self._index_dirty = False
+
+    # -------------------------------------------------------------------------------------------- reads
+
+    def _offset_of(self, entry: int) -> int:
+        _, index_file = self._files()
+        raw = index_file.pread(INDEX_ENTRY_BYTES, SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * entry)
+        if len(raw) != INDEX_ENTRY_BYTES:
+            raise CorruptionError(f"{self.index_path}: index entry {entry} is missing")
+        return int(_I64.unpack(raw)[0])
+
+    def _offsets(self, entry: int, count: int) -> list[int]:
+        """Offsets of records ``entry .. entry+count-1`` plus the end of the last one (count + 1 values)."""
+        _, index_file = self._files()
+        with_next = entry + count < self._count
+        n = count + 1 if with_next else count
+        raw = index_file.pread(INDEX_ENTRY_BYTES * n, SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * entry)
+        if len(raw) != INDEX_ENTRY_BYTES * n:
+            raise CorruptionError(f"{self.index_path}: index is shorter than {self._count} entries")
+        offsets = list(struct.unpack(f">{n}q", raw))
+        if not with_next:
+            offsets.append(self._data_size)
+        prev = SEGMENT_HEADER_BYTES
+        for o in offsets:
+            if o < prev or o > self._data_size:
+                raise CorruptionError(
+                    f"{self.index_path}: bad index entry near transaction "
+                    f"{self.first_transaction_id + entry}: offset {o}"
+                )
+            prev = o
+        return offsets
+
+    def _range(self, transaction_id: int, max_count: int) -> int:
+        if max_count <= 0:
+            return 0
+        if transaction_id < self.first_transaction_id or transaction_id > self.max_transaction_id:
+            return 0
+        return min(max_count, MAX_READ_RECORDS, self.max_transaction_id - transaction_id + 1)
+
+    @overload
+    def _read(
+        self, transaction_id: int, max_count: int, max_bytes: int, headers: Literal[False]
+    ) -> list[Record]: ...
+
+    @overload
+    def _read(
+        self, transaction_id: int, max_count: int, max_bytes: int, headers: Literal[True]
+    ) -> list[RecordHeader]: ...
+
+    def _read(
+        self, transaction_id: int, max_count: int, max_bytes: int, headers: bool
+    ) -> list[Record] | list[RecordHeader]:
+        count = self._range(transaction_id, max_count)
+        if count == 0:
+            return []
+        data_file, _ = self._files()
+        entry = transaction_id - self.first_transaction_id
+        offsets = self._offsets(entry, count)
+        base = offsets[0]
+        # Load whole records only, at least one, at most max_bytes.
+        k = 1
+        while k < count and offsets[k + 1] - base <= max_bytes:
+            k += 1
+        raw = data_file.pread(offsets[k] - base, base)
+        if len(raw) != offsets[k] - base:
+            raise CorruptionError(
+                f"{self.data_path}: data file ends inside transaction {transaction_id + k - 1}"
+            )
+        out_records: list[Record] = []
+        out_headers: list[RecordHeader] = []
+        for j in range(k):
+            start = offsets[j] - base
+            end = offsets[j + 1] - base
+            txn = transaction_id + j
+            rec = _decode_verified(raw, start, end, txn, self.data_path, offsets[j])
+            if headers:
+                out_headers.append(RecordHeader(rec[0], rec[1], rec[2]))
+            else:
+                out_records.append(Record(rec[0], rec[1], rec[2], bytes(raw[start + 36 : end - 4]), rec[3]))
+        return out_headers if headers else out_records
+
+    def read_record(self, transaction_id: int) -> Record | None:
+        """The record, or None if this segment does not hold ``transaction_id``."""
+        got = self._read(transaction_id, 1, DEFAULT_MAX_READ_BYTES, False)
+        return got[0] if got else None
+
+    def read_header(self, transaction_id: int) -> RecordHeader | None:
+        got = self._read(transaction_id, 1, DEFAULT_MAX_READ_BYTES, True)
+        return got[0] if got else None
+
+    def read_records(
+        self, transaction_id: int, max_count: int, *, max_bytes: int = DEFAULT_MAX_READ_BYTES
+    ) -> list[Record]:
+        """Consecutive records from ``transaction_id``: up to ``max_count`` (and ``max_bytes``, at least one),
+        stopping at the end of the segment; empty if the segment does not hold ``transaction_id``."""
+        return self._read(transaction_id, max_count, max_bytes, False)
+
+    def read_headers(
+        self, transaction_id: int, max_count: int, *, max_bytes: int = DEFAULT_MAX_READ_BYTES
+    ) -> list[RecordHeader]:
+        """Like :meth:`read_records` but only the headers (each record is still read and verified whole)."""
+        return self._read(transaction_id, max_count, max_bytes, True)
+
+    def record_offset(self, transaction_id: int) -> int:
+        """Data-file offset of a held transaction (for tools)."""
+        if self._range(transaction_id, 1) == 0:
+            raise StorageError(f"{self.data_path}: transaction {transaction_id} is not in this segment")
+        return self._offset_of(transaction_id - self.first_transaction_id)
+
+    # ---------------------------------------------------------------------------------------- recovery
+
+    def _recover(self, local_low_water_mark: int) -> None:
+        data_file, index_file = self._files()
+        first = self.first_transaction_id
+        index_max = first + self._count - 1
+        data_size = self._data_size
+        # Restart candidates, best first: the last checkpoints the index covers, then the header.
+        candidates: list[int] = []
+        c = (index_max // CHECKPOINT_INTERVAL) * CHECKPOINT_INTERVAL
+        while c > first:
+            candidates.append(c - 1)
+            c -= CHECKPOINT_INTERVAL
+        restart = first - 1
+        scan_from = SEGMENT_HEADER_BYTES
+        for r in candidates:
+            end = self._verify_at(r, data_size)
+            if end is not None:
+                restart, scan_from = r, end
+                break
+            log.warning("%s: checkpoint record %d does not verify; trying an earlier one", self.data_path, r)
+        new_offsets, end = self._scan(restart + 1, scan_from, data_size)
+        last = restart + len(new_offsets)
+        keep = last - first + 1
+        if new_offsets:
+            index_file.pwrite(
+                struct.pack(f">{len(new_offsets)}q", *new_offsets),
+                SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * (restart + 1 - first),
+            )
+        if end != data_size:
+            log.warning(
+                "%s: cut %d bytes after transaction %d (partial or unverified tail)",
+                self.data_path,
+                data_size - end,
+                last,
+            )
+        if last < min(local_low_water_mark, index_max):
+            log.warning(
+                "%s: recovery cut the log at %d, below the local low-water mark %d",
+                self.data_path,
+                last,
+                local_low_water_mark,
+            )
+        data_file.truncate(end)
+        index_file.truncate(SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * keep)
+        # Fsync even when nothing changed: what we read may have come from an unsynced page cache.
+        data_file.fsync()
+        index_file.fsync()
+        self._count = keep
+        self._data_size = end
+        self._data_dirty = self._index_dirty = False
+
+    def _verify_at(self, transaction_id: int, data_size: int) -> int | None:
+        """End offset of ``transaction_id``'s record if its index entry points at a record that verifies."""
+        data_file, _ = self._files()
+        try:
+            offset = self._offset_of(transaction_id - self.first_transaction_id)
+        except CorruptionError:
+            return None
+        if offset < SEGMENT_HEADER_BYTES or offset + RECORD_OVERHEAD_BYTES > data_size:
+            return None
+        prefix = data_file.pread(RECORD_HEADER_BYTES, offset)
+        n: int = _PREFIX.unpack(prefix)[4]
+        if n < 0 or offset + RECORD_OVERHEAD_BYTES + n > data_size:
+            return None
+        raw = data_file.pread(RECORD_OVERHEAD_BYTES + n, offset)
+        try:
+            _decode_verified(raw, 0, len(raw), transaction_id, self.data_path, offset)
+        except CorruptionError:
+            return None
+        return offset + RECORD_OVERHEAD_BYTES + n
+
+    def _scan(self, transaction_id: int, offset: int, data_size: int) -> tuple[list[int], int]:
+        """Offsets of the records from ``offset`` that verify in sequence from ``transaction_id``, and the end
+        offset of the last of them."""
+        data_file, _ = self._files()
+        offsets: list[int] = []
+        expected = transaction_id
+        buf = b""
+        buf_start = offset
+        pos = offset
+        while pos + RECORD_OVERHEAD_BYTES <= data_size:
+            rel = pos - buf_start
+            if rel + RECORD_HEADER_BYTES > len(buf):
+                buf, buf_start, rel = data_file.pread(SCAN_CHUNK_BYTES, pos), pos, 0
+            n = _PREFIX.unpack_from(buf, rel)[4]
+            rec_len = RECORD_OVERHEAD_BYTES + n
+            if n < 0 or pos + rec_len > data_size:
+                break
+            if rel + rec_len > len(buf):
+                buf, buf_start, rel = data_file.pread(max(SCAN_CHUNK_BYTES, rec_len), pos), pos, 0
+            try:
+                _decode_verified(buf, rel, rel + rec_len, expected, self.data_path, pos)
+            except CorruptionError:
+                break
+            offsets.append(pos)
+            pos += rec_len
+            expected += 1
+        return offsets, pos
+
+    def verify(self, transaction_id: int | None = None) -> list[str]:
+        """Check index offsets and record checksums (of one transaction or all); return the problems found."""
+        data_file, _ = self._files()
+        problems: list[str] = []
+        first = self.first_transaction_id
+        if transaction_id is not None:
+            if self._range(transaction_id, 1) == 0:
+                return [
+                    f"transaction {transaction_id} is not in this segment "
+                    f"({first}..{self.max_transaction_id})"
+                ]
+            ids = range(transaction_id, transaction_id + 1)
+        else:
+            ids = range(first, self.max_transaction_id + 1)
+        _, index_file = self._files()
+        chunk = 4096
+        expected_offset = SEGMENT_HEADER_BYTES if transaction_id is None else None
+        for lo in range(ids.start, ids.stop, chunk):
+            hi = min(ids.stop, lo + chunk)
+            raw = index_file.pread(
+                INDEX_ENTRY_BYTES * (hi - lo), SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * (lo - first)
+            )
+            for txn in range(lo, hi):
+                j = (txn - lo) * INDEX_ENTRY_BYTES
+                if j + INDEX_ENTRY_BYTES > len(raw):
+                    problems.append(f"transaction {txn}: index entry missing")
+                    return problems
+                offset = _I64.unpack_from(raw, j)[0]
+                if expected_offset is not None and offset != expected_offset:
+                    problems.append(f"transaction {txn}: index offset {offset}, expected {expected_offset}")
+                if offset < SEGMENT_HEADER_BYTES or offset + RECORD_OVERHEAD_BYTES > self._data_size:
+                    problems.append(f"transaction {txn}: index offset {offset} outside the data file")
+                    expected_offset = None
+                    continue
+                n = _PREFIX.unpack(data_file.pread(RECORD_HEADER_BYTES, offset))[4]
+                if n < 0 or offset + RECORD_OVERHEAD_BYTES + n > self._data_size:
+                    problems.append(
+                        f"transaction {txn}: record at {offset} runs past the end of the data file"
+                    )
+                    expected_offset = None
+                    continue
+                rec = data_file.pread(RECORD_OVERHEAD_BYTES + n, offset)
+                try:
+                    _decode_verified(rec, 0, len(rec), txn, self.data_path, offset)
+                except CorruptionError as e:
+                    problems.append(str(e))
+                expected_offset = offset + RECORD_OVERHEAD_BYTES + n
+        if transaction_id is None and expected_offset is not None and expected_offset != self._data_size:
+            problems.append(f"{self._data_size - expected_offset} bytes after the last indexed record")
+        return problems
+
+    def delete_files(self, fs: FileSystem) -> None:
+        """Close and remove both files (data first, so a crash leaves at worst an orphan index)."""
+        if not self.closed:
+            data, index = self._files()
+            self._data = self._index = None
+            data.close()
+            index.close()
+        fs.remove(self.data_path)
+        fs.remove(self.index_path)
+        fs.fsync_dir(self.directory)
+
+
+def _decode_verified(
+    raw: bytes | bytearray, start: int, end: int, transaction_id: int, path: str, offset: int
+) -> tuple[int, ReqId, int, int]:
+    """Check one record at ``raw[start:end]``: id, length, record checksum, data checksum."""
+    if end - start < RECORD_OVERHEAD_BYTES:
+        raise CorruptionError(f"{path}: record {transaction_id} at offset {offset} is truncated")
+    txn, msb, lsb, header, n, data_crc = _PREFIX.unpack_from(raw, start)
+    if txn != transaction_id:
+        raise CorruptionError(
+            f"{path}: expected transaction {transaction_id} at offset {offset}, found {txn}"
+        )
+    if RECORD_OVERHEAD_BYTES + n != end - start:
+        raise CorruptionError(f"{path}: record {transaction_id} at offset {offset} has a bad length {n}")
+    body_end = end - 4
+    view = memoryview(raw)
+    try:
+        stored = _U32.unpack_from(raw, body_end)[0]
+        if zlib.crc32(view[start:body_end]) != stored:
+            raise CorruptionError(
+                f"{path}: record {transaction_id} at offset {offset}: record checksum mismatch"
+            )
+        if zlib.crc32(view[start + RECORD_HEADER_BYTES : body_end]) != data_crc:
+            raise CorruptionError(
+                f"{path}: record {transaction_id} at offset {offset}: data checksum mismatch"
+            )
+    finally:
+        view.release()
+    return txn, ReqId(msb, lsb), header, data_crc
+
+
+def _check_header(
+    header: SegmentHeader, path: str, key: uuid.UUID | None, partition_id: int | None, first: int
+) -> None:
+    if key is not None and header.key != key:
+        raise CorruptionError(f"{path}: segment belongs to cluster key {header.key}, expected {key}")
+    if partition_id is not None and header.partition_id != partition_id:
+        raise CorruptionError(
+            f"{path}: segment belongs to partition {header.partition_id}, expected {partition_id}"
+        )
+    if header.first_transaction_id != first:
+        raise CorruptionError(
+            f"{path}: header says first transaction {header.first_transaction_id}, name says {first}"
+        )
+
+
+def _signed64(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v

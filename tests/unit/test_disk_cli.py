@@ -1,0 +1,121 @@
+"""``waltz disk``: library functions and the command line."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from waltz.cli.disk import dump_control_file, dump_segment, segment_stats, verify_segment
+from waltz.cli.main import main
+from waltz.errors import ConfigError, StorageError
+from waltz.protocol.records import Record, ReqId
+from waltz.storage.controlfile import CONTROL_FILE_NAME, FLAG_ASSIGNED, FLAG_AVAILABLE, ControlFile
+from waltz.storage.partition import PartitionLog
+from waltz.storage.segment import data_file_name, index_file_name
+
+KEY = uuid.UUID("12345678-1234-5678-1234-567812345678")
+
+
+def _records(n: int) -> list[Record]:
+    return [Record.build(i, ReqId.of(1, 1, 2, i), i, bytes(i % 10 + 1)) for i in range(n)]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    with ControlFile.open_or_create(str(tmp_path), KEY, 3) as cf:
+        cf.update(
+            2, session_id=5, low_water_mark=9, local_low_water_mark=9, flags=FLAG_AVAILABLE | FLAG_ASSIGNED
+        )
+    log = PartitionLog.open(str(tmp_path), KEY, 2)
+    log.append(_records(10))
+    log.flush()
+    log.close()
+    return tmp_path
+
+
+def seg_path(store: Path) -> str:
+    return str(store / "2" / data_file_name(0))
+
+
+def test_verify_segment_ok(store: Path) -> None:
+    assert verify_segment(seg_path(store)) == []
+    assert verify_segment(seg_path(store), 4) == []
+    assert verify_segment(seg_path(store), 40) == ["transaction 40 is not in this segment (0..9)"]
+
+
+def test_verify_segment_lists_failures(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = seg_path(store)
+    with open(path, "r+b") as f:
+        f.seek(128 + 36)  # the one data byte of transaction 0
+        f.write(b"\xee")
+    with open(str(store / "2" / index_file_name(0)), "r+b") as f:
+        f.seek(128 + 8 * 5)
+        f.write((3).to_bytes(8, "big"))
+    problems = verify_segment(path)
+    assert any("record 0" in p and "checksum" in p for p in problems)
+    assert any("transaction 5" in p for p in problems)
+    assert main(["disk", "verify-segment", path]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out
+    assert main(["disk", "verify-segment", path, "-t", "9"]) == 0
+
+
+def test_segment_stats(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    s = segment_stats(seg_path(store))
+    assert (s.rows, s.min_data_bytes, s.max_data_bytes) == (10, 1, 10)
+    assert s.avg_data_bytes == 5.5
+    assert s.median_data_bytes == 5.5
+    assert main(["disk", "segment-stats", seg_path(store)]) == 0
+    assert "rows: 10" in capsys.readouterr().out
+
+
+def test_dump_control_file(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ctl = str(store / CONTROL_FILE_NAME)
+    lines = dump_control_file(ctl)
+    assert f"key: {KEY}" in lines
+    assert "partitions: 3" in lines
+    assert sum(line.startswith("partition ") for line in lines) == 3
+    assigned = dump_control_file(ctl, assigned_only=True)
+    assert [line for line in assigned if line.startswith("partition ")] == [
+        "partition 2: session id 5, low-water mark 9, local low-water mark 9, assigned True, available True"
+    ]
+    one = dump_control_file(ctl, partition_id=1)
+    assert one[-1].startswith("partition 1: session id -1")
+    with pytest.raises(ConfigError):
+        dump_control_file(ctl, partition_id=3)
+    assert main(["disk", "dump-control-file", ctl, "-a"]) == 0
+    assert "partition 2:" in capsys.readouterr().out
+    assert main(["disk", "dump-control-file", ctl, "-p", "7"]) == 2
+
+
+def test_dump_segment(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = seg_path(store)
+    meta = dump_segment(path, metadata=True)
+    assert "partition: 2" in meta
+    assert "max transaction id: 9" in meta
+    recs = dump_segment(path, records=True)
+    assert len(recs) == 10
+    assert recs[3].startswith("transaction 3: ")
+    one = dump_segment(path, transaction_id=2)
+    assert one == [f"offset {128 + 41 + 42}: " + recs[2]]
+    assert main(["disk", "dump-segment", path, "-m", "-r"]) == 0
+    out = capsys.readouterr().out
+    assert "first transaction id: 0" in out
+    assert "transaction 9:" in out
+
+
+def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = str(tmp_path / data_file_name(0))
+    with pytest.raises(StorageError):
+        verify_segment(missing)
+    assert main(["disk", "verify-segment", missing]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("waltz: error: ")
+    assert err.count("\n") == 1
+    bad_name = str(tmp_path / "foo.seg")
+    assert main(["disk", "segment-stats", bad_name]) == 1
+    assert "not a segment data file name" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,313 @@
+"""Segments: golden bytes, appends, reads that verify, truncation and index recovery."""
+
+from __future__ import annotations
+
+import struct
+import uuid
+from pathlib import Path
+
+import pytest
+
+from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
+from waltz.protocol.records import Record, ReqId
+from waltz.storage.fileio import CrashFS
+from waltz.storage.segment import (
+    CHECKPOINT_INTERVAL,
+    SEGMENT_HEADER_BYTES,
+    Segment,
+    SegmentHeader,
+    data_file_name,
+    encode_record,
+    index_file_name,
+    parse_segment_name,
+)
+
+KEY = uuid.UUID("00112233-4455-6677-8899-aabbccddeeff")
+PID = 3
+DIR = "/p"
+
+
+def rec(txn: int, size: int = 16) -> Record:
+    data = bytes((txn * 7 + i) & 0xFF for i in range(size))
+    return Record.build(txn, ReqId.of(1, 2, PID, txn), txn % 5, data)
+
+
+def recs(first: int, n: int, size: int = 16) -> list[Record]:
+    return [rec(i, size) for i in range(first, first + n)]
+
+
+def new_segment(fs: CrashFS, first: int = 0) -> Segment:
+    fs.makedirs(DIR)
+    return Segment.create(fs, DIR, KEY, PID, first, clock_ms=lambda: 1_600_000_000_000)
+
+
+def reopen(fs: CrashFS, first: int = 0, *, recover: bool = True) -> Segment:
+    return Segment.open(fs, DIR, first, key=KEY, partition_id=PID, writable=recover, recover=recover)
+
+
+def test_file_names() -> None:
+    assert data_file_name(0) == "0000000000000000000.seg"
+    assert index_file_name(1234) == "0000000000000001234.idx"
+    assert parse_segment_name("0000000000000001234.idx") == (1234, ".idx")
+    assert parse_segment_name("1234.seg") is None
+    assert parse_segment_name("0000000000000001234.tmp") is None
+
+
+def test_header_golden_bytes() -> None:
+    raw = SegmentHeader(0, 1_600_000_000_000, KEY, 3, 1000).encode()
+    assert raw == (
+        bytes.fromhex("00000000")  # version
+        + bytes.fromhex("00000174876e8000")  # creation time ms
+        + bytes.fromhex("0011223344556677")  # key msb
+        + bytes.fromhex("8899aabbccddeeff")  # key lsb
+        + bytes.fromhex("00000003")  # partition id
+        + bytes.fromhex("00000000000003e8")  # first transaction id
+        + bytes(88)
+    )
+    fs = CrashFS()
+    seg = new_segment(fs, 1000)
+    for path in (seg.data_path, seg.index_path):
+        assert fs.open(path).pread(200, 0) == SegmentHeader(0, 1_600_000_000_000, KEY, PID, 1000).encode()
+
+
+def test_record_golden_bytes() -> None:
+    r = Record.build(42, ReqId(0x0000000100000002, 0x0000000300000004), 7, b"abc")
+    assert r.checksum == 0x352441C2
+    assert encode_record(r) == bytes.fromhex(
+        "000000000000002a"  # transaction id
+        "0000000100000002"  # reqId msb
+        "0000000300000004"  # reqId lsb
+        "00000007"  # header
+        "00000003"  # data length
+        "352441c2"  # client CRC-32 of the data
+        "616263"  # data
+        "2d44ccf1"  # CRC-32 of the 36 header bytes plus the data
+    )
+
+
+def test_append_layout_and_index() -> None:
+    fs = CrashFS()
+    seg = new_segment(fs)
+    batch = recs(0, 3, size=10)
+    assert seg.append(batch) == 3
+    data = fs.open(seg.data_path).pread(10_000, 0)
+    assert data[SEGMENT_HEADER_BYTES:] == b"".join(encode_record(r) for r in batch)
+    index = fs.open(seg.index_path).pread(10_000, SEGMENT_HEADER_BYTES)
+    assert struct.unpack(">3q", index) == (128, 178, 228)
+    assert seg.max_transaction_id == 2
+    assert seg.size_bytes == 128 + 3 * 50
+
+
+def test_append_and_read_back() -> None:
+    fs = CrashFS()
+    seg = new_segment(fs, 100)
+    batch = recs(100, 50)
+    seg.append(batch[:20])
+    seg.append(batch[20:])
+    assert seg.read_record(100) == batch[0]
+    assert seg.read_record(149) == batch[49]
+    assert seg.read_record(150) is None
+    assert seg.read_record(99) is None
+    assert seg.read_header(120) == batch[20].header_only()
+    assert seg.read_records(110, 5) == batch[10:15]
+    assert seg.read_records(140, 100) == batch[40:]
+    assert seg.read_headers(145, 100) == [r.header_only() for r in batch[45:]]
+    assert seg.read_records(150, 10) == []
+    assert seg.read_records(100, 0) == []
+    # max_bytes bounds the load but always returns at least one record.
+    assert seg.read_records(100, 50, max_bytes=1) == batch[:1]
+    assert seg.read_records(100, 50, max_bytes=3 * 56) == batch[:3]
+
+
+def test_append_rejects_gaps_and_bad_checksums() -> None:
+    fs = CrashFS()
+    seg = new_segment(fs)
+    seg.append(recs(0, 2))
+    with pytest.raises(TransactionOutOfOrderError):
+        seg.append(recs(3, 1))
+    with pytest.raises(TransactionOutOfOrderError):
+        seg.append([rec(2), rec(4)])
+    bad = rec(2)._replace(checksum=rec(2).checksum ^ 1)
+    with pytest.raises(CorruptionError, match="does not match its checksum"):
+        seg.append([rec(2), bad._replace(transaction_id=3)])
+    # Nothing of a rejected batch was written.
+    assert seg.max_transaction_id == 1
+    assert seg.size_bytes == 128 + 2 * 56
+
+
+def test_append_stops_at_threshold() -> None:
+    fs = CrashFS()
+    seg = new_segment(fs, 990)
+    # The record that passes the threshold is the last one written.
+    assert seg.append(recs(990, 5), size_threshold_bytes=128 + 56 + 1) == 2
+    assert seg.append(recs(992, 5), size_threshold_bytes=128 + 56 + 1) == 0
+
+
+def test_checkpoint_fsyncs_before_the_checkpoint_id() -> None:
+    fs = CrashFS()
+    seg = new_segment(fs, 990)
+    seg.append(recs(990, 5))
+    syncs = fs.fsync_count
+    writes_before = fs.ops
+    # A batch crossing id 1000: the part below is written, both files fsynced, then the rest written.
+    assert seg.append(recs(995, 20)) == 20
+    assert fs.fsync_count == syncs + 2
+    assert fs.ops == writes_before + 6  # 2 writes, 2 fsyncs, 2 writes
+    assert seg.read_records(990, 100) == recs(990, 25)
+    # Starting a segment exactly at a checkpoint needs no checkpoint.
+    seg2 = new_segment(fs, 2000)
+    syncs = fs.fsync_count
+    seg2.append(recs(2000, 3))
+    assert fs.fsync_count == syncs
+
+
+def test_corrupt_record_detected_on_read() -> None:
+    fs = CrashFS()
+    seg = new_segment(fs)
+    seg.append(recs(0, 5))
+    seg.flush()
+    offset = seg.record_offset(2)
+    fs.corrupt(seg.data_path, offset + 40, b"\xff")  # a data byte
+    with pytest.raises(CorruptionError, match=r"record 2 .*checksum mismatch"):
+        seg.read_record(2)
+    with pytest.raises(CorruptionError):
+        seg.read_records(0, 5)
+    assert seg.read_records(0, 2) == recs(0, 2)
+    assert any("record 2" in p for p in seg.verify())
+    fs.corrupt(seg.index_path, SEGMENT_HEADER_BYTES + 8 * 4, struct.pack(">q", 10**9))
+    with pytest.raises(CorruptionError, match="bad index entry"):
+        seg.read_record(4)
+
+
+def test_truncate() -> None:
+    fs = CrashFS()
+    seg = new_segment(fs, 10)
+    seg.append(recs(10, 10))
+    seg.truncate(14)
+    assert seg.max_transaction_id == 14
+    assert seg.read_record(15) is None
+    assert seg.size_bytes == 128 + 5 * 56
+    seg.append(recs(15, 2, size=3))
+    assert seg.read_records(10, 100) == [*recs(10, 5), *recs(15, 2, size=3)]
+    seg.truncate(9)
+    assert seg.max_transaction_id == 9
+    assert seg.size_bytes == 128
+    with pytest.raises(StorageError):
+        seg.truncate(5)
+    # Durable: a crash right after keeps the truncation.
+    fs.crash("apply")
+    seg2 = reopen(fs, 10)
+    assert seg2.max_transaction_id == 9
+
+
+def test_header_mismatch_on_open() -> None:
+    fs = CrashFS()
+    new_segment(fs).close()
+    with pytest.raises(CorruptionError, match="cluster key"):
+        Segment.open(fs, DIR, 0, key=uuid.UUID(int=5), partition_id=PID)
+    with pytest.raises(CorruptionError, match="partition"):
+        Segment.open(fs, DIR, 0, key=KEY, partition_id=PID + 1)
+    fs.corrupt(f"{DIR}/{index_file_name(0)}", 0, b"\x00\x00\x00\x09")
+    with pytest.raises(CorruptionError, match="version 9"):
+        reopen(fs)
+
+
+def test_read_only_segment_refuses_writes() -> None:
+    fs = CrashFS()
+    seg = new_segment(fs)
+    seg.append(recs(0, 3))
+    seg.close()
+    ro = reopen(fs, recover=False)
+    assert ro.read_records(0, 10) == recs(0, 3)
+    with pytest.raises(StorageError, match="read-only"):
+        ro.append(recs(3, 1))
+    ro.close()
+    with pytest.raises(StorageError, match="closed"):
+        ro.read_record(0)
+
+
+# ----------------------------------------------------------------------------------------------- recovery
+
+
+def test_recovery_rebuilds_lost_index_entries() -> None:
+    """Data fsynced, index entries after the last checkpoint lost (SegmentTest.testIndexRecovery)."""
+    fs = CrashFS()
+    seg = new_segment(fs)
+    all_recs = recs(0, 1500, size=8)
+    for i in range(0, 1500, 100):
+        seg.append(all_recs[i : i + 100])
+        seg.flush()
+    fs.crash("drop")  # index writes after the checkpoint at 1000 vanish
+    index_size = fs.open(f"{DIR}/{index_file_name(0)}").size()
+    assert index_size == SEGMENT_HEADER_BYTES + 8 * 1000
+    seg2 = reopen(fs)
+    assert seg2.max_transaction_id == 1499
+    assert seg2.read_records(990, 1000) == all_recs[990:]
+    assert seg2.verify() == []
+
+
+def test_recovery_cuts_incomplete_write() -> None:
+    """A batch torn in the middle (SegmentTest.testIncompleteWrite)."""
+    fs = CrashFS(3)
+    seg = new_segment(fs)
+    seg.append(recs(0, 10))
+    seg.sync()
+    seg.append(recs(10, 10))
+    fs.crash("torn")
+    seg2 = reopen(fs)
+    assert 9 <= seg2.max_transaction_id < 20
+    n = seg2.max_transaction_id + 1
+    assert seg2.read_records(0, 100) == recs(0, n)
+    assert seg2.size_bytes == 128 + 56 * n
+    assert fs.open(seg2.index_path).size() == 128 + 8 * n
+
+
+def test_recovery_cuts_dirty_write() -> None:
+    """Garbage after the last good record (SegmentTest.testDirtyWrite)."""
+    fs = CrashFS(4)
+    seg = new_segment(fs)
+    seg.append(recs(0, 10))
+    seg.sync()
+    seg.append(recs(10, 10))
+    fs.crash("garble")
+    seg2 = reopen(fs)
+    assert seg2.max_transaction_id == 9
+    assert seg2.verify() == []
+
+
+def test_recovery_with_garbage_index_falls_back_to_earlier_checkpoint() -> None:
+    fs = CrashFS()
+    seg = new_segment(fs)
+    seg.append(recs(0, 1000, size=4))
+    seg.append(recs(1000, 1001, size=4))
+    seg.append(recs(2001, 10, size=4))
+    seg.sync()
+    seg.close()
+    # Checkpoint entry 1999 points nowhere: recovery must try 999 and rescan from there.
+    fs.corrupt(f"{DIR}/{index_file_name(0)}", SEGMENT_HEADER_BYTES + 8 * 1999, struct.pack(">q", 5))
+    seg2 = reopen(fs)
+    assert seg2.max_transaction_id == 2010
+    assert seg2.verify() == []
+
+
+def test_recovery_of_empty_segment() -> None:
+    fs = CrashFS()
+    new_segment(fs, 5).close()
+    seg = reopen(fs, 5)
+    assert seg.max_transaction_id == 4
+    assert seg.append(recs(5, 2)) == 2
+
+
+def test_real_files(tmp_path: Path) -> None:
+    from waltz.storage.fileio import OS_FS
+
+    d = str(tmp_path)
+    seg = Segment.create(OS_FS, d, KEY, PID, 0)
+    seg.append(recs(0, 1200, size=30))
+    seg.flush()
+    seg.close()
+    seg2 = Segment.open(OS_FS, d, 0, key=KEY, partition_id=PID, writable=True, recover=True)
+    assert seg2.max_transaction_id == 1199
+    assert seg2.read_record(1100) == rec(1100, 30)
+    seg2.close()
+    assert CHECKPOINT_INTERVAL == 1000
