@@ -1,0 +1,393 @@
+"""Framing and hello negotiation, sans-I/O: bytes in, events out; payloads in, bytes out.
+
+Every Waltz connection (client<->server, server<->storage, storage admin) carries the same frames. All
+integers are big-endian::
+
+    frame      u8  magic        which codec the payload belongs to (table below)
+               i16 version      the codec version
+               i32 length       payload length in bytes, 0 <= length <= max_frame_bytes
+               payload          exactly ``length`` bytes
+
+    magic      0x48 'H' hello · 0x4C 'L' client<->server · 0x53 'S' storage · 0x41 'A' storage admin
+
+    keep-alive a frame of the negotiated magic and version with length 0; the receiver ignores it
+
+    hello      (magic 'H', version 0) payload:
+               i32 n                    number of supported versions, 1 <= n <= MAX_HELLO_VERSIONS
+               n x i16 version          the versions of the connection's codec this end supports
+               string text              i32 length + UTF-8, e.g. "Waltz Storage Server"
+
+Both ends send a hello as soon as the connection is up. On receiving the peer's hello each end independently
+picks the highest version present in both sets; from then on every frame must carry the connection's magic
+and that version. A second hello, a frame of any other codec, a payload before the hello, or hellos without a
+common version are protocol errors: the connection must be closed.
+
+:class:`FrameDecoder` splits a byte stream into frames and refuses an oversized or negative length as soon as
+the 7-byte header arrives (before any of the payload is waited for). :class:`ProtocolConnection` is the
+per-endpoint state machine in the style of h11: feed it bytes with :meth:`~ProtocolConnection.receive_data`,
+pull events with :meth:`~ProtocolConnection.next_event`, and build outgoing bytes with
+:meth:`~ProtocolConnection.send_hello`, :meth:`~ProtocolConnection.frame` and
+:meth:`~ProtocolConnection.keep_alive`. Nothing here touches a socket.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from waltz.errors import FrameTooLargeError, LocalProtocolError, RemoteProtocolError
+from waltz.protocol.wire import I16, I32, I32_MAX, Reader
+
+__all__ = [
+    "DEFAULT_MAX_FRAME_BYTES",
+    "FRAME_HEADER_BYTES",
+    "HELLO_VERSION",
+    "MAGIC_ADMIN",
+    "MAGIC_CLIENT",
+    "MAGIC_HELLO",
+    "MAGIC_STORAGE",
+    "MAX_HELLO_FRAME_BYTES",
+    "MAX_HELLO_VERSIONS",
+    "NEED_DATA",
+    "Event",
+    "Frame",
+    "FrameDecoder",
+    "HelloReceived",
+    "KeepAlive",
+    "NeedData",
+    "Payload",
+    "ProtocolConnection",
+    "decode_hello",
+    "encode_frame",
+    "encode_hello",
+]
+
+MAGIC_HELLO: Final = 0x48  # 'H'
+MAGIC_CLIENT: Final = 0x4C  # 'L'
+MAGIC_STORAGE: Final = 0x53  # 'S'
+MAGIC_ADMIN: Final = 0x41  # 'A'
+HELLO_VERSION: Final = 0
+
+_MAGIC_NAMES: Final = {
+    MAGIC_HELLO: "hello",
+    MAGIC_CLIENT: "client",
+    MAGIC_STORAGE: "storage",
+    MAGIC_ADMIN: "admin",
+}
+
+FRAME_HEADER: Final = struct.Struct(">Bhi")
+FRAME_HEADER_BYTES: Final = FRAME_HEADER.size  # 7
+
+DEFAULT_MAX_FRAME_BYTES: Final = 32 * 1024 * 1024
+"""Default bound on one frame's payload; large enough for a batch of hundreds of big records."""
+
+MAX_HELLO_FRAME_BYTES: Final = 64 * 1024
+"""A hello is a few dozen bytes. Until the peer's hello is in, frames are bounded by this (or by
+``max_frame_bytes`` if smaller) so an unauthenticated peer cannot make us buffer a large frame."""
+
+MAX_HELLO_VERSIONS: Final = 256
+"""At most this many versions in one hello."""
+
+
+def _magic_name(magic: int) -> str:
+    return f"0x{magic:02X} ({_MAGIC_NAMES.get(magic, 'unknown')})"
+
+
+def encode_frame(magic: int, version: int, payload: bytes | bytearray | memoryview) -> bytes:
+    """One whole frame. Raises LocalProtocolError if a header field is out of range."""
+    try:
+        return FRAME_HEADER.pack(magic, version, len(payload)) + payload
+    except struct.error:
+        raise LocalProtocolError(
+            f"frame header out of range: magic={magic}, version={version}, length={len(payload)}"
+        ) from None
+
+
+def encode_hello(versions: Iterable[int], text: str) -> bytes:
+    """The hello payload (without its frame) announcing ``versions`` and ``text``."""
+    vs = list(versions)
+    if not 1 <= len(vs) <= MAX_HELLO_VERSIONS:
+        raise LocalProtocolError(f"a hello carries 1 to {MAX_HELLO_VERSIONS} versions, got {len(vs)}")
+    raw_text = text.encode("utf-8")
+    try:
+        return b"".join(
+            (I32.pack(len(vs)), struct.pack(f">{len(vs)}h", *vs), I32.pack(len(raw_text)), raw_text)
+        )
+    except struct.error:
+        raise LocalProtocolError(f"hello version out of the i16 range: {vs!r}") from None
+
+
+def decode_hello(payload: bytes) -> tuple[tuple[int, ...], str]:
+    """Decode a hello payload into (versions, text); raises RemoteProtocolError if malformed."""
+    r = Reader(payload)
+    n = r.count(I16.size)
+    if not 1 <= n <= MAX_HELLO_VERSIONS:
+        raise RemoteProtocolError(f"a hello must carry 1 to {MAX_HELLO_VERSIONS} versions, got {n}")
+    versions = struct.unpack_from(f">{n}h", payload, r._take(2 * n))
+    text = r.string_required()
+    r.expect_end()
+    return versions, text
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One decoded frame. ``payload`` is empty for a keep-alive."""
+
+    magic: int
+    version: int
+    payload: bytes
+
+    @property
+    def is_keep_alive(self) -> bool:
+        return not self.payload
+
+
+class FrameDecoder:
+    """Splits a byte stream into :class:`Frame` objects.
+
+    Guarantees: a header announcing a negative length, or more than :attr:`max_frame_bytes`, raises as soon as
+    its 7 bytes are buffered (:class:`~waltz.errors.FrameTooLargeError` for too large), so memory held for the
+    current frame never exceeds the limit. If :attr:`expected` is set, a header of any other (magic, version)
+    raises :class:`~waltz.errors.RemoteProtocolError` before the payload is awaited too. After an error the
+    decoder is dead: every later call raises the same error again.
+
+    Callers should drain :meth:`next_frame` until it returns None after each :meth:`receive_data`; buffered
+    bytes are then bounded by one frame plus one read.
+    """
+
+    __slots__ = ("_buf", "_error", "_pos", "expected", "max_frame_bytes")
+
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        if not 0 < max_frame_bytes <= I32_MAX:
+            raise LocalProtocolError(f"max_frame_bytes must be in 1..{I32_MAX}, got {max_frame_bytes}")
+        self.max_frame_bytes = max_frame_bytes
+        self.expected: tuple[int, int] | None = None
+        self._buf = bytearray()
+        self._pos = 0
+        self._error: RemoteProtocolError | None = None
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received but not yet returned as a frame."""
+        return len(self._buf) - self._pos
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Append bytes read from the stream."""
+        if self._pos:
+            # Drop consumed bytes before growing; deleting a bytearray's head is cheap in CPython.
+            del self._buf[: self._pos]
+            self._pos = 0
+        self._buf += data
+
+    def next_frame(self) -> Frame | None:
+        """The next complete frame, or None if more bytes are needed."""
+        if self._error is not None:
+            raise self._error
+        buf = self._buf
+        pos = self._pos
+        if len(buf) - pos < FRAME_HEADER_BYTES:
+            return None
+        magic, version, length = FRAME_HEADER.unpack_from(buf, pos)
+        self._check_header(magic, version, length)
+        start = pos + FRAME_HEADER_BYTES
+        end = start + length
+        if end > len(buf):
+            return None
+        payload = bytes(buf[start:end])
+        if end == len(buf):
+            # Common case: the read ended on a frame boundary, so reuse the buffer from its start.
+            buf.clear()
+            self._pos = 0
+        else:
+            self._pos = end
+        return Frame(magic, version, payload)
+
+    def _check_header(self, magic: int, version: int, length: int) -> None:
+        error: RemoteProtocolError | None = None
+        if self.expected is not None and (magic, version) != self.expected:
+            want_magic, want_version = self.expected
+            if want_magic == MAGIC_HELLO:
+                error = RemoteProtocolError(
+                    f"expected the peer's hello first, got a frame with magic {_magic_name(magic)}"
+                    f" version {version}"
+                )
+            elif magic == MAGIC_HELLO:
+                error = RemoteProtocolError("second hello received after version negotiation")
+            else:
+                error = RemoteProtocolError(
+                    f"frame with magic {_magic_name(magic)} version {version}; the connection negotiated"
+                    f" magic {_magic_name(want_magic)} version {want_version}"
+                )
+        elif length < 0:
+            error = RemoteProtocolError(f"frame announces a negative length {length}")
+        elif length > self.max_frame_bytes:
+            error = FrameTooLargeError(
+                f"frame of {length} bytes exceeds the limit of {self.max_frame_bytes} bytes"
+                f" (magic {_magic_name(magic)}, version {version})"
+            )
+        if error is not None:
+            self._error = error
+            raise error
+
+
+@dataclass(frozen=True, slots=True)
+class HelloReceived:
+    """The peer's hello arrived; ``negotiated_version`` is now in force for both directions."""
+
+    versions: tuple[int, ...]
+    text: str
+    negotiated_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """One frame of the negotiated codec (the codec's message bytes, without the frame header)."""
+
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class KeepAlive:
+    """The peer sent a keep-alive frame; nothing to do."""
+
+
+class NeedData(enum.Enum):
+    """Sentinel type of :data:`NEED_DATA`."""
+
+    NEED_DATA = "NEED_DATA"
+
+
+NEED_DATA: Final = NeedData.NEED_DATA
+"""Returned by :meth:`ProtocolConnection.next_event` when no complete frame is buffered."""
+
+Event = HelloReceived | Payload | KeepAlive
+
+_KEEP_ALIVE: Final = KeepAlive()
+
+
+class ProtocolConnection:
+    """One endpoint's framing state machine (either side of a connection; the protocol is symmetric).
+
+    States and transitions (anything else raises)::
+
+        state          input                           result
+        -------------  ------------------------------  --------------------------------------------------
+        AWAIT_HELLO    peer hello with a common        HelloReceived; state NEGOTIATED
+                       version
+        AWAIT_HELLO    peer hello, nothing in common   RemoteProtocolError
+        AWAIT_HELLO    any other frame                 RemoteProtocolError ("payload before hello")
+        NEGOTIATED     frame (magic, negotiated)       Payload, or KeepAlive if empty
+        NEGOTIATED     a hello                         RemoteProtocolError ("second hello")
+        NEGOTIATED     any other magic or version      RemoteProtocolError
+        any            RemoteProtocolError raised      ERROR: every later next_event raises it again
+
+    Sending: :meth:`send_hello` exactly once, first; :meth:`frame` and :meth:`keep_alive` only after our hello
+    was sent and the peer's received (both ends must agree on the version before any payload is written),
+    otherwise :class:`~waltz.errors.LocalProtocolError`.
+    """
+
+    __slots__ = (
+        "_decoder",
+        "_hello_sent",
+        "hello_text",
+        "magic",
+        "max_frame_bytes",
+        "negotiated_version",
+        "peer_hello",
+        "versions",
+    )
+
+    def __init__(
+        self,
+        magic: int,
+        versions: Iterable[int],
+        hello_text: str,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        if magic == MAGIC_HELLO or not 0 <= magic <= 0xFF:
+            raise LocalProtocolError(f"invalid codec magic {magic}")
+        vs = tuple(sorted(set(versions)))
+        if not vs or len(vs) > MAX_HELLO_VERSIONS or vs[0] < -(2**15) or vs[-1] >= 2**15:
+            raise LocalProtocolError(f"supported versions must be 1 to {MAX_HELLO_VERSIONS} i16 values: {vs}")
+        if not 0 < max_frame_bytes <= I32_MAX:
+            raise LocalProtocolError(f"max_frame_bytes must be in 1..{I32_MAX}, got {max_frame_bytes}")
+        self.magic = magic
+        self.versions = vs
+        self.hello_text = hello_text
+        self.max_frame_bytes = max_frame_bytes
+        self.negotiated_version: int | None = None
+        self.peer_hello: HelloReceived | None = None
+        self._hello_sent = False
+        self._decoder = FrameDecoder(min(max_frame_bytes, MAX_HELLO_FRAME_BYTES))
+        self._decoder.expected = (MAGIC_HELLO, HELLO_VERSION)
+
+    @property
+    def ready(self) -> bool:
+        """True once our hello was sent and the peer's received: payloads may flow both ways."""
+        return self._hello_sent and self.negotiated_version is not None
+
+    def send_hello(self) -> bytes:
+        """Our hello frame; call exactly once, before sending anything else."""
+        if self._hello_sent:
+            raise LocalProtocolError("hello already sent")
+        self._hello_sent = True
+        return encode_frame(MAGIC_HELLO, HELLO_VERSION, encode_hello(self.versions, self.hello_text))
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed bytes received from the peer; events come out of :meth:`next_event`."""
+        self._decoder.receive_data(data)
+
+    def next_event(self) -> Event | Literal[NeedData.NEED_DATA]:
+        """The next event, or :data:`NEED_DATA`. Raises RemoteProtocolError if the peer broke the protocol."""
+        frame = self._decoder.next_frame()
+        if frame is None:
+            return NEED_DATA
+        if self.negotiated_version is not None:
+            # The decoder already checked magic and version against the negotiated codec.
+            return Payload(frame.payload) if frame.payload else _KEEP_ALIVE
+        return self._on_hello(frame.payload)
+
+    def _on_hello(self, payload: bytes) -> HelloReceived:
+        try:
+            versions, text = decode_hello(payload)
+            common = set(versions).intersection(self.versions)
+            if not common:
+                raise RemoteProtocolError(
+                    f"no common version with peer {text!r}: it supports {sorted(versions)},"
+                    f" we support {list(self.versions)}"
+                )
+        except RemoteProtocolError as e:
+            # Poison the decoder so that the connection stays dead, as after a framing error.
+            self._decoder._error = e
+            raise
+        version = max(common)
+        self.negotiated_version = version
+        self._decoder.max_frame_bytes = self.max_frame_bytes
+        self._decoder.expected = (self.magic, version)
+        self.peer_hello = HelloReceived(versions, text, version)
+        return self.peer_hello
+
+    def frame(self, payload: bytes | bytearray | memoryview) -> bytes:
+        """``payload`` framed with the negotiated codec. Raises LocalProtocolError if too large or not ready.
+
+        An empty payload would read as a keep-alive on the other end, so it is refused too.
+        """
+        version = self.negotiated_version
+        if version is None or not self._hello_sent:
+            raise LocalProtocolError("cannot send a payload before the hello exchange completed")
+        n = len(payload)
+        if not 0 < n <= self.max_frame_bytes:
+            raise LocalProtocolError(
+                f"payload of {n} bytes is outside 1..{self.max_frame_bytes} (max_frame_bytes)"
+            )
+        return FRAME_HEADER.pack(self.magic, version, n) + payload
+
+    def keep_alive(self) -> bytes:
+        """A keep-alive frame (negotiated magic and version, no payload)."""
+        version = self.negotiated_version
+        if version is None or not self._hello_sent:
+            raise LocalProtocolError("cannot send a keep-alive before the hello exchange completed")
+        return FRAME_HEADER.pack(self.magic, version, 0)

@@ -1,0 +1,642 @@
+"""Server <-> storage node messages (frame magic 'S', version 0), sans-I/O.
+
+Every payload starts with the same prefix (big-endian; primitives as in :mod:`waltz.protocol.wire`)::
+
+    u8  type · i64 session_id · i64 seq_num · i32 partition_id
+
+Responses echo the request's prefix; the client matches them to requests by ``seq_num`` (a per-connection
+counter). The fields after the prefix, by type code:
+
+====  =========================  ===================================================================
+code  message                    fields after the prefix
+====  =========================  ===================================================================
+1     OpenRequest                uuid cluster_key · i32 num_partitions  (prefix -1, -1, -1)
+2     LastSessionInfoRequest     bool used_by_offline_recovery
+3     LastSessionInfoResponse    i64 session_id · i64 low_water_mark · i64 local_low_water_mark
+4     SetLowWaterMarkRequest     i64 low_water_mark · bool offline
+5     TruncateRequest            i64 transaction_id (keep ids <= this) · bool offline
+                                 (answered by MaxTransactionIdResponse with the new max id)
+6     AppendRequest              i32 n · n x Record · bool offline
+7     SuccessResponse            -
+8     FailureResponse            StorageRpcException (below)
+9     RecordHeaderRequest        i64 transaction_id
+10    RecordHeaderResponse       bool present · [RecordHeader if present]
+11    RecordRequest              i64 transaction_id
+12    RecordResponse             bool present · [Record if present]
+13    MaxTransactionIdRequest    bool offline
+14    MaxTransactionIdResponse   i64 transaction_id
+15    RecordHeaderListRequest    i64 transaction_id · i32 max_records
+16    RecordHeaderListResponse   i32 n · n x RecordHeader
+17    RecordListRequest          i64 transaction_id · i32 max_records
+18    RecordListResponse         i32 n · n x Record
+====  =========================  ===================================================================
+
+``Record`` and ``RecordHeader`` are laid out as in :mod:`waltz.protocol.records` (36 + data and 28 bytes).
+The codec does not verify record checksums: the storage node verifies each record right before writing it,
+and readers right after reading it, which is where a mismatch can be acted on.
+
+StorageRpcException (also used by the admin protocol)::
+
+    string message · i32 n · n x (string class · string method · string file · i32 line)
+
+Stack frames are innermost first, as Java prints them. The first frame's ``class`` is the Waltz error class
+name (:func:`waltz.errors.wire_name`), so :func:`failure_to_error` rebuilds an error of the same meaning;
+null strings from a Java peer decode as "".
+
+Every decoder returns a whole message or raises :class:`~waltz.errors.RemoteProtocolError` (unknown type,
+truncation, trailing bytes, a count the payload cannot hold); no count is trusted before it is checked
+against the bytes that remain. Encoders raise :class:`~waltz.errors.LocalProtocolError` for values a field
+cannot carry. Sequences decode as tuples.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import traceback
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Final, NamedTuple, Self
+
+from waltz.errors import LocalProtocolError, RemoteProtocolError, WaltzError, error_from_wire, wire_name
+from waltz.protocol.records import (
+    HEADER_STRUCT,
+    RECORD_HEADER_BYTES,
+    RECORD_OVERHEAD_BYTES,
+    RECORD_PREFIX,
+    Record,
+    RecordHeader,
+    ReqId,
+    read_record,
+    read_record_header,
+    write_record,
+    write_record_header,
+)
+from waltz.protocol.wire import I32, U32, Reader, Writer
+
+__all__ = [
+    "MAX_FAILURE_FRAMES",
+    "STORAGE_CLIENT_HELLO",
+    "STORAGE_SERVER_HELLO",
+    "STORAGE_VERSIONS",
+    "AppendRequest",
+    "FailureResponse",
+    "LastSessionInfoRequest",
+    "LastSessionInfoResponse",
+    "MaxTransactionIdRequest",
+    "MaxTransactionIdResponse",
+    "OpenRequest",
+    "RecordHeaderListRequest",
+    "RecordHeaderListResponse",
+    "RecordHeaderRequest",
+    "RecordHeaderResponse",
+    "RecordListRequest",
+    "RecordListResponse",
+    "RecordRequest",
+    "RecordResponse",
+    "SessionInfo",
+    "SetLowWaterMarkRequest",
+    "StackFrame",
+    "StorageMessage",
+    "StorageRpcFailure",
+    "SuccessResponse",
+    "TruncateRequest",
+    "decode",
+    "encode",
+    "failure_from_error",
+    "failure_to_error",
+    "read_failure",
+    "read_record_list",
+    "rpc_failure_of",
+    "seq_num_of",
+    "write_failure",
+    "write_record_list",
+]
+
+STORAGE_VERSIONS: Final = (0,)
+"""Codec versions of the storage protocol this implementation speaks (frame magic 'S')."""
+STORAGE_CLIENT_HELLO: Final = "Waltz Storage Client"
+STORAGE_SERVER_HELLO: Final = "Waltz Storage Server"
+
+MAX_FAILURE_FRAMES: Final = 32
+"""At most this many stack frames are sent in a failure (the receiver accepts any number that fits)."""
+
+PREFIX: Final = struct.Struct(">Bqqi")
+_MASK32: Final = 0xFFFFFFFF
+# Smallest encodings, used to bound counts before anything is allocated for them.
+_MIN_STACK_FRAME_BYTES: Final = 4 + 4 + 4 + 4
+
+
+class SessionInfo(NamedTuple):
+    """What a storage partition's control file says about the newest store session that wrote it."""
+
+    session_id: int
+    low_water_mark: int
+    local_low_water_mark: int
+
+
+class StackFrame(NamedTuple):
+    """One frame of a StorageRpcException (innermost first)."""
+
+    class_name: str
+    method: str
+    file: str
+    line: int
+
+
+@dataclass(frozen=True, slots=True)
+class StorageRpcFailure:
+    """The wire form of a failure (Java's StorageRpcException): a message and stack frames."""
+
+    message: str
+    frames: tuple[StackFrame, ...] = ()
+
+    @property
+    def class_name(self) -> str:
+        """The error class name the sender put in the first frame ("" if there is none)."""
+        return self.frames[0].class_name if self.frames else ""
+
+
+def write_failure(w: Writer, failure: StorageRpcFailure) -> None:
+    """Append a StorageRpcException."""
+    w.string(failure.message)
+    w.i32(len(failure.frames))
+    for frame in failure.frames:
+        w.string(frame.class_name).string(frame.method).string(frame.file).i32(frame.line)
+
+
+def read_failure(r: Reader) -> StorageRpcFailure:
+    """Read a StorageRpcException; null strings become ""."""
+    message = r.string() or ""
+    n = r.count(_MIN_STACK_FRAME_BYTES)
+    frames = tuple(
+        StackFrame(r.string() or "", r.string() or "", r.string() or "", r.i32()) for _ in range(n)
+    )
+    return StorageRpcFailure(message, frames)
+
+
+def rpc_failure_of(exc: BaseException) -> StorageRpcFailure:
+    """The wire form of ``exc``: its message and up to MAX_FAILURE_FRAMES frames of its traceback.
+
+    The first frame always exists and names :func:`~waltz.errors.wire_name` of ``exc`` as its class, even
+    for an exception that was never raised (no traceback), so the peer can rebuild the error's meaning.
+    """
+    summary = traceback.extract_tb(exc.__traceback__)
+    innermost_first = list(reversed(summary))[:MAX_FAILURE_FRAMES]
+    frames: list[StackFrame] = []
+    for i, fs in enumerate(innermost_first):
+        frames.append(
+            StackFrame(
+                wire_name(exc) if i == 0 else "", fs.name, os.path.basename(fs.filename), fs.lineno or 0
+            )
+        )
+    if not frames:
+        frames.append(StackFrame(wire_name(exc), "", "", 0))
+    return StorageRpcFailure(str(exc) or type(exc).__name__, tuple(frames))
+
+
+def _check_count(n: int, what: str) -> None:
+    if n > 0x7FFFFFFF:
+        raise LocalProtocolError(f"too many {what}: {n}")
+
+
+def write_record_list(w: Writer, records: Sequence[Record]) -> None:
+    """Append ``i32 n · n x Record``. This is the hot path of replication: one struct call per record."""
+    _check_count(len(records), "records")
+    buf = w.buf
+    buf += I32.pack(len(records))
+    pack_prefix = RECORD_PREFIX.pack
+    pack_u32 = U32.pack
+    try:
+        for txn, (msb, lsb), header, data, checksum in records:
+            buf += pack_prefix(txn, msb, lsb, header, len(data))
+            buf += data
+            buf += pack_u32(checksum & _MASK32)
+    except (struct.error, TypeError, ValueError) as e:
+        raise LocalProtocolError(f"record cannot be encoded: {e}") from None
+
+
+def read_record_list(r: Reader) -> tuple[Record, ...]:
+    """Read ``i32 n · n x Record``, bounds-checking every length before slicing."""
+    n = r.count(RECORD_OVERHEAD_BYTES)
+    # Slices must be bytes (immutable, owned); one copy of a non-bytes buffer keeps the offsets valid.
+    data = r.data if isinstance(r.data, bytes) else bytes(r.data)
+    pos = r.pos
+    end = r.end
+    unpack_prefix = RECORD_PREFIX.unpack_from
+    unpack_u32 = U32.unpack_from
+    prefix_bytes = RECORD_PREFIX.size
+    records: list[Record] = []
+    append = records.append
+    for _ in range(n):
+        if pos + prefix_bytes > end:
+            raise RemoteProtocolError(f"record list truncated at offset {pos}")
+        txn, msb, lsb, header, size = unpack_prefix(data, pos)
+        pos += prefix_bytes
+        if size < 0 or pos + size + 4 > end:
+            raise RemoteProtocolError(f"record data length {size} at offset {pos} does not fit the message")
+        body = data[pos : pos + size]
+        pos += size
+        (checksum,) = unpack_u32(data, pos)
+        pos += 4
+        append(Record(txn, ReqId(msb, lsb), header, body, checksum))
+    r.pos = pos
+    return tuple(records)
+
+
+def _write_header_list(w: Writer, headers: Sequence[RecordHeader]) -> None:
+    _check_count(len(headers), "record headers")
+    buf = w.buf
+    buf += I32.pack(len(headers))
+    pack = HEADER_STRUCT.pack
+    try:
+        for txn, (msb, lsb), header in headers:
+            buf += pack(txn, msb, lsb, header)
+    except (struct.error, TypeError, ValueError) as e:
+        raise LocalProtocolError(f"record header cannot be encoded: {e}") from None
+
+
+def _read_header_list(r: Reader) -> tuple[RecordHeader, ...]:
+    n = r.count(RECORD_HEADER_BYTES)
+    start = r._take(n * RECORD_HEADER_BYTES)
+    view = memoryview(r.data)[start : start + n * RECORD_HEADER_BYTES]
+    return tuple(
+        RecordHeader(txn, ReqId(msb, lsb), header)
+        for txn, msb, lsb, header in HEADER_STRUCT.iter_unpack(view)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StorageMessage:
+    """Base of every storage message: the common prefix. ``TYPE`` is the wire type code."""
+
+    TYPE: ClassVar[int] = 0
+
+    session_id: int
+    seq_num: int
+    partition_id: int
+
+    def _write(self, w: Writer) -> None:
+        """Append the fields after the prefix (none for the base)."""
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenRequest(StorageMessage):
+    """First request on a connection: the storage node checks the cluster key and partition count."""
+
+    TYPE: ClassVar[int] = 1
+
+    cluster_key: uuid.UUID
+    num_partitions: int
+
+    @classmethod
+    def of(cls, cluster_key: uuid.UUID, num_partitions: int) -> OpenRequest:
+        """An OpenRequest with the conventional prefix (-1, -1, -1); its reply carries the same prefix."""
+        return cls(-1, -1, -1, cluster_key, num_partitions)
+
+    def _write(self, w: Writer) -> None:
+        w.uuid(self.cluster_key).i32(self.num_partitions)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, r.uuid(), r.i32())
+
+
+@dataclass(frozen=True, slots=True)
+class LastSessionInfoRequest(StorageMessage):
+    """Ask for the partition's persisted session info (offline recovery needs the partition unavailable)."""
+
+    TYPE: ClassVar[int] = 2
+
+    used_by_offline_recovery: bool
+
+    def _write(self, w: Writer) -> None:
+        w.bool(self.used_by_offline_recovery)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, r.bool())
+
+
+@dataclass(frozen=True, slots=True)
+class LastSessionInfoResponse(StorageMessage):
+    """The partition's persisted (session id, low-water mark, local low-water mark)."""
+
+    TYPE: ClassVar[int] = 3
+
+    info: SessionInfo
+
+    def _write(self, w: Writer) -> None:
+        w.i64(self.info.session_id).i64(self.info.low_water_mark).i64(self.info.local_low_water_mark)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, SessionInfo(r.i64(), r.i64(), r.i64()))
+
+
+@dataclass(frozen=True, slots=True)
+class SetLowWaterMarkRequest(StorageMessage):
+    """Persist the session's low-water mark (after fsync); answered by Success."""
+
+    TYPE: ClassVar[int] = 4
+
+    low_water_mark: int
+    offline: bool
+
+    def _write(self, w: Writer) -> None:
+        w.i64(self.low_water_mark).bool(self.offline)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, r.i64(), r.bool())
+
+
+@dataclass(frozen=True, slots=True)
+class TruncateRequest(StorageMessage):
+    """Drop every record after ``transaction_id``; answered by MaxTransactionIdResponse (the new max id)."""
+
+    TYPE: ClassVar[int] = 5
+
+    transaction_id: int
+    offline: bool
+
+    def _write(self, w: Writer) -> None:
+        w.i64(self.transaction_id).bool(self.offline)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, r.i64(), r.bool())
+
+
+@dataclass(frozen=True, slots=True)
+class AppendRequest(StorageMessage):
+    """Append a batch of records that continues the log densely; answered by Success once fsynced."""
+
+    TYPE: ClassVar[int] = 6
+
+    records: Sequence[Record]
+    offline: bool
+
+    def _write(self, w: Writer) -> None:
+        write_record_list(w, self.records)
+        w.bool(self.offline)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, read_record_list(r), r.bool())
+
+
+@dataclass(frozen=True, slots=True)
+class SuccessResponse(StorageMessage):
+    """The request succeeded."""
+
+    TYPE: ClassVar[int] = 7
+
+
+@dataclass(frozen=True, slots=True)
+class FailureResponse(StorageMessage):
+    """The request failed; :func:`failure_to_error` turns it back into a Waltz error."""
+
+    TYPE: ClassVar[int] = 8
+
+    failure: StorageRpcFailure
+
+    def _write(self, w: Writer) -> None:
+        write_failure(w, self.failure)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, read_failure(r))
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeaderRequest(StorageMessage):
+    TYPE: ClassVar[int] = 9
+
+    transaction_id: int
+
+    def _write(self, w: Writer) -> None:
+        w.i64(self.transaction_id)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, r.i64())
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeaderResponse(StorageMessage):
+    """``header`` is None if the storage node does not have that transaction."""
+
+    TYPE: ClassVar[int] = 10
+
+    header: RecordHeader | None
+
+    def _write(self, w: Writer) -> None:
+        w.bool(self.header is not None)
+        if self.header is not None:
+            write_record_header(w, self.header)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, read_record_header(r) if r.bool() else None)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordRequest(StorageMessage):
+    TYPE: ClassVar[int] = 11
+
+    transaction_id: int
+
+    def _write(self, w: Writer) -> None:
+        w.i64(self.transaction_id)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, r.i64())
+
+
+@dataclass(frozen=True, slots=True)
+class RecordResponse(StorageMessage):
+    """``record`` is None if the storage node does not have that transaction."""
+
+    TYPE: ClassVar[int] = 12
+
+    record: Record | None
+
+    def _write(self, w: Writer) -> None:
+        w.bool(self.record is not None)
+        if self.record is not None:
+            write_record(w, self.record)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, read_record(r) if r.bool() else None)
+
+
+@dataclass(frozen=True, slots=True)
+class MaxTransactionIdRequest(StorageMessage):
+    TYPE: ClassVar[int] = 13
+
+    offline: bool
+
+    def _write(self, w: Writer) -> None:
+        w.bool(self.offline)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, r.bool())
+
+
+@dataclass(frozen=True, slots=True)
+class MaxTransactionIdResponse(StorageMessage):
+    """The partition's highest stored transaction id (-1 for an empty partition)."""
+
+    TYPE: ClassVar[int] = 14
+
+    transaction_id: int
+
+    def _write(self, w: Writer) -> None:
+        w.i64(self.transaction_id)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, r.i64())
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeaderListRequest(StorageMessage):
+    """Consecutive headers from ``transaction_id``, at most ``max_records``, stopping at the first gap."""
+
+    TYPE: ClassVar[int] = 15
+
+    transaction_id: int
+    max_records: int
+
+    def _write(self, w: Writer) -> None:
+        w.i64(self.transaction_id).i32(self.max_records)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, r.i64(), r.i32())
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeaderListResponse(StorageMessage):
+    TYPE: ClassVar[int] = 16
+
+    headers: Sequence[RecordHeader]
+
+    def _write(self, w: Writer) -> None:
+        _write_header_list(w, self.headers)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, _read_header_list(r))
+
+
+@dataclass(frozen=True, slots=True)
+class RecordListRequest(StorageMessage):
+    """Consecutive records from ``transaction_id``, at most ``max_records``, stopping at the first gap."""
+
+    TYPE: ClassVar[int] = 17
+
+    transaction_id: int
+    max_records: int
+
+    def _write(self, w: Writer) -> None:
+        w.i64(self.transaction_id).i32(self.max_records)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, r.i64(), r.i32())
+
+
+@dataclass(frozen=True, slots=True)
+class RecordListResponse(StorageMessage):
+    TYPE: ClassVar[int] = 18
+
+    records: Sequence[Record]
+
+    def _write(self, w: Writer) -> None:
+        write_record_list(w, self.records)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, read_record_list(r))
+
+
+_BY_TYPE: Final[dict[int, type[StorageMessage]]] = {
+    cls.TYPE: cls
+    for cls in (
+        OpenRequest,
+        LastSessionInfoRequest,
+        LastSessionInfoResponse,
+        SetLowWaterMarkRequest,
+        TruncateRequest,
+        AppendRequest,
+        SuccessResponse,
+        FailureResponse,
+        RecordHeaderRequest,
+        RecordHeaderResponse,
+        RecordRequest,
+        RecordResponse,
+        MaxTransactionIdRequest,
+        MaxTransactionIdResponse,
+        RecordHeaderListRequest,
+        RecordHeaderListResponse,
+        RecordListRequest,
+        RecordListResponse,
+    )
+}
+
+
+def encode(msg: StorageMessage) -> bytes:
+    """The payload (without frame) of ``msg``; raises LocalProtocolError if a field does not fit."""
+    cls = type(msg)
+    if _BY_TYPE.get(cls.TYPE) is not cls:
+        raise LocalProtocolError(f"not a storage message: {cls.__name__}")
+    w = Writer()
+    try:
+        w.buf += PREFIX.pack(cls.TYPE, msg.session_id, msg.seq_num, msg.partition_id)
+    except struct.error:
+        raise LocalProtocolError(f"storage message prefix out of range: {msg!r}") from None
+    msg._write(w)
+    return bytes(w.buf)
+
+
+def decode(payload: bytes | bytearray | memoryview) -> StorageMessage:
+    """Decode one whole payload; raises RemoteProtocolError if it is not exactly one valid message."""
+    data = payload if isinstance(payload, bytes) else bytes(payload)
+    if len(data) < PREFIX.size:
+        raise RemoteProtocolError(f"storage message truncated: {len(data)} bytes, the prefix alone is 21")
+    type_code, session_id, seq_num, partition_id = PREFIX.unpack_from(data, 0)
+    cls = _BY_TYPE.get(type_code)
+    if cls is None:
+        raise RemoteProtocolError(f"unknown storage message type {type_code}")
+    r = Reader(data, PREFIX.size)
+    msg = cls._read(r, session_id, seq_num, partition_id)
+    r.expect_end()
+    return msg
+
+
+def seq_num_of(msg: StorageMessage) -> int:
+    """The sequence number requests and responses are matched by (for :class:`waltz.transport.RpcClient`)."""
+    return msg.seq_num
+
+
+def failure_from_error(
+    session_id: int, seq_num: int, partition_id: int, exc: BaseException
+) -> FailureResponse:
+    """A FailureResponse carrying ``exc`` (see :func:`rpc_failure_of`)."""
+    return FailureResponse(session_id, seq_num, partition_id, rpc_failure_of(exc))
+
+
+def failure_to_error(msg: FailureResponse | StorageRpcFailure) -> WaltzError:
+    """The Waltz error a failure stands for; unknown class names become StorageRpcError."""
+    failure = msg.failure if isinstance(msg, FailureResponse) else msg
+    return error_from_wire(failure.class_name, failure.message)

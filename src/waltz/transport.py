@@ -1,0 +1,711 @@
+"""The thin asyncio layer under every Waltz connection: framed streams, a server, and an RPC multiplexer.
+
+All protocol decisions live in :mod:`waltz.protocol.framing`; this module only moves bytes between sockets
+and a :class:`~waltz.protocol.framing.ProtocolConnection`:
+
+* :func:`open_connection` connects, exchanges hellos within ``connect_timeout_ms`` and returns a
+  :class:`FramedConnection`. The connecting side sends a keep-alive after ``keep_alive_interval_s`` without
+  writes (as the original Waltz did), so idle connections survive middleboxes and a dead peer is noticed.
+* :func:`serve` listens and runs ``handler(conn)`` for each connection once its hello exchange completed. The
+  returned :class:`FramedServer` owns those handler tasks: closing it cancels them and closes their sockets.
+* :class:`RpcClient` multiplexes concurrent request/response calls over one connection, matching replies by
+  sequence number, with a bounded number of requests in flight.
+
+Errors follow :mod:`waltz.errors`: :class:`~waltz.errors.BrokenResourceError` when the peer or the network
+ended the connection (retriable with a new connection), :class:`~waltz.errors.ClosedResourceError` when we
+closed it, :class:`~waltz.errors.RemoteProtocolError` when the peer sent garbage (the connection is aborted
+and the reason logged at WARNING).
+
+The library never installs an event loop policy; entry points may call :func:`run`, which uses uvloop when it
+is installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl as ssl_
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from types import TracebackType
+from typing import Any, Final, Generic, Self, TypeVar
+
+from waltz.errors import (
+    BrokenResourceError,
+    ClientTimeoutError,
+    ClosedResourceError,
+    ConnectionError_,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+)
+from waltz.protocol.framing import (
+    DEFAULT_MAX_FRAME_BYTES,
+    NEED_DATA,
+    HelloReceived,
+    KeepAlive,
+    Payload,
+    ProtocolConnection,
+)
+
+__all__ = [
+    "DEFAULT_CONNECT_TIMEOUT_MS",
+    "DEFAULT_HANDSHAKE_TIMEOUT_MS",
+    "DEFAULT_KEEP_ALIVE_INTERVAL_S",
+    "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_IN_FLIGHT",
+    "DEFAULT_READ_BYTES",
+    "DEFAULT_WRITE_BUFFER_HIGH_BYTES",
+    "FramedConnection",
+    "FramedServer",
+    "RpcClient",
+    "open_connection",
+    "run",
+    "serve",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_READ_BYTES: Final = 256 * 1024
+"""Bytes asked of the socket per read; every complete frame in one read is decoded before reading again."""
+DEFAULT_WRITE_BUFFER_HIGH_BYTES: Final = 4 * 1024 * 1024
+"""``drain()`` waits while more than this is queued for the socket (asyncio's default of 64 KiB is below one
+replication batch and would stall every append)."""
+DEFAULT_KEEP_ALIVE_INTERVAL_S: Final = 60.0
+DEFAULT_CONNECT_TIMEOUT_MS: Final = 10_000
+DEFAULT_HANDSHAKE_TIMEOUT_MS: Final = 10_000
+DEFAULT_MAX_CONNECTIONS: Final = 1024
+DEFAULT_MAX_IN_FLIGHT: Final = 1024
+_CLOSE_TIMEOUT_S: Final = 1.0
+
+ReqT = TypeVar("ReqT")
+RespT = TypeVar("RespT")
+T = TypeVar("T")
+
+
+def _configure_socket(writer: asyncio.StreamWriter, write_buffer_high_bytes: int) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        # Requests are small and latency-bound; never let Nagle hold a frame back. Not every socket is TCP.
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    writer.transport.set_write_buffer_limits(high=write_buffer_high_bytes)
+
+
+def _close_writer(writer: asyncio.StreamWriter, *, abort: bool = False) -> Awaitable[None]:
+    """Close (or abort) ``writer`` now; the returned awaitable waits, briefly, for the socket to be released.
+
+    The close itself happens synchronously, so it is done even if the caller is cancelled before awaiting.
+    """
+    if abort:
+        writer.transport.abort()
+    else:
+        writer.close()
+    return _wait_closed(writer)
+
+
+async def _wait_closed(writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(OSError, TimeoutError):
+        async with asyncio.timeout(_CLOSE_TIMEOUT_S):
+            await writer.wait_closed()
+
+
+async def _exchange_hellos(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, proto: ProtocolConnection, read_bytes: int
+) -> HelloReceived:
+    """Send our hello and wait for the peer's; bytes after its hello stay buffered in ``proto``."""
+    writer.write(proto.send_hello())
+    while True:
+        event = proto.next_event()
+        if isinstance(event, HelloReceived):
+            return event
+        if event is not NEED_DATA:  # pragma: no cover - the decoder refuses anything but a hello here
+            raise RemoteProtocolError(f"unexpected {event!r} before the hello")
+        try:
+            data = await reader.read(read_bytes)
+        except OSError as e:
+            raise BrokenResourceError(f"connection broken during the hello exchange: {e}") from None
+        if not data:
+            raise BrokenResourceError("peer closed the connection during the hello exchange")
+        proto.receive_data(data)
+
+
+class FramedConnection:
+    """A connection after its hello exchange: whole payloads in and out.
+
+    Guarantees: :meth:`receive` returns payloads in the order the peer framed them, skipping keep-alives;
+    :meth:`send` queues whole frames in call order (it never interleaves two frames). One task may call
+    :meth:`receive` at a time; :meth:`send` may be called from any task of the loop. A protocol violation by
+    the peer aborts the connection and is logged once, with the peer's address, at WARNING.
+
+    Created by :func:`open_connection` and :func:`serve`, not directly.
+    """
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        proto: ProtocolConnection,
+        *,
+        read_bytes: int = DEFAULT_READ_BYTES,
+        keep_alive_interval_s: float | None = None,
+    ) -> None:
+        if proto.negotiated_version is None:
+            raise LocalProtocolError("a FramedConnection needs a completed hello exchange")
+        self._reader = reader
+        self._writer = writer
+        self._proto = proto
+        self._read_bytes = read_bytes
+        self._loop = asyncio.get_running_loop()
+        self._closed = False
+        self._receiving = False
+        self._error: ConnectionError_ | RemoteProtocolError | None = None
+        self._last_write_s = self._loop.time()
+        self._keep_alive_interval_s = keep_alive_interval_s
+        self._keep_alive_task: asyncio.Task[None] | None = None
+        if keep_alive_interval_s is not None:
+            if keep_alive_interval_s <= 0:
+                raise ValueError(f"keep_alive_interval_s must be positive, got {keep_alive_interval_s}")
+            self._keep_alive_task = self._loop.create_task(
+                self._keep_alive_loop(keep_alive_interval_s), name=f"keep-alive {self.peername}"
+            )
+
+    @property
+    def negotiated_version(self) -> int:
+        """The codec version both ends agreed on."""
+        version = self._proto.negotiated_version
+        assert version is not None  # checked in __init__; never reset
+        return version
+
+    @property
+    def peer_hello_text(self) -> str:
+        """The text of the peer's hello, e.g. "Waltz Storage Server"."""
+        hello = self._proto.peer_hello
+        return hello.text if hello is not None else ""
+
+    @property
+    def peername(self) -> str:
+        """``host:port`` of the peer (for logs)."""
+        peer = self._writer.get_extra_info("peername")
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            return f"{peer[0]}:{peer[1]}"
+        return str(peer)
+
+    @property
+    def max_frame_bytes(self) -> int:
+        return self._proto.max_frame_bytes
+
+    @property
+    def is_closed(self) -> bool:
+        """True once :meth:`aclose` was called or the connection failed."""
+        return self._closed or self._error is not None
+
+    async def receive(self) -> bytes:
+        """The next payload. Raises BrokenResourceError at EOF or reset, RemoteProtocolError on garbage,
+        ClosedResourceError after :meth:`aclose`."""
+        if self._receiving:
+            raise RuntimeError("another task is already receiving on this connection")
+        self._receiving = True
+        try:
+            proto = self._proto
+            while True:
+                if self._error is not None:
+                    raise self._error
+                if self._closed:
+                    raise ClosedResourceError("connection closed")
+                try:
+                    event = proto.next_event()
+                except RemoteProtocolError as e:
+                    log.warning("closing connection with %s: %s", self.peername, e)
+                    self._error = e
+                    self._writer.transport.abort()
+                    raise
+                if type(event) is Payload:
+                    return event.data
+                if event is NEED_DATA:
+                    proto.receive_data(await self._read())
+                elif not isinstance(event, KeepAlive):  # pragma: no cover - the decoder refuses a 2nd hello
+                    raise RemoteProtocolError(f"unexpected event {event!r}")
+        finally:
+            self._receiving = False
+
+    async def _read(self) -> bytes:
+        try:
+            data = await self._reader.read(self._read_bytes)
+        except OSError as e:
+            if self._closed:
+                raise ClosedResourceError("connection closed") from None
+            self._error = BrokenResourceError(f"connection with {self.peername} broken: {e}")
+            raise self._error from None
+        if not data:
+            if self._closed:
+                raise ClosedResourceError("connection closed")
+            self._error = BrokenResourceError(f"{self.peername} closed the connection")
+            raise self._error
+        return data
+
+    def send(self, payload: bytes | bytearray | memoryview) -> None:
+        """Queue one framed payload for writing (no wait; see :meth:`drain`).
+
+        Raises LocalProtocolError if the payload is empty or larger than ``max_frame_bytes``,
+        ClosedResourceError after :meth:`aclose`, BrokenResourceError if the connection is gone.
+        """
+        self._check_writable()
+        self._writer.write(self._proto.frame(payload))
+        self._last_write_s = self._loop.time()
+
+    async def drain(self) -> None:
+        """Wait until the write buffer is below its high-water mark (back pressure)."""
+        self._check_writable()
+        try:
+            await self._writer.drain()
+        except OSError as e:
+            if self._closed:
+                raise ClosedResourceError("connection closed") from None
+            raise BrokenResourceError(f"connection with {self.peername} broken: {e}") from None
+
+    async def send_and_drain(self, payload: bytes | bytearray | memoryview) -> None:
+        """:meth:`send` then :meth:`drain`."""
+        self.send(payload)
+        await self.drain()
+
+    def _check_writable(self) -> None:
+        if self._closed:
+            raise ClosedResourceError("connection closed")
+        if self._error is not None:
+            raise BrokenResourceError(f"connection with {self.peername} is gone: {self._error}")
+        if self._writer.is_closing():
+            raise BrokenResourceError(f"connection with {self.peername} is closing")
+
+    async def _keep_alive_loop(self, interval_s: float) -> None:
+        # Emits a keep-alive whenever nothing was written for interval_s; ends when the connection does.
+        while not self._closed and self._error is None and not self._writer.is_closing():
+            idle_s = self._loop.time() - self._last_write_s
+            if idle_s >= interval_s:
+                self._writer.write(self._proto.keep_alive())
+                self._last_write_s = self._loop.time()
+                idle_s = 0.0
+            await asyncio.sleep(interval_s - idle_s)
+
+    async def aclose(self) -> None:
+        """Close the connection (idempotent). Queued frames are flushed if the peer still reads."""
+        if self._closed:
+            return
+        self._closed = True
+        # Release the socket and stop the keep-alives before the first await: if this task is cancelled while
+        # waiting below, nothing is left open.
+        close = _close_writer(self._writer, abort=self._error is not None)
+        task, self._keep_alive_task = self._keep_alive_task, None
+        if task is not None:
+            task.cancel()
+        try:
+            if task is not None:
+                # wait() does not re-raise the task's CancelledError, but does propagate our own cancellation.
+                await asyncio.wait([task])
+        finally:
+            await close
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+async def open_connection(
+    host: str,
+    port: int,
+    *,
+    magic: int,
+    versions: Iterable[int],
+    hello_text: str,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    connect_timeout_ms: int = DEFAULT_CONNECT_TIMEOUT_MS,
+    keep_alive_interval_s: float | None = DEFAULT_KEEP_ALIVE_INTERVAL_S,
+    read_bytes: int = DEFAULT_READ_BYTES,
+    write_buffer_high_bytes: int = DEFAULT_WRITE_BUFFER_HIGH_BYTES,
+    ssl: ssl_.SSLContext | None = None,
+) -> FramedConnection:
+    """Connect and exchange hellos, all within ``connect_timeout_ms``.
+
+    Raises BrokenResourceError if the connection cannot be made, is lost or times out (all retriable), and
+    RemoteProtocolError if the peer's hello is malformed or shares no version with ``versions``. Nothing is
+    left open on failure.
+    """
+    proto = ProtocolConnection(magic, versions, hello_text, max_frame_bytes)
+    writer: asyncio.StreamWriter | None = None
+    try:
+        async with asyncio.timeout(connect_timeout_ms / 1000):
+            reader, writer = await asyncio.open_connection(host, port, limit=read_bytes, ssl=ssl)
+            _configure_socket(writer, write_buffer_high_bytes)
+            await _exchange_hellos(reader, writer, proto, read_bytes)
+    except BaseException as e:
+        if writer is not None:
+            await _close_writer(writer, abort=True)
+        if isinstance(e, TimeoutError):
+            raise BrokenResourceError(
+                f"connecting to {host}:{port} timed out after {connect_timeout_ms} ms"
+            ) from None
+        if isinstance(e, OSError):
+            raise BrokenResourceError(f"cannot connect to {host}:{port}: {e}") from None
+        raise
+    return FramedConnection(
+        reader, writer, proto, read_bytes=read_bytes, keep_alive_interval_s=keep_alive_interval_s
+    )
+
+
+ConnectionHandler = Callable[[FramedConnection], Awaitable[None]]
+
+
+class FramedServer:
+    """A listening socket plus the handler tasks of its connections, which it owns.
+
+    Mirrors the parts of :class:`asyncio.Server` callers use (``sockets``, ``close``, ``wait_closed``,
+    ``serve_forever``, ``async with``) but :meth:`close` also cancels every connection handler, and
+    :meth:`wait_closed` waits for them, so no connection outlives its server. At most ``max_connections``
+    connections are served at once; more are closed right after accept with a WARNING.
+    """
+
+    def __init__(
+        self,
+        handler: ConnectionHandler,
+        *,
+        magic: int,
+        versions: Iterable[int],
+        hello_text: str,
+        max_frame_bytes: int,
+        handshake_timeout_ms: int,
+        keep_alive_interval_s: float | None,
+        read_bytes: int,
+        write_buffer_high_bytes: int,
+        max_connections: int,
+    ) -> None:
+        self._handler = handler
+        self._magic = magic
+        self._versions = tuple(versions)
+        self._hello_text = hello_text
+        self._max_frame_bytes = max_frame_bytes
+        self._handshake_timeout_ms = handshake_timeout_ms
+        self._keep_alive_interval_s = keep_alive_interval_s
+        self._read_bytes = read_bytes
+        self._write_buffer_high_bytes = write_buffer_high_bytes
+        self._max_connections = max_connections
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._server: asyncio.Server | None = None
+        self._closing = False
+        # Fail fast, at serve() time, on a configuration the protocol cannot carry.
+        ProtocolConnection(magic, self._versions, hello_text, max_frame_bytes)
+
+    @property
+    def sockets(self) -> tuple[socket.socket, ...]:
+        return tuple(self._server.sockets) if self._server is not None else ()
+
+    @property
+    def port(self) -> int:
+        """The port of the first listening socket (useful after binding port 0)."""
+        return int(self.sockets[0].getsockname()[1])
+
+    @property
+    def connection_count(self) -> int:
+        """Connections currently being served (including those still exchanging hellos)."""
+        return len(self._tasks)
+
+    def is_serving(self) -> bool:
+        return self._server is not None and self._server.is_serving()
+
+    async def serve_forever(self) -> None:
+        assert self._server is not None
+        await self._server.serve_forever()
+
+    def close(self) -> None:
+        """Stop listening and cancel every connection handler."""
+        self._closing = True
+        if self._server is not None:
+            self._server.close()
+        for task in self._tasks:
+            task.cancel()
+
+    async def wait_closed(self) -> None:
+        """Wait until the listener and every connection handler have finished."""
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def aclose(self) -> None:
+        self.close()
+        await self.wait_closed()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A plain callback, so asyncio creates no task of its own: the connection's task is ours, held in
+        # self._tasks until it ends, and cancelled by close(). (Python 3.11's stream protocol also mishandles
+        # a cancelled callback task, logging a spurious error.)
+        task = asyncio.get_running_loop().create_task(
+            self._serve_connection(reader, writer), name=f"connection {writer.get_extra_info('peername')}"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        conn: FramedConnection | None = None
+        try:
+            if self._closing:
+                return  # accepted just before close(): do not start serving it
+            if len(self._tasks) > self._max_connections:
+                log.warning(
+                    "refusing connection from %s: already serving %d connections (max_connections)",
+                    peer,
+                    self._max_connections,
+                )
+                return
+            _configure_socket(writer, self._write_buffer_high_bytes)
+            proto = ProtocolConnection(self._magic, self._versions, self._hello_text, self._max_frame_bytes)
+            try:
+                async with asyncio.timeout(self._handshake_timeout_ms / 1000):
+                    await _exchange_hellos(reader, writer, proto, self._read_bytes)
+            except TimeoutError:
+                log.warning(
+                    "closing connection from %s: no hello within %d ms", peer, self._handshake_timeout_ms
+                )
+                return
+            except ProtocolError as e:
+                log.warning("closing connection from %s: hello exchange failed: %s", peer, e)
+                return
+            conn = FramedConnection(
+                reader,
+                writer,
+                proto,
+                read_bytes=self._read_bytes,
+                keep_alive_interval_s=self._keep_alive_interval_s,
+            )
+            await self._handler(conn)
+        except (ConnectionError_, ProtocolError) as e:
+            # Broken connections are routine; protocol errors were logged where they were detected.
+            log.debug("connection from %s ended: %s", peer, e)
+        except Exception:
+            log.exception("connection handler for %s failed", peer)
+        finally:
+            if conn is not None:
+                await conn.aclose()
+            else:
+                await _close_writer(writer, abort=True)
+
+
+async def serve(
+    host: str,
+    port: int,
+    handler: ConnectionHandler,
+    *,
+    magic: int,
+    versions: Iterable[int],
+    hello_text: str,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    handshake_timeout_ms: int = DEFAULT_HANDSHAKE_TIMEOUT_MS,
+    keep_alive_interval_s: float | None = None,
+    read_bytes: int = DEFAULT_READ_BYTES,
+    write_buffer_high_bytes: int = DEFAULT_WRITE_BUFFER_HIGH_BYTES,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    ssl: ssl_.SSLContext | None = None,
+) -> FramedServer:
+    """Listen on ``host:port`` (port 0 picks a free one) and serve each connection with ``handler``.
+
+    ``handler(conn)`` runs in its own task once the hello exchange succeeded (a peer that sends no valid hello
+    within ``handshake_timeout_ms`` is dropped with a WARNING); the connection is closed when the handler
+    returns or raises. Broken connections and protocol errors escaping the handler are logged, not raised;
+    any other exception is logged with its traceback. The accepting side sends no keep-alives by default,
+    as in the original Waltz.
+    """
+    server = FramedServer(
+        handler,
+        magic=magic,
+        versions=versions,
+        hello_text=hello_text,
+        max_frame_bytes=max_frame_bytes,
+        handshake_timeout_ms=handshake_timeout_ms,
+        keep_alive_interval_s=keep_alive_interval_s,
+        read_bytes=read_bytes,
+        write_buffer_high_bytes=write_buffer_high_bytes,
+        max_connections=max_connections,
+    )
+    server._server = await asyncio.start_server(server._on_connect, host, port, limit=read_bytes, ssl=ssl)
+    return server
+
+
+class RpcClient(Generic[ReqT, RespT]):
+    """Concurrent request/response calls over one :class:`FramedConnection`, matched by sequence number.
+
+    Guarantees:
+
+    * At most ``max_in_flight`` requests are outstanding; further callers wait (within their timeout).
+    * Every call ends: with its response, with :class:`~waltz.errors.ClientTimeoutError` after
+      ``timeout_ms`` (a late response is then dropped), with the error ``error_of(response)`` returns, or with
+      :class:`~waltz.errors.BrokenResourceError` for every pending and later call once the connection dies.
+    * The reader task belongs to the client: it is created in the constructor (which therefore must run in
+      the event loop) and cancelled by :meth:`aclose`, which also closes the connection.
+
+    The caller chooses sequence numbers (see :meth:`next_seq`); two requests with the same number may not be
+    in flight at once.
+    """
+
+    def __init__(
+        self,
+        conn: FramedConnection,
+        *,
+        encode: Callable[[ReqT], bytes],
+        decode: Callable[[bytes], RespT],
+        request_seq: Callable[[ReqT], int],
+        response_seq: Callable[[RespT], int],
+        error_of: Callable[[RespT], BaseException | None] | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        name: str = "rpc",
+    ) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        self._conn = conn
+        self._encode = encode
+        self._decode = decode
+        self._request_seq = request_seq
+        self._response_seq = response_seq
+        self._error_of = error_of
+        self._name = name
+        self._loop = asyncio.get_running_loop()
+        self._slots = asyncio.Semaphore(max_in_flight)
+        self._pending: dict[int, asyncio.Future[RespT]] = {}
+        self._seq = 0
+        self._closed = False
+        self._broken: str | None = None
+        self._reader_task = self._loop.create_task(self._read_loop(), name=f"{name} reader {conn.peername}")
+
+    @property
+    def connection(self) -> FramedConnection:
+        return self._conn
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent (or being sent) and not yet answered."""
+        return len(self._pending)
+
+    @property
+    def is_usable(self) -> bool:
+        """False once the client was closed or its connection died."""
+        return not self._closed and self._broken is None
+
+    def next_seq(self) -> int:
+        """A fresh per-client sequence number (0, 1, 2, ...)."""
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ClosedResourceError(f"{self._name} client closed")
+        if self._broken is not None:
+            raise BrokenResourceError(self._broken)
+
+    async def call(self, request: ReqT, timeout_ms: int) -> RespT:
+        """Send ``request`` and return its response (see the class docstring for how a call can end)."""
+        self._check_usable()
+        try:
+            async with asyncio.timeout(timeout_ms / 1000), self._slots:
+                self._check_usable()
+                return await self._call_with_slot(request)
+        except TimeoutError:
+            raise ClientTimeoutError(
+                f"{self._name}: no response from {self._conn.peername} within {timeout_ms} ms"
+                f" to {type(request).__name__}"
+            ) from None
+
+    async def _call_with_slot(self, request: ReqT) -> RespT:
+        seq = self._request_seq(request)
+        if seq in self._pending:
+            raise LocalProtocolError(f"{self._name}: sequence number {seq} is already in flight")
+        payload = self._encode(request)
+        future: asyncio.Future[RespT] = self._loop.create_future()
+        self._pending[seq] = future
+        try:
+            self._conn.send(payload)
+            await self._conn.drain()
+            response = await future
+        finally:
+            if self._pending.get(seq) is future:
+                del self._pending[seq]
+            if future.done() and not future.cancelled():
+                # Mark a failure set while we were being cancelled as seen, so it is not logged at GC.
+                future.exception()
+        if self._error_of is not None:
+            error = self._error_of(response)
+            if error is not None:
+                raise error
+        return response
+
+    async def _read_loop(self) -> None:
+        reason: BaseException
+        try:
+            while True:
+                response = self._decode(await self._conn.receive())
+                seq = self._response_seq(response)
+                future = self._pending.get(seq)
+                if future is None or future.done():
+                    # Normal after a caller timed out or was cancelled.
+                    log.debug(
+                        "%s: dropping response %d from %s: no caller waits",
+                        self._name,
+                        seq,
+                        self._conn.peername,
+                    )
+                    continue
+                future.set_result(response)
+        except (ConnectionError_, ProtocolError) as e:
+            reason = e
+        except Exception as e:
+            log.exception("%s: reader for %s failed", self._name, self._conn.peername)
+            reason = e
+        if not self._closed:
+            self._broken = f"{self._name}: connection with {self._conn.peername} lost: {reason}"
+            self._fail_pending(lambda: BrokenResourceError(self._broken))
+            await self._conn.aclose()
+
+    def _fail_pending(self, make_error: Callable[[], BaseException]) -> None:
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(make_error())
+
+    async def aclose(self) -> None:
+        """Stop the reader, fail pending calls with ClosedResourceError, close the connection. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._reader_task.cancel()
+        await asyncio.wait([self._reader_task])
+        self._fail_pending(lambda: ClosedResourceError(f"{self._name} client closed"))
+        await self._conn.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """For entry points only: run ``main`` on uvloop when it is installed, else on the default loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    result: T = uvloop.run(main)
+    return result

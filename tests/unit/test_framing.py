@@ -1,0 +1,268 @@
+"""Framing and hello negotiation: golden bytes, state machine transitions, the one-error contract."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from waltz.errors import FrameTooLargeError, LocalProtocolError, RemoteProtocolError
+from waltz.protocol.framing import (
+    MAGIC_ADMIN,
+    MAGIC_CLIENT,
+    MAGIC_HELLO,
+    MAGIC_STORAGE,
+    MAX_HELLO_FRAME_BYTES,
+    NEED_DATA,
+    Event,
+    Frame,
+    FrameDecoder,
+    HelloReceived,
+    KeepAlive,
+    NeedData,
+    Payload,
+    ProtocolConnection,
+    decode_hello,
+    encode_frame,
+    encode_hello,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def drain(conn: ProtocolConnection) -> list[Event]:
+    """Every event currently available."""
+    events: list[Event] = []
+    while (event := conn.next_event()) is not NEED_DATA:
+        assert not isinstance(event, NeedData)
+        events.append(event)
+    return events
+
+
+def pair(
+    a_versions: tuple[int, ...] = (0,), b_versions: tuple[int, ...] = (0,), max_frame_bytes: int = 1024
+) -> tuple[ProtocolConnection, ProtocolConnection]:
+    """Two endpoints after a completed hello exchange."""
+    a = ProtocolConnection(MAGIC_STORAGE, a_versions, "Waltz Storage Client", max_frame_bytes)
+    b = ProtocolConnection(MAGIC_STORAGE, b_versions, "Waltz Storage Server", max_frame_bytes)
+    b.receive_data(a.send_hello())
+    a.receive_data(b.send_hello())
+    assert isinstance(a.next_event(), HelloReceived)
+    assert isinstance(b.next_event(), HelloReceived)
+    return a, b
+
+
+def test_magic_bytes() -> None:
+    assert [ord(c) for c in "HLSA"] == [MAGIC_HELLO, MAGIC_CLIENT, MAGIC_STORAGE, MAGIC_ADMIN]
+
+
+def test_frame_golden_bytes() -> None:
+    assert encode_frame(MAGIC_STORAGE, 0, b"\x01\x02") == bytes.fromhex("53 0000 00000002 0102")
+    assert encode_frame(MAGIC_CLIENT, 4, b"") == bytes.fromhex("4c 0004 00000000")
+    assert encode_frame(MAGIC_ADMIN, -1, b"z") == bytes.fromhex("41 ffff 00000001 7a")
+    with pytest.raises(LocalProtocolError):
+        encode_frame(MAGIC_ADMIN, 2**15, b"")
+
+
+def test_hello_golden_bytes() -> None:
+    payload = encode_hello([0, 4], "Waltz")
+    assert payload == bytes.fromhex("00000002 0000 0004 00000005 57616c747a")
+    assert decode_hello(payload) == ((0, 4), "Waltz")
+    conn = ProtocolConnection(MAGIC_STORAGE, [0], "Waltz Storage Server")
+    assert conn.send_hello() == bytes.fromhex(
+        "48 0000 0000001e  00000001 0000  00000014 57616c747a2053746f72616765205365727665 72"
+    )
+
+
+def test_hello_decoder_rejects_malformed() -> None:
+    good = encode_hello([1], "x")
+    for bad in (
+        good[:-1],
+        good + b"\x00",
+        bytes.fromhex("00000000 00000000"),  # no versions
+        bytes.fromhex("ffffffff 00000000"),  # negative count
+        bytes.fromhex("7fffffff 0000"),  # count far beyond the payload
+        bytes.fromhex("00000001 0000 ffffffff"),  # null text
+        bytes.fromhex("00000001 0000 00000001 ff"),  # text not UTF-8
+    ):
+        with pytest.raises(RemoteProtocolError):
+            decode_hello(bad)
+    with pytest.raises(LocalProtocolError):
+        encode_hello([], "x")
+    with pytest.raises(LocalProtocolError):
+        encode_hello([70000], "x")
+
+
+def test_highest_common_version_is_chosen_by_both_ends() -> None:
+    a = ProtocolConnection(MAGIC_CLIENT, [0, 1, 2, 3, 4], "Waltz Client")
+    b = ProtocolConnection(MAGIC_CLIENT, [2, 3, 7], "Waltz Server")
+    b.receive_data(a.send_hello())
+    a.receive_data(b.send_hello())
+    assert drain(a) == [HelloReceived((2, 3, 7), "Waltz Server", 3)]
+    assert drain(b) == [HelloReceived((0, 1, 2, 3, 4), "Waltz Client", 3)]
+    assert a.negotiated_version == b.negotiated_version == 3
+    assert a.ready
+    assert b.ready
+    assert a.frame(b"hi") == bytes.fromhex("4c 0003 00000002 6869")
+
+
+def test_no_common_version_fails_and_stays_failed() -> None:
+    a = ProtocolConnection(MAGIC_STORAGE, [0], "a")
+    b = ProtocolConnection(MAGIC_STORAGE, [1, 2], "b")
+    a.receive_data(b.send_hello())
+    with pytest.raises(RemoteProtocolError, match="no common version"):
+        a.next_event()
+    with pytest.raises(RemoteProtocolError, match="no common version"):
+        a.next_event()
+    assert a.negotiated_version is None
+
+
+def test_second_hello_is_refused() -> None:
+    a, _ = pair()
+    other = ProtocolConnection(MAGIC_STORAGE, [0], "again")
+    a.receive_data(other.send_hello())
+    with pytest.raises(RemoteProtocolError, match="second hello"):
+        a.next_event()
+
+
+def test_payload_before_hello_is_refused() -> None:
+    a = ProtocolConnection(MAGIC_STORAGE, [0], "a")
+    a.receive_data(encode_frame(MAGIC_STORAGE, 0, b"early"))
+    with pytest.raises(RemoteProtocolError, match="hello first"):
+        a.next_event()
+
+
+def test_wrong_magic_or_version_after_negotiation_is_refused() -> None:
+    for frame in (encode_frame(MAGIC_ADMIN, 0, b"x"), encode_frame(MAGIC_STORAGE, 1, b"x")):
+        a, _ = pair()
+        a.receive_data(frame)
+        with pytest.raises(RemoteProtocolError, match="negotiated"):
+            a.next_event()
+
+
+def test_oversized_frame_is_refused_from_its_header_alone() -> None:
+    a, _ = pair(max_frame_bytes=1024)
+    a.receive_data(bytes.fromhex("53 0000 00000401"))  # 1025 bytes announced, none sent
+    with pytest.raises(FrameTooLargeError, match="1025"):
+        a.next_event()
+    # A frame of exactly the limit is fine.
+    a, b = pair(max_frame_bytes=1024)
+    a.receive_data(b.frame(bytes(1024)))
+    assert drain(a) == [Payload(bytes(1024))]
+
+
+def test_oversized_hello_is_refused_before_negotiation() -> None:
+    a = ProtocolConnection(MAGIC_STORAGE, [0], "a", max_frame_bytes=1 << 20)
+    a.receive_data(b"\x48\x00\x00" + (MAX_HELLO_FRAME_BYTES + 1).to_bytes(4, "big"))
+    with pytest.raises(FrameTooLargeError):
+        a.next_event()
+
+
+def test_negative_length_is_refused() -> None:
+    a, _ = pair()
+    a.receive_data(bytes.fromhex("53 0000 ffffffff"))
+    with pytest.raises(RemoteProtocolError, match="negative"):
+        a.next_event()
+
+
+def test_keep_alive() -> None:
+    a, b = pair()
+    assert b.keep_alive() == bytes.fromhex("53 0000 00000000")
+    a.receive_data(b.keep_alive() + b.frame(b"x") + b.keep_alive())
+    assert drain(a) == [KeepAlive(), Payload(b"x"), KeepAlive()]
+
+
+def test_sending_rules() -> None:
+    a = ProtocolConnection(MAGIC_STORAGE, [0], "a", max_frame_bytes=16)
+    with pytest.raises(LocalProtocolError):
+        a.frame(b"x")  # nothing negotiated
+    with pytest.raises(LocalProtocolError):
+        a.keep_alive()
+    b = ProtocolConnection(MAGIC_STORAGE, [0], "b")
+    a.receive_data(b.send_hello())
+    assert isinstance(a.next_event(), HelloReceived)
+    with pytest.raises(LocalProtocolError):
+        a.frame(b"x")  # our own hello not sent yet: the peer would see a payload before it
+    a.send_hello()
+    with pytest.raises(LocalProtocolError):
+        a.send_hello()
+    with pytest.raises(LocalProtocolError):
+        a.frame(bytes(17))
+    with pytest.raises(LocalProtocolError):
+        a.frame(b"")  # would read as a keep-alive
+    assert a.frame(bytes(16))[:7] == bytes.fromhex("53 0000 00000010")
+
+
+def test_constructor_limits() -> None:
+    with pytest.raises(LocalProtocolError):
+        ProtocolConnection(MAGIC_HELLO, [0], "x")
+    with pytest.raises(LocalProtocolError):
+        ProtocolConnection(MAGIC_STORAGE, [], "x")
+    with pytest.raises(LocalProtocolError):
+        ProtocolConnection(MAGIC_STORAGE, [0], "x", max_frame_bytes=0)
+    with pytest.raises(LocalProtocolError):
+        FrameDecoder(2**31)
+
+
+def test_stream_split_at_every_byte_gives_the_same_events() -> None:
+    a = ProtocolConnection(MAGIC_STORAGE, [0, 1], "a", max_frame_bytes=4096)
+    b = ProtocolConnection(MAGIC_STORAGE, [1], "b", max_frame_bytes=4096)
+    b.receive_data(a.send_hello())
+    assert isinstance(b.next_event(), HelloReceived)
+    stream_from_b = b.send_hello()
+    payloads = [b"one", bytes(range(256)) * 3, b"\x00"]
+    for p in payloads:
+        stream_from_b += b.frame(p)
+    stream_from_b += b.keep_alive()
+    expected: list[Event] = [HelloReceived((1,), "b", 1), *(Payload(p) for p in payloads), KeepAlive()]
+    events: list[Event] = []
+    for i in range(len(stream_from_b)):
+        a.receive_data(stream_from_b[i : i + 1])
+        events.extend(drain(a))
+    assert events == expected
+
+
+def test_frame_decoder_many_frames_in_one_read_and_partial_tail() -> None:
+    d = FrameDecoder(100)
+    data = b"".join(encode_frame(MAGIC_STORAGE, 0, bytes([i]) * i) for i in range(1, 50))
+    d.receive_data(data + data[:5])
+    frames = []
+    while (f := d.next_frame()) is not None:
+        frames.append(f)
+    assert frames == [Frame(MAGIC_STORAGE, 0, bytes([i]) * i) for i in range(1, 50)]
+    assert d.buffered_bytes == 5
+    d.receive_data(data[5:8])
+    assert d.next_frame() == Frame(MAGIC_STORAGE, 0, b"\x01")
+    assert d.buffered_bytes == 0
+    assert d.next_frame() is None
+
+
+@given(st.binary(max_size=200))
+def test_hello_decoder_raises_only_protocol_errors(data: bytes) -> None:
+    try:
+        decode_hello(data)
+    except RemoteProtocolError:
+        pass
+
+
+@given(st.lists(st.binary(max_size=40), max_size=8))
+def test_connection_fed_random_bytes_raises_only_protocol_errors(chunks: list[bytes]) -> None:
+    a = ProtocolConnection(MAGIC_STORAGE, [0, 1], "a", max_frame_bytes=64)
+    try:
+        for chunk in chunks:
+            a.receive_data(chunk)
+            drain(a)
+    except RemoteProtocolError:
+        pass
+
+
+@given(st.lists(st.binary(max_size=40), max_size=8))
+def test_negotiated_connection_fed_random_frames_raises_only_protocol_errors(chunks: list[bytes]) -> None:
+    a, _ = pair(max_frame_bytes=32)
+    try:
+        for chunk in chunks:
+            # Mostly well-formed headers, so the payload and length paths are exercised too.
+            a.receive_data(b"\x53\x00\x00" + len(chunk).to_bytes(4, "big") + chunk)
+            drain(a)
+    except RemoteProtocolError:
+        pass

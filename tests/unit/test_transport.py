@@ -1,0 +1,433 @@
+"""Framed connections, the server and the RPC multiplexer over real loopback sockets (127.0.0.1, port 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import pytest
+
+from waltz.errors import (
+    BrokenResourceError,
+    ClientTimeoutError,
+    ClosedResourceError,
+    LocalProtocolError,
+    PartitionNotAssignedError,
+    RemoteProtocolError,
+)
+from waltz.protocol import storage as s
+from waltz.protocol.framing import MAGIC_STORAGE, NEED_DATA, KeepAlive, ProtocolConnection, encode_frame
+from waltz.transport import FramedConnection, FramedServer, RpcClient, open_connection, serve
+from waltz.transport import run as transport_run
+
+pytestmark = pytest.mark.timeout(30)
+
+T = TypeVar("T")
+HOST = "127.0.0.1"
+STORAGE: dict[str, Any] = {"magic": MAGIC_STORAGE, "versions": (0,)}
+
+
+def run(main: Callable[[], Coroutine[Any, Any, T]], timeout_s: float = 10.0) -> T:
+    """Run one test body on a fresh loop, bounded in time."""
+
+    async def bounded() -> T:
+        async with asyncio.timeout(timeout_s):
+            return await main()
+
+    return asyncio.run(bounded())
+
+
+async def echo(conn: FramedConnection) -> None:
+    while True:
+        conn.send(await conn.receive())
+        await conn.drain()
+
+
+@asynccontextmanager
+async def serving(
+    handler: Callable[[FramedConnection], Awaitable[None]], **kwargs: Any
+) -> AsyncIterator[int]:
+    options = {**STORAGE, "hello_text": "Waltz Storage Server", **kwargs}
+    async with await serve(HOST, 0, handler, **options) as server:
+        yield server.port
+
+
+async def connect(port: int, **kwargs: Any) -> FramedConnection:
+    options = {**STORAGE, "hello_text": "Waltz Storage Client", "connect_timeout_ms": 2000, **kwargs}
+    return await open_connection(HOST, port, **options)
+
+
+@asynccontextmanager
+async def raw_server(
+    handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[int]:
+    """A plain asyncio server, to play a misbehaving or observing peer."""
+    tasks: list[asyncio.Task[Any]] = []
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        tasks.append(task)
+        try:
+            await handler(reader, writer)
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except OSError:
+                pass
+
+    server = await asyncio.start_server(on_connect, HOST, 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        await server.wait_closed()
+
+
+def test_echo_round_trip_negotiates_the_highest_common_version() -> None:
+    async def main() -> None:
+        async with serving(echo, versions=(0, 1, 2)) as port:
+            conn = await connect(port, versions=(1, 2, 3))
+            async with conn:
+                assert conn.negotiated_version == 2
+                assert conn.peer_hello_text == "Waltz Storage Server"
+                payloads = [bytes([i % 256]) * (1 + i * 97 % 5000) for i in range(300)] + [bytes(1 << 20)]
+                # Queue everything before reading, so many frames arrive in one socket read.
+                for payload in payloads:
+                    conn.send(payload)
+                await conn.drain()
+                for payload in payloads:
+                    assert await conn.receive() == payload
+            with pytest.raises(ClosedResourceError):
+                await conn.receive()
+            with pytest.raises(ClosedResourceError):
+                conn.send(b"x")
+
+    run(main)
+
+
+def test_oversized_frame_closes_that_connection_with_a_logged_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        async with serving(echo, max_frame_bytes=1024) as port:
+            good = await connect(port, max_frame_bytes=1024)
+            bad = await connect(port, max_frame_bytes=1 << 20)
+            async with good, bad:
+                await good.send_and_drain(b"before")
+                assert await good.receive() == b"before"
+                await bad.send_and_drain(bytes(2048))
+                with pytest.raises(BrokenResourceError):
+                    await bad.receive()
+                # The server keeps serving the other connection.
+                await good.send_and_drain(bytes(1024))
+                assert await good.receive() == bytes(1024)
+                with pytest.raises(LocalProtocolError):
+                    good.send(bytes(1025))
+
+    with caplog.at_level(logging.WARNING, logger="waltz.transport"):
+        run(main)
+    reasons = [r.getMessage() for r in caplog.records if r.name == "waltz.transport"]
+    assert any("closing connection" in m and "2048 bytes exceeds the limit of 1024" in m for m in reasons), (
+        reasons
+    )
+
+
+def test_no_common_version_fails_the_connect_on_both_sides(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        async with serving(echo, versions=(1,)) as port:
+            with pytest.raises(RemoteProtocolError, match="no common version"):
+                await connect(port, versions=(0,))
+
+    with caplog.at_level(logging.WARNING, logger="waltz.transport"):
+        run(main)
+    assert any("hello exchange failed" in r.getMessage() for r in caplog.records)
+
+
+def test_connect_refused_and_silent_peer_are_broken_resource_errors() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(60)
+
+    async def main() -> None:
+        with socket.socket() as sock:
+            sock.bind((HOST, 0))
+            free_port = sock.getsockname()[1]
+        with pytest.raises(BrokenResourceError, match="cannot connect"):
+            await connect(free_port)
+        async with raw_server(silent) as port:
+            with pytest.raises(BrokenResourceError, match="timed out after 200 ms"):
+                await connect(port, connect_timeout_ms=200)
+
+    run(main)
+
+
+def test_server_drops_a_peer_that_sends_no_hello(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        async with serving(echo, handshake_timeout_ms=100) as port:
+            reader, writer = await asyncio.open_connection(HOST, port)
+            try:
+                data = await reader.read()  # the server's hello, then EOF once it gives up on us
+                assert data[:1] == b"H"
+            finally:
+                writer.close()
+                await writer.wait_closed()
+
+    with caplog.at_level(logging.WARNING, logger="waltz.transport"):
+        run(main)
+    assert any("no hello within 100 ms" in r.getMessage() for r in caplog.records)
+
+
+def test_garbage_from_the_peer_is_a_remote_protocol_error(caplog: pytest.LogCaptureFixture) -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(ProtocolConnection(MAGIC_STORAGE, [0], "liar").send_hello())
+        writer.write(encode_frame(0x4C, 0, b"not storage"))
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        async with raw_server(garbage) as port, await connect(port) as conn:
+            with pytest.raises(RemoteProtocolError, match="negotiated"):
+                await conn.receive()
+            with pytest.raises(RemoteProtocolError):
+                await conn.receive()  # stays failed
+            with pytest.raises(BrokenResourceError):
+                conn.send(b"x")
+
+    with caplog.at_level(logging.WARNING, logger="waltz.transport"):
+        run(main)
+    assert any("closing connection with" in r.getMessage() for r in caplog.records)
+
+
+def test_connecting_side_sends_keep_alives_when_idle() -> None:
+    async def main() -> None:
+        keep_alives = 0
+        two_seen = asyncio.Event()
+
+        async def observe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal keep_alives
+            proto = ProtocolConnection(MAGIC_STORAGE, [0], "observer")
+            writer.write(proto.send_hello())
+            while data := await reader.read(4096):
+                proto.receive_data(data)
+                while (event := proto.next_event()) is not NEED_DATA:
+                    if isinstance(event, KeepAlive):
+                        keep_alives += 1
+                        if keep_alives == 2:
+                            two_seen.set()
+
+        async with raw_server(observe) as port, await connect(port, keep_alive_interval_s=0.05):
+            await asyncio.wait_for(two_seen.wait(), 2)
+
+    run(main)
+
+
+def test_closing_the_server_closes_its_connections_and_limits_connections(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        server: FramedServer = await serve(HOST, 0, echo, hello_text="s", max_connections=1, **STORAGE)
+        conn = await connect(server.port)
+        await conn.send_and_drain(b"ping")
+        assert await conn.receive() == b"ping"
+        assert server.connection_count == 1
+        with pytest.raises(BrokenResourceError):
+            await connect(server.port)  # over max_connections: closed right after accept
+        await server.aclose()
+        assert server.connection_count == 0
+        assert not server.is_serving()
+        with pytest.raises(BrokenResourceError):
+            await conn.receive()
+        await conn.aclose()
+
+    with caplog.at_level(logging.WARNING, logger="waltz.transport"):
+        run(main)
+    assert any("refusing connection" in r.getMessage() for r in caplog.records)
+
+
+def storage_rpc(conn: FramedConnection, **kwargs: Any) -> RpcClient[s.StorageMessage, s.StorageMessage]:
+    return RpcClient(
+        conn,
+        encode=s.encode,
+        decode=s.decode,
+        request_seq=s.seq_num_of,
+        response_seq=s.seq_num_of,
+        **kwargs,
+    )
+
+
+def test_rpc_client_matches_out_of_order_replies_and_bounds_in_flight() -> None:
+    outstanding = 0
+    max_outstanding = 0
+
+    async def replier(conn: FramedConnection) -> None:
+        async def reply_later(req: s.StorageMessage) -> None:
+            nonlocal outstanding
+            await asyncio.sleep(random.random() * 0.005)
+            outstanding -= 1
+            conn.send(
+                s.encode(
+                    s.MaxTransactionIdResponse(
+                        req.session_id, req.seq_num, req.partition_id, 10 * req.seq_num
+                    )
+                )
+            )
+
+        nonlocal outstanding, max_outstanding
+        async with asyncio.TaskGroup() as tg:
+            try:
+                while True:
+                    req = s.decode(await conn.receive())
+                    outstanding += 1
+                    max_outstanding = max(max_outstanding, outstanding)
+                    tg.create_task(reply_later(req))
+            except BrokenResourceError:
+                pass
+
+    async def main() -> None:
+        async with serving(replier) as port, storage_rpc(await connect(port), max_in_flight=8) as rpc:
+
+            async def one(seq: int) -> int:
+                response = await rpc.call(s.MaxTransactionIdRequest(1, seq, seq % 4, False), timeout_ms=5000)
+                assert isinstance(response, s.MaxTransactionIdResponse)
+                assert response.partition_id == seq % 4
+                return response.transaction_id
+
+            results = await asyncio.gather(*(one(rpc.next_seq()) for _ in range(300)))
+            assert results == [10 * seq for seq in range(300)]
+            assert rpc.in_flight == 0
+
+    random.seed(7)
+    run(main)
+    assert 2 <= max_outstanding <= 8
+
+
+def test_rpc_client_fails_every_pending_and_waiting_call_when_the_connection_dies() -> None:
+    async def take_two_then_hang_up(conn: FramedConnection) -> None:
+        await conn.receive()
+        await conn.receive()
+
+    async def main() -> None:
+        async with (
+            serving(take_two_then_hang_up) as port,
+            storage_rpc(await connect(port), max_in_flight=2) as rpc,
+        ):
+            calls = [rpc.call(s.RecordRequest(1, rpc.next_seq(), 0, 5), timeout_ms=5000) for _ in range(5)]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            assert all(isinstance(r, BrokenResourceError) for r in results), results
+            assert not rpc.is_usable
+            with pytest.raises(BrokenResourceError, match="lost"):
+                await rpc.call(s.RecordRequest(1, rpc.next_seq(), 0, 5), timeout_ms=5000)
+            assert rpc.connection.is_closed
+
+    run(main)
+
+
+def test_rpc_client_timeout_drops_the_late_reply_and_keeps_working() -> None:
+    async def slow_for_seq_zero(conn: FramedConnection) -> None:
+        async def reply(req: s.StorageMessage, delay_s: float) -> None:
+            await asyncio.sleep(delay_s)
+            conn.send(s.encode(s.SuccessResponse(req.session_id, req.seq_num, req.partition_id)))
+
+        async with asyncio.TaskGroup() as tg:
+            try:
+                while True:
+                    req = s.decode(await conn.receive())
+                    tg.create_task(reply(req, 0.3 if req.seq_num == 0 else 0))
+            except BrokenResourceError:
+                pass
+
+    async def main() -> None:
+        async with serving(slow_for_seq_zero) as port, storage_rpc(await connect(port)) as rpc:
+            with pytest.raises(ClientTimeoutError, match="within 50 ms"):
+                await rpc.call(s.MaxTransactionIdRequest(1, 0, 0, False), timeout_ms=50)
+            assert rpc.in_flight == 0
+            assert await rpc.call(s.MaxTransactionIdRequest(1, 1, 0, False), 2000) == s.SuccessResponse(
+                1, 1, 0
+            )
+            await asyncio.sleep(0.4)  # the late reply to seq 0 arrives and is dropped
+            assert await rpc.call(s.MaxTransactionIdRequest(1, 2, 0, False), 2000) == s.SuccessResponse(
+                1, 2, 0
+            )
+            assert rpc.is_usable
+
+    run(main)
+
+
+def test_rpc_client_maps_failures_refuses_duplicate_seq_and_closes() -> None:
+    async def main() -> None:
+        gate = asyncio.Event()
+
+        async def failing(conn: FramedConnection) -> None:
+            while True:
+                req = s.decode(await conn.receive())
+                if req.partition_id == 99:
+                    error = PartitionNotAssignedError("Partition:99 is not assigned.")
+                    conn.send(s.encode(s.failure_from_error(req.session_id, req.seq_num, 99, error)))
+                else:
+                    await gate.wait()  # never answered: the caller is left pending
+
+        def error_of(response: s.StorageMessage) -> BaseException | None:
+            return s.failure_to_error(response) if isinstance(response, s.FailureResponse) else None
+
+        async with serving(failing) as port:
+            rpc = storage_rpc(await connect(port), error_of=error_of)
+            with pytest.raises(PartitionNotAssignedError, match="Partition:99"):
+                await rpc.call(s.RecordRequest(1, 0, 99, 5), timeout_ms=2000)
+            pending = asyncio.create_task(rpc.call(s.RecordRequest(1, 1, 0, 5), timeout_ms=5000))
+            await asyncio.sleep(0.05)
+            assert rpc.in_flight == 1
+            with pytest.raises(LocalProtocolError, match="already in flight"):
+                await rpc.call(s.RecordRequest(1, 1, 0, 6), timeout_ms=2000)
+            await rpc.aclose()
+            with pytest.raises(ClosedResourceError):
+                await pending
+            with pytest.raises(ClosedResourceError):
+                await rpc.call(s.RecordRequest(1, 2, 0, 5), timeout_ms=2000)
+            await rpc.aclose()  # idempotent
+            gate.set()
+
+    run(main)
+
+
+def test_a_failing_handler_is_logged_and_the_server_keeps_serving(caplog: pytest.LogCaptureFixture) -> None:
+    async def picky(conn: FramedConnection) -> None:
+        payload = await conn.receive()
+        if payload == b"bad":
+            raise ValueError("handler bug")
+        await conn.send_and_drain(payload)
+
+    async def main() -> None:
+        async with serving(picky) as port:
+            async with await connect(port) as first:
+                await first.send_and_drain(b"bad")
+                with pytest.raises(BrokenResourceError):
+                    await first.receive()
+            async with await connect(port) as second:
+                await second.send_and_drain(b"good")
+                assert await second.receive() == b"good"
+
+    with caplog.at_level(logging.WARNING, logger="waltz.transport"):
+        run(main)
+    failures = [r for r in caplog.records if "connection handler" in r.getMessage()]
+    assert len(failures) == 1
+    assert failures[0].exc_info is not None
+
+
+def test_run_helper_returns_the_result() -> None:
+    async def answer() -> int:
+        await asyncio.sleep(0)
+        return 42
+
+    assert transport_run(answer()) == 42
