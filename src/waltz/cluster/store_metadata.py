@@ -236,7 +236,8 @@ def next_id(client: KazooClient, root: str, kind: str) -> int:
     seen = compare_and_set(
         client, path, decode_counter, lambda v: encode_counter(v + 1), f"{kind} id counter", max_attempts=100
     )
-    assert seen is not None  # The update above always writes.
+    if seen is None:  # Cannot happen: the update above always writes.
+        raise MetadataError(f"{kind} id counter: nothing written")
     return seen + 1
 
 
