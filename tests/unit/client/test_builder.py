@@ -1,0 +1,70 @@
+"""TransactionBuilder: header, data, serializers, locks and the request it builds."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+from waltz import PartitionLocalLock, TransactionBuilder
+from waltz.client.locks import lock_hash
+from waltz.client.serializer import JsonSerializer, Utf8Serializer
+from waltz.protocol.records import ReqId
+
+REQ = ReqId.of(3, 1, 0, 42)
+
+
+def test_defaults_build_an_empty_transaction() -> None:
+    request = TransactionBuilder(0, 17).build(REQ)
+    assert request.req_id == REQ
+    assert request.client_high_water_mark == 17
+    assert request.header == 0
+    assert request.data == b""
+    assert request.checksum == zlib.crc32(b"")
+    assert request.write_locks == request.read_locks == request.append_locks == ()
+
+
+def test_bytes_data_header_and_checksum() -> None:
+    b = TransactionBuilder(0, -1)
+    b.set_header(-5)
+    b.set_transaction_data(bytearray(b"hello"))
+    request = b.build(REQ)
+    assert (request.header, request.data, request.checksum) == (-5, b"hello", zlib.crc32(b"hello"))
+    assert isinstance(request.data, bytes)
+
+
+def test_serializers() -> None:
+    b = TransactionBuilder(0, -1)
+    b.set_transaction_data({"b": 1, "a": [1, 2]}, JsonSerializer())
+    assert b.data == b'{"a":[1,2],"b":1}'
+    b.set_transaction_data("héllo", Utf8Serializer())
+    assert b.data == "héllo".encode()
+
+
+def test_data_without_serializer_must_be_bytes() -> None:
+    with pytest.raises(TypeError, match="must be bytes"):
+        TransactionBuilder(0, -1).set_transaction_data("text")  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("header", [2**31, -(2**31) - 1])
+def test_header_must_fit_in_32_bits(header: int) -> None:
+    with pytest.raises(ValueError, match="32-bit"):
+        TransactionBuilder(0, -1).set_header(header)
+
+
+def test_locks_become_java_hashes_without_duplicates() -> None:
+    a, b = PartitionLocalLock("account", 1), PartitionLocalLock("withdrawal", 1)
+    builder = TransactionBuilder(0, -1)
+    builder.set_write_locks([b, b])
+    builder.set_read_locks([a])
+    builder.set_append_locks([PartitionLocalLock("parent", 9)])
+    request = builder.build(REQ)
+    assert request.write_locks == (lock_hash(b),)
+    assert request.read_locks == (lock_hash(a),)
+    assert request.append_locks == (lock_hash(PartitionLocalLock("parent", 9)),)
+    assert builder.write_locks == (b, b)
+
+
+def test_locks_must_be_partition_local_locks() -> None:
+    with pytest.raises(TypeError, match="PartitionLocalLock"):
+        TransactionBuilder(0, -1).set_write_locks([("account", 1)])  # type: ignore[list-item]
