@@ -1,0 +1,98 @@
+"""WaltzClient: the thread-safe facade (private loop thread, blocking calls, context manager)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from waltz import ClientConfig, WaltzClient
+from waltz.errors import ClientClosedError, ClientError, ClientTimeoutError
+from waltz.testing import MockDriver
+
+from .helpers import FAST, Ctx, RecordingCallbacks
+
+
+def test_many_threads_submit_concurrently() -> None:
+    driver = MockDriver(num_partitions=4)
+    callbacks = RecordingCallbacks()
+    with WaltzClient(callbacks, FAST.replace(max_concurrent_transactions=3), driver=driver) as client:
+        assert (client.num_partitions, client.client_id, client.cluster_name) == (4, 0, "mock-cluster")
+        assert client.partitions == {0, 1, 2, 3}
+        contexts = [Ctx(b"%d" % i, partition=i % 4) for i in range(80)]
+
+        def work(chunk: list[Ctx]) -> None:
+            for ctx in chunk:
+                client.submit(ctx)
+
+        threads = [threading.Thread(target=work, args=(contexts[i::8],)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        client.flush_transactions(timeout=10)
+        assert not client.has_pending_transactions()
+        assert sum(client.high_water_mark(p) + 1 for p in range(4)) == 80
+    assert all(ctx.events == ["completion:True", "application"] for ctx in contexts)
+    applied = sorted(d for p in range(4) for d in callbacks.data(p))
+    assert applied == sorted(b"%d" % i for i in range(80))
+
+
+def test_submit_blocks_under_back_pressure_and_times_out() -> None:
+    driver = MockDriver()
+    config = FAST.replace(max_concurrent_transactions=1, submit_timeout_ms=200)
+    with WaltzClient(RecordingCallbacks(), config, driver=driver) as client:
+        client.submit(Ctx(b"a"))
+        client.flush_transactions(timeout=5)
+        driver.suspend_feed()
+        client.submit(Ctx(b"b"))
+        with pytest.raises(ClientTimeoutError, match="submit timed out after 200 ms"):
+            client.submit(Ctx(b"c"))
+        driver.resume_feed()
+        client.submit(Ctx(b"d"))
+        client.flush_transactions(timeout=5)
+        assert [r.data for r in driver.cluster.records(0)] == [b"a", b"b", b"d"]
+
+
+def test_closed_client_refuses_calls_and_close_is_idempotent() -> None:
+    client = WaltzClient(RecordingCallbacks(), FAST, driver=MockDriver())
+    client.close()
+    client.close()
+    with pytest.raises(ClientClosedError):
+        client.submit(Ctx(b"x"))
+
+
+def test_set_partitions_through_the_facade() -> None:
+    config = ClientConfig(auto_mount=False, long_wait_threshold_ms=50)
+    callbacks = RecordingCallbacks()
+    with WaltzClient(callbacks, config, driver=MockDriver(num_partitions=2)) as client:
+        assert client.partitions == frozenset()
+        client.set_partitions({0})
+        client.submit(Ctx(b"x"))
+        client.flush_transactions(timeout=5)
+        assert callbacks.data(0) == [b"x"]
+        assert client.config.auto_mount is False
+
+
+def test_constructor_failure_cleans_up_its_thread() -> None:
+    before = {t.name for t in threading.enumerate()}
+    config = ClientConfig(zookeeper_connect_string="zk:2181", cluster_root="/waltz")
+    with pytest.raises(Exception, match=r"MockDriver|network"):
+        WaltzClient(RecordingCallbacks(), config)
+    leftover = {t.name for t in threading.enumerate()} - before
+    assert "waltz-client-loop" not in leftover
+
+
+def test_blocking_call_from_an_event_loop_of_its_own_is_refused() -> None:
+    client = WaltzClient(RecordingCallbacks(), FAST, driver=MockDriver())
+    try:
+        import asyncio
+
+        async def inside() -> None:
+            client._call(client._client.flush_transactions())
+
+        fut = asyncio.run_coroutine_threadsafe(inside(), client._loop)
+        with pytest.raises(ClientError, match="own event loop"):
+            fut.result(5)
+    finally:
+        client.close()
