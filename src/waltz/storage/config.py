@@ -1,0 +1,109 @@
+"""Configuration of a storage node (``waltz storage run --config storage.yaml``).
+
+Keys follow the original Waltz's dotted names. The cluster key and partition count come from ZooKeeper
+(``<cluster.root>/store``) when ``zookeeper.connectString`` is set; without ZooKeeper (single-node tests
+and the first demo) they may be given as ``storage.cluster.key`` and ``storage.cluster.numPartitions``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from waltz.config import ConfigSchema, Key, distinct_ports
+from waltz.errors import ConfigError
+
+
+def _uuid_check(value: Any) -> str | None:
+    if value == "":
+        return None
+    try:
+        uuid.UUID(str(value))
+    except ValueError:
+        return f"not a UUID: {value!r}"
+    return None
+
+
+STORAGE_SCHEMA = ConfigSchema(
+    [
+        Key("storage.port", int, doc="data port (server connections)", min_value=0, max_value=65535),
+        Key("storage.admin.port", int, doc="admin port", min_value=0, max_value=65535),
+        Key("storage.http.port", int, 0, "HTTP port for /health and /metrics (0 = off)", 0, 65535),
+        Key("storage.host", str, "127.0.0.1", "address to listen on"),
+        Key("storage.directory", str, doc="storage directory (control file and partition folders)"),
+        Key("storage.segment.size.threshold", int, 1_000_000_000, "roll a segment past this size", 1024),
+        Key("storage.segment.cache.capacity", int, 5, "open read-only segments kept", 1, 10_000),
+        Key("storage.maxFrameBytes", int, 64 * 1024 * 1024, "largest frame accepted", 1024, 2**31 - 1),
+        Key("storage.partition.queueSize", int, 1000, "requests queued per partition", 1, 1_000_000),
+        Key("storage.connection.maxInFlight", int, 2000, "unanswered requests per connection", 1, 1_000_000),
+        Key("storage.maxGroupCommitRecords", int, 20_000, "records written before one fsync", 1, 10_000_000),
+        Key("storage.cluster.key", str, "", "cluster key when not using ZooKeeper", check=_uuid_check),
+        Key("storage.cluster.numPartitions", int, 0, "partition count when not using ZooKeeper", 0, 100_000),
+        Key("zookeeper.connectString", str, "", "ZooKeeper ensemble; empty = standalone"),
+        Key("zookeeper.sessionTimeout", int, 30000, "ZooKeeper session timeout", 1000),
+        Key("cluster.root", str, "", "cluster root znode"),
+    ],
+    passthrough_prefixes=("storage.ssl.",),
+)
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """A validated storage node configuration."""
+
+    port: int
+    admin_port: int
+    http_port: int
+    host: str
+    directory: Path
+    segment_size_threshold_bytes: int
+    segment_cache_capacity: int
+    max_frame_bytes: int
+    partition_queue_size: int
+    connection_max_in_flight: int
+    max_group_commit_records: int
+    cluster_key: uuid.UUID | None
+    num_partitions: int
+    zookeeper_connect: str
+    zookeeper_session_timeout_ms: int
+    cluster_root: str
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any], source: str = "storage config") -> StorageConfig:
+        c = STORAGE_SCHEMA.parse(values, source)
+        distinct_ports(c, ["storage.port", "storage.admin.port", "storage.http.port"], source)
+        zk = c["zookeeper.connectString"]
+        key = c["storage.cluster.key"]
+        if zk and not c["cluster.root"]:
+            raise ConfigError(f"{source}: cluster.root is required with zookeeper.connectString")
+        if not zk and (not key or c["storage.cluster.numPartitions"] <= 0):
+            raise ConfigError(
+                f"{source}: give zookeeper.connectString and cluster.root, or storage.cluster.key "
+                "and storage.cluster.numPartitions for a standalone node"
+            )
+        return cls(
+            port=c["storage.port"],
+            admin_port=c["storage.admin.port"],
+            http_port=c["storage.http.port"],
+            host=c["storage.host"],
+            directory=Path(c["storage.directory"]),
+            segment_size_threshold_bytes=c["storage.segment.size.threshold"],
+            segment_cache_capacity=c["storage.segment.cache.capacity"],
+            max_frame_bytes=c["storage.maxFrameBytes"],
+            partition_queue_size=c["storage.partition.queueSize"],
+            connection_max_in_flight=c["storage.connection.maxInFlight"],
+            max_group_commit_records=c["storage.maxGroupCommitRecords"],
+            cluster_key=uuid.UUID(key) if key else None,
+            num_partitions=c["storage.cluster.numPartitions"],
+            zookeeper_connect=zk,
+            zookeeper_session_timeout_ms=c["zookeeper.sessionTimeout"],
+            cluster_root=c["cluster.root"],
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> StorageConfig:
+        from waltz.config import read_yaml
+
+        return cls.from_mapping(read_yaml(path), str(path))

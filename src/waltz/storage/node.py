@@ -1,0 +1,700 @@
+"""The storage node: serves the storage protocol (data port) and the admin protocol (admin port).
+
+Guarantees:
+
+* **Durability.** An append is answered with Success only after its records are fsynced. Appends that arrive
+  while an fsync is running are written together and share the next fsync (group commit), so throughput
+  does not collapse to one batch per fsync.
+* **Order.** Requests for one partition are processed one at a time, in arrival order, by that partition's
+  worker task; responses to one connection for one partition leave in the same order.
+* **Fencing.** Each partition keeps an in-memory session id, initialised from the control file. On
+  *arrival* of any data request its value becomes ``max(current, request.session_id)``; when the worker
+  later processes the request it fails it with SessionFencedError unless ``request.session_id == current``.
+  So the first message of a newer store session fences every older session, even requests already queued.
+* **Permissions.** A partition must carry the ASSIGNED flag. A normal request needs AVAILABLE; an offline
+  request (``offline=True``) needs AVAILABLE cleared and the *persisted* session id.
+* **Back pressure.** Each partition queue and each connection's unanswered requests are bounded; when either
+  is full the connection's reader stops reading from its socket, so TCP pushes back on the sender.
+* **Bad input** (malformed or oversized frames, unknown types, a wrong cluster key, requests before Open)
+  gets a failure response or a closed connection with a logged reason; other connections are unaffected.
+
+The admin port mutates partitions (assign, unassign, availability) through the same partition queues, so an
+admin change is ordered with respect to data requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from waltz.errors import (
+    ClosedResourceError,
+    ClusterKeyMismatchError,
+    ConnectionError_,
+    PartitionNotAssignedError,
+    RemoteProtocolError,
+    SessionFencedError,
+    StorageError,
+    WaltzError,
+)
+from waltz.http import HttpEndpoint
+from waltz.protocol import admin as adm
+from waltz.protocol import storage as st
+from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
+from waltz.storage.config import StorageConfig
+from waltz.storage.controlfile import FLAG_ASSIGNED, FLAG_AVAILABLE, ControlFile, PartitionInfo
+from waltz.storage.partition import PartitionLog
+from waltz.transport import FramedConnection, FramedServer, serve
+
+log = logging.getLogger(__name__)
+
+MAX_LIST_RECORDS = 10_000
+"""Largest record list one request may ask for; larger requests are answered with at most this many."""
+MAX_LIST_BYTES = 8 * 1024 * 1024
+"""A list response stops after this many data bytes (always at least one record), to bound frames."""
+
+
+@dataclass
+class _Item:
+    """One queued unit of work for a partition worker."""
+
+    msg: st.StorageMessage | None
+    conn: FramedConnection | None
+    op: Callable[[], Any] | None = None
+    done: asyncio.Future[Any] | None = None
+    slot: asyncio.Semaphore | None = None
+    arrived_s: float = 0.0
+
+
+class _BoundedQueue:
+    """A FIFO with a capacity and peeking, which asyncio.Queue lacks (group commit needs to look ahead)."""
+
+    def __init__(self, capacity: int) -> None:
+        self._items: collections.deque[_Item] = collections.deque()
+        self._capacity = capacity
+        self._not_empty = asyncio.Event()
+        self._not_full = asyncio.Event()
+        self._not_full.set()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    async def put(self, item: _Item) -> None:
+        while len(self._items) >= self._capacity:
+            self._not_full.clear()
+            await self._not_full.wait()
+        self._items.append(item)
+        self._not_empty.set()
+
+    async def get(self) -> _Item:
+        while not self._items:
+            self._not_empty.clear()
+            await self._not_empty.wait()
+        return self.pop()
+
+    def peek(self) -> _Item | None:
+        return self._items[0] if self._items else None
+
+    def pop(self) -> _Item:
+        item = self._items.popleft()
+        if len(self._items) < self._capacity:
+            self._not_full.set()
+        return item
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter("waltz_storage_requests", "Requests processed", ["type"], registry=registry)
+        self.appended = Counter(
+            "waltz_storage_appended_records", "Records appended", ["partition"], registry=registry
+        )
+        self.fsyncs = Counter("waltz_storage_fsyncs", "Group-commit fsyncs", registry=registry)
+        self.failures = Counter("waltz_storage_failures", "Failure responses", ["error"], registry=registry)
+        self.append_latency = Histogram(
+            "waltz_storage_append_seconds",
+            "Time from an append's arrival to its acknowledgement",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0),
+            registry=registry,
+        )
+        self.max_txn = Gauge(
+            "waltz_storage_max_transaction_id", "Max transaction id", ["partition"], registry=registry
+        )
+        self.session = Gauge(
+            "waltz_storage_session_id", "Fencing session id", ["partition"], registry=registry
+        )
+        self.queue = Gauge("waltz_storage_queue_size", "Queued requests", ["partition"], registry=registry)
+        self.connections = Gauge("waltz_storage_connections", "Open data connections", registry=registry)
+
+
+class StoragePartition:
+    """One partition on this node: its log (if assigned), fencing session id, queue and worker."""
+
+    def __init__(self, node: StorageNode, partition_id: int) -> None:
+        self.node = node
+        self.partition_id = partition_id
+        self.log: PartitionLog | None = None
+        info = node.control.partition_info(partition_id)
+        self.session_id = info.session_id
+        self.queue = _BoundedQueue(node.config.partition_queue_size)
+
+    @property
+    def info(self) -> PartitionInfo:
+        return self.node.control.partition_info(self.partition_id)
+
+    def open_log(self) -> PartitionLog:
+        if self.log is None:
+            cfg = self.node.config
+            self.log = PartitionLog.open(
+                str(cfg.directory),
+                self.node.control.key,
+                self.partition_id,
+                segment_size_threshold_bytes=cfg.segment_size_threshold_bytes,
+                segment_cache_capacity=cfg.segment_cache_capacity,
+                local_low_water_mark=self.info.local_low_water_mark,
+            )
+            self.node.metrics.max_txn.labels(self.partition_id).set(self.log.max_transaction_id)
+        return self.log
+
+    def close_log(self) -> None:
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+    # -- checks -----------------------------------------------------------------------------------
+
+    def _check(self, msg: st.StorageMessage, offline: bool) -> PartitionLog:
+        info = self.info
+        if not info.assigned or self.log is None:
+            raise PartitionNotAssignedError(f"Partition:{self.partition_id} is not assigned.")
+        if offline:
+            if info.available:
+                raise PartitionNotAssignedError(
+                    f"Partition:{self.partition_id} is available; offline requests need it offline"
+                )
+            if msg.session_id != info.session_id:
+                raise SessionFencedError(
+                    f"offline request session {msg.session_id} is not the persisted session {info.session_id}"
+                )
+        else:
+            if not info.available:
+                raise PartitionNotAssignedError(f"Partition:{self.partition_id} is not available.")
+            if msg.session_id != self.session_id:
+                raise SessionFencedError(
+                    f"session {msg.session_id} of partition {self.partition_id} is fenced by session "
+                    f"{self.session_id}"
+                )
+        return self.log
+
+    # -- the worker -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Process this partition's queue forever (cancelled when the node closes)."""
+        while True:
+            item = await self.queue.get()
+            self.node.metrics.queue.labels(self.partition_id).set(len(self.queue))
+            if item.op is not None:
+                await self._run_op(item)
+            elif isinstance(item.msg, st.AppendRequest):
+                await self._group_commit(item)
+            else:
+                self._respond(item, self._process(item))
+
+    async def _run_op(self, item: _Item) -> None:
+        assert item.op is not None
+        assert item.done is not None
+        try:
+            result = item.op()
+            if isinstance(result, Awaitable):
+                result = await result
+        except Exception as e:  # noqa: BLE001 - handed to the awaiting admin request
+            if not item.done.done():
+                item.done.set_exception(e)
+        else:
+            if not item.done.done():
+                item.done.set_result(result)
+
+    def _process(self, item: _Item) -> st.StorageMessage:
+        msg = item.msg
+        assert msg is not None
+        sid, seq, pid = msg.session_id, msg.seq_num, msg.partition_id
+        self.node.metrics.requests.labels(type(msg).__name__).inc()
+        try:
+            if isinstance(msg, st.LastSessionInfoRequest):
+                self._check(msg, msg.used_by_offline_recovery)
+                info = self.info
+                return st.LastSessionInfoResponse(
+                    sid,
+                    seq,
+                    pid,
+                    st.SessionInfo(info.session_id, info.low_water_mark, info.local_low_water_mark),
+                )
+            if isinstance(msg, st.MaxTransactionIdRequest):
+                plog = self._check(msg, msg.offline)
+                return st.MaxTransactionIdResponse(sid, seq, pid, plog.max_transaction_id)
+            if isinstance(msg, st.TruncateRequest):
+                plog = self._check(msg, msg.offline)
+                new_max = plog.truncate(msg.transaction_id)
+                self.node.metrics.max_txn.labels(pid).set(new_max)
+                return st.MaxTransactionIdResponse(sid, seq, pid, new_max)
+            if isinstance(msg, st.SetLowWaterMarkRequest):
+                return self._set_low_water_mark(msg)
+            if isinstance(msg, st.RecordHeaderRequest):
+                plog = self._check(msg, False)
+                return st.RecordHeaderResponse(sid, seq, pid, plog.read_header(msg.transaction_id))
+            if isinstance(msg, st.RecordRequest):
+                plog = self._check(msg, False)
+                return st.RecordResponse(sid, seq, pid, plog.read_record(msg.transaction_id))
+            if isinstance(msg, st.RecordHeaderListRequest):
+                plog = self._check(msg, False)
+                n = max(0, min(msg.max_records, MAX_LIST_RECORDS))
+                headers = plog.read_headers(msg.transaction_id, n, max_bytes=MAX_LIST_BYTES) if n else []
+                return st.RecordHeaderListResponse(sid, seq, pid, tuple(headers))
+            if isinstance(msg, st.RecordListRequest):
+                plog = self._check(msg, False)
+                n = max(0, min(msg.max_records, MAX_LIST_RECORDS))
+                records = plog.read_records(msg.transaction_id, n, max_bytes=MAX_LIST_BYTES) if n else []
+                return st.RecordListResponse(sid, seq, pid, tuple(records))
+            raise RemoteProtocolError(f"{type(msg).__name__} is not a request")
+        except WaltzError as e:
+            return self._failure(msg, e)
+
+    def _set_low_water_mark(self, msg: st.SetLowWaterMarkRequest) -> st.StorageMessage:
+        plog = self._check(msg, msg.offline)
+        info = self.info
+        if msg.session_id < info.session_id:
+            raise SessionFencedError(
+                f"session {msg.session_id} is older than the persisted session {info.session_id}"
+            )
+        if msg.low_water_mark < info.low_water_mark or msg.low_water_mark < info.local_low_water_mark:
+            raise StorageError(
+                f"low-water mark {msg.low_water_mark} is below the persisted marks "
+                f"({info.low_water_mark}, {info.local_low_water_mark})"
+            )
+        max_id = plog.max_transaction_id
+        if max_id > msg.low_water_mark:
+            raise StorageError(
+                f"partition {self.partition_id} holds transaction {max_id} above the low-water mark "
+                f"{msg.low_water_mark}; truncate first"
+            )
+        plog.flush()
+        self.node.control.update(
+            self.partition_id,
+            session_id=msg.session_id,
+            low_water_mark=msg.low_water_mark,
+            local_low_water_mark=max_id,
+        )
+        return st.SuccessResponse(msg.session_id, msg.seq_num, msg.partition_id)
+
+    async def _group_commit(self, first: _Item) -> None:
+        """Write every append queued right now, fsync once, then answer them all in order."""
+        batch = [first]
+        limit = self.node.config.max_group_commit_records
+        assert isinstance(first.msg, st.AppendRequest)
+        count = len(first.msg.records)
+        while count < limit:
+            nxt = self.queue.peek()
+            if nxt is None or not isinstance(nxt.msg, st.AppendRequest):
+                break
+            batch.append(self.queue.pop())
+            count += len(nxt.msg.records)
+        results: list[st.StorageMessage] = []
+        wrote = False
+        for item in batch:
+            msg = item.msg
+            assert isinstance(msg, st.AppendRequest)
+            self.node.metrics.requests.labels("AppendRequest").inc()
+            try:
+                plog = self._check(msg, msg.offline)
+                if msg.records:
+                    plog.append(msg.records)
+                    wrote = True
+                results.append(st.SuccessResponse(msg.session_id, msg.seq_num, msg.partition_id))
+            except WaltzError as e:
+                results.append(self._failure(msg, e))
+        if wrote and self.log is not None:
+            plog = self.log
+            try:
+                # fsync off the event loop: other connections and partitions keep being served, and the
+                # appends that arrive meanwhile form the next group.
+                await asyncio.to_thread(plog.flush)
+                self.node.metrics.fsyncs.inc()
+                self.node.metrics.appended.labels(self.partition_id).inc(count)
+                self.node.metrics.max_txn.labels(self.partition_id).set(plog.max_transaction_id)
+            except Exception as e:  # noqa: BLE001 - any fsync failure fails the whole group
+                # Nothing of this group may be acknowledged: its durability is unknown. The server starts a
+                # new session and recovery decides what survived.
+                log.error("partition %d: fsync failed: %s", self.partition_id, e)
+                err = e if isinstance(e, WaltzError) else StorageError(f"fsync failed: {e}")
+                results = [self._failure(item.msg, err) for item in batch if item.msg is not None]
+        for item, resp in zip(batch, results, strict=True):
+            self._respond(item, resp)
+
+    def _failure(self, msg: st.StorageMessage, e: WaltzError) -> st.StorageMessage:
+        self.node.metrics.failures.labels(type(e).__name__).inc()
+        log.debug("partition %d: %s failed: %s", self.partition_id, type(msg).__name__, e)
+        return st.failure_from_error(msg.session_id, msg.seq_num, msg.partition_id, e)
+
+    def _respond(self, item: _Item, resp: st.StorageMessage) -> None:
+        self.node.respond(item, resp)
+
+
+class StorageNode:
+    """A storage node: control file, partitions, data port, admin port and optional HTTP port.
+
+    Use ``await StorageNode.start(config, key, num_partitions)``; ``await node.aclose()`` stops everything it
+    started. ``key``/``num_partitions`` come from ZooKeeper (see :func:`load_cluster_identity`) or the config.
+    """
+
+    def __init__(self, config: StorageConfig, control: ControlFile) -> None:
+        self.config = config
+        self.control = control
+        self.registry = CollectorRegistry()
+        self.metrics = _Metrics(self.registry)
+        self.partitions = [StoragePartition(self, pid) for pid in range(control.num_partitions)]
+        self._tasks: list[asyncio.Task[None]] = []
+        self._data_server: FramedServer | None = None
+        self._admin_server: FramedServer | None = None
+        self._http: HttpEndpoint | None = None
+        self.port = 0
+        self.admin_port = 0
+        self.http_port = 0
+
+    @classmethod
+    async def start(cls, config: StorageConfig, key: uuid.UUID, num_partitions: int) -> StorageNode:
+        control = await asyncio.to_thread(
+            ControlFile.open_or_create, str(config.directory), key, num_partitions
+        )
+        node = cls(control=control, config=config)
+        try:
+            for p in node.partitions:
+                if p.info.assigned:
+                    await asyncio.to_thread(p.open_log)
+            for p in node.partitions:
+                node._tasks.append(asyncio.create_task(p.run(), name=f"storage-partition-{p.partition_id}"))
+            node._data_server = await serve(
+                config.host,
+                config.port,
+                node._serve_data,
+                magic=MAGIC_STORAGE,
+                versions=st.STORAGE_VERSIONS,
+                hello_text=st.STORAGE_SERVER_HELLO,
+                max_frame_bytes=config.max_frame_bytes,
+            )
+            node.port = node._data_server.port
+            node._admin_server = await serve(
+                config.host,
+                config.admin_port,
+                node._serve_admin,
+                magic=MAGIC_ADMIN,
+                versions=adm.ADMIN_VERSIONS,
+                hello_text=adm.ADMIN_SERVER_HELLO,
+                max_frame_bytes=config.max_frame_bytes,
+            )
+            node.admin_port = node._admin_server.port
+            if config.http_port:
+                node._http = HttpEndpoint(node.registry, lambda: (True, {"storage": "ok"}))
+                node.http_port = await node._http.start(config.host, config.http_port)
+        except BaseException:
+            await node.aclose()
+            raise
+        log.info(
+            "storage node serving %s: data port %d, admin port %d, %d partitions",
+            config.directory,
+            node.port,
+            node.admin_port,
+            num_partitions,
+        )
+        return node
+
+    async def aclose(self) -> None:
+        """Stop serving and close every file; idempotent."""
+        for server in (self._data_server, self._admin_server):
+            if server is not None:
+                await server.aclose()
+        if self._http is not None:
+            await self._http.aclose()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+        for p in self.partitions:
+            p.close_log()
+        self.control.close()
+
+    # -- responses ---------------------------------------------------------------------------------
+
+    def respond(self, item: _Item, resp: st.StorageMessage) -> None:
+        if item.slot is not None:
+            item.slot.release()
+        conn = item.conn
+        if conn is None or conn.is_closed:
+            return
+        if isinstance(item.msg, st.AppendRequest):
+            self.metrics.append_latency.observe(time.monotonic() - item.arrived_s)
+        try:
+            conn.send(st.encode(resp))
+        except ConnectionError_:
+            pass  # the peer is gone; it learns nothing more from us
+
+    # -- data port ---------------------------------------------------------------------------------
+
+    async def _serve_data(self, conn: FramedConnection) -> None:
+        self.metrics.connections.inc()
+        slot = asyncio.Semaphore(self.config.connection_max_in_flight)
+        opened = False
+        try:
+            while True:
+                payload = await conn.receive()
+                try:
+                    msg = st.decode(payload)
+                except RemoteProtocolError as e:
+                    log.warning("closing storage connection from %s: %s", conn.peername, e)
+                    return
+                if isinstance(msg, st.OpenRequest):
+                    resp: st.StorageMessage
+                    try:
+                        self._check_identity(msg.cluster_key, msg.num_partitions)
+                        opened = True
+                        resp = st.SuccessResponse(msg.session_id, msg.seq_num, msg.partition_id)
+                    except ClusterKeyMismatchError as e:
+                        log.warning("refusing open from %s: %s", conn.peername, e)
+                        resp = st.failure_from_error(msg.session_id, msg.seq_num, msg.partition_id, e)
+                    conn.send(st.encode(resp))
+                    continue
+                if not opened:
+                    err = ClusterKeyMismatchError("the connection has not been opened with the cluster key")
+                    conn.send(
+                        st.encode(st.failure_from_error(msg.session_id, msg.seq_num, msg.partition_id, err))
+                    )
+                    continue
+                if not 0 <= msg.partition_id < len(self.partitions):
+                    err2 = PartitionNotAssignedError(f"Partition:{msg.partition_id} does not exist.")
+                    conn.send(
+                        st.encode(st.failure_from_error(msg.session_id, msg.seq_num, msg.partition_id, err2))
+                    )
+                    continue
+                part = self.partitions[msg.partition_id]
+                offline = bool(
+                    getattr(msg, "offline", False) or getattr(msg, "used_by_offline_recovery", False)
+                )
+                if not offline and msg.session_id > part.session_id:
+                    part.session_id = msg.session_id  # fence older sessions on arrival
+                    self.metrics.session.labels(part.partition_id).set(part.session_id)
+                await slot.acquire()  # bounded unanswered requests per connection
+                await part.queue.put(_Item(msg, conn, slot=slot, arrived_s=time.monotonic()))
+                # A peer that sends but does not read must not grow our write buffer without bound.
+                await conn.drain()
+        except ConnectionError_:
+            pass
+        finally:
+            self.metrics.connections.dec()
+
+    def _check_identity(self, key: uuid.UUID, num_partitions: int) -> None:
+        if key != self.control.key:
+            raise ClusterKeyMismatchError(f"cluster key {key} does not match this node's {self.control.key}")
+        if num_partitions != self.control.num_partitions:
+            raise ClusterKeyMismatchError(
+                f"number of partitions {num_partitions} does not match this node's "
+                f"{self.control.num_partitions}"
+            )
+
+    # -- admin port --------------------------------------------------------------------------------
+
+    async def _on_partition(self, pid: int, op: Callable[[], Any]) -> Any:
+        """Run ``op`` in partition ``pid``'s worker, ordered with its data requests."""
+        if not 0 <= pid < len(self.partitions):
+            raise PartitionNotAssignedError(f"Partition:{pid} does not exist.")
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        await self.partitions[pid].queue.put(_Item(None, None, op=op, done=done))
+        return await done
+
+    async def assign(self, pid: int, assigned: bool, delete_files: bool = False) -> None:
+        part = self.partitions[pid] if 0 <= pid < len(self.partitions) else None
+        if part is None:
+            raise PartitionNotAssignedError(f"Partition:{pid} does not exist.")
+
+        def op() -> None:
+            if assigned:
+                part.open_log()
+                self.control.set_assigned(pid, True)
+            else:
+                log_ = part.log
+                self.control.update(
+                    pid, session_id=-1, low_water_mark=-1, local_low_water_mark=-1, flags=FLAG_AVAILABLE
+                )
+                part.session_id = -1
+                part.close_log()
+                if delete_files:
+                    if log_ is None:
+                        log_ = PartitionLog.open(str(self.config.directory), self.control.key, pid)
+                        log_.close()
+                    log_.delete_files()
+                    with contextlib.suppress(OSError):
+                        os.rmdir(os.path.join(self.config.directory, str(pid)))
+
+        await self._on_partition(pid, op)
+
+    async def set_available(self, pid: int, available: bool) -> None:
+        await self._on_partition(pid, lambda: self.control.set_available(pid, available))
+
+    def statuses(self) -> list[adm.PartitionStatus]:
+        out = []
+        for p in self.partitions:
+            info = p.info
+            if info.assigned:
+                out.append(adm.PartitionStatus(p.partition_id, info.assigned and info.available))
+        return out
+
+    def metrics_json(self) -> str:
+        parts: dict[str, Any] = {}
+        for p in self.partitions:
+            info = p.info
+            if not info.assigned:
+                continue
+            parts[str(p.partition_id)] = {
+                "sessionId": info.session_id,
+                "fencingSessionId": p.session_id,
+                "lowWaterMark": info.low_water_mark,
+                "localLowWaterMark": info.local_low_water_mark,
+                "flags": info.flags,
+                "available": info.available,
+                "maxTransactionId": p.log.max_transaction_id if p.log is not None else -1,
+                "queueSize": len(p.queue),
+            }
+        return json.dumps(
+            {"partitions": parts, "numPartitions": len(self.partitions)}, indent=2, sort_keys=True
+        )
+
+    async def _admin_request(self, msg: adm.AdminMessage, opened: bool) -> adm.AdminMessage:
+        seq = msg.seq_num
+        if not opened:
+            raise ClusterKeyMismatchError("the admin connection has not been opened with the cluster key")
+        if isinstance(msg, adm.PartitionAssignmentRequest):
+            for pid in msg.partition_ids:
+                await self.assign(pid, msg.assigned, msg.delete_storage_files)
+            return adm.AdminSuccessResponse(seq)
+        if isinstance(msg, adm.PartitionAvailableRequest):
+            for pid in msg.partition_ids:
+                await self.set_available(pid, msg.available)
+            return adm.AdminSuccessResponse(seq)
+        if isinstance(msg, adm.RecordListRequest):
+            pid = msg.partition_id
+
+            def read() -> list[Any]:
+                plog = self.partitions[pid].log
+                if plog is None:
+                    raise PartitionNotAssignedError(f"Partition:{pid} is not assigned.")
+                n = max(0, min(msg.max_records, MAX_LIST_RECORDS))
+                return plog.read_records(msg.transaction_id, n, max_bytes=MAX_LIST_BYTES) if n else []
+
+            records = await self._on_partition(pid, read)
+            return adm.RecordListResponse(seq, pid, tuple(records))
+        if isinstance(msg, adm.LastSessionInfoRequest):
+            pid = msg.partition_id
+            if not 0 <= pid < len(self.partitions):
+                raise PartitionNotAssignedError(f"Partition:{pid} does not exist.")
+            info = self.partitions[pid].info
+            return adm.LastSessionInfoResponse(
+                seq, pid, st.SessionInfo(info.session_id, info.low_water_mark, info.local_low_water_mark)
+            )
+        if isinstance(msg, adm.MaxTransactionIdRequest):
+            pid = msg.partition_id
+
+            def max_id() -> int:
+                plog = self.partitions[pid].log
+                if plog is None:
+                    raise PartitionNotAssignedError(f"Partition:{pid} is not assigned.")
+                return plog.max_transaction_id
+
+            return adm.MaxTransactionIdResponse(seq, pid, await self._on_partition(pid, max_id))
+        if isinstance(msg, adm.MetricsRequest):
+            return adm.MetricsResponse(seq, self.metrics_json())
+        if isinstance(msg, adm.AssignedPartitionStatusRequest):
+            return adm.AssignedPartitionStatusResponse(seq, tuple(self.statuses()))
+        raise RemoteProtocolError(f"{type(msg).__name__} is not an admin request")
+
+    async def _serve_admin(self, conn: FramedConnection) -> None:
+        opened = False
+        with contextlib.suppress(ConnectionError_):
+            while True:
+                payload = await conn.receive()
+                try:
+                    msg = adm.decode(payload)
+                except RemoteProtocolError as e:
+                    log.warning("closing admin connection from %s: %s", conn.peername, e)
+                    return
+                resp: adm.AdminMessage
+                try:
+                    if isinstance(msg, adm.AdminOpenRequest):
+                        self._check_identity(msg.cluster_key, msg.num_partitions)
+                        opened = True
+                        resp = adm.AdminSuccessResponse(msg.seq_num)
+                    else:
+                        resp = await self._admin_request(msg, opened)
+                except WaltzError as e:
+                    resp = adm.failure_from_error(msg.seq_num, e)
+                try:
+                    await conn.send_and_drain(adm.encode(resp))
+                except ClosedResourceError:
+                    return
+
+
+def node_flags(info: PartitionInfo) -> str:
+    """Human-readable flags, for the CLI."""
+    names = []
+    if info.flags & FLAG_ASSIGNED:
+        names.append("ASSIGNED")
+    if info.flags & FLAG_AVAILABLE:
+        names.append("AVAILABLE")
+    return "|".join(names) or "-"
+
+
+def load_cluster_identity(config: StorageConfig) -> tuple[uuid.UUID, int]:
+    """The cluster key and partition count: from ZooKeeper when configured, else from the config file.
+
+    Blocking (talks to ZooKeeper); call it before the event loop starts or through ``asyncio.to_thread``.
+    """
+    if config.zookeeper_connect:
+        from waltz.cluster import zk
+        from waltz.cluster.store_metadata import read_store_params
+
+        client = zk.connect(config.zookeeper_connect, session_timeout_ms=config.zookeeper_session_timeout_ms)
+        try:
+            params = read_store_params(client, config.cluster_root)
+        finally:
+            zk.close(client)
+        return params.cluster_key, params.num_partitions
+    assert config.cluster_key is not None  # StorageConfig guarantees it without ZooKeeper
+    return config.cluster_key, config.num_partitions
+
+
+async def run_node(config: StorageConfig, *, ready: Callable[[StorageNode], None] | None = None) -> None:
+    """Run a storage node until SIGTERM/SIGINT (or cancellation), then close it cleanly."""
+    import signal
+
+    key, num_partitions = await asyncio.to_thread(load_cluster_identity, config)
+    node = await StorageNode.start(config, key, num_partitions)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        if ready is not None:
+            ready(node)
+        await stop.wait()
+    finally:
+        await node.aclose()
