@@ -1,0 +1,218 @@
+"""What the replication core needs from the outside world, as abstract interfaces.
+
+The store layer (store sessions, recovery, quorum writes) is written only against these protocols, so it runs
+unchanged against in-memory storage nodes and a simulated clock (``memory.py``, ``tests/fault/``) and against
+real storage nodes over TCP and a real ZooKeeper.
+
+What an implementation must guarantee
+-------------------------------------
+``ReplicaConnection`` (one per (storage node, partition) for one store session id):
+
+* Every message carries the session id the connection was opened for. The storage node applies the fencing
+  rule (REFERENCE §2.1): on *arrival* of a message the partition's session id becomes
+  ``max(current, message.session_id)``; when the message is processed it fails with
+  :class:`~waltz.errors.SessionFencedError` unless ``message.session_id == current``.
+* Messages of one connection arrive, and are processed, in the order they were sent (TCP + one worker per
+  storage partition).
+* ``append`` returns only after the records are durable (fsynced). ``truncate`` and ``set_low_water_mark`` are
+  durable when they return.
+* Every call returns or raises within a bounded time. A transport failure raises
+  :class:`~waltz.errors.BrokenResourceError`; a failure response of the node raises the error rebuilt by
+  :func:`waltz.errors.error_from_wire` (:class:`~waltz.errors.StorageRpcError` by default). After a failure
+  the outcome of the request is unknown (it may or may not have been applied), and the store layer never
+  reuses the connection.
+
+``PartitionMetadataStore`` (the ZooKeeper znode ``<root>/store/partition/<id>``):
+
+* ``get`` returns the decoded value and its version; a missing znode is ``(PartitionMetadata(), -1)``.
+* ``compare_and_set`` writes only if the current version equals ``expected_version`` (``-1``: only if the
+  znode does not exist yet) and returns the new version; otherwise it raises
+  :class:`~waltz.errors.ConcurrentUpdateError`. Any other failure (connection loss) raises a
+  :class:`~waltz.errors.ClusterError`; the store layer then re-reads before trying again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from waltz.cluster.partition_metadata import PartitionMetadata
+from waltz.protocol.records import Record, RecordHeader, ReqId
+
+__all__ = [
+    "AppendLike",
+    "Clock",
+    "ManualClock",
+    "PartitionMetadataStore",
+    "ReplicaConnection",
+    "ReplicaConnector",
+    "SessionInfo",
+    "SystemClock",
+]
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """The control information a storage node persisted for a partition (LastSessionInfoResponse).
+
+    ``session_id`` is the store session that last set the low-water mark (-1 if none); ``low_water_mark`` is
+    the cluster high-water mark resolved when that session started; ``local_low_water_mark`` is the replica's
+    own max transaction id at that moment (it is below ``low_water_mark`` when the replica was behind).
+    """
+
+    session_id: int
+    low_water_mark: int
+    local_low_water_mark: int
+
+
+@runtime_checkable
+class ReplicaConnection(Protocol):
+    """One partition on one storage node, spoken to on behalf of one store session (see module docstring)."""
+
+    @property
+    def storage(self) -> str:
+        """The storage node's connect string (``host:port``), as in the partition metadata."""
+        ...
+
+    async def last_session_info(self) -> SessionInfo:
+        """The persisted control info. The first message of a session, so it is also the fencing message."""
+        ...
+
+    async def max_transaction_id(self) -> int:
+        """The highest transaction id stored (-1 if the partition is empty)."""
+        ...
+
+    async def truncate(self, transaction_id: int) -> int:
+        """Delete every record above ``transaction_id`` (durably); return the resulting max transaction id."""
+        ...
+
+    async def set_low_water_mark(self, low_water_mark: int) -> None:
+        """Persist ``(session id, low_water_mark, local low-water mark = current max id)``.
+
+        The node refuses a low-water mark below the persisted one, and refuses if its max id is above it.
+        """
+        ...
+
+    async def append(self, records: Sequence[Record]) -> None:
+        """Append records whose ids continue the log densely; return once they are fsynced."""
+        ...
+
+    async def read_records(self, transaction_id: int, max_count: int) -> list[Record]:
+        """Consecutive records from ``transaction_id`` until ``max_count`` or the first missing id."""
+        ...
+
+    async def read_headers(self, transaction_id: int, max_count: int) -> list[RecordHeader]:
+        """Like :meth:`read_records`, headers only."""
+        ...
+
+    async def read_record(self, transaction_id: int) -> Record | None:
+        """One record, or None if the node does not hold that id."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the connection. Never raises; requests still in flight fail with ClosedResourceError."""
+        ...
+
+
+class ReplicaConnector(Protocol):
+    """Opens replica connections; a real one shares one TCP/TLS link per storage node across partitions."""
+
+    async def connect(self, storage: str, partition_id: int, session_id: int) -> ReplicaConnection:
+        """Open a connection, or raise BrokenResourceError (or another WaltzError) if the node is unreachable.
+
+        Opening sends nothing on behalf of the session; the caller's first request is ``last_session_info``.
+        """
+        ...
+
+
+class PartitionMetadataStore(Protocol):
+    """Version-checked access to the per-partition store metadata (ZooKeeper in production)."""
+
+    async def get(self, partition_id: int) -> tuple[PartitionMetadata, int]:
+        """The current value and its version; ``(PartitionMetadata(), -1)`` if there is none yet."""
+        ...
+
+    async def compare_and_set(
+        self, partition_id: int, metadata: PartitionMetadata, expected_version: int
+    ) -> int:
+        """Write ``metadata`` if the version is still ``expected_version``; return the new version.
+
+        Raises ConcurrentUpdateError if the version differs.
+        """
+        ...
+
+
+class AppendLike(Protocol):
+    """The fields of an append request the store needs (the server's AppendRequest message has them)."""
+
+    @property
+    def req_id(self) -> ReqId: ...
+
+    @property
+    def header(self) -> int: ...
+
+    @property
+    def data(self) -> bytes: ...
+
+    @property
+    def checksum(self) -> int: ...
+
+
+class Clock(Protocol):
+    """Injected time: a monotonic clock in milliseconds and a sleep on it."""
+
+    def monotonic_ms(self) -> int:
+        """Milliseconds on a clock that never goes backwards."""
+        ...
+
+    async def sleep_ms(self, duration_ms: int) -> None:
+        """Sleep ``duration_ms`` on this clock."""
+        ...
+
+
+class SystemClock:
+    """The running event loop's clock.
+
+    Under a real loop this is ``time.monotonic``; under the simulator's loop (``tests/fault``) it is virtual
+    time, so timeouts the store layer takes with :func:`asyncio.timeout` and this clock always agree.
+    """
+
+    def monotonic_ms(self) -> int:
+        return int(asyncio.get_running_loop().time() * 1000)
+
+    async def sleep_ms(self, duration_ms: int) -> None:
+        await asyncio.sleep(max(0, duration_ms) / 1000)
+
+
+class ManualClock:
+    """A clock that moves only when a test calls :meth:`advance` (for unit tests of backoff and timing)."""
+
+    def __init__(self, start_ms: int = 0) -> None:
+        self._now_ms = start_ms
+        self._sleepers: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+
+    def monotonic_ms(self) -> int:
+        return self._now_ms
+
+    async def sleep_ms(self, duration_ms: int) -> None:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._sleepers, (self._now_ms + max(0, duration_ms), next(self._order), future))
+        await future
+
+    @property
+    def sleepers(self) -> int:
+        """How many sleeps are waiting (cancelled ones included until time passes them)."""
+        return len(self._sleepers)
+
+    def advance(self, duration_ms: int) -> None:
+        """Move time forward and wake every sleeper whose deadline has passed (in deadline order)."""
+        self._now_ms += duration_ms
+        while self._sleepers and self._sleepers[0][0] <= self._now_ms:
+            _, _, future = heapq.heappop(self._sleepers)
+            if not future.done():
+                future.set_result(None)

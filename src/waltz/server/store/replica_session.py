@@ -1,0 +1,257 @@
+"""One replica (one storage node's copy of the partition) within one store session.
+
+A replica session is one task. Its life, in order:
+
+1. **Connect**, retrying with backoff while the node is unreachable. The first request, LastSessionInfo, is
+   also the message that fences every older session on that node.
+2. **Recover** (``recovery.py`` says why each step is safe): classify; truncate if the class says so; register
+   its high-water mark in the vote if it counts; while the vote is undecidable, copy from its *usher* (the
+   counted replica with the smallest high-water mark above its own); once resolved, truncate anything above
+   the resolved mark, set the low-water mark, and copy committed records from the others until it holds
+   exactly the resolved mark; then report itself recovered.
+3. **Take part.** Replicas recovered when the session opens are its participants. A replica recovering later
+   first records itself clean in ZooKeeper, then copies committed records until it is close to the writer,
+   then joins; it never counted in a vote before that.
+4. **Write**: take batches from its mailbox in order; if a batch starts beyond its max id, first copy the
+   missing (committed) records from another participant; append; vote.
+
+Failure policy (no replica rejoins a session it left): a participant's failure ends the session; before the
+session opens, the failure of a replica counted in the vote ends it too (the vote relied on it). A replica
+that neither counts nor writes just retries (before the opening) or sits the session out (after it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from waltz.errors import SessionFencedError, WaltzError
+from waltz.protocol.records import Record
+from waltz.server.store.interfaces import ReplicaConnection, SessionInfo
+from waltz.server.store.recovery import Classification, classify_replica
+from waltz.server.store.support import Backoff, InvariantViolation
+from waltz.server.store.voting import Voting
+
+if TYPE_CHECKING:
+    from waltz.server.store.store_session import StoreSession
+
+__all__ = ["Batch", "ReplicaRole", "ReplicaSession", "SessionOver"]
+
+log = logging.getLogger(__name__)
+
+
+class SessionOver(Exception):
+    """Raised inside a session's tasks once the session has ended; the task stops quietly."""
+
+
+class ReplicaRole(enum.Enum):
+    CONNECTING = "connecting"
+    RECOVERING = "recovering"
+    RECOVERED = "recovered"
+    JOINING = "joining"
+    PARTICIPANT = "participant"
+    RETIRED = "retired"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Records ``first .. first+len-1`` sent to every participant, with the vote they answer."""
+
+    first: int
+    records: tuple[Record, ...]
+    voting: Voting
+
+    @property
+    def last(self) -> int:
+        return self.first + len(self.records) - 1
+
+
+class ReplicaSession:
+    """The task of one replica in one store session (see the module docstring)."""
+
+    def __init__(self, session: StoreSession, storage: str) -> None:
+        self.session = session
+        self.storage = storage
+        self.role = ReplicaRole.CONNECTING
+        self.connection: ReplicaConnection | None = None
+        self.classification: Classification | None = None
+        self.counted = False
+        self.max_id = -1
+        """The replica's max transaction id as of our last call (valid while connected)."""
+        self.readable_max = -1
+        """Highest id others may copy from this replica (-1 until its classification step is done)."""
+        self._mailbox: deque[Batch] = deque()
+        self._mail = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return f"ReplicaSession({self.storage}, session={self.session.session_id}, {self.role.value})"
+
+    # -- called by the store session -------------------------------------------------------------------------
+
+    def deliver(self, batch: Batch) -> None:
+        """Queue a batch for this participant; a replica too far behind abstains and ends the session."""
+        if len(self._mailbox) >= self.session.config.max_pending_batches:
+            batch.voting.abstain()
+            self.session.end_for(self, "cannot keep up with the writes")
+            return
+        self._mailbox.append(batch)
+        self._mail.set()
+
+    # -- the task --------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        config = self.session.config
+        backoff = Backoff(
+            self.session.clock,
+            self.session.rng,
+            config.initial_retry_interval_ms,
+            config.max_retry_interval_ms,
+        )
+        try:
+            while True:
+                conn, info = await self._connect(backoff)
+                try:
+                    await self._recover(conn, info)
+                    await self._take_part(conn)
+                except SessionFencedError as e:
+                    self.session.end_fenced(f"{self.storage}: {e}")
+                    return
+                except (WaltzError, TimeoutError) as e:
+                    if not self._may_retry(e):
+                        return
+                    backoff.reset()
+                    await backoff.sleep()
+                finally:
+                    self.connection = None
+                    await conn.aclose()
+        except SessionOver:
+            return
+
+    def _may_retry(self, error: BaseException) -> bool:
+        """After a failure of this replica: end the session, or sit out / retry (see the module docstring)."""
+        load_bearing = self.role is ReplicaRole.PARTICIPANT or (not self.session.is_open and self.counted)
+        if load_bearing:
+            self.session.end_for(self, f"failed: {error!r}")
+            return False
+        log.info("%r failed without ending the session: %r", self, error)
+        self.session.recovery_forget(self)
+        self.readable_max = -1
+        self.counted = False
+        if self.session.is_open:
+            self.role = ReplicaRole.RETIRED
+            return False
+        self.role = ReplicaRole.CONNECTING
+        return True
+
+    async def _connect(self, backoff: Backoff) -> tuple[ReplicaConnection, SessionInfo]:
+        session = self.session
+        while True:
+            conn: ReplicaConnection | None = None
+            try:
+                conn = await session.connector.connect(self.storage, session.partition_id, session.session_id)
+                info = await session.call(conn.last_session_info())
+            except SessionFencedError as e:
+                if conn is not None:
+                    await conn.aclose()
+                session.end_fenced(f"{self.storage}: {e}")
+                raise SessionOver from None
+            except (WaltzError, TimeoutError) as e:
+                if conn is not None:
+                    await conn.aclose()
+                log.debug("%r cannot connect: %r", self, e)
+                await backoff.sleep()
+                continue
+            self.connection = conn
+            self.role = ReplicaRole.RECOVERING
+            return conn, info
+
+    async def _recover(self, conn: ReplicaConnection, info: SessionInfo) -> None:
+        session = self.session
+        recovery = session.recovery
+        max_id = await session.call(conn.max_transaction_id())
+        classification = classify_replica(recovery.previous, self.storage, info, max_id)
+        self.classification = classification
+        if classification.truncate_to is not None and max_id > classification.truncate_to:
+            max_id = await session.call(conn.truncate(classification.truncate_to))
+        self.max_id = self.readable_max = max_id
+        log.debug("%r classified %s, max id %d", self, classification.kind.value, max_id)
+        if classification.counted:
+            self.counted = True
+            recovery.update(self.storage, max_id)
+
+        # While the closing high-water mark is undecidable, laggards catch up from their usher: this is one of
+        # the two ways ("Replica C catches up with Replica A") the vote becomes decidable.
+        while recovery.resolved is None:
+            usher = recovery.usher(self.storage) if self.counted else None
+            if usher is None:
+                await recovery.wait_for_change()
+                continue
+            name, usher_hwm = usher
+            records = await session.copy_records(self, self.max_id + 1, usher_hwm, source=name)
+            await self._append_copies(conn, records)
+            recovery.update(self.storage, self.max_id)
+
+        resolved = recovery.resolved
+        if self.max_id > resolved:
+            self.max_id = await session.call(conn.truncate(resolved))
+            if self.max_id != resolved:
+                raise InvariantViolation(
+                    f"{self.storage} truncated to {resolved} reports max id {self.max_id}"
+                )
+        self.readable_max = self.max_id
+        await session.call(conn.set_low_water_mark(resolved))
+        while self.max_id < resolved:
+            records = await session.copy_records(self, self.max_id + 1, resolved)
+            await self._append_copies(conn, records)
+        self.role = ReplicaRole.RECOVERED
+        session.replica_recovered(self)
+
+    async def _append_copies(self, conn: ReplicaConnection, records: Sequence[Record]) -> None:
+        if not records:
+            return
+        if records[0].transaction_id != self.max_id + 1:
+            raise InvariantViolation(
+                f"copy to {self.storage} starts at {records[0].transaction_id}, its max id is {self.max_id}"
+            )
+        await self.session.call(conn.append(records))
+        self.max_id = self.readable_max = records[-1].transaction_id
+
+    async def _take_part(self, conn: ReplicaConnection) -> None:
+        session = self.session
+        await session.wait_open()
+        if self.role is not ReplicaRole.PARTICIPANT:
+            # Recovered after the session opened: be recorded clean before counting in any write vote.
+            self.role = ReplicaRole.JOINING
+            await session.mark_clean(self)
+            while True:
+                target = session.high_water_mark
+                while self.max_id < target:
+                    records = await session.copy_records(self, self.max_id + 1, target)
+                    await self._append_copies(conn, records)
+                if session.try_join(self):
+                    break
+        await self._write(conn)
+
+    async def _write(self, conn: ReplicaConnection) -> None:
+        while True:
+            while not self._mailbox:
+                self._mail.clear()
+                await self._mail.wait()
+            batch = self._mailbox[0]
+            if batch.first > self.max_id + 1:
+                # Everything below a batch is committed (one batch is in flight at a time): copy it from the
+                # other participants.
+                while self.max_id + 1 < batch.first:
+                    records = await self.session.copy_records(self, self.max_id + 1, batch.first - 1)
+                    await self._append_copies(conn, records)
+            if batch.first != self.max_id + 1:
+                raise InvariantViolation(f"{self.storage} at {self.max_id} was sent batch {batch.first}")
+            await self.session.call(conn.append(batch.records))
+            self.max_id = self.readable_max = batch.last
+            self._mailbox.popleft()
+            batch.voting.vote()

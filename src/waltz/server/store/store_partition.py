@@ -1,0 +1,405 @@
+"""The store partition: what the server's partition uses to append and read, across store sessions.
+
+A :class:`StorePartition` runs one supervisor task that keeps a store session going:
+
+* **Session ids.** Each session takes its id by a version-checked write of the partition metadata
+  ``(generation, session id + 1, same replica states)``. If ZooKeeper already records a higher generation, the
+  partition moved to another server: the write is refused with :class:`GenerationMismatchError` and this
+  partition stops writing (appends fail with that error) until :meth:`set_generation` raises its generation.
+* **New sessions.** Any failure ends a session; the supervisor starts the next one, backing off exponentially
+  (``initial_retry_interval_ms`` doubling to ``max_retry_interval_ms``, jittered, on the injected clock)
+  unless the last session had opened or ended on purpose (checkpoint interval, replica-set change).
+* **Appends.** :meth:`append` queues the request (at most ``max_queued_appends``; callers wait beyond) and
+  returns its transaction id once committed. Queued appends survive a failed session untouched. Appends whose
+  batch was in flight when a session failed are resolved when the next session opens: an id at or below its
+  low-water mark (the resolved high-water mark) whose stored record carries the append's request id succeeded;
+  every other one failed with :class:`QuorumLostError` (it is not in the log and never will be).
+* **Reads** go to a participant of the open session, only up to the committed high-water mark, with checksums
+  verified after the read.
+
+Guarantees: transaction ids are dense and assigned in queue order; an id returned by :meth:`append` is
+committed (on a quorum of the replica set, fsynced) and is never lost or changed; :attr:`high_water_mark`
+never decreases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+from waltz.cluster.partition_metadata import PartitionMetadata
+from waltz.errors import (
+    ClosedResourceError,
+    ConcurrentUpdateError,
+    CorruptionError,
+    GenerationMismatchError,
+    PartitionNotReadyError,
+    QuorumLostError,
+    WaltzError,
+)
+from waltz.protocol.records import Record, RecordHeader, crc32
+from waltz.server.store.interfaces import (
+    AppendLike,
+    Clock,
+    PartitionMetadataStore,
+    ReplicaConnector,
+    SystemClock,
+)
+from waltz.server.store.replica_session import SessionOver
+from waltz.server.store.store_session import EndReason, PendingAppend, SessionOutcome, StoreSession
+from waltz.server.store.support import Backoff, InvariantViolation, StoreConfig, TaskList
+
+__all__ = ["StorePartition"]
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+_NO_BACKOFF = (EndReason.CHECKPOINT, EndReason.REPLICAS_CHANGED)
+
+
+class StorePartition:
+    """One partition of the replicated log, as the server sees it (see the module docstring).
+
+    Use ``async with StorePartition(...) as partition`` or :meth:`start` / :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        partition_id: int,
+        generation: int,
+        replicas: Sequence[str],
+        *,
+        connector: ReplicaConnector,
+        metadata_store: PartitionMetadataStore,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
+        config: StoreConfig | None = None,
+    ) -> None:
+        if not replicas:
+            raise ValueError("a partition needs at least one replica")
+        self.partition_id = partition_id
+        self._generation = generation
+        self._replicas = tuple(replicas)
+        self._connector = connector
+        self._metadata_store = metadata_store
+        self._clock: Clock = clock if clock is not None else SystemClock()
+        self._rng = rng if rng is not None else random.Random()
+        self.config = config if config is not None else StoreConfig()
+        self.queue: asyncio.Queue[PendingAppend] = asyncio.Queue(self.config.max_queued_appends)
+        self.inflight: list[PendingAppend] = []
+        self._unresolved: dict[int, PendingAppend] = {}
+        self._next_ticket = 0
+        self._hwm = -1
+        self._session: StoreSession | None = None
+        self._session_changed = asyncio.Event()
+        self._generation_raised = asyncio.Event()
+        self._stale = False
+        self._closed = False
+        self._tasks = TaskList(self._supervisor_failed)
+        self.outcomes: list[SessionOutcome] = []
+        """How each session ended, oldest first (bounded to the last 100)."""
+        self.internal_errors: list[BaseException] = []
+        """Bugs caught by the supervisor (it logs them and starts a new session)."""
+
+    # -- life cycle ------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the supervisor (idempotent)."""
+        if self._closed:
+            raise ClosedResourceError("store partition is closed")
+        if not self._tasks_started:
+            self._tasks.spawn(self._supervise(), name=f"store-partition-{self.partition_id}")
+
+    @property
+    def _tasks_started(self) -> bool:
+        return bool(self._tasks._tasks)
+
+    async def __aenter__(self) -> StorePartition:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop the supervisor and the session; appends not yet resolved fail with ClosedResourceError."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._tasks.aclose()
+        self._fail_everything(ClosedResourceError(f"partition {self.partition_id} store was closed"))
+
+    def _supervisor_failed(self, error: BaseException) -> None:
+        self._fail_everything(
+            PartitionNotReadyError(f"partition {self.partition_id} store failed: {error!r}")
+        )
+
+    # -- state -----------------------------------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        return self._replicas
+
+    @property
+    def high_water_mark(self) -> int:
+        """The highest committed transaction id known to this server (-1 before the first session opens)."""
+        return self._hwm
+
+    @property
+    def is_healthy(self) -> bool:
+        """True while a store session is open (recovered, writing)."""
+        return self._session is not None and self._session.is_open
+
+    @property
+    def session(self) -> StoreSession | None:
+        """The current session (for introspection and tests)."""
+        return self._session
+
+    def set_generation(self, generation: int) -> None:
+        """Raise the partition's generation (never lowered); a stale partition may then try again."""
+        if generation > self._generation:
+            self._generation = generation
+            self._stale = False
+            self._generation_raised.set()
+
+    def set_replicas(self, replicas: Sequence[str]) -> None:
+        """Use a new replica set: the current session ends after its batch in flight; the next one uses the
+        set.
+
+        New replicas are brought up to date by the next session while writes continue once a quorum of the new
+        set has recovered.
+        """
+        new = tuple(replicas)
+        if not new:
+            raise ValueError("a partition needs at least one replica")
+        if new == self._replicas:
+            return
+        self._replicas = new
+        if self._session is not None:
+            self._session.request_end(EndReason.REPLICAS_CHANGED, str(list(new)))
+
+    # -- appends ---------------------------------------------------------------------------------------------
+
+    async def append(self, request: AppendLike) -> int:
+        """Append one transaction; return its id once committed.
+
+        Raises GenerationMismatchError if the request's generation is not the partition's (or the partition
+        moved away), QuorumLostError if it definitely did not commit, CorruptionError if its data does not
+        match its checksum, ClosedResourceError if the partition is closed.
+        """
+        if self._closed:
+            raise ClosedResourceError(f"partition {self.partition_id} store is closed")
+        if request.req_id.generation != self._generation or self._stale:
+            raise GenerationMismatchError(
+                f"request generation {request.req_id.generation}, partition generation {self._generation}"
+            )
+        if crc32(request.data) != request.checksum:
+            raise CorruptionError(f"append {request.req_id!r}: data does not match its checksum")
+        loop = asyncio.get_running_loop()
+        pending = PendingAppend(
+            request.req_id, request.header, request.data, request.checksum, loop.create_future()
+        )
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        self._unresolved[ticket] = pending
+        pending.future.add_done_callback(lambda _: self._unresolved.pop(ticket, None))
+        await self.queue.put(pending)
+        return await pending.future
+
+    async def flush(self) -> int:
+        """Wait until every append submitted before this call is resolved; return the high-water mark."""
+        for pending in list(self._unresolved.values()):
+            await pending.resolved.wait()
+        return self._hwm
+
+    # -- reads -----------------------------------------------------------------------------------------------
+
+    async def read_record(self, transaction_id: int) -> Record | None:
+        """The committed record ``transaction_id`` (None above the high-water mark), checksum verified."""
+        records = await self.read_records(transaction_id, 1)
+        return records[0] if records else None
+
+    async def read_records(self, transaction_id: int, max_count: int) -> list[Record]:
+        """Up to ``max_count`` committed records from ``transaction_id``."""
+        if transaction_id < 0 or transaction_id > self._hwm or max_count <= 0:
+            return []
+        return await self._read(lambda s: s.read_records(transaction_id, max_count))
+
+    async def read_headers(self, transaction_id: int, max_count: int) -> list[RecordHeader]:
+        """Up to ``max_count`` committed record headers from ``transaction_id``."""
+        if transaction_id < 0 or transaction_id > self._hwm or max_count <= 0:
+            return []
+        return await self._read(lambda s: s.read_headers(transaction_id, max_count))
+
+    async def _read(self, read: Callable[[StoreSession], Awaitable[R]]) -> R:
+        backoff = self._backoff()
+        error: WaltzError = PartitionNotReadyError(f"partition {self.partition_id} has no open store session")
+        for _ in range(self.config.max_read_attempts):
+            session = self._session
+            if session is not None and session.is_open:
+                try:
+                    return await read(session)
+                except WaltzError as e:
+                    error = e
+            await backoff.sleep()
+        raise error
+
+    # -- the supervisor --------------------------------------------------------------------------------------
+
+    def _backoff(self) -> Backoff:
+        return Backoff(
+            self._clock, self._rng, self.config.initial_retry_interval_ms, self.config.max_retry_interval_ms
+        )
+
+    async def _supervise(self) -> None:
+        backoff = self._backoff()
+        while True:
+            if self._stale:
+                self._fail_everything(
+                    GenerationMismatchError(f"partition {self.partition_id} moved to a newer generation")
+                )
+                self._generation_raised.clear()
+                await self._generation_raised.wait()
+                continue
+            try:
+                session = await self._new_session()
+            except GenerationMismatchError as e:
+                log.warning("partition %d: %s", self.partition_id, e)
+                self._stale = True
+                continue
+            except WaltzError as e:
+                log.warning("partition %d: cannot start a store session: %r", self.partition_id, e)
+                await backoff.sleep()
+                continue
+            self._session = session
+            outcome: SessionOutcome | None = None
+            try:
+                outcome = await session.run()
+            except Exception as e:
+                # A bug: keep the log, count it (the simulator fails on it), and try again with a new session.
+                log.exception("partition %d: store session %d failed", self.partition_id, session.session_id)
+                self.internal_errors.append(e)
+            finally:
+                self._session = None
+            if outcome is not None:
+                self.outcomes.append(outcome)
+                del self.outcomes[:-100]
+                if outcome.opened:
+                    backoff.reset()
+                if outcome.reason in _NO_BACKOFF:
+                    continue
+            await backoff.sleep()
+
+    async def _new_session(self) -> StoreSession:
+        """Take the next session id by a version-checked metadata write."""
+        for _ in range(self.config.max_metadata_attempts):
+            previous, version = await self._metadata_store.get(self.partition_id)
+            if previous.generation > self._generation:
+                raise GenerationMismatchError(
+                    f"partition {self.partition_id} metadata is at generation {previous.generation}, "
+                    f"this server has {self._generation}"
+                )
+            session_id = previous.session_id + 1
+            claimed = PartitionMetadata(self._generation, session_id, previous.replicas)
+            try:
+                new_version = await self._metadata_store.compare_and_set(self.partition_id, claimed, version)
+            except ConcurrentUpdateError:
+                continue
+            return StoreSession(
+                partition_id=self.partition_id,
+                generation=self._generation,
+                session_id=session_id,
+                replicas=self._replicas,
+                previous=previous,
+                metadata_version=new_version,
+                connector=self._connector,
+                metadata_store=self._metadata_store,
+                clock=self._clock,
+                rng=self._rng,
+                config=self.config,
+                host=self,
+            )
+        raise ConcurrentUpdateError(f"partition {self.partition_id}: metadata kept changing")
+
+    # -- SessionHost -----------------------------------------------------------------------------------------
+
+    async def session_opened(self, session: StoreSession) -> None:
+        """Resolve the appends a failed session left in flight against ``session``'s low-water mark."""
+        lwm = session.low_water_mark
+        if lwm < self._hwm:
+            raise InvariantViolation(
+                f"partition {self.partition_id}: session {session.session_id} opened at {lwm}, "
+                f"below the committed high-water mark {self._hwm}"
+            )
+        committed: dict[int, RecordHeader] = {}
+        candidates = [p for p in self.inflight if 0 <= p.transaction_id <= lwm]
+        if candidates:
+            next_id = min(p.transaction_id for p in candidates)
+            last = max(p.transaction_id for p in candidates)
+            while next_id <= last:
+                try:
+                    headers = await session.read_headers(next_id, last - next_id + 1)
+                except WaltzError:
+                    raise SessionOver from None
+                for stored in headers:
+                    committed[stored.transaction_id] = stored
+                next_id = headers[-1].transaction_id + 1
+        self._hwm = lwm
+        inflight, self.inflight = self.inflight, []
+        for pending in inflight:
+            found = committed.get(pending.transaction_id)
+            if found is not None and found.req_id == pending.req_id:
+                pending.succeed(pending.transaction_id)
+            else:
+                pending.fail(
+                    QuorumLostError(
+                        f"append {pending.req_id!r} (id {pending.transaction_id} in session "
+                        f"{pending.session_id}) did not commit; session {session.session_id} opened at {lwm}"
+                    )
+                )
+
+    def batch_committed(self, session: StoreSession, appends: Sequence[PendingAppend]) -> None:
+        hwm = session.high_water_mark
+        if hwm <= self._hwm:
+            raise InvariantViolation(f"partition {self.partition_id}: commit at {hwm} after {self._hwm}")
+        self._hwm = hwm
+        done = {id(a) for a in appends}
+        self.inflight = [p for p in self.inflight if id(p) not in done]
+        for pending in appends:
+            pending.succeed(pending.transaction_id)
+
+    def _fail_everything(self, error: WaltzError) -> None:
+        """Fail every append not resolved yet (queued or in flight): the partition stops writing."""
+        inflight, self.inflight = self.inflight, []
+        for pending in inflight:
+            pending.fail(error)
+        while not self.queue.empty():
+            self.queue.get_nowait().fail(error)
+        for pending in list(self._unresolved.values()):
+            if pending.transaction_id < 0 and not pending.resolved.is_set():
+                # Still on its way into the queue (a producer waiting for room).
+                pending.fail(error)
+
+    # -- introspection ---------------------------------------------------------------------------------------
+
+    def statistics(self) -> dict[str, object]:
+        session = self._session
+        return {
+            "partition_id": self.partition_id,
+            "generation": self._generation,
+            "high_water_mark": self._hwm,
+            "healthy": self.is_healthy,
+            "session_id": session.session_id if session is not None else None,
+            "participants": [p.storage for p in session.participants] if session is not None else [],
+            "queued_appends": self.queue.qsize(),
+            "inflight_appends": len(self.inflight),
+            "sessions_ended": len(self.outcomes),
+        }

@@ -1,0 +1,460 @@
+"""A store session: one numbered attempt to write the partition through a fixed set of replicas.
+
+A session is created with a session id already taken by a version-checked ZooKeeper write (see
+``store_partition.py``). :meth:`StoreSession.run`:
+
+1. starts one :class:`ReplicaSession` task per replica of the current set (they connect, fence older sessions,
+   and recover);
+2. waits until the previous session's closing high-water mark is resolved and a quorum of the *current* set
+   has recovered, then writes the new replica states to ZooKeeper (version-checked: if another server took the
+   partition meanwhile, this session ends without writing anything);
+3. opens with low-water mark = high-water mark = the resolved mark: appends of a failed earlier session are
+   now resolved against it by the host (ids at or below it succeeded if the stored record is theirs);
+4. runs the single writer loop: take up to ``max_batch_size`` queued appends, give them the next dense ids,
+   send the batch to every participant, and commit it once a quorum of the current set has fsynced it (one
+   batch is in flight at a time, so everything below a batch is committed).
+
+Any participant failure or abstention, a fencing error, a lost quorum, the checkpoint interval, a replica-set
+change or closing ends the session; :meth:`run` then returns a :class:`SessionOutcome`. The session's tasks
+are owned by it, cancelled and awaited before :meth:`run` returns. A bug inside a task (an exception that is
+not a :class:`~waltz.errors.WaltzError` the task handles) ends the session and is re-raised by :meth:`run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import random
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from waltz.cluster.partition_metadata import PartitionMetadata
+from waltz.errors import (
+    BrokenResourceError,
+    ConcurrentUpdateError,
+    CorruptionError,
+    SessionFencedError,
+    WaltzError,
+)
+from waltz.protocol.records import Record, RecordHeader, ReqId
+from waltz.server.store.interfaces import Clock, PartitionMetadataStore, ReplicaConnector
+from waltz.server.store.recovery import RecoveryState, metadata_after_recovery, metadata_with_clean_replica
+from waltz.server.store.replica_session import Batch, ReplicaRole, ReplicaSession, SessionOver
+from waltz.server.store.support import StoreConfig, TaskList
+from waltz.server.store.voting import Voting, quorum_of
+
+__all__ = ["EndReason", "PendingAppend", "SessionHost", "SessionOutcome", "StoreSession"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EndReason(enum.Enum):
+    REPLICA_FAILED = "replica failed"
+    FENCED = "fenced by a newer session"
+    QUORUM_LOST = "quorum lost"
+    CHECKPOINT = "checkpoint interval reached"
+    REPLICAS_CHANGED = "replica set changed"
+    CLOSED = "closed"
+    METADATA_CONFLICT = "partition metadata changed by someone else"
+    METADATA_UNAVAILABLE = "partition metadata unavailable"
+    INTERNAL_ERROR = "internal error"
+
+
+@dataclass(frozen=True)
+class SessionOutcome:
+    """How a session ended, and whether it had opened (recovered and written its metadata)."""
+
+    session_id: int
+    reason: EndReason
+    detail: str
+    opened: bool
+
+
+@dataclass(eq=False)
+class PendingAppend:
+    """One append waiting for its transaction id. ``transaction_id`` is -1 until a batch assigns one."""
+
+    req_id: ReqId
+    header: int
+    data: bytes
+    checksum: int
+    future: asyncio.Future[int]
+    transaction_id: int = -1
+    session_id: int = -1
+    resolved: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def record(self) -> Record:
+        return Record(self.transaction_id, self.req_id, self.header, self.data, self.checksum)
+
+    def succeed(self, transaction_id: int) -> None:
+        if not self.future.done():
+            self.future.set_result(transaction_id)
+        self.resolved.set()
+
+    def fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+            # The caller may have stopped waiting (cancelled); do not let asyncio warn about the exception.
+            self.future.exception()
+        self.resolved.set()
+
+
+class SessionHost(Protocol):
+    """What a session needs from its partition: the append queue and the appends of failed sessions."""
+
+    queue: asyncio.Queue[PendingAppend]
+    inflight: list[PendingAppend]
+    """Appends with ids assigned whose batch has not committed (from this or a failed earlier session)."""
+
+    async def session_opened(self, session: StoreSession) -> None:
+        """Resolve ``inflight`` against the new session's low-water mark (may read through the session)."""
+        ...
+
+    def batch_committed(self, session: StoreSession, appends: Sequence[PendingAppend]) -> None:
+        """A batch reached the quorum: ``session.high_water_mark`` is its last id."""
+        ...
+
+
+class StoreSession:
+    """One store session (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        partition_id: int,
+        generation: int,
+        session_id: int,
+        replicas: Sequence[str],
+        previous: PartitionMetadata,
+        metadata_version: int,
+        connector: ReplicaConnector,
+        metadata_store: PartitionMetadataStore,
+        clock: Clock,
+        rng: random.Random,
+        config: StoreConfig,
+        host: SessionHost,
+    ) -> None:
+        if not replicas:
+            raise ValueError("a store session needs at least one replica")
+        self.partition_id = partition_id
+        self.generation = generation
+        self.session_id = session_id
+        self.replicas = tuple(replicas)
+        self.connector = connector
+        self.metadata_store = metadata_store
+        self.clock = clock
+        self.rng = rng
+        self.config = config
+        self.recovery = RecoveryState(previous)
+        self.replica_sessions = {storage: ReplicaSession(self, storage) for storage in self.replicas}
+        self.quorum = quorum_of(len(self.replicas))
+        self.participants: list[ReplicaSession] = []
+        self.is_open = False
+        self.low_water_mark = -1
+        self.high_water_mark = -1
+        self.next_id = -1
+        self._host = host
+        self._metadata_version = metadata_version
+        self._metadata_lock = asyncio.Lock()
+        self._opened = asyncio.Event()
+        self._ended = asyncio.Event()
+        self._outcome: SessionOutcome | None = None
+        self._end_requested: tuple[EndReason, str] | None = None
+        self._writer_idle = False
+        self._was_opened = False
+        self._tasks = TaskList(self._task_failed)
+
+    def __repr__(self) -> str:
+        return f"StoreSession(partition={self.partition_id}, session={self.session_id}, open={self.is_open})"
+
+    # -- life cycle ------------------------------------------------------------------------------------------
+
+    async def run(self) -> SessionOutcome:
+        """Recover, open, write until the session ends; return how it ended (see the module docstring)."""
+        try:
+            for storage, replica in self.replica_sessions.items():
+                self._tasks.spawn(
+                    replica.run(), name=f"replica-{self.partition_id}-{storage}-{self.session_id}"
+                )
+            self._tasks.spawn(self._open_then_write(), name=f"writer-{self.partition_id}-{self.session_id}")
+            await self._ended.wait()
+        finally:
+            self.is_open = False
+            await self._tasks.aclose()
+        if self._tasks.errors:
+            raise self._tasks.errors[0]
+        assert self._outcome is not None  # _ended is only set together with _outcome
+        return self._outcome
+
+    def end(self, reason: EndReason, detail: str = "") -> None:
+        """End the session now (idempotent: the first reason wins)."""
+        if self._outcome is not None:
+            return
+        log.info("%r ends: %s %s", self, reason.value, detail)
+        self._outcome = SessionOutcome(self.session_id, reason, detail, self._was_opened)
+        self.is_open = False
+        self._ended.set()
+
+    def request_end(self, reason: EndReason, detail: str = "") -> None:
+        """End the session once the batch in flight (if any) has been decided."""
+        if self._writer_idle or not self.is_open:
+            self.end(reason, detail)
+        elif self._end_requested is None:
+            self._end_requested = (reason, detail)
+
+    @property
+    def ended(self) -> bool:
+        return self._outcome is not None
+
+    def end_for(self, replica: ReplicaSession, detail: str) -> None:
+        self.end(EndReason.REPLICA_FAILED, f"{replica.storage} {detail}")
+
+    def end_fenced(self, detail: str) -> None:
+        self.end(EndReason.FENCED, detail)
+
+    def _task_failed(self, error: BaseException) -> None:
+        self.end(EndReason.INTERNAL_ERROR, repr(error))
+
+    async def wait_open(self) -> None:
+        await self._opened.wait()
+
+    # -- services for replica sessions -----------------------------------------------------------------------
+
+    async def call(self, request: Awaitable[T]) -> T:
+        """Await a storage request, counting one that outlives ``rpc_timeout_ms`` as a broken connection."""
+        try:
+            async with asyncio.timeout(self.config.rpc_timeout_ms / 1000):
+                return await request
+        except TimeoutError:
+            raise BrokenResourceError(
+                f"storage request timed out after {self.config.rpc_timeout_ms} ms"
+            ) from None
+
+    def replica_recovered(self, replica: ReplicaSession) -> None:
+        self.recovery.mark_recovered(replica.storage)
+
+    def recovery_forget(self, replica: ReplicaSession) -> None:
+        """A replica that is not load-bearing failed: it is no longer recovered, nor a copy source."""
+        if replica.storage in self.recovery.recovered:
+            self.recovery.recovered.remove(replica.storage)
+
+    async def copy_records(
+        self, requester: ReplicaSession, start: int, end: int, source: str | None = None
+    ) -> list[Record]:
+        """Read the next records ``start..`` (at most ``end``, at most one catch-up batch) from another
+        replica.
+
+        Before the opening, any replica whose classification is done serves the ids it holds (``source`` picks
+        the usher while the vote is undecidable); after it, only participants serve, and only committed ids. A
+        failed or misbehaving source ends the session (raises :class:`SessionOver`).
+        """
+        if self.is_open:
+            end = min(end, self.high_water_mark)
+        count = min(self.config.catch_up_batch_size, end - start + 1)
+        if count <= 0:
+            return []
+        if source is not None:
+            candidates = [self.replica_sessions[source]]
+        elif self.is_open:
+            candidates = [p for p in self.participants if p is not requester and p.readable_max >= start]
+        else:
+            candidates = [
+                r
+                for r in self.replica_sessions.values()
+                if r is not requester and r.connection is not None and r.readable_max >= start
+            ]
+        if not candidates:
+            self.end(EndReason.REPLICA_FAILED, f"no replica holds {start} for {requester.storage} to copy")
+            raise SessionOver
+        src = candidates[0] if len(candidates) == 1 else self.rng.choice(candidates)
+        conn = src.connection
+        if conn is None or src.readable_max < start:
+            self.end_for(src, "left while being copied from")
+            raise SessionOver
+        count = min(count, src.readable_max - start + 1)
+        try:
+            records = await self.call(conn.read_records(start, count))
+        except SessionFencedError as e:
+            self.end_fenced(f"{src.storage}: {e}")
+            raise SessionOver from None
+        except WaltzError as e:
+            self.end_for(src, f"failed a catch-up read: {e!r}")
+            raise SessionOver from None
+        problem = _check_records(records, start, count)
+        if problem is not None:
+            self.end_for(src, f"returned bad records for {start}..: {problem}")
+            raise SessionOver
+        return records
+
+    async def mark_clean(self, replica: ReplicaSession) -> None:
+        """Record a replica that recovered after the opening as clean in this session (version-checked)."""
+        async with self._metadata_lock:
+            for _ in range(self.config.max_metadata_attempts):
+                current, version = await self.metadata_store.get(self.partition_id)
+                if current.session_id != self.session_id:
+                    self.end(EndReason.METADATA_CONFLICT, f"metadata now at session {current.session_id}")
+                    raise SessionOver
+                updated = metadata_with_clean_replica(current, replica.storage, self.session_id)
+                try:
+                    self._metadata_version = await self.metadata_store.compare_and_set(
+                        self.partition_id, updated, version
+                    )
+                    return
+                except ConcurrentUpdateError:
+                    continue
+            raise ConcurrentUpdateError(f"could not record {replica.storage} clean")
+
+    def try_join(self, replica: ReplicaSession) -> bool:
+        """Make a late replica a participant if it is close enough to the writer; it copies the rest
+        itself."""
+        if not self.is_open or replica.max_id > self.high_water_mark:
+            return False
+        if self.next_id - (replica.max_id + 1) > self.config.join_max_lag:
+            return False
+        replica.role = ReplicaRole.PARTICIPANT
+        self.participants.append(replica)
+        log.info("%r joins %r", replica, self)
+        return True
+
+    # -- the writer ------------------------------------------------------------------------------------------
+
+    async def _open_then_write(self) -> None:
+        recovery = self.recovery
+        while not (recovery.resolved is not None and self._recovered_count() >= self.quorum):
+            await recovery.wait_for_change()
+        resolved = recovery.resolved
+        recovered = [s for s in recovery.recovered if s in self.replica_sessions]
+        metadata = metadata_after_recovery(
+            recovery.previous, self.generation, self.session_id, self.replicas, recovered, resolved
+        )
+        async with self._metadata_lock:
+            try:
+                self._metadata_version = await self.metadata_store.compare_and_set(
+                    self.partition_id, metadata, self._metadata_version
+                )
+            except ConcurrentUpdateError as e:
+                self.end(EndReason.METADATA_CONFLICT, str(e))
+                return
+            except WaltzError as e:
+                self.end(EndReason.METADATA_UNAVAILABLE, repr(e))
+                return
+        # Participants are the replicas the metadata just recorded clean that are still connected.
+        self.participants = [
+            self.replica_sessions[s]
+            for s in self.replicas
+            if s in recovered and self.replica_sessions[s].role is ReplicaRole.RECOVERED
+        ]
+        for replica in self.participants:
+            replica.role = ReplicaRole.PARTICIPANT
+        self.low_water_mark = self.high_water_mark = resolved
+        self.next_id = resolved + 1
+        self.is_open = self._was_opened = True
+        log.info("%r opened at %d with %s", self, resolved, [p.storage for p in self.participants])
+        try:
+            await self._host.session_opened(self)
+        except SessionOver:
+            return
+        self._opened.set()
+        await self._write_loop()
+
+    def _recovered_count(self) -> int:
+        return sum(1 for s in self.recovery.recovered if s in self.replica_sessions)
+
+    async def _write_loop(self) -> None:
+        queue = self._host.queue
+        config = self.config
+        while True:
+            if self._end_requested is not None:
+                self.end(*self._end_requested)
+                return
+            if self.high_water_mark - self.low_water_mark >= config.checkpoint_interval:
+                self.end(EndReason.CHECKPOINT, f"{self.high_water_mark - self.low_water_mark} transactions")
+                return
+            self._writer_idle = True
+            try:
+                first = await queue.get()
+            finally:
+                self._writer_idle = False
+            appends = [first]
+            while len(appends) < config.max_batch_size and not queue.empty():
+                appends.append(queue.get_nowait())
+            start = self.next_id
+            for i, append in enumerate(appends):
+                append.transaction_id = start + i
+                append.session_id = self.session_id
+            # From here on the appends' fate is decided by this batch, or by the next session's recovery.
+            self._host.inflight.extend(appends)
+            self.next_id += len(appends)
+            voting = Voting(self.quorum, len(self.participants))
+            batch = Batch(start, tuple(a.record() for a in appends), voting)
+            for participant in list(self.participants):
+                participant.deliver(batch)
+            if not await voting.wait():
+                self.end(EndReason.QUORUM_LOST, f"batch {start}..{batch.last}")
+                return
+            self.high_water_mark = batch.last
+            self._host.batch_committed(self, appends)
+
+    # -- reads for the partition -----------------------------------------------------------------------------
+
+    def _read_source(self, transaction_id: int) -> ReplicaSession:
+        candidates = [p for p in self.participants if p.connection is not None and p.max_id >= transaction_id]
+        if not self.is_open or not candidates:
+            raise BrokenResourceError(f"no replica of session {self.session_id} serves {transaction_id}")
+        return candidates[0] if len(candidates) == 1 else self.rng.choice(candidates)
+
+    async def read_records(self, transaction_id: int, max_count: int) -> list[Record]:
+        """Committed records from ``transaction_id``; a failing replica ends the session (and the error
+        raises)."""
+        count = min(max_count, self.high_water_mark - transaction_id + 1)
+        if count <= 0 or transaction_id < 0:
+            return []
+        src = self._read_source(transaction_id)
+        assert src.connection is not None  # checked by _read_source
+        try:
+            records = await self.call(src.connection.read_records(transaction_id, count))
+        except WaltzError as e:
+            self.end_for(src, f"failed a read: {e!r}")
+            raise
+        problem = _check_records(records, transaction_id, count)
+        if problem is not None:
+            self.end_for(src, f"returned bad records: {problem}")
+            raise CorruptionError(f"{src.storage} returned bad records for {transaction_id}: {problem}")
+        return records
+
+    async def read_headers(self, transaction_id: int, max_count: int) -> list[RecordHeader]:
+        """Committed record headers from ``transaction_id`` (see :meth:`read_records`)."""
+        count = min(max_count, self.high_water_mark - transaction_id + 1)
+        if count <= 0 or transaction_id < 0:
+            return []
+        src = self._read_source(transaction_id)
+        assert src.connection is not None
+        try:
+            headers = await self.call(src.connection.read_headers(transaction_id, count))
+        except WaltzError as e:
+            self.end_for(src, f"failed a read: {e!r}")
+            raise
+        ids = [h.transaction_id for h in headers]
+        if not headers or ids != list(range(transaction_id, transaction_id + len(ids))) or len(ids) > count:
+            self.end_for(src, "returned bad headers")
+            raise CorruptionError(f"{src.storage} returned bad headers for {transaction_id}")
+        return headers
+
+
+def _check_records(records: Sequence[Record], start: int, max_count: int) -> str | None:
+    """Why a read answer is unusable (None if it is fine): empty, too long, not dense from ``start``,
+    corrupt."""
+    if not records:
+        return "no records"
+    if len(records) > max_count:
+        return f"{len(records)} records, asked for {max_count}"
+    for i, rec in enumerate(records):
+        if rec.transaction_id != start + i:
+            return f"id {rec.transaction_id} at position {i}"
+        if not rec.verify():
+            return f"record {rec.transaction_id} fails its checksum"
+    return None

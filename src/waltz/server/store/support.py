@@ -1,0 +1,127 @@
+"""Small pieces the store layer shares: its configuration, bounded retry backoff, owned task lists."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from waltz.server.store.interfaces import Clock
+
+__all__ = ["Backoff", "InvariantViolation", "StoreConfig", "TaskList"]
+
+log = logging.getLogger(__name__)
+
+
+class InvariantViolation(RuntimeError):
+    """A replication invariant does not hold: a bug (or storage that breaks its contract). Never retried."""
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Limits and intervals of the store layer (defaults are the original's ``storage.*`` settings)."""
+
+    max_batch_size: int = 100
+    """Appends per write round (``storage.maxBatchSize``)."""
+    max_queued_appends: int = 200
+    """Appends waiting for a write round; producers wait beyond this (2 x max_batch_size, as the original)."""
+    checkpoint_interval: int = 250_000
+    """Transactions after which a new session is forced, advancing the storage clean points."""
+    initial_retry_interval_ms: int = 100
+    max_retry_interval_ms: int = 20_000
+    catch_up_batch_size: int = 20
+    """Records per read when a replica copies from another."""
+    max_pending_batches: int = 8
+    """Batches a replica may have waiting; one more means it cannot keep up and the session ends."""
+    join_max_lag: int = 200
+    """How far (in transactions) a late replica may be behind the writer when it joins the writes."""
+    rpc_timeout_ms: int = 30_000
+    """Safety net: a storage call taking longer counts as a broken connection."""
+    max_metadata_attempts: int = 10
+    """Version-checked metadata writes attempted before giving up on one session (each re-reads)."""
+    max_read_attempts: int = 5
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_batch_size",
+            "max_queued_appends",
+            "checkpoint_interval",
+            "initial_retry_interval_ms",
+            "max_retry_interval_ms",
+            "catch_up_batch_size",
+            "max_pending_batches",
+            "rpc_timeout_ms",
+            "max_metadata_attempts",
+            "max_read_attempts",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.join_max_lag < self.max_batch_size:
+            raise ValueError("join_max_lag must be at least max_batch_size, or a late replica may never join")
+
+
+class Backoff:
+    """Exponential backoff with jitter: ``initial``, doubling up to ``maximum`` (milliseconds), on an injected
+    clock.
+
+    Each delay is drawn uniformly from ``[d/2, d]`` with the injected random source, so two servers retrying
+    at once drift apart, and a simulation replays exactly.
+    """
+
+    def __init__(self, clock: Clock, rng: random.Random, initial_ms: int, maximum_ms: int) -> None:
+        self._clock = clock
+        self._rng = rng
+        self._initial_ms = initial_ms
+        self._maximum_ms = maximum_ms
+        self._next_ms = initial_ms
+
+    def next_delay_ms(self) -> int:
+        ceiling = self._next_ms
+        self._next_ms = min(self._next_ms * 2, self._maximum_ms)
+        return self._rng.randint(ceiling // 2, ceiling)
+
+    async def sleep(self) -> None:
+        await self._clock.sleep_ms(self.next_delay_ms())
+
+    def reset(self) -> None:
+        self._next_ms = self._initial_ms
+
+
+class TaskList:
+    """Tasks owned by one object: spawned in order, cancelled and awaited in order by :meth:`aclose`.
+
+    ``on_error`` is called (once per task) with any exception other than cancellation that escapes a task, so
+    the owner can stop; :attr:`errors` keeps them. Order matters for replay: unlike a set, the list makes the
+    cancellation order the same in every run.
+    """
+
+    def __init__(self, on_error: Callable[[BaseException], None]) -> None:
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._on_error = on_error
+        self.errors: list[BaseException] = []
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        task.add_done_callback(self._done)
+        self._tasks.append(task)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:
+            log.error("task %s failed", task.get_name(), exc_info=error)
+            self.errors.append(error)
+            self._on_error(error)
+
+    async def aclose(self) -> None:
+        """Cancel every task, then wait for all of them to finish."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)

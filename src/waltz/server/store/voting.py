@@ -1,0 +1,111 @@
+"""Quorum arithmetic: the write vote of one batch, and the recovery vote on the closing high-water mark.
+
+Write quorum (seed 002 "Quorum Writes"): a batch is committed once a majority of the partition's replicas have
+fsynced it. :class:`Voting` counts those acknowledgements for one batch.
+
+Recovery vote (seed 000 "Quorum Checking in the Recovery Process"): each replica of the previous session votes
+for every high-water mark at or below its own. The resolved high-water mark is the highest one a quorum votes
+for, but only if the replicas we cannot hear from could not change the answer. We walk the voted high-water
+marks in descending order; at each one, if the votes do not reach the quorum but votes + unknown replicas do,
+the answer is *undecidable* and we must wait (for a replica to come back, or for a laggard to catch up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+__all__ = ["Voting", "quorum_of", "resolve_high_water_mark"]
+
+
+def quorum_of(num_replicas: int) -> int:
+    """The majority of ``num_replicas``: ``n // 2 + 1``."""
+    return num_replicas // 2 + 1
+
+
+class Voting:
+    """The write vote of one batch among ``voters`` replicas, needing ``quorum`` acknowledgements.
+
+    Succeeds as soon as ``votes >= quorum``; fails as soon as ``abstentions > voters - quorum`` (so it fails
+    at once if ``voters < quorum``). Once decided, further votes and abstentions are counted but change
+    nothing.
+    """
+
+    def __init__(self, quorum: int, voters: int) -> None:
+        if quorum <= 0:
+            raise ValueError(f"quorum must be positive, got {quorum}")
+        self.quorum = quorum
+        self.voters = voters
+        self.votes = 0
+        self.abstentions = 0
+        self._outcome: bool | None = None
+        self._decided = asyncio.Event()
+        self._check()
+
+    @property
+    def outcome(self) -> bool | None:
+        """True once a quorum voted, False once a quorum became impossible, None while undecided."""
+        return self._outcome
+
+    def vote(self) -> None:
+        """One replica acknowledged (fsynced) the batch."""
+        self.votes += 1
+        self._check()
+
+    def abstain(self) -> None:
+        """One replica will not acknowledge the batch (it failed or fell behind)."""
+        self.abstentions += 1
+        self._check()
+
+    async def wait(self) -> bool:
+        """Wait until decided; True if the batch reached the quorum."""
+        await self._decided.wait()
+        assert self._outcome is not None  # set before the event, by _check
+        return self._outcome
+
+    def _check(self) -> None:
+        if self._outcome is not None:
+            return
+        if self.votes >= self.quorum:
+            self._outcome = True
+        elif self.abstentions > self.voters - self.quorum:
+            self._outcome = False
+        else:
+            return
+        self._decided.set()
+
+
+def resolve_high_water_mark(known: Iterable[int], num_replicas: int) -> int | None:
+    """The closing high-water mark of the previous session, or None while it is undecidable.
+
+    ``known`` holds the high-water mark of each replica of the previous session we have heard from (one entry
+    per replica, duplicates allowed); the other ``num_replicas - len(known)`` replicas are unknown (offline,
+    not classified yet, or restored from a backup so that their old state is lost). A replica supports every
+    candidate at or below its own high-water mark. With no previous replicas the log is empty: -1.
+
+    Undecidability: while walking the candidates from the highest down, a candidate without a quorum of
+    supporters that *could* reach one with the unknown replicas makes the answer unknowable, so we return None
+    instead of settling for a lower candidate. (If fewer than a quorum are known the lowest candidate is
+    always undecidable.)
+    """
+    hwms = sorted(known, reverse=True)
+    if num_replicas <= 0:
+        return -1
+    if len(hwms) > num_replicas:
+        raise ValueError(f"{len(hwms)} known high-water marks for {num_replicas} replicas")
+    quorum = quorum_of(num_replicas)
+    unknown = num_replicas - len(hwms)
+    # hwms is sorted descending, so the supporters of hwms[i] are exactly hwms[0..j] where j is the last index
+    # holding the same value; checking each distinct value once, highest first, is the seed's walk.
+    i = 0
+    while i < len(hwms):
+        candidate = hwms[i]
+        supporters = i + 1
+        while supporters < len(hwms) and hwms[supporters] == candidate:
+            supporters += 1
+        if supporters >= quorum:
+            return candidate
+        if supporters + unknown >= quorum:
+            return None
+        i = supporters
+    return None
