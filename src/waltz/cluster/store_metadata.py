@@ -121,7 +121,9 @@ def read_store_params(client: KazooClient, root: str) -> StoreParams:
     try:
         value, _ = read_value(client, paths.store, StoreParams.decode, f"store params at {paths.store}")
     except MetadataError as e:
-        if client.exists(root) is None or client.exists(paths.store) is None:
+        with zk_errors(f"store params at {paths.store}"):
+            missing = client.exists(root) is None or client.exists(paths.store) is None
+        if missing:
             raise ClusterNotFoundError(f"no cluster at {root}") from None
         raise e
     return value
@@ -231,7 +233,9 @@ def next_id(client: KazooClient, root: str, kind: str) -> int:
     if kind not in ("client", "server"):
         raise ValueError(f"unknown id kind {kind!r}")
     path = paths.client_ids if kind == "client" else paths.server_ids
-    if client.exists(root) is None:
+    with zk_errors(f"{kind} id counter"):
+        exists = client.exists(root) is not None
+    if not exists:
         raise ClusterNotFoundError(f"no cluster at {root}")
     seen = compare_and_set(
         client, path, decode_counter, lambda v: encode_counter(v + 1), f"{kind} id counter", max_attempts=100
