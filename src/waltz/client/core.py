@@ -351,12 +351,11 @@ class AsyncWaltzClient:
         :class:`~waltz.errors.ClientTimeoutError`."""
         self._check_open()
         waiting = [run.done for run in self._runs]
-        driver = self._require_driver()
         for partition in self._partitions.values():
             if partition.monitor is not None and partition.state is MountState.READY:
                 req_id = partition.monitor.flush_request(self._clock())
                 if req_id is not None:
-                    driver.send_flush(partition.id, req_id)
+                    self._send_flush(partition.id, req_id)
         if not waiting:
             return
         done, _ = await asyncio.wait(waiting, timeout=timeout)
@@ -470,13 +469,20 @@ class AsyncWaltzClient:
             # Appends sent on an earlier connection may be lost; a flush resolves them (see driver.py).
             req_id = partition.monitor.flush_request(self._clock())
             if req_id is not None:
-                self._require_driver().send_flush(partition_id, req_id)
+                self._send_flush(partition_id, req_id)
         elif state is MountState.CLIENT_AHEAD:
             log.error(
                 "partition %d: the application's high-water mark %d is ahead of the server's",
                 partition_id,
                 partition.monitor.applied_high_water_mark,
             )
+            # Terminal for this mount: appends still pending can no longer be resolved.
+            for outcome in partition.outcomes.values():
+                if not outcome.done():
+                    outcome.set_exception(
+                        ClientAheadError(f"partition {partition_id}: client ahead of server")
+                    )
+            partition.outcomes.clear()
 
     def _on_monitor_event(
         self, partition_id: int, event: Callable[[TransactionMonitor], list[Resolution]]
@@ -524,7 +530,7 @@ class AsyncWaltzClient:
                     log.debug(
                         "partition %d: appends pending for %.1f s, sending a flush", partition.id, threshold_s
                     )
-                    self._require_driver().send_flush(partition.id, req_id)
+                    self._send_flush(partition.id, req_id)
 
     # -- contexts ----------------------------------------------------------------------------------------
 
@@ -595,6 +601,13 @@ class AsyncWaltzClient:
             log.warning("partition %d: append %r not sent: %s", partition.id, req_id, e)
             self._resolve(partition, monitor.fail(req_id))
         return outcome
+
+    def _send_flush(self, partition_id: int, req_id: ReqId) -> None:
+        try:
+            self._require_driver().send_flush(partition_id, req_id)
+        except WaltzError as e:
+            # Not fatal: the next nudge or READY sends another flush.
+            log.warning("partition %d: flush not sent: %s", partition_id, e)
 
     async def _wait_mounted(self, partition: _Partition) -> TransactionMonitor:
         timeout_ms = self._config.mount_timeout_ms
