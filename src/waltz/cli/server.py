@@ -1,0 +1,124 @@
+"""``waltz server``: run a Waltz server, list what it serves, change its preferred partitions."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import Any
+
+from waltz.cli.common import host_port, parse_partition_ranges
+from waltz.errors import ClientTimeoutError, RemoteProtocolError
+from waltz.protocol import client_server as cs
+from waltz.protocol.framing import MAGIC_CLIENT
+from waltz.protocol.records import ReqId
+from waltz.transport import open_connection
+
+ADMIN_CLIENT_ID = -1
+"""Client id of one-shot admin connections (they never mount or append)."""
+
+
+def register(groups: Any) -> None:
+    parser = groups.add_parser("server", help="run or query a Waltz server")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    run = sub.add_parser("run", help="run a Waltz server")
+    run.add_argument("--config", required=True, metavar="FILE", help="server YAML config")
+    run.set_defaults(handler=cmd_run)
+
+    ls = sub.add_parser("list", help="partitions a server owns, their health, and its storage connectivity")
+    ls.add_argument("-s", "--server", required=True, metavar="HOST:PORT", help="the server's client port")
+    ls.set_defaults(handler=cmd_list)
+    for name, add in (("add-preferred-partition", True), ("remove-preferred-partition", False)):
+        p = sub.add_parser(name, help=f"{'add' if add else 'remove'} preferred partitions of a server")
+        p.add_argument("-s", "--server", required=True, metavar="HOST:PORT")
+        p.add_argument("-p", "--partition", required=True, metavar="RANGES", help="e.g. 0-3,7")
+        p.set_defaults(handler=cmd_preferred, add=add)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from waltz.server.config import ServerConfig
+    from waltz.server.server import run_server
+    from waltz.transport import run
+
+    config = ServerConfig.load(args.config)
+
+    def ready(server: Any) -> None:
+        print(
+            json.dumps({"port": server.port, "http_port": server.http_port, "server_id": server.server_id}),
+            flush=True,
+        )
+
+    run(run_server(config, ready=ready))
+    return 0
+
+
+async def query(address: str, requests: list[cs.Message], timeout_ms: int = 10_000) -> list[cs.Message]:
+    """Send admin requests to a server and return its answers, in order."""
+    host, port = host_port(address)
+    conn = await open_connection(
+        host,
+        port,
+        magic=MAGIC_CLIENT,
+        versions=cs.SUPPORTED_VERSIONS,
+        hello_text="Waltz Admin Client",
+        connect_timeout_ms=timeout_ms,
+    )
+    try:
+        answers = []
+        for req in requests:
+            await conn.send_and_drain(cs.encode(req, conn.negotiated_version))
+            try:
+                async with asyncio.timeout(timeout_ms / 1000):
+                    answers.append(cs.decode(await conn.receive(), conn.negotiated_version))
+            except TimeoutError:
+                raise ClientTimeoutError(f"{address} did not answer within {timeout_ms} ms") from None
+        return answers
+    finally:
+        await conn.aclose()
+
+
+def _rid(seq: int) -> ReqId:
+    return ReqId.of(ADMIN_CLIENT_ID, 0, 0, seq)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    answers = asyncio.run(
+        query(
+            args.server,
+            [
+                cs.ServerPartitionsAssignmentRequest(_rid(1)),
+                cs.ServerPartitionsHealthStatRequest(_rid(2)),
+                cs.CheckStorageConnectivityRequest(_rid(3)),
+            ],
+        )
+    )
+    assignment, health, connectivity = answers
+    if not (
+        isinstance(assignment, cs.ServerPartitionsAssignmentResponse)
+        and isinstance(health, cs.ServerPartitionsHealthStatResponse)
+        and isinstance(connectivity, cs.CheckStorageConnectivityResponse)
+    ):
+        raise RemoteProtocolError(f"unexpected answers from {args.server}")
+    healthy = dict(health.partition_health)
+    print(f"partitions: {','.join(map(str, assignment.partition_ids)) or '-'}")
+    for pid in assignment.partition_ids:
+        print(f"  partition {pid}: {'healthy' if healthy.get(pid) else 'UNHEALTHY'}")
+    print("storage connectivity:")
+    for storage, ok in connectivity.storage_connectivity:
+        print(f"  {storage}: {'reachable' if ok else 'UNREACHABLE'}")
+    return 0
+
+
+def cmd_preferred(args: argparse.Namespace) -> int:
+    ids = tuple(parse_partition_ranges(args.partition))
+    req: cs.Message = (
+        cs.AddPreferredPartitionRequest(_rid(1), ids)
+        if args.add
+        else cs.RemovePreferredPartitionRequest(_rid(1), ids)
+    )
+    (answer,) = asyncio.run(query(args.server, [req]))
+    ok = getattr(answer, "result", False)
+    if not ok:
+        print(f"waltz: error: {args.server} refused the change (partition out of range?)")
+        return 1
+    return 0

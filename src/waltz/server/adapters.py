@@ -1,0 +1,147 @@
+"""Production implementations of the replication core's interfaces (:mod:`waltz.server.store.interfaces`).
+
+* :class:`TcpReplicaConnector` shares one :class:`~waltz.storage.client.StorageClient` (one TCP connection,
+  opened with the cluster key) per storage node among every partition of this server, and reconnects when
+  that connection broke. Each :class:`TcpReplicaConnection` stamps its store session id on every request, so
+  the storage node's fencing applies.
+* :class:`ZkPartitionMetadataStore` reads and version-checks writes of ``<root>/store/partition/<id>`` with
+  kazoo, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+
+from kazoo.client import KazooClient
+
+from waltz.cli.common import host_port
+from waltz.cluster.partition_metadata import PartitionMetadata
+from waltz.cluster.store_metadata import read_partition_metadata, write_partition_metadata
+from waltz.errors import BrokenResourceError, ClosedResourceError, ConfigError
+from waltz.protocol.records import Record, RecordHeader
+from waltz.server.store.interfaces import ReplicaConnection, SessionInfo
+from waltz.storage.client import StorageClient
+
+
+class TcpReplicaConnection:
+    """One partition on one storage node for one store session, over the node's shared connection."""
+
+    def __init__(self, client: StorageClient, storage: str, partition_id: int, session_id: int) -> None:
+        self._client = client
+        self._storage = storage
+        self._partition_id = partition_id
+        self._session_id = session_id
+        self._closed = False
+
+    @property
+    def storage(self) -> str:
+        return self._storage
+
+    def _live(self) -> StorageClient:
+        if self._closed:
+            raise ClosedResourceError(f"replica connection to {self._storage} is closed")
+        if not self._client.is_usable:
+            raise BrokenResourceError(f"connection to storage {self._storage} is broken")
+        return self._client
+
+    async def last_session_info(self) -> SessionInfo:
+        info = await self._live().last_session_info(self._session_id, self._partition_id)
+        return SessionInfo(info.session_id, info.low_water_mark, info.local_low_water_mark)
+
+    async def max_transaction_id(self) -> int:
+        return await self._live().max_transaction_id(self._session_id, self._partition_id)
+
+    async def truncate(self, transaction_id: int) -> int:
+        return await self._live().truncate(self._session_id, self._partition_id, transaction_id)
+
+    async def set_low_water_mark(self, low_water_mark: int) -> None:
+        await self._live().set_low_water_mark(self._session_id, self._partition_id, low_water_mark)
+
+    async def append(self, records: Sequence[Record]) -> None:
+        await self._live().append(self._session_id, self._partition_id, records)
+
+    async def read_records(self, transaction_id: int, max_count: int) -> list[Record]:
+        return await self._live().read_records(
+            self._session_id, self._partition_id, transaction_id, max_count
+        )
+
+    async def read_headers(self, transaction_id: int, max_count: int) -> list[RecordHeader]:
+        return await self._live().read_headers(
+            self._session_id, self._partition_id, transaction_id, max_count
+        )
+
+    async def read_record(self, transaction_id: int) -> Record | None:
+        return await self._live().read_record(self._session_id, self._partition_id, transaction_id)
+
+    async def aclose(self) -> None:
+        # The TCP connection is shared with other partitions; only this view of it closes.
+        self._closed = True
+
+
+class TcpReplicaConnector:
+    """Opens :class:`TcpReplicaConnection`s, keeping one live StorageClient per storage node."""
+
+    def __init__(
+        self, cluster_key: uuid.UUID, num_partitions: int, *, connect_timeout_ms: int = 3_000
+    ) -> None:
+        self._key = cluster_key
+        self._num_partitions = num_partitions
+        self._connect_timeout_ms = connect_timeout_ms
+        self._clients: dict[str, StorageClient] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._closed = False
+
+    async def _client(self, storage: str) -> StorageClient:
+        lock = self._locks.setdefault(storage, asyncio.Lock())
+        async with lock:
+            if self._closed:
+                raise ClosedResourceError("replica connector is closed")
+            client = self._clients.get(storage)
+            if client is not None and client.is_usable:
+                return client
+            if client is not None:
+                await client.aclose()
+                del self._clients[storage]
+            try:
+                host, port = host_port(storage)
+            except ConfigError as e:
+                raise BrokenResourceError(f"bad storage connect string {storage!r}: {e}") from None
+            client = await StorageClient.connect(
+                host, port, self._key, self._num_partitions, connect_timeout_ms=self._connect_timeout_ms
+            )
+            self._clients[storage] = client
+            return client
+
+    async def connect(self, storage: str, partition_id: int, session_id: int) -> ReplicaConnection:
+        client = await self._client(storage)
+        return TcpReplicaConnection(client, storage, partition_id, session_id)
+
+    def reachable(self) -> dict[str, bool]:
+        """Storage nodes this server has talked to, and whether their connection is up."""
+        return {s: c.is_usable for s, c in sorted(self._clients.items())}
+
+    async def aclose(self) -> None:
+        self._closed = True
+        clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            await c.aclose()
+
+
+class ZkPartitionMetadataStore:
+    """``<root>/store/partition/<id>`` on ZooKeeper, read and compare-and-set off the event loop."""
+
+    def __init__(self, client: KazooClient, root: str) -> None:
+        self._client = client
+        self._root = root
+
+    async def get(self, partition_id: int) -> tuple[PartitionMetadata, int]:
+        return await asyncio.to_thread(read_partition_metadata, self._client, self._root, partition_id)
+
+    async def compare_and_set(
+        self, partition_id: int, metadata: PartitionMetadata, expected_version: int
+    ) -> int:
+        return await asyncio.to_thread(
+            write_partition_metadata, self._client, self._root, partition_id, metadata, expected_version
+        )

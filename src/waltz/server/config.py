@@ -1,0 +1,95 @@
+"""Configuration of a Waltz server (``waltz server run --config server.yaml``); keys as in REFERENCE §7.2."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from waltz.config import ConfigSchema, Key, distinct_ports, read_yaml
+from waltz.errors import ConfigError
+from waltz.server.store.support import StoreConfig
+
+SERVER_SCHEMA = ConfigSchema(
+    [
+        Key("zookeeper.connectString", str, doc="ZooKeeper ensemble"),
+        Key("zookeeper.sessionTimeout", int, 30000, "ZooKeeper session timeout (ms)", 1000),
+        Key("cluster.root", str, doc="cluster root znode"),
+        Key("server.host", str, "127.0.0.1", "address to listen on and to advertise"),
+        Key("server.port", int, doc="client port (0 = pick a free port)", min_value=0, max_value=65535),
+        Key("server.http.port", int, 0, "HTTP port for /health and /metrics (0 = off)", 0, 65535),
+        Key("server.optimisticLockTableSize", int, 30000, "lock table slots per partition", 16, 100_000_000),
+        Key("server.feedCacheSize", int, 64 * 1024 * 1024, "feed cache bytes", 1024),
+        Key("server.minFetchSize", int, 100, "smallest feed window", 1),
+        Key("server.realtimeThreshold", int, 1000, "lag separating realtime from catch-up feeds", 2),
+        Key("server.transactionDataCacheSize", int, 128 * 1024 * 1024, "transaction data cache bytes", 0),
+        Key("server.maxFrameBytes", int, 32 * 1024 * 1024, "largest frame accepted", 1024, 2**31 - 1),
+        Key("server.appendQueueSize", int, 1000, "appends queued per partition", 1, 1_000_000),
+        Key("server.preferredPartitions", str, "", "partition ranges this server prefers, e.g. 0-3"),
+        Key("storage.maxBatchSize", int, 100, "appends per replication round", 1, 100_000),
+        Key("storage.initialRetryInterval", int, 100, "first retry delay (ms)", 1),
+        Key("storage.maxRetryInterval", int, 20000, "largest retry delay (ms)", 1),
+        Key("storage.checkpointInterval", int, 250_000, "transactions between forced new sessions", 1),
+        Key("storage.rpcTimeout", int, 10_000, "storage request timeout (ms)", 100),
+    ],
+    passthrough_prefixes=("server.ssl.",),
+)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """A validated server configuration."""
+
+    zookeeper_connect: str
+    zookeeper_session_timeout_ms: int
+    cluster_root: str
+    host: str
+    port: int
+    http_port: int
+    lock_table_size: int
+    feed_cache_bytes: int
+    min_fetch_size: int
+    realtime_threshold: int
+    transaction_cache_bytes: int
+    max_frame_bytes: int
+    append_queue_size: int
+    preferred_partitions: str
+    store: StoreConfig
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any], source: str = "server config") -> ServerConfig:
+        c = SERVER_SCHEMA.parse(values, source)
+        distinct_ports(c, ["server.port", "server.http.port"], source)
+        if c["server.minFetchSize"] >= c["server.realtimeThreshold"]:
+            raise ConfigError(f"{source}: server.minFetchSize must be below server.realtimeThreshold")
+        if c["storage.initialRetryInterval"] > c["storage.maxRetryInterval"]:
+            raise ConfigError(f"{source}: storage.initialRetryInterval exceeds storage.maxRetryInterval")
+        batch = c["storage.maxBatchSize"]
+        return cls(
+            zookeeper_connect=c["zookeeper.connectString"],
+            zookeeper_session_timeout_ms=c["zookeeper.sessionTimeout"],
+            cluster_root=c["cluster.root"],
+            host=c["server.host"],
+            port=c["server.port"],
+            http_port=c["server.http.port"],
+            lock_table_size=c["server.optimisticLockTableSize"],
+            feed_cache_bytes=c["server.feedCacheSize"],
+            min_fetch_size=c["server.minFetchSize"],
+            realtime_threshold=c["server.realtimeThreshold"],
+            transaction_cache_bytes=c["server.transactionDataCacheSize"],
+            max_frame_bytes=c["server.maxFrameBytes"],
+            append_queue_size=c["server.appendQueueSize"],
+            preferred_partitions=c["server.preferredPartitions"],
+            store=StoreConfig(
+                max_batch_size=batch,
+                max_queued_appends=2 * batch,
+                checkpoint_interval=c["storage.checkpointInterval"],
+                initial_retry_interval_ms=c["storage.initialRetryInterval"],
+                max_retry_interval_ms=c["storage.maxRetryInterval"],
+                rpc_timeout_ms=c["storage.rpcTimeout"],
+            ),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> ServerConfig:
+        return cls.from_mapping(read_yaml(path), str(path))

@@ -1,0 +1,410 @@
+"""A partition as served by its owning Waltz server: appends with optimistic locks, feeds, mounts, flushes.
+
+Per partition there is one **append task** and one **feed task per mounted client**:
+
+* The append task takes requests from a bounded queue in arrival order. For each it begins its locks in
+  the lock table (waiting for in-flight appends when a slot is busy), rejects it with a LockFailure naming
+  the lock high-water mark if the client computed it from stale state, and otherwise submits it to the
+  store partition *in arrival order* (so a client's appends commit in the order it sent them, which its
+  transaction monitor relies on). When the store commits it, the locks advance to its id, its header goes to
+  the feed cache and its data to the transaction cache, and feeds wake up. A failed append sends nothing:
+  the client learns it from the feed or a flush.
+* A feed task streams ``(transaction id, header, request id)`` of every committed transaction after the
+  client's high-water mark, in order, within the windows the client asks for (FeedRequest); a client that
+  reads slowly only stalls its own feed task (we wait for its socket to drain).
+* A mount first drains the append queue (so nothing of the client is pending here), then streams the
+  transactions the client lacks and finishes with MountResponse(READY); a client whose high-water mark is
+  above ours gets CLIENT_AHEAD. A newer connection (generation, then connection sequence number) of the
+  same client replaces the older one, whose appends and feed requests are ignored from then on.
+
+Requests carrying another generation than the partition's are dropped: the client finds out through the
+feed or a flush, and re-reads the assignment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from waltz.errors import ClientAheadError, WaltzError
+from waltz.protocol import client_server as cs
+from waltz.protocol.records import RecordHeader, ReqId
+from waltz.server.feed_cache import FeedCache
+from waltz.server.locks import LockRequest, LockTable
+from waltz.server.store.store_partition import StorePartition
+from waltz.server.transaction_cache import TransactionCache
+
+log = logging.getLogger(__name__)
+
+FEED_BATCH = 64
+"""Feed entries read from the cache or the store at a time (one feed-cache block)."""
+
+
+class Peer(Protocol):
+    """The client connection a partition answers on (implemented by the server's connection state)."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def send(self, msg: cs.Message) -> None: ...
+
+    async def drain(self) -> None: ...
+
+
+@dataclass
+class _Registration:
+    peer: Peer
+    generation: int
+    seq_num: int
+
+
+@dataclass
+class _Flush:
+    future: asyncio.Future[int]
+
+
+@dataclass
+class _Append:
+    peer: Peer
+    msg: cs.AppendRequest
+    received_s: float
+
+
+@dataclass
+class PartitionMetrics:
+    """Hooks the server wires to Prometheus; plain callables keep this module free of the registry."""
+
+    appended: Callable[[], None] = lambda: None
+    lock_failed: Callable[[], None] = lambda: None
+    failed: Callable[[], None] = lambda: None
+    latency: Callable[[float], None] = lambda _s: None
+
+
+@dataclass
+class _FeedContext:
+    peer: Peer
+    client_id: int
+    session: ReqId
+    next_id: int
+    remaining: int = 0
+    mount_target: int | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+class Partition:
+    """One partition owned by this server (see the module docstring)."""
+
+    def __init__(
+        self,
+        partition_id: int,
+        store: StorePartition,
+        *,
+        feed_cache: FeedCache,
+        transaction_cache: TransactionCache,
+        lock_table_size: int = 30000,
+        min_fetch_size: int = 100,
+        append_queue_size: int = 1000,
+        metrics: PartitionMetrics | None = None,
+    ) -> None:
+        self.partition_id = partition_id
+        self.store = store
+        self._feed_cache = feed_cache
+        self._txn_cache = transaction_cache
+        self._lock_table_size = lock_table_size
+        self._min_fetch_size = min_fetch_size
+        self._queue: asyncio.Queue[_Append | _Flush] = asyncio.Queue(append_queue_size)
+        self._registrations: dict[int, _Registration] = {}
+        self._feeds: dict[int, _FeedContext] = {}
+        self._locks: LockTable | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._notify_scheduled = False
+        self._ready = asyncio.Event()
+        self._closed = False
+        self.metrics = metrics or PartitionMetrics()
+        self.pending_appends = 0
+        self.lock_failures = 0
+
+    # -- life cycle ------------------------------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        return self.store.generation
+
+    @property
+    def high_water_mark(self) -> int:
+        return self.store.high_water_mark
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.store.is_healthy
+
+    @property
+    def feed_context_count(self) -> int:
+        return len(self._feeds)
+
+    async def start(self) -> None:
+        await self.store.start()
+        self._tasks.append(asyncio.create_task(self._append_loop(), name=f"append-{self.partition_id}"))
+
+    async def close(self) -> None:
+        """Stop the tasks, end feeds and close the store partition."""
+        self._closed = True
+        for ctx in list(self._feeds.values()):
+            self._end_feed(ctx)
+        tasks = self._tasks + [c.task for c in self._feeds.values() if c.task is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._feeds.clear()
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, _Flush) and not item.future.done():
+                item.future.cancel()
+        await self.store.close()
+        self._feed_cache.evict_partition(self.partition_id)
+
+    def set_generation(self, generation: int) -> None:
+        self.store.set_generation(generation)
+
+    # -- entry points (called by the connection handler, in the connection's message order) -----------------
+
+    def _is_current(self, peer: Peer, req_id: ReqId) -> bool:
+        reg = self._registrations.get(req_id.client_id)
+        return reg is not None and reg.peer is peer
+
+    async def append(self, peer: Peer, msg: cs.AppendRequest) -> None:
+        """Queue an append (waits while the queue is full: back pressure on that connection)."""
+        if msg.req_id.generation != self.generation or not self._is_current(peer, msg.req_id):
+            return  # stale generation or superseded connection: dropped, as the protocol says
+        await self._queue.put(_Append(peer, msg, time.monotonic()))
+
+    async def flush(self) -> int:
+        """Wait until every append queued before this call is resolved; return the high-water mark."""
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Flush(fut))
+        return await fut
+
+    async def flush_request(self, peer: Peer, msg: cs.FlushRequest) -> None:
+        if not self._is_current(peer, msg.req_id):
+            return
+        hwm = await self.flush()
+        peer.send(cs.FlushResponse(msg.req_id, hwm))
+
+    async def mount(self, peer: Peer, msg: cs.MountRequest) -> None:
+        rid = msg.req_id
+        if rid.generation < self.generation:
+            peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
+            return
+        reg = self._registrations.get(rid.client_id)
+        if reg is not None and reg.peer is not peer:
+            newer = (rid.generation, msg.seq_num) >= (reg.generation, reg.seq_num)
+            if not newer:
+                return  # a mount from a stale connection of this client is ignored
+        self._registrations[rid.client_id] = _Registration(peer, rid.generation, msg.seq_num)
+        old = self._feeds.pop(rid.client_id, None)
+        if old is not None:
+            self._end_feed(old)
+        await self._ready.wait()
+        hwm = await self.flush()
+        if not self._is_current(peer, rid):
+            return
+        if msg.client_high_water_mark > hwm:
+            peer.send(cs.MountResponse(rid, cs.PartitionState.CLIENT_AHEAD))
+            log.warning(
+                "partition %d: client %d is ahead (%d > %d)",
+                self.partition_id,
+                rid.client_id,
+                msg.client_high_water_mark,
+                hwm,
+            )
+            return
+        ctx = _FeedContext(peer, rid.client_id, rid, msg.client_high_water_mark + 1, mount_target=hwm)
+        self._start_feed(ctx)
+
+    def feed_request(self, peer: Peer, msg: cs.FeedRequest) -> None:
+        ctx = self._feeds.get(msg.req_id.client_id)
+        if ctx is None or ctx.peer is not peer or ctx.session != msg.req_id:
+            return  # not the current feed session of this client
+        ctx.next_id = msg.client_high_water_mark + 1
+        ctx.remaining = max(self._min_fetch_size, self.high_water_mark - msg.client_high_water_mark)
+        ctx.wake.set()
+
+    def disconnect(self, peer: Peer) -> None:
+        """Forget a closed connection: its registration and its feed."""
+        for client_id, reg in list(self._registrations.items()):
+            if reg.peer is peer:
+                del self._registrations[client_id]
+                ctx = self._feeds.get(client_id)
+                if ctx is not None and ctx.peer is peer:
+                    del self._feeds[client_id]
+                    self._end_feed(ctx)
+
+    async def transaction_data(self, transaction_id: int) -> tuple[bytes, int] | None:
+        """The data and checksum of a committed transaction, or None if there is no such transaction."""
+        cached = self._txn_cache.get(self.partition_id, transaction_id)
+        if cached is not None:
+            return cached.data, cached.checksum
+        if transaction_id > self.high_water_mark or transaction_id < 0:
+            return None
+        record = await self.store.read_record(transaction_id)
+        if record is None:
+            return None
+        self._txn_cache.put(self.partition_id, transaction_id, record.data, record.checksum)
+        return record.data, record.checksum
+
+    # -- the append task -------------------------------------------------------------------------------------
+
+    async def _append_loop(self) -> None:
+        hwm = await self.store.wait_open()
+        # Every slot starts at the high-water mark: a lock's last writer is unknown, so any client that has
+        # not seen everything up to here conflicts (never a false negative).
+        self._locks = LockTable(self._lock_table_size, hwm)
+        self._ready.set()
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, _Flush):
+                try:
+                    hwm = await self.store.flush()
+                except WaltzError:
+                    hwm = self.high_water_mark
+                if not item.future.done():
+                    item.future.set_result(hwm)
+                continue
+            if item.peer.closed or not self._is_current(item.peer, item.msg.req_id):
+                continue
+            await self._process_append(item)
+
+    async def _process_append(self, item: _Append) -> None:
+        locks = self._locks
+        assert locks is not None
+        msg = item.msg
+        req = locks.begin(msg.write_locks, msg.read_locks, msg.append_locks)
+        if req is None:
+            # A slot is held by an in-flight append: wait until the store resolved everything, then retry.
+            await self.store.flush()
+            req = locks.begin(msg.write_locks, msg.read_locks, msg.append_locks)
+            if req is None:
+                locks.reset(self.high_water_mark)
+                req = locks.begin(msg.write_locks, msg.read_locks, msg.append_locks)
+                if req is None:
+                    raise AssertionError("lock table refused a request right after a reset")
+        conflict = locks.check(req, msg.client_high_water_mark)
+        if conflict is not None:
+            locks.release(req)
+            self.lock_failures += 1
+            self.metrics.lock_failed()
+            item.peer.send(cs.LockFailure(msg.req_id, conflict))
+            return
+        try:
+            future = await self.store.submit(msg)
+        except WaltzError as e:
+            locks.release(req)
+            self.metrics.failed()
+            log.debug("partition %d: append %r refused: %s", self.partition_id, msg.req_id, e)
+            return
+        self.pending_appends += 1
+        future.add_done_callback(lambda f: self._append_done(f, req, item))
+
+    def _append_done(self, future: asyncio.Future[int], req: LockRequest, item: _Append) -> None:
+        self.pending_appends -= 1
+        locks = self._locks
+        assert locks is not None
+        if future.cancelled() or future.exception() is not None:
+            locks.release(req)
+            self.metrics.failed()
+            return
+        txn = future.result()
+        msg = item.msg
+        locks.commit(req, txn)
+        locks.release(req)
+        self._feed_cache.add(self.partition_id, RecordHeader(txn, msg.req_id, msg.header))
+        self._txn_cache.put(self.partition_id, txn, msg.data, msg.checksum)
+        self.metrics.appended()
+        self.metrics.latency(time.monotonic() - item.received_s)
+        if not self._notify_scheduled:
+            # One wake-up per loop iteration, however many appends a batch committed.
+            self._notify_scheduled = True
+            asyncio.get_running_loop().call_soon(self._notify_feeds)
+
+    def _notify_feeds(self) -> None:
+        self._notify_scheduled = False
+        for ctx in self._feeds.values():
+            ctx.wake.set()
+
+    # -- feeds -----------------------------------------------------------------------------------------------
+
+    def _start_feed(self, ctx: _FeedContext) -> None:
+        self._feeds[ctx.client_id] = ctx
+        ctx.task = asyncio.create_task(
+            self._feed_loop(ctx), name=f"feed-{self.partition_id}-client-{ctx.client_id}"
+        )
+
+    def _end_feed(self, ctx: _FeedContext) -> None:
+        if ctx.task is not None and ctx.task is not asyncio.current_task():
+            ctx.task.cancel()
+
+    async def _headers(self, start: int, count: int) -> list[RecordHeader]:
+        headers = self._feed_cache.get_range(self.partition_id, start, count)
+        if len(headers) < count:
+            more = await self.store.read_headers(start + len(headers), count - len(headers))
+            if more:
+                self._feed_cache.fill(self.partition_id, more)
+            headers.extend(more)
+        return headers
+
+    async def _feed_loop(self, ctx: _FeedContext) -> None:
+        peer = ctx.peer
+        try:
+            while not peer.closed:
+                hwm = self.high_water_mark
+                if ctx.mount_target is not None:
+                    limit = ctx.mount_target
+                elif ctx.remaining > 0:
+                    limit = min(hwm, ctx.next_id + ctx.remaining - 1)
+                else:
+                    ctx.wake.clear()
+                    await ctx.wake.wait()
+                    continue
+                if ctx.next_id > limit:
+                    if ctx.mount_target is not None:
+                        ctx.mount_target = None
+                        ctx.remaining = 0
+                        peer.send(cs.MountResponse(ctx.session, cs.PartitionState.READY))
+                        continue
+                    ctx.wake.clear()
+                    if ctx.next_id > self.high_water_mark:
+                        await ctx.wake.wait()  # long poll: wait for a commit
+                    continue
+                count = min(limit - ctx.next_id + 1, FEED_BATCH)
+                headers = await self._headers(ctx.next_id, count)
+                if not headers:
+                    await asyncio.sleep(0.01)  # the store cannot serve it right now; try again shortly
+                    continue
+                for h in headers:
+                    peer.send(cs.FeedData(h.req_id, h.transaction_id, h.header))
+                ctx.next_id += len(headers)
+                if ctx.mount_target is None:
+                    ctx.remaining -= len(headers)
+                    if ctx.remaining <= 0:
+                        peer.send(cs.FeedSuspended(ctx.session))
+                # A slow reader stalls only its own feed.
+                await peer.drain()
+        except WaltzError as e:
+            log.debug("partition %d: feed of client %d ended: %s", self.partition_id, ctx.client_id, e)
+        finally:
+            if self._feeds.get(ctx.client_id) is ctx:
+                del self._feeds[ctx.client_id]
+
+
+def client_ahead_error(partition_id: int, client_hwm: int, server_hwm: int) -> ClientAheadError:
+    return ClientAheadError(
+        f"partition {partition_id}: client high-water mark {client_hwm} is above the server's {server_hwm}"
+    )

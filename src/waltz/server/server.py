@@ -1,0 +1,479 @@
+"""The Waltz server process: client connections, partition ownership, replica sets, health and metrics.
+
+* **Ownership** comes from ZooKeeper (:class:`~waltz.cluster.membership.ClusterMember`): a partition assigned
+  to us is opened (a :class:`~waltz.server.partition.Partition` over a
+  :class:`~waltz.server.store.store_partition.StorePartition`), a raised generation is passed on, a partition
+  that moved away is closed. While the ZooKeeper connection is SUSPENDED the server takes no new appends or
+  mounts (it may no longer be the owner); its store sessions stay fenced by the storage nodes regardless.
+* **Replica sets** come from ``<root>/store/assignment``, watched: a change makes the affected partitions
+  start a new store session against the new set (recovery brings new replicas up to date).
+* **Connections** speak the client<->server protocol (frame magic 'L', codec versions 0..4). Each
+  connection's messages are handled in order; appends wait when the partition's queue is full, which stops
+  reading that connection (back pressure). Requests for a partition we do not own get MountResponse
+  NOT_READY, a TransactionDataResponse error, or (append, feed, flush, high-water mark) are dropped, as the
+  protocol says; the client re-reads the assignment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from kazoo.client import KazooClient
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from waltz.cli.common import parse_partition_ranges
+from waltz.cluster import zk
+from waltz.cluster.membership import ClusterMember
+from waltz.cluster.replica_assignments import ReplicaAssignments
+from waltz.cluster.store_metadata import read_store_params
+from waltz.cluster.zk import ClusterPaths
+from waltz.errors import ConnectionError_, RemoteProtocolError, WaltzError
+from waltz.http import HttpEndpoint
+from waltz.protocol import client_server as cs
+from waltz.protocol.framing import MAGIC_CLIENT
+from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
+from waltz.server.config import ServerConfig
+from waltz.server.feed_cache import FeedCache
+from waltz.server.partition import Partition, PartitionMetrics
+from waltz.server.store.store_partition import StorePartition
+from waltz.server.transaction_cache import TransactionCache
+from waltz.transport import FramedConnection, FramedServer, serve
+
+log = logging.getLogger(__name__)
+
+SERVER_HELLO = "Waltz Server"
+
+
+class _Connection:
+    """A client connection as partitions see it (implements :class:`waltz.server.partition.Peer`)."""
+
+    __slots__ = ("_conn", "_version", "client_id")
+
+    def __init__(self, conn: FramedConnection) -> None:
+        self._conn = conn
+        self._version = conn.negotiated_version
+        self.client_id: int | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._conn.is_closed
+
+    def send(self, msg: cs.Message) -> None:
+        with contextlib.suppress(ConnectionError_):
+            self._conn.send(cs.encode(msg, self._version))
+
+    async def drain(self) -> None:
+        await self._conn.drain()
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.appends = Counter("waltz_server_appends", "Committed appends", ["partition"], registry=registry)
+        self.lock_failures = Counter(
+            "waltz_server_lock_failures",
+            "Appends rejected by a lock conflict",
+            ["partition"],
+            registry=registry,
+        )
+        self.failed = Counter(
+            "waltz_server_failed_appends", "Appends that failed", ["partition"], registry=registry
+        )
+        self.latency = Histogram(
+            "waltz_server_append_seconds",
+            "Time from an append's arrival to its commit",
+            ["partition"],
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0),
+            registry=registry,
+        )
+        self.hwm = Gauge(
+            "waltz_server_high_water_mark", "Committed high-water mark", ["partition"], registry=registry
+        )
+        self.pending = Gauge(
+            "waltz_server_pending_appends", "Appends in flight", ["partition"], registry=registry
+        )
+        self.feeds = Gauge("waltz_server_feed_contexts", "Mounted clients", ["partition"], registry=registry)
+        self.generation = Gauge(
+            "waltz_server_generation", "Partition generation", ["partition"], registry=registry
+        )
+        self.healthy = Gauge(
+            "waltz_server_partition_healthy", "1 if a store session is open", ["partition"], registry=registry
+        )
+        self.cache_hit_rate = Gauge(
+            "waltz_server_cache_hit_ratio", "Cache hits / lookups", ["cache"], registry=registry
+        )
+        self.partitions = Gauge("waltz_server_partitions", "Partitions owned", registry=registry)
+
+    def for_partition(self, pid: int) -> PartitionMetrics:
+        p = str(pid)
+        appends, lock_failures, failed, latency = (
+            self.appends.labels(p),
+            self.lock_failures.labels(p),
+            self.failed.labels(p),
+            self.latency.labels(p),
+        )
+        return PartitionMetrics(
+            appended=appends.inc, lock_failed=lock_failures.inc, failed=failed.inc, latency=latency.observe
+        )
+
+
+class WaltzServer:
+    """A running Waltz server. Use :meth:`start`; :meth:`aclose` stops everything it started."""
+
+    def __init__(
+        self, config: ServerConfig, zk_client: KazooClient, cluster_key: uuid.UUID, num_partitions: int
+    ):
+        self.config = config
+        self.zk = zk_client
+        self.cluster_key = cluster_key
+        self.num_partitions = num_partitions
+        self.registry = CollectorRegistry()
+        self.metrics = _Metrics(self.registry)
+        self.connector = TcpReplicaConnector(cluster_key, num_partitions)
+        self.metadata_store = ZkPartitionMetadataStore(zk_client, config.cluster_root)
+        self.feed_cache = FeedCache(config.feed_cache_bytes, num_partitions)
+        self.transaction_cache = TransactionCache(config.transaction_cache_bytes)
+        self.partitions: dict[int, Partition] = {}
+        self.replica_sets: dict[int, tuple[str, ...]] = {}
+        self.member: ClusterMember | None = None
+        self._listener: FramedServer | None = None
+        self._http: HttpEndpoint | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._reconcile_lock = asyncio.Lock()
+        self._replicas_changed = asyncio.Event()
+        self._suspended = False
+        self.port = 0
+        self.http_port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- life cycle --
+
+    @classmethod
+    async def start(cls, config: ServerConfig) -> WaltzServer:
+        client = await asyncio.to_thread(
+            zk.connect, config.zookeeper_connect, session_timeout_ms=config.zookeeper_session_timeout_ms
+        )
+        try:
+            params = await asyncio.to_thread(read_store_params, client, config.cluster_root)
+        except BaseException:
+            await asyncio.to_thread(zk.close, client)
+            raise
+        server = cls(config, client, params.cluster_key, params.num_partitions)
+        try:
+            await server._start()
+        except BaseException:
+            await server.aclose()
+            raise
+        return server
+
+    async def _start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._listener = await serve(
+            self.config.host,
+            self.config.port,
+            self._serve_client,
+            magic=MAGIC_CLIENT,
+            versions=cs.SUPPORTED_VERSIONS,
+            hello_text=SERVER_HELLO,
+            max_frame_bytes=self.config.max_frame_bytes,
+        )
+        self.port = self._listener.port
+        await self._watch_replica_assignments()
+        preferred = (
+            parse_partition_ranges(self.config.preferred_partitions, self.num_partitions)
+            if self.config.preferred_partitions
+            else []
+        )
+        self.member = ClusterMember(
+            self.zk,
+            self.config.cluster_root,
+            self.config.host,
+            self.port,
+            preferred,
+            on_suspended=self._on_suspended,
+            on_resumed=self._on_resumed,
+        )
+        await self.member.start()
+        self._tasks.append(asyncio.create_task(self._follow_assignments(), name="server-assignments"))
+        self._tasks.append(asyncio.create_task(self._follow_replica_sets(), name="server-replica-sets"))
+        if self.config.http_port:
+            self._http = HttpEndpoint(self.registry, self.health)
+            self.http_port = await self._http.start(self.config.host, self.config.http_port)
+        log.info("Waltz server %d serving on %s:%d", self.member.server_id, self.config.host, self.port)
+
+    async def aclose(self) -> None:
+        """Leave the cluster (our partitions move at once), close partitions and connections."""
+        if self.member is not None:
+            with contextlib.suppress(Exception):
+                await self.member.close()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        if self._listener is not None:
+            await self._listener.aclose()
+        for p in list(self.partitions.values()):
+            with contextlib.suppress(Exception):
+                await p.close()
+        self.partitions.clear()
+        await self.connector.aclose()
+        if self._http is not None:
+            await self._http.aclose()
+        await asyncio.to_thread(zk.close, self.zk)
+
+    @property
+    def server_id(self) -> int:
+        return self.member.server_id if self.member is not None else -1
+
+    # -- ZooKeeper-driven state --
+
+    def _on_suspended(self) -> None:
+        self._suspended = True
+        log.warning("ZooKeeper connection suspended: not accepting new work")
+
+    def _on_resumed(self) -> None:
+        self._suspended = False
+        log.info("ZooKeeper connection resumed")
+
+    async def _follow_assignments(self) -> None:
+        assert self.member is not None
+        async for assignment in self.member.assignments():
+            await self._reconcile(assignment)
+
+    async def _reconcile(self, assignment: dict[int, int]) -> None:
+        async with self._reconcile_lock:
+            for pid in [p for p in self.partitions if p not in assignment]:
+                leaving = self.partitions.pop(pid)
+                log.info("partition %d moved away; closing it", pid)
+                await leaving.close()
+            for pid, generation in sorted(assignment.items()):
+                existing = self.partitions.get(pid)
+                if existing is not None:
+                    existing.set_generation(generation)
+                    self.metrics.generation.labels(str(pid)).set(generation)
+                    continue
+                replicas = self.replica_sets.get(pid, ())
+                if not replicas:
+                    log.error("partition %d has no replicas assigned in ZooKeeper; not opening it", pid)
+                    continue
+                store = StorePartition(
+                    pid,
+                    generation,
+                    replicas,
+                    connector=self.connector,
+                    metadata_store=self.metadata_store,
+                    config=self.config.store,
+                )
+                part = Partition(
+                    pid,
+                    store,
+                    feed_cache=self.feed_cache,
+                    transaction_cache=self.transaction_cache,
+                    lock_table_size=self.config.lock_table_size,
+                    min_fetch_size=self.config.min_fetch_size,
+                    append_queue_size=self.config.append_queue_size,
+                    metrics=self.metrics.for_partition(pid),
+                )
+                await part.start()
+                self.partitions[pid] = part
+                self.metrics.generation.labels(str(pid)).set(generation)
+                log.info("partition %d opened (generation %d, replicas %s)", pid, generation, list(replicas))
+            self.metrics.partitions.set(len(self.partitions))
+
+    async def _watch_replica_assignments(self) -> None:
+        path = ClusterPaths(self.config.cluster_root).replica_assignments
+        loop = asyncio.get_running_loop()
+        first = asyncio.Event()
+
+        def on_data(data: bytes | None, _stat: Any, *_: Any) -> None:
+            # Called on a kazoo thread: hop onto the loop before touching anything.
+            loop.call_soon_threadsafe(self._replica_data, data, first)
+
+        await asyncio.to_thread(self.zk.DataWatch, path, on_data)
+        await asyncio.wait_for(first.wait(), timeout=self.config.zookeeper_session_timeout_ms / 1000)
+
+    def _replica_data(self, data: bytes | None, first: asyncio.Event) -> None:
+        if data is None:
+            return
+        try:
+            assignments = ReplicaAssignments.decode(data)
+        except WaltzError as e:
+            log.error("unreadable replica assignments: %s", e)
+            return
+        sets: dict[int, list[str]] = {}
+        for storage, pids in assignments.replicas.items():
+            for pid in pids:
+                sets.setdefault(pid, []).append(storage)
+        self.replica_sets = {pid: tuple(sorted(s)) for pid, s in sets.items()}
+        first.set()
+        self._replicas_changed.set()
+
+    async def _follow_replica_sets(self) -> None:
+        while True:
+            await self._replicas_changed.wait()
+            self._replicas_changed.clear()
+            async with self._reconcile_lock:
+                for pid, part in self.partitions.items():
+                    new = self.replica_sets.get(pid, ())
+                    if new and new != part.store.replicas:
+                        log.info("partition %d: replica set changed to %s", pid, list(new))
+                        part.store.set_replicas(new)
+            if self.member is not None:
+                # Partitions that had no replicas before may be openable now.
+                await self._reconcile(self.member.partitions)
+
+    # -- health --
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        zk_ok = bool(self.zk.connected) and not self._suspended
+        parts = {str(pid): p.is_healthy for pid, p in sorted(self.partitions.items())}
+        for pid, p in self.partitions.items():
+            label = str(pid)
+            self.metrics.hwm.labels(label).set(p.high_water_mark)
+            self.metrics.pending.labels(label).set(p.pending_appends)
+            self.metrics.feeds.labels(label).set(p.feed_context_count)
+            self.metrics.healthy.labels(label).set(1 if p.is_healthy else 0)
+        for name, stats in (
+            ("feed", self.feed_cache.statistics()),
+            ("transaction", self.transaction_cache.statistics()),
+        ):
+            lookups = stats.hits + stats.misses
+            self.metrics.cache_hit_rate.labels(name).set(stats.hits / lookups if lookups else 0.0)
+        return zk_ok and all(parts.values()), {"zookeeper": zk_ok, "partitions": parts}
+
+    # -- client connections --
+
+    async def _serve_client(self, conn: FramedConnection) -> None:
+        peer = _Connection(conn)
+        version = conn.negotiated_version
+        try:
+            while True:
+                payload = await conn.receive()
+                try:
+                    msg = cs.decode(payload, version)
+                except RemoteProtocolError as e:
+                    log.warning("closing client connection from %s: %s", conn.peername, e)
+                    return
+                if peer.client_id is None:
+                    peer.client_id = msg.req_id.client_id
+                await self._dispatch(peer, msg)
+        finally:
+            for part in self.partitions.values():
+                part.disconnect(peer)
+
+    async def _dispatch(self, peer: _Connection, msg: cs.Message) -> None:
+        rid = msg.req_id
+        # Cluster-level queries first: they name no partition.
+        if isinstance(msg, cs.CheckStorageConnectivityRequest):
+            reachable = self.connector.reachable()
+            peer.send(cs.CheckStorageConnectivityResponse(rid, tuple(reachable.items())))
+            return
+        if isinstance(msg, cs.ServerPartitionsAssignmentRequest):
+            peer.send(cs.ServerPartitionsAssignmentResponse(rid, tuple(sorted(self.partitions))))
+            return
+        if isinstance(msg, cs.AddPreferredPartitionRequest | cs.RemovePreferredPartitionRequest):
+            ok = await self._change_preferred(msg)
+            resp_cls = (
+                cs.AddPreferredPartitionResponse
+                if isinstance(msg, cs.AddPreferredPartitionRequest)
+                else cs.RemovePreferredPartitionResponse
+            )
+            peer.send(resp_cls(rid, ok))
+            return
+        if isinstance(msg, cs.ServerPartitionsHealthStatRequest):
+            health = tuple((pid, p.is_healthy) for pid, p in sorted(self.partitions.items()))
+            peer.send(cs.ServerPartitionsHealthStatResponse(rid, health))
+            return
+        part = self.partitions.get(rid.partition_id)
+        usable = part is not None and not self._suspended
+        if isinstance(msg, cs.MountRequest):
+            if part is None or not usable:
+                peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
+                return
+            # Mounting waits for the append queue to drain; do it off this connection's read loop.
+            self._spawn(part.mount(peer, msg), f"mount-{rid.partition_id}")
+            return
+        if isinstance(msg, cs.TransactionDataRequest):
+            self._spawn(self._transaction_data(peer, part, msg), f"data-{rid.partition_id}")
+            return
+        if isinstance(msg, cs.HighWaterMarkRequest):
+            if part is not None:
+                peer.send(cs.HighWaterMarkResponse(rid, part.high_water_mark))
+            return
+        if part is None or not usable:
+            return  # append, feed and flush for a partition we do not own are dropped
+        if isinstance(msg, cs.AppendRequest):
+            await part.append(peer, msg)
+        elif isinstance(msg, cs.FeedRequest):
+            part.feed_request(peer, msg)
+        elif isinstance(msg, cs.FlushRequest):
+            self._spawn(part.flush_request(peer, msg), f"flush-{rid.partition_id}")
+        else:
+            log.warning("unexpected %s from client %d", type(msg).__name__, rid.client_id)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.append(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._tasks.remove(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            if not isinstance(exc, WaltzError):
+                log.error("request task %s failed", task.get_name(), exc_info=exc)
+
+    async def _transaction_data(
+        self, peer: _Connection, part: Partition | None, msg: cs.TransactionDataRequest
+    ) -> None:
+        rid = msg.req_id
+        if part is None:
+            peer.send(cs.TransactionDataResponse.failure(rid, msg.transaction_id, "partition not ready"))
+            return
+        try:
+            found = await part.transaction_data(msg.transaction_id)
+        except WaltzError as e:
+            peer.send(cs.TransactionDataResponse.failure(rid, msg.transaction_id, str(e)))
+            return
+        if found is None:
+            peer.send(cs.TransactionDataResponse.failure(rid, msg.transaction_id, "transaction not found"))
+        else:
+            data, checksum = found
+            peer.send(cs.TransactionDataResponse.success(rid, msg.transaction_id, data, checksum))
+
+    async def _change_preferred(
+        self, msg: cs.AddPreferredPartitionRequest | cs.RemovePreferredPartitionRequest
+    ) -> bool:
+        if self.member is None:
+            return False
+        ids = set(msg.partition_ids)
+        if any(not 0 <= p < self.num_partitions for p in ids):
+            return False
+        current = set(self.member.preferred_partitions)
+        new = current | ids if isinstance(msg, cs.AddPreferredPartitionRequest) else current - ids
+        await self.member.set_preferred_partitions(new)
+        return True
+
+
+async def run_server(config: ServerConfig, *, ready: Callable[[WaltzServer], None] | None = None) -> None:
+    """Run a server until SIGTERM/SIGINT, then leave the cluster cleanly."""
+    server = await WaltzServer.start(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        if ready is not None:
+            ready(server)
+        await stop.wait()
+    finally:
+        await server.aclose()
