@@ -336,6 +336,7 @@ def test_back_pressure_bounds_outstanding_appends_and_submit_times_out() -> None
             assert len(driver.cluster.records(0)) == 30
 
             # Nothing resolves while the feed is suspended: the third submit runs out of time.
+            driver.set_fault_rate(0.0)  # From here on the commit order is the submit order.
             driver.suspend_feed()
             stuck = [Ctx(b"s1"), Ctx(b"s2")]
             for ctx in stuck:
