@@ -36,10 +36,12 @@ from waltz.protocol.client_server import (
     ServerPartitionsHealthStatResponse,
     TransactionDataRequest,
     TransactionDataResponse,
+    TransactionRangeRequest,
+    TransactionRangeResponse,
     decode,
     encode,
 )
-from waltz.protocol.records import ReqId, crc32
+from waltz.protocol.records import Record, ReqId, crc32
 
 REQ = ReqId.of(client_id=1, generation=2, partition_id=3, seq_num=4)
 # msb = client 1 << 32 | generation 2; lsb = partition 3 << 32 | seq 4
@@ -47,8 +49,9 @@ REQ_HEX = "00000001000000020000000300000004"
 ABC_CRC_HEX = "352441c2"  # CRC-32 of b"abc" (the standard check value of zlib / java.util.zip.CRC32)
 
 ALL = SUPPORTED_VERSIONS
-V1_UP = (1, 2, 3, 4)
-V2_UP = (2, 3, 4)
+V1_UP = (1, 2, 3, 4, 5)
+V2_UP = (2, 3, 4, 5)
+V4_UP = (4, 5)
 
 
 def h(*parts: str) -> bytes:
@@ -61,9 +64,9 @@ GOLDEN: list[tuple[Message, tuple[int, ...], bytes]] = [
     (MountRequest(REQ, 5, 6), ALL, h("00", REQ_HEX, "0000000000000005", "0000000000000006")),
     (MountResponse(REQ, PartitionState.READY), (0, 1, 2), h("01", REQ_HEX, "01")),
     (MountResponse(REQ, PartitionState.NOT_READY), (0, 1, 2), h("01", REQ_HEX, "00")),
-    (MountResponse(REQ, PartitionState.READY), (3, 4), h("01", REQ_HEX, "00000000")),
-    (MountResponse(REQ, PartitionState.NOT_READY), (3, 4), h("01", REQ_HEX, "00000001")),
-    (MountResponse(REQ, PartitionState.CLIENT_AHEAD), (3, 4), h("01", REQ_HEX, "00000002")),
+    (MountResponse(REQ, PartitionState.READY), (3, 4, 5), h("01", REQ_HEX, "00000000")),
+    (MountResponse(REQ, PartitionState.NOT_READY), (3, 4, 5), h("01", REQ_HEX, "00000001")),
+    (MountResponse(REQ, PartitionState.CLIENT_AHEAD), (3, 4, 5), h("01", REQ_HEX, "00000002")),
     (
         AppendRequest(REQ, 9, (1, -1), (), (), 7, b"abc", crc32(b"abc")),
         (0,),
@@ -161,12 +164,29 @@ GOLDEN: list[tuple[Message, tuple[int, ...], bytes]] = [
     (AddPreferredPartitionResponse(REQ, True), V2_UP, h("12", REQ_HEX, "01")),
     (RemovePreferredPartitionRequest(REQ, ()), V2_UP, h("13", REQ_HEX, "00000000")),
     (RemovePreferredPartitionResponse(REQ, False), V2_UP, h("14", REQ_HEX, "00")),
-    (ServerPartitionsHealthStatRequest(REQ), (4,), h("15", REQ_HEX)),
+    (ServerPartitionsHealthStatRequest(REQ), V4_UP, h("15", REQ_HEX)),
     (
         ServerPartitionsHealthStatResponse(REQ, ((1, True), (2, False))),
-        (4,),
+        V4_UP,
         h("16", REQ_HEX, "00000002", "00000001 01", "00000002 00"),
     ),
+    (TransactionRangeRequest(REQ, 7, 100), (5,), h("17", REQ_HEX, "0000000000000007", "00000064")),
+    (
+        TransactionRangeResponse(REQ, 7, (Record(7, REQ, -2, b"abc", 0x352441C2),)),
+        (5,),
+        h(
+            "18",
+            REQ_HEX,
+            "0000000000000007",
+            "00000001",
+            "0000000000000007",
+            REQ_HEX,
+            "fffffffe",
+            "00000003 616263",
+            ABC_CRC_HEX,
+        ),
+    ),
+    (TransactionRangeResponse(REQ, 9, ()), (5,), h("18", REQ_HEX, "0000000000000009", "00000000")),
 ]
 
 CASES = [(msg, version, payload) for msg, versions, payload in GOLDEN for version in versions]
@@ -175,7 +195,7 @@ CASE_IDS = [f"{type(msg).__name__}-V{version}-{i}" for i, (msg, version, _) in e
 
 def test_constants() -> None:
     assert ord("L") == MAGIC
-    assert SUPPORTED_VERSIONS == (0, 1, 2, 3, 4)
+    assert SUPPORTED_VERSIONS == (0, 1, 2, 3, 4, 5)
 
 
 def test_golden_covers_every_message_type_at_every_version_that_has_it() -> None:
@@ -184,7 +204,7 @@ def test_golden_covers_every_message_type_at_every_version_that_has_it() -> None
         for version in SUPPORTED_VERSIONS:
             if version >= cls.MIN_VERSION:
                 assert (int(cls.TYPE), version) in covered, (cls.__name__, version)
-    assert sorted({int(cls.TYPE) for cls in cs._CLASSES}) == list(range(23))
+    assert sorted({int(cls.TYPE) for cls in cs._CLASSES}) == list(range(25))
 
 
 @pytest.mark.parametrize(("msg", "version", "payload"), CASES, ids=CASE_IDS)
@@ -227,7 +247,7 @@ NEWER_MESSAGES: list[tuple[Message, int]] = [
 def test_message_newer_than_the_version_is_refused_on_both_sides(msg: Message, version: int) -> None:
     with pytest.raises(LocalProtocolError, match="upgrade servers"):
         encode(msg, version)
-    payload = encode(msg, 4)
+    payload = encode(msg, SUPPORTED_VERSIONS[-1])
     with pytest.raises(RemoteProtocolError, match="not part of codec"):
         decode(payload, version)
 
@@ -256,7 +276,7 @@ def test_client_ahead_travels_as_not_ready_before_v3() -> None:
 
 def test_unsupported_version_is_a_local_error() -> None:
     with pytest.raises(LocalProtocolError):
-        encode(FlushRequest(REQ), 5)
+        encode(FlushRequest(REQ), 6)
     with pytest.raises(LocalProtocolError):
         decode(h("08", REQ_HEX), -1)
 
@@ -268,7 +288,7 @@ def test_unsupported_version_is_a_local_error() -> None:
 def test_empty_and_unknown_types_are_remote_errors(version: int) -> None:
     with pytest.raises(RemoteProtocolError, match="empty"):
         decode(b"", version)
-    for code in (23, 0x7F, 0xFF):
+    for code in (25, 0x7F, 0xFF):
         with pytest.raises(RemoteProtocolError, match="unknown"):
             decode(bytes([code]) + h(REQ_HEX), version)
 

@@ -48,6 +48,8 @@ from waltz.transport import FramedConnection, FramedServer, serve
 log = logging.getLogger(__name__)
 
 SERVER_HELLO = "Waltz Server"
+MAX_RANGE_RECORDS = 10_000
+"""Most records one TransactionRangeRequest is answered with."""
 
 
 class _Connection:
@@ -403,6 +405,9 @@ class WaltzServer:
         if isinstance(msg, cs.TransactionDataRequest):
             self._spawn(self._transaction_data(peer, part, msg), f"data-{rid.partition_id}")
             return
+        if isinstance(msg, cs.TransactionRangeRequest):
+            self._spawn(self._transaction_range(peer, part, msg), f"range-{rid.partition_id}")
+            return
         if isinstance(msg, cs.HighWaterMarkRequest):
             if part is not None:
                 peer.send(cs.HighWaterMarkResponse(rid, part.high_water_mark))
@@ -448,6 +453,23 @@ class WaltzServer:
         else:
             data, checksum = found
             peer.send(cs.TransactionDataResponse.success(rid, msg.transaction_id, data, checksum))
+
+    async def _transaction_range(
+        self, peer: _Connection, part: Partition | None, msg: cs.TransactionRangeRequest
+    ) -> None:
+        if part is None:
+            return  # like a high-water mark request: the client times out and re-reads the assignment
+        count = max(0, min(msg.max_count, MAX_RANGE_RECORDS))
+        records = await part.store.read_records(msg.transaction_id, count) if count else []
+        # Keep the response well inside the frame limit whatever the record sizes.
+        size, kept = 0, 0
+        budget = self.config.max_frame_bytes // 2
+        for rec in records:
+            size += len(rec.data) + 64
+            if kept and size > budget:
+                break
+            kept += 1
+        peer.send(cs.TransactionRangeResponse(msg.req_id, msg.transaction_id, tuple(records[:kept])))
 
     async def _change_preferred(
         self, msg: cs.AddPreferredPartitionRequest | cs.RemovePreferredPartitionRequest
