@@ -57,7 +57,10 @@ def _runner() -> list[str]:
     try:
         pwd.getpwnam("postgres")
     except KeyError:
-        pytest.skip("running as root and there is no 'postgres' OS user to run PostgreSQL as")
+        pytest.fail(
+            "running as root and there is no 'postgres' OS user to run PostgreSQL as: install Debian's "
+            "postgresql package (make test does: scripts/install-system-deps.sh)"
+        )
     runuser = shutil.which("runuser")
     if runuser is not None:
         return [runuser, "-u", "postgres", "--"]
@@ -75,7 +78,10 @@ def _run(cmd: list[str], base: Path) -> None:
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[PostgresServer]:
     if not (PG_BIN / "initdb").exists():
-        pytest.skip(f"PostgreSQL binaries not found in {PG_BIN} (set WALTZ_PG_BIN)")
+        pytest.fail(
+            f"PostgreSQL binaries not found in {PG_BIN}: install Debian's postgresql package "
+            "(make test does: scripts/install-system-deps.sh) or set WALTZ_PG_BIN"
+        )
     runner = _runner()
     # Not under pytest's tmp_path: its parents are private to root, and the postgres user must reach it.
     base = Path(tempfile.mkdtemp(prefix="waltz-pg-"))
