@@ -31,6 +31,10 @@ VOTING    otherwise                                      none                   
   restore they may have been part of a write quorum, and counting them as "does not hold it" could settle on a
   high-water mark below an acknowledged transaction. As unknown, they make such a mark undecidable until a
   laggard catches up from the replica that still holds it (the seed's "Replica C catches up with Replica A").
+* While the vote is undecidable, only VOTING and BEHIND replicas copy from their usher. The decision must
+  never go down from one recovery to the next (a replica may already hold the decided mark as its low-water
+  mark); copies made by a CLOSED or UNTRUSTED replica would be truncated away again by the next recovery's
+  classification, taking support away from a mark an earlier (failed) recovery decided.
 * Every other replica of the previous set is counted with its max id after any truncation: it holds exactly
   the records at or below it, and those agree with the newest writing session's records.
 

@@ -8,7 +8,8 @@ A replica session is one task. Its life, in order:
    its high-water mark in the vote if it counts; while the vote is undecidable, copy from its *usher* (the
    counted replica with the smallest high-water mark above its own); once resolved, truncate anything above
    the resolved mark, set the low-water mark, and copy committed records from the others until it holds
-   exactly the resolved mark; then report itself recovered.
+   exactly the resolved mark; then report itself recovered (only VOTING and BEHIND replicas copy from an
+   usher: see below).
 3. **Take part.** Replicas recovered when the session opens are its participants. A replica recovering later
    first records itself clean in ZooKeeper, then copies committed records until it is close to the writer,
    then joins; it never counted in a vote before that.
@@ -74,9 +75,11 @@ class Batch:
 class ReplicaSession:
     """The task of one replica in one store session (see the module docstring)."""
 
-    def __init__(self, session: StoreSession, storage: str) -> None:
+    def __init__(self, session: StoreSession, storage: str, *, retiring: bool = False) -> None:
         self.session = session
         self.storage = storage
+        self.retiring = retiring
+        """A replica of the previous set that is no longer assigned: it only votes and serves copies."""
         self.role = ReplicaRole.CONNECTING
         self.connection: ReplicaConnection | None = None
         self.classification: Classification | None = None
@@ -116,6 +119,9 @@ class ReplicaSession:
             while True:
                 conn, info = await self._connect(backoff)
                 try:
+                    if self.retiring:
+                        await self._vote_only(conn, info)
+                        return
                     await self._recover(conn, info)
                     await self._take_part(conn)
                 except SessionFencedError as e:
@@ -151,6 +157,8 @@ class ReplicaSession:
     async def _connect(self, backoff: Backoff) -> tuple[ReplicaConnection, SessionInfo]:
         session = self.session
         while True:
+            if self.retiring and session.is_open:
+                raise SessionOver  # its vote is no longer needed
             conn: ReplicaConnection | None = None
             try:
                 conn = await session.connector.connect(self.storage, session.partition_id, session.session_id)
@@ -186,8 +194,12 @@ class ReplicaSession:
 
         # While the closing high-water mark is undecidable, laggards catch up from their usher: this is one of
         # the two ways ("Replica C catches up with Replica A") the vote becomes decidable.
+        # Only a replica whose class keeps its log may raise its high-water mark this way: a later recovery
+        # would truncate a CLOSED or UNTRUSTED replica again, discarding copies an earlier decision counted,
+        # and the decision could then go down (a replica would hold a low-water mark above the committed log).
+        may_copy = self.counted and classification.truncate_to is None
         while recovery.resolved is None:
-            usher = recovery.usher(self.storage) if self.counted else None
+            usher = recovery.usher(self.storage) if may_copy else None
             if usher is None:
                 await recovery.wait_for_change()
                 continue
@@ -210,6 +222,23 @@ class ReplicaSession:
             await self._append_copies(conn, records)
         self.role = ReplicaRole.RECOVERED
         session.replica_recovered(self)
+
+    async def _vote_only(self, conn: ReplicaConnection, info: SessionInfo) -> None:
+        """A retiring replica: count in the vote with the records it validly holds, serve copies, never write.
+
+        Nothing is truncated: the high-water mark it counts with is cut where truncation would have cut it.
+        """
+        session = self.session
+        max_id = await session.call(conn.max_transaction_id())
+        classification = classify_replica(session.recovery.previous, self.storage, info, max_id)
+        self.classification = classification
+        if classification.truncate_to is not None:
+            max_id = min(max_id, classification.truncate_to)
+        self.max_id = self.readable_max = max_id
+        if classification.counted:
+            self.counted = True
+            session.recovery.update(self.storage, max_id)
+        await session.wait_open()
 
     async def _append_copies(self, conn: ReplicaConnection, records: Sequence[Record]) -> None:
         if not records:

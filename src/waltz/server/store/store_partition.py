@@ -25,6 +25,7 @@ never decreases.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
@@ -130,6 +131,7 @@ class StorePartition:
         if self._closed:
             return
         self._closed = True
+        self._session_changed.set()
         await self._tasks.aclose()
         self._fail_everything(ClosedResourceError(f"partition {self.partition_id} store was closed"))
 
@@ -186,6 +188,12 @@ class StorePartition:
         if self._session is not None:
             self._session.request_end(EndReason.REPLICAS_CHANGED, str(list(new)))
 
+    def request_new_session(self) -> None:
+        """End the current session after its batch in flight and start a new one (with recovery), as the
+        checkpoint interval does: replicas that sat the session out rejoin, clean points advance."""
+        if self._session is not None:
+            self._session.request_end(EndReason.CHECKPOINT, "requested")
+
     # -- appends ---------------------------------------------------------------------------------------------
 
     async def append(self, request: AppendLike) -> int:
@@ -194,6 +202,16 @@ class StorePartition:
         Raises GenerationMismatchError if the request's generation is not the partition's (or the partition
         moved away), QuorumLostError if it definitely did not commit, CorruptionError if its data does not
         match its checksum, ClosedResourceError if the partition is closed.
+        """
+        return await (await self.submit(request))
+
+    async def submit(self, request: AppendLike) -> asyncio.Future[int]:
+        """Queue one transaction and return the future of its id, without waiting for the commit.
+
+        Transactions get ids in the order their ``submit`` calls returned, so a caller that awaits each
+        ``submit`` before the next keeps its order (the server relies on this: a client's appends must commit
+        in the order it sent them). Waits while the queue is full. Raises as :meth:`append` does, either here
+        (refused up front) or from the future.
         """
         if self._closed:
             raise ClosedResourceError(f"partition {self.partition_id} store is closed")
@@ -212,7 +230,19 @@ class StorePartition:
         self._unresolved[ticket] = pending
         pending.future.add_done_callback(lambda _: self._unresolved.pop(ticket, None))
         await self.queue.put(pending)
-        return await pending.future
+        return pending.future
+
+    async def wait_open(self) -> int:
+        """Wait until a store session is open (recovered) and return the committed high-water mark."""
+        while not self.is_healthy:
+            if self._closed:
+                raise ClosedResourceError(f"partition {self.partition_id} store is closed")
+            self._session_changed.clear()
+            # The event marks openings; the short period covers the instant between session_opened and
+            # the session reporting itself open.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._session_changed.wait(), 0.05)
+        return self._hwm
 
     async def flush(self) -> int:
         """Wait until every append submitted before this call is resolved; return the high-water mark."""
@@ -353,6 +383,7 @@ class StorePartition:
                     committed[stored.transaction_id] = stored
                 next_id = headers[-1].transaction_id + 1
         self._hwm = lwm
+        self._session_changed.set()
         inflight, self.inflight = self.inflight, []
         for pending in inflight:
             found = committed.get(pending.transaction_id)

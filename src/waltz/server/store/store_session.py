@@ -150,7 +150,13 @@ class StoreSession:
         self.rng = rng
         self.config = config
         self.recovery = RecoveryState(previous)
+        # Replicas of the previous set that are no longer assigned still vote on the closing high-water mark
+        # (and serve as copy sources) until the session opens; without them, removing replicas could leave
+        # fewer than a quorum of the previous set reachable and the vote undecidable forever.
+        retiring = [s for s in sorted(previous.replicas) if s not in self.replicas]
         self.replica_sessions = {storage: ReplicaSession(self, storage) for storage in self.replicas}
+        for storage in retiring:
+            self.replica_sessions[storage] = ReplicaSession(self, storage, retiring=True)
         self.quorum = quorum_of(len(self.replicas))
         self.participants: list[ReplicaSession] = []
         self.is_open = False
@@ -327,7 +333,7 @@ class StoreSession:
         while not (recovery.resolved is not None and self._recovered_count() >= self.quorum):
             await recovery.wait_for_change()
         resolved = recovery.resolved
-        recovered = [s for s in recovery.recovered if s in self.replica_sessions]
+        recovered = [s for s in recovery.recovered if s in self.replicas]
         metadata = metadata_after_recovery(
             recovery.previous, self.generation, self.session_id, self.replicas, recovered, resolved
         )
@@ -362,7 +368,7 @@ class StoreSession:
         await self._write_loop()
 
     def _recovered_count(self) -> int:
-        return sum(1 for s in self.recovery.recovered if s in self.replica_sessions)
+        return sum(1 for s in self.recovery.recovered if s in self.replicas)
 
     async def _write_loop(self) -> None:
         queue = self._host.queue

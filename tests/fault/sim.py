@@ -1,0 +1,449 @@
+"""A seeded, deterministic simulation of the replication core under faults (in the spirit of TigerBeetle's
+VOPR).
+
+One run = one scenario x one seed, on :class:`~tests.fault.simloop.VirtualTimeLoop` (virtual time, no I/O):
+
+* a *world*: in-memory storage nodes (:class:`MemoryStorage`), a lossy/delaying network, a metadata store;
+* one or more *servers*: :class:`StorePartition` instances (the real store code) with a generation each;
+* a *workload*: a few concurrent appenders sending uniquely identified transactions to the newest server;
+* a *fault script* (the scenario) that crashes, restarts, isolates, restores nodes, crashes or duplicates
+  servers and changes the replica set, at seeded random times;
+* a *checker* that runs after every fault action, on every acknowledgement, periodically, and at the end.
+
+Invariants checked (:class:`Checker`):
+
+1. An acknowledged transaction is never lost or changed: once ``append`` returned id ``i`` for record ``r``,
+   no replica ever holds anything but ``r`` at ``i`` at or below a committed point, and at the end every
+   replica holds ``r`` at ``i``. No id is acknowledged twice; no request is acknowledged at two ids.
+2. Replicas never disagree at or below committed points: a replica's records at or below its persisted
+   low-water mark, and a participant's records at or below its open session's high-water mark, agree with each
+   other and with every acknowledgement.
+3. Ids stay dense: a storage node never had to refuse an out-of-order append, and at the end the log is
+   ``0..hwm`` with the same records on every replica of the final set.
+4. An old session never writes after a newer one fenced it: on every node, the session ids of processed writes
+   (append, truncate, set-low-water-mark) never decrease.
+5. A definite failure (QuorumLostError) is true: that request is not in the final log.
+6. A server's high-water mark never decreases; the store code never hit an internal error.
+7. Liveness: once every fault is healed, a session including every replica of the final set opens and commits
+   a final append within a bounded (virtual) time.
+
+A failing run raises :class:`SimulationFailure` with the seed, the scenario, the violated invariant, the
+recent events and the command that replays it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from tests.fault.simloop import run_virtual
+from waltz.errors import QuorumLostError, WaltzError
+from waltz.protocol.records import Record, ReqId, crc32
+from waltz.server.store.memory import (
+    MemoryConnector,
+    MemoryMetadataStore,
+    MemoryNetwork,
+    MemoryStorage,
+    StorageSnapshot,
+)
+from waltz.server.store.store_partition import StorePartition
+from waltz.server.store.support import StoreConfig
+
+PARTITION = 0
+MAX_EVENTS = 60
+FINAL_DEADLINE_S = 600.0
+"""Virtual seconds the healed cluster gets to open a session with every replica and commit a final append."""
+
+
+class SimulationFailure(AssertionError):
+    """An invariant was violated (or the healed cluster made no progress)."""
+
+
+@dataclass(frozen=True)
+class WorldParams:
+    """The knobs of one scenario (the seed picks the rest)."""
+
+    replicas: int = 3
+    spare_storages: int = 0
+    appenders: int = 3
+    appends_per_appender: int = 12
+    min_delay_ms: float = 0.2
+    max_delay_ms: float = 4.0
+    fsync_ms: tuple[float, float] = (0.2, 2.0)
+    loss_probability: float = 0.0
+    checkpoint_interval: int = 250_000
+    max_batch_size: int = 4
+
+
+@dataclass(eq=False)
+class Server:
+    partition: StorePartition
+    generation: int
+    name: str
+    last_hwm: int = -1
+
+
+@dataclass
+class Append:
+    req_id: ReqId
+    header: int
+    data: bytes
+    checksum: int
+
+
+class Checker:
+    """The invariants (see the module docstring); every violation raises SimulationFailure via ``fail``."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.acked: dict[int, Record] = {}
+        self.acked_req: dict[ReqId, int] = {}
+        self.failed: set[ReqId] = set()
+        self.canonical: dict[int, Record] = {}
+        self._mutations_checked: dict[str, int] = {}
+
+    def fail(self, message: str) -> None:
+        raise SimulationFailure(message)
+
+    def on_ack(self, server: Server, req: Append, txn: int) -> None:
+        record = Record(txn, req.req_id, req.header, req.data, req.checksum)
+        if txn in self.acked and self.acked[txn] != record:
+            self.fail(f"id {txn} acknowledged twice: {self.acked[txn]!r} then {record!r} (by {server.name})")
+        if req.req_id in self.acked_req and self.acked_req[req.req_id] != txn:
+            self.fail(f"{req.req_id!r} acknowledged at {self.acked_req[req.req_id]} and {txn}")
+        self.acked[txn] = record
+        self.acked_req[req.req_id] = txn
+        self._agree(txn, record, f"acknowledgement by {server.name}")
+
+    def on_definite_failure(self, req: Append) -> None:
+        if req.req_id in self.acked_req:
+            self.fail(f"{req.req_id!r} acknowledged and then failed")
+        self.failed.add(req.req_id)
+
+    def _agree(self, txn: int, record: Record, where: str) -> None:
+        known = self.canonical.setdefault(txn, record)
+        if known != record:
+            self.fail(f"disagreement at committed id {txn} ({where}): {known!r} vs {record!r}")
+
+    def check_step(self) -> None:
+        world = self.world
+        for storage in world.storages.values():
+            part = storage.partitions[PARTITION]
+            info = storage.session_info(PARTITION)
+            durable = storage.durable_records(PARTITION)
+            for i in range(min(info.low_water_mark, len(durable) - 1) + 1):
+                where = f"{storage.name} at or below its low-water mark {info.low_water_mark}"
+                self._agree(i, durable[i], where)
+            sessions = part.mutation_sessions
+            start = self._mutations_checked.get(storage.name, 1)
+            for k in range(max(start, 1), len(sessions)):
+                if sessions[k] < sessions[k - 1]:
+                    self.fail(
+                        f"{storage.name} processed a write of session {sessions[k]} after {sessions[k - 1]}"
+                    )
+            self._mutations_checked[storage.name] = len(sessions)
+            if storage.out_of_order_appends:
+                self.fail(f"{storage.name} refused an out-of-order append: ids not dense")
+        for server in world.servers:
+            partition = server.partition
+            if partition.internal_errors:
+                self.fail(f"{server.name} internal error: {partition.internal_errors[0]!r}")
+            if partition.high_water_mark < server.last_hwm:
+                self.fail(
+                    f"{server.name} high-water mark fell: {server.last_hwm} -> {partition.high_water_mark}"
+                )
+            server.last_hwm = partition.high_water_mark
+            session = partition.session
+            if session is None or not session.is_open:
+                continue
+            for participant in session.participants:
+                durable = world.storages[participant.storage].durable_records(PARTITION)
+                for i in range(min(session.high_water_mark, len(durable) - 1) + 1):
+                    self._agree(i, durable[i], f"{participant.storage}, participant of {session!r}")
+
+    def check_final(self, server: Server) -> None:
+        world = self.world
+        hwm = server.partition.high_water_mark
+        logs = {name: world.storages[name].durable_records(PARTITION) for name in server.partition.replicas}
+        for name, log in logs.items():
+            if len(log) - 1 != hwm:
+                self.fail(f"final: {name} holds 0..{len(log) - 1}, the high-water mark is {hwm}")
+            for i, record in enumerate(log):
+                if record.transaction_id != i:
+                    self.fail(f"final: {name} holds id {record.transaction_id} at position {i}")
+                self._agree(i, record, f"final log of {name}")
+        if self.acked and max(self.acked) > hwm:
+            self.fail(f"final: acknowledged id {max(self.acked)} above the high-water mark {hwm}")
+        reference = next(iter(logs.values()))
+        for txn, record in self.acked.items():
+            if reference[txn] != record:
+                self.fail(f"final: acknowledged {record!r} lost, log holds {reference[txn]!r}")
+        present = {r.req_id for r in reference}
+        wrongly_failed = sorted(self.failed & present)
+        if wrongly_failed:
+            self.fail(f"final: {wrongly_failed[0]!r} was reported failed but is in the log")
+        self.check_step()
+
+
+class World:
+    """Storages, network, metadata store, servers, workload and fault helpers of one run."""
+
+    def __init__(self, scenario: str, seed: int, params: WorldParams) -> None:
+        self.scenario = scenario
+        self.seed = seed
+        self.params = params
+        master = random.Random(f"{scenario}:{seed}")
+        self.rng = random.Random(master.getrandbits(64))
+        self.workload_rng = random.Random(master.getrandbits(64))
+        self.network = MemoryNetwork(
+            random.Random(master.getrandbits(64)),
+            min_delay_ms=params.min_delay_ms,
+            max_delay_ms=params.max_delay_ms,
+            loss_probability=params.loss_probability,
+        )
+        names = [f"storage-{i}:7000" for i in range(params.replicas + params.spare_storages)]
+        self.storages = {
+            name: MemoryStorage(
+                name, 1, self.network, fsync_ms=params.fsync_ms, rng=random.Random(master.getrandbits(64))
+            )
+            for name in names
+        }
+        self.initial_replicas = names[: params.replicas]
+        self.spares = names[params.replicas :]
+        self.metadata = MemoryMetadataStore(delay=lambda: self.rng.uniform(0.5, 3.0))
+        self.connector = MemoryConnector(self.network)
+        self.server_rng_seed = master.getrandbits(64)
+        self.config = StoreConfig(
+            max_batch_size=params.max_batch_size,
+            max_queued_appends=2 * params.max_batch_size,
+            checkpoint_interval=params.checkpoint_interval,
+            catch_up_batch_size=5,
+            join_max_lag=2 * params.max_batch_size,
+        )
+        self.servers: list[Server] = []
+        self.retired_servers: list[Server] = []
+        self.events: list[str] = []
+        self.checker = Checker(self)
+        self.next_generation = 1
+        self.replicas = list(self.initial_replicas)
+
+    # -- helpers for scenarios -------------------------------------------------------------------------------
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def event(self, text: str) -> None:
+        self.events.append(f"t={self.now():9.4f}s {text}")
+        del self.events[:-MAX_EVENTS]
+
+    async def sleep_ms(self, low: float, high: float) -> None:
+        await asyncio.sleep(self.rng.uniform(low, high) / 1000)
+
+    @property
+    def newest(self) -> Server:
+        return self.servers[-1]
+
+    async def start_server(self, *, replicas: list[str] | None = None) -> Server:
+        generation = self.next_generation
+        self.next_generation += 1
+        partition = StorePartition(
+            PARTITION,
+            generation,
+            replicas if replicas is not None else self.replicas,
+            connector=self.connector,
+            metadata_store=self.metadata,
+            rng=random.Random(self.server_rng_seed + generation),
+            config=self.config,
+        )
+        server = Server(partition, generation, f"server-g{generation}")
+        self.servers.append(server)
+        await partition.start()
+        self.event(f"start {server.name} with {list(partition.replicas)}")
+        return server
+
+    async def stop_server(self, server: Server, why: str) -> None:
+        self.event(f"stop {server.name}: {why}")
+        if server in self.servers:
+            self.servers.remove(server)
+        self.retired_servers.append(server)
+        await server.partition.close()
+
+    def crash(self, name: str) -> None:
+        storage = self.storages[name]
+        if storage.up:
+            unsynced = len(storage.partitions[PARTITION].records) - storage.partitions[PARTITION].synced
+            self.event(f"crash {name} ({unsynced} unsynced records)")
+            storage.crash()
+
+    def restart(self, name: str) -> None:
+        storage = self.storages[name]
+        if not storage.up:
+            self.event(f"restart {name}")
+            storage.restart()
+
+    def isolate(self, name: str) -> None:
+        self.event(f"isolate {name}")
+        self.network.isolate(name)
+
+    def heal(self, name: str) -> None:
+        if self.network.is_isolated(name):
+            self.event(f"heal {name}")
+            self.network.heal(name)
+
+    def set_replicas(self, replicas: list[str]) -> None:
+        self.replicas = list(replicas)
+        self.event(f"set replicas {replicas}")
+        for server in self.servers:
+            server.partition.set_replicas(replicas)
+
+    def snapshot(self, name: str) -> StorageSnapshot:
+        self.event(f"snapshot {name} at {self.storages[name].session_info(PARTITION)}")
+        return self.storages[name].snapshot()
+
+    def restore(self, name: str, snapshot: StorageSnapshot) -> None:
+        self.event(f"restore {name} from a snapshot")
+        self.storages[name].restore(snapshot)
+
+    def check(self) -> None:
+        self.checker.check_step()
+
+    def heal_everything(self) -> None:
+        self.network.loss_probability = 0.0
+        for name in self.storages:
+            self.heal(name)
+            self.restart(name)
+
+    # -- workload --------------------------------------------------------------------------------------------
+
+    async def appender(self, index: int) -> None:
+        params = self.params
+        for seq in range(params.appends_per_appender):
+            await self.append_one(index, seq)
+            await asyncio.sleep(self.workload_rng.uniform(0, 8) / 1000)
+
+    async def append_one(self, client: int, seq: int) -> None:
+        # Send to the newest server, as a client would after the cluster manager moved the partition; a client
+        # that last saw an older owner sometimes still sends there.
+        while not self.servers:  # noqa: ASYNC110 - polling virtual time between an owner's crash and successor
+            await asyncio.sleep(0.005)
+        server = self.newest
+        if len(self.servers) > 1 and self.workload_rng.random() < 0.3:
+            server = self.servers[0]
+        data = self.workload_rng.randbytes(self.workload_rng.randint(0, 24))
+        req = Append(ReqId.of(client, server.generation, PARTITION, seq), client, data, crc32(data))
+        try:
+            txn = await server.partition.append(req)
+        except QuorumLostError:
+            self.checker.on_definite_failure(req)
+            return
+        except WaltzError:
+            return  # outcome unknown to this client (closed, moved): it would learn it from the feed
+        self.checker.on_ack(server, req, txn)
+
+    async def periodic_checks(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            self.check()
+
+    # -- the run ---------------------------------------------------------------------------------------------
+
+    async def run(self, faults: Callable[[World], Awaitable[None]]) -> None:
+        await self.start_server()
+        checks = asyncio.ensure_future(self.periodic_checks())
+        try:
+            workload = [asyncio.ensure_future(self.appender(i)) for i in range(self.params.appenders)]
+            await faults(self)
+            self.check()
+            self.heal_everything()
+            self.event("healed")
+            self.check()
+            async with asyncio.timeout(FINAL_DEADLINE_S):
+                for task in workload:
+                    await task
+                await self.final_phase()
+        except TimeoutError:
+            self.checker.fail(
+                "liveness: the healed cluster did not finish the workload and open a full session"
+            )
+        finally:
+            checks.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checks
+            for server in list(self.servers):
+                await server.partition.close()
+        self.checker.check_step()
+
+    async def final_phase(self) -> None:
+        for old in self.servers[:-1]:
+            await self.stop_server(old, "the final phase keeps only the newest server")
+        server = self.newest
+        if list(server.partition.replicas) != self.replicas:
+            server.partition.set_replicas(self.replicas)
+        server.partition.request_new_session()
+        while True:
+            session = server.partition.session
+            if session is not None and session.is_open and len(session.participants) == len(self.replicas):
+                break
+            await asyncio.sleep(0.01)
+        self.event(f"final session {session.session_id} open with every replica")
+        await self.append_one(99, 0)
+        await server.partition.flush()
+        # Let every participant finish writing the last batch before comparing logs.
+        while True:
+            session = server.partition.session
+            if session is None or not session.is_open:
+                self.checker.fail("liveness: the final session ended")
+                return
+            if all(p.max_id >= server.partition.high_water_mark for p in session.participants):
+                break
+            await asyncio.sleep(0.01)
+        self.check()
+        self.checker.check_final(server)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A named fault (the name says exactly which) with its world and script."""
+
+    name: str
+    faults: Callable[[World], Awaitable[None]]
+    params: WorldParams = field(default_factory=WorldParams)
+
+
+def replay_command(scenario: str, seed: int) -> str:
+    return (
+        f"WALTZ_SIM_SCENARIO={scenario} WALTZ_SIM_SEED={seed} .venv/bin/pytest tests/fault -q -k {scenario}"
+    )
+
+
+def run_seed(scenario: Scenario, seed: int) -> World:
+    """Run one seed; on a violation raise SimulationFailure with the seed, events and the replay command."""
+    world = World(scenario.name, seed, scenario.params)
+    try:
+        run_virtual(world.run(scenario.faults))
+    except SimulationFailure as e:
+        raise SimulationFailure(_report(world, str(e))) from e
+    except Exception as e:
+        raise SimulationFailure(_report(world, f"unexpected {e!r}")) from e
+    return world
+
+
+def _report(world: World, problem: str) -> str:
+    events = "\n    ".join(world.events[-MAX_EVENTS:])
+    return (
+        f"scenario {world.scenario!r} seed {world.seed}: {problem}\n"
+        f"  recent events:\n    {events}\n"
+        f"  replay: {replay_command(world.scenario, world.seed)}"
+    )
+
+
+def seeds_from_env(default: range) -> list[int]:
+    """WALTZ_SIM_SEED=n runs only seed n; WALTZ_SIM_SEEDS=k runs seeds 0..k-1 of every block."""
+    single = os.environ.get("WALTZ_SIM_SEED")
+    if single is not None:
+        return [int(single)]
+    return list(default)
