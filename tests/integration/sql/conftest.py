@@ -25,7 +25,18 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-PG_BIN = Path(os.environ.get("WALTZ_PG_BIN", "/usr/lib/postgresql/15/bin"))
+
+def _default_pg_bin() -> Path:
+    """The newest PostgreSQL Debian installed (``/usr/lib/postgresql/<major>/bin``)."""
+    found = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/initdb"),
+        key=lambda p: int(p.parent.parent.name),
+        reverse=True,
+    )
+    return found[0].parent if found else Path("/usr/lib/postgresql/15/bin")
+
+
+PG_BIN = Path(os.environ["WALTZ_PG_BIN"]) if "WALTZ_PG_BIN" in os.environ else _default_pg_bin()
 PG_USER = "waltz"
 START_TIMEOUT_S = 60
 
