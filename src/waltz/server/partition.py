@@ -233,6 +233,8 @@ class Partition:
         ctx = self._feeds.get(msg.req_id.client_id)
         if ctx is None or ctx.peer is not peer or ctx.session != msg.req_id:
             return  # not the current feed session of this client
+        if ctx.mount_target is not None:
+            return  # still catching up for the mount; the client asks again after READY
         ctx.next_id = msg.client_high_water_mark + 1
         ctx.remaining = max(self._min_fetch_size, self.high_water_mark - msg.client_high_water_mark)
         ctx.wake.set()
