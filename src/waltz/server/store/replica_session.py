@@ -267,10 +267,21 @@ class ReplicaSession:
         await self._write(conn)
 
     async def _write(self, conn: ReplicaConnection) -> None:
+        probe_s = self.session.config.idle_probe_interval_ms / 1000
         while True:
             while not self._mailbox:
                 self._mail.clear()
-                await self._mail.wait()
+                try:
+                    async with asyncio.timeout(probe_s):
+                        await self._mail.wait()
+                except TimeoutError:
+                    # Idle: failures are only seen on use, so probe, or a dead participant would keep the
+                    # partition looking healthy until the next write.
+                    max_id = await self.session.call(conn.max_transaction_id())
+                    if max_id != self.max_id:
+                        raise InvariantViolation(
+                            f"{self.storage} holds {max_id}, expected {self.max_id}"
+                        ) from None
             batch = self._mailbox[0]
             if batch.first > self.max_id + 1:
                 # Everything below a batch is committed (one batch is in flight at a time): copy it from the

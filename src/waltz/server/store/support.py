@@ -40,6 +40,8 @@ class StoreConfig:
     """How far (in transactions) a late replica may be behind the writer when it joins the writes."""
     rpc_timeout_ms: int = 30_000
     """Safety net: a storage call taking longer counts as a broken connection."""
+    idle_probe_interval_ms: int = 1_000
+    """A participant idle this long checks its connection (so an idle session notices failures)."""
     max_metadata_attempts: int = 10
     """Version-checked metadata writes attempted before giving up on one session (each re-reads)."""
     max_read_attempts: int = 5
@@ -54,6 +56,7 @@ class StoreConfig:
             "catch_up_batch_size",
             "max_pending_batches",
             "rpc_timeout_ms",
+            "idle_probe_interval_ms",
             "max_metadata_attempts",
             "max_read_attempts",
         ):
