@@ -23,6 +23,12 @@ def register(groups: Any) -> None:
 
     run = sub.add_parser("run", help="run a storage node")
     run.add_argument("--config", required=True, metavar="FILE", help="storage YAML config")
+    run.add_argument(
+        "--event-loop",
+        choices=["auto", "uvloop", "asyncio"],
+        default="auto",
+        help="event loop: uvloop when installed (auto, the default), or the standard asyncio loop",
+    )
     run.set_defaults(handler=cmd_run)
 
     def admin_parser(name: str, help_text: str) -> argparse.ArgumentParser:
@@ -67,7 +73,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    run(run_node(config, ready=ready))
+    if args.event_loop == "asyncio":
+        asyncio.run(run_node(config, ready=ready))
+    elif args.event_loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            raise ConfigError("--event-loop uvloop: uvloop is not installed") from None
+        uvloop.run(run_node(config, ready=ready))
+    else:
+        run(run_node(config, ready=ready))
     return 0
 
 

@@ -46,12 +46,14 @@ from waltz.errors import (
     RemoteProtocolError,
     SessionFencedError,
     StorageError,
+    TransactionOutOfOrderError,
     WaltzError,
 )
 from waltz.http import HttpEndpoint
 from waltz.protocol import admin as adm
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
+from waltz.protocol.records import Record
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import FLAG_ASSIGNED, FLAG_AVAILABLE, ControlFile, PartitionInfo
 from waltz.storage.partition import PartitionLog
@@ -65,7 +67,7 @@ MAX_LIST_BYTES = 8 * 1024 * 1024
 """A list response stops after this many data bytes (always at least one record), to bound frames."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Item:
     """One queued unit of work for a partition worker."""
 
@@ -147,6 +149,10 @@ class StoragePartition:
         info = node.control.partition_info(partition_id)
         self.session_id = info.session_id
         self.queue = _BoundedQueue(node.config.partition_queue_size)
+        self.fsync_count = 0
+        self.broken: str | None = None
+        self._queue_gauge = node.metrics.queue.labels(partition_id)
+        """Set after a failed write or fsync: the partition then refuses writes (see ``_fsync``)."""
 
     @property
     def info(self) -> PartitionInfo:
@@ -196,13 +202,19 @@ class StoragePartition:
                 )
         return self.log
 
+    def _check_writable(self, msg: st.StorageMessage, offline: bool) -> PartitionLog:
+        plog = self._check(msg, offline)
+        if self.broken is not None:
+            raise StorageError(f"partition {self.partition_id} refuses writes: {self.broken}")
+        return plog
+
     # -- the worker -------------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Process this partition's queue forever (cancelled when the node closes)."""
         while True:
             item = await self.queue.get()
-            self.node.metrics.queue.labels(self.partition_id).set(len(self.queue))
+            self._queue_gauge.set(len(self.queue))
             if item.op is not None:
                 await self._run_op(item)
             elif isinstance(item.msg, st.AppendRequest):
@@ -243,7 +255,7 @@ class StoragePartition:
                 plog = self._check(msg, msg.offline)
                 return st.MaxTransactionIdResponse(sid, seq, pid, plog.max_transaction_id)
             if isinstance(msg, st.TruncateRequest):
-                plog = self._check(msg, msg.offline)
+                plog = self._check_writable(msg, msg.offline)
                 new_max = plog.truncate(msg.transaction_id)
                 self.node.metrics.max_txn.labels(pid).set(new_max)
                 return st.MaxTransactionIdResponse(sid, seq, pid, new_max)
@@ -270,7 +282,7 @@ class StoragePartition:
             return self._failure(msg, e)
 
     def _set_low_water_mark(self, msg: st.SetLowWaterMarkRequest) -> st.StorageMessage:
-        plog = self._check(msg, msg.offline)
+        plog = self._check_writable(msg, msg.offline)
         info = self.info
         if msg.session_id < info.session_id:
             raise SessionFencedError(
@@ -297,48 +309,151 @@ class StoragePartition:
         return st.SuccessResponse(msg.session_id, msg.seq_num, msg.partition_id)
 
     async def _group_commit(self, first: _Item) -> None:
-        """Write every append queued right now, fsync once, then answer them all in order."""
+        """Write every append queued right now, fsync once, then answer them all in order.
+
+        The records of all accepted requests are written with one :meth:`PartitionLog.append` (one pwrite
+        per file for the whole group, the lean path). That call checks the whole batch before writing
+        anything, so when it refuses (a request whose records are not dense inside it, or a bad data
+        checksum) nothing was written and each request is appended on its own, so only the bad one fails.
+        Success is sent strictly after the data file's fsync returned; if the fsync fails, every request of
+        the group fails and the partition refuses further writes (see :meth:`_fsync`).
+        """
         batch = [first]
         limit = self.node.config.max_group_commit_records
+        queue = self.queue
         assert isinstance(first.msg, st.AppendRequest)
         count = len(first.msg.records)
         while count < limit:
-            nxt = self.queue.peek()
+            nxt = queue.peek()
             if nxt is None or not isinstance(nxt.msg, st.AppendRequest):
                 break
-            batch.append(self.queue.pop())
+            batch.append(queue.pop())
             count += len(nxt.msg.records)
-        results: list[st.StorageMessage] = []
-        wrote = False
-        for item in batch:
+        metrics = self.node.metrics
+        metrics.requests.labels("AppendRequest").inc(len(batch))
+        results: list[st.StorageMessage | None] = [None] * len(batch)
+        accepted: list[int] = []  # indexes into batch of requests whose records go into the group write
+        records: list[Record] = []
+        plog: PartitionLog | None = None
+        expected = -1
+        for i, item in enumerate(batch):
             msg = item.msg
             assert isinstance(msg, st.AppendRequest)
-            self.node.metrics.requests.labels("AppendRequest").inc()
             try:
-                plog = self._check(msg, msg.offline)
-                if msg.records:
-                    plog.append(msg.records)
-                    wrote = True
-                results.append(st.SuccessResponse(msg.session_id, msg.seq_num, msg.partition_id))
+                plog = self._check_writable(msg, msg.offline)
+                if expected < 0:
+                    expected = plog.max_transaction_id + 1
+                if not msg.records:
+                    results[i] = st.SuccessResponse(msg.session_id, msg.seq_num, msg.partition_id)
+                    continue
+                got = msg.records[0].transaction_id
+                if got != expected:
+                    raise TransactionOutOfOrderError(
+                        f"partition {self.partition_id}: transaction out of order: expected {expected}, "
+                        f"got {got}"
+                    )
             except WaltzError as e:
-                results.append(self._failure(msg, e))
-        if wrote and self.log is not None:
-            plog = self.log
+                results[i] = self._failure(msg, e)
+                continue
+            accepted.append(i)
+            records.extend(msg.records)
+            expected += len(msg.records)
+        if accepted and plog is not None:
+            before = plog.max_transaction_id
             try:
-                # fsync off the event loop: other connections and partitions keep being served, and the
-                # appends that arrive meanwhile form the next group.
-                await asyncio.to_thread(plog.flush)
-                self.node.metrics.fsyncs.inc()
-                self.node.metrics.appended.labels(self.partition_id).inc(count)
-                self.node.metrics.max_txn.labels(self.partition_id).set(plog.max_transaction_id)
-            except Exception as e:  # noqa: BLE001 - any fsync failure fails the whole group
-                # Nothing of this group may be acknowledged: its durability is unknown. The server starts a
-                # new session and recovery decides what survived.
-                log.error("partition %d: fsync failed: %s", self.partition_id, e)
-                err = e if isinstance(e, WaltzError) else StorageError(f"fsync failed: {e}")
-                results = [self._failure(item.msg, err) for item in batch if item.msg is not None]
+                plog.append(records)
+            except WaltzError as e:
+                if plog.max_transaction_id != before:
+                    # Part of the group reached the file before an I/O error: answer nothing but failures.
+                    self._break(f"write failed: {e}")
+                    for i in accepted:
+                        results[i] = self._failure(batch[i].msg, e)  # type: ignore[arg-type]
+                    accepted = []
+                else:
+                    accepted = self._append_one_by_one(batch, accepted, results, plog)
+        if accepted and plog is not None:
+            error = await self._fsync(plog, single=len(batch) == 1)
+            n_records = 0
+            for i in accepted:
+                msg = batch[i].msg
+                assert isinstance(msg, st.AppendRequest)
+                if error is None:
+                    results[i] = st.SuccessResponse(msg.session_id, msg.seq_num, msg.partition_id)
+                    n_records += len(msg.records)
+                else:
+                    results[i] = self._failure(msg, error)
+            if n_records:
+                metrics.appended.labels(self.partition_id).inc(n_records)
+                metrics.max_txn.labels(self.partition_id).set(plog.max_transaction_id)
+        # One latency observation per group (its oldest request): observing every request costs more than
+        # the rest of the acknowledgement path.
+        metrics.append_latency.observe(time.monotonic() - first.arrived_s)
+        respond = self.node.respond
         for item, resp in zip(batch, results, strict=True):
-            self._respond(item, resp)
+            assert resp is not None
+            respond(item, resp)
+
+    def _append_one_by_one(
+        self,
+        batch: list[_Item],
+        accepted: list[int],
+        results: list[st.StorageMessage | None],
+        plog: PartitionLog,
+    ) -> list[int]:
+        """The group write was refused before writing: append each request alone, failing only bad ones."""
+        written: list[int] = []
+        for i in accepted:
+            msg = batch[i].msg
+            assert isinstance(msg, st.AppendRequest)
+            before = plog.max_transaction_id
+            try:
+                plog.append(msg.records)
+            except WaltzError as e:
+                results[i] = self._failure(msg, e)
+                if plog.max_transaction_id != before:
+                    self._break(f"write failed: {e}")
+                    for j in written:
+                        results[j] = self._failure(batch[j].msg, e)  # type: ignore[arg-type]
+                    return []
+                continue
+            written.append(i)
+        return written
+
+    async def _fsync(self, plog: PartitionLog, *, single: bool) -> WaltzError | None:
+        """Make the data file durable; return None, or the error that fails the whole group.
+
+        A lone request with no other fsync running is synced on the event loop thread: the hand-off to a
+        worker thread and back costs about as much as the fsync itself on a fast disk, and nothing else is
+        waiting for the loop. Larger groups sync in a thread, so the next group is read and decoded (and
+        other partitions are served) while the disk works.
+        """
+        node = self.node
+        try:
+            if single and node.fsyncs_in_flight == 0:
+                plog.flush()
+            else:
+                node.fsyncs_in_flight += 1
+                try:
+                    await asyncio.to_thread(plog.flush)
+                finally:
+                    node.fsyncs_in_flight -= 1
+        except Exception as e:  # noqa: BLE001 - any fsync failure fails the whole group
+            # Nothing of this group may be acknowledged: its durability is unknown. After a failed fsync
+            # Linux may have dropped the dirty pages and report the next fsync as clean, so the partition
+            # stops taking writes; the server starts a new session elsewhere and recovery decides what
+            # survived.
+            self._break(f"fsync failed: {e}")
+            return e if isinstance(e, WaltzError) else StorageError(f"fsync failed: {e}")
+        node.metrics.fsyncs.inc()
+        self.fsync_count += 1
+        return None
+
+    def _break(self, reason: str) -> None:
+        if self.broken is None:
+            log.error(
+                "partition %d: %s; refusing further writes until the node restarts", self.partition_id, reason
+            )
+            self.broken = reason
 
     def _failure(self, msg: st.StorageMessage, e: WaltzError) -> st.StorageMessage:
         self.node.metrics.failures.labels(type(e).__name__).inc()
@@ -366,6 +481,7 @@ class StorageNode:
         self._data_server: FramedServer | None = None
         self._admin_server: FramedServer | None = None
         self._http: HttpEndpoint | None = None
+        self.fsyncs_in_flight = 0
         self.port = 0
         self.admin_port = 0
         self.http_port = 0
@@ -442,8 +558,6 @@ class StorageNode:
         conn = item.conn
         if conn is None or conn.is_closed:
             return
-        if isinstance(item.msg, st.AppendRequest):
-            self.metrics.append_latency.observe(time.monotonic() - item.arrived_s)
         try:
             conn.send(st.encode(resp))
         except ConnectionError_:
@@ -573,6 +687,7 @@ class StorageNode:
                 "available": info.available,
                 "maxTransactionId": p.log.max_transaction_id if p.log is not None else -1,
                 "queueSize": len(p.queue),
+                "fsyncs": p.fsync_count,
             }
         return json.dumps(
             {"partitions": parts, "numPartitions": len(self.partitions)}, indent=2, sort_keys=True
