@@ -1,0 +1,134 @@
+"""``waltz local``: run a whole cluster on this machine (a thin layer over :mod:`waltz.local`).
+
+``up`` starts ZooKeeper, storage nodes and servers as separate processes and writes ``D/cluster.json`` and
+``D/client.yaml``; ``status`` shows processes, partition owners, high-water marks and replica states; ``down``
+stops everything by pid; ``kill`` and ``start`` crash and restart one storage node or server for fault drills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from waltz import local
+
+
+def register(groups: Any) -> None:
+    parser = groups.add_parser("local", help="run a whole cluster on this machine")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def with_dir(name: str, help_text: str) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = sub.add_parser(name, help=help_text)
+        p.add_argument("--dir", required=True, type=Path, metavar="D", help="the cluster's directory")
+        return p
+
+    up = with_dir("up", "start ZooKeeper, storage nodes and servers; wait until every partition is served")
+    up.add_argument("--storages", type=int, default=3, metavar="N", help="storage nodes (default 3)")
+    up.add_argument("--servers", type=int, default=2, metavar="N", help="servers (default 2)")
+    up.add_argument("--partitions", type=int, default=4, metavar="N", help="partitions (default 4)")
+    up.add_argument(
+        "--groups",
+        type=int,
+        default=None,
+        metavar="G",
+        help="replica groups: each holds a full copy of every partition (default: one per storage node)",
+    )
+    up.add_argument("--tls", action="store_true", help="serve TLS (not supported by this build yet)")
+    up.add_argument(
+        "--base-port", type=int, default=None, metavar="P", help="use ports P, P+1, ... (default: free)"
+    )
+    up.add_argument(
+        "--zk-port", type=int, default=None, metavar="P", help="ZooKeeper client port (default: free)"
+    )
+    up.add_argument(
+        "--zk-session-timeout-ms",
+        type=int,
+        default=6000,
+        metavar="MS",
+        help="servers' and storage nodes' ZooKeeper session timeout (default 6000: fast failover)",
+    )
+    up.add_argument("--timeout", type=float, default=60.0, metavar="S", help="start timeout in seconds")
+    up.set_defaults(handler=cmd_up)
+
+    st = with_dir("status", "processes, partition owners, high-water marks, replica states")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.set_defaults(handler=cmd_status)
+
+    dn = with_dir("down", "stop everything `up` started (servers, storage nodes, ZooKeeper)")
+    dn.add_argument("--purge", action="store_true", help="also delete the directory")
+    dn.set_defaults(handler=cmd_down)
+
+    for name, help_text in (
+        ("kill", "SIGKILL one storage node or server (a crash, for fault drills)"),
+        ("start", "start a killed storage node or server again"),
+    ):
+        p = with_dir(name, help_text)
+        which = p.add_mutually_exclusive_group(required=True)
+        which.add_argument("--storage", type=int, metavar="I", help="storage node index (0-based)")
+        which.add_argument("--server", type=int, metavar="I", help="server index (0-based)")
+        p.set_defaults(handler=cmd_kill if name == "kill" else cmd_start)
+
+
+def _quiet_kazoo(args: argparse.Namespace) -> None:
+    if not getattr(args, "verbose", False):
+        # kazoo logs each failed connection attempt as a warning; the commands report outcomes themselves.
+        logging.getLogger("kazoo").setLevel(logging.ERROR)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    _quiet_kazoo(args)
+    opts = local.UpOptions(
+        directory=args.dir,
+        storages=args.storages,
+        servers=args.servers,
+        partitions=args.partitions,
+        groups=args.groups,
+        tls=args.tls,
+        base_port=args.base_port,
+        zk_port=args.zk_port,
+        zk_session_timeout_ms=args.zk_session_timeout_ms,
+        start_timeout_s=args.timeout,
+    )
+    cluster = local.up(opts, report=lambda line: print(line, file=sys.stderr, flush=True))
+    print(local.cluster.render_up(cluster))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    _quiet_kazoo(args)
+    result = local.status(args.dir)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(local.cluster.render_status(result))
+    running = all(p.running for p in result.processes)
+    return 0 if running and result.all_served else 3
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    stopped = local.down(args.dir, purge=args.purge)
+    print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
+    return 0
+
+
+def _which(args: argparse.Namespace) -> tuple[str, int]:
+    return ("storage", args.storage) if args.storage is not None else ("server", args.server)
+
+
+def cmd_kill(args: argparse.Namespace) -> int:
+    kind, index = _which(args)
+    rec = local.kill(args.dir, kind, index)
+    print(f"killed {rec.name} (pid {rec.pid})")
+    return 0
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    _quiet_kazoo(args)
+    kind, index = _which(args)
+    rec = local.start(args.dir, kind, index)
+    print(f"started {rec.name} (pid {rec.pid}, port {rec.port})")
+    return 0

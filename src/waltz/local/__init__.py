@@ -1,0 +1,21 @@
+"""``waltz local``: a whole Waltz cluster on one machine, one OS process per component.
+
+:mod:`waltz.local.cluster` has the commands (:func:`~waltz.local.cluster.up`, ``down``, ``status``, ``kill``,
+``start``); :mod:`waltz.local.state` the ``cluster.json`` record; :mod:`waltz.local.procs` the detached
+processes and port checks; :mod:`waltz.local.probe` the ``/health`` and ``/metrics`` readers.
+"""
+
+from waltz.local.cluster import ClusterStatus, UpOptions, down, kill, start, status, up
+from waltz.local.state import LocalCluster, ProcessRecord
+
+__all__ = [
+    "ClusterStatus",
+    "LocalCluster",
+    "ProcessRecord",
+    "UpOptions",
+    "down",
+    "kill",
+    "start",
+    "status",
+    "up",
+]

@@ -1,0 +1,168 @@
+"""``D/cluster.json``: what ``waltz local up`` started, where, and under which pid.
+
+Written atomically (a temporary file renamed over the old one) after every change, so a crash of the
+orchestrating command never leaves a half-written file, and ``waltz local down`` can always find every process
+that was started, even by an ``up`` that failed half-way. Example::
+
+    {
+      "version": 1,
+      "state": "running",                      # "starting" while up runs, "stopped" after down
+      "cluster_root": "/waltz/local", "cluster_name": "local", "num_partitions": 4, "groups": 3,
+      "zookeeper": {"kind": "zookeeper", "index": 0, "pid": 4242, "start_ticks": 123456,
+                    "port": 2181, "data_dir": "D/zookeeper", "log": "D/logs/zookeeper.log", ...},
+      "storages": [{"kind": "storage", "index": 0, "pid": ..., "port": ..., "admin_port": ...,
+                    "http_port": ..., "group": 0, "partitions": [0, 1, 2, 3], "data_dir": "D/storage-0",
+                    "config": "D/storage-0.yaml", "log": "D/logs/storage-0.log", "stdout": ...}],
+      "servers": [{"kind": "server", "index": 0, "pid": ..., "port": ..., "http_port": ...,
+                   "server_id": 1, ...}],
+      "client_config": "D/client.yaml"
+    }
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from waltz.errors import ConfigError
+from waltz.local.procs import ProcessId
+
+STATE_FILE = "cluster.json"
+CLIENT_CONFIG_FILE = "client.yaml"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class ProcessRecord:
+    """One process of the local cluster and the files that belong to it."""
+
+    kind: str
+    index: int
+    port: int
+    http_port: int
+    data_dir: str
+    log: str
+    stdout: str = ""
+    config: str = ""
+    admin_port: int = 0
+    group: int = 0
+    partitions: list[int] = field(default_factory=list)
+    server_id: int = -1
+    pid: int | None = None
+    start_ticks: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.kind == "zookeeper" else f"{self.kind} {self.index}"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def process(self) -> ProcessId | None:
+        return None if self.pid is None else ProcessId(self.pid, self.start_ticks)
+
+    def set_process(self, proc: ProcessId | None) -> None:
+        self.pid = None if proc is None else proc.pid
+        self.start_ticks = None if proc is None else proc.start_ticks
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> ProcessRecord:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in value.items() if k in names})
+
+
+@dataclass
+class LocalCluster:
+    """The contents of cluster.json."""
+
+    directory: Path
+    cluster_root: str
+    cluster_name: str
+    num_partitions: int
+    groups: int
+    zookeeper: ProcessRecord
+    storages: list[ProcessRecord] = field(default_factory=list)
+    servers: list[ProcessRecord] = field(default_factory=list)
+    state: str = "starting"
+    zk_session_timeout_ms: int = 6000
+
+    @property
+    def zk_connect(self) -> str:
+        return self.zookeeper.address
+
+    @property
+    def client_config_path(self) -> Path:
+        return self.directory / CLIENT_CONFIG_FILE
+
+    @property
+    def processes(self) -> list[ProcessRecord]:
+        """Every process, in start order (ZooKeeper, storage nodes, servers)."""
+        return [self.zookeeper, *self.storages, *self.servers]
+
+    def member(self, kind: str, index: int) -> ProcessRecord:
+        group = {"storage": self.storages, "server": self.servers}.get(kind)
+        if group is None:
+            raise ConfigError(f"unknown process kind {kind!r}")
+        if not 0 <= index < len(group):
+            raise ConfigError(
+                f"there is no {kind} {index}: this cluster has {kind}s 0..{len(group) - 1}"
+                if group
+                else f"this cluster has no {kind}s"
+            )
+        return group[index]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": FORMAT_VERSION,
+            "state": self.state,
+            "cluster_root": self.cluster_root,
+            "cluster_name": self.cluster_name,
+            "num_partitions": self.num_partitions,
+            "groups": self.groups,
+            "zk_session_timeout_ms": self.zk_session_timeout_ms,
+            "zookeeper": dataclasses.asdict(self.zookeeper),
+            "storages": [dataclasses.asdict(s) for s in self.storages],
+            "servers": [dataclasses.asdict(s) for s in self.servers],
+            "client_config": str(self.client_config_path),
+        }
+
+    def save(self) -> None:
+        path = self.directory / STATE_FILE
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> LocalCluster:
+        """Read ``directory/cluster.json``; ConfigError if there is none or it is not ours."""
+        directory = Path(directory).resolve()
+        path = directory / STATE_FILE
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{directory} holds no local cluster ({STATE_FILE} not found)") from None
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read {path}: {e}") from None
+        if not isinstance(raw, dict) or raw.get("version") != FORMAT_VERSION:
+            raise ConfigError(f"{path} is not a waltz local cluster file (version {FORMAT_VERSION})")
+        try:
+            return cls(
+                directory=directory,
+                cluster_root=str(raw["cluster_root"]),
+                cluster_name=str(raw["cluster_name"]),
+                num_partitions=int(raw["num_partitions"]),
+                groups=int(raw["groups"]),
+                zookeeper=ProcessRecord.from_json(raw["zookeeper"]),
+                storages=[ProcessRecord.from_json(s) for s in raw["storages"]],
+                servers=[ProcessRecord.from_json(s) for s in raw["servers"]],
+                state=str(raw.get("state", "running")),
+                zk_session_timeout_ms=int(raw.get("zk_session_timeout_ms", 6000)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{path} is damaged: {e!r}") from None
