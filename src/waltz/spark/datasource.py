@@ -1,0 +1,250 @@
+# Method names (streamReader, latestOffset, batchId, ...) are PySpark's API and cannot follow PEP 8.
+# ruff: noqa: N802, N803
+"""``WaltzDataSource``: the ``waltz`` format for ``spark.read``, ``spark.readStream`` and ``df.write``.
+
+Which process runs what (PySpark 4.x Python Data Source API):
+
+* the data source object is built in a driver-side worker (``DataSource(options)``): options are parsed
+  there, so a bad option fails ``load()`` / ``save()`` / ``start()`` at once with a ``ConfigError``;
+* a batch read plans in a driver-side worker (``reader().partitions()``: one high-water-mark read per
+  partition) and pickles the reader with its ranges to the executors, whose ``read()`` opens the
+  process-wide :func:`~waltz.spark.cluster.open_source` lazily and yields Arrow record batches;
+* a streaming read keeps one :class:`WaltzStreamReader` alive in a driver-side process for the whole query
+  (offsets, admission control, planning), and pickles it to executors for ``read()``, which depends only on
+  the range and the options (the planner is not pickled);
+* writers run ``write()`` per task on executors; ``commit``/``abort`` run on the driver.
+
+Filter pushdown is deliberately not implemented (pitfall P1 of PySpark 4.3: a pushed filter leaks into other
+DataFrames of the same relation); prune with ``partitions``, ``startingOffsets`` and ``endingOffsets``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    DataSourceStreamWriter,
+    DataSourceWriter,
+    InputPartition,
+    WriterCommitMessage,
+)
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+
+from waltz.spark.arrow import READ_SCHEMA_DDL, READ_SCHEMA_NO_DATA_DDL, to_arrow
+from waltz.spark.options import SourceOptions, parse_options
+from waltz.spark.plan import (
+    StreamPlanner,
+    TxnRange,
+    resolve_batch_ranges,
+    selected_partitions,
+    split_ranges,
+)
+from waltz.spark.source import LogSource
+from waltz.spark.writer import RowWriter, WriteSummary, check_write_schema, exactly_once_commit
+
+__all__ = ["WaltzDataSource"]
+
+log = logging.getLogger(__name__)
+
+
+def _source(options: SourceOptions) -> LogSource:
+    # Imported here so that unpickling a reader on an executor does not open anything.
+    from waltz.spark.cluster import open_source
+
+    return open_source(options)
+
+
+class TxnRangePartition(InputPartition):
+    """One Spark task: the transactions ``[start, end)`` of one Waltz partition."""
+
+    def __init__(self, txn_range: TxnRange) -> None:
+        super().__init__(txn_range)
+        self.range = txn_range
+
+
+def _read(options: SourceOptions, partition: InputPartition) -> Iterator[Any]:
+    txn_range = getattr(partition, "range", None)
+    if not isinstance(txn_range, TxnRange):
+        return  # Spark turns an empty plan into one partition of None: nothing to read.
+    source = _source(options)
+    for records in source.read(txn_range.partition, txn_range.start, txn_range.end):
+        yield to_arrow(txn_range.partition, records, options.include_data)
+
+
+class WaltzDataSource(DataSource):
+    """The ``waltz`` format. Register with :func:`waltz.spark.register` (or ``spark.dataSource.register``)."""
+
+    def __init__(self, options: dict[str, str]) -> None:
+        super().__init__(options)
+        self.parsed = parse_options(options)
+
+    @classmethod
+    def name(cls) -> str:
+        return "waltz"
+
+    def schema(self) -> str:
+        return READ_SCHEMA_DDL if self.parsed.include_data else READ_SCHEMA_NO_DATA_DDL
+
+    def reader(self, schema: Any) -> DataSourceReader:
+        return WaltzBatchReader(self.parsed.for_batch_read())
+
+    def streamReader(self, schema: Any) -> DataSourceStreamReader:
+        return WaltzStreamReader(self.parsed.for_stream_read())
+
+    def writer(self, schema: Any, overwrite: bool) -> DataSourceWriter:
+        return WaltzBatchWriter(self.parsed.for_write(streaming=False), schema, overwrite)
+
+    def streamWriter(self, schema: Any, overwrite: bool) -> DataSourceStreamWriter:
+        return WaltzStreamWriter(self.parsed.for_write(streaming=True), schema, overwrite)
+
+
+class WaltzBatchReader(DataSourceReader):
+    """A batch read: the committed log from ``startingOffsets`` to ``endingOffsets``, fixed at planning."""
+
+    def __init__(self, options: SourceOptions) -> None:
+        self.options = options
+
+    def partitions(self) -> Sequence[InputPartition]:
+        opts = self.options
+        source = _source(opts)
+        parts = selected_partitions(opts.partitions, source.num_partitions)
+        hwms = source.high_water_marks(parts)
+        ranges = resolve_batch_ranges(
+            opts.starting(streaming=False), opts.ending_offsets, parts, hwms, opts.fail_on_data_loss
+        )
+        tasks = split_ranges(ranges, opts.min_partitions, opts.max_records_per_partition)
+        log.info("waltz batch read of %s: %d tasks for %s", source.cluster_name, len(tasks), ranges)
+        return [TxnRangePartition(t) for t in tasks]
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        return _read(self.options, partition)
+
+
+class WaltzStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """A streaming read with JSON offsets, ``maxOffsetsPerTrigger`` and ``Trigger.AvailableNow``.
+
+    Offsets are ``{"v": 1, "cluster": ..., "partitions": {"0": next_id}}`` (see :mod:`waltz.spark.plan`);
+    they never move backwards and never past the committed high-water mark, so a micro-batch replayed from
+    the checkpoint after a crash reads exactly the same transactions.
+    """
+
+    def __init__(self, options: SourceOptions) -> None:
+        self.options = options
+        self._planner: StreamPlanner | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Executors only need the options: the planner holds a live connection.
+        return {"options": self.options, "_planner": None}
+
+    @property
+    def planner(self) -> StreamPlanner:
+        if self._planner is None:
+            opts = self.options
+            self._planner = StreamPlanner(
+                _source(opts),
+                partitions=opts.partitions,
+                starting=opts.starting(streaming=True),
+                fail_on_data_loss=opts.fail_on_data_loss,
+                min_partitions=opts.min_partitions,
+                max_records_per_partition=opts.max_records_per_partition,
+            )
+        return self._planner
+
+    def initialOffset(self) -> dict[str, Any]:
+        return self.planner.initial_offset()
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        limit = self.options.max_offsets_per_trigger
+        return ReadAllAvailable() if limit is None else ReadMaxRows(limit)
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        return self.planner.latest_offset(start, max_rows)
+
+    def reportLatestOffset(self) -> dict[str, Any] | None:
+        return self.planner.latest_reported()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self.planner.prepare_available_now()
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        return [TxnRangePartition(t) for t in self.planner.plan(start, end)]
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        return _read(self.options, partition)
+
+    def commit(self, end: dict[str, Any]) -> None:
+        """Nothing to acknowledge: the log is immutable and the position lives in Spark's checkpoint."""
+
+    def stop(self) -> None:
+        """The process-wide source stays open for other queries; it closes at interpreter exit."""
+
+
+@dataclass(frozen=True)
+class WaltzCommitMessage(WriterCommitMessage):
+    """What a write task reports: its summary, and in exactly-once mode the rows for the driver."""
+
+    summary: WriteSummary
+    rows: tuple[tuple[int, int, bytes, tuple[str, ...], tuple[str, ...], tuple[str, ...]], ...] = ()
+
+
+class WaltzBatchWriter(DataSourceWriter):
+    """``df.write.format("waltz").mode("append")``: every row becomes one transaction (at-least-once)."""
+
+    def __init__(self, options: SourceOptions, schema: Any, overwrite: bool) -> None:
+        if overwrite:
+            from waltz.errors import ConfigError
+
+            raise ConfigError("waltz data source: a log cannot be overwritten; use mode('append')")
+        check_write_schema(schema)
+        self.options = options
+
+    def write(self, iterator: Iterator[Any]) -> WaltzCommitMessage:
+        return WaltzCommitMessage(RowWriter(self.options).append_rows(iterator))
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        total = sum(m.summary.appended for m in messages if isinstance(m, WaltzCommitMessage))
+        log.info("waltz write committed: %d transactions appended", total)
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        done = sum(m.summary.appended for m in messages if isinstance(m, WaltzCommitMessage))
+        log.warning(
+            "waltz write aborted: %d transactions of successful tasks stay in the log (at-least-once)", done
+        )
+
+
+class WaltzStreamWriter(DataSourceStreamWriter):
+    """The streaming sink: at-least-once from the executors, or exactly-once per (queryId, batch id)."""
+
+    def __init__(self, options: SourceOptions, schema: Any, overwrite: bool) -> None:
+        check_write_schema(schema)
+        self.options = options
+
+    def write(self, iterator: Iterator[Any]) -> WaltzCommitMessage:
+        if self.options.exactly_once:
+            rows, summary = RowWriter(self.options).collect_rows(iterator)
+            return WaltzCommitMessage(summary, rows)
+        return WaltzCommitMessage(RowWriter(self.options).append_rows(iterator))
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        if not self.options.exactly_once:
+            return
+        rows = [row for m in messages if isinstance(m, WaltzCommitMessage) for row in m.rows]
+        exactly_once_commit(self.options, batchId, rows)
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        if not self.options.exactly_once:
+            log.warning(
+                "waltz sink: batch %d aborted; rows appended by its tasks stay (at-least-once)", batchId
+            )

@@ -1,0 +1,350 @@
+"""Appending Spark rows to Waltz: the at-least-once row writer and the exactly-once micro-batch commit.
+
+Write schema: ``data BINARY`` (required, not null), and optionally ``partition INT`` (default: the
+``partition`` option), ``header INT`` (default 0), and ``writeLocks`` / ``readLocks`` / ``appendLocks``
+``ARRAY<STRING>`` whose elements are ``"name:id"`` (a :class:`~waltz.client.locks.PartitionLocalLock`).
+Any other column is an error.
+
+Delivery guarantees
+    *Batch writes and the default streaming sink are at-least-once.* Each task appends its rows through a
+    :class:`~waltz.WaltzClient`, which appends every row exactly once while the task lives (a lost append is
+    detected by the transaction monitor and executed again; one that committed is never sent twice). If a
+    task or job fails, rows already appended stay in the log, and a retried task appends its rows again.
+    Within one task, rows of one partition are appended in row order unless an append has to be retried.
+
+    *``exactlyOnce=true`` (streaming only) appends each micro-batch exactly once,* keyed by
+    (``queryId``, batch id). Tasks send their rows to the driver in their commit messages, and the driver's
+    :func:`exactly_once_commit` appends them between two marker transactions in the marker partition (the
+    ``partition`` option): ``BEGIN(query, batch)``, then the rows, then ``END(query, batch)``. Before
+    appending it scans the last :data:`EXACTLY_ONCE_SCAN_WINDOW` transactions: with an ``END`` the batch is
+    already in the log and nothing is appended; otherwise the rows appended by earlier attempts (the
+    clients named by their ``BEGIN`` markers; client ids are unique in a cluster) are subtracted and only
+    the missing rows are appended. Spark replays a failed batch with the same rows (the sources must be
+    replayable, as the waltz source is), so every row lands exactly once. Markers carry the header
+    :data:`MARKER_HEADER` and JSON data; consumers of the log skip that header. The batch must be replayed
+    before :data:`EXACTLY_ONCE_SCAN_WINDOW` later transactions bury its markers, and it must fit in the
+    driver's memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from waltz.client.api import ClientCallbacks
+from waltz.client.builder import TransactionBuilder
+from waltz.client.context import TransactionContext
+from waltz.client.locks import PartitionLocalLock
+from waltz.client.sync import WaltzClient
+from waltz.client.transaction import Transaction
+from waltz.errors import ClientError, ConfigError
+from waltz.protocol.wire import I32_MAX, I32_MIN
+from waltz.spark.options import SourceOptions
+
+__all__ = [
+    "EXACTLY_ONCE_SCAN_WINDOW",
+    "MARKER_HEADER",
+    "RowWriter",
+    "WriteSummary",
+    "check_write_schema",
+    "exactly_once_commit",
+]
+
+log = logging.getLogger(__name__)
+
+MARKER_HEADER = 0x7761_6C74
+"""Header of the exactly-once sink's marker transactions (``"walt"``); consumers skip it."""
+EXACTLY_ONCE_SCAN_WINDOW = 10_000
+"""How many of the latest transactions of a partition the exactly-once commit scans for earlier attempts."""
+FLUSH_TIMEOUT_S = 300.0
+
+WRITE_COLUMNS = {
+    "data": "binary",
+    "partition": "int",
+    "header": "int",
+    "writeLocks": "array<string>",
+    "readLocks": "array<string>",
+    "appendLocks": "array<string>",
+}
+
+WriteRow = tuple[int, int, bytes, tuple[str, ...], tuple[str, ...], tuple[str, ...]]
+"""(partition, header, data, writeLocks, readLocks, appendLocks): one transaction to append."""
+
+
+def check_write_schema(schema: Any) -> None:
+    """Raise ConfigError unless ``schema`` (a StructType) is a valid write schema (module docstring)."""
+    problems = []
+    names = set()
+    for f in schema.fields:
+        names.add(f.name)
+        want = WRITE_COLUMNS.get(f.name)
+        if want is None:
+            problems.append(f"unknown column {f.name!r}")
+        elif f.dataType.simpleString() != want:
+            problems.append(
+                f"column {f.name} must be {want.upper()}, not {f.dataType.simpleString().upper()}"
+            )
+    if "data" not in names:
+        problems.append("a data BINARY column is required")
+    if problems:
+        allowed = ", ".join(f"{k} {v.upper()}" for k, v in WRITE_COLUMNS.items())
+        raise ConfigError(f"waltz sink: {'; '.join(problems)} (columns: {allowed})")
+
+
+@dataclass(frozen=True)
+class WriteSummary:
+    """What one task did."""
+
+    rows: int
+    appended: int
+
+
+def _locks(values: Sequence[str] | None) -> tuple[PartitionLocalLock, ...]:
+    out = []
+    for text in values or ():
+        name, sep, ident = str(text).rpartition(":")
+        try:
+            if not sep or not name:
+                raise ValueError(text)
+            out.append(PartitionLocalLock(name, int(ident)))
+        except ValueError:
+            raise ClientError(f"waltz sink: lock {text!r} is not 'name:id' with an integer id") from None
+    return tuple(out)
+
+
+def _to_write_row(row: Any, default_partition: int) -> WriteRow:
+    fields = row.asDict() if hasattr(row, "asDict") else dict(row)
+    data = fields.get("data")
+    if data is None:
+        raise ClientError("waltz sink: a row has a null data column")
+    partition = fields.get("partition")
+    header = fields.get("header")
+    return (
+        default_partition if partition is None else int(partition),
+        0 if header is None else int(header),
+        bytes(data),
+        tuple(fields.get("writeLocks") or ()),
+        tuple(fields.get("readLocks") or ()),
+        tuple(fields.get("appendLocks") or ()),
+    )
+
+
+class _RowContext(TransactionContext):
+    """Appends one row as it is: no state is read, so re-executing it is always correct."""
+
+    def __init__(self, row: WriteRow, outcome: _Outcome) -> None:
+        super().__init__()
+        self.row = row
+        self.outcome = outcome
+        self.writes = _locks(row[3])
+        self.reads = _locks(row[4])
+        self.appends = _locks(row[5])
+
+    def partition_id(self, num_partitions: int) -> int:
+        return self.row[0]
+
+    def execute(self, builder: TransactionBuilder) -> bool:
+        builder.set_header(self.row[1])
+        builder.set_transaction_data(self.row[2])
+        if self.writes:
+            builder.set_write_locks(self.writes)
+        if self.reads:
+            builder.set_read_locks(self.reads)
+        if self.appends:
+            builder.set_append_locks(self.appends)
+        return True
+
+    def on_completion(self, result: bool) -> None:
+        self.outcome.done(result, None)
+
+    def on_exception(self, exception: BaseException) -> None:
+        self.outcome.done(False, exception)
+
+
+class _Outcome:
+    """Counts how a task's contexts ended (hooks run on the client's callback threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.appended = 0
+        self.error: BaseException | None = None
+
+    def done(self, appended: bool, error: BaseException | None) -> None:
+        with self._lock:
+            self.appended += int(appended)
+            if error is not None and self.error is None:
+                self.error = error
+
+
+class _NoApply(ClientCallbacks):
+    """A writer applies nothing: its feed starts at the high-water mark read just before mounting."""
+
+    def __init__(self) -> None:
+        self.start: dict[int, int] = {}
+
+    def client_high_water_mark(self, partition_id: int) -> int:
+        return self.start[partition_id]
+
+    def apply_transaction(self, transaction: Transaction) -> None:
+        pass
+
+    def uncaught_exception(self, partition_id: int, transaction_id: int, exception: BaseException) -> None:
+        log.error("waltz sink: partition %d: %r", partition_id, exception)
+
+
+class RowWriter:
+    """Appends rows through one :class:`WaltzClient` (see the module docstring for the guarantee)."""
+
+    def __init__(self, options: SourceOptions) -> None:
+        self.options = options
+
+    def collect_rows(self, rows: Iterable[Any]) -> tuple[tuple[WriteRow, ...], WriteSummary]:
+        out = tuple(_to_write_row(r, self.options.default_partition) for r in rows)
+        for row in out:
+            _check_row(row)
+        return out, WriteSummary(len(out), 0)
+
+    def append_rows(self, rows: Iterable[Any]) -> WriteSummary:
+        with _Session(self.options) as session:
+            count = 0
+            for raw in rows:
+                row = _to_write_row(raw, self.options.default_partition)
+                _check_row(row)
+                session.submit(row)
+                count += 1
+            appended = session.finish()
+        return WriteSummary(count, appended)
+
+
+def _check_row(row: WriteRow) -> None:
+    if not I32_MIN <= row[1] <= I32_MAX:
+        raise ClientError(f"waltz sink: header {row[1]} does not fit in a signed 32-bit int")
+    if row[1] == MARKER_HEADER:
+        raise ClientError(f"waltz sink: header {MARKER_HEADER} is reserved for the exactly-once markers")
+    _locks(row[3] + row[4] + row[5])
+
+
+class _Session:
+    """A write-only client, mounting partitions as rows need them."""
+
+    def __init__(self, options: SourceOptions) -> None:
+        self.callbacks = _NoApply()
+        self.outcome = _Outcome()
+        config = options.client_config.replace(auto_mount=False)
+        self.client = WaltzClient(self.callbacks, config)
+        self.submitted = 0
+
+    def __enter__(self) -> _Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.close()
+
+    def mount(self, partitions: Iterable[int]) -> None:
+        new = sorted(set(partitions) - set(self.callbacks.start))
+        if not new:
+            return
+        for p in new:
+            if not 0 <= p < self.client.num_partitions:
+                raise ClientError(f"waltz sink: partition {p} outside 0..{self.client.num_partitions - 1}")
+            self.callbacks.start[p] = self.client.high_water_mark(p)
+        self.client.set_partitions(self.callbacks.start)
+
+    def submit(self, row: WriteRow) -> None:
+        self.mount([row[0]])
+        if self.outcome.error is not None:
+            raise ClientError(f"waltz sink: an append failed: {self.outcome.error!r}") from self.outcome.error
+        self.client.submit(_RowContext(row, self.outcome))
+        self.submitted += 1
+
+    def finish(self) -> int:
+        """Wait until every submitted row is appended; raise if one failed. Returns the number appended."""
+        self.client.flush_transactions(timeout=FLUSH_TIMEOUT_S)
+        if self.outcome.error is not None:
+            raise ClientError(f"waltz sink: an append failed: {self.outcome.error!r}") from self.outcome.error
+        if self.outcome.appended != self.submitted:
+            raise ClientError(
+                f"waltz sink: {self.submitted - self.outcome.appended} of {self.submitted} rows not appended"
+            )
+        return self.outcome.appended
+
+
+def _marker(kind: str, query: str, batch: int, client_id: int) -> WriteRow:
+    data = json.dumps({"waltz.spark": kind, "query": query, "batch": batch, "client": client_id}).encode()
+    return (-1, MARKER_HEADER, data, (), (), ())
+
+
+def _parse_marker(data: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) and "waltz.spark" in value else None
+
+
+def exactly_once_commit(options: SourceOptions, batch_id: int, rows: Sequence[WriteRow]) -> int:
+    """Append the rows of micro-batch ``batch_id`` exactly once (module docstring); returns rows appended."""
+    from waltz.spark.cluster import open_source
+
+    query = options.query_id
+    if not query:
+        raise ConfigError("waltz sink: exactlyOnce needs queryId")
+    marker_partition = options.default_partition
+    touched = sorted({marker_partition, *(r[0] for r in rows)})
+    source = open_source(options)
+    hwms = source.high_water_marks(touched)
+
+    def window(p: int) -> Iterator[Any]:
+        end = hwms[p] + 1
+        for batch in source.read(p, max(0, end - EXACTLY_ONCE_SCAN_WINDOW), end):
+            yield from batch
+
+    earlier_clients: set[int] = set()
+    for rec in window(marker_partition):
+        if rec.header != MARKER_HEADER:
+            continue
+        marker = _parse_marker(rec.data)
+        if marker is None or marker.get("query") != query or marker.get("batch") != batch_id:
+            continue
+        if marker["waltz.spark"] == "end":
+            log.info("waltz sink: batch %d of %s is already in the log; nothing to do", batch_id, query)
+            return 0
+        earlier_clients.add(rec.req_id.client_id)
+    todo = Counter((r[0], r[1], r[2]) for r in rows)
+    if earlier_clients:
+        for p in touched:
+            for rec in window(p):
+                key = (p, rec.header, rec.data)
+                if rec.req_id.client_id in earlier_clients and rec.header != MARKER_HEADER and todo[key] > 0:
+                    todo[key] -= 1
+    pending = []
+    for row in rows:
+        key = (row[0], row[1], row[2])
+        if todo[key] > 0:
+            todo[key] -= 1
+            pending.append(row)
+    with _Session(options) as session:
+        session.mount(touched)
+        client_id = session.client.client_id
+        begin = _marker("begin", query, batch_id, client_id)
+        session.submit((marker_partition, *begin[1:]))
+        session.finish()  # BEGIN is committed before any row: a later attempt will recognise our rows.
+        for row in pending:
+            session.submit(row)
+        session.finish()
+        end = _marker("end", query, batch_id, client_id)
+        session.submit((marker_partition, *end[1:]))
+        session.finish()
+    log.info(
+        "waltz sink: batch %d of %s: %d rows appended (%d were already in the log)",
+        batch_id,
+        query,
+        len(pending),
+        len(rows) - len(pending),
+    )
+    return len(pending)
