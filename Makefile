@@ -5,21 +5,21 @@ VENV := .venv
 BIN := $(VENV)/bin
 EXTRAS ?= dev,spark
 PYTEST_ARGS ?=
+comma := ,
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
 .PHONY: test demo deps system-deps lint typecheck unit clean
 
-$(VENV)/.installed-$(subst $(comma),-,$(EXTRAS)): pyproject.toml
+$(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 
-comma := ,
-
 system-deps:
 	bash scripts/install-system-deps.sh
 
-deps: system-deps $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+deps: system-deps $(STAMP)
 
 lint: deps
 	$(BIN)/ruff check src tests bench demo
