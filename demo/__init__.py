@@ -1,0 +1,1 @@
+"""Demo applications built on Waltz (``make demo`` runs :mod:`demo.run`)."""

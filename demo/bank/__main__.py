@@ -1,0 +1,139 @@
+"""``python -m demo.bank``: the bank service, interactive or automatic.
+
+    python -m demo.bank -c D/client.yaml                 # interactive: deposit / withdraw / balance / ...
+    python -m demo.bank -c D/client.yaml auto --seconds 60 --instances 3
+    python -m demo.bank --mock 4 auto --seconds 10       # no cluster: an in-memory MockDriver, 4 partitions
+
+Databases: one SQLite file per instance under ``--dir`` (default ``./bank-data``), or ``--db-url`` (for
+example ``postgresql://user@localhost/bank``) for one database holding every instance's tables.
+Exit status of ``auto``: 0 if every invariant holds, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from demo.bank.app import BankInstance, make_engine
+from demo.bank.auto import AutoOptions, Drill, InstanceFactory, run_auto
+from demo.bank.model import BankDb
+from waltz import ClientConfig
+from waltz.client.driver import ClientDriver
+from waltz.errors import WaltzError
+from waltz.testing import MockCluster, MockDriver
+
+HELP = """commands:
+  deposit ACCOUNT AMOUNT     add money (creates the account)
+  withdraw ACCOUNT AMOUNT    take money out; aborts if the balance is insufficient
+  balance ACCOUNT            this instance's view of the account
+  deactivate ACCOUNT         close the account (racing withdrawals fail)
+  quit"""
+
+
+def instance_factory(
+    config: ClientConfig,
+    directory: Path,
+    db_url: str | None,
+    driver_factory: Callable[[], ClientDriver | None] = lambda: None,
+) -> InstanceFactory:
+    """Instances named ``name`` with a fresh database each (old tables of the same name are dropped)."""
+
+    def make(name: str) -> BankInstance:
+        engine, suffix = make_engine(db_url, directory, name)
+        BankDb(engine, suffix).drop()
+        return BankInstance(name, engine, config, suffix=suffix, driver=driver_factory())
+
+    return make
+
+
+def _client_setup(args: argparse.Namespace) -> tuple[ClientConfig, Callable[[], ClientDriver | None]]:
+    if args.mock:
+        cluster = MockCluster(args.mock)
+        return ClientConfig(), lambda: MockDriver(cluster=cluster)
+    if not args.client_config:
+        raise SystemExit("demo.bank: give -c CLIENT_YAML (from `waltz local up`) or --mock PARTITIONS")
+    return ClientConfig.from_yaml(args.client_config), lambda: None
+
+
+def interactive(instance: BankInstance, lines: Sequence[str] | None = None) -> None:
+    print(HELP)
+    source = iter(lines) if lines is not None else None
+    while True:
+        try:
+            line = next(source) if source is not None else input("bank> ")
+        except (EOFError, StopIteration):
+            return
+        words = line.split()
+        if not words:
+            continue
+        cmd, rest = words[0], words[1:]
+        try:
+            if cmd == "quit":
+                return
+            if cmd == "balance" and len(rest) == 1:
+                state = instance.balance(int(rest[0]))
+                print(
+                    "unknown account"
+                    if state is None
+                    else f"{state[0]} ({'active' if state[1] else 'inactive'})"
+                )
+                continue
+            if cmd in ("deposit", "withdraw") and len(rest) == 2:
+                context = instance.submit(cmd, int(rest[0]), int(rest[1]))
+            elif cmd == "deactivate" and len(rest) == 1:
+                context = instance.deactivate(int(rest[0]))
+            else:
+                print(HELP)
+                continue
+            outcome = instance.wait_applied(context)
+            if outcome == "declined":
+                outcome = "aborted (unknown account, inactive, or insufficient balance)"
+            print(outcome or "no outcome yet (the cluster may be failing over)")
+        except ValueError:
+            print("accounts and amounts are integers")
+        except WaltzError as e:
+            print(f"error: {e}")
+
+
+def main(argv: Sequence[str] | None = None, drills: Sequence[Drill] = ()) -> int:
+    parser = argparse.ArgumentParser(prog="python -m demo.bank", description=__doc__.split("\n")[0])
+    parser.add_argument("-c", "--client-config", metavar="FILE", help="client YAML (D/client.yaml)")
+    parser.add_argument("--mock", type=int, metavar="PARTITIONS", help="use an in-memory MockDriver")
+    parser.add_argument("--db-url", metavar="URL", help="SQLAlchemy URL (default: SQLite files in --dir)")
+    parser.add_argument("--dir", type=Path, default=Path("bank-data"), help="where SQLite files go")
+    sub = parser.add_subparsers(dest="mode")
+    auto = sub.add_parser("auto", help="several instances submit random operations; then check invariants")
+    auto.add_argument("--instances", type=int, default=3)
+    auto.add_argument("--seconds", type=float, default=60.0)
+    auto.add_argument("--accounts", type=int, default=40)
+    auto.add_argument("--rate", type=float, default=25.0, help="operations/s per instance (0: unlimited)")
+    auto.add_argument("--seed", type=int, default=None)
+    auto.add_argument("--no-display", action="store_true", help="no live table (for logs)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kazoo").setLevel(logging.ERROR)
+    config, driver_factory = _client_setup(args)
+    factory = instance_factory(config, args.dir, args.db_url, driver_factory)
+    if args.mode == "auto":
+        opts = AutoOptions(
+            instances=args.instances,
+            duration_s=args.seconds,
+            accounts=args.accounts,
+            rate_per_instance=args.rate,
+            seed=args.seed,
+            display=not args.no_display,
+        )
+        report = run_auto(factory, opts, drills)
+        print(report.render())
+        return 0 if report.ok else 1
+    engine, suffix = make_engine(args.db_url, args.dir, "interactive")
+    with BankInstance("interactive", engine, config, suffix=suffix, driver=driver_factory()) as instance:
+        interactive(instance)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
