@@ -10,6 +10,9 @@ from waltz.config import ConfigSchema, Key, distinct_ports, read_yaml
 from waltz.errors import ConfigError
 from waltz.server.store.support import StoreConfig
 
+CATCH_UP_BATCH_RECORDS = 1000
+"""Records a lagging replica copies per round trip (see ``from_mapping``)."""
+
 SERVER_SCHEMA = ConfigSchema(
     [
         Key("zookeeper.connectString", str, doc="ZooKeeper ensemble"),
@@ -83,6 +86,10 @@ class ServerConfig:
             store=StoreConfig(
                 max_batch_size=batch,
                 max_queued_appends=2 * batch,
+                # The original copies 20 records per catch-up round trip; a replica added to a busy partition
+                # then falls behind for good (each round trip also waits for an fsync on the copy's target).
+                # Whole write batches per round trip let it catch up with a writer at full speed.
+                catch_up_batch_size=max(CATCH_UP_BATCH_RECORDS, batch),
                 checkpoint_interval=c["storage.checkpointInterval"],
                 initial_retry_interval_ms=c["storage.initialRetryInterval"],
                 max_retry_interval_ms=c["storage.maxRetryInterval"],

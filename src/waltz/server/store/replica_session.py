@@ -270,6 +270,16 @@ class ReplicaSession:
         probe_s = self.session.config.idle_probe_interval_ms / 1000
         while True:
             while not self._mailbox:
+                if self.max_id < self.session.high_water_mark:
+                    # A replica may join a few committed ids behind (try_join allows it) and normally copies
+                    # them when the next batch arrives; an idle partition has no next batch, so copy them now
+                    # and every replica ends complete. Only committed ids are copied, and a batch delivered
+                    # meanwhile starts above the high-water mark this copy is capped at.
+                    records = await self.session.copy_records(
+                        self, self.max_id + 1, self.session.high_water_mark
+                    )
+                    await self._append_copies(conn, records)
+                    continue
                 self._mail.clear()
                 try:
                     async with asyncio.timeout(probe_s):
