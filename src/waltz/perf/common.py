@@ -1,0 +1,221 @@
+"""Shared parts of the performance and validation tools: clients, contexts that report to the loop, results.
+
+The tools run every simulated client as an :class:`~waltz.client.core.AsyncWaltzClient` on one event loop
+(like the original tools' threads, each client has its own connections and feed). ``driver_factory`` returns
+the driver of each new client: ``None`` for the network driver, a :class:`~waltz.testing.MockDriver` in tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from waltz.client.api import ClientCallbacks
+from waltz.client.builder import TransactionBuilder
+from waltz.client.config import ClientConfig
+from waltz.client.context import TransactionContext
+from waltz.client.core import AsyncWaltzClient
+from waltz.client.driver import ClientDriver
+from waltz.client.locks import PartitionLocalLock
+from waltz.client.transaction import Transaction
+from waltz.errors import ClientError
+
+DriverFactory = Callable[[], ClientDriver | None]
+MAX_CLIENTS = 1000
+MAX_TXN_BYTES = 16 * 1024 * 1024
+COMPLETION_TIMEOUT_S = 300.0
+"""How long a tool waits for its last transaction to complete before it reports a failure."""
+
+
+def network_driver() -> ClientDriver | None:
+    return None
+
+
+class MarkCallbacks(ClientCallbacks):
+    """Callbacks that start at given high-water marks and just track the marks (nothing is applied).
+
+    ``on_apply`` (optional) runs for every transaction, on a client callback thread.
+    """
+
+    def __init__(
+        self, start_marks: dict[int, int], on_apply: Callable[[Transaction], None] | None = None
+    ) -> None:
+        self.start_marks = dict(start_marks)
+        self.marks = dict(start_marks)
+        self.on_apply = on_apply
+        self._lock = threading.Lock()
+
+    def client_high_water_mark(self, partition_id: int) -> int:
+        with self._lock:
+            return self.marks.get(partition_id, -1)
+
+    def apply_transaction(self, transaction: Transaction) -> None:
+        if self.on_apply is not None:
+            self.on_apply(transaction)
+        with self._lock:
+            self.marks[transaction.partition_id] = transaction.transaction_id
+
+    def uncaught_exception(self, partition_id: int, transaction_id: int, exception: BaseException) -> None:
+        return None  # The tools report what they saw; a redelivery is not an error for them.
+
+
+class ReportingContext(TransactionContext):
+    """A context that appends ``data`` to ``partition`` (optionally under one write lock) and resolves a
+    future on the client's loop with ``(result, completion time)`` when it ends."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        partition: int,
+        data: bytes | Callable[[TransactionBuilder], bytes],
+        write_lock: PartitionLocalLock | None = None,
+    ) -> None:
+        super().__init__()
+        self.loop = loop
+        self.partition = partition
+        self.data = data
+        self.write_lock = write_lock
+        self.executions = 0
+        self.sent_at = 0.0
+        self.done: asyncio.Future[tuple[bool, float]] = loop.create_future()
+
+    def partition_id(self, num_partitions: int) -> int:
+        return self.partition
+
+    def execute(self, builder: TransactionBuilder) -> bool:
+        self.executions += 1
+        data = self.data(builder) if callable(self.data) else self.data
+        builder.set_transaction_data(data)
+        if self.write_lock is not None:
+            builder.set_write_locks([self.write_lock])
+        return True
+
+    def _resolve(self, result: bool | BaseException) -> None:
+        now = time.perf_counter()
+
+        def settle() -> None:
+            if self.done.done():
+                return
+            if isinstance(result, BaseException):
+                self.done.set_exception(result)
+            else:
+                self.done.set_result((result, now))
+
+        self.loop.call_soon_threadsafe(settle)
+
+    def on_completion(self, result: bool) -> None:
+        self._resolve(result)
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._resolve(exception)
+
+
+async def start_client(
+    callbacks: ClientCallbacks, config: ClientConfig, driver_factory: DriverFactory
+) -> AsyncWaltzClient:
+    client = AsyncWaltzClient(callbacks, config, driver=driver_factory())
+    try:
+        await client.start()
+    except BaseException:
+        await client.close()
+        raise
+    return client
+
+
+async def current_marks(config: ClientConfig, driver_factory: DriverFactory) -> tuple[dict[int, int], int]:
+    """({partition: high-water mark}, partition count) read by a short-lived client that mounts nothing."""
+    probe = await start_client(MarkCallbacks({}), config.replace(auto_mount=False), driver_factory)
+    try:
+        n = probe.num_partitions
+        marks = {p: await probe.high_water_mark(p) for p in range(n)}
+        return marks, n
+    finally:
+        await probe.close()
+
+
+async def close_all(clients: Sequence[AsyncWaltzClient]) -> None:
+    await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+
+def active_partitions(requested: int | None, num_partitions: int) -> list[int]:
+    if requested is None:
+        return list(range(num_partitions))
+    if not 1 <= requested <= num_partitions:
+        raise ClientError(
+            f"--partitions must be between 1 and the cluster's {num_partitions}, got {requested}"
+        )
+    return list(range(requested))
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of already sorted values (0.0 for none)."""
+    if not sorted_values:
+        return 0.0
+    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
+    return sorted_values[min(rank, len(sorted_values)) - 1]
+
+
+@dataclass
+class PerfResult:
+    """What ``waltz perf`` prints. Latencies in milliseconds."""
+
+    mode: str
+    transactions: int
+    txn_size_bytes: int
+    seconds: float
+    retries: int = 0
+    latencies_ms: list[float] = field(default_factory=list, repr=False)
+    failed: int = 0
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def megabytes(self) -> float:
+        return self.transactions * self.txn_size_bytes / 1_000_000
+
+    def to_json(self) -> dict[str, Any]:
+        lat = sorted(self.latencies_ms)
+        out: dict[str, Any] = {
+            "mode": self.mode,
+            **self.parameters,
+            "transactions": self.transactions,
+            "failed": self.failed,
+            "megabytes": round(self.megabytes, 3),
+            "seconds": round(self.seconds, 3),
+            "transactions_per_second": round(self.transactions / self.seconds, 1) if self.seconds else 0.0,
+            "megabytes_per_second": round(self.megabytes / self.seconds, 3) if self.seconds else 0.0,
+        }
+        if self.mode == "producer":
+            out["retries_per_transaction"] = (
+                round(self.retries / self.transactions, 3) if self.transactions else 0
+            )
+            out["latency_ms"] = {
+                "p50": round(percentile(lat, 50), 2),
+                "p95": round(percentile(lat, 95), 2),
+                "p99": round(percentile(lat, 99), 2),
+                "max": round(lat[-1], 2) if lat else 0.0,
+            }
+        return out
+
+    def render(self) -> str:
+        j = self.to_json()
+        verb = "appended" if self.mode == "producer" else "read"
+        lines = [
+            f"transactions {verb}: {j['transactions']}" + (f" ({self.failed} failed)" if self.failed else ""),
+            f"MB {verb}: {j['megabytes']:.3f}",
+            f"seconds: {j['seconds']:.3f}",
+            f"transactions/s: {j['transactions_per_second']:.1f}",
+            f"MB/s: {j['megabytes_per_second']:.3f}",
+        ]
+        if self.mode == "producer":
+            lat = j["latency_ms"]
+            lines += [
+                f"retries/transaction: {j['retries_per_transaction']:.3f}",
+                f"latency ms: p50 {lat['p50']:.2f}  p95 {lat['p95']:.2f}  "
+                f"p99 {lat['p99']:.2f}  max {lat['max']:.2f}",
+            ]
+        return "\n".join(lines)

@@ -1,0 +1,228 @@
+"""``waltz perf producer`` and ``waltz perf consumer``: append and read throughput and latency.
+
+Producer: ``clients`` clients each append ``txns_per_client`` transactions of ``txn_size_bytes`` random bytes
+to random partitions among the first ``partitions``; with ``lock_pool_size`` K > 0 each transaction takes a
+write lock on a random id below K (so concurrent transactions conflict and are retried). Each client submits
+in a loop, so up to ``client.maxConcurrentTransactions`` appends per partition are in flight, optionally
+pausing ``interval_ms`` between submits. Latency runs from the moment ``submit`` returned (the append was
+sent: waiting for room, the client-side congestion, is excluded as in the original tool) to
+``on_completion(True)``; retries are executions beyond the first. Clients start at the partitions' current
+high-water marks, so earlier runs on the same cluster do not slow a run down.
+
+Consumer: first appends ``num_txns`` transactions (untimed, a few producer clients, no locks), then
+``clients`` fresh clients mount at the marks before those appends and each reads them all, fetching every
+transaction's data; the time runs from the consumers' start to the last transaction read by the last one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+from waltz.client.config import ClientConfig
+from waltz.client.core import AsyncWaltzClient
+from waltz.client.locks import PartitionLocalLock
+from waltz.client.transaction import Transaction
+from waltz.errors import ClientError, ClientTimeoutError, ConfigError
+from waltz.perf.common import (
+    COMPLETION_TIMEOUT_S,
+    MAX_CLIENTS,
+    MAX_TXN_BYTES,
+    DriverFactory,
+    MarkCallbacks,
+    PerfResult,
+    ReportingContext,
+    active_partitions,
+    close_all,
+    current_marks,
+    network_driver,
+    start_client,
+)
+
+LOCK_NAME = "perf"
+CONSUMER_LOAD_CLIENTS = 4
+
+
+@dataclass(frozen=True)
+class ProducerOptions:
+    txn_size_bytes: int = 512
+    txns_per_client: int = 1000
+    clients: int = 1
+    interval_ms: float = 0.0
+    lock_pool_size: int = 0
+    partitions: int | None = None
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if not 1 <= self.txn_size_bytes <= MAX_TXN_BYTES:
+            raise ConfigError(f"--txn-size must be between 1 and {MAX_TXN_BYTES}, got {self.txn_size_bytes}")
+        if self.txns_per_client < 1:
+            raise ConfigError(f"--txns-per-client must be positive, got {self.txns_per_client}")
+        if not 1 <= self.clients <= MAX_CLIENTS:
+            raise ConfigError(f"--clients must be between 1 and {MAX_CLIENTS}, got {self.clients}")
+        if self.interval_ms < 0 or self.lock_pool_size < 0:
+            raise ConfigError("--interval-ms and --lock-pool-size must not be negative")
+
+
+async def _produce(
+    client: AsyncWaltzClient,
+    opts: ProducerOptions,
+    partitions: list[int],
+    rng: random.Random,
+    result: PerfResult,
+) -> None:
+    loop = asyncio.get_running_loop()
+    contexts: list[ReportingContext] = []
+    for _ in range(opts.txns_per_client):
+        lock = (
+            PartitionLocalLock(LOCK_NAME, rng.randrange(opts.lock_pool_size)) if opts.lock_pool_size else None
+        )
+        ctx = ReportingContext(loop, rng.choice(partitions), rng.randbytes(opts.txn_size_bytes), lock)
+        try:
+            await client.submit(ctx)
+        except ClientError:
+            result.failed += 1
+            continue
+        ctx.sent_at = time.perf_counter()
+        contexts.append(ctx)
+        if opts.interval_ms:
+            await asyncio.sleep(opts.interval_ms / 1000)
+    for ctx in contexts:
+        try:
+            async with asyncio.timeout(COMPLETION_TIMEOUT_S):
+                ok, finished_at = await ctx.done
+        except (ClientError, TimeoutError):
+            result.failed += 1
+            continue
+        result.retries += ctx.executions - 1
+        if ok:
+            result.transactions += 1
+            result.latencies_ms.append((finished_at - ctx.sent_at) * 1000)
+        else:
+            result.failed += 1
+
+
+async def run_producers(
+    config: ClientConfig, opts: ProducerOptions, driver_factory: DriverFactory = network_driver
+) -> PerfResult:
+    """Run the producer benchmark (see the module docstring) and return its figures."""
+    opts.validate()
+    marks, n = await current_marks(config, driver_factory)
+    partitions = active_partitions(opts.partitions, n)
+    rng = random.Random(opts.seed)
+    result = PerfResult(
+        "producer",
+        0,
+        opts.txn_size_bytes,
+        0.0,
+        parameters={
+            "clients": opts.clients,
+            "txns_per_client": opts.txns_per_client,
+            "txn_size": opts.txn_size_bytes,
+            "lock_pool_size": opts.lock_pool_size,
+            "partitions": len(partitions),
+            "interval_ms": opts.interval_ms,
+        },
+    )
+    clients: list[AsyncWaltzClient] = []
+    try:
+        for _ in range(opts.clients):
+            clients.append(await start_client(MarkCallbacks(marks), config, driver_factory))  # noqa: PERF401 - closed on failure
+        started = time.perf_counter()
+        await asyncio.gather(
+            *(_produce(c, opts, partitions, random.Random(rng.random()), result) for c in clients)
+        )
+        result.seconds = time.perf_counter() - started
+    finally:
+        await close_all(clients)
+    return result
+
+
+@dataclass(frozen=True)
+class ConsumerOptions:
+    txn_size_bytes: int = 512
+    num_txns: int = 10000
+    clients: int = 1
+    partitions: int | None = None
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if not 1 <= self.txn_size_bytes <= MAX_TXN_BYTES:
+            raise ConfigError(f"--txn-size must be between 1 and {MAX_TXN_BYTES}, got {self.txn_size_bytes}")
+        if self.num_txns < 1:
+            raise ConfigError(f"--num-txns must be positive, got {self.num_txns}")
+        if not 1 <= self.clients <= MAX_CLIENTS:
+            raise ConfigError(f"--clients must be between 1 and {MAX_CLIENTS}, got {self.clients}")
+
+
+async def run_consumers(
+    config: ClientConfig, opts: ConsumerOptions, driver_factory: DriverFactory = network_driver
+) -> PerfResult:
+    """Run the consumer benchmark (see the module docstring) and return its figures."""
+    opts.validate()
+    marks, n = await current_marks(config, driver_factory)
+    load_clients = min(CONSUMER_LOAD_CLIENTS, opts.num_txns)
+    per_client = -(-opts.num_txns // load_clients)
+    load = await run_producers(
+        config,
+        ProducerOptions(
+            txn_size_bytes=opts.txn_size_bytes,
+            txns_per_client=per_client,
+            clients=load_clients,
+            partitions=opts.partitions,
+            seed=opts.seed,
+        ),
+        driver_factory,
+    )
+    if load.failed:
+        raise ClientError(
+            f"loading the log failed: {load.failed} of {load.transactions + load.failed} appends"
+        )
+    end_marks, _ = await current_marks(config, driver_factory)
+    expected = sum(end_marks[p] - marks[p] for p in range(n))
+
+    loop = asyncio.get_running_loop()
+    done_events: list[asyncio.Event] = []
+    read_bytes = [0]
+    lock = threading.Lock()
+
+    def make_callbacks() -> MarkCallbacks:
+        event = asyncio.Event()
+        done_events.append(event)
+        count = [0]
+
+        def on_apply(transaction: Transaction) -> None:
+            data = transaction.get_transaction_data()
+            with lock:
+                read_bytes[0] += len(data)
+            count[0] += 1
+            if count[0] == expected:
+                loop.call_soon_threadsafe(event.set)
+
+        return MarkCallbacks(marks, on_apply)
+
+    clients: list[AsyncWaltzClient] = []
+    try:
+        started = time.perf_counter()
+        for _ in range(opts.clients):
+            clients.append(await start_client(make_callbacks(), config, driver_factory))  # noqa: PERF401 - closed on failure
+        try:
+            async with asyncio.timeout(COMPLETION_TIMEOUT_S):
+                await asyncio.gather(*(e.wait() for e in done_events))
+        except TimeoutError:
+            raise ClientTimeoutError(
+                f"consumers did not read the {expected} transactions within {COMPLETION_TIMEOUT_S:g} s"
+            ) from None
+        seconds = time.perf_counter() - started
+    finally:
+        await close_all(clients)
+    return PerfResult(
+        "consumer",
+        expected * opts.clients,
+        opts.txn_size_bytes,
+        seconds,
+        parameters={"clients": opts.clients, "num_txns": expected, "txn_size": opts.txn_size_bytes},
+    )
