@@ -1,1 +1,1 @@
-"""Demo applications built on Waltz (``make demo`` runs :mod:`demo.run`)."""
+"""``make demo``: until the full demo exists, a storage-node round trip (see :mod:`demo.run`)."""

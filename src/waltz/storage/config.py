@@ -104,6 +104,23 @@ class StorageConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> StorageConfig:
-        from waltz.config import read_yaml
+        """Read and validate ``path``; every problem is reported as one line in a ConfigError."""
+        return cls.from_mapping(_read_yaml_one_line(path), str(path))
 
-        return cls.from_mapping(read_yaml(path), str(path))
+
+def _read_yaml_one_line(path: str | Path) -> dict[str, Any]:
+    """:func:`waltz.config.read_yaml`, with YAML syntax errors condensed to one line (where and what)."""
+    import yaml
+
+    from waltz.config import read_yaml
+
+    try:
+        return read_yaml(path)
+    except ConfigError as e:
+        cause = e.__context__
+        if isinstance(cause, yaml.MarkedYAMLError) and cause.problem_mark is not None:
+            mark = cause.problem_mark
+            raise ConfigError(
+                f"{path}: not valid YAML at line {mark.line + 1}, column {mark.column + 1}: {cause.problem}"
+            ) from None
+        raise ConfigError(" ".join(str(e).split())) from None
