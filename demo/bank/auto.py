@@ -227,6 +227,7 @@ def run_auto(
                         live.update(_progress(instances, elapsed, opts, drill_log))
                         time.sleep(0.25)
                     live.update(_progress(instances, time.monotonic() - started, opts, drill_log))
+                console.print()
             else:
                 time.sleep(max(0.0, opts.duration_s - (time.monotonic() - started)))
         finally:
