@@ -111,6 +111,26 @@ class _Metrics:
         )
         self.partitions = Gauge("waltz_server_partitions", "Partitions owned", registry=registry)
 
+    # Gauges of live state are read when scraped (set_function), not copied now and then: a scrape of
+    # /metrics alone must see the current high-water mark.
+
+    def export_partition(self, pid: int, part: Partition) -> None:
+        label = str(pid)
+        self.hwm.labels(label).set_function(lambda: part.high_water_mark)
+        self.pending.labels(label).set_function(lambda: part.pending_appends)
+        self.feeds.labels(label).set_function(lambda: part.feed_context_count)
+        self.healthy.labels(label).set_function(lambda: 1 if part.is_healthy else 0)
+
+    def unexport_partition(self, pid: int) -> None:
+        label = str(pid)
+        for gauge in (self.hwm, self.pending, self.feeds, self.healthy, self.generation):
+            with contextlib.suppress(KeyError):
+                gauge.remove(label)
+
+    def export_caches(self, feed: FeedCache, transactions: TransactionCache) -> None:
+        for name, cache in (("feed", feed), ("transaction", transactions)):
+            self.cache_hit_rate.labels(name).set_function(_hit_ratio(cache))
+
     def for_partition(self, pid: int) -> PartitionMetrics:
         p = str(pid)
         appends, lock_failures, failed, latency = (
@@ -122,6 +142,15 @@ class _Metrics:
         return PartitionMetrics(
             appended=appends.inc, lock_failed=lock_failures.inc, failed=failed.inc, latency=latency.observe
         )
+
+
+def _hit_ratio(cache: FeedCache | TransactionCache) -> Callable[[], float]:
+    def ratio() -> float:
+        stats = cache.statistics()
+        lookups = stats.hits + stats.misses
+        return stats.hits / lookups if lookups else 0.0
+
+    return ratio
 
 
 class WaltzServer:
@@ -140,6 +169,7 @@ class WaltzServer:
         self.metadata_store = ZkPartitionMetadataStore(zk_client, config.cluster_root)
         self.feed_cache = FeedCache(config.feed_cache_bytes, num_partitions)
         self.transaction_cache = TransactionCache(config.transaction_cache_bytes)
+        self.metrics.export_caches(self.feed_cache, self.transaction_cache)
         self.partitions: dict[int, Partition] = {}
         self.replica_sets: dict[int, tuple[str, ...]] = {}
         self.member: ClusterMember | None = None
@@ -253,6 +283,7 @@ class WaltzServer:
         async with self._reconcile_lock:
             for pid in [p for p in self.partitions if p not in assignment]:
                 leaving = self.partitions.pop(pid)
+                self.metrics.unexport_partition(pid)
                 log.info("partition %d moved away; closing it", pid)
                 await leaving.close()
             for pid, generation in sorted(assignment.items()):
@@ -285,6 +316,7 @@ class WaltzServer:
                 )
                 await part.start()
                 self.partitions[pid] = part
+                self.metrics.export_partition(pid, part)
                 self.metrics.generation.labels(str(pid)).set(generation)
                 log.info("partition %d opened (generation %d, replicas %s)", pid, generation, list(replicas))
             self.metrics.partitions.set(len(self.partitions))
@@ -336,18 +368,6 @@ class WaltzServer:
     def health(self) -> tuple[bool, dict[str, Any]]:
         zk_ok = bool(self.zk.connected) and not self._suspended
         parts = {str(pid): p.is_healthy for pid, p in sorted(self.partitions.items())}
-        for pid, p in self.partitions.items():
-            label = str(pid)
-            self.metrics.hwm.labels(label).set(p.high_water_mark)
-            self.metrics.pending.labels(label).set(p.pending_appends)
-            self.metrics.feeds.labels(label).set(p.feed_context_count)
-            self.metrics.healthy.labels(label).set(1 if p.is_healthy else 0)
-        for name, stats in (
-            ("feed", self.feed_cache.statistics()),
-            ("transaction", self.transaction_cache.statistics()),
-        ):
-            lookups = stats.hits + stats.misses
-            self.metrics.cache_hit_rate.labels(name).set(stats.hits / lookups if lookups else 0.0)
         return zk_ok and all(parts.values()), {"zookeeper": zk_ok, "partitions": parts}
 
     # -- client connections --
