@@ -164,8 +164,10 @@ async def run_consumers(
     """Run the consumer benchmark (see the module docstring) and return its figures."""
     opts.validate()
     marks, n = await current_marks(config, driver_factory)
-    load_clients = min(CONSUMER_LOAD_CLIENTS, opts.num_txns)
-    per_client = -(-opts.num_txns // load_clients)
+    # The most load clients (up to CONSUMER_LOAD_CLIENTS) that split num_txns evenly, so exactly num_txns
+    # transactions are appended and read.
+    load_clients = max(c for c in range(1, CONSUMER_LOAD_CLIENTS + 1) if opts.num_txns % c == 0)
+    per_client = opts.num_txns // load_clients
     load = await run_producers(
         config,
         ProducerOptions(
