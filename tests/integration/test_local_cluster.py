@@ -1,0 +1,198 @@
+"""``waltz local``: every command through the real CLI, and the failures it must report cleanly.
+
+Each test that starts a cluster stops it in a ``finally`` (by the pids in cluster.json) and checks that no
+process whose command line mentions its directory survives.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from waltz import local
+from waltz.client.config import ClientConfig
+from waltz.cluster import zkserver
+from waltz.errors import ClusterError
+from waltz.local import procs
+from waltz.local.state import LocalCluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def waltz(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "waltz.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+def processes_mentioning(path: Path) -> list[str]:
+    """Command lines of live processes that mention ``path`` (storage/server configs, zoo.cfg)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(path) in cmdline and procs.start_ticks(int(proc.name)) is not None:
+            found.append(f"{proc.name}: {cmdline[:200]}")
+    return found
+
+
+@pytest.fixture
+def cluster_dir(tmp_path: Path) -> Iterator[Path]:
+    directory = tmp_path / "cluster"
+    try:
+        yield directory
+    finally:
+        if (directory / "cluster.json").exists():
+            local.down(directory)
+        assert processes_mentioning(directory) == []
+
+
+@pytest.mark.timeout(240)
+def test_up_status_kill_start_down(cluster_dir: Path) -> None:
+    d = str(cluster_dir)
+    up = waltz("local", "up", "--dir", d, "--storages", "3", "--servers", "2", "--partitions", "2")
+    assert up.returncode == 0, up.stderr
+    assert "storage 2" in up.stdout
+    assert "client config" in up.stdout
+    cluster = LocalCluster.load(cluster_dir)
+    assert cluster.state == "running"
+    assert all(procs.is_alive(p.process) for p in cluster.processes)
+    assert all(s.partitions == [0, 1] for s in cluster.storages)  # one group per node: full replication
+    assert (cluster_dir / "logs" / "server-1.log").exists()
+    config = ClientConfig.from_yaml(cluster_dir / "client.yaml")
+    assert config.cluster_root == "/waltz/local"
+
+    st = waltz("local", "status", "--dir", d, "--json")
+    assert st.returncode == 0, st.stdout + st.stderr
+    status = json.loads(st.stdout)
+    assert all(p["running"] for p in status["processes"])
+    assert [p["healthy"] for p in status["partitions"]] == [True, True]
+    assert all(len(p["replicas"]) == 3 for p in status["partitions"])
+
+    # The tools against the real cluster.
+    val = waltz("client", "validate", "-c", str(cluster_dir / "client.yaml"), "--txns-per-client", "15")
+    assert val.returncode == 0, val.stdout + val.stderr
+    hwm = waltz("client", "high-water-mark", "-c", str(cluster_dir / "client.yaml"), "-p", "0")
+    assert hwm.returncode == 0
+    assert int(hwm.stdout) >= -1
+    text = waltz("local", "status", "--dir", d).stdout
+    assert "partition" in text
+    assert "storage 0:" in text
+
+    old_pid = cluster.storages[1].pid
+    kill = waltz("local", "kill", "--dir", d, "--storage", "1")
+    assert kill.returncode == 0, kill.stderr
+    assert not procs.is_alive(cluster.storages[1].process)
+    down_status = waltz("local", "status", "--dir", d)
+    assert down_status.returncode == 3
+    assert "DOWN" in down_status.stdout
+    again = waltz("local", "kill", "--dir", d, "--storage", "1")
+    assert again.returncode == 1
+    assert "storage 1 is not running" in again.stderr
+
+    start = waltz("local", "start", "--dir", d, "--storage", "1")
+    assert start.returncode == 0, start.stderr
+    restarted = LocalCluster.load(cluster_dir).storages[1]
+    assert restarted.pid != old_pid
+    assert procs.is_alive(restarted.process)
+    twice = waltz("local", "start", "--dir", d, "--storage", "1")
+    assert twice.returncode == 1
+    assert "already running" in twice.stderr
+
+    assert waltz("local", "kill", "--dir", d, "--server", "0").returncode == 0
+    assert waltz("local", "start", "--dir", d, "--server", "0").returncode == 0
+    missing = waltz("local", "kill", "--dir", d, "--storage", "7")
+    assert missing.returncode == 2
+    assert "there is no storage 7" in missing.stderr
+
+    second = waltz("local", "up", "--dir", d)
+    assert second.returncode == 2
+    assert "already holds a running cluster" in second.stderr
+
+    down = waltz("local", "down", "--dir", d)
+    assert down.returncode == 0, down.stderr
+    assert "zookeeper" in down.stdout
+    final = LocalCluster.load(cluster_dir)
+    assert not any(procs.is_alive(p.process) for p in final.processes)
+    assert processes_mentioning(cluster_dir) == []
+    assert waltz("local", "down", "--dir", d).stdout.strip() == "nothing was running"
+    reuse = waltz("local", "up", "--dir", d)
+    assert reuse.returncode == 2
+    assert "holds a stopped cluster's data" in reuse.stderr
+    assert waltz("local", "start", "--dir", d, "--server", "0").returncode == 1
+    assert waltz("local", "down", "--dir", d, "--purge").returncode == 0
+    assert not cluster_dir.exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_port_in_use_is_reported_before_anything_starts(cluster_dir: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = waltz("local", "up", "--dir", str(cluster_dir), "--zk-port", str(port))
+        assert result.returncode == 2
+        assert f"port {port} (ZooKeeper client port) is already in use" in result.stderr
+        ranged = waltz("local", "up", "--dir", str(cluster_dir), "--base-port", str(port - 2))
+        assert ranged.returncode == 2
+        assert f"port {port} (storage 0 HTTP port) is already in use" in ranged.stderr
+    assert not (cluster_dir / "cluster.json").exists()
+
+
+@pytest.mark.timeout(60)
+def test_bad_options_are_refused(cluster_dir: Path) -> None:
+    tls = waltz("local", "up", "--dir", str(cluster_dir), "--tls")
+    assert tls.returncode == 2
+    assert "--tls" in tls.stderr
+    groups = waltz("local", "up", "--dir", str(cluster_dir), "--storages", "2", "--groups", "3")
+    assert groups.returncode == 2
+    assert "--groups must be between 1 and the number of storage nodes (2)" in groups.stderr
+    none = waltz("local", "status", "--dir", str(cluster_dir))
+    assert none.returncode == 2
+    assert "holds no local cluster" in none.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_zookeeper_package_is_reported(cluster_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(zkserver, "ZOOKEEPER_JAR", cluster_dir / "nowhere" / "zookeeper.jar")
+    with pytest.raises(ClusterError, match="apt-get install zookeeper"):
+        local.up(local.UpOptions(directory=cluster_dir))
+    assert not (cluster_dir / "cluster.json").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_process_dying_during_start_leaves_nothing_running(
+    cluster_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from waltz.local import cluster as orchestration
+
+    real = orchestration._server_config
+
+    def broken(cluster: LocalCluster, rec: local.ProcessRecord) -> dict[str, object]:
+        values = real(cluster, rec)
+        if rec.index == 1:
+            values["server.noSuchSetting"] = 1  # The server refuses its config and exits.
+        return values
+
+    monkeypatch.setattr(orchestration, "_server_config", broken)
+    with pytest.raises(procs.ProcessStartError, match="server 1 exited during start") as info:
+        local.up(local.UpOptions(directory=cluster_dir, storages=2, servers=2, partitions=1))
+    assert "noSuchSetting" in str(info.value)  # the log tail says why
+    assert processes_mentioning(cluster_dir) == []
+    assert not (cluster_dir / "cluster.json").exists()
+    assert (cluster_dir / "logs" / "server-1.log").exists()  # kept for the post-mortem
+    assert not (cluster_dir / "storage-0").exists()
