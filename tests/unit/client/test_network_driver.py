@@ -1,0 +1,252 @@
+"""The network driver's session logic against a scripted in-process server (no ZooKeeper): feed sessions,
+stale replies, feed windows, NOT_READY retries, gaps, reconnects with a new incarnation, RPC matching."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from waltz.client.config import ClientConfig
+from waltz.client.driver import AppendRequest, MountState
+from waltz.client.network import Endpoints, NetworkDriver
+from waltz.errors import BrokenResourceError
+from waltz.protocol import client_server as cs
+from waltz.protocol.framing import MAGIC_CLIENT
+from waltz.protocol.records import ReqId, crc32
+from waltz.transport import FramedConnection, FramedServer, serve
+
+STEP_S = 5.0
+
+
+class StaticDiscovery:
+    """A Discovery with a fixed cluster and an assignment the test publishes."""
+
+    def __init__(self, num_partitions: int = 1) -> None:
+        self.num_partitions = num_partitions
+        self.cluster_name = "fake"
+        self.endpoints: Endpoints = {}
+        self._changed = asyncio.Event()
+        self.closed = False
+
+    async def open(self) -> None:
+        pass
+
+    async def new_client_id(self) -> int:
+        return 7
+
+    def publish(self, endpoints: Endpoints) -> None:
+        self.endpoints = dict(endpoints)
+        self._changed.set()
+
+    async def updates(self) -> AsyncIterator[Endpoints]:
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            yield dict(self.endpoints)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class FakeServer:
+    """Accepts client connections and queues what they send; the test answers through ``send``."""
+
+    def __init__(self) -> None:
+        self.received: asyncio.Queue[tuple[FramedConnection, cs.Message]] = asyncio.Queue()
+        self.server: FramedServer | None = None
+
+    async def start(self) -> str:
+        self.server = await serve(
+            "127.0.0.1",
+            0,
+            self._handle,
+            magic=MAGIC_CLIENT,
+            versions=cs.SUPPORTED_VERSIONS,
+            hello_text="fake",
+        )
+        return f"127.0.0.1:{self.server.port}"
+
+    async def _handle(self, conn: FramedConnection) -> None:
+        while True:
+            msg = cs.decode(await conn.receive(), conn.negotiated_version)
+            await self.received.put((conn, msg))
+
+    async def expect(self, kind: type[cs.Message]) -> tuple[FramedConnection, cs.Message]:
+        while True:
+            conn, msg = await asyncio.wait_for(self.received.get(), STEP_S)
+            if isinstance(msg, kind):
+                return conn, msg
+
+    @staticmethod
+    def send(conn: FramedConnection, msg: cs.Message) -> None:
+        conn.send(cs.encode(msg, conn.negotiated_version))
+
+    async def aclose(self) -> None:
+        if self.server is not None:
+            await self.server.aclose()
+
+
+class Recorder:
+    """A DriverListener that records every event as a tuple."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[object, ...]] = []
+        self.changed = asyncio.Event()
+
+    async def _add(self, *event: object) -> None:
+        self.events.append(event)
+        self.changed.set()
+
+    async def on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
+        await self._add("feed", transaction_id)
+
+    async def on_mount_state(self, partition_id: int, state: MountState) -> None:
+        await self._add("state", state)
+
+    async def on_lock_failure(self, partition_id: int, req_id: ReqId, transaction_id: int) -> None:
+        await self._add("lock", req_id, transaction_id)
+
+    async def on_flush_response(self, partition_id: int, req_id: ReqId, transaction_id: int) -> None:
+        await self._add("flush", req_id, transaction_id)
+
+    async def wait_for(self, *event: object) -> None:
+        async with asyncio.timeout(STEP_S):
+            while event not in self.events:
+                self.changed.clear()
+                await self.changed.wait()
+
+
+def append_id(seq: int) -> ReqId:
+    return ReqId.of(7, 1, 0, seq)
+
+
+@pytest.mark.timeout(60)
+def test_mount_feed_windows_stale_replies_gap_not_ready_and_reconnect() -> None:
+    async def main() -> None:
+        server = FakeServer()
+        endpoint = await server.start()
+        discovery = StaticDiscovery()
+        driver = NetworkDriver(ClientConfig(), discovery=discovery)
+        listener = Recorder()
+        await driver.open(listener)
+        try:
+            assert driver.client_id == 7
+            await driver.mount(0, -1)
+            discovery.publish({0: (endpoint, 1)})
+
+            conn, mount = await server.expect(cs.MountRequest)
+            assert isinstance(mount, cs.MountRequest)
+            assert mount.client_high_water_mark == -1
+            assert mount.req_id.generation == 1
+            first_incarnation = mount.seq_num
+            session = mount.req_id
+            # A reply to some other (stale) mount is ignored; FeedData carries the appends' own ids.
+            server.send(conn, cs.MountResponse(ReqId.of(7, 1, 0, 999), cs.PartitionState.NOT_READY))
+            server.send(conn, cs.FeedData(append_id(1), 0, 10))
+            server.send(conn, cs.FeedData(append_id(2), 1, 11))
+            server.send(conn, cs.MountResponse(session, cs.PartitionState.READY))
+            await listener.wait_for("state", MountState.READY)
+            # NOT_READY first: the partition was mounted before any assignment named its server.
+            assert listener.events == [
+                ("state", MountState.NOT_READY),
+                ("feed", 0),
+                ("feed", 1),
+                ("state", MountState.READY),
+            ]
+            _, feed = await server.expect(cs.FeedRequest)
+            assert feed == cs.FeedRequest(session, 1)
+
+            # Appends and flushes go out in call order on the stream connection.
+            data = b"x"
+            request = AppendRequest(append_id(3), 1, (1,), (), (), 0, data, crc32(data))
+            driver.send_append(0, request)
+            driver.send_flush(0, append_id(3))
+            _, append = await server.expect(cs.AppendRequest)
+            assert append.req_id == append_id(3)
+            _, flush = await server.expect(cs.FlushRequest)
+            assert flush.req_id == append_id(3)
+            server.send(conn, cs.FlushResponse(append_id(3), 1))
+            await listener.wait_for("flush", append_id(3), 1)
+
+            # A repeat is dropped; a used-up window is re-opened from the last id delivered.
+            server.send(conn, cs.FeedData(append_id(1), 1, 11))
+            server.send(conn, cs.FeedData(append_id(4), 2, 12))
+            server.send(conn, cs.FeedSuspended(session))
+            _, feed = await server.expect(cs.FeedRequest)
+            assert feed == cs.FeedRequest(session, 2)
+            assert [e for e in listener.events if e[0] == "feed"] == [("feed", t) for t in range(3)]
+
+            # A gap: the driver starts a new session from the last id delivered.
+            server.send(conn, cs.FeedData(append_id(5), 5, 15))
+            _, remount = await server.expect(cs.MountRequest)
+            assert remount.client_high_water_mark == 2
+            assert remount.req_id != session
+            await listener.wait_for("state", MountState.NOT_READY)
+            with pytest.raises(BrokenResourceError):
+                driver.send_append(0, request)
+
+            # NOT_READY: the driver mounts again by itself, shortly after.
+            server.send(conn, cs.MountResponse(remount.req_id, cs.PartitionState.NOT_READY))
+            _, again = await server.expect(cs.MountRequest)
+            assert again.client_high_water_mark == 2
+            assert again.req_id != remount.req_id
+
+            # The connection dies: a new one, with a newer incarnation, re-mounts from the same place.
+            await conn.aclose()
+            conn2, after_loss = await server.expect(cs.MountRequest)
+            assert conn2 is not conn
+            assert after_loss.seq_num > first_incarnation
+            assert after_loss.client_high_water_mark == 2
+            server.send(conn2, cs.FeedData(append_id(6), 3, 16))
+            server.send(conn2, cs.MountResponse(after_loss.req_id, cs.PartitionState.READY))
+            await listener.wait_for("feed", 3)
+            feeds = [e[1] for e in listener.events if e[0] == "feed"]
+            assert feeds == [0, 1, 2, 3]
+        finally:
+            await driver.close()
+            await server.aclose()
+        assert discovery.closed
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_rpcs_match_responses_by_request_and_follow_the_assignment() -> None:
+    async def main() -> None:
+        server = FakeServer()
+        endpoint = await server.start()
+        discovery = StaticDiscovery(num_partitions=2)
+        driver = NetworkDriver(ClientConfig(), discovery=discovery)
+        await driver.open(Recorder())
+        discovery.publish({0: (endpoint, 3), 1: (endpoint, 4)})
+        await asyncio.sleep(0.05)
+        try:
+
+            async def answer() -> None:
+                # Answer in reverse order: the driver matches by the request's ReqId, not by arrival.
+                pending = [await server.expect(cs.TransactionDataRequest) for _ in range(2)]
+                for conn, request in reversed(pending):
+                    assert isinstance(request, cs.TransactionDataRequest)
+                    data = f"p{request.req_id.partition_id}t{request.transaction_id}".encode()
+                    server.send(
+                        conn, cs.TransactionDataResponse.success(request.req_id, request.transaction_id, data)
+                    )
+                conn, hwm = await server.expect(cs.HighWaterMarkRequest)
+                assert hwm.req_id.generation == 4
+                server.send(conn, cs.HighWaterMarkResponse(hwm.req_id, 41))
+
+            answering = asyncio.create_task(answer())
+            a, b = await asyncio.gather(
+                driver.fetch_transaction_data(0, 5), driver.fetch_transaction_data(1, 6)
+            )
+            assert a[0] == b"p0t5"
+            assert b[0] == b"p1t6"
+            assert await driver.high_water_mark(1) == 41
+            await answering
+        finally:
+            await driver.close()
+            await server.aclose()
+
+    asyncio.run(main())
