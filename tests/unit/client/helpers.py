@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from waltz import (
     ClientCallbacks,
@@ -13,6 +14,8 @@ from waltz import (
     TransactionBuilder,
     TransactionContext,
 )
+from waltz.errors import ClusterError
+from waltz.testing import MockDriver
 
 FAST = ClientConfig(
     long_wait_threshold_ms=50,
@@ -130,3 +133,10 @@ class Ctx(TransactionContext):
 
     def on_lock_failure(self) -> None:
         self.events.append("lock_failure")
+
+
+class UnreachableDriver(MockDriver):
+    """A driver whose cluster cannot be reached: ``open`` fails as the network driver does then."""
+
+    async def open(self, listener: Any) -> None:
+        raise ClusterError("cannot connect to ZooKeeper at 127.0.0.1:9: no answer within 100 ms")

@@ -7,10 +7,10 @@ import threading
 import pytest
 
 from waltz import ClientConfig, WaltzClient
-from waltz.errors import ClientClosedError, ClientError, ClientTimeoutError
+from waltz.errors import ClientClosedError, ClientError, ClientTimeoutError, ClusterError
 from waltz.testing import MockDriver
 
-from .helpers import FAST, Ctx, RecordingCallbacks
+from .helpers import FAST, Ctx, RecordingCallbacks, UnreachableDriver
 
 
 def test_many_threads_submit_concurrently() -> None:
@@ -76,9 +76,8 @@ def test_set_partitions_through_the_facade() -> None:
 
 def test_constructor_failure_cleans_up_its_thread() -> None:
     before = {t.name for t in threading.enumerate()}
-    config = ClientConfig(zookeeper_connect_string="zk:2181", cluster_root="/waltz")
-    with pytest.raises(Exception, match=r"MockDriver|network"):
-        WaltzClient(RecordingCallbacks(), config)
+    with pytest.raises(ClusterError, match="cannot connect to ZooKeeper"):
+        WaltzClient(RecordingCallbacks(), FAST, driver=UnreachableDriver())
     leftover = {t.name for t in threading.enumerate()} - before
     assert "waltz-client-loop" not in leftover
 
