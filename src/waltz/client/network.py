@@ -119,6 +119,8 @@ range requests, so an attempt must end well before the caller's own limit for it
 RPC_RETRY_INITIAL_S: Final = 0.05
 RPC_RETRY_MAX_S: Final = 1.0
 ZK_CLOSE_TIMEOUT_S: Final = 5.0
+ZK_MIN_CONNECT_TIMEOUT_MS: Final = 1000
+ZK_MAX_CONNECT_TIMEOUT_MS: Final = 10000
 _MASK32: Final = 0xFFFFFFFF
 
 Endpoints = dict[int, tuple[str, int]]
@@ -201,10 +203,15 @@ class ZkDiscovery:
 
     async def open(self) -> None:
         config = self._config
+        session_timeout_ms = config.zookeeper_session_timeout_ms
         client = await asyncio.to_thread(
             zk.connect,
             config.zookeeper_connect_string,
-            session_timeout_ms=config.zookeeper_session_timeout_ms,
+            session_timeout_ms=session_timeout_ms,
+            # An ensemble that does not answer within a session timeout is reported, not waited for.
+            connect_timeout_ms=max(
+                ZK_MIN_CONNECT_TIMEOUT_MS, min(session_timeout_ms, ZK_MAX_CONNECT_TIMEOUT_MS)
+            ),
         )
         try:
             params = await asyncio.to_thread(read_cluster_params, client, config.cluster_root)
