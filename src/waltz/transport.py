@@ -709,3 +709,21 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(main)
     result: T = uvloop.run(main)
     return result
+
+
+async def wait_for_stop_signal() -> None:
+    """Return on SIGTERM or SIGINT (the way ``waltz storage run`` and ``waltz server run`` are stopped)."""
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    try:
+        await stop.wait()
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)

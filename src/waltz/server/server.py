@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -43,7 +42,7 @@ from waltz.server.feed_cache import FeedCache
 from waltz.server.partition import Partition, PartitionMetrics
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.transaction_cache import TransactionCache
-from waltz.transport import FramedConnection, FramedServer, serve
+from waltz.transport import FramedConnection, FramedServer, serve, wait_for_stop_signal
 
 log = logging.getLogger(__name__)
 
@@ -508,14 +507,9 @@ class WaltzServer:
 async def run_server(config: ServerConfig, *, ready: Callable[[WaltzServer], None] | None = None) -> None:
     """Run a server until SIGTERM/SIGINT, then leave the cluster cleanly."""
     server = await WaltzServer.start(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
     try:
         if ready is not None:
             ready(server)
-        await stop.wait()
+        await wait_for_stop_signal()
     finally:
         await server.aclose()

@@ -57,7 +57,7 @@ from waltz.protocol.records import Record
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import FLAG_ASSIGNED, FLAG_AVAILABLE, ControlFile, PartitionInfo
 from waltz.storage.partition import PartitionLog
-from waltz.transport import FramedConnection, FramedServer, serve
+from waltz.transport import FramedConnection, FramedServer, serve, wait_for_stop_signal
 
 log = logging.getLogger(__name__)
 
@@ -798,18 +798,11 @@ def load_cluster_identity(config: StorageConfig) -> tuple[uuid.UUID, int]:
 
 async def run_node(config: StorageConfig, *, ready: Callable[[StorageNode], None] | None = None) -> None:
     """Run a storage node until SIGTERM/SIGINT (or cancellation), then close it cleanly."""
-    import signal
-
     key, num_partitions = await asyncio.to_thread(load_cluster_identity, config)
     node = await StorageNode.start(config, key, num_partitions)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
     try:
         if ready is not None:
             ready(node)
-        await stop.wait()
+        await wait_for_stop_signal()
     finally:
         await node.aclose()
