@@ -76,6 +76,7 @@ from waltz.errors import (
     ClientClosedError,
     ClientError,
     ClientTimeoutError,
+    ClosedResourceError,
     ConnectionError_,
     DataChecksumError,
     LocalProtocolError,
@@ -312,7 +313,13 @@ class RpcPool:
         rpc = await self._client(endpoint)
         seq = rpc.next_seq() & _MASK32
         request = make(ReqId.of(self.client_id, generation, partition_id, seq))
-        return await rpc.call(request, timeout_ms)
+        try:
+            return await rpc.call(request, timeout_ms)
+        except ClosedResourceError:
+            if self._closed:
+                raise
+            # We dropped the connection because the partition moved: ask again, on the new owner.
+            raise BrokenResourceError(f"the connection to {endpoint} was closed under the call") from None
 
     def forget(self, keep: set[str]) -> list[Awaitable[None]]:
         """Drop the connections to endpoints not in ``keep``; returns their closes to await."""
