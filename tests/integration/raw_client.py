@@ -12,6 +12,11 @@ One :class:`RawClient` follows one partition:
   unanswered) and returns a future: its id when the client sees its own ReqId in the feed (*acknowledged*:
   the only way the protocol acknowledges an append), :class:`LockFailed` on a LockFailure, or
   :class:`NotCommitted` when a later mount proves it is not in the log.
+* An append the server failed (its store session lost the batch) gets no answer at all: the protocol says
+  the client finds out with a flush. An append unanswered for ``FLUSH_AFTER_S`` triggers a FlushRequest;
+  once the feed has delivered up to the FlushResponse's high-water mark, every append sent before the flush
+  and still unacknowledged fails with :class:`NotCommitted` (the server resolved everything queued before
+  the flush).
 * When the connection breaks, the watcher shows another owner or generation, or the server answers
   NOT_READY, it reconnects and mounts again. A mount answers READY only after the server has resolved every
   append it had queued (and, at a new owner, after its store session recovered and fenced the old one), and
@@ -40,6 +45,7 @@ from waltz.transport import FramedConnection, open_connection
 log = logging.getLogger(__name__)
 
 RECONNECT_DELAY_S = 0.1
+FLUSH_AFTER_S = 1.0
 
 
 class NotCommitted(Exception):
@@ -121,6 +127,11 @@ class RawClient:
         self._closed = False
         self._hwm_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._hwm_answers: dict[ReqId, asyncio.Future[int]] = {}
+        self._flush: tuple[ReqId, list[ReqId]] | None = None
+        """The FlushRequest in flight and the appends pending when it was sent."""
+        self._flushed: tuple[int, list[ReqId]] | None = None
+        """A FlushResponse's high-water mark and the appends to fail once the feed reached it."""
+        self._flusher: asyncio.Task[None] | None = None
 
     # -- life cycle ------------------------------------------------------------------------------------------
 
@@ -129,6 +140,7 @@ class RawClient:
         self._task = asyncio.create_task(self._run(), name=f"raw-client-{self.client_id}")
         if self.watcher is not None and self.fixed_endpoint is None:
             self._watch_task = asyncio.create_task(self._watch(), name=f"raw-client-watch-{self.client_id}")
+        self._flusher = asyncio.create_task(self._flush_stale(), name=f"raw-client-flush-{self.client_id}")
         await self.wait_mounted(timeout_s)
         return self
 
@@ -138,10 +150,10 @@ class RawClient:
 
     async def aclose(self) -> None:
         self._closed = True
-        for t in (self._task, self._watch_task):
+        for t in (self._task, self._watch_task, self._flusher):
             if t is not None:
                 t.cancel()
-        for t in (self._task, self._watch_task):
+        for t in (self._task, self._watch_task, self._flusher):
             if t is not None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
@@ -195,6 +207,14 @@ class RawClient:
             with contextlib.suppress(ConnectionError_):
                 await conn.drain()
 
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until no append is waiting for its outcome."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while self._pending:
+                    fut = next(iter(self._pending.values())).future
+                    await asyncio.wait([fut])
+
     async def wait_for_hwm(self, transaction_id: int, timeout_s: float = 30.0) -> None:
         """Wait until the feed delivered ``transaction_id``."""
         if self.hwm >= transaction_id:
@@ -216,6 +236,40 @@ class RawClient:
         conn.send(cs.encode(cs.HighWaterMarkRequest(rid), conn.negotiated_version))
         async with asyncio.timeout(timeout_s):
             return await fut
+
+    async def _flush_stale(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_AFTER_S / 2)
+            conn = self._conn
+            if conn is None or not self._mounted.is_set() or self._flush is not None or not self._pending:
+                continue
+            oldest = min(p.sent_s for p in self._pending.values())
+            if time.perf_counter() - oldest < FLUSH_AFTER_S:
+                continue
+            self._seq += 1
+            rid = ReqId.of(self.client_id, self.generation, self.partition, self._seq)
+            self._flush = (rid, list(self._pending))
+            with contextlib.suppress(ConnectionError_):
+                conn.send(cs.encode(cs.FlushRequest(rid), conn.negotiated_version))
+
+    def _flush_answered(self, msg: cs.FlushResponse) -> None:
+        if self._flush is None or self._flush[0] != msg.req_id:
+            return
+        self._flushed = (msg.transaction_id, self._flush[1])
+        self._flush = None
+        self._resolve_flushed()
+
+    def _resolve_flushed(self) -> None:
+        if self._flushed is None or self.hwm < self._flushed[0]:
+            return
+        _, rids = self._flushed
+        self._flushed = None
+        for rid in rids:
+            p = self._pending.pop(rid, None)
+            if p is not None and not p.future.done():
+                self.stats.not_committed += 1
+                p.future.set_exception(NotCommitted(f"{rid!r} not in the log after a flush"))
+                p.future.exception()
 
     # -- connection loop -------------------------------------------------------------------------------------
 
@@ -276,6 +330,7 @@ class RawClient:
         self._seq += 1
         mount_rid = ReqId.of(self.client_id, generation, self.partition, self._seq)
         self._mount_rid = mount_rid
+        self._flush = self._flushed = None  # a mount resolves them all
         conn.send(cs.encode(cs.MountRequest(mount_rid, self.hwm, self._conn_seq), version))
         while True:
             msg = cs.decode(await conn.receive(), version)
@@ -300,6 +355,8 @@ class RawClient:
                     if msg.state is cs.PartitionState.CLIENT_AHEAD:
                         self.violations.append(f"CLIENT_AHEAD at hwm {self.hwm} from {self.server}")
                     return  # NOT_READY: reconnect (the owner may be moving)
+            elif isinstance(msg, cs.FlushResponse):
+                self._flush_answered(msg)
             elif isinstance(msg, cs.HighWaterMarkResponse):
                 fut = self._hwm_answers.pop(msg.req_id, None)
                 if fut is not None and not fut.done():
@@ -344,6 +401,8 @@ class RawClient:
             elif msg.req_id.seq_num <= self._seq and msg.req_id not in self.acked:
                 # Committed after a mount had declared it lost: the worst kind of violation.
                 self.violations.append(f"{msg.req_id!r} committed at {txn} after being declared lost")
+        if self._flushed is not None:
+            self._resolve_flushed()
         if self._hwm_waiters:
             still = []
             for target, fut in self._hwm_waiters:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from waltz.config import ConfigSchema, Key, distinct_ports, read_yaml
 from waltz.errors import ConfigError
 from waltz.server.store.support import StoreConfig
+from waltz.tls import TlsConfig, tls_keys
 
 CATCH_UP_BATCH_RECORDS = 1000
 """Records a lagging replica copies per round trip (see ``from_mapping``)."""
+
+MAX_PENDING_BATCHES = 64
+"""Batches a replica may have waiting before it counts as unable to keep up (see ``from_mapping``)."""
 
 SERVER_SCHEMA = ConfigSchema(
     [
@@ -34,8 +38,10 @@ SERVER_SCHEMA = ConfigSchema(
         Key("storage.maxRetryInterval", int, 20000, "largest retry delay (ms)", 1),
         Key("storage.checkpointInterval", int, 250_000, "transactions between forced new sessions", 1),
         Key("storage.rpcTimeout", int, 10_000, "storage request timeout (ms)", 100),
+        # One set of keys for both sides, as in the original: the listener for clients, and the client
+        # context towards storage nodes (whose certificate must chain to server.ssl.caFile).
+        *tls_keys("server.ssl."),
     ],
-    passthrough_prefixes=("server.ssl.",),
 )
 
 
@@ -58,6 +64,8 @@ class ServerConfig:
     append_queue_size: int
     preferred_partitions: str
     store: StoreConfig
+    tls: TlsConfig = field(default_factory=lambda: TlsConfig(prefix="server.ssl."))
+    """``server.ssl.*``: TLS towards clients and towards storage nodes (see :mod:`waltz.tls`)."""
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], source: str = "server config") -> ServerConfig:
@@ -90,11 +98,17 @@ class ServerConfig:
                 # then falls behind for good (each round trip also waits for an fsync on the copy's target).
                 # Whole write batches per round trip let it catch up with a writer at full speed.
                 catch_up_batch_size=max(CATCH_UP_BATCH_RECORDS, batch),
+                # A participant that has this many batches waiting ends the session. Batches of a lone client
+                # hold one record each, so 8 (the store default) is an 8 ms fsync stall at 1000 appends/s:
+                # sessions then restarted every few seconds. A replica writes everything waiting in one
+                # request, so a short stall is caught up at once.
+                max_pending_batches=MAX_PENDING_BATCHES,
                 checkpoint_interval=c["storage.checkpointInterval"],
                 initial_retry_interval_ms=c["storage.initialRetryInterval"],
                 max_retry_interval_ms=c["storage.maxRetryInterval"],
                 rpc_timeout_ms=c["storage.rpcTimeout"],
             ),
+            tls=TlsConfig.from_config(c, "server.ssl.", role="both", source=source),
         )
 
     @classmethod

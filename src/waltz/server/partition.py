@@ -292,8 +292,15 @@ class Partition:
         if req is None:
             # A slot is held by an in-flight append: wait until the store resolved everything, then retry.
             await self.store.flush()
+            # Every append is resolved now, but the callbacks releasing their slots (_append_done) may still
+            # be queued on the loop: flush() does not yield when everything was already resolved. Let them run
+            # before concluding that slots leaked; a reset makes every in-flight append fail its lock check.
+            await asyncio.sleep(0)
             req = locks.begin(msg.write_locks, msg.read_locks, msg.append_locks)
             if req is None:
+                log.warning(
+                    "partition %d: lock slots busy with nothing pending; resetting", self.partition_id
+                )
                 locks.reset(self.high_water_mark)
                 req = locks.begin(msg.write_locks, msg.read_locks, msg.append_locks)
                 if req is None:
