@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import shutil
+import signal
 import statistics
 import struct
 import subprocess
@@ -237,6 +238,8 @@ def main() -> None:
     if args.load:
         load_main(args)
     else:
+        # SIGTERM (e.g. from timeout(1)) unwinds like Ctrl-C, so every process started is stopped.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         asyncio.run(driver(args))
 
 
