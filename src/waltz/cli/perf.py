@@ -34,6 +34,13 @@ def register(groups: Any) -> None:
         help="write lock on a random id < K (0: no locks)",
     )
     prod.add_argument("--partitions", type=int, default=None, metavar="P", help="use partitions 0..P-1")
+    prod.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=None,
+        metavar="N",
+        help="appends in flight per partition and client (client.maxConcurrentTransactions; default: config)",
+    )
     prod.add_argument("--json", action="store_true", help="print one JSON object")
     prod.set_defaults(handler=cmd_producer)
 
@@ -83,6 +90,7 @@ def cmd_producer(args: argparse.Namespace) -> int:
         interval_ms=args.interval_ms,
         lock_pool_size=args.lock_pool_size,
         partitions=args.partitions,
+        max_in_flight=args.max_in_flight,
     )
     return _print(asyncio.run(run_producers(config, opts, drivers)), args.json)
 

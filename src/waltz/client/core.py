@@ -17,10 +17,17 @@ What it does, per partition:
   ``client.longWaitThreshold``, so a lost append is detected even when the application is idle.
 
 Threading guarantee: all state here lives on the event loop. Application code (``execute``, the context hooks,
-``ClientCallbacks``) runs on a thread pool of ``client.numConsumerThreads`` threads ("waltz-callback-N"); for
-one partition ``apply_transaction`` calls are strictly sequential and in transaction-id order, so a slow
-callback delays only its own partition's feed, never the network or other partitions. Every task is owned by
-the client and cancelled by :meth:`AsyncWaltzClient.close`.
+``ClientCallbacks``) runs on a :class:`~waltz.client.pool.CallbackPool` of ``client.numConsumerThreads``
+threads ("waltz-callback-N"); for one partition ``apply_transaction`` calls are strictly sequential and in
+transaction-id order, so a slow callback delays only its own partition's feed, never the network or other
+partitions. Every task is owned by the client and cancelled by :meth:`AsyncWaltzClient.close`.
+
+Cost per transaction (the fast path): ``submit`` makes one callback-thread call (``partition_id`` and, with a
+free slot on a ready partition, ``execute``) and sends the append without a task; the append's fate comes
+back through a callback; ``on_completion``/``on_application`` are queued and run as one callback job per
+event-loop iteration; the applier hands runs of the feed to one job. Anything unusual (no free slot, the
+partition not mounted, an append not committed) continues in a per-context task, the slow path, which is
+the original retry loop.
 """
 
 from __future__ import annotations
@@ -28,12 +35,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeAlias, TypeVar
 
 from waltz.client.api import ClientCallbacks
 from waltz.client.builder import TransactionBuilder
@@ -41,6 +48,7 @@ from waltz.client.config import ClientConfig
 from waltz.client.context import TransactionContext
 from waltz.client.driver import ClientDriver, MountState, create_network_driver
 from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
+from waltz.client.pool import Call, CallbackPool
 from waltz.client.retry import APPLY_RETRY, FETCH_RETRY, MAX_CHECKSUM_ATTEMPTS, RetryPolicy
 from waltz.client.transaction import Transaction
 from waltz.errors import (
@@ -60,21 +68,47 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+APPLY_BATCH_MAX = 256
+"""Most feed transactions handed to one callback thread in one job (applied one after the other)."""
+APPLY_BATCH_MAX_S = 0.005
+"""A batch returns to the loop after this long, so the applied high-water mark (and ``on_application``)
+never lags far behind a slow ``apply_transaction``."""
+
+_First: TypeAlias = TransactionBuilder | Literal[False] | Exception | None
+"""What a submit's first callback-thread call returns (see ``AsyncWaltzClient._first_attempt``)."""
+
+OutcomeCallback = Callable[["Resolution | BaseException"], None]
+"""How an append learns its fate: a :class:`Resolution`, or the error that ended its partition's mount."""
+
 
 class _Slots:
-    """A counting semaphore with a timeout that never loses a slot to a cancellation (FIFO wake-up)."""
+    """A counting semaphore with a timeout that never loses a slot to a cancellation (FIFO wake-up).
+
+    :meth:`try_acquire` may be called from any thread (a callback thread takes a slot for the first attempt
+    of a submit); :meth:`acquire` and :meth:`release` only on the loop.
+    """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._lock = threading.Lock()
+
+    def try_acquire(self) -> bool:
+        """Take a slot if one is free and nobody waits for one."""
+        with self._lock:
+            if self.used < self.limit and not self._waiters:
+                self.used += 1
+                return True
+            return False
 
     async def acquire(self, timeout_s: float) -> None:
-        if self.used < self.limit and not self._waiters:
-            self.used += 1
-            return
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        with self._lock:
+            if self.used < self.limit and not self._waiters:
+                self.used += 1
+                return
+            self._waiters.append(waiter)
         try:
             async with asyncio.timeout(timeout_s):
                 await waiter
@@ -83,15 +117,22 @@ class _Slots:
                 self.release()  # Granted just as we gave up: pass the slot on.
             else:
                 waiter.cancel()
+                with self._lock:
+                    if waiter in self._waiters:
+                        self._waiters.remove(waiter)  # Or it would keep try_acquire from taking free slots.
             raise
 
     def release(self) -> None:
-        self.used -= 1
-        while self._waiters and self.used < self.limit:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                self.used += 1
-                waiter.set_result(None)
+        granted: list[asyncio.Future[None]] = []
+        with self._lock:
+            self.used -= 1
+            while self._waiters and self.used < self.limit:
+                waiter = self._waiters.popleft()
+                if not waiter.done():
+                    self.used += 1
+                    granted.append(waiter)
+        for waiter in granted:
+            waiter.set_result(None)
 
 
 class _Partition:
@@ -100,13 +141,43 @@ class _Partition:
     def __init__(self, partition_id: int, config: ClientConfig) -> None:
         self.id = partition_id
         self.slots = _Slots(config.max_concurrent_transactions)
-        self.feed: asyncio.Queue[Transaction] = asyncio.Queue(maxsize=config.feed_queue_size)
+        # Committed transactions waiting for apply_transaction, at most feed_limit of them.
+        self.feed: deque[Transaction] = deque()
+        self.feed_limit = config.feed_queue_size
         self.monitor: TransactionMonitor | None = None  # Set once the application's HWM is known.
         self.state: MountState | None = None
         self.error: ClientError | None = None  # Set when the partition is released or the client closes.
-        self.outcomes: dict[ReqId, asyncio.Future[Resolution]] = {}
+        self.outcomes: dict[ReqId, OutcomeCallback] = {}
+        # Runs appended on their first attempt whose transaction is not applied yet, in transaction-id order.
+        self.awaiting_apply: deque[_Run] = deque()
         self.tasks: list[asyncio.Task[Any]] = []  # Mount and applier tasks, cancelled on release.
         self._changed = asyncio.Event()
+        self._feed_waiter: asyncio.Future[None] | None = None  # The applier, waiting for the feed.
+        self._room_waiter: asyncio.Future[None] | None = None  # The driver, waiting for room in the feed.
+
+    def push_feed(self, transaction: Transaction) -> None:
+        self.feed.append(transaction)
+        waiter = self._feed_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait_feed(self) -> None:
+        while not self.feed:
+            self._feed_waiter = asyncio.get_running_loop().create_future()
+            await self._feed_waiter
+
+    async def wait_room(self) -> None:
+        while len(self.feed) >= self.feed_limit:
+            self._room_waiter = asyncio.get_running_loop().create_future()
+            await self._room_waiter
+
+    def take_feed(self, max_count: int) -> list[Transaction]:
+        feed = self.feed
+        batch = [feed.popleft() for _ in range(min(max_count, len(feed)))]
+        waiter = self._room_waiter
+        if waiter is not None and not waiter.done() and len(feed) < self.feed_limit:
+            waiter.set_result(None)
+        return batch
 
     def notify(self) -> None:
         """Wake everything waiting for a state or high-water-mark change."""
@@ -120,13 +191,45 @@ class _Partition:
 class _Run:
     """One submitted context, from ``submit`` to its last hook."""
 
-    def __init__(self, context: TransactionContext, partition: _Partition, first_send: asyncio.Future[None]):
+    __slots__ = (
+        "_done",
+        "applied",
+        "completed",
+        "context",
+        "ended",
+        "finished",
+        "first_send",
+        "holds_slot",
+        "partition",
+        "transaction_id",
+    )
+
+    def __init__(self, context: TransactionContext) -> None:
         self.context = context
-        self.partition = partition
-        self.first_send = first_send  # Resolved when the first append is sent (or the context ended).
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.holds_slot = True
-        self.ended = False  # A terminal hook (on_completion / on_exception) has been called.
+        self.partition: _Partition | None = None  # Known once partition_id() returned.
+        # Slow path only: resolved when the first append is sent (or the context ended).
+        self.first_send: asyncio.Future[None] | None = None
+        self._done: asyncio.Future[None] | None = None  # Made on demand, for flush_transactions.
+        self.holds_slot = False
+        self.ended = False  # A terminal hook (on_completion / on_exception) has been called (or queued).
+        self.finished = False
+        # Fast path, once committed: the transaction id, and whether on_completion ran and it was applied.
+        self.transaction_id = -1
+        self.completed = False
+        self.applied = False
+
+    def done(self) -> asyncio.Future[None]:
+        """A future resolved when the run is finished."""
+        if self._done is None:
+            self._done = asyncio.get_running_loop().create_future()
+            if self.finished:
+                self._done.set_result(None)
+        return self._done
+
+    def set_finished(self) -> None:
+        self.finished = True
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
 
 
 class _Listener:
@@ -207,7 +310,9 @@ class AsyncWaltzClient:
         self._next_seq: dict[int, int] = {}  # Survives set_partitions, so request ids are never reused.
         self._runs: set[_Run] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._executor: ThreadPoolExecutor | None = None
+        self._pool: CallbackPool | None = None
+        self._hooks: list[Call] = []  # Hooks queued during this loop iteration, run as one job.
+        self._hook_runs: list[tuple[_Run, bool]] = []  # (run, True: on_completion / False: on_application)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._source: _DataSource | None = None
         self._started = False
@@ -224,16 +329,14 @@ class AsyncWaltzClient:
         self._started = True
         self._loop = asyncio.get_running_loop()
         self._source = _DataSource(self, self._loop)
-        self._executor = ThreadPoolExecutor(
-            max_workers=self._config.num_consumer_threads, thread_name_prefix="waltz-callback"
-        )
+        self._pool = CallbackPool(self._loop, self._config.num_consumer_threads, "waltz-callback")
         if self._driver_arg is None:
             self._config.require_cluster()
             self._driver_arg = create_network_driver(self._config)
         try:
             await self._driver_arg.open(_Listener(self))
         except BaseException:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            await asyncio.to_thread(self._pool.shutdown)
             raise
         self._driver = self._driver_arg
         if self._config.auto_mount:
@@ -264,8 +367,9 @@ class AsyncWaltzClient:
                 await self._driver.close()
             except Exception:
                 log.exception("closing the client driver failed")
-        if self._executor is not None:
-            await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        self._flush_hooks()  # Terminal hooks already decided still run.
+        if self._pool is not None:
+            await asyncio.to_thread(self._pool.shutdown)
 
     async def __aenter__(self) -> AsyncWaltzClient:
         await self.start()
@@ -313,36 +417,112 @@ class AsyncWaltzClient:
         here as well.
         """
         self._check_open()
+        pool = self._require_pool()
+        run = _Run(context)
         try:
-            num_partitions = self.num_partitions
-            partition_id = await self._call_user(context.partition_id, num_partitions)
-            if isinstance(partition_id, bool) or not isinstance(partition_id, int):
-                raise ClientError(f"partition_id() returned {partition_id!r}, not an int")
-            if not 0 <= partition_id < num_partitions:
-                raise ClientError(f"partition_id() returned {partition_id}, outside 0..{num_partitions - 1}")
-            partition = self._partitions.get(partition_id)
-            if partition is None:
-                raise ClientError(
-                    f"partition {partition_id} is not mounted by this client "
-                    f"(mounted: {sorted(self._partitions)}; see set_partitions)"
-                )
-            try:
-                await partition.slots.acquire(self._config.submit_timeout_ms / 1000)
-            except TimeoutError:
-                raise ClientTimeoutError(
-                    f"submit timed out after {self._config.submit_timeout_ms} ms: partition {partition_id} "
-                    f"already has {partition.slots.limit} transactions in flight "
-                    "(client.maxConcurrentTransactions); is the feed stalled or the application overloaded?"
-                ) from None
+            # One callback-thread call: partition_id() and, when a slot is free on a ready partition, the
+            # first execute() too (the common case: no second hop, no task).
+            first = await pool.call(
+                self._first_attempt, run, self.num_partitions, orphan=functools.partial(self._orphaned, run)
+            )
+            partition = run.partition
+            assert partition is not None
+            if first is None:
+                await self._acquire_slot(partition)
+                run.holds_slot = True
             self._check_open()
         except Exception as e:
+            self._release_slot(run)
             await self._call_hook(context.on_exception, e)
             raise
-        first_send: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        run = _Run(context, partition, first_send)
+        except BaseException:
+            self._release_slot(run)
+            raise
         self._runs.add(run)
-        self._spawn(self._run_context(run), f"waltz-run-p{partition_id}")
-        await asyncio.shield(first_send)
+        if isinstance(first, Exception):  # execute() raised
+            await self._end_with_exception(run, first)
+            raise first
+        if first is False:  # execute() gave up
+            self._release_slot(run)
+            run.ended = True
+            await self._call_hook(context.on_completion, False)
+            self._finish(run)
+            return
+        if first is not None:
+            monitor = self._ready_monitor(partition)
+            if monitor is not None:
+                self._send(partition, monitor, first, functools.partial(self._on_first_outcome, run))
+                return
+        # The slow path: a task executes (or sends what was executed) once the partition is mounted.
+        run.first_send = asyncio.get_running_loop().create_future()
+        self._spawn(
+            self._run_context(run, 1 if first is not None else 0, first), f"waltz-run-p{partition.id}"
+        )
+        await asyncio.shield(run.first_send)
+
+    def _first_attempt(self, run: _Run, num_partitions: int) -> _First:
+        """On a callback thread: call ``partition_id`` and, if a slot is free at once on a ready partition,
+        take it and call ``execute``. Returns the filled builder, False (execute gave up), the exception
+        execute raised, or None (not executed: the caller waits for a slot and the mount on the loop).
+
+        Reads loop state without the loop: each read is atomic, and what may change under it is re-checked
+        on the loop (the mount is checked again before sending). The applied high-water mark only grows and
+        only after ``apply_transaction`` returned, so the value read is a safe one for the builder.
+        """
+        context = run.context
+        partition_id = context.partition_id(num_partitions)
+        if isinstance(partition_id, bool) or not isinstance(partition_id, int):
+            raise ClientError(f"partition_id() returned {partition_id!r}, not an int")
+        if not 0 <= partition_id < num_partitions:
+            raise ClientError(f"partition_id() returned {partition_id}, outside 0..{num_partitions - 1}")
+        partition = self._partitions.get(partition_id)
+        if partition is None:
+            raise ClientError(
+                f"partition {partition_id} is not mounted by this client "
+                f"(mounted: {sorted(self._partitions)}; see set_partitions)"
+            )
+        run.partition = partition
+        monitor = partition.monitor
+        if (
+            monitor is None
+            or partition.error is not None
+            or partition.state is not MountState.READY
+            or self._closed
+            or self._retry.expired(context.creation_time, time.time())
+            or not partition.slots.try_acquire()
+        ):
+            return None
+        run.holds_slot = True
+        builder = TransactionBuilder(partition_id, monitor.applied_high_water_mark)
+        try:
+            return builder if context.execute(builder) else False
+        except Exception as e:  # noqa: BLE001 - reported through on_exception by submit
+            return e
+
+    def _orphaned(self, run: _Run, first: _First) -> None:
+        """``submit`` was cancelled while its first attempt ran: give back the slot it may have taken (the
+        context is dropped, as when ``submit`` is cancelled while it waits for a slot)."""
+        self._release_slot(run)
+
+    async def _acquire_slot(self, partition: _Partition) -> None:
+        try:
+            await partition.slots.acquire(self._config.submit_timeout_ms / 1000)
+        except TimeoutError:
+            raise ClientTimeoutError(
+                f"submit timed out after {self._config.submit_timeout_ms} ms: partition {partition.id} "
+                f"already has {partition.slots.limit} transactions in flight "
+                "(client.maxConcurrentTransactions); is the feed stalled or the application overloaded?"
+            ) from None
+
+    def _ready_monitor(self, partition: _Partition) -> TransactionMonitor | None:
+        """The partition's monitor if appends may be sent to it right now."""
+        if (
+            partition.error is None
+            and partition.state is MountState.READY
+            and self._partitions.get(partition.id) is partition
+        ):
+            return partition.monitor
+        return None
 
     async def flush_transactions(self, timeout: float | None = None) -> None:
         """Wait until every context submitted before this call has ended and, if it was appended, has been
@@ -350,7 +530,7 @@ class AsyncWaltzClient:
         appends, so lost appends are detected at once. ``timeout`` in seconds (None: no limit) raises
         :class:`~waltz.errors.ClientTimeoutError`."""
         self._check_open()
-        waiting = [run.done for run in self._runs]
+        waiting = [run.done() for run in self._runs]
         for partition in self._partitions.values():
             if partition.monitor is not None and partition.state is MountState.READY:
                 req_id = partition.monitor.flush_request(self._clock())
@@ -399,10 +579,8 @@ class AsyncWaltzClient:
         for partition_id in sorted(set(self._partitions) - wanted):
             partition = self._partitions.pop(partition_id)
             partition.error = ClientError(f"partition {partition_id} was released by set_partitions")
-            for outcome in partition.outcomes.values():
-                if not outcome.done():
-                    outcome.set_exception(partition.error)
-            partition.outcomes.clear()
+            self._fail_outcomes(partition, partition.error)
+            self._drop_awaiting_apply(partition)
             partition.notify()
             for task in partition.tasks:
                 task.cancel()
@@ -456,7 +634,11 @@ class AsyncWaltzClient:
         assert self._source is not None
         # Queue first: if the driver is cancelled while we wait for room, nothing has changed and it may
         # deliver the same id again. After the put nothing awaits, so the monitor sees every queued record.
-        await partition.feed.put(Transaction(partition_id, transaction_id, header, req_id, self._source))
+        if len(partition.feed) >= partition.feed_limit:
+            await partition.wait_room()
+            if self._active(partition_id) is not partition:
+                return
+        partition.push_feed(Transaction(partition_id, transaction_id, header, req_id, self._source))
         self._resolve(partition, monitor.on_feed(transaction_id, req_id))
 
     def _on_mount_state(self, partition_id: int, state: MountState) -> None:
@@ -477,12 +659,9 @@ class AsyncWaltzClient:
                 partition.monitor.applied_high_water_mark,
             )
             # Terminal for this mount: appends still pending can no longer be resolved.
-            for outcome in partition.outcomes.values():
-                if not outcome.done():
-                    outcome.set_exception(
-                        ClientAheadError(f"partition {partition_id}: client ahead of server")
-                    )
-            partition.outcomes.clear()
+            self._fail_outcomes(
+                partition, ClientAheadError(f"partition {partition_id}: client ahead of server")
+            )
 
     def _on_monitor_event(
         self, partition_id: int, event: Callable[[TransactionMonitor], list[Resolution]]
@@ -494,28 +673,41 @@ class AsyncWaltzClient:
     def _resolve(self, partition: _Partition, resolutions: list[Resolution]) -> None:
         for resolution in resolutions:
             outcome = partition.outcomes.pop(resolution.req_id, None)
-            if outcome is not None and not outcome.done():
-                outcome.set_result(resolution)
+            if outcome is not None:
+                outcome(resolution)
+
+    def _fail_outcomes(self, partition: _Partition, error: ClientError) -> None:
+        outcomes, partition.outcomes = partition.outcomes, {}
+        for outcome in outcomes.values():
+            outcome(error)
 
     async def _apply_loop(self, partition: _Partition) -> None:
+        """Hand the feed to ``apply_transaction`` in id order, one batch per callback-thread job."""
         monitor = partition.monitor
         assert monitor is not None
+        pool = self._require_pool()
+        apply = self._callbacks.apply_transaction
+        retry = 0
+        batch: list[Transaction] = []
         while True:
-            transaction = await partition.feed.get()
-            retry = 0
-            while True:
-                try:
-                    await self._call_user(self._callbacks.apply_transaction, transaction)
-                    break
-                except Exception as e:  # noqa: BLE001 - application code: report, deliver again
-                    retry += 1
-                    await self._call_hook(
-                        self._callbacks.uncaught_exception, partition.id, transaction.transaction_id, e
-                    )
-                    # The high-water mark stays put: the same transaction is delivered again.
-                    await asyncio.sleep(APPLY_RETRY.delay_s(retry))
-            self._resolve(partition, monitor.on_applied(transaction.transaction_id))
-            partition.notify()
+            if not batch:
+                await partition.wait_feed()
+                batch = partition.take_feed(APPLY_BATCH_MAX)
+            applied, error = await pool.call(_apply_batch, apply, batch)
+            if applied:
+                last = batch[applied - 1].transaction_id
+                del batch[:applied]
+                retry = 0
+                self._resolve(partition, monitor.on_applied(last))
+                self._on_applied(partition, last)
+                partition.notify()
+            if error is not None:
+                retry += 1
+                await self._call_hook(
+                    self._callbacks.uncaught_exception, partition.id, batch[0].transaction_id, error
+                )
+                # The high-water mark stays put: the same transaction is delivered again.
+                await asyncio.sleep(APPLY_RETRY.delay_s(retry))
 
     async def _nudge_loop(self) -> None:
         threshold_s = self._config.long_wait_threshold_ms / 1000
@@ -534,34 +726,115 @@ class AsyncWaltzClient:
 
     # -- contexts ----------------------------------------------------------------------------------------
 
-    async def _run_context(self, run: _Run) -> None:
+    def _on_first_outcome(self, run: _Run, result: Resolution | BaseException) -> None:
+        """The fate of a first attempt sent by ``submit`` (no task so far): commits are finished with batched
+        hooks; anything else continues in a task, as the slow path."""
         partition = run.partition
+        assert partition is not None
+        if isinstance(result, Resolution) and result.outcome is Outcome.COMMITTED:
+            self._release_slot(run)
+            run.ended = True
+            run.transaction_id = result.transaction_id
+            partition.awaiting_apply.append(run)
+            self._queue_hook(run, True, run.context.on_completion, True)
+            return
+        self._spawn(self._run_context(run, 1, None, result), f"waltz-run-p{partition.id}")
+
+    def _on_applied(self, partition: _Partition, transaction_id: int) -> None:
+        """Transactions up to ``transaction_id`` are applied: on_application for the runs that wait for it."""
+        waiting = partition.awaiting_apply
+        while waiting and waiting[0].transaction_id <= transaction_id:
+            run = waiting.popleft()
+            run.applied = True
+            if run.completed:
+                self._queue_hook(run, False, run.context.on_application)
+
+    def _drop_awaiting_apply(self, partition: _Partition) -> None:
+        """The partition is gone: its committed runs end without on_application (as with close)."""
+        waiting, partition.awaiting_apply = partition.awaiting_apply, deque()
+        for run in waiting:
+            if run.completed:
+                self._finish(run)
+            # Otherwise _hooks_done finishes it once on_completion ran.
+
+    def _queue_hook(self, run: _Run, completion: bool, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue a fast-path hook; the hooks queued in one loop iteration run as one callback-thread job."""
+        if not self._hooks:
+            asyncio.get_running_loop().call_soon(self._flush_hooks)
+        self._hooks.append((fn, args))
+        self._hook_runs.append((run, completion))
+
+    def _flush_hooks(self) -> None:
+        if not self._hooks:
+            return
+        hooks, self._hooks = self._hooks, []
+        runs, self._hook_runs = self._hook_runs, []
+        pool = self._pool
+        if pool is None or pool.is_shut_down:
+            return
+        pool.post(hooks, then=functools.partial(self._hooks_done, runs))
+
+    def _hooks_done(self, runs: list[tuple[_Run, bool]]) -> None:
+        for run, completion in runs:
+            if not completion:
+                self._finish(run)  # on_application ran: the last hook.
+                continue
+            run.completed = True
+            partition = run.partition
+            assert partition is not None
+            if run.applied and not self._closed:
+                self._queue_hook(run, False, run.context.on_application)
+            elif self._closed or partition.error is not None:
+                self._finish(run)  # No on_application will follow.
+
+    async def _run_context(
+        self,
+        run: _Run,
+        attempts: int = 0,
+        builder: TransactionBuilder | None = None,
+        pending: Resolution | BaseException | None = None,
+    ) -> None:
+        """The slow path of a context: every attempt after the first, or a first one that had to wait.
+
+        ``attempts`` were made already; ``builder`` (if given) is the last one, executed but not sent yet;
+        ``pending`` (if given) is the fate of the last one, sent and not committed.
+        """
+        partition = run.partition
+        assert partition is not None
         context = run.context
-        attempts = 0
         try:
+            if pending is not None:
+                if isinstance(pending, BaseException):
+                    raise pending
+                if pending.outcome is Outcome.LOCK_FAILED:
+                    await self._call_hook(context.on_lock_failure)
+                await asyncio.sleep(self._retry.delay_s(attempts))
             while True:
-                if attempts > 0 and self._retry.attempts_exhausted(attempts):
-                    raise ClientTimeoutError(
-                        f"transaction context gave up after {attempts} attempts "
-                        "(client.maxTransactionAttempts)"
-                    )
-                if self._retry.expired(context.creation_time, time.time()):
-                    raise ClientTimeoutError(
-                        f"transaction context expired after {self._config.transaction_timeout_ms} ms "
-                        f"and {attempts} attempts (client.transactionTimeout)"
-                    )
-                attempts += 1
-                monitor = await self._wait_mounted(partition)
-                builder = TransactionBuilder(partition.id, monitor.applied_high_water_mark)
-                if not await self._call_user(context.execute, builder):
-                    self._release_slot(run)
-                    run.ended = True
-                    await self._call_hook(context.on_completion, False)
-                    return
+                if builder is None:
+                    if attempts > 0 and self._retry.attempts_exhausted(attempts):
+                        raise ClientTimeoutError(
+                            f"transaction context gave up after {attempts} attempts "
+                            "(client.maxTransactionAttempts)"
+                        )
+                    if self._retry.expired(context.creation_time, time.time()):
+                        raise ClientTimeoutError(
+                            f"transaction context expired after {self._config.transaction_timeout_ms} ms "
+                            f"and {attempts} attempts (client.transactionTimeout)"
+                        )
+                    attempts += 1
+                    monitor = await self._wait_mounted(partition)
+                    builder = TransactionBuilder(partition.id, monitor.applied_high_water_mark)
+                    if not await self._call_user(context.execute, builder):
+                        self._release_slot(run)
+                        run.ended = True
+                        await self._call_hook(context.on_completion, False)
+                        return
                 # The mount may have changed while execute ran; its high-water mark is still a safe one.
                 monitor = await self._wait_mounted(partition)
-                outcome = self._send(partition, monitor, builder)
-                if not run.first_send.done():
+                outcome: asyncio.Future[Resolution] = asyncio.get_running_loop().create_future()
+                self._send(partition, monitor, builder, functools.partial(_settle, outcome))
+                builder = None
+                if run.first_send is not None and not run.first_send.done():
                     run.first_send.set_result(None)
                 resolution = await outcome
                 if resolution.outcome is Outcome.COMMITTED:
@@ -584,15 +857,19 @@ class AsyncWaltzClient:
                 self._finish(run)
 
     def _send(
-        self, partition: _Partition, monitor: TransactionMonitor, builder: TransactionBuilder
-    ) -> asyncio.Future[Resolution]:
-        """Register and send one append; synchronous, so registration order is send order."""
+        self,
+        partition: _Partition,
+        monitor: TransactionMonitor,
+        builder: TransactionBuilder,
+        outcome: OutcomeCallback,
+    ) -> None:
+        """Register and send one append; synchronous, so registration order is send order. ``outcome`` is
+        called (on the loop) with the append's fate."""
         driver = self._require_driver()
         seq = self._next_seq.get(partition.id, 0) + 1
         self._next_seq[partition.id] = seq
         req_id = ReqId.of(driver.client_id, driver.generation(partition.id), partition.id, seq)
         request = builder.build(req_id)
-        outcome: asyncio.Future[Resolution] = asyncio.get_running_loop().create_future()
         partition.outcomes[req_id] = outcome
         monitor.register(req_id, seq, self._clock())
         try:
@@ -600,7 +877,6 @@ class AsyncWaltzClient:
         except WaltzError as e:
             log.warning("partition %d: append %r not sent: %s", partition.id, req_id, e)
             self._resolve(partition, monitor.fail(req_id))
-        return outcome
 
     def _send_flush(self, partition_id: int, req_id: ReqId) -> None:
         try:
@@ -638,13 +914,13 @@ class AsyncWaltzClient:
     def _release_slot(self, run: _Run) -> None:
         if run.holds_slot:
             run.holds_slot = False
+            assert run.partition is not None
             run.partition.slots.release()
 
     def _finish(self, run: _Run) -> None:
         self._runs.discard(run)
-        if not run.done.done():
-            run.done.set_result(None)
-        if not run.first_send.done():
+        run.set_finished()
+        if run.first_send is not None and not run.first_send.done():
             run.first_send.set_result(None)
 
     async def _end_with_exception(self, run: _Run, error: BaseException) -> None:
@@ -653,7 +929,7 @@ class AsyncWaltzClient:
         if not run.ended:
             run.ended = True
             await self._call_hook(run.context.on_exception, error)
-        if not run.first_send.done():
+        if run.first_send is not None and not run.first_send.done():
             run.first_send.set_exception(error)
             run.first_send.exception()  # submit() retrieves it; never log "exception was never retrieved".
         self._finish(run)
@@ -708,8 +984,7 @@ class AsyncWaltzClient:
 
     async def _call_user(self, fn: Callable[..., T], *args: Any) -> T:
         """Run application code on a callback thread."""
-        assert self._executor is not None
-        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+        return await self._require_pool().call(fn, *args)
 
     async def _call_hook(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run an application hook; its exceptions are logged (there is nobody else to tell)."""
@@ -735,7 +1010,40 @@ class AsyncWaltzClient:
         if self._driver is None:
             raise ClientError("the client is not started (use 'async with' or 'await client.start()')")
 
+    def _require_pool(self) -> CallbackPool:
+        pool = self._pool
+        if pool is None:
+            raise ClientError("the client is not started (use 'async with' or 'await client.start()')")
+        if pool.is_shut_down:
+            raise ClientClosedError("the client is closed")
+        return pool
+
     def _require_driver(self) -> ClientDriver:
         if self._driver is None:
             raise ClientError("the client is not started (use 'async with' or 'await client.start()')")
         return self._driver
+
+
+def _settle(future: asyncio.Future[Resolution], result: Resolution | BaseException) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
+def _apply_batch(
+    apply: Callable[[Transaction], None], batch: list[Transaction]
+) -> tuple[int, Exception | None]:
+    """On a callback thread: apply ``batch`` in order; stop at the first exception or after
+    :data:`APPLY_BATCH_MAX_S`. Returns how many were applied, and the exception that stopped it."""
+    deadline = time.monotonic() + APPLY_BATCH_MAX_S
+    for i, transaction in enumerate(batch):
+        if i and time.monotonic() > deadline:
+            return i, None
+        try:
+            apply(transaction)
+        except Exception as e:  # noqa: BLE001 - application code: the loop reports it and delivers again
+            return i, e
+    return len(batch), None

@@ -7,7 +7,8 @@ in a loop, so up to ``client.maxConcurrentTransactions`` appends per partition a
 pausing ``interval_ms`` between submits. Latency runs from the moment ``submit`` returned (the append was
 sent: waiting for room, the client-side congestion, is excluded as in the original tool) to
 ``on_completion(True)``; retries are executions beyond the first. Clients start at the partitions' current
-high-water marks, so earlier runs on the same cluster do not slow a run down.
+high-water marks, so earlier runs on the same cluster do not slow a run down. ``max_in_flight`` (if set)
+replaces ``client.maxConcurrentTransactions`` for the run, to measure pipelined throughput.
 
 Consumer: first appends ``num_txns`` transactions (untimed, a few producer clients, no locks), then
 ``clients`` fresh clients mount at the marks before those appends and each reads them all, fetching every
@@ -55,10 +56,13 @@ class ProducerOptions:
     lock_pool_size: int = 0
     partitions: int | None = None
     seed: int | None = None
+    max_in_flight: int | None = None
 
     def validate(self) -> None:
         if not 1 <= self.txn_size_bytes <= MAX_TXN_BYTES:
             raise ConfigError(f"--txn-size must be between 1 and {MAX_TXN_BYTES}, got {self.txn_size_bytes}")
+        if self.max_in_flight is not None and self.max_in_flight < 1:
+            raise ConfigError(f"--max-in-flight must be positive, got {self.max_in_flight}")
         if self.txns_per_client < 1:
             raise ConfigError(f"--txns-per-client must be positive, got {self.txns_per_client}")
         if not 1 <= self.clients <= MAX_CLIENTS:
@@ -110,6 +114,8 @@ async def run_producers(
 ) -> PerfResult:
     """Run the producer benchmark (see the module docstring) and return its figures."""
     opts.validate()
+    if opts.max_in_flight is not None:
+        config = config.replace(max_concurrent_transactions=opts.max_in_flight)
     marks, n = await current_marks(config, driver_factory)
     partitions = active_partitions(opts.partitions, n)
     rng = random.Random(opts.seed)
@@ -125,6 +131,7 @@ async def run_producers(
             "lock_pool_size": opts.lock_pool_size,
             "partitions": len(partitions),
             "interval_ms": opts.interval_ms,
+            "max_in_flight": config.max_concurrent_transactions,
         },
     )
     clients: list[AsyncWaltzClient] = []
