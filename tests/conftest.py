@@ -13,6 +13,7 @@ ZooKeeper (real, Debian's package; see :mod:`waltz.cluster.zkserver`)
     ``drop_connection``    ``drop_connection(client)``: break the client's TCP connection once (it reconnects
                            at once, same session).
 When a test that used ZooKeeper fails, the tail of ZooKeeper's log is added to its report.
+TLS (``tests/tls_fixture.py``): ``tls_pki``, ``stranger_pki``: session-scoped throwaway CAs and certificates.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import pytest
 from kazoo.client import KazooClient
 from kazoo.protocol.states import KazooState
 
+from tests.tls_fixture import stranger_pki, tls_pki  # noqa: F401 - session fixtures (throwaway certificates)
 from waltz.cluster import zk as zkutil
 from waltz.cluster.zkserver import ZooKeeperServer
 

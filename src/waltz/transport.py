@@ -78,6 +78,8 @@ DEFAULT_HANDSHAKE_TIMEOUT_MS: Final = 10_000
 DEFAULT_MAX_CONNECTIONS: Final = 1024
 DEFAULT_MAX_IN_FLIGHT: Final = 1024
 _CLOSE_TIMEOUT_S: Final = 1.0
+_TLS_RECORD_TYPES: Final = frozenset({0x15, 0x16})
+"""TLS record content types a peer sends first: alert (21) and handshake (22)."""
 
 ReqT = TypeVar("ReqT")
 RespT = TypeVar("RespT")
@@ -111,11 +113,33 @@ async def _wait_closed(writer: asyncio.StreamWriter) -> None:
             await writer.wait_closed()
 
 
+def _looks_like_tls(data: bytes) -> bool:
+    """True if ``data`` starts like a TLS record (handshake or alert, major version 3).
+
+    A Waltz hello starts with 0x48, so this never matches a Waltz peer; it turns "bad magic 0x16" into "the
+    peer speaks TLS" when only one side is configured for TLS.
+    """
+    return len(data) >= 2 and data[0] in _TLS_RECORD_TYPES and data[1] == 0x03
+
+
+def _hint(tls: bool) -> str:
+    # A TLS listener that refuses a client certificate (TLS 1.3) or a plain connection just hangs up.
+    if tls:
+        return " (with TLS: does the peer require a client certificate, or not trust this one?)"
+    return " (a TLS-only peer does this to a plain connection: is TLS set up on this side?)"
+
+
+def _ssl_reason(e: ssl_.SSLError) -> str:
+    return str(e.reason or e.strerror or e)
+
+
 async def _exchange_hellos(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, proto: ProtocolConnection, read_bytes: int
 ) -> HelloReceived:
     """Send our hello and wait for the peer's; bytes after its hello stay buffered in ``proto``."""
+    tls = writer.get_extra_info("sslcontext") is not None
     writer.write(proto.send_hello())
+    first = True
     while True:
         event = proto.next_event()
         if isinstance(event, HelloReceived):
@@ -124,10 +148,21 @@ async def _exchange_hellos(
             raise RemoteProtocolError(f"unexpected {event!r} before the hello")
         try:
             data = await reader.read(read_bytes)
+        except ssl_.SSLError as e:
+            # With TLS 1.3 a refused client certificate shows up here, after our side's handshake completed.
+            raise BrokenResourceError(
+                f"TLS error during the hello exchange: {_ssl_reason(e)} (is this side's certificate one the "
+                "peer trusts?)"
+            ) from None
         except OSError as e:
             raise BrokenResourceError(f"connection broken during the hello exchange: {e}") from None
         if not data:
-            raise BrokenResourceError("peer closed the connection during the hello exchange")
+            raise BrokenResourceError(f"peer closed the connection during the hello exchange{_hint(tls)}")
+        if first and not tls and _looks_like_tls(data):
+            raise RemoteProtocolError(
+                "the peer speaks TLS but this side of the connection is plain: configure TLS on both sides"
+            )
+        first = False
         proto.receive_data(data)
 
 
@@ -334,6 +369,10 @@ async def open_connection(
     Raises BrokenResourceError if the connection cannot be made, is lost or times out (all retriable), and
     RemoteProtocolError if the peer's hello is malformed or shares no version with ``versions``. Nothing is
     left open on failure.
+
+    With ``ssl`` the TLS handshake is part of the connect (and of its time limit); the peer's certificate is
+    checked against ``host`` when the context checks hostnames. A failed handshake (untrusted certificate, a
+    plain peer) is a BrokenResourceError whose message says so.
     """
     proto = ProtocolConnection(magic, versions, hello_text, max_frame_bytes)
     writer: asyncio.StreamWriter | None = None
@@ -348,6 +387,14 @@ async def open_connection(
         if isinstance(e, TimeoutError):
             raise BrokenResourceError(
                 f"connecting to {host}:{port} timed out after {connect_timeout_ms} ms"
+            ) from None
+        if isinstance(e, ssl_.SSLCertVerificationError):
+            raise BrokenResourceError(
+                f"TLS: the certificate of {host}:{port} is not trusted: {e.verify_message or e}"
+            ) from None
+        if isinstance(e, ssl_.SSLError):
+            raise BrokenResourceError(
+                f"TLS handshake with {host}:{port} failed: {_ssl_reason(e)} (does the peer serve TLS?)"
             ) from None
         if isinstance(e, OSError):
             raise BrokenResourceError(f"cannot connect to {host}:{port}: {e}") from None
@@ -526,6 +573,12 @@ async def serve(
     returns or raises. Broken connections and protocol errors escaping the handler are logged, not raised;
     any other exception is logged with its traceback. The accepting side sends no keep-alives by default,
     as in the original Waltz.
+
+    With ``ssl`` every connection starts with a TLS handshake, limited to ``handshake_timeout_ms`` like the
+    hello exchange that follows it. asyncio runs that handshake before the connection reaches us, and drops
+    a failed one silently (logged only in asyncio's debug mode): the connecting side reports what failed.
+    (Running the handshake in our own task with ``start_tls`` would let us log it, but on uvloop the stream
+    reads the client's first TLS bytes before ``start_tls`` can take over, and the handshake then stalls.)
     """
     server = FramedServer(
         handler,
@@ -539,7 +592,14 @@ async def serve(
         write_buffer_high_bytes=write_buffer_high_bytes,
         max_connections=max_connections,
     )
-    server._server = await asyncio.start_server(server._on_connect, host, port, limit=read_bytes, ssl=ssl)
+    server._server = await asyncio.start_server(
+        server._on_connect,
+        host,
+        port,
+        limit=read_bytes,
+        ssl=ssl,
+        ssl_handshake_timeout=handshake_timeout_ms / 1000 if ssl is not None else None,
+    )
     return server
 
 

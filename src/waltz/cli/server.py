@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from ssl import SSLContext
 from typing import Any
 
-from waltz.cli.common import host_port, parse_partition_ranges
+from waltz.cli.common import host_port, load_cli_tls, parse_partition_ranges
 from waltz.errors import ClientTimeoutError, RemoteProtocolError
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
@@ -28,11 +29,20 @@ def register(groups: Any) -> None:
     ls = sub.add_parser("list", help="partitions a server owns, their health, and its storage connectivity")
     ls.add_argument("-s", "--server", required=True, metavar="HOST:PORT", help="the server's client port")
     ls.set_defaults(handler=cmd_list)
+    parsers = [ls]
     for name, add in (("add-preferred-partition", True), ("remove-preferred-partition", False)):
         p = sub.add_parser(name, help=f"{'add' if add else 'remove'} preferred partitions of a server")
         p.add_argument("-s", "--server", required=True, metavar="HOST:PORT")
         p.add_argument("-p", "--partition", required=True, metavar="RANGES", help="e.g. 0-3,7")
         p.set_defaults(handler=cmd_preferred, add=add)
+        parsers.append(p)
+    for p in parsers:
+        p.add_argument(
+            "-c",
+            "--cli-config-path",
+            metavar="FILE",
+            help="CLI or client YAML; its ssl.* (or client.ssl.*) keys make the connection TLS",
+        )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -52,8 +62,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def query(address: str, requests: list[cs.Message], timeout_ms: int = 10_000) -> list[cs.Message]:
-    """Send admin requests to a server and return its answers, in order."""
+async def query(
+    address: str, requests: list[cs.Message], timeout_ms: int = 10_000, ssl: SSLContext | None = None
+) -> list[cs.Message]:
+    """Send admin requests to a server (over TLS with ``ssl``) and return its answers, in order."""
     host, port = host_port(address)
     conn = await open_connection(
         host,
@@ -62,6 +74,7 @@ async def query(address: str, requests: list[cs.Message], timeout_ms: int = 10_0
         versions=cs.SUPPORTED_VERSIONS,
         hello_text="Waltz Admin Client",
         connect_timeout_ms=timeout_ms,
+        ssl=ssl,
     )
     try:
         answers = []
@@ -81,6 +94,10 @@ def _rid(seq: int) -> ReqId:
     return ReqId.of(ADMIN_CLIENT_ID, 0, 0, seq)
 
 
+def _ssl(args: argparse.Namespace) -> SSLContext | None:
+    return load_cli_tls(args.cli_config_path).client_context(args.cli_config_path or "")
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     answers = asyncio.run(
         query(
@@ -90,6 +107,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                 cs.ServerPartitionsHealthStatRequest(_rid(2)),
                 cs.CheckStorageConnectivityRequest(_rid(3)),
             ],
+            ssl=_ssl(args),
         )
     )
     assignment, health, connectivity = answers
@@ -116,7 +134,7 @@ def cmd_preferred(args: argparse.Namespace) -> int:
         if args.add
         else cs.RemovePreferredPartitionRequest(_rid(1), ids)
     )
-    (answer,) = asyncio.run(query(args.server, [req]))
+    (answer,) = asyncio.run(query(args.server, [req], ssl=_ssl(args)))
     ok = getattr(answer, "result", False)
     if not ok:
         print(f"waltz: error: {args.server} refused the change (partition out of range?)")

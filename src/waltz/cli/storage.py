@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from waltz.cli.common import host_port, load_cli_config, parse_partition_ranges
+from waltz.cli.common import host_port, load_cli_config, load_cli_tls, parse_partition_ranges
 from waltz.errors import ConfigError
 from waltz.storage.client import AdminClient
 
@@ -36,7 +36,10 @@ def register(groups: Any) -> None:
         p.add_argument("-s", "--storage", required=True, metavar="HOST:ADMIN_PORT", help="admin address")
         ident = p.add_argument_group("cluster identity (from ZooKeeper with -c, or given directly)")
         ident.add_argument(
-            "-c", "--cli-config-path", metavar="FILE", help="YAML with zookeeper.* and cluster.root"
+            "-c",
+            "--cli-config-path",
+            metavar="FILE",
+            help="YAML with zookeeper.* and cluster.root, and ssl.* (or client.ssl.*) for TLS",
         )
         ident.add_argument("--cluster-key", metavar="UUID")
         ident.add_argument("--num-partitions", type=int, metavar="N")
@@ -109,9 +112,10 @@ def cluster_identity(args: argparse.Namespace) -> tuple[uuid.UUID, int]:
 def with_admin(args: argparse.Namespace, action: Callable[[AdminClient, int], Awaitable[T]]) -> T:
     host, port = host_port(args.storage)
     key, num_partitions = cluster_identity(args)
+    ssl = load_cli_tls(args.cli_config_path).client_context(args.cli_config_path or "")
 
     async def go() -> T:
-        async with await AdminClient.connect(host, port, key, num_partitions) as admin:
+        async with await AdminClient.connect(host, port, key, num_partitions, ssl=ssl) as admin:
             return await action(admin, num_partitions)
 
     return asyncio.run(go())

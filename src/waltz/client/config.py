@@ -21,8 +21,14 @@ client.retryMaxBackoff                 1000       the delay doubles up to this b
 client.maxTransactionAttempts          0          executions of one context before it fails (0: no limit)
 client.transactionTimeout              0          a context older than this fails (0: never expires)
 client.feedQueueSize                   1000       committed transactions buffered per partition
-client.ssl.*                                      passed to the network driver unchecked
+client.ssl.certFile                    empty      PEM client certificate (for servers that require one)
+client.ssl.keyFile                     empty      its PEM private key
+client.ssl.caFile                      empty      PEM CA the servers' certificates must chain to
+client.ssl.checkHostname               true       a server's certificate must name the host connected to
 =====================================  =========  ===========================================================
+
+Any ``client.ssl.*`` file turns TLS on for every server connection (see :mod:`waltz.tls`); the files are
+checked when the configuration is built.
 
 ``client.mockDriver`` cannot come from a file: set :attr:`ClientConfig.mock_driver` in code (or pass
 ``driver=`` to the client) to run against :class:`waltz.testing.MockDriver`.
@@ -38,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from waltz.config import ConfigSchema, Key, read_yaml
 from waltz.errors import ConfigError
+from waltz.tls import TLS_KEY_NAMES, TlsConfig, tls_keys
 
 if TYPE_CHECKING:
     from waltz.client.driver import ClientDriver
@@ -53,6 +60,8 @@ def _znode_path(value: Any) -> str | None:
         return f"must be an absolute znode path like /waltz/mycluster, got {text!r}"
     return None
 
+
+SSL_PREFIX = "client.ssl."
 
 CLIENT_SCHEMA = ConfigSchema(
     [
@@ -72,8 +81,8 @@ CLIENT_SCHEMA = ConfigSchema(
         Key("client.maxTransactionAttempts", int, 0, "0 = unlimited", min_value=0),
         Key("client.transactionTimeout", int, 0, "0 = never (ms)", min_value=0),
         Key("client.feedQueueSize", int, 1000, "feed records buffered per partition", min_value=1),
+        *tls_keys(SSL_PREFIX),
     ],
-    passthrough_prefixes=("client.ssl.",),
 )
 
 
@@ -102,7 +111,9 @@ class ClientConfig:
     transaction_timeout_ms: int = 0
     feed_queue_size: int = 1000
     ssl: Mapping[str, Any] = field(default_factory=dict)
-    """``client.ssl.*`` keys without the prefix, for the network driver."""
+    """``client.ssl.*`` keys without the prefix (``certFile``, ``keyFile``, ``caFile``, ``checkHostname``)."""
+    tls: TlsConfig = field(init=False, compare=False, repr=False)
+    """:attr:`ssl` checked and parsed (derived, not an argument); the network driver's TLS settings."""
     mock_driver: ClientDriver | None = field(default=None, compare=False)
     """The driver to use instead of the network driver (tests; see :mod:`waltz.testing`)."""
 
@@ -123,8 +134,18 @@ class ClientConfig:
                 "client.retryMaxBackoff must be at least client.retryInitialBackoff "
                 f"({self.retry_max_backoff_ms} < {self.retry_initial_backoff_ms})"
             )
+        unknown = sorted(set(self.ssl) - set(TLS_KEY_NAMES))
+        if unknown:
+            problems.append(f"unknown TLS keys {', '.join(SSL_PREFIX + k for k in unknown)}")
         if problems:
             raise ConfigError("client config: " + "; ".join(problems))
+        tls = TlsConfig.from_config(
+            {SSL_PREFIX + k: v for k, v in self.ssl.items()},
+            SSL_PREFIX,
+            role="connect",
+            source="client config",
+        )
+        object.__setattr__(self, "tls", tls)  # A derived field of a frozen dataclass.
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], source: str = "client config") -> ClientConfig:

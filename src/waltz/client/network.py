@@ -62,6 +62,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from ssl import SSLContext
 from typing import Final, Protocol, TypeVar
 
 from kazoo.client import KazooClient
@@ -136,8 +137,9 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def connect_server(endpoint: str) -> FramedConnection:
-    """A client-protocol connection to the server at ``endpoint`` (BrokenResourceError if unreachable)."""
+async def connect_server(endpoint: str, ssl: SSLContext | None = None) -> FramedConnection:
+    """A client-protocol connection to the server at ``endpoint`` (BrokenResourceError if unreachable),
+    over TLS with ``ssl`` (from ``client.ssl.*``)."""
     host, port = split_endpoint(endpoint)
     return await open_connection(
         host,
@@ -146,6 +148,7 @@ async def connect_server(endpoint: str) -> FramedConnection:
         versions=cs.SUPPORTED_VERSIONS,
         hello_text=CLIENT_HELLO,
         connect_timeout_ms=CONNECT_TIMEOUT_MS,
+        ssl=ssl,
     )
 
 
@@ -264,8 +267,9 @@ class RpcPool:
     call opens a new connection. :func:`retry_rpc` wraps a call in the retry loop readers want.
     """
 
-    def __init__(self, client_id: int) -> None:
+    def __init__(self, client_id: int, ssl: SSLContext | None = None) -> None:
         self.client_id = client_id
+        self._ssl = ssl
         self._clients: dict[str, RpcClient[cs.Message, cs.Message]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._closed = False
@@ -280,7 +284,7 @@ class RpcPool:
                 return rpc
             if rpc is not None:
                 await rpc.aclose()
-            conn = await connect_server(endpoint)
+            conn = await connect_server(endpoint, self._ssl)
             version = conn.negotiated_version
 
             def encode(msg: cs.Message) -> bytes:
@@ -578,7 +582,7 @@ class _Link:
                 await self._wanted.wait()
                 continue
             try:
-                conn = await connect_server(self.endpoint)
+                conn = await connect_server(self.endpoint, self.driver._ssl)
             except (ConnectionError_, ProtocolError) as e:
                 log.info("cannot connect to %s (retrying in %.1f s): %s", self.endpoint, delay_s, e)
                 await asyncio.sleep(delay_s)
@@ -641,6 +645,7 @@ class NetworkDriver(ClientDriver):
 
     def __init__(self, config: ClientConfig, *, discovery: Discovery | None = None) -> None:
         self._config = config
+        self._ssl = config.tls.client_context("client config")
         self._discovery: Discovery = discovery if discovery is not None else ZkDiscovery(config)
         self._listener: DriverListener | None = None
         self._client_id = -1
@@ -667,7 +672,7 @@ class NetworkDriver(ClientDriver):
             await self._discovery.close()
             raise
         self._listener = listener
-        self._rpc = RpcPool(self._client_id)
+        self._rpc = RpcPool(self._client_id, self._ssl)
         self._endpoints = self._discovery.endpoints
         self._spawn(self._follow_assignments(), "waltz-assignments")
         log.info(

@@ -55,7 +55,7 @@ class LogReader:
     def __init__(self, config: ClientConfig, *, discovery: Discovery | None = None) -> None:
         self._config = config
         self._discovery: Discovery = discovery if discovery is not None else ZkDiscovery(config)
-        self._rpc = RpcPool(READER_CLIENT_ID)
+        self._rpc = RpcPool(READER_CLIENT_ID, config.tls.client_context("client config"))
         self._opened = False
         self._closed = False
 

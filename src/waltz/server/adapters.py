@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Sequence
+from ssl import SSLContext
 
 from kazoo.client import KazooClient
 
@@ -84,11 +85,17 @@ class TcpReplicaConnector:
     """Opens :class:`TcpReplicaConnection`s, keeping one live StorageClient per storage node."""
 
     def __init__(
-        self, cluster_key: uuid.UUID, num_partitions: int, *, connect_timeout_ms: int = 3_000
+        self,
+        cluster_key: uuid.UUID,
+        num_partitions: int,
+        *,
+        connect_timeout_ms: int = 3_000,
+        ssl: SSLContext | None = None,
     ) -> None:
         self._key = cluster_key
         self._num_partitions = num_partitions
         self._connect_timeout_ms = connect_timeout_ms
+        self._ssl = ssl
         self._clients: dict[str, StorageClient] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._closed = False
@@ -109,7 +116,12 @@ class TcpReplicaConnector:
             except ConfigError as e:
                 raise BrokenResourceError(f"bad storage connect string {storage!r}: {e}") from None
             client = await StorageClient.connect(
-                host, port, self._key, self._num_partitions, connect_timeout_ms=self._connect_timeout_ms
+                host,
+                port,
+                self._key,
+                self._num_partitions,
+                connect_timeout_ms=self._connect_timeout_ms,
+                ssl=self._ssl,
             )
             self._clients[storage] = client
             return client

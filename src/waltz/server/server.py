@@ -164,7 +164,10 @@ class WaltzServer:
         self.num_partitions = num_partitions
         self.registry = CollectorRegistry()
         self.metrics = _Metrics(self.registry)
-        self.connector = TcpReplicaConnector(cluster_key, num_partitions)
+        # server.ssl.* also secures the links to storage nodes (REFERENCE §7.4).
+        self.connector = TcpReplicaConnector(
+            cluster_key, num_partitions, ssl=config.tls.client_context("server config")
+        )
         self.metadata_store = ZkPartitionMetadataStore(zk_client, config.cluster_root)
         self.feed_cache = FeedCache(config.feed_cache_bytes, num_partitions)
         self.transaction_cache = TransactionCache(config.transaction_cache_bytes)
@@ -212,6 +215,7 @@ class WaltzServer:
             versions=cs.SUPPORTED_VERSIONS,
             hello_text=SERVER_HELLO,
             max_frame_bytes=self.config.max_frame_bytes,
+            ssl=self.config.tls.server_context("server config"),
         )
         self.port = self._listener.port
         await self._watch_replica_assignments()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from ssl import SSLContext
 from types import TracebackType
 from typing import Self, TypeVar
 
@@ -53,8 +54,10 @@ class StorageClient:
         connect_timeout_ms: int = 5_000,
         max_in_flight: int = 1024,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        ssl: SSLContext | None = None,
     ) -> StorageClient:
-        """Connect and open with the cluster key; raises ClusterKeyMismatchError on a wrong key."""
+        """Connect (over TLS with ``ssl``, see :mod:`waltz.tls`) and open with the cluster key; raises
+        ClusterKeyMismatchError on a wrong key."""
         conn = await open_connection(
             host,
             port,
@@ -63,6 +66,7 @@ class StorageClient:
             hello_text=st.STORAGE_CLIENT_HELLO,
             max_frame_bytes=max_frame_bytes,
             connect_timeout_ms=connect_timeout_ms,
+            ssl=ssl,
         )
         rpc: RpcClient[st.StorageMessage, st.StorageMessage] = RpcClient(
             conn,
@@ -205,7 +209,9 @@ class AdminClient:
         num_partitions: int,
         *,
         connect_timeout_ms: int = 5_000,
+        ssl: SSLContext | None = None,
     ) -> AdminClient:
+        """Connect (over TLS with ``ssl``) and open with the cluster key."""
         conn = await open_connection(
             host,
             port,
@@ -214,6 +220,7 @@ class AdminClient:
             hello_text=adm.ADMIN_CLIENT_HELLO,
             max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
             connect_timeout_ms=connect_timeout_ms,
+            ssl=ssl,
         )
         rpc: RpcClient[adm.AdminMessage, adm.AdminMessage] = RpcClient(
             conn,

@@ -8,12 +8,13 @@ and the first demo) they may be given as ``storage.cluster.key`` and ``storage.c
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from waltz.config import ConfigSchema, Key, distinct_ports
 from waltz.errors import ConfigError
+from waltz.tls import TlsConfig, tls_keys
 
 
 def _uuid_check(value: Any) -> str | None:
@@ -44,8 +45,8 @@ STORAGE_SCHEMA = ConfigSchema(
         Key("zookeeper.connectString", str, "", "ZooKeeper ensemble; empty = standalone"),
         Key("zookeeper.sessionTimeout", int, 30000, "ZooKeeper session timeout", 1000),
         Key("cluster.root", str, "", "cluster root znode"),
+        *tls_keys("storage.ssl."),
     ],
-    passthrough_prefixes=("storage.ssl.",),
 )
 
 
@@ -69,6 +70,8 @@ class StorageConfig:
     zookeeper_connect: str
     zookeeper_session_timeout_ms: int
     cluster_root: str
+    tls: TlsConfig = field(default_factory=lambda: TlsConfig(prefix="storage.ssl."))
+    """``storage.ssl.*``: TLS on the data and admin ports (see :mod:`waltz.tls`)."""
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], source: str = "storage config") -> StorageConfig:
@@ -100,6 +103,7 @@ class StorageConfig:
             zookeeper_connect=zk,
             zookeeper_session_timeout_ms=c["zookeeper.sessionTimeout"],
             cluster_root=c["cluster.root"],
+            tls=TlsConfig.from_config(c, "storage.ssl.", role="listen", source=source),
         )
 
     @classmethod

@@ -57,6 +57,7 @@ from waltz.protocol.records import Record
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import FLAG_ASSIGNED, FLAG_AVAILABLE, ControlFile, PartitionInfo
 from waltz.storage.partition import PartitionLog
+from waltz.tls import TlsConfig
 from waltz.transport import FramedConnection, FramedServer, serve, wait_for_stop_signal
 
 log = logging.getLogger(__name__)
@@ -488,6 +489,7 @@ class StorageNode:
 
     @classmethod
     async def start(cls, config: StorageConfig, key: uuid.UUID, num_partitions: int) -> StorageNode:
+        server_ssl = config.tls.server_context("storage config")  # Before touching any file.
         control = await asyncio.to_thread(
             ControlFile.open_or_create, str(config.directory), key, num_partitions
         )
@@ -506,6 +508,7 @@ class StorageNode:
                 versions=st.STORAGE_VERSIONS,
                 hello_text=st.STORAGE_SERVER_HELLO,
                 max_frame_bytes=config.max_frame_bytes,
+                ssl=server_ssl,
             )
             node.port = node._data_server.port
             node._admin_server = await serve(
@@ -516,6 +519,7 @@ class StorageNode:
                 versions=adm.ADMIN_VERSIONS,
                 hello_text=adm.ADMIN_SERVER_HELLO,
                 max_frame_bytes=config.max_frame_bytes,
+                ssl=server_ssl,
             )
             node.admin_port = node._admin_server.port
             if config.http_port:
@@ -525,11 +529,12 @@ class StorageNode:
             await node.aclose()
             raise
         log.info(
-            "storage node serving %s: data port %d, admin port %d, %d partitions",
+            "storage node serving %s: data port %d, admin port %d, %d partitions%s",
             config.directory,
             node.port,
             node.admin_port,
             num_partitions,
+            _tls_note(config.tls),
         )
         return node
 
@@ -794,6 +799,12 @@ def load_cluster_identity(config: StorageConfig) -> tuple[uuid.UUID, int]:
         return params.cluster_key, params.num_partitions
     assert config.cluster_key is not None  # StorageConfig guarantees it without ZooKeeper
     return config.cluster_key, config.num_partitions
+
+
+def _tls_note(tls: TlsConfig) -> str:
+    if not tls.enabled:
+        return ""
+    return ", TLS with client certificates" if tls.ca_file else ", TLS"
 
 
 async def run_node(config: StorageConfig, *, ready: Callable[[StorageNode], None] | None = None) -> None:

@@ -16,7 +16,7 @@ def test_yaml_with_nested_and_dotted_keys(tmp_path: Path) -> None:
     f.write_text(
         "zookeeper:\n  connectString: zk1:2181,zk2:2181\n  sessionTimeout: 30000\n"
         "cluster.root: /waltz/bank\n"
-        "client:\n  maxConcurrentTransactions: 20\n  autoMount: false\n  ssl.keyStore: /etc/ks.jks\n"
+        "client:\n  maxConcurrentTransactions: 20\n  autoMount: false\n  ssl.checkHostname: false\n"
     )
     config = ClientConfig.from_yaml(f)
     assert config.zookeeper_connect_string == "zk1:2181,zk2:2181"
@@ -24,7 +24,8 @@ def test_yaml_with_nested_and_dotted_keys(tmp_path: Path) -> None:
     assert config.cluster_root == "/waltz/bank"
     assert config.max_concurrent_transactions == 20
     assert config.auto_mount is False
-    assert config.ssl == {"keyStore": "/etc/ks.jks"}
+    assert config.ssl["checkHostname"] is False
+    assert not config.tls.enabled
     # Defaults from the original client.
     assert config.num_consumer_threads == 10
     assert config.long_wait_threshold_ms == 5000
