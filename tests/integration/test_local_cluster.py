@@ -155,9 +155,6 @@ def test_a_port_in_use_is_reported_before_anything_starts(cluster_dir: Path) -> 
 
 @pytest.mark.timeout(60)
 def test_bad_options_are_refused(cluster_dir: Path) -> None:
-    tls = waltz("local", "up", "--dir", str(cluster_dir), "--tls")
-    assert tls.returncode == 2
-    assert "--tls" in tls.stderr
     groups = waltz("local", "up", "--dir", str(cluster_dir), "--storages", "2", "--groups", "3")
     assert groups.returncode == 2
     assert "--groups must be between 1 and the number of storage nodes (2)" in groups.stderr

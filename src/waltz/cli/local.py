@@ -37,7 +37,11 @@ def register(groups: Any) -> None:
         metavar="G",
         help="replica groups: each holds a full copy of every partition (default: one per storage node)",
     )
-    up.add_argument("--tls", action="store_true", help="serve TLS (not supported by this build yet)")
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="mutual TLS on every link, with a throwaway CA and certificates in D/tls (needs openssl)",
+    )
     up.add_argument(
         "--base-port", type=int, default=None, metavar="P", help="use ports P, P+1, ... (default: free)"
     )

@@ -7,6 +7,12 @@ server reporting it healthy. Each process listens on loopback ports (free ones, 
 ``base_port``), logs under ``D/logs/``, and is recorded in ``D/cluster.json`` (see :mod:`waltz.local.state`).
 ``D/client.yaml`` is a client (and CLI) configuration for the cluster.
 
+With ``tls`` (``waltz local up --tls``) a throwaway CA and one certificate each for the storage nodes, the
+servers and the clients (for 127.0.0.1/localhost) are made with ``openssl`` in ``D/tls/``, and every link is
+mutual TLS: storage nodes and servers require client certificates, servers present theirs to storage nodes,
+and ``D/client.yaml`` carries ``client.ssl.*`` (which the admin CLIs accept with ``-c`` as well). ZooKeeper
+and the HTTP ports (``/health``, ``/metrics``) stay plain.
+
 Guarantees:
 
 * **Nothing left running on failure.** If :func:`up` fails at any step (port in use, ZooKeeper missing, a
@@ -35,6 +41,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from ssl import SSLContext
 from typing import Any
 
 import yaml
@@ -44,9 +51,10 @@ from waltz.cluster import zk as zkutil
 from waltz.cluster import zkserver
 from waltz.cluster.partition_metadata import UNRESOLVED
 from waltz.errors import ClusterError, ConfigError, WaltzError
-from waltz.local import probe, procs
+from waltz.local import certs, probe, procs
 from waltz.local.state import CLIENT_CONFIG_FILE, STATE_FILE, LocalCluster, ProcessRecord
 from waltz.storage.client import AdminClient
+from waltz.tls import TlsConfig
 
 CLUSTER_ROOT = "/waltz/local"
 CLUSTER_NAME = "local"
@@ -82,10 +90,7 @@ class UpOptions:
 
     def validate(self) -> None:
         if self.tls:
-            raise ConfigError(
-                "--tls: the storage nodes and servers of this build do not serve TLS yet "
-                "(storage.ssl.* and server.ssl.* are accepted but not used); run without --tls"
-            )
+            certs.find_openssl()  # Before anything starts: a missing openssl is a clear ConfigError.
         if not 1 <= self.storages <= MAX_STORAGES:
             raise ConfigError(f"--storages must be between 1 and {MAX_STORAGES}, got {self.storages}")
         if not 1 <= self.servers <= MAX_SERVERS:
@@ -193,6 +198,28 @@ def _allocate_ports(opts: UpOptions) -> dict[str, list[int]]:
     }
 
 
+TLS_NAMES = ("storage", "server", "client")
+"""One certificate per role in ``D/tls/``: ``<name>.pem`` and ``<name>-key.pem``, plus ``ca.pem``."""
+
+
+def _tls_keys(cluster: LocalCluster, prefix: str, name: str) -> dict[str, Any]:
+    """``<prefix>certFile/keyFile/caFile`` for role ``name`` (mutual TLS), or nothing without TLS."""
+    if not cluster.tls:
+        return {}
+    d = cluster.tls_dir
+    return {
+        f"{prefix}certFile": str(d / f"{name}.pem"),
+        f"{prefix}keyFile": str(d / f"{name}-key.pem"),
+        f"{prefix}caFile": str(d / "ca.pem"),
+    }
+
+
+def _admin_ssl(cluster: LocalCluster) -> SSLContext | None:
+    """The context this orchestrator uses towards the storage admin ports (the client certificate)."""
+    keys = _tls_keys(cluster, "ssl.", "client")
+    return TlsConfig.from_config(keys, "ssl.", role="connect", source=str(cluster.tls_dir)).client_context()
+
+
 def _storage_config(cluster: LocalCluster, rec: ProcessRecord, segment_size_bytes: int) -> dict[str, Any]:
     return {
         "storage.host": procs.LOOPBACK,
@@ -204,6 +231,7 @@ def _storage_config(cluster: LocalCluster, rec: ProcessRecord, segment_size_byte
         "zookeeper.connectString": cluster.zk_connect,
         "zookeeper.sessionTimeout": cluster.zk_session_timeout_ms,
         "cluster.root": cluster.cluster_root,
+        **_tls_keys(cluster, "storage.ssl.", "storage"),
     }
 
 
@@ -220,6 +248,7 @@ def _server_config(cluster: LocalCluster, rec: ProcessRecord) -> dict[str, Any]:
         "storage.initialRetryInterval": 50,
         "storage.maxRetryInterval": 1000,
         "storage.rpcTimeout": 5000,
+        **_tls_keys(cluster, "server.ssl.", "server"),
     }
 
 
@@ -227,6 +256,7 @@ def _client_config(cluster: LocalCluster) -> dict[str, Any]:
     return {
         "zookeeper": {"connectString": cluster.zk_connect, "sessionTimeout": 30000},
         "cluster": {"root": cluster.cluster_root},
+        **_tls_keys(cluster, "client.ssl.", "client"),
     }
 
 
@@ -235,12 +265,16 @@ def _write_yaml(path: Path, values: dict[str, Any]) -> None:
 
 
 async def _assign_on_nodes(
-    targets: list[tuple[int, list[int]]], key: Any, num_partitions: int, timeout_s: float
+    targets: list[tuple[int, list[int]]],
+    key: Any,
+    num_partitions: int,
+    timeout_s: float,
+    ssl: SSLContext | None = None,
 ) -> None:
     """Tell each storage node (by admin port) which partitions it holds (idempotent)."""
     for admin_port, partitions in targets:
         async with asyncio.timeout(timeout_s):
-            admin = await AdminClient.connect(procs.LOOPBACK, admin_port, key, num_partitions)
+            admin = await AdminClient.connect(procs.LOOPBACK, admin_port, key, num_partitions, ssl=ssl)
             async with admin:
                 if partitions:
                     await admin.set_assigned(partitions, True)
@@ -310,6 +344,7 @@ def _remove_data(cluster: LocalCluster) -> None:
             Path(rec.stdout).unlink(missing_ok=True)
     for name in (STATE_FILE, CLIENT_CONFIG_FILE):
         (d / name).unlink(missing_ok=True)
+    shutil.rmtree(cluster.tls_dir, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------- commands
@@ -345,6 +380,7 @@ def up(opts: UpOptions, report: Report = _quiet) -> LocalCluster:
                 log=str(logs / "zookeeper.log"),
             ),
             zk_session_timeout_ms=opts.zk_session_timeout_ms,
+            tls=opts.tls,
         )
         sp = ports["storage"]
         for i in range(opts.storages):
@@ -421,6 +457,9 @@ def _bring_up(cluster: LocalCluster, opts: UpOptions, report: Report) -> None:
         zkutil.close(client)
     cluster.save()
 
+    if cluster.tls:
+        report(f"making a throwaway CA and certificates in {cluster.tls_dir}")
+        certs.make_local_pki(cluster.tls_dir, TLS_NAMES)
     for rec in cluster.storages:
         Path(rec.data_dir).mkdir(parents=True, exist_ok=True)
         _write_yaml(Path(rec.config), _storage_config(cluster, rec, opts.segment_size_bytes))
@@ -437,6 +476,7 @@ def _bring_up(cluster: LocalCluster, opts: UpOptions, report: Report) -> None:
             store.cluster_key,
             cluster.num_partitions,
             timeout_s,
+            _admin_ssl(cluster),
         )
     )
     report(f"starting {len(cluster.servers)} servers")
@@ -498,7 +538,13 @@ def start(
         if kind == "storage" and rec.partitions:
             key = _cluster_key(cluster)
             asyncio.run(
-                _assign_on_nodes([(rec.admin_port, rec.partitions)], key, cluster.num_partitions, timeout_s)
+                _assign_on_nodes(
+                    [(rec.admin_port, rec.partitions)],
+                    key,
+                    cluster.num_partitions,
+                    timeout_s,
+                    _admin_ssl(cluster),
+                )
             )
     return rec
 
@@ -532,6 +578,7 @@ class ClusterStatus:
     partitions: list[PartitionStatus]
     zookeeper_ok: bool
     errors: list[str] = field(default_factory=list)
+    tls: bool = False
 
     @property
     def all_served(self) -> bool:
@@ -541,6 +588,7 @@ class ClusterStatus:
         return {
             "directory": str(self.directory),
             "zookeeper_ok": self.zookeeper_ok,
+            "tls": self.tls,
             "processes": [vars(p) for p in self.processes],
             "partitions": [vars(p) for p in self.partitions],
             "errors": self.errors,
@@ -566,6 +614,7 @@ def status(directory: str | Path) -> ClusterStatus:
         rows,
         [PartitionStatus(p) for p in range(cluster.num_partitions)],
         zookeeper_ok=False,
+        tls=cluster.tls,
     )
     by_id = {s.server_id: s for s in cluster.servers}
     hwm: dict[int, float] = {}
@@ -626,6 +675,7 @@ async def _storage_status(cluster: LocalCluster, result: ClusterStatus) -> None:
     if not live:
         return
     key = await asyncio.to_thread(_cluster_key, cluster) if result.zookeeper_ok else None
+    ssl = _admin_ssl(cluster)
     for rec in cluster.storages:
         if rec not in live:
             for p in rec.partitions:
@@ -638,7 +688,9 @@ async def _storage_status(cluster: LocalCluster, result: ClusterStatus) -> None:
             continue
         try:
             async with asyncio.timeout(5):
-                admin = await AdminClient.connect(procs.LOOPBACK, rec.admin_port, key, cluster.num_partitions)
+                admin = await AdminClient.connect(
+                    procs.LOOPBACK, rec.admin_port, key, cluster.num_partitions, ssl=ssl
+                )
                 async with admin:
                     data = json.loads(await admin.metrics_json())
         except (WaltzError, OSError, TimeoutError) as e:
@@ -656,8 +708,18 @@ async def _storage_status(cluster: LocalCluster, result: ClusterStatus) -> None:
             result.partitions[pid].replicas[rec.name] = f"{prefix}; {state}".lstrip("; ")
 
 
+def _tls_line(cluster: LocalCluster) -> str:
+    if not cluster.tls:
+        return "TLS: off"
+    return f"TLS: mutual, on every storage, server and client link; CA and certificates in {cluster.tls_dir}"
+
+
 def render_status(st: ClusterStatus) -> str:
-    lines = [f"cluster in {st.directory}", "", f"{'process':<11} {'pid':>8}  {'state':<8} ports / details"]
+    lines = [
+        f"cluster in {st.directory} ({'mutual TLS' if st.tls else 'plain TCP'})",
+        "",
+        f"{'process':<11} {'pid':>8}  {'state':<8} ports / details",
+    ]
     for p in st.processes:
         state = "running" if p.running else "DOWN"
         lines.append(
@@ -693,6 +755,7 @@ def render_up(cluster: LocalCluster) -> str:
         "",
         f"ZooKeeper: {cluster.zk_connect}, cluster root {cluster.cluster_root}, "
         f"{cluster.num_partitions} partitions, {cluster.groups} replica group(s)",
+        _tls_line(cluster),
         f"client config: {cluster.client_config_path}",
         f"logs: {cluster.directory / 'logs'}",
         f"stop with: waltz local down --dir {cluster.directory}",

@@ -15,7 +15,8 @@ that was started, even by an ``up`` that failed half-way. Example::
                     "config": "D/storage-0.yaml", "log": "D/logs/storage-0.log", "stdout": ...}],
       "servers": [{"kind": "server", "index": 0, "pid": ..., "port": ..., "http_port": ...,
                    "server_id": 1, ...}],
-      "client_config": "D/client.yaml"
+      "client_config": "D/client.yaml",
+      "tls": false                             # true: mutual TLS everywhere, certificates in D/tls/
     }
 """
 
@@ -33,6 +34,7 @@ from waltz.local.procs import ProcessId
 
 STATE_FILE = "cluster.json"
 CLIENT_CONFIG_FILE = "client.yaml"
+TLS_DIR = "tls"
 FORMAT_VERSION = 1
 
 
@@ -91,6 +93,8 @@ class LocalCluster:
     servers: list[ProcessRecord] = field(default_factory=list)
     state: str = "starting"
     zk_session_timeout_ms: int = 6000
+    tls: bool = False
+    """Every storage node, server and client.yaml use mutual TLS with the certificates in ``D/tls/``."""
 
     @property
     def zk_connect(self) -> str:
@@ -99,6 +103,11 @@ class LocalCluster:
     @property
     def client_config_path(self) -> Path:
         return self.directory / CLIENT_CONFIG_FILE
+
+    @property
+    def tls_dir(self) -> Path:
+        """Where ``up --tls`` writes the CA and certificates (see :mod:`waltz.local.certs`)."""
+        return self.directory / TLS_DIR
 
     @property
     def processes(self) -> list[ProcessRecord]:
@@ -126,6 +135,7 @@ class LocalCluster:
             "num_partitions": self.num_partitions,
             "groups": self.groups,
             "zk_session_timeout_ms": self.zk_session_timeout_ms,
+            "tls": self.tls,
             "zookeeper": dataclasses.asdict(self.zookeeper),
             "storages": [dataclasses.asdict(s) for s in self.storages],
             "servers": [dataclasses.asdict(s) for s in self.servers],
@@ -163,6 +173,7 @@ class LocalCluster:
                 servers=[ProcessRecord.from_json(s) for s in raw["servers"]],
                 state=str(raw.get("state", "running")),
                 zk_session_timeout_ms=int(raw.get("zk_session_timeout_ms", 6000)),
+                tls=bool(raw.get("tls", False)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"{path} is damaged: {e!r}") from None
