@@ -154,6 +154,11 @@ async def _exchange_hellos(
                 f"TLS error during the hello exchange: {_ssl_reason(e)} (is this side's certificate one the "
                 "peer trusts?)"
             ) from None
+        except ConnectionResetError as e:
+            # A listener that refuses the TLS handshake (or a plain connection) may reset rather than close.
+            raise BrokenResourceError(
+                f"connection broken during the hello exchange: {e}{_hint(tls)}"
+            ) from None
         except OSError as e:
             raise BrokenResourceError(f"connection broken during the hello exchange: {e}") from None
         if not data:

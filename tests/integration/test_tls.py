@@ -105,7 +105,12 @@ def test_storage_node_refuses_plain_and_uncertified_clients_at_once(
     with plain_node:
         plain_node.start()
         asyncio.run(asyncio.wait_for(main(), 30))
-        # The plain node says why it dropped the TLS client.
+        # The plain node says why it dropped the TLS client (it may log that just after the client gave up).
+        deadline = time.monotonic() + FAIL_FAST_S
+        while (
+            "the peer speaks TLS but this side" not in plain_node.log_text() and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
         assert "the peer speaks TLS but this side of the connection is plain" in plain_node.log_text()
 
 
