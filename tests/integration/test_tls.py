@@ -281,6 +281,10 @@ def test_local_up_tls_status_appends_and_down(cluster_dir: Path) -> None:
     plain = waltz("server", "list", "-s", f"127.0.0.1:{server_port}", timeout_s=30)
     assert plain.returncode != 0
     assert "TLS" in plain.stderr
+    admin_port = yaml.safe_load((cluster_dir / "storage-0.yaml").read_text())["storage.admin.port"]
+    storage = waltz("storage", "list", "-s", f"127.0.0.1:{admin_port}", "-c", str(client_yaml), timeout_s=30)
+    assert storage.returncode == 0, storage.stderr
+    assert "available" in storage.stdout
 
     down = waltz("local", "down", "--dir", str(cluster_dir), timeout_s=60)
     assert down.returncode == 0, down.stderr
