@@ -25,6 +25,7 @@ from waltz.client.config import ClientConfig
 from waltz.client.reader import LogReader
 from waltz.local import UpOptions, down, up
 from waltz.protocol.records import Record
+from waltz.spark.cluster import close_all
 from waltz.spark.options import parse_options
 from waltz.spark.writer import RowWriter
 
@@ -104,4 +105,5 @@ def waltz_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WaltzTes
             },
         )
     finally:
+        close_all()  # this process's reader connections, before their servers go
         down(directory)

@@ -39,7 +39,7 @@ from waltz.protocol.records import Record
 from waltz.spark.options import SourceOptions
 from waltz.spark.source import check_batch
 
-__all__ = ["ClusterLogSource", "open_source"]
+__all__ = ["ClusterLogSource", "close_all", "open_source"]
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +175,8 @@ def open_source(options: SourceOptions) -> ClusterLogSource:
         return source
 
 
-@atexit.register
-def _close_all() -> None:
+def close_all() -> None:
+    """Close every source this process opened (their ZooKeeper sessions and server connections)."""
     with _sources_lock:
         for source in _sources.values():
             try:
@@ -184,3 +184,13 @@ def _close_all() -> None:
             except Exception:
                 log.debug("closing a waltz source failed", exc_info=True)
         _sources.clear()
+
+
+# The ZooKeeper client's threads are not daemons, and the interpreter joins non-daemon threads *before* it
+# runs atexit handlers: close the sources from the hook that runs before that join (the one
+# concurrent.futures uses), so a process that forgot close_all() still exits.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(close_all)
+else:  # pragma: no cover - other interpreters
+    atexit.register(close_all)

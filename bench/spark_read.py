@@ -1,0 +1,121 @@
+"""Batch read throughput of the Spark ``waltz`` source beside the plain client (LogReader) on the same range.
+
+Starts a local cluster (``waltz local``: ZooKeeper, one storage node, one server, two partitions) in a
+temporary directory, appends ``--transactions`` transactions of ``--size`` bytes through the client, then
+times, over the same committed range:
+
+* ``LogReader``: one process reading both partitions with range requests of 10,000 (checksums verified);
+* Spark ``local[2]``: ``spark.read.format("waltz")...`` aggregated so every row and byte is materialised
+  (``count(*)``, ``sum(length(data))``). The first Spark run pays the Python worker start-up; the best of the
+  following ``--runs`` runs is reported, as is the first.
+
+Usage: ``.venv/bin/python bench/spark_read.py [--transactions 400000] [--size 512] [--runs 3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from waltz.client.reader import LogReader
+from waltz.local import UpOptions, down, up
+from waltz.spark.options import parse_options
+from waltz.spark.writer import RowWriter
+
+PARTITIONS = 2
+
+
+def append(options: dict[str, str], count: int, size: int) -> None:
+    payload = os.urandom(size)
+    writer = RowWriter(parse_options({**options, "waltz.client.maxConcurrentTransactions": "500"}))
+    chunk = 50_000
+    for first in range(0, count, chunk):
+        rows = (
+            {"partition": i % PARTITIONS, "data": payload} for i in range(first, min(count, first + chunk))
+        )
+        writer.append_rows(rows)
+
+
+async def plain_read(options: dict[str, str]) -> tuple[int, int, float]:
+    config = parse_options(options).client_config
+    async with LogReader(config) as reader:
+        hwms = [await reader.high_water_mark(p) for p in range(PARTITIONS)]
+        t0 = time.perf_counter()
+        rows = nbytes = 0
+        for p in range(PARTITIONS):
+            pos = 0
+            while pos <= hwms[p]:
+                batch = await reader.read_range(p, pos, min(10_000, hwms[p] - pos + 1))
+                rows += len(batch)
+                nbytes += sum(len(r.data) for r in batch)
+                pos += len(batch)
+        return rows, nbytes, time.perf_counter() - t0
+
+
+def spark_read(spark: object, options: dict[str, str]) -> tuple[int, int, float]:
+    from pyspark.sql import functions as F
+
+    t0 = time.perf_counter()
+    df = spark.read.format("waltz").options(**options).load()  # type: ignore[attr-defined]
+    row = df.agg(F.count("*").alias("n"), F.sum(F.length("data")).alias("b")).collect()[0]
+    return int(row.n), int(row.b), time.perf_counter() - t0
+
+
+def line(name: str, rows: int, nbytes: int, seconds: float) -> str:
+    return f"| {name} | {rows:,} | {seconds:.2f} | {rows / seconds:,.0f} | {nbytes / seconds / 1e6:,.1f} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--transactions", type=int, default=400_000)
+    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    directory = Path(tempfile.mkdtemp(prefix="waltz-spark-bench-"))
+    cluster = up(UpOptions(directory=directory, storages=1, servers=1, partitions=PARTITIONS))
+    try:
+        options = {
+            "waltz.zookeeper.connectString": cluster.zk_connect,
+            "waltz.cluster.root": cluster.cluster_root,
+        }
+        t0 = time.perf_counter()
+        append(options, args.transactions, args.size)
+        print(
+            f"appended {args.transactions:,} x {args.size} B in {time.perf_counter() - t0:.1f} s", flush=True
+        )
+        results = [line("plain LogReader (1 process)", *asyncio.run(plain_read(options)))]
+        from pyspark.sql import SparkSession
+
+        import waltz.spark
+
+        spark = (
+            SparkSession.builder.master("local[2]")
+            .config("spark.ui.enabled", "false")
+            .config("spark.driver.bindAddress", "127.0.0.1")
+            .config("spark.driver.host", "127.0.0.1")
+            .config("spark.sql.shuffle.partitions", "2")
+            .getOrCreate()
+        )
+        spark.sparkContext.setLogLevel("ERROR")
+        waltz.spark.register(spark)
+        runs = [spark_read(spark, options) for _ in range(args.runs + 1)]
+        results.append(line("Spark local[2], first run (cold workers)", *runs[0]))
+        best = min(runs[1:], key=lambda r: r[2])
+        results.append(line(f"Spark local[2], best of {args.runs} warm runs", *best))
+        spark.stop()
+        print("| reader | transactions | seconds | transactions/s | MB/s |")
+        print("|---|---:|---:|---:|---:|")
+        print("\n".join(results))
+    finally:
+        down(directory, purge=True)
+
+
+if __name__ == "__main__":
+    main()
