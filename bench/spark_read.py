@@ -58,11 +58,11 @@ async def plain_read(options: dict[str, str]) -> tuple[int, int, float]:
 
 
 def spark_read(spark: object, options: dict[str, str]) -> tuple[int, int, float]:
-    from pyspark.sql import functions as F
+    from pyspark.sql import functions as sf
 
     t0 = time.perf_counter()
     df = spark.read.format("waltz").options(**options).load()  # type: ignore[attr-defined]
-    row = df.agg(F.count("*").alias("n"), F.sum(F.length("data")).alias("b")).collect()[0]
+    row = df.agg(sf.count("*").alias("n"), sf.sum(sf.length("data")).alias("b")).collect()[0]
     return int(row.n), int(row.b), time.perf_counter() - t0
 
 
