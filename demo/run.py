@@ -1,119 +1,111 @@
-"""``python -m demo.run``: start a real storage node, append and read back through StorageClient, verify.
+"""``python -m demo.run`` (what ``make demo`` runs): a local cluster, the bank under a fault drill, a report.
 
-A temporary stand-in for the full Waltz demo. It starts ``waltz storage run`` as a subprocess on free
-loopback ports with a temporary directory, assigns a partition over the admin port, appends records in
-batches (each acknowledged only after the node's fsync), reads them back, checks every checksum and the
-payloads, prints a short summary and stops the node. Exit status 0 on success, 1 on any failure.
+1. ``waltz local up``: ZooKeeper, 3 storage nodes, 2 servers, 4 partitions, each its own process on loopback.
+2. The bank demo in automatic mode: 3 application instances, each with its own SQLite database applied
+   through ``SqlClientCallbacks``, submit random deposits, withdrawals and deactivations for about a minute
+   while storage node 2 is killed (as in a crash) and later restarted. At the end the invariants are checked:
+   money is conserved, no balance is negative, every instance's database agrees, and the log replayed from
+   the start into a fresh database gives the same balances.
+3. The Spark report (``demo/report.py``) rebuilds every balance from the log alone with the ``waltz`` data
+   source, writes Parquet, prints the tables, and must equal the bank databases' balances.
+4. ``waltz local down``: everything started is stopped, whatever happened.
+
+Exit status 0 only if every step succeeded. ``--seconds`` shortens the bank run; ``--dir`` keeps the cluster's
+directory (logs, data, report) where you can look at it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import subprocess
+import argparse
+import logging
+import shutil
 import sys
 import tempfile
-import time
-import uuid
 from pathlib import Path
 
-from waltz.protocol.records import Record, ReqId
-from waltz.storage.client import AdminClient, StorageClient
-
-CLUSTER_KEY = uuid.uuid4()
-NUM_PARTITIONS = 2
-PARTITION = 0
-SESSION = 0
-RECORDS = 1000
-BATCH = 50
-READY_TIMEOUT_S = 30.0
+from demo.bank.__main__ import instance_factory
+from demo.bank.app import make_engine
+from demo.bank.auto import AutoOptions, Drill, run_auto
+from demo.bank.model import BankDb
+from waltz import ClientConfig, local
+from waltz.errors import WaltzError
+from waltz.local.cluster import render_up
 
 
-def start_node(base: Path) -> tuple[subprocess.Popen[bytes], int, int]:
-    """Start the node and return it with its data and admin ports (from the JSON line it prints)."""
-    config = base / "storage.yaml"
-    config.write_text(
-        "storage.port: 0\nstorage.admin.port: 0\n"
-        f"storage.directory: {base / 'data'}\n"
-        f"storage.cluster.key: {CLUSTER_KEY}\nstorage.cluster.numPartitions: {NUM_PARTITIONS}\n",
-        encoding="utf-8",
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "waltz.cli.main", "storage", "run", "--config", str(config)],
-        stdout=subprocess.PIPE,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()  # the node prints it once serving, or exits
-    if not line:
-        proc.wait(READY_TIMEOUT_S)
-        raise RuntimeError(f"storage node exited with status {proc.returncode} before serving")
-    ready = json.loads(line)
-    return proc, int(ready["port"]), int(ready["admin_port"])
+def bank_balances(directory: Path, instance: str) -> dict[int, int]:
+    """The balances one bank instance's database holds."""
+    engine, suffix = make_engine(None, directory, instance)
+    try:
+        return {account: balance for account, (balance, _active) in BankDb(engine, suffix).balances().items()}
+    finally:
+        engine.dispose()
 
 
-def payload(i: int) -> bytes:
-    return f"demo transaction {i}: transfer {i % 97} coins".encode()
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m demo.run", description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=60.0, help="length of the bank run")
+    parser.add_argument("--dir", type=Path, default=None, help="cluster directory (default: a temporary one)")
+    parser.add_argument("--no-report", action="store_true", help="skip the Spark report")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kazoo").setLevel(logging.ERROR)
 
+    base = args.dir or Path(tempfile.mkdtemp(prefix="waltz-demo-"))
+    cluster_dir = base / "cluster"
+    ok = False
+    try:
+        print(f"== waltz local up ({cluster_dir})", flush=True)
+        cluster = local.up(local.UpOptions(cluster_dir, storages=3, servers=2, partitions=4))
+        print(render_up(cluster), flush=True)
+        client_yaml = cluster_dir / "client.yaml"
 
-async def round_trip(port: int, admin_port: int) -> dict[str, float]:
-    async with await AdminClient.connect("127.0.0.1", admin_port, CLUSTER_KEY, NUM_PARTITIONS) as admin:
-        await admin.set_assigned([PARTITION], True)
-    async with await StorageClient.connect("127.0.0.1", port, CLUSTER_KEY, NUM_PARTITIONS) as client:
-        start = time.perf_counter()
-        appends = []
-        for first in range(0, RECORDS, BATCH):
-            batch = [
-                Record.build(i, ReqId(1 << 32, i), i % 3, payload(i)) for i in range(first, first + BATCH)
-            ]
-            appends.append(client.append(SESSION, PARTITION, batch))
-        await asyncio.gather(*appends)  # sent in order; each Success means fsynced
-        append_s = time.perf_counter() - start
-        max_id = await client.max_transaction_id(SESSION, PARTITION)
-        if max_id != RECORDS - 1:
-            raise RuntimeError(f"max transaction id is {max_id}, expected {RECORDS - 1}")
-        start = time.perf_counter()
-        got: list[Record] = []
-        while len(got) < RECORDS:
-            chunk = await client.read_records(SESSION, PARTITION, len(got), 250)
-            if not chunk:
-                raise RuntimeError(f"read stopped at {len(got)} of {RECORDS} records")
-            got += chunk
-        read_s = time.perf_counter() - start
-        for i, rec in enumerate(got):
-            if rec.transaction_id != i or not rec.verify() or rec.data != payload(i):
-                raise RuntimeError(f"record {i} does not verify: {rec!r}")
-    return {"append_s": append_s, "read_s": read_s}
-
-
-def main() -> int:
-    with tempfile.TemporaryDirectory(prefix="waltz-demo-") as tmp:
-        try:
-            proc, port, admin_port = start_node(Path(tmp))
-        except Exception as e:  # noqa: BLE001 - any failure to start is reported as one line
-            print(f"demo: FAILED to start the storage node: {e}", file=sys.stderr)
-            return 1
-        try:
-            stats = asyncio.run(round_trip(port, admin_port))
-        except Exception as e:  # noqa: BLE001 - any failure of the round trip fails the demo
-            print(f"demo: FAILED: {type(e).__name__}: {e}", file=sys.stderr)
-            return 1
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
-        print(f"storage node on 127.0.0.1:{port} (admin {admin_port}), directory {tmp}")
+        kill_at, start_at = args.seconds / 3, 2 * args.seconds / 3
+        drills = [
+            Drill(kill_at, "kill -9 storage node 2", lambda: local.kill(cluster_dir, "storage", 2)),
+            Drill(start_at, "restart storage node 2", lambda: local.start(cluster_dir, "storage", 2)),
+        ]
         print(
-            f"appended {RECORDS} records in {RECORDS // BATCH} fsynced batches in "
-            f"{stats['append_s'] * 1000:.0f} ms; read back and verified all {RECORDS} "
-            f"in {stats['read_s'] * 1000:.0f} ms"
+            f"== bank: 3 instances for {args.seconds:.0f} s, storage node 2 killed and restarted", flush=True
         )
-        print(f"node stopped with status {proc.returncode}; demo OK")
-    return 0
+        bank_dir = base / "bank"
+        factory = instance_factory(ClientConfig.from_yaml(client_yaml), bank_dir, None)
+        report = run_auto(
+            factory,
+            AutoOptions(instances=3, duration_s=args.seconds, display=sys.stdout.isatty(), seed=7),
+            drills,
+        )
+        print(report.render(), flush=True)
+        if not report.ok:
+            return 1
+
+        if not args.no_report:
+            print("== Spark report over the log (demo/report.py)", flush=True)
+            from demo.report import run_report
+
+            from_log = run_report(client_yaml, base / "report")
+            from_db = bank_balances(bank_dir, "0")
+            if from_log != from_db:
+                differ = sorted(k for k in set(from_log) | set(from_db) if from_log.get(k) != from_db.get(k))
+                print(f"REPORT MISMATCH: accounts {differ[:20]} differ between the log and the bank database")
+                return 1
+            print(f"report balances equal the bank databases' for all {len(from_db)} accounts", flush=True)
+        ok = True
+        return 0
+    except WaltzError as e:
+        print(f"demo: FAILED: {e}", file=sys.stderr)
+        return 1
+    finally:
+        print("== waltz local down", flush=True)
+        try:
+            for line in local.down(cluster_dir):
+                print(line)
+        except WaltzError as e:
+            print(f"demo: local down: {e}", file=sys.stderr)
+        if args.dir is None and ok:
+            shutil.rmtree(base, ignore_errors=True)
+        elif not ok:
+            print(f"demo: logs and data kept in {base}", file=sys.stderr)
+        print("demo OK" if ok else "demo FAILED", flush=True)
 
 
 if __name__ == "__main__":
