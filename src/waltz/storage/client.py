@@ -9,10 +9,10 @@ requests by sequence number. Failure responses are raised as the Waltz error the
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from ssl import SSLContext
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import Generic, Self, TypeVar
 
 from waltz.errors import StorageRpcError
 from waltz.protocol import admin as adm
@@ -24,9 +24,6 @@ from waltz.transport import RpcClient, open_connection
 DEFAULT_TIMEOUT_MS = 30_000
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 
-R = TypeVar("R", bound=st.StorageMessage)
-A = TypeVar("A", bound=adm.AdminMessage)
-
 
 def _storage_error(resp: st.StorageMessage) -> BaseException | None:
     return st.failure_to_error(resp) if isinstance(resp, st.FailureResponse) else None
@@ -36,59 +33,64 @@ def _admin_error(resp: adm.AdminMessage) -> BaseException | None:
     return adm.failure_to_error(resp) if isinstance(resp, adm.AdminFailureResponse) else None
 
 
-class StorageClient:
-    """A connection to one storage node's data port. Safe for concurrent use by many tasks of one loop."""
+M = TypeVar("M")
+T = TypeVar("T")
 
-    def __init__(self, rpc: RpcClient[st.StorageMessage, st.StorageMessage], address: str) -> None:
+
+async def _open_rpc(
+    host: str,
+    port: int,
+    *,
+    magic: int,
+    versions: Sequence[int],
+    hello_text: str,
+    encode: Callable[[M], bytes],
+    decode: Callable[[bytes], M],
+    seq_of: Callable[[M], int],
+    error_of: Callable[[M], BaseException | None],
+    max_in_flight: int,
+    max_frame_bytes: int,
+    connect_timeout_ms: int,
+    ssl: SSLContext | None,
+    name: str,
+) -> RpcClient[M, M]:
+    conn = await open_connection(
+        host,
+        port,
+        magic=magic,
+        versions=versions,
+        hello_text=hello_text,
+        max_frame_bytes=max_frame_bytes,
+        connect_timeout_ms=connect_timeout_ms,
+        ssl=ssl,
+    )
+    return RpcClient(
+        conn,
+        encode=encode,
+        decode=decode,
+        request_seq=seq_of,
+        response_seq=seq_of,
+        error_of=error_of,
+        max_in_flight=max_in_flight,
+        name=name,
+    )
+
+
+class _Endpoint(Generic[M]):
+    """What both clients share: one multiplexed connection, typed calls, closing."""
+
+    def __init__(self, rpc: RpcClient[M, M], address: str) -> None:
         self._rpc = rpc
         self.address = address
 
-    @classmethod
-    async def connect(
-        cls,
-        host: str,
-        port: int,
-        cluster_key: uuid.UUID,
-        num_partitions: int,
-        *,
-        connect_timeout_ms: int = 5_000,
-        max_in_flight: int = 1024,
-        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-        ssl: SSLContext | None = None,
-    ) -> StorageClient:
-        """Connect (over TLS with ``ssl``, see :mod:`waltz.tls`) and open with the cluster key; raises
-        ClusterKeyMismatchError on a wrong key."""
-        conn = await open_connection(
-            host,
-            port,
-            magic=MAGIC_STORAGE,
-            versions=st.STORAGE_VERSIONS,
-            hello_text=st.STORAGE_CLIENT_HELLO,
-            max_frame_bytes=max_frame_bytes,
-            connect_timeout_ms=connect_timeout_ms,
-            ssl=ssl,
-        )
-        rpc: RpcClient[st.StorageMessage, st.StorageMessage] = RpcClient(
-            conn,
-            encode=st.encode,
-            decode=st.decode,
-            request_seq=st.seq_num_of,
-            response_seq=st.seq_num_of,
-            error_of=_storage_error,
-            max_in_flight=max_in_flight,
-            name=f"storage {host}:{port}",
-        )
-        client = cls(rpc, f"{host}:{port}")
+    async def _opened(self, open_request: M, expected: type[object]) -> Self:
+        """Send the open request (cluster key check); close the connection if it fails."""
         try:
-            # The open is answered with the conventional prefix; we give it a fresh sequence number so the
-            # multiplexer can match it like any other request.
-            await client._call(
-                st.OpenRequest(-1, rpc.next_seq(), -1, cluster_key, num_partitions), st.SuccessResponse
-            )
+            await self._call(open_request, expected)
         except BaseException:
-            await rpc.aclose()
+            await self._rpc.aclose()
             raise
-        return client
+        return self
 
     @property
     def is_usable(self) -> bool:
@@ -105,9 +107,7 @@ class StorageClient:
     ) -> None:
         await self.aclose()
 
-    async def _call(
-        self, msg: st.StorageMessage, expected: type[R], timeout_ms: int = DEFAULT_TIMEOUT_MS
-    ) -> R:
+    async def _call(self, msg: M, expected: type[T], timeout_ms: int = DEFAULT_TIMEOUT_MS) -> T:
         resp = await self._rpc.call(msg, timeout_ms)
         if not isinstance(resp, expected):
             raise StorageRpcError(
@@ -117,6 +117,47 @@ class StorageClient:
 
     def _seq(self) -> int:
         return self._rpc.next_seq()
+
+
+class StorageClient(_Endpoint[st.StorageMessage]):
+    """A connection to one storage node's data port. Safe for concurrent use by many tasks of one loop."""
+
+    @classmethod
+    async def connect(
+        cls,
+        host: str,
+        port: int,
+        cluster_key: uuid.UUID,
+        num_partitions: int,
+        *,
+        connect_timeout_ms: int = 5_000,
+        max_in_flight: int = 1024,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        ssl: SSLContext | None = None,
+    ) -> StorageClient:
+        """Connect (over TLS with ``ssl``, see :mod:`waltz.tls`) and open with the cluster key; raises
+        ClusterKeyMismatchError on a wrong key."""
+        rpc = await _open_rpc(
+            host,
+            port,
+            magic=MAGIC_STORAGE,
+            versions=st.STORAGE_VERSIONS,
+            hello_text=st.STORAGE_CLIENT_HELLO,
+            encode=st.encode,
+            decode=st.decode,
+            seq_of=st.seq_num_of,
+            error_of=_storage_error,
+            max_in_flight=max_in_flight,
+            max_frame_bytes=max_frame_bytes,
+            connect_timeout_ms=connect_timeout_ms,
+            ssl=ssl,
+            name=f"storage {host}:{port}",
+        )
+        # The open is answered with the conventional prefix; it gets a fresh sequence number so the
+        # multiplexer matches it like any other request.
+        return await cls(rpc, f"{host}:{port}")._opened(
+            st.OpenRequest(-1, rpc.next_seq(), -1, cluster_key, num_partitions), st.SuccessResponse
+        )
 
     async def last_session_info(
         self, session_id: int, partition_id: int, *, offline: bool = False
@@ -193,12 +234,8 @@ class StorageClient:
         return list(resp.records)
 
 
-class AdminClient:
+class AdminClient(_Endpoint[adm.AdminMessage]):
     """A connection to one storage node's admin port."""
-
-    def __init__(self, rpc: RpcClient[adm.AdminMessage, adm.AdminMessage], address: str) -> None:
-        self._rpc = rpc
-        self.address = address
 
     @classmethod
     async def connect(
@@ -212,98 +249,65 @@ class AdminClient:
         ssl: SSLContext | None = None,
     ) -> AdminClient:
         """Connect (over TLS with ``ssl``) and open with the cluster key."""
-        conn = await open_connection(
+        rpc = await _open_rpc(
             host,
             port,
             magic=MAGIC_ADMIN,
             versions=adm.ADMIN_VERSIONS,
             hello_text=adm.ADMIN_CLIENT_HELLO,
+            encode=adm.encode,
+            decode=adm.decode,
+            seq_of=adm.seq_num_of,
+            error_of=_admin_error,
+            max_in_flight=16,
             max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
             connect_timeout_ms=connect_timeout_ms,
             ssl=ssl,
-        )
-        rpc: RpcClient[adm.AdminMessage, adm.AdminMessage] = RpcClient(
-            conn,
-            encode=adm.encode,
-            decode=adm.decode,
-            request_seq=adm.seq_num_of,
-            response_seq=adm.seq_num_of,
-            error_of=_admin_error,
-            max_in_flight=16,
             name=f"storage admin {host}:{port}",
         )
-        client = cls(rpc, f"{host}:{port}")
-        try:
-            await client._call(
-                adm.AdminOpenRequest(rpc.next_seq(), cluster_key, num_partitions), adm.AdminSuccessResponse
-            )
-        except BaseException:
-            await rpc.aclose()
-            raise
-        return client
-
-    async def aclose(self) -> None:
-        await self._rpc.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
-    async def _call(
-        self, msg: adm.AdminMessage, expected: type[A], timeout_ms: int = DEFAULT_TIMEOUT_MS
-    ) -> A:
-        resp = await self._rpc.call(msg, timeout_ms)
-        if not isinstance(resp, expected):
-            raise StorageRpcError(
-                f"expected {expected.__name__} from {self.address}, got {type(resp).__name__}"
-            )
-        return resp
+        return await cls(rpc, f"{host}:{port}")._opened(
+            adm.AdminOpenRequest(rpc.next_seq(), cluster_key, num_partitions), adm.AdminSuccessResponse
+        )
 
     async def set_assigned(
         self, partition_ids: Sequence[int], assigned: bool, *, delete_files: bool = False
     ) -> None:
         await self._call(
-            adm.PartitionAssignmentRequest(
-                self._rpc.next_seq(), tuple(partition_ids), assigned, delete_files
-            ),
+            adm.PartitionAssignmentRequest(self._seq(), tuple(partition_ids), assigned, delete_files),
             adm.AdminSuccessResponse,
         )
 
     async def set_available(self, partition_ids: Sequence[int], available: bool) -> None:
         await self._call(
-            adm.PartitionAvailableRequest(self._rpc.next_seq(), tuple(partition_ids), available),
+            adm.PartitionAvailableRequest(self._seq(), tuple(partition_ids), available),
             adm.AdminSuccessResponse,
         )
 
     async def last_session_info(self, partition_id: int) -> st.SessionInfo:
         resp = await self._call(
-            adm.LastSessionInfoRequest(self._rpc.next_seq(), partition_id), adm.LastSessionInfoResponse
+            adm.LastSessionInfoRequest(self._seq(), partition_id), adm.LastSessionInfoResponse
         )
         return resp.info
 
     async def max_transaction_id(self, partition_id: int) -> int:
         resp = await self._call(
-            adm.MaxTransactionIdRequest(self._rpc.next_seq(), partition_id), adm.MaxTransactionIdResponse
+            adm.MaxTransactionIdRequest(self._seq(), partition_id), adm.MaxTransactionIdResponse
         )
         return resp.transaction_id
 
     async def read_records(self, partition_id: int, transaction_id: int, max_records: int) -> list[Record]:
         resp = await self._call(
-            adm.RecordListRequest(self._rpc.next_seq(), partition_id, transaction_id, max_records),
+            adm.RecordListRequest(self._seq(), partition_id, transaction_id, max_records),
             adm.RecordListResponse,
         )
         return list(resp.records)
 
     async def metrics_json(self) -> str:
-        resp = await self._call(adm.MetricsRequest(self._rpc.next_seq()), adm.MetricsResponse)
+        resp = await self._call(adm.MetricsRequest(self._seq()), adm.MetricsResponse)
         return resp.metrics_json
 
     async def partition_statuses(self) -> list[adm.PartitionStatus]:
         resp = await self._call(
-            adm.AssignedPartitionStatusRequest(self._rpc.next_seq()), adm.AssignedPartitionStatusResponse
+            adm.AssignedPartitionStatusRequest(self._seq()), adm.AssignedPartitionStatusResponse
         )
         return list(resp.statuses)
