@@ -21,20 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Self
+from typing import Any, Self
 
 import sqlalchemy as sa
-import yaml
 from kazoo.client import KazooClient
 
+from tests.integration.server_process import TEST_ZK_SESSION_TIMEOUT_MS, ServerProcess
 from tests.integration.storage_process import DEFAULT_KEY, StorageProcess
 from waltz import (
     ClientConfig,
@@ -52,70 +49,7 @@ from waltz.cluster import store_metadata as sm
 from waltz.storage.client import AdminClient
 
 JSON = JsonSerializer()
-SERVER_READY_TIMEOUT_S = 30.0
-SERVER_STOP_TIMEOUT_S = 10.0
-ZK_SESSION_TIMEOUT_MS = 4000
 ROOT = "/waltz-client-test"
-
-
-class ServerProc:
-    """One Waltz server process on loopback (stderr in ``<base>/<name>.log``)."""
-
-    def __init__(self, base: Path, name: str, values: dict[str, Any]) -> None:
-        self.base = base
-        self.name = name
-        self.config_path = base / f"{name}.yaml"
-        self.log_path = base / f"{name}.log"
-        self.values = values
-        self.port = 0
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def is_running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def start(self) -> None:
-        self.config_path.write_text(yaml.safe_dump(self.values), encoding="utf-8")
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "waltz.cli.main", "server", "run", "--config", str(self.config_path)]
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL)
-        stdout = self._proc.stdout
-        assert stdout is not None
-        lines: list[bytes] = []
-        reader = threading.Thread(target=lambda: lines.append(stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(SERVER_READY_TIMEOUT_S)
-        if not lines or not lines[0]:
-            self.kill()
-            raise RuntimeError(f"{self.name} did not start; log:\n{self.log_text()[-5000:]}")
-        self.port = int(json.loads(lines[0])["port"])
-
-    def kill(self) -> None:
-        """SIGKILL: no goodbye to ZooKeeper, its partitions move when its session expires."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait(SERVER_STOP_TIMEOUT_S)
-
-    def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(SERVER_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        if self._proc is not None and self._proc.stdout is not None:
-            self._proc.stdout.close()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
 class ClientTestCluster:
@@ -137,7 +71,7 @@ class ClientTestCluster:
         self.num_partitions = num_partitions
         self.root = ROOT
         self.storages: list[StorageProcess] = []
-        self.servers: list[ServerProc] = []
+        self.servers: list[ServerProcess] = []
         self._num_storages = storages
         self._num_servers = servers
 
@@ -179,24 +113,18 @@ class ClientTestCluster:
         await asyncio.to_thread(sm.add_storage_node, self.zk, self.root, address, 0, sp.admin_port)
         await asyncio.to_thread(sm.assign_partitions, self.zk, self.root, address, parts)
 
-    async def add_server(self) -> ServerProc:
-        values: dict[str, Any] = {
-            "zookeeper.connectString": self.zk_connect,
-            "zookeeper.sessionTimeout": ZK_SESSION_TIMEOUT_MS,
-            "cluster.root": self.root,
-            "server.port": 0,
-            "storage.initialRetryInterval": 50,
-            "storage.maxRetryInterval": 500,
-            "storage.rpcTimeout": 5000,
-        }
-        server = ServerProc(self.base, f"server-{len(self.servers)}", values)
+    async def add_server(self) -> ServerProcess:
+        # ServerProcess brings the test settings: a 4000 ms ZooKeeper session, fast storage retries.
+        server = ServerProcess(
+            self.base, zk_connect=self.zk_connect, cluster_root=self.root, name=f"server-{len(self.servers)}"
+        )
         self.servers.append(server)
         await asyncio.to_thread(server.start)
         return server
 
-    def server_at(self, endpoint: str) -> ServerProc:
+    def server_at(self, endpoint: str) -> ServerProcess:
         for server in self.servers:
-            if server.endpoint == endpoint:
+            if server.address == endpoint:
                 return server
         raise KeyError(endpoint)
 
@@ -204,7 +132,7 @@ class ClientTestCluster:
         """A client config for this cluster; generous mount/submit timeouts ride out failovers."""
         values: dict[str, Any] = {
             "zookeeper_connect_string": self.zk_connect,
-            "zookeeper_session_timeout_ms": ZK_SESSION_TIMEOUT_MS,
+            "zookeeper_session_timeout_ms": TEST_ZK_SESSION_TIMEOUT_MS,
             "cluster_root": self.root,
             "mount_timeout_ms": 60000,
             "submit_timeout_ms": 60000,

@@ -16,27 +16,19 @@ process it started, servers first; the ``cluster`` fixture in ``tests/integratio
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
-import signal
 import socket
-import subprocess
-import sys
-import threading
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Any, Self
+from typing import Any, Self
 
-import yaml
 from kazoo.client import KazooClient
 
 from tests.integration.storage_process import DEFAULT_KEY, StorageProcess
+from tests.integration.waltz_process import WaltzProcess, WaltzProcessError
 from waltz.cluster import store_metadata as sm
 from waltz.protocol.records import Record
 from waltz.storage.client import AdminClient
 
-READY_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 10.0
 TEST_ZK_SESSION_TIMEOUT_MS = 4000
 
 TEST_SERVER_CONFIG: dict[str, Any] = {
@@ -48,7 +40,7 @@ TEST_SERVER_CONFIG: dict[str, Any] = {
 """Server settings for tests: fast session expiry and fast reconnection to storage nodes."""
 
 
-class ServerProcessError(RuntimeError):
+class ServerProcessError(WaltzProcessError):
     """The server process did not start, or died, in a way the test did not ask for."""
 
 
@@ -59,8 +51,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class ServerProcess:
+class ServerProcess(WaltzProcess):
     """One Waltz server process on loopback; see the module docstring."""
+
+    COMMAND = "server"
+    ERROR = ServerProcessError
 
     def __init__(
         self,
@@ -72,12 +67,6 @@ class ServerProcess:
         config: dict[str, Any] | None = None,
         verbose: bool = False,
     ) -> None:
-        self.base = Path(base)
-        self.base.mkdir(parents=True, exist_ok=True)
-        self.name = name
-        self.config_path = self.base / f"{name}.yaml"
-        self.log_path = self.base / f"{name}.log"
-        self.verbose = verbose
         values: dict[str, Any] = {
             "zookeeper.connectString": zk_connect,
             "cluster.root": cluster_root,
@@ -86,137 +75,30 @@ class ServerProcess:
             **TEST_SERVER_CONFIG,
         }
         values.update(config or {})
-        self.config = values
+        super().__init__(base, name, values, verbose=verbose)
         self.port = 0
         self.http_port = 0
         self.server_id = -1
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
-        self._paused = False
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    @property
-    def pid(self) -> int:
-        if self._proc is None:
-            raise ServerProcessError("not started")
-        return self._proc.pid
-
-    @property
-    def is_running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def start(self, timeout_s: float = READY_TIMEOUT_S) -> Self:
-        """Start the server and wait until it serves; raises ServerProcessError with its log otherwise."""
-        if self.is_running:
-            raise ServerProcessError("already running")
+    def _config_for_start(self) -> dict[str, Any]:
         values = dict(self.config)
         if self.port:  # a restart keeps its ports
             values["server.port"] = self.port
-        self.config_path.write_text(yaml.safe_dump(values), encoding="utf-8")
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in _reap()
-        cmd = [sys.executable, "-m", "waltz.cli.main"]
-        if self.verbose:
-            cmd.append("-v")
-        cmd += ["server", "run", "--config", str(self.config_path)]
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL)
-        line = self._read_ready_line(timeout_s)
-        try:
-            ready = json.loads(line)
-            self.port, self.http_port, self.server_id = (
-                int(ready["port"]),
-                int(ready["http_port"]),
-                int(ready["server_id"]),
-            )
-        except (ValueError, KeyError, TypeError):
-            self.kill()
-            raise ServerProcessError(f"unexpected ready line {line!r}; log:\n{self.log_text()}") from None
-        return self
+        return values
 
-    def _read_ready_line(self, timeout_s: float) -> str:
-        assert self._proc is not None
-        assert self._proc.stdout is not None
-        stdout = self._proc.stdout
-        result: list[bytes] = []
-        reader = threading.Thread(target=lambda: result.append(stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(timeout_s)
-        if not result or not result[0]:
-            alive = self._proc.poll() is None
-            self.kill()
-            what = f"did not report ready within {timeout_s} s" if alive else "exited before serving"
-            raise ServerProcessError(f"{self.name} {what}; log:\n{self.log_text()}")
-        return result[0].decode().strip()
-
-    def pause(self) -> None:
-        """SIGSTOP: the process keeps its sockets but does nothing, so its ZooKeeper session expires."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGSTOP)
-            self._paused = True
-
-    def resume(self) -> None:
-        """SIGCONT after :meth:`pause`."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGCONT)
-        self._paused = False
-
-    def kill(self) -> None:
-        """SIGKILL the server and reap it."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGKILL)
-        self._reap()
-
-    def terminate(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
-        """SIGTERM (after SIGCONT if paused) and wait for a clean exit; SIGKILL after ``timeout_s``."""
-        if self._proc is None:
-            return None
-        if self._proc.poll() is None:
-            if self._paused:
-                self.resume()
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-        code = self._proc.wait()
-        self._reap()
-        return code
-
-    def stop(self) -> None:
-        """Terminate if running; safe to call at any time, repeatedly."""
-        if self.is_running:
-            self.terminate()
-        self._reap()
-
-    def _reap(self) -> None:
-        if self._proc is not None:
-            self._proc.wait()
-            if self._proc.stdout is not None:
-                self._proc.stdout.close()
-            self._proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+    def _on_ready(self, ready: dict[str, Any]) -> None:
+        self.port, self.http_port, self.server_id = (
+            int(ready["port"]),
+            int(ready["http_port"]),
+            int(ready["server_id"]),
+        )
 
     def __repr__(self) -> str:
-        state = f"pid {self._proc.pid}" if self._proc is not None else "stopped"
-        return f"ServerProcess({self.name}, {state}, port {self.port}, id {self.server_id})"
+        return f"ServerProcess({self.name}, {self._state()}, port {self.port}, id {self.server_id})"
 
 
 class Cluster:

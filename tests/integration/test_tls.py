@@ -19,7 +19,8 @@ import pytest
 import yaml
 from kazoo.client import KazooClient
 
-from tests.integration.client_cluster import ServerProc, Tagged, wait_until
+from tests.integration.client_cluster import Tagged, wait_until
+from tests.integration.server_process import ServerProcess
 from tests.integration.storage_process import DEFAULT_KEY, StorageProcess
 from tests.tls_fixture import tls_config, tls_keys
 from waltz import ClientConfig, WaltzClient
@@ -146,18 +147,12 @@ def test_cluster_commits_over_tls_end_to_end(
         )
         for i in range(2)
     ]
-    server = ServerProc(
+    server = ServerProcess(
         tmp_path,
-        "server",
-        {
-            "zookeeper.connectString": zk_connect_string,
-            "zookeeper.sessionTimeout": 4000,
-            "cluster.root": root,
-            "server.port": 0,
-            "storage.initialRetryInterval": 50,
-            "storage.maxRetryInterval": 500,
-            **tls_keys(tls_pki, "server", "server.ssl."),
-        },
+        zk_connect=zk_connect_string,
+        cluster_root=root,
+        name="server",
+        config=tls_keys(tls_pki, "server", "server.ssl."),
     )
     admin_ssl = tls_config(tls_pki, "client").client_context()
     config = ClientConfig(
