@@ -96,6 +96,13 @@ class ReqId(NamedTuple):
 
 NULL_REQ_ID = ReqId(0, 0)
 
+_tuple_new = tuple.__new__
+
+
+def make_req_id(msb: int, lsb: int) -> ReqId:
+    """``ReqId(msb, lsb)`` without the generated ``__new__``: decoders build millions of these."""
+    return _tuple_new(ReqId, (msb, lsb))
+
 
 class RecordHeader(NamedTuple):
     """What the feed carries for a committed transaction: its id, request id and application header."""
@@ -124,6 +131,12 @@ class Record(NamedTuple):
 
     def header_only(self) -> RecordHeader:
         return RecordHeader(self.transaction_id, self.req_id, self.header)
+
+
+def make_record(transaction_id: int, msb: int, lsb: int, header: int, data: bytes, checksum: int) -> Record:
+    """A Record straight from decoded fields, about twice as fast as calling ``Record(...)`` (the decode hot
+    path of replication, feeds and range reads)."""
+    return _tuple_new(Record, (transaction_id, _tuple_new(ReqId, (msb, lsb)), header, data, checksum))
 
 
 def write_req_id(w: Writer, req_id: ReqId) -> None:
@@ -168,4 +181,4 @@ def read_record(r: Reader) -> Record:
     data_start = r._take(n)
     data = bytes(r.data[data_start : data_start + n])
     checksum = U32.unpack_from(r.data, r._take(4))[0]
-    return Record(txn, ReqId(msb, lsb), header, data, checksum)
+    return make_record(txn, msb, lsb, header, data, checksum)

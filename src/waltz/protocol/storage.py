@@ -68,6 +68,7 @@ from waltz.protocol.records import (
     Record,
     RecordHeader,
     ReqId,
+    make_record,
     read_record,
     read_record_header,
     write_record,
@@ -240,7 +241,7 @@ def read_record_list(r: Reader) -> tuple[Record, ...]:
         pos += size
         (checksum,) = unpack_u32(data, pos)
         pos += 4
-        append(Record(txn, ReqId(msb, lsb), header, body, checksum))
+        append(make_record(txn, msb, lsb, header, body, checksum))
     r.pos = pos
     return tuple(records)
 

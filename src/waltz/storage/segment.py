@@ -64,10 +64,11 @@ from dataclasses import dataclass
 from typing import Literal, overload
 
 from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
-from waltz.protocol.records import Record, RecordHeader, ReqId
+from waltz.protocol.records import Record, RecordHeader, ReqId, make_req_id
 from waltz.storage.fileio import OS_FS, File, FileSystem
 
 log = logging.getLogger(__name__)
+_tuple_new = tuple.__new__  # builds Records without the generated __new__ on the read hot path
 
 FORMAT_VERSION = 0
 SEGMENT_HEADER_BYTES = 128
@@ -512,7 +513,9 @@ class Segment:
             if headers:
                 out_headers.append(RecordHeader(rec[0], rec[1], rec[2]))
             else:
-                out_records.append(Record(rec[0], rec[1], rec[2], bytes(raw[start + 36 : end - 4]), rec[3]))
+                out_records.append(
+                    _tuple_new(Record, (rec[0], rec[1], rec[2], bytes(raw[start + 36 : end - 4]), rec[3]))
+                )
         return out_headers if headers else out_records
 
     def read_record(self, transaction_id: int) -> Record | None:
@@ -733,7 +736,7 @@ def _decode_verified(
             )
     finally:
         view.release()
-    return txn, ReqId(msb, lsb), header, data_crc
+    return txn, make_req_id(msb, lsb), header, data_crc
 
 
 def _check_header(
