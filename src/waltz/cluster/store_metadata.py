@@ -16,7 +16,7 @@ All functions are blocking and take a started kazoo client and the cluster root.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -439,10 +439,3 @@ def _ranges(ids: Iterable[int]) -> str:
 def format_ranges(ids: Iterable[int]) -> str:
     """Public form of the range formatter used in messages and ``waltz cluster list``."""
     return _ranges(ids)
-
-
-def group_storages(groups: Mapping[str, int]) -> dict[int, list[str]]:
-    out: dict[int, list[str]] = {}
-    for s, g in sorted(groups.items()):
-        out.setdefault(g, []).append(s)
-    return out

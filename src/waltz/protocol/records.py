@@ -139,14 +139,6 @@ def make_record(transaction_id: int, msb: int, lsb: int, header: int, data: byte
     return _tuple_new(Record, (transaction_id, _tuple_new(ReqId, (msb, lsb)), header, data, checksum))
 
 
-def write_req_id(w: Writer, req_id: ReqId) -> None:
-    w.buf += struct.pack(">QQ", req_id.msb & _MASK64, req_id.lsb & _MASK64)
-
-
-def read_req_id(r: Reader) -> ReqId:
-    return ReqId(r.u64(), r.u64())
-
-
 def write_record_header(w: Writer, h: RecordHeader) -> None:
     try:
         w.buf += HEADER_STRUCT.pack(h.transaction_id, h.req_id.msb, h.req_id.lsb, h.header)

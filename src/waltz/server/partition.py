@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from waltz.errors import ClientAheadError, WaltzError
+from waltz.errors import WaltzError
 from waltz.protocol import client_server as cs
 from waltz.protocol.records import RecordHeader, ReqId
 from waltz.server.feed_cache import FeedCache
@@ -411,9 +411,3 @@ class Partition:
         finally:
             if self._feeds.get(ctx.client_id) is ctx:
                 del self._feeds[ctx.client_id]
-
-
-def client_ahead_error(partition_id: int, client_hwm: int, server_hwm: int) -> ClientAheadError:
-    return ClientAheadError(
-        f"partition {partition_id}: client high-water mark {client_hwm} is above the server's {server_hwm}"
-    )

@@ -55,7 +55,7 @@ from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
 from waltz.protocol.records import Record
 from waltz.storage.config import StorageConfig
-from waltz.storage.controlfile import FLAG_ASSIGNED, FLAG_AVAILABLE, ControlFile, PartitionInfo
+from waltz.storage.controlfile import FLAG_AVAILABLE, ControlFile, PartitionInfo
 from waltz.storage.partition import PartitionLog
 from waltz.tls import TlsConfig
 from waltz.transport import FramedConnection, FramedServer, serve, wait_for_stop_signal
@@ -770,16 +770,6 @@ class StorageNode:
                     await conn.send_and_drain(adm.encode(resp))
                 except ClosedResourceError:
                     return
-
-
-def node_flags(info: PartitionInfo) -> str:
-    """Human-readable flags, for the CLI."""
-    names = []
-    if info.flags & FLAG_ASSIGNED:
-        names.append("ASSIGNED")
-    if info.flags & FLAG_AVAILABLE:
-        names.append("AVAILABLE")
-    return "|".join(names) or "-"
 
 
 def load_cluster_identity(config: StorageConfig) -> tuple[uuid.UUID, int]:
