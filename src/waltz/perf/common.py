@@ -11,7 +11,7 @@ import asyncio
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +113,51 @@ class ReportingContext(TransactionContext):
 
     def on_exception(self, exception: BaseException) -> None:
         self._resolve(exception)
+
+
+@dataclass
+class Settled:
+    """How a run of contexts ended: the committed ones with their completion times, failures and retries."""
+
+    committed: list[tuple[ReportingContext, float]] = field(default_factory=list)
+    failed: int = 0
+    retries: int = 0
+
+
+async def submit_and_settle(
+    client: AsyncWaltzClient, contexts: Iterable[ReportingContext], interval_ms: float = 0.0
+) -> Settled:
+    """Submit each context in turn (pausing ``interval_ms`` between submits), then wait for every outcome.
+
+    A refused submit, an exception or a context not done within COMPLETION_TIMEOUT_S counts as failed;
+    retries are executions beyond the first. ``sent_at`` is set when ``submit`` returned (the append was
+    sent; waiting for room, the client-side congestion, is excluded from latency as in the original tool).
+    """
+    out = Settled()
+    submitted: list[ReportingContext] = []
+    for ctx in contexts:
+        try:
+            await client.submit(ctx)
+        except ClientError:
+            out.failed += 1
+            continue
+        ctx.sent_at = time.perf_counter()
+        submitted.append(ctx)
+        if interval_ms:
+            await asyncio.sleep(interval_ms / 1000)
+    for ctx in submitted:
+        try:
+            async with asyncio.timeout(COMPLETION_TIMEOUT_S):
+                ok, finished_at = await ctx.done
+        except (ClientError, TimeoutError):
+            out.failed += 1
+            continue
+        out.retries += ctx.executions - 1
+        if ok:
+            out.committed.append((ctx, finished_at))
+        else:
+            out.failed += 1
+    return out
 
 
 async def start_client(

@@ -21,6 +21,7 @@ import asyncio
 import random
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from waltz.client.config import ClientConfig
@@ -41,6 +42,7 @@ from waltz.perf.common import (
     current_marks,
     network_driver,
     start_client,
+    submit_and_settle,
 )
 
 LOCK_NAME = "perf"
@@ -79,34 +81,21 @@ async def _produce(
     result: PerfResult,
 ) -> None:
     loop = asyncio.get_running_loop()
-    contexts: list[ReportingContext] = []
-    for _ in range(opts.txns_per_client):
-        lock = (
-            PartitionLocalLock(LOCK_NAME, rng.randrange(opts.lock_pool_size)) if opts.lock_pool_size else None
-        )
-        ctx = ReportingContext(loop, rng.choice(partitions), rng.randbytes(opts.txn_size_bytes), lock)
-        try:
-            await client.submit(ctx)
-        except ClientError:
-            result.failed += 1
-            continue
-        ctx.sent_at = time.perf_counter()
-        contexts.append(ctx)
-        if opts.interval_ms:
-            await asyncio.sleep(opts.interval_ms / 1000)
-    for ctx in contexts:
-        try:
-            async with asyncio.timeout(COMPLETION_TIMEOUT_S):
-                ok, finished_at = await ctx.done
-        except (ClientError, TimeoutError):
-            result.failed += 1
-            continue
-        result.retries += ctx.executions - 1
-        if ok:
-            result.transactions += 1
-            result.latencies_ms.append((finished_at - ctx.sent_at) * 1000)
-        else:
-            result.failed += 1
+
+    def contexts() -> Iterator[ReportingContext]:
+        for _ in range(opts.txns_per_client):
+            lock = (
+                PartitionLocalLock(LOCK_NAME, rng.randrange(opts.lock_pool_size))
+                if opts.lock_pool_size
+                else None
+            )
+            yield ReportingContext(loop, rng.choice(partitions), rng.randbytes(opts.txn_size_bytes), lock)
+
+    settled = await submit_and_settle(client, contexts(), opts.interval_ms)
+    result.failed += settled.failed
+    result.retries += settled.retries
+    result.transactions += len(settled.committed)
+    result.latencies_ms.extend((finished_at - ctx.sent_at) * 1000 for ctx, finished_at in settled.committed)
 
 
 async def run_producers(

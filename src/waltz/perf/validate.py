@@ -28,7 +28,7 @@ from waltz.client.config import ClientConfig
 from waltz.client.core import AsyncWaltzClient
 from waltz.client.locks import PartitionLocalLock
 from waltz.client.transaction import Transaction
-from waltz.errors import ClientError, ConfigError
+from waltz.errors import ConfigError
 from waltz.perf.common import (
     COMPLETION_TIMEOUT_S,
     MAX_CLIENTS,
@@ -40,6 +40,7 @@ from waltz.perf.common import (
     current_marks,
     network_driver,
     start_client,
+    submit_and_settle,
 )
 
 VALUE = struct.Struct(">q")
@@ -153,29 +154,14 @@ async def run_validation(
     loop = asyncio.get_running_loop()
 
     async def produce(client: AsyncWaltzClient, crng: random.Random) -> None:
-        contexts = []
-        for _ in range(opts.txns_per_client):
-            ctx = ReportingContext(loop, crng.choice(partitions), _next_value, SHARED_LOCK)
-            try:
-                await client.submit(ctx)
-            except ClientError:
-                report.failed += 1
-                continue
-            contexts.append(ctx)
-            if opts.interval_ms:
-                await asyncio.sleep(opts.interval_ms / 1000)
-        for ctx in contexts:
-            try:
-                async with asyncio.timeout(COMPLETION_TIMEOUT_S):
-                    ok, _ = await ctx.done
-            except (ClientError, TimeoutError):
-                report.failed += 1
-                continue
-            report.retries += ctx.executions - 1
-            if ok:
-                report.committed += 1
-            else:
-                report.failed += 1
+        contexts = (
+            ReportingContext(loop, crng.choice(partitions), _next_value, SHARED_LOCK)
+            for _ in range(opts.txns_per_client)
+        )
+        settled = await submit_and_settle(client, contexts, opts.interval_ms)
+        report.failed += settled.failed
+        report.retries += settled.retries
+        report.committed += len(settled.committed)
 
     try:
         for checker in checkers:
