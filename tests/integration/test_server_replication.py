@@ -47,6 +47,17 @@ def _check_acknowledged(client: RawClient, records: list[Record]) -> None:
         assert rec.data == client.sent_data[rid]
 
 
+async def _check_final_log(
+    cluster: Cluster, client: RawClient, storages: list[StorageProcess] | None = None
+) -> list[list[Record]]:
+    """Once the storages settle: they hold identical records up to the client's high-water mark, and every
+    append the client saw acknowledged is there at its id with its data. Returns each storage's log."""
+    logs = await settled_logs(cluster, cluster.storages if storages is None else storages, client.hwm)
+    assert_identical(logs, client.hwm)
+    _check_acknowledged(client, logs[0])
+    return logs
+
+
 async def _writer(client: RawClient, stop: asyncio.Event) -> None:
     """Append until ``stop``; appends a failover lost are simply not retried."""
     futures = await append_stream(client, None, stop=stop)
@@ -75,9 +86,7 @@ def test_appends_commit_densely_on_three_replicas(cluster_factory: ClusterFactor
             # Appends of one client commit in the order it sent them, with dense ids.
             assert ids == list(range(3000))
             assert client.hwm == 2999
-            logs = await settled_logs(cluster, cluster.storages, client.hwm)
-            assert_identical(logs, client.hwm)
-            _check_acknowledged(client, logs[0])
+            await _check_final_log(cluster, client)
 
         await _with_client(cluster, body)
 
@@ -111,9 +120,7 @@ def test_storage_killed_mid_stream_writes_continue_and_it_catches_up(cluster_fac
             await _acks_grow(client, 1000, 30)
             stop.set()
             await writer
-            logs = await settled_logs(cluster, cluster.storages, client.hwm)
-            assert_identical(logs, client.hwm)
-            _check_acknowledged(client, logs[0])
+            await _check_final_log(cluster, client)
 
         await _with_client(cluster, body)
 
@@ -146,9 +153,7 @@ def test_two_storages_down_nothing_acknowledged_nothing_lost(cluster_factory: Cl
             await _acks_grow(client, 1000, 60)
             stop.set()
             await writer
-            logs = await settled_logs(cluster, cluster.storages, client.hwm)
-            assert_identical(logs, client.hwm)
-            _check_acknowledged(client, logs[0])
+            await _check_final_log(cluster, client)
 
         await _with_client(cluster, body)
 
@@ -181,9 +186,7 @@ def test_fourth_storage_added_then_one_removed(cluster_factory: ClusterFactory, 
             stop.set()
             await writer
             remaining = cluster.storages[1:]
-            logs = await settled_logs(cluster, remaining, client.hwm)
-            assert_identical(logs, client.hwm)
-            _check_acknowledged(client, logs[0])
+            logs = await _check_final_log(cluster, client, remaining)
             # The removed node holds a prefix of the same log.
             old = await cluster.read_log(removed)
             assert old == logs[0][: len(old)]
@@ -230,9 +233,7 @@ def test_storage_restored_from_an_older_copy_ends_identical(cluster_factory: Clu
             await _acks_grow(client, 1500, 30)
             stop.set()
             await writer
-            logs = await settled_logs(cluster, cluster.storages, client.hwm)
-            assert_identical(logs, client.hwm)
-            _check_acknowledged(client, logs[0])
+            await _check_final_log(cluster, client)
 
         await _with_client(cluster, body)
 
