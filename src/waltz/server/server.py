@@ -177,7 +177,7 @@ class WaltzServer:
         self.member: ClusterMember | None = None
         self._listener: FramedServer | None = None
         self._http: HttpEndpoint | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
         self._reconcile_lock = asyncio.Lock()
         self._replicas_changed = asyncio.Event()
         self._suspended = False
@@ -234,8 +234,8 @@ class WaltzServer:
             on_resumed=self._on_resumed,
         )
         await self.member.start()
-        self._tasks.append(asyncio.create_task(self._follow_assignments(), name="server-assignments"))
-        self._tasks.append(asyncio.create_task(self._follow_replica_sets(), name="server-replica-sets"))
+        self._tasks.add(asyncio.create_task(self._follow_assignments(), name="server-assignments"))
+        self._tasks.add(asyncio.create_task(self._follow_replica_sets(), name="server-replica-sets"))
         if self.config.http_port:
             self._http = HttpEndpoint(self.registry, self.health)
             self.http_port = await self._http.start(self.config.host, self.config.http_port)
@@ -246,9 +246,11 @@ class WaltzServer:
         if self.member is not None:
             with contextlib.suppress(Exception):
                 await self.member.close()
-        for t in self._tasks:
+        # A snapshot: request tasks remove themselves from the set as they finish.
+        tasks = list(self._tasks)
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
@@ -448,12 +450,11 @@ class WaltzServer:
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
-        self._tasks.append(task)
+        self._tasks.add(task)
         task.add_done_callback(self._task_done)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
-        with contextlib.suppress(ValueError):
-            self._tasks.remove(task)
+        self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
             if not isinstance(exc, WaltzError):
