@@ -25,7 +25,6 @@ never decreases.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
@@ -238,10 +237,8 @@ class StorePartition:
             if self._closed:
                 raise ClosedResourceError(f"partition {self.partition_id} store is closed")
             self._session_changed.clear()
-            # The event marks openings; the short period covers the instant between session_opened and
-            # the session reporting itself open.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._session_changed.wait(), 0.05)
+            # Set by session_opened (the session already reports itself open then) and by close().
+            await self._session_changed.wait()
         return self._hwm
 
     async def flush(self) -> int:
