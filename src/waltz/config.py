@@ -101,7 +101,12 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         tree = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        # One line, as every CLI error is: where the parser stopped and why.
+        mark = getattr(e, "problem_mark", None)
+        if isinstance(e, yaml.MarkedYAMLError) and mark is not None:
+            where = f"line {mark.line + 1}, column {mark.column + 1}"
+            raise ConfigError(f"{p}: not valid YAML at {where}: {e.problem}") from None
+        raise ConfigError(f"{p}: not valid YAML: {' '.join(str(e).split())}") from None
     if tree is None:
         return {}
     if not isinstance(tree, Mapping):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from waltz.config import ConfigSchema, Key, distinct_ports
+from waltz.config import ConfigSchema, Key, distinct_ports, read_yaml
 from waltz.errors import ConfigError
 from waltz.tls import TlsConfig, tls_keys
 
@@ -109,22 +109,4 @@ class StorageConfig:
     @classmethod
     def load(cls, path: str | Path) -> StorageConfig:
         """Read and validate ``path``; every problem is reported as one line in a ConfigError."""
-        return cls.from_mapping(_read_yaml_one_line(path), str(path))
-
-
-def _read_yaml_one_line(path: str | Path) -> dict[str, Any]:
-    """:func:`waltz.config.read_yaml`, with YAML syntax errors condensed to one line (where and what)."""
-    import yaml
-
-    from waltz.config import read_yaml
-
-    try:
-        return read_yaml(path)
-    except ConfigError as e:
-        cause = e.__context__
-        if isinstance(cause, yaml.MarkedYAMLError) and cause.problem_mark is not None:
-            mark = cause.problem_mark
-            raise ConfigError(
-                f"{path}: not valid YAML at line {mark.line + 1}, column {mark.column + 1}: {cause.problem}"
-            ) from None
-        raise ConfigError(" ".join(str(e).split())) from None
+        return cls.from_mapping(read_yaml(path), str(path))
