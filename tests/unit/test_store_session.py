@@ -1,4 +1,5 @@
-"""StorePartition and StoreSession against memory storages: appends, reads, sessions, fencing, backoff."""
+"""StorePartition and StoreSession against memory storages: appends, reads, sessions, fencing, backoff, and
+several batches in flight committing in order."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from waltz.errors import (
     SessionFencedError,
 )
 from waltz.protocol.records import Record, ReqId, crc32
-from waltz.server.store import EndReason, ManualClock, StoreConfig
+from waltz.server.store import EndReason, ManualClock, StoreConfig, StoreSession
 from waltz.server.store.memory import MemoryConnector, MemoryMetadataStore, MemoryNetwork, MemoryStorage
 from waltz.server.store.store_partition import StorePartition
+from waltz.server.store.store_session import PendingAppend
 from waltz.server.store.support import Backoff
 
 NAMES = ["s0:1", "s1:1", "s2:1"]
@@ -280,3 +282,176 @@ def test_backoff_doubles_up_to_the_maximum_on_the_injected_clock() -> None:
         assert sleeper.done()
 
     asyncio.run(main())
+
+
+# -- several batches in flight -------------------------------------------------------------------------------
+
+
+class RecordingPartition(StorePartition):
+    """Records the high-water mark of every ``batch_committed`` call, in call order."""
+
+    commits: list[int]
+
+    def batch_committed(self, session: StoreSession, appends: Sequence[PendingAppend]) -> None:
+        self.commits.append(session.high_water_mark)
+        super().batch_committed(session, appends)
+
+
+def _recording_partition(world: World) -> RecordingPartition:
+    partition = RecordingPartition(
+        0,
+        1,
+        NAMES,
+        connector=MemoryConnector(world.network),
+        metadata_store=world.metadata,
+        config=world.config,
+    )
+    partition.commits = []
+    return partition
+
+
+def _slow_fsyncs(world: World, fsync_ms: float) -> None:
+    for storage in world.storages.values():
+        storage.fsync_ms = (fsync_ms, fsync_ms)
+
+
+async def _open_session(partition: StorePartition) -> StoreSession:
+    await partition.wait_open()
+    session = partition.session
+    assert session is not None
+    return session
+
+
+def test_a_later_batch_with_its_quorum_waits_for_the_earlier_ones() -> None:
+    async def main() -> None:
+        world = World(max_batch_size=1, max_inflight_batches=4)
+        async with _recording_partition(world) as partition:
+            session = await _open_session(partition)
+            _slow_fsyncs(world, 500)
+            first = await partition.submit(req(0))
+            second = await partition.submit(req(1))
+            await _wait(lambda: len(session.batches_in_flight) == 2)
+            later = session.batches_in_flight[1]
+            # Batch 2 reaches its quorum (2 of 3) while batch 1 has no vote yet.
+            later.voting.vote()
+            later.voting.vote()
+            assert later.voting.outcome is True
+            assert session.high_water_mark == partition.high_water_mark == -1
+            assert partition.commits == []
+            assert not second.done()
+            # Batch 1's real acknowledgements commit it, then batch 2, in that order.
+            assert await first == 0
+            assert second.done()
+            assert await second == 1
+            assert partition.commits == [0, 1]
+            assert session.high_water_mark == 1
+            assert session.batches_in_flight == ()
+
+    run_virtual(main())
+
+
+@pytest.mark.parametrize("max_inflight", [1, 3])
+def test_at_most_max_inflight_batches_are_sent(max_inflight: int) -> None:
+    async def main() -> None:
+        world = World(max_batch_size=1, max_inflight_batches=max_inflight, max_queued_appends=20)
+        async with _recording_partition(world) as partition:
+            session = await _open_session(partition)
+            _slow_fsyncs(world, 200)
+            futures = [await partition.submit(req(i)) for i in range(10)]
+            await _wait(lambda: len(session.batches_in_flight) == max_inflight)
+            await asyncio.sleep(0.1)  # half an fsync: nothing is acknowledged, nothing more may be sent
+            assert [b.first for b in session.batches_in_flight] == list(range(max_inflight))
+            assert session.next_id == max_inflight
+            assert partition.queue.qsize() == 10 - max_inflight
+            assert [await f for f in futures] == list(range(10))
+            assert partition.commits == list(range(10))
+
+    run_virtual(main())
+
+
+def test_request_end_waits_for_every_batch_in_flight_and_sends_no_more() -> None:
+    async def main() -> None:
+        world = World(max_batch_size=1, max_inflight_batches=4)
+        async with _recording_partition(world) as partition:
+            session = await _open_session(partition)
+            _slow_fsyncs(world, 100)
+            futures = [await partition.submit(req(i)) for i in range(3)]
+            await _wait(lambda: len(session.batches_in_flight) == 3)
+            partition.request_new_session()
+            late = await partition.submit(req(3))
+            assert not session.ended
+            # Every batch in flight commits in this session; the late append waits for the next one.
+            assert [await f for f in futures] == [0, 1, 2]
+            await _wait(lambda: bool(partition.outcomes))
+            assert session.next_id == 3
+            assert partition.outcomes[-1].reason is EndReason.CHECKPOINT
+            assert await late == 3
+            assert partition.session is not session
+
+    run_virtual(main())
+
+
+def test_a_failed_session_leaves_several_batches_to_the_next_recovery() -> None:
+    async def main() -> None:
+        world = World(max_batch_size=1, max_inflight_batches=6)
+        async with _recording_partition(world) as partition:
+            session = await _open_session(partition)
+            _slow_fsyncs(world, 100)
+            futures = []
+            for i in range(6):
+                futures.append(await partition.submit(req(i)))
+                # Sent before the next is queued, so each is a request of its own (one fsync each).
+                await _wait(lambda n=i + 1: len(session.batches_in_flight) == n)
+            await _wait(lambda: partition.high_water_mark == 1)
+            # Two of three replicas crash while fsyncing id 2, each keeping a random prefix of it: the session
+            # fails with four batches in flight, and the next session's recovery decides their fate.
+            assert [b.first for b in session.batches_in_flight] == [2, 3, 4, 5]
+            world.storages["s1:1"].crash()
+            world.storages["s2:1"].crash()
+            await _wait(lambda: session.ended)
+            world.storages["s1:1"].restart()
+            world.storages["s2:1"].restart()
+            results = await asyncio.gather(*futures, return_exceptions=True)
+            assert partition.commits == [0, 1]
+            committed = [r for r in results if isinstance(r, int)]
+            # The ones the vote kept succeed with the id they were given, the rest are definitely lost.
+            assert committed in ([0, 1], [0, 1, 2])
+            assert all(isinstance(r, QuorumLostError) for r in results[len(committed) :])
+            await partition.flush()
+            assert partition.high_water_mark == len(committed) - 1
+            for name in NAMES:
+                await _wait(lambda n=name: len(world.log(n)) == len(committed))
+                assert [r.req_id for r in world.log(name)] == [req(i).req_id for i in range(len(committed))]
+
+    run_virtual(main())
+
+
+def test_a_late_replica_joins_with_the_batches_in_flight_and_votes_on_them() -> None:
+    async def main() -> None:
+        world = World(max_batch_size=2, max_inflight_batches=4)
+        world.storages["s2:1"].crash()
+        async with _recording_partition(world) as partition:
+            session = await _open_session(partition)
+            assert [p.storage for p in session.participants] == ["s0:1", "s1:1"]
+            _slow_fsyncs(world, 20)
+
+            async def load() -> None:
+                for i in range(200):
+                    await partition.submit(req(i))
+                    await asyncio.sleep(0.002)
+
+            loader = asyncio.ensure_future(load())
+            await _wait(lambda: partition.high_water_mark >= 10)
+            world.storages["s2:1"].restart()
+            await _wait(lambda: len(session.participants) == 3)
+            joined_with = session.batches_in_flight
+            assert joined_with, "the load keeps batches in flight"
+            assert all(b.voting.voters == 3 for b in joined_with)
+            await loader
+            await partition.flush()
+            assert session.is_open  # the joiner kept up: nobody failed, nobody abstained
+            assert all(b.voting.votes == 3 for b in joined_with)
+            await _wait(lambda: all(len(world.log(n)) == 200 for n in NAMES))
+            assert world.log("s2:1") == world.log("s1:1") == world.log("s0:1")
+
+    run_virtual(main())

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -43,19 +41,31 @@ class TestWriteVoting:
     def test_fails_immediately_with_fewer_voters_than_the_quorum(self) -> None:
         assert Voting(quorum=3, voters=2).outcome is False
 
-    def test_wait_returns_the_outcome(self) -> None:
-        async def main() -> tuple[bool, bool]:
-            ok = Voting(quorum=2, voters=3)
-            bad = Voting(quorum=2, voters=2)
-            waiters = [asyncio.ensure_future(ok.wait()), asyncio.ensure_future(bad.wait())]
-            await asyncio.sleep(0)
-            ok.vote()
-            bad.abstain()
-            ok.vote()
-            a, b = await asyncio.gather(*waiters)
-            return a, b
+    def test_on_decided_is_called_once_with_the_outcome(self) -> None:
+        decided: list[tuple[str, bool]] = []
+        ok = Voting(quorum=2, voters=3, on_decided=lambda outcome: decided.append(("ok", outcome)))
+        bad = Voting(quorum=2, voters=2, on_decided=lambda outcome: decided.append(("bad", outcome)))
+        ok.vote()
+        bad.abstain()
+        assert decided == [("bad", False)]
+        ok.vote()
+        ok.vote()
+        bad.abstain()
+        assert decided == [("bad", False), ("ok", True)]
 
-        assert asyncio.run(main()) == (True, False)
+    def test_on_decided_is_called_from_the_constructor_without_a_quorum_of_voters(self) -> None:
+        decided: list[bool] = []
+        Voting(quorum=2, voters=1, on_decided=decided.append)
+        assert decided == [False]
+
+    def test_an_added_voter_widens_the_slack(self) -> None:
+        voting = Voting(quorum=2, voters=2)
+        voting.add_voter()
+        voting.abstain()
+        assert voting.outcome is None
+        voting.vote()
+        voting.vote()
+        assert voting.outcome is True
 
     def test_rejects_a_non_positive_quorum(self) -> None:
         with pytest.raises(ValueError):

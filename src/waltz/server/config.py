@@ -15,7 +15,7 @@ CATCH_UP_BATCH_RECORDS = 1000
 """Records a lagging replica copies per round trip (see ``from_mapping``)."""
 
 MAX_PENDING_BATCHES = 64
-"""Batches a replica may have waiting before it counts as unable to keep up (see ``from_mapping``)."""
+"""Committed batches a replica may lag behind before it counts as unable to keep up (see ``from_mapping``)."""
 
 SERVER_SCHEMA = ConfigSchema(
     [
@@ -34,6 +34,7 @@ SERVER_SCHEMA = ConfigSchema(
         Key("server.appendQueueSize", int, 1000, "appends queued per partition", 1, 1_000_000),
         Key("server.preferredPartitions", str, "", "partition ranges this server prefers, e.g. 0-3"),
         Key("storage.maxBatchSize", int, 100, "appends per replication round", 1, 100_000),
+        Key("storage.maxInflightBatches", int, 4, "replication rounds in flight per partition", 1, 64),
         Key("storage.initialRetryInterval", int, 100, "first retry delay (ms)", 1),
         Key("storage.maxRetryInterval", int, 20000, "largest retry delay (ms)", 1),
         Key("storage.checkpointInterval", int, 250_000, "transactions between forced new sessions", 1),
@@ -94,11 +95,12 @@ class ServerConfig:
             store=StoreConfig(
                 max_batch_size=batch,
                 max_queued_appends=2 * batch,
+                max_inflight_batches=c["storage.maxInflightBatches"],
                 # The original copies 20 records per catch-up round trip; a replica added to a busy partition
                 # then falls behind for good (each round trip also waits for an fsync on the copy's target).
                 # Whole write batches per round trip let it catch up with a writer at full speed.
                 catch_up_batch_size=max(CATCH_UP_BATCH_RECORDS, batch),
-                # A participant that has this many batches waiting ends the session. Batches of a lone client
+                # A participant this many committed batches behind ends the session. Batches of a lone client
                 # hold one record each, so 8 (the store default) is an 8 ms fsync stall at 1000 appends/s:
                 # sessions then restarted every few seconds. A replica writes everything waiting in one
                 # request, so a short stall is caught up at once.

@@ -12,9 +12,11 @@ A replica session is one task. Its life, in order:
    usher: see below).
 3. **Take part.** Replicas recovered when the session opens are its participants. A replica recovering later
    first records itself clean in ZooKeeper, then copies committed records until it is close to the writer,
-   then joins; it never counted in a vote before that.
-4. **Write**: take batches from its mailbox in order; if a batch starts beyond its max id, first copy the
-   missing (committed) records from another participant; append; vote.
+   then joins (and is sent the batches in flight); it never counted in a vote before that.
+4. **Write**: send the batches of its mailbox in order, up to ``max_inflight_batches`` requests unanswered
+   (batches waiting beyond that go together in the next request); vote for each batch when the node
+   acknowledges it. If the first batch starts beyond its max id (it joined late), first copy the missing
+   records, all committed (they are below the oldest batch in flight), from another participant.
 
 Failure policy (no replica rejoins a session it left): a participant's failure ends the session; before the
 session opens, the failure of a replica counted in the vote ends it too (the vote relied on it). A replica
@@ -25,10 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import itertools
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -90,20 +91,31 @@ class ReplicaSession:
         self.readable_max = -1
         """Highest id others may copy from this replica (-1 until its classification step is done)."""
         self._mailbox: deque[Batch] = deque()
+        """Batches delivered and not yet acknowledged by the node, in id order."""
         self._mail = asyncio.Event()
+        """Set when a batch is delivered or a request sent by :meth:`_write` is answered."""
 
     def __repr__(self) -> str:
         return f"ReplicaSession({self.storage}, session={self.session.session_id}, {self.role.value})"
 
     # -- called by the store session -------------------------------------------------------------------------
 
-    def deliver(self, batch: Batch) -> None:
-        """Queue a batch for this participant; a replica too far behind abstains and ends the session."""
-        if len(self._mailbox) >= self.session.config.max_pending_batches:
+    def deliver(self, batch: Batch, in_flight: int) -> None:
+        """Queue a new batch (one of ``in_flight`` the session has in flight) for this participant; a replica
+        too far behind abstains and ends the session."""
+        # The mailbox holds the session's other batches in flight (unless this replica already acknowledged
+        # them) and before them the committed batches this replica still owes: how far behind it is.
+        behind = len(self._mailbox) - (in_flight - 1)
+        if behind >= self.session.config.max_pending_batches:
             batch.voting.abstain()
             self.session.end_for(self, "cannot keep up with the writes")
             return
         self._mailbox.append(batch)
+        self._mail.set()
+
+    def join_writes(self, in_flight: Iterable[Batch]) -> None:
+        """Start taking part with the session's batches in flight (the replica just joined)."""
+        self._mailbox.extend(in_flight)
         self._mail.set()
 
     # -- the task --------------------------------------------------------------------------------------------
@@ -218,9 +230,7 @@ class ReplicaSession:
                 )
         self.readable_max = self.max_id
         await session.call(conn.set_low_water_mark(resolved))
-        while self.max_id < resolved:
-            records = await session.copy_records(self, self.max_id + 1, resolved)
-            await self._append_copies(conn, records)
+        await self._copy_until(conn, resolved)
         self.role = ReplicaRole.RECOVERED
         session.replica_recovered(self)
 
@@ -241,6 +251,14 @@ class ReplicaSession:
             session.recovery.update(self.storage, max_id)
         await session.wait_open()
 
+    async def _copy_until(self, conn: ReplicaConnection, last: int) -> None:
+        """Copy committed records from the others until this replica holds ``last``."""
+        while self.max_id < last:
+            records = await self.session.copy_records(self, self.max_id + 1, last)
+            if not records:
+                raise InvariantViolation(f"{self.storage} at {self.max_id} cannot copy up to {last}")
+            await self._append_copies(conn, records)
+
     async def _append_copies(self, conn: ReplicaConnection, records: Sequence[Record]) -> None:
         if not records:
             return
@@ -259,60 +277,88 @@ class ReplicaSession:
             self.role = ReplicaRole.JOINING
             await session.mark_clean(self)
             while True:
-                target = session.high_water_mark
-                while self.max_id < target:
-                    records = await session.copy_records(self, self.max_id + 1, target)
-                    await self._append_copies(conn, records)
+                await self._copy_until(conn, session.high_water_mark)
                 if session.try_join(self):
                     break
         await self._write(conn)
 
     async def _write(self, conn: ReplicaConnection) -> None:
-        probe_s = self.session.config.idle_probe_interval_ms / 1000
-        while True:
-            while not self._mailbox:
-                if self.max_id < self.session.high_water_mark:
-                    # A replica may join a few committed ids behind (try_join allows it) and normally copies
-                    # them when the next batch arrives; an idle partition has no next batch, so copy them now
-                    # and every replica ends complete. Only committed ids are copied, and a batch delivered
-                    # meanwhile starts above the high-water mark this copy is capped at.
-                    records = await self.session.copy_records(
-                        self, self.max_id + 1, self.session.high_water_mark
-                    )
-                    await self._append_copies(conn, records)
-                    continue
+        session = self.session
+        limit = session.config.max_inflight_batches
+        probe_s = session.config.idle_probe_interval_ms / 1000
+        loop = asyncio.get_running_loop()
+        mailbox = self._mailbox
+        # Requests sent and not yet handled, oldest first: (mailbox batches it carries, its task). The node
+        # answers a connection's requests in order, and an acknowledgement of one append means every earlier
+        # append of this session on the node is durable too.
+        sent: deque[tuple[int, asyncio.Task[None]]] = deque()
+        unsent = 0  # index in the mailbox of the first batch not sent yet
+        sent_max = self.max_id
+        try:
+            while True:
                 self._mail.clear()
-                try:
-                    async with asyncio.timeout(probe_s):
-                        await self._mail.wait()
-                except TimeoutError:
-                    # Idle: failures are only seen on use, so probe, or a dead participant would keep the
-                    # partition looking healthy until the next write.
-                    max_id = await self.session.call(conn.max_transaction_id())
-                    if max_id != self.max_id:
-                        raise InvariantViolation(
-                            f"{self.storage} holds {max_id}, expected {self.max_id}"
-                        ) from None
-            batch = self._mailbox[0]
-            if batch.first > self.max_id + 1:
-                # Everything below a batch is committed (one batch is in flight at a time): copy it from the
-                # other participants.
-                while self.max_id + 1 < batch.first:
-                    records = await self.session.copy_records(self, self.max_id + 1, batch.first - 1)
-                    await self._append_copies(conn, records)
-            if batch.first != self.max_id + 1:
-                raise InvariantViolation(f"{self.storage} at {self.max_id} was sent batch {batch.first}")
-            # Write every batch waiting here in one request (one fsync on the node): a replica slower than the
-            # quorum then catches up instead of piling up max_pending_batches one-record batches and ending
-            # the session. Mailbox batches are contiguous (the writer gives them dense ids, in order).
-            batches = [batch]
-            for later in itertools.islice(self._mailbox, 1, None):
-                if later.first != batches[-1].last + 1:
-                    break
-                batches.append(later)
-            to_write = batch.records if len(batches) == 1 else tuple(r for b in batches for r in b.records)
-            await self.session.call(conn.append(to_write))
-            self.max_id = self.readable_max = batches[-1].last
-            for done in batches:
-                self._mailbox.popleft()
-                done.voting.vote()
+                while sent and sent[0][1].done():
+                    count, task = sent.popleft()
+                    task.result()  # a failed append: this replica is out of the session
+                    unsent -= count
+                    for _ in range(count):
+                        done = mailbox.popleft()
+                        self.max_id = self.readable_max = done.last
+                        done.voting.vote()
+                while unsent < len(mailbox) and len(sent) < limit:
+                    batch = mailbox[unsent]
+                    if batch.first != sent_max + 1:
+                        if sent or batch.first <= sent_max:
+                            raise InvariantViolation(
+                                f"{self.storage} at {sent_max} was sent batch {batch.first}"
+                            )
+                        await self._copy_until(conn, batch.first - 1)  # joined late
+                        sent_max = self.max_id
+                        continue
+                    # Every batch waiting here goes in one request (one fsync on the node): a replica slower
+                    # than the quorum then catches up instead of falling max_pending_batches behind. Mailbox
+                    # batches are contiguous (the writer gives them dense ids, in order).
+                    end = unsent + 1
+                    while end < len(mailbox) and mailbox[end].first == mailbox[end - 1].last + 1:
+                        end += 1
+                    records = (
+                        batch.records
+                        if end == unsent + 1
+                        else tuple(r for i in range(unsent, end) for r in mailbox[i].records)
+                    )
+                    task = loop.create_task(session.call(conn.append(records)))
+                    task.add_done_callback(self._answered)
+                    sent.append((end - unsent, task))
+                    sent_max = mailbox[end - 1].last
+                    unsent = end
+                if sent or unsent < len(mailbox):
+                    await self._mail.wait()
+                elif self.max_id < session.high_water_mark:
+                    # A replica may join a few committed ids behind (try_join allows it) and normally copies
+                    # them before the next batch; an idle partition has no next batch, so copy them now and
+                    # every replica ends complete. A batch delivered meanwhile starts above them.
+                    await self._copy_until(conn, session.high_water_mark)
+                    sent_max = self.max_id
+                else:
+                    try:
+                        async with asyncio.timeout(probe_s):
+                            await self._mail.wait()
+                    except TimeoutError:
+                        # Idle: failures are only seen on use, so probe, or a dead participant would keep the
+                        # partition looking healthy until the next write.
+                        max_id = await session.call(conn.max_transaction_id())
+                        if max_id != self.max_id:
+                            raise InvariantViolation(
+                                f"{self.storage} holds {max_id}, expected {self.max_id}"
+                            ) from None
+        finally:
+            tasks = [task for _, task in sent]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks)
+
+    def _answered(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled():
+            task.exception()  # retrieved here so asyncio does not warn; _write raises it in order
+        self._mail.set()

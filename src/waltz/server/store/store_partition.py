@@ -172,7 +172,7 @@ class StorePartition:
             self._generation_raised.set()
 
     def set_replicas(self, replicas: Sequence[str]) -> None:
-        """Use a new replica set: the current session ends after its batch in flight; the next one uses the
+        """Use a new replica set: the current session ends after its batches in flight; the next one uses the
         set.
 
         New replicas are brought up to date by the next session while writes continue once a quorum of the new
@@ -188,7 +188,7 @@ class StorePartition:
             self._session.request_end(EndReason.REPLICAS_CHANGED, str(list(new)))
 
     def request_new_session(self) -> None:
-        """End the current session after its batch in flight and start a new one (with recovery), as the
+        """End the current session after its batches in flight and start a new one (with recovery), as the
         checkpoint interval does: replicas that sat the session out rejoin, clean points advance."""
         if self._session is not None:
             self._session.request_end(EndReason.CHECKPOINT, "requested")
@@ -229,6 +229,9 @@ class StorePartition:
         self._unresolved[ticket] = pending
         pending.future.add_done_callback(lambda _: self._unresolved.pop(ticket, None))
         await self.queue.put(pending)
+        session = self._session
+        if session is not None:
+            session.appends_queued()
         return pending.future
 
     async def wait_open(self) -> int:
@@ -399,8 +402,13 @@ class StorePartition:
         if hwm <= self._hwm:
             raise InvariantViolation(f"partition {self.partition_id}: commit at {hwm} after {self._hwm}")
         self._hwm = hwm
-        done = {id(a) for a in appends}
-        self.inflight = [p for p in self.inflight if id(p) not in done]
+        # Batches commit in order and the appends of a failed session were resolved when this one opened, so
+        # the committed appends are the oldest in flight.
+        n = len(appends)
+        inflight = self.inflight
+        if len(inflight) < n or inflight[0] is not appends[0] or inflight[n - 1] is not appends[-1]:
+            raise InvariantViolation(f"partition {self.partition_id}: batch up to {hwm} commits out of order")
+        del inflight[:n]
         for pending in appends:
             pending.succeed(pending.transaction_id)
 

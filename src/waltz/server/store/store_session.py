@@ -11,8 +11,9 @@ A session is created with a session id already taken by a version-checked ZooKee
 3. opens with low-water mark = high-water mark = the resolved mark: appends of a failed earlier session are
    now resolved against it by the host (ids at or below it succeeded if the stored record is theirs);
 4. runs the single writer loop: take up to ``max_batch_size`` queued appends, give them the next dense ids,
-   send the batch to every participant, and commit it once a quorum of the current set has fsynced it (one
-   batch is in flight at a time, so everything below a batch is committed).
+   and send the batch to every participant, keeping up to ``max_inflight_batches`` batches in flight. A batch
+   commits once a quorum of the current set has fsynced it *and* every earlier batch has committed: the
+   high-water mark only moves in order, so everything below the oldest batch in flight is committed.
 
 Any participant failure or abstention, a fencing error, a lost quorum, the checkpoint interval, a replica-set
 change or closing ends the session; :meth:`run` then returns a :class:`SessionOutcome`. The session's tasks
@@ -26,6 +27,7 @@ import asyncio
 import enum
 import logging
 import random
+from collections import deque
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -107,6 +109,7 @@ class SessionHost(Protocol):
     """What a session needs from its partition: the append queue and the appends of failed sessions."""
 
     queue: asyncio.Queue[PendingAppend]
+    """Appends waiting for ids; the host calls :meth:`StoreSession.appends_queued` after queueing some."""
     inflight: list[PendingAppend]
     """Appends with ids assigned whose batch has not committed (from this or a failed earlier session)."""
 
@@ -171,6 +174,10 @@ class StoreSession:
         self._outcome: SessionOutcome | None = None
         self._end_requested: tuple[EndReason, str] | None = None
         self._writer_idle = False
+        self._batches: deque[tuple[Batch, list[PendingAppend]]] = deque()
+        """Batches sent and not yet committed, oldest first."""
+        self._wake = asyncio.Event()
+        """Wakes the writer while batches are in flight: one was decided, or appends were queued."""
         self._was_opened = False
         self._tasks = TaskList(self._task_failed)
 
@@ -206,8 +213,8 @@ class StoreSession:
         self._ended.set()
 
     def request_end(self, reason: EndReason, detail: str = "") -> None:
-        """End the session once the batch in flight (if any) has been decided."""
-        if self._writer_idle or not self.is_open:
+        """End the session once every batch in flight has been decided; no new batch is sent meanwhile."""
+        if not self.is_open or (self._writer_idle and not self._batches):
             self.end(reason, detail)
         elif self._end_requested is None:
             self._end_requested = (reason, detail)
@@ -215,6 +222,15 @@ class StoreSession:
     @property
     def ended(self) -> bool:
         return self._outcome is not None
+
+    def appends_queued(self) -> None:
+        """The host queued appends: a writer waiting for a batch to be decided may send another."""
+        self._wake.set()
+
+    @property
+    def batches_in_flight(self) -> tuple[Batch, ...]:
+        """Batches sent and not yet committed, oldest first (for introspection and checks)."""
+        return tuple(batch for batch, _ in self._batches)
 
     def end_for(self, replica: ReplicaSession, detail: str) -> None:
         self.end(EndReason.REPLICA_FAILED, f"{replica.storage} {detail}")
@@ -315,15 +331,23 @@ class StoreSession:
             raise ConcurrentUpdateError(f"could not record {replica.storage} clean")
 
     def try_join(self, replica: ReplicaSession) -> bool:
-        """Make a late replica a participant if it is close enough to the writer; it copies the rest
-        itself."""
+        """Make a late replica a participant if it is at most ``join_max_lag`` committed ids behind.
+
+        It is sent the batches in flight too (and votes on them), so it only copies committed ids: those below
+        the oldest batch in flight. Waiting for a moment with no batch in flight instead could starve it under
+        a steady load.
+        """
         if not self.is_open or replica.max_id > self.high_water_mark:
             return False
-        if self.next_id - (replica.max_id + 1) > self.config.join_max_lag:
+        if self.high_water_mark - replica.max_id > self.config.join_max_lag:
             return False
         replica.role = ReplicaRole.PARTICIPANT
         self.participants.append(replica)
-        log.info("%r joins %r", replica, self)
+        in_flight = self.batches_in_flight
+        for batch in in_flight:
+            batch.voting.add_voter()
+        replica.join_writes(in_flight)
+        log.info("%r joins %r with %d batches in flight", replica, self, len(in_flight))
         return True
 
     # -- the writer ------------------------------------------------------------------------------------------
@@ -356,6 +380,10 @@ class StoreSession:
         ]
         for replica in self.participants:
             replica.role = ReplicaRole.PARTICIPANT
+        if len(self.participants) < self.quorum:
+            # A recovered replica that was not load-bearing failed while the metadata was written.
+            self.end(EndReason.QUORUM_LOST, f"only {len(self.participants)} participants")
+            return
         self.low_water_mark = self.high_water_mark = resolved
         self.next_id = resolved + 1
         self.is_open = self._was_opened = True
@@ -373,18 +401,28 @@ class StoreSession:
     async def _write_loop(self) -> None:
         queue = self._host.queue
         config = self.config
+        batches = self._batches
         while True:
+            written = self.next_id - 1 - self.low_water_mark
+            if self._end_requested is None and written >= config.checkpoint_interval:
+                self._end_requested = (EndReason.CHECKPOINT, f"{written} transactions")
             if self._end_requested is not None:
-                self.end(*self._end_requested)
+                # Send nothing more: the last batch in flight to be decided ends the session.
+                if not batches:
+                    self.end(*self._end_requested)
                 return
-            if self.high_water_mark - self.low_water_mark >= config.checkpoint_interval:
-                self.end(EndReason.CHECKPOINT, f"{self.high_water_mark - self.low_water_mark} transactions")
-                return
-            self._writer_idle = True
-            try:
-                first = await queue.get()
-            finally:
-                self._writer_idle = False
+            if batches and (len(batches) >= config.max_inflight_batches or queue.empty()):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if batches:
+                first = queue.get_nowait()
+            else:
+                self._writer_idle = True
+                try:
+                    first = await queue.get()
+                finally:
+                    self._writer_idle = False
             appends = [first]
             while len(appends) < config.max_batch_size and not queue.empty():
                 appends.append(queue.get_nowait())
@@ -395,15 +433,30 @@ class StoreSession:
             # From here on the appends' fate is decided by this batch, or by the next session's recovery.
             self._host.inflight.extend(appends)
             self.next_id += len(appends)
-            voting = Voting(self.quorum, len(self.participants))
+            voting = Voting(self.quorum, len(self.participants), self._batch_decided)
             batch = Batch(start, tuple(a.record() for a in appends), voting)
+            batches.append((batch, appends))
             for participant in list(self.participants):
-                participant.deliver(batch)
-            if not await voting.wait():
-                self.end(EndReason.QUORUM_LOST, f"batch {start}..{batch.last}")
-                return
+                participant.deliver(batch, len(batches))
+
+    def _batch_decided(self, committed: bool) -> None:
+        """A batch's vote is decided: commit every batch at the head of the line that has its quorum.
+
+        Called by the replica task whose vote decided it (or by the writer, when a replica abstains). A failed
+        batch ends the session: later batches cannot commit before it, and the appends of every batch not
+        committed stay in ``host.inflight`` for the next session to resolve.
+        """
+        if not committed:
+            self.end(EndReason.QUORUM_LOST, f"ids {self.high_water_mark + 1}..{self.next_id - 1} in flight")
+            return
+        batches = self._batches
+        while batches and batches[0][0].voting.outcome:
+            batch, appends = batches.popleft()
             self.high_water_mark = batch.last
             self._host.batch_committed(self, appends)
+        self._wake.set()
+        if not batches and self._end_requested is not None:
+            self.end(*self._end_requested)
 
     # -- reads for the partition -----------------------------------------------------------------------------
 

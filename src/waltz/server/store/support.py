@@ -34,8 +34,12 @@ class StoreConfig:
     max_retry_interval_ms: int = 20_000
     catch_up_batch_size: int = 20
     """Records per read when a replica copies from another."""
+    max_inflight_batches: int = 4
+    """Batches a session may have sent and not yet committed (``storage.maxInflightBatches``); they commit
+    in order. With 1, each batch waits for the previous one's quorum."""
     max_pending_batches: int = 8
-    """Batches a replica may have waiting; one more means it cannot keep up and the session ends."""
+    """Committed batches a replica may still owe its acknowledgement for; one more means it cannot keep up and
+    the session ends."""
     join_max_lag: int = 200
     """How far (in transactions) a late replica may be behind the writer when it joins the writes."""
     rpc_timeout_ms: int = 30_000
@@ -54,6 +58,7 @@ class StoreConfig:
             "initial_retry_interval_ms",
             "max_retry_interval_ms",
             "catch_up_batch_size",
+            "max_inflight_batches",
             "max_pending_batches",
             "rpc_timeout_ms",
             "idle_probe_interval_ms",

@@ -12,8 +12,7 @@ the answer is *undecidable* and we must wait (for a replica to come back, or for
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 __all__ = ["Voting", "quorum_of", "resolve_high_water_mark"]
 
@@ -27,11 +26,14 @@ class Voting:
     """The write vote of one batch among ``voters`` replicas, needing ``quorum`` acknowledgements.
 
     Succeeds as soon as ``votes >= quorum``; fails as soon as ``abstentions > voters - quorum`` (so it fails
-    at once if ``voters < quorum``). Once decided, further votes and abstentions are counted but change
+    at once if ``voters < quorum``). ``on_decided`` is called once, with the outcome, when it is decided (from
+    the constructor if it fails at once). Once decided, further votes and abstentions are counted but change
     nothing.
     """
 
-    def __init__(self, quorum: int, voters: int) -> None:
+    __slots__ = ("_on_decided", "_outcome", "abstentions", "quorum", "voters", "votes")
+
+    def __init__(self, quorum: int, voters: int, on_decided: Callable[[bool], None] | None = None) -> None:
         if quorum <= 0:
             raise ValueError(f"quorum must be positive, got {quorum}")
         self.quorum = quorum
@@ -39,13 +41,17 @@ class Voting:
         self.votes = 0
         self.abstentions = 0
         self._outcome: bool | None = None
-        self._decided = asyncio.Event()
+        self._on_decided = on_decided
         self._check()
 
     @property
     def outcome(self) -> bool | None:
         """True once a quorum voted, False once a quorum became impossible, None while undecided."""
         return self._outcome
+
+    def add_voter(self) -> None:
+        """One more replica will vote (a replica joined the writes while this batch was in flight)."""
+        self.voters += 1
 
     def vote(self) -> None:
         """One replica acknowledged (fsynced) the batch."""
@@ -57,12 +63,6 @@ class Voting:
         self.abstentions += 1
         self._check()
 
-    async def wait(self) -> bool:
-        """Wait until decided; True if the batch reached the quorum."""
-        await self._decided.wait()
-        assert self._outcome is not None  # set before the event, by _check
-        return self._outcome
-
     def _check(self) -> None:
         if self._outcome is not None:
             return
@@ -72,7 +72,8 @@ class Voting:
             self._outcome = False
         else:
             return
-        self._decided.set()
+        if self._on_decided is not None:
+            self._on_decided(self._outcome)
 
 
 def resolve_high_water_mark(known: Iterable[int], num_replicas: int) -> int | None:
