@@ -5,7 +5,8 @@ One run = one scenario x one seed, on :class:`~tests.fault.simloop.VirtualTimeLo
 
 * a *world*: in-memory storage nodes (:class:`MemoryStorage`), a lossy/delaying network, a metadata store;
 * one or more *servers*: :class:`StorePartition` instances (the real store code) with a generation each;
-* a *workload*: a few concurrent appenders sending uniquely identified transactions to the newest server;
+* a *workload*: a few concurrent appenders sending uniquely identified transactions to the newest server, each
+  with up to 1..4 in flight, to servers keeping up to 1..8 batches in flight (the seed picks both);
 * a *fault script* (the scenario) that crashes, restarts, isolates, restores nodes, crashes or duplicates
   servers and changes the replica set, at seeded random times;
 * a *checker* that runs after every fault action, on every acknowledgement, periodically, and at the end.
@@ -18,8 +19,9 @@ Invariants checked (:class:`Checker`):
 2. Replicas never disagree at or below committed points: a replica's records at or below its persisted
    low-water mark, and a participant's records at or below its open session's high-water mark, agree with each
    other and with every acknowledgement.
-3. Ids stay dense: a storage node never had to refuse an out-of-order append, and at the end the log is
-   ``0..hwm`` with the same records on every replica of the final set.
+3. Ids stay dense: a storage node never had to refuse an out-of-order append, an open session's batches in
+   flight (at most ``max_inflight_batches``) are dense and in order from its high-water mark + 1, and at the
+   end the log is ``0..hwm`` with the same records on every replica of the final set.
 4. An old session never writes after a newer one fenced it: on every node, the session ids of processed writes
    (append, truncate, set-low-water-mark) never decrease.
 5. A definite failure (QuorumLostError) is true: that request is not in the final log.
@@ -77,6 +79,10 @@ class WorldParams:
     loss_probability: float = 0.0
     checkpoint_interval: int = 250_000
     max_batch_size: int = 4
+    max_inflight_batches: int | None = None
+    """Batches a store session keeps in flight; None: the seed picks 1..8."""
+    appender_window: int | None = None
+    """Appends each appender keeps in flight; None: the seed picks 1..4."""
 
 
 @dataclass(eq=False)
@@ -160,6 +166,16 @@ class Checker:
             session = partition.session
             if session is None or not session.is_open:
                 continue
+            batches = session.batches_in_flight
+            if len(batches) > session.config.max_inflight_batches:
+                self.fail(f"{session!r} has {len(batches)} batches in flight")
+            expected = session.high_water_mark + 1  # in flight: dense from the high-water mark, in order
+            for batch in batches:
+                if batch.first != expected:
+                    self.fail(f"{session!r}: batch {batch.first} in flight, expected {expected}")
+                expected = batch.last + 1
+            if expected != session.next_id:
+                self.fail(f"{session!r}: batches in flight end at {expected - 1}, next id {session.next_id}")
             for participant in session.participants:
                 durable = world.storages[participant.storage].durable_records(PARTITION)
                 for i in range(min(session.high_water_mark, len(durable) - 1) + 1):
@@ -217,11 +233,14 @@ class World:
         self.metadata = MemoryMetadataStore(delay=lambda: self.rng.uniform(0.5, 3.0))
         self.connector = MemoryConnector(self.network)
         self.server_rng_seed = master.getrandbits(64)
+        inflight = params.max_inflight_batches
+        self.appender_window = params.appender_window or master.randint(1, 4)
         self.config = StoreConfig(
             max_batch_size=params.max_batch_size,
             max_queued_appends=2 * params.max_batch_size,
             checkpoint_interval=params.checkpoint_interval,
             catch_up_batch_size=5,
+            max_inflight_batches=inflight if inflight is not None else master.randint(1, 8),
             join_max_lag=2 * params.max_batch_size,
         )
         self.servers: list[Server] = []
@@ -320,10 +339,20 @@ class World:
     # -- workload --------------------------------------------------------------------------------------------
 
     async def appender(self, index: int) -> None:
-        params = self.params
-        for seq in range(params.appends_per_appender):
-            await self.append_one(index, seq)
+        # Up to appender_window appends of this client at once, so sessions have several batches in flight.
+        slots = asyncio.Semaphore(self.appender_window)
+        appends: list[asyncio.Future[None]] = []
+        for seq in range(self.params.appends_per_appender):
+            await slots.acquire()
+            appends.append(asyncio.ensure_future(self._append_then_release(index, seq, slots)))
             await asyncio.sleep(self.workload_rng.uniform(0, 8) / 1000)
+        await asyncio.gather(*appends)
+
+    async def _append_then_release(self, client: int, seq: int, slots: asyncio.Semaphore) -> None:
+        try:
+            await self.append_one(client, seq)
+        finally:
+            slots.release()
 
     async def append_one(self, client: int, seq: int) -> None:
         # Send to the newest server, as a client would after the cluster manager moved the partition; a client
@@ -352,6 +381,8 @@ class World:
     # -- the run ---------------------------------------------------------------------------------------------
 
     async def run(self, faults: Callable[[World], Awaitable[None]]) -> None:
+        inflight, window = self.config.max_inflight_batches, self.appender_window
+        self.event(f"up to {inflight} batches in flight, {window} appends in flight per appender")
         await self.start_server()
         checks = asyncio.ensure_future(self.periodic_checks())
         try:
