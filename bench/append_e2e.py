@@ -17,6 +17,7 @@ Scenarios (each after a warm-up; the figures are measured over ``--seconds``):
 
     .venv/bin/python bench/append_e2e.py                 # all scenarios
     .venv/bin/python bench/append_e2e.py --seconds 5 --scenario pipelined
+    .venv/bin/python bench/append_e2e.py --max-inflight-batches 1   # one replication batch at a time
 
 At the end it checks the log: every storage node holds the same transactions ``0..hwm`` (compared by
 CRC-32 of every record's bytes), and every acknowledged append is in it.
@@ -168,6 +169,8 @@ async def driver(args: argparse.Namespace) -> None:
     zk_client = None
     try:
         server_config: dict[str, Any] = {"zookeeper.sessionTimeout": 10000}
+        if args.max_inflight_batches is not None:
+            server_config["storage.maxInflightBatches"] = args.max_inflight_batches
         cluster, zk_client = await _cluster(base, zks, server_config)
         server = cluster.servers[0]
         # Wait for the partition to be assigned and its store session to open.
@@ -230,6 +233,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per scenario")
     parser.add_argument("--in-flight", type=int, default=64)
     parser.add_argument("--scenario", choices=["all", "pipelined", "locked", "single"], default="all")
+    parser.add_argument(
+        "--max-inflight-batches",
+        type=int,
+        default=None,
+        help="the server's storage.maxInflightBatches (default: the server's default)",
+    )
     parser.add_argument("--dir", default=None, help="where to put the temporary cluster (default /tmp)")
     parser.add_argument("--keep", action="store_true", help="keep the cluster's directory (logs, data)")
     parser.add_argument("--load", default=None, help=argparse.SUPPRESS)
