@@ -455,3 +455,39 @@ def test_a_late_replica_joins_with_the_batches_in_flight_and_votes_on_them() -> 
             assert world.log("s2:1") == world.log("s1:1") == world.log("s0:1")
 
     run_virtual(main())
+
+
+def test_an_append_failed_while_its_producer_waited_for_room_is_never_written() -> None:
+    async def main() -> None:
+        world = World(max_batch_size=1, max_queued_appends=1)
+        old = world.partition(generation=1)
+        await old.start()
+        assert await old.append(req(0)) == 0
+        for name in NAMES:
+            world.network.isolate(name)
+        in_flight = asyncio.ensure_future(old.append(req(1)))
+        await _wait(lambda: old.queue.empty() and len(old.inflight) == 1)
+        queued = asyncio.ensure_future(old.append(req(2)))
+        waiting = asyncio.ensure_future(old.append(req(3)))  # the queue is full: waits for room
+        await asyncio.sleep(0.01)
+        assert old.queue.full()
+        assert not waiting.done()
+        for name in NAMES:
+            world.network.heal(name)
+        # A newer owner takes the partition: the old one fails everything it holds, including the producer
+        # still waiting for room, which then puts its (failed) append into the emptied queue.
+        async with world.partition(generation=2) as new:
+            assert await new.append(req(4, generation=2)) == 1
+            for future in (in_flight, queued, waiting):
+                with pytest.raises(GenerationMismatchError):
+                    await future
+        # The old server owns the partition again: the failed append must not be written now.
+        old.set_generation(3)
+        assert await old.append(req(5, generation=3)) == 2
+        await _wait(lambda: all(len(world.log(n)) == 3 for n in NAMES))
+        await old.close()
+        for name in NAMES:
+            written = [r.req_id for r in world.log(name)]
+            assert written == [req(0).req_id, req(4, generation=2).req_id, req(5, generation=3).req_id]
+
+    run_virtual(main())

@@ -68,7 +68,7 @@ class _Flush:
     future: asyncio.Future[int]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Append:
     peer: Peer
     msg: cs.AppendRequest
@@ -285,6 +285,25 @@ class Partition:
             await self._process_append(item)
 
     async def _process_append(self, item: _Append) -> None:
+        msg = item.msg
+        req: LockRequest | None = None
+        # An append without locks can neither conflict nor invalidate another: it skips the lock table.
+        if msg.write_locks or msg.read_locks or msg.append_locks:
+            req = await self._take_locks(item)
+            if req is None:
+                return
+        try:
+            future = await self.store.submit(msg)
+        except WaltzError as e:
+            self._release(req)
+            self.metrics.failed()
+            log.debug("partition %d: append %r refused: %s", self.partition_id, msg.req_id, e)
+            return
+        self.pending_appends += 1
+        future.add_done_callback(lambda f: self._append_done(f, req, item))
+
+    async def _take_locks(self, item: _Append) -> LockRequest | None:
+        """Begin the append's locks and check them; None (with a LockFailure sent) if they conflict."""
         locks = self._locks
         assert locks is not None
         msg = item.msg
@@ -311,29 +330,28 @@ class Partition:
             self.lock_failures += 1
             self.metrics.lock_failed()
             item.peer.send(cs.LockFailure(msg.req_id, conflict))
-            return
-        try:
-            future = await self.store.submit(msg)
-        except WaltzError as e:
-            locks.release(req)
-            self.metrics.failed()
-            log.debug("partition %d: append %r refused: %s", self.partition_id, msg.req_id, e)
-            return
-        self.pending_appends += 1
-        future.add_done_callback(lambda f: self._append_done(f, req, item))
+            return None
+        return req
 
-    def _append_done(self, future: asyncio.Future[int], req: LockRequest, item: _Append) -> None:
-        self.pending_appends -= 1
-        locks = self._locks
-        assert locks is not None
-        if future.cancelled() or future.exception() is not None:
+    def _release(self, req: LockRequest | None) -> None:
+        if req is not None:
+            locks = self._locks
+            assert locks is not None
             locks.release(req)
+
+    def _append_done(self, future: asyncio.Future[int], req: LockRequest | None, item: _Append) -> None:
+        self.pending_appends -= 1
+        if future.cancelled() or future.exception() is not None:
+            self._release(req)
             self.metrics.failed()
             return
         txn = future.result()
         msg = item.msg
-        locks.commit(req, txn)
-        locks.release(req)
+        if req is not None:
+            locks = self._locks
+            assert locks is not None
+            locks.commit(req, txn)
+            locks.release(req)
         self._feed_cache.add(self.partition_id, RecordHeader(txn, msg.req_id, msg.header))
         self._txn_cache.put(self.partition_id, txn, msg.data, msg.checksum)
         self.metrics.appended()

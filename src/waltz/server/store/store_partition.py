@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 
 from waltz.cluster.partition_metadata import PartitionMetadata
@@ -92,6 +92,9 @@ class StorePartition:
         self.queue: asyncio.Queue[PendingAppend] = asyncio.Queue(self.config.max_queued_appends)
         self.inflight: list[PendingAppend] = []
         self._unresolved: dict[int, PendingAppend] = {}
+        """Appends submitted and not resolved yet, by ticket (so oldest first)."""
+        self._resolutions = asyncio.Event()
+        """Set whenever appends are resolved (for flush)."""
         self._next_ticket = 0
         self._hwm = -1
         self._session: StoreSession | None = None
@@ -100,6 +103,8 @@ class StorePartition:
         self._stale = False
         self._closed = False
         self._tasks = TaskList(self._supervisor_failed)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop :meth:`start` ran on (asking asyncio for it costs a getpid system call each time)."""
         self.outcomes: list[SessionOutcome] = []
         """How each session ended, oldest first (bounded to the last 100)."""
         self.internal_errors: list[BaseException] = []
@@ -112,6 +117,7 @@ class StorePartition:
         if self._closed:
             raise ClosedResourceError("store partition is closed")
         if not self._tasks_started:
+            self._loop = asyncio.get_running_loop()
             self._tasks.spawn(self._supervise(), name=f"store-partition-{self.partition_id}")
 
     @property
@@ -214,20 +220,26 @@ class StorePartition:
         """
         if self._closed:
             raise ClosedResourceError(f"partition {self.partition_id} store is closed")
+        loop = self._loop
+        if loop is None:
+            raise PartitionNotReadyError(f"partition {self.partition_id} store is not started")
         if request.req_id.generation != self._generation or self._stale:
             raise GenerationMismatchError(
                 f"request generation {request.req_id.generation}, partition generation {self._generation}"
             )
         if crc32(request.data) != request.checksum:
             raise CorruptionError(f"append {request.req_id!r}: data does not match its checksum")
-        loop = asyncio.get_running_loop()
-        pending = PendingAppend(
-            request.req_id, request.header, request.data, request.checksum, loop.create_future()
-        )
         ticket = self._next_ticket
         self._next_ticket += 1
+        pending = PendingAppend(
+            request.req_id,
+            request.header,
+            request.data,
+            request.checksum,
+            loop.create_future(),
+            ticket,
+        )
         self._unresolved[ticket] = pending
-        pending.future.add_done_callback(lambda _: self._unresolved.pop(ticket, None))
         await self.queue.put(pending)
         session = self._session
         if session is not None:
@@ -246,8 +258,11 @@ class StorePartition:
 
     async def flush(self) -> int:
         """Wait until every append submitted before this call is resolved; return the high-water mark."""
-        for pending in list(self._unresolved.values()):
-            await pending.resolved.wait()
+        last = self._next_ticket - 1
+        unresolved = self._unresolved
+        while unresolved and next(iter(unresolved)) <= last:
+            self._resolutions.clear()
+            await self._resolutions.wait()
         return self._hwm
 
     # -- reads -----------------------------------------------------------------------------------------------
@@ -396,6 +411,7 @@ class StorePartition:
                         f"{pending.session_id}) did not commit; session {session.session_id} opened at {lwm}"
                     )
                 )
+        self._forget(inflight)
 
     def batch_committed(self, session: StoreSession, appends: Sequence[PendingAppend]) -> None:
         hwm = session.high_water_mark
@@ -411,18 +427,24 @@ class StorePartition:
         del inflight[:n]
         for pending in appends:
             pending.succeed(pending.transaction_id)
+        self._forget(appends)
+
+    def _forget(self, resolved: Iterable[PendingAppend]) -> None:
+        unresolved = self._unresolved
+        for pending in resolved:
+            del unresolved[pending.ticket]
+        self._resolutions.set()
 
     def _fail_everything(self, error: WaltzError) -> None:
-        """Fail every append not resolved yet (queued or in flight): the partition stops writing."""
-        inflight, self.inflight = self.inflight, []
-        for pending in inflight:
-            pending.fail(error)
+        """Fail every append not resolved yet (in flight, queued, or a producer waiting for room in the
+        queue): the partition stops writing."""
+        self.inflight = []
         while not self.queue.empty():
-            self.queue.get_nowait().fail(error)
-        for pending in list(self._unresolved.values()):
-            if pending.transaction_id < 0 and not pending.resolved.is_set():
-                # Still on its way into the queue (a producer waiting for room).
-                pending.fail(error)
+            self.queue.get_nowait()
+        unresolved, self._unresolved = self._unresolved, {}
+        for pending in unresolved.values():
+            pending.fail(error)
+        self._resolutions.set()
 
     # -- introspection ---------------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ import logging
 import random
 from collections import deque
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from waltz.cluster.partition_metadata import PartitionMetadata
@@ -76,7 +76,7 @@ class SessionOutcome:
     opened: bool
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class PendingAppend:
     """One append waiting for its transaction id. ``transaction_id`` is -1 until a batch assigns one."""
 
@@ -85,24 +85,27 @@ class PendingAppend:
     data: bytes
     checksum: int
     future: asyncio.Future[int]
+    ticket: int
+    """Its place in submission order (the host's bookkeeping)."""
     transaction_id: int = -1
     session_id: int = -1
-    resolved: asyncio.Event = field(default_factory=asyncio.Event)
+    resolved: bool = False
+    """The store decided its fate (it succeeded or failed), whether or not its caller still waits."""
 
     def record(self) -> Record:
         return Record(self.transaction_id, self.req_id, self.header, self.data, self.checksum)
 
     def succeed(self, transaction_id: int) -> None:
+        self.resolved = True
         if not self.future.done():
             self.future.set_result(transaction_id)
-        self.resolved.set()
 
     def fail(self, error: BaseException) -> None:
+        self.resolved = True
         if not self.future.done():
             self.future.set_exception(error)
             # The caller may have stopped waiting (cancelled); do not let asyncio warn about the exception.
             self.future.exception()
-        self.resolved.set()
 
 
 class SessionHost(Protocol):
@@ -426,6 +429,11 @@ class StoreSession:
             appends = [first]
             while len(appends) < config.max_batch_size and not queue.empty():
                 appends.append(queue.get_nowait())
+            # An append failed while its producer waited for room in the queue (the partition closed or
+            # moved) must not be written after all.
+            appends = [a for a in appends if not a.resolved]
+            if not appends:
+                continue
             start = self.next_id
             for i, append in enumerate(appends):
                 append.transaction_id = start + i
