@@ -369,6 +369,26 @@ def test_at_most_max_inflight_batches_are_sent(max_inflight: int) -> None:
     run_virtual(main())
 
 
+def test_with_a_batch_in_flight_only_a_full_batch_is_sent_before_the_next_commit() -> None:
+    async def main() -> None:
+        world = World(max_batch_size=3, max_inflight_batches=4)
+        async with _recording_partition(world) as partition:
+            session = await _open_session(partition)
+            _slow_fsyncs(world, 200)
+            futures = [await partition.submit(req(0))]
+            await _wait(lambda: len(session.batches_in_flight) == 1)
+            futures += [await partition.submit(req(i)) for i in (1, 2)]
+            await asyncio.sleep(0.1)  # half an fsync: two queued appends are not a full batch
+            assert len(session.batches_in_flight) == 1
+            futures.append(await partition.submit(req(3)))
+            await _wait(lambda: len(session.batches_in_flight) == 2)
+            assert [(b.first, b.last) for b in session.batches_in_flight] == [(0, 0), (1, 3)]
+            assert [await f for f in futures] == [0, 1, 2, 3]
+            assert partition.commits == [0, 3]
+
+    run_virtual(main())
+
+
 def test_request_end_waits_for_every_batch_in_flight_and_sends_no_more() -> None:
     async def main() -> None:
         world = World(max_batch_size=1, max_inflight_batches=4)

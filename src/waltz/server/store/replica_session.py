@@ -13,10 +13,11 @@ A replica session is one task. Its life, in order:
 3. **Take part.** Replicas recovered when the session opens are its participants. A replica recovering later
    first records itself clean in ZooKeeper, then copies committed records until it is close to the writer,
    then joins (and is sent the batches in flight); it never counted in a vote before that.
-4. **Write**: send the batches of its mailbox in order, up to ``max_inflight_batches`` requests unanswered
-   (batches waiting beyond that go together in the next request); vote for each batch when the node
-   acknowledges it. If the first batch starts beyond its max id (it joined late), first copy the missing
-   records, all committed (they are below the oldest batch in flight), from another participant.
+4. **Write**: each batch is sent as soon as it is delivered, with up to ``max_inflight_batches`` append
+   requests unanswered (batches waiting beyond that go together in the next request); each request is a small
+   task that votes for its batches when the node acknowledges them. If the first batch starts beyond its max
+   id (it joined late), the replica task first copies the missing records, all committed (they are below the
+   oldest batch in flight), from another participant; it also probes an idle connection.
 
 Failure policy (no replica rejoins a session it left): a participant's failure ends the session; before the
 session opens, the failure of a replica counted in the vote ends it too (the vote relied on it). A replica
@@ -31,6 +32,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from waltz.errors import SessionFencedError, WaltzError
@@ -44,6 +46,9 @@ if TYPE_CHECKING:
     from waltz.server.store.store_session import StoreSession
 
 __all__ = ["Batch", "ReplicaRole", "ReplicaSession", "SessionOver"]
+
+_NOT_WRITING = -2
+"""``_sent_max`` while the replica task is not writing: no batch continues it, so nothing is sent."""
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +97,18 @@ class ReplicaSession:
         """Highest id others may copy from this replica (-1 until its classification step is done)."""
         self._mailbox: deque[Batch] = deque()
         """Batches delivered and not yet acknowledged by the node, in id order."""
+        self._unsent = 0
+        """Index in the mailbox of the first batch not sent yet."""
+        self._sent_max = _NOT_WRITING
+        """The last id sent to the node; batches are sent only when they continue it (see :meth:`_send`)."""
+        self._requests: deque[asyncio.Task[None]] = deque()
+        """Append requests sent and not answered yet, oldest first."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop ``_write`` runs on (asyncio.get_running_loop() costs a getpid system call each time)."""
+        self._failure: BaseException | None = None
+        """The first failed append request (the replica task raises it)."""
         self._mail = asyncio.Event()
-        """Set when a batch is delivered or a request sent by :meth:`_write` is answered."""
+        """Wakes the replica task: a batch it has to send itself was delivered, or a request failed."""
 
     def __repr__(self) -> str:
         return f"ReplicaSession({self.storage}, session={self.session.session_id}, {self.role.value})"
@@ -111,12 +126,79 @@ class ReplicaSession:
             self.session.end_for(self, "cannot keep up with the writes")
             return
         self._mailbox.append(batch)
-        self._mail.set()
+        if not self._send() and not self._requests:
+            self._mail.set()  # a gap: the replica task copies it first
 
     def join_writes(self, in_flight: Iterable[Batch]) -> None:
         """Start taking part with the session's batches in flight (the replica just joined)."""
         self._mailbox.extend(in_flight)
         self._mail.set()
+
+    def _send(self) -> bool:
+        """Send the batches not sent yet, in order, while fewer than ``max_inflight_batches`` requests are
+        unanswered; False if some are left (a gap to copy first, or a full pipeline).
+
+        Called when a batch is delivered (by the writer, so it leaves without waiting for the replica task to
+        run) and when a request is answered. Only a batch continuing what was sent is sent: while the replica
+        task copies records, or before it writes at all, ``_sent_max`` does not continue the mailbox.
+        """
+        mailbox = self._mailbox
+        requests = self._requests
+        limit = self.session.config.max_inflight_batches
+        while self._unsent < len(mailbox):
+            if len(requests) >= limit:
+                return False
+            first = self._unsent
+            batch = mailbox[first]
+            if batch.first != self._sent_max + 1:
+                return False
+            # Every batch waiting here goes in one request (one fsync on the node): a replica slower than the
+            # quorum then catches up instead of falling max_pending_batches behind. Mailbox batches are
+            # contiguous (the writer gives them dense ids, in order).
+            end = first + 1
+            while end < len(mailbox) and mailbox[end].first == mailbox[end - 1].last + 1:
+                end += 1
+            records = (
+                batch.records
+                if end == first + 1
+                else tuple(r for b in islice(mailbox, first, end) for r in b.records)
+            )
+            # _sent_max continues the mailbox only while _write runs, connected.
+            conn, loop = self.connection, self._loop
+            assert conn is not None
+            assert loop is not None
+            task = loop.create_task(self._append(conn, batch.first, end - first, records))
+            task.add_done_callback(self._answered)
+            requests.append(task)
+            self._unsent = end
+            self._sent_max = mailbox[end - 1].last
+        return True
+
+    async def _append(
+        self, conn: ReplicaConnection, first: int, count: int, records: Sequence[Record]
+    ) -> None:
+        """One append request carrying the ``count`` oldest unacknowledged batches (from id ``first``)."""
+        await self.session.call(conn.append(records))
+        mailbox = self._mailbox
+        # The node answers one connection's requests in order: this is the oldest request unanswered, and an
+        # acknowledgement means every earlier append of this session is durable on the node too.
+        if mailbox[0].first != first:
+            raise InvariantViolation(f"{self.storage} acknowledged {first} before {mailbox[0].first}")
+        self._requests.popleft()
+        self._unsent -= count
+        for _ in range(count):
+            done = mailbox.popleft()
+            self.max_id = self.readable_max = done.last
+            done.voting.vote()
+        self._send()
+
+    def _answered(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None and self._failure is None:
+            self._failure = error
+            self._mail.set()
 
     # -- the task --------------------------------------------------------------------------------------------
 
@@ -284,81 +366,49 @@ class ReplicaSession:
 
     async def _write(self, conn: ReplicaConnection) -> None:
         session = self.session
-        limit = session.config.max_inflight_batches
         probe_s = session.config.idle_probe_interval_ms / 1000
-        loop = asyncio.get_running_loop()
         mailbox = self._mailbox
-        # Requests sent and not yet handled, oldest first: (mailbox batches it carries, its task). The node
-        # answers a connection's requests in order, and an acknowledgement of one append means every earlier
-        # append of this session on the node is durable too.
-        sent: deque[tuple[int, asyncio.Task[None]]] = deque()
-        unsent = 0  # index in the mailbox of the first batch not sent yet
-        sent_max = self.max_id
+        self._loop = asyncio.get_running_loop()
+        self._sent_max = self.max_id
         try:
             while True:
+                if self._failure is not None:
+                    raise self._failure  # an append request failed: this replica is out of the session
                 self._mail.clear()
-                while sent and sent[0][1].done():
-                    count, task = sent.popleft()
-                    task.result()  # a failed append: this replica is out of the session
-                    unsent -= count
-                    for _ in range(count):
-                        done = mailbox.popleft()
-                        self.max_id = self.readable_max = done.last
-                        done.voting.vote()
-                while unsent < len(mailbox) and len(sent) < limit:
-                    batch = mailbox[unsent]
-                    if batch.first != sent_max + 1:
-                        if sent or batch.first <= sent_max:
-                            raise InvariantViolation(
-                                f"{self.storage} at {sent_max} was sent batch {batch.first}"
-                            )
-                        await self._copy_until(conn, batch.first - 1)  # joined late
-                        sent_max = self.max_id
-                        continue
-                    # Every batch waiting here goes in one request (one fsync on the node): a replica slower
-                    # than the quorum then catches up instead of falling max_pending_batches behind. Mailbox
-                    # batches are contiguous (the writer gives them dense ids, in order).
-                    end = unsent + 1
-                    while end < len(mailbox) and mailbox[end].first == mailbox[end - 1].last + 1:
-                        end += 1
-                    records = (
-                        batch.records
-                        if end == unsent + 1
-                        else tuple(r for i in range(unsent, end) for r in mailbox[i].records)
-                    )
-                    task = loop.create_task(session.call(conn.append(records)))
-                    task.add_done_callback(self._answered)
-                    sent.append((end - unsent, task))
-                    sent_max = mailbox[end - 1].last
-                    unsent = end
-                if sent or unsent < len(mailbox):
-                    await self._mail.wait()
-                elif self.max_id < session.high_water_mark:
+                # The requests under way vote and send the rest themselves. With none, a batch left unsent
+                # does not continue the log: the replica joined late, and the gap below it is committed.
+                if not self._send() and not self._requests:
+                    first = mailbox[0].first
+                    if first <= self._sent_max:
+                        raise InvariantViolation(f"{self.storage} at {self._sent_max} was sent batch {first}")
+                    await self._copy_until(conn, first - 1)
+                    self._sent_max = self.max_id
+                    continue
+                if not mailbox and self.max_id < session.high_water_mark:
                     # A replica may join a few committed ids behind (try_join allows it) and normally copies
-                    # them before the next batch; an idle partition has no next batch, so copy them now and
-                    # every replica ends complete. A batch delivered meanwhile starts above them.
+                    # them before its first batch; an idle partition has no next batch, so copy them now and
+                    # every replica ends complete. A batch delivered meanwhile waits: it continues them.
+                    self._sent_max = _NOT_WRITING
                     await self._copy_until(conn, session.high_water_mark)
-                    sent_max = self.max_id
-                else:
-                    try:
-                        async with asyncio.timeout(probe_s):
-                            await self._mail.wait()
-                    except TimeoutError:
-                        # Idle: failures are only seen on use, so probe, or a dead participant would keep the
-                        # partition looking healthy until the next write.
-                        max_id = await session.call(conn.max_transaction_id())
-                        if max_id != self.max_id:
-                            raise InvariantViolation(
-                                f"{self.storage} holds {max_id}, expected {self.max_id}"
-                            ) from None
+                    self._sent_max = self.max_id
+                    continue
+                try:
+                    async with asyncio.timeout(probe_s):
+                        await self._mail.wait()
+                except TimeoutError:
+                    if self._requests:
+                        continue  # busy: a failure shows on the requests under way
+                    # Idle: failures are only seen on use, so probe, or a dead participant would keep the
+                    # partition looking healthy until the next write.
+                    max_id = await session.call(conn.max_transaction_id())
+                    if max_id != self.max_id:
+                        raise InvariantViolation(
+                            f"{self.storage} holds {max_id}, expected {self.max_id}"
+                        ) from None
         finally:
-            tasks = [task for _, task in sent]
-            for task in tasks:
+            self._sent_max = _NOT_WRITING
+            requests = list(self._requests)
+            for task in requests:
                 task.cancel()
-            if tasks:
-                await asyncio.wait(tasks)
-
-    def _answered(self, task: asyncio.Task[None]) -> None:
-        if not task.cancelled():
-            task.exception()  # retrieved here so asyncio does not warn; _write raises it in order
-        self._mail.set()
+            if requests:
+                await asyncio.wait(requests)

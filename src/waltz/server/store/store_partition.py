@@ -9,11 +9,12 @@ A :class:`StorePartition` runs one supervisor task that keeps a store session go
 * **New sessions.** Any failure ends a session; the supervisor starts the next one, backing off exponentially
   (``initial_retry_interval_ms`` doubling to ``max_retry_interval_ms``, jittered, on the injected clock)
   unless the last session had opened or ended on purpose (checkpoint interval, replica-set change).
-* **Appends.** :meth:`append` queues the request (at most ``max_queued_appends``; callers wait beyond) and
-  returns its transaction id once committed. Queued appends survive a failed session untouched. Appends whose
-  batch was in flight when a session failed are resolved when the next session opens: an id at or below its
-  low-water mark (the resolved high-water mark) whose stored record carries the append's request id succeeded;
-  every other one failed with :class:`QuorumLostError` (it is not in the log and never will be).
+* **Appends.** :meth:`append` queues the request (at most ``max_queued_appends``; callers wait beyond, and
+  get the failure without queueing if the partition closes or moves meanwhile) and returns its transaction
+  id once committed. Queued appends survive a failed session untouched. Appends whose batch was in flight
+  when a session failed are resolved when the next session opens: an id at or below its low-water mark (the
+  resolved high-water mark) whose stored record carries the append's request id succeeded; every other one
+  failed with :class:`QuorumLostError` (it is not in the log and never will be).
 * **Reads** go to a participant of the open session, only up to the committed high-water mark, with checksums
   verified after the read.
 
@@ -49,7 +50,13 @@ from waltz.server.store.interfaces import (
     SystemClock,
 )
 from waltz.server.store.replica_session import SessionOver
-from waltz.server.store.store_session import EndReason, PendingAppend, SessionOutcome, StoreSession
+from waltz.server.store.store_session import (
+    AppendQueue,
+    EndReason,
+    PendingAppend,
+    SessionOutcome,
+    StoreSession,
+)
 from waltz.server.store.support import Backoff, InvariantViolation, StoreConfig, TaskList
 
 __all__ = ["StorePartition"]
@@ -89,7 +96,7 @@ class StorePartition:
         self._clock: Clock = clock if clock is not None else SystemClock()
         self._rng = rng if rng is not None else random.Random()
         self.config = config if config is not None else StoreConfig()
-        self.queue: asyncio.Queue[PendingAppend] = asyncio.Queue(self.config.max_queued_appends)
+        self.queue = AppendQueue(self.config.max_queued_appends)
         self.inflight: list[PendingAppend] = []
         self._unresolved: dict[int, PendingAppend] = {}
         """Appends submitted and not resolved yet, by ticket (so oldest first)."""
@@ -240,7 +247,7 @@ class StorePartition:
             ticket,
         )
         self._unresolved[ticket] = pending
-        await self.queue.put(pending)
+        await self.queue.put(pending)  # returns without queueing it if the partition failed it meanwhile
         session = self._session
         if session is not None:
             session.appends_queued()
@@ -439,11 +446,10 @@ class StorePartition:
         """Fail every append not resolved yet (in flight, queued, or a producer waiting for room in the
         queue): the partition stops writing."""
         self.inflight = []
-        while not self.queue.empty():
-            self.queue.get_nowait()
         unresolved, self._unresolved = self._unresolved, {}
         for pending in unresolved.values():
             pending.fail(error)
+        self.queue.clear()
         self._resolutions.set()
 
     # -- introspection ---------------------------------------------------------------------------------------

@@ -11,9 +11,10 @@ A session is created with a session id already taken by a version-checked ZooKee
 3. opens with low-water mark = high-water mark = the resolved mark: appends of a failed earlier session are
    now resolved against it by the host (ids at or below it succeeded if the stored record is theirs);
 4. runs the single writer loop: take up to ``max_batch_size`` queued appends, give them the next dense ids,
-   and send the batch to every participant, keeping up to ``max_inflight_batches`` batches in flight. A batch
-   commits once a quorum of the current set has fsynced it *and* every earlier batch has committed: the
-   high-water mark only moves in order, so everything below the oldest batch in flight is committed.
+   and send the batch to every participant, keeping up to ``max_inflight_batches`` batches in flight (a batch
+   joins others in flight only if it is full). A batch commits once a quorum of the current set has fsynced
+   it *and* every earlier batch has committed: the high-water mark only moves in order, so everything below
+   the oldest batch in flight is committed.
 
 Any participant failure or abstention, a fencing error, a lost quorum, the checkpoint interval, a replica-set
 change or closing ends the session; :meth:`run` then returns a :class:`SessionOutcome`. The session's tasks
@@ -47,7 +48,7 @@ from waltz.server.store.replica_session import Batch, ReplicaRole, ReplicaSessio
 from waltz.server.store.support import StoreConfig, TaskList
 from waltz.server.store.voting import Voting, quorum_of
 
-__all__ = ["EndReason", "PendingAppend", "SessionHost", "SessionOutcome", "StoreSession"]
+__all__ = ["AppendQueue", "EndReason", "PendingAppend", "SessionHost", "SessionOutcome", "StoreSession"]
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +109,64 @@ class PendingAppend:
             self.future.exception()
 
 
+class AppendQueue:
+    """The appends waiting for ids, oldest first, at most ``capacity`` of them.
+
+    Unlike :class:`asyncio.Queue`, a producer waiting for room gives up, without putting its append, once the
+    store has resolved it (failed it: the partition closed or moved), so a failed partition never leaves
+    producers stuck, and the writer never sees an append that already failed.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self._items: deque[PendingAppend] = deque()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._arrived = asyncio.Event()
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def full(self) -> bool:
+        return len(self._items) >= self.capacity
+
+    async def put(self, append: PendingAppend) -> None:
+        """Queue ``append``, waiting for room unless (or until) it is resolved."""
+        while len(self._items) >= self.capacity:
+            self._room.clear()
+            await self._room.wait()
+            if append.resolved:
+                return
+        self._items.append(append)
+        self._arrived.set()
+
+    async def get(self) -> PendingAppend:
+        while not self._items:
+            self._arrived.clear()
+            await self._arrived.wait()
+        return self.get_nowait()
+
+    def get_nowait(self) -> PendingAppend:
+        append = self._items.popleft()
+        self._room.set()
+        return append
+
+    def clear(self) -> None:
+        """Drop every queued append and wake the producers waiting for room (to queue theirs, or give up if
+        it was resolved meanwhile)."""
+        self._items.clear()
+        self._room.set()
+
+
 class SessionHost(Protocol):
     """What a session needs from its partition: the append queue and the appends of failed sessions."""
 
-    queue: asyncio.Queue[PendingAppend]
+    queue: AppendQueue
     """Appends waiting for ids; the host calls :meth:`StoreSession.appends_queued` after queueing some."""
     inflight: list[PendingAppend]
     """Appends with ids assigned whose batch has not committed (from this or a failed earlier session)."""
@@ -228,7 +283,12 @@ class StoreSession:
 
     def appends_queued(self) -> None:
         """The host queued appends: a writer waiting for a batch to be decided may send another."""
-        self._wake.set()
+        if self._full_batch_queued():
+            self._wake.set()
+
+    def _full_batch_queued(self) -> bool:
+        queue = self._host.queue
+        return queue.qsize() >= self.config.max_batch_size or queue.full()
 
     @property
     def batches_in_flight(self) -> tuple[Batch, ...]:
@@ -414,7 +474,11 @@ class StoreSession:
                 if not batches:
                     self.end(*self._end_requested)
                 return
-            if batches and (len(batches) >= config.max_inflight_batches or queue.empty()):
+            # Another batch goes out before the ones in flight are decided only if it is full: up to that
+            # point appends wait for the next commit and form fewer, larger batches (every batch costs each
+            # replica a request and an fsync), and pipelining lifts the ceiling of one full batch per quorum
+            # round trip.
+            if batches and (len(batches) >= config.max_inflight_batches or not self._full_batch_queued()):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -429,11 +493,6 @@ class StoreSession:
             appends = [first]
             while len(appends) < config.max_batch_size and not queue.empty():
                 appends.append(queue.get_nowait())
-            # An append failed while its producer waited for room in the queue (the partition closed or
-            # moved) must not be written after all.
-            appends = [a for a in appends if not a.resolved]
-            if not appends:
-                continue
             start = self.next_id
             for i, append in enumerate(appends):
                 append.transaction_id = start + i
