@@ -6,7 +6,8 @@ One run = one scenario x one seed, on :class:`~tests.fault.simloop.VirtualTimeLo
 * a *world*: in-memory storage nodes (:class:`MemoryStorage`), a lossy/delaying network, a metadata store;
 * one or more *servers*: :class:`StorePartition` instances (the real store code) with a generation each;
 * a *workload*: a few concurrent appenders sending uniquely identified transactions to the newest server, each
-  with up to 1..4 in flight, to servers keeping up to 1..8 batches in flight (the seed picks both);
+  with up to 1..4 in flight, to servers with batches of 1..4 appends and up to 1..8 batches in flight (the
+  seed picks all three);
 * a *fault script* (the scenario) that crashes, restarts, isolates, restores nodes, crashes or duplicates
   servers and changes the replica set, at seeded random times;
 * a *checker* that runs after every fault action, on every acknowledgement, periodically, and at the end.
@@ -78,7 +79,9 @@ class WorldParams:
     fsync_ms: tuple[float, float] = (0.2, 2.0)
     loss_probability: float = 0.0
     checkpoint_interval: int = 250_000
-    max_batch_size: int = 4
+    max_batch_size: int | None = None
+    """Appends per batch; None: the seed picks 1..4 (a batch is sent while others are in flight only when
+    full, so small batches mean deep pipelines)."""
     max_inflight_batches: int | None = None
     """Batches a store session keeps in flight; None: the seed picks 1..8."""
     appender_window: int | None = None
@@ -235,13 +238,14 @@ class World:
         self.server_rng_seed = master.getrandbits(64)
         inflight = params.max_inflight_batches
         self.appender_window = params.appender_window or master.randint(1, 4)
+        batch = params.max_batch_size or master.randint(1, 4)
         self.config = StoreConfig(
-            max_batch_size=params.max_batch_size,
-            max_queued_appends=2 * params.max_batch_size,
+            max_batch_size=batch,
+            max_queued_appends=2 * batch,
             checkpoint_interval=params.checkpoint_interval,
             catch_up_batch_size=5,
             max_inflight_batches=inflight if inflight is not None else master.randint(1, 8),
-            join_max_lag=2 * params.max_batch_size,
+            join_max_lag=2 * batch,
         )
         self.servers: list[Server] = []
         self.retired_servers: list[Server] = []
@@ -381,8 +385,11 @@ class World:
     # -- the run ---------------------------------------------------------------------------------------------
 
     async def run(self, faults: Callable[[World], Awaitable[None]]) -> None:
-        inflight, window = self.config.max_inflight_batches, self.appender_window
-        self.event(f"up to {inflight} batches in flight, {window} appends in flight per appender")
+        config, window = self.config, self.appender_window
+        self.event(
+            f"batches of up to {config.max_batch_size}, up to {config.max_inflight_batches} in flight; "
+            f"{window} appends in flight per appender"
+        )
         await self.start_server()
         checks = asyncio.ensure_future(self.periodic_checks())
         try:
