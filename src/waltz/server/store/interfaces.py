@@ -13,7 +13,11 @@ What an implementation must guarantee
   ``max(current, message.session_id)``; when the message is processed it fails with
   :class:`~waltz.errors.SessionFencedError` unless ``message.session_id == current``.
 * Messages of one connection arrive, and are processed, in the order they were sent (TCP + one worker per
-  storage partition).
+  storage partition), and are answered in that order.
+* Several calls may be under way at once (the store layer keeps up to ``max_inflight_batches`` appends in
+  flight, each in a task started in order). A call sends its request before it first suspends, so calls
+  started in order are sent in order. Breaking this costs only liveness: the node refuses an append that does
+  not continue its log, and an acknowledgement out of order ends the session.
 * ``append`` returns only after the records are durable (fsynced). ``truncate`` and ``set_low_water_mark`` are
   durable when they return.
 * Every call returns or raises within a bounded time. A transport failure raises

@@ -235,7 +235,7 @@ class StoreSession:
         self._batches: deque[tuple[Batch, list[PendingAppend]]] = deque()
         """Batches sent and not yet committed, oldest first."""
         self._wake = asyncio.Event()
-        """Wakes the writer while batches are in flight: one was decided, or appends were queued."""
+        """Wakes the writer while batches are in flight: one was decided, or a full batch is queued."""
         self._was_opened = False
         self._tasks = TaskList(self._task_failed)
 
@@ -509,9 +509,9 @@ class StoreSession:
     def _batch_decided(self, committed: bool) -> None:
         """A batch's vote is decided: commit every batch at the head of the line that has its quorum.
 
-        Called by the replica task whose vote decided it (or by the writer, when a replica abstains). A failed
-        batch ends the session: later batches cannot commit before it, and the appends of every batch not
-        committed stay in ``host.inflight`` for the next session to resolve.
+        Called by the append request whose acknowledgement decided it (or by the writer, when a replica
+        abstains). A failed batch ends the session: later batches cannot commit before it, and the appends of
+        every batch not committed stay in ``host.inflight`` for the next session to resolve.
         """
         if not committed:
             self.end(EndReason.QUORUM_LOST, f"ids {self.high_water_mark + 1}..{self.next_id - 1} in flight")
