@@ -207,5 +207,5 @@ def test_memory_source_reads_consecutive_verified_batches() -> None:
     log = MemoryLogSource(1, fetch_size=4)
     grow(log, {0: 10})
     batches = list(log.read(0, 3, 10))
-    assert [len(b) for b in batches] == [4, 3]
-    assert [r.transaction_id for b in batches for r in b] == list(range(3, 10))
+    assert [(b.first, b.count) for b in batches] == [(3, 4), (7, 3)]
+    assert [r.transaction_id for b in batches for r in b.records()] == list(range(3, 10))

@@ -278,6 +278,12 @@ class StoragePartition:
                 n = max(0, min(msg.max_records, MAX_LIST_RECORDS))
                 records = plog.read_records(msg.transaction_id, n, max_bytes=MAX_LIST_BYTES) if n else []
                 return st.RecordListResponse(sid, seq, pid, tuple(records))
+            if isinstance(msg, st.RecordRunRequest):
+                plog = self._check(msg, False)
+                n = max(0, min(msg.max_records, MAX_LIST_RECORDS))
+                budget = max(0, min(msg.max_bytes, MAX_LIST_BYTES))
+                count, run = plog.read_run(msg.transaction_id, n, max_bytes=budget) if n else (0, b"")
+                return st.RecordRunResponse(sid, seq, pid, count, run)
             raise RemoteProtocolError(f"{type(msg).__name__} is not a request")
         except WaltzError as e:
             return self._failure(msg, e)

@@ -333,6 +333,16 @@ class PartitionLog:
             txn += len(got)
         return out
 
+    def read_run(
+        self, transaction_id: int, max_count: int, *, max_bytes: int = DEFAULT_MAX_READ_BYTES
+    ) -> tuple[int, bytes]:
+        """Consecutive records from ``transaction_id`` as stored, unverified (:meth:`Segment.read_run`):
+        ``(count, run)``; stops at the end of a segment; ``(0, b"")`` if the id is not in the log."""
+        seg = self.segment_for(transaction_id)
+        if seg is None:
+            return 0, b""
+        return seg.read_run(transaction_id, min(max_count, MAX_READ_RECORDS), max_bytes=max_bytes)
+
     def read_headers(
         self, transaction_id: int, max_count: int, *, max_bytes: int = DEFAULT_MAX_READ_BYTES
     ) -> list[RecordHeader]:
