@@ -56,7 +56,8 @@ from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
 from waltz.protocol.records import Record
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import FLAG_AVAILABLE, ControlFile, PartitionInfo
-from waltz.storage.partition import PartitionLog
+from waltz.storage.fileio import OS_FS
+from waltz.storage.partition import PartitionLog, delete_log_files
 from waltz.tls import TlsConfig
 from waltz.transport import FramedConnection, FramedServer, serve, wait_for_stop_signal
 
@@ -656,19 +657,14 @@ class StorageNode:
                 part.open_log()
                 self.control.set_assigned(pid, True)
             else:
-                log_ = part.log
                 self.control.update(
                     pid, session_id=-1, low_water_mark=-1, local_low_water_mark=-1, flags=FLAG_AVAILABLE
                 )
                 part.session_id = -1
                 part.close_log()
                 if delete_files:
-                    if log_ is None:
-                        log_ = PartitionLog.open(str(self.config.directory), self.control.key, pid)
-                        log_.close()
-                    log_.delete_files()
-                    with contextlib.suppress(OSError):
-                        os.rmdir(os.path.join(self.config.directory, str(pid)))
+                    # Never opened for deletion: a log that would not open (corrupt) must still go.
+                    delete_log_files(OS_FS, os.path.join(self.config.directory, str(pid)))
 
         await self._on_partition(pid, op)
 
