@@ -28,6 +28,7 @@ from waltz.errors import (
 )
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_HELLO, MAGIC_STORAGE, encode_frame, encode_hello
+from waltz.protocol.record_run import RecordRun
 from waltz.protocol.records import Record, ReqId
 from waltz.storage.client import AdminClient, StorageClient
 
@@ -114,6 +115,11 @@ def test_every_data_and_admin_request(node: StorageProcess) -> None:
             # Partition 1 is independent; partition 2 is not assigned.
             await client.append(0, 1, records(0, 3))
             assert await client.max_transaction_id(0, 1) == 2
+            # A run read returns the stored bytes, which unpack to the very records appended.
+            count, run_bytes = await client.read_run(0, 1, 1, 10, 1 << 20)
+            assert count == 2
+            assert RecordRun(1, count, run_bytes).records() == records(0, 3)[1:]
+            assert await client.read_run(0, 1, 3, 10, 1 << 20) == (0, b"")
             with pytest.raises(PartitionNotAssignedError, match="Partition:2 is not assigned"):
                 await client.append(0, 2, records(0, 1))
             with pytest.raises(PartitionNotAssignedError, match="does not exist"):
@@ -125,6 +131,30 @@ def test_every_data_and_admin_request(node: StorageProcess) -> None:
             await admin.set_assigned([1], True)
             assert await client.max_transaction_id(0, 1) == -1
             assert client.is_usable  # failures never cost the connection
+
+    run(go())
+
+
+@pytest.mark.timeout(60)
+def test_unassigning_with_deletion_removes_files_that_would_not_open(node: StorageProcess) -> None:
+    async def go() -> None:
+        client, admin = await connect(node)
+        try:
+            await admin.set_assigned([0], True)
+            await client.append(0, 0, records(0, 5))
+            await admin.set_assigned([0], False)  # files stay
+            partition_dir = node.directory / "0"
+            next(partition_dir.glob("*.idx")).unlink()  # records without an index: would not open any more
+            await admin.set_assigned([0], False, delete_files=True)
+            assert not partition_dir.exists()
+            # Deleting a partition that never had files creates nothing.
+            await admin.set_assigned([2], False, delete_files=True)
+            assert not (node.directory / "2").exists()
+            await admin.set_assigned([0], True)
+            assert await client.max_transaction_id(0, 0) == -1
+        finally:
+            await client.aclose()
+            await admin.aclose()
 
     run(go())
 

@@ -4,7 +4,8 @@
                    format registered. PySpark is a required test dependency (``make test`` installs the
                    ``spark`` extra): there is deliberately no skip when it is missing.
 ``waltz_cluster``  session-scoped local cluster (``waltz local``: ZooKeeper, one storage node, one server,
-                   three partitions) on loopback; ``options`` are the data source options that reach it.
+                   three partitions, 32 KiB segments) on loopback; ``options`` are the data source options
+                   that reach it.
 ``log``            helpers on that cluster: ``append(rows)`` through the client, ``read_all()`` through the
                    plain LogReader (the reference the Spark reads are compared with).
 """
@@ -30,6 +31,7 @@ from waltz.spark.options import parse_options
 from waltz.spark.writer import RowWriter
 
 NUM_PARTITIONS = 3
+SEGMENT_SIZE_BYTES = 32 * 1024
 
 
 @pytest.fixture(scope="session")
@@ -94,7 +96,16 @@ class WaltzTestCluster:
 @pytest.fixture(scope="session")
 def waltz_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WaltzTestCluster]:
     directory = tmp_path_factory.mktemp("waltz-local")
-    cluster = up(UpOptions(directory=directory, storages=1, servers=1, partitions=NUM_PARTITIONS))
+    # Small segments: range reads stop at segment ends, so the readers' short-read path runs too.
+    cluster = up(
+        UpOptions(
+            directory=directory,
+            storages=1,
+            servers=1,
+            partitions=NUM_PARTITIONS,
+            segment_size_bytes=SEGMENT_SIZE_BYTES,
+        )
+    )
     try:
         yield WaltzTestCluster(
             directory,

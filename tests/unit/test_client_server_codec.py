@@ -172,21 +172,28 @@ GOLDEN: list[tuple[Message, tuple[int, ...], bytes]] = [
     ),
     (TransactionRangeRequest(REQ, 7, 100), (5,), h("17", REQ_HEX, "0000000000000007", "00000064")),
     (
-        TransactionRangeResponse(REQ, 7, (Record(7, REQ, -2, b"abc", 0x352441C2),)),
+        TransactionRangeResponse.of(REQ, 7, (Record(7, REQ, -2, b"abc", 0x352441C2),)),
         (5,),
         h(
             "18",
             REQ_HEX,
             "0000000000000007",
             "00000001",
+            "0000002b",  # run length: 40 + 3
             "0000000000000007",
             REQ_HEX,
             "fffffffe",
-            "00000003 616263",
+            "00000003",
             ABC_CRC_HEX,
+            "616263",
+            "b3a3630f",  # CRC-32 of the 39 record bytes before it
         ),
     ),
-    (TransactionRangeResponse(REQ, 9, ()), (5,), h("18", REQ_HEX, "0000000000000009", "00000000")),
+    (
+        TransactionRangeResponse(REQ, 9, 0, b""),
+        (5,),
+        h("18", REQ_HEX, "0000000000000009", "00000000", "00000000"),
+    ),
 ]
 
 CASES = [(msg, version, payload) for msg, versions, payload in GOLDEN for version in versions]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
+from waltz.errors import CorruptionError, DataChecksumError, StorageError, TransactionOutOfOrderError
+from waltz.protocol.record_run import RecordRun
 from waltz.protocol.records import Record, ReqId
 from waltz.storage.fileio import CrashFS
 from waltz.storage.segment import (
@@ -311,3 +312,33 @@ def test_real_files(tmp_path: Path) -> None:
     assert seg2.read_record(1100) == rec(1100, 30)
     seg2.close()
     assert CHECKPOINT_INTERVAL == 1000
+
+
+def test_read_run_returns_the_stored_bytes() -> None:
+    fs = CrashFS()
+    seg = new_segment(fs, 100)
+    batch = recs(100, 50)
+    seg.append(batch)
+    count, run = seg.read_run(110, 5)
+    assert count == 5
+    assert run == b"".join(encode_record(r) for r in batch[10:15])
+    assert RecordRun(110, count, run).records() == batch[10:15]
+    assert seg.read_run(140, 100)[0] == 10
+    assert seg.read_run(150, 10) == (0, b"")
+    assert seg.read_run(99, 10) == (0, b"")
+    assert seg.read_run(100, 0) == (0, b"")
+    # max_bytes bounds the load but always returns at least one record.
+    assert seg.read_run(100, 50, max_bytes=1)[0] == 1
+    assert seg.read_run(100, 50, max_bytes=3 * 56)[0] == 3
+
+
+def test_read_run_does_not_verify_but_the_reader_does() -> None:
+    fs = CrashFS()
+    seg = new_segment(fs)
+    seg.append(recs(0, 3))
+    seg.flush()
+    fs.corrupt(seg.data_path, seg.record_offset(1) + 40, b"\xff")  # a data byte
+    count, run = seg.read_run(0, 3)
+    assert count == 3
+    with pytest.raises(DataChecksumError, match="transaction 1"):
+        RecordRun(0, count, run).records()

@@ -40,6 +40,7 @@ def test_options_are_case_insensitive_and_typed() -> None:
             "startingoffsets": '{"0": 5, "2": -2}',
             "maxRecordsPerPartition": "10",
             "includeData": "FALSE",
+            "FetchDepth": "7",
         }
     )
     assert o.client_config.zookeeper_connect_string == "h:1"
@@ -48,6 +49,7 @@ def test_options_are_case_insensitive_and_typed() -> None:
     assert o.starting_offsets == {0: 5, 2: -2}
     assert o.max_records_per_partition == 10
     assert o.include_data is False
+    assert (o.fetch_depth, parse_options(opts()).fetch_depth) == (7, 3)
     assert o.starting(streaming=True) == {0: 5, 2: -2}
     assert parse_options(opts()).starting(streaming=True) == "latest"
     assert parse_options(opts()).starting(streaming=False) == "earliest"
@@ -66,6 +68,7 @@ def test_options_are_case_insensitive_and_typed() -> None:
         ({"partitions": "0", "startingOffsets": '{"1": 4}'}, "excludes"),
         ({"maxOffsetsPerTrigger": "5", "maxTransactionsPerTrigger": "5"}, "not both"),
         ({"fetchSize": "20000"}, "between 1 and 10000"),
+        ({"fetchDepth": "0"}, "fetchDepth: .*between 1 and 16"),
         ({"waltz.client.requestTimeout": "-1"}, "client.requestTimeout"),
     ],
 )
@@ -207,5 +210,5 @@ def test_memory_source_reads_consecutive_verified_batches() -> None:
     log = MemoryLogSource(1, fetch_size=4)
     grow(log, {0: 10})
     batches = list(log.read(0, 3, 10))
-    assert [len(b) for b in batches] == [4, 3]
-    assert [r.transaction_id for b in batches for r in b] == list(range(3, 10))
+    assert [(b.first, b.count) for b in batches] == [(3, 4), (7, 3)]
+    assert [r.transaction_id for b in batches for r in b.records()] == list(range(3, 10))

@@ -31,6 +31,9 @@ HDR = RecordHeader(5, ReqId.of(1, 2, 3, 4), 7)
 # Hand-written layouts (see the table in waltz/protocol/storage.py).
 REC_HEX = "0000000000000005 0000000100000002 0000000300000004 00000007 00000002 6162 9e83486d"
 REC_EMPTY_HEX = "0000000000000006 0000000100000002 0000000300000005 ffffffff 00000000 00000000"
+# REC as a storage node stores it (a record run of one): the data checksum moves before the data, and a
+# CRC-32 of the 38 bytes before it closes the record.
+STORED_REC_HEX = "0000000000000005 0000000100000002 0000000300000004 00000007 00000002 9e83486d 6162 a9ca30ac"
 HDR_HEX = "0000000000000005 0000000100000002 0000000300000004 00000007"
 FAILURE = s.StorageRpcFailure("boom", (s.StackFrame("SessionFencedError", "append", "p.py", 12),))
 FAILURE_HEX = (
@@ -78,11 +81,17 @@ CASES: list[tuple[s.StorageMessage, str]] = [
     (s.RecordHeaderListResponse(1, 2, 3, ()), p(16) + "00000000"),
     (s.RecordListRequest(1, 2, 3, 5, 20), p(17) + "0000000000000005 00000014"),
     (s.RecordListResponse(1, 2, 3, (REC,)), p(18) + f"00000001 {REC_HEX}"),
+    (s.RecordRunRequest(1, 2, 3, 5, 20, 4096), p(19) + "0000000000000005 00000014 00001000"),
+    (
+        s.RecordRunResponse(1, 2, 3, 1, bytes.fromhex(STORED_REC_HEX)),
+        p(20) + f"00000001 0000002a {STORED_REC_HEX}",
+    ),
+    (s.RecordRunResponse(1, 2, 3, 0, b""), p(20) + "00000000 00000000"),
 ]
 
 
 def test_every_message_type_has_a_golden_case() -> None:
-    assert {type(msg).TYPE for msg, _ in CASES} == set(range(1, 19))
+    assert {type(msg).TYPE for msg, _ in CASES} == set(range(1, 21))
 
 
 @pytest.mark.parametrize(("msg", "hex_"), CASES, ids=case_id)
@@ -117,7 +126,7 @@ def test_trailing_and_truncated_payloads_are_refused(msg: s.StorageMessage, hex_
 
 
 def test_unknown_type_and_bad_fields_are_refused() -> None:
-    for code in (0, 19, 255):
+    for code in (0, 21, 255):
         with pytest.raises(RemoteProtocolError, match="unknown"):
             s.decode(bytes.fromhex(p(code)))
     with pytest.raises(RemoteProtocolError, match="boolean"):
@@ -234,3 +243,18 @@ def test_random_bodies_decode_or_raise_protocol_error(type_code: int, body: byte
         s.decode(bytes.fromhex(p(type_code)) + body)
     except RemoteProtocolError:
         pass
+
+
+def test_record_run_response_with_a_bad_shape_is_refused() -> None:
+    good = bytes.fromhex(STORED_REC_HEX)
+    prefix = bytes.fromhex(p(20))
+    with pytest.raises(RemoteProtocolError, match="cannot hold"):
+        s.decode(prefix + bytes.fromhex("00000002 0000002a") + good)  # two records announced, one sent
+    with pytest.raises(RemoteProtocolError, match="left over"):
+        s.decode(prefix + bytes.fromhex("00000001 0000002b") + good + b"\x00")
+    with pytest.raises(RemoteProtocolError, match="empty run"):
+        s.decode(prefix + bytes.fromhex("00000000 00000001 00"))
+    bad_length = bytearray(good)
+    bad_length[31] = 0x09  # data length 9 runs past the end
+    with pytest.raises(RemoteProtocolError, match="bad length"):
+        s.decode(prefix + bytes.fromhex("00000001 0000002a") + bad_length)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
+from waltz.protocol.record_run import RecordRun
 from waltz.protocol.records import Record, ReqId
 from waltz.storage.fileio import CrashFS, SimulatedCrash
 from waltz.storage.partition import PartitionLog
@@ -132,6 +133,15 @@ def test_lookup_across_many_segments_and_lru_bound() -> None:
         # List reads continue across segment boundaries.
         assert log.read_records(0, 2000) == batch(0, 2000)
         assert log.read_headers(100, 300) == [r.header_only() for r in batch(100, 300)]
+        # Runs stop at the end of a segment; read one after another they cover the log.
+        runs, txn = [], 0
+        while (got := log.read_run(txn, 2000))[0]:
+            runs.append(RecordRun(txn, *got))
+            txn += got[0]
+        assert len(runs) == len(firsts)
+        assert [r.first for r in runs] == firsts
+        assert [rec for r in runs for rec in r.records()] == batch(0, 2000)
+        assert log.read_run(2000, 5) == (0, b"")
         assert log.read_record(2000) is None
         assert log.read_record(-1) is None
 

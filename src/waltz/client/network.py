@@ -88,6 +88,7 @@ from waltz.errors import (
 )
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
+from waltz.protocol.record_run import run_records
 from waltz.protocol.records import Record, ReqId
 from waltz.transport import FramedConnection, RpcClient, open_connection
 
@@ -97,7 +98,6 @@ __all__ = [
     "NetworkDriver",
     "RpcPool",
     "ZkDiscovery",
-    "verify_range",
 ]
 
 log = logging.getLogger(__name__)
@@ -369,24 +369,6 @@ async def retry_rpc(call: Callable[[], Awaitable[T]], what: str, timeout_ms: int
         delay_s = min(delay_s * 2, RPC_RETRY_MAX_S)
 
 
-def verify_range(partition_id: int, start: int, records: tuple[Record, ...] | list[Record]) -> list[Record]:
-    """Check a range response: consecutive ids from ``start``, each record's CRC-32 matching its data.
-
-    Raises DataChecksumError (retriable: read again) for a bad checksum, RemoteProtocolError for wrong ids.
-    """
-    for offset, record in enumerate(records):
-        if record.transaction_id != start + offset:
-            raise RemoteProtocolError(
-                f"partition {partition_id}: range from {start} returned transaction {record.transaction_id} "
-                f"at position {offset}"
-            )
-        if not record.verify():
-            raise _ChecksumMismatch(
-                f"partition {partition_id}: transaction {record.transaction_id} failed its CRC-32"
-            )
-    return list(records)
-
-
 class _ChecksumMismatch(DataChecksumError):
     """A record read over the wire failed its checksum; reading it again may succeed."""
 
@@ -403,7 +385,7 @@ async def rpc_high_water_mark(
     return response.transaction_id
 
 
-async def rpc_read_range(
+async def rpc_read_run(
     pool: RpcPool,
     endpoint: str,
     partition_id: int,
@@ -411,8 +393,9 @@ async def rpc_read_range(
     start: int,
     max_count: int,
     timeout_ms: int,
-) -> list[Record]:
-    """One TransactionRangeRequest attempt, verified with :func:`verify_range`."""
+) -> tuple[int, bytes]:
+    """One TransactionRangeRequest attempt: ``(count, run)``, the records from ``start`` as a record run whose
+    shape the codec checked; verify the checksums with :func:`run_records` or :func:`run_columns`."""
 
     def make(req_id: ReqId) -> cs.Message:
         return cs.TransactionRangeRequest(req_id, start, max_count)
@@ -427,9 +410,32 @@ async def rpc_read_range(
         raise RemoteProtocolError(f"expected a TransactionRangeResponse, got {type(response).__name__}")
     if response.transaction_id != start:
         raise RemoteProtocolError(f"asked for a range from {start}, got one from {response.transaction_id}")
-    if len(response.records) > max_count:
-        raise RemoteProtocolError(f"asked for {max_count} records, got {len(response.records)}")
-    return verify_range(partition_id, start, response.records)
+    if response.count > max_count:
+        raise RemoteProtocolError(f"asked for {max_count} records, got {response.count}")
+    return response.count, response.run
+
+
+def verified_records(partition_id: int, start: int, count: int, run: bytes) -> list[Record]:
+    """The records of a run, every checksum verified; a mismatch raises a retriable DataChecksumError (the
+    copy may have been damaged on its way, so reading it again may succeed)."""
+    try:
+        return run_records(run, start, count)
+    except DataChecksumError as e:
+        raise _ChecksumMismatch(f"partition {partition_id}: {e}") from None
+
+
+async def rpc_read_range(
+    pool: RpcPool,
+    endpoint: str,
+    partition_id: int,
+    generation: int,
+    start: int,
+    max_count: int,
+    timeout_ms: int,
+) -> list[Record]:
+    """One TransactionRangeRequest attempt, the records' checksums verified."""
+    count, run = await rpc_read_run(pool, endpoint, partition_id, generation, start, max_count, timeout_ms)
+    return verified_records(partition_id, start, count, run)
 
 
 # ----------------------------------------------------------------------------------- partition events

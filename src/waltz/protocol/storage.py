@@ -29,7 +29,15 @@ code  message                    fields after the prefix
 16    RecordHeaderListResponse   i32 n · n x RecordHeader
 17    RecordListRequest          i64 transaction_id · i32 max_records
 18    RecordListResponse         i32 n · n x Record
+19    RecordRunRequest           i64 transaction_id · i32 max_records · i32 max_bytes   (ours)
+20    RecordRunResponse          i32 n · bytes run: n records as stored (ours)
 ====  =========================  ===================================================================
+
+19/20 are not the original's: a bulk read that returns consecutive records exactly as the data file holds
+them (a *record run*, :mod:`waltz.protocol.record_run`), read with one ``pread`` and not decoded by the node;
+at least one record, at most ``max_records`` and, beyond the first, ``max_bytes``; it stops at the end of a
+segment. The decoder checks the run's shape (ids consecutive from the first record's, lengths inside the run,
+nothing left over), not its checksums, which the final reader verifies.
 
 ``Record`` and ``RecordHeader`` are laid out as in :mod:`waltz.protocol.records` (36 + data and 28 bytes).
 The codec does not verify record checksums: the storage node verifies each record right before writing it,
@@ -60,6 +68,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Final, NamedTuple, Self
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError, WaltzError, error_from_wire, wire_name
+from waltz.protocol.record_run import run_first_id, scan_run
 from waltz.protocol.records import (
     HEADER_STRUCT,
     RECORD_HEADER_BYTES,
@@ -96,6 +105,8 @@ __all__ = [
     "RecordListResponse",
     "RecordRequest",
     "RecordResponse",
+    "RecordRunRequest",
+    "RecordRunResponse",
     "SessionInfo",
     "SetLowWaterMarkRequest",
     "StackFrame",
@@ -571,6 +582,52 @@ class RecordListResponse(StorageMessage):
         return cls(session_id, seq_num, partition_id, read_record_list(r))
 
 
+@dataclass(frozen=True, slots=True)
+class RecordRunRequest(StorageMessage):
+    """Consecutive records from ``transaction_id`` as stored: at most ``max_records``, and at most
+    ``max_bytes`` beyond the first record (ours)."""
+
+    TYPE: ClassVar[int] = 19
+
+    transaction_id: int
+    max_records: int
+    max_bytes: int
+
+    def _write(self, w: Writer) -> None:
+        w.i64(self.transaction_id).i32(self.max_records).i32(self.max_bytes)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, r.i64(), r.i32(), r.i32())
+
+
+@dataclass(frozen=True, slots=True)
+class RecordRunResponse(StorageMessage):
+    """``count`` records as stored, from the id of the first (``first``, -1 when empty) (ours)."""
+
+    TYPE: ClassVar[int] = 20
+
+    count: int
+    run: bytes
+
+    @property
+    def first(self) -> int:
+        return run_first_id(self.run) if self.count else -1
+
+    def _write(self, w: Writer) -> None:
+        w.i32(self.count).bytes_(self.run)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        count = r.i32()
+        run = r.bytes_required()
+        if count:
+            scan_run(run, run_first_id(run), count)
+        elif run:
+            raise RemoteProtocolError(f"an empty run carries {len(run)} bytes")
+        return cls(session_id, seq_num, partition_id, count, run)
+
+
 _BY_TYPE: Final[dict[int, type[StorageMessage]]] = {
     cls.TYPE: cls
     for cls in (
@@ -592,6 +649,8 @@ _BY_TYPE: Final[dict[int, type[StorageMessage]]] = {
         RecordHeaderListResponse,
         RecordListRequest,
         RecordListResponse,
+        RecordRunRequest,
+        RecordRunResponse,
     )
 }
 

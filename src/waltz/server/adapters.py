@@ -73,6 +73,11 @@ class TcpReplicaConnection:
             self._session_id, self._partition_id, transaction_id, max_count
         )
 
+    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, bytes]:
+        return await self._live().read_run(
+            self._session_id, self._partition_id, transaction_id, max_count, max_bytes
+        )
+
     async def read_record(self, transaction_id: int) -> Record | None:
         return await self._live().read_record(self._session_id, self._partition_id, transaction_id)
 

@@ -6,16 +6,20 @@ loop thread (``waltz-spark-io``) and one open reader per cluster configuration, 
 (never while a reader object is being built or pickled) and closed at interpreter exit.
 
 Bulk reads go through the server's V5 range read (``TransactionRangeRequest``): one round trip returns up to
-10,000 consecutive committed records with their stored checksums, and the server never returns anything past
-its committed high-water mark. We chose the server over reading a storage replica directly because:
+10,000 consecutive committed records as a *record run*, the bytes the storage node keeps, which the server
+relays without decoding (:mod:`waltz.protocol.record_run`); this process verifies every checksum while
+unpacking the run straight into Arrow columns. We chose the server over reading a storage replica directly
+because:
 
-* the server is the one place that knows the committed high-water mark; a storage replica may hold an
-  uncommitted tail (or lag behind), so a replica read would need a separate high-water mark check and a
-  fallback to another replica, and would bypass the server's transaction cache;
-* storage admin ports carry the cluster key and are meant for operators, not for every Spark executor.
+* the server is the one place that knows the committed high-water mark and which replicas are clean in the
+  current store session; a replica may hold an uncommitted or stale tail (or lag behind), so a direct read
+  would need its own proof that the replica's records below the mark are the committed ones;
+* storage ports carry the cluster key and are meant for servers and operators, not for every Spark executor;
+* relaying a run costs the server one frame per request, not work per record, so the server is no longer the
+  bottleneck: the per-record work (checksums, columns) happens in the tasks and scales with them.
 
-While the caller turns one batch into Arrow, the next range request is already in flight (one request of
-read-ahead per task), so network and decoding overlap.
+``fetchDepth`` range requests are in flight per task, so the server and the storage node fetch the next runs
+while the task unpacks this one.
 
 The network side is the client's :class:`~waltz.client.reader.LogReader` (ZooKeeper discovery, one RPC
 connection per server, retries on a moved partition within ``client.requestTimeout``); this module adds the
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import concurrent.futures
 import logging
 import threading
@@ -35,9 +40,8 @@ from typing import Any, TypeVar
 
 from waltz.client.reader import LogReader
 from waltz.errors import ClientError, WaltzError
-from waltz.protocol.records import Record
+from waltz.protocol.record_run import RecordRun
 from waltz.spark.options import SourceOptions
-from waltz.spark.source import check_batch
 
 __all__ = ["ClusterLogSource", "close_all", "open_source"]
 
@@ -101,55 +105,57 @@ class ClusterLogSource:
         values = self._retrying("high-water mark read", all_hwms)
         return dict(zip(partitions, values, strict=True))
 
-    def read(self, partition: int, start: int, end: int) -> Iterator[Sequence[Record]]:
+    def read(self, partition: int, start: int, end: int) -> Iterator[RecordRun]:
         fetch = self._options.fetch_size
-        pos = start
-        pending: concurrent.futures.Future[list[Record]] | None = None
+        pos = start  # the first id not yet yielded
+        asked = start  # the first id not yet asked for
+        # (first id, count asked, answer) of the requests in flight, in id order.
+        pending: collections.deque[tuple[int, int, concurrent.futures.Future[RecordRun]]] = (
+            collections.deque()
+        )
         failures = 0
         try:
             while pos < end:
-                if pending is None:
-                    pending = self._io.submit(self._reader.read_range(partition, pos, min(fetch, end - pos)))
+                # Several requests in flight: the server and the storage node fetch the next runs while the
+                # caller unpacks this one.
+                while len(pending) < self._options.fetch_depth and asked < end:
+                    count = min(fetch, end - asked)
+                    future = self._io.submit(self._reader.read_run(partition, asked, count))
+                    pending.append((asked, count, future))
+                    asked += count
+                first, count, future = pending.popleft()
                 try:
-                    records = pending.result(self._timeout_s)
+                    run: RecordRun | None = future.result(self._timeout_s)
+                    problem = f"the server returned nothing at transaction {pos}, below the planned end {end}"
                 except (TimeoutError, WaltzError) as e:
-                    pending = None
+                    run, problem = None, f"reading from transaction {pos} failed: {e!r}"
+                if run is None or run.count == 0:
+                    _cancel(pending)
+                    asked = pos
                     failures += 1
                     if failures > self._options.fetch_num_retries:
-                        raise ClientError(
-                            f"partition {partition}: reading from transaction {pos} failed {failures} times: "
-                            f"{e!r}"
-                        ) from e
-                    log.warning("partition %d: range read at %d failed (%r); retrying", partition, pos, e)
+                        raise ClientError(f"partition {partition}: {problem} ({failures} attempts)")
+                    log.warning("partition %d: %s; retrying", partition, problem)
                     time.sleep(self._options.fetch_retry_interval_ms / 1000)
                     continue
-                records = records[: end - pos]
-                if not records:
-                    pending = None
-                    failures += 1
-                    if failures > self._options.fetch_num_retries:
-                        raise ClientError(
-                            f"partition {partition}: the server returned nothing at transaction {pos}, "
-                            f"below the planned end {end} (was the log restored from an older copy?)"
-                        )
-                    time.sleep(self._options.fetch_retry_interval_ms / 1000)
-                    continue
-                check_batch(partition, pos, records)
-                pos += len(records)
                 failures = 0
-                # Read ahead: the next request is in flight while the caller converts this batch.
-                pending = (
-                    self._io.submit(self._reader.read_range(partition, pos, min(fetch, end - pos)))
-                    if pos < end
-                    else None
-                )
-                yield records
+                pos = run.end
+                if pos < first + count:
+                    # Trimmed (a size limit, a segment end): the requests after it leave a gap; ask again.
+                    _cancel(pending)
+                    asked = pos
+                yield run
         finally:
-            if pending is not None:
-                pending.cancel()
+            _cancel(pending)
 
     def close(self) -> None:
         self._io.run(self._reader.close(), self._timeout_s)
+
+
+def _cancel(pending: collections.deque[tuple[int, int, concurrent.futures.Future[RecordRun]]]) -> None:
+    for _, _, future in pending:
+        future.cancel()
+    pending.clear()
 
 
 _io: _Loop | None = None
@@ -162,7 +168,7 @@ def open_source(options: SourceOptions) -> ClusterLogSource:
     global _io
     key = (
         *options.cluster_key,
-        ("fetchSize", str(options.fetch_size)),
+        ("fetch", f"{options.fetch_size}/{options.fetch_depth}"),
         ("retries", f"{options.fetch_num_retries}/{options.fetch_retry_interval_ms}"),
     )
     with _sources_lock:

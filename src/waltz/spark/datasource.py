@@ -78,8 +78,8 @@ def _read(options: SourceOptions, partition: InputPartition) -> Iterator[Any]:
     if not isinstance(txn_range, TxnRange):
         return  # Spark turns an empty plan into one partition of None: nothing to read.
     source = _source(options)
-    for records in source.read(txn_range.partition, txn_range.start, txn_range.end):
-        yield to_arrow(txn_range.partition, records, options.include_data)
+    for run in source.read(txn_range.partition, txn_range.start, txn_range.end):
+        yield to_arrow(txn_range.partition, run, options.include_data)
 
 
 class WaltzDataSource(DataSource):

@@ -29,6 +29,7 @@ option                         applies    default         meaning
                                                           high-water mark (restored log, other cluster);
                                                           ``false`` logs a warning and clamps
 ``fetchSize``                  read       ``10000``       transactions per range request (1..10000)
+``fetchDepth``                 read       ``3``           range requests in flight per task (1..16)
 ``fetchOffset.numRetries``     read       ``3``           retries of a failed range or high-water-mark read
 ``fetchOffset.retryIntervalMs`` read      ``1000``        pause between those retries
 ``partition``                  write      ``0``           target partition of rows without a ``partition``
@@ -69,6 +70,7 @@ EARLIEST = -2
 LATEST = -1
 """In a JSON offset spec: one past the partition's committed high-water mark."""
 MAX_FETCH_SIZE = 10_000
+MAX_FETCH_DEPTH = 16
 """The server answers a range request with at most this many transactions."""
 DEFAULT_SESSION_TIMEOUT_MS = 30_000
 
@@ -95,6 +97,7 @@ _OPTIONS: dict[str, tuple[str, ...]] = {
     "includeData": (_READ,),
     "failOnDataLoss": (_READ,),
     "fetchSize": (_READ,),
+    "fetchDepth": (_READ,),
     "fetchOffset.numRetries": (_READ,),
     "fetchOffset.retryIntervalMs": (_READ,),
     "partition": (_WRITE,),
@@ -125,6 +128,7 @@ class SourceOptions:
     include_data: bool = True
     fail_on_data_loss: bool = True
     fetch_size: int = MAX_FETCH_SIZE
+    fetch_depth: int = 3
     fetch_num_retries: int = 3
     fetch_retry_interval_ms: int = 1000
     default_partition: int = 0
@@ -326,6 +330,8 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
                 kwargs["fail_on_data_loss"] = _bool(name, raw, problems)
             case "fetchSize":
                 kwargs["fetch_size"] = _int(name, raw, problems, low=1, high=MAX_FETCH_SIZE)
+            case "fetchDepth":
+                kwargs["fetch_depth"] = _int(name, raw, problems, low=1, high=MAX_FETCH_DEPTH)
             case "fetchOffset.numRetries":
                 kwargs["fetch_num_retries"] = _int(name, raw, problems, low=0, high=100)
             case "fetchOffset.retryIntervalMs":

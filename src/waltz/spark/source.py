@@ -11,8 +11,11 @@ Contract of every implementation:
 * ``high_water_marks(partitions)`` returns, per partition, the id of the last **committed** transaction
   (-1 for an empty partition). Committed transactions never change, so ``[start, hwm + 1)`` can be read
   again later with the same result: this is what makes Spark's replays deterministic.
-* ``read(partition, start, end)`` yields the records ``start, start + 1, ..., end - 1`` in order, in batches,
-  every record's checksum verified, or raises. ``end`` must be at most ``hwm + 1`` of an earlier
+* ``read(partition, start, end)`` yields the records ``start, start + 1, ..., end - 1`` in order, as
+  :class:`~waltz.protocol.record_run.RecordRun` batches that follow each other without gaps, or raises. A run
+  is the records as the storage node keeps them; its checksums are verified when it is unpacked
+  (``run.columns()`` or ``run.records()``, which raise :class:`~waltz.errors.DataChecksumError`), so each
+  task unpacks its own batches straight into columns. ``end`` must be at most ``hwm + 1`` of an earlier
   ``high_water_marks`` call; a source never returns a record past the committed high-water mark.
 """
 
@@ -22,10 +25,11 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
-from waltz.errors import ClientError, DataChecksumError
+from waltz.errors import ClientError
+from waltz.protocol.record_run import RecordRun, encode_run
 from waltz.protocol.records import Record, ReqId
 
-__all__ = ["LogSource", "MemoryLogSource", "check_batch"]
+__all__ = ["LogSource", "MemoryLogSource"]
 
 
 class LogSource(Protocol):
@@ -43,26 +47,9 @@ class LogSource(Protocol):
         """Per partition, the id of the last committed transaction (-1 for none)."""
         ...
 
-    def read(self, partition: int, start: int, end: int) -> Iterator[Sequence[Record]]:
-        """The committed records ``[start, end)`` in order, in batches of up to the fetch size."""
+    def read(self, partition: int, start: int, end: int) -> Iterator[RecordRun]:
+        """The committed records ``[start, end)`` in order, in runs of up to the fetch size."""
         ...
-
-
-def check_batch(partition: int, expected_first: int, records: Sequence[Record]) -> None:
-    """Raise unless ``records`` are consecutive from ``expected_first`` and every checksum verifies.
-
-    Called on every batch right after it is read (the read half of the paired checksum checks).
-    """
-    for offset, rec in enumerate(records):
-        if rec.transaction_id != expected_first + offset:
-            raise ClientError(
-                f"partition {partition}: expected transaction {expected_first + offset}, "
-                f"got {rec.transaction_id} (the server returned a non-consecutive range)"
-            )
-        if not rec.verify():
-            raise DataChecksumError(
-                f"partition {partition}: transaction {rec.transaction_id}: data does not match its checksum"
-            )
 
 
 class MemoryLogSource:
@@ -96,7 +83,7 @@ class MemoryLogSource:
         with self._lock:
             return {p: len(self._logs[p]) - 1 for p in partitions}
 
-    def read(self, partition: int, start: int, end: int) -> Iterator[Sequence[Record]]:
+    def read(self, partition: int, start: int, end: int) -> Iterator[RecordRun]:
         self.reads.append((partition, start, end))
         with self._lock:
             committed = len(self._logs[partition])
@@ -106,6 +93,5 @@ class MemoryLogSource:
         while pos < end:
             with self._lock:
                 batch = self._logs[partition][pos : min(end, pos + self.fetch_size)]
-            check_batch(partition, pos, batch)
+            yield RecordRun(pos, len(batch), encode_run(batch))
             pos += len(batch)
-            yield batch

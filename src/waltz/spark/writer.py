@@ -301,8 +301,8 @@ def exactly_once_commit(options: SourceOptions, batch_id: int, rows: Sequence[Wr
 
     def window(p: int) -> Iterator[Any]:
         end = hwms[p] + 1
-        for batch in source.read(p, max(0, end - EXACTLY_ONCE_SCAN_WINDOW), end):
-            yield from batch
+        for run in source.read(p, max(0, end - EXACTLY_ONCE_SCAN_WINDOW), end):
+            yield from run.records()
 
     earlier_clients: set[int] = set()
     for rec in window(marker_partition):

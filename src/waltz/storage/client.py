@@ -14,7 +14,7 @@ from ssl import SSLContext
 from types import TracebackType
 from typing import Generic, Self, TypeVar
 
-from waltz.errors import StorageRpcError
+from waltz.errors import RemoteProtocolError, StorageRpcError
 from waltz.protocol import admin as adm
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
@@ -232,6 +232,21 @@ class StorageClient(_Endpoint[st.StorageMessage]):
             st.RecordListResponse,
         )
         return list(resp.records)
+
+    async def read_run(
+        self, session_id: int, partition_id: int, transaction_id: int, max_records: int, max_bytes: int
+    ) -> tuple[int, bytes]:
+        """Up to ``max_records`` records from ``transaction_id`` as stored (a record run, its shape checked,
+        its checksums not): ``(count, run)``."""
+        resp = await self._call(
+            st.RecordRunRequest(
+                session_id, self._seq(), partition_id, transaction_id, max_records, max_bytes
+            ),
+            st.RecordRunResponse,
+        )
+        if resp.count and resp.first != transaction_id:
+            raise RemoteProtocolError(f"asked for a run from {transaction_id}, got one from {resp.first}")
+        return resp.count, resp.run
 
 
 class AdminClient(_Endpoint[adm.AdminMessage]):

@@ -56,7 +56,8 @@ from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
 from waltz.protocol.records import Record
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import FLAG_AVAILABLE, ControlFile, PartitionInfo
-from waltz.storage.partition import PartitionLog
+from waltz.storage.fileio import OS_FS
+from waltz.storage.partition import PartitionLog, delete_log_files
 from waltz.tls import TlsConfig
 from waltz.transport import FramedConnection, FramedServer, serve, wait_for_stop_signal
 
@@ -278,6 +279,12 @@ class StoragePartition:
                 n = max(0, min(msg.max_records, MAX_LIST_RECORDS))
                 records = plog.read_records(msg.transaction_id, n, max_bytes=MAX_LIST_BYTES) if n else []
                 return st.RecordListResponse(sid, seq, pid, tuple(records))
+            if isinstance(msg, st.RecordRunRequest):
+                plog = self._check(msg, False)
+                n = max(0, min(msg.max_records, MAX_LIST_RECORDS))
+                budget = max(0, min(msg.max_bytes, MAX_LIST_BYTES))
+                count, run = plog.read_run(msg.transaction_id, n, max_bytes=budget) if n else (0, b"")
+                return st.RecordRunResponse(sid, seq, pid, count, run)
             raise RemoteProtocolError(f"{type(msg).__name__} is not a request")
         except WaltzError as e:
             return self._failure(msg, e)
@@ -650,19 +657,14 @@ class StorageNode:
                 part.open_log()
                 self.control.set_assigned(pid, True)
             else:
-                log_ = part.log
                 self.control.update(
                     pid, session_id=-1, low_water_mark=-1, local_low_water_mark=-1, flags=FLAG_AVAILABLE
                 )
                 part.session_id = -1
                 part.close_log()
                 if delete_files:
-                    if log_ is None:
-                        log_ = PartitionLog.open(str(self.config.directory), self.control.key, pid)
-                        log_.close()
-                    log_.delete_files()
-                    with contextlib.suppress(OSError):
-                        os.rmdir(os.path.join(self.config.directory, str(pid)))
+                    # Never opened for deletion: a log that would not open (corrupt) must still go.
+                    delete_log_files(OS_FS, os.path.join(self.config.directory, str(pid)))
 
         await self._on_partition(pid, op)
 

@@ -333,6 +333,16 @@ class PartitionLog:
             txn += len(got)
         return out
 
+    def read_run(
+        self, transaction_id: int, max_count: int, *, max_bytes: int = DEFAULT_MAX_READ_BYTES
+    ) -> tuple[int, bytes]:
+        """Consecutive records from ``transaction_id`` as stored, unverified (:meth:`Segment.read_run`):
+        ``(count, run)``; stops at the end of a segment; ``(0, b"")`` if the id is not in the log."""
+        seg = self.segment_for(transaction_id)
+        if seg is None:
+            return 0, b""
+        return seg.read_run(transaction_id, min(max_count, MAX_READ_RECORDS), max_bytes=max_bytes)
+
     def read_headers(
         self, transaction_id: int, max_count: int, *, max_bytes: int = DEFAULT_MAX_READ_BYTES
     ) -> list[RecordHeader]:
@@ -368,14 +378,7 @@ class PartitionLog:
     def delete_files(self) -> None:
         """Close the log and remove all its segment files and its directory."""
         self.close()
-        for name in self._fs.listdir(self.directory):
-            if parse_segment_name(name) is not None:
-                self._fs.remove(os.path.join(self.directory, name))
-        self._fs.fsync_dir(self.directory)
-        try:
-            self._fs.rmdir(self.directory)
-        except StorageError as e:
-            log.warning("%s: directory left in place: %s", self.directory, e)
+        delete_log_files(self._fs, self.directory)
         self._first_ids = []
 
     def __enter__(self) -> PartitionLog:
@@ -383,6 +386,21 @@ class PartitionLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def delete_log_files(fs: FileSystem, directory: str) -> None:
+    """Remove a partition directory's segment files and the directory (if nothing else is in it), without
+    opening the log: files that would not open (corrupt, half-created) go too. No-op if it does not exist."""
+    if not fs.exists(directory):
+        return
+    for name in fs.listdir(directory):
+        if parse_segment_name(name) is not None:
+            fs.remove(os.path.join(directory, name))
+    fs.fsync_dir(directory)
+    try:
+        fs.rmdir(directory)
+    except StorageError as e:
+        log.warning("%s: directory left in place: %s", directory, e)
 
 
 def _is_half_created(fs: FileSystem, directory: str, first: int, has_index: bool) -> bool:

@@ -14,7 +14,8 @@ integers big-endian)::
 
 Opening a segment checks the version, key, partition id and first id of both headers.
 
-The data file then holds records back to back, each ``40 + n`` bytes::
+The data file then holds records back to back, each ``40 + n`` bytes (so consecutive records form a
+*record run*, :mod:`waltz.protocol.record_run`, which range reads send as they are)::
 
          0     8  i64 transaction id
          8     8  u64 ReqId most significant half
@@ -64,6 +65,7 @@ from dataclasses import dataclass
 from typing import Literal, overload
 
 from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
+from waltz.protocol.record_run import encode_run
 from waltz.protocol.records import Record, RecordHeader, ReqId, make_req_id
 from waltz.storage.fileio import OS_FS, File, FileSystem
 
@@ -139,11 +141,9 @@ class SegmentHeader:
 
 
 def encode_record(rec: Record) -> bytes:
-    """One record as stored in a ``.seg`` file (for tests and tools; appends build batches in place)."""
-    prefix = _PREFIX.pack(
-        rec.transaction_id, rec.req_id.msb, rec.req_id.lsb, rec.header, len(rec.data), rec.checksum
-    )
-    return prefix + rec.data + _U32.pack(zlib.crc32(rec.data, zlib.crc32(prefix)) & _MASK32)
+    """One record as stored in a ``.seg`` file, a record run of one (for tests and tools; appends build
+    batches in place)."""
+    return encode_run((rec,))
 
 
 def verify_client_checksums(records: Sequence[Record], first_transaction_id: int) -> None:
@@ -539,6 +539,31 @@ class Segment:
     ) -> list[RecordHeader]:
         """Like :meth:`read_records` but only the headers (each record is still read and verified whole)."""
         return self._read(transaction_id, max_count, max_bytes, True)
+
+    def read_run(
+        self, transaction_id: int, max_count: int, *, max_bytes: int = DEFAULT_MAX_READ_BYTES
+    ) -> tuple[int, bytes]:
+        """Up to ``max_count`` consecutive records from ``transaction_id`` as stored (a record run, see
+        :mod:`waltz.protocol.record_run`), at most ``max_bytes`` but at least one record: ``(count, bytes)``.
+
+        One ``pread``, nothing decoded or verified here: the reader verifies every record. ``(0, b"")`` if the
+        segment does not hold ``transaction_id``.
+        """
+        count = self._range(transaction_id, max_count)
+        if count == 0:
+            return 0, b""
+        data_file, _ = self._files()
+        offsets = self._offsets(transaction_id - self.first_transaction_id, count)
+        base = offsets[0]
+        k = 1
+        while k < count and offsets[k + 1] - base <= max_bytes:
+            k += 1
+        raw = data_file.pread(offsets[k] - base, base)
+        if len(raw) != offsets[k] - base:
+            raise CorruptionError(
+                f"{self.data_path}: data file ends inside transaction {transaction_id + k - 1}"
+            )
+        return k, raw
 
     def record_offset(self, transaction_id: int) -> int:
         """Data-file offset of a held transaction (for tools)."""

@@ -113,6 +113,12 @@ class ReplicaConnection(Protocol):
         """Like :meth:`read_records`, headers only."""
         ...
 
+    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, bytes]:
+        """Like :meth:`read_records`, but the records as stored (a record run, its shape checked, its
+        checksums not; :mod:`waltz.protocol.record_run`) and at most ``max_bytes`` beyond the first:
+        ``(count, run)``."""
+        ...
+
     async def read_record(self, transaction_id: int) -> Record | None:
         """One record, or None if the node does not hold that id."""
         ...

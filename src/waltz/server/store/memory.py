@@ -42,6 +42,7 @@ from waltz.errors import (
     TransactionOutOfOrderError,
     WaltzError,
 )
+from waltz.protocol.record_run import encode_run, stored_size
 from waltz.protocol.records import Record, RecordHeader
 from waltz.server.store.interfaces import SessionInfo
 
@@ -329,6 +330,16 @@ class MemoryStorage:
         if kind == "read_records":
             txn, max_count = args
             return self._read(part, txn, max_count)
+        if kind == "read_run":
+            txn, max_count, max_bytes = args
+            records = self._read(part, txn, max_count)
+            kept, size = 0, 0
+            for rec in records:
+                size += stored_size(rec)
+                if kept and size > max_bytes:
+                    break
+                kept += 1
+            return kept, encode_run(records[:kept])
         if kind == "read_headers":
             txn, max_count = args
             return [r.header_only() for r in self._read(part, txn, max_count)]
@@ -448,6 +459,10 @@ class MemoryConnection:
 
     async def read_headers(self, transaction_id: int, max_count: int) -> list[RecordHeader]:
         result: list[RecordHeader] = await self._call("read_headers", transaction_id, max_count)
+        return result
+
+    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, bytes]:
+        result: tuple[int, bytes] = await self._call("read_run", transaction_id, max_count, max_bytes)
         return result
 
     async def read_record(self, transaction_id: int) -> Record | None:

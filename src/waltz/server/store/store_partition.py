@@ -291,6 +291,13 @@ class StorePartition:
             return []
         return await self._read(lambda s: s.read_headers(transaction_id, max_count))
 
+    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, bytes]:
+        """Up to ``max_count`` committed records from ``transaction_id`` as stored (a record run, see
+        :meth:`StoreSession.read_run`): ``(count, run)``, ``(0, b"")`` at or past the high-water mark."""
+        if transaction_id < 0 or transaction_id > self._hwm or max_count <= 0:
+            return 0, b""
+        return await self._read(lambda s: s.read_run(transaction_id, max_count, max_bytes))
+
     async def _read(self, read: Callable[[StoreSession], Awaitable[R]]) -> R:
         backoff = self._backoff()
         error: WaltzError = PartitionNotReadyError(f"partition {self.partition_id} has no open store session")

@@ -552,6 +552,27 @@ class StoreSession:
             raise CorruptionError(f"{src.storage} returned bad records for {transaction_id}: {problem}")
         return records
 
+    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, bytes]:
+        """Committed records from ``transaction_id`` as stored, ``(count, run)`` (see
+        :mod:`waltz.protocol.record_run`). The run is relayed, not decoded: its shape is checked on arrival,
+        its checksums by the reader, so corruption found there is not pinned on the replica here."""
+        count = min(max_count, self.high_water_mark - transaction_id + 1)
+        if count <= 0 or transaction_id < 0:
+            return 0, b""
+        src = self._read_source(transaction_id)
+        assert src.connection is not None
+        try:
+            got, run = await self.call(src.connection.read_run(transaction_id, count, max_bytes))
+        except WaltzError as e:
+            self.end_for(src, f"failed a read: {e!r}")
+            raise
+        if not 0 < got <= count:
+            self.end_for(src, f"returned {got} records for a read of {count}")
+            raise CorruptionError(
+                f"{src.storage} returned {got} records for a read of {count} from {transaction_id}"
+            )
+        return got, run
+
     async def read_headers(self, transaction_id: int, max_count: int) -> list[RecordHeader]:
         """Committed record headers from ``transaction_id`` (see :meth:`read_records`)."""
         count = min(max_count, self.high_water_mark - transaction_id + 1)
