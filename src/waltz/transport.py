@@ -800,6 +800,26 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     return result
 
 
+GC_THRESHOLDS = (50_000, 20, 100)
+"""Collector thresholds of long-running nodes (CPython's defaults are ``(700, 10, 10)``)."""
+
+
+def tune_gc() -> None:
+    """For servers, once started: fewer, cheaper garbage collections.
+
+    A node allocates a handful of container objects per message (tuples, futures, records) that almost all
+    die young, while its caches keep hundreds of thousands alive; with the default thresholds the young
+    generation is collected every 700 allocations and full collections walk every cached object. Freezing
+    what start-up built moves it out of the collector's sight, and higher thresholds collect in larger,
+    rarer steps; reference counting still frees the garbage that has no cycles, which is nearly all of it.
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 async def wait_for_stop_signal() -> None:
     """Return on SIGTERM or SIGINT (the way ``waltz storage run`` and ``waltz server run`` are stopped)."""
     import signal

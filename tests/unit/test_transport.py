@@ -22,7 +22,15 @@ from waltz.errors import (
 )
 from waltz.protocol import storage as s
 from waltz.protocol.framing import MAGIC_STORAGE, NEED_DATA, KeepAlive, ProtocolConnection, encode_frame
-from waltz.transport import FramedConnection, FramedServer, RpcClient, open_connection, serve
+from waltz.transport import (
+    GC_THRESHOLDS,
+    FramedConnection,
+    FramedServer,
+    RpcClient,
+    open_connection,
+    serve,
+    tune_gc,
+)
 from waltz.transport import run as transport_run
 
 pytestmark = pytest.mark.timeout(30)
@@ -431,3 +439,16 @@ def test_run_helper_returns_the_result() -> None:
         return 42
 
     assert transport_run(answer()) == 42
+
+
+def test_tune_gc_freezes_start_up_objects_and_raises_the_thresholds() -> None:
+    import gc
+
+    before = gc.get_threshold()
+    try:
+        tune_gc()
+        assert gc.get_threshold() == GC_THRESHOLDS
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

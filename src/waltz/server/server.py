@@ -42,7 +42,7 @@ from waltz.server.feed_cache import FeedCache
 from waltz.server.partition import Partition, PartitionMetrics
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.transaction_cache import TransactionCache
-from waltz.transport import FramedConnection, FramedServer, serve, wait_for_stop_signal
+from waltz.transport import FramedConnection, FramedServer, serve, tune_gc, wait_for_stop_signal
 
 log = logging.getLogger(__name__)
 
@@ -510,6 +510,7 @@ class WaltzServer:
 async def run_server(config: ServerConfig, *, ready: Callable[[WaltzServer], None] | None = None) -> None:
     """Run a server until SIGTERM/SIGINT, then leave the cluster cleanly."""
     server = await WaltzServer.start(config)
+    tune_gc()
     try:
         if ready is not None:
             ready(server)

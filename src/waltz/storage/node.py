@@ -59,7 +59,7 @@ from waltz.storage.controlfile import FLAG_AVAILABLE, ControlFile, PartitionInfo
 from waltz.storage.fileio import OS_FS
 from waltz.storage.partition import PartitionLog, delete_log_files
 from waltz.tls import TlsConfig
-from waltz.transport import FramedConnection, FramedServer, serve, wait_for_stop_signal
+from waltz.transport import FramedConnection, FramedServer, serve, tune_gc, wait_for_stop_signal
 
 log = logging.getLogger(__name__)
 
@@ -803,6 +803,7 @@ async def run_node(config: StorageConfig, *, ready: Callable[[StorageNode], None
     """Run a storage node until SIGTERM/SIGINT (or cancellation), then close it cleanly."""
     key, num_partitions = await asyncio.to_thread(load_cluster_identity, config)
     node = await StorageNode.start(config, key, num_partitions)
+    tune_gc()
     try:
         if ready is not None:
             ready(node)
