@@ -474,6 +474,26 @@ class Segment:
             return 0
         return min(max_count, MAX_READ_RECORDS, self.max_transaction_id - transaction_id + 1)
 
+    def _load(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[bytes, list[int]]:
+        """Whole records from ``transaction_id`` with one ``pread``: at least one, at most ``max_count`` and
+        ``max_bytes``. Returns their bytes and data-file offsets plus the end of the last (``k + 1`` values
+        for ``k`` records); ``(b"", [])`` if the segment does not hold ``transaction_id``."""
+        count = self._range(transaction_id, max_count)
+        if count == 0:
+            return b"", []
+        data_file, _ = self._files()
+        offsets = self._offsets(transaction_id - self.first_transaction_id, count)
+        base = offsets[0]
+        k = 1
+        while k < count and offsets[k + 1] - base <= max_bytes:
+            k += 1
+        raw = data_file.pread(offsets[k] - base, base)
+        if len(raw) != offsets[k] - base:
+            raise CorruptionError(
+                f"{self.data_path}: data file ends inside transaction {transaction_id + k - 1}"
+            )
+        return raw, offsets[: k + 1]
+
     @overload
     def _read(
         self, transaction_id: int, max_count: int, max_bytes: int, headers: Literal[False]
@@ -487,25 +507,13 @@ class Segment:
     def _read(
         self, transaction_id: int, max_count: int, max_bytes: int, headers: bool
     ) -> list[Record] | list[RecordHeader]:
-        count = self._range(transaction_id, max_count)
-        if count == 0:
+        raw, offsets = self._load(transaction_id, max_count, max_bytes)
+        if not offsets:
             return []
-        data_file, _ = self._files()
-        entry = transaction_id - self.first_transaction_id
-        offsets = self._offsets(entry, count)
         base = offsets[0]
-        # Load whole records only, at least one, at most max_bytes.
-        k = 1
-        while k < count and offsets[k + 1] - base <= max_bytes:
-            k += 1
-        raw = data_file.pread(offsets[k] - base, base)
-        if len(raw) != offsets[k] - base:
-            raise CorruptionError(
-                f"{self.data_path}: data file ends inside transaction {transaction_id + k - 1}"
-            )
         out_records: list[Record] = []
         out_headers: list[RecordHeader] = []
-        for j in range(k):
+        for j in range(len(offsets) - 1):
             start = offsets[j] - base
             end = offsets[j + 1] - base
             txn = transaction_id + j
@@ -549,21 +557,8 @@ class Segment:
         One ``pread``, nothing decoded or verified here: the reader verifies every record. ``(0, b"")`` if the
         segment does not hold ``transaction_id``.
         """
-        count = self._range(transaction_id, max_count)
-        if count == 0:
-            return 0, b""
-        data_file, _ = self._files()
-        offsets = self._offsets(transaction_id - self.first_transaction_id, count)
-        base = offsets[0]
-        k = 1
-        while k < count and offsets[k + 1] - base <= max_bytes:
-            k += 1
-        raw = data_file.pread(offsets[k] - base, base)
-        if len(raw) != offsets[k] - base:
-            raise CorruptionError(
-                f"{self.data_path}: data file ends inside transaction {transaction_id + k - 1}"
-            )
-        return k, raw
+        raw, offsets = self._load(transaction_id, max_count, max_bytes)
+        return max(len(offsets) - 1, 0), raw
 
     def record_offset(self, transaction_id: int) -> int:
         """Data-file offset of a held transaction (for tools)."""
