@@ -29,7 +29,7 @@ import enum
 import logging
 import random
 from collections import deque
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -42,7 +42,7 @@ from waltz.errors import (
     WaltzError,
 )
 from waltz.protocol.records import Record, RecordHeader, ReqId
-from waltz.server.store.interfaces import Clock, PartitionMetadataStore, ReplicaConnector
+from waltz.server.store.interfaces import Clock, PartitionMetadataStore, ReplicaConnection, ReplicaConnector
 from waltz.server.store.recovery import RecoveryState, metadata_after_recovery, metadata_with_clean_replica
 from waltz.server.store.replica_session import Batch, ReplicaRole, ReplicaSession, SessionOver
 from waltz.server.store.support import StoreConfig, TaskList
@@ -536,60 +536,72 @@ class StoreSession:
     async def read_records(self, transaction_id: int, max_count: int) -> list[Record]:
         """Committed records from ``transaction_id``; a failing replica ends the session (and the error
         raises)."""
-        count = min(max_count, self.high_water_mark - transaction_id + 1)
-        if count <= 0 or transaction_id < 0:
+        count = self._committed_count(transaction_id, max_count)
+        if count <= 0:
             return []
-        src = self._read_source(transaction_id)
-        assert src.connection is not None  # checked by _read_source
-        try:
-            records = await self.call(src.connection.read_records(transaction_id, count))
-        except WaltzError as e:
-            self.end_for(src, f"failed a read: {e!r}")
-            raise
-        problem = _check_records(records, transaction_id, count)
-        if problem is not None:
-            self.end_for(src, f"returned bad records: {problem}")
-            raise CorruptionError(f"{src.storage} returned bad records for {transaction_id}: {problem}")
-        return records
+        return await self._from_replica(
+            transaction_id,
+            lambda conn: conn.read_records(transaction_id, count),
+            lambda records: _check_records(records, transaction_id, count),
+        )
 
     async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, bytes]:
         """Committed records from ``transaction_id`` as stored, ``(count, run)`` (see
         :mod:`waltz.protocol.record_run`). The run is relayed, not decoded: its shape is checked on arrival,
         its checksums by the reader, so corruption found there is not pinned on the replica here."""
-        count = min(max_count, self.high_water_mark - transaction_id + 1)
-        if count <= 0 or transaction_id < 0:
+        count = self._committed_count(transaction_id, max_count)
+        if count <= 0:
             return 0, b""
-        src = self._read_source(transaction_id)
-        assert src.connection is not None
-        try:
-            got, run = await self.call(src.connection.read_run(transaction_id, count, max_bytes))
-        except WaltzError as e:
-            self.end_for(src, f"failed a read: {e!r}")
-            raise
-        if not 0 < got <= count:
-            self.end_for(src, f"returned {got} records for a read of {count}")
-            raise CorruptionError(
-                f"{src.storage} returned {got} records for a read of {count} from {transaction_id}"
-            )
-        return got, run
+        return await self._from_replica(
+            transaction_id,
+            lambda conn: conn.read_run(transaction_id, count, max_bytes),
+            lambda answer: None if 0 < answer[0] <= count else f"{answer[0]} records for a read of {count}",
+        )
 
     async def read_headers(self, transaction_id: int, max_count: int) -> list[RecordHeader]:
         """Committed record headers from ``transaction_id`` (see :meth:`read_records`)."""
-        count = min(max_count, self.high_water_mark - transaction_id + 1)
-        if count <= 0 or transaction_id < 0:
+        count = self._committed_count(transaction_id, max_count)
+        if count <= 0:
             return []
+
+        def problem(headers: list[RecordHeader]) -> str | None:
+            ids = [h.transaction_id for h in headers]
+            if (
+                not headers
+                or ids != list(range(transaction_id, transaction_id + len(ids)))
+                or len(ids) > count
+            ):
+                return "bad headers"
+            return None
+
+        return await self._from_replica(
+            transaction_id, lambda conn: conn.read_headers(transaction_id, count), problem
+        )
+
+    def _committed_count(self, transaction_id: int, max_count: int) -> int:
+        """How many of ``max_count`` ids from ``transaction_id`` are committed (<= 0: none)."""
+        return min(max_count, self.high_water_mark - transaction_id + 1) if transaction_id >= 0 else 0
+
+    async def _from_replica(
+        self,
+        transaction_id: int,
+        request: Callable[[ReplicaConnection], Awaitable[T]],
+        problem_of: Callable[[T], str | None],
+    ) -> T:
+        """``request`` on a participant that holds ``transaction_id``; a replica that fails it or answers with
+        a problem ends the session, and the error raises."""
         src = self._read_source(transaction_id)
-        assert src.connection is not None
+        assert src.connection is not None  # checked by _read_source
         try:
-            headers = await self.call(src.connection.read_headers(transaction_id, count))
+            answer = await self.call(request(src.connection))
         except WaltzError as e:
             self.end_for(src, f"failed a read: {e!r}")
             raise
-        ids = [h.transaction_id for h in headers]
-        if not headers or ids != list(range(transaction_id, transaction_id + len(ids))) or len(ids) > count:
-            self.end_for(src, "returned bad headers")
-            raise CorruptionError(f"{src.storage} returned bad headers for {transaction_id}")
-        return headers
+        problem = problem_of(answer)
+        if problem is not None:
+            self.end_for(src, f"returned bad records: {problem}")
+            raise CorruptionError(f"{src.storage} returned bad records for {transaction_id}: {problem}")
+        return answer
 
 
 def _check_records(records: Sequence[Record], start: int, max_count: int) -> str | None:
