@@ -25,8 +25,9 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
+from typing import TypeVar
 
 from waltz.client.config import ClientConfig
 from waltz.client.network import (
@@ -43,6 +44,8 @@ from waltz.protocol.record_run import RecordRun
 from waltz.protocol.records import Record
 
 __all__ = ["DEFAULT_BATCH_SIZE", "LogReader"]
+
+T = TypeVar("T")
 
 DEFAULT_BATCH_SIZE = 1000
 """Records asked for per range request by :meth:`LogReader.read` (the server caps it at 10,000 and trims
@@ -108,37 +111,47 @@ class LogReader:
 
     async def read_range(self, partition_id: int, start: int, max_count: int) -> list[Record]:
         """Up to ``max_count`` committed records from ``start`` (fewer, or none, at the high-water mark)."""
-        self._check(partition_id)
-        if start < 0 or max_count < 0:
-            raise ClientError(f"bad range: start {start}, max_count {max_count}")
-
-        async def attempt() -> list[Record]:
-            endpoint, generation = self._target(partition_id)
-            return await rpc_read_range(
+        return await self._ranged(
+            "read_range",
+            partition_id,
+            start,
+            max_count,
+            lambda endpoint, generation: rpc_read_range(
                 self._rpc, endpoint, partition_id, generation, start, max_count, self._attempt_timeout_ms
-            )
-
-        return await retry_rpc(
-            attempt, f"read_range({partition_id}, {start}, {max_count})", self._config.request_timeout_ms
+            ),
         )
 
     async def read_run(self, partition_id: int, start: int, max_count: int) -> RecordRun:
         """Like :meth:`read_range`, but the records as one :class:`~waltz.protocol.record_run.RecordRun`, the
         bytes the storage node keeps, unpacked (and checksum-verified) only when the caller asks: the fast
         path for columnar readers, which unpack straight into columns (:meth:`RecordRun.columns`)."""
-        self._check(partition_id)
-        if start < 0 or max_count < 0:
-            raise ClientError(f"bad range: start {start}, max_count {max_count}")
 
-        async def attempt() -> RecordRun:
-            endpoint, generation = self._target(partition_id)
+        async def rpc(endpoint: str, generation: int) -> RecordRun:
             count, run = await rpc_read_run(
                 self._rpc, endpoint, partition_id, generation, start, max_count, self._attempt_timeout_ms
             )
             return RecordRun(start, count, run)
 
+        return await self._ranged("read_run", partition_id, start, max_count, rpc)
+
+    async def _ranged(
+        self,
+        what: str,
+        partition_id: int,
+        start: int,
+        max_count: int,
+        rpc: Callable[[str, int], Awaitable[T]],
+    ) -> T:
+        """``rpc(endpoint, generation)`` on the owner of the partition, retried within the request timeout."""
+        self._check(partition_id)
+        if start < 0 or max_count < 0:
+            raise ClientError(f"bad range: start {start}, max_count {max_count}")
+
+        async def attempt() -> T:
+            return await rpc(*self._target(partition_id))
+
         return await retry_rpc(
-            attempt, f"read_run({partition_id}, {start}, {max_count})", self._config.request_timeout_ms
+            attempt, f"{what}({partition_id}, {start}, {max_count})", self._config.request_timeout_ms
         )
 
     async def read(
