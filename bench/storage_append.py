@@ -2,7 +2,7 @@
 
 Starts a real storage node (``waltz storage run``) in a subprocess on a temporary directory of the disk under
 test, assigns partition 0, and appends 512-byte records from this (separate) process through
-:class:`waltz.storage.client.StorageClient`, in three modes:
+:class:`waltz.server.storage_client.StorageClient`, in three modes:
 
 * ``single``    one 1-record append in flight at a time: the acknowledgement latency floor.
 * ``pipelined`` 1 record per append request, ``--in-flight`` requests outstanding.
@@ -40,7 +40,7 @@ from pathlib import Path
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_STORAGE
 from waltz.protocol.records import Record, ReqId
-from waltz.storage.client import AdminClient, StorageClient
+from waltz.server.storage_client import AdminClient, StorageClient
 from waltz.transport import FramedConnection, open_connection
 
 KEY = uuid.UUID("0b5e7c1a-43d2-4f5e-9a6b-7c8d9e0f1a2b")

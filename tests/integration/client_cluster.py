@@ -46,7 +46,7 @@ from waltz.client.network import Endpoints, ZkDiscovery
 from waltz.client.serializer import JsonSerializer
 from waltz.client.sql import GuardedConnection, SqlClientCallbacks
 from waltz.cluster import store_metadata as sm
-from waltz.storage.client import AdminClient
+from waltz.server.storage_client import AdminClient
 
 JSON = JsonSerializer()
 ROOT = "/waltz-client-test"

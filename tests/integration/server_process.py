@@ -27,7 +27,7 @@ from tests.integration.storage_process import DEFAULT_KEY, StorageProcess
 from tests.integration.waltz_process import WaltzProcess, WaltzProcessError
 from waltz.cluster import store_metadata as sm
 from waltz.protocol.records import Record
-from waltz.storage.client import AdminClient
+from waltz.server.storage_client import AdminClient
 
 TEST_ZK_SESSION_TIMEOUT_MS = 4000
 

@@ -11,7 +11,7 @@ import pytest
 
 from waltz.cli.main import main
 from waltz.protocol.records import Record, ReqId
-from waltz.storage.client import StorageClient
+from waltz.server.storage_client import StorageClient
 
 from .storage_process import DEFAULT_KEY, StorageProcess
 

@@ -30,7 +30,7 @@ from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_HELLO, MAGIC_STORAGE, encode_frame, encode_hello
 from waltz.protocol.record_run import RecordRun
 from waltz.protocol.records import Record, ReqId
-from waltz.storage.client import AdminClient, StorageClient
+from waltz.server.storage_client import AdminClient, StorageClient
 
 from .storage_process import DEFAULT_KEY, StorageProcess
 

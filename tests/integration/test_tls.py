@@ -30,7 +30,7 @@ from waltz.cluster import store_metadata as sm
 from waltz.errors import BrokenResourceError
 from waltz.local.certs import LocalPki
 from waltz.protocol.records import Record, ReqId
-from waltz.storage.client import AdminClient, StorageClient
+from waltz.server.storage_client import AdminClient, StorageClient
 from waltz.tls import TlsConfig
 
 pytestmark = pytest.mark.integration

@@ -4,8 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from waltz.cli.common import host_port, parse_partition_ranges
-from waltz.config import ConfigSchema, Key, distinct_ports
+from waltz.config import ConfigSchema, Key, distinct_ports, host_port, parse_partition_ranges
 from waltz.errors import ConfigError
 
 SCHEMA = ConfigSchema(

@@ -16,10 +16,11 @@ from typing import Any, TextIO
 
 from kazoo.client import KazooClient
 
-from waltz.cli.common import add_cli_config_arg, host_port, load_cli_config, parse_partition_ranges
+from waltz.cli.common import add_cli_config_arg, load_cli_config
 from waltz.cluster import store_metadata as sm
 from waltz.cluster.partition_metadata import UNRESOLVED
 from waltz.cluster.zk import session
+from waltz.config import host_port, parse_partition_ranges
 from waltz.errors import ConfigError
 
 Command = Callable[[KazooClient, str, argparse.Namespace, TextIO], int | None]

@@ -8,7 +8,8 @@ import json
 from ssl import SSLContext
 from typing import Any
 
-from waltz.cli.common import host_port, load_cli_tls, parse_partition_ranges
+from waltz.cli.common import load_cli_tls
+from waltz.config import host_port, parse_partition_ranges
 from waltz.errors import ClientTimeoutError, RemoteProtocolError
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT

@@ -10,9 +10,10 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from waltz.cli.common import host_port, load_cli_config, load_cli_tls, parse_partition_ranges
+from waltz.cli.common import load_cli_config, load_cli_tls
+from waltz.config import host_port, parse_partition_ranges
 from waltz.errors import ConfigError
-from waltz.storage.client import AdminClient
+from waltz.server.storage_client import AdminClient
 
 T = TypeVar("T")
 

@@ -53,7 +53,7 @@ from waltz.cluster.partition_metadata import UNRESOLVED
 from waltz.errors import ClusterError, ConfigError, WaltzError
 from waltz.local import certs, probe, procs
 from waltz.local.state import CLIENT_CONFIG_FILE, STATE_FILE, LocalCluster, ProcessRecord
-from waltz.storage.client import AdminClient
+from waltz.server.storage_client import AdminClient
 from waltz.tls import TlsConfig
 
 CLUSTER_ROOT = "/waltz/local"

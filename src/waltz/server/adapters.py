@@ -1,9 +1,9 @@
 """Production implementations of the replication core's interfaces (:mod:`waltz.server.store.interfaces`).
 
-* :class:`TcpReplicaConnector` shares one :class:`~waltz.storage.client.StorageClient` (one TCP connection,
-  opened with the cluster key) per storage node among every partition of this server, and reconnects when
-  that connection broke. Each :class:`TcpReplicaConnection` stamps its store session id on every request, so
-  the storage node's fencing applies.
+* :class:`TcpReplicaConnector` shares one :class:`~waltz.server.storage_client.StorageClient` (one TCP
+  connection, opened with the cluster key) per storage node among every partition of this server, and
+  reconnects when that connection broke. Each :class:`TcpReplicaConnection` stamps its store session id on
+  every request, so the storage node's fencing applies.
 * :class:`ZkPartitionMetadataStore` reads and version-checks writes of ``<root>/store/partition/<id>`` with
   kazoo, off the event loop.
 """
@@ -17,13 +17,13 @@ from ssl import SSLContext
 
 from kazoo.client import KazooClient
 
-from waltz.cli.common import host_port
 from waltz.cluster.partition_metadata import PartitionMetadata
 from waltz.cluster.store_metadata import read_partition_metadata, write_partition_metadata
+from waltz.config import host_port
 from waltz.errors import BrokenResourceError, ClosedResourceError, ConfigError
 from waltz.protocol.records import Record, RecordHeader
+from waltz.server.storage_client import StorageClient
 from waltz.server.store.interfaces import ReplicaConnection, SessionInfo
-from waltz.storage.client import StorageClient
 
 
 class TcpReplicaConnection:

@@ -26,12 +26,12 @@ from typing import Any
 from kazoo.client import KazooClient
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from waltz.cli.common import parse_partition_ranges
 from waltz.cluster import zk
 from waltz.cluster.membership import ClusterMember
 from waltz.cluster.replica_assignments import ReplicaAssignments
 from waltz.cluster.store_metadata import read_store_params
 from waltz.cluster.zk import ClusterPaths
+from waltz.config import parse_partition_ranges
 from waltz.errors import ConnectionError_, RemoteProtocolError, WaltzError
 from waltz.http import HttpEndpoint
 from waltz.protocol import client_server as cs

@@ -1,0 +1,107 @@
+"""The import layering between Waltz's packages, as ``docs/architecture.md`` draws it.
+
+Each package may import only the packages listed for it (and itself); a new edge must be added here and in
+the architecture document on purpose, never by accident. Imports inside functions count too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import waltz
+
+SRC = Path(waltz.__file__).parent
+
+# Foundation modules: small, shared by every layer.
+_BASE = {"errors", "config", "tls", "http", "transport", "__version__"}
+
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "__version__": set(),
+    "config": {"errors"},
+    "tls": {"errors", "config"},
+    "http": {"errors"},
+    "protocol": {"errors"},
+    "transport": {"errors", "protocol"},
+    "cluster": {"errors", "config"},
+    "storage": _BASE | {"protocol", "cluster"},
+    "server": _BASE | {"protocol", "cluster"},
+    "client": _BASE | {"protocol", "cluster"},
+    "testing": _BASE | {"protocol", "client", "server"},
+    "perf": _BASE | {"client", "protocol"},
+    "spark": _BASE | {"client", "protocol"},
+    "local": _BASE | {"cluster", "server", "protocol"},
+    "cli": _BASE | {"protocol", "cluster", "storage", "server", "client", "perf", "local", "testing"},
+    "__init__": {"client", "errors", "__version__"},
+    "__main__": {"cli"},
+}
+
+# Edges that must never appear, whatever the table above grows into: the core must not know the command
+# line, and the storage node must not depend on the server that drives it (nor the reverse, except through
+# the wire protocol).
+FORBIDDEN = {
+    ("server", "cli"),
+    ("storage", "cli"),
+    ("client", "cli"),
+    ("cluster", "cli"),
+    ("protocol", "transport"),
+    ("storage", "server"),
+    ("server", "storage"),
+    ("client", "server"),
+    ("client", "storage"),
+}
+
+
+def _edges() -> set[tuple[str, str, str]]:
+    found: set[tuple[str, str, str]] = set()
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC)
+        pkg = rel.parts[0].removesuffix(".py")
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            modules: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module == "waltz":
+                    modules = [f"waltz.{alias.name}" for alias in node.names]
+                elif node.module.startswith("waltz."):
+                    modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names if a.name.startswith("waltz.")]
+            for module in modules:
+                target = module.split(".")[1]
+                if target != pkg:
+                    found.add((pkg, target, str(rel)))
+    return found
+
+
+EDGES = _edges()
+
+
+def test_every_package_is_in_the_table() -> None:
+    packages = {
+        p.name.removesuffix(".py") for p in SRC.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()
+    }
+    assert packages - set(ALLOWED) == set(), "add new packages to ALLOWED and docs/architecture.md"
+
+
+def test_the_forbidden_edges_are_not_allowed_by_the_table() -> None:
+    assert {(a, b) for a, b in FORBIDDEN if b in ALLOWED.get(a, set())} == set()
+
+
+@pytest.mark.parametrize("pkg", sorted(ALLOWED))
+def test_package_imports_only_what_the_layering_allows(pkg: str) -> None:
+    bad = sorted(
+        f"{where} imports waltz.{target}"
+        for src, target, where in EDGES
+        if src == pkg and target not in ALLOWED[pkg]
+    )
+    assert bad == []
+
+
+def test_the_checker_sees_imports() -> None:
+    # The scan must find the edges it is meant to police; an empty scan would pass every test above.
+    assert ("server", "protocol") in {(a, b) for a, b, _ in EDGES}
+    assert ("cli", "server") in {(a, b) for a, b, _ in EDGES}
