@@ -145,6 +145,12 @@ class Partition:
         return self.store.is_healthy
 
     @property
+    def is_serving(self) -> bool:
+        """True once the store session has opened and the committed high-water mark is known (it stays
+        known, and only grows, while the session is reopened)."""
+        return self._ready.is_set()
+
+    @property
     def feed_context_count(self) -> int:
         return len(self._feeds)
 

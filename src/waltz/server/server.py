@@ -435,7 +435,10 @@ class WaltzServer:
             return
         if isinstance(msg, cs.HighWaterMarkRequest):
             if part is not None:
-                peer.send(cs.HighWaterMarkResponse(rid, part.high_water_mark))
+                # Until the store session first opens, the high-water mark is unknown, not -1: a reader
+                # must not take an unserved partition for an empty one.
+                hwm = part.high_water_mark if part.is_serving else cs.HWM_NOT_SERVED
+                peer.send(cs.HighWaterMarkResponse(rid, hwm))
             return
         if part is None or not usable:
             return  # append, feed and flush for a partition we do not own are dropped
