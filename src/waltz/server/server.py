@@ -224,11 +224,12 @@ class WaltzServer:
             if self.config.preferred_partitions
             else []
         )
+        host, port = self.config.advertised_address or (self.config.host, self.port)
         self.member = ClusterMember(
             self.zk,
             self.config.cluster_root,
-            self.config.host,
-            self.port,
+            host,
+            port,
             preferred,
             on_suspended=self._on_suspended,
             on_resumed=self._on_resumed,
