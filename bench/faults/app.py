@@ -11,8 +11,8 @@ outstanding at once.
 The output file gets one JSON line per acknowledged transaction (``on_completion(True)``: the client saw its
 request id in the feed), written and flushed at once, and a final ``{"summary": ...}`` line with the counts
 of contexts that failed for good or were still pending when the app stopped. The process submits for
-``--duration-s`` seconds, then waits up to ``--settle-s`` for its outstanding contexts and exits; it never
-runs longer than the sum of the two plus its start-up bound.
+``--duration-s`` seconds (or until ``--stop-file`` exists), then waits up to ``--settle-s`` for its
+outstanding contexts and exits; it never runs longer than the sum of the two plus its start-up bound.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ async def run(args: argparse.Namespace, out: IO[str]) -> dict[str, int]:
     try:
         deadline = time.monotonic() + args.duration_s
         n = 0
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (args.stop_file and args.stop_file.exists()):
             await slots.acquire()
             partition = rng.randrange(num_partitions)
             tag = tag_of(args.app, n)
@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval-ms", type=float, default=10.0)
     parser.add_argument("--window", type=int, default=6)
     parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--stop-file", type=Path, default=None, help="stop submitting once this file exists")
     args = parser.parse_args(argv)
     with args.out.open("w", encoding="utf-8") as out:
         counts = asyncio.run(run(args, out))

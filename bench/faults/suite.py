@@ -66,6 +66,7 @@ SERVER_KINDS = ("kill9-server", "sigstop-server", "cut-client-server")
 ZK_KINDS = ("kill9-zookeeper", "sigstop-zookeeper")
 ALL_KINDS = STORAGE_KINDS + SERVER_KINDS + ZK_KINDS
 READ_CHUNK_RECORDS = 500
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,11 @@ class Options:
     long_zk_pauses: bool = False
     """Allow SIGSTOP of ZooKeeper longer than the session timeout (sessions expire together)."""
     kinds: tuple[str, ...] = ALL_KINDS
+    each_kind_once: bool = False
+    """Inject every kind exactly once, in an order the seed picks (the CI run), instead of drawing kinds until
+    ``fault_phase_s`` is over."""
+    gap_s: tuple[float, float] = (1.0, 4.0)
+    """Quiet time between one fault's heal and the next fault (drawn uniformly)."""
     stuck_bound_s: float = 30.0
     catch_up_bound_s: float = 30.0
     start_timeout_s: float = 90.0
@@ -108,8 +114,9 @@ def schedule(seed: int, opts: Options) -> list[Fault]:
     faults: list[Fault] = []
     t = rng.uniform(2.0, 4.0)
     session_s = ZK_SESSION_TIMEOUT_MS / 1000
-    while t < opts.fault_phase_s:
-        kind = rng.choice(opts.kinds)
+    order = rng.sample(opts.kinds, len(opts.kinds)) if opts.each_kind_once else []
+    while order if opts.each_kind_once else t < opts.fault_phase_s:
+        kind = order.pop() if opts.each_kind_once else rng.choice(opts.kinds)
         duration = rng.uniform(1.0, opts.max_fault_s)
         if kind == "two-storages-down":
             targets = tuple(sorted(rng.sample(range(opts.storages), 2)))
@@ -126,7 +133,7 @@ def schedule(seed: int, opts: Options) -> list[Fault]:
                 # Shorter than the session timeout: no session may expire.
                 duration = rng.uniform(1.0, min(opts.max_fault_s, 0.7 * session_s))
         faults.append(Fault(round(t, 2), kind, targets, round(duration, 2)))
-        t += duration + rng.uniform(1.0, 4.0)
+        t += duration + rng.uniform(*opts.gap_s)
     return faults
 
 
@@ -176,6 +183,7 @@ class Harness:
         self.stopped_pids: set[int] = set()
         self.cluster_up = False
         self.t0 = time.monotonic()
+        self.stop_file = directory / "stop-apps"
 
     def log(self, text: str) -> None:
         self.report(f"[seed {self.seed} {time.monotonic() - self.t0:6.1f}s] {text}")
@@ -247,9 +255,13 @@ class Harness:
                 f"{duration_s:.1f}",
                 "--out",
                 str(out),
+                "--stop-file",
+                str(self.stop_file),
             ]
             with (self.directory / "logs" / f"app-{i}.log").open("ab") as log:
-                self.apps.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+                self.apps.append(
+                    subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=_app_env())
+                )
 
     # -- faults --------------------------------------------------------------------------------------------
 
@@ -390,24 +402,7 @@ class Harness:
             for p in range(self.opts.partitions):
                 hwm = await reader.high_water_mark(p)
                 logs[p] = [r async for r in reader.read(p, 0, hwm)]
-        where: dict[str, list[tuple[int, int]]] = {}
-        for p, records in logs.items():
-            for expected, record in enumerate(records):
-                if record.transaction_id != expected:
-                    problems.append(f"partition {p}: id {record.transaction_id} where {expected} belongs")
-                    break
-            for record in records:
-                tag = record.data.decode("utf-8", "replace")
-                where.setdefault(tag, []).append((p, record.transaction_id))
-        for tag, places in where.items():
-            if len(places) > 1:
-                problems.append(f"committed twice: {tag} at {places}")
-        for tag, (partition, _) in acks.items():
-            places = where.get(tag, [])
-            if not places:
-                problems.append(f"acknowledged but not in the log: {tag} (partition {partition})")
-            elif places[0][0] != partition:
-                problems.append(f"{tag} sent to partition {partition} but committed in {places[0][0]}")
+        problems += check_log(logs, {tag: partition for tag, (partition, _) in acks.items()})
         problems += await self.verify_replicas({p: len(r) - 1 for p, r in logs.items()}, logs)
         return {p: len(r) for p, r in logs.items()}, problems
 
@@ -474,6 +469,38 @@ class Harness:
             await proxy.aclose()
 
 
+def check_log(logs: dict[int, list[Record]], acked: dict[str, int]) -> list[str]:
+    """Problems with the committed logs (``{partition: records from id 0}``) given the acknowledged tags
+    (``{tag: partition}``): ids not dense, a tag committed twice, an acknowledged tag missing or misplaced."""
+    problems: list[str] = []
+    where: dict[str, list[tuple[int, int]]] = {}
+    for p, records in sorted(logs.items()):
+        for expected, record in enumerate(records):
+            if record.transaction_id != expected:
+                problems.append(f"partition {p}: id {record.transaction_id} where {expected} belongs")
+                break
+        for record in records:
+            tag = record.data.decode("utf-8", "replace")
+            where.setdefault(tag, []).append((p, record.transaction_id))
+    for tag, places in where.items():
+        if len(places) > 1:
+            problems.append(f"committed twice: {tag} at {places}")
+    for tag, partition in sorted(acked.items()):
+        places = where.get(tag, [])
+        if not places:
+            problems.append(f"acknowledged but not in the log: {tag} (partition {partition})")
+        elif places[0][0] != partition:
+            problems.append(f"{tag} sent to partition {partition} but committed in {places[0][0]}")
+    return problems
+
+
+def _app_env() -> dict[str, str]:
+    """The apps import ``bench.faults.app`` from this checkout, whatever the caller's working directory."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 def _edit_yaml(path: Path, changes: dict[str, Any]) -> None:
     values = yaml.safe_load(path.read_text(encoding="utf-8"))
     values.update(changes)
@@ -494,6 +521,7 @@ async def _run(harness: Harness, faults: list[Fault], result: Result) -> None:
     harness.log("every fault healed; waiting for every partition to acknowledge an append")
     result.resume_s, problems = await harness.wait_progress(healed_at)
     result.problems += problems
+    harness.stop_file.touch()
     result.problems += await harness.wait_apps(opts.stuck_bound_s + 5 + 120)
     acks, result.app_counts, problems = harness.read_acks()
     result.problems += problems
