@@ -28,7 +28,7 @@ SERVER_SCHEMA = ConfigSchema(
             "server.advertisedAddress",
             str,
             "",
-            "host:port clients connect to, if not server.host and the listening port (a proxy or NAT in between)",
+            "host:port registered for clients (default: server.host and the listening port)",
         ),
         Key("server.http.port", int, 0, "HTTP port for /health and /metrics (0 = off)", 0, 65535),
         Key("server.optimisticLockTableSize", int, 30000, "lock table slots per partition", 16, 100_000_000),

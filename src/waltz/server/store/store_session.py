@@ -42,7 +42,7 @@ from waltz.errors import (
     WaltzError,
 )
 from waltz.protocol.records import Record, RecordHeader, ReqId
-from waltz.server.store.interfaces import Clock, PartitionMetadataStore, ReplicaConnection, ReplicaConnector
+from waltz.server.store.interfaces import PartitionMetadataStore, ReplicaConnection, ReplicaConnector
 from waltz.server.store.recovery import RecoveryState, metadata_after_recovery, metadata_with_clean_replica
 from waltz.server.store.replica_session import Batch, ReplicaRole, ReplicaSession, SessionOver
 from waltz.server.store.support import StoreConfig, TaskList
@@ -194,7 +194,6 @@ class StoreSession:
         metadata_version: int,
         connector: ReplicaConnector,
         metadata_store: PartitionMetadataStore,
-        clock: Clock,
         rng: random.Random,
         config: StoreConfig,
         host: SessionHost,
@@ -207,7 +206,6 @@ class StoreSession:
         self.replicas = tuple(replicas)
         self.connector = connector
         self.metadata_store = metadata_store
-        self.clock = clock
         self.rng = rng
         self.config = config
         self.recovery = RecoveryState(previous)
