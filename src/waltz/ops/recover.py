@@ -17,7 +17,7 @@ the original's ``StorageRecoveryRunnable`` with the changes noted:
    destination's low-water mark is advanced after each batch, so an interrupted run resumes where it stopped.
 4. The last low-water mark is written with the source's session id, so the next store session classifies the
    copy like its source. The destination is then brought back online (unless asked not to), and the owning
-   server's waiting recovery sees it within a second (``storage.idleProbeInterval``).
+   server's waiting recovery looks at it again within about a second (the store's idle probe interval).
 
 It refuses (without ``force``) to shorten the destination: if the destination holds more records than the
 copy would give it, it is the better copy.
