@@ -400,7 +400,9 @@ class WaltzServer:
         rid = msg.req_id
         # Cluster-level queries first: they name no partition.
         if isinstance(msg, cs.CheckStorageConnectivityRequest):
-            reachable = self.connector.reachable()
+            # Every storage node of the cluster, not only those this server has talked to (as the original).
+            storages = {s for replicas in self.replica_sets.values() for s in replicas}
+            reachable = await self.connector.probe(storages)
             peer.send(cs.CheckStorageConnectivityResponse(rid, tuple(reachable.items())))
             return
         if isinstance(msg, cs.ServerPartitionsAssignmentRequest):
