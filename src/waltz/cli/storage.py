@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from waltz.cli import logsetup
 from waltz.cli.common import load_cli_config, load_cli_tls
 from waltz.config import host_port, parse_partition_ranges
 from waltz.errors import ConfigError
@@ -24,6 +25,7 @@ def register(groups: Any) -> None:
 
     run = sub.add_parser("run", help="run a storage node")
     run.add_argument("--config", required=True, metavar="FILE", help="storage YAML config")
+    logsetup.add_arguments(run, default_level="INFO")
     run.add_argument(
         "--event-loop",
         choices=["auto", "uvloop", "asyncio"],
