@@ -885,7 +885,11 @@ def load_cluster_identity(config: StorageConfig) -> tuple[uuid.UUID, int]:
         from waltz.cluster import zk
         from waltz.cluster.store_metadata import read_store_params
 
-        client = zk.connect(config.zookeeper_connect, session_timeout_ms=config.zookeeper_session_timeout_ms)
+        client = zk.connect(
+            config.zookeeper_connect,
+            session_timeout_ms=config.zookeeper_session_timeout_ms,
+            connect_timeout_ms=config.zookeeper_connect_timeout_ms,
+        )
         try:
             params = read_store_params(client, config.cluster_root)
         finally:
