@@ -34,7 +34,8 @@ ALLOWED: dict[str, set[str]] = {
     "perf": _BASE | {"client", "protocol"},
     "spark": _BASE | {"client", "protocol"},
     "local": _BASE | {"cluster", "server", "protocol"},
-    "cli": _BASE | {"protocol", "cluster", "storage", "server", "client", "perf", "local", "testing"},
+    "ops": _BASE | {"cluster", "server", "protocol"},
+    "cli": _BASE | {"protocol", "cluster", "storage", "server", "client", "perf", "local", "testing", "ops"},
     "__init__": {"client", "errors", "__version__"},
     "__main__": {"cli"},
 }
@@ -47,6 +48,7 @@ FORBIDDEN = {
     ("storage", "cli"),
     ("client", "cli"),
     ("cluster", "cli"),
+    ("ops", "cli"),
     ("protocol", "transport"),
     ("storage", "server"),
     ("server", "storage"),
