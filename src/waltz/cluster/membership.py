@@ -17,10 +17,14 @@ How an assignment comes about (see docs/zookeeper.md):
    their endpoints. An inconsistent (stale) assignment is never delivered.
 
 Session states follow kazoo: on ``SUSPENDED`` (connection lost, session maybe alive) the member reports
-``suspended`` and calls ``on_suspended``; the server must stop accepting new work for its partitions until
-``on_resumed``. On ``LOST`` (session expired: our descriptor is gone and our partitions are being moved) the
-member delivers an empty assignment, re-registers as soon as kazoo has a new session, and then delivers
-whatever the coordinator gives it (moved partitions come back with a higher generation).
+``suspended`` and calls ``on_suspended``; the server must stop taking new work for its partitions until
+``on_resumed``. On ``LOST`` (session expired: our descriptor is gone, our partitions may be moved) the member
+stays suspended, re-registers as soon as kazoo has a new session, and resumes once an assignment consistent
+with the new membership names it; it then delivers whatever the coordinator gave it. It does *not* deliver
+an empty assignment in between: a partition that comes back in the same generation never left this server
+(a move always raises the generation), so the server keeps serving it as the same incarnation, mounted
+clients and all; one that moved meanwhile comes back with a higher generation, or not at all. Acting on a
+stale view while LOST is safe because storage nodes fence an old owner's store session (docs/zookeeper.md).
 
 Threading: kazoo calls watches and state listeners on its own threads; those callbacks only hop onto the
 event loop with ``loop.call_soon_threadsafe``. Every blocking kazoo call runs in ``asyncio.to_thread``.
@@ -375,10 +379,10 @@ class ClusterMember(_AssignmentView):
         if state == KazooState.SUSPENDED:
             self._set_suspended(True)
         elif state == KazooState.LOST:
-            # Our ephemeral descriptor is gone with the session: we own nothing any more.
+            # Our ephemeral descriptor is gone with the session: register again, and stay suspended until an
+            # assignment for the new membership says what we own (see the module docstring).
             self._node = None
             self._set_suspended(True)
-            self._deliver({})
         elif state == KazooState.CONNECTED and self._node is not None:
             self._set_suspended(False)
 
@@ -398,13 +402,15 @@ class ClusterMember(_AssignmentView):
     async def _refresh(self) -> None:
         if self._node is None:
             await asyncio.to_thread(self._register)
-            self._set_suspended(False)
         snap, self._coordinator = await asyncio.to_thread(self._coordinate)
         if not snap.consistent:
             return  # The coordinator's write (or our own) triggers the data watch.
         mine = dict(snap.assignment.servers.get(self.server_id, {}))
         if self._node is not None and self._node.rsplit("/", 1)[-1] in snap.servers:
             self._deliver(mine)
+            if self._connected:
+                # After a LOST session this is the first moment we know what we own again.
+                self._set_suspended(False)
 
 
 class ClusterWatcher(_AssignmentView):
