@@ -71,6 +71,7 @@ class Latest(Generic[T]):
         self._seq = 0
         self._changed = asyncio.Event()
         self._closed = False
+        self._error: BaseException | None = None
 
     @property
     def value(self) -> T | None:
@@ -89,6 +90,11 @@ class Latest(Generic[T]):
         self._closed = True
         self._wake()
 
+    def fail(self, error: BaseException) -> None:
+        """Close the channel with an error: readers get the values they have not seen, then ``error``."""
+        self._error = error
+        self.close()
+
     def _wake(self) -> None:
         event, self._changed = self._changed, asyncio.Event()
         event.set()
@@ -103,6 +109,8 @@ class Latest(Generic[T]):
                 yield self._value
                 continue
             if self._closed:
+                if self._error is not None:
+                    raise self._error
                 return
             await event.wait()
 
@@ -183,6 +191,19 @@ class _AssignmentView:
         self.client.add_listener(self._on_state)
         self._dirty.set()
         self._task = asyncio.create_task(self._run(), name=name)
+        self._task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        # The refresh task handles ZooKeeper's errors itself; anything that ends it is a bug. Its readers must
+        # hear of it (their iterator raises), or they would wait for an update that never comes.
+        if task.cancelled() or self._closed:
+            return
+        error = task.exception() or RuntimeError("the refresh task returned")
+        log.error("%s: following the assignment failed", self.paths.root, exc_info=error)
+        self._failed(error)
+
+    def _failed(self, error: BaseException) -> None:
+        raise NotImplementedError
 
     async def _run(self) -> None:
         while not self._closed:
@@ -395,6 +416,9 @@ class ClusterMember(_AssignmentView):
         if callback is not None:
             callback()
 
+    def _failed(self, error: BaseException) -> None:
+        self._partitions.fail(error)
+
     def _deliver(self, partitions: dict[int, int]) -> None:
         if self._partitions.publish(partitions) and self._on_assignment is not None:
             self._on_assignment(dict(partitions))
@@ -444,6 +468,9 @@ class ClusterWatcher(_AssignmentView):
 
     def updates(self) -> AsyncIterator[dict[int, tuple[str, int]]]:
         return self._endpoints.updates()
+
+    def _failed(self, error: BaseException) -> None:
+        self._endpoints.fail(error)
 
     async def wait_for(
         self, predicate: Callable[[dict[int, tuple[str, int]]], bool], timeout_s: float = 30.0

@@ -131,7 +131,11 @@ class Partition:
         self._notify_scheduled = False
         self._ready = asyncio.Event()
         self._closed = False
+        self.failure: BaseException | None = None
+        """Why the append task died (a bug): the partition then takes no appends, and health says so."""
         self.metrics = metrics or PartitionMetrics()
+        self.on_failure: Callable[[Partition], None] | None = None
+        """Called on the loop when the append task fails: the owner decides what becomes of the partition."""
         self.pending_appends = 0
         self.lock_failures = 0
 
@@ -147,7 +151,19 @@ class Partition:
 
     @property
     def is_healthy(self) -> bool:
-        return self.store.is_healthy
+        """True while the partition takes appends: its append task runs and its store session is open."""
+        return self.problem is None
+
+    @property
+    def problem(self) -> str | None:
+        """Why the partition takes no appends now, or None if it does."""
+        if self._closed:
+            return "closed"
+        if self.failure is not None:
+            return f"append task failed: {self.failure!r}"
+        if not self.store.is_healthy:
+            return "no open store session (recovering, or too few replicas reachable)"
+        return None
 
     @property
     def feed_context_count(self) -> int:
@@ -155,7 +171,24 @@ class Partition:
 
     async def start(self) -> None:
         await self.store.start()
-        self._tasks.append(asyncio.create_task(self._append_loop(), name=f"append-{self.partition_id}"))
+        task = asyncio.create_task(self._append_loop(), name=f"append-{self.partition_id}")
+        task.add_done_callback(self._append_loop_done)
+        self._tasks.append(task)
+
+    def _append_loop_done(self, task: asyncio.Task[None]) -> None:
+        # The append task only ends by cancellation (close); anything else is a bug that leaves the partition
+        # unable to append. Say so once, loudly, and let health report it (the server reopens the partition).
+        if task.cancelled() or self._closed:
+            return
+        error = task.exception() or RuntimeError("the append task returned")
+        self.failure = error
+        log.error(
+            "partition %d: the append task failed; the partition takes no appends",
+            self.partition_id,
+            exc_info=error,
+        )
+        if self.on_failure is not None:
+            self.on_failure(self)
 
     async def close(self) -> None:
         """Stop the tasks, end feeds, tell every mounted client to mount again, close the store partition."""

@@ -207,6 +207,9 @@ class WaltzServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._reconcile_lock = asyncio.Lock()
         self._replicas_changed = asyncio.Event()
+        self.failure: BaseException | None = None
+        """Why the server stopped following ZooKeeper (a bug): it must not go on serving; see run_server."""
+        self._failed = asyncio.Event()
         self._suspended = False
         self._suspended_at = 0.0
         self._resumed = asyncio.Event()
@@ -264,8 +267,9 @@ class WaltzServer:
             on_resumed=self._on_resumed,
         )
         await self.member.start()
-        self._tasks.add(asyncio.create_task(self._follow_assignments(), name="server-assignments"))
-        self._tasks.add(asyncio.create_task(self._follow_replica_sets(), name="server-replica-sets"))
+        followers = asyncio.create_task(self._follow(), name="server-followers")
+        followers.add_done_callback(self._followers_done)
+        self._tasks.add(followers)
         if self.config.http_port:
             self._http = HttpEndpoint(self.registry, self.health)
             self.http_port = await self._http.start(self.config.host, self.config.http_port)
@@ -329,6 +333,32 @@ class WaltzServer:
                 return None
         return self.partitions.get(partition_id)
 
+    async def _follow(self) -> None:
+        """Follow the partition assignment and the replica sets; both live as long as the server, and if
+        either fails the other stops too and the server learns of it (``_followers_done``)."""
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._follow_assignments(), name="server-assignments")
+            group.create_task(self._follow_replica_sets(), name="server-replica-sets")
+
+    def _followers_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        error = task.exception() or RuntimeError("the ZooKeeper followers returned")
+        if isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+            error = error.exceptions[0]
+        # A server that no longer follows its ownership cannot be trusted to serve: it reports the failure
+        # on /health and run_server stops it, so its partitions move to a server that does.
+        self.failure = error
+        self._failed.set()
+        log.error("server %d stopped following ZooKeeper; stopping", self.server_id, exc_info=error)
+
+    async def wait_failed(self) -> BaseException:
+        """Wait until a background task of the server fails, and return its exception."""
+        await self._failed.wait()
+        assert self.failure is not None
+        return self.failure
+
     async def _follow_assignments(self) -> None:
         assert self.member is not None
         async for assignment in self.member.assignments():
@@ -378,12 +408,29 @@ class WaltzServer:
                     append_queue_size=self.config.append_queue_size,
                     metrics=self.metrics.for_partition(pid),
                 )
+                part.on_failure = self._partition_failed
                 await part.start()
                 self.partitions[pid] = part
                 self.metrics.export_partition(pid, part)
                 self.metrics.generation.labels(str(pid)).set(generation)
                 log.info("partition %d opened (generation %d, replicas %s)", pid, generation, list(replicas))
             self.metrics.partitions.set(len(self.partitions))
+
+    def _partition_failed(self, part: Partition) -> None:
+        # Its append task died (a bug): close this incarnation (which tells its clients to mount again) and
+        # open a fresh one, so one failure costs a re-mount rather than the partition.
+        self._spawn(self._reopen(part), f"reopen-{part.partition_id}")
+
+    async def _reopen(self, part: Partition) -> None:
+        pid = part.partition_id
+        async with self._reconcile_lock:
+            if self.partitions.get(pid) is not part:
+                return
+            del self.partitions[pid]
+            log.warning("partition %d: reopening it after its failure", pid)
+            await part.close()
+        if self.member is not None:
+            await self._reconcile(self.member.partitions)
 
     async def _watch_replica_assignments(self) -> None:
         path = ClusterPaths(self.config.cluster_root).replica_assignments
@@ -430,9 +477,22 @@ class WaltzServer:
     # -- health --
 
     def health(self) -> tuple[bool, dict[str, Any]]:
+        """Healthy when ZooKeeper is connected and every partition we own takes appends. ``partitions`` maps
+        each owned partition to whether it takes appends now; ``problems`` says why not, one line each."""
         zk_ok = bool(self.zk.connected) and not self._suspended
-        parts = {str(pid): p.is_healthy for pid, p in sorted(self.partitions.items())}
-        return zk_ok and all(parts.values()), {"zookeeper": zk_ok, "partitions": parts}
+        problems: list[str] = []
+        if self.failure is not None:
+            problems.append(f"server failed: {self.failure!r}")
+        if not zk_ok:
+            problems.append("ZooKeeper connection suspended or lost: appends are held")
+        parts: dict[str, bool] = {}
+        for pid, p in sorted(self.partitions.items()):
+            problem = p.problem
+            parts[str(pid)] = problem is None and zk_ok
+            if problem is not None:
+                problems.append(f"partition {pid}: {problem}")
+        healthy = zk_ok and self.failure is None and all(parts.values())
+        return healthy, {"zookeeper": zk_ok, "partitions": parts, "problems": problems}
 
     # -- client connections --
 
@@ -591,6 +651,13 @@ async def run_server(config: ServerConfig, *, ready: Callable[[WaltzServer], Non
     try:
         if ready is not None:
             ready(server)
-        await wait_for_stop_signal()
+        stop = asyncio.create_task(wait_for_stop_signal(), name="server-stop-signal")
+        failed = asyncio.create_task(server.wait_failed(), name="server-failure")
+        await asyncio.wait([stop, failed], return_when=asyncio.FIRST_COMPLETED)
+        for t in (stop, failed):
+            t.cancel()
+        await asyncio.gather(stop, failed, return_exceptions=True)
+        if server.failure is not None:
+            raise WaltzError(f"the server failed: {server.failure!r}") from server.failure
     finally:
         await server.aclose()

@@ -17,6 +17,11 @@ Guarantees:
   is full the connection's reader stops reading from its socket, so TCP pushes back on the sender.
 * **Bad input** (malformed or oversized frames, unknown types, a wrong cluster key, requests before Open)
   gets a failure response or a closed connection with a logged reason; other connections are unaffected.
+* **Failures are heard.** A partition that failed a write or an fsync refuses writes (``broken``); one whose
+  worker hit a bug refuses everything (``failed``) and answers each request with a failure instead of
+  leaving it queued. Either is logged once at ERROR and reported by ``/health`` (503, with the reason per
+  partition) until the node restarts. The node owns its workers: one that ends for any reason but the
+  node's close marks its partition failed and answers what was queued.
 
 The admin port mutates partitions (assign, unassign, availability) through the same partition queues, so an
 admin change is ordered with respect to data requests.
@@ -27,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -153,8 +159,11 @@ class StoragePartition:
         self.queue = _BoundedQueue(node.config.partition_queue_size)
         self.fsync_count = 0
         self.broken: str | None = None
-        self._queue_gauge = node.metrics.queue.labels(partition_id)
         """Set after a failed write or fsync: the partition then refuses writes (see ``_fsync``)."""
+        self.failed: str | None = None
+        """Set when the worker hit a bug: the partition then refuses every request (see ``run``)."""
+        self.worker_gone = False
+        self._queue_gauge = node.metrics.queue.labels(partition_id)
 
     @property
     def info(self) -> PartitionInfo:
@@ -182,6 +191,8 @@ class StoragePartition:
     # -- checks -----------------------------------------------------------------------------------
 
     def _check(self, msg: st.StorageMessage, offline: bool) -> PartitionLog:
+        if self.failed is not None:
+            raise StorageError(f"partition {self.partition_id} failed: {self.failed}")
         info = self.info
         if not info.assigned or self.log is None:
             raise PartitionNotAssignedError(f"Partition:{self.partition_id} is not assigned.")
@@ -213,16 +224,63 @@ class StoragePartition:
     # -- the worker -------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Process this partition's queue forever (cancelled when the node closes)."""
+        """Process this partition's queue forever (cancelled when the node closes).
+
+        Request errors are answered where they happen; an exception that reaches this loop is a bug. The
+        partition then fails (it refuses every later request, so nothing of it can be trusted to a writer)
+        but the worker goes on answering, so no request waits forever on a dead worker.
+        """
         while True:
             item = await self.queue.get()
             self._queue_gauge.set(len(self.queue))
-            if item.op is not None:
-                await self._run_op(item)
-            elif isinstance(item.msg, st.AppendRequest):
-                await self._group_commit(item)
-            else:
-                self._respond(item, self._process(item))
+            try:
+                if item.op is not None:
+                    await self._run_op(item)
+                elif isinstance(item.msg, st.AppendRequest):
+                    await self._group_commit(item)
+                else:
+                    self._respond(item, self._process(item))
+            except Exception as e:  # noqa: BLE001 - a bug: fail the partition, answer the request
+                self.fail(
+                    f"{type(item.msg).__name__ if item.msg is not None else 'admin operation'}: {e!r}", e
+                )
+                self.answer_failed(item)
+
+    def fail(self, reason: str, error: BaseException | None = None) -> None:
+        """Fail this partition for good (until the node restarts): one ERROR line, then health reports it."""
+        if self.failed is None:
+            self.failed = reason
+            log.error(
+                "partition %d failed (%s); refusing every request until the node restarts",
+                self.partition_id,
+                reason,
+                exc_info=error,
+            )
+
+    def answer_failed(self, item: _Item) -> None:
+        """Answer ``item`` with this partition's failure (if it was not answered yet)."""
+        error = StorageError(f"partition {self.partition_id} failed: {self.failed}")
+        if item.done is not None:
+            if not item.done.done():
+                item.done.set_exception(error)
+        elif item.msg is not None:
+            self._respond(item, self._failure(item.msg, error))
+
+    async def enqueue(self, item: _Item) -> None:
+        """Queue ``item`` for the worker, or answer it at once if the worker is gone."""
+        if self.worker_gone:
+            self.answer_failed(item)
+        else:
+            await self.queue.put(item)
+
+    @property
+    def problem(self) -> str | None:
+        """Why this partition does not serve fully, or None."""
+        if self.failed is not None:
+            return f"failed: {self.failed}"
+        if self.broken is not None:
+            return f"refusing writes: {self.broken}"
+        return None
 
     async def _run_op(self, item: _Item) -> None:
         assert item.op is not None
@@ -490,6 +548,7 @@ class StorageNode:
         self._admin_server: FramedServer | None = None
         self._http: HttpEndpoint | None = None
         self.fsyncs_in_flight = 0
+        self._closing = False
         self.port = 0
         self.admin_port = 0
         self.http_port = 0
@@ -506,7 +565,9 @@ class StorageNode:
                 if p.info.assigned:
                     await asyncio.to_thread(p.open_log)
             for p in node.partitions:
-                node._tasks.append(asyncio.create_task(p.run(), name=f"storage-partition-{p.partition_id}"))
+                task = asyncio.create_task(p.run(), name=f"storage-partition-{p.partition_id}")
+                task.add_done_callback(functools.partial(node._worker_done, p))
+                node._tasks.append(task)
             node._data_server = await serve(
                 config.host,
                 config.port,
@@ -530,7 +591,7 @@ class StorageNode:
             )
             node.admin_port = node._admin_server.port
             if config.http_port:
-                node._http = HttpEndpoint(node.registry, lambda: (True, {"storage": "ok"}))
+                node._http = HttpEndpoint(node.registry, node.health)
                 node.http_port = await node._http.start(config.host, config.http_port)
         except BaseException:
             await node.aclose()
@@ -545,8 +606,24 @@ class StorageNode:
         )
         return node
 
+    def _worker_done(self, part: StoragePartition, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or self._closing:
+            return
+        error = task.exception()
+        part.worker_gone = True
+        part.fail(f"worker ended: {error!r}", error)
+        # Nobody takes from this queue any more: answer what is in it now; ``enqueue`` answers later ones.
+        while part.queue.peek() is not None:
+            part.answer_failed(part.queue.pop())
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Healthy when no partition failed or refuses writes; ``partitions`` names those that do, and why."""
+        problems = {str(p.partition_id): p.problem for p in self.partitions if p.problem is not None}
+        return not problems, {"storage": "degraded" if problems else "ok", "partitions": problems}
+
     async def aclose(self) -> None:
         """Stop serving and close every file; idempotent."""
+        self._closing = True
         for server in (self._data_server, self._admin_server):
             if server is not None:
                 await server.aclose()
@@ -620,7 +697,7 @@ class StorageNode:
                     part.session_id = msg.session_id  # fence older sessions on arrival
                     self.metrics.session.labels(part.partition_id).set(part.session_id)
                 await slot.acquire()  # bounded unanswered requests per connection
-                await part.queue.put(_Item(msg, conn, slot=slot, arrived_s=time.monotonic()))
+                await part.enqueue(_Item(msg, conn, slot=slot, arrived_s=time.monotonic()))
                 # A peer that sends but does not read must not grow our write buffer without bound.
                 await conn.drain()
         except ConnectionError_:
@@ -644,7 +721,7 @@ class StorageNode:
         if not 0 <= pid < len(self.partitions):
             raise PartitionNotAssignedError(f"Partition:{pid} does not exist.")
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        await self.partitions[pid].queue.put(_Item(None, None, op=op, done=done))
+        await self.partitions[pid].enqueue(_Item(None, None, op=op, done=done))
         return await done
 
     async def assign(self, pid: int, assigned: bool, delete_files: bool = False) -> None:
