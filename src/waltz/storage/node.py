@@ -163,6 +163,8 @@ class StoragePartition:
         self.failed: str | None = None
         """Set when the worker hit a bug: the partition then refuses every request (see ``run``)."""
         self.worker_gone = False
+        self.current: _Item | None = None
+        """The item the worker is on (answered by the node if the worker ends under it)."""
         self._queue_gauge = node.metrics.queue.labels(partition_id)
 
     @property
@@ -231,7 +233,7 @@ class StoragePartition:
         but the worker goes on answering, so no request waits forever on a dead worker.
         """
         while True:
-            item = await self.queue.get()
+            item = self.current = await self.queue.get()
             self._queue_gauge.set(len(self.queue))
             try:
                 if item.op is not None:
@@ -245,6 +247,7 @@ class StoragePartition:
                     f"{type(item.msg).__name__ if item.msg is not None else 'admin operation'}: {e!r}", e
                 )
                 self.answer_failed(item)
+            self.current = None
 
     def fail(self, reason: str, error: BaseException | None = None) -> None:
         """Fail this partition for good (until the node restarts): one ERROR line, then health reports it."""
@@ -612,7 +615,10 @@ class StorageNode:
         error = task.exception()
         part.worker_gone = True
         part.fail(f"worker ended: {error!r}", error)
-        # Nobody takes from this queue any more: answer what is in it now; ``enqueue`` answers later ones.
+        # Nobody takes from this queue any more: answer what it was on and what is queued now; ``enqueue``
+        # answers later ones.
+        if part.current is not None:
+            part.answer_failed(part.current)
         while part.queue.peek() is not None:
             part.answer_failed(part.queue.pop())
 
@@ -631,9 +637,8 @@ class StorageNode:
             await self._http.aclose()
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        # A worker that died was reported by _worker_done already.
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         for p in self.partitions:
             p.close_log()
