@@ -17,11 +17,19 @@ Guarantees:
   is full the connection's reader stops reading from its socket, so TCP pushes back on the sender.
 * **Bad input** (malformed or oversized frames, unknown types, a wrong cluster key, requests before Open)
   gets a failure response or a closed connection with a logged reason; other connections are unaffected.
-* **Failures are heard.** A partition that failed a write or an fsync refuses writes (``broken``); one whose
-  worker hit a bug refuses everything (``failed``) and answers each request with a failure instead of
-  leaving it queued. Either is logged once at ERROR and reported by ``/health`` (503, with the reason per
-  partition) until the node restarts. The node owns its workers: one that ends for any reason but the
-  node's close marks its partition failed and answers what was queued.
+* **Disk faults fail-stop the partition, which heals itself.** A failed write or fsync (an I/O error, a full
+  disk) *breaks* the partition: one ERROR line says why, nothing of the failed group is acknowledged, and
+  every later request is refused, so the server writes through the other replicas and keeps retrying this
+  one. At most every :data:`HEAL_INTERVAL_S`, a request to a broken partition first tries to heal it, if the
+  disk has :data:`HEAL_MIN_FREE_BYTES` free: reopen the log (which repairs a torn tail, as a restart
+  would), truncate it to the last id an fsync made durable (after a failed fsync the page cache may hold
+  data the disk lost, and a later fsync may report success: nothing above that id can be trusted, and
+  none of it was acknowledged), fsync. On success one INFO line says so and the partition serves again;
+  the server's recovery then brings it up to date.
+* **Failures are heard.** A broken partition, or one whose worker hit a bug (``failed``: it refuses
+  everything until the node restarts and answers each request with a failure instead of leaving it
+  queued), is reported by ``/health`` (503, with the reason per partition). The node owns its workers: one
+  that ends for any reason but the node's close marks its partition failed and answers what was queued.
 
 The admin port mutates partitions (assign, unassign, availability) through the same partition queues, so an
 admin change is ordered with respect to data requests.
@@ -62,12 +70,20 @@ from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
 from waltz.protocol.records import Record
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import FLAG_AVAILABLE, ControlFile, PartitionInfo
-from waltz.storage.fileio import OS_FS
+from waltz.storage.fileio import FAULTS, OS_FS
 from waltz.storage.partition import PartitionLog, delete_log_files
 from waltz.tls import TlsConfig
 from waltz.transport import FramedConnection, FramedServer, serve, tune_gc, wait_for_stop_signal
 
 log = logging.getLogger(__name__)
+
+HEAL_INTERVAL_S = 1.0
+"""Least time between two attempts to heal a broken partition."""
+HEAL_MIN_FREE_BYTES = 1 << 20
+"""Free space the data directory needs before a broken partition tries to heal (so a full disk does not
+make it flap between healed and broken)."""
+FAULTS_ENV = "WALTZ_TEST_FAULTS"
+"""Test-only: with this set to 1, SIGUSR1 makes the node's next data-file fsync fail (see run_node)."""
 
 MAX_LIST_RECORDS = 10_000
 """Largest record list one request may ask for; larger requests are answered with at most this many."""
@@ -159,7 +175,10 @@ class StoragePartition:
         self.queue = _BoundedQueue(node.config.partition_queue_size)
         self.fsync_count = 0
         self.broken: str | None = None
-        """Set after a failed write or fsync: the partition then refuses writes (see ``_fsync``)."""
+        """Set after a failed write or fsync: the partition is fail-stopped until it heals (``_heal``)."""
+        self.durable_max = -1
+        """The highest id an fsync (or a truncation, which syncs) made durable: healing truncates to it."""
+        self._next_heal_s = 0.0
         self.failed: str | None = None
         """Set when the worker hit a bug: the partition then refuses every request (see ``run``)."""
         self.worker_gone = False
@@ -182,6 +201,10 @@ class StoragePartition:
                 segment_cache_capacity=cfg.segment_cache_capacity,
                 local_low_water_mark=self.info.local_low_water_mark,
             )
+            if self.broken is None:
+                # What a (re)start finds on disk is what the disk holds. A broken partition keeps the mark it
+                # had: its page cache may hold records the disk lost (see ``_heal``).
+                self.durable_max = self.log.max_transaction_id
             self.node.metrics.max_txn.labels(self.partition_id).set(self.log.max_transaction_id)
         return self.log
 
@@ -195,6 +218,8 @@ class StoragePartition:
     def _check(self, msg: st.StorageMessage, offline: bool) -> PartitionLog:
         if self.failed is not None:
             raise StorageError(f"partition {self.partition_id} failed: {self.failed}")
+        if self.broken is not None and not self._heal():
+            raise StorageError(f"partition {self.partition_id} is fail-stopped: {self.broken}")
         info = self.info
         if not info.assigned or self.log is None:
             raise PartitionNotAssignedError(f"Partition:{self.partition_id} is not assigned.")
@@ -218,10 +243,45 @@ class StoragePartition:
         return self.log
 
     def _check_writable(self, msg: st.StorageMessage, offline: bool) -> PartitionLog:
-        plog = self._check(msg, offline)
-        if self.broken is not None:
-            raise StorageError(f"partition {self.partition_id} refuses writes: {self.broken}")
-        return plog
+        return self._check(msg, offline)
+
+    def _heal(self) -> bool:
+        """Try to bring a broken partition back (see the module docstring); True if it serves again."""
+        now = time.monotonic()
+        if now < self._next_heal_s:
+            return False
+        self._next_heal_s = now + HEAL_INTERVAL_S
+        directory = str(self.node.config.directory)
+        try:
+            stat = os.statvfs(directory)
+        except OSError as e:
+            log.debug("partition %d: cannot stat %s: %s", self.partition_id, directory, e)
+            return False
+        free = stat.f_bavail * stat.f_frsize
+        if free < HEAL_MIN_FREE_BYTES:
+            return False
+        try:
+            self.close_log()
+            plog = self.open_log()
+            dropped = plog.max_transaction_id - self.durable_max
+            if dropped > 0:
+                plog.truncate(self.durable_max)
+            plog.flush()
+        except WaltzError as e:
+            log.debug("partition %d: still broken: %s", self.partition_id, e)
+            return False
+        log.info(
+            'partition %d healed after "%s": %d MiB free, log cut to %d (the last durable id; %d '
+            "unacknowledged records dropped); serving again",
+            self.partition_id,
+            self.broken,
+            free >> 20,
+            plog.max_transaction_id,
+            max(0, dropped),
+        )
+        self.broken = None
+        self.node.metrics.max_txn.labels(self.partition_id).set(plog.max_transaction_id)
+        return True
 
     # -- the worker -------------------------------------------------------------------------------
 
@@ -320,6 +380,7 @@ class StoragePartition:
             if isinstance(msg, st.TruncateRequest):
                 plog = self._check_writable(msg, msg.offline)
                 new_max = plog.truncate(msg.transaction_id)
+                self.durable_max = min(self.durable_max, new_max)
                 self.node.metrics.max_txn.labels(pid).set(new_max)
                 return st.MaxTransactionIdResponse(sid, seq, pid, new_max)
             if isinstance(msg, st.SetLowWaterMarkRequest):
@@ -432,7 +493,7 @@ class StoragePartition:
             try:
                 plog.append(records)
             except WaltzError as e:
-                if plog.max_transaction_id != before:
+                if plog.max_transaction_id != before or _is_io_error(e):
                     # Part of the group reached the file before an I/O error: answer nothing but failures.
                     self._break(f"write failed: {e}")
                     for i in accepted:
@@ -479,7 +540,7 @@ class StoragePartition:
                 plog.append(msg.records)
             except WaltzError as e:
                 results[i] = self._failure(msg, e)
-                if plog.max_transaction_id != before:
+                if plog.max_transaction_id != before or _is_io_error(e):
                     self._break(f"write failed: {e}")
                     for j in written:
                         results[j] = self._failure(batch[j].msg, e)  # type: ignore[arg-type]
@@ -515,14 +576,18 @@ class StoragePartition:
             return e if isinstance(e, WaltzError) else StorageError(f"fsync failed: {e}")
         node.metrics.fsyncs.inc()
         self.fsync_count += 1
+        self.durable_max = plog.max_transaction_id
         return None
 
     def _break(self, reason: str) -> None:
         if self.broken is None:
             log.error(
-                "partition %d: %s; refusing further writes until the node restarts", self.partition_id, reason
+                "partition %d: %s; fail-stopped: refusing requests until it heals (disk space, clean fsync)",
+                self.partition_id,
+                reason,
             )
             self.broken = reason
+            self._next_heal_s = time.monotonic() + HEAL_INTERVAL_S
 
     def _failure(self, msg: st.StorageMessage, e: WaltzError) -> st.StorageMessage:
         self.node.metrics.failures.labels(type(e).__name__).inc()
@@ -531,6 +596,11 @@ class StoragePartition:
 
     def _respond(self, item: _Item, resp: st.StorageMessage) -> None:
         self.node.respond(item, resp)
+
+
+def _is_io_error(e: WaltzError) -> bool:
+    """An I/O failure of the file layer (it raises plain StorageError), as opposed to a refused request."""
+    return type(e) is StorageError
 
 
 class StorageNode:
@@ -886,6 +956,13 @@ async def run_node(config: StorageConfig, *, ready: Callable[[StorageNode], None
     key, num_partitions = await asyncio.to_thread(load_cluster_identity, config)
     node = await StorageNode.start(config, key, num_partitions)
     tune_gc()
+    if os.environ.get(FAULTS_ENV) == "1":
+        import signal
+
+        log.warning(
+            "%s=1: SIGUSR1 makes the next data-file fsync fail (test-only fault injection)", FAULTS_ENV
+        )
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, FAULTS.fail_next_fsync)
     try:
         if ready is not None:
             ready(node)
