@@ -169,8 +169,7 @@ def test_expired_session_moves_partitions(
         delivered: list[dict[int, int]] = []
 
         async def record() -> None:
-            async for value in m2.assignments():
-                delivered.append(value)
+            delivered.extend([value async for value in m2.assignments()])
 
         recorder = asyncio.create_task(record())
         await asyncio.to_thread(expire_session, c2)

@@ -342,7 +342,7 @@ class StoragePartition:
         if self.failed is not None:
             return f"failed: {self.failed}"
         if self.broken is not None:
-            return f"refusing writes: {self.broken}"
+            return f"fail-stopped: {self.broken}"
         return None
 
     async def _run_op(self, item: _Item) -> None:
@@ -693,7 +693,7 @@ class StorageNode:
             part.answer_failed(part.queue.pop())
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        """Healthy when no partition failed or refuses writes; ``partitions`` names those that do, and why."""
+        """Healthy when no partition failed or is fail-stopped; ``partitions`` says which are, and why."""
         problems = {str(p.partition_id): p.problem for p in self.partitions if p.problem is not None}
         return not problems, {"storage": "degraded" if problems else "ok", "partitions": problems}
 
