@@ -270,6 +270,7 @@ class StoragePartition:
         except WaltzError as e:
             log.debug("partition %d: still broken: %s", self.partition_id, e)
             return False
+        self.durable_max = plog.max_transaction_id
         log.info(
             'partition %d healed after "%s": %d MiB free, log cut to %d (the last durable id; %d '
             "unacknowledged records dropped); serving again",
