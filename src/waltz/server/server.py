@@ -12,6 +12,13 @@
   reading that connection (back pressure). Requests for a partition we do not own get MountResponse
   NOT_READY, a TransactionDataResponse error, or (append, feed, flush, high-water mark) are dropped, as the
   protocol says; the client re-reads the assignment.
+* **Bounds per connection** (``server.connection.*``, docs/operations.md "Limits"): at most ``maxInFlight``
+  mounts, reads and flushes unanswered (the connection is not read meanwhile); read responses reserve their
+  bytes from a ``maxResponseBytes`` budget until they left our write buffer, so a peer that asks and never
+  reads holds at most that much; connections silent (or not reading) for ``idleTimeout`` are closed; at most
+  ``maxConnections`` connections, ``maxPerSource`` from one address. Transaction data reads go through one
+  :class:`~waltz.server.transaction_cache.TransactionFetcher` (cache first, one load per key, at most
+  ``server.maxFetchesInFlight`` store reads at once).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from waltz.cluster.replica_assignments import ReplicaAssignments
 from waltz.cluster.store_metadata import read_store_params
 from waltz.cluster.zk import ClusterPaths
 from waltz.config import parse_partition_ranges
-from waltz.errors import ConnectionError_, RemoteProtocolError, WaltzError
+from waltz.errors import ConnectionError_, PartitionNotReadyError, RemoteProtocolError, WaltzError
 from waltz.http import HttpEndpoint
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
@@ -41,10 +48,20 @@ from waltz.server.config import ServerConfig
 from waltz.server.feed_cache import FeedCache
 from waltz.server.partition import Partition, PartitionMetrics
 from waltz.server.store.store_partition import StorePartition
-from waltz.server.transaction_cache import TransactionCache
-from waltz.transport import FramedConnection, FramedServer, serve, tune_gc, wait_for_stop_signal
+from waltz.server.transaction_cache import TransactionCache, TransactionData, TransactionFetcher
+from waltz.transport import (
+    ByteBudget,
+    FramedConnection,
+    FramedServer,
+    RateLimitedLog,
+    reason_kind,
+    serve,
+    tune_gc,
+    wait_for_stop_signal,
+)
 
 log = logging.getLogger(__name__)
+_peer_warnings = RateLimitedLog(log)
 
 SERVER_HELLO = "Waltz Server"
 MAX_RANGE_RECORDS = 10_000
@@ -52,18 +69,25 @@ MAX_RANGE_RECORDS = 10_000
 
 
 class _Connection:
-    """A client connection as partitions see it (implements :class:`waltz.server.partition.Peer`)."""
+    """A client connection as partitions see it (implements :class:`waltz.server.partition.Peer`), with its
+    bounds: ``slots`` for unanswered spawned requests and ``budget`` for the bytes of read responses."""
 
-    __slots__ = ("_conn", "_version", "client_id")
+    __slots__ = ("_conn", "_version", "budget", "client_id", "slots")
 
-    def __init__(self, conn: FramedConnection) -> None:
+    def __init__(self, conn: FramedConnection, max_in_flight: int, max_response_bytes: int) -> None:
         self._conn = conn
         self._version = conn.negotiated_version
         self.client_id: int | None = None
+        self.slots = asyncio.Semaphore(max_in_flight)
+        self.budget = ByteBudget(max_response_bytes)
 
     @property
     def closed(self) -> bool:
         return self._conn.is_closed
+
+    @property
+    def source(self) -> str:
+        return self._conn.source
 
     def send(self, msg: cs.Message) -> None:
         with contextlib.suppress(ConnectionError_):
@@ -171,6 +195,9 @@ class WaltzServer:
         self.metadata_store = ZkPartitionMetadataStore(zk_client, config.cluster_root)
         self.feed_cache = FeedCache(config.feed_cache_bytes, num_partitions)
         self.transaction_cache = TransactionCache(config.transaction_cache_bytes)
+        self.fetcher = TransactionFetcher(
+            self.transaction_cache, self._load_transaction, max_in_flight=config.max_fetches_in_flight
+        )
         self.metrics.export_caches(self.feed_cache, self.transaction_cache)
         self.partitions: dict[int, Partition] = {}
         self.replica_sets: dict[int, tuple[str, ...]] = {}
@@ -215,6 +242,9 @@ class WaltzServer:
             versions=cs.SUPPORTED_VERSIONS,
             hello_text=SERVER_HELLO,
             max_frame_bytes=self.config.max_frame_bytes,
+            max_connections=self.config.max_connections,
+            max_connections_per_source=self.config.max_connections_per_source,
+            idle_timeout_s=self.config.connection_idle_timeout_ms / 1000,
             ssl=self.config.tls.server_context("server config"),
         )
         self.port = self._listener.port
@@ -256,6 +286,7 @@ class WaltzServer:
         self._tasks.clear()
         if self._listener is not None:
             await self._listener.aclose()
+        await self.fetcher.aclose()
         for p in list(self.partitions.values()):
             with contextlib.suppress(Exception):
                 await p.close()
@@ -314,6 +345,7 @@ class WaltzServer:
                     store,
                     feed_cache=self.feed_cache,
                     transaction_cache=self.transaction_cache,
+                    fetcher=self.fetcher,
                     lock_table_size=self.config.lock_table_size,
                     min_fetch_size=self.config.min_fetch_size,
                     append_queue_size=self.config.append_queue_size,
@@ -377,8 +409,17 @@ class WaltzServer:
 
     # -- client connections --
 
+    async def _load_transaction(self, partition_id: int, transaction_id: int) -> TransactionData:
+        """The fetcher's loader: a committed transaction from the store (NotFound if there is none)."""
+        part = self.partitions.get(partition_id)
+        if part is None:
+            raise PartitionNotReadyError(f"partition {partition_id} is not served here")
+        return await part.load_transaction(transaction_id)
+
     async def _serve_client(self, conn: FramedConnection) -> None:
-        peer = _Connection(conn)
+        peer = _Connection(
+            conn, self.config.connection_max_in_flight, self.config.connection_max_response_bytes
+        )
         version = conn.negotiated_version
         try:
             while True:
@@ -386,7 +427,13 @@ class WaltzServer:
                 try:
                     msg = cs.decode(payload, version)
                 except RemoteProtocolError as e:
-                    log.warning("closing client connection from %s: %s", conn.peername, e)
+                    _peer_warnings.warning(
+                        conn.source,
+                        reason_kind("decode", e),
+                        "closing client connection from %s: %s",
+                        conn.peername,
+                        e,
+                    )
                     return
                 if peer.client_id is None:
                     peer.client_id = msg.req_id.client_id
@@ -425,13 +472,13 @@ class WaltzServer:
                 peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
                 return
             # Mounting waits for the append queue to drain; do it off this connection's read loop.
-            self._spawn(part.mount(peer, msg), f"mount-{rid.partition_id}")
+            await self._spawn_for(peer, part.mount(peer, msg), f"mount-{rid.partition_id}")
             return
         if isinstance(msg, cs.TransactionDataRequest):
-            self._spawn(self._transaction_data(peer, part, msg), f"data-{rid.partition_id}")
+            await self._spawn_for(peer, self._transaction_data(peer, part, msg), f"data-{rid.partition_id}")
             return
         if isinstance(msg, cs.TransactionRangeRequest):
-            self._spawn(self._transaction_range(peer, part, msg), f"range-{rid.partition_id}")
+            await self._spawn_for(peer, self._transaction_range(peer, part, msg), f"range-{rid.partition_id}")
             return
         if isinstance(msg, cs.HighWaterMarkRequest):
             if part is not None:
@@ -444,14 +491,31 @@ class WaltzServer:
         elif isinstance(msg, cs.FeedRequest):
             part.feed_request(peer, msg)
         elif isinstance(msg, cs.FlushRequest):
-            self._spawn(part.flush_request(peer, msg), f"flush-{rid.partition_id}")
+            await self._spawn_for(peer, part.flush_request(peer, msg), f"flush-{rid.partition_id}")
         else:
-            log.warning("unexpected %s from client %d", type(msg).__name__, rid.client_id)
+            _peer_warnings.warning(
+                peer.source, "unexpected", "unexpected %s from client %d", type(msg).__name__, rid.client_id
+            )
 
-    def _spawn(self, coro: Any, name: str) -> None:
+    async def _spawn_for(self, peer: _Connection, coro: Any, name: str) -> None:
+        """Run a request of ``peer`` in its own task, once one of its in-flight slots is free.
+
+        Waiting for a slot holds up this connection's read loop: a peer with ``maxInFlight`` requests
+        unanswered is not read until one is answered.
+        """
+        try:
+            await peer.slots.acquire()
+        except BaseException:
+            coro.close()
+            raise
+        task = self._spawn(coro, name)
+        task.add_done_callback(lambda _t: peer.slots.release())
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -474,9 +538,15 @@ class WaltzServer:
             return
         if found is None:
             peer.send(cs.TransactionDataResponse.failure(rid, msg.transaction_id, "transaction not found"))
-        else:
-            data, checksum = found
+            return
+        data, checksum = found
+        # The response's bytes count against the connection's budget until they left our write buffer.
+        await peer.budget.acquire(len(data))
+        try:
             peer.send(cs.TransactionDataResponse.success(rid, msg.transaction_id, data, checksum))
+            await peer.drain()
+        finally:
+            peer.budget.release(len(data))
 
     async def _transaction_range(
         self, peer: _Connection, part: Partition | None, msg: cs.TransactionRangeRequest
@@ -485,13 +555,24 @@ class WaltzServer:
             return  # like a high-water mark request: the client times out and re-reads the assignment
         count = max(0, min(msg.max_count, MAX_RANGE_RECORDS))
         # The run is relayed as the storage node sent it; the budget keeps the response well inside the frame
-        # limit whatever the record sizes (a single record larger than it still goes: it was appended whole).
-        got, run = (
-            await part.store.read_run(msg.transaction_id, count, self.config.max_frame_bytes // 2)
-            if count
-            else (0, b"")
-        )
-        peer.send(cs.TransactionRangeResponse(msg.req_id, msg.transaction_id, got, run))
+        # limit whatever the record sizes (a single record larger than it still goes: it was appended whole),
+        # and within an eighth of the connection's response budget, so several reads proceed at once.
+        budget = min(self.config.max_frame_bytes // 2, max(1, self.config.connection_max_response_bytes // 8))
+        reserved = budget
+        # Reserved before reading, so a peer that asks for many ranges and reads none of them holds at most
+        # the connection's budget; what the run turns out to need stays reserved until it left our buffer.
+        await peer.budget.acquire(reserved)
+        try:
+            if peer.closed:
+                return
+            got, run = await part.store.read_run(msg.transaction_id, count, budget) if count else (0, b"")
+            if len(run) < reserved:
+                peer.budget.release(reserved - len(run))
+                reserved = len(run)
+            peer.send(cs.TransactionRangeResponse(msg.req_id, msg.transaction_id, got, run))
+            await peer.drain()
+        finally:
+            peer.budget.release(reserved)
 
     async def _change_preferred(
         self, msg: cs.AddPreferredPartitionRequest | cs.RemovePreferredPartitionRequest

@@ -151,6 +151,10 @@ class AppendQueue:
             await self._arrived.wait()
         return self.get_nowait()
 
+    def peek(self) -> PendingAppend | None:
+        """The oldest queued append, left in the queue (None if empty)."""
+        return self._items[0] if self._items else None
+
     def get_nowait(self) -> PendingAppend:
         append = self._items.popleft()
         self._room.set()
@@ -491,8 +495,15 @@ class StoreSession:
                 finally:
                     self._writer_idle = False
             appends = [first]
-            while len(appends) < config.max_batch_size and not queue.empty():
+            # A batch is bounded in appends and in data bytes (one larger append still goes, alone): every
+            # replica request and every in-flight batch holds its data until the batch is decided.
+            size = len(first.data)
+            while len(appends) < config.max_batch_size:
+                nxt = queue.peek()
+                if nxt is None or size + len(nxt.data) > config.max_batch_bytes:
+                    break
                 appends.append(queue.get_nowait())
+                size += len(nxt.data)
             start = self.next_id
             for i, append in enumerate(appends):
                 append.transaction_id = start + i
