@@ -570,6 +570,7 @@ class WaltzServer:
                 peer.budget.release(reserved - len(run))
                 reserved = len(run)
             peer.send(cs.TransactionRangeResponse(msg.req_id, msg.transaction_id, got, run))
+            del run  # the write buffer holds the bytes now: one copy per reservation, not two
             await peer.drain()
         finally:
             peer.budget.release(reserved)
