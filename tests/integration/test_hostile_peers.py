@@ -112,8 +112,9 @@ class RawPeer:
         self.version = max(set(theirs) & set(versions))
         return self.version
 
-    def send(self, magic: int, payload: bytes) -> None:
-        self.sock.sendall(encode_frame(magic, self.version, payload))
+    def send(self, magic: int, *payloads: bytes) -> None:
+        """Send ``payloads`` as frames in one write (a pipelining peer's requests arrive together)."""
+        self.sock.sendall(b"".join(encode_frame(magic, self.version, p) for p in payloads))
 
     def _read_exact(self, n: int) -> bytes:
         buf = b""
@@ -196,13 +197,15 @@ def test_server_peer_that_asks_for_ranges_and_never_reads_holds_bounded_memory(
                     version = await asyncio.to_thread(peer.hello, cs.SUPPORTED_VERSIONS)
 
                     def ask() -> None:
-                        for seq in range(100):
-                            rid = ReqId.of(99, writer.generation, 0, seq)
-                            peer.send(
-                                MAGIC_CLIENT, cs.encode(cs.TransactionRangeRequest(rid, 0, 10_000), version)
-                            )
+                        requests = [
+                            cs.TransactionRangeRequest(ReqId.of(99, writer.generation, 0, seq), 0, 10_000)
+                            for seq in range(100)
+                        ]
+                        peer.send(MAGIC_CLIENT, *(cs.encode(r, version) for r in requests))
 
-                    async with RssSampler(server.pid) as rss:
+                    # The server relays each range from the storage node: both must stay bounded.
+                    storage_rss = RssSampler(cluster.storages[0].pid)
+                    async with RssSampler(server.pid) as rss, storage_rss:
                         asking = asyncio.create_task(asyncio.to_thread(ask))
                         # Another client's transactions go through meanwhile.
                         started = time.monotonic()
@@ -212,11 +215,14 @@ def test_server_peer_that_asks_for_ranges_and_never_reads_holds_bounded_memory(
                         await asyncio.sleep(max(0.0, 6.0 - elapsed_s))  # let the server do its worst
                     print(
                         f"server RSS {rss.baseline / MiB:.0f} MiB -> peak {rss.peak / MiB:.0f} MiB "
-                        f"(+{rss.growth / MiB:.0f} MiB) with 100 unread range requests of 40 MiB each; "
-                        f"300 appends of another client in {elapsed_s:.2f} s"
+                        f"(+{rss.growth / MiB:.0f} MiB), storage RSS +{storage_rss.growth / MiB:.0f} MiB, "
+                        f"with 100 unread range requests of 40 MiB each; 300 appends of another client in "
+                        f"{elapsed_s:.2f} s"
                     )
                     assert len(set(acked)) == 300
+                    assert elapsed_s < 15  # ~30 s before the bounds: its appends queued behind the reads
                     assert rss.growth < 160 * MiB
+                    assert storage_rss.growth < 160 * MiB
                     peer.close()
                     asking.cancel()
                     await asyncio.gather(asking, return_exceptions=True)
@@ -244,8 +250,8 @@ def test_storage_peer_that_asks_for_runs_and_never_reads_holds_bounded_memory(tm
 
             def ask() -> None:
                 peer.send(MAGIC_STORAGE, st.encode(st.OpenRequest(-1, 0, -1, DEFAULT_KEY, NUM_PARTITIONS)))
-                for seq in range(1, 121):
-                    peer.send(MAGIC_STORAGE, st.encode(st.RecordRunRequest(0, seq, 0, 0, 10_000, 8 * MiB)))
+                runs = [st.RecordRunRequest(0, seq, 0, 0, 10_000, 8 * MiB) for seq in range(1, 121)]
+                peer.send(MAGIC_STORAGE, *(st.encode(r) for r in runs))
 
             async with RssSampler(node.pid) as rss:
                 asking = asyncio.create_task(asyncio.to_thread(ask))
