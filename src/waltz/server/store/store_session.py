@@ -122,6 +122,8 @@ class AppendQueue:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
         self._items: deque[PendingAppend] = deque()
+        self.data_bytes = 0
+        """Bytes of data queued (a batch is full by count or by bytes)."""
         self._room = asyncio.Event()
         self._room.set()
         self._arrived = asyncio.Event()
@@ -143,6 +145,7 @@ class AppendQueue:
             if append.resolved:
                 return
         self._items.append(append)
+        self.data_bytes += len(append.data)
         self._arrived.set()
 
     async def get(self) -> PendingAppend:
@@ -157,6 +160,7 @@ class AppendQueue:
 
     def get_nowait(self) -> PendingAppend:
         append = self._items.popleft()
+        self.data_bytes -= len(append.data)
         self._room.set()
         return append
 
@@ -164,6 +168,7 @@ class AppendQueue:
         """Drop every queued append and wake the producers waiting for room (to queue theirs, or give up if
         it was resolved meanwhile)."""
         self._items.clear()
+        self.data_bytes = 0
         self._room.set()
 
 
@@ -292,7 +297,12 @@ class StoreSession:
 
     def _full_batch_queued(self) -> bool:
         queue = self._host.queue
-        return queue.qsize() >= self.config.max_batch_size or queue.full()
+        config = self.config
+        return (
+            queue.qsize() >= config.max_batch_size
+            or queue.data_bytes >= config.max_batch_bytes
+            or queue.full()
+        )
 
     @property
     def batches_in_flight(self) -> tuple[Batch, ...]:
