@@ -14,7 +14,10 @@ Guarantees:
 * **Permissions.** A partition must carry the ASSIGNED flag. A normal request needs AVAILABLE; an offline
   request (``offline=True``) needs AVAILABLE cleared and the *persisted* session id.
 * **Back pressure.** Each partition queue and each connection's unanswered requests are bounded; when either
-  is full the connection's reader stops reading from its socket, so TCP pushes back on the sender.
+  is full the connection's reader stops reading from its socket, so TCP pushes back on the sender. Read
+  requests also reserve their largest response from the connection's ``maxResponseBytes`` budget until it is
+  sent, and the reader takes no request while its unsent responses exceed the write buffer's high-water mark:
+  a peer that asks and never reads holds at most about the budget, and is closed after the idle timeout.
 * **Bad input** (malformed or oversized frames, unknown types, a wrong cluster key, requests before Open)
   gets a failure response or a closed connection with a logged reason; other connections are unaffected.
 * **Disk faults fail-stop the partition, which heals itself.** A failed write or fsync (an I/O error, a full
@@ -74,9 +77,19 @@ from waltz.storage.controlfile import FLAG_AVAILABLE, ControlFile, PartitionInfo
 from waltz.storage.fileio import FAULTS, OS_FS
 from waltz.storage.partition import PartitionLog, delete_log_files
 from waltz.tls import TlsConfig
-from waltz.transport import FramedConnection, FramedServer, serve, tune_gc, wait_for_stop_signal
+from waltz.transport import (
+    ByteBudget,
+    FramedConnection,
+    FramedServer,
+    RateLimitedLog,
+    reason_kind,
+    serve,
+    tune_gc,
+    wait_for_stop_signal,
+)
 
 log = logging.getLogger(__name__)
+_peer_warnings = RateLimitedLog(log)
 
 HEAL_INTERVAL_S = 1.0
 """Least time between two attempts to heal a broken partition."""
@@ -90,6 +103,23 @@ MAX_LIST_RECORDS = 10_000
 """Largest record list one request may ask for; larger requests are answered with at most this many."""
 MAX_LIST_BYTES = 8 * 1024 * 1024
 """A list response stops after this many data bytes (always at least one record), to bound frames."""
+RECORD_RESPONSE_ESTIMATE_BYTES = 1024 * 1024
+"""What a single-record read reserves from its connection's response budget (its size is unknown before)."""
+HEADER_ESTIMATE_BYTES = 64
+"""What one record header in a header list reserves (a header is about 40 bytes on the wire)."""
+
+
+def _response_estimate(msg: st.StorageMessage) -> int:
+    """The bytes a read request's response may take, reserved from the connection's budget (0: small)."""
+    if isinstance(msg, st.RecordRunRequest):
+        return max(0, min(msg.max_bytes, MAX_LIST_BYTES))
+    if isinstance(msg, st.RecordListRequest):
+        return MAX_LIST_BYTES
+    if isinstance(msg, st.RecordRequest):
+        return RECORD_RESPONSE_ESTIMATE_BYTES
+    if isinstance(msg, st.RecordHeaderListRequest):
+        return max(0, min(msg.max_records, MAX_LIST_RECORDS)) * HEADER_ESTIMATE_BYTES
+    return 0
 
 
 @dataclass(slots=True)
@@ -102,6 +132,9 @@ class _Item:
     done: asyncio.Future[Any] | None = None
     slot: asyncio.Semaphore | None = None
     arrived_s: float = 0.0
+    budget: ByteBudget | None = None
+    reserved: int = 0
+    """Bytes of ``budget`` this request's response holds until it is handed to the connection."""
 
 
 class _BoundedQueue:
@@ -734,6 +767,9 @@ class StorageNode:
                     versions=st.STORAGE_VERSIONS,
                     hello_text=st.STORAGE_SERVER_HELLO,
                     max_frame_bytes=config.max_frame_bytes,
+                    max_connections=config.max_connections,
+                    max_connections_per_source=config.max_connections_per_source,
+                    idle_timeout_s=config.connection_idle_timeout_ms / 1000,
                     ssl=server_ssl,
                 ),
             )
@@ -750,6 +786,9 @@ class StorageNode:
                     versions=adm.ADMIN_VERSIONS,
                     hello_text=adm.ADMIN_SERVER_HELLO,
                     max_frame_bytes=config.max_frame_bytes,
+                    max_connections=config.max_connections,
+                    max_connections_per_source=config.max_connections_per_source,
+                    idle_timeout_s=config.connection_idle_timeout_ms / 1000,
                     ssl=server_ssl,
                 ),
             )
@@ -810,6 +849,9 @@ class StorageNode:
     def respond(self, item: _Item, resp: st.StorageMessage) -> None:
         if item.slot is not None:
             item.slot.release()
+        if item.budget is not None:
+            # From here on the reader's drain bounds these bytes (it reads nothing while they pile up).
+            item.budget.release(item.reserved)
         conn = item.conn
         if conn is None or conn.is_closed:
             return
@@ -823,6 +865,7 @@ class StorageNode:
     async def _serve_data(self, conn: FramedConnection) -> None:
         self.metrics.connections.inc()
         slot = asyncio.Semaphore(self.config.connection_max_in_flight)
+        budget = ByteBudget(self.config.connection_max_response_bytes)
         opened = False
         try:
             while True:
@@ -830,7 +873,13 @@ class StorageNode:
                 try:
                     msg = st.decode(payload)
                 except RemoteProtocolError as e:
-                    log.warning("closing storage connection from %s: %s", conn.peername, e)
+                    _peer_warnings.warning(
+                        conn.source,
+                        reason_kind("decode", e),
+                        "closing storage connection from %s: %s",
+                        conn.peername,
+                        e,
+                    )
                     return
                 if isinstance(msg, st.OpenRequest):
                     resp: st.StorageMessage
@@ -839,7 +888,9 @@ class StorageNode:
                         opened = True
                         resp = st.SuccessResponse(msg.session_id, msg.seq_num, msg.partition_id)
                     except ClusterKeyMismatchError as e:
-                        log.warning("refusing open from %s: %s", conn.peername, e)
+                        _peer_warnings.warning(
+                            conn.source, reason_kind("open", e), "refusing open from %s: %s", conn.peername, e
+                        )
                         resp = st.failure_from_error(msg.session_id, msg.seq_num, msg.partition_id, e)
                     conn.send(st.encode(resp))
                     continue
@@ -870,9 +921,15 @@ class StorageNode:
                     part.session_id = msg.session_id  # fence older sessions on arrival
                     self.metrics.session.labels(part.partition_id).set(part.session_id)
                 await slot.acquire()  # bounded unanswered requests per connection
-                await part.enqueue(_Item(msg, conn, slot=slot, arrived_s=time.monotonic()))
-                # A peer that sends but does not read must not grow our write buffer without bound.
+                reserved = _response_estimate(msg)
+                if reserved:
+                    await budget.acquire(reserved)  # bounded bytes of read responses per connection
+                # A peer that sends but does not read must not grow our write buffer without bound: with the
+                # reservation held and the buffer drained, unsent + reserved stays within high-water + budget.
                 await conn.drain()
+                await part.enqueue(
+                    _Item(msg, conn, slot=slot, arrived_s=time.monotonic(), budget=budget, reserved=reserved)
+                )
         except ConnectionError_:
             pass
         finally:
