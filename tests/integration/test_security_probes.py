@@ -6,14 +6,23 @@ cluster's own clients keep committing beside it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from pathlib import Path
 
 import pytest
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoAuthError
 
 from tests.integration.conftest import ClusterFactory
 from tests.integration.raw_client import RawClient
 from tests.integration.server_process import Cluster, wait_until
+from waltz.client.config import ClientConfig
+from waltz.client.reader import LogReader
 from waltz.cluster import store_metadata as sm
+from waltz.cluster import zk as zkutil
 from waltz.cluster.membership import ClusterWatcher
+from waltz.cluster.partition_metadata import PartitionMetadata
+from waltz.cluster.zk import ClusterPaths, ZkAuth, digest_id
 from waltz.errors import SessionFencedError
 from waltz.server.storage_client import StorageClient
 
@@ -83,3 +92,65 @@ def test_a_forged_session_id_fences_nothing_and_persists_nothing(cluster_factory
                 await client.aclose()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(90)
+def test_zookeeper_acls_refuse_anonymous_reads_and_writes(
+    tmp_path: Path, zk: KazooClient, zk_connect_string: str
+) -> None:
+    cluster_auth, app_auth = tmp_path / "cluster.auth", tmp_path / "app.auth"
+    cluster_auth.write_text("waltz:cluster-secret\n")
+    app_auth.write_text("app:app-secret\n")
+    reader = digest_id("app:app-secret")
+    identity = {"zookeeper.authFile": str(cluster_auth), "zookeeper.aclReaders": reader}
+    operator = zkutil.connect(
+        zk_connect_string, session_timeout_ms=4000, auth=ZkAuth("waltz:cluster-secret", (reader,))
+    )
+    app = zkutil.connect(zk_connect_string, session_timeout_ms=4000, auth=ZkAuth("app:app-secret"))
+    cluster = Cluster(tmp_path / "c", operator, zk_connect_string, server_config=identity)
+    cluster.storage_config.update(identity)
+    _zk_storage_config(cluster)
+
+    async def main() -> None:
+        await cluster.start(storages=3, servers=1)
+        async with ClusterWatcher(operator, cluster.root) as watcher:
+            client = await RawClient(watcher, 1).start()
+            try:
+                assert await _append(client, 3, b"before") == [0, 1, 2]
+                paths = ClusterPaths(cluster.root)
+                forged = PartitionMetadata(generation=1002, session_id=0).encode(0)
+                # Anonymous: cannot read the cluster key, cannot rewrite a partition's metadata or register
+                # a fake server.
+                with pytest.raises(NoAuthError):
+                    zk.get(paths.store)
+                with pytest.raises(NoAuthError):
+                    zk.set(paths.partition(0), forged)
+                with pytest.raises(NoAuthError):
+                    zk.create(paths.server_descriptor_prefix + "forged", b"x")
+                # The application identity reads what discovery needs and takes client ids, nothing more.
+                assert sm.read_store_params(app, cluster.root).cluster_key == cluster.cluster_key
+                assert sm.next_id(app, cluster.root, "client") >= 1
+                with pytest.raises(NoAuthError):
+                    app.set(paths.partition(0), forged)
+                config = ClientConfig(
+                    zookeeper_connect_string=zk_connect_string,
+                    cluster_root=cluster.root,
+                    zookeeper_auth_file=str(app_auth),
+                )
+                async with LogReader(config) as log_reader:
+                    assert await log_reader.high_water_mark(0) == 2
+                # A server restart (the moment the forged generation used to bite) serves on.
+                await asyncio.to_thread(cluster.servers[0].restart)
+                assert await _append(client, 3, b"after") == [3, 4, 5]
+                assert client.violations == []
+            finally:
+                await client.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        cluster.stop()
+        with contextlib.suppress(Exception):
+            operator.delete(cluster.root, recursive=True)
+        zkutil.close(app)
+        zkutil.close(operator)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from waltz.cluster.zk import ZkAuth, zk_auth_keys
 from waltz.config import ConfigSchema, Key, distinct_ports, read_yaml
 from waltz.errors import ConfigError
 from waltz.server.store.support import StoreConfig
@@ -22,6 +23,7 @@ SERVER_SCHEMA = ConfigSchema(
         Key("zookeeper.connectString", str, doc="ZooKeeper ensemble"),
         Key("zookeeper.sessionTimeout", int, 30000, "ZooKeeper session timeout (ms)", 1000),
         Key("cluster.root", str, doc="cluster root znode"),
+        *zk_auth_keys(),
         Key("server.host", str, "127.0.0.1", "address to listen on and to advertise"),
         Key("server.port", int, doc="client port (0 = pick a free port)", min_value=0, max_value=65535),
         Key("server.http.port", int, 0, "HTTP port for /health and /metrics (0 = off)", 0, 65535),
@@ -67,6 +69,8 @@ class ServerConfig:
     store: StoreConfig
     tls: TlsConfig = field(default_factory=lambda: TlsConfig(prefix="server.ssl."))
     """``server.ssl.*``: TLS towards clients and towards storage nodes (see :mod:`waltz.tls`)."""
+    zookeeper_auth: ZkAuth = field(default_factory=ZkAuth)
+    """``zookeeper.authFile``/``aclReaders``: how the server authenticates with ZooKeeper."""
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], source: str = "server config") -> ServerConfig:
@@ -111,6 +115,7 @@ class ServerConfig:
                 rpc_timeout_ms=c["storage.rpcTimeout"],
             ),
             tls=TlsConfig.from_config(c, "server.ssl.", role="both", source=source),
+            zookeeper_auth=ZkAuth.from_config(c, source),
         )
 
     @classmethod

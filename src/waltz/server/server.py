@@ -190,7 +190,10 @@ class WaltzServer:
     @classmethod
     async def start(cls, config: ServerConfig) -> WaltzServer:
         client = await asyncio.to_thread(
-            zk.connect, config.zookeeper_connect, session_timeout_ms=config.zookeeper_session_timeout_ms
+            zk.connect,
+            config.zookeeper_connect,
+            session_timeout_ms=config.zookeeper_session_timeout_ms,
+            auth=config.zookeeper_auth,
         )
         try:
             params = await asyncio.to_thread(read_store_params, client, config.cluster_root)

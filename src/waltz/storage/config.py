@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from waltz.cluster.zk import ZkAuth, zk_auth_keys
 from waltz.config import ConfigSchema, Key, distinct_ports, read_yaml
 from waltz.errors import ConfigError
 from waltz.tls import TlsConfig, tls_keys
@@ -45,6 +46,7 @@ STORAGE_SCHEMA = ConfigSchema(
         Key("zookeeper.connectString", str, "", "ZooKeeper ensemble; empty = standalone"),
         Key("zookeeper.sessionTimeout", int, 30000, "ZooKeeper session timeout", 1000),
         Key("cluster.root", str, "", "cluster root znode"),
+        *zk_auth_keys(),
         *tls_keys("storage.ssl."),
     ],
 )
@@ -72,6 +74,8 @@ class StorageConfig:
     cluster_root: str
     tls: TlsConfig = field(default_factory=lambda: TlsConfig(prefix="storage.ssl."))
     """``storage.ssl.*``: TLS on the data and admin ports (see :mod:`waltz.tls`)."""
+    zookeeper_auth: ZkAuth = field(default_factory=ZkAuth)
+    """``zookeeper.authFile``/``aclReaders``: how the node authenticates with ZooKeeper."""
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], source: str = "storage config") -> StorageConfig:
@@ -104,6 +108,7 @@ class StorageConfig:
             zookeeper_session_timeout_ms=c["zookeeper.sessionTimeout"],
             cluster_root=c["cluster.root"],
             tls=TlsConfig.from_config(c, "storage.ssl.", role="listen", source=source),
+            zookeeper_auth=ZkAuth.from_config(c, source),
         )
 
     @classmethod

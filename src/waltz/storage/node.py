@@ -860,7 +860,11 @@ def load_cluster_identity(config: StorageConfig) -> tuple[uuid.UUID, int]:
         from waltz.cluster import zk
         from waltz.cluster.store_metadata import read_store_params
 
-        client = zk.connect(config.zookeeper_connect, session_timeout_ms=config.zookeeper_session_timeout_ms)
+        client = zk.connect(
+            config.zookeeper_connect,
+            session_timeout_ms=config.zookeeper_session_timeout_ms,
+            auth=config.zookeeper_auth,
+        )
         try:
             params = read_store_params(client, config.cluster_root)
         finally:
@@ -886,7 +890,10 @@ async def run_node(config: StorageConfig, *, ready: Callable[[StorageNode], None
 
         # Kept for the node's lifetime: new session ids are checked against the partitions' metadata.
         zk_client = await asyncio.to_thread(
-            zk.connect, config.zookeeper_connect, session_timeout_ms=config.zookeeper_session_timeout_ms
+            zk.connect,
+            config.zookeeper_connect,
+            session_timeout_ms=config.zookeeper_session_timeout_ms,
+            auth=config.zookeeper_auth,
         )
         authority = ZkSessionAuthority(zk_client, config.cluster_root, SESSION_CHECK_TIMEOUT_S)
     try:
