@@ -15,7 +15,7 @@ from typing import Any
 from waltz.cluster.zk import ZkAuth, zk_auth_keys
 from waltz.config import ConfigSchema, Key, distinct_ports, read_yaml
 from waltz.errors import ConfigError
-from waltz.tls import TlsConfig, tls_keys
+from waltz.tls import TlsConfig, parse_peer_names, tls_keys
 
 
 def _uuid_check(value: Any) -> str | None:
@@ -48,6 +48,13 @@ STORAGE_SCHEMA = ConfigSchema(
         Key("cluster.root", str, "", "cluster root znode"),
         *zk_auth_keys(),
         *tls_keys("storage.ssl."),
+        Key(
+            "storage.ssl.allowedPeers",
+            str,
+            "",
+            "certificate common names allowed on the data and admin ports (comma-separated; empty: any "
+            "certificate the CA signed)",
+        ),
     ],
 )
 
@@ -76,6 +83,8 @@ class StorageConfig:
     """``storage.ssl.*``: TLS on the data and admin ports (see :mod:`waltz.tls`)."""
     zookeeper_auth: ZkAuth = field(default_factory=ZkAuth)
     """``zookeeper.authFile``/``aclReaders``: how the node authenticates with ZooKeeper."""
+    allowed_peers: tuple[str, ...] = ()
+    """``storage.ssl.allowedPeers``: the certificate common names (servers, operators) that may connect."""
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], source: str = "storage config") -> StorageConfig:
@@ -109,9 +118,19 @@ class StorageConfig:
             cluster_root=c["cluster.root"],
             tls=TlsConfig.from_config(c, "storage.ssl.", role="listen", source=source),
             zookeeper_auth=ZkAuth.from_config(c, source),
+            allowed_peers=_allowed_peers(c, source),
         )
 
     @classmethod
     def load(cls, path: str | Path) -> StorageConfig:
         """Read and validate ``path``; every problem is reported as one line in a ConfigError."""
         return cls.from_mapping(read_yaml(path), str(path))
+
+
+def _allowed_peers(c: dict[str, Any], source: str) -> tuple[str, ...]:
+    names = parse_peer_names(c["storage.ssl.allowedPeers"])
+    if names and not c["storage.ssl.caFile"]:
+        raise ConfigError(
+            f"{source}: storage.ssl.allowedPeers needs storage.ssl.caFile (client certificates to check)"
+        )
+    return names

@@ -62,7 +62,7 @@ from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import FLAG_AVAILABLE, ControlFile, PartitionInfo
 from waltz.storage.fileio import OS_FS
 from waltz.storage.partition import PartitionLog, delete_log_files
-from waltz.tls import TlsConfig
+from waltz.tls import TlsConfig, peer_common_name
 from waltz.transport import FramedConnection, FramedServer, serve, tune_gc, wait_for_stop_signal
 
 log = logging.getLogger(__name__)
@@ -150,6 +150,12 @@ class _Metrics:
         )
         self.queue = Gauge("waltz_storage_queue_size", "Queued requests", ["partition"], registry=registry)
         self.connections = Gauge("waltz_storage_connections", "Open data connections", registry=registry)
+        self.refused_peers = Counter(
+            "waltz_storage_refused_peers",
+            "Connections refused because the peer certificate is not in storage.ssl.allowedPeers",
+            ["port"],
+            registry=registry,
+        )
         self.refused_sessions = Counter(
             "waltz_storage_refused_session_ids",
             "Requests refused for a session id the cluster's metadata never handed out",
@@ -609,7 +615,27 @@ class StorageNode:
 
     # -- data port ---------------------------------------------------------------------------------
 
+    def _peer_refused(self, conn: FramedConnection, port: str) -> bool:
+        """True (logged) if ``storage.ssl.allowedPeers`` is set and the peer's certificate is not listed: a
+        client certificate from the same CA must not reach the ports that fence, truncate and unassign."""
+        allowed = self.config.allowed_peers
+        if not allowed:
+            return False
+        name = peer_common_name(conn.peercert)
+        if name in allowed:
+            return False
+        self.metrics.refused_peers.labels(port).inc()
+        log.warning(
+            "refusing %s connection from %s: certificate %r is not in storage.ssl.allowedPeers",
+            port,
+            conn.peername,
+            name,
+        )
+        return True
+
     async def _serve_data(self, conn: FramedConnection) -> None:
+        if self._peer_refused(conn, "data"):
+            return
         self.metrics.connections.inc()
         slot = asyncio.Semaphore(self.config.connection_max_in_flight)
         opened = False
@@ -826,6 +852,8 @@ class StorageNode:
         raise RemoteProtocolError(f"{type(msg).__name__} is not an admin request")
 
     async def _serve_admin(self, conn: FramedConnection) -> None:
+        if self._peer_refused(conn, "admin"):
+            return
         opened = False
         with contextlib.suppress(ConnectionError_):
             while True:
