@@ -109,6 +109,12 @@ class _Metrics:
             "waltz_server_cache_hit_ratio", "Cache hits / lookups", ["cache"], registry=registry
         )
         self.partitions = Gauge("waltz_server_partitions", "Partitions owned", registry=registry)
+        self.damaged_reads = Gauge(
+            "waltz_server_damaged_replica_reads",
+            "Reads that found a replica's stored copy damaged and went to another replica",
+            ["partition"],
+            registry=registry,
+        )
 
     # Gauges of live state are read when scraped (set_function), not copied now and then: a scrape of
     # /metrics alone must see the current high-water mark.
@@ -119,10 +125,11 @@ class _Metrics:
         self.pending.labels(label).set_function(lambda: part.pending_appends)
         self.feeds.labels(label).set_function(lambda: part.feed_context_count)
         self.healthy.labels(label).set_function(lambda: 1 if part.is_healthy else 0)
+        self.damaged_reads.labels(label).set_function(lambda: sum(part.store.damaged_replicas.values()))
 
     def unexport_partition(self, pid: int) -> None:
         label = str(pid)
-        for gauge in (self.hwm, self.pending, self.feeds, self.healthy, self.generation):
+        for gauge in (self.hwm, self.pending, self.feeds, self.healthy, self.generation, self.damaged_reads):
             with contextlib.suppress(KeyError):
                 gauge.remove(label)
 
@@ -376,7 +383,18 @@ class WaltzServer:
     def health(self) -> tuple[bool, dict[str, Any]]:
         zk_ok = bool(self.zk.connected) and not self._suspended
         parts = {str(pid): p.is_healthy for pid, p in sorted(self.partitions.items())}
-        return zk_ok and all(parts.values()), {"zookeeper": zk_ok, "partitions": parts}
+        # Replicas whose stored copies failed a read here (reads went elsewhere and a repair was started):
+        # for operators and `waltz cluster verify`; they do not make the server unhealthy.
+        damaged = {
+            str(pid): dict(p.store.damaged_replicas)
+            for pid, p in sorted(self.partitions.items())
+            if p.store.damaged_replicas
+        }
+        return zk_ok and all(parts.values()), {
+            "zookeeper": zk_ok,
+            "partitions": parts,
+            "damagedReplicaReads": damaged,
+        }
 
     # -- client connections --
 

@@ -45,6 +45,7 @@ from waltz.errors import (
     ClosedResourceError,
     ClusterKeyMismatchError,
     ConnectionError_,
+    CorruptionError,
     PartitionNotAssignedError,
     RemoteProtocolError,
     SessionFencedError,
@@ -62,6 +63,7 @@ from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import FLAG_AVAILABLE, ControlFile, PartitionInfo
 from waltz.storage.fileio import OS_FS
 from waltz.storage.partition import PartitionLog, delete_log_files
+from waltz.storage.segment import RecordCorruptionError
 from waltz.tls import TlsConfig, peer_common_name
 from waltz.transport import FramedConnection, FramedServer, serve, tune_gc, wait_for_stop_signal
 
@@ -78,6 +80,8 @@ SESSION_RECHECK_INTERVAL_S = 0.2
 peer sending forged ids can cause; a real new session retries after its back-off and passes)."""
 REFUSAL_LOG_INTERVAL_S = 10.0
 """At most one warning per partition per this many seconds about refused session ids."""
+MAX_DAMAGED_REPORTED = 1000
+"""Damaged transaction ids remembered per partition (for metrics, /health and ``cluster verify``)."""
 
 
 @dataclass(slots=True)
@@ -150,6 +154,18 @@ class _Metrics:
         )
         self.queue = Gauge("waltz_storage_queue_size", "Queued requests", ["partition"], registry=registry)
         self.connections = Gauge("waltz_storage_connections", "Open data connections", registry=registry)
+        self.corrupt_records = Counter(
+            "waltz_storage_corrupt_records",
+            "Stored records found damaged (checksum, id or length) by a read",
+            ["partition"],
+            registry=registry,
+        )
+        self.repaired_records = Counter(
+            "waltz_storage_repaired_records",
+            "Damaged records overwritten with a good copy from another replica",
+            ["partition"],
+            registry=registry,
+        )
         self.refused_peers = Counter(
             "waltz_storage_refused_peers",
             "Connections refused because the peer certificate is not in storage.ssl.allowedPeers",
@@ -175,6 +191,8 @@ class StoragePartition:
         self.session_id = info.session_id
         self.verified_session_id = info.session_id
         """The highest session id the cluster's metadata is known to have handed out (see authority.py)."""
+        self.damaged: dict[int, str] = {}
+        """Transaction ids whose stored copy failed verification here and was not repaired yet -> reason."""
         self.session_check = asyncio.Lock()
         self.last_refusal_s = -1e9
         self.last_refusal_log_s = -1e9
@@ -313,9 +331,45 @@ class StoragePartition:
                 budget = max(0, min(msg.max_bytes, MAX_LIST_BYTES))
                 count, run = plog.read_run(msg.transaction_id, n, max_bytes=budget) if n else (0, b"")
                 return st.RecordRunResponse(sid, seq, pid, count, run)
+            if isinstance(msg, st.RepairRequest):
+                plog = self._check_writable(msg, False)
+                self._repaired(plog.repair(msg.records))
+                return st.SuccessResponse(sid, seq, pid)
             raise RemoteProtocolError(f"{type(msg).__name__} is not a request")
+        except RecordCorruptionError as e:
+            self.note_damage(e.transaction_id, str(e))
+            # Sent as the plain CorruptionError the peer knows: the server then reads another replica.
+            return self._failure(msg, CorruptionError(str(e)))
         except WaltzError as e:
             return self._failure(msg, e)
+
+    def note_damage(self, transaction_id: int, reason: str) -> None:
+        """Report a damaged stored record: one ERROR line and a metric per record, kept for status."""
+        if transaction_id in self.damaged:
+            return
+        if len(self.damaged) < MAX_DAMAGED_REPORTED:
+            self.damaged[transaction_id] = reason
+        self.node.metrics.corrupt_records.labels(self.partition_id).inc()
+        log.error(
+            "partition %d: stored transaction %d is damaged on this node (%s); readers fall back to another "
+            "replica, which repairs this copy",
+            self.partition_id,
+            transaction_id,
+            reason,
+        )
+
+    def _repaired(self, ids: list[int]) -> None:
+        for txn in ids:
+            self.damaged.pop(txn, None)
+            self.node.metrics.repaired_records.labels(self.partition_id).inc()
+        if ids:
+            log.info(
+                "partition %d: repaired %d damaged record(s) from another replica's copy (%d..%d)",
+                self.partition_id,
+                len(ids),
+                min(ids),
+                max(ids),
+            )
 
     def _set_low_water_mark(self, msg: st.SetLowWaterMarkRequest) -> st.StorageMessage:
         plog = self._check_writable(msg, msg.offline)
@@ -568,7 +622,7 @@ class StorageNode:
             )
             node.admin_port = node._admin_server.port
             if config.http_port:
-                node._http = HttpEndpoint(node.registry, lambda: (True, {"storage": "ok"}))
+                node._http = HttpEndpoint(node.registry, node.health)
                 node.http_port = await node._http.start(config.host, config.http_port)
         except BaseException:
             await node.aclose()
@@ -774,6 +828,12 @@ class StorageNode:
     async def set_available(self, pid: int, available: bool) -> None:
         await self._on_partition(pid, lambda: self.control.set_available(pid, available))
 
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """``/health``: the node serves; damaged records not repaired yet are listed per partition (for
+        operators and ``waltz cluster verify``)."""
+        damaged = {str(p.partition_id): sorted(p.damaged) for p in self.partitions if p.damaged}
+        return True, {"storage": "ok", "damagedTransactions": damaged}
+
     def statuses(self) -> list[adm.PartitionStatus]:
         out = []
         for p in self.partitions:
@@ -798,6 +858,7 @@ class StorageNode:
                 "maxTransactionId": p.log.max_transaction_id if p.log is not None else -1,
                 "queueSize": len(p.queue),
                 "fsyncs": p.fsync_count,
+                "damagedTransactions": sorted(p.damaged),
             }
         return json.dumps(
             {"partitions": parts, "numPartitions": len(self.partitions)}, indent=2, sort_keys=True
