@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from waltz.errors import CorruptionError, DataChecksumError, StorageError, TransactionOutOfOrderError
+from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
 from waltz.protocol.record_run import RecordRun
 from waltz.protocol.records import Record, ReqId
 from waltz.storage.fileio import CrashFS
