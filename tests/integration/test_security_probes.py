@@ -19,7 +19,7 @@ from kazoo.exceptions import NoAuthError
 from tests.integration.conftest import ClusterFactory
 from tests.integration.raw_client import RawClient
 from tests.integration.server_process import Cluster, wait_until
-from tests.integration.storage_process import StorageProcess
+from tests.integration.storage_process import DEFAULT_KEY, StorageProcess
 from waltz.client.config import ClientConfig
 from waltz.client.reader import LogReader
 from waltz.cluster import store_metadata as sm
@@ -28,7 +28,8 @@ from waltz.cluster.membership import ClusterWatcher
 from waltz.cluster.partition_metadata import PartitionMetadata
 from waltz.cluster.zk import ClusterPaths, ZkAuth, digest_id
 from waltz.errors import CorruptionError, SessionFencedError
-from waltz.server.storage_client import StorageClient
+from waltz.protocol.records import Record, ReqId
+from waltz.server.storage_client import AdminClient, StorageClient
 
 pytestmark = [pytest.mark.integration]
 
@@ -231,3 +232,32 @@ class _AnyPositive:
 
 
 ANY_POSITIVE: Any = _AnyPositive()
+
+
+@pytest.mark.timeout(60)
+def test_the_background_scrub_finds_a_flipped_byte_nobody_read(tmp_path: Path) -> None:
+    config = {"storage.scrub.bytesPerSecond": 10_000_000, "storage.scrub.pauseMs": 100}
+    with StorageProcess(tmp_path, config=config).start() as sp:
+
+        async def main() -> None:
+            admin = await AdminClient.connect("127.0.0.1", sp.admin_port, DEFAULT_KEY, sp.num_partitions)
+            data = await StorageClient.connect("127.0.0.1", sp.port, DEFAULT_KEY, sp.num_partitions)
+            async with admin, data:
+                await admin.set_assigned([0], True)
+                batch = [Record.build(i, ReqId.of(1, 1, 0, i), 0, b"scrubbed-%04d" % i) for i in range(200)]
+                await data.append(0, 0, batch)
+                _flip_byte(sp, 0, b"scrubbed-0150")
+
+                async def found() -> bool:
+                    metrics = json.loads(await admin.metrics_json())
+                    return bool(metrics["partitions"]["0"]["damagedTransactions"] == [150])
+
+                await wait_until(found, 20, "the scrub to report transaction 150 damaged")
+                assert "stored transaction 150 is damaged" in sp.log_text()
+                # Repaired from a good copy (as a server does after a read found it), it verifies again.
+                await data.repair(0, 0, batch[150:151])
+                (rec,) = await admin.read_records(0, 150, 1)
+                assert rec == batch[150]
+                assert json.loads(await admin.metrics_json())["partitions"]["0"]["damagedTransactions"] == []
+
+        asyncio.run(main())

@@ -41,6 +41,15 @@ STORAGE_SCHEMA = ConfigSchema(
         Key("storage.partition.queueSize", int, 1000, "requests queued per partition", 1, 1_000_000),
         Key("storage.connection.maxInFlight", int, 2000, "unanswered requests per connection", 1, 1_000_000),
         Key("storage.maxGroupCommitRecords", int, 20_000, "records written before one fsync", 1, 10_000_000),
+        Key(
+            "storage.scrub.bytesPerSecond",
+            int,
+            4 * 1024 * 1024,
+            "background verification read rate (0 = no scrub)",
+            0,
+            2**40,
+        ),
+        Key("storage.scrub.pauseMs", int, 60_000, "pause between two scrub passes over every partition", 1),
         Key("storage.cluster.key", str, "", "cluster key when not using ZooKeeper", check=_uuid_check),
         Key("storage.cluster.numPartitions", int, 0, "partition count when not using ZooKeeper", 0, 100_000),
         Key("zookeeper.connectString", str, "", "ZooKeeper ensemble; empty = standalone"),
@@ -74,6 +83,8 @@ class StorageConfig:
     partition_queue_size: int
     connection_max_in_flight: int
     max_group_commit_records: int
+    scrub_bytes_per_second: int
+    scrub_pause_ms: int
     cluster_key: uuid.UUID | None
     num_partitions: int
     zookeeper_connect: str
@@ -111,6 +122,8 @@ class StorageConfig:
             partition_queue_size=c["storage.partition.queueSize"],
             connection_max_in_flight=c["storage.connection.maxInFlight"],
             max_group_commit_records=c["storage.maxGroupCommitRecords"],
+            scrub_bytes_per_second=c["storage.scrub.bytesPerSecond"],
+            scrub_pause_ms=c["storage.scrub.pauseMs"],
             cluster_key=uuid.UUID(key) if key else None,
             num_partitions=c["storage.cluster.numPartitions"],
             zookeeper_connect=zk,
