@@ -261,3 +261,49 @@ def test_the_background_scrub_finds_a_flipped_byte_nobody_read(tmp_path: Path) -
                 assert json.loads(await admin.metrics_json())["partitions"]["0"]["damagedTransactions"] == []
 
         asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_control_entry_with_both_copies_corrupt_takes_down_only_its_partition(tmp_path: Path) -> None:
+    sp = StorageProcess(tmp_path)
+    batch = [Record.build(i, ReqId.of(1, 1, 0, i), 0, b"kept-%d" % i) for i in range(5)]
+
+    async def fill() -> None:
+        admin = await AdminClient.connect("127.0.0.1", sp.admin_port, DEFAULT_KEY, sp.num_partitions)
+        data = await StorageClient.connect("127.0.0.1", sp.port, DEFAULT_KEY, sp.num_partitions)
+        async with admin, data:
+            await admin.set_assigned([0, 1], True)
+            await data.append(0, 0, batch)
+            await data.append(0, 1, batch)
+
+    async def after_restart() -> None:
+        admin = await AdminClient.connect("127.0.0.1", sp.admin_port, DEFAULT_KEY, sp.num_partitions)
+        data = await StorageClient.connect("127.0.0.1", sp.port, DEFAULT_KEY, sp.num_partitions)
+        async with admin, data:
+            # Partition 0 serves on; partition 1 is down with a reason that says what to do.
+            assert await data.read_records(0, 0, 0, 10) == batch
+            with pytest.raises(CorruptionError, match="control file entry is damaged"):
+                await data.read_records(0, 1, 0, 10)
+            metrics = json.loads(await admin.metrics_json())
+            assert list(metrics["damagedControlEntries"]) == ["1"]
+            # The repair path: remove the replica with its files (it is then copied again from the others).
+            with pytest.raises(CorruptionError, match="unassign it with its files deleted"):
+                await admin.set_assigned([1], True)
+            await admin.set_assigned([1], False, delete_files=True)
+            await admin.set_assigned([1], True)
+            assert await data.max_transaction_id(0, 1) == -1
+            await data.append(0, 1, batch[:1])
+            assert json.loads(await admin.metrics_json())["damagedControlEntries"] == {}
+
+    with sp.start():
+        asyncio.run(fill())
+    sp.stop()
+    control = sp.directory / "waltz-storage.ctl"
+    raw = bytearray(control.read_bytes())
+    entry = 128 + 76 * 1  # header, then 76 bytes per partition: id, struct A, struct B
+    raw[entry + 4 + 5] ^= 0xFF
+    raw[entry + 40 + 5] ^= 0xFF
+    control.write_bytes(bytes(raw))
+    with sp.start():
+        asyncio.run(after_restart())
+    assert "partition 1 is down on this node" in sp.log_text()

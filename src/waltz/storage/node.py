@@ -232,6 +232,12 @@ class StoragePartition:
     # -- checks -----------------------------------------------------------------------------------
 
     def _check(self, msg: st.StorageMessage, offline: bool) -> PartitionLog:
+        damage = self.node.control.damaged.get(self.partition_id)
+        if damage is not None:
+            raise CorruptionError(
+                f"partition {self.partition_id} is down on this node: its control file entry is damaged "
+                f"({damage}); remove this replica with its files and add it again"
+            )
         info = self.info
         if not info.assigned or self.log is None:
             raise PartitionNotAssignedError(f"Partition:{self.partition_id} is not assigned.")
@@ -839,6 +845,20 @@ class StorageNode:
             raise PartitionNotAssignedError(f"Partition:{pid} does not exist.")
 
         def op() -> None:
+            if pid in self.control.damaged:
+                # The entry no longer says which session this replica took part in: its files cannot be
+                # trusted either. Only removing them resets the entry (the replica is then re-copied).
+                if assigned or not delete_files:
+                    raise CorruptionError(
+                        f"partition {pid}'s control file entry is damaged on this node "
+                        f"({self.control.damaged[pid]}); unassign it with its files deleted first"
+                    )
+                self.control.reset(pid)
+                self.control.update(pid, flags=FLAG_AVAILABLE)
+                part.session_id = -1
+                part.close_log()
+                delete_log_files(OS_FS, os.path.join(self.config.directory, str(pid)))
+                return
             if assigned:
                 part.open_log()
                 self.control.set_assigned(pid, True)
@@ -889,13 +909,19 @@ class StorageNode:
         """``/health``: the node serves; damaged records not repaired yet are listed per partition (for
         operators and ``waltz cluster verify``)."""
         damaged = {str(p.partition_id): sorted(p.damaged) for p in self.partitions if p.damaged}
-        return True, {"storage": "ok", "damagedTransactions": damaged}
+        return True, {
+            "storage": "ok",
+            "damagedTransactions": damaged,
+            "damagedControlEntries": {str(pid): why for pid, why in sorted(self.control.damaged.items())},
+        }
 
     def statuses(self) -> list[adm.PartitionStatus]:
         out = []
         for p in self.partitions:
             info = p.info
-            if info.assigned:
+            if p.partition_id in self.control.damaged:
+                out.append(adm.PartitionStatus(p.partition_id, False))  # held here, and down
+            elif info.assigned:
                 out.append(adm.PartitionStatus(p.partition_id, info.assigned and info.available))
         return out
 
@@ -917,8 +943,11 @@ class StorageNode:
                 "fsyncs": p.fsync_count,
                 "damagedTransactions": sorted(p.damaged),
             }
+        damaged = {str(pid): why for pid, why in sorted(self.control.damaged.items())}
         return json.dumps(
-            {"partitions": parts, "numPartitions": len(self.partitions)}, indent=2, sort_keys=True
+            {"partitions": parts, "numPartitions": len(self.partitions), "damagedControlEntries": damaged},
+            indent=2,
+            sort_keys=True,
         )
 
     async def _admin_request(self, msg: adm.AdminMessage, opened: bool) -> adm.AdminMessage:
