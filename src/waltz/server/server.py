@@ -176,6 +176,12 @@ class _Metrics:
             ["partition"],
             registry=registry,
         )
+        self.damaged_reads = Gauge(
+            "waltz_server_damaged_replica_reads",
+            "Reads that found a replica's stored copy damaged and went to another replica",
+            ["partition"],
+            registry=registry,
+        )
 
     # Gauges of live state are read when scraped (set_function), not copied now and then: a scrape of
     # /metrics alone must see the current high-water mark.
@@ -186,10 +192,11 @@ class _Metrics:
         self.pending.labels(label).set_function(lambda: part.pending_appends)
         self.feeds.labels(label).set_function(lambda: part.feed_context_count)
         self.healthy.labels(label).set_function(lambda: 1 if part.is_healthy else 0)
+        self.damaged_reads.labels(label).set_function(lambda: sum(part.store.damaged_replicas.values()))
 
     def unexport_partition(self, pid: int) -> None:
         label = str(pid)
-        for gauge in (self.hwm, self.pending, self.feeds, self.healthy, self.generation):
+        for gauge in (self.hwm, self.pending, self.feeds, self.healthy, self.generation, self.damaged_reads):
             with contextlib.suppress(KeyError):
                 gauge.remove(label)
 
@@ -328,6 +335,7 @@ class WaltzServer:
             config.zookeeper_connect,
             session_timeout_ms=config.zookeeper_session_timeout_ms,
             connect_timeout_ms=config.zookeeper_connect_timeout_ms,
+            auth=config.zookeeper_auth,
         )
         try:
             params = await asyncio.to_thread(read_store_params, client, config.cluster_root)
@@ -630,8 +638,20 @@ class WaltzServer:
             parts[str(pid)] = problem is None and zk_ok
             if problem is not None:
                 problems.append(f"partition {pid}: {problem}")
+        # Replicas whose stored copies failed a read here (reads went elsewhere and a repair was started):
+        # for operators and `waltz cluster verify`; they do not make the server unhealthy.
+        damaged = {
+            str(pid): dict(p.store.damaged_replicas)
+            for pid, p in sorted(self.partitions.items())
+            if p.store.damaged_replicas
+        }
         healthy = zk_ok and self.failure is None and all(parts.values())
-        return healthy, {"zookeeper": zk_ok, "partitions": parts, "problems": problems}
+        return healthy, {
+            "zookeeper": zk_ok,
+            "partitions": parts,
+            "problems": problems,
+            "damagedReplicaReads": damaged,
+        }
 
     # -- client connections --
 
