@@ -1068,7 +1068,9 @@ class StorageNode:
                 offline = bool(
                     getattr(msg, "offline", False) or getattr(msg, "used_by_offline_recovery", False)
                 )
-                if not offline and msg.session_id > part.session_id:
+                if msg.session_id > part.session_id:
+                    # Offline requests too: an offline SetLowWaterMark persists a newer id (recover-partition
+                    # adopts its source's), so a forged one must not get through that way either.
                     refusal = await self._session_refusal(part, msg.session_id, conn.peername)
                     if refusal is not None:
                         conn.send(
@@ -1077,6 +1079,7 @@ class StorageNode:
                             )
                         )
                         continue
+                if not offline and msg.session_id > part.session_id:
                     log.info(
                         "partition %d: session %d from %s fences session %d",
                         part.partition_id,
