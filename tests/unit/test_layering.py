@@ -23,7 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "__version__": set(),
     "config": {"errors"},
     "tls": {"errors", "config"},
-    "http": {"errors"},
+    "http": {"errors", "__version__"},
     "protocol": {"errors"},
     "transport": {"errors", "protocol"},
     "cluster": {"errors", "config"},

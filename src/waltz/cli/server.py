@@ -8,6 +8,7 @@ import json
 from ssl import SSLContext
 from typing import Any
 
+from waltz.cli import logsetup
 from waltz.cli.common import load_cli_tls
 from waltz.config import parse_partition_ranges
 from waltz.errors import RemoteProtocolError
@@ -21,6 +22,7 @@ def register(groups: Any) -> None:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run = sub.add_parser("run", help="run a Waltz server")
     run.add_argument("--config", required=True, metavar="FILE", help="server YAML config")
+    logsetup.add_arguments(run, default_level="INFO")
     run.set_defaults(handler=cmd_run)
 
     ls = sub.add_parser("list", help="partitions a server owns, their health, and its storage connectivity")

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from waltz.cli import logsetup
 from waltz.cli.common import add_cli_config_arg, load_cli_config, load_cli_tls
 from waltz.cluster.store_metadata import format_ranges
 from waltz.config import host_port, parse_partition_ranges
@@ -33,6 +34,7 @@ def register(groups: Any) -> None:
 
     run = sub.add_parser("run", help="run a storage node")
     run.add_argument("--config", required=True, metavar="FILE", help="storage YAML config")
+    logsetup.add_arguments(run, default_level="INFO")
     run.add_argument(
         "--event-loop",
         choices=["auto", "uvloop", "asyncio"],

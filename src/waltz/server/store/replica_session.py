@@ -209,7 +209,6 @@ class ReplicaSession:
     async def run(self) -> None:
         config = self.session.config
         backoff = Backoff(
-            self.session.clock,
             self.session.rng,
             config.initial_retry_interval_ms,
             config.max_retry_interval_ms,
