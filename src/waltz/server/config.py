@@ -21,6 +21,7 @@ SERVER_SCHEMA = ConfigSchema(
     [
         Key("zookeeper.connectString", str, doc="ZooKeeper ensemble"),
         Key("zookeeper.sessionTimeout", int, 30000, "ZooKeeper session timeout (ms)", 1000),
+        Key("zookeeper.connectTimeout", int, 10000, "time allowed to reach ZooKeeper at start (ms)", 100),
         Key("cluster.root", str, doc="cluster root znode"),
         Key("server.host", str, "127.0.0.1", "address to listen on and to advertise"),
         Key("server.port", int, doc="client port (0 = pick a free port)", min_value=0, max_value=65535),
@@ -58,6 +59,7 @@ class ServerConfig:
 
     zookeeper_connect: str
     zookeeper_session_timeout_ms: int
+    zookeeper_connect_timeout_ms: int
     cluster_root: str
     host: str
     port: int
@@ -88,6 +90,7 @@ class ServerConfig:
         return cls(
             zookeeper_connect=c["zookeeper.connectString"],
             zookeeper_session_timeout_ms=c["zookeeper.sessionTimeout"],
+            zookeeper_connect_timeout_ms=c["zookeeper.connectTimeout"],
             cluster_root=c["cluster.root"],
             host=c["server.host"],
             port=c["server.port"],
