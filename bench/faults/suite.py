@@ -54,7 +54,6 @@ from waltz.client.config import ClientConfig
 from waltz.client.reader import LogReader
 from waltz.cluster import store_metadata as sm
 from waltz.cluster import zk as zkutil
-from waltz.cluster import zkserver
 from waltz.local import probe, procs
 from waltz.local.state import LocalCluster
 from waltz.protocol.records import Record
@@ -286,7 +285,7 @@ class Harness:
             finally:
                 self._signal(rec.pid, signal.SIGCONT)
         elif kind == "kill9-zookeeper":
-            await self._kill_zookeeper_for(duration)
+            await self._kill_for("zookeeper", targets, duration)
         elif kind == "cut-server-storage":
             await self._cut_for(self.storage_proxies[targets[0]], duration)
         elif kind == "cut-client-server":
@@ -309,21 +308,6 @@ class Harness:
         await asyncio.sleep(duration_s)
         for index in targets:
             await asyncio.to_thread(local.start, self.directory, kind, index, self.opts.start_timeout_s)
-
-    async def _kill_zookeeper_for(self, duration_s: float) -> None:
-        cluster = self.cluster()
-        rec = cluster.zookeeper
-        await asyncio.to_thread(procs.kill, rec.process)
-        await asyncio.sleep(duration_s)
-        zk = zkserver.ZooKeeperServer(rec.data_dir, rec.port)
-        await asyncio.to_thread(zk.spawn)
-        assert zk.process is not None
-        # Recorded at once, so that `waltz local down` (and our teardown) stops the new process.
-        rec.set_process(procs.adopt(zk.process))
-        cluster.save()
-        await asyncio.to_thread(zk.wait_serving, self.opts.start_timeout_s)
-        rec.set_process(procs.identify(zk.process.pid))
-        cluster.save()
 
     @staticmethod
     async def _cut_for(proxy: LinkProxy, duration_s: float) -> None:
