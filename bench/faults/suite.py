@@ -41,7 +41,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -183,6 +183,9 @@ class Harness:
         self.cluster_up = False
         self.t0 = time.monotonic()
         self.stop_file = directory / "stop-apps"
+        self.pending_tags: list[str] = []
+        """Contexts an app still waited for when it gave up: neither committed nor failed long after the
+        cluster healed (a request dropped without an answer, or a commit the client missed)."""
 
     def log(self, text: str) -> None:
         self.report(f"[seed {self.seed} {time.monotonic() - self.t0:6.1f}s] {text}")
@@ -339,6 +342,7 @@ class Harness:
                 if "summary" in value:
                     for k, v in value["summary"].items():
                         counts[k] = counts.get(k, 0) + int(v)
+                    self.pending_tags += value.get("pending_tags", [])
                     continue
                 if value["tag"] in acks:
                     problems.append(f"app {i} acknowledged {value['tag']} twice")
@@ -386,7 +390,8 @@ class Harness:
             for p in range(self.opts.partitions):
                 hwm = await reader.high_water_mark(p)
                 logs[p] = [r async for r in reader.read(p, 0, hwm)]
-        problems += check_log(logs, {tag: partition for tag, (partition, _) in acks.items()})
+        acked = {tag: partition for tag, (partition, _) in acks.items()}
+        problems += check_log(logs, acked, self.pending_tags)
         problems += await self.verify_replicas({p: len(r) - 1 for p, r in logs.items()}, logs)
         return {p: len(r) for p, r in logs.items()}, problems
 
@@ -453,9 +458,12 @@ class Harness:
             await proxy.aclose()
 
 
-def check_log(logs: dict[int, list[Record]], acked: dict[str, int]) -> list[str]:
+def check_log(
+    logs: dict[int, list[Record]], acked: dict[str, int], unresolved: Sequence[str] = ()
+) -> list[str]:
     """Problems with the committed logs (``{partition: records from id 0}``) given the acknowledged tags
-    (``{tag: partition}``): ids not dense, a tag committed twice, an acknowledged tag missing or misplaced."""
+    (``{tag: partition}``): ids not dense, a tag committed twice, an acknowledged tag missing or misplaced;
+    and every ``unresolved`` tag (a context its app never saw end), saying whether it was committed."""
     problems: list[str] = []
     where: dict[str, list[tuple[int, int]]] = {}
     for p, records in sorted(logs.items()):
@@ -475,6 +483,9 @@ def check_log(logs: dict[int, list[Record]], acked: dict[str, int]) -> list[str]
             problems.append(f"acknowledged but not in the log: {tag} (partition {partition})")
         elif places[0][0] != partition:
             problems.append(f"{tag} sent to partition {partition} but committed in {places[0][0]}")
+    for tag in unresolved:
+        found = f"committed at {where[tag]}" if tag in where else "not in the log"
+        problems.append(f"unresolved: {tag} neither committed nor failed for its client ({found})")
     return problems
 
 
