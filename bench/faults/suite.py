@@ -452,8 +452,18 @@ class Harness:
                 app.kill()
             await asyncio.to_thread(app.wait)
         if self.cluster_up and (self.directory / "cluster.json").exists():
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(local.down, self.directory)
+            # A `waltz local start` abandoned by the run's time limit may still hold the cluster's lock in its
+            # thread (threads cannot be cancelled): try again until it is done, within its own bound.
+            deadline = time.monotonic() + self.opts.start_timeout_s + 30
+            while True:
+                try:
+                    await asyncio.to_thread(local.down, self.directory)
+                    break
+                except Exception as e:  # noqa: BLE001 - reported, and retried until the deadline
+                    if time.monotonic() > deadline:
+                        self.log(f"could not stop the cluster: {e!r}; see {self.directory}/cluster.json")
+                        break
+                    await asyncio.sleep(1.0)
         for proxy in [*self.storage_proxies, *self.server_proxies]:
             await proxy.aclose()
 

@@ -10,7 +10,8 @@ One run = one scenario x one seed, on :class:`~tests.fault.simloop.VirtualTimeLo
   seed picks all three);
 * a *fault script* (the scenario) that crashes, restarts, isolates, restores nodes, crashes or duplicates
   servers and changes the replica set, at seeded random times;
-* a *checker* that runs after every fault action, on every acknowledgement, periodically, and at the end.
+* a *checker* that runs after every step of the event loop (``VirtualTimeLoop``'s ``after_step`` hook: so
+  after every fault action, acknowledgement and message delivery) and at the end.
 
 Invariants checked (:class:`Checker`):
 
