@@ -349,6 +349,23 @@ class Harness:
                 acks[value["tag"]] = (int(value["partition"]), float(value["t"]))
         return acks, counts, problems
 
+    async def wait_apps_appending(self, timeout_s: float) -> None:
+        """Wait until every app has had an append acknowledged, so that the first fault hits a running
+        workload (clients mounted, appends in flight) rather than clients still starting up."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            started = {
+                i
+                for i in range(self.opts.apps)
+                if (path := self.directory / f"acks-{i}.jsonl").exists() and path.stat().st_size > 0
+            }
+            if len(started) == self.opts.apps:
+                return
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.opts.apps)) - started)
+                raise RuntimeError(f"apps {missing} acknowledged nothing within {timeout_s:g}s")
+            await asyncio.sleep(0.2)
+
     async def wait_progress(self, healed_at: float) -> tuple[float | None, list[str]]:
         """Seconds after ``healed_at`` (wall clock) until every partition acknowledged an append."""
         deadline = time.monotonic() + self.opts.stuck_bound_s
@@ -516,8 +533,11 @@ async def _run(harness: Harness, faults: list[Fault], result: Result) -> None:
     opts = harness.opts
     await harness.start_cluster()
     planned_end = max((f.at_s + f.duration_s for f in faults), default=0.0)
-    # The apps append through the faults and the recovery window after them.
-    harness.start_apps(planned_end + opts.stuck_bound_s + 5)
+    # The apps append through the faults and the recovery window after them, until the stop file appears; the
+    # duration is only their own upper bound (fault injection takes longer than planned on a loaded machine).
+    harness.start_apps(2 * planned_end + opts.stuck_bound_s + 120)
+    await harness.wait_apps_appending(opts.start_timeout_s)
+    harness.log("every app is appending; faults start")
     start = time.monotonic()
     for fault in faults:
         await asyncio.sleep(max(0.0, start + fault.at_s - time.monotonic()))
