@@ -57,8 +57,10 @@ async def run(args: argparse.Namespace, out: IO[str]) -> tuple[dict[str, int], l
     async def settle(ctx: ReportingContext, tag: str) -> None:
         try:
             ok, _ = await ctx.done
-        except ClientError:
+        except ClientError as e:
             counts["failed"] += 1
+            out.write(json.dumps({"failed": tag, "error": repr(e)}) + "\n")
+            out.flush()
             return
         finally:
             slots.release()

@@ -145,6 +145,8 @@ class Result:
     acked: int = 0
     log_records: dict[int, int] = field(default_factory=dict)
     app_counts: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    """Facts that are not failures: contexts a client gave up on, and whether they committed."""
     resume_s: float | None = None
     """Seconds from the last heal until every partition acknowledged a new append."""
     elapsed_s: float = 0.0
@@ -158,7 +160,7 @@ class Result:
             f"{self.acked} acknowledged, log {self.log_records}, appends resumed after {resume}, "
             f"apps {self.app_counts}"
         )
-        return "\n  ".join([line, *self.problems])
+        return "\n  ".join([line, *self.problems, *(f"note: {n}" for n in self.notes)])
 
 
 Report = Callable[[str], None]
@@ -183,6 +185,9 @@ class Harness:
         self.cluster_up = False
         self.t0 = time.monotonic()
         self.stop_file = directory / "stop-apps"
+        self.failed_tags: dict[str, str] = {}
+        """Contexts whose client gave up with an error (the outcome of their last append may be unknown)."""
+        self.notes: list[str] = []
         self.pending_tags: list[str] = []
         """Contexts an app still waited for when it gave up: neither committed nor failed long after the
         cluster healed (a request dropped without an answer, or a commit the client missed)."""
@@ -339,6 +344,9 @@ class Harness:
                     value = json.loads(line)
                 except ValueError:
                     continue  # A line cut short by a killed app.
+                if "failed" in value:
+                    self.failed_tags[value["failed"]] = value["error"]
+                    continue
                 if "summary" in value:
                     for k, v in value["summary"].items():
                         counts[k] = counts.get(k, 0) + int(v)
@@ -409,6 +417,11 @@ class Harness:
                 logs[p] = [r async for r in reader.read(p, 0, hwm)]
         acked = {tag: partition for tag, (partition, _) in acks.items()}
         problems += check_log(logs, acked, self.pending_tags)
+        committed = {r.data.decode("utf-8", "replace") for records in logs.values() for r in records}
+        for tag, error in sorted(self.failed_tags.items()):
+            self.notes.append(
+                f"{tag}: its client gave up ({error}); {'committed' if tag in committed else 'not in the log'}"
+            )
         problems += await self.verify_replicas({p: len(r) - 1 for p, r in logs.items()}, logs)
         return {p: len(r) for p, r in logs.items()}, problems
 
@@ -554,6 +567,7 @@ async def _run(harness: Harness, faults: list[Fault], result: Result) -> None:
     harness.log(f"apps done: {result.app_counts}; checking the log and every replica")
     result.log_records, problems = await harness.verify(acks)
     result.problems += problems
+    result.notes += harness.notes
 
 
 async def run_seed_async(
