@@ -419,9 +419,8 @@ class Harness:
         problems += check_log(logs, acked, self.pending_tags)
         committed = {r.data.decode("utf-8", "replace") for records in logs.values() for r in records}
         for tag, error in sorted(self.failed_tags.items()):
-            self.notes.append(
-                f"{tag}: its client gave up ({error}); {'committed' if tag in committed else 'not in the log'}"
-            )
+            where = "committed" if tag in committed else "not in the log"
+            self.notes.append(f"{tag}: its client gave up ({error}); {where}")
         problems += await self.verify_replicas({p: len(r) - 1 for p, r in logs.items()}, logs)
         return {p: len(r) for p, r in logs.items()}, problems
 
