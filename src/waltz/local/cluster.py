@@ -648,7 +648,8 @@ def start(
             return rec
         if not procs.is_alive(cluster.zookeeper.process):
             raise ClusterError(
-                "ZooKeeper is not running; the cluster cannot be repaired one process at a time"
+                f"ZooKeeper is not running: start it first with `waltz local start --dir {cluster.directory} "
+                "--zookeeper`"
             )
         _start_process(rec, timeout_s)
         cluster.save()

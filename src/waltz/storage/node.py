@@ -652,6 +652,17 @@ class StoragePartition:
             low_water_mark=msg.low_water_mark,
             local_low_water_mark=max_id,
         )
+        # The fencing id never trails the persisted one (a restart initialises it from there): after an
+        # offline adoption, sessions older than the adopted one stay fenced.
+        self.session_id = max(self.session_id, msg.session_id)
+        if msg.offline and msg.session_id != info.session_id:
+            log.info(
+                "partition %d: offline recovery set low-water mark %d and adopted session %d (was %d)",
+                self.partition_id,
+                msg.low_water_mark,
+                msg.session_id,
+                info.session_id,
+            )
         return st.SuccessResponse(msg.session_id, msg.seq_num, msg.partition_id)
 
     async def _group_commit(self, first: _Item) -> None:
