@@ -13,7 +13,10 @@ Delivery guarantees
     Within one task, rows of one partition are appended in row order unless an append has to be retried.
 
     *``exactlyOnce=true`` (streaming only) appends each micro-batch exactly once,* keyed by
-    (``queryId``, batch id). Tasks send their rows to the driver in their commit messages, and the driver's
+    (``queryId``, checkpoint, batch id), the checkpoint being :func:`checkpoint_identity` of the writer's
+    ``checkpointLocation`` (a new checkpoint restarts batch ids at 0, so without it a reused ``queryId``
+    would skip the new checkpoint's batches). Tasks send their rows to the driver in their commit messages,
+    and the driver's
     :func:`exactly_once_commit` appends them between two marker transactions in the marker partition (the
     ``partition`` option): ``BEGIN(query, batch)``, then the rows, then ``END(query, batch)``. Before
     appending it scans the last :data:`EXACTLY_ONCE_SCAN_WINDOW` transactions: with an ``END`` the batch is
