@@ -70,7 +70,8 @@ def test_health_follows_the_quorum_and_metrics_count_appends(cluster_factory: Cl
         assert status == 200
         metrics = _samples(text)
         assert metrics['waltz_server_appends_total{partition="0"}'] == 500
-        assert metrics['waltz_server_append_seconds_count{partition="0"}'] == 500
+        # One latency observation per committed batch (per-append observations cost the hot path).
+        assert 1 <= metrics['waltz_server_append_seconds_count{partition="0"}'] <= 500
         assert metrics['waltz_server_high_water_mark{partition="0"}'] == 499
         assert metrics['waltz_server_partition_healthy{partition="0"}'] == 1
         assert metrics["waltz_server_partitions"] == 1
