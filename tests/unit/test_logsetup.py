@@ -35,8 +35,11 @@ def test_run_commands_default_to_info_and_others_to_warning(monkeypatch: pytest.
 
 
 def test_pass_down_puts_given_options_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(logsetup.LEVEL_ENV, raising=False)
-    monkeypatch.delenv(logsetup.FORMAT_ENV, raising=False)
+    # setenv first, so that monkeypatch removes the variables again at the end (pass_down sets them directly).
+    monkeypatch.setenv(logsetup.LEVEL_ENV, "")
+    monkeypatch.setenv(logsetup.FORMAT_ENV, "")
+    monkeypatch.delenv(logsetup.LEVEL_ENV)
+    monkeypatch.delenv(logsetup.FORMAT_ENV)
     logsetup.pass_down(argparse.Namespace())
     assert logsetup.LEVEL_ENV not in os.environ
     logsetup.pass_down(argparse.Namespace(log_level="DEBUG", log_format="json"))
