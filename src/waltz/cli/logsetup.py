@@ -109,16 +109,17 @@ def pass_down(args: argparse.Namespace) -> None:
 def configure(level: str, fmt: str = "text") -> None:
     """Send log records at ``level`` and above to stderr as text or JSON lines.
 
-    Replaces the handler an earlier call installed. Like :func:`logging.basicConfig`, it adds none when the
-    root logger already has another handler (``main()`` also runs inside test processes, which capture logs
-    their own way)."""
+    Replaces the handler an earlier call installed. Like :func:`logging.basicConfig`, it changes nothing when
+    the root logger already has another handler (``main()`` also runs inside test processes, which capture
+    logs their own way)."""
     root = logging.getLogger()
     for old in list(root.handlers):
         if isinstance(old, _OurHandler):
             root.removeHandler(old)
-    if not root.handlers:
-        handler = _OurHandler(sys.stderr)
-        handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
-        root.addHandler(handler)
+    if root.handlers:
+        return
+    handler = _OurHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    root.addHandler(handler)
     root.setLevel(level)
     logging.getLogger("kazoo").setLevel(logging.DEBUG if level == "DEBUG" else logging.ERROR)
