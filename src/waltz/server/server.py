@@ -313,11 +313,12 @@ class WaltzServer:
             if self.config.preferred_partitions
             else []
         )
+        host, port = self.config.advertised_address or (self.config.host, self.port)
         self.member = ClusterMember(
             self.zk,
             self.config.cluster_root,
-            self.config.host,
-            self.port,
+            host,
+            port,
             preferred,
             on_suspended=self._on_suspended,
             on_resumed=self._on_resumed,
@@ -510,7 +511,9 @@ class WaltzServer:
         rid = msg.req_id
         # Cluster-level queries first: they name no partition.
         if isinstance(msg, cs.CheckStorageConnectivityRequest):
-            reachable = self.connector.reachable()
+            # Every storage node of the cluster, not only those this server has talked to (as the original).
+            storages = {s for replicas in self.replica_sets.values() for s in replicas}
+            reachable = await self.connector.probe(storages)
             peer.send(cs.CheckStorageConnectivityResponse(rid, tuple(reachable.items())))
             return
         if isinstance(msg, cs.ServerPartitionsAssignmentRequest):

@@ -236,7 +236,9 @@ class StoragePartition:
 
     # -- checks -----------------------------------------------------------------------------------
 
-    def _check(self, msg: st.StorageMessage, offline: bool) -> PartitionLog:
+    def _check(self, msg: st.StorageMessage, offline: bool, *, may_adopt: bool = False) -> PartitionLog:
+        """``may_adopt``: an offline request may carry a *newer* session id than the persisted one (an offline
+        SetLowWaterMark, which then persists it: see ``_set_low_water_mark``)."""
         info = self.info
         if not info.assigned or self.log is None:
             raise PartitionNotAssignedError(f"Partition:{self.partition_id} is not assigned.")
@@ -245,7 +247,7 @@ class StoragePartition:
                 raise PartitionNotAssignedError(
                     f"Partition:{self.partition_id} is available; offline requests need it offline"
                 )
-            if msg.session_id != info.session_id:
+            if msg.session_id != info.session_id and not (may_adopt and msg.session_id > info.session_id):
                 raise SessionFencedError(
                     f"offline request session {msg.session_id} is not the persisted session {info.session_id}"
                 )
@@ -259,8 +261,10 @@ class StoragePartition:
                 )
         return self.log
 
-    def _check_writable(self, msg: st.StorageMessage, offline: bool) -> PartitionLog:
-        plog = self._check(msg, offline)
+    def _check_writable(
+        self, msg: st.StorageMessage, offline: bool, *, may_adopt: bool = False
+    ) -> PartitionLog:
+        plog = self._check(msg, offline, may_adopt=may_adopt)
         if self.broken is not None:
             raise StorageError(f"partition {self.partition_id} refuses writes: {self.broken}")
         return plog
@@ -350,7 +354,11 @@ class StoragePartition:
             return self._failure(msg, e)
 
     def _set_low_water_mark(self, msg: st.SetLowWaterMarkRequest) -> st.StorageMessage:
-        plog = self._check_writable(msg, msg.offline)
+        # Offline recovery (``waltz storage recover-partition``) ends by persisting the session id of the
+        # replica it copied, so the next store session classifies the copy like its source instead of as a
+        # restored replica that cannot vote. Offline requests only reach a partition marked unavailable, which
+        # no store session writes, and a later session's id is higher still and fences this one as usual.
+        plog = self._check_writable(msg, msg.offline, may_adopt=msg.offline)
         info = self.info
         if msg.session_id < info.session_id:
             raise SessionFencedError(

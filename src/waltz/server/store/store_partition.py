@@ -7,7 +7,7 @@ A :class:`StorePartition` runs one supervisor task that keeps a store session go
   partition moved to another server: the write is refused with :class:`GenerationMismatchError` and this
   partition stops writing (appends fail with that error) until :meth:`set_generation` raises its generation.
 * **New sessions.** Any failure ends a session; the supervisor starts the next one, backing off exponentially
-  (``initial_retry_interval_ms`` doubling to ``max_retry_interval_ms``, jittered, on the injected clock)
+  (``initial_retry_interval_ms`` doubling to ``max_retry_interval_ms``, jittered, on the loop's clock)
   unless the last session had opened or ended on purpose (checkpoint interval, replica-set change).
 * **Appends.** :meth:`append` queues the request (at most ``max_queued_appends``; callers wait beyond, and
   get the failure without queueing if the partition closes or moves meanwhile) and returns its transaction
@@ -45,10 +45,8 @@ from waltz.errors import (
 from waltz.protocol.records import Record, RecordHeader, crc32
 from waltz.server.store.interfaces import (
     AppendLike,
-    Clock,
     PartitionMetadataStore,
     ReplicaConnector,
-    SystemClock,
 )
 from waltz.server.store.replica_session import SessionOver
 from waltz.server.store.store_session import (
@@ -95,7 +93,6 @@ class StorePartition:
         *,
         connector: ReplicaConnector,
         metadata_store: PartitionMetadataStore,
-        clock: Clock | None = None,
         rng: random.Random | None = None,
         config: StoreConfig | None = None,
     ) -> None:
@@ -106,7 +103,6 @@ class StorePartition:
         self._replicas = tuple(replicas)
         self._connector = connector
         self._metadata_store = metadata_store
-        self._clock: Clock = clock if clock is not None else SystemClock()
         self._rng = rng if rng is not None else random.Random()
         self.config = config if config is not None else StoreConfig()
         self.queue = AppendQueue(self.config.max_queued_appends)
@@ -341,9 +337,7 @@ class StorePartition:
     # -- the supervisor --------------------------------------------------------------------------------------
 
     def _backoff(self) -> Backoff:
-        return Backoff(
-            self._clock, self._rng, self.config.initial_retry_interval_ms, self.config.max_retry_interval_ms
-        )
+        return Backoff(self._rng, self.config.initial_retry_interval_ms, self.config.max_retry_interval_ms)
 
     async def _supervise(self) -> None:
         backoff = self._backoff()
@@ -410,7 +404,6 @@ class StorePartition:
                 metadata_version=new_version,
                 connector=self._connector,
                 metadata_store=self._metadata_store,
-                clock=self._clock,
                 rng=self._rng,
                 config=self.config,
                 host=self,

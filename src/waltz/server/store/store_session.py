@@ -42,7 +42,7 @@ from waltz.errors import (
     WaltzError,
 )
 from waltz.protocol.records import Record, RecordHeader, ReqId
-from waltz.server.store.interfaces import Clock, PartitionMetadataStore, ReplicaConnection, ReplicaConnector
+from waltz.server.store.interfaces import PartitionMetadataStore, ReplicaConnection, ReplicaConnector
 from waltz.server.store.recovery import RecoveryState, metadata_after_recovery, metadata_with_clean_replica
 from waltz.server.store.replica_session import Batch, ReplicaRole, ReplicaSession, SessionOver
 from waltz.server.store.support import StoreConfig, TaskList
@@ -180,6 +180,11 @@ class SessionHost(Protocol):
         ...
 
 
+def _loop_ms() -> float:
+    """The running event loop's clock in milliseconds: the one time source (virtual in the simulator)."""
+    return asyncio.get_running_loop().time() * 1000
+
+
 class StoreSession:
     """One store session (see the module docstring)."""
 
@@ -194,7 +199,6 @@ class StoreSession:
         metadata_version: int,
         connector: ReplicaConnector,
         metadata_store: PartitionMetadataStore,
-        clock: Clock,
         rng: random.Random,
         config: StoreConfig,
         host: SessionHost,
@@ -207,7 +211,6 @@ class StoreSession:
         self.replicas = tuple(replicas)
         self.connector = connector
         self.metadata_store = metadata_store
-        self.clock = clock
         self.rng = rng
         self.config = config
         self.recovery = RecoveryState(previous)
@@ -238,7 +241,7 @@ class StoreSession:
         """Wakes the writer while batches are in flight: one was decided, or a full batch is queued."""
         self._was_opened = False
         self._tasks = TaskList(self._task_failed)
-        self.started_ms = clock.monotonic_ms()
+        self.started_ms = _loop_ms()
         self.recovery_ms = -1
         """How long recovery took, from the session's start until it opened (-1 until it opens)."""
 
@@ -425,7 +428,7 @@ class StoreSession:
             self.partition_id,
             replica.storage,
             self.session_id,
-            (self.clock.monotonic_ms() - self.started_ms) / 1000,
+            (_loop_ms() - self.started_ms) / 1000,
             len(in_flight),
         )
         return True
@@ -467,7 +470,7 @@ class StoreSession:
         self.low_water_mark = self.high_water_mark = resolved
         self.next_id = resolved + 1
         self.is_open = self._was_opened = True
-        self.recovery_ms = self.clock.monotonic_ms() - self.started_ms
+        self.recovery_ms = int(_loop_ms() - self.started_ms)
         log.info(
             "partition %d: store session %d opened (generation %d) at high-water mark %d after %.2f s of "
             "recovery: %s; participants %s",
