@@ -157,3 +157,25 @@ def test_waltz_local_passes_the_log_options_to_the_processes_it_starts(local_dir
         assert records, name
         assert records[0]["msg"].startswith("waltz "), records[0]
         assert any(r["level"] == "DEBUG" for r in records), name
+
+
+@pytest.mark.timeout(60)
+def test_an_expired_zookeeper_session_is_three_lines_not_a_warning_per_attempt(
+    cluster_factory: ClusterFactory,
+) -> None:
+    cluster = cluster_factory()
+
+    async def main() -> None:
+        await cluster.start(storages=1, servers=1)
+        server = cluster.servers[0]
+        server.pause()  # longer than the 4 s session: ZooKeeper expires it
+        await asyncio.sleep(5)
+        server.resume()
+        await _log_shows(server, r"WARNING waltz.cluster.zk: ZooKeeper session expired")
+        await _log_shows(server, r"(?s)session expired.*INFO waltz.cluster.zk: ZooKeeper session started")
+        text = server.log_text()
+        zk_lines = [line for line in text.splitlines() if "waltz.cluster.zk" in line or "kazoo" in line]
+        assert len(zk_lines) <= 4, zk_lines  # started, (lost,) expired, started again
+        assert "Connection dropped" not in text
+
+    asyncio.run(main())
