@@ -280,7 +280,7 @@ def _view(args: argparse.Namespace) -> ClusterView:
 
 
 def cmd_recover_partition(args: argparse.Namespace) -> int:
-    # Imported here: `waltz storage run` (a storage node) loads this module and must not load rich.
+    # rich is imported here, not at the top: every `waltz` command imports this module.
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
