@@ -14,13 +14,13 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tests.fault.simloop import run_virtual
 from tests.unit.test_store_session import NAMES, World, _open_session, _recording_partition, _slow_fsyncs, req
 from waltz.config import MAX_CONFIG_FILE_BYTES, read_bounded, read_yaml
 from waltz.errors import BrokenResourceError, ConfigError
 from waltz.protocol.framing import MAGIC_HELLO, MAGIC_STORAGE, encode_frame, encode_hello
 from waltz.server.config import ServerConfig
 from waltz.storage.config import StorageConfig
+from waltz.testing import run_virtual
 from waltz.tls import TlsConfig
 from waltz.transport import ByteBudget, FramedConnection, RateLimitedLog, open_connection, reason_kind, serve
 
