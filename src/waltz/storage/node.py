@@ -771,12 +771,12 @@ class StorageNode:
                 reserved = _response_estimate(msg)
                 if reserved:
                     await budget.acquire(reserved)  # bounded bytes of read responses per connection
-                # A peer that sends but does not read must not grow our write buffer without bound: with the
-                # reservation held and the buffer drained, unsent + reserved stays within high-water + budget.
-                await conn.drain()
                 await part.queue.put(
                     _Item(msg, conn, slot=slot, arrived_s=time.monotonic(), budget=budget, reserved=reserved)
                 )
+                # A peer that sends but does not read must not grow our write buffer without bound: its next
+                # request waits until the answers sent so far drain (and then for budget, at the top).
+                await conn.drain()
         except ConnectionError_:
             pass
         finally:
