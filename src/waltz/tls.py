@@ -52,6 +52,8 @@ __all__ = [
     "MIN_TLS_VERSION",
     "TLS_KEY_NAMES",
     "TlsConfig",
+    "parse_peer_names",
+    "peer_common_name",
     "tls_keys",
 ]
 
@@ -257,3 +259,19 @@ def _read_pem(path: str, key: str, source: str) -> str:
 
 def _ssl_reason(e: ssl.SSLError) -> str:
     return f"{e.library or 'SSL'} error {e.reason or e}"
+
+
+def peer_common_name(peercert: Mapping[str, Any] | None) -> str | None:
+    """The subject commonName of a verified peer certificate (``getpeercert()`` form), None if it has none."""
+    if not peercert:
+        return None
+    for rdn in peercert.get("subject", ()):
+        for name, value in rdn:
+            if name == "commonName":
+                return str(value)
+    return None
+
+
+def parse_peer_names(raw: str) -> tuple[str, ...]:
+    """A comma-separated allow-list of certificate common names (blank entries dropped)."""
+    return tuple(n.strip() for n in raw.split(",") if n.strip())

@@ -375,6 +375,12 @@ class FramedConnection:
         return _source(self._writer)
 
     @property
+    def peercert(self) -> dict[str, Any] | None:
+        """The peer's verified TLS certificate (``ssl.SSLSocket.getpeercert`` form), None without one."""
+        cert = self._writer.get_extra_info("peercert")
+        return cert if isinstance(cert, dict) and cert else None
+
+    @property
     def max_frame_bytes(self) -> int:
         return self._proto.max_frame_bytes
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from waltz.cluster.zk import ZkAuth, zk_auth_keys
 from waltz.config import ConfigSchema, Key, distinct_ports, host_port, read_yaml
 from waltz.errors import ConfigError
 from waltz.server.store.support import StoreConfig
@@ -23,6 +24,7 @@ SERVER_SCHEMA = ConfigSchema(
         Key("zookeeper.sessionTimeout", int, 30000, "ZooKeeper session timeout (ms)", 1000),
         Key("zookeeper.connectTimeout", int, 10000, "time allowed to reach ZooKeeper at start (ms)", 100),
         Key("cluster.root", str, doc="cluster root znode"),
+        *zk_auth_keys(),
         Key("server.host", str, "127.0.0.1", "address to listen on and to advertise"),
         Key("server.port", int, doc="client port (0 = pick a free port)", min_value=0, max_value=65535),
         Key(
@@ -103,6 +105,8 @@ class ServerConfig:
     max_connections: int = 1024
     max_connections_per_source: int = 256
     max_fetches_in_flight: int = 64
+    zookeeper_auth: ZkAuth = field(default_factory=ZkAuth)
+    """``zookeeper.authFile``/``aclReaders``: how the server authenticates with ZooKeeper."""
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], source: str = "server config") -> ServerConfig:
@@ -158,6 +162,7 @@ class ServerConfig:
             max_connections=c["server.maxConnections"],
             max_connections_per_source=c["server.connection.maxPerSource"],
             max_fetches_in_flight=c["server.maxFetchesInFlight"],
+            zookeeper_auth=ZkAuth.from_config(c, source),
         )
 
     @classmethod

@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+REPAIR_MAX_RECORDS = 10_000
+"""Records one background repair copies at most (one read's range; the node caps what one read returns)."""
+
 
 class EndReason(enum.Enum):
     REPLICA_FAILED = "replica failed"
@@ -188,6 +191,10 @@ class SessionHost(Protocol):
         """A batch reached the quorum: ``session.high_water_mark`` is its last id."""
         ...
 
+    def replica_damaged(self, storage: str, detail: str) -> None:
+        """A read found ``storage``'s stored copy damaged (it answered CorruptionError): report it."""
+        ...
+
 
 def _loop_ms() -> float:
     """The running event loop's clock in milliseconds: the one time source (virtual in the simulator)."""
@@ -253,6 +260,8 @@ class StoreSession:
         self.started_ms = _loop_ms()
         self.recovery_ms = -1
         """How long recovery took, from the session's start until it opened (-1 until it opens)."""
+        self._repairing: set[str] = set()
+        """Replicas a background repair is running for (at most one at a time each)."""
 
     def __repr__(self) -> str:
         return f"StoreSession(partition={self.partition_id}, session={self.session_id}, open={self.is_open})"
@@ -653,20 +662,80 @@ class StoreSession:
         request: Callable[[ReplicaConnection], Awaitable[T]],
         problem_of: Callable[[T], str | None],
     ) -> T:
-        """``request`` on a participant that holds ``transaction_id``; a replica that fails it or answers with
-        a problem ends the session, and the error raises."""
+        """``request`` on a participant that holds ``transaction_id``.
+
+        A replica whose stored copy is damaged (CorruptionError, found by the node's checksum check right
+        after its read) is reported, the read goes to another participant, and the damaged copy is repaired
+        in the background from the good one; the damaged replica keeps taking writes. Any other failure, or an
+        answer with a problem, ends the session, and the error raises.
+        """
         src = self._read_source(transaction_id)
-        assert src.connection is not None  # checked by _read_source
-        try:
-            answer = await self.call(request(src.connection))
-        except WaltzError as e:
-            self.end_for(src, f"failed a read: {e!r}")
-            raise
+        damaged: list[ReplicaSession] = []
+        while True:
+            assert src.connection is not None  # checked by _read_source / _other_source
+            try:
+                answer = await self.call(request(src.connection))
+            except CorruptionError as e:
+                self._host.replica_damaged(src.storage, str(e))
+                damaged.append(src)
+                other = self._other_source(transaction_id, damaged)
+                if other is None:
+                    raise
+                src = other
+                continue
+            except WaltzError as e:
+                self.end_for(src, f"failed a read: {e!r}")
+                raise
+            break
         problem = problem_of(answer)
         if problem is not None:
             self.end_for(src, f"returned bad records: {problem}")
             raise CorruptionError(f"{src.storage} returned bad records for {transaction_id}: {problem}")
+        for bad in damaged:
+            if bad.storage not in self._repairing:
+                self._repairing.add(bad.storage)
+                self._tasks.spawn(
+                    self._repair(bad, src, transaction_id),
+                    name=f"repair-{self.partition_id}-{bad.storage}-{transaction_id}",
+                )
         return answer
+
+    def _other_source(self, transaction_id: int, exclude: Sequence[ReplicaSession]) -> ReplicaSession | None:
+        candidates = [
+            p
+            for p in self.participants
+            if p.connection is not None and p.max_id >= transaction_id and p not in exclude
+        ]
+        if not self.is_open or not candidates:
+            return None
+        return candidates[0] if len(candidates) == 1 else self.rng.choice(candidates)
+
+    async def _repair(self, bad: ReplicaSession, good: ReplicaSession, transaction_id: int) -> None:
+        """Copy the committed records of one read's range from ``good`` onto ``bad``, which overwrites only
+        the copies that fail its checks. Best effort: a failure is logged; the next damaged read retries."""
+        try:
+            if good.connection is None or bad.connection is None:
+                return
+            count = self._committed_count(transaction_id, REPAIR_MAX_RECORDS)
+            position, end = transaction_id, transaction_id + count
+            while position < end:
+                records = await self.call(good.connection.read_records(position, end - position))
+                if _check_records(records, position, end - position) is not None:
+                    return
+                await self.call(bad.connection.repair(records))
+                position += len(records)
+            log.info(
+                "partition %d: repaired %s's copy of %d..%d from %s",
+                self.partition_id,
+                bad.storage,
+                transaction_id,
+                end - 1,
+                good.storage,
+            )
+        except WaltzError as e:
+            log.warning("partition %d: repair of %s failed: %r", self.partition_id, bad.storage, e)
+        finally:
+            self._repairing.discard(bad.storage)
 
 
 def _check_records(records: Sequence[Record], start: int, max_count: int) -> str | None:
