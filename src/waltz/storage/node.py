@@ -1021,7 +1021,9 @@ class StorageNode:
         if name in allowed:
             return False
         self.metrics.refused_peers.labels(port).inc()
-        log.warning(
+        _peer_warnings.warning(
+            conn.source,
+            f"peer-refused:{port}",
             "refusing %s connection from %s: certificate %r is not in storage.ssl.allowedPeers",
             port,
             conn.peername,
@@ -1343,7 +1345,13 @@ class StorageNode:
                 try:
                     msg = adm.decode(payload)
                 except RemoteProtocolError as e:
-                    log.warning("closing admin connection from %s: %s", conn.peername, e)
+                    _peer_warnings.warning(
+                        conn.source,
+                        reason_kind("admin-decode", e),
+                        "closing admin connection from %s: %s",
+                        conn.peername,
+                        e,
+                    )
                     return
                 resp: adm.AdminMessage
                 try:
