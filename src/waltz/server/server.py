@@ -390,10 +390,16 @@ class WaltzServer:
             for pid, p in sorted(self.partitions.items())
             if p.store.damaged_replicas
         }
+        conflicts = {
+            str(pid): p.store.metadata_conflict
+            for pid, p in sorted(self.partitions.items())
+            if p.store.metadata_conflict
+        }
         return zk_ok and all(parts.values()), {
             "zookeeper": zk_ok,
             "partitions": parts,
             "damagedReplicaReads": damaged,
+            "metadataConflicts": conflicts,
         }
 
     # -- client connections --
