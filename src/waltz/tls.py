@@ -43,10 +43,9 @@ from __future__ import annotations
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final, Literal
 
-from waltz.config import Key
+from waltz.config import Key, read_bounded
 from waltz.errors import ConfigError
 
 __all__ = [
@@ -245,12 +244,13 @@ def _path_value(config: Mapping[str, Any], key: str, source: str) -> str:
 
 
 def _read_pem(path: str, key: str, source: str) -> str:
-    p = Path(path)
+    # Bounded by the bytes actually read, not by stat(): /dev/zero claims 0 bytes and never ends.
     try:
-        size = p.stat().st_size
-        if size > _MAX_PEM_BYTES:
-            raise ConfigError(f"{source}: {key}: {path} is {size} bytes; not a PEM file")
-        return p.read_text(encoding="ascii", errors="replace")
+        return read_bounded(path, _MAX_PEM_BYTES).decode("ascii", errors="replace")
+    except ValueError:
+        raise ConfigError(
+            f"{source}: {key}: {path} holds more than {_MAX_PEM_BYTES} bytes; not a PEM file"
+        ) from None
     except IsADirectoryError:
         raise ConfigError(f"{source}: {key}: {path} is a directory, not a PEM file") from None
     except OSError as e:

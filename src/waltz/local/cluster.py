@@ -648,7 +648,8 @@ def start(
             return rec
         if not procs.is_alive(cluster.zookeeper.process):
             raise ClusterError(
-                "ZooKeeper is not running; the cluster cannot be repaired one process at a time"
+                f"ZooKeeper is not running: start it first with `waltz local start --dir {cluster.directory} "
+                "--zookeeper`"
             )
         _start_process(rec, timeout_s)
         cluster.save()
@@ -771,6 +772,10 @@ def status(directory: str | Path) -> ClusterStatus:
         if procs.is_alive(rec.process):
             healthy |= probe.served_partitions(rec.http_port)  # also refreshes the gauges read below
             hwm.update(probe.partition_gauges(rec.http_port, "waltz_server_high_water_mark"))
+    # Why a process is unhealthy, in its own words (a partition that takes no appends, a failed task...).
+    for rec in [*cluster.servers, *cluster.storages]:
+        if rec.http_port and procs.is_alive(rec.process):
+            result.errors.extend(f"{rec.name}: {problem}" for problem in probe.problems(rec.http_port))
     for p in result.partitions:
         p.healthy = p.partition in healthy
         if p.partition in hwm:

@@ -18,6 +18,14 @@ from waltz.errors import ConfigError
 from waltz.tls import TlsConfig, parse_peer_names, tls_keys
 
 
+def _directory_check(value: Any) -> str | None:
+    # A blank directory would put the control file and partition folders in whatever the current directory
+    # happens to be.
+    if not str(value).strip():
+        return "must name a directory (it is blank)"
+    return None
+
+
 def _uuid_check(value: Any) -> str | None:
     if value == "":
         return None
@@ -34,12 +42,28 @@ STORAGE_SCHEMA = ConfigSchema(
         Key("storage.admin.port", int, doc="admin port", min_value=0, max_value=65535),
         Key("storage.http.port", int, 0, "HTTP port for /health and /metrics (0 = off)", 0, 65535),
         Key("storage.host", str, "127.0.0.1", "address to listen on"),
-        Key("storage.directory", str, doc="storage directory (control file and partition folders)"),
+        Key(
+            "storage.directory",
+            str,
+            doc="storage directory (control file and partition folders)",
+            check=_directory_check,
+        ),
         Key("storage.segment.size.threshold", int, 1_000_000_000, "roll a segment past this size", 1024),
         Key("storage.segment.cache.capacity", int, 5, "open read-only segments kept", 1, 10_000),
         Key("storage.maxFrameBytes", int, 64 * 1024 * 1024, "largest frame accepted", 1024, 2**31 - 1),
         Key("storage.partition.queueSize", int, 1000, "requests queued per partition", 1, 1_000_000),
         Key("storage.connection.maxInFlight", int, 2000, "unanswered requests per connection", 1, 1_000_000),
+        # Bounds per connection (what one peer may hold; see docs/operations.md, "Limits").
+        Key(
+            "storage.connection.maxResponseBytes",
+            int,
+            64 * 1024 * 1024,
+            "bytes of read responses one connection may have queued or unsent",
+            1024,
+        ),
+        Key("storage.connection.idleTimeout", int, 180_000, "close a connection silent this long (ms)", 100),
+        Key("storage.maxConnections", int, 1024, "data and admin connections served at once", 1, 1_000_000),
+        Key("storage.connection.maxPerSource", int, 128, "connections from one address", 1, 1_000_000),
         Key("storage.maxGroupCommitRecords", int, 20_000, "records written before one fsync", 1, 10_000_000),
         Key(
             "storage.scrub.bytesPerSecond",
@@ -94,6 +118,10 @@ class StorageConfig:
     cluster_root: str
     tls: TlsConfig = field(default_factory=lambda: TlsConfig(prefix="storage.ssl."))
     """``storage.ssl.*``: TLS on the data and admin ports (see :mod:`waltz.tls`)."""
+    connection_max_response_bytes: int = 64 * 1024 * 1024
+    connection_idle_timeout_ms: int = 180_000
+    max_connections: int = 1024
+    max_connections_per_source: int = 128
     zookeeper_auth: ZkAuth = field(default_factory=ZkAuth)
     """``zookeeper.authFile``/``aclReaders``: how the node authenticates with ZooKeeper."""
     allowed_peers: tuple[str, ...] = ()
@@ -133,6 +161,10 @@ class StorageConfig:
             zookeeper_connect_timeout_ms=c["zookeeper.connectTimeout"],
             cluster_root=c["cluster.root"],
             tls=TlsConfig.from_config(c, "storage.ssl.", role="listen", source=source),
+            connection_max_response_bytes=c["storage.connection.maxResponseBytes"],
+            connection_idle_timeout_ms=c["storage.connection.idleTimeout"],
+            max_connections=c["storage.maxConnections"],
+            max_connections_per_source=c["storage.connection.maxPerSource"],
             zookeeper_auth=ZkAuth.from_config(c, source),
             allowed_peers=_allowed_peers(c, source),
         )

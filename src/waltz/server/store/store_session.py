@@ -125,6 +125,8 @@ class AppendQueue:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
         self._items: deque[PendingAppend] = deque()
+        self.data_bytes = 0
+        """Bytes of data queued (a batch is full by count or by bytes)."""
         self._room = asyncio.Event()
         self._room.set()
         self._arrived = asyncio.Event()
@@ -146,6 +148,7 @@ class AppendQueue:
             if append.resolved:
                 return
         self._items.append(append)
+        self.data_bytes += len(append.data)
         self._arrived.set()
 
     async def get(self) -> PendingAppend:
@@ -154,8 +157,13 @@ class AppendQueue:
             await self._arrived.wait()
         return self.get_nowait()
 
+    def peek(self) -> PendingAppend | None:
+        """The oldest queued append, left in the queue (None if empty)."""
+        return self._items[0] if self._items else None
+
     def get_nowait(self) -> PendingAppend:
         append = self._items.popleft()
+        self.data_bytes -= len(append.data)
         self._room.set()
         return append
 
@@ -163,6 +171,7 @@ class AppendQueue:
         """Drop every queued append and wake the producers waiting for room (to queue theirs, or give up if
         it was resolved meanwhile)."""
         self._items.clear()
+        self.data_bytes = 0
         self._room.set()
 
 
@@ -248,11 +257,11 @@ class StoreSession:
         """Wakes the writer while batches are in flight: one was decided, or a full batch is queued."""
         self._was_opened = False
         self._tasks = TaskList(self._task_failed)
-        self._repairing: set[str] = set()
-        """Replicas a background repair is running for (at most one at a time each)."""
         self.started_ms = _loop_ms()
         self.recovery_ms = -1
         """How long recovery took, from the session's start until it opened (-1 until it opens)."""
+        self._repairing: set[str] = set()
+        """Replicas a background repair is running for (at most one at a time each)."""
 
     def __repr__(self) -> str:
         return f"StoreSession(partition={self.partition_id}, session={self.session_id}, open={self.is_open})"
@@ -309,7 +318,12 @@ class StoreSession:
 
     def _full_batch_queued(self) -> bool:
         queue = self._host.queue
-        return queue.qsize() >= self.config.max_batch_size or queue.full()
+        config = self.config
+        return (
+            queue.qsize() >= config.max_batch_size
+            or queue.data_bytes >= config.max_batch_bytes
+            or queue.full()
+        )
 
     @property
     def batches_in_flight(self) -> tuple[Batch, ...]:
@@ -544,8 +558,15 @@ class StoreSession:
                 finally:
                     self._writer_idle = False
             appends = [first]
-            while len(appends) < config.max_batch_size and not queue.empty():
+            # A batch is bounded in appends and in data bytes (one larger append still goes, alone): every
+            # replica request and every in-flight batch holds its data until the batch is decided.
+            size = len(first.data)
+            while len(appends) < config.max_batch_size:
+                nxt = queue.peek()
+                if nxt is None or size + len(nxt.data) > config.max_batch_bytes:
+                    break
                 appends.append(queue.get_nowait())
+                size += len(nxt.data)
             start = self.next_id
             for i, append in enumerate(appends):
                 append.transaction_id = start + i
