@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import threading
 import time
@@ -74,7 +75,18 @@ APPLY_BATCH_MAX_S = 0.005
 """A batch returns to the loop after this long, so the applied high-water mark (and ``on_application``)
 never lags far behind a slow ``apply_transaction``."""
 
-_First: TypeAlias = TransactionBuilder | Literal[False] | Exception | None
+
+class _Pending:
+    """A first attempt whose ``execute`` returned an awaitable (a coroutine, in inline mode)."""
+
+    __slots__ = ("awaitable", "builder")
+
+    def __init__(self, builder: TransactionBuilder, awaitable: Awaitable[Any]) -> None:
+        self.builder = builder
+        self.awaitable = awaitable
+
+
+_First: TypeAlias = TransactionBuilder | Literal[False] | Exception | _Pending | None
 """What a submit's first callback-thread call returns (see ``AsyncWaltzClient._first_attempt``)."""
 
 OutcomeCallback = Callable[["Resolution | BaseException"], None]
@@ -317,6 +329,8 @@ class AsyncWaltzClient:
         self._source: _DataSource | None = None
         self._started = False
         self._closed = False
+        # client.callbackMode: inline runs application code on the loop (no thread hop; see docs/client.md).
+        self._inline = config.callback_mode == "inline"
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -420,11 +434,21 @@ class AsyncWaltzClient:
         pool = self._require_pool()
         run = _Run(context)
         try:
-            # One callback-thread call: partition_id() and, when a slot is free on a ready partition, the
-            # first execute() too (the common case: no second hop, no task).
-            first = await pool.call(
-                self._first_attempt, run, self.num_partitions, orphan=functools.partial(self._orphaned, run)
-            )
+            first: _First
+            if self._inline:
+                # Zero hops: partition_id() and execute() run right here, on the loop.
+                first = self._first_attempt(run, self.num_partitions)
+            else:
+                # One callback-thread call: partition_id() and, when a slot is free on a ready partition, the
+                # first execute() too (the common case: no second hop, no task).
+                first = await pool.call(
+                    self._first_attempt,
+                    run,
+                    self.num_partitions,
+                    orphan=functools.partial(self._orphaned, run),
+                )
+            if isinstance(first, _Pending):
+                first = await self._finish_first(run, first)
             partition = run.partition
             assert partition is not None
             if first is None:
@@ -495,9 +519,25 @@ class AsyncWaltzClient:
         run.holds_slot = True
         builder = TransactionBuilder(partition_id, monitor.applied_high_water_mark)
         try:
-            return builder if context.execute(builder) else False
+            result: Any = context.execute(builder)
         except Exception as e:  # noqa: BLE001 - reported through on_exception by submit
             return e
+        if inspect.isawaitable(result):
+            return _Pending(builder, result)  # A coroutine execute (inline mode): submit awaits it.
+        return builder if result else False
+
+    async def _finish_first(
+        self, run: _Run, pending: _Pending
+    ) -> TransactionBuilder | Literal[False] | Exception:
+        """Await a coroutine ``execute`` of a first attempt (inline mode)."""
+        try:
+            result = await pending.awaitable
+        except asyncio.CancelledError:
+            self._release_slot(run)
+            raise
+        except Exception as e:  # noqa: BLE001 - reported through on_exception by submit
+            return e
+        return pending.builder if result else False
 
     def _orphaned(self, run: _Run, first: _First) -> None:
         """``submit`` was cancelled while its first attempt ran: give back the slot it may have taken (the
@@ -693,7 +733,10 @@ class AsyncWaltzClient:
             if not batch:
                 await partition.wait_feed()
                 batch = partition.take_feed(APPLY_BATCH_MAX)
-            applied, error = await pool.call(_apply_batch, apply, batch)
+            if self._inline:
+                applied, error = await _apply_batch_inline(apply, batch)
+            else:
+                applied, error = await pool.call(_apply_batch, apply, batch)
             if applied:
                 last = batch[applied - 1].transaction_id
                 del batch[:applied]
@@ -772,7 +815,23 @@ class AsyncWaltzClient:
         pool = self._pool
         if pool is None or pool.is_shut_down:
             return
+        if self._inline:
+            awaitables = _run_hooks_inline(hooks)
+            if awaitables:
+                self._spawn(self._await_hooks(awaitables, runs), "waltz-hooks")
+            else:
+                self._hooks_done(runs)
+            return
         pool.post(hooks, then=functools.partial(self._hooks_done, runs))
+
+    async def _await_hooks(self, awaitables: list[Awaitable[Any]], runs: list[tuple[_Run, bool]]) -> None:
+        """Coroutine hooks (inline mode), one after the other, then the runs' next step."""
+        for awaitable in awaitables:
+            try:
+                await awaitable
+            except Exception:
+                log.exception("a context hook raised")
+        self._hooks_done(runs)
 
     def _hooks_done(self, runs: list[tuple[_Run, bool]]) -> None:
         for run, completion in runs:
@@ -806,9 +865,7 @@ class AsyncWaltzClient:
             if pending is not None:
                 if isinstance(pending, BaseException):
                     raise pending
-                if pending.outcome is Outcome.LOCK_FAILED:
-                    await self._call_hook(context.on_lock_failure)
-                await asyncio.sleep(self._retry.delay_s(attempts))
+                await self._after_failure(context, pending, attempts)
             while True:
                 if builder is None:
                     if attempts > 0 and self._retry.attempts_exhausted(attempts):
@@ -844,9 +901,7 @@ class AsyncWaltzClient:
                     await self._wait_applied(partition, resolution.transaction_id)
                     await self._call_hook(context.on_application)
                     return
-                if resolution.outcome is Outcome.LOCK_FAILED:
-                    await self._call_hook(context.on_lock_failure)
-                await asyncio.sleep(self._retry.delay_s(attempts))
+                await self._after_failure(context, resolution, attempts)
         except asyncio.CancelledError:
             raise  # close() reports ClientClosedError to the context.
         except Exception as e:  # noqa: BLE001 - every failure ends the context through on_exception
@@ -855,6 +910,18 @@ class AsyncWaltzClient:
             self._release_slot(run)
             if run.ended or not self._closed:
                 self._finish(run)
+
+    async def _after_failure(self, context: TransactionContext, failure: Resolution, attempts: int) -> None:
+        """Between a failed attempt and the next execute: retry on knowledge, back off on ignorance.
+
+        A lock failure names the transaction that took the lock, and the monitor releases it only once this
+        client has applied that transaction, so executing again right away reads the state that won: no
+        sleep. A lost append (or a send error) says nothing about when a retry could succeed: back off.
+        """
+        if failure.outcome is Outcome.LOCK_FAILED:
+            await self._call_hook(context.on_lock_failure)
+            return
+        await asyncio.sleep(self._retry.delay_s(attempts))
 
     def _send(
         self,
@@ -982,8 +1049,15 @@ class AsyncWaltzClient:
 
     # -- helpers -----------------------------------------------------------------------------------------
 
-    async def _call_user(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run application code on a callback thread."""
+    async def _call_user(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run application code on a callback thread, or (inline mode) here, awaiting what it returns if
+        that is awaitable."""
+        if self._inline:
+            self._require_pool()  # The same closed-client check as the threads mode.
+            result = fn(*args)
+            if inspect.isawaitable(result):
+                result = await result
+            return result
         return await self._require_pool().call(fn, *args)
 
     async def _call_hook(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -1047,3 +1121,35 @@ def _apply_batch(
         except Exception as e:  # noqa: BLE001 - application code: the loop reports it and delivers again
             return i, e
     return len(batch), None
+
+
+async def _apply_batch_inline(
+    apply: Callable[[Transaction], Any], batch: list[Transaction]
+) -> tuple[int, Exception | None]:
+    """On the loop (inline mode): like :func:`_apply_batch`; a coroutine ``apply_transaction`` is awaited."""
+    deadline = time.monotonic() + APPLY_BATCH_MAX_S
+    for i, transaction in enumerate(batch):
+        if i and time.monotonic() > deadline:
+            return i, None
+        try:
+            result = apply(transaction)
+            if inspect.isawaitable(result):
+                await result
+        except Exception as e:  # noqa: BLE001 - application code: the loop reports it and delivers again
+            return i, e
+    return len(batch), None
+
+
+def _run_hooks_inline(hooks: list[Call]) -> list[Awaitable[Any]]:
+    """Run context hooks on the loop (inline mode), logging their exceptions; returns the awaitables that
+    coroutine hooks returned, in order, for the caller to await."""
+    awaitables: list[Awaitable[Any]] = []
+    for fn, args in hooks:
+        try:
+            result = fn(*args)
+        except Exception:
+            log.exception("%s raised", getattr(fn, "__qualname__", fn))
+            continue
+        if inspect.isawaitable(result):
+            awaitables.append(result)
+    return awaitables
