@@ -97,6 +97,11 @@ class TransactionBuilder:
     def append_locks(self) -> tuple[PartitionLocalLock, ...]:
         return self._append_locks
 
+    @property
+    def write_lock_hashes(self) -> tuple[int, ...]:
+        """The distinct 32-bit hashes of the write locks, as the server sees them."""
+        return _hashes(self._write_locks) if self._write_locks else ()
+
     def build(self, req_id: ReqId) -> AppendRequest:
         """The append request for this transaction (the client assigns ``req_id`` when it sends it)."""
         return AppendRequest(

@@ -48,6 +48,7 @@ from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.context import TransactionContext
 from waltz.client.driver import ClientDriver, MountState, create_network_driver
+from waltz.client.lock_queue import LockQueue
 from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
 from waltz.client.pool import Call, CallbackPool
 from waltz.client.retry import APPLY_RETRY, FETCH_RETRY, MAX_CHECKSUM_ATTEMPTS, RetryPolicy
@@ -163,6 +164,7 @@ class _Partition:
         # Runs appended on their first attempt whose transaction is not applied yet, in transaction-id order.
         self.awaiting_apply: deque[_Run] = deque()
         self.tasks: list[asyncio.Task[Any]] = []  # Mount and applier tasks, cancelled on release.
+        self.lock_queue = LockQueue()  # This client's contexts take turns on a write lock.
         self._changed = asyncio.Event()
         self._feed_waiter: asyncio.Future[None] | None = None  # The applier, waiting for the feed.
         self._room_waiter: asyncio.Future[None] | None = None  # The driver, waiting for room in the feed.
@@ -214,6 +216,7 @@ class _Run:
         "holds_slot",
         "partition",
         "transaction_id",
+        "turn",
     )
 
     def __init__(self, context: TransactionContext) -> None:
@@ -229,6 +232,7 @@ class _Run:
         self.transaction_id = -1
         self.completed = False
         self.applied = False
+        self.turn: asyncio.Future[None] | None = None  # Set while waiting in a lock queue.
 
     def done(self) -> asyncio.Future[None]:
         """A future resolved when the run is finished."""
@@ -475,7 +479,12 @@ class AsyncWaltzClient:
         if first is not None:
             monitor = self._ready_monitor(partition)
             if monitor is not None:
-                self._send(partition, monitor, first, functools.partial(self._on_first_outcome, run))
+                if self._take_turn(partition, run, first):
+                    self._send(partition, monitor, first, functools.partial(self._on_first_outcome, run))
+                    return
+                # Queued behind this client's own append on a write lock: it executes again on its turn.
+                self._park(partition, run, first)
+                self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
                 return
         # The slow path: a task executes (or sends what was executed) once the partition is mounted.
         run.first_send = asyncio.get_running_loop().create_future()
@@ -781,7 +790,52 @@ class AsyncWaltzClient:
             partition.awaiting_apply.append(run)
             self._queue_hook(run, True, run.context.on_completion, True)
             return
+        self._wake(partition.lock_queue.release(run))
         self._spawn(self._run_context(run, 1, None, result), f"waltz-run-p{partition.id}")
+
+    def _take_turn(self, partition: _Partition, run: _Run, builder: TransactionBuilder) -> bool:
+        """True if ``run`` may send ``builder`` now (it then holds its write locks in the lock queue); False
+        if another context of this client holds one of them (then ``run`` must wait for its turn)."""
+        queue = partition.lock_queue
+        locks = builder.write_lock_hashes
+        if locks and queue.blocker(run, locks) is not None:
+            return False
+        self._wake(queue.acquire(run, locks))
+        return True
+
+    def _park(self, partition: _Partition, run: _Run, builder: TransactionBuilder) -> None:
+        """Queue ``run`` behind the context holding one of ``builder``'s write locks (see _await_turn)."""
+        blocker = partition.lock_queue.blocker(run, builder.write_lock_hashes)
+        if blocker is None:
+            raise ClientError("internal error: parking a context that is not blocked")
+        run.turn = asyncio.get_running_loop().create_future()
+        self._wake(partition.lock_queue.park(run, blocker))
+        if run.first_send is not None and not run.first_send.done():
+            run.first_send.set_result(None)  # Queued counts as accepted: submit returns.
+
+    async def _await_turn(self, run: _Run) -> None:
+        """Return when it is the parked ``run``'s turn to execute again (the transaction of the context
+        before it applied, or its append failed), or once the context expired."""
+        if run.turn is None:
+            return
+        timeout_ms = self._config.transaction_timeout_ms
+        try:
+            if timeout_ms > 0:
+                remaining_s = timeout_ms / 1000 - (time.time() - run.context.creation_time)
+                # Past the deadline the caller's expiry check ends the context.
+                await asyncio.wait_for(asyncio.shield(run.turn), max(remaining_s, 0))
+            else:
+                await run.turn
+        except TimeoutError:
+            pass
+        finally:
+            run.turn = None
+
+    def _wake(self, runs: list[Any]) -> None:
+        for run in runs:
+            turn = run.turn
+            if turn is not None and not turn.done():
+                turn.set_result(None)
 
     def _on_applied(self, partition: _Partition, transaction_id: int) -> None:
         """Transactions up to ``transaction_id`` are applied: on_application for the runs that wait for it."""
@@ -789,6 +843,7 @@ class AsyncWaltzClient:
         while waiting and waiting[0].transaction_id <= transaction_id:
             run = waiting.popleft()
             run.applied = True
+            self._wake(partition.lock_queue.release(run))
             if run.completed:
                 self._queue_hook(run, False, run.context.on_application)
 
@@ -862,6 +917,7 @@ class AsyncWaltzClient:
         assert partition is not None
         context = run.context
         try:
+            await self._await_turn(run)  # Parked by submit.
             if pending is not None:
                 if isinstance(pending, BaseException):
                     raise pending
@@ -888,6 +944,13 @@ class AsyncWaltzClient:
                         return
                 # The mount may have changed while execute ran; its high-water mark is still a safe one.
                 monitor = await self._wait_mounted(partition)
+                if not self._take_turn(partition, run, builder):
+                    # Not sent, so not counted: the attempt bound is about appends the server refused.
+                    attempts -= 1
+                    self._park(partition, run, builder)
+                    builder = None
+                    await self._await_turn(run)
+                    continue
                 outcome: asyncio.Future[Resolution] = asyncio.get_running_loop().create_future()
                 self._send(partition, monitor, builder, functools.partial(_settle, outcome))
                 builder = None
@@ -899,8 +962,10 @@ class AsyncWaltzClient:
                     run.ended = True
                     await self._call_hook(context.on_completion, True)
                     await self._wait_applied(partition, resolution.transaction_id)
+                    self._wake(partition.lock_queue.release(run))
                     await self._call_hook(context.on_application)
                     return
+                self._wake(partition.lock_queue.release(run))
                 await self._after_failure(context, resolution, attempts)
         except asyncio.CancelledError:
             raise  # close() reports ClientClosedError to the context.
@@ -985,6 +1050,8 @@ class AsyncWaltzClient:
             run.partition.slots.release()
 
     def _finish(self, run: _Run) -> None:
+        if run.partition is not None:
+            self._wake(run.partition.lock_queue.leave(run))
         self._runs.discard(run)
         run.set_finished()
         if run.first_send is not None and not run.first_send.done():
