@@ -107,9 +107,9 @@ class TransactionBuilder:
         return AppendRequest(
             req_id=req_id,
             client_high_water_mark=self.client_high_water_mark,
-            write_locks=_hashes(self._write_locks),
-            read_locks=_hashes(self._read_locks),
-            append_locks=_hashes(self._append_locks),
+            write_locks=_hashes(self._write_locks) if self._write_locks else (),
+            read_locks=_hashes(self._read_locks) if self._read_locks else (),
+            append_locks=_hashes(self._append_locks) if self._append_locks else (),
             header=self._header,
             data=self._data,
             checksum=crc32(self._data),

@@ -531,6 +531,8 @@ class AsyncWaltzClient:
             result: Any = context.execute(builder)
         except Exception as e:  # noqa: BLE001 - reported through on_exception by submit
             return e
+        if result is True:
+            return builder
         if inspect.isawaitable(result):
             return _Pending(builder, result)  # A coroutine execute (inline mode): submit awaits it.
         return builder if result else False

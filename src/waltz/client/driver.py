@@ -80,14 +80,29 @@ from __future__ import annotations
 import enum
 import importlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from waltz.errors import ConfigError
+from waltz.protocol.client_server import AppendRequest
 from waltz.protocol.records import ReqId
 
 if TYPE_CHECKING:
     from waltz.client.config import ClientConfig
+
+
+__all__ = [
+    "AppendRequest",
+    "ClientDriver",
+    "DriverListener",
+    "MountState",
+    "create_network_driver",
+]
+
+# An append travels as the wire message itself (waltz.protocol.client_server.AppendRequest): the core
+# builds it once and the network driver encodes it as it is, with no twin copied field by field.
+# ``client_high_water_mark`` is the application's high-water mark captured just before ``execute`` ran;
+# lock values are the 32-bit hashes of :func:`waltz.client.locks.lock_hash`; ``checksum`` is the CRC-32 of
+# ``data``.
 
 
 class MountState(enum.IntEnum):
@@ -96,26 +111,6 @@ class MountState(enum.IntEnum):
     READY = 0
     NOT_READY = 1
     CLIENT_AHEAD = 2
-
-
-@dataclass(frozen=True, slots=True)
-class AppendRequest:
-    """One append, as the core hands it to the driver (the fields of the wire AppendRequest).
-
-    ``client_high_water_mark`` is the application's high-water mark captured just before ``execute`` ran;
-    the server rejects the append with a lock failure if a lock it holds was taken by a later transaction.
-    Lock values are the 32-bit hashes of :func:`waltz.client.locks.lock_hash`. ``checksum`` is the CRC-32 of
-    ``data``.
-    """
-
-    req_id: ReqId
-    client_high_water_mark: int
-    write_locks: tuple[int, ...]
-    read_locks: tuple[int, ...]
-    append_locks: tuple[int, ...]
-    header: int
-    data: bytes
-    checksum: int
 
 
 class DriverListener(Protocol):

@@ -63,6 +63,8 @@ class LockQueue:
         """``context`` sends an append holding ``locks`` (check :meth:`blocker` first). Returns contexts to
         wake: those next in line for the locks it was reserved but no longer wants."""
         wanted = set(locks)
+        if not wanted and context not in self._held and context not in self._parked:
+            return []  # The common case, a context without write locks: nothing to do.
         for h in wanted:
             lock = self._locks.get(h)
             if lock is None:
@@ -100,6 +102,8 @@ class LockQueue:
     def leave(self, context: Hashable) -> list[Hashable]:
         """``context`` ended (or executes again without needing its turn): drop everything it holds or waits
         for. Returns contexts to wake."""
+        if context not in self._held and context not in self._parked:
+            return []
         self._unpark(context)
         return self.release(context)
 

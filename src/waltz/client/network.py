@@ -756,19 +756,7 @@ class NetworkDriver(ClientDriver):
     # -- contract: requests ----------------------------------------------------------------------------------
 
     def send_append(self, partition_id: int, request: AppendRequest) -> None:
-        link = self._ready_link(partition_id)
-        link.send(
-            cs.AppendRequest(
-                request.req_id,
-                request.client_high_water_mark,
-                request.write_locks,
-                request.read_locks,
-                request.append_locks,
-                request.header,
-                request.data,
-                request.checksum,
-            )
-        )
+        self._ready_link(partition_id).send(request)
 
     def send_flush(self, partition_id: int, req_id: ReqId) -> None:
         self._ready_link(partition_id).send(cs.FlushRequest(req_id))
