@@ -40,10 +40,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, TypeAlias, TypeVar
 
-from waltz.client.api import ClientCallbacks
+from waltz.client.api import ApplyAction, ClientCallbacks
 from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.context import TransactionContext
@@ -59,6 +60,7 @@ from waltz.errors import (
     ClientError,
     ClientTimeoutError,
     DataChecksumError,
+    PartitionStuckError,
     RemoteProtocolError,
     WaltzError,
 )
@@ -72,6 +74,11 @@ T = TypeVar("T")
 
 APPLY_BATCH_MAX = 256
 """Most feed transactions handed to one callback thread in one job (applied one after the other)."""
+STUCK_REMINDER_S = 30.0
+"""After the first traceback, a partition stuck on one transaction logs a one-line reminder this often."""
+STUCK_SUBMIT_AFTER = 3
+"""Failed deliveries of one transaction after which ``submit`` to its partition fails with
+:class:`~waltz.errors.PartitionStuckError` (the feed cannot advance, so nothing appended would be applied)."""
 APPLY_BATCH_MAX_S = 0.005
 """A batch returns to the loop after this long, so the applied high-water mark (and ``on_application``)
 never lags far behind a slow ``apply_transaction``."""
@@ -165,6 +172,7 @@ class _Partition:
         self.awaiting_apply: deque[_Run] = deque()
         self.tasks: list[asyncio.Task[Any]] = []  # Mount and applier tasks, cancelled on release.
         self.lock_queue = LockQueue()  # This client's contexts take turns on a write lock.
+        self.stuck: _Stuck | None = None  # Set while apply_transaction keeps failing on one transaction.
         self._changed = asyncio.Event()
         self._feed_waiter: asyncio.Future[None] | None = None  # The applier, waiting for the feed.
         self._room_waiter: asyncio.Future[None] | None = None  # The driver, waiting for room in the feed.
@@ -200,6 +208,25 @@ class _Partition:
 
     async def changed(self) -> None:
         await self._changed.wait()
+
+
+@dataclass(slots=True)
+class _Stuck:
+    """A partition whose ``apply_transaction`` keeps failing on one transaction."""
+
+    transaction_id: int
+    error: Exception
+    failures: int
+    since: float  # client clock
+    reminded_at: float
+
+    def describe(self, partition_id: int, now: float) -> str:
+        return (
+            f"partition {partition_id} is stuck applying transaction {self.transaction_id}: "
+            f"apply_transaction raised {type(self.error).__name__}: {self.error} "
+            f"({self.failures} attempts in {now - self.since:.1f} s; "
+            "uncaught_exception may return ApplyAction.SKIP, see docs/client.md)"
+        )
 
 
 class _Run:
@@ -515,6 +542,9 @@ class AsyncWaltzClient:
                 f"(mounted: {sorted(self._partitions)}; see set_partitions)"
             )
         run.partition = partition
+        stuck = partition.stuck
+        if stuck is not None and stuck.failures >= STUCK_SUBMIT_AFTER:
+            raise PartitionStuckError(stuck.describe(partition_id, self._clock()))
         monitor = partition.monitor
         if (
             monitor is None
@@ -559,6 +589,8 @@ class AsyncWaltzClient:
         try:
             await partition.slots.acquire(self._config.submit_timeout_ms / 1000)
         except TimeoutError:
+            if partition.stuck is not None:
+                raise PartitionStuckError(partition.stuck.describe(partition.id, self._clock())) from None
             raise ClientTimeoutError(
                 f"submit timed out after {self._config.submit_timeout_ms} ms: partition {partition.id} "
                 f"already has {partition.slots.limit} transactions in flight "
@@ -738,7 +770,6 @@ class AsyncWaltzClient:
         assert monitor is not None
         pool = self._require_pool()
         apply = self._callbacks.apply_transaction
-        retry = 0
         batch: list[Transaction] = []
         while True:
             if not batch:
@@ -751,17 +782,76 @@ class AsyncWaltzClient:
             if applied:
                 last = batch[applied - 1].transaction_id
                 del batch[:applied]
-                retry = 0
-                self._resolve(partition, monitor.on_applied(last))
-                self._on_applied(partition, last)
-                partition.notify()
+                if partition.stuck is not None:
+                    log.info(
+                        "partition %d: transaction %d applied after %d failed attempts",
+                        partition.id,
+                        partition.stuck.transaction_id,
+                        partition.stuck.failures,
+                    )
+                    partition.stuck = None
+                self._advance_applied(partition, monitor, last)
             if error is not None:
-                retry += 1
-                await self._call_hook(
-                    self._callbacks.uncaught_exception, partition.id, batch[0].transaction_id, error
-                )
+                transaction_id = batch[0].transaction_id
+                stuck = self._note_apply_failure(partition, transaction_id, error)
+                try:
+                    action = await self._call_user(
+                        self._callbacks.uncaught_exception, partition.id, transaction_id, error
+                    )
+                except Exception:
+                    log.exception("uncaught_exception raised")
+                    action = None
+                if action is ApplyAction.SKIP:
+                    log.warning(
+                        "partition %d: SKIPPING transaction %d at the application's request "
+                        "(uncaught_exception returned ApplyAction.SKIP after %d failed attempts); "
+                        "it was never applied",
+                        partition.id,
+                        transaction_id,
+                        stuck.failures,
+                    )
+                    del batch[0]
+                    partition.stuck = None
+                    self._advance_applied(partition, monitor, transaction_id)
+                    continue
                 # The high-water mark stays put: the same transaction is delivered again.
-                await asyncio.sleep(APPLY_RETRY.delay_s(retry))
+                await asyncio.sleep(APPLY_RETRY.delay_s(stuck.failures))
+
+    def _advance_applied(self, partition: _Partition, monitor: TransactionMonitor, last: int) -> None:
+        """Transactions up to ``last`` are applied (or skipped): release what waited for them."""
+        self._resolve(partition, monitor.on_applied(last))
+        self._on_applied(partition, last)
+        partition.notify()
+
+    def _note_apply_failure(self, partition: _Partition, transaction_id: int, error: Exception) -> _Stuck:
+        """Record a failed ``apply_transaction``: the traceback is logged once per transaction, then a
+        one-line reminder at growing intervals (a poisoned transaction must not flood the log)."""
+        stuck = partition.stuck
+        now = self._clock()
+        if stuck is None or stuck.transaction_id != transaction_id:
+            stuck = partition.stuck = _Stuck(transaction_id, error, 1, now, now)
+            log.error(
+                "partition %d: apply_transaction raised for transaction %d; delivering it again with backoff "
+                "(the feed of this partition waits; see 'Poisoned transactions' in docs/client.md)",
+                partition.id,
+                transaction_id,
+                exc_info=error,
+            )
+            return stuck
+        stuck.failures += 1
+        stuck.error = error
+        if now - stuck.reminded_at >= STUCK_REMINDER_S:
+            stuck.reminded_at = now
+            log.error(
+                "partition %d: still stuck applying transaction %d (%d attempts, %.0f s): %s: %s",
+                partition.id,
+                transaction_id,
+                stuck.failures,
+                now - stuck.since,
+                type(error).__name__,
+                error,
+            )
+        return stuck
 
     async def _nudge_loop(self) -> None:
         threshold_s = self._config.long_wait_threshold_ms / 1000
@@ -1035,6 +1125,8 @@ class AsyncWaltzClient:
                         return partition.monitor
                     await partition.changed()
         except TimeoutError:
+            if partition.stuck is not None:
+                raise PartitionStuckError(partition.stuck.describe(partition.id, self._clock())) from None
             raise ClientTimeoutError(
                 f"partition {partition.id} was not mounted within {timeout_ms} ms (client.mountTimeout)"
             ) from None
