@@ -49,6 +49,7 @@ from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.context import TransactionContext
 from waltz.client.driver import ClientDriver, MountState, create_network_driver
+from waltz.client.lifecycle import Event, Hook, Lifecycle, State
 from waltz.client.lock_queue import LockQueue
 from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
 from waltz.client.pool import Call, CallbackPool
@@ -210,6 +211,10 @@ class _Partition:
         await self._changed.wait()
 
 
+_FAILURE_EVENTS = {Outcome.LOCK_FAILED: Event.LOCK_FAIL, Outcome.FAILED: Event.LOST}
+"""The lifecycle event of an append that did not commit."""
+
+
 @dataclass(slots=True)
 class _Stuck:
     """A partition whose ``apply_transaction`` keeps failing on one transaction."""
@@ -237,10 +242,10 @@ class _Run:
         "applied",
         "completed",
         "context",
-        "ended",
         "finished",
         "first_send",
         "holds_slot",
+        "lifecycle",
         "partition",
         "transaction_id",
         "turn",
@@ -253,13 +258,18 @@ class _Run:
         self.first_send: asyncio.Future[None] | None = None
         self._done: asyncio.Future[None] | None = None  # Made on demand, for flush_transactions.
         self.holds_slot = False
-        self.ended = False  # A terminal hook (on_completion / on_exception) has been called (or queued).
+        self.lifecycle = Lifecycle()  # The context's fate: one state machine (see waltz.client.lifecycle).
         self.finished = False
         # Fast path, once committed: the transaction id, and whether on_completion ran and it was applied.
         self.transaction_id = -1
         self.completed = False
         self.applied = False
         self.turn: asyncio.Future[None] | None = None  # Set while waiting in a lock queue.
+
+    @property
+    def ended(self) -> bool:
+        """A terminal hook (on_completion / on_exception) has been decided."""
+        return self.lifecycle.ended
 
     def done(self) -> asyncio.Future[None]:
         """A future resolved when the run is finished."""
@@ -406,7 +416,7 @@ class AsyncWaltzClient:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for run in list(self._runs):
-            await self._end_with_exception(run, closed)
+            await self._end_with_exception(run, closed, Event.CLOSE)
         if self._driver is not None:
             try:
                 await self._driver.close()
@@ -488,18 +498,21 @@ class AsyncWaltzClient:
             self._check_open()
         except Exception as e:
             self._release_slot(run)
-            await self._call_hook(context.on_exception, e)
+            if run.lifecycle.handle(Event.FAIL) is Hook.EXCEPTION:
+                await self._call_hook(context.on_exception, e)
             raise
         except BaseException:
             self._release_slot(run)
             raise
         self._runs.add(run)
+        if first is not None:
+            run.lifecycle.handle(Event.EXECUTE)
         if isinstance(first, Exception):  # execute() raised
             await self._end_with_exception(run, first)
             raise first
         if first is False:  # execute() gave up
             self._release_slot(run)
-            run.ended = True
+            run.lifecycle.handle(Event.GIVE_UP)
             await self._call_hook(context.on_completion, False)
             self._finish(run)
             return
@@ -507,9 +520,11 @@ class AsyncWaltzClient:
             monitor = self._ready_monitor(partition)
             if monitor is not None:
                 if self._take_turn(partition, run, first):
+                    run.lifecycle.handle(Event.SEND)  # Before _send: a failed send resolves at once.
                     self._send(partition, monitor, first, functools.partial(self._on_first_outcome, run))
                     return
                 # Queued behind this client's own append on a write lock: it executes again on its turn.
+                run.lifecycle.handle(Event.QUEUE)
                 self._park(partition, run, first)
                 self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
                 return
@@ -877,11 +892,13 @@ class AsyncWaltzClient:
         assert partition is not None
         if isinstance(result, Resolution) and result.outcome is Outcome.COMMITTED:
             self._release_slot(run)
-            run.ended = True
+            run.lifecycle.handle(Event.COMMIT)
             run.transaction_id = result.transaction_id
             partition.awaiting_apply.append(run)
             self._queue_hook(run, True, run.context.on_completion, True)
             return
+        if isinstance(result, Resolution):
+            run.lifecycle.handle(_FAILURE_EVENTS[result.outcome])
         self._wake(partition.lock_queue.release(run))
         self._spawn(self._run_context(run, 1, None, result), f"waltz-run-p{partition.id}")
 
@@ -919,7 +936,9 @@ class AsyncWaltzClient:
             else:
                 await run.turn
         except TimeoutError:
-            pass
+            pass  # Still QUEUED: the caller's expiry check ends the context.
+        else:
+            run.lifecycle.handle(Event.TURN)
         finally:
             run.turn = None
 
@@ -937,7 +956,7 @@ class AsyncWaltzClient:
             run.applied = True
             self._wake(partition.lock_queue.release(run))
             if run.completed:
-                self._queue_hook(run, False, run.context.on_application)
+                self._queue_application(run)
 
     def _drop_awaiting_apply(self, partition: _Partition) -> None:
         """The partition is gone: its committed runs end without on_application (as with close)."""
@@ -946,6 +965,12 @@ class AsyncWaltzClient:
             if run.completed:
                 self._finish(run)
             # Otherwise _hooks_done finishes it once on_completion ran.
+
+    def _queue_application(self, run: _Run) -> None:
+        if run.lifecycle.state is State.COMMITTED and run.lifecycle.handle(Event.APPLY) is Hook.APPLICATION:
+            self._queue_hook(run, False, run.context.on_application)
+        else:
+            self._finish(run)  # Ended meanwhile (closed): no on_application.
 
     def _queue_hook(self, run: _Run, completion: bool, fn: Callable[..., Any], *args: Any) -> None:
         """Queue a fast-path hook; the hooks queued in one loop iteration run as one callback-thread job."""
@@ -989,7 +1014,7 @@ class AsyncWaltzClient:
             partition = run.partition
             assert partition is not None
             if run.applied and not self._closed:
-                self._queue_hook(run, False, run.context.on_application)
+                self._queue_application(run)
             elif self._closed or partition.error is not None:
                 self._finish(run)  # No on_application will follow.
 
@@ -1008,6 +1033,7 @@ class AsyncWaltzClient:
         partition = run.partition
         assert partition is not None
         context = run.context
+        expired = False
         try:
             await self._await_turn(run)  # Parked by submit.
             if pending is not None:
@@ -1022,6 +1048,7 @@ class AsyncWaltzClient:
                             "(client.maxTransactionAttempts)"
                         )
                     if self._retry.expired(context.creation_time, time.time()):
+                        expired = True  # The lifecycle's EXPIRE event, not a FAIL.
                         raise ClientTimeoutError(
                             f"transaction context expired after {self._config.transaction_timeout_ms} ms "
                             f"and {attempts} attempts (client.transactionTimeout)"
@@ -1029,9 +1056,10 @@ class AsyncWaltzClient:
                     attempts += 1
                     monitor = await self._wait_mounted(partition)
                     builder = TransactionBuilder(partition.id, monitor.applied_high_water_mark)
+                    run.lifecycle.handle(Event.EXECUTE)
                     if not await self._call_user(context.execute, builder):
                         self._release_slot(run)
-                        run.ended = True
+                        run.lifecycle.handle(Event.GIVE_UP)
                         await self._call_hook(context.on_completion, False)
                         return
                 # The mount may have changed while execute ran; its high-water mark is still a safe one.
@@ -1039,11 +1067,13 @@ class AsyncWaltzClient:
                 if not self._take_turn(partition, run, builder):
                     # Not sent, so not counted: the attempt bound is about appends the server refused.
                     attempts -= 1
+                    run.lifecycle.handle(Event.QUEUE)
                     self._park(partition, run, builder)
                     builder = None
                     await self._await_turn(run)
                     continue
                 outcome: asyncio.Future[Resolution] = asyncio.get_running_loop().create_future()
+                run.lifecycle.handle(Event.SEND)
                 self._send(partition, monitor, builder, functools.partial(_settle, outcome))
                 builder = None
                 if run.first_send is not None and not run.first_send.done():
@@ -1051,18 +1081,20 @@ class AsyncWaltzClient:
                 resolution = await outcome
                 if resolution.outcome is Outcome.COMMITTED:
                     self._release_slot(run)
-                    run.ended = True
+                    run.lifecycle.handle(Event.COMMIT)
                     await self._call_hook(context.on_completion, True)
                     await self._wait_applied(partition, resolution.transaction_id)
                     self._wake(partition.lock_queue.release(run))
-                    await self._call_hook(context.on_application)
+                    if run.lifecycle.handle(Event.APPLY) is Hook.APPLICATION:
+                        await self._call_hook(context.on_application)
                     return
+                run.lifecycle.handle(_FAILURE_EVENTS[resolution.outcome])
                 self._wake(partition.lock_queue.release(run))
                 await self._after_failure(context, resolution, attempts)
         except asyncio.CancelledError:
             raise  # close() reports ClientClosedError to the context.
         except Exception as e:  # noqa: BLE001 - every failure ends the context through on_exception
-            await self._end_with_exception(run, e)
+            await self._end_with_exception(run, e, Event.EXPIRE if expired else Event.FAIL)
         finally:
             self._release_slot(run)
             if run.ended or not self._closed:
@@ -1151,11 +1183,11 @@ class AsyncWaltzClient:
         if run.first_send is not None and not run.first_send.done():
             run.first_send.set_result(None)
 
-    async def _end_with_exception(self, run: _Run, error: BaseException) -> None:
-        """End ``run`` with ``on_exception(error)`` (once); a first attempt also raises it from submit."""
+    async def _end_with_exception(self, run: _Run, error: BaseException, event: Event = Event.FAIL) -> None:
+        """End ``run`` with ``on_exception(error)`` if its lifecycle owes it (once); a first attempt also
+        raises it from submit."""
         self._release_slot(run)
-        if not run.ended:
-            run.ended = True
+        if run.lifecycle.handle(event) is Hook.EXCEPTION:
             await self._call_hook(run.context.on_exception, error)
         if run.first_send is not None and not run.first_send.done():
             run.first_send.set_exception(error)
