@@ -21,7 +21,8 @@ sync8      :class:`~waltz.WaltzClient` driven from 8 threads (each submits; comp
 Each phase stops after ``--count`` operations or ``--seconds``, whichever comes first, after a short warm-up.
 Per phase it prints ops/s, p50/p99 latency, client CPU per op (this process: ``time.process_time``) and
 server CPU per op (server + storage processes, from ``/proc/<pid>/stat``). The load average is printed at
-the start and the end. ``--mode`` picks ``client.callbackMode`` (``inline`` or ``threads``).
+the start and the end. ``--mode`` picks ``client.callbackMode`` (``inline`` or ``threads``), ``--loop`` the
+application's event loop (uvloop, the default, or the standard asyncio loop).
 
     .venv/bin/python bench/client_peer.py                       # every phase, inline mode
     .venv/bin/python bench/client_peer.py --mode threads --phase conc --phase seq
@@ -330,6 +331,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per phase at most")
     parser.add_argument("--max-concurrent", type=int, default=128, help="client.maxConcurrentTransactions")
     parser.add_argument("--profile", help="write a cProfile of the async phases to this file")
+    parser.add_argument(
+        "--loop", choices=("uvloop", "asyncio"), default="uvloop", help="the application's event loop"
+    )
     args = parser.parse_args()
     args.phase = args.phase or list(PHASES)
     print(f"load average at start: {os.getloadavg()}", flush=True)
@@ -350,7 +354,12 @@ def main() -> None:
 
                 profiler = cProfile.Profile()
                 profiler.enable()
-            asyncio.run(main_async(args, config, pids))
+            if args.loop == "uvloop":
+                import uvloop
+
+                uvloop.run(main_async(args, config, pids))
+            else:
+                asyncio.run(main_async(args, config, pids))
             if args.profile:
                 profiler.disable()
                 profiler.dump_stats(args.profile)

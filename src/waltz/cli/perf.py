@@ -8,6 +8,8 @@ import argparse
 import asyncio
 import json
 import logging
+import sys
+from collections.abc import Coroutine
 from typing import Any
 
 from waltz.client.config import ClientConfig
@@ -92,7 +94,8 @@ def cmd_producer(args: argparse.Namespace) -> int:
         partitions=args.partitions,
         max_in_flight=args.max_in_flight,
     )
-    return _print(asyncio.run(run_producers(config, opts, drivers)), args.json)
+    show = not args.json and sys.stderr.isatty()
+    return _print(_run(run_producers(config, opts, drivers, show_progress=show)), args.json)
 
 
 def cmd_consumer(args: argparse.Namespace) -> int:
@@ -100,4 +103,13 @@ def cmd_consumer(args: argparse.Namespace) -> int:
     opts = ConsumerOptions(
         txn_size_bytes=args.txn_size, num_txns=args.num_txns, clients=args.clients, partitions=args.partitions
     )
-    return _print(asyncio.run(run_consumers(config, opts, drivers)), args.json)
+    return _print(_run(run_consumers(config, opts, drivers)), args.json)
+
+
+def _run(coro: Coroutine[Any, Any, PerfResult]) -> PerfResult:
+    """Run a tool on uvloop when it is installed (the loop an asyncio application would pick for speed)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
