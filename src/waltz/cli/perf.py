@@ -10,12 +10,14 @@ import json
 import logging
 import sys
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from waltz.client.config import ClientConfig
 from waltz.errors import ConfigError
 from waltz.perf.common import DriverFactory, PerfResult, network_driver
 from waltz.perf.producer import ConsumerOptions, ProducerOptions, run_consumers, run_producers
+
+T = TypeVar("T")
 
 
 def register(groups: Any) -> None:
@@ -95,7 +97,7 @@ def cmd_producer(args: argparse.Namespace) -> int:
         max_in_flight=args.max_in_flight,
     )
     show = not args.json and sys.stderr.isatty()
-    return _print(_run(run_producers(config, opts, drivers, show_progress=show)), args.json)
+    return _print(run_on_fast_loop(run_producers(config, opts, drivers, show_progress=show)), args.json)
 
 
 def cmd_consumer(args: argparse.Namespace) -> int:
@@ -103,10 +105,10 @@ def cmd_consumer(args: argparse.Namespace) -> int:
     opts = ConsumerOptions(
         txn_size_bytes=args.txn_size, num_txns=args.num_txns, clients=args.clients, partitions=args.partitions
     )
-    return _print(_run(run_consumers(config, opts, drivers)), args.json)
+    return _print(run_on_fast_loop(run_consumers(config, opts, drivers)), args.json)
 
 
-def _run(coro: Coroutine[Any, Any, PerfResult]) -> PerfResult:
+def run_on_fast_loop(coro: Coroutine[Any, Any, T]) -> T:
     """Run a tool on uvloop when it is installed (the loop an asyncio application would pick for speed)."""
     try:
         import uvloop

@@ -11,9 +11,9 @@ import asyncio
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from waltz.client.api import ClientCallbacks
 from waltz.client.builder import TransactionBuilder
@@ -25,6 +25,7 @@ from waltz.client.locks import PartitionLocalLock
 from waltz.client.transaction import Transaction
 from waltz.errors import ClientError
 
+T = TypeVar("T")
 DriverFactory = Callable[[], ClientDriver | None]
 MAX_CLIENTS = 1000
 MAX_TXN_BYTES = 16 * 1024 * 1024
@@ -123,6 +124,23 @@ class MarkCallbacks(ClientCallbacks):
 
     def uncaught_exception(self, partition_id: int, transaction_id: int, exception: BaseException) -> None:
         return None  # The tools report what they saw; a redelivery is not an error for them.
+
+
+async def watched(work: Awaitable[T], progress: Progress, show: bool) -> T:
+    """Await ``work`` under :func:`watch`: a live progress line, and the stall error if nothing completes."""
+    watcher = asyncio.create_task(watch(progress, show))
+    task = asyncio.ensure_future(work)
+    try:
+        both: list[asyncio.Future[Any]] = [watcher, task]
+        done, _ = await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+        if watcher in done:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            watcher.result()  # Raises the stall error.
+        return await task
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
 
 
 class ReportingContext(TransactionContext):

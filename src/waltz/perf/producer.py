@@ -23,7 +23,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from waltz.client.config import ClientConfig
 from waltz.client.core import AsyncWaltzClient
@@ -45,7 +44,7 @@ from waltz.perf.common import (
     network_driver,
     start_client,
     submit_and_settle,
-    watch,
+    watched,
 )
 
 LOCK_NAME = "perf"
@@ -143,21 +142,10 @@ async def run_producers(
             clients.append(await start_client(MarkCallbacks(marks), config, driver_factory))  # noqa: PERF401 - closed on failure
         started = time.perf_counter()
         progress = Progress(opts.clients * opts.txns_per_client)
-        watcher = asyncio.create_task(watch(progress, show_progress))
-        producers: asyncio.Future[list[None]] = asyncio.gather(
+        producers = asyncio.gather(
             *(_produce(c, opts, partitions, random.Random(rng.random()), result, progress) for c in clients)
         )
-        try:
-            both: list[asyncio.Future[Any]] = [watcher, producers]
-            done, _ = await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
-            if watcher in done:
-                producers.cancel()
-                await asyncio.gather(producers, return_exceptions=True)
-                watcher.result()  # Raises the stall error.
-            await producers
-        finally:
-            watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
+        await watched(producers, progress, show_progress)
         result.seconds = time.perf_counter() - started
     finally:
         await close_all(clients)
