@@ -535,6 +535,83 @@ class AsyncWaltzClient:
         )
         await asyncio.shield(run.first_send)
 
+    def submit_from_thread(self, context: TransactionContext) -> bool:
+        """The zero-wait submit of :class:`~waltz.client.sync.WaltzClient`, on an application thread (never
+        the loop). When the partition is mounted and has a free slot, ``partition_id`` and ``execute`` run
+        right here (as on a callback thread) and the outcome goes to the loop with one
+        ``call_soon_threadsafe``, without waiting for it: the append is sent in order before anything the
+        thread asks the client afterwards. Returns False, having done nothing, when that is not possible at
+        once (no free slot, the partition not ready, the client not started or closed): the caller then
+        uses :meth:`submit`, which waits. As with :meth:`submit`, an exception of the first attempt is
+        raised here and reported through ``on_exception``.
+        """
+        loop = self._loop
+        if loop is None or self._closed or self._driver is None:
+            return False
+        run = _Run(context)
+        try:
+            first = self._first_attempt(run, self._driver.num_partitions)
+        except Exception as e:
+            loop.call_soon_threadsafe(self._spawn_end, run, e)
+            raise
+        if first is None:
+            return False
+        if isinstance(first, Exception):
+            loop.call_soon_threadsafe(self._spawn_end, run, first, True)
+            raise first
+        loop.call_soon_threadsafe(self._continue_first, run, first)
+        return True
+
+    def _spawn_end(self, run: _Run, error: Exception, executed: bool = False) -> None:
+        self._runs.add(run)
+        if executed:
+            run.lifecycle.handle(Event.EXECUTE)
+        self._spawn(self._end_with_exception(run, error), "waltz-failed-submit")
+
+    def _continue_first(self, run: _Run, first: TransactionBuilder | Literal[False] | _Pending) -> None:
+        """On the loop: what ``submit`` does after a first attempt made by :meth:`submit_from_thread`."""
+        partition = run.partition
+        assert partition is not None
+        self._runs.add(run)
+        if isinstance(first, _Pending):
+            self._spawn(self._continue_pending(run, first), f"waltz-run-p{partition.id}")
+            return
+        run.lifecycle.handle(Event.EXECUTE)
+        if first is False:
+            self._release_slot(run)
+            run.lifecycle.handle(Event.GIVE_UP)
+            self._spawn(self._gave_up(run), "waltz-gave-up")
+            return
+        if self._closed:
+            self._spawn(
+                self._end_with_exception(run, ClientClosedError("the client was closed"), Event.CLOSE),
+                "waltz-closed-run",
+            )
+            return
+        monitor = self._ready_monitor(partition)
+        if monitor is not None:
+            if self._take_turn(partition, run, first):
+                run.lifecycle.handle(Event.SEND)
+                self._send(partition, monitor, first, functools.partial(self._on_first_outcome, run))
+                return
+            run.lifecycle.handle(Event.QUEUE)
+            self._park(partition, run, first)
+            self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
+            return
+        self._spawn(self._run_context(run, 1, first), f"waltz-run-p{partition.id}")
+
+    async def _continue_pending(self, run: _Run, pending: _Pending) -> None:
+        first = await self._finish_first(run, pending)
+        if isinstance(first, Exception):
+            run.lifecycle.handle(Event.EXECUTE)
+            await self._end_with_exception(run, first)
+        else:
+            self._continue_first(run, first)
+
+    async def _gave_up(self, run: _Run) -> None:
+        await self._call_hook(run.context.on_completion, False)
+        self._finish(run)
+
     def _first_attempt(self, run: _Run, num_partitions: int) -> _First:
         """On a callback thread: call ``partition_id`` and, if a slot is free at once on a ready partition,
         take it and call ``execute``. Returns the filled builder, False (execute gave up), the exception

@@ -95,3 +95,39 @@ def test_blocking_call_from_an_event_loop_of_its_own_is_refused() -> None:
             fut.result(5)
     finally:
         client.close()
+
+
+class ThreadRecordingCtx(Ctx):
+    def execute(self, builder):  # type: ignore[no-untyped-def]
+        self.thread = threading.current_thread().name
+        return super().execute(builder)
+
+
+@pytest.mark.parametrize("mode", ["threads", "inline"])
+def test_submit_executes_on_the_calling_thread_without_waiting_for_the_loop(mode: str) -> None:
+    driver = MockDriver()
+    callbacks = RecordingCallbacks() if mode == "threads" else _NoFetch()
+    with WaltzClient(callbacks, FAST.replace(callback_mode=mode), driver=driver) as client:
+        ok = ThreadRecordingCtx(b"ok")
+        gave_up = ThreadRecordingCtx(b"no", give_up=True)
+        boom = ThreadRecordingCtx(b"x", raise_in_execute=ValueError("bad input"))
+        threading.Event().wait(0.1)  # Let the partition become ready: the fast path needs a mount.
+        client.submit(ok)
+        client.submit(gave_up)
+        with pytest.raises(ValueError, match="bad input"):
+            client.submit(boom)
+        client.flush_transactions(timeout=5)
+        assert ok.thread == gave_up.thread == boom.thread == threading.current_thread().name
+        assert ok.events == ["completion:True", "application"]
+        assert gave_up.events == ["completion:False"]
+        assert boom.events == ["exception:ValueError"]
+        assert not client.has_pending_transactions()
+        assert client.high_water_mark(0) == 0
+
+
+class _NoFetch(RecordingCallbacks):
+    """Inline mode on WaltzClient: apply_transaction runs on the client's loop, so no blocking fetch."""
+
+    def apply_transaction(self, transaction):  # type: ignore[no-untyped-def]
+        self._deliver(transaction)
+        self._record(transaction, b"")
