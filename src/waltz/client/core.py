@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, TypeAlias, TypeVar
@@ -96,6 +96,8 @@ class _Pending:
 
 
 _First: TypeAlias = TransactionBuilder | Literal[False] | Exception | _Pending | None
+_Executed: TypeAlias = TransactionBuilder | Literal[False] | _Pending
+"""A first attempt that ran ``execute`` without an exception (filled, gave up, or a coroutine to await)."""
 """What a submit's first callback-thread call returns (see ``AsyncWaltzClient._first_attempt``)."""
 
 OutcomeCallback = Callable[["Resolution | BaseException"], None]
@@ -562,13 +564,50 @@ class AsyncWaltzClient:
         loop.call_soon_threadsafe(self._continue_first, run, first)
         return True
 
+    def submit_batch_from_thread(self, contexts: Sequence[TransactionContext]) -> int:
+        """:meth:`submit_from_thread` for a run of contexts: executes the leading ones that find a free slot
+        on a mounted partition, on this thread, in order, and hands them all to the loop with ONE
+        ``call_soon_threadsafe`` (they are sent in this order). Returns how many were taken; the caller
+        submits the next one with :meth:`submit` (which waits for room) and continues after it. An
+        exception of a first attempt is raised (the contexts before it are taken; see ``submit``).
+        """
+        loop = self._loop
+        if loop is None or self._closed or self._driver is None:
+            return 0
+        num_partitions = self._driver.num_partitions
+        taken: list[tuple[_Run, _Executed]] = []
+        try:
+            for context in contexts:
+                run = _Run(context)
+                try:
+                    first = self._first_attempt(run, num_partitions)
+                except Exception as e:
+                    loop.call_soon_threadsafe(self._spawn_end, run, e)
+                    raise
+                if first is None:
+                    break
+                if isinstance(first, Exception):
+                    loop.call_soon_threadsafe(self._spawn_end, run, first, True)
+                    raise first
+                taken.append((run, first))
+        finally:
+            if taken:
+                loop.call_soon_threadsafe(self._continue_batch, taken)
+        return len(taken)
+
+    def _continue_batch(
+        self, taken: list[tuple[_Run, TransactionBuilder | Literal[False] | _Pending]]
+    ) -> None:
+        for run, first in taken:
+            self._continue_first(run, first)
+
     def _spawn_end(self, run: _Run, error: Exception, executed: bool = False) -> None:
         self._runs.add(run)
         if executed:
             run.lifecycle.handle(Event.EXECUTE)
         self._spawn(self._end_with_exception(run, error), "waltz-failed-submit")
 
-    def _continue_first(self, run: _Run, first: TransactionBuilder | Literal[False] | _Pending) -> None:
+    def _continue_first(self, run: _Run, first: _Executed) -> None:
         """On the loop: what ``submit`` does after a first attempt made by :meth:`submit_from_thread`."""
         partition = run.partition
         assert partition is not None

@@ -131,3 +131,29 @@ class _NoFetch(RecordingCallbacks):
     def apply_transaction(self, transaction):  # type: ignore[no-untyped-def]
         self._deliver(transaction)
         self._record(transaction, b"")
+
+
+def test_submit_many_keeps_the_order_and_waits_for_room() -> None:
+    driver = MockDriver()
+    callbacks = RecordingCallbacks()
+    config = FAST.replace(max_concurrent_transactions=7)  # Far fewer slots than contexts: it must wait.
+    with WaltzClient(callbacks, config, driver=driver) as client:
+        threading.Event().wait(0.1)  # The mock mounts at once; give it that moment.
+        contexts = [Ctx(b"%d" % i) for i in range(300)]
+        client.submit_many(contexts)
+        client.flush_transactions(timeout=10)
+    assert callbacks.data(0) == [b"%d" % i for i in range(300)]
+    assert all(ctx.events == ["completion:True", "application"] for ctx in contexts)
+
+
+def test_submit_many_raises_the_first_failing_execute_and_stops_there() -> None:
+    driver = MockDriver()
+    with WaltzClient(RecordingCallbacks(), FAST, driver=driver) as client:
+        threading.Event().wait(0.1)
+        contexts = [Ctx(b"a"), Ctx(b"b", raise_in_execute=ValueError("bad row")), Ctx(b"c")]
+        with pytest.raises(ValueError, match="bad row"):
+            client.submit_many(contexts)
+        client.flush_transactions(timeout=5)
+    assert contexts[0].events == ["completion:True", "application"]
+    assert contexts[1].events == ["exception:ValueError"]
+    assert contexts[2].executions == 0
