@@ -694,7 +694,7 @@ class AsyncWaltzClient:
             return e
         if result is True:
             return builder
-        if inspect.isawaitable(result):
+        if result is not None and inspect.isawaitable(result):
             return _Pending(builder, result)  # A coroutine execute (inline mode): submit awaits it.
         return builder if result else False
 
@@ -1364,7 +1364,7 @@ class AsyncWaltzClient:
         if self._inline:
             self._require_pool()  # The same closed-client check as the threads mode.
             result = fn(*args)
-            if inspect.isawaitable(result):
+            if result is not None and inspect.isawaitable(result):
                 result = await result
             return result
         return await self._require_pool().call(fn, *args)
@@ -1442,7 +1442,7 @@ async def _apply_batch_inline(
             return i, None
         try:
             result = apply(transaction)
-            if inspect.isawaitable(result):
+            if result is not None and inspect.isawaitable(result):
                 await result
         except Exception as e:  # noqa: BLE001 - application code: the loop reports it and delivers again
             return i, e
@@ -1459,6 +1459,6 @@ def _run_hooks_inline(hooks: list[Call]) -> list[Awaitable[Any]]:
         except Exception:
             log.exception("%s raised", getattr(fn, "__qualname__", fn))
             continue
-        if inspect.isawaitable(result):
+        if result is not None and inspect.isawaitable(result):
             awaitables.append(result)
     return awaitables

@@ -39,6 +39,10 @@ __all__ = ["Event", "Hook", "Lifecycle", "LifecycleError", "State", "TRANSITIONS
 
 
 class State(enum.Enum):
+    # Members are singletons compared by identity: hash them by identity too, in C (Enum's own __hash__ is
+    # Python code, and every transition looks up two of them).
+    __hash__ = object.__hash__
+
     SUBMITTED = "submitted"
     """Accepted by ``submit``; not executed yet (waiting for a slot or the mount)."""
     EXECUTING = "executing"
@@ -56,6 +60,10 @@ class State(enum.Enum):
 
 
 class Event(enum.Enum):
+    # Members are singletons compared by identity: hash them by identity too, in C (Enum's own __hash__ is
+    # Python code, and every transition looks up two of them).
+    __hash__ = object.__hash__
+
     EXECUTE = "execute"
     SEND = "send"
     QUEUE = "queue"
