@@ -62,7 +62,6 @@ from waltz.errors import (
     ClientTimeoutError,
     DataChecksumError,
     PartitionStuckError,
-    RemoteProtocolError,
     WaltzError,
 )
 from waltz.protocol.records import ReqId, crc32
@@ -838,13 +837,8 @@ class AsyncWaltzClient:
         if partition is None or partition.monitor is None:
             return
         monitor = partition.monitor
-        if transaction_id <= monitor.feed_high_water_mark:
-            return  # Delivered twice (a driver re-mounting conservatively): already queued.
-        if transaction_id != monitor.feed_high_water_mark + 1:
-            raise RemoteProtocolError(
-                f"partition {partition_id}: the feed jumped from {monitor.feed_high_water_mark} "
-                f"to {transaction_id}"
-            )
+        # The driver alone owns the feed position and its density (it re-mounts from it after a reconnect and
+        # drops repeats, resets on a gap): every entry it delivers is the next one (see driver.py).
         assert self._source is not None
         # Queue first: if the driver is cancelled while we wait for room, nothing has changed and it may
         # deliver the same id again. After the put nothing awaits, so the monitor sees every queued record.

@@ -28,8 +28,8 @@ Lifecycle
    order, the feed of committed transactions ``client_hwm + 1, client_hwm + 2, ...`` (dense: no gaps, no
    repeats) and :class:`MountState` changes. The **driver keeps the feed position** across reconnects and
    server moves: after a reconnect it re-mounts from the last transaction id it delivered, never from
-   ``client_hwm`` again. The core ignores a repeated id and treats a gap as a driver bug
-   (``RemoteProtocolError`` raised from ``on_feed_data``).
+   ``client_hwm`` again. The driver is the **one owner** of the feed position and of its density check:
+   the core does not track or check it again, and takes every ``on_feed_data`` as the next transaction.
 3. While mounted (after ``READY``), ``send_append``/``send_flush`` may be called.
 4. ``await driver.unmount(p)`` stops the partition; no more events for it afterwards.
 5. ``await driver.close()`` closes everything; it must return even if the cluster is unreachable.
