@@ -16,6 +16,11 @@ What it does, per partition:
 * **nudge**: a task sends a flush for any partition whose appends have been pending longer than
   ``client.longWaitThreshold``, so a lost append is detected even when the application is idle.
 
+Split by role: a context's fate is the pure :class:`~waltz.client.lifecycle.Lifecycle`, turns on write locks
+the pure :class:`~waltz.client.lock_queue.LockQueue`, the fate of appends the pure
+:class:`~waltz.client.monitor.TransactionMonitor`; the records of partitions and contexts are in
+:mod:`waltz.client.state`; this module drives them.
+
 Threading guarantee: all state here lives on the event loop. Application code (``execute``, the context hooks,
 ``ClientCallbacks``) runs on a :class:`~waltz.client.pool.CallbackPool` of ``client.numConsumerThreads``
 threads ("waltz-callback-N"); for one partition ``apply_transaction`` calls are strictly sequential and in
@@ -36,11 +41,9 @@ import asyncio
 import functools
 import inspect
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, TypeAlias, TypeVar
 
@@ -49,11 +52,11 @@ from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.context import TransactionContext
 from waltz.client.driver import ClientDriver, MountState, create_network_driver
-from waltz.client.lifecycle import Event, Hook, Lifecycle, State
-from waltz.client.lock_queue import LockQueue
+from waltz.client.lifecycle import Event, Hook, State
 from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
 from waltz.client.pool import Call, CallbackPool
 from waltz.client.retry import APPLY_RETRY, FETCH_RETRY, MAX_CHECKSUM_ATTEMPTS, RetryPolicy
+from waltz.client.state import OutcomeCallback, PartitionState, Run, Stuck
 from waltz.client.transaction import Transaction
 from waltz.errors import (
     ClientAheadError,
@@ -99,191 +102,8 @@ _Executed: TypeAlias = TransactionBuilder | Literal[False] | _Pending
 """A first attempt that ran ``execute`` without an exception (filled, gave up, or a coroutine to await)."""
 """What a submit's first callback-thread call returns (see ``AsyncWaltzClient._first_attempt``)."""
 
-OutcomeCallback = Callable[["Resolution | BaseException"], None]
-"""How an append learns its fate: a :class:`Resolution`, or the error that ended its partition's mount."""
-
-
-class _Slots:
-    """A counting semaphore with a timeout that never loses a slot to a cancellation (FIFO wake-up).
-
-    :meth:`try_acquire` may be called from any thread (a callback thread takes a slot for the first attempt
-    of a submit); :meth:`acquire` and :meth:`release` only on the loop.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
-        self._lock = threading.Lock()
-
-    def try_acquire(self) -> bool:
-        """Take a slot if one is free and nobody waits for one."""
-        with self._lock:
-            if self.used < self.limit and not self._waiters:
-                self.used += 1
-                return True
-            return False
-
-    async def acquire(self, timeout_s: float) -> None:
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        with self._lock:
-            if self.used < self.limit and not self._waiters:
-                self.used += 1
-                return
-            self._waiters.append(waiter)
-        try:
-            async with asyncio.timeout(timeout_s):
-                await waiter
-        except BaseException:
-            if waiter.done() and not waiter.cancelled():
-                self.release()  # Granted just as we gave up: pass the slot on.
-            else:
-                waiter.cancel()
-                with self._lock:
-                    if waiter in self._waiters:
-                        self._waiters.remove(waiter)  # Or it would keep try_acquire from taking free slots.
-            raise
-
-    def release(self) -> None:
-        granted: list[asyncio.Future[None]] = []
-        with self._lock:
-            self.used -= 1
-            while self._waiters and self.used < self.limit:
-                waiter = self._waiters.popleft()
-                if not waiter.done():
-                    self.used += 1
-                    granted.append(waiter)
-        for waiter in granted:
-            waiter.set_result(None)
-
-
-class _Partition:
-    """The client's state for one partition (event loop only)."""
-
-    def __init__(self, partition_id: int, config: ClientConfig) -> None:
-        self.id = partition_id
-        self.slots = _Slots(config.max_concurrent_transactions)
-        # Committed transactions waiting for apply_transaction, at most feed_limit of them.
-        self.feed: deque[Transaction] = deque()
-        self.feed_limit = config.feed_queue_size
-        self.monitor: TransactionMonitor | None = None  # Set once the application's HWM is known.
-        self.state: MountState | None = None
-        self.error: ClientError | None = None  # Set when the partition is released or the client closes.
-        self.outcomes: dict[ReqId, OutcomeCallback] = {}
-        # Runs appended on their first attempt whose transaction is not applied yet, in transaction-id order.
-        self.awaiting_apply: deque[_Run] = deque()
-        self.tasks: list[asyncio.Task[Any]] = []  # Mount and applier tasks, cancelled on release.
-        self.lock_queue = LockQueue()  # This client's contexts take turns on a write lock.
-        self.stuck: _Stuck | None = None  # Set while apply_transaction keeps failing on one transaction.
-        self._changed = asyncio.Event()
-        self._feed_waiter: asyncio.Future[None] | None = None  # The applier, waiting for the feed.
-        self._room_waiter: asyncio.Future[None] | None = None  # The driver, waiting for room in the feed.
-
-    def push_feed(self, transaction: Transaction) -> None:
-        self.feed.append(transaction)
-        waiter = self._feed_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def wait_feed(self) -> None:
-        while not self.feed:
-            self._feed_waiter = asyncio.get_running_loop().create_future()
-            await self._feed_waiter
-
-    async def wait_room(self) -> None:
-        while len(self.feed) >= self.feed_limit:
-            self._room_waiter = asyncio.get_running_loop().create_future()
-            await self._room_waiter
-
-    def take_feed(self, max_count: int) -> list[Transaction]:
-        feed = self.feed
-        batch = [feed.popleft() for _ in range(min(max_count, len(feed)))]
-        waiter = self._room_waiter
-        if waiter is not None and not waiter.done() and len(feed) < self.feed_limit:
-            waiter.set_result(None)
-        return batch
-
-    def notify(self) -> None:
-        """Wake everything waiting for a state or high-water-mark change."""
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def changed(self) -> None:
-        await self._changed.wait()
-
-
 _FAILURE_EVENTS = {Outcome.LOCK_FAILED: Event.LOCK_FAIL, Outcome.FAILED: Event.LOST}
 """The lifecycle event of an append that did not commit."""
-
-
-@dataclass(slots=True)
-class _Stuck:
-    """A partition whose ``apply_transaction`` keeps failing on one transaction."""
-
-    transaction_id: int
-    error: Exception
-    failures: int
-    since: float  # client clock
-    reminded_at: float
-
-    def describe(self, partition_id: int, now: float) -> str:
-        return (
-            f"partition {partition_id} is stuck applying transaction {self.transaction_id}: "
-            f"apply_transaction raised {type(self.error).__name__}: {self.error} "
-            f"({self.failures} attempts in {now - self.since:.1f} s; "
-            "uncaught_exception may return ApplyAction.SKIP, see docs/client.md)"
-        )
-
-
-class _Run:
-    """One submitted context, from ``submit`` to its last hook."""
-
-    __slots__ = (
-        "_done",
-        "applied",
-        "completed",
-        "context",
-        "finished",
-        "first_send",
-        "holds_slot",
-        "lifecycle",
-        "partition",
-        "transaction_id",
-        "turn",
-    )
-
-    def __init__(self, context: TransactionContext) -> None:
-        self.context = context
-        self.partition: _Partition | None = None  # Known once partition_id() returned.
-        # Slow path only: resolved when the first append is sent (or the context ended).
-        self.first_send: asyncio.Future[None] | None = None
-        self._done: asyncio.Future[None] | None = None  # Made on demand, for flush_transactions.
-        self.holds_slot = False
-        self.lifecycle = Lifecycle()  # The context's fate: one state machine (see waltz.client.lifecycle).
-        self.finished = False
-        # Fast path, once committed: the transaction id, and whether on_completion ran and it was applied.
-        self.transaction_id = -1
-        self.completed = False
-        self.applied = False
-        self.turn: asyncio.Future[None] | None = None  # Set while waiting in a lock queue.
-
-    @property
-    def ended(self) -> bool:
-        """A terminal hook (on_completion / on_exception) has been decided."""
-        return self.lifecycle.ended
-
-    def done(self) -> asyncio.Future[None]:
-        """A future resolved when the run is finished."""
-        if self._done is None:
-            self._done = asyncio.get_running_loop().create_future()
-            if self.finished:
-                self._done.set_result(None)
-        return self._done
-
-    def set_finished(self) -> None:
-        self.finished = True
-        if self._done is not None and not self._done.done():
-            self._done.set_result(None)
 
 
 class _Listener:
@@ -360,13 +180,13 @@ class AsyncWaltzClient:
             max_attempts=config.max_transaction_attempts,
             timeout_ms=config.transaction_timeout_ms,
         )
-        self._partitions: dict[int, _Partition] = {}
+        self._partitions: dict[int, PartitionState] = {}
         self._next_seq: dict[int, int] = {}  # Survives set_partitions, so request ids are never reused.
-        self._runs: set[_Run] = set()
+        self._runs: set[Run] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pool: CallbackPool | None = None
         self._hooks: list[Call] = []  # Hooks queued during this loop iteration, run as one job.
-        self._hook_runs: list[tuple[_Run, bool]] = []  # (run, True: on_completion / False: on_application)
+        self._hook_runs: list[tuple[Run, bool]] = []  # (run, True: on_completion / False: on_application)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._source: _DataSource | None = None
         self._started = False
@@ -474,7 +294,7 @@ class AsyncWaltzClient:
         """
         self._check_open()
         pool = self._require_pool()
-        run = _Run(context)
+        run = Run(context)
         try:
             first: _First
             if self._inline:
@@ -549,7 +369,7 @@ class AsyncWaltzClient:
         loop = self._loop
         if loop is None or self._closed or self._driver is None:
             return False
-        run = _Run(context)
+        run = Run(context)
         try:
             first = self._first_attempt(run, self._driver.num_partitions)
         except Exception as e:
@@ -574,10 +394,10 @@ class AsyncWaltzClient:
         if loop is None or self._closed or self._driver is None:
             return 0
         num_partitions = self._driver.num_partitions
-        taken: list[tuple[_Run, _Executed]] = []
+        taken: list[tuple[Run, _Executed]] = []
         try:
             for context in contexts:
-                run = _Run(context)
+                run = Run(context)
                 try:
                     first = self._first_attempt(run, num_partitions)
                 except Exception as e:
@@ -595,18 +415,18 @@ class AsyncWaltzClient:
         return len(taken)
 
     def _continue_batch(
-        self, taken: list[tuple[_Run, TransactionBuilder | Literal[False] | _Pending]]
+        self, taken: list[tuple[Run, TransactionBuilder | Literal[False] | _Pending]]
     ) -> None:
         for run, first in taken:
             self._continue_first(run, first)
 
-    def _spawn_end(self, run: _Run, error: Exception, executed: bool = False) -> None:
+    def _spawn_end(self, run: Run, error: Exception, executed: bool = False) -> None:
         self._runs.add(run)
         if executed:
             run.lifecycle.handle(Event.EXECUTE)
         self._spawn(self._end_with_exception(run, error), "waltz-failed-submit")
 
-    def _continue_first(self, run: _Run, first: _Executed) -> None:
+    def _continue_first(self, run: Run, first: _Executed) -> None:
         """On the loop: what ``submit`` does after a first attempt made by :meth:`submit_from_thread`."""
         partition = run.partition
         assert partition is not None
@@ -638,7 +458,7 @@ class AsyncWaltzClient:
             return
         self._spawn(self._run_context(run, 1, first), f"waltz-run-p{partition.id}")
 
-    async def _continue_pending(self, run: _Run, pending: _Pending) -> None:
+    async def _continue_pending(self, run: Run, pending: _Pending) -> None:
         first = await self._finish_first(run, pending)
         if isinstance(first, Exception):
             run.lifecycle.handle(Event.EXECUTE)
@@ -646,11 +466,11 @@ class AsyncWaltzClient:
         else:
             self._continue_first(run, first)
 
-    async def _gave_up(self, run: _Run) -> None:
+    async def _gave_up(self, run: Run) -> None:
         await self._call_hook(run.context.on_completion, False)
         self._finish(run)
 
-    def _first_attempt(self, run: _Run, num_partitions: int) -> _First:
+    def _first_attempt(self, run: Run, num_partitions: int) -> _First:
         """On a callback thread: call ``partition_id`` and, if a slot is free at once on a ready partition,
         take it and call ``execute``. Returns the filled builder, False (execute gave up), the exception
         execute raised, or None (not executed: the caller waits for a slot and the mount on the loop).
@@ -698,7 +518,7 @@ class AsyncWaltzClient:
         return builder if result else False
 
     async def _finish_first(
-        self, run: _Run, pending: _Pending
+        self, run: Run, pending: _Pending
     ) -> TransactionBuilder | Literal[False] | Exception:
         """Await a coroutine ``execute`` of a first attempt (inline mode)."""
         try:
@@ -710,12 +530,12 @@ class AsyncWaltzClient:
             return e
         return pending.builder if result else False
 
-    def _orphaned(self, run: _Run, first: _First) -> None:
+    def _orphaned(self, run: Run, first: _First) -> None:
         """``submit`` was cancelled while its first attempt ran: give back the slot it may have taken (the
         context is dropped, as when ``submit`` is cancelled while it waits for a slot)."""
         self._release_slot(run)
 
-    async def _acquire_slot(self, partition: _Partition) -> None:
+    async def _acquire_slot(self, partition: PartitionState) -> None:
         try:
             await partition.slots.acquire(self._config.submit_timeout_ms / 1000)
         except TimeoutError:
@@ -727,7 +547,7 @@ class AsyncWaltzClient:
                 "(client.maxConcurrentTransactions); is the feed stalled or the application overloaded?"
             ) from None
 
-    def _ready_monitor(self, partition: _Partition) -> TransactionMonitor | None:
+    def _ready_monitor(self, partition: PartitionState) -> TransactionMonitor | None:
         """The partition's monitor if appends may be sent to it right now."""
         if (
             partition.error is None
@@ -804,11 +624,11 @@ class AsyncWaltzClient:
     # -- partitions: mount, feed, apply --------------------------------------------------------------------
 
     def _add_partition(self, partition_id: int) -> None:
-        partition = _Partition(partition_id, self._config)
+        partition = PartitionState(partition_id, self._config)
         self._partitions[partition_id] = partition
         partition.tasks.append(self._spawn(self._mount(partition), f"waltz-mount-p{partition_id}"))
 
-    async def _mount(self, partition: _Partition) -> None:
+    async def _mount(self, partition: PartitionState) -> None:
         retry = 0
         while True:
             try:
@@ -826,7 +646,7 @@ class AsyncWaltzClient:
         partition.tasks.append(self._spawn(self._apply_loop(partition), f"waltz-apply-p{partition.id}"))
         await self._require_driver().mount(partition.id, hwm)
 
-    def _active(self, partition_id: int) -> _Partition | None:
+    def _active(self, partition_id: int) -> PartitionState | None:
         partition = self._partitions.get(partition_id)
         if partition is None or partition.monitor is None or partition.error is not None:
             return None
@@ -878,18 +698,18 @@ class AsyncWaltzClient:
         if partition is not None and partition.monitor is not None:
             self._resolve(partition, event(partition.monitor))
 
-    def _resolve(self, partition: _Partition, resolutions: list[Resolution]) -> None:
+    def _resolve(self, partition: PartitionState, resolutions: list[Resolution]) -> None:
         for resolution in resolutions:
             outcome = partition.outcomes.pop(resolution.req_id, None)
             if outcome is not None:
                 outcome(resolution)
 
-    def _fail_outcomes(self, partition: _Partition, error: ClientError) -> None:
+    def _fail_outcomes(self, partition: PartitionState, error: ClientError) -> None:
         outcomes, partition.outcomes = partition.outcomes, {}
         for outcome in outcomes.values():
             outcome(error)
 
-    async def _apply_loop(self, partition: _Partition) -> None:
+    async def _apply_loop(self, partition: PartitionState) -> None:
         """Hand the feed to ``apply_transaction`` in id order, one batch per callback-thread job."""
         monitor = partition.monitor
         assert monitor is not None
@@ -942,19 +762,19 @@ class AsyncWaltzClient:
                 # The high-water mark stays put: the same transaction is delivered again.
                 await asyncio.sleep(APPLY_RETRY.delay_s(stuck.failures))
 
-    def _advance_applied(self, partition: _Partition, monitor: TransactionMonitor, last: int) -> None:
+    def _advance_applied(self, partition: PartitionState, monitor: TransactionMonitor, last: int) -> None:
         """Transactions up to ``last`` are applied (or skipped): release what waited for them."""
         self._resolve(partition, monitor.on_applied(last))
         self._on_applied(partition, last)
         partition.notify()
 
-    def _note_apply_failure(self, partition: _Partition, transaction_id: int, error: Exception) -> _Stuck:
+    def _note_apply_failure(self, partition: PartitionState, transaction_id: int, error: Exception) -> Stuck:
         """Record a failed ``apply_transaction``: the traceback is logged once per transaction, then a
         one-line reminder at growing intervals (a poisoned transaction must not flood the log)."""
         stuck = partition.stuck
         now = self._clock()
         if stuck is None or stuck.transaction_id != transaction_id:
-            stuck = partition.stuck = _Stuck(transaction_id, error, 1, now, now)
+            stuck = partition.stuck = Stuck(transaction_id, error, 1, now, now)
             log.error(
                 "partition %d: apply_transaction raised for transaction %d; delivering it again with backoff "
                 "(the feed of this partition waits; see 'Poisoned transactions' in docs/client.md)",
@@ -995,7 +815,7 @@ class AsyncWaltzClient:
 
     # -- contexts ----------------------------------------------------------------------------------------
 
-    def _on_first_outcome(self, run: _Run, result: Resolution | BaseException) -> None:
+    def _on_first_outcome(self, run: Run, result: Resolution | BaseException) -> None:
         """The fate of a first attempt sent by ``submit`` (no task so far): commits are finished with batched
         hooks; anything else continues in a task, as the slow path."""
         partition = run.partition
@@ -1012,7 +832,7 @@ class AsyncWaltzClient:
         self._wake(partition.lock_queue.release(run))
         self._spawn(self._run_context(run, 1, None, result), f"waltz-run-p{partition.id}")
 
-    def _take_turn(self, partition: _Partition, run: _Run, builder: TransactionBuilder) -> bool:
+    def _take_turn(self, partition: PartitionState, run: Run, builder: TransactionBuilder) -> bool:
         """True if ``run`` may send ``builder`` now (it then holds its write locks in the lock queue); False
         if another context of this client holds one of them (then ``run`` must wait for its turn)."""
         queue = partition.lock_queue
@@ -1022,7 +842,7 @@ class AsyncWaltzClient:
         self._wake(queue.acquire(run, locks))
         return True
 
-    def _park(self, partition: _Partition, run: _Run, builder: TransactionBuilder) -> None:
+    def _park(self, partition: PartitionState, run: Run, builder: TransactionBuilder) -> None:
         """Queue ``run`` behind the context holding one of ``builder``'s write locks (see _await_turn)."""
         blocker = partition.lock_queue.blocker(run, builder.write_lock_hashes)
         if blocker is None:
@@ -1032,7 +852,7 @@ class AsyncWaltzClient:
         if run.first_send is not None and not run.first_send.done():
             run.first_send.set_result(None)  # Queued counts as accepted: submit returns.
 
-    async def _await_turn(self, run: _Run) -> None:
+    async def _await_turn(self, run: Run) -> None:
         """Return when it is the parked ``run``'s turn to execute again (the transaction of the context
         before it applied, or its append failed), or once the context expired."""
         if run.turn is None:
@@ -1058,7 +878,7 @@ class AsyncWaltzClient:
             if turn is not None and not turn.done():
                 turn.set_result(None)
 
-    def _on_applied(self, partition: _Partition, transaction_id: int) -> None:
+    def _on_applied(self, partition: PartitionState, transaction_id: int) -> None:
         """Transactions up to ``transaction_id`` are applied: on_application for the runs that wait for it."""
         waiting = partition.awaiting_apply
         while waiting and waiting[0].transaction_id <= transaction_id:
@@ -1068,7 +888,7 @@ class AsyncWaltzClient:
             if run.completed:
                 self._queue_application(run)
 
-    def _drop_awaiting_apply(self, partition: _Partition) -> None:
+    def _drop_awaiting_apply(self, partition: PartitionState) -> None:
         """The partition is gone: its committed runs end without on_application (as with close)."""
         waiting, partition.awaiting_apply = partition.awaiting_apply, deque()
         for run in waiting:
@@ -1076,13 +896,13 @@ class AsyncWaltzClient:
                 self._finish(run)
             # Otherwise _hooks_done finishes it once on_completion ran.
 
-    def _queue_application(self, run: _Run) -> None:
+    def _queue_application(self, run: Run) -> None:
         if run.lifecycle.state is State.COMMITTED and run.lifecycle.handle(Event.APPLY) is Hook.APPLICATION:
             self._queue_hook(run, False, run.context.on_application)
         else:
             self._finish(run)  # Ended meanwhile (closed): no on_application.
 
-    def _queue_hook(self, run: _Run, completion: bool, fn: Callable[..., Any], *args: Any) -> None:
+    def _queue_hook(self, run: Run, completion: bool, fn: Callable[..., Any], *args: Any) -> None:
         """Queue a fast-path hook; the hooks queued in one loop iteration run as one callback-thread job."""
         if not self._hooks:
             asyncio.get_running_loop().call_soon(self._flush_hooks)
@@ -1106,7 +926,7 @@ class AsyncWaltzClient:
             return
         pool.post(hooks, then=functools.partial(self._hooks_done, runs))
 
-    async def _await_hooks(self, awaitables: list[Awaitable[Any]], runs: list[tuple[_Run, bool]]) -> None:
+    async def _await_hooks(self, awaitables: list[Awaitable[Any]], runs: list[tuple[Run, bool]]) -> None:
         """Coroutine hooks (inline mode), one after the other, then the runs' next step."""
         for awaitable in awaitables:
             try:
@@ -1115,7 +935,7 @@ class AsyncWaltzClient:
                 log.exception("a context hook raised")
         self._hooks_done(runs)
 
-    def _hooks_done(self, runs: list[tuple[_Run, bool]]) -> None:
+    def _hooks_done(self, runs: list[tuple[Run, bool]]) -> None:
         for run, completion in runs:
             if not completion:
                 self._finish(run)  # on_application ran: the last hook.
@@ -1130,7 +950,7 @@ class AsyncWaltzClient:
 
     async def _run_context(
         self,
-        run: _Run,
+        run: Run,
         attempts: int = 0,
         builder: TransactionBuilder | None = None,
         pending: Resolution | BaseException | None = None,
@@ -1224,7 +1044,7 @@ class AsyncWaltzClient:
 
     def _send(
         self,
-        partition: _Partition,
+        partition: PartitionState,
         monitor: TransactionMonitor,
         builder: TransactionBuilder,
         outcome: OutcomeCallback,
@@ -1251,7 +1071,7 @@ class AsyncWaltzClient:
             # Not fatal: the next nudge or READY sends another flush.
             log.warning("partition %d: flush not sent: %s", partition_id, e)
 
-    async def _wait_mounted(self, partition: _Partition) -> TransactionMonitor:
+    async def _wait_mounted(self, partition: PartitionState) -> TransactionMonitor:
         timeout_ms = self._config.mount_timeout_ms
         try:
             async with asyncio.timeout(timeout_ms / 1000):
@@ -1273,19 +1093,19 @@ class AsyncWaltzClient:
                 f"partition {partition.id} was not mounted within {timeout_ms} ms (client.mountTimeout)"
             ) from None
 
-    async def _wait_applied(self, partition: _Partition, transaction_id: int) -> None:
+    async def _wait_applied(self, partition: PartitionState, transaction_id: int) -> None:
         while partition.monitor is None or partition.monitor.applied_high_water_mark < transaction_id:
             if partition.error is not None:
                 raise partition.error
             await partition.changed()
 
-    def _release_slot(self, run: _Run) -> None:
+    def _release_slot(self, run: Run) -> None:
         if run.holds_slot:
             run.holds_slot = False
             assert run.partition is not None
             run.partition.slots.release()
 
-    def _finish(self, run: _Run) -> None:
+    def _finish(self, run: Run) -> None:
         if run.partition is not None:
             self._wake(run.partition.lock_queue.leave(run))
         self._runs.discard(run)
@@ -1293,7 +1113,7 @@ class AsyncWaltzClient:
         if run.first_send is not None and not run.first_send.done():
             run.first_send.set_result(None)
 
-    async def _end_with_exception(self, run: _Run, error: BaseException, event: Event = Event.FAIL) -> None:
+    async def _end_with_exception(self, run: Run, error: BaseException, event: Event = Event.FAIL) -> None:
         """End ``run`` with ``on_exception(error)`` if its lifecycle owes it (once); a first attempt also
         raises it from submit."""
         self._release_slot(run)
