@@ -115,6 +115,9 @@ class _Listener:
     async def on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
         await self._client._on_feed_data(partition_id, transaction_id, req_id, header)
 
+    def feed_data_nowait(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> bool:
+        return self._client._feed_nowait(partition_id, transaction_id, req_id, header)
+
     async def on_mount_state(self, partition_id: int, state: MountState) -> None:
         self._client._on_mount_state(partition_id, state)
 
@@ -651,6 +654,19 @@ class AsyncWaltzClient:
         if partition is None or partition.monitor is None or partition.error is not None:
             return None
         return partition
+
+    def _feed_nowait(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> bool:
+        """:meth:`_on_feed_data` without a coroutine, when the feed has room (the common case); False, having
+        done nothing, when it has none (the driver then awaits ``on_feed_data``)."""
+        partition = self._active(partition_id)
+        if partition is None or partition.monitor is None:
+            return True  # Not ours (any more): dropped, as on_feed_data drops it.
+        if len(partition.feed) >= partition.feed_limit:
+            return False
+        assert self._source is not None
+        partition.push_feed(Transaction(partition_id, transaction_id, header, req_id, self._source))
+        self._resolve(partition, partition.monitor.on_feed(transaction_id, req_id))
+        return True
 
     async def _on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
         partition = self._active(partition_id)

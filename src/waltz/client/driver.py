@@ -131,6 +131,12 @@ class DriverListener(Protocol):
         high-water mark at that point."""
 
 
+# A listener may also offer ``feed_data_nowait(partition_id, transaction_id, req_id, header) -> bool``: the
+# same as ``on_feed_data`` without a coroutine, returning False (having done nothing) when it would have to
+# wait for room. A driver may call it first and await ``on_feed_data`` only on False; the network driver
+# does (the core's listener offers it), the MockDriver does not need to.
+
+
 class ClientDriver(ABC):
     """Carries the core's requests to a Waltz cluster and its events back. See the module docstring."""
 
