@@ -68,30 +68,23 @@ class Progress:
         return time.perf_counter() - self.last_change
 
 
-async def watch(progress: Progress, show: bool, what: str = "appends") -> None:
-    """Refresh a live progress line on stderr (``show``) and raise ClientError if the run stalls; runs until
-    cancelled."""
-    from rich.console import Console
-    from rich.live import Live
+ProgressLine = Callable[[str], None]
+"""Shows the live progress line (the CLI draws it with rich; the library does not print)."""
 
-    console = Console(stderr=True)
-    live = Live(console=console, transient=True, auto_refresh=False) if show else None
-    if live is not None:
-        live.start()
-    try:
-        while True:
-            await asyncio.sleep(PROGRESS_INTERVAL_S)
-            if live is not None:
-                live.update(progress.line(), refresh=True)
-            if progress.stalled_s() > STALL_TIMEOUT_S:
-                raise ClientError(
-                    f"no {what} completed in the last {STALL_TIMEOUT_S:g} s ({progress.line()}): the cluster "
-                    "cannot take appends right now (is a quorum of storage nodes up and a server serving the "
-                    "partition? see 'waltz local status' or 'waltz cluster status')"
-                )
-    finally:
-        if live is not None:
-            live.stop()
+
+async def watch(progress: Progress, show: ProgressLine | None, what: str = "appends") -> None:
+    """Refresh the progress line through ``show`` (if given) and raise ClientError if the run stalls; runs
+    until cancelled."""
+    while True:
+        await asyncio.sleep(PROGRESS_INTERVAL_S)
+        if show is not None:
+            show(progress.line())
+        if progress.stalled_s() > STALL_TIMEOUT_S:
+            raise ClientError(
+                f"no {what} completed in the last {STALL_TIMEOUT_S:g} s ({progress.line()}): the cluster "
+                "cannot take appends right now (is a quorum of storage nodes up and a server serving the "
+                "partition? see 'waltz local status' or 'waltz cluster status')"
+            )
 
 
 def network_driver() -> ClientDriver | None:
@@ -126,7 +119,7 @@ class MarkCallbacks(ClientCallbacks):
         return None  # The tools report what they saw; a redelivery is not an error for them.
 
 
-async def watched(work: Awaitable[T], progress: Progress, show: bool) -> T:
+async def watched(work: Awaitable[T], progress: Progress, show: ProgressLine | None) -> T:
     """Await ``work`` under :func:`watch`: a live progress line, and the stall error if nothing completes."""
     watcher = asyncio.create_task(watch(progress, show))
     task = asyncio.ensure_future(work)

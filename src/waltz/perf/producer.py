@@ -37,6 +37,7 @@ from waltz.perf.common import (
     MarkCallbacks,
     PerfResult,
     Progress,
+    ProgressLine,
     ReportingContext,
     active_partitions,
     close_all,
@@ -106,13 +107,13 @@ async def run_producers(
     opts: ProducerOptions,
     driver_factory: DriverFactory = network_driver,
     *,
-    show_progress: bool = False,
+    show_progress: ProgressLine | None = None,
 ) -> PerfResult:
     """Run the producer benchmark (see the module docstring) and return its figures.
 
     The clients run in ``client.callbackMode: inline`` (the tool's hooks only note outcomes), the fast path
-    of an asyncio application. ``show_progress`` refreshes a live line on stderr. A run in which nothing
-    commits for :data:`~waltz.perf.common.STALL_TIMEOUT_S` stops with a ClientError that says so.
+    of an asyncio application. ``show_progress`` is called with a progress line twice a second. A run in
+    which nothing commits for :data:`~waltz.perf.common.STALL_TIMEOUT_S` stops with a ClientError saying so.
     """
     opts.validate()
     config = config.replace(callback_mode="inline")

@@ -35,6 +35,7 @@ from waltz.perf.common import (
     DriverFactory,
     MarkCallbacks,
     Progress,
+    ProgressLine,
     ReportingContext,
     active_partitions,
     close_all,
@@ -163,12 +164,12 @@ async def run_validation(
     opts: ValidateOptions,
     driver_factory: DriverFactory = network_driver,
     *,
-    show_progress: bool = False,
+    show_progress: ProgressLine | None = None,
 ) -> ValidationReport:
     """Run the check (see the module docstring); violations are in the report, never raised. The clients run
     inline on the loop (the fast path); a run in which nothing completes for
-    :data:`~waltz.perf.common.STALL_TIMEOUT_S` raises ClientError, and ``show_progress`` refreshes a live
-    line on stderr."""
+    :data:`~waltz.perf.common.STALL_TIMEOUT_S` raises ClientError, and ``show_progress`` is called with a
+    progress line twice a second."""
     opts.validate()
     config = config.replace(callback_mode="inline")
     marks, n = await current_marks(config, driver_factory)
