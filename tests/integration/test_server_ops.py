@@ -56,7 +56,7 @@ def test_health_follows_the_quorum_and_metrics_count_appends(cluster_factory: Cl
         # Healthy means: ZooKeeper connected and every partition it owns healthy (none owned yet is fine).
         await wait_until(owns_healthy_partition, 20, "the server to report its partition healthy")
         status, body = await health()
-        assert body == {"healthy": True, "zookeeper": True, "partitions": {"0": True}}
+        assert body == {"healthy": True, "zookeeper": True, "partitions": {"0": True}, "problems": []}
 
         async with ClusterWatcher(cluster.zk, cluster.root) as watcher:
             client = await RawClient(watcher, 1).start()
@@ -81,6 +81,9 @@ def test_health_follows_the_quorum_and_metrics_count_appends(cluster_factory: Cl
         await wait_until(lambda: _status_is(health, 503), 20, "the server to report unhealthy")
         status, body = await health()
         assert body["partitions"] == {"0": False}
+        assert body["problems"] == [
+            "partition 0: no open store session (recovering, or too few replicas reachable)"
+        ]
         assert body["zookeeper"] is True
         await asyncio.gather(*(asyncio.to_thread(s.start) for s in cluster.storages[1:]))
         await wait_until(lambda: _status_is(health, 200), 30, "the server to be healthy again")

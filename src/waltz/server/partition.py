@@ -166,6 +166,15 @@ class Partition:
         return None
 
     @property
+    def is_ready(self) -> bool:
+        """True once the first store session opened: from then on :attr:`high_water_mark` is the committed
+        mark (before, it is -1 whatever the log holds)."""
+        return self._ready.is_set()
+
+    async def wait_ready(self) -> None:
+        await self._ready.wait()
+
+    @property
     def feed_context_count(self) -> int:
         return len(self._feeds)
 

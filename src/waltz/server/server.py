@@ -99,6 +99,9 @@ class _Connection:
     async def drain(self) -> None:
         await self._conn.drain()
 
+    async def aclose(self) -> None:
+        await self._conn.aclose()
+
 
 class _Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -553,7 +556,10 @@ class WaltzServer:
                     f"{type(msg).__name__} for partition {pid}, which this server does not own"
                 )
             if isinstance(msg, cs.HighWaterMarkRequest):
-                peer.send(cs.HighWaterMarkResponse(rid, part.high_water_mark))
+                if part.is_ready:
+                    peer.send(cs.HighWaterMarkResponse(rid, part.high_water_mark))
+                else:
+                    self._spawn(self._high_water_mark(peer, part, msg), f"hwm-{pid}")
             else:
                 self._spawn(self._transaction_range(peer, part, msg), f"range-{pid}")
             return
@@ -616,6 +622,24 @@ class WaltzServer:
         else:
             data, checksum = found
             peer.send(cs.TransactionDataResponse.success(rid, msg.transaction_id, data, checksum))
+
+    async def _high_water_mark(
+        self, peer: _Connection, part: Partition, msg: cs.HighWaterMarkRequest
+    ) -> None:
+        """Answer once the partition has recovered: before, its high-water mark (-1) is not the log's. If it
+        does not recover in time, close the connection: the client's call fails at once and is retried."""
+        try:
+            async with asyncio.timeout(self.config.zookeeper_session_timeout_ms / 1000):
+                await part.wait_ready()
+        except TimeoutError:
+            log.info(
+                "closing the connection of client %s: partition %d has not recovered",
+                peer.client_id,
+                part.partition_id,
+            )
+            await peer.aclose()
+            return
+        peer.send(cs.HighWaterMarkResponse(msg.req_id, part.high_water_mark))
 
     async def _transaction_range(
         self, peer: _Connection, part: Partition, msg: cs.TransactionRangeRequest
