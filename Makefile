@@ -37,5 +37,13 @@ test: deps lint typecheck
 demo: deps
 	$(BIN)/python -m demo.run
 
+# The black-box fault suite (docs/faults.md): FAULT_SEEDS seeds from FAULT_FIRST, about 80 s each.
+FAULT_SEEDS ?= 3
+FAULT_FIRST ?= 0
+FAULT_ARGS ?=
+.PHONY: faults
+faults: deps
+	$(BIN)/python -m bench.faults --seeds $(FAULT_SEEDS) --first $(FAULT_FIRST) $(FAULT_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache src/*.egg-info

@@ -30,7 +30,9 @@ HELP = """commands:
   withdraw ACCOUNT AMOUNT    take money out; aborts if the balance is insufficient
   balance ACCOUNT            this instance's view of the account
   deactivate ACCOUNT         close the account (racing withdrawals fail)
-  quit"""
+  quit
+amounts are positive integers"""
+CATCH_UP_TIMEOUT_S = 30.0
 
 
 def instance_factory(
@@ -58,8 +60,17 @@ def _client_setup(args: argparse.Namespace) -> tuple[ClientConfig, Callable[[], 
     return ClientConfig.from_yaml(args.client_config), lambda: None
 
 
+def _catch_up(instance: BankInstance) -> None:
+    if not instance.wait_caught_up(CATCH_UP_TIMEOUT_S):
+        print(f"(not caught up with the log after {CATCH_UP_TIMEOUT_S:g} s: answers may be out of date)")
+
+
 def interactive(instance: BankInstance, lines: Sequence[str] | None = None) -> None:
+    """The REPL. It answers only once this instance has applied everything already committed: at start,
+    and before each ``balance`` (after an operation, ``wait_applied`` does the same)."""
     print(HELP)
+    print("catching up with the log ...")
+    _catch_up(instance)
     source = iter(lines) if lines is not None else None
     while True:
         try:
@@ -74,7 +85,9 @@ def interactive(instance: BankInstance, lines: Sequence[str] | None = None) -> N
             if cmd == "quit":
                 return
             if cmd == "balance" and len(rest) == 1:
-                state = instance.balance(int(rest[0]))
+                account = int(rest[0])
+                _catch_up(instance)
+                state = instance.balance(account)
                 print(
                     "unknown account"
                     if state is None
@@ -82,7 +95,11 @@ def interactive(instance: BankInstance, lines: Sequence[str] | None = None) -> N
                 )
                 continue
             if cmd in ("deposit", "withdraw") and len(rest) == 2:
-                context = instance.submit(cmd, int(rest[0]), int(rest[1]))
+                account, amount = int(rest[0]), int(rest[1])
+                if amount <= 0:
+                    print("amounts must be positive")
+                    continue
+                context = instance.submit(cmd, account, amount)
             elif cmd == "deactivate" and len(rest) == 1:
                 context = instance.deactivate(int(rest[0]))
             else:

@@ -7,6 +7,7 @@ example ``postgresql://...``) every instance keeps its tables in that one databa
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -24,6 +25,7 @@ from demo.bank.model import (
     BankCallbacks,
     BankContext,
     BankDb,
+    check_amount,
     make_context,
 )
 from waltz import ClientConfig, WaltzClient
@@ -113,8 +115,11 @@ class BankInstance:
     def submit(self, kind: str, account_id: int, amount: int = 0) -> BankContext:
         """Submit one operation; returns its context (``wait()`` for the outcome).
 
-        Raises what ``WaltzClient.submit`` raises if the first attempt fails (the outcome is then FAILED).
+        Raises ValueError for an amount that is not positive (a negative deposit or withdrawal would move
+        money the other way, creating it from nothing), and what ``WaltzClient.submit`` raises if the first
+        attempt fails (the outcome is then FAILED).
         """
+        check_amount(kind, amount)
         context = make_context(kind, self.db, account_id, amount, done=self._done)
         with self.stats.lock:
             self.stats.submitted += 1
@@ -133,6 +138,19 @@ class BankInstance:
     def balance(self, account_id: int) -> tuple[int, bool] | None:
         """(balance, active) in this instance's view, or None for an unknown account."""
         return self.db.account(account_id)
+
+    def wait_caught_up(self, timeout_s: float = 30.0) -> bool:
+        """Wait until this instance applied every transaction committed when the call started, on every
+        partition it follows (so what it answers is not older than the log). False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        targets = {p: self.client.high_water_mark(p) for p in sorted(self.client.partitions)}
+        while True:
+            applied = self.db.high_water_marks()
+            if all(applied.get(p, -1) >= hwm for p, hwm in targets.items()):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
 
     def wait_applied(self, context: BankContext, timeout_s: float = 30.0) -> str | None:
         """Wait for the outcome and, if committed, until this instance applied it (read-your-writes)."""

@@ -129,6 +129,10 @@ class BankCallbacks(SqlClientCallbacks):
                 )
             )
 
+        if kind in (DEPOSIT, WITHDRAW) and int(op["amount"]) <= 0:
+            # Written by an older version that accepted them: applying it would create money.
+            anomaly(f"{kind} of a non-positive amount {op['amount']} to account {account_id}, not applied")
+            return
         if kind == DEPOSIT:
             amount = int(op["amount"])
             if row is None:
@@ -260,6 +264,12 @@ class Deactivate(BankContext):
         builder.set_transaction_data(self.op(), JSON)
         builder.set_write_locks([PartitionLocalLock("account", self.account_id)])
         return True
+
+
+def check_amount(kind: str, amount: int) -> None:
+    """Deposits and withdrawals move a positive amount; ValueError otherwise."""
+    if kind in (DEPOSIT, WITHDRAW) and amount <= 0:
+        raise ValueError(f"the amount of a {kind} must be positive, got {amount}")
 
 
 def make_context(

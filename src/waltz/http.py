@@ -1,4 +1,5 @@
-"""A minimal HTTP endpoint for ``/health``, ``/metrics`` (Prometheus text format) and ``/ping``.
+"""A minimal HTTP endpoint for ``/health``, ``/metrics`` (Prometheus text format), ``/buildinfo`` and
+``/ping``, and the metric registry every process starts with.
 
 Servers and storage nodes expose it on their ``*.http.port``. It speaks just enough HTTP/1.1 for probes and
 Prometheus scrapers: one GET per connection, bounded request size and time, ``Connection: close``.
@@ -8,12 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
+import os
+import platform
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    GCCollector,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+
+from waltz import __version__
+from waltz.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +40,79 @@ HealthCheck = Callable[[], tuple[bool, dict[str, Any]]]
 """Returns (healthy, details); details become the JSON body of /health."""
 
 
+@functools.cache
+def build_info() -> dict[str, str]:
+    """Version, Python version and, when known, the git commit this code was built from.
+
+    The commit comes from ``WALTZ_GIT_COMMIT`` (set it when packaging) or, for a git checkout (a development
+    or ``waltz local`` install), from the checkout's ``.git`` read directly: no subprocess, a few small
+    files."""
+    info = {"version": __version__, "python": platform.python_version()}
+    commit = os.environ.get("WALTZ_GIT_COMMIT") or _git_commit(Path(__file__).resolve().parent)
+    if commit:
+        info["commit"] = commit
+    return info
+
+
+def _git_commit(start: Path) -> str | None:
+    try:
+        for directory in list(start.parents)[:4]:
+            dot_git = directory / ".git"
+            if dot_git.is_file():  # a worktree: "gitdir: <path>"
+                text = dot_git.read_text().strip()
+                if not text.startswith("gitdir:"):
+                    return None
+                git_dir = (directory / text.removeprefix("gitdir:").strip()).resolve()
+            elif dot_git.is_dir():
+                git_dir = dot_git
+            else:
+                continue
+            common = git_dir
+            if (git_dir / "commondir").is_file():
+                common = (git_dir / (git_dir / "commondir").read_text().strip()).resolve()
+            head = (git_dir / "HEAD").read_text().strip()
+            if not head.startswith("ref:"):
+                return head or None
+            ref = head.removeprefix("ref:").strip()
+            for base in (git_dir, common):
+                if (base / ref).is_file():
+                    return (base / ref).read_text().strip() or None
+            packed = common / "packed-refs"
+            if packed.is_file():
+                for line in packed.read_text().splitlines():
+                    parts = line.split(" ")
+                    if len(parts) == 2 and parts[1] == ref:
+                        return parts[0]
+            return None
+    except OSError:
+        return None
+    return None
+
+
+def new_registry() -> CollectorRegistry:
+    """A registry with the process, platform and garbage-collector collectors and ``waltz_build_info``
+    (labels version, python, commit): what every dashboard panel about a process needs."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    Info("waltz_build", "Version of the running Waltz process", registry=registry).info(
+        {"commit": "", **build_info()}
+    )
+    return registry
+
+
+async def listen(what: str, host: str, port: int, start: Callable[[], Any]) -> Any:
+    """Await ``start()`` (which binds ``host:port``); an address in use or not ours becomes a one-line
+    :class:`~waltz.errors.ConfigError` naming ``what`` (a config key), not a traceback."""
+    try:
+        return await start()
+    except OSError as e:
+        # asyncio's message repeats the address; the errno's text alone reads better after ours.
+        reason = os.strerror(e.errno) if isinstance(e.errno, int) and e.errno > 0 else (e.strerror or str(e))
+        raise ConfigError(f"cannot listen on {host}:{port} ({what}): {reason}") from None
+
+
 class HttpEndpoint:
     """Serves /health, /metrics and /ping for one process component."""
 
@@ -32,9 +121,15 @@ class HttpEndpoint:
         self._health = health
         self._server: asyncio.Server | None = None
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on ``host:port`` (0 picks a free port) and return the bound port."""
-        self._server = await asyncio.start_server(self._handle, host, port, limit=MAX_REQUEST_BYTES)
+    async def start(self, host: str, port: int, what: str = "http.port") -> int:
+        """Listen on ``host:port`` (0 picks a free port) and return the bound port; ConfigError (naming the
+        config key ``what``) if the address cannot be bound."""
+        self._server = await listen(
+            what,
+            host,
+            port,
+            lambda: asyncio.start_server(self._handle, host, port, limit=MAX_REQUEST_BYTES),
+        )
         return int(self._server.sockets[0].getsockname()[1])
 
     async def aclose(self) -> None:
@@ -52,6 +147,8 @@ class HttpEndpoint:
             healthy, details = self._health()
             body = json.dumps({"healthy": healthy, **details}, sort_keys=True).encode()
             return (200 if healthy else 503), "application/json", body
+        if path == "/buildinfo":
+            return 200, "application/json", json.dumps(build_info(), sort_keys=True).encode() + b"\n"
         if path == "/ping":
             return 200, "text/plain", b"pong\n"
         return 404, "text/plain", b"not found\n"

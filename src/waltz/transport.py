@@ -35,6 +35,7 @@ from waltz.errors import (
     BrokenResourceError,
     ClientTimeoutError,
     ClosedResourceError,
+    ConfigError,
     ConnectionError_,
     LocalProtocolError,
     ProtocolError,
@@ -405,14 +406,25 @@ async def open_connection(
     """
     proto = ProtocolConnection(magic, versions, hello_text, max_frame_bytes)
     writer: asyncio.StreamWriter | None = None
+    hello_refused = False
     try:
         async with asyncio.timeout(connect_timeout_ms / 1000):
             reader, writer = await asyncio.open_connection(host, port, limit=read_bytes, ssl=ssl)
             _configure_socket(writer, write_buffer_high_bytes)
-            await _exchange_hellos(reader, writer, proto, read_bytes)
+            try:
+                await _exchange_hellos(reader, writer, proto, read_bytes)
+            except BrokenResourceError:
+                hello_refused = True
+                raise
     except BaseException as e:
         if writer is not None:
             await _close_writer(writer, abort=True)
+        if hello_refused and ssl is None and await _speaks_tls(host, port):
+            # Retrying cannot help, and the caller's time limit would turn this into a vague timeout.
+            raise ConfigError(
+                f"{host}:{port} wants TLS and this side has no TLS settings: give it the ssl.* keys "
+                "(client.ssl.* for a client) with a CA that trusts the server"
+            ) from None
         if isinstance(e, TimeoutError):
             raise BrokenResourceError(
                 f"connecting to {host}:{port} timed out after {connect_timeout_ms} ms"
@@ -431,6 +443,31 @@ async def open_connection(
     return FramedConnection(
         reader, writer, proto, read_bytes=read_bytes, keep_alive_interval_s=keep_alive_interval_s
     )
+
+
+TLS_PROBE_TIMEOUT_S = 2.0
+
+
+async def _speaks_tls(host: str, port: int) -> bool:
+    """Whether ``host:port`` completes a TLS handshake (certificates unchecked: only the question "does it
+    speak TLS" is asked, and nothing is sent over the result). Asked once a plain connection was hung up on
+    during the hello exchange, which is what a TLS listener does to a plain client."""
+    context = ssl_.SSLContext(ssl_.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl_.CERT_NONE
+    writer: asyncio.StreamWriter | None = None
+    try:
+        async with asyncio.timeout(TLS_PROBE_TIMEOUT_S):
+            _, writer = await asyncio.open_connection(host, port, ssl=context)
+        return True
+    except ssl_.SSLError as e:
+        # A listener that wants a client certificate may refuse the handshake itself (TLS 1.2): it spoke TLS.
+        return "CERTIFICATE" in _ssl_reason(e).upper() or "ALERT" in _ssl_reason(e).upper()
+    except (OSError, TimeoutError):
+        return False
+    finally:
+        if writer is not None:
+            await _close_writer(writer, abort=True)
 
 
 ConnectionHandler = Callable[[FramedConnection], Awaitable[None]]

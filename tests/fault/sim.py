@@ -37,13 +37,11 @@ recent events and the command that replays it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from tests.fault.simloop import run_virtual
 from waltz.errors import QuorumLostError, WaltzError
 from waltz.protocol.records import Record, ReqId, crc32
 from waltz.server.store.memory import (
@@ -55,6 +53,7 @@ from waltz.server.store.memory import (
 )
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.store.support import StoreConfig
+from waltz.testing import run_virtual
 
 PARTITION = 0
 MAX_EVENTS = 60
@@ -253,6 +252,7 @@ class World:
         self.checker = Checker(self)
         self.next_generation = 1
         self.replicas = list(self.initial_replicas)
+        self.violated = False
 
     # -- helpers for scenarios -------------------------------------------------------------------------------
 
@@ -377,10 +377,16 @@ class World:
             return  # outcome unknown to this client (closed, moved): it would learn it from the feed
         self.checker.on_ack(server, req, txn)
 
-    async def periodic_checks(self) -> None:
-        while True:
-            await asyncio.sleep(0.05)
+    def after_step(self) -> None:
+        """The loop's hook: check every invariant after every step of any task (until the first violation,
+        which ends the run; the loop's own clean-up steps must not raise it again)."""
+        if self.violated:
+            return
+        try:
             self.check()
+        except SimulationFailure:
+            self.violated = True
+            raise
 
     # -- the run ---------------------------------------------------------------------------------------------
 
@@ -391,7 +397,6 @@ class World:
             f"{window} appends in flight per appender"
         )
         await self.start_server()
-        checks = asyncio.ensure_future(self.periodic_checks())
         try:
             workload = [asyncio.ensure_future(self.appender(i)) for i in range(self.params.appenders)]
             await faults(self)
@@ -408,9 +413,6 @@ class World:
                 "liveness: the healed cluster did not finish the workload and open a full session"
             )
         finally:
-            checks.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await checks
             for server in list(self.servers):
                 await server.partition.close()
         self.checker.check_step()
@@ -462,7 +464,7 @@ def run_seed(scenario: Scenario, seed: int) -> World:
     """Run one seed; on a violation raise SimulationFailure with the seed, events and the replay command."""
     world = World(scenario.name, seed, scenario.params)
     try:
-        run_virtual(world.run(scenario.faults))
+        run_virtual(world.run(scenario.faults), after_step=world.after_step)
     except SimulationFailure as e:
         raise SimulationFailure(_report(world, str(e))) from e
     except Exception as e:

@@ -10,6 +10,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -193,3 +194,51 @@ def test_a_process_dying_during_start_leaves_nothing_running(
     assert not (cluster_dir / "cluster.json").exists()
     assert (cluster_dir / "logs" / "server-1.log").exists()  # kept for the post-mortem
     assert not (cluster_dir / "storage-0").exists()
+
+
+@pytest.mark.timeout(240)
+def test_zookeeper_restart_cluster_restart_and_purge_keeps_foreign_files(cluster_dir: Path) -> None:
+    d = str(cluster_dir)
+    up = waltz("local", "up", "--dir", d, "--storages", "1", "--servers", "1", "--partitions", "1")
+    assert up.returncode == 0, up.stderr
+    # Someone else's file appears in the directory after `up`.
+    (cluster_dir / "notes.txt").write_text("mine")
+
+    killed = waltz("local", "kill", "--dir", d, "--zookeeper")
+    assert killed.returncode == 0, killed.stderr
+    assert not procs.is_alive(LocalCluster.load(cluster_dir).zookeeper.process)
+    assert waltz("local", "start", "--dir", d, "--server", "0").returncode == 1  # needs ZooKeeper
+    started = waltz("local", "start", "--dir", d, "--zookeeper")
+    assert started.returncode == 0, started.stderr
+    assert procs.is_alive(LocalCluster.load(cluster_dir).zookeeper.process)
+    again = waltz("local", "start", "--dir", d, "--zookeeper")
+    assert again.returncode == 1
+    assert "zookeeper is already running" in again.stderr
+    # The cluster's metadata survived in ZooKeeper's data directory: the partition is served again.
+    deadline = time.monotonic() + 60
+    while waltz("local", "status", "--dir", d).returncode != 0:
+        assert time.monotonic() < deadline, "the cluster did not recover after ZooKeeper restarted"
+        time.sleep(1)
+
+    before = {p.name: p.pid for p in LocalCluster.load(cluster_dir).processes}
+    restarted = waltz("local", "restart", "--dir", d)
+    assert restarted.returncode == 0, restarted.stderr
+    after = LocalCluster.load(cluster_dir)
+    assert after.state == "running"
+    assert all(procs.is_alive(p.process) and p.pid != before[p.name] for p in after.processes)
+    assert waltz("local", "status", "--dir", d).returncode == 0
+    # A stopped cluster starts again with `restart`.
+    assert waltz("local", "down", "--dir", d).returncode == 0
+    assert waltz("local", "restart", "--dir", d).returncode == 0
+    assert waltz("local", "status", "--dir", d).returncode == 0
+
+    purged = waltz("local", "down", "--dir", d, "--purge")
+    assert purged.returncode == 0, purged.stderr
+    assert "kept" in purged.stdout
+    assert "notes.txt" in purged.stdout
+    assert sorted(p.name for p in cluster_dir.iterdir()) == ["notes.txt"]
+    # A non-empty directory that holds no cluster of ours is refused.
+    refused = waltz("local", "up", "--dir", d)
+    assert refused.returncode == 2
+    assert "is not empty and holds no `waltz local` cluster (notes.txt)" in refused.stderr
+    assert sorted(p.name for p in cluster_dir.iterdir()) == ["notes.txt"]

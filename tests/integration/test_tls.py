@@ -27,7 +27,7 @@ from waltz import ClientConfig, WaltzClient
 from waltz.client.api import ClientCallbacks
 from waltz.client.transaction import Transaction
 from waltz.cluster import store_metadata as sm
-from waltz.errors import BrokenResourceError
+from waltz.errors import BrokenResourceError, ConfigError
 from waltz.local.certs import LocalPki
 from waltz.protocol.records import Record, ReqId
 from waltz.server.storage_client import AdminClient, StorageClient
@@ -89,14 +89,14 @@ def test_storage_node_refuses_plain_and_uncertified_clients_at_once(
     ).client_context()
     plain_node = StorageProcess(tmp_path / "plain", num_partitions=NUM_PARTITIONS)
 
-    async def refused(port: int, ssl: Any, match: str) -> None:
+    async def refused(port: int, ssl: Any, match: str, error: type[Exception] = BrokenResourceError) -> None:
         start = time.monotonic()
-        with pytest.raises(BrokenResourceError, match=match):
+        with pytest.raises(error, match=match):
             await StorageClient.connect("127.0.0.1", port, DEFAULT_KEY, NUM_PARTITIONS, ssl=ssl)
         assert time.monotonic() - start < FAIL_FAST_S
 
     async def main() -> None:
-        await refused(tls_node.port, None, "TLS-only peer")
+        await refused(tls_node.port, None, "wants TLS and this side has no TLS settings", ConfigError)
         await refused(tls_node.port, no_cert, "does the peer require a client certificate")
         await refused(tls_node.port, stranger, "not trust this one")
         await refused(

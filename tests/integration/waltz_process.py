@@ -46,6 +46,8 @@ class WaltzProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self._paused = False
+        self.extra_args: list[str] = []
+        """Arguments after ``run --config FILE`` (such as ``--log-format json``)."""
 
     # -- what subclasses decide ---------------------------------------------------------------------
 
@@ -77,7 +79,7 @@ class WaltzProcess:
         cmd = [sys.executable, "-m", "waltz.cli.main"]
         if self.verbose:
             cmd.append("-v")
-        cmd += [self.COMMAND, "run", "--config", str(self.config_path)]
+        cmd += [self.COMMAND, "run", "--config", str(self.config_path), *self.extra_args]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL)
         line = self._read_ready_line(timeout_s)
         try:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -151,3 +153,59 @@ def test_interactive_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "aborted" in out
     assert "50 (active)" in out
     assert "50 (inactive)" in out
+
+
+def test_negative_amounts_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with make_instance(tmp_path, "neg", MockCluster(1)) as bank:
+        bank.wait_applied(bank.deposit(4, 10))
+        interactive(
+            bank, ["deposit 3 -50", "withdraw 4 -1000", "deposit 3 0", "balance 3", "balance 4", "quit"]
+        )
+        out = capsys.readouterr().out
+        assert out.count("amounts must be positive") == 3
+        assert "unknown account" in out
+        assert "10 (active)" in out
+        for kind, amount in (("deposit", -50), ("withdraw", -1000), ("withdraw", 0)):
+            with pytest.raises(ValueError, match="must be positive"):
+                bank.submit(kind, 4, amount)
+        assert bank.stats.submitted == 1
+        assert bank.balance(4) == (10, True)
+
+
+def test_a_negative_amount_in_the_log_is_not_applied(tmp_path: Path) -> None:
+    """Transactions an older version wrote with negative amounts are recorded as anomalies, never applied."""
+    from demo.bank.model import Deposit, Withdraw
+
+    with make_instance(tmp_path, "old", MockCluster(1)) as bank:
+        bank.wait_applied(bank.deposit(4, 10))
+        for context in (Deposit(bank.db, 3, -50), Withdraw(bank.db, 4, -1000)):
+            bank.client.submit(context)
+            bank.wait_applied(context)
+        assert bank.balance(3) is None
+        assert bank.balance(4) == (10, True)
+        anomalies = bank.db.anomaly_list()
+        assert len(anomalies) == 2
+        assert all("non-positive amount" in a for a in anomalies)
+
+
+def test_the_repl_answers_only_once_caught_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cluster = MockCluster(1)
+    with make_instance(tmp_path, "writer", cluster) as writer:
+        writer.wait_applied(writer.deposit(1, 100))
+    driver = MockDriver(cluster=cluster)
+    engine, suffix = make_engine(None, tmp_path, "reader")
+    driver.suspend_feed()  # the new instance has not received the deposit yet
+    with BankInstance("reader", engine, ClientConfig(), suffix=suffix, driver=driver) as reader:
+        threading.Timer(0.3, driver.resume_feed).start()
+        interactive(reader, ["balance 1", "quit"])
+    out = capsys.readouterr().out
+    assert "100 (active)" in out
+    assert "unknown account" not in out
+
+
+def test_the_default_data_directory_is_ignored_by_git() -> None:
+    root = Path(__file__).resolve().parents[2]
+    probe = subprocess.run(
+        ["git", "check-ignore", "-q", "bank-data/bank-interactive.db"], cwd=root, check=False
+    )
+    assert probe.returncode == 0

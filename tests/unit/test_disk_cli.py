@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from waltz.cli.disk import dump_control_file, dump_segment, segment_stats, verify_segment
+from waltz.cli.disk import (
+    dump_control_file,
+    dump_segment,
+    offline_max_transaction_id,
+    segment_stats,
+    verify_segment,
+)
 from waltz.cli.main import main
 from waltz.errors import ConfigError, StorageError
 from waltz.protocol.records import Record, ReqId
@@ -119,3 +125,59 @@ def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert main(["disk", "segment-stats", bad_name]) == 1
     assert "not a segment data file name" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+
+
+def _payload_store(tmp_path: Path) -> Path:
+    log = PartitionLog.open(str(tmp_path), KEY, 0, segment_size_threshold_bytes=4096)
+    datas = [b'{"b": 1, "a": "x"}', "caf\u00e9".encode(), b"\xff\x00"]
+    log.append([Record.build(i, ReqId.of(1, 1, 0, i), 0, d) for i, d in enumerate(datas)])
+    log.flush()
+    log.close()
+    return tmp_path / "0" / data_file_name(0)
+
+
+@pytest.mark.parametrize(
+    ("how", "shown"),
+    [
+        ("hex", ["7b2262223a20312c202261223a202278227d", "636166c3a9", "ff00"]),
+        ("utf8", ['{"b": 1, "a": "x"}', "caf\u00e9", "\\xff\x00"]),
+        ("json", ['{"a":"x","b":1}', "(not JSON) 636166c3a9", "(not JSON) ff00"]),
+    ],
+)
+def test_dump_segment_shows_payloads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str, shown: list[str]
+) -> None:
+    path = str(_payload_store(tmp_path))
+    lines = dump_segment(path, records=True, payload=how)
+    assert [line.split("\n  data: ")[1] for line in lines] == shown
+    one = dump_segment(path, transaction_id=1, payload=how)
+    assert one[-1].endswith(f"data: {shown[1]}")
+    # On the command line --payload implies -r.
+    assert main(["disk", "dump-segment", path, "--payload", how]) == 0
+    out = capsys.readouterr().out
+    assert out.count("  data: ") == 3
+    assert f"  data: {shown[0]}\n" in out
+
+
+def test_offline_max_transaction_id_reads_the_files(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert offline_max_transaction_id(store, 2) == 9
+    assert main(["storage", "max-transaction-id", "--offline", str(store), "-p", "2"]) == 0
+    assert capsys.readouterr().out.strip() == "9"
+    # A partition directory without segments holds nothing; a missing one is an error, in one line.
+    (store / "1").mkdir()
+    assert offline_max_transaction_id(store, 1) == -1
+    assert main(["storage", "max-transaction-id", "--offline", str(store), "-p", "0"]) == 2
+    assert "no such partition directory" in capsys.readouterr().err
+    # Without --offline a running node is asked: its address is needed.
+    assert main(["storage", "max-transaction-id", "-p", "0"]) == 2
+    assert "give -s/--storage" in capsys.readouterr().err
+
+
+def test_offline_max_transaction_id_spans_segments(tmp_path: Path) -> None:
+    log = PartitionLog.open(str(tmp_path), KEY, 0, segment_size_threshold_bytes=4096)
+    for i in range(0, 400, 50):
+        log.append(_records(400)[i : i + 50])
+    log.flush()
+    assert len(log.segment_first_ids) > 1
+    log.close()
+    assert offline_max_transaction_id(tmp_path, 0) == 399

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 import pytest
 
-from tests.fault.simloop import run_virtual
 from waltz.cluster.partition_metadata import UNRESOLVED, PartitionMetadata, ReplicaState
 from waltz.protocol.records import Record, ReqId
 from waltz.server.store.interfaces import SessionInfo
@@ -21,6 +20,7 @@ from waltz.server.store.recovery import (
     metadata_with_clean_replica,
 )
 from waltz.server.store.store_partition import StorePartition
+from waltz.testing import run_virtual
 
 A, B, C, D = "a:1", "b:1", "c:1", "d:1"
 

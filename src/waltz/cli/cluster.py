@@ -9,6 +9,7 @@ Failures (bad arguments, unreachable ZooKeeper, no cluster, refused edit) are Wa
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 from collections.abc import Callable
@@ -16,12 +17,14 @@ from typing import Any, TextIO
 
 from kazoo.client import KazooClient
 
-from waltz.cli.common import add_cli_config_arg, load_cli_config
+from waltz.cli.common import add_cli_config_arg, load_cli_config, load_cli_tls
 from waltz.cluster import store_metadata as sm
 from waltz.cluster.partition_metadata import UNRESOLVED
 from waltz.cluster.zk import session
 from waltz.config import host_port, parse_partition_ranges
 from waltz.errors import ConfigError
+from waltz.ops import checks
+from waltz.ops.view import ClusterView, read_view
 
 Command = Callable[[KazooClient, str, argparse.Namespace, TextIO], int | None]
 
@@ -170,6 +173,42 @@ def cmd_auto_assign(client: KazooClient, root: str, args: argparse.Namespace, ou
     return 0
 
 
+def _ops_view(client: KazooClient, root: str, args: argparse.Namespace) -> ClusterView:
+    ssl = load_cli_tls(args.cli_config_path).client_context(args.cli_config_path)
+    return read_view(client, root, ssl)
+
+
+def cmd_check_connectivity(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    view = _ops_view(client, root, args)
+    views = asyncio.run(checks.check_connectivity(view, args.timeout))
+    bad = 0
+    if not views:
+        print("no live servers", file=out)
+        return 1
+    for sv in views:
+        if sv.report is None:
+            bad += 1
+            print(f"server {sv.server_id} ({sv.address}): UNREACHABLE: {sv.error}", file=out)
+            continue
+        print(f"server {sv.server_id} ({sv.address}):", file=out)
+        for storage, ok in sorted(sv.report.storage_connectivity.items()):
+            bad += not ok
+            print(f"  {storage}: {'reachable' if ok else 'UNREACHABLE'}", file=out)
+    return 1 if bad else 0
+
+
+def cmd_verify(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    view = _ops_view(client, root, args)
+    parts = None if args.partition is None else parse_partition_ranges(args.partition, view.num_partitions)
+    problems = asyncio.run(checks.verify(view, parts, args.timeout))
+    for problem in problems:
+        print(problem, file=out)
+    if not problems:
+        scope = "every partition" if parts is None else f"partitions {sm.format_ranges(parts)}"
+        print(f"OK: {scope} served, replicated and healthy", file=out)
+    return 1 if problems else 0
+
+
 # ---------------------------------------------------------------------------------------------- registration
 
 
@@ -214,3 +253,16 @@ def register(groups: Any) -> None:
 
     p = command("auto-assign", cmd_auto_assign, "spread all partitions round-robin over a group's nodes")
     p.add_argument("-g", "--group", required=True, type=_non_negative, help="replica group id")
+
+    p = command("check-connectivity", cmd_check_connectivity, "each live server's view of each storage node")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit per node (10 s)")
+
+    p = command(
+        "verify",
+        cmd_verify,
+        "check ZooKeeper, servers and storage nodes against each other; one line per problem, exit 1 if any",
+    )
+    p.add_argument(
+        "-p", "--partition", metavar="RANGES", help="only these partitions (node checks still run)"
+    )
+    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit per node (10 s)")

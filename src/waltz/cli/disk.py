@@ -5,7 +5,11 @@ Commands::
     verify-segment <file.seg> [-t TXN]          index offsets and record checksums; exit 1 on failures
     segment-stats <file.seg>                    rows and min/max/avg/median data bytes
     dump-control-file <file.ctl> [-p ID | -a]   header and partition infos (-a: assigned only)
-    dump-segment <file.seg> [-m] [-r] [-t TXN]  header (-m), every record (-r) or one transaction (-t)
+    dump-segment <file.seg> [-m] [-r] [-t TXN] [--payload hex|utf8|json]
+                                                header (-m), every record (-r) or one transaction (-t),
+                                                with each record's data shown as hex, UTF-8 text or JSON
+
+``waltz storage max-transaction-id --offline DIR -p N`` uses :func:`offline_max_transaction_id` from here.
 
 Each command is a few lines over a library function below that returns data; tests call those directly.
 Files are opened read-only and never locked, so they can be inspected while a storage node runs.
@@ -14,6 +18,8 @@ Files are opened read-only and never locked, so they can be inspected while a st
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -22,9 +28,44 @@ from waltz.errors import ConfigError
 from waltz.protocol.records import Record
 from waltz.storage.controlfile import read_control_file
 from waltz.storage.fileio import OS_FS, FileSystem
-from waltz.storage.segment import Segment
+from waltz.storage.segment import Segment, data_file_name, parse_segment_name
 
 READ_BATCH_RECORDS = 1000
+PAYLOAD_FORMATS = ("hex", "utf8", "json")
+
+
+def offline_max_transaction_id(directory: str | os.PathLike[str], partition: int) -> int:
+    """A partition's max transaction id read from the segment files under ``directory/partition`` (the
+    storage node may be stopped): the last segment's, -1 when there is none. The files are opened read-only;
+    a crash tail the node would cut on its next start is not counted (the segment verifies its records)."""
+    pdir = os.path.join(os.fspath(directory), str(partition))
+    try:
+        names = os.listdir(pdir)
+    except FileNotFoundError:
+        raise ConfigError(f"{pdir}: no such partition directory") from None
+    firsts = sorted(p[0] for p in map(parse_segment_name, names) if p is not None and p[1] == ".seg")
+    if not firsts:
+        return -1
+    seg = Segment.inspect(os.path.join(pdir, data_file_name(firsts[-1])))
+    try:
+        return seg.max_transaction_id
+    finally:
+        seg.close()
+
+
+def format_payload(data: bytes, how: str) -> str:
+    """A record's data as ``hex``, ``utf8`` (undecodable bytes escaped) or ``json`` (compact; data that is not
+    JSON is shown as hex, marked)."""
+    if how == "hex":
+        return data.hex()
+    if how == "utf8":
+        return data.decode("utf-8", errors="backslashreplace")
+    if how == "json":
+        try:
+            return json.dumps(json.loads(data), sort_keys=True, separators=(",", ":"))
+        except (ValueError, UnicodeDecodeError):
+            return f"(not JSON) {data.hex()}"
+    raise ConfigError(f"unknown payload format {how!r}: expected one of {', '.join(PAYLOAD_FORMATS)}")
 
 
 def verify_segment(path: str, transaction_id: int | None = None, *, fs: FileSystem = OS_FS) -> list[str]:
@@ -104,11 +145,12 @@ def dump_control_file(
     return lines
 
 
-def _record_line(r: Record) -> str:
-    return (
+def _record_line(r: Record, payload: str | None = None) -> str:
+    line = (
         f"transaction {r.transaction_id}: {r.req_id!r} header {r.header} "
         f"data {len(r.data)} bytes checksum {r.checksum:#010x}"
     )
+    return line if payload is None else f"{line}\n  data: {format_payload(r.data, payload)}"
 
 
 def dump_segment(
@@ -117,9 +159,11 @@ def dump_segment(
     metadata: bool = False,
     records: bool = False,
     transaction_id: int | None = None,
+    payload: str | None = None,
     fs: FileSystem = OS_FS,
 ) -> list[str]:
-    """Lines describing a segment: its header (``metadata``), all records, or one transaction."""
+    """Lines describing a segment: its header (``metadata``), all records, or one transaction; with
+    ``payload`` (``hex``, ``utf8`` or ``json``) each record is followed by its data."""
     seg = Segment.inspect(path, fs=fs)
     try:
         lines: list[str] = []
@@ -138,9 +182,9 @@ def dump_segment(
             rec = seg.read_record(transaction_id)
             if rec is None:
                 raise ConfigError(f"transaction {transaction_id} is not in {path}")
-            lines.append(f"offset {seg.record_offset(transaction_id)}: {_record_line(rec)}")
+            lines.append(f"offset {seg.record_offset(transaction_id)}: {_record_line(rec, payload)}")
         elif records:
-            lines += [_record_line(r) for r in _iter_records(seg)]
+            lines += [_record_line(r, payload) for r in _iter_records(seg)]
         return lines
     finally:
         seg.close()
@@ -185,7 +229,11 @@ def _cmd_dump_control(args: argparse.Namespace) -> int:
 def _cmd_dump_segment(args: argparse.Namespace) -> int:
     _print(
         dump_segment(
-            args.segment, metadata=args.metadata, records=args.records, transaction_id=args.transaction
+            args.segment,
+            metadata=args.metadata,
+            records=args.records or args.payload is not None,
+            transaction_id=args.transaction,
+            payload=args.payload,
         )
     )
     return 0
@@ -217,4 +265,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("-m", "--metadata", action="store_true", help="print the header")
     p.add_argument("-r", "--records", action="store_true", help="print every record")
     p.add_argument("-t", "--transaction", type=int, help="print this transaction only")
+    p.add_argument(
+        "-P",
+        "--payload",
+        choices=PAYLOAD_FORMATS,
+        help="also print each record's data: hex, utf8 (text) or json (implies -r without -t)",
+    )
     p.set_defaults(handler=_cmd_dump_segment)

@@ -2,7 +2,8 @@
 
 ``up`` starts ZooKeeper, storage nodes and servers as separate processes and writes ``D/cluster.json`` and
 ``D/client.yaml``; ``status`` shows processes, partition owners, high-water marks and replica states; ``down``
-stops everything by pid; ``kill`` and ``start`` crash and restart one storage node or server for fault drills.
+stops everything by pid (``--purge`` deletes what ``up`` created); ``restart`` stops and starts it all again;
+``kill`` and ``start`` crash and restart one storage node, server or ZooKeeper for fault drills.
 """
 
 from __future__ import annotations
@@ -63,17 +64,26 @@ def register(groups: Any) -> None:
     st.set_defaults(handler=cmd_status)
 
     dn = with_dir("down", "stop everything `up` started (servers, storage nodes, ZooKeeper)")
-    dn.add_argument("--purge", action="store_true", help="also delete the directory")
+    dn.add_argument(
+        "--purge",
+        action="store_true",
+        help="also delete what `up` created (data, configs, logs); the directory too if nothing else is left",
+    )
     dn.set_defaults(handler=cmd_down)
 
+    rs = with_dir("restart", "stop what runs, then start the whole cluster again with its data")
+    rs.add_argument("--timeout", type=float, default=60.0, metavar="S", help="start timeout in seconds")
+    rs.set_defaults(handler=cmd_restart)
+
     for name, help_text in (
-        ("kill", "SIGKILL one storage node or server (a crash, for fault drills)"),
-        ("start", "start a killed storage node or server again"),
+        ("kill", "SIGKILL one storage node, server or ZooKeeper (a crash, for fault drills)"),
+        ("start", "start a killed storage node, server or ZooKeeper again"),
     ):
         p = with_dir(name, help_text)
         which = p.add_mutually_exclusive_group(required=True)
         which.add_argument("--storage", type=int, metavar="I", help="storage node index (0-based)")
         which.add_argument("--server", type=int, metavar="I", help="server index (0-based)")
+        which.add_argument("--zookeeper", action="store_true", help="the cluster's ZooKeeper")
         p.set_defaults(handler=cmd_kill if name == "kill" else cmd_start)
 
 
@@ -116,10 +126,24 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_down(args: argparse.Namespace) -> int:
     stopped = local.down(args.dir, purge=args.purge)
     print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
+    if args.purge and args.dir.exists():
+        kept = sorted(p.name for p in args.dir.iterdir())
+        print(f"kept {args.dir}: it holds files `waltz local up` did not create ({', '.join(kept)})")
+    return 0
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    _quiet_kazoo(args)
+    cluster = local.restart(
+        args.dir, report=lambda line: print(line, file=sys.stderr, flush=True), timeout_s=args.timeout
+    )
+    print(local.cluster.render_up(cluster))
     return 0
 
 
 def _which(args: argparse.Namespace) -> tuple[str, int]:
+    if args.zookeeper:
+        return "zookeeper", 0
     return ("storage", args.storage) if args.storage is not None else ("server", args.server)
 
 

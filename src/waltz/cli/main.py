@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
+import os
 import pkgutil
 import sys
 from collections.abc import Sequence
 
 import waltz.cli
 from waltz import __version__
+from waltz.cli import logsetup
 from waltz.errors import ConfigError, WaltzError
 
 
@@ -23,9 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="waltz", description="Waltz replicated write-ahead log")
     parser.add_argument("--version", action="version", version=f"waltz {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    logsetup.add_arguments(parser)
     groups = parser.add_subparsers(dest="group", metavar="GROUP", required=True)
     for info in sorted(pkgutil.iter_modules(waltz.cli.__path__), key=lambda m: m.name):
-        if info.name in ("main", "common") or info.name.startswith("_"):
+        if info.name in ("main", "common", "logsetup") or info.name.startswith("_"):
             continue
         module = importlib.import_module(f"waltz.cli.{info.name}")
         register = getattr(module, "register", None)
@@ -37,10 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logsetup.configure(logsetup.level_of(args), getattr(args, "log_format", "text"))
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.error(f"missing command for {args.group}")
@@ -54,7 +53,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _stdout_closed()
+    try:
+        # Flushed here, where a reader that went away (``| head``) is still ours to handle.
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _stdout_closed()
     return int(result or 0)
+
+
+def _stdout_closed() -> int:
+    """The reader of our stdout went away (``waltz disk dump-segment ... | head``): that is how a pipeline
+    ends, not an error. Point stdout at /dev/null so the interpreter's final flush does not complain."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
 
 
 if __name__ == "__main__":

@@ -8,16 +8,13 @@ import json
 from ssl import SSLContext
 from typing import Any
 
+from waltz.cli import logsetup
 from waltz.cli.common import load_cli_tls
-from waltz.config import host_port, parse_partition_ranges
-from waltz.errors import ClientTimeoutError, RemoteProtocolError
+from waltz.config import parse_partition_ranges
+from waltz.errors import RemoteProtocolError
+from waltz.ops.servers import admin_req_id, query
 from waltz.protocol import client_server as cs
-from waltz.protocol.framing import MAGIC_CLIENT
 from waltz.protocol.records import ReqId
-from waltz.transport import open_connection
-
-ADMIN_CLIENT_ID = -1
-"""Client id of one-shot admin connections (they never mount or append)."""
 
 
 def register(groups: Any) -> None:
@@ -25,6 +22,7 @@ def register(groups: Any) -> None:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run = sub.add_parser("run", help="run a Waltz server")
     run.add_argument("--config", required=True, metavar="FILE", help="server YAML config")
+    logsetup.add_arguments(run, default_level="INFO")
     run.set_defaults(handler=cmd_run)
 
     ls = sub.add_parser("list", help="partitions a server owns, their health, and its storage connectivity")
@@ -63,36 +61,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def query(
-    address: str, requests: list[cs.Message], timeout_ms: int = 10_000, ssl: SSLContext | None = None
-) -> list[cs.Message]:
-    """Send admin requests to a server (over TLS with ``ssl``) and return its answers, in order."""
-    host, port = host_port(address)
-    conn = await open_connection(
-        host,
-        port,
-        magic=MAGIC_CLIENT,
-        versions=cs.SUPPORTED_VERSIONS,
-        hello_text="Waltz Admin Client",
-        connect_timeout_ms=timeout_ms,
-        ssl=ssl,
-    )
-    try:
-        answers = []
-        for req in requests:
-            await conn.send_and_drain(cs.encode(req, conn.negotiated_version))
-            try:
-                async with asyncio.timeout(timeout_ms / 1000):
-                    answers.append(cs.decode(await conn.receive(), conn.negotiated_version))
-            except TimeoutError:
-                raise ClientTimeoutError(f"{address} did not answer within {timeout_ms} ms") from None
-        return answers
-    finally:
-        await conn.aclose()
-
-
 def _rid(seq: int) -> ReqId:
-    return ReqId.of(ADMIN_CLIENT_ID, 0, 0, seq)
+    return admin_req_id(seq)
 
 
 def _ssl(args: argparse.Namespace) -> SSLContext | None:

@@ -5,14 +5,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
-from waltz.cli.common import load_cli_config, load_cli_tls
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from waltz.cli import logsetup
+from waltz.cli.common import add_cli_config_arg, load_cli_config, load_cli_tls
+from waltz.cluster.store_metadata import format_ranges
 from waltz.config import host_port, parse_partition_ranges
 from waltz.errors import ConfigError
+from waltz.ops import checks
+from waltz.ops.recover import CopyProgress, recover_partition
+from waltz.ops.view import ClusterView, read_view
 from waltz.server.storage_client import AdminClient
 
 T = TypeVar("T")
@@ -24,6 +34,7 @@ def register(groups: Any) -> None:
 
     run = sub.add_parser("run", help="run a storage node")
     run.add_argument("--config", required=True, metavar="FILE", help="storage YAML config")
+    logsetup.add_arguments(run, default_level="INFO")
     run.add_argument(
         "--event-loop",
         choices=["auto", "uvloop", "asyncio"],
@@ -54,14 +65,67 @@ def register(groups: Any) -> None:
     rm = admin_parser("remove-partition", "unassign partitions from the node")
     rm.add_argument("-p", "--partition", required=True, metavar="RANGES")
     rm.add_argument("-d", "--delete-storage-files", action="store_true", help="also delete segment files")
+    rm.add_argument(
+        "--force",
+        action="store_true",
+        help="with -d: delete even if fewer than a quorum of good copies would remain (or without -c)",
+    )
     rm.set_defaults(handler=cmd_remove_partition)
     av = admin_parser("availability", "mark partitions online or offline")
     av.add_argument("-p", "--partition", required=True, metavar="RANGES")
     av.add_argument("--online", required=True, choices=["true", "false"])
     av.set_defaults(handler=cmd_availability)
-    mx = admin_parser("max-transaction-id", "print a partition's max transaction id")
+    mx = sub.add_parser(
+        "max-transaction-id",
+        help="print a partition's max transaction id (from a running node, or --offline from its files)",
+    )
+    mx.add_argument("-s", "--storage", metavar="HOST:ADMIN_PORT", help="admin address of a running node")
+    mx.add_argument("-c", "--cli-config-path", metavar="FILE", help="YAML with zookeeper.*, cluster.root")
+    mx.add_argument("--cluster-key", metavar="UUID")
+    mx.add_argument("--num-partitions", type=int, metavar="N")
+    mx.add_argument(
+        "--offline",
+        metavar="DIR",
+        type=Path,
+        help="read the segment files of storage directory DIR instead (the node may be stopped)",
+    )
     mx.add_argument("-p", "--partition", required=True, type=int)
     mx.set_defaults(handler=cmd_max_transaction_id)
+
+    def zk_parser(name: str, help_text: str) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = sub.add_parser(name, help=help_text, description=help_text)
+        add_cli_config_arg(p)
+        p.add_argument(
+            "--timeout", type=float, default=10.0, metavar="S", help="time limit per node (default 10 s)"
+        )
+        return p
+
+    rc = zk_parser(
+        "recover-partition",
+        "copy a partition into a replica (taken offline meanwhile) from a healthy replica, batch by batch",
+    )
+    rc.add_argument("-p", "--partition", required=True, type=int)
+    rc.add_argument(
+        "--source", required=True, metavar="HOST:PORT", help="storage node to copy from (data port)"
+    )
+    rc.add_argument(
+        "--destination", required=True, metavar="HOST:PORT", help="storage node to rebuild (data port)"
+    )
+    rc.add_argument(
+        "--batch-size", type=int, default=500, metavar="N", help="records per batch (default 500)"
+    )
+    rc.add_argument("--leave-offline", action="store_true", help="do not bring the destination back online")
+    rc.add_argument(
+        "--force", action="store_true", help="copy from an untrusted source, or over a longer destination"
+    )
+    rc.set_defaults(handler=cmd_recover_partition)
+
+    sp = zk_parser("sync-partitions", "make each storage node's assigned partitions equal ZooKeeper's")
+    sp.add_argument("--dry-run", action="store_true", help="only print what would change")
+    sp.set_defaults(handler=cmd_sync_partitions)
+
+    va = zk_parser("validate", "open the data and admin port of every storage node in ZooKeeper")
+    va.set_defaults(handler=cmd_validate)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -145,6 +209,28 @@ def cmd_add_partition(args: argparse.Namespace) -> int:
 
 
 def cmd_remove_partition(args: argparse.Namespace) -> int:
+    if args.delete_storage_files and not args.force:
+        # Deleting files is the one admin action that can lose committed transactions for good: check that
+        # a quorum of good copies survives (this needs ZooKeeper's assignment).
+        if not args.cli_config_path:
+            raise ConfigError(
+                "-d needs -c/--cli-config-path to check that a quorum of good copies remains "
+                "(or --force to delete without the check)"
+            )
+        view = _view(args)
+        storage = view.storage_for_admin(args.storage)
+        ids = parse_partition_ranges(args.partition, view.num_partitions)
+        problems = asyncio.run(checks.deletion_problems(view, storage, ids))
+        if problems:
+            for problem in problems:
+                print(f"waltz: refused: {problem}", file=sys.stderr)
+            print(
+                "waltz: nothing was deleted; recover the other replicas first "
+                "(waltz storage recover-partition), or give --force",
+                file=sys.stderr,
+            )
+            return 1
+
     async def action(admin: AdminClient, n: int) -> None:
         ids = parse_partition_ranges(args.partition, n)
         await admin.set_assigned(ids, False, delete_files=args.delete_storage_files)
@@ -162,6 +248,14 @@ def cmd_availability(args: argparse.Namespace) -> int:
 
 
 def cmd_max_transaction_id(args: argparse.Namespace) -> int:
+    if args.offline is not None:
+        from waltz.cli.disk import offline_max_transaction_id
+
+        print(offline_max_transaction_id(args.offline, args.partition))
+        return 0
+    if not args.storage:
+        raise ConfigError("give -s/--storage HOST:ADMIN_PORT, or --offline DIR")
+
     async def action(admin: AdminClient, n: int) -> int:
         if not 0 <= args.partition < n:
             raise ConfigError(f"partition {args.partition} out of range: the cluster has {n} partitions")
@@ -170,3 +264,86 @@ def cmd_max_transaction_id(args: argparse.Namespace) -> int:
     print(with_admin(args, action))
     sys.stdout.flush()
     return 0
+
+
+# ------------------------------------------------------------------------------------------- repair tools
+
+
+def _view(args: argparse.Namespace) -> ClusterView:
+    """The cluster's ZooKeeper metadata, and the TLS settings of the ``-c`` file to reach its nodes."""
+    from waltz.cluster import zk
+
+    if not getattr(args, "verbose", False):
+        # kazoo logs each failed connection attempt as a warning; the tools report outcomes themselves.
+        logging.getLogger("kazoo").setLevel(logging.ERROR)
+    cfg = load_cli_config(args.cli_config_path)
+    ssl = load_cli_tls(args.cli_config_path).client_context(args.cli_config_path)
+    with zk.session(cfg) as client:
+        return read_view(client, cfg["cluster.root"], ssl)
+
+
+def cmd_recover_partition(args: argparse.Namespace) -> int:
+    view = _view(args)
+    with Progress(
+        TextColumn("partition {task.fields[partition]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("records, next id {task.fields[next_id]}, {task.fields[rate]:.0f} records/s"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    ) as bar:
+        task = bar.add_task("copy", total=None, partition=args.partition, next_id="?", rate=0.0)
+
+        def progress(p: CopyProgress) -> None:
+            bar.update(task, total=p.total, completed=p.copied, next_id=p.next_id, rate=p.records_per_s)
+
+        result = asyncio.run(
+            recover_partition(
+                view,
+                args.partition,
+                args.source,
+                args.destination,
+                batch_records=args.batch_size,
+                force=args.force,
+                leave_offline=args.leave_offline,
+                progress=progress,
+            )
+        )
+    kind = f", recovery will count it as {result.destination_class.value}" if result.destination_class else ""
+    print(
+        f"partition {result.partition}: copied {result.copied} records from {result.source} to "
+        f"{result.destination} in {result.elapsed_s:.1f} s; it holds 0..{result.target} with session "
+        f"{result.session_id}{kind}; {'online' if result.online else 'left offline'}"
+    )
+    return 0
+
+
+def cmd_sync_partitions(args: argparse.Namespace) -> int:
+    view = _view(args)
+    changes = asyncio.run(checks.sync_partitions(view, dry_run=args.dry_run, timeout_s=args.timeout))
+    failed = 0
+    verb = "would " if args.dry_run else ""
+    for c in changes:
+        if c.error is not None:
+            failed += 1
+            print(f"{c.storage}: unreachable: {c.error}")
+            continue
+        if c.added:
+            print(f"{c.storage}: {verb}assign {format_ranges(c.added)}")
+        if c.removed:
+            print(f"{c.storage}: {verb}unassign {format_ranges(c.removed)} (files kept)")
+    if not changes:
+        print("every storage node holds exactly the partitions ZooKeeper assigns it")
+    return 1 if failed else 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    view = _view(args)
+    results = asyncio.run(checks.validate_storages(view, timeout_s=args.timeout))
+    for r in results:
+        state = "ok" if r.error is None else f"FAILED: {r.error}"
+        print(f"{r.storage} {r.port} port {r.address}: {state}")
+    if not results:
+        print("ZooKeeper lists no storage nodes")
+    return 1 if any(r.error for r in results) else 0

@@ -78,6 +78,7 @@ from waltz.errors import (
     ClientError,
     ClientTimeoutError,
     ClosedResourceError,
+    ConfigError,
     ConnectionError_,
     DataChecksumError,
     LocalProtocolError,
@@ -135,6 +136,10 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ClientError(f"bad server endpoint {endpoint!r}: expected host:port")
     return host.strip("[]"), int(port)
+
+
+PLAIN_CHECK_WAIT_S = 0.5
+"""How long a plain client's start waits for the assignment to check that the servers take plain TCP."""
 
 
 async def connect_server(endpoint: str, ssl: SSLContext | None = None) -> FramedConnection:
@@ -589,6 +594,12 @@ class _Link:
                 continue
             try:
                 conn = await connect_server(self.endpoint, self.driver._ssl)
+            except ConfigError as e:
+                # Such as a plain client meeting a TLS server: retrying will not help, but the assignment may
+                # move the partitions to a server that takes us, so keep the link (slowly).
+                log.error("cannot connect to %s: %s", self.endpoint, e)
+                await asyncio.sleep(RECONNECT_MAX_DELAY_S)
+                continue
             except (ConnectionError_, ProtocolError) as e:
                 log.info("cannot connect to %s (retrying in %.1f s): %s", self.endpoint, delay_s, e)
                 await asyncio.sleep(delay_s)
@@ -680,6 +691,12 @@ class NetworkDriver(ClientDriver):
         self._listener = listener
         self._rpc = RpcPool(self._client_id, self._ssl)
         self._endpoints = self._discovery.endpoints
+        if self._ssl is None:
+            try:
+                await self._check_plain_is_welcome()
+            except BaseException:
+                await self._discovery.close()
+                raise
         self._spawn(self._follow_assignments(), "waltz-assignments")
         log.info(
             "client %d connected to cluster %s (%d partitions)",
@@ -687,6 +704,33 @@ class NetworkDriver(ClientDriver):
             self.cluster_name,
             self.num_partitions,
         )
+
+    async def _check_plain_is_welcome(self) -> None:
+        """A client without TLS settings meeting a TLS cluster is a configuration error: say so now (one
+        connection to one server), rather than let every mount retry until ``client.mountTimeout``."""
+        current = self._discovery.endpoints
+        if not current:
+            # Discovery may not have read the assignment yet; a cluster without one is not worth a wait.
+            updates = self._discovery.updates()
+            try:
+                async with asyncio.timeout(PLAIN_CHECK_WAIT_S):
+                    async for current in updates:
+                        if current:
+                            break
+            except TimeoutError:
+                return
+            finally:
+                await updates.aclose()  # type: ignore[attr-defined]
+        endpoints = sorted({endpoint for endpoint, _generation in current.values()})
+        if not endpoints:
+            return
+        try:
+            conn = await connect_server(endpoints[0], None)
+        except ConfigError:
+            raise
+        except WaltzError:
+            return  # unreachable or busy: the links retry and report it
+        await conn.aclose()
 
     @property
     def client_id(self) -> int:

@@ -412,7 +412,8 @@ class ClusterMember(_AssignmentView):
             return
         self._suspended = suspended
         callback = self._on_suspended if suspended else self._on_resumed
-        log.info("server %d %s", self.server_id, "suspended" if suspended else "resumed")
+        # The ZooKeeper state change itself is logged once, by waltz.cluster.zk.
+        log.debug("server %d %s", self.server_id, "suspended" if suspended else "resumed")
         if callback is not None:
             callback()
 

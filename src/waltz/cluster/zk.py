@@ -121,6 +121,7 @@ def connect(
         # Individual commands are retried across a connection drop, within the session timeout.
         command_retry=KazooRetry(max_tries=3, delay=0.1, max_delay=1.0),
     )
+    client.add_listener(_StateLog(connect_string))
     try:
         client.start(timeout=connect_timeout_ms / 1000.0)
     except KazooTimeoutError:
@@ -135,8 +136,37 @@ def connect(
     return client
 
 
+class _StateLog:
+    """Logs one line per change of a client's session state (kazoo's own loggers are kept at ERROR, see
+    :mod:`waltz.cli.logsetup`: they warn on every failed attempt while ZooKeeper is down).
+
+    Called on kazoo's thread; it only logs, which is thread-safe."""
+
+    def __init__(self, connect_string: str) -> None:
+        self.connect_string = connect_string
+        self.state: str | None = None
+
+    def __call__(self, state: str) -> None:
+        if state == self.state:
+            return
+        previous, self.state = self.state, state
+        if state == "CONNECTED":
+            if previous == "SUSPENDED":
+                log.info("ZooKeeper connection back, same session (%s)", self.connect_string)
+            else:
+                log.info("ZooKeeper session started (%s)", self.connect_string)
+        elif state == "SUSPENDED":
+            log.warning("ZooKeeper connection lost; reconnecting to %s", self.connect_string)
+        elif state == "LOST":
+            log.warning("ZooKeeper session expired; its ephemeral znodes are gone; starting a new one")
+
+
 def close(client: KazooClient) -> None:
     """Stop ``client`` (its session ends, its ephemeral znodes go) and release its threads."""
+    # A session we end ourselves is not news: only expiries are logged.
+    for listener in list(client.state_listeners):
+        if isinstance(listener, _StateLog):
+            client.remove_listener(listener)
     try:
         client.stop()
     finally:

@@ -1,11 +1,11 @@
 """``waltz local``: a whole Waltz cluster on one machine, one OS process per component.
 
 :mod:`waltz.local.cluster` has the commands (:func:`~waltz.local.cluster.up`, ``down``, ``status``, ``kill``,
-``start``); :mod:`waltz.local.state` the ``cluster.json`` record; :mod:`waltz.local.procs` the detached
-processes and port checks; :mod:`waltz.local.probe` the ``/health`` and ``/metrics`` readers.
+``start``, ``restart``); :mod:`waltz.local.state` the ``cluster.json`` record; :mod:`waltz.local.procs` the
+detached processes and port checks; :mod:`waltz.local.probe` the ``/health`` and ``/metrics`` readers.
 """
 
-from waltz.local.cluster import ClusterStatus, UpOptions, down, kill, start, status, up
+from waltz.local.cluster import ClusterStatus, UpOptions, down, kill, restart, start, status, up
 from waltz.local.state import LocalCluster, ProcessRecord
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "UpOptions",
     "down",
     "kill",
+    "restart",
     "start",
     "status",
     "up",

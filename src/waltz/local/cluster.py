@@ -36,6 +36,7 @@ import contextlib
 import fcntl
 import json
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -150,16 +151,34 @@ def _check_directory(directory: Path) -> None:
             f"{directory} holds a stopped cluster's data; remove it with "
             f"`waltz local down --dir {directory} --purge` or choose another --dir"
         )
-    leftovers = [
-        p.name
-        for p in directory.glob("*")
-        if p.name == "zookeeper" or p.name.startswith(("storage-", "server-"))
-    ]
-    if leftovers:
+    # Anything else must be empty: `up` writes data directories and configs at fixed names, and `down --purge`
+    # deletes what `up` created, so it must never adopt a directory that holds someone else's files. The logs
+    # of a failed `up` (which removes everything else) and the lock file are ours and may stay.
+    others = sorted(
+        p.name + ("/" if p.is_dir() else "")
+        for p in directory.iterdir()
+        if p.name != LOCK_FILE and not (p.name == "logs" and p.is_dir() and _only_our_logs(p))
+    )
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
         raise ConfigError(
-            f"{directory} holds another cluster's files ({', '.join(sorted(leftovers))}); "
-            "choose another --dir"
+            f"{directory} is not empty and holds no `waltz local` cluster ({shown}); "
+            "choose an empty or new --dir"
         )
+
+
+def _our_log_name(name: str) -> bool:
+    stem, _, ext = name.partition(".")
+    kind, _, index = stem.partition("-")
+    if stem == "zookeeper":
+        return ext == "log"
+    return kind in ("storage", "server") and index.isdigit() and ext in ("log", "out")
+
+
+def _only_our_logs(logs: Path) -> bool:
+    return all(p.is_file() or p.is_symlink() for p in logs.iterdir()) and all(
+        _our_log_name(p.name) for p in logs.iterdir()
+    )
 
 
 def _check_zookeeper_installed() -> None:
@@ -424,20 +443,8 @@ def up(opts: UpOptions, report: Report = _quiet) -> LocalCluster:
 
 def _bring_up(cluster: LocalCluster, opts: UpOptions, report: Report) -> None:
     timeout_s = opts.start_timeout_s
-    zk_rec = cluster.zookeeper
     report(f"starting ZooKeeper on {cluster.zk_connect}")
-    zk = zkserver.ZooKeeperServer(zk_rec.data_dir, zk_rec.port)
-    zk.spawn()
-    if zk.process is None:
-        raise ClusterError("ZooKeeper did not start")
-    zk_rec.set_process(procs.adopt(zk.process))
-    cluster.save()
-    zk_log = Path(zk_rec.log)
-    with contextlib.suppress(OSError):
-        zk_log.unlink(missing_ok=True)
-        zk_log.symlink_to(zk.log_path)
-    zk.wait_serving(timeout_s)
-    zk_rec.set_process(procs.identify(zk.process.pid))  # The JVM's start time is readable now for sure.
+    _start_zookeeper(cluster, timeout_s)
 
     report(
         f"creating cluster {cluster.cluster_name!r} at {cluster.cluster_root}: "
@@ -493,7 +500,8 @@ def _bring_up(cluster: LocalCluster, opts: UpOptions, report: Report) -> None:
 def down(directory: str | Path, *, purge: bool = False) -> list[str]:
     """Stop every process of the cluster in ``directory`` (servers, storage nodes, ZooKeeper), by pid.
 
-    Returns the names of the processes that were running. ``purge`` also deletes the directory.
+    Returns the names of the processes that were running. ``purge`` also deletes what ``up`` created (see
+    :func:`purge`).
     """
     cluster = LocalCluster.load(directory)
     with _locked(cluster.directory):
@@ -501,14 +509,51 @@ def down(directory: str | Path, *, purge: bool = False) -> list[str]:
         cluster.state = "stopped"
         cluster.save()
     if purge:
-        shutil.rmtree(cluster.directory, ignore_errors=True)
+        _purge(cluster)
     return stopped
 
 
-def kill(directory: str | Path, kind: str, index: int) -> ProcessRecord:
-    """SIGKILL one storage node or server, as in a crash (for fault drills)."""
+def _purge(cluster: LocalCluster) -> list[Path]:
+    """Delete exactly what ``up`` created: each process's data directory, config, output and log, the TLS
+    files, ``client.yaml``, ``cluster.json`` and the lock; then ``logs/`` and the directory itself if nothing
+    else is left in them. Returns what was left (files someone else put there)."""
+    d = cluster.directory
+    _remove_data(cluster)
+    for rec in cluster.processes:
+        if rec.log:
+            Path(rec.log).unlink(missing_ok=True)
+    (d / LOCK_FILE).unlink(missing_ok=True)
+    for empty in (d / "logs", d):
+        with contextlib.suppress(OSError):  # not empty (or already gone): keep it
+            empty.rmdir()
+    return sorted(d.rglob("*")) if d.exists() else []
+
+
+def _start_zookeeper(cluster: LocalCluster, timeout_s: float) -> None:
+    """Start ZooKeeper with the recorded data directory and port (its data, hence the cluster, survives)."""
+    zk_rec = cluster.zookeeper
+    # A listener on the port is someone else's (ours is not running); a bind test would also fail on the
+    # TIME_WAIT connections a killed ZooKeeper leaves behind, which ZooKeeper's own bind tolerates.
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", zk_rec.port), timeout=1.0):
+        raise ClusterError(f"ZooKeeper's port {zk_rec.port} is in use by another process")
+    zk = zkserver.ZooKeeperServer(zk_rec.data_dir, zk_rec.port)
+    zk.spawn()
+    if zk.process is None:
+        raise ClusterError("ZooKeeper did not start")
+    zk_rec.set_process(procs.adopt(zk.process))
+    cluster.save()
+    zk_log = Path(zk_rec.log)
+    with contextlib.suppress(OSError):
+        zk_log.unlink(missing_ok=True)
+        zk_log.symlink_to(zk.log_path)
+    zk.wait_serving(timeout_s)
+    zk_rec.set_process(procs.identify(zk.process.pid))  # The JVM's start time is readable now for sure.
+
+
+def kill(directory: str | Path, kind: str, index: int = 0) -> ProcessRecord:
+    """SIGKILL one storage node, server or ZooKeeper (``kind="zookeeper"``), as in a crash (for drills)."""
     cluster = LocalCluster.load(directory)
-    rec = cluster.member(kind, index)
+    rec = cluster.zookeeper if kind == "zookeeper" else cluster.member(kind, index)
     with _locked(cluster.directory):
         if not procs.kill(rec.process):
             raise ClusterError(f"{rec.name} is not running")
@@ -519,16 +564,22 @@ def kill(directory: str | Path, kind: str, index: int) -> ProcessRecord:
 def start(
     directory: str | Path, kind: str, index: int, timeout_s: float = DEFAULT_START_TIMEOUT_S
 ) -> ProcessRecord:
-    """Start a stopped storage node or server again, with its config, ports and data."""
+    """Start a stopped storage node, server or ZooKeeper (``kind="zookeeper"``) again, with its config, ports
+    and data."""
     cluster = LocalCluster.load(directory)
-    rec = cluster.member(kind, index)
+    rec = cluster.zookeeper if kind == "zookeeper" else cluster.member(kind, index)
     with _locked(cluster.directory):
         if cluster.state == "stopped":
             raise ClusterError(
-                f"the cluster in {cluster.directory} is stopped; start a new one with `waltz local up`"
+                f"the cluster in {cluster.directory} is stopped; start it with `waltz local restart`"
             )
         if procs.is_alive(rec.process):
             raise ClusterError(f"{rec.name} is already running (pid {rec.pid})")
+        if kind == "zookeeper":
+            # Servers and storage nodes reconnect by themselves (within their ZooKeeper session timeout).
+            _start_zookeeper(cluster, timeout_s)
+            cluster.save()
+            return rec
         if not procs.is_alive(cluster.zookeeper.process):
             raise ClusterError(
                 "ZooKeeper is not running; the cluster cannot be repaired one process at a time"
@@ -547,6 +598,37 @@ def start(
                 )
             )
     return rec
+
+
+def restart(
+    directory: str | Path, report: Report = _quiet, timeout_s: float = DEFAULT_START_TIMEOUT_S
+) -> LocalCluster:
+    """Stop whatever runs of the cluster in ``directory``, then start all of it again with its recorded
+    configs, ports and data (ZooKeeper, storage nodes, servers), and wait until every partition is served.
+    Also starts a cluster stopped by ``down`` (without ``--purge``)."""
+    cluster = LocalCluster.load(directory)
+    with _locked(cluster.directory):
+        stopped = _teardown(cluster)
+        if stopped:
+            report(f"stopped {', '.join(stopped)}")
+        cluster.state = "starting"
+        cluster.save()
+        report(f"starting ZooKeeper on {cluster.zk_connect}")
+        _start_zookeeper(cluster, timeout_s)
+        cluster.save()
+        report(f"starting {len(cluster.storages)} storage nodes")
+        for rec in cluster.storages:
+            _start_process(rec, timeout_s)
+            cluster.save()
+        report(f"starting {len(cluster.servers)} servers")
+        for rec in cluster.servers:
+            _start_process(rec, timeout_s)
+            cluster.save()
+        report("waiting until every partition is served")
+        _wait_served(cluster, timeout_s)
+        cluster.state = "running"
+        cluster.save()
+    return cluster
 
 
 # --------------------------------------------------------------------------------------------------- status

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from ssl import SSLContext
 
 from kazoo.client import KazooClient
@@ -20,7 +20,7 @@ from kazoo.client import KazooClient
 from waltz.cluster.partition_metadata import PartitionMetadata
 from waltz.cluster.store_metadata import read_partition_metadata, write_partition_metadata
 from waltz.config import host_port
-from waltz.errors import BrokenResourceError, ClosedResourceError, ConfigError
+from waltz.errors import BrokenResourceError, ClosedResourceError, ConfigError, WaltzError
 from waltz.protocol.records import Record, RecordHeader
 from waltz.server.storage_client import StorageClient
 from waltz.server.store.interfaces import ReplicaConnection, SessionInfo
@@ -138,6 +138,21 @@ class TcpReplicaConnector:
     def reachable(self) -> dict[str, bool]:
         """Storage nodes this server has talked to, and whether their connection is up."""
         return {s: c.is_usable for s, c in sorted(self._clients.items())}
+
+    async def probe(self, storages: Iterable[str]) -> dict[str, bool]:
+        """Whether each of ``storages`` (and every node talked to before) can be reached now: an existing
+        usable connection counts, otherwise one is opened (within the connect timeout), concurrently."""
+        names = sorted(set(storages) | set(self._clients))
+
+        async def one(storage: str) -> bool:
+            try:
+                await self._client(storage)
+            except (WaltzError, OSError):
+                return False
+            return True
+
+        results = await asyncio.gather(*(one(s) for s in names))
+        return dict(zip(names, results, strict=True))
 
     async def aclose(self) -> None:
         self._closed = True

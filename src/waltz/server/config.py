@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from waltz.config import ConfigSchema, Key, distinct_ports, read_yaml
+from waltz.config import ConfigSchema, Key, distinct_ports, host_port, read_yaml
 from waltz.errors import ConfigError
 from waltz.server.store.support import StoreConfig
 from waltz.tls import TlsConfig, tls_keys
@@ -21,9 +21,16 @@ SERVER_SCHEMA = ConfigSchema(
     [
         Key("zookeeper.connectString", str, doc="ZooKeeper ensemble"),
         Key("zookeeper.sessionTimeout", int, 30000, "ZooKeeper session timeout (ms)", 1000),
+        Key("zookeeper.connectTimeout", int, 10000, "time allowed to reach ZooKeeper at start (ms)", 100),
         Key("cluster.root", str, doc="cluster root znode"),
         Key("server.host", str, "127.0.0.1", "address to listen on and to advertise"),
         Key("server.port", int, doc="client port (0 = pick a free port)", min_value=0, max_value=65535),
+        Key(
+            "server.advertisedAddress",
+            str,
+            "",
+            "host:port registered for clients (default: server.host and the listening port)",
+        ),
         Key("server.http.port", int, 0, "HTTP port for /health and /metrics (0 = off)", 0, 65535),
         Key("server.optimisticLockTableSize", int, 30000, "lock table slots per partition", 16, 100_000_000),
         Key("server.feedCacheSize", int, 64 * 1024 * 1024, "feed cache bytes", 1024),
@@ -52,10 +59,13 @@ class ServerConfig:
 
     zookeeper_connect: str
     zookeeper_session_timeout_ms: int
+    zookeeper_connect_timeout_ms: int
     cluster_root: str
     host: str
     port: int
     http_port: int
+    advertised_address: tuple[str, int] | None
+    """Registered in ZooKeeper for clients instead of ``(host, port)``; None: the listening address."""
     lock_table_size: int
     feed_cache_bytes: int
     min_fetch_size: int
@@ -80,10 +90,14 @@ class ServerConfig:
         return cls(
             zookeeper_connect=c["zookeeper.connectString"],
             zookeeper_session_timeout_ms=c["zookeeper.sessionTimeout"],
+            zookeeper_connect_timeout_ms=c["zookeeper.connectTimeout"],
             cluster_root=c["cluster.root"],
             host=c["server.host"],
             port=c["server.port"],
             http_port=c["server.http.port"],
+            advertised_address=host_port(c["server.advertisedAddress"])
+            if c["server.advertisedAddress"]
+            else None,
             lock_table_size=c["server.optimisticLockTableSize"],
             feed_cache_bytes=c["server.feedCacheSize"],
             min_fetch_size=c["server.minFetchSize"],

@@ -29,11 +29,12 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kazoo.client import KazooClient
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from waltz.cluster import zk
 from waltz.cluster.membership import ClusterMember
@@ -42,7 +43,7 @@ from waltz.cluster.store_metadata import read_store_params
 from waltz.cluster.zk import ClusterPaths
 from waltz.config import parse_partition_ranges
 from waltz.errors import ConnectionError_, RemoteProtocolError, WaltzError
-from waltz.http import HttpEndpoint
+from waltz.http import HttpEndpoint, build_info, listen, new_registry
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
 from waltz.protocol.records import ReqId
@@ -139,6 +140,21 @@ class _Metrics:
             "waltz_server_cache_hit_ratio", "Cache hits / lookups", ["cache"], registry=registry
         )
         self.partitions = Gauge("waltz_server_partitions", "Partitions owned", registry=registry)
+        self.appended_bytes = Counter(
+            "waltz_server_appended_bytes", "Data bytes of committed appends", ["partition"], registry=registry
+        )
+        self.read_bytes = Counter(
+            "waltz_server_read_bytes",
+            "Data bytes sent to clients by transaction data and range reads",
+            ["partition"],
+            registry=registry,
+        )
+        self.generation_changes = Counter(
+            "waltz_server_generation_changes",
+            "Generations this server took a partition at (opened, or raised while owned)",
+            ["partition"],
+            registry=registry,
+        )
 
     # Gauges of live state are read when scraped (set_function), not copied now and then: a scrape of
     # /metrics alone must see the current high-water mark.
@@ -162,15 +178,72 @@ class _Metrics:
 
     def for_partition(self, pid: int) -> PartitionMetrics:
         p = str(pid)
-        appends, lock_failures, failed, latency = (
+        appends, appended_bytes, lock_failures, failed, latency = (
             self.appends.labels(p),
+            self.appended_bytes.labels(p),
             self.lock_failures.labels(p),
             self.failed.labels(p),
             self.latency.labels(p),
         )
+
+        def appended(count: int, data_bytes: int) -> None:
+            appends.inc(count)
+            appended_bytes.inc(data_bytes)
+
         return PartitionMetrics(
-            appended=appends.inc, lock_failed=lock_failures.inc, failed=failed.inc, latency=latency.observe
+            appended=appended, lock_failed=lock_failures.inc, failed=failed.inc, latency=latency.observe
         )
+
+
+class _StoreCollector:
+    """Store state read when scraped: replica lag and role per replica, store sessions, recovery time.
+
+    A collector rather than labelled gauges: the replica set of a partition changes with every session, and
+    the numbers live in the store already (:meth:`StorePartition.replica_positions`, ``stats``)."""
+
+    def __init__(self, partitions: Callable[[], dict[int, Partition]]) -> None:
+        self._partitions = partitions
+
+    def describe(self) -> list[Any]:
+        return []  # no eager collection at registration: the server has no partitions yet
+
+    def collect(self) -> Iterator[Any]:
+        lag = GaugeMetricFamily(
+            "waltz_server_replica_lag",
+            "Committed transactions a replica of the open store session does not hold yet",
+            labels=["partition", "replica"],
+        )
+        state = GaugeMetricFamily(
+            "waltz_server_replica_participant",
+            "1 if the replica takes part in the open store session's writes, 0 if it is recovering or out",
+            labels=["partition", "replica", "role"],
+        )
+        opened = CounterMetricFamily(
+            "waltz_server_store_sessions_opened", "Store sessions opened", labels=["partition"]
+        )
+        ended = CounterMetricFamily(
+            "waltz_server_store_sessions_ended",
+            "Store sessions ended, by reason",
+            labels=["partition", "reason"],
+        )
+        recovery = SummaryMetricFamily(
+            "waltz_server_recovery_seconds",
+            "Time from a store session's start to its opening (replica recovery and the vote)",
+            labels=["partition"],
+        )
+        for pid, part in sorted(self._partitions().items()):
+            p = str(pid)
+            store = part.store
+            hwm = store.high_water_mark
+            for replica, (role, max_id) in sorted(store.replica_positions().items()):
+                lag.add_metric([p, replica], max(0, hwm - max_id))
+                state.add_metric([p, replica, role], 1 if role == "participant" else 0)
+            stats = store.stats
+            opened.add_metric([p], stats.sessions_opened)
+            for reason, count in sorted(stats.sessions_ended.items()):
+                ended.add_metric([p, reason], count)
+            recovery.add_metric([p], stats.sessions_opened, stats.recovery_seconds_sum)
+        yield from (lag, state, opened, ended, recovery)
 
 
 def _hit_ratio(cache: FeedCache | TransactionCache) -> Callable[[], float]:
@@ -192,7 +265,7 @@ class WaltzServer:
         self.zk = zk_client
         self.cluster_key = cluster_key
         self.num_partitions = num_partitions
-        self.registry = CollectorRegistry()
+        self.registry = new_registry()
         self.metrics = _Metrics(self.registry)
         # server.ssl.* also secures the links to storage nodes (REFERENCE §7.4).
         self.connector = TcpReplicaConnector(
@@ -202,6 +275,7 @@ class WaltzServer:
         self.feed_cache = FeedCache(config.feed_cache_bytes, num_partitions)
         self.transaction_cache = TransactionCache(config.transaction_cache_bytes)
         self.metrics.export_caches(self.feed_cache, self.transaction_cache)
+        self.registry.register(_StoreCollector(lambda: self.partitions))
         self.partitions: dict[int, Partition] = {}
         self.replica_sets: dict[int, tuple[str, ...]] = {}
         self.member: ClusterMember | None = None
@@ -226,7 +300,10 @@ class WaltzServer:
     @classmethod
     async def start(cls, config: ServerConfig) -> WaltzServer:
         client = await asyncio.to_thread(
-            zk.connect, config.zookeeper_connect, session_timeout_ms=config.zookeeper_session_timeout_ms
+            zk.connect,
+            config.zookeeper_connect,
+            session_timeout_ms=config.zookeeper_session_timeout_ms,
+            connect_timeout_ms=config.zookeeper_connect_timeout_ms,
         )
         try:
             params = await asyncio.to_thread(read_store_params, client, config.cluster_root)
@@ -243,28 +320,41 @@ class WaltzServer:
 
     async def _start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._listener = await serve(
+        ssl = self.config.tls.server_context("server config")
+        self._listener = await listen(
+            "server.port",
             self.config.host,
             self.config.port,
-            self._serve_client,
-            magic=MAGIC_CLIENT,
-            versions=cs.SUPPORTED_VERSIONS,
-            hello_text=SERVER_HELLO,
-            max_frame_bytes=self.config.max_frame_bytes,
-            ssl=self.config.tls.server_context("server config"),
+            lambda: serve(
+                self.config.host,
+                self.config.port,
+                self._serve_client,
+                magic=MAGIC_CLIENT,
+                versions=cs.SUPPORTED_VERSIONS,
+                hello_text=SERVER_HELLO,
+                max_frame_bytes=self.config.max_frame_bytes,
+                ssl=ssl,
+            ),
         )
         self.port = self._listener.port
+        # Every port is bound before we join the cluster: a port in use must not cost a partition move.
+        if self.config.http_port:
+            self._http = HttpEndpoint(self.registry, self.health)
+            self.http_port = await self._http.start(
+                self.config.host, self.config.http_port, "server.http.port"
+            )
         await self._watch_replica_assignments()
         preferred = (
             parse_partition_ranges(self.config.preferred_partitions, self.num_partitions)
             if self.config.preferred_partitions
             else []
         )
+        host, port = self.config.advertised_address or (self.config.host, self.port)
         self.member = ClusterMember(
             self.zk,
             self.config.cluster_root,
-            self.config.host,
-            self.port,
+            host,
+            port,
             preferred,
             on_suspended=self._on_suspended,
             on_resumed=self._on_resumed,
@@ -273,10 +363,14 @@ class WaltzServer:
         followers = asyncio.create_task(self._follow(), name="server-followers")
         followers.add_done_callback(self._followers_done)
         self._tasks.add(followers)
-        if self.config.http_port:
-            self._http = HttpEndpoint(self.registry, self.health)
-            self.http_port = await self._http.start(self.config.host, self.config.http_port)
-        log.info("Waltz server %d serving on %s:%d", self.member.server_id, self.config.host, self.port)
+        log.info(
+            "server %d serving clients on %s:%d%s (%d partitions in the cluster)",
+            self.member.server_id,
+            self.config.host,
+            self.port,
+            f", HTTP on port {self.http_port}" if self.http_port else "",
+            self.num_partitions,
+        )
 
     async def aclose(self) -> None:
         """Leave the cluster (our partitions move at once), close partitions and connections."""
@@ -308,16 +402,18 @@ class WaltzServer:
 
     # -- ZooKeeper-driven state --
 
+    # The ZooKeeper state change itself is logged once, by waltz.cluster.zk.
+
     def _on_suspended(self) -> None:
         self._suspended = True
         self._suspended_at = time.monotonic()
         self._resumed.clear()
-        log.warning("ZooKeeper connection suspended: holding new work until it is back")
+        log.debug("ZooKeeper connection suspended: holding new work until it is back")
 
     def _on_resumed(self) -> None:
         self._suspended = False
         self._resumed.set()
-        log.info(
+        log.debug(
             "ZooKeeper connection resumed after %.1f s; serving partitions %s",
             time.monotonic() - self._suspended_at,
             sorted(self.partitions),
@@ -372,8 +468,13 @@ class WaltzServer:
             for pid in [p for p in self.partitions if p not in assignment]:
                 leaving = self.partitions.pop(pid)
                 self.metrics.unexport_partition(pid)
-                log.info("partition %d moved away; closing it", pid)
                 await leaving.close()
+                log.info(
+                    "partition %d closed: moved away (generation %d, high-water mark %d)",
+                    pid,
+                    leaving.generation,
+                    leaving.high_water_mark,
+                )
             for pid, generation in sorted(assignment.items()):
                 existing = self.partitions.get(pid)
                 if existing is not None:
@@ -381,6 +482,7 @@ class WaltzServer:
                         continue
                     # It moved away and back (we missed the step between): another server may have committed
                     # meanwhile, so this incarnation's lock table and registrations are stale. Start afresh.
+                    self.metrics.generation_changes.labels(str(pid)).inc()
                     del self.partitions[pid]
                     log.info(
                         "partition %d: generation %d -> %d; reopening it",
@@ -416,7 +518,13 @@ class WaltzServer:
                 self.partitions[pid] = part
                 self.metrics.export_partition(pid, part)
                 self.metrics.generation.labels(str(pid)).set(generation)
-                log.info("partition %d opened (generation %d, replicas %s)", pid, generation, list(replicas))
+                self.metrics.generation_changes.labels(str(pid)).inc()
+                log.info(
+                    "partition %d opened at generation %d, replicas %s; recovering",
+                    pid,
+                    generation,
+                    list(replicas),
+                )
             self.metrics.partitions.set(len(self.partitions))
 
     def _partition_failed(self, part: Partition) -> None:
@@ -502,6 +610,7 @@ class WaltzServer:
     async def _serve_client(self, conn: FramedConnection) -> None:
         peer = _Connection(conn)
         version = conn.negotiated_version
+        log.debug("client connection from %s opened (protocol version %d)", conn.peername, version)
         try:
             while True:
                 payload = await conn.receive()
@@ -518,6 +627,7 @@ class WaltzServer:
                     log.info("closing the connection of client %s (%s): %s", peer.client_id, conn.peername, e)
                     return
         finally:
+            log.debug("client connection from %s (client %s) closed", conn.peername, peer.client_id)
             for part in self.partitions.values():
                 part.disconnect(peer)
 
@@ -525,7 +635,9 @@ class WaltzServer:
         rid = msg.req_id
         # Cluster-level queries first: they name no partition.
         if isinstance(msg, cs.CheckStorageConnectivityRequest):
-            reachable = self.connector.reachable()
+            # Every storage node of the cluster, not only those this server has talked to (as the original).
+            storages = {s for replicas in self.replica_sets.values() for s in replicas}
+            reachable = await self.connector.probe(storages)
             peer.send(cs.CheckStorageConnectivityResponse(rid, tuple(reachable.items())))
             return
         if isinstance(msg, cs.ServerPartitionsAssignmentRequest):
@@ -621,6 +733,7 @@ class WaltzServer:
             peer.send(cs.TransactionDataResponse.failure(rid, msg.transaction_id, "transaction not found"))
         else:
             data, checksum = found
+            self.metrics.read_bytes.labels(str(rid.partition_id)).inc(len(data))
             peer.send(cs.TransactionDataResponse.success(rid, msg.transaction_id, data, checksum))
 
     async def _high_water_mark(
@@ -652,6 +765,8 @@ class WaltzServer:
             if count
             else (0, b"")
         )
+        if run:
+            self.metrics.read_bytes.labels(str(msg.req_id.partition_id)).inc(len(run))
         peer.send(cs.TransactionRangeResponse(msg.req_id, msg.transaction_id, got, run))
 
     async def _change_preferred(
@@ -670,6 +785,19 @@ class WaltzServer:
 
 async def run_server(config: ServerConfig, *, ready: Callable[[WaltzServer], None] | None = None) -> None:
     """Run a server until SIGTERM/SIGINT, then leave the cluster cleanly."""
+    info = build_info()
+    log.info(
+        "waltz server %s starting (python %s%s): zookeeper %s, cluster %s, %s:%d, HTTP port %s, TLS %s",
+        info["version"],
+        info["python"],
+        f", commit {info['commit'][:12]}" if "commit" in info else "",
+        config.zookeeper_connect,
+        config.cluster_root,
+        config.host,
+        config.port,
+        config.http_port or "off",
+        "on" if config.tls.enabled else "off",
+    )
     server = await WaltzServer.start(config)
     tune_gc()
     try:
@@ -685,3 +813,4 @@ async def run_server(config: ServerConfig, *, ready: Callable[[WaltzServer], Non
             raise WaltzError(f"the server failed: {server.failure!r}") from server.failure
     finally:
         await server.aclose()
+        log.info("server %d stopped", server.server_id)

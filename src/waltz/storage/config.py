@@ -44,6 +44,7 @@ STORAGE_SCHEMA = ConfigSchema(
         Key("storage.cluster.numPartitions", int, 0, "partition count when not using ZooKeeper", 0, 100_000),
         Key("zookeeper.connectString", str, "", "ZooKeeper ensemble; empty = standalone"),
         Key("zookeeper.sessionTimeout", int, 30000, "ZooKeeper session timeout", 1000),
+        Key("zookeeper.connectTimeout", int, 10000, "time allowed to reach ZooKeeper at start (ms)", 100),
         Key("cluster.root", str, "", "cluster root znode"),
         *tls_keys("storage.ssl."),
     ],
@@ -69,6 +70,7 @@ class StorageConfig:
     num_partitions: int
     zookeeper_connect: str
     zookeeper_session_timeout_ms: int
+    zookeeper_connect_timeout_ms: int
     cluster_root: str
     tls: TlsConfig = field(default_factory=lambda: TlsConfig(prefix="storage.ssl."))
     """``storage.ssl.*``: TLS on the data and admin ports (see :mod:`waltz.tls`)."""
@@ -102,6 +104,7 @@ class StorageConfig:
             num_partitions=c["storage.cluster.numPartitions"],
             zookeeper_connect=zk,
             zookeeper_session_timeout_ms=c["zookeeper.sessionTimeout"],
+            zookeeper_connect_timeout_ms=c["zookeeper.connectTimeout"],
             cluster_root=c["cluster.root"],
             tls=TlsConfig.from_config(c, "storage.ssl.", role="listen", source=source),
         )

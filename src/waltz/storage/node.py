@@ -44,6 +44,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -63,7 +64,7 @@ from waltz.errors import (
     TransactionOutOfOrderError,
     WaltzError,
 )
-from waltz.http import HttpEndpoint
+from waltz.http import HttpEndpoint, build_info, listen, new_registry
 from waltz.protocol import admin as adm
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
@@ -161,6 +162,59 @@ class _Metrics:
         )
         self.queue = Gauge("waltz_storage_queue_size", "Queued requests", ["partition"], registry=registry)
         self.connections = Gauge("waltz_storage_connections", "Open data connections", registry=registry)
+        self.appended_bytes = Counter(
+            "waltz_storage_appended_bytes", "Data bytes of records appended", ["partition"], registry=registry
+        )
+        self.read_bytes = Counter(
+            "waltz_storage_read_bytes",
+            "Data bytes of records read by servers",
+            ["partition"],
+            registry=registry,
+        )
+        self.disk_bytes = Gauge(
+            "waltz_storage_disk_bytes", "Bytes of the files in the storage directory", registry=registry
+        )
+        self.disk_free_bytes = Gauge(
+            "waltz_storage_disk_free_bytes",
+            "Bytes free on the file system of the storage directory",
+            registry=registry,
+        )
+        self.partitions_assigned = Gauge(
+            "waltz_storage_partitions_assigned", "Partitions assigned to this node", registry=registry
+        )
+        self.partitions_available = Gauge(
+            "waltz_storage_partitions_available",
+            "Assigned partitions that are available (online)",
+            registry=registry,
+        )
+
+
+def directory_bytes(directory: str) -> int:
+    """Total size of the files under ``directory`` (read when /metrics is scraped: a few dozen files per
+    partition, so cheap next to a scrape interval)."""
+    total = 0
+    stack = [directory]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                elif entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+            except OSError:
+                continue  # removed while we looked
+    return total
+
+
+def _free_bytes(directory: str) -> int:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return 0
 
 
 class StoragePartition:
@@ -185,6 +239,7 @@ class StoragePartition:
         self.current: _Item | None = None
         """The item the worker is on (answered by the node if the worker ends under it)."""
         self._queue_gauge = node.metrics.queue.labels(partition_id)
+        self._read_bytes = node.metrics.read_bytes.labels(partition_id)
 
     @property
     def info(self) -> PartitionInfo:
@@ -215,7 +270,9 @@ class StoragePartition:
 
     # -- checks -----------------------------------------------------------------------------------
 
-    def _check(self, msg: st.StorageMessage, offline: bool) -> PartitionLog:
+    def _check(self, msg: st.StorageMessage, offline: bool, *, may_adopt: bool = False) -> PartitionLog:
+        """``may_adopt``: an offline request may carry a *newer* session id than the persisted one (an offline
+        SetLowWaterMark, which then persists it: see ``_set_low_water_mark``)."""
         if self.failed is not None:
             raise StorageError(f"partition {self.partition_id} failed: {self.failed}")
         if self.broken is not None and not self._heal():
@@ -228,7 +285,7 @@ class StoragePartition:
                 raise PartitionNotAssignedError(
                     f"Partition:{self.partition_id} is available; offline requests need it offline"
                 )
-            if msg.session_id != info.session_id:
+            if msg.session_id != info.session_id and not (may_adopt and msg.session_id > info.session_id):
                 raise SessionFencedError(
                     f"offline request session {msg.session_id} is not the persisted session {info.session_id}"
                 )
@@ -242,8 +299,10 @@ class StoragePartition:
                 )
         return self.log
 
-    def _check_writable(self, msg: st.StorageMessage, offline: bool) -> PartitionLog:
-        return self._check(msg, offline)
+    def _check_writable(
+        self, msg: st.StorageMessage, offline: bool, *, may_adopt: bool = False
+    ) -> PartitionLog:
+        return self._check(msg, offline, may_adopt=may_adopt)
 
     def _heal(self) -> bool:
         """Try to bring a broken partition back (see the module docstring); True if it serves again."""
@@ -391,7 +450,10 @@ class StoragePartition:
                 return st.RecordHeaderResponse(sid, seq, pid, plog.read_header(msg.transaction_id))
             if isinstance(msg, st.RecordRequest):
                 plog = self._check(msg, False)
-                return st.RecordResponse(sid, seq, pid, plog.read_record(msg.transaction_id))
+                record = plog.read_record(msg.transaction_id)
+                if record is not None:
+                    self._read_bytes.inc(len(record.data))
+                return st.RecordResponse(sid, seq, pid, record)
             if isinstance(msg, st.RecordHeaderListRequest):
                 plog = self._check(msg, False)
                 n = max(0, min(msg.max_records, MAX_LIST_RECORDS))
@@ -401,19 +463,25 @@ class StoragePartition:
                 plog = self._check(msg, False)
                 n = max(0, min(msg.max_records, MAX_LIST_RECORDS))
                 records = plog.read_records(msg.transaction_id, n, max_bytes=MAX_LIST_BYTES) if n else []
+                self._read_bytes.inc(sum(len(r.data) for r in records))
                 return st.RecordListResponse(sid, seq, pid, tuple(records))
             if isinstance(msg, st.RecordRunRequest):
                 plog = self._check(msg, False)
                 n = max(0, min(msg.max_records, MAX_LIST_RECORDS))
                 budget = max(0, min(msg.max_bytes, MAX_LIST_BYTES))
                 count, run = plog.read_run(msg.transaction_id, n, max_bytes=budget) if n else (0, b"")
+                self._read_bytes.inc(len(run))
                 return st.RecordRunResponse(sid, seq, pid, count, run)
             raise RemoteProtocolError(f"{type(msg).__name__} is not a request")
         except WaltzError as e:
             return self._failure(msg, e)
 
     def _set_low_water_mark(self, msg: st.SetLowWaterMarkRequest) -> st.StorageMessage:
-        plog = self._check_writable(msg, msg.offline)
+        # Offline recovery (``waltz storage recover-partition``) ends by persisting the session id of the
+        # replica it copied, so the next store session classifies the copy like its source instead of as a
+        # restored replica that cannot vote. Offline requests only reach a partition marked unavailable, which
+        # no store session writes, and a later session's id is higher still and fences this one as usual.
+        plog = self._check_writable(msg, msg.offline, may_adopt=msg.offline)
         info = self.info
         if msg.session_id < info.session_id:
             raise SessionFencedError(
@@ -505,16 +573,19 @@ class StoragePartition:
         if accepted and plog is not None:
             error = await self._fsync(plog, single=len(batch) == 1)
             n_records = 0
+            n_bytes = 0
             for i in accepted:
                 msg = batch[i].msg
                 assert isinstance(msg, st.AppendRequest)
                 if error is None:
                     results[i] = st.SuccessResponse(msg.session_id, msg.seq_num, msg.partition_id)
                     n_records += len(msg.records)
+                    n_bytes += sum(len(r.data) for r in msg.records)
                 else:
                     results[i] = self._failure(msg, error)
             if n_records:
                 metrics.appended.labels(self.partition_id).inc(n_records)
+                metrics.appended_bytes.labels(self.partition_id).inc(n_bytes)
                 metrics.max_txn.labels(self.partition_id).set(plog.max_transaction_id)
         # One latency observation per group (its oldest request): observing every request costs more than
         # the rest of the acknowledgement path.
@@ -614,9 +685,18 @@ class StorageNode:
     def __init__(self, config: StorageConfig, control: ControlFile) -> None:
         self.config = config
         self.control = control
-        self.registry = CollectorRegistry()
+        self.registry = new_registry()
         self.metrics = _Metrics(self.registry)
         self.partitions = [StoragePartition(self, pid) for pid in range(control.num_partitions)]
+        directory = str(config.directory)
+        self.metrics.disk_bytes.set_function(lambda: directory_bytes(directory))
+        self.metrics.disk_free_bytes.set_function(lambda: _free_bytes(directory))
+        self.metrics.partitions_assigned.set_function(
+            lambda: sum(1 for p in self.partitions if p.info.assigned)
+        )
+        self.metrics.partitions_available.set_function(
+            lambda: sum(1 for p in self.partitions if p.info.assigned and p.info.available)
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._data_server: FramedServer | None = None
         self._admin_server: FramedServer | None = None
@@ -642,31 +722,41 @@ class StorageNode:
                 task = asyncio.create_task(p.run(), name=f"storage-partition-{p.partition_id}")
                 task.add_done_callback(functools.partial(node._worker_done, p))
                 node._tasks.append(task)
-            node._data_server = await serve(
+            node._data_server = await listen(
+                "storage.port",
                 config.host,
                 config.port,
-                node._serve_data,
-                magic=MAGIC_STORAGE,
-                versions=st.STORAGE_VERSIONS,
-                hello_text=st.STORAGE_SERVER_HELLO,
-                max_frame_bytes=config.max_frame_bytes,
-                ssl=server_ssl,
+                lambda: serve(
+                    config.host,
+                    config.port,
+                    node._serve_data,
+                    magic=MAGIC_STORAGE,
+                    versions=st.STORAGE_VERSIONS,
+                    hello_text=st.STORAGE_SERVER_HELLO,
+                    max_frame_bytes=config.max_frame_bytes,
+                    ssl=server_ssl,
+                ),
             )
             node.port = node._data_server.port
-            node._admin_server = await serve(
+            node._admin_server = await listen(
+                "storage.admin.port",
                 config.host,
                 config.admin_port,
-                node._serve_admin,
-                magic=MAGIC_ADMIN,
-                versions=adm.ADMIN_VERSIONS,
-                hello_text=adm.ADMIN_SERVER_HELLO,
-                max_frame_bytes=config.max_frame_bytes,
-                ssl=server_ssl,
+                lambda: serve(
+                    config.host,
+                    config.admin_port,
+                    node._serve_admin,
+                    magic=MAGIC_ADMIN,
+                    versions=adm.ADMIN_VERSIONS,
+                    hello_text=adm.ADMIN_SERVER_HELLO,
+                    max_frame_bytes=config.max_frame_bytes,
+                    ssl=server_ssl,
+                ),
             )
             node.admin_port = node._admin_server.port
             if config.http_port:
                 node._http = HttpEndpoint(node.registry, node.health)
-                node.http_port = await node._http.start(config.host, config.http_port)
+                node.http_port = await node._http.start(config.host, config.http_port, "storage.http.port")
         except BaseException:
             await node.aclose()
             raise
@@ -770,6 +860,13 @@ class StorageNode:
                     getattr(msg, "offline", False) or getattr(msg, "used_by_offline_recovery", False)
                 )
                 if not offline and msg.session_id > part.session_id:
+                    log.info(
+                        "partition %d: session %d from %s fences session %d",
+                        part.partition_id,
+                        msg.session_id,
+                        conn.peername,
+                        part.session_id,
+                    )
                     part.session_id = msg.session_id  # fence older sessions on arrival
                     self.metrics.session.labels(part.partition_id).set(part.session_id)
                 await slot.acquire()  # bounded unanswered requests per connection
@@ -819,10 +916,23 @@ class StorageNode:
                     # Never opened for deletion: a log that would not open (corrupt) must still go.
                     delete_log_files(OS_FS, os.path.join(self.config.directory, str(pid)))
 
+        was = part.info.assigned
         await self._on_partition(pid, op)
+        if assigned and not was:
+            log.info(
+                "partition %d assigned (max transaction id %d)",
+                pid,
+                part.log.max_transaction_id if part.log else -1,
+            )
+        elif not assigned and was:
+            log.info("partition %d unassigned%s", pid, "; its files were deleted" if delete_files else "")
 
     async def set_available(self, pid: int, available: bool) -> None:
+        part = self.partitions[pid] if 0 <= pid < len(self.partitions) else None
+        was = part.info.available if part is not None else None
         await self._on_partition(pid, lambda: self.control.set_available(pid, available))
+        if was is not None and was != available:
+            log.info("partition %d is now %s", pid, "available (online)" if available else "offline")
 
     def statuses(self) -> list[adm.PartitionStatus]:
         out = []
@@ -936,7 +1046,11 @@ def load_cluster_identity(config: StorageConfig) -> tuple[uuid.UUID, int]:
         from waltz.cluster import zk
         from waltz.cluster.store_metadata import read_store_params
 
-        client = zk.connect(config.zookeeper_connect, session_timeout_ms=config.zookeeper_session_timeout_ms)
+        client = zk.connect(
+            config.zookeeper_connect,
+            session_timeout_ms=config.zookeeper_session_timeout_ms,
+            connect_timeout_ms=config.zookeeper_connect_timeout_ms,
+        )
         try:
             params = read_store_params(client, config.cluster_root)
         finally:
@@ -954,6 +1068,22 @@ def _tls_note(tls: TlsConfig) -> str:
 
 async def run_node(config: StorageConfig, *, ready: Callable[[StorageNode], None] | None = None) -> None:
     """Run a storage node until SIGTERM/SIGINT (or cancellation), then close it cleanly."""
+    info = build_info()
+    log.info(
+        "waltz storage node %s starting (python %s%s): directory %s, %s, %s:%d admin %d HTTP %s, TLS %s",
+        info["version"],
+        info["python"],
+        f", commit {info['commit'][:12]}" if "commit" in info else "",
+        config.directory,
+        f"zookeeper {config.zookeeper_connect} cluster {config.cluster_root}"
+        if config.zookeeper_connect
+        else "standalone",
+        config.host,
+        config.port,
+        config.admin_port,
+        config.http_port or "off",
+        "on" if config.tls.enabled else "off",
+    )
     key, num_partitions = await asyncio.to_thread(load_cluster_identity, config)
     node = await StorageNode.start(config, key, num_partitions)
     tune_gc()
@@ -970,3 +1100,4 @@ async def run_node(config: StorageConfig, *, ready: Callable[[StorageNode], None
         await wait_for_stop_signal()
     finally:
         await node.aclose()
+        log.info("storage node stopped")

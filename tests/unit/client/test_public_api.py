@@ -37,7 +37,13 @@ def test_docs_list_every_public_name() -> None:
     assert listed == set(DOCUMENTED)
 
 
-def test_testing_module_exports_the_mock() -> None:
+def test_testing_module_exports_the_test_doubles() -> None:
     import waltz.testing
 
-    assert waltz.testing.__all__ == ["MockCluster", "MockDriver"]
+    assert waltz.testing.__all__ == [
+        "MockCluster",
+        "MockDriver",
+        "SimulationDeadlock",
+        "VirtualTimeLoop",
+        "run_virtual",
+    ]

@@ -7,13 +7,10 @@ ZooKeeper. See ``docs/replication.md``.
 
 from waltz.server.store.interfaces import (
     AppendLike,
-    Clock,
-    ManualClock,
     PartitionMetadataStore,
     ReplicaConnection,
     ReplicaConnector,
     SessionInfo,
-    SystemClock,
 )
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.store.store_session import EndReason, SessionOutcome, StoreSession
@@ -22,10 +19,8 @@ from waltz.server.store.voting import Voting, quorum_of, resolve_high_water_mark
 
 __all__ = [
     "AppendLike",
-    "Clock",
     "EndReason",
     "InvariantViolation",
-    "ManualClock",
     "PartitionMetadataStore",
     "ReplicaConnection",
     "ReplicaConnector",
@@ -34,7 +29,6 @@ __all__ = [
     "StoreConfig",
     "StorePartition",
     "StoreSession",
-    "SystemClock",
     "Voting",
     "quorum_of",
     "resolve_high_water_mark",

@@ -37,9 +37,6 @@ What an implementation must guarantee
 
 from __future__ import annotations
 
-import asyncio
-import heapq
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -49,13 +46,10 @@ from waltz.protocol.records import Record, RecordHeader, ReqId
 
 __all__ = [
     "AppendLike",
-    "Clock",
-    "ManualClock",
     "PartitionMetadataStore",
     "ReplicaConnection",
     "ReplicaConnector",
     "SessionInfo",
-    "SystemClock",
 ]
 
 
@@ -170,59 +164,3 @@ class AppendLike(Protocol):
 
     @property
     def checksum(self) -> int: ...
-
-
-class Clock(Protocol):
-    """Injected time: a monotonic clock in milliseconds and a sleep on it."""
-
-    def monotonic_ms(self) -> int:
-        """Milliseconds on a clock that never goes backwards."""
-        ...
-
-    async def sleep_ms(self, duration_ms: int) -> None:
-        """Sleep ``duration_ms`` on this clock."""
-        ...
-
-
-class SystemClock:
-    """The running event loop's clock.
-
-    Under a real loop this is ``time.monotonic``; under the simulator's loop (``tests/fault``) it is virtual
-    time, so timeouts the store layer takes with :func:`asyncio.timeout` and this clock always agree.
-    """
-
-    def monotonic_ms(self) -> int:
-        return int(asyncio.get_running_loop().time() * 1000)
-
-    async def sleep_ms(self, duration_ms: int) -> None:
-        await asyncio.sleep(max(0, duration_ms) / 1000)
-
-
-class ManualClock:
-    """A clock that moves only when a test calls :meth:`advance` (for unit tests of backoff and timing)."""
-
-    def __init__(self, start_ms: int = 0) -> None:
-        self._now_ms = start_ms
-        self._sleepers: list[tuple[int, int, asyncio.Future[None]]] = []
-        self._order = itertools.count()
-
-    def monotonic_ms(self) -> int:
-        return self._now_ms
-
-    async def sleep_ms(self, duration_ms: int) -> None:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._sleepers, (self._now_ms + max(0, duration_ms), next(self._order), future))
-        await future
-
-    @property
-    def sleepers(self) -> int:
-        """How many sleeps are waiting (cancelled ones included until time passes them)."""
-        return len(self._sleepers)
-
-    def advance(self, duration_ms: int) -> None:
-        """Move time forward and wake every sleeper whose deadline has passed (in deadline order)."""
-        self._now_ms += duration_ms
-        while self._sleepers and self._sleepers[0][0] <= self._now_ms:
-            _, _, future = heapq.heappop(self._sleepers)
-            if not future.done():
-                future.set_result(None)

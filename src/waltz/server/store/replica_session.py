@@ -61,6 +61,10 @@ class SessionOver(Exception):
     """Raised inside a session's tasks once the session has ended; the task stops quietly."""
 
 
+class _Reexamine(Exception):
+    """An uncounted replica's control info changed while the vote waited: reconnect and classify it again."""
+
+
 class ReplicaRole(enum.Enum):
     CONNECTING = "connecting"
     RECOVERING = "recovering"
@@ -211,7 +215,6 @@ class ReplicaSession:
     async def run(self) -> None:
         config = self.session.config
         backoff = Backoff(
-            self.session.clock,
             self.session.rng,
             config.initial_retry_interval_ms,
             config.max_retry_interval_ms,
@@ -228,6 +231,11 @@ class ReplicaSession:
                 except SessionFencedError as e:
                     self.session.end_fenced(f"{self.storage}: {e}")
                     return
+                except _Reexamine as e:
+                    log.info("%r is classified again: %s", self, e)
+                    self.session.recovery_forget(self)
+                    self.readable_max = -1
+                    self.role = ReplicaRole.CONNECTING
                 except (WaltzError, TimeoutError) as e:
                     if not self._may_retry(e):
                         return
@@ -314,7 +322,10 @@ class ReplicaSession:
         while recovery.resolved is None:
             usher = recovery.usher(self.storage) if may_copy else None
             if usher is None:
-                await recovery.wait_for_change()
+                if self.counted:
+                    await recovery.wait_for_change()
+                else:
+                    await self._wait_uncounted(conn, info)
                 continue
             name, usher_hwm = usher
             records = await session.copy_records(self, self.max_id + 1, usher_hwm, source=name)
@@ -333,6 +344,26 @@ class ReplicaSession:
         await self._copy_until(conn, resolved)
         self.role = ReplicaRole.RECOVERED
         session.replica_recovered(self)
+
+    async def _wait_uncounted(self, conn: ReplicaConnection, info: SessionInfo) -> None:
+        """Wait for a change of the vote; every ``idle_probe_interval_ms``, look at the replica again.
+
+        A replica that is not counted (restored, or wiped and re-added) may be repaired while the vote waits:
+        ``waltz storage recover-partition`` takes it offline, copies a healthy replica into it and brings it
+        back. Its class must then be decided again, or the vote would wait for a new session that nothing
+        starts. A changed control info raises :class:`_Reexamine`; a failed probe (the replica went offline)
+        takes the ordinary retry path, which reconnects and classifies it afresh.
+        """
+        session = self.session
+        try:
+            async with asyncio.timeout(session.config.idle_probe_interval_ms / 1000):
+                await session.recovery.wait_for_change()
+            return
+        except TimeoutError:
+            pass
+        now = await session.call(conn.last_session_info())
+        if now != info:
+            raise _Reexamine(f"control info changed from {info} to {now}")
 
     async def _vote_only(self, conn: ReplicaConnection, info: SessionInfo) -> None:
         """A retiring replica: count in the vote with the records it validly holds, serve copies, never write.

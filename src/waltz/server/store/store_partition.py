@@ -7,7 +7,7 @@ A :class:`StorePartition` runs one supervisor task that keeps a store session go
   partition moved to another server: the write is refused with :class:`GenerationMismatchError` and this
   partition stops writing (appends fail with that error) until :meth:`set_generation` raises its generation.
 * **New sessions.** Any failure ends a session; the supervisor starts the next one, backing off exponentially
-  (``initial_retry_interval_ms`` doubling to ``max_retry_interval_ms``, jittered, on the injected clock)
+  (``initial_retry_interval_ms`` doubling to ``max_retry_interval_ms``, jittered, on the loop's clock)
   unless the last session had opened or ended on purpose (checkpoint interval, replica-set change).
 * **Appends.** :meth:`append` queues the request (at most ``max_queued_appends``; callers wait beyond, and
   get the failure without queueing if the partition closes or moves meanwhile) and returns its transaction
@@ -29,6 +29,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from waltz.cluster.partition_metadata import PartitionMetadata
@@ -44,10 +45,8 @@ from waltz.errors import (
 from waltz.protocol.records import Record, RecordHeader, crc32
 from waltz.server.store.interfaces import (
     AppendLike,
-    Clock,
     PartitionMetadataStore,
     ReplicaConnector,
-    SystemClock,
 )
 from waltz.server.store.replica_session import SessionOver
 from waltz.server.store.store_session import (
@@ -59,13 +58,25 @@ from waltz.server.store.store_session import (
 )
 from waltz.server.store.support import Backoff, InvariantViolation, StoreConfig, TaskList
 
-__all__ = ["StorePartition"]
+__all__ = ["StorePartition", "StoreStatistics"]
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
 _NO_BACKOFF = (EndReason.CHECKPOINT, EndReason.REPLICAS_CHANGED)
+
+
+@dataclass
+class StoreStatistics:
+    """What a store partition counts for monitoring (since it was created)."""
+
+    sessions_opened: int = 0
+    sessions_ended: dict[str, int] = field(default_factory=dict)
+    """Ended sessions by :class:`EndReason` value."""
+    recovery_seconds_sum: float = 0.0
+    """Total recovery time of the sessions opened (start of a session to its opening)."""
+    last_recovery_seconds: float = 0.0
 
 
 class StorePartition:
@@ -82,7 +93,6 @@ class StorePartition:
         *,
         connector: ReplicaConnector,
         metadata_store: PartitionMetadataStore,
-        clock: Clock | None = None,
         rng: random.Random | None = None,
         config: StoreConfig | None = None,
     ) -> None:
@@ -93,7 +103,6 @@ class StorePartition:
         self._replicas = tuple(replicas)
         self._connector = connector
         self._metadata_store = metadata_store
-        self._clock: Clock = clock if clock is not None else SystemClock()
         self._rng = rng if rng is not None else random.Random()
         self.config = config if config is not None else StoreConfig()
         self.queue = AppendQueue(self.config.max_queued_appends)
@@ -116,6 +125,8 @@ class StorePartition:
         """How each session ended, oldest first (bounded to the last 100)."""
         self.internal_errors: list[BaseException] = []
         """Bugs caught by the supervisor (it logs them and starts a new session)."""
+        self.stats = StoreStatistics()
+        """Running totals for metrics (plain numbers: the server reads them when scraped)."""
 
     # -- life cycle ------------------------------------------------------------------------------------------
 
@@ -176,6 +187,18 @@ class StorePartition:
     def session(self) -> StoreSession | None:
         """The current session (for introspection and tests)."""
         return self._session
+
+    def replica_positions(self) -> dict[str, tuple[str, int]]:
+        """Each replica of the current session: (role, max transaction id it acknowledged); empty between
+        sessions. Its lag is ``high_water_mark - max id`` (for metrics and ``waltz top``)."""
+        session = self._session
+        if session is None:
+            return {}
+        return {
+            storage: (replica.role.value, replica.max_id)
+            for storage, replica in session.replica_sessions.items()
+            if not replica.retiring
+        }
 
     def set_generation(self, generation: int) -> None:
         """Raise the partition's generation (never lowered); a stale partition may then try again."""
@@ -314,9 +337,7 @@ class StorePartition:
     # -- the supervisor --------------------------------------------------------------------------------------
 
     def _backoff(self) -> Backoff:
-        return Backoff(
-            self._clock, self._rng, self.config.initial_retry_interval_ms, self.config.max_retry_interval_ms
-        )
+        return Backoff(self._rng, self.config.initial_retry_interval_ms, self.config.max_retry_interval_ms)
 
     async def _supervise(self) -> None:
         backoff = self._backoff()
@@ -349,6 +370,8 @@ class StorePartition:
             finally:
                 self._session = None
             if outcome is not None:
+                ended = self.stats.sessions_ended
+                ended[outcome.reason.value] = ended.get(outcome.reason.value, 0) + 1
                 self.outcomes.append(outcome)
                 del self.outcomes[:-100]
                 if outcome.opened:
@@ -381,7 +404,6 @@ class StorePartition:
                 metadata_version=new_version,
                 connector=self._connector,
                 metadata_store=self._metadata_store,
-                clock=self._clock,
                 rng=self._rng,
                 config=self.config,
                 host=self,
@@ -392,6 +414,10 @@ class StorePartition:
 
     async def session_opened(self, session: StoreSession) -> None:
         """Resolve the appends a failed session left in flight against ``session``'s low-water mark."""
+        stats = self.stats
+        stats.sessions_opened += 1
+        stats.recovery_seconds_sum += session.recovery_ms / 1000
+        stats.last_recovery_seconds = session.recovery_ms / 1000
         lwm = session.low_water_mark
         if lwm < self._hwm:
             raise InvariantViolation(

@@ -42,7 +42,7 @@ from waltz.errors import (
     WaltzError,
 )
 from waltz.protocol.records import Record, RecordHeader, ReqId
-from waltz.server.store.interfaces import Clock, PartitionMetadataStore, ReplicaConnection, ReplicaConnector
+from waltz.server.store.interfaces import PartitionMetadataStore, ReplicaConnection, ReplicaConnector
 from waltz.server.store.recovery import RecoveryState, metadata_after_recovery, metadata_with_clean_replica
 from waltz.server.store.replica_session import Batch, ReplicaRole, ReplicaSession, SessionOver
 from waltz.server.store.support import StoreConfig, TaskList
@@ -180,6 +180,11 @@ class SessionHost(Protocol):
         ...
 
 
+def _loop_ms() -> float:
+    """The running event loop's clock in milliseconds: the one time source (virtual in the simulator)."""
+    return asyncio.get_running_loop().time() * 1000
+
+
 class StoreSession:
     """One store session (see the module docstring)."""
 
@@ -194,7 +199,6 @@ class StoreSession:
         metadata_version: int,
         connector: ReplicaConnector,
         metadata_store: PartitionMetadataStore,
-        clock: Clock,
         rng: random.Random,
         config: StoreConfig,
         host: SessionHost,
@@ -207,7 +211,6 @@ class StoreSession:
         self.replicas = tuple(replicas)
         self.connector = connector
         self.metadata_store = metadata_store
-        self.clock = clock
         self.rng = rng
         self.config = config
         self.recovery = RecoveryState(previous)
@@ -238,6 +241,9 @@ class StoreSession:
         """Wakes the writer while batches are in flight: one was decided, or a full batch is queued."""
         self._was_opened = False
         self._tasks = TaskList(self._task_failed)
+        self.started_ms = _loop_ms()
+        self.recovery_ms = -1
+        """How long recovery took, from the session's start until it opened (-1 until it opens)."""
 
     def __repr__(self) -> str:
         return f"StoreSession(partition={self.partition_id}, session={self.session_id}, open={self.is_open})"
@@ -265,7 +271,13 @@ class StoreSession:
         """End the session now (idempotent: the first reason wins)."""
         if self._outcome is not None:
             return
-        log.info("%r ends: %s %s", self, reason.value, detail)
+        log.info(
+            "partition %d: store session %d ends: %s%s",
+            self.partition_id,
+            self.session_id,
+            reason.value,
+            f" ({detail})" if detail else "",
+        )
         self._outcome = SessionOutcome(self.session_id, reason, detail, self._was_opened)
         self.is_open = False
         self._ended.set()
@@ -410,7 +422,15 @@ class StoreSession:
         for batch in in_flight:
             batch.voting.add_voter()
         replica.join_writes(in_flight)
-        log.info("%r joins %r with %d batches in flight", replica, self, len(in_flight))
+        log.info(
+            "partition %d: replica %s caught up and rejoined session %d %.2f s after the session started, "
+            "%d batches in flight",
+            self.partition_id,
+            replica.storage,
+            self.session_id,
+            (_loop_ms() - self.started_ms) / 1000,
+            len(in_flight),
+        )
         return True
 
     # -- the writer ------------------------------------------------------------------------------------------
@@ -450,13 +470,37 @@ class StoreSession:
         self.low_water_mark = self.high_water_mark = resolved
         self.next_id = resolved + 1
         self.is_open = self._was_opened = True
-        log.info("%r opened at %d with %s", self, resolved, [p.storage for p in self.participants])
+        self.recovery_ms = int(_loop_ms() - self.started_ms)
+        log.info(
+            "partition %d: store session %d opened (generation %d) at high-water mark %d after %.2f s of "
+            "recovery: %s; participants %s",
+            self.partition_id,
+            self.session_id,
+            self.generation,
+            resolved,
+            self.recovery_ms / 1000,
+            self.recovery_decision(),
+            [p.storage for p in self.participants],
+        )
         try:
             await self._host.session_opened(self)
         except SessionOver:
             return
         self._opened.set()
         await self._write_loop()
+
+    def recovery_decision(self) -> str:
+        """How the session's starting high-water mark was decided, in words (for the log)."""
+        recovery = self.recovery
+        if not recovery.previous.replicas:
+            return "new partition"
+        classes = ", ".join(
+            f"{r.storage} {r.classification.kind.value}"
+            for r in self.replica_sessions.values()
+            if r.classification is not None
+        )
+        votes = ", ".join(f"{s}={hwm}" for s, hwm in sorted(recovery.known.items()))
+        return f"previous session {recovery.previous.session_id}, votes {votes or '-'}; replicas {classes}"
 
     def _recovered_count(self) -> int:
         return sum(1 for s in self.recovery.recovered if s in self.replicas)

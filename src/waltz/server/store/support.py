@@ -9,8 +9,6 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from waltz.server.store.interfaces import Clock
-
 __all__ = ["Backoff", "InvariantViolation", "StoreConfig", "TaskList"]
 
 log = logging.getLogger(__name__)
@@ -72,15 +70,14 @@ class StoreConfig:
 
 
 class Backoff:
-    """Exponential backoff with jitter: ``initial``, doubling up to ``maximum`` (milliseconds), on an injected
-    clock.
+    """Exponential backoff with jitter: ``initial``, doubling up to ``maximum`` (milliseconds).
 
     Each delay is drawn uniformly from ``[d/2, d]`` with the injected random source, so two servers retrying
-    at once drift apart, and a simulation replays exactly.
+    at once drift apart, and a simulation replays exactly. It sleeps on the running loop's clock, the one
+    time source of the store layer (virtual under :class:`waltz.testing.VirtualTimeLoop`).
     """
 
-    def __init__(self, clock: Clock, rng: random.Random, initial_ms: int, maximum_ms: int) -> None:
-        self._clock = clock
+    def __init__(self, rng: random.Random, initial_ms: int, maximum_ms: int) -> None:
         self._rng = rng
         self._initial_ms = initial_ms
         self._maximum_ms = maximum_ms
@@ -92,7 +89,7 @@ class Backoff:
         return self._rng.randint(ceiling // 2, ceiling)
 
     async def sleep(self) -> None:
-        await self._clock.sleep_ms(self.next_delay_ms())
+        await asyncio.sleep(self.next_delay_ms() / 1000)
 
     def reset(self) -> None:
         self._next_ms = self._initial_ms

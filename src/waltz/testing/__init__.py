@@ -15,8 +15,13 @@ Several clients share one :class:`MockCluster` (``MockDriver(cluster=cluster)`` 
 :meth:`~MockDriver.force_next_lock_fail`, :meth:`~MockDriver.set_max_delay`,
 :meth:`~MockDriver.suspend_feed` / :meth:`~MockDriver.resume_feed`,
 :meth:`~MockDriver.corrupt_next_fetch`, :meth:`~MockDriver.disconnect`.
+
+For Waltz's own deterministic tests: :class:`VirtualTimeLoop` / :func:`run_virtual` (asyncio on virtual
+time, see :mod:`waltz.testing.simloop`); the in-memory storage nodes and metadata store the fault simulator
+drives live in :mod:`waltz.server.store.memory`.
 """
 
 from waltz.client.mock import MockCluster, MockDriver
+from waltz.testing.simloop import SimulationDeadlock, VirtualTimeLoop, run_virtual
 
-__all__ = ["MockCluster", "MockDriver"]
+__all__ = ["MockCluster", "MockDriver", "SimulationDeadlock", "VirtualTimeLoop", "run_virtual"]

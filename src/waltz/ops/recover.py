@@ -1,0 +1,217 @@
+"""``waltz storage recover-partition``: copy a partition into one replica from a healthy one, offline.
+
+This is the way back after replicas were lost or wiped (``waltz storage remove-partition -d --force``, a
+replaced disk): a store session cannot open while fewer than a quorum of a partition's replicas can vote, and
+a wiped replica cannot vote (recovery classifies it *restored*, see ``docs/replication.md``). The steps, as
+the original's ``StorageRecoveryRunnable`` with the changes noted:
+
+1. The destination's partition is assigned if it is not, and marked **offline** (unavailable): no store
+   session reads or writes it while it is rebuilt, and offline requests are refused on an online replica.
+2. The source is checked against ZooKeeper's record of the last session (the same classification recovery
+   uses): a replica that votes (or a laggard) is copied whole; a replica ZooKeeper records closed is copied
+   up to its closing mark; an untrusted one up to its clean point; a restored or unlisted one is refused.
+   The original always stopped at the source's local low-water mark, which drops everything the last store
+   session wrote: here that is the whole point of the copy.
+3. The destination is truncated to its own low-water mark, then records are read from the source's admin
+   port batch by batch (checked: dense ids and record checksums), appended offline and fsynced, and the
+   destination's low-water mark is advanced after each batch, so an interrupted run resumes where it stopped.
+4. The last low-water mark is written with the source's session id, so the next store session classifies the
+   copy like its source. The destination is then brought back online (unless asked not to), and the owning
+   server's waiting recovery looks at it again within about a second (the store's idle probe interval).
+
+It refuses (without ``force``) to shorten the destination: if the destination holds more records than the
+copy would give it, it is the better copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from waltz.cluster.partition_metadata import PartitionMetadata
+from waltz.errors import ConfigError, CorruptionError, StorageError
+from waltz.ops.view import ClusterView
+from waltz.protocol.storage import SessionInfo as WireSessionInfo
+from waltz.server.store.interfaces import SessionInfo
+from waltz.server.store.recovery import ReplicaClass, classify_replica
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_RECORDS = 500
+MAX_BATCH_RECORDS = 10_000
+"""A storage node answers at most this many records per list request."""
+
+Progress = Callable[["CopyProgress"], None]
+
+
+@dataclass(frozen=True)
+class CopyProgress:
+    """Where a copy stands: ``copied`` of ``total`` records, from ``start`` to ``target`` ids."""
+
+    partition: int
+    next_id: int
+    target: int
+    copied: int
+    total: int
+    elapsed_s: float
+
+    @property
+    def records_per_s(self) -> float:
+        return self.copied / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class RecoveryResult:
+    partition: int
+    source: str
+    destination: str
+    source_class: ReplicaClass | None
+    target: int
+    """The destination's max transaction id (and low-water mark) after the copy."""
+    copied: int
+    session_id: int
+    """The session id the destination now carries."""
+    destination_class: ReplicaClass | None
+    """How the next store session will classify the destination (``None`` without ZooKeeper metadata)."""
+    online: bool
+    elapsed_s: float
+
+
+def _store_info(info: WireSessionInfo) -> SessionInfo:
+    return SessionInfo(info.session_id, info.low_water_mark, info.local_low_water_mark)
+
+
+def copy_target(
+    metadata: PartitionMetadata | None,
+    source: str,
+    info: WireSessionInfo,
+    max_id: int,
+    *,
+    force: bool = False,
+) -> tuple[int, ReplicaClass | None]:
+    """How far the source may be copied, from ZooKeeper's record of the last session (see the module doc)."""
+    if metadata is None or not metadata.replicas:
+        return max_id, None
+    c = classify_replica(metadata, source, _store_info(info), max_id)
+    if c.kind in (ReplicaClass.RESTORED, ReplicaClass.NEW) and not force:
+        raise ConfigError(
+            f"source {source} is not a trustworthy copy of the partition (recovery classifies it "
+            f"{c.kind.value}: "
+            + (
+                "its session is older than ZooKeeper's record of it, as after a wipe or a restore"
+                if c.kind is ReplicaClass.RESTORED
+                else "ZooKeeper does not list it as a replica"
+            )
+            + "); pick another source, or give --force"
+        )
+    target = max_id if c.truncate_to is None else min(max_id, c.truncate_to)
+    return target, c.kind
+
+
+async def recover_partition(
+    view: ClusterView,
+    partition: int,
+    source: str,
+    destination: str,
+    *,
+    batch_records: int = DEFAULT_BATCH_RECORDS,
+    force: bool = False,
+    leave_offline: bool = False,
+    progress: Progress | None = None,
+) -> RecoveryResult:
+    """Copy ``partition`` from ``source`` into ``destination`` (storage data addresses, as in ZooKeeper).
+
+    Raises ConfigError for a refused request (unknown node or partition, untrusted source, a destination
+    that holds more), and Waltz storage errors if a node fails; the destination then stays offline and a
+    second run resumes from its low-water mark.
+    """
+    view.check_partition(partition)
+    source, destination = view.check_storage(source), view.check_storage(destination)
+    if source == destination:
+        raise ConfigError("the source and the destination are the same storage node")
+    if not 1 <= batch_records <= MAX_BATCH_RECORDS:
+        raise ConfigError(f"the batch size must be 1..{MAX_BATCH_RECORDS}, got {batch_records}")
+    metadata = view.metadata(partition)
+    started = time.monotonic()
+    async with (
+        view.admin(source) as src,
+        view.admin(destination) as dst_admin,
+        view.data(destination) as dst,
+    ):
+        src_info = await src.last_session_info(partition)
+        src_max = await src.max_transaction_id(partition)
+        target, src_class = copy_target(metadata, source, src_info, src_max, force=force)
+
+        statuses = {s.partition_id: s.available for s in await dst_admin.partition_statuses()}
+        if partition not in statuses:
+            log.info("assigning partition %d on %s", partition, destination)
+            await dst_admin.set_assigned([partition], True)
+        await dst_admin.set_available([partition], False)
+        log.info("partition %d on %s is offline for recovery from %s", partition, destination, source)
+
+        info = await dst_admin.last_session_info(partition)
+        dst_max = await dst_admin.max_transaction_id(partition)
+        if dst_max > target and not force:
+            raise ConfigError(
+                f"{destination} holds partition {partition} up to {dst_max}, beyond what {source} can give "
+                f"({target}): it is the better copy; nothing was changed but its availability (give --force "
+                "to overwrite it anyway)"
+            )
+        session = info.session_id
+        current = dst_max
+        if current > info.low_water_mark:
+            # Anything above the destination's clean point may be a dirty tail: copy it again from the source.
+            current = await dst.truncate(session, partition, info.low_water_mark, offline=True)
+        if current > target:  # --force: cut it down to what the source gives
+            current = await dst.truncate(session, partition, target, offline=True)
+        # A low-water mark never goes down: a destination behind its own mark advances it once past it.
+        floor = max(info.low_water_mark, info.local_low_water_mark)
+        first = current + 1
+        total = max(0, target - current)
+        while current < target:
+            want = min(batch_records, target - current)
+            records = await src.read_records(partition, current + 1, want)
+            if not records:
+                raise StorageError(f"{source} returned no records at {current + 1} (below its max {src_max})")
+            for i, r in enumerate(records):
+                if r.transaction_id != current + 1 + i:
+                    raise CorruptionError(
+                        f"{source} returned transaction {r.transaction_id}, expected {current + 1 + i}"
+                    )
+                if not r.verify():
+                    raise CorruptionError(f"{source}: transaction {r.transaction_id} fails its checksum")
+            await dst.append(session, partition, records, offline=True)
+            current += len(records)
+            if current >= floor:
+                await dst.set_low_water_mark(session, partition, current, offline=True)
+            if progress is not None:
+                progress(
+                    CopyProgress(
+                        partition, current + 1, target, current - first + 1, total, time.monotonic() - started
+                    )
+                )
+        # Carry the source's session id, so the copy is classified like its source (see node.py).
+        adopted = max(session, src_info.session_id)
+        if adopted != session and current >= floor:
+            await dst.set_low_water_mark(adopted, partition, current, offline=True)
+        final = await dst_admin.last_session_info(partition)
+        dst_class = None
+        if metadata is not None and metadata.replicas:
+            dst_class = classify_replica(metadata, destination, _store_info(final), current).kind
+        if not leave_offline:
+            await dst_admin.set_available([partition], True)
+            log.info("partition %d on %s is online again, holding 0..%d", partition, destination, current)
+    return RecoveryResult(
+        partition=partition,
+        source=source,
+        destination=destination,
+        source_class=src_class,
+        target=current,
+        copied=total,
+        session_id=final.session_id,
+        destination_class=dst_class,
+        online=not leave_offline,
+        elapsed_s=time.monotonic() - started,
+    )

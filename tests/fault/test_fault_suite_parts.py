@@ -1,0 +1,91 @@
+"""The fault suite's own parts (bench/faults): the log checker, the schedule and the cuttable proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+
+import pytest
+from bench.faults.proxy import LinkProxy
+from bench.faults.suite import ZK_SESSION_TIMEOUT_MS, Options, check_log, schedule
+
+from waltz.protocol.records import Record, ReqId
+
+pytestmark = pytest.mark.fault
+
+
+def _log(*tags: str) -> list[Record]:
+    return [Record.build(i, ReqId.of(1, 1, 0, i), 0, tag.encode()) for i, tag in enumerate(tags)]
+
+
+def test_a_clean_log_has_no_problems() -> None:
+    assert check_log({0: _log("a", "b"), 1: _log("c")}, {"a": 0, "c": 1}) == []
+
+
+def test_the_checker_finds_a_lost_acknowledgement_a_duplicate_a_gap_and_a_misplaced_tag() -> None:
+    gap = _log("x", "y")
+    gap[1] = gap[1]._replace(transaction_id=2)
+    problems = check_log({0: _log("a", "a"), 1: gap, 2: _log("m")}, {"lost": 0, "x": 1, "m": 0})
+    assert problems == [
+        "partition 1: id 2 where 1 belongs",
+        "committed twice: a at [(0, 0), (0, 1)]",
+        "acknowledged but not in the log: lost (partition 0)",
+        "m sent to partition 0 but committed in 2",
+    ]
+
+
+def test_the_seed_decides_the_schedule_and_short_zookeeper_pauses_stay_below_the_session_timeout() -> None:
+    opts = Options(fault_phase_s=120)
+    assert schedule(5, opts) == schedule(5, opts)
+    assert schedule(5, opts) != schedule(6, opts)
+    pauses = [f for s in range(40) for f in schedule(s, opts) if f.kind == "sigstop-zookeeper"]
+    assert pauses
+    assert all(f.duration_s < ZK_SESSION_TIMEOUT_MS / 1000 for f in pauses)
+    long = dataclasses.replace(opts, long_zk_pauses=True)
+    pauses = [f for s in range(40) for f in schedule(s, long) if f.kind == "sigstop-zookeeper"]
+    assert any(f.duration_s > ZK_SESSION_TIMEOUT_MS / 1000 for f in pauses)
+    for seed in range(40):
+        faults = schedule(seed, opts)
+        for a, b in itertools.pairwise(faults):
+            assert a.at_s + a.duration_s < b.at_s  # each fault is healed before the next
+        assert all(len(set(f.targets)) == 2 for f in faults if f.kind == "two-storages-down")
+
+
+def test_the_proxy_relays_cuts_refuses_and_restores() -> None:
+    async def main() -> None:
+        async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while data := await reader.read(1024):
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(echo, "127.0.0.1", 0)
+        target = server.sockets[0].getsockname()[1]
+        probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        listen = probe.sockets[0].getsockname()[1]
+        probe.close()
+        await probe.wait_closed()
+        proxy = await LinkProxy.start("echo", listen, target)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", listen)
+            writer.write(b"ping")
+            assert await reader.readexactly(4) == b"ping"
+            proxy.cut()
+            assert await reader.read(10) == b""  # the relayed connection dies at once
+            writer.close()
+            reader, writer = await asyncio.open_connection("127.0.0.1", listen)
+            assert await reader.read(10) == b""  # refused while cut
+            writer.close()
+            proxy.restore()
+            reader, writer = await asyncio.open_connection("127.0.0.1", listen)
+            writer.write(b"pong")
+            assert await reader.readexactly(4) == b"pong"
+            writer.close()
+            assert (proxy.cuts, proxy.relayed) == (1, 2)
+        finally:
+            await proxy.aclose()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), 10))

@@ -1,0 +1,215 @@
+"""The repair and verification tools on real processes: ``waltz storage recover-partition`` brings back a
+partition whose replicas were wiped, ``remove-partition -d`` refuses to drop the last good copies, and
+``waltz cluster verify``, ``check-connectivity``, ``waltz storage sync-partitions`` and ``validate`` report
+what they find (one line per problem, exit status 1)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+
+import pytest
+import yaml
+
+from tests.integration.conftest import ClusterFactory
+from tests.integration.raw_client import RawClient, append_stream
+from tests.integration.server_process import Cluster, assert_identical, settled_logs, wait_until
+from tests.integration.storage_process import StorageProcess
+from waltz.cli.main import main as waltz_main
+from waltz.cluster import store_metadata as sm
+from waltz.cluster.membership import ClusterWatcher
+
+pytestmark = [pytest.mark.integration]
+
+
+async def waltz(*args: str) -> tuple[int, str, str]:
+    """Run one ``waltz`` command in this process (in a thread: it runs its own event loop)."""
+
+    def run() -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = waltz_main(list(args))
+        return code, out.getvalue(), err.getvalue()
+
+    return await asyncio.to_thread(run)
+
+
+def cli_config(cluster: Cluster) -> str:
+    path = cluster.base / "cli.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        yaml.safe_dump({"zookeeper.connectString": cluster.zk_connect, "cluster.root": cluster.root})
+    )
+    return str(path)
+
+
+def admin(sp: StorageProcess) -> str:
+    return f"127.0.0.1:{sp.admin_port}"
+
+
+async def served(cluster: Cluster, client_id: int, count: int) -> RawClient:
+    """A mounted client that appended ``count`` transactions (all acknowledged)."""
+    watcher = ClusterWatcher(cluster.zk, cluster.root)
+    await watcher.__aenter__()
+    client = await RawClient(watcher, client_id).start()
+    futures = await append_stream(client, count, size_bytes=64)
+    await asyncio.wait_for(asyncio.gather(*futures), 30)
+    await client.aclose()
+    await watcher.__aexit__(None, None, None)
+    return client
+
+
+async def verify_lines(config: str, *extra: str) -> tuple[int, list[str]]:
+    code, out, _ = await waltz("cluster", "verify", "-c", config, "--timeout", "5", *extra)
+    return code, out.splitlines()
+
+
+@pytest.mark.timeout(150)
+def test_recover_partition_brings_back_two_wiped_replicas(cluster_factory: ClusterFactory) -> None:
+    cluster = cluster_factory()
+
+    async def main() -> None:
+        await cluster.start(storages=3, servers=1)
+        config = cli_config(cluster)
+        a, b, c = cluster.storages
+        first = await served(cluster, 1, 300)
+        assert first.hwm == 299
+        code, lines = await verify_lines(config)
+        assert (code, lines) == (0, ["OK: every partition served, replicated and healthy"])
+
+        # Wiping one replica leaves two good copies: allowed. A second would leave one of three: refused.
+        assert (await waltz("storage", "remove-partition", "-s", admin(b), "-c", config, "-p", "0", "-d"))[
+            0
+        ] == 0
+        code, _, err = await waltz(
+            "storage", "remove-partition", "-s", admin(c), "-c", config, "-p", "0", "-d"
+        )
+        assert code == 1
+        assert "leaves 1 good copy (127.0.0.1:" in err
+        assert "fewer than the quorum of 2" in err
+        assert await cluster.max_transaction_id(c) == 299  # nothing was deleted
+        code, _, _ = await waltz(
+            "storage", "remove-partition", "-s", admin(c), "-c", config, "-p", "0", "-d", "--force"
+        )
+        assert code == 0
+        for sp in (b, c):
+            assert (await waltz("storage", "add-partition", "-s", admin(sp), "-c", config, "-p", "0"))[0] == 0
+
+        # The partition cannot be served: one replica can vote, two lost their data. verify says so.
+        async def stuck() -> bool:
+            code, lines = await verify_lines(config)
+            text = "\n".join(lines)
+            return (
+                code == 1
+                and text.count("lost its data") == 2
+                and "reports it unhealthy" in text
+                and f"the replica on {Cluster.address(b)} lost its data" in text
+            )
+
+        await wait_until(
+            stuck, 30, "verify to report the two wiped replicas and the unhealthy partition", 0.5
+        )
+
+        code, out, err = await waltz(
+            "storage",
+            "recover-partition",
+            "-c",
+            config,
+            "-p",
+            "0",
+            "--source",
+            Cluster.address(a),
+            "--destination",
+            Cluster.address(b),
+            "--batch-size",
+            "64",
+        )
+        assert code == 0, err
+        assert "copied 300 records" in out
+        assert "holds 0..299" in out
+        assert "as voting" in out
+        assert "300/300" in err  # the progress line
+
+        # The server's waiting recovery sees the copy: the partition is served again, and the third replica
+        # is caught up by the server itself.
+        second = await served(cluster, 2, 100)
+        assert second.hwm == 399
+        logs = await settled_logs(cluster, cluster.storages, 399)
+        assert_identical(logs, 399)
+        code, lines = await verify_lines(config)
+        assert code == 0, lines
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_verify_reports_a_stopped_storage_node_and_check_connectivity_sees_it(
+    cluster_factory: ClusterFactory,
+) -> None:
+    cluster = cluster_factory()
+
+    async def main() -> None:
+        await cluster.start(storages=3, servers=1)
+        config = cli_config(cluster)
+        await served(cluster, 1, 20)
+        code, out, _ = await waltz("cluster", "check-connectivity", "-c", config, "--timeout", "5")
+        assert code == 0
+        assert out.count(": reachable") == 3
+
+        victim = cluster.storages[2]
+        victim.kill()
+        code, lines = await verify_lines(config)
+        assert code == 1
+        assert f"storage {Cluster.address(victim)}: unreachable" in "\n".join(lines)
+        assert any(f"cannot reach storage {Cluster.address(victim)}" in line for line in lines)
+        # Two of three replicas still make a quorum.
+        assert not any("no quorum" in line for line in lines)
+        code, out, _ = await waltz("cluster", "check-connectivity", "-c", config, "--timeout", "5")
+        assert code == 1
+        assert f"{Cluster.address(victim)}: UNREACHABLE" in out
+        code, out, _ = await waltz("storage", "validate", "-c", config, "--timeout", "5")
+        assert code == 1
+        assert out.count(": ok") == 4
+        assert out.count("FAILED") == 2
+
+        cluster.storages[1].kill()
+        code, lines = await verify_lines(config, "-p", "0")
+        assert code == 1
+        assert "partition 0: no quorum: 1 of 3 replicas reachable and online" in "\n".join(lines)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_sync_partitions_makes_storage_nodes_hold_what_zookeeper_assigns(
+    cluster_factory: ClusterFactory,
+) -> None:
+    cluster = cluster_factory(num_partitions=4)
+
+    async def main() -> None:
+        await cluster.start(storages=2, servers=0)
+        config = cli_config(cluster)
+        a, b = cluster.storages
+        # ZooKeeper and the nodes disagree: a lost partition 3, b holds partition 1 that ZooKeeper moved away.
+        async with await cluster.admin(a) as adm:
+            await adm.set_assigned([3], False)
+        await asyncio.to_thread(sm.unassign_partitions, cluster.zk, cluster.root, Cluster.address(b), [1])
+        code, out, _ = await waltz("storage", "sync-partitions", "-c", config, "--dry-run")
+        assert code == 0
+        assert f"{Cluster.address(a)}: would assign 3" in out
+        assert f"{Cluster.address(b)}: would unassign 1 (files kept)" in out
+        async with await cluster.admin(a) as adm:
+            assert sorted(s.partition_id for s in await adm.partition_statuses()) == [0, 1, 2]
+        code, out, _ = await waltz("storage", "sync-partitions", "-c", config)
+        assert code == 0
+        for sp, wanted in ((a, [0, 1, 2, 3]), (b, [0, 2, 3])):
+            async with await cluster.admin(sp) as adm:
+                assert sorted(s.partition_id for s in await adm.partition_statuses()) == wanted
+        code, out, _ = await waltz("storage", "sync-partitions", "-c", config)
+        assert (code, out.strip()) == (
+            0,
+            "every storage node holds exactly the partitions ZooKeeper assigns it",
+        )
+
+    asyncio.run(main())
