@@ -697,7 +697,7 @@ class WaltzServer:
         if isinstance(msg, cs.AppendRequest):
             accepted = part is not None and await part.append(peer, msg)
         else:
-            accepted = part is not None and part.accepts(peer, rid)
+            accepted = part is not None and part.accepts_flush(peer, rid)
             if part is not None and accepted:
                 self._spawn(part.flush_request(peer, msg), f"flush-{pid}")
         if not accepted and not peer.end_mount(pid):
