@@ -10,9 +10,10 @@ outstanding at once.
 
 The output file gets one JSON line per acknowledged transaction (``on_completion(True)``: the client saw its
 request id in the feed), written and flushed at once, and a final ``{"summary": ...}`` line with the counts
-of contexts that failed for good or were still pending when the app stopped. The process submits for
-``--duration-s`` seconds (or until ``--stop-file`` exists), then waits up to ``--settle-s`` for its
-outstanding contexts and exits; it never runs longer than the sum of the two plus its start-up bound.
+of contexts that failed for good or were still pending when the app stopped, and the pending tags. The
+process submits for ``--duration-s`` seconds (or until ``--stop-file`` exists), then waits up to
+``--settle-s`` for its outstanding contexts and exits; it never runs longer than the sum of the two plus its
+start-up bound.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def tag_of(app: int, n: int) -> str:
     return f"fault:{app}:{n}"
 
 
-async def run(args: argparse.Namespace, out: IO[str]) -> dict[str, int]:
+async def run(args: argparse.Namespace, out: IO[str]) -> tuple[dict[str, int], list[str]]:
     rng = random.Random(f"app-{args.seed}-{args.app}")
     config = ClientConfig.from_yaml(args.config)
     async with asyncio.timeout(START_TIMEOUT_S):
@@ -50,14 +51,16 @@ async def run(args: argparse.Namespace, out: IO[str]) -> dict[str, int]:
         await client.start()
     loop = asyncio.get_running_loop()
     counts = {"submitted": 0, "acked": 0, "failed": 0, "pending": 0, "refused": 0}
-    outstanding: set[asyncio.Task[None]] = set()
+    outstanding: dict[asyncio.Task[None], str] = {}
     slots = asyncio.Semaphore(args.window)
 
     async def settle(ctx: ReportingContext, tag: str) -> None:
         try:
             ok, _ = await ctx.done
-        except ClientError:
+        except ClientError as e:
             counts["failed"] += 1
+            out.write(json.dumps({"failed": tag, "error": repr(e)}) + "\n")
+            out.flush()
             return
         finally:
             slots.release()
@@ -86,17 +89,19 @@ async def run(args: argparse.Namespace, out: IO[str]) -> dict[str, int]:
                 continue
             counts["submitted"] += 1
             task = loop.create_task(settle(ctx, tag))
-            outstanding.add(task)
-            task.add_done_callback(outstanding.discard)
+            outstanding[task] = tag
+            task.add_done_callback(lambda t: outstanding.pop(t, None))
             await asyncio.sleep(rng.uniform(0, 2 * args.interval_ms) / 1000)
+        pending_tags: list[str] = []
         if outstanding:
             _, pending = await asyncio.wait(set(outstanding), timeout=args.settle_s)
             counts["pending"] = len(pending)
+            pending_tags = sorted(outstanding[t] for t in pending)
             for task in pending:
                 task.cancel()
     finally:
         await client.close()
-    return counts
+    return counts, pending_tags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-file", type=Path, default=None, help="stop submitting once this file exists")
     args = parser.parse_args(argv)
     with args.out.open("w", encoding="utf-8") as out:
-        counts = asyncio.run(run(args, out))
-        out.write(json.dumps({"summary": counts}) + "\n")
+        counts, pending_tags = asyncio.run(run(args, out))
+        out.write(json.dumps({"summary": counts, "pending_tags": pending_tags}) + "\n")
     print(json.dumps(counts), file=sys.stderr)
     return 0
 

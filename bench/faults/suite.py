@@ -41,7 +41,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,6 @@ from waltz.client.config import ClientConfig
 from waltz.client.reader import LogReader
 from waltz.cluster import store_metadata as sm
 from waltz.cluster import zk as zkutil
-from waltz.cluster import zkserver
 from waltz.local import probe, procs
 from waltz.local.state import LocalCluster
 from waltz.protocol.records import Record
@@ -146,6 +145,8 @@ class Result:
     acked: int = 0
     log_records: dict[int, int] = field(default_factory=dict)
     app_counts: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    """Facts that are not failures: contexts a client gave up on, and whether they committed."""
     resume_s: float | None = None
     """Seconds from the last heal until every partition acknowledged a new append."""
     elapsed_s: float = 0.0
@@ -159,7 +160,7 @@ class Result:
             f"{self.acked} acknowledged, log {self.log_records}, appends resumed after {resume}, "
             f"apps {self.app_counts}"
         )
-        return "\n  ".join([line, *self.problems])
+        return "\n  ".join([line, *self.problems, *(f"note: {n}" for n in self.notes)])
 
 
 Report = Callable[[str], None]
@@ -184,6 +185,12 @@ class Harness:
         self.cluster_up = False
         self.t0 = time.monotonic()
         self.stop_file = directory / "stop-apps"
+        self.failed_tags: dict[str, str] = {}
+        """Contexts whose client gave up with an error (the outcome of their last append may be unknown)."""
+        self.notes: list[str] = []
+        self.pending_tags: list[str] = []
+        """Contexts an app still waited for when it gave up: neither committed nor failed long after the
+        cluster healed (a request dropped without an answer, or a commit the client missed)."""
 
     def log(self, text: str) -> None:
         self.report(f"[seed {self.seed} {time.monotonic() - self.t0:6.1f}s] {text}")
@@ -286,7 +293,7 @@ class Harness:
             finally:
                 self._signal(rec.pid, signal.SIGCONT)
         elif kind == "kill9-zookeeper":
-            await self._kill_zookeeper_for(duration)
+            await self._kill_for("zookeeper", targets, duration)
         elif kind == "cut-server-storage":
             await self._cut_for(self.storage_proxies[targets[0]], duration)
         elif kind == "cut-client-server":
@@ -309,21 +316,6 @@ class Harness:
         await asyncio.sleep(duration_s)
         for index in targets:
             await asyncio.to_thread(local.start, self.directory, kind, index, self.opts.start_timeout_s)
-
-    async def _kill_zookeeper_for(self, duration_s: float) -> None:
-        cluster = self.cluster()
-        rec = cluster.zookeeper
-        await asyncio.to_thread(procs.kill, rec.process)
-        await asyncio.sleep(duration_s)
-        zk = zkserver.ZooKeeperServer(rec.data_dir, rec.port)
-        await asyncio.to_thread(zk.spawn)
-        assert zk.process is not None
-        # Recorded at once, so that `waltz local down` (and our teardown) stops the new process.
-        rec.set_process(procs.adopt(zk.process))
-        cluster.save()
-        await asyncio.to_thread(zk.wait_serving, self.opts.start_timeout_s)
-        rec.set_process(procs.identify(zk.process.pid))
-        cluster.save()
 
     @staticmethod
     async def _cut_for(proxy: LinkProxy, duration_s: float) -> None:
@@ -352,14 +344,35 @@ class Harness:
                     value = json.loads(line)
                 except ValueError:
                     continue  # A line cut short by a killed app.
+                if "failed" in value:
+                    self.failed_tags[value["failed"]] = value["error"]
+                    continue
                 if "summary" in value:
                     for k, v in value["summary"].items():
                         counts[k] = counts.get(k, 0) + int(v)
+                    self.pending_tags += value.get("pending_tags", [])
                     continue
                 if value["tag"] in acks:
                     problems.append(f"app {i} acknowledged {value['tag']} twice")
                 acks[value["tag"]] = (int(value["partition"]), float(value["t"]))
         return acks, counts, problems
+
+    async def wait_apps_appending(self, timeout_s: float) -> None:
+        """Wait until every app has had an append acknowledged, so that the first fault hits a running
+        workload (clients mounted, appends in flight) rather than clients still starting up."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            started = {
+                i
+                for i in range(self.opts.apps)
+                if (path := self.directory / f"acks-{i}.jsonl").exists() and path.stat().st_size > 0
+            }
+            if len(started) == self.opts.apps:
+                return
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.opts.apps)) - started)
+                raise RuntimeError(f"apps {missing} acknowledged nothing within {timeout_s:g}s")
+            await asyncio.sleep(0.2)
 
     async def wait_progress(self, healed_at: float) -> tuple[float | None, list[str]]:
         """Seconds after ``healed_at`` (wall clock) until every partition acknowledged an append."""
@@ -402,7 +415,12 @@ class Harness:
             for p in range(self.opts.partitions):
                 hwm = await reader.high_water_mark(p)
                 logs[p] = [r async for r in reader.read(p, 0, hwm)]
-        problems += check_log(logs, {tag: partition for tag, (partition, _) in acks.items()})
+        acked = {tag: partition for tag, (partition, _) in acks.items()}
+        problems += check_log(logs, acked, self.pending_tags)
+        committed = {r.data.decode("utf-8", "replace") for records in logs.values() for r in records}
+        for tag, error in sorted(self.failed_tags.items()):
+            where = "committed" if tag in committed else "not in the log"
+            self.notes.append(f"{tag}: its client gave up ({error}); {where}")
         problems += await self.verify_replicas({p: len(r) - 1 for p, r in logs.items()}, logs)
         return {p: len(r) for p, r in logs.items()}, problems
 
@@ -463,15 +481,28 @@ class Harness:
                 app.kill()
             await asyncio.to_thread(app.wait)
         if self.cluster_up and (self.directory / "cluster.json").exists():
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(local.down, self.directory)
+            # A `waltz local start` abandoned by the run's time limit may still hold the cluster's lock in its
+            # thread (threads cannot be cancelled): try again until it is done, within its own bound.
+            deadline = time.monotonic() + self.opts.start_timeout_s + 30
+            while True:
+                try:
+                    await asyncio.to_thread(local.down, self.directory)
+                    break
+                except Exception as e:  # noqa: BLE001 - reported, and retried until the deadline
+                    if time.monotonic() > deadline:
+                        self.log(f"could not stop the cluster: {e!r}; see {self.directory}/cluster.json")
+                        break
+                    await asyncio.sleep(1.0)
         for proxy in [*self.storage_proxies, *self.server_proxies]:
             await proxy.aclose()
 
 
-def check_log(logs: dict[int, list[Record]], acked: dict[str, int]) -> list[str]:
+def check_log(
+    logs: dict[int, list[Record]], acked: dict[str, int], unresolved: Sequence[str] = ()
+) -> list[str]:
     """Problems with the committed logs (``{partition: records from id 0}``) given the acknowledged tags
-    (``{tag: partition}``): ids not dense, a tag committed twice, an acknowledged tag missing or misplaced."""
+    (``{tag: partition}``): ids not dense, a tag committed twice, an acknowledged tag missing or misplaced;
+    and every ``unresolved`` tag (a context its app never saw end), saying whether it was committed."""
     problems: list[str] = []
     where: dict[str, list[tuple[int, int]]] = {}
     for p, records in sorted(logs.items()):
@@ -491,6 +522,9 @@ def check_log(logs: dict[int, list[Record]], acked: dict[str, int]) -> list[str]
             problems.append(f"acknowledged but not in the log: {tag} (partition {partition})")
         elif places[0][0] != partition:
             problems.append(f"{tag} sent to partition {partition} but committed in {places[0][0]}")
+    for tag in unresolved:
+        found = f"committed at {where[tag]}" if tag in where else "not in the log"
+        problems.append(f"unresolved: {tag} neither committed nor failed for its client ({found})")
     return problems
 
 
@@ -511,8 +545,11 @@ async def _run(harness: Harness, faults: list[Fault], result: Result) -> None:
     opts = harness.opts
     await harness.start_cluster()
     planned_end = max((f.at_s + f.duration_s for f in faults), default=0.0)
-    # The apps append through the faults and the recovery window after them.
-    harness.start_apps(planned_end + opts.stuck_bound_s + 5)
+    # The apps append through the faults and the recovery window after them, until the stop file appears; the
+    # duration is only their own upper bound (fault injection takes longer than planned on a loaded machine).
+    harness.start_apps(2 * planned_end + opts.stuck_bound_s + 120)
+    await harness.wait_apps_appending(opts.start_timeout_s)
+    harness.log("every app is appending; faults start")
     start = time.monotonic()
     for fault in faults:
         await asyncio.sleep(max(0.0, start + fault.at_s - time.monotonic()))
@@ -529,6 +566,7 @@ async def _run(harness: Harness, faults: list[Fault], result: Result) -> None:
     harness.log(f"apps done: {result.app_counts}; checking the log and every replica")
     result.log_records, problems = await harness.verify(acks)
     result.problems += problems
+    result.notes += harness.notes
 
 
 async def run_seed_async(

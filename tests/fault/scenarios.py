@@ -5,6 +5,9 @@ from __future__ import annotations
 from tests.fault.sim import Scenario, World, WorldParams
 from waltz.cluster.partition_metadata import UNRESOLVED
 
+LAGGING_CLIENT = 60
+"""Client id of the appends a scenario makes itself (the workload's appenders are 0..2, the final one 99)."""
+
 
 def _f(replicas: int) -> int:
     """Replicas that may be down at once while a quorum stays up."""
@@ -143,15 +146,14 @@ async def replica_replaced_then_readded(world: World) -> None:
     await _change_replicas(world, [*swapped, old])
 
 
-async def replica_restored_from_old_snapshot(world: World) -> None:
-    """A replica's disk is replaced by an older snapshot (taken before its last recorded clean session)."""
-    victim = world.rng.choice(world.initial_replicas)
-    await world.sleep_ms(0, 30)
-    snapshot = world.snapshot(victim)
-    taken_in = snapshot.partitions[0][1]
-    # The restore is only detectable once ZooKeeper records the replica clean in a later session than the
-    # snapshot's, and recovery can only find the committed tail if the other replicas are healthy (recorded
-    # clean in the newest session; docs/replication.md): force new sessions until both hold.
+async def _recorded_clean_after(world: World, victim: str, taken_in: int) -> bool:
+    """Force new sessions until ZooKeeper records ``victim`` clean in a session later than ``taken_in`` and
+    every replica healthy (clean in the newest session, persisted so on its storage, and writing in the open
+    session); False if that never happens.
+
+    A restore is only detectable once ZooKeeper records the replica clean in a later session than the
+    snapshot's, and recovery can only find the committed tail if the other replicas are healthy
+    (docs/replication.md)."""
     for _ in range(200):
         metadata = world.metadata.peek(0)[0]
         state = metadata.replicas.get(victim)
@@ -159,11 +161,38 @@ async def replica_restored_from_old_snapshot(world: World) -> None:
             s.session_id == metadata.session_id and s.closing_high_water_mark == UNRESOLVED
             for s in metadata.replicas.values()
         )
-        if state is not None and state.session_id > taken_in and healthy and len(metadata.replicas) == 3:
-            break
+        session = world.newest.partition.session
+        if (
+            state is not None
+            and state.session_id > taken_in
+            and healthy
+            and len(metadata.replicas) == 3
+            and session is not None
+            and session.is_open
+            and session.session_id == metadata.session_id
+            and len(session.participants) == 3
+            and all(
+                world.storages[n].session_info(0).session_id == metadata.session_id for n in metadata.replicas
+            )
+        ):
+            return True
+        ending = session.session_id if session is not None else None
         world.newest.partition.request_new_session()
-        await world.sleep_ms(5, 20)
-    else:
+        # Wait for the next session to open: the one asked to end may still look healthy while it drains.
+        for _ in range(100):
+            await world.sleep_ms(5, 20)
+            session = world.newest.partition.session
+            if session is not None and session.is_open and session.session_id != ending:
+                break
+    return False
+
+
+async def replica_restored_from_old_snapshot(world: World) -> None:
+    """A replica's disk is replaced by an older snapshot (taken before its last recorded clean session)."""
+    victim = world.rng.choice(world.initial_replicas)
+    await world.sleep_ms(0, 30)
+    snapshot = world.snapshot(victim)
+    if not await _recorded_clean_after(world, victim, snapshot.partitions[0][1]):
         return
     world.crash(victim)
     world.restore(victim, snapshot)
@@ -171,6 +200,71 @@ async def replica_restored_from_old_snapshot(world: World) -> None:
     world.restart(victim)
     world.check()
     await world.sleep_ms(5, 60)
+
+
+async def replica_restored_from_old_copy_while_another_lags(world: World) -> None:
+    """Storage C's disk is replaced by an old copy while B, a slow replica that crashed, missed the newest
+    commits: only A holds them. B and C (with its stale max id) would be a quorum for a lower high-water mark,
+    so counting C in the vote would truncate acknowledged transactions away; C must count as unknown, which
+    leaves the vote undecidable until B catches up from A."""
+    b, c = world.rng.sample(world.initial_replicas, 2)  # A is the third
+    await world.sleep_ms(0, 30)
+    snapshot = world.snapshot(c)
+    if not await _recorded_clean_after(world, c, snapshot.partitions[0][1]):
+        return
+    # B's disk stalls: the session commits with A and C while B's appends queue behind a long fsync.
+    world.slow_disk(b, (400.0, 600.0))
+    for seq in range(world.rng.randint(3, 6)):
+        await world.append_one(LAGGING_CLIENT, seq)
+    world.check()
+    # B crashes (its queued appends are lost) and C goes down at the same moment, so no later session can
+    # record B as closed: the next recovery finds A and B voting and C restored from its copy.
+    world.crash(b)
+    world.crash(c)
+    world.slow_disk(b, world.params.fsync_ms)
+    world.restore(c, snapshot)
+    await world.sleep_ms(1, 30)
+    world.restart(b)
+    world.restart(c)
+    world.check()
+    await world.sleep_ms(20, 200)
+
+
+async def zookeeper_session_lost_partition_reopens_in_same_generation(world: World) -> None:
+    """The owner loses ZooKeeper (metadata calls fail; a write in flight may or may not apply) long enough for
+    its session to expire, maybe while a replica crashes; it closes the partition and gets it back in the
+    **same generation** (issue 14 section 1), sometimes opening the new partition before the old one has
+    finished closing. Nothing acknowledged may be lost and the partition must write again."""
+    for _ in range(world.rng.randint(1, 3)):
+        await world.sleep_ms(5, 60)
+        world.lose_zookeeper()
+        crashed = None
+        if world.rng.random() < 0.5:
+            # A session ending now cannot start another one until ZooKeeper is back.
+            await world.sleep_ms(0, 20)
+            crashed = world.rng.choice(world.replicas)
+            world.crash(crashed)
+        await world.sleep_ms(10, 120)
+        old = world.newest
+        # Kazoo reports LOST only once it reaches ZooKeeper again; the server may close before or after that.
+        reconnect_first = world.rng.random() < 0.5
+        if reconnect_first:
+            world.restore_zookeeper()
+        if world.rng.random() < 0.5:
+            await world.stop_server(old, "ZooKeeper session lost")
+            await world.start_server(generation=old.generation)
+        else:
+            await world.start_server(generation=old.generation)
+            await world.sleep_ms(0, 40)
+            await world.stop_server(old, "ZooKeeper session lost (closed after the new one opened)")
+        world.check()
+        if not reconnect_first:
+            await world.sleep_ms(0, 40)
+            world.restore_zookeeper()
+        if crashed is not None:
+            await world.sleep_ms(0, 60)
+            world.restart(crashed)
+        world.check()
 
 
 async def checkpoint_interval_forces_new_sessions(world: World) -> None:
@@ -232,6 +326,16 @@ SCENARIOS = [
     Scenario("replicas_removed_multiple", replicas_removed_multiple, WorldParams(replicas=5)),
     Scenario("replica_replaced_then_readded", replica_replaced_then_readded, WorldParams(spare_storages=1)),
     Scenario("replica_restored_from_old_snapshot", replica_restored_from_old_snapshot),
+    Scenario(
+        "replica_restored_from_old_copy_while_another_lags",
+        replica_restored_from_old_copy_while_another_lags,
+        # The server's limit: the slow replica stays a participant (recorded clean) while it lags.
+        WorldParams(max_pending_batches=64),
+    ),
+    Scenario(
+        "zookeeper_session_lost_partition_reopens_in_same_generation",
+        zookeeper_session_lost_partition_reopens_in_same_generation,
+    ),
     Scenario(
         "checkpoint_interval_forces_new_sessions",
         checkpoint_interval_forces_new_sessions,

@@ -1,7 +1,7 @@
 """A seeded, deterministic simulation of the replication core under faults (in the spirit of TigerBeetle's
 VOPR).
 
-One run = one scenario x one seed, on :class:`~tests.fault.simloop.VirtualTimeLoop` (virtual time, no I/O):
+One run = one scenario x one seed, on :class:`~waltz.testing.VirtualTimeLoop` (virtual time, no I/O):
 
 * a *world*: in-memory storage nodes (:class:`MemoryStorage`), a lossy/delaying network, a metadata store;
 * one or more *servers*: :class:`StorePartition` instances (the real store code) with a generation each;
@@ -10,7 +10,8 @@ One run = one scenario x one seed, on :class:`~tests.fault.simloop.VirtualTimeLo
   seed picks all three);
 * a *fault script* (the scenario) that crashes, restarts, isolates, restores nodes, crashes or duplicates
   servers and changes the replica set, at seeded random times;
-* a *checker* that runs after every fault action, on every acknowledgement, periodically, and at the end.
+* a *checker* that runs after every step of the event loop (``VirtualTimeLoop``'s ``after_step`` hook: so
+  after every fault action, acknowledgement and message delivery) and at the end.
 
 Invariants checked (:class:`Checker`):
 
@@ -84,6 +85,8 @@ class WorldParams:
     max_inflight_batches: int | None = None
     """Batches a store session keeps in flight; None: the seed picks 1..8."""
     appender_window: int | None = None
+    max_pending_batches: int = StoreConfig.max_pending_batches
+    """Committed batches a replica may owe before it counts as unable to keep up (the server uses 64)."""
     """Appends each appender keeps in flight; None: the seed picks 1..4."""
 
 
@@ -113,6 +116,8 @@ class Checker:
         self.failed: set[ReqId] = set()
         self.canonical: dict[int, Record] = {}
         self._mutations_checked: dict[str, int] = {}
+        self._verified: dict[str, tuple[int, int]] = {}
+        """Per storage: (its partition's ``rewrites``, how many leading durable records were checked)."""
 
     def fail(self, message: str) -> None:
         raise SimulationFailure(message)
@@ -137,15 +142,27 @@ class Checker:
         if known != record:
             self.fail(f"disagreement at committed id {txn} ({where}): {known!r} vs {record!r}")
 
+    def _agree_up_to(self, storage: MemoryStorage, bound: int, where: Callable[[], str]) -> None:
+        """Check the storage's durable records at ids <= ``bound`` against the canonical ones. Incremental:
+        a prefix already checked is skipped while the storage has only appended since (see ``rewrites``)."""
+        part = storage.partitions[PARTITION]
+        rewrites, verified = self._verified.get(storage.name, (-1, 0))
+        if rewrites != part.rewrites:
+            verified = 0
+        end = min(bound + 1, part.synced)
+        for i in range(verified, end):
+            if self.canonical.setdefault(i, part.records[i]) != part.records[i]:
+                self._agree(i, part.records[i], where())
+        self._verified[storage.name] = (part.rewrites, max(verified, end))
+
     def check_step(self) -> None:
         world = self.world
         for storage in world.storages.values():
             part = storage.partitions[PARTITION]
-            info = storage.session_info(PARTITION)
-            durable = storage.durable_records(PARTITION)
-            for i in range(min(info.low_water_mark, len(durable) - 1) + 1):
-                where = f"{storage.name} at or below its low-water mark {info.low_water_mark}"
-                self._agree(i, durable[i], where)
+            lwm = part.low_water_mark
+            self._agree_up_to(
+                storage, lwm, lambda s=storage, m=lwm: f"{s.name} at or below its low-water mark {m}"
+            )
             sessions = part.mutation_sessions
             start = self._mutations_checked.get(storage.name, 1)
             for k in range(max(start, 1), len(sessions)):
@@ -179,9 +196,11 @@ class Checker:
             if expected != session.next_id:
                 self.fail(f"{session!r}: batches in flight end at {expected - 1}, next id {session.next_id}")
             for participant in session.participants:
-                durable = world.storages[participant.storage].durable_records(PARTITION)
-                for i in range(min(session.high_water_mark, len(durable) - 1) + 1):
-                    self._agree(i, durable[i], f"{participant.storage}, participant of {session!r}")
+                self._agree_up_to(
+                    world.storages[participant.storage],
+                    session.high_water_mark,
+                    lambda p=participant, s=session: f"{p.storage}, participant of {s!r}",
+                )
 
     def check_final(self, server: Server) -> None:
         world = self.world
@@ -232,7 +251,9 @@ class World:
         }
         self.initial_replicas = names[: params.replicas]
         self.spares = names[params.replicas :]
-        self.metadata = MemoryMetadataStore(delay=lambda: self.rng.uniform(0.5, 3.0))
+        self.metadata = MemoryMetadataStore(
+            delay=lambda: self.rng.uniform(0.5, 3.0), rng=random.Random(master.getrandbits(64))
+        )
         self.connector = MemoryConnector(self.network)
         self.server_rng_seed = master.getrandbits(64)
         inflight = params.max_inflight_batches
@@ -245,6 +266,7 @@ class World:
             catch_up_batch_size=5,
             max_inflight_batches=inflight if inflight is not None else master.randint(1, 8),
             join_max_lag=2 * batch,
+            max_pending_batches=params.max_pending_batches,
         )
         self.servers: list[Server] = []
         self.retired_servers: list[Server] = []
@@ -270,9 +292,14 @@ class World:
     def newest(self) -> Server:
         return self.servers[-1]
 
-    async def start_server(self, *, replicas: list[str] | None = None) -> Server:
-        generation = self.next_generation
-        self.next_generation += 1
+    async def start_server(
+        self, *, replicas: list[str] | None = None, generation: int | None = None
+    ) -> Server:
+        """Start a new owner, in the next generation unless ``generation`` is given (a server that lost its
+        ZooKeeper session and was given its partition back in the same generation)."""
+        if generation is None:
+            generation = self.next_generation
+            self.next_generation += 1
         partition = StorePartition(
             PARTITION,
             generation,
@@ -282,7 +309,8 @@ class World:
             rng=random.Random(self.server_rng_seed + generation),
             config=self.config,
         )
-        server = Server(partition, generation, f"server-g{generation}")
+        same = sum(s.generation == generation for s in [*self.servers, *self.retired_servers])
+        server = Server(partition, generation, f"server-g{generation}" + (f"-{same + 1}" if same else ""))
         self.servers.append(server)
         await partition.start()
         self.event(f"start {server.name} with {list(partition.replicas)}")
@@ -331,11 +359,27 @@ class World:
         self.event(f"restore {name} from a snapshot")
         self.storages[name].restore(snapshot)
 
+    def lose_zookeeper(self) -> None:
+        self.event("ZooKeeper connection lost (metadata calls fail; a write in flight may or may not apply)")
+        self.metadata.disconnect()
+
+    def restore_zookeeper(self) -> None:
+        if not self.metadata.connected:
+            self.event("ZooKeeper connection back")
+            self.metadata.reconnect()
+
+    def slow_disk(self, name: str, fsync_ms: tuple[float, float]) -> None:
+        self.event(f"{name} fsyncs now take {fsync_ms[0]:g}..{fsync_ms[1]:g} ms")
+        self.storages[name].fsync_ms = fsync_ms
+
     def check(self) -> None:
         self.checker.check_step()
 
     def heal_everything(self) -> None:
         self.network.loss_probability = 0.0
+        self.restore_zookeeper()
+        for storage in self.storages.values():
+            storage.fsync_ms = self.params.fsync_ms
         for name in self.storages:
             self.heal(name)
             self.restart(name)

@@ -26,12 +26,14 @@ def test_a_clean_log_has_no_problems() -> None:
 def test_the_checker_finds_a_lost_acknowledgement_a_duplicate_a_gap_and_a_misplaced_tag() -> None:
     gap = _log("x", "y")
     gap[1] = gap[1]._replace(transaction_id=2)
-    problems = check_log({0: _log("a", "a"), 1: gap, 2: _log("m")}, {"lost": 0, "x": 1, "m": 0})
+    problems = check_log({0: _log("a", "a"), 1: gap, 2: _log("m")}, {"lost": 0, "x": 1, "m": 0}, ["m", "q"])
     assert problems == [
         "partition 1: id 2 where 1 belongs",
         "committed twice: a at [(0, 0), (0, 1)]",
         "acknowledged but not in the log: lost (partition 0)",
         "m sent to partition 0 but committed in 2",
+        "unresolved: m neither committed nor failed for its client (committed at [(2, 0)])",
+        "unresolved: q neither committed nor failed for its client (not in the log)",
     ]
 
 

@@ -40,9 +40,14 @@ from waltz.protocol.records import RecordHeader, ReqId
 from waltz.server.feed_cache import FeedCache
 from waltz.server.locks import LockRequest, LockTable
 from waltz.server.store.store_partition import StorePartition
-from waltz.server.transaction_cache import TransactionCache
+from waltz.server.transaction_cache import TransactionCache, TransactionData, TransactionFetcher
 
 log = logging.getLogger(__name__)
+
+
+class _NoSuchTransaction(Exception):
+    """A load found no such transaction (the fetcher does not cache it; transaction_data answers None)."""
+
 
 FEED_BATCH = 64
 """Feed entries read from the cache or the store at a time (one feed-cache block)."""
@@ -119,11 +124,14 @@ class Partition:
         min_fetch_size: int = 100,
         append_queue_size: int = 1000,
         metrics: PartitionMetrics | None = None,
+        fetcher: TransactionFetcher | None = None,
     ) -> None:
         self.partition_id = partition_id
         self.store = store
         self._feed_cache = feed_cache
         self._txn_cache = transaction_cache
+        self._fetcher = fetcher
+        """Shared by the server's partitions: bounds and coalesces store reads of transaction data."""
         self._lock_table_size = lock_table_size
         self._min_fetch_size = min_fetch_size
         self._queue: asyncio.Queue[_Append | _Flush] = asyncio.Queue(append_queue_size)
@@ -331,11 +339,25 @@ class Partition:
             return cached.data, cached.checksum
         if transaction_id > self.high_water_mark or transaction_id < 0:
             return None
+        if self._fetcher is None:
+            try:
+                found = await self.load_transaction(transaction_id)
+            except _NoSuchTransaction:
+                return None
+            self._txn_cache.put(self.partition_id, transaction_id, found.data, found.checksum)
+            return found.data, found.checksum
+        try:
+            found = await self._fetcher.fetch(self.partition_id, transaction_id)
+        except _NoSuchTransaction:
+            return None
+        return found.data, found.checksum
+
+    async def load_transaction(self, transaction_id: int) -> TransactionData:
+        """Read a committed transaction from the store (the fetcher's loader for this partition)."""
         record = await self.store.read_record(transaction_id)
         if record is None:
-            return None
-        self._txn_cache.put(self.partition_id, transaction_id, record.data, record.checksum)
-        return record.data, record.checksum
+            raise _NoSuchTransaction(transaction_id)
+        return TransactionData(record.data, record.checksum)
 
     # -- the append task -------------------------------------------------------------------------------------
 

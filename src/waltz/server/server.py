@@ -20,6 +20,13 @@
   TransactionDataRequest gets an error response; a high-water mark or range request for a partition we do
   not own closes the connection (its RPC fails at once and is retried on the owner), as does a stream
   request for a partition the connection never mounted (a protocol violation).
+* **Bounds per connection** (``server.connection.*``, docs/operations.md "Limits"): at most ``maxInFlight``
+  mounts, reads and flushes unanswered (the connection is not read meanwhile); read responses reserve their
+  bytes from a ``maxResponseBytes`` budget until they left our write buffer, so a peer that asks and never
+  reads holds at most that much; connections silent (or not reading) for ``idleTimeout`` are closed; at most
+  ``maxConnections`` connections, ``maxPerSource`` from one address. Transaction data reads go through one
+  :class:`~waltz.server.transaction_cache.TransactionFetcher` (cache first, one load per key, at most
+  ``server.maxFetchesInFlight`` store reads at once).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from waltz.cluster.replica_assignments import ReplicaAssignments
 from waltz.cluster.store_metadata import read_store_params
 from waltz.cluster.zk import ClusterPaths
 from waltz.config import parse_partition_ranges
-from waltz.errors import ConnectionError_, RemoteProtocolError, WaltzError
+from waltz.errors import ConnectionError_, PartitionNotReadyError, RemoteProtocolError, WaltzError
 from waltz.http import HttpEndpoint, build_info, listen, new_registry
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
@@ -52,10 +59,20 @@ from waltz.server.config import ServerConfig
 from waltz.server.feed_cache import FeedCache
 from waltz.server.partition import Partition, PartitionMetrics
 from waltz.server.store.store_partition import StorePartition
-from waltz.server.transaction_cache import TransactionCache
-from waltz.transport import FramedConnection, FramedServer, serve, tune_gc, wait_for_stop_signal
+from waltz.server.transaction_cache import TransactionCache, TransactionData, TransactionFetcher
+from waltz.transport import (
+    ByteBudget,
+    FramedConnection,
+    FramedServer,
+    RateLimitedLog,
+    reason_kind,
+    serve,
+    tune_gc,
+    wait_for_stop_signal,
+)
 
 log = logging.getLogger(__name__)
+_peer_warnings = RateLimitedLog(log)
 
 SERVER_HELLO = "Waltz Server"
 MAX_RANGE_RECORDS = 10_000
@@ -67,16 +84,19 @@ class _CloseConnection(Exception):
 
 
 class _Connection:
-    """A client connection as partitions see it (implements :class:`waltz.server.partition.Peer`)."""
+    """A client connection as partitions see it (implements :class:`waltz.server.partition.Peer`), with its
+    bounds: ``slots`` for unanswered spawned requests and ``budget`` for the bytes of read responses."""
 
-    __slots__ = ("_conn", "_version", "client_id", "mounts")
+    __slots__ = ("_conn", "_version", "budget", "client_id", "mounts", "slots")
 
-    def __init__(self, conn: FramedConnection) -> None:
+    def __init__(self, conn: FramedConnection, max_in_flight: int, max_response_bytes: int) -> None:
         self._conn = conn
         self._version = conn.negotiated_version
         self.client_id: int | None = None
         self.mounts: dict[int, ReqId | None] = {}
         """Per partition, the ReqId of the latest MountRequest on this connection; None once we ended it."""
+        self.slots = asyncio.Semaphore(max_in_flight)
+        self.budget = ByteBudget(max_response_bytes)
 
     def end_mount(self, partition_id: int) -> bool:
         """Tell the client its mount of ``partition_id`` on this connection is over (MountResponse NOT_READY),
@@ -92,6 +112,10 @@ class _Connection:
     @property
     def closed(self) -> bool:
         return self._conn.is_closed
+
+    @property
+    def source(self) -> str:
+        return self._conn.source
 
     def send(self, msg: cs.Message) -> None:
         with contextlib.suppress(ConnectionError_):
@@ -155,6 +179,12 @@ class _Metrics:
             ["partition"],
             registry=registry,
         )
+        self.damaged_reads = Gauge(
+            "waltz_server_damaged_replica_reads",
+            "Reads that found a replica's stored copy damaged and went to another replica",
+            ["partition"],
+            registry=registry,
+        )
 
     # Gauges of live state are read when scraped (set_function), not copied now and then: a scrape of
     # /metrics alone must see the current high-water mark.
@@ -165,10 +195,11 @@ class _Metrics:
         self.pending.labels(label).set_function(lambda: part.pending_appends)
         self.feeds.labels(label).set_function(lambda: part.feed_context_count)
         self.healthy.labels(label).set_function(lambda: 1 if part.is_healthy else 0)
+        self.damaged_reads.labels(label).set_function(lambda: sum(part.store.damaged_replicas.values()))
 
     def unexport_partition(self, pid: int) -> None:
         label = str(pid)
-        for gauge in (self.hwm, self.pending, self.feeds, self.healthy, self.generation):
+        for gauge in (self.hwm, self.pending, self.feeds, self.healthy, self.generation, self.damaged_reads):
             with contextlib.suppress(KeyError):
                 gauge.remove(label)
 
@@ -274,6 +305,9 @@ class WaltzServer:
         self.metadata_store = ZkPartitionMetadataStore(zk_client, config.cluster_root)
         self.feed_cache = FeedCache(config.feed_cache_bytes, num_partitions)
         self.transaction_cache = TransactionCache(config.transaction_cache_bytes)
+        self.fetcher = TransactionFetcher(
+            self.transaction_cache, self._load_transaction, max_in_flight=config.max_fetches_in_flight
+        )
         self.metrics.export_caches(self.feed_cache, self.transaction_cache)
         self.registry.register(_StoreCollector(lambda: self.partitions))
         self.partitions: dict[int, Partition] = {}
@@ -304,6 +338,7 @@ class WaltzServer:
             config.zookeeper_connect,
             session_timeout_ms=config.zookeeper_session_timeout_ms,
             connect_timeout_ms=config.zookeeper_connect_timeout_ms,
+            auth=config.zookeeper_auth,
         )
         try:
             params = await asyncio.to_thread(read_store_params, client, config.cluster_root)
@@ -333,6 +368,9 @@ class WaltzServer:
                 versions=cs.SUPPORTED_VERSIONS,
                 hello_text=SERVER_HELLO,
                 max_frame_bytes=self.config.max_frame_bytes,
+                max_connections=self.config.max_connections,
+                max_connections_per_source=self.config.max_connections_per_source,
+                idle_timeout_s=self.config.connection_idle_timeout_ms / 1000,
                 ssl=ssl,
             ),
         )
@@ -387,6 +425,7 @@ class WaltzServer:
         self._tasks.clear()
         if self._listener is not None:
             await self._listener.aclose()
+        await self.fetcher.aclose()
         for p in list(self.partitions.values()):
             with contextlib.suppress(Exception):
                 await p.close()
@@ -508,6 +547,7 @@ class WaltzServer:
                     store,
                     feed_cache=self.feed_cache,
                     transaction_cache=self.transaction_cache,
+                    fetcher=self.fetcher,
                     lock_table_size=self.config.lock_table_size,
                     min_fetch_size=self.config.min_fetch_size,
                     append_queue_size=self.config.append_queue_size,
@@ -602,13 +642,40 @@ class WaltzServer:
             parts[str(pid)] = problem is None and zk_ok
             if problem is not None:
                 problems.append(f"partition {pid}: {problem}")
+        # Replicas whose stored copies failed a read here (reads went elsewhere and a repair was started):
+        # for operators and `waltz cluster verify`; they do not make the server unhealthy.
+        damaged = {
+            str(pid): dict(p.store.damaged_replicas)
+            for pid, p in sorted(self.partitions.items())
+            if p.store.damaged_replicas
+        }
+        conflicts = {
+            str(pid): p.store.metadata_conflict
+            for pid, p in sorted(self.partitions.items())
+            if p.store.metadata_conflict
+        }
         healthy = zk_ok and self.failure is None and all(parts.values())
-        return healthy, {"zookeeper": zk_ok, "partitions": parts, "problems": problems}
+        return healthy, {
+            "zookeeper": zk_ok,
+            "partitions": parts,
+            "problems": problems,
+            "damagedReplicaReads": damaged,
+            "metadataConflicts": conflicts,
+        }
 
     # -- client connections --
 
+    async def _load_transaction(self, partition_id: int, transaction_id: int) -> TransactionData:
+        """The fetcher's loader: a committed transaction from the store (NotFound if there is none)."""
+        part = self.partitions.get(partition_id)
+        if part is None:
+            raise PartitionNotReadyError(f"partition {partition_id} is not served here")
+        return await part.load_transaction(transaction_id)
+
     async def _serve_client(self, conn: FramedConnection) -> None:
-        peer = _Connection(conn)
+        peer = _Connection(
+            conn, self.config.connection_max_in_flight, self.config.connection_max_response_bytes
+        )
         version = conn.negotiated_version
         log.debug("client connection from %s opened (protocol version %d)", conn.peername, version)
         try:
@@ -617,7 +684,13 @@ class WaltzServer:
                 try:
                     msg = cs.decode(payload, version)
                 except RemoteProtocolError as e:
-                    log.warning("closing client connection from %s: %s", conn.peername, e)
+                    _peer_warnings.warning(
+                        conn.source,
+                        reason_kind("decode", e),
+                        "closing client connection from %s: %s",
+                        conn.peername,
+                        e,
+                    )
                     return
                 if peer.client_id is None:
                     peer.client_id = msg.req_id.client_id
@@ -660,7 +733,7 @@ class WaltzServer:
         part = self.partitions.get(pid)
         # Reads of committed data need no current ownership proof: answer them even while suspended.
         if isinstance(msg, cs.TransactionDataRequest):
-            self._spawn(self._transaction_data(peer, part, msg), f"data-{pid}")
+            await self._spawn_for(peer, self._transaction_data(peer, part, msg), f"data-{pid}")
             return
         if isinstance(msg, cs.TransactionRangeRequest | cs.HighWaterMarkRequest):
             if part is None:
@@ -673,7 +746,7 @@ class WaltzServer:
                 else:
                     self._spawn(self._high_water_mark(peer, part, msg), f"hwm-{pid}")
             else:
-                self._spawn(self._transaction_range(peer, part, msg), f"range-{pid}")
+                await self._spawn_for(peer, self._transaction_range(peer, part, msg), f"range-{pid}")
             return
         if isinstance(msg, cs.MountRequest):
             peer.mounts[pid] = rid
@@ -683,7 +756,7 @@ class WaltzServer:
                 peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
                 return
             # Mounting waits for the append queue to drain; do it off this connection's read loop.
-            self._spawn(part.mount(peer, msg), f"mount-{pid}")
+            await self._spawn_for(peer, part.mount(peer, msg), f"mount-{pid}")
             return
         if not isinstance(msg, cs.AppendRequest | cs.FeedRequest | cs.FlushRequest):
             raise _CloseConnection(f"unexpected {type(msg).__name__} from a client")
@@ -699,16 +772,31 @@ class WaltzServer:
         else:
             accepted = part is not None and part.accepts_flush(peer, rid)
             if part is not None and accepted:
-                self._spawn(part.flush_request(peer, msg), f"flush-{pid}")
+                await self._spawn_for(peer, part.flush_request(peer, msg), f"flush-{pid}")
         if not accepted and not peer.end_mount(pid):
             raise _CloseConnection(
                 f"{type(msg).__name__} for partition {pid}, never mounted on this connection"
             )
 
-    def _spawn(self, coro: Any, name: str) -> None:
+    async def _spawn_for(self, peer: _Connection, coro: Any, name: str) -> None:
+        """Run a request of ``peer`` in its own task, once one of its in-flight slots is free.
+
+        Waiting for a slot holds up this connection's read loop: a peer with ``maxInFlight`` requests
+        unanswered is not read until one is answered.
+        """
+        try:
+            await peer.slots.acquire()
+        except BaseException:
+            coro.close()
+            raise
+        task = self._spawn(coro, name)
+        task.add_done_callback(lambda _t: peer.slots.release())
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -731,10 +819,16 @@ class WaltzServer:
             return
         if found is None:
             peer.send(cs.TransactionDataResponse.failure(rid, msg.transaction_id, "transaction not found"))
-        else:
-            data, checksum = found
-            self.metrics.read_bytes.labels(str(rid.partition_id)).inc(len(data))
+            return
+        data, checksum = found
+        self.metrics.read_bytes.labels(str(rid.partition_id)).inc(len(data))
+        # The response's bytes count against the connection's budget until they left our write buffer.
+        await peer.budget.acquire(len(data))
+        try:
             peer.send(cs.TransactionDataResponse.success(rid, msg.transaction_id, data, checksum))
+            await peer.drain()
+        finally:
+            peer.budget.release(len(data))
 
     async def _high_water_mark(
         self, peer: _Connection, part: Partition, msg: cs.HighWaterMarkRequest
@@ -759,15 +853,27 @@ class WaltzServer:
     ) -> None:
         count = max(0, min(msg.max_count, MAX_RANGE_RECORDS))
         # The run is relayed as the storage node sent it; the budget keeps the response well inside the frame
-        # limit whatever the record sizes (a single record larger than it still goes: it was appended whole).
-        got, run = (
-            await part.store.read_run(msg.transaction_id, count, self.config.max_frame_bytes // 2)
-            if count
-            else (0, b"")
-        )
-        if run:
-            self.metrics.read_bytes.labels(str(msg.req_id.partition_id)).inc(len(run))
-        peer.send(cs.TransactionRangeResponse(msg.req_id, msg.transaction_id, got, run))
+        # limit whatever the record sizes (a single record larger than it still goes: it was appended whole),
+        # and within an eighth of the connection's response budget, so several reads proceed at once.
+        budget = min(self.config.max_frame_bytes // 2, max(1, self.config.connection_max_response_bytes // 8))
+        reserved = budget
+        # Reserved before reading, so a peer that asks for many ranges and reads none of them holds at most
+        # the connection's budget; what the run turns out to need stays reserved until it left our buffer.
+        await peer.budget.acquire(reserved)
+        try:
+            if peer.closed:
+                return
+            got, run = await part.store.read_run(msg.transaction_id, count, budget) if count else (0, b"")
+            if len(run) < reserved:
+                peer.budget.release(reserved - len(run))
+                reserved = len(run)
+            if run:
+                self.metrics.read_bytes.labels(str(msg.req_id.partition_id)).inc(len(run))
+            peer.send(cs.TransactionRangeResponse(msg.req_id, msg.transaction_id, got, run))
+            del run  # the write buffer holds the bytes now: one copy per reservation, not two
+            await peer.drain()
+        finally:
+            peer.budget.release(reserved)
 
     async def _change_preferred(
         self, msg: cs.AddPreferredPartitionRequest | cs.RemovePreferredPartitionRequest

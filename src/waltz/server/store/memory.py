@@ -24,6 +24,7 @@ after ``failure_detection_ms``, the request being delivered or not at random; a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ from waltz.cluster.partition_metadata import PartitionMetadata
 from waltz.errors import (
     BrokenResourceError,
     ClosedResourceError,
+    ClusterError,
     ConcurrentUpdateError,
     CorruptionError,
     PartitionNotAssignedError,
@@ -135,6 +137,9 @@ class _PartitionState:
     busy: bool = False
     mutation_sessions: list[int] = field(default_factory=list)
     """Session id of every processed truncate/append/set-low-water-mark, in order (for invariant checks)."""
+    rewrites: int = 0
+    """How many times records were removed or replaced (truncate, crash, restore): a checker that verified a
+    prefix of ``records`` may keep trusting it while this is unchanged, since appends only add at the end."""
 
     @property
     def max_transaction_id(self) -> int:
@@ -187,6 +192,7 @@ class MemoryStorage:
             keep = self.rng.randint(0, unsynced) if unsynced else 0
             del part.records[part.synced + keep :]
             part.synced = len(part.records)
+            part.rewrites += 1
             part.inbox.clear()
             part.busy = False
             part.session_id = part.persisted_session_id
@@ -219,6 +225,7 @@ class MemoryStorage:
         for pid, (records, session_id, lwm, local_lwm) in snapshot.partitions.items():
             part = self.partitions[pid]
             part.records = list(records)
+            part.rewrites += 1
             part.synced = len(records)
             part.persisted_session_id = session_id
             part.session_id = session_id
@@ -300,6 +307,7 @@ class MemoryStorage:
         if kind == "truncate":
             (txn,) = args
             del part.records[max(txn + 1, 0) :]
+            part.rewrites += 1
             part.synced = min(part.synced, len(part.records))
             return part.max_transaction_id
         if kind == "set_low_water_mark":
@@ -347,6 +355,13 @@ class MemoryStorage:
             (txn,) = args
             found = self._read(part, txn, 1)
             return found[0] if found else None
+        if kind == "repair":
+            # Memory replicas never hold damaged records; a repair of a record they hold must match it.
+            (records,) = args
+            for rec in records:
+                if not 0 <= rec.transaction_id < len(part.records) or part.records[rec.transaction_id] != rec:
+                    raise StorageRpcError(f"repair of transaction {rec.transaction_id} does not match")
+            return None
         raise StorageRpcError(f"unknown request {kind}")
 
     @staticmethod
@@ -469,6 +484,9 @@ class MemoryConnection:
         result: Record | None = await self._call("read_record", transaction_id)
         return result
 
+    async def repair(self, records: Sequence[Record]) -> None:
+        await self._call("repair", records)
+
     async def aclose(self) -> None:
         if self._closed:
             return
@@ -512,12 +530,28 @@ class MemoryMetadataStore:
 
     Values go through :meth:`PartitionMetadata.encode`/``decode`` so the codec is exercised as with ZooKeeper.
     ``delay`` (if given) returns a latency in milliseconds for each call.
+
+    :meth:`disconnect` models a lost ZooKeeper connection (a pause, a partition, an expiring session): every
+    call then fails with :class:`ClusterError`, as the production store translates ``ConnectionLoss`` and
+    ``SessionExpiredError``. A write in flight when the connection drops fails too, but was applied or not
+    (``rng`` decides; without one it was not): the writer cannot tell, as with ZooKeeper.
     """
 
-    def __init__(self, delay: Callable[[], float] | None = None) -> None:
+    def __init__(self, delay: Callable[[], float] | None = None, rng: random.Random | None = None) -> None:
         self._nodes: dict[int, tuple[bytes, int]] = {}
         self._delay = delay
+        self._rng = rng
         self.writes = 0
+        self.connected = True
+
+    def disconnect(self) -> None:
+        self.connected = False
+
+    def reconnect(self) -> None:
+        self.connected = True
+
+    def _unavailable(self, partition_id: int) -> ClusterError:
+        return ClusterError(f"partition metadata {partition_id}: ZooKeeper unavailable (ConnectionLoss)")
 
     async def _latency(self) -> None:
         if self._delay is not None:
@@ -525,6 +559,8 @@ class MemoryMetadataStore:
 
     async def get(self, partition_id: int) -> tuple[PartitionMetadata, int]:
         await self._latency()
+        if not self.connected:
+            raise self._unavailable(partition_id)
         return self.peek(partition_id)
 
     def peek(self, partition_id: int) -> tuple[PartitionMetadata, int]:
@@ -538,7 +574,17 @@ class MemoryMetadataStore:
     async def compare_and_set(
         self, partition_id: int, metadata: PartitionMetadata, expected_version: int
     ) -> int:
+        sent = self.connected
         await self._latency()
+        if not self.connected:
+            # Sent before the connection dropped: applied or not, the answer is lost.
+            if sent and self._rng is not None and self._rng.random() < 0.5:
+                with contextlib.suppress(ConcurrentUpdateError):
+                    self._apply(partition_id, metadata, expected_version)
+            raise self._unavailable(partition_id)
+        return self._apply(partition_id, metadata, expected_version)
+
+    def _apply(self, partition_id: int, metadata: PartitionMetadata, expected_version: int) -> int:
         current = self._nodes.get(partition_id)
         version = -1 if current is None else current[1]
         if version != expected_version:
