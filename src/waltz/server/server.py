@@ -77,6 +77,9 @@ _peer_warnings = RateLimitedLog(log)
 SERVER_HELLO = "Waltz Server"
 MAX_RANGE_RECORDS = 10_000
 """Most records one TransactionRangeRequest is answered with."""
+HWM_RECOVERY_WAIT_S = 1.0
+"""How long a high-water-mark request waits for a partition that is still recovering before the answer is
+``HWM_NOT_SERVED``: long enough for a normal start, short against a client's request timeout."""
 
 
 class _CloseConnection(Exception):
@@ -123,6 +126,9 @@ class _Connection:
 
     async def drain(self) -> None:
         await self._conn.drain()
+
+    async def aclose(self) -> None:
+        await self._conn.aclose()
 
 
 class _Metrics:
@@ -444,12 +450,12 @@ class WaltzServer:
         self._suspended = True
         self._suspended_at = time.monotonic()
         self._resumed.clear()
-        log.warning("ZooKeeper connection suspended: holding new work until it is back")
+        log.debug("ZooKeeper connection suspended: holding new work until it is back")
 
     def _on_resumed(self) -> None:
         self._suspended = False
         self._resumed.set()
-        log.info(
+        log.debug(
             "ZooKeeper connection resumed after %.1f s; serving partitions %s",
             time.monotonic() - self._suspended_at,
             sorted(self.partitions),
@@ -518,6 +524,7 @@ class WaltzServer:
                         continue
                     # It moved away and back (we missed the step between): another server may have committed
                     # meanwhile, so this incarnation's lock table and registrations are stale. Start afresh.
+                    self.metrics.generation_changes.labels(str(pid)).inc()
                     del self.partitions[pid]
                     log.info(
                         "partition %d: generation %d -> %d; reopening it",
@@ -737,10 +744,10 @@ class WaltzServer:
                     f"{type(msg).__name__} for partition {pid}, which this server does not own"
                 )
             if isinstance(msg, cs.HighWaterMarkRequest):
-                # Until the store session first opens, the high-water mark is unknown, not -1: a reader
-                # must not take an unserved partition for an empty one.
-                hwm = part.high_water_mark if part.is_serving else cs.HWM_NOT_SERVED
-                peer.send(cs.HighWaterMarkResponse(rid, hwm))
+                if part.is_ready:
+                    peer.send(cs.HighWaterMarkResponse(rid, part.high_water_mark))
+                else:
+                    self._spawn(self._high_water_mark(peer, part, msg), f"hwm-{pid}")
             else:
                 await self._spawn_for(peer, self._transaction_range(peer, part, msg), f"range-{pid}")
             return
@@ -766,7 +773,7 @@ class WaltzServer:
         if isinstance(msg, cs.AppendRequest):
             accepted = part is not None and await part.append(peer, msg)
         else:
-            accepted = part is not None and part.accepts(peer, rid)
+            accepted = part is not None and part.accepts_flush(peer, rid)
             if part is not None and accepted:
                 await self._spawn_for(peer, part.flush_request(peer, msg), f"flush-{pid}")
         if not accepted and not peer.end_mount(pid):
@@ -825,6 +832,23 @@ class WaltzServer:
             await peer.drain()
         finally:
             peer.budget.release(len(data))
+
+    async def _high_water_mark(
+        self, peer: _Connection, part: Partition, msg: cs.HighWaterMarkRequest
+    ) -> None:
+        """Answer once the partition has recovered: before, its high-water mark (-1) is not the log's. If it
+        does not recover within :data:`HWM_RECOVERY_WAIT_S`, answer :data:`~cs.HWM_NOT_SERVED`: the mark is
+        unknown, and a reader must fail with a clear, retriable error rather than take the partition for an
+        empty one or wait out its whole request timeout for an answer that does not come."""
+        try:
+            async with asyncio.timeout(
+                min(HWM_RECOVERY_WAIT_S, self.config.zookeeper_session_timeout_ms / 1000)
+            ):
+                await part.wait_ready()
+        except TimeoutError:
+            peer.send(cs.HighWaterMarkResponse(msg.req_id, cs.HWM_NOT_SERVED))
+            return
+        peer.send(cs.HighWaterMarkResponse(msg.req_id, part.high_water_mark))
 
     async def _transaction_range(
         self, peer: _Connection, part: Partition, msg: cs.TransactionRangeRequest
