@@ -47,3 +47,27 @@ def test_a_hook_that_raises_is_reported_to_the_loops_exception_handler(mode: str
         assert fine.events == ["completion:True", "application"]
 
     asyncio.run(main())
+
+
+def test_the_sync_client_hands_hook_failures_to_its_handler() -> None:
+    import threading
+
+    from waltz import WaltzClient
+
+    heard: list[dict[str, Any]] = []
+    got = threading.Event()
+
+    def handler(_loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        heard.append(context)
+        got.set()
+
+    client = WaltzClient(recording_callbacks("threads"), FAST, driver=MockDriver())
+    try:
+        client.set_exception_handler(handler)
+        broken = BrokenCompletion(b"a")
+        client.submit(broken)
+        assert got.wait(5)
+    finally:
+        client.close()
+    assert isinstance(heard[0]["exception"], ValueError)
+    assert heard[0]["waltz_hook"] == broken.on_completion
