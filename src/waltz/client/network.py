@@ -389,11 +389,20 @@ class _ChecksumMismatch(DataChecksumError):
 async def rpc_high_water_mark(
     pool: RpcPool, endpoint: str, partition_id: int, generation: int, timeout_ms: int
 ) -> int:
-    """One HighWaterMarkRequest attempt."""
+    """One HighWaterMarkRequest attempt: the mark (-1 for an empty log), or a retriable PartitionNotReadyError
+    when the owner has not opened the partition's store (its mark is unknown, never "empty")."""
     response = await pool.call(endpoint, cs.HighWaterMarkRequest, partition_id, generation, timeout_ms)
     if not isinstance(response, cs.HighWaterMarkResponse):
         raise RemoteProtocolError(f"expected a HighWaterMarkResponse, got {type(response).__name__}")
-    return response.transaction_id
+    hwm = response.transaction_id
+    if hwm == cs.HWM_NOT_SERVED:
+        raise PartitionNotReadyError(
+            f"partition {partition_id} is not served: its server {endpoint} has not opened its store "
+            "(too few clean replicas?); its high-water mark is unknown"
+        )
+    if hwm < -1:
+        raise PartitionNotReadyError(f"partition {partition_id}: {endpoint} sent a bad high-water mark {hwm}")
+    return hwm
 
 
 async def rpc_read_run(

@@ -48,7 +48,6 @@ from waltz.client.network import (
 from waltz.cluster import zk
 from waltz.cluster.store_metadata import read_store_params
 from waltz.errors import ClientClosedError, ClientError, PartitionNotReadyError
-from waltz.protocol.client_server import HWM_NOT_SERVED
 from waltz.protocol.record_run import RecordRun
 from waltz.protocol.records import Record
 
@@ -137,19 +136,10 @@ class LogReader:
 
     async def _hwm_attempt(self, partition_id: int) -> int:
         endpoint, generation = self._target(partition_id)
-        hwm = await rpc_high_water_mark(
+        # rpc_high_water_mark raises PartitionNotReadyError for a partition that is not served.
+        return await rpc_high_water_mark(
             self._rpc, endpoint, partition_id, generation, self._attempt_timeout_ms
         )
-        if hwm == HWM_NOT_SERVED:
-            raise PartitionNotReadyError(
-                f"partition {partition_id} is not served: its server {endpoint} has not opened its store "
-                "(too few clean replicas?); its high-water mark is unknown"
-            )
-        if hwm < -1:
-            raise PartitionNotReadyError(
-                f"partition {partition_id}: {endpoint} sent a bad high-water mark {hwm}"
-            )
-        return hwm
 
     async def read_range(self, partition_id: int, start: int, max_count: int) -> list[Record]:
         """Up to ``max_count`` committed records from ``start`` (fewer, or none, at the high-water mark)."""

@@ -11,7 +11,7 @@ import pytest
 from waltz.client.config import ClientConfig
 from waltz.client.driver import AppendRequest, MountState
 from waltz.client.network import Endpoints, NetworkDriver
-from waltz.errors import BrokenResourceError
+from waltz.errors import BrokenResourceError, PartitionNotReadyError
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
 from waltz.protocol.records import ReqId, crc32
@@ -244,6 +244,34 @@ def test_rpcs_match_responses_by_request_and_follow_the_assignment() -> None:
             assert a[0] == b"p0t5"
             assert b[0] == b"p1t6"
             assert await driver.high_water_mark(1) == 41
+            await answering
+        finally:
+            await driver.close()
+            await server.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_partition_its_owner_does_not_serve_is_an_error_not_an_empty_log() -> None:
+    async def main() -> None:
+        server = FakeServer()
+        endpoint = await server.start()
+        discovery = StaticDiscovery(num_partitions=1)
+        driver = NetworkDriver(ClientConfig(), discovery=discovery)
+        await driver.open(Recorder())
+        discovery.publish({0: (endpoint, 3)})
+        await asyncio.sleep(0.05)
+        try:
+
+            async def answer() -> None:
+                conn, hwm = await server.expect(cs.HighWaterMarkRequest)
+                server.send(conn, cs.HighWaterMarkResponse(hwm.req_id, cs.HWM_NOT_SERVED))
+
+            answering = asyncio.create_task(answer())
+            with pytest.raises(PartitionNotReadyError, match="partition 0 is not served") as caught:
+                await driver.high_water_mark(0)
+            assert caught.value.retriable
             await answering
         finally:
             await driver.close()
