@@ -91,13 +91,37 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+MAX_CONFIG_FILE_BYTES = 1024 * 1024
+"""The largest config file read; a bigger one (or an endless one such as /dev/zero) is refused."""
+
+
+def read_bounded(path: str | Path, max_bytes: int) -> bytes:
+    """The bytes of ``path``, reading at most ``max_bytes`` + 1 of them whatever the file claims to be.
+
+    Raises ValueError when the file holds more than ``max_bytes`` (a device such as /dev/zero, a FIFO fed
+    forever, or just a huge file), and OSError when it cannot be read.
+    """
+    with open(path, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"larger than {max_bytes} bytes")
+    return data
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config file into dotted keys, with a clear error for a missing or malformed file."""
+    """Read a YAML config file into dotted keys, with a clear error for a missing, oversized (more than
+    ``MAX_CONFIG_FILE_BYTES``) or malformed file."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = read_bounded(p, MAX_CONFIG_FILE_BYTES).decode("utf-8")
+    except IsADirectoryError:
+        raise ConfigError(f"{p}: cannot read config file: it is a directory") from None
     except OSError as e:
         raise ConfigError(f"{p}: cannot read config file: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not a UTF-8 text file: {e.reason} at byte {e.start}") from None
+    except ValueError as e:
+        raise ConfigError(f"{p}: not a config file: {e}") from None
     try:
         tree = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -153,6 +177,7 @@ class ConfigSchema:
                 result[name] = key.convert(raw)
             except ValueError as e:
                 problems.append(f"{name}: {e}")
+                result[name] = REQUIRED  # reported: not "missing" as well
         for name, key in self.keys.items():
             if name in result:
                 continue

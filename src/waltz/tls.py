@@ -43,16 +43,17 @@ from __future__ import annotations
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final, Literal
 
-from waltz.config import Key
+from waltz.config import Key, read_bounded
 from waltz.errors import ConfigError
 
 __all__ = [
     "MIN_TLS_VERSION",
     "TLS_KEY_NAMES",
     "TlsConfig",
+    "parse_peer_names",
+    "peer_common_name",
     "tls_keys",
 ]
 
@@ -243,12 +244,13 @@ def _path_value(config: Mapping[str, Any], key: str, source: str) -> str:
 
 
 def _read_pem(path: str, key: str, source: str) -> str:
-    p = Path(path)
+    # Bounded by the bytes actually read, not by stat(): /dev/zero claims 0 bytes and never ends.
     try:
-        size = p.stat().st_size
-        if size > _MAX_PEM_BYTES:
-            raise ConfigError(f"{source}: {key}: {path} is {size} bytes; not a PEM file")
-        return p.read_text(encoding="ascii", errors="replace")
+        return read_bounded(path, _MAX_PEM_BYTES).decode("ascii", errors="replace")
+    except ValueError:
+        raise ConfigError(
+            f"{source}: {key}: {path} holds more than {_MAX_PEM_BYTES} bytes; not a PEM file"
+        ) from None
     except IsADirectoryError:
         raise ConfigError(f"{source}: {key}: {path} is a directory, not a PEM file") from None
     except OSError as e:
@@ -257,3 +259,19 @@ def _read_pem(path: str, key: str, source: str) -> str:
 
 def _ssl_reason(e: ssl.SSLError) -> str:
     return f"{e.library or 'SSL'} error {e.reason or e}"
+
+
+def peer_common_name(peercert: Mapping[str, Any] | None) -> str | None:
+    """The subject commonName of a verified peer certificate (``getpeercert()`` form), None if it has none."""
+    if not peercert:
+        return None
+    for rdn in peercert.get("subject", ()):
+        for name, value in rdn:
+            if name == "commonName":
+                return str(value)
+    return None
+
+
+def parse_peer_names(raw: str) -> tuple[str, ...]:
+    """A comma-separated allow-list of certificate common names (blank entries dropped)."""
+    return tuple(n.strip() for n in raw.split(",") if n.strip())

@@ -11,6 +11,14 @@ and a :class:`~waltz.protocol.framing.ProtocolConnection`:
 * :class:`RpcClient` multiplexes concurrent request/response calls over one connection, matching replies by
   sequence number, with a bounded number of requests in flight.
 
+The accepting side bounds what one peer can hold (see :func:`serve`): at most ``max_connections`` in all and
+``max_connections_per_source`` per source address; a connection whose peer sends nothing (not even a
+keep-alive) for ``idle_timeout_s``, or reads none of our bytes for that long while our write buffer is full,
+is closed; and it stops reading from a peer whose responses are piling up unsent (above the write buffer's
+high-water mark) until they drain, so a peer that sends requests and never reads the answers is pushed back by
+TCP instead of growing our memory. :class:`ByteBudget` bounds the bytes of responses a handler produces per
+connection; :class:`RateLimitedLog` keeps a misbehaving peer from flooding the log with one warning.
+
 Errors follow :mod:`waltz.errors`: :class:`~waltz.errors.BrokenResourceError` when the peer or the network
 ended the connection (retriable with a new connection), :class:`~waltz.errors.ClosedResourceError` when we
 closed it, :class:`~waltz.errors.RemoteProtocolError` when the peer sent garbage (the connection is aborted
@@ -23,10 +31,13 @@ is installed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import re
 import socket
 import ssl as ssl_
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from types import TracebackType
 from typing import Any, Final, Generic, Self, TypeVar
@@ -53,15 +64,20 @@ from waltz.protocol.framing import (
 __all__ = [
     "DEFAULT_CONNECT_TIMEOUT_MS",
     "DEFAULT_HANDSHAKE_TIMEOUT_MS",
+    "DEFAULT_IDLE_TIMEOUT_S",
     "DEFAULT_KEEP_ALIVE_INTERVAL_S",
     "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_CONNECTIONS_PER_SOURCE",
     "DEFAULT_MAX_IN_FLIGHT",
     "DEFAULT_READ_BYTES",
     "DEFAULT_WRITE_BUFFER_HIGH_BYTES",
+    "ByteBudget",
     "FramedConnection",
     "FramedServer",
+    "RateLimitedLog",
     "RpcClient",
     "open_connection",
+    "reason_kind",
     "run",
     "serve",
 ]
@@ -77,12 +93,113 @@ DEFAULT_KEEP_ALIVE_INTERVAL_S: Final = 60.0
 DEFAULT_CONNECT_TIMEOUT_MS: Final = 10_000
 DEFAULT_HANDSHAKE_TIMEOUT_MS: Final = 10_000
 DEFAULT_MAX_CONNECTIONS: Final = 1024
+DEFAULT_MAX_CONNECTIONS_PER_SOURCE: Final = 256
+"""Connections one source address may hold on a listener, so one host cannot take every slot."""
+DEFAULT_IDLE_TIMEOUT_S: Final = 3 * DEFAULT_KEEP_ALIVE_INTERVAL_S
+"""A served connection silent this long is closed: three keep-alive intervals of a healthy connecting side."""
 DEFAULT_MAX_IN_FLIGHT: Final = 1024
 _COALESCE_MAX_BYTES: Final = 1024 * 1024
 """Frames sent in one loop iteration are written together, up to this many bytes per write."""
 _CLOSE_TIMEOUT_S: Final = 1.0
 _TLS_RECORD_TYPES: Final = frozenset({0x15, 0x16})
 """TLS record content types a peer sends first: alert (21) and handshake (22)."""
+
+PEER_WARNING_INTERVAL_S: Final = 10.0
+"""One WARNING per peer address and reason per this many seconds; the next one counts those left out."""
+
+
+class RateLimitedLog:
+    """WARNINGs about peers, at most one per ``(source, kind)`` per ``interval_s``.
+
+    A peer that repeats a fault (reconnecting with garbage, flooding connections) would otherwise write a line
+    per attempt: ~500 KiB/s from one peer was measured. The first occurrence is logged at once; repeats within
+    the interval are counted and the next line logged for that key says how many were left out. At most
+    ``max_keys`` keys are remembered (the oldest are forgotten), so the bookkeeping is bounded too.
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        interval_s: float = PEER_WARNING_INTERVAL_S,
+        *,
+        max_keys: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._logger = logger
+        self._interval_s = interval_s
+        self._max_keys = max_keys
+        self._clock = clock
+        self._seen: collections.OrderedDict[tuple[str, str], list[float]] = collections.OrderedDict()
+        """``(source, kind) -> [time of the last line logged, repeats left out since]``."""
+
+    def warning(self, source: str, kind: str, msg: str, *args: object) -> bool:
+        """Log ``msg % args`` unless ``(source, kind)`` was logged within the interval; True if logged."""
+        key = (source, kind)
+        now = self._clock()
+        seen = self._seen.get(key)
+        if seen is not None and now - seen[0] < self._interval_s:
+            seen[1] += 1
+            return False
+        left_out = int(seen[1]) if seen is not None else 0
+        self._seen[key] = [now, 0]
+        self._seen.move_to_end(key)
+        while len(self._seen) > self._max_keys:
+            self._seen.popitem(last=False)
+        if left_out:
+            msg += " (%d more like this from %s in the last %g s not logged)"
+            args = (*args, left_out, source, self._interval_s)
+        self._logger.warning(msg, *args)
+        return True
+
+
+_peer_warnings = RateLimitedLog(log)
+_DIGITS = re.compile(r"\d+")
+
+
+def reason_kind(prefix: str, error: BaseException) -> str:
+    """A rate-limiting kind for ``error``: its type and message with numbers blanked (so "type 98" and
+    "type 99" are one reason, while "unknown type" and "truncated" stay two), at most 100 characters."""
+    return f"{prefix}:{type(error).__name__}:{_DIGITS.sub('#', str(error))[:100]}"
+
+
+def _source(writer: asyncio.StreamWriter) -> str:
+    """The peer's address without its port: what one host's many connections share."""
+    peer = writer.get_extra_info("peername")
+    if isinstance(peer, tuple) and peer:
+        return str(peer[0])
+    return str(peer)
+
+
+class ByteBudget:
+    """The bytes of responses one connection's handler may hold at once (being read, or unsent).
+
+    :meth:`acquire` waits while the reservations already granted plus the new one exceed ``capacity_bytes``;
+    a reservation larger than the whole budget is granted once nothing else is reserved, so one oversized
+    response still goes, alone. Waiting here is back pressure: the handler that waits reads no more requests.
+    Single event loop; no locking.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._used = 0
+        self._freed = asyncio.Event()
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._used
+
+    async def acquire(self, n: int) -> None:
+        while self._used and self._used + n > self.capacity_bytes:
+            self._freed.clear()
+            await self._freed.wait()
+        self._used += n
+
+    def release(self, n: int) -> None:
+        self._used -= n
+        self._freed.set()
+
 
 ReqT = TypeVar("ReqT")
 RespT = TypeVar("RespT")
@@ -193,6 +310,9 @@ class FramedConnection:
         *,
         read_bytes: int = DEFAULT_READ_BYTES,
         keep_alive_interval_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        write_buffer_high_bytes: int | None = None,
+        peer_warnings: RateLimitedLog | None = None,
     ) -> None:
         if proto.negotiated_version is None:
             raise LocalProtocolError("a FramedConnection needs a completed hello exchange")
@@ -213,6 +333,19 @@ class FramedConnection:
                 raise ValueError(f"keep_alive_interval_s must be positive, got {keep_alive_interval_s}")
             self._keep_alive_task = self._loop.create_task(
                 self._keep_alive_loop(keep_alive_interval_s), name=f"keep-alive {self.peername}"
+            )
+        # The accepting side's bounds (see serve()): while more than this is unsent, receive() reads nothing.
+        self._pause_reading_above_bytes = write_buffer_high_bytes
+        self._warnings = peer_warnings if peer_warnings is not None else _peer_warnings
+        self._idle_timeout_s = idle_timeout_s
+        self._read_started_s: float | None = None
+        """When the pending socket read began (None while not waiting for the peer): the idle clock."""
+        self._idle_task: asyncio.Task[None] | None = None
+        if idle_timeout_s is not None:
+            if idle_timeout_s <= 0:
+                raise ValueError(f"idle_timeout_s must be positive, got {idle_timeout_s}")
+            self._idle_task = self._loop.create_task(
+                self._idle_watch(idle_timeout_s), name=f"idle-watch {self.peername}"
             )
 
     @property
@@ -235,6 +368,17 @@ class FramedConnection:
         if isinstance(peer, tuple) and len(peer) >= 2:
             return f"{peer[0]}:{peer[1]}"
         return str(peer)
+
+    @property
+    def source(self) -> str:
+        """The peer's address without its port (what rate-limited warnings and per-source limits key on)."""
+        return _source(self._writer)
+
+    @property
+    def peercert(self) -> dict[str, Any] | None:
+        """The peer's verified TLS certificate (``ssl.SSLSocket.getpeercert`` form), None without one."""
+        cert = self._writer.get_extra_info("peercert")
+        return cert if isinstance(cert, dict) and cert else None
 
     @property
     def max_frame_bytes(self) -> int:
@@ -261,13 +405,24 @@ class FramedConnection:
                 try:
                     event = proto.next_event()
                 except RemoteProtocolError as e:
-                    log.warning("closing connection with %s: %s", self.peername, e)
+                    self._warnings.warning(
+                        _source(self._writer),
+                        reason_kind("protocol", e),
+                        "closing connection with %s: %s",
+                        self.peername,
+                        e,
+                    )
                     self._error = e
                     self._writer.transport.abort()
                     raise
                 if type(event) is Payload:
                     return event.data
                 if event is NEED_DATA:
+                    high = self._pause_reading_above_bytes
+                    if high is not None and self._writer.transport.get_write_buffer_size() > high:
+                        # Our answers to this peer are piling up unsent: read no more requests until they
+                        # drain (TCP then pushes back on a peer that sends but does not read).
+                        await self.drain()
                     proto.receive_data(await self._read())
                 elif not isinstance(event, KeepAlive):  # pragma: no cover - the decoder refuses a 2nd hello
                     raise RemoteProtocolError(f"unexpected event {event!r}")
@@ -275,19 +430,45 @@ class FramedConnection:
             self._receiving = False
 
     async def _read(self) -> bytes:
+        self._read_started_s = self._loop.time()
         try:
             data = await self._reader.read(self._read_bytes)
         except OSError as e:
             if self._closed:
                 raise ClosedResourceError("connection closed") from None
-            self._error = BrokenResourceError(f"connection with {self.peername} broken: {e}")
+            if self._error is None:
+                self._error = BrokenResourceError(f"connection with {self.peername} broken: {e}")
             raise self._error from None
+        finally:
+            self._read_started_s = None
         if not data:
             if self._closed:
                 raise ClosedResourceError("connection closed")
-            self._error = BrokenResourceError(f"{self.peername} closed the connection")
+            if self._error is None:
+                self._error = BrokenResourceError(f"{self.peername} closed the connection")
             raise self._error
         return data
+
+    async def _idle_watch(self, timeout_s: float) -> None:
+        # Closes the connection once the peer sent nothing for timeout_s while we waited for it. Time spent
+        # not reading (our handler busy, or pushing back) does not count: the peer cannot be heard then.
+        while not self.is_closed:
+            started = self._read_started_s
+            now = self._loop.time()
+            if started is not None and now - started >= timeout_s:
+                self._fail(f"no data for {timeout_s:g} s (idle timeout)", "idle")
+                return
+            await asyncio.sleep(timeout_s if started is None else started + timeout_s - now)
+
+    def _fail(self, reason: str, kind: str) -> None:
+        """Abort the connection for a local reason (a bound was hit), logged once per peer and kind."""
+        if self.is_closed:
+            return
+        self._warnings.warning(
+            _source(self._writer), kind, "closing connection with %s: %s", self.peername, reason
+        )
+        self._error = BrokenResourceError(f"connection with {self.peername} closed: {reason}")
+        self._writer.transport.abort()
 
     def send(self, payload: bytes | bytearray | memoryview) -> None:
         """Queue one framed payload for writing (no wait; see :meth:`drain`).
@@ -321,7 +502,18 @@ class FramedConnection:
         self._check_writable()
         self._flush_out()  # so the transport's buffer accounts for everything sent so far
         try:
-            await self._writer.drain()
+            timeout_s = self._idle_timeout_s
+            high = self._pause_reading_above_bytes
+            if timeout_s is None or high is None or self._writer.transport.get_write_buffer_size() <= high:
+                await self._writer.drain()
+            else:
+                # The peer is not reading: give it the idle timeout to start again, then let it go.
+                try:
+                    async with asyncio.timeout(timeout_s):
+                        await self._writer.drain()
+                except TimeoutError:
+                    self._fail(f"read none of our data for {timeout_s:g} s (idle timeout)", "stalled")
+                    raise BrokenResourceError(f"{self.peername} does not read") from None
         except OSError as e:
             if self._closed:
                 raise ClosedResourceError("connection closed") from None
@@ -361,13 +553,14 @@ class FramedConnection:
         # Release the socket and stop the keep-alives before the first await: if this task is cancelled while
         # waiting below, nothing is left open.
         close = _close_writer(self._writer, abort=self._error is not None)
-        task, self._keep_alive_task = self._keep_alive_task, None
-        if task is not None:
+        tasks = [t for t in (self._keep_alive_task, self._idle_task) if t is not None]
+        self._keep_alive_task = self._idle_task = None
+        for task in tasks:
             task.cancel()
         try:
-            if task is not None:
+            if tasks:
                 # wait() does not re-raise the task's CancelledError, but does propagate our own cancellation.
-                await asyncio.wait([task])
+                await asyncio.wait(tasks)
         finally:
             await close
 
@@ -479,7 +672,8 @@ class FramedServer:
     Mirrors the parts of :class:`asyncio.Server` callers use (``sockets``, ``close``, ``wait_closed``,
     ``serve_forever``, ``async with``) but :meth:`close` also cancels every connection handler, and
     :meth:`wait_closed` waits for them, so no connection outlives its server. At most ``max_connections``
-    connections are served at once; more are closed right after accept with a WARNING.
+    connections are served at once, and at most ``max_connections_per_source`` from one source address; more
+    are closed right after accept with a WARNING (rate-limited per source).
     """
 
     def __init__(
@@ -495,7 +689,13 @@ class FramedServer:
         read_bytes: int,
         write_buffer_high_bytes: int,
         max_connections: int,
+        max_connections_per_source: int = DEFAULT_MAX_CONNECTIONS_PER_SOURCE,
+        idle_timeout_s: float | None = None,
     ) -> None:
+        if max_connections_per_source < 1:
+            raise ValueError(f"max_connections_per_source must be positive, got {max_connections_per_source}")
+        if idle_timeout_s is not None and idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s must be positive, got {idle_timeout_s}")
         self._handler = handler
         self._magic = magic
         self._versions = tuple(versions)
@@ -506,6 +706,10 @@ class FramedServer:
         self._read_bytes = read_bytes
         self._write_buffer_high_bytes = write_buffer_high_bytes
         self._max_connections = max_connections
+        self._max_connections_per_source = max_connections_per_source
+        self._idle_timeout_s = idle_timeout_s
+        self._per_source: dict[str, int] = {}
+        self._warnings = RateLimitedLog(log)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.Server | None = None
         self._closing = False
@@ -572,29 +776,56 @@ class FramedServer:
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        source = _source(writer)
         conn: FramedConnection | None = None
+        counted = False
         try:
             if self._closing:
                 return  # accepted just before close(): do not start serving it
             if len(self._tasks) > self._max_connections:
-                log.warning(
+                self._warnings.warning(
+                    source,
+                    "max-connections",
                     "refusing connection from %s: already serving %d connections (max_connections)",
                     peer,
                     self._max_connections,
                 )
                 return
+            from_source = self._per_source.get(source, 0)
+            if from_source >= self._max_connections_per_source:
+                self._warnings.warning(
+                    source,
+                    "max-per-source",
+                    "refusing connection from %s: %s already holds %d connections (per-source limit)",
+                    peer,
+                    source,
+                    from_source,
+                )
+                return
+            self._per_source[source] = from_source + 1
+            counted = True
             _configure_socket(writer, self._write_buffer_high_bytes)
             proto = ProtocolConnection(self._magic, self._versions, self._hello_text, self._max_frame_bytes)
             try:
                 async with asyncio.timeout(self._handshake_timeout_ms / 1000):
                     await _exchange_hellos(reader, writer, proto, self._read_bytes)
             except TimeoutError:
-                log.warning(
-                    "closing connection from %s: no hello within %d ms", peer, self._handshake_timeout_ms
+                self._warnings.warning(
+                    source,
+                    "hello-timeout",
+                    "closing connection from %s: no hello within %d ms",
+                    peer,
+                    self._handshake_timeout_ms,
                 )
                 return
             except ProtocolError as e:
-                log.warning("closing connection from %s: hello exchange failed: %s", peer, e)
+                self._warnings.warning(
+                    source,
+                    reason_kind("hello", e),
+                    "closing connection from %s: hello exchange failed: %s",
+                    peer,
+                    e,
+                )
                 return
             conn = FramedConnection(
                 reader,
@@ -602,6 +833,9 @@ class FramedServer:
                 proto,
                 read_bytes=self._read_bytes,
                 keep_alive_interval_s=self._keep_alive_interval_s,
+                idle_timeout_s=self._idle_timeout_s,
+                write_buffer_high_bytes=self._write_buffer_high_bytes,
+                peer_warnings=self._warnings,
             )
             await self._handler(conn)
         except (ConnectionError_, ProtocolError) as e:
@@ -610,6 +844,12 @@ class FramedServer:
         except Exception:
             log.exception("connection handler for %s failed", peer)
         finally:
+            if counted:
+                left = self._per_source[source] - 1
+                if left:
+                    self._per_source[source] = left
+                else:
+                    del self._per_source[source]
             if conn is not None:
                 await conn.aclose()
             else:
@@ -630,6 +870,8 @@ async def serve(
     read_bytes: int = DEFAULT_READ_BYTES,
     write_buffer_high_bytes: int = DEFAULT_WRITE_BUFFER_HIGH_BYTES,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    max_connections_per_source: int = DEFAULT_MAX_CONNECTIONS_PER_SOURCE,
+    idle_timeout_s: float | None = None,
     ssl: ssl_.SSLContext | None = None,
 ) -> FramedServer:
     """Listen on ``host:port`` (port 0 picks a free one) and serve each connection with ``handler``.
@@ -639,6 +881,13 @@ async def serve(
     returns or raises. Broken connections and protocol errors escaping the handler are logged, not raised;
     any other exception is logged with its traceback. The accepting side sends no keep-alives by default,
     as in the original Waltz.
+
+    Bounds per connection: :meth:`FramedConnection.receive` reads nothing from a peer while more than
+    ``write_buffer_high_bytes`` of our frames to it are unsent (until they drain), and with ``idle_timeout_s``
+    a connection is closed when its peer sent nothing (not even a keep-alive) for that long while we waited to
+    read, or when a :meth:`FramedConnection.drain` waited that long for the peer to read. The connecting
+    side's keep-alives (every ``DEFAULT_KEEP_ALIVE_INTERVAL_S``) keep a quiet but healthy peer alive, so the
+    timeout must be well above that interval.
 
     With ``ssl`` every connection starts with a TLS handshake, limited to ``handshake_timeout_ms`` like the
     hello exchange that follows it. asyncio runs that handshake before the connection reaches us, and drops
@@ -657,6 +906,8 @@ async def serve(
         read_bytes=read_bytes,
         write_buffer_high_bytes=write_buffer_high_bytes,
         max_connections=max_connections,
+        max_connections_per_source=max_connections_per_source,
+        idle_timeout_s=idle_timeout_s,
     )
     server._server = await asyncio.start_server(
         server._on_connect,

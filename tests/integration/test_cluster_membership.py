@@ -166,19 +166,28 @@ def test_expired_session_moves_partitions(
         await m1.start()
         await m2.start()
         v1, v2 = await _settled([m1, m2])
+        delivered: list[dict[int, int]] = []
+
+        async def record() -> None:
+            delivered.extend([value async for value in m2.assignments()])
+
+        recorder = asyncio.create_task(record())
         await asyncio.to_thread(expire_session, c2)
-        # m2 owns nothing once its session is gone; m1 takes everything, m2's partitions with generation + 1.
-        await m2.wait_for_partitions(lambda p: p == {}, 10)
+        # m2 is suspended until it has re-registered and an assignment for the new membership names it.
         assert m2.suspended
-        # m2 re-registers with a new session and gets its share back, again with a bumped generation.
+        await _eventually(lambda: not m2.suspended, 10)
         v1b, v2b = await _settled([m1, m2])
         assert m2.node is not None
-        assert not m2.suspended
         assert suspended == ["s", "r"]
         for p, g in v1.items():
             assert v1b[p] == g, "m1's partitions never moved"
         for p, g in v2b.items():
-            assert g >= v2.get(p, 1) + 1, "a partition given back to m2 moved twice: +1 at least"
+            # Either the partition never left m2 (same generation: m2 may keep serving it as it was), or it
+            # moved to m1 and back, each move raising the generation.
+            assert g == v2.get(p) or g >= v2.get(p, 0) + 2, (p, g, v2)
+        # m2 never claimed to own nothing in between: a server keeps a partition that comes back unmoved.
+        assert {} not in delivered
+        recorder.cancel()
         await m1.close()
         await m2.close()
 

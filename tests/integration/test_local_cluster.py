@@ -204,12 +204,16 @@ def test_zookeeper_restart_cluster_restart_and_purge_keeps_foreign_files(cluster
     # Someone else's file appears in the directory after `up`.
     (cluster_dir / "notes.txt").write_text("mine")
 
+    assert waltz("local", "kill", "--dir", d, "--server", "0").returncode == 0
     killed = waltz("local", "kill", "--dir", d, "--zookeeper")
     assert killed.returncode == 0, killed.stderr
     assert not procs.is_alive(LocalCluster.load(cluster_dir).zookeeper.process)
-    assert waltz("local", "start", "--dir", d, "--server", "0").returncode == 1  # needs ZooKeeper
+    needs_zk = waltz("local", "start", "--dir", d, "--server", "0")
+    assert needs_zk.returncode == 1
+    assert "start it first with `waltz local start" in needs_zk.stderr
     started = waltz("local", "start", "--dir", d, "--zookeeper")
     assert started.returncode == 0, started.stderr
+    assert waltz("local", "start", "--dir", d, "--server", "0").returncode == 0
     assert procs.is_alive(LocalCluster.load(cluster_dir).zookeeper.process)
     again = waltz("local", "start", "--dir", d, "--zookeeper")
     assert again.returncode == 1

@@ -19,6 +19,8 @@ from tests.integration.storage_process import StorageProcess
 from waltz.cli.main import main as waltz_main
 from waltz.cluster import store_metadata as sm
 from waltz.cluster.membership import ClusterWatcher
+from waltz.ops import checks
+from waltz.ops.view import read_view
 
 pytestmark = [pytest.mark.integration]
 
@@ -172,6 +174,24 @@ def test_verify_reports_a_stopped_storage_node_and_check_connectivity_sees_it(
         assert code == 1
         assert out.count(": ok") == 4
         assert out.count("FAILED") == 2
+
+        # The library under the commands, called directly.
+        view = await asyncio.to_thread(read_view, cluster.zk, cluster.root)
+        (server,) = await checks.check_connectivity(view, 5.0)
+        assert server.report is not None
+        assert server.report.storage_connectivity == {
+            Cluster.address(sp): sp is not victim for sp in cluster.storages
+        }
+        problems = await checks.verify(view, [0], 5.0)
+        assert any(
+            p.partition is None and p.text.startswith(f"storage {Cluster.address(victim)}: unreachable")
+            for p in problems
+        )
+        ports = await checks.validate_storages(view, 5.0)
+        assert sorted((p.storage, p.port) for p in ports if p.error) == [
+            (Cluster.address(victim), "admin"),
+            (Cluster.address(victim), "data"),
+        ]
 
         cluster.storages[1].kill()
         code, lines = await verify_lines(config, "-p", "0")

@@ -64,7 +64,11 @@ def test_admin_commands(node: StorageProcess, capsys: pytest.CaptureFixture[str]
     assert cli(node, "list") == 0
     avail = {line.split()[0]: line.split()[-1] for line in capsys.readouterr().out.splitlines()[1:]}
     assert avail == {"0": "true", "1": "false", "2": "false", "5": "true"}
-    assert cli(node, "remove-partition", "-p", "5", "--delete-storage-files") == 0
+    # Without ZooKeeper the quorum of good copies cannot be checked: deleting files needs --force.
+    assert cli(node, "remove-partition", "-p", "5", "--delete-storage-files") == 2
+    assert "needs -c/--cli-config-path" in capsys.readouterr().err
+    assert (node.directory / "5").exists()
+    assert cli(node, "remove-partition", "-p", "5", "--delete-storage-files", "--force") == 0
     assert not (node.directory / "5").exists()
     assert cli(node, "remove-partition", "-p", "0-2") == 0
     assert cli(node, "list") == 0

@@ -111,7 +111,19 @@ def test_every_data_and_admin_request(node: StorageProcess) -> None:
                 await client.max_transaction_id(4, 0, offline=True)
             with pytest.raises(PartitionNotAssignedError, match="not available"):
                 await client.max_transaction_id(5, 0)
+            # Offline recovery may end by adopting a newer session id with its low-water mark (and only
+            # that request: the others still need the persisted id); older sessions are fenced from then on.
+            with pytest.raises(SessionFencedError):
+                await client.set_low_water_mark(4, 0, 6, offline=True)
+            with pytest.raises(SessionFencedError):
+                await client.truncate(8, 0, 6, offline=True)
+            await client.set_low_water_mark(8, 0, 6, offline=True)
+            assert (await admin.last_session_info(0)).session_id == 8
+            assert await client.max_transaction_id(8, 0, offline=True) == 6
             await admin.set_available([0], True)
+            with pytest.raises(SessionFencedError):
+                await client.max_transaction_id(6, 0)
+            assert await client.max_transaction_id(8, 0) == 6
             # Partition 1 is independent; partition 2 is not assigned.
             await client.append(0, 1, records(0, 3))
             assert await client.max_transaction_id(0, 1) == 2

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 from kazoo.client import KazooClient
+from kazoo.exceptions import NoAuthError
 
 from tests.integration.client_cluster import Tagged, wait_until
 from tests.integration.server_process import ServerProcess
@@ -27,6 +28,7 @@ from waltz import ClientConfig, WaltzClient
 from waltz.client.api import ClientCallbacks
 from waltz.client.transaction import Transaction
 from waltz.cluster import store_metadata as sm
+from waltz.cluster import zk as zkutil
 from waltz.errors import BrokenResourceError, ConfigError
 from waltz.local.certs import LocalPki
 from waltz.protocol.records import Record, ReqId
@@ -276,10 +278,26 @@ def test_local_up_tls_status_appends_and_down(cluster_dir: Path) -> None:
     plain = waltz("server", "list", "-s", f"127.0.0.1:{server_port}", timeout_s=30)
     assert plain.returncode != 0
     assert "TLS" in plain.stderr
+    # Storage ports take the operator's certificate (admin.yaml), not an application's (client.yaml).
     admin_port = yaml.safe_load((cluster_dir / "storage-0.yaml").read_text())["storage.admin.port"]
-    storage = waltz("storage", "list", "-s", f"127.0.0.1:{admin_port}", "-c", str(client_yaml), timeout_s=30)
+    admin_yaml = cluster_dir / "admin.yaml"
+    storage = waltz("storage", "list", "-s", f"127.0.0.1:{admin_port}", "-c", str(admin_yaml), timeout_s=30)
     assert storage.returncode == 0, storage.stderr
     assert "available" in storage.stdout
+    refused = waltz("storage", "list", "-s", f"127.0.0.1:{admin_port}", "-c", str(client_yaml), timeout_s=30)
+    assert refused.returncode != 0
+    assert "not in storage.ssl.allowedPeers" in (cluster_dir / "logs" / "storage-0.log").read_text()
+
+    # ZooKeeper: an anonymous session can neither read the cluster key nor write partition metadata.
+    zk_connect = yaml.safe_load(admin_yaml.read_text())["zookeeper.connectString"]
+    anonymous = zkutil.connect(zk_connect, session_timeout_ms=10_000)
+    try:
+        with pytest.raises(NoAuthError):
+            anonymous.get("/waltz/local/store")
+        with pytest.raises(NoAuthError):
+            anonymous.set("/waltz/local/store/partition/0", b"forged")
+    finally:
+        zkutil.close(anonymous)
 
     down = waltz("local", "down", "--dir", str(cluster_dir), timeout_s=60)
     assert down.returncode == 0, down.stderr

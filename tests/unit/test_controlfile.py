@@ -159,14 +159,28 @@ def test_applied_update_survives_crash_before_fsync() -> None:
         assert cf2.partition_info(0).session_id == 2
 
 
-def test_both_structs_corrupt() -> None:
+def test_both_structs_corrupt_takes_down_only_that_partition() -> None:
     fs = CrashFS()
-    _open(fs).close()
+    with _open(fs) as cf:
+        cf.update(1, session_id=7, flags=FLAG_AVAILABLE | FLAG_ASSIGNED)
     path = "/store/" + CONTROL_FILE_NAME
     fs.corrupt(path, HEADER_BYTES + 4 + 3, b"\x55")
     fs.corrupt(path, HEADER_BYTES + 40 + 3, b"\x55")
     with pytest.raises(CorruptionError, match="partition info 0 corrupted"):
-        _open(fs)
+        read_control_file(path, fs)  # tools still see the damage as an error
+    with _open(fs) as cf:
+        assert list(cf.damaged) == [0]
+        assert "both structs fail their checksum" in cf.damaged[0]
+        assert not cf.partition_info(0).assigned
+        assert cf.partition_info(1).session_id == 7  # the others are untouched
+        with pytest.raises(CorruptionError, match="remove the replica"):
+            cf.update(0, session_id=1)
+        assert cf.reset(0) == PartitionInfo()
+        assert cf.damaged == {}
+        cf.update(0, session_id=3)
+    with _open(fs) as cf:
+        assert cf.damaged == {}
+        assert cf.partition_info(0).session_id == 3
 
 
 def test_one_struct_corrupt_uses_other() -> None:
@@ -183,8 +197,8 @@ def test_equal_sequence_numbers_are_corruption() -> None:
     fs = CrashFS()
     _open(fs).close()
     fs.corrupt("/store/" + CONTROL_FILE_NAME, HEADER_BYTES + 4, encode_struct(PartitionInfo(), 0))
-    with pytest.raises(CorruptionError, match="sequence 0"):
-        _open(fs)
+    with _open(fs) as cf:
+        assert "sequence 0" in cf.damaged[0]
 
 
 def test_wrong_size_is_corruption() -> None:

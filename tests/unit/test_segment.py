@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from waltz.errors import CorruptionError, DataChecksumError, StorageError, TransactionOutOfOrderError
+from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
 from waltz.protocol.record_run import RecordRun
 from waltz.protocol.records import Record, ReqId
 from waltz.storage.fileio import CrashFS
 from waltz.storage.segment import (
     CHECKPOINT_INTERVAL,
     SEGMENT_HEADER_BYTES,
+    RecordCorruptionError,
     Segment,
     SegmentHeader,
     data_file_name,
@@ -332,13 +333,17 @@ def test_read_run_returns_the_stored_bytes() -> None:
     assert seg.read_run(100, 50, max_bytes=3 * 56)[0] == 3
 
 
-def test_read_run_does_not_verify_but_the_reader_does() -> None:
+def test_read_run_refuses_a_damaged_record_and_names_it() -> None:
     fs = CrashFS()
     seg = new_segment(fs)
     seg.append(recs(0, 3))
     seg.flush()
     fs.corrupt(seg.data_path, seg.record_offset(1) + 40, b"\xff")  # a data byte
-    count, run = seg.read_run(0, 3)
-    assert count == 3
-    with pytest.raises(DataChecksumError, match="transaction 1"):
-        RecordRun(0, count, run).records()
+    # The node checks each record right after its read, so a damaged copy never reaches a reader.
+    with pytest.raises(RecordCorruptionError, match="record 1") as caught:
+        seg.read_run(0, 3)
+    assert caught.value.transaction_id == 1
+    # The record before the damage is still served.
+    count, run = seg.read_run(0, 1)
+    assert count == 1
+    assert RecordRun(0, count, run).records() == recs(0, 1)

@@ -87,11 +87,12 @@ CASES: list[tuple[s.StorageMessage, str]] = [
         p(20) + f"00000001 0000002a {STORED_REC_HEX}",
     ),
     (s.RecordRunResponse(1, 2, 3, 0, b""), p(20) + "00000000 00000000"),
+    (s.RepairRequest(1, 2, 3, (REC,)), p(21) + f"00000001 {REC_HEX}"),
 ]
 
 
 def test_every_message_type_has_a_golden_case() -> None:
-    assert {type(msg).TYPE for msg, _ in CASES} == set(range(1, 21))
+    assert {type(msg).TYPE for msg, _ in CASES} == set(range(1, 22))
 
 
 @pytest.mark.parametrize(("msg", "hex_"), CASES, ids=case_id)
@@ -126,7 +127,7 @@ def test_trailing_and_truncated_payloads_are_refused(msg: s.StorageMessage, hex_
 
 
 def test_unknown_type_and_bad_fields_are_refused() -> None:
-    for code in (0, 21, 255):
+    for code in (0, 22, 255):
         with pytest.raises(RemoteProtocolError, match="unknown"):
             s.decode(bytes.fromhex(p(code)))
     with pytest.raises(RemoteProtocolError, match="boolean"):

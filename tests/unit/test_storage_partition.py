@@ -366,3 +366,26 @@ def test_crash_at_random_operations(seed: int) -> None:
     rng = random.Random(seed)
     for crash_at in rng.sample(range(total), 15):
         _crash_and_check(seed, crash_at)
+
+
+def test_repair_overwrites_only_a_damaged_record_with_a_good_copy() -> None:
+    fs = CrashFS()
+    with open_log(fs, threshold=2000) as log:
+        fill(log, 200)
+        seg = log.segment_for(20)
+        assert seg is not None
+        offset, _ = seg.stored_record(20)
+        fs.corrupt(seg.data_path, offset + 10, b"\xee")
+        with pytest.raises(CorruptionError, match="record 20"):
+            log.read_run(15, 10)
+        # A copy that does not verify, or of another length, is refused; good records are left alone.
+        bad_copy = Record(20, make(20).req_id, make(20).header, make(20).data + b"x", make(20).checksum)
+        with pytest.raises(CorruptionError):
+            log.repair([bad_copy])
+        with pytest.raises(StorageError, match="bytes"):
+            log.repair([Record.build(20, make(20).req_id, 0, b"another length entirely")])
+        assert log.repair(batch(15, 10)) == [20]
+        assert log.repair(batch(15, 10)) == []
+        check_all(log)
+        count, run = log.read_run(15, 10)
+        assert RecordRun(15, count, run).records() == batch(15, count)

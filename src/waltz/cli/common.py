@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from waltz.cluster.zk import zk_auth_keys
 from waltz.config import ConfigSchema, Key, flatten, read_yaml
 from waltz.tls import TlsConfig, tls_keys
 
@@ -16,6 +17,7 @@ CLI_CONFIG_SCHEMA = ConfigSchema(
         Key("zookeeper.sessionTimeout", int, 30000, "ZooKeeper session timeout", min_value=1000),
         Key("zookeeper.connectTimeout", int, 10000, "time allowed to connect to ZooKeeper", min_value=100),
         Key("cluster.root", str, doc="the cluster's root znode, e.g. /waltz/mycluster"),
+        *zk_auth_keys(),
         *tls_keys("ssl."),
     ],
     ignore_prefixes=("client.", "server.", "storage."),

@@ -12,9 +12,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
 from waltz.cli import logsetup
 from waltz.cli.common import add_cli_config_arg, load_cli_config, load_cli_tls
 from waltz.cluster.store_metadata import format_ranges
@@ -283,6 +280,10 @@ def _view(args: argparse.Namespace) -> ClusterView:
 
 
 def cmd_recover_partition(args: argparse.Namespace) -> int:
+    # rich is imported here, not at the top: every `waltz` command imports this module.
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
     view = _view(args)
     with Progress(
         TextColumn("partition {task.fields[partition]}"),

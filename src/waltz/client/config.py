@@ -7,6 +7,7 @@ key                                    default    meaning
 =====================================  =========  ===========================================================
 zookeeper.connectString                required   ZooKeeper ensemble ``host:port[,host:port...]``
 zookeeper.sessionTimeout               required   ZooKeeper session timeout (ms)
+zookeeper.authFile                     ""         file with ZooKeeper digest credentials ``user:password``
 cluster.root                           required   the cluster's root znode, e.g. ``/waltz/mycluster``
 client.autoMount                       true       mount every partition; false: only ``set_partitions``
 client.numTransactionRetryThreads      1          accepted for compatibility; retries are asyncio tasks
@@ -68,6 +69,7 @@ CLIENT_SCHEMA = ConfigSchema(
         Key("zookeeper.connectString", str, doc="ZooKeeper ensemble", check=_non_blank),
         Key("zookeeper.sessionTimeout", int, doc="ZooKeeper session timeout (ms)", min_value=1),
         Key("cluster.root", str, doc="the cluster's root znode", check=_znode_path),
+        Key("zookeeper.authFile", str, "", "file with ZooKeeper digest credentials user:password"),
         Key("client.autoMount", bool, True, "mount every partition automatically"),
         Key("client.numTransactionRetryThreads", int, 1, "compatibility only", min_value=1),
         Key("client.numConsumerThreads", int, 10, "callback threads", min_value=1, max_value=1024),
@@ -97,6 +99,8 @@ class ClientConfig:
     zookeeper_connect_string: str = ""
     zookeeper_session_timeout_ms: int = 30000
     cluster_root: str = ""
+    zookeeper_auth_file: str = ""
+    """A file holding ``user:password``: the client's ZooKeeper digest identity (docs/security.md)."""
     auto_mount: bool = True
     num_transaction_retry_threads: int = 1
     num_consumer_threads: int = 10
@@ -191,6 +195,7 @@ _KEY_TO_ATTR: dict[str, str] = {
     "zookeeper.connectString": "zookeeper_connect_string",
     "zookeeper.sessionTimeout": "zookeeper_session_timeout_ms",
     "cluster.root": "cluster_root",
+    "zookeeper.authFile": "zookeeper_auth_file",
     "client.autoMount": "auto_mount",
     "client.numTransactionRetryThreads": "num_transaction_retry_threads",
     "client.numConsumerThreads": "num_consumer_threads",

@@ -17,10 +17,14 @@ How an assignment comes about (see docs/zookeeper.md):
    their endpoints. An inconsistent (stale) assignment is never delivered.
 
 Session states follow kazoo: on ``SUSPENDED`` (connection lost, session maybe alive) the member reports
-``suspended`` and calls ``on_suspended``; the server must stop accepting new work for its partitions until
-``on_resumed``. On ``LOST`` (session expired: our descriptor is gone and our partitions are being moved) the
-member delivers an empty assignment, re-registers as soon as kazoo has a new session, and then delivers
-whatever the coordinator gives it (moved partitions come back with a higher generation).
+``suspended`` and calls ``on_suspended``; the server must stop taking new work for its partitions until
+``on_resumed``. On ``LOST`` (session expired: our descriptor is gone, our partitions may be moved) the member
+stays suspended, re-registers as soon as kazoo has a new session, and resumes once an assignment consistent
+with the new membership names it; it then delivers whatever the coordinator gave it. It does *not* deliver
+an empty assignment in between: a partition that comes back in the same generation never left this server
+(a move always raises the generation), so the server keeps serving it as the same incarnation, mounted
+clients and all; one that moved meanwhile comes back with a higher generation, or not at all. Acting on a
+stale view while LOST is safe because storage nodes fence an old owner's store session (docs/zookeeper.md).
 
 Threading: kazoo calls watches and state listeners on its own threads; those callbacks only hop onto the
 event loop with ``loop.call_soon_threadsafe``. Every blocking kazoo call runs in ``asyncio.to_thread``.
@@ -67,6 +71,7 @@ class Latest(Generic[T]):
         self._seq = 0
         self._changed = asyncio.Event()
         self._closed = False
+        self._error: BaseException | None = None
 
     @property
     def value(self) -> T | None:
@@ -85,6 +90,11 @@ class Latest(Generic[T]):
         self._closed = True
         self._wake()
 
+    def fail(self, error: BaseException) -> None:
+        """Close the channel with an error: readers get the values they have not seen, then ``error``."""
+        self._error = error
+        self.close()
+
     def _wake(self) -> None:
         event, self._changed = self._changed, asyncio.Event()
         event.set()
@@ -99,6 +109,8 @@ class Latest(Generic[T]):
                 yield self._value
                 continue
             if self._closed:
+                if self._error is not None:
+                    raise self._error
                 return
             await event.wait()
 
@@ -179,6 +191,19 @@ class _AssignmentView:
         self.client.add_listener(self._on_state)
         self._dirty.set()
         self._task = asyncio.create_task(self._run(), name=name)
+        self._task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        # The refresh task handles ZooKeeper's errors itself; anything that ends it is a bug. Its readers must
+        # hear of it (their iterator raises), or they would wait for an update that never comes.
+        if task.cancelled() or self._closed:
+            return
+        error = task.exception() or RuntimeError("the refresh task returned")
+        log.error("%s: following the assignment failed", self.paths.root, exc_info=error)
+        self._failed(error)
+
+    def _failed(self, error: BaseException) -> None:
+        raise NotImplementedError
 
     async def _run(self) -> None:
         while not self._closed:
@@ -375,10 +400,10 @@ class ClusterMember(_AssignmentView):
         if state == KazooState.SUSPENDED:
             self._set_suspended(True)
         elif state == KazooState.LOST:
-            # Our ephemeral descriptor is gone with the session: we own nothing any more.
+            # Our ephemeral descriptor is gone with the session: register again, and stay suspended until an
+            # assignment for the new membership says what we own (see the module docstring).
             self._node = None
             self._set_suspended(True)
-            self._deliver({})
         elif state == KazooState.CONNECTED and self._node is not None:
             self._set_suspended(False)
 
@@ -392,6 +417,9 @@ class ClusterMember(_AssignmentView):
         if callback is not None:
             callback()
 
+    def _failed(self, error: BaseException) -> None:
+        self._partitions.fail(error)
+
     def _deliver(self, partitions: dict[int, int]) -> None:
         if self._partitions.publish(partitions) and self._on_assignment is not None:
             self._on_assignment(dict(partitions))
@@ -399,13 +427,15 @@ class ClusterMember(_AssignmentView):
     async def _refresh(self) -> None:
         if self._node is None:
             await asyncio.to_thread(self._register)
-            self._set_suspended(False)
         snap, self._coordinator = await asyncio.to_thread(self._coordinate)
         if not snap.consistent:
             return  # The coordinator's write (or our own) triggers the data watch.
         mine = dict(snap.assignment.servers.get(self.server_id, {}))
         if self._node is not None and self._node.rsplit("/", 1)[-1] in snap.servers:
             self._deliver(mine)
+            if self._connected:
+                # After a LOST session this is the first moment we know what we own again.
+                self._set_suspended(False)
 
 
 class ClusterWatcher(_AssignmentView):
@@ -439,6 +469,9 @@ class ClusterWatcher(_AssignmentView):
 
     def updates(self) -> AsyncIterator[dict[int, tuple[str, int]]]:
         return self._endpoints.updates()
+
+    def _failed(self, error: BaseException) -> None:
+        self._endpoints.fail(error)
 
     async def wait_for(
         self, predicate: Callable[[dict[int, tuple[str, int]]], bool], timeout_s: float = 30.0

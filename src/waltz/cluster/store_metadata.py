@@ -22,6 +22,7 @@ from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import LockTimeout, NoNodeError
+from kazoo.security import ACL, Permissions
 
 from waltz.cluster.cluster_params import ClusterParams
 from waltz.cluster.connection_metadata import ConnectionMetadata
@@ -66,7 +67,7 @@ def create_cluster(
     t.create(root, ClusterParams(name, num_partitions).encode())
     t.create(paths.server_descriptors, PartitionAssignment(NOT_COMPUTED, num_partitions, {}).encode())
     t.create(paths.ids, b"")
-    t.create(paths.client_ids, encode_counter(0))
+    t.create(paths.client_ids, encode_counter(0), acl=_client_ids_acl(client))
     t.create(paths.server_ids, encode_counter(0))
     t.create(paths.store, store.encode())
     t.create(paths.partitions, b"")
@@ -81,6 +82,17 @@ def create_cluster(
     except ConcurrentUpdateError:
         raise ClusterError(f"{root} was created concurrently by someone else") from None
     return store
+
+
+def _client_ids_acl(client: KazooClient) -> list[ACL] | None:
+    """The client-id counter's ACL: the creator's, with the readers (application clients) also allowed to
+    write, since every client takes its id there by compare-and-set. None: the client's default."""
+    default: list[ACL] | None = client.default_acl
+    if not default:
+        return None
+    return [
+        ACL(Permissions.READ | Permissions.WRITE, a.id) if a.perms == Permissions.READ else a for a in default
+    ]
 
 
 def delete_cluster(client: KazooClient, root: str, name: str | None, *, force: bool = False) -> None:

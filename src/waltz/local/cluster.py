@@ -8,10 +8,15 @@ server reporting it healthy. Each process listens on loopback ports (free ones, 
 ``D/client.yaml`` is a client (and CLI) configuration for the cluster.
 
 With ``tls`` (``waltz local up --tls``) a throwaway CA and one certificate each for the storage nodes, the
-servers and the clients (for 127.0.0.1/localhost) are made with ``openssl`` in ``D/tls/``, and every link is
-mutual TLS: storage nodes and servers require client certificates, servers present theirs to storage nodes,
-and ``D/client.yaml`` carries ``client.ssl.*`` (which the admin CLIs accept with ``-c`` as well). ZooKeeper
-and the HTTP ports (``/health``, ``/metrics``) stay plain.
+servers, the clients and the operator (``admin``; for 127.0.0.1/localhost) are made with ``openssl`` in
+``D/tls/``, and every link is mutual TLS: storage nodes and servers require client certificates, servers
+present theirs to storage nodes, and ``D/client.yaml`` carries ``client.ssl.*``. Storage data and admin ports
+accept only the server and admin certificates (``storage.ssl.allowedPeers``): an application's certificate
+cannot fence, truncate or unassign anything. ``D/admin.yaml`` is the operator's CLI configuration (``-c``).
+ZooKeeper gets digest ACLs (docs/security.md): servers, storage nodes and the operator authenticate as the
+cluster identity (``D/tls/zk-cluster.auth``), applications as the client identity (``D/tls/zk-client.auth``,
+read-only but for the client-id counter); anonymous sessions see nothing. ZooKeeper's own port and the HTTP
+ports (``/health``, ``/metrics``) stay plain TCP.
 
 Guarantees:
 
@@ -35,6 +40,7 @@ import asyncio
 import contextlib
 import fcntl
 import json
+import secrets
 import shutil
 import socket
 import sys
@@ -217,8 +223,52 @@ def _allocate_ports(opts: UpOptions) -> dict[str, list[int]]:
     }
 
 
-TLS_NAMES = ("storage", "server", "client")
+TLS_NAMES = ("storage", "server", "client", "admin")
 """One certificate per role in ``D/tls/``: ``<name>.pem`` and ``<name>-key.pem``, plus ``ca.pem``."""
+STORAGE_PEERS = ("waltz server", "waltz admin")
+"""Certificate common names (``waltz <role>``, see ``certs``) allowed on storage data and admin ports."""
+ADMIN_CONFIG_FILE = "admin.yaml"
+ZK_CLUSTER_AUTH = "zk-cluster.auth"
+ZK_CLIENT_AUTH = "zk-client.auth"
+
+
+def _zk_auth_files(cluster: LocalCluster) -> tuple[Path, Path] | None:
+    """The cluster's and the applications' ZooKeeper credential files (only with TLS)."""
+    if not cluster.tls:
+        return None
+    return cluster.tls_dir / ZK_CLUSTER_AUTH, cluster.tls_dir / ZK_CLIENT_AUTH
+
+
+def _make_zk_credentials(cluster: LocalCluster) -> None:
+    files = _zk_auth_files(cluster)
+    if files is None:
+        return
+    cluster.tls_dir.mkdir(parents=True, exist_ok=True)
+    for path, user in zip(files, ("waltz", "client"), strict=True):
+        path.touch(mode=0o600)
+        path.chmod(0o600)
+        path.write_text(f"{user}:{secrets.token_urlsafe(24)}\n", encoding="ascii")
+
+
+def _zk_keys(cluster: LocalCluster, *, identity: str) -> dict[str, Any]:
+    """``zookeeper.authFile`` (and, for the cluster identity, ``aclReaders``), or nothing without TLS."""
+    files = _zk_auth_files(cluster)
+    if files is None:
+        return {}
+    cluster_file, client_file = files
+    if identity == "client":
+        return {"zookeeper.authFile": str(client_file)}
+    reader = zkutil.digest_id(zkutil.read_auth_file(str(client_file)))
+    return {"zookeeper.authFile": str(cluster_file), "zookeeper.aclReaders": reader}
+
+
+def _zk_connect(cluster: LocalCluster, connect_timeout_ms: int) -> Any:
+    """The orchestrator's ZooKeeper session, authenticated as the cluster identity when there is one."""
+    keys = _zk_keys(cluster, identity="cluster")
+    auth = zkutil.ZkAuth.from_config(keys, str(cluster.tls_dir)) if keys else None
+    return zkutil.connect(
+        cluster.zk_connect, session_timeout_ms=10_000, connect_timeout_ms=connect_timeout_ms, auth=auth
+    )
 
 
 def _tls_keys(cluster: LocalCluster, prefix: str, name: str) -> dict[str, Any]:
@@ -235,7 +285,7 @@ def _tls_keys(cluster: LocalCluster, prefix: str, name: str) -> dict[str, Any]:
 
 def _admin_ssl(cluster: LocalCluster) -> SSLContext | None:
     """The context this orchestrator uses towards the storage admin ports (the client certificate)."""
-    keys = _tls_keys(cluster, "ssl.", "client")
+    keys = _tls_keys(cluster, "ssl.", "admin")
     return TlsConfig.from_config(keys, "ssl.", role="connect", source=str(cluster.tls_dir)).client_context()
 
 
@@ -251,6 +301,8 @@ def _storage_config(cluster: LocalCluster, rec: ProcessRecord, segment_size_byte
         "zookeeper.sessionTimeout": cluster.zk_session_timeout_ms,
         "cluster.root": cluster.cluster_root,
         **_tls_keys(cluster, "storage.ssl.", "storage"),
+        **({"storage.ssl.allowedPeers": ",".join(STORAGE_PEERS)} if cluster.tls else {}),
+        **_zk_keys(cluster, identity="cluster"),
     }
 
 
@@ -268,6 +320,7 @@ def _server_config(cluster: LocalCluster, rec: ProcessRecord) -> dict[str, Any]:
         "storage.maxRetryInterval": 1000,
         "storage.rpcTimeout": 5000,
         **_tls_keys(cluster, "server.ssl.", "server"),
+        **_zk_keys(cluster, identity="cluster"),
     }
 
 
@@ -276,6 +329,17 @@ def _client_config(cluster: LocalCluster) -> dict[str, Any]:
         "zookeeper": {"connectString": cluster.zk_connect, "sessionTimeout": 30000},
         "cluster": {"root": cluster.cluster_root},
         **_tls_keys(cluster, "client.ssl.", "client"),
+        **_zk_keys(cluster, identity="client"),
+    }
+
+
+def _admin_config(cluster: LocalCluster) -> dict[str, Any]:
+    """The operator's CLI configuration (``waltz cluster|storage ... -c D/admin.yaml``)."""
+    return {
+        "zookeeper.connectString": cluster.zk_connect,
+        "cluster.root": cluster.cluster_root,
+        **_tls_keys(cluster, "ssl.", "admin"),
+        **_zk_keys(cluster, identity="cluster"),
     }
 
 
@@ -300,7 +364,7 @@ async def _assign_on_nodes(
 
 
 def _cluster_key(cluster: LocalCluster) -> Any:
-    client = zkutil.connect(cluster.zk_connect, session_timeout_ms=10_000, connect_timeout_ms=5_000)
+    client = _zk_connect(cluster, 5_000)
     try:
         return sm.read_store_params(client, cluster.cluster_root).cluster_key
     finally:
@@ -361,7 +425,7 @@ def _remove_data(cluster: LocalCluster) -> None:
             Path(rec.config).unlink(missing_ok=True)
         if rec.stdout:
             Path(rec.stdout).unlink(missing_ok=True)
-    for name in (STATE_FILE, CLIENT_CONFIG_FILE):
+    for name in (STATE_FILE, CLIENT_CONFIG_FILE, ADMIN_CONFIG_FILE):
         (d / name).unlink(missing_ok=True)
     shutil.rmtree(cluster.tls_dir, ignore_errors=True)
 
@@ -450,7 +514,8 @@ def _bring_up(cluster: LocalCluster, opts: UpOptions, report: Report) -> None:
         f"creating cluster {cluster.cluster_name!r} at {cluster.cluster_root}: "
         f"{cluster.num_partitions} partitions"
     )
-    client = zkutil.connect(cluster.zk_connect, session_timeout_ms=10_000, connect_timeout_ms=10_000)
+    _make_zk_credentials(cluster)
+    client = _zk_connect(cluster, 10_000)
     try:
         store = sm.create_cluster(client, cluster.cluster_root, cluster.cluster_name, cluster.num_partitions)
         for rec in cluster.storages:
@@ -493,6 +558,7 @@ def _bring_up(cluster: LocalCluster, opts: UpOptions, report: Report) -> None:
     report("waiting until every partition is served")
     _wait_served(cluster, timeout_s)
     _write_yaml(cluster.client_config_path, _client_config(cluster))
+    _write_yaml(cluster.directory / ADMIN_CONFIG_FILE, _admin_config(cluster))
     cluster.state = "running"
     cluster.save()
 
@@ -582,7 +648,8 @@ def start(
             return rec
         if not procs.is_alive(cluster.zookeeper.process):
             raise ClusterError(
-                "ZooKeeper is not running; the cluster cannot be repaired one process at a time"
+                f"ZooKeeper is not running: start it first with `waltz local start --dir {cluster.directory} "
+                "--zookeeper`"
             )
         _start_process(rec, timeout_s)
         cluster.save()
@@ -705,6 +772,10 @@ def status(directory: str | Path) -> ClusterStatus:
         if procs.is_alive(rec.process):
             healthy |= probe.served_partitions(rec.http_port)  # also refreshes the gauges read below
             hwm.update(probe.partition_gauges(rec.http_port, "waltz_server_high_water_mark"))
+    # Why a process is unhealthy, in its own words (a partition that takes no appends, a failed task...).
+    for rec in [*cluster.servers, *cluster.storages]:
+        if rec.http_port and procs.is_alive(rec.process):
+            result.errors.extend(f"{rec.name}: {problem}" for problem in probe.problems(rec.http_port))
     for p in result.partitions:
         p.healthy = p.partition in healthy
         if p.partition in hwm:
@@ -725,7 +796,7 @@ def status(directory: str | Path) -> ClusterStatus:
 
 
 def _zk_status(cluster: LocalCluster, result: ClusterStatus, by_id: dict[int, ProcessRecord]) -> None:
-    client = zkutil.connect(cluster.zk_connect, session_timeout_ms=10_000, connect_timeout_ms=3_000)
+    client = _zk_connect(cluster, 3_000)
     try:
         info = sm.describe_cluster(client, cluster.cluster_root)
     finally:
@@ -793,7 +864,11 @@ async def _storage_status(cluster: LocalCluster, result: ClusterStatus) -> None:
 def _tls_line(cluster: LocalCluster) -> str:
     if not cluster.tls:
         return "TLS: off"
-    return f"TLS: mutual, on every storage, server and client link; CA and certificates in {cluster.tls_dir}"
+    return (
+        f"TLS: mutual, on every storage, server and client link; CA and certificates in {cluster.tls_dir}\n"
+        f"ZooKeeper: digest ACLs (credentials in {cluster.tls_dir}); operator config: "
+        f"{cluster.directory / ADMIN_CONFIG_FILE}"
+    )
 
 
 def render_status(st: ClusterStatus) -> str:

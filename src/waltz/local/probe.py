@@ -50,6 +50,20 @@ def served_partitions(port: int) -> set[int]:
     return {int(p) for p, ok in parts.items() if ok} if isinstance(parts, dict) else set()
 
 
+def problems(port: int) -> list[str]:
+    """What a process's ``/health`` says is wrong, one line each (empty if healthy or silent)."""
+    value = health(port)
+    if value is None or value.get("healthy", True):
+        return []
+    listed = value.get("problems")
+    if isinstance(listed, list):
+        return [str(p) for p in listed]
+    parts = value.get("partitions")
+    if isinstance(parts, dict):  # a storage node: {partition: reason}
+        return [f"partition {p}: {why}" for p, why in parts.items() if isinstance(why, str)]
+    return ["unhealthy"]
+
+
 def partition_gauges(port: int, metric: str) -> dict[int, float]:
     """``{partition: value}`` of a per-partition gauge in ``/metrics`` (empty if unavailable)."""
     try:

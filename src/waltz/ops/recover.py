@@ -106,6 +106,8 @@ def copy_target(
             )
             + "); pick another source, or give --force"
         )
+    if c.kind in (ReplicaClass.RESTORED, ReplicaClass.NEW):
+        return max_id, c.kind  # --force: no trustworthy replica is left, copy everything this one holds
     target = max_id if c.truncate_to is None else min(max_id, c.truncate_to)
     return target, c.kind
 

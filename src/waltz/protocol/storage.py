@@ -31,7 +31,12 @@ code  message                    fields after the prefix
 18    RecordListResponse         i32 n · n x Record
 19    RecordRunRequest           i64 transaction_id · i32 max_records · i32 max_bytes   (ours)
 20    RecordRunResponse          i32 n · bytes run: n records as stored (ours)
+21    RepairRequest              i32 n · n x Record   (ours; answered by Success)
 ====  =========================  ===================================================================
+
+21 is not the original's either: good copies of records a replica reported damaged (a read failed there with
+CorruptionError). The node overwrites a stored record only if it does not verify and the copy does, with the
+same id and stored length; see ``PartitionLog.repair``.
 
 19/20 are not the original's: a bulk read that returns consecutive records exactly as the data file holds
 them (a *record run*, :mod:`waltz.protocol.record_run`), read with one ``pread`` and not decoded by the node;
@@ -628,6 +633,22 @@ class RecordRunResponse(StorageMessage):
         return cls(session_id, seq_num, partition_id, count, run)
 
 
+@dataclass(frozen=True, slots=True)
+class RepairRequest(StorageMessage):
+    """Good copies of committed records to overwrite damaged ones with (see the module docstring)."""
+
+    TYPE: ClassVar[int] = 21
+
+    records: Sequence[Record]
+
+    def _write(self, w: Writer) -> None:
+        write_record_list(w, self.records)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, read_record_list(r))
+
+
 _BY_TYPE: Final[dict[int, type[StorageMessage]]] = {
     cls.TYPE: cls
     for cls in (
@@ -651,6 +672,7 @@ _BY_TYPE: Final[dict[int, type[StorageMessage]]] = {
         RecordListResponse,
         RecordRunRequest,
         RecordRunResponse,
+        RepairRequest,
     )
 }
 

@@ -81,6 +81,9 @@ class TcpReplicaConnection:
     async def read_record(self, transaction_id: int) -> Record | None:
         return await self._live().read_record(self._session_id, self._partition_id, transaction_id)
 
+    async def repair(self, records: Sequence[Record]) -> None:
+        await self._live().repair(self._session_id, self._partition_id, records)
+
     async def aclose(self) -> None:
         # The TCP connection is shared with other partitions; only this view of it closes.
         self._closed = True

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from waltz.cluster.zk import ZkAuth, zk_auth_keys
 from waltz.config import ConfigSchema, Key, distinct_ports, host_port, read_yaml
 from waltz.errors import ConfigError
 from waltz.server.store.support import StoreConfig
@@ -23,6 +24,7 @@ SERVER_SCHEMA = ConfigSchema(
         Key("zookeeper.sessionTimeout", int, 30000, "ZooKeeper session timeout (ms)", 1000),
         Key("zookeeper.connectTimeout", int, 10000, "time allowed to reach ZooKeeper at start (ms)", 100),
         Key("cluster.root", str, doc="cluster root znode"),
+        *zk_auth_keys(),
         Key("server.host", str, "127.0.0.1", "address to listen on and to advertise"),
         Key("server.port", int, doc="client port (0 = pick a free port)", min_value=0, max_value=65535),
         Key(
@@ -40,7 +42,27 @@ SERVER_SCHEMA = ConfigSchema(
         Key("server.maxFrameBytes", int, 32 * 1024 * 1024, "largest frame accepted", 1024, 2**31 - 1),
         Key("server.appendQueueSize", int, 1000, "appends queued per partition", 1, 1_000_000),
         Key("server.preferredPartitions", str, "", "partition ranges this server prefers, e.g. 0-3"),
+        # Bounds per client connection (what one peer may hold; see docs/operations.md, "Limits").
+        Key("server.connection.maxInFlight", int, 64, "unanswered mounts/reads/flushes per connection", 1),
+        Key(
+            "server.connection.maxResponseBytes",
+            int,
+            64 * 1024 * 1024,
+            "bytes of read responses one connection may hold (being read or unsent)",
+            1024,
+        ),
+        Key("server.connection.idleTimeout", int, 180_000, "close a connection silent this long (ms)", 100),
+        Key("server.maxConnections", int, 1024, "client connections served at once", 1, 1_000_000),
+        Key("server.connection.maxPerSource", int, 256, "connections from one address", 1, 1_000_000),
+        Key("server.maxFetchesInFlight", int, 64, "transaction data store reads at once", 1, 100_000),
         Key("storage.maxBatchSize", int, 100, "appends per replication round", 1, 100_000),
+        Key(
+            "storage.maxBatchBytes",
+            int,
+            4 * 1024 * 1024,
+            "data bytes per replication round (a larger single append still goes alone)",
+            1024,
+        ),
         Key("storage.maxInflightBatches", int, 4, "replication rounds in flight per partition", 1, 64),
         Key("storage.initialRetryInterval", int, 100, "first retry delay (ms)", 1),
         Key("storage.maxRetryInterval", int, 20000, "largest retry delay (ms)", 1),
@@ -77,6 +99,14 @@ class ServerConfig:
     store: StoreConfig
     tls: TlsConfig = field(default_factory=lambda: TlsConfig(prefix="server.ssl."))
     """``server.ssl.*``: TLS towards clients and towards storage nodes (see :mod:`waltz.tls`)."""
+    connection_max_in_flight: int = 64
+    connection_max_response_bytes: int = 64 * 1024 * 1024
+    connection_idle_timeout_ms: int = 180_000
+    max_connections: int = 1024
+    max_connections_per_source: int = 256
+    max_fetches_in_flight: int = 64
+    zookeeper_auth: ZkAuth = field(default_factory=ZkAuth)
+    """``zookeeper.authFile``/``aclReaders``: how the server authenticates with ZooKeeper."""
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], source: str = "server config") -> ServerConfig:
@@ -108,6 +138,7 @@ class ServerConfig:
             preferred_partitions=c["server.preferredPartitions"],
             store=StoreConfig(
                 max_batch_size=batch,
+                max_batch_bytes=c["storage.maxBatchBytes"],
                 max_queued_appends=2 * batch,
                 max_inflight_batches=c["storage.maxInflightBatches"],
                 # The original copies 20 records per catch-up round trip; a replica added to a busy partition
@@ -125,6 +156,13 @@ class ServerConfig:
                 rpc_timeout_ms=c["storage.rpcTimeout"],
             ),
             tls=TlsConfig.from_config(c, "server.ssl.", role="both", source=source),
+            connection_max_in_flight=c["server.connection.maxInFlight"],
+            connection_max_response_bytes=c["server.connection.maxResponseBytes"],
+            connection_idle_timeout_ms=c["server.connection.idleTimeout"],
+            max_connections=c["server.maxConnections"],
+            max_connections_per_source=c["server.connection.maxPerSource"],
+            max_fetches_in_flight=c["server.maxFetchesInFlight"],
+            zookeeper_auth=ZkAuth.from_config(c, source),
         )
 
     @classmethod

@@ -15,10 +15,13 @@ Per partition there is one **append task** and one **feed task per mounted clien
 * A mount first drains the append queue (so nothing of the client is pending here), then streams the
   transactions the client lacks and finishes with MountResponse(READY); a client whose high-water mark is
   above ours gets CLIENT_AHEAD. A newer connection (generation, then connection sequence number) of the
-  same client replaces the older one, whose appends and feed requests are ignored from then on.
+  same client replaces the older one.
 
-Requests carrying another generation than the partition's are dropped: the client finds out through the
-feed or a flush, and re-reads the assignment.
+A partition object is one *incarnation*: it lives for one generation on this server, and its registrations
+die with it. Nothing is dropped silently: :meth:`Partition.append`, :meth:`Partition.feed_request` and
+:meth:`Partition.accepts` return False for a request this incarnation cannot take (another generation, a
+connection that is not the client's current mount here), and the caller tells the client to mount again
+(MountResponse NOT_READY on its mount session). :meth:`Partition.close` tells every mounted client the same.
 """
 
 from __future__ import annotations
@@ -37,9 +40,14 @@ from waltz.protocol.records import RecordHeader, ReqId
 from waltz.server.feed_cache import FeedCache
 from waltz.server.locks import LockRequest, LockTable
 from waltz.server.store.store_partition import StorePartition
-from waltz.server.transaction_cache import TransactionCache
+from waltz.server.transaction_cache import TransactionCache, TransactionData, TransactionFetcher
 
 log = logging.getLogger(__name__)
+
+
+class _NoSuchTransaction(Exception):
+    """A load found no such transaction (the fetcher does not cache it; transaction_data answers None)."""
+
 
 FEED_BATCH = 64
 """Feed entries read from the cache or the store at a time (one feed-cache block)."""
@@ -61,6 +69,8 @@ class _Registration:
     peer: Peer
     generation: int
     seq_num: int
+    session: ReqId
+    """The MountRequest's ReqId: a MountResponse naming it ends the client's mount."""
 
 
 @dataclass
@@ -114,11 +124,14 @@ class Partition:
         min_fetch_size: int = 100,
         append_queue_size: int = 1000,
         metrics: PartitionMetrics | None = None,
+        fetcher: TransactionFetcher | None = None,
     ) -> None:
         self.partition_id = partition_id
         self.store = store
         self._feed_cache = feed_cache
         self._txn_cache = transaction_cache
+        self._fetcher = fetcher
+        """Shared by the server's partitions: bounds and coalesces store reads of transaction data."""
         self._lock_table_size = lock_table_size
         self._min_fetch_size = min_fetch_size
         self._queue: asyncio.Queue[_Append | _Flush] = asyncio.Queue(append_queue_size)
@@ -129,7 +142,11 @@ class Partition:
         self._notify_scheduled = False
         self._ready = asyncio.Event()
         self._closed = False
+        self.failure: BaseException | None = None
+        """Why the append task died (a bug): the partition then takes no appends, and health says so."""
         self.metrics = metrics or PartitionMetrics()
+        self.on_failure: Callable[[Partition], None] | None = None
+        """Called on the loop when the append task fails: the owner decides what becomes of the partition."""
         self.pending_appends = 0
         self.lock_failures = 0
         self._committed = 0
@@ -148,7 +165,19 @@ class Partition:
 
     @property
     def is_healthy(self) -> bool:
-        return self.store.is_healthy
+        """True while the partition takes appends: its append task runs and its store session is open."""
+        return self.problem is None
+
+    @property
+    def problem(self) -> str | None:
+        """Why the partition takes no appends now, or None if it does."""
+        if self._closed:
+            return "closed"
+        if self.failure is not None:
+            return f"append task failed: {self.failure!r}"
+        if not self.store.is_healthy:
+            return "no open store session (recovering, or too few replicas reachable)"
+        return None
 
     @property
     def feed_context_count(self) -> int:
@@ -156,11 +185,33 @@ class Partition:
 
     async def start(self) -> None:
         await self.store.start()
-        self._tasks.append(asyncio.create_task(self._append_loop(), name=f"append-{self.partition_id}"))
+        task = asyncio.create_task(self._append_loop(), name=f"append-{self.partition_id}")
+        task.add_done_callback(self._append_loop_done)
+        self._tasks.append(task)
+
+    def _append_loop_done(self, task: asyncio.Task[None]) -> None:
+        # The append task only ends by cancellation (close); anything else is a bug that leaves the partition
+        # unable to append. Say so once, loudly, and let health report it (the server reopens the partition).
+        if task.cancelled() or self._closed:
+            return
+        error = task.exception() or RuntimeError("the append task returned")
+        self.failure = error
+        log.error(
+            "partition %d: the append task failed; the partition takes no appends",
+            self.partition_id,
+            exc_info=error,
+        )
+        if self.on_failure is not None:
+            self.on_failure(self)
 
     async def close(self) -> None:
-        """Stop the tasks, end feeds and close the store partition."""
+        """Stop the tasks, end feeds, tell every mounted client to mount again, close the store partition."""
         self._closed = True
+        # Without this a client whose connection stays up would keep talking to an incarnation that is gone.
+        for reg in self._registrations.values():
+            if not reg.peer.closed:
+                reg.peer.send(cs.MountResponse(reg.session, cs.PartitionState.NOT_READY))
+        self._registrations.clear()
         for ctx in list(self._feeds.values()):
             self._end_feed(ctx)
         tasks = self._tasks + [c.task for c in self._feeds.values() if c.task is not None]
@@ -186,11 +237,18 @@ class Partition:
         reg = self._registrations.get(req_id.client_id)
         return reg is not None and reg.peer is peer
 
-    async def append(self, peer: Peer, msg: cs.AppendRequest) -> None:
-        """Queue an append (waits while the queue is full: back pressure on that connection)."""
-        if msg.req_id.generation != self.generation or not self._is_current(peer, msg.req_id):
-            return  # stale generation or superseded connection: dropped, as the protocol says
+    def accepts(self, peer: Peer, req_id: ReqId) -> bool:
+        """Whether an append or flush from ``peer`` belongs to this incarnation: the current mount of its
+        client, in this generation. If not, the caller must tell the client to mount again."""
+        return not self._closed and req_id.generation == self.generation and self._is_current(peer, req_id)
+
+    async def append(self, peer: Peer, msg: cs.AppendRequest) -> bool:
+        """Queue an append (waits while the queue is full: back pressure on that connection); False if this
+        incarnation cannot take it (see :meth:`accepts`)."""
+        if not self.accepts(peer, msg.req_id):
+            return False
         await self._queue.put(_Append(peer, msg, time.monotonic()))
+        return True
 
     async def flush(self) -> int:
         """Wait until every append queued before this call is resolved; return the high-water mark."""
@@ -199,8 +257,7 @@ class Partition:
         return await fut
 
     async def flush_request(self, peer: Peer, msg: cs.FlushRequest) -> None:
-        if not self._is_current(peer, msg.req_id):
-            return
+        """Answer a flush accepted by :meth:`accepts` once every append before it is resolved."""
         hwm = await self.flush()
         peer.send(cs.FlushResponse(msg.req_id, hwm))
 
@@ -213,8 +270,10 @@ class Partition:
         if reg is not None and reg.peer is not peer:
             newer = (rid.generation, msg.seq_num) >= (reg.generation, reg.seq_num)
             if not newer:
-                return  # a mount from a stale connection of this client is ignored
-        self._registrations[rid.client_id] = _Registration(peer, rid.generation, msg.seq_num)
+                # A mount from a superseded connection of this client: that connection is over.
+                peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
+                return
+        self._registrations[rid.client_id] = _Registration(peer, rid.generation, msg.seq_num, rid)
         old = self._feeds.pop(rid.client_id, None)
         if old is not None:
             self._end_feed(old)
@@ -235,15 +294,18 @@ class Partition:
         ctx = _FeedContext(peer, rid.client_id, rid, msg.client_high_water_mark + 1, mount_target=hwm)
         self._start_feed(ctx)
 
-    def feed_request(self, peer: Peer, msg: cs.FeedRequest) -> None:
+    def feed_request(self, peer: Peer, msg: cs.FeedRequest) -> bool:
+        """Open the next feed window; False if the request names no current feed session of its client (the
+        caller answers NOT_READY on that session, which the client ignores unless it is still its own)."""
         ctx = self._feeds.get(msg.req_id.client_id)
         if ctx is None or ctx.peer is not peer or ctx.session != msg.req_id:
-            return  # not the current feed session of this client
+            return False
         if ctx.mount_target is not None:
-            return  # still catching up for the mount; the client asks again after READY
+            return True  # still catching up for the mount; the client asks again after READY
         ctx.next_id = msg.client_high_water_mark + 1
         ctx.remaining = max(self._min_fetch_size, self.high_water_mark - msg.client_high_water_mark)
         ctx.wake.set()
+        return True
 
     def disconnect(self, peer: Peer) -> None:
         """Forget a closed connection: its registration and its feed."""
@@ -262,11 +324,25 @@ class Partition:
             return cached.data, cached.checksum
         if transaction_id > self.high_water_mark or transaction_id < 0:
             return None
+        if self._fetcher is None:
+            try:
+                found = await self.load_transaction(transaction_id)
+            except _NoSuchTransaction:
+                return None
+            self._txn_cache.put(self.partition_id, transaction_id, found.data, found.checksum)
+            return found.data, found.checksum
+        try:
+            found = await self._fetcher.fetch(self.partition_id, transaction_id)
+        except _NoSuchTransaction:
+            return None
+        return found.data, found.checksum
+
+    async def load_transaction(self, transaction_id: int) -> TransactionData:
+        """Read a committed transaction from the store (the fetcher's loader for this partition)."""
         record = await self.store.read_record(transaction_id)
         if record is None:
-            return None
-        self._txn_cache.put(self.partition_id, transaction_id, record.data, record.checksum)
-        return record.data, record.checksum
+            raise _NoSuchTransaction(transaction_id)
+        return TransactionData(record.data, record.checksum)
 
     # -- the append task -------------------------------------------------------------------------------------
 

@@ -3,15 +3,30 @@
 * **Ownership** comes from ZooKeeper (:class:`~waltz.cluster.membership.ClusterMember`): a partition assigned
   to us is opened (a :class:`~waltz.server.partition.Partition` over a
   :class:`~waltz.server.store.store_partition.StorePartition`), a raised generation is passed on, a partition
-  that moved away is closed. While the ZooKeeper connection is SUSPENDED the server takes no new appends or
-  mounts (it may no longer be the owner); its store sessions stay fenced by the storage nodes regardless.
+  that moved away is closed. A :class:`~waltz.server.partition.Partition` is one incarnation: it lives for
+  one generation, so a raised generation closes it and opens a new one (its lock table and registrations
+  may be stale: the partition was elsewhere meanwhile). While the ZooKeeper connection is SUSPENDED, or its
+  session LOST and not yet re-registered, the server holds new appends, flushes and mounts until it knows
+  what it owns again (at most one session timeout; then it answers them as not mounted). It keeps its
+  partitions meanwhile: one that comes back in the same generation never left, and carries on as it was.
+  Store sessions stay fenced by the storage nodes regardless, so a stale owner cannot commit.
 * **Replica sets** come from ``<root>/store/assignment``, watched: a change makes the affected partitions
   start a new store session against the new set (recovery brings new replicas up to date).
 * **Connections** speak the client<->server protocol (frame magic 'L', codec versions 0..4). Each
   connection's messages are handled in order; appends wait when the partition's queue is full, which stops
-  reading that connection (back pressure). Requests for a partition we do not own get MountResponse
-  NOT_READY, a TransactionDataResponse error, or (append, feed, flush, high-water mark) are dropped, as the
-  protocol says; the client re-reads the assignment.
+  reading that connection (back pressure). **No request goes unanswered**: one for a partition we do not
+  own, or from a connection that is not the client's current mount of it, ends that mount (MountResponse
+  NOT_READY on the mount's ReqId; the client mounts again wherever the assignment then says); a
+  TransactionDataRequest gets an error response; a high-water mark or range request for a partition we do
+  not own closes the connection (its RPC fails at once and is retried on the owner), as does a stream
+  request for a partition the connection never mounted (a protocol violation).
+* **Bounds per connection** (``server.connection.*``, docs/operations.md "Limits"): at most ``maxInFlight``
+  mounts, reads and flushes unanswered (the connection is not read meanwhile); read responses reserve their
+  bytes from a ``maxResponseBytes`` budget until they left our write buffer, so a peer that asks and never
+  reads holds at most that much; connections silent (or not reading) for ``idleTimeout`` are closed; at most
+  ``maxConnections`` connections, ``maxPerSource`` from one address. Transaction data reads go through one
+  :class:`~waltz.server.transaction_cache.TransactionFetcher` (cache first, one load per key, at most
+  ``server.maxFetchesInFlight`` store reads at once).
 """
 
 from __future__ import annotations
@@ -19,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,38 +49,73 @@ from waltz.cluster.replica_assignments import ReplicaAssignments
 from waltz.cluster.store_metadata import read_store_params
 from waltz.cluster.zk import ClusterPaths
 from waltz.config import parse_partition_ranges
-from waltz.errors import ConnectionError_, RemoteProtocolError, WaltzError
+from waltz.errors import ConnectionError_, PartitionNotReadyError, RemoteProtocolError, WaltzError
 from waltz.http import HttpEndpoint, build_info, listen, new_registry
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
+from waltz.protocol.records import ReqId
 from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
 from waltz.server.config import ServerConfig
 from waltz.server.feed_cache import FeedCache
 from waltz.server.partition import Partition, PartitionMetrics
 from waltz.server.store.store_partition import StorePartition
-from waltz.server.transaction_cache import TransactionCache
-from waltz.transport import FramedConnection, FramedServer, serve, tune_gc, wait_for_stop_signal
+from waltz.server.transaction_cache import TransactionCache, TransactionData, TransactionFetcher
+from waltz.transport import (
+    ByteBudget,
+    FramedConnection,
+    FramedServer,
+    RateLimitedLog,
+    reason_kind,
+    serve,
+    tune_gc,
+    wait_for_stop_signal,
+)
 
 log = logging.getLogger(__name__)
+_peer_warnings = RateLimitedLog(log)
 
 SERVER_HELLO = "Waltz Server"
 MAX_RANGE_RECORDS = 10_000
 """Most records one TransactionRangeRequest is answered with."""
 
 
+class _CloseConnection(Exception):
+    """Raised by a request handler when the only honest answer is to close the connection."""
+
+
 class _Connection:
-    """A client connection as partitions see it (implements :class:`waltz.server.partition.Peer`)."""
+    """A client connection as partitions see it (implements :class:`waltz.server.partition.Peer`), with its
+    bounds: ``slots`` for unanswered spawned requests and ``budget`` for the bytes of read responses."""
 
-    __slots__ = ("_conn", "_version", "client_id")
+    __slots__ = ("_conn", "_version", "budget", "client_id", "mounts", "slots")
 
-    def __init__(self, conn: FramedConnection) -> None:
+    def __init__(self, conn: FramedConnection, max_in_flight: int, max_response_bytes: int) -> None:
         self._conn = conn
         self._version = conn.negotiated_version
         self.client_id: int | None = None
+        self.mounts: dict[int, ReqId | None] = {}
+        """Per partition, the ReqId of the latest MountRequest on this connection; None once we ended it."""
+        self.slots = asyncio.Semaphore(max_in_flight)
+        self.budget = ByteBudget(max_response_bytes)
+
+    def end_mount(self, partition_id: int) -> bool:
+        """Tell the client its mount of ``partition_id`` on this connection is over (MountResponse NOT_READY),
+        once per mount. False if the connection never mounted the partition: nothing to answer on."""
+        if partition_id not in self.mounts:
+            return False
+        session = self.mounts[partition_id]
+        if session is not None:
+            self.mounts[partition_id] = None
+            self.send(cs.MountResponse(session, cs.PartitionState.NOT_READY))
+        return True
 
     @property
     def closed(self) -> bool:
         return self._conn.is_closed
+
+    @property
+    def source(self) -> str:
+        return self._conn.source
 
     def send(self, msg: cs.Message) -> None:
         with contextlib.suppress(ConnectionError_):
@@ -125,6 +176,12 @@ class _Metrics:
             ["partition"],
             registry=registry,
         )
+        self.damaged_reads = Gauge(
+            "waltz_server_damaged_replica_reads",
+            "Reads that found a replica's stored copy damaged and went to another replica",
+            ["partition"],
+            registry=registry,
+        )
 
     # Gauges of live state are read when scraped (set_function), not copied now and then: a scrape of
     # /metrics alone must see the current high-water mark.
@@ -135,10 +192,11 @@ class _Metrics:
         self.pending.labels(label).set_function(lambda: part.pending_appends)
         self.feeds.labels(label).set_function(lambda: part.feed_context_count)
         self.healthy.labels(label).set_function(lambda: 1 if part.is_healthy else 0)
+        self.damaged_reads.labels(label).set_function(lambda: sum(part.store.damaged_replicas.values()))
 
     def unexport_partition(self, pid: int) -> None:
         label = str(pid)
-        for gauge in (self.hwm, self.pending, self.feeds, self.healthy, self.generation):
+        for gauge in (self.hwm, self.pending, self.feeds, self.healthy, self.generation, self.damaged_reads):
             with contextlib.suppress(KeyError):
                 gauge.remove(label)
 
@@ -244,6 +302,9 @@ class WaltzServer:
         self.metadata_store = ZkPartitionMetadataStore(zk_client, config.cluster_root)
         self.feed_cache = FeedCache(config.feed_cache_bytes, num_partitions)
         self.transaction_cache = TransactionCache(config.transaction_cache_bytes)
+        self.fetcher = TransactionFetcher(
+            self.transaction_cache, self._load_transaction, max_in_flight=config.max_fetches_in_flight
+        )
         self.metrics.export_caches(self.feed_cache, self.transaction_cache)
         self.registry.register(_StoreCollector(lambda: self.partitions))
         self.partitions: dict[int, Partition] = {}
@@ -254,7 +315,13 @@ class WaltzServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._reconcile_lock = asyncio.Lock()
         self._replicas_changed = asyncio.Event()
+        self.failure: BaseException | None = None
+        """Why the server stopped following ZooKeeper (a bug): it must not go on serving; see run_server."""
+        self._failed = asyncio.Event()
         self._suspended = False
+        self._suspended_at = 0.0
+        self._resumed = asyncio.Event()
+        self._resumed.set()
         self.port = 0
         self.http_port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -268,6 +335,7 @@ class WaltzServer:
             config.zookeeper_connect,
             session_timeout_ms=config.zookeeper_session_timeout_ms,
             connect_timeout_ms=config.zookeeper_connect_timeout_ms,
+            auth=config.zookeeper_auth,
         )
         try:
             params = await asyncio.to_thread(read_store_params, client, config.cluster_root)
@@ -297,6 +365,9 @@ class WaltzServer:
                 versions=cs.SUPPORTED_VERSIONS,
                 hello_text=SERVER_HELLO,
                 max_frame_bytes=self.config.max_frame_bytes,
+                max_connections=self.config.max_connections,
+                max_connections_per_source=self.config.max_connections_per_source,
+                idle_timeout_s=self.config.connection_idle_timeout_ms / 1000,
                 ssl=ssl,
             ),
         )
@@ -324,8 +395,9 @@ class WaltzServer:
             on_resumed=self._on_resumed,
         )
         await self.member.start()
-        self._tasks.add(asyncio.create_task(self._follow_assignments(), name="server-assignments"))
-        self._tasks.add(asyncio.create_task(self._follow_replica_sets(), name="server-replica-sets"))
+        followers = asyncio.create_task(self._follow(), name="server-followers")
+        followers.add_done_callback(self._followers_done)
+        self._tasks.add(followers)
         log.info(
             "server %d serving clients on %s:%d%s (%d partitions in the cluster)",
             self.member.server_id,
@@ -350,6 +422,7 @@ class WaltzServer:
         self._tasks.clear()
         if self._listener is not None:
             await self._listener.aclose()
+        await self.fetcher.aclose()
         for p in list(self.partitions.values()):
             with contextlib.suppress(Exception):
                 await p.close()
@@ -369,11 +442,57 @@ class WaltzServer:
 
     def _on_suspended(self) -> None:
         self._suspended = True
-        log.debug("ZooKeeper connection suspended: not accepting new work")
+        self._suspended_at = time.monotonic()
+        self._resumed.clear()
+        log.warning("ZooKeeper connection suspended: holding new work until it is back")
 
     def _on_resumed(self) -> None:
         self._suspended = False
-        log.debug("ZooKeeper connection resumed")
+        self._resumed.set()
+        log.info(
+            "ZooKeeper connection resumed after %.1f s; serving partitions %s",
+            time.monotonic() - self._suspended_at,
+            sorted(self.partitions),
+        )
+
+    async def _owned(self, partition_id: int) -> Partition | None:
+        """The partition if we own it. While ZooKeeper is suspended we may not be the owner any more, so this
+        waits until it is back: a short pause then only delays work. The wait is bounded by one session
+        timeout from the suspension (by then the session is gone anyway); after it, None."""
+        if self._suspended:
+            deadline_s = self._suspended_at + self.config.zookeeper_session_timeout_ms / 1000
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, deadline_s - time.monotonic())):
+                    await self._resumed.wait()
+            if self._suspended:
+                return None
+        return self.partitions.get(partition_id)
+
+    async def _follow(self) -> None:
+        """Follow the partition assignment and the replica sets; both live as long as the server, and if
+        either fails the other stops too and the server learns of it (``_followers_done``)."""
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._follow_assignments(), name="server-assignments")
+            group.create_task(self._follow_replica_sets(), name="server-replica-sets")
+
+    def _followers_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        error = task.exception() or RuntimeError("the ZooKeeper followers returned")
+        if isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+            error = error.exceptions[0]
+        # A server that no longer follows its ownership cannot be trusted to serve: it reports the failure
+        # on /health and run_server stops it, so its partitions move to a server that does.
+        self.failure = error
+        self._failed.set()
+        log.error("server %d stopped following ZooKeeper; stopping", self.server_id, exc_info=error)
+
+    async def wait_failed(self) -> BaseException:
+        """Wait until a background task of the server fails, and return its exception."""
+        await self._failed.wait()
+        assert self.failure is not None
+        return self.failure
 
     async def _follow_assignments(self) -> None:
         assert self.member is not None
@@ -395,12 +514,18 @@ class WaltzServer:
             for pid, generation in sorted(assignment.items()):
                 existing = self.partitions.get(pid)
                 if existing is not None:
-                    if generation > existing.generation:
-                        log.info("partition %d: generation raised to %d", pid, generation)
-                        self.metrics.generation_changes.labels(str(pid)).inc()
-                    existing.set_generation(generation)
-                    self.metrics.generation.labels(str(pid)).set(generation)
-                    continue
+                    if existing.generation == generation:
+                        continue
+                    # It moved away and back (we missed the step between): another server may have committed
+                    # meanwhile, so this incarnation's lock table and registrations are stale. Start afresh.
+                    del self.partitions[pid]
+                    log.info(
+                        "partition %d: generation %d -> %d; reopening it",
+                        pid,
+                        existing.generation,
+                        generation,
+                    )
+                    await existing.close()
                 replicas = self.replica_sets.get(pid, ())
                 if not replicas:
                     log.error("partition %d has no replicas assigned in ZooKeeper; not opening it", pid)
@@ -418,11 +543,13 @@ class WaltzServer:
                     store,
                     feed_cache=self.feed_cache,
                     transaction_cache=self.transaction_cache,
+                    fetcher=self.fetcher,
                     lock_table_size=self.config.lock_table_size,
                     min_fetch_size=self.config.min_fetch_size,
                     append_queue_size=self.config.append_queue_size,
                     metrics=self.metrics.for_partition(pid),
                 )
+                part.on_failure = self._partition_failed
                 await part.start()
                 self.partitions[pid] = part
                 self.metrics.export_partition(pid, part)
@@ -435,6 +562,22 @@ class WaltzServer:
                     list(replicas),
                 )
             self.metrics.partitions.set(len(self.partitions))
+
+    def _partition_failed(self, part: Partition) -> None:
+        # Its append task died (a bug): close this incarnation (which tells its clients to mount again) and
+        # open a fresh one, so one failure costs a re-mount rather than the partition.
+        self._spawn(self._reopen(part), f"reopen-{part.partition_id}")
+
+    async def _reopen(self, part: Partition) -> None:
+        pid = part.partition_id
+        async with self._reconcile_lock:
+            if self.partitions.get(pid) is not part:
+                return
+            del self.partitions[pid]
+            log.warning("partition %d: reopening it after its failure", pid)
+            await part.close()
+        if self.member is not None:
+            await self._reconcile(self.member.partitions)
 
     async def _watch_replica_assignments(self) -> None:
         path = ClusterPaths(self.config.cluster_root).replica_assignments
@@ -481,14 +624,48 @@ class WaltzServer:
     # -- health --
 
     def health(self) -> tuple[bool, dict[str, Any]]:
+        """Healthy when ZooKeeper is connected and every partition we own takes appends. ``partitions`` maps
+        each owned partition to whether it takes appends now; ``problems`` says why not, one line each."""
         zk_ok = bool(self.zk.connected) and not self._suspended
-        parts = {str(pid): p.is_healthy for pid, p in sorted(self.partitions.items())}
-        return zk_ok and all(parts.values()), {"zookeeper": zk_ok, "partitions": parts}
+        problems: list[str] = []
+        if self.failure is not None:
+            problems.append(f"server failed: {self.failure!r}")
+        if not zk_ok:
+            problems.append("ZooKeeper connection suspended or lost: appends are held")
+        parts: dict[str, bool] = {}
+        for pid, p in sorted(self.partitions.items()):
+            problem = p.problem
+            parts[str(pid)] = problem is None and zk_ok
+            if problem is not None:
+                problems.append(f"partition {pid}: {problem}")
+        # Replicas whose stored copies failed a read here (reads went elsewhere and a repair was started):
+        # for operators and `waltz cluster verify`; they do not make the server unhealthy.
+        damaged = {
+            str(pid): dict(p.store.damaged_replicas)
+            for pid, p in sorted(self.partitions.items())
+            if p.store.damaged_replicas
+        }
+        healthy = zk_ok and self.failure is None and all(parts.values())
+        return healthy, {
+            "zookeeper": zk_ok,
+            "partitions": parts,
+            "problems": problems,
+            "damagedReplicaReads": damaged,
+        }
 
     # -- client connections --
 
+    async def _load_transaction(self, partition_id: int, transaction_id: int) -> TransactionData:
+        """The fetcher's loader: a committed transaction from the store (NotFound if there is none)."""
+        part = self.partitions.get(partition_id)
+        if part is None:
+            raise PartitionNotReadyError(f"partition {partition_id} is not served here")
+        return await part.load_transaction(transaction_id)
+
     async def _serve_client(self, conn: FramedConnection) -> None:
-        peer = _Connection(conn)
+        peer = _Connection(
+            conn, self.config.connection_max_in_flight, self.config.connection_max_response_bytes
+        )
         version = conn.negotiated_version
         log.debug("client connection from %s opened (protocol version %d)", conn.peername, version)
         try:
@@ -497,11 +674,21 @@ class WaltzServer:
                 try:
                     msg = cs.decode(payload, version)
                 except RemoteProtocolError as e:
-                    log.warning("closing client connection from %s: %s", conn.peername, e)
+                    _peer_warnings.warning(
+                        conn.source,
+                        reason_kind("decode", e),
+                        "closing client connection from %s: %s",
+                        conn.peername,
+                        e,
+                    )
                     return
                 if peer.client_id is None:
                     peer.client_id = msg.req_id.client_id
-                await self._dispatch(peer, msg)
+                try:
+                    await self._dispatch(peer, msg)
+                except _CloseConnection as e:
+                    log.info("closing the connection of client %s (%s): %s", peer.client_id, conn.peername, e)
+                    return
         finally:
             log.debug("client connection from %s (client %s) closed", conn.peername, peer.client_id)
             for part in self.partitions.values():
@@ -532,40 +719,71 @@ class WaltzServer:
             health = tuple((pid, p.is_healthy) for pid, p in sorted(self.partitions.items()))
             peer.send(cs.ServerPartitionsHealthStatResponse(rid, health))
             return
-        part = self.partitions.get(rid.partition_id)
-        usable = part is not None and not self._suspended
+        pid = rid.partition_id
+        part = self.partitions.get(pid)
+        # Reads of committed data need no current ownership proof: answer them even while suspended.
+        if isinstance(msg, cs.TransactionDataRequest):
+            await self._spawn_for(peer, self._transaction_data(peer, part, msg), f"data-{pid}")
+            return
+        if isinstance(msg, cs.TransactionRangeRequest | cs.HighWaterMarkRequest):
+            if part is None:
+                raise _CloseConnection(
+                    f"{type(msg).__name__} for partition {pid}, which this server does not own"
+                )
+            if isinstance(msg, cs.HighWaterMarkRequest):
+                peer.send(cs.HighWaterMarkResponse(rid, part.high_water_mark))
+            else:
+                await self._spawn_for(peer, self._transaction_range(peer, part, msg), f"range-{pid}")
+            return
         if isinstance(msg, cs.MountRequest):
-            if part is None or not usable:
+            peer.mounts[pid] = rid
+            part = await self._owned(pid)
+            if part is None:
+                peer.mounts[pid] = None  # answered here: nothing more to end
                 peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
                 return
             # Mounting waits for the append queue to drain; do it off this connection's read loop.
-            self._spawn(part.mount(peer, msg), f"mount-{rid.partition_id}")
+            await self._spawn_for(peer, part.mount(peer, msg), f"mount-{pid}")
             return
-        if isinstance(msg, cs.TransactionDataRequest):
-            self._spawn(self._transaction_data(peer, part, msg), f"data-{rid.partition_id}")
+        if not isinstance(msg, cs.AppendRequest | cs.FeedRequest | cs.FlushRequest):
+            raise _CloseConnection(f"unexpected {type(msg).__name__} from a client")
+        part = await self._owned(pid)
+        if isinstance(msg, cs.FeedRequest):
+            # A FeedRequest names its own mount session: answer on that one, which the client ignores if it
+            # has mounted again since.
+            if part is None or not part.feed_request(peer, msg):
+                peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
             return
-        if isinstance(msg, cs.TransactionRangeRequest):
-            self._spawn(self._transaction_range(peer, part, msg), f"range-{rid.partition_id}")
-            return
-        if isinstance(msg, cs.HighWaterMarkRequest):
-            if part is not None:
-                peer.send(cs.HighWaterMarkResponse(rid, part.high_water_mark))
-            return
-        if part is None or not usable:
-            return  # append, feed and flush for a partition we do not own are dropped
         if isinstance(msg, cs.AppendRequest):
-            await part.append(peer, msg)
-        elif isinstance(msg, cs.FeedRequest):
-            part.feed_request(peer, msg)
-        elif isinstance(msg, cs.FlushRequest):
-            self._spawn(part.flush_request(peer, msg), f"flush-{rid.partition_id}")
+            accepted = part is not None and await part.append(peer, msg)
         else:
-            log.warning("unexpected %s from client %d", type(msg).__name__, rid.client_id)
+            accepted = part is not None and part.accepts(peer, rid)
+            if part is not None and accepted:
+                await self._spawn_for(peer, part.flush_request(peer, msg), f"flush-{pid}")
+        if not accepted and not peer.end_mount(pid):
+            raise _CloseConnection(
+                f"{type(msg).__name__} for partition {pid}, never mounted on this connection"
+            )
 
-    def _spawn(self, coro: Any, name: str) -> None:
+    async def _spawn_for(self, peer: _Connection, coro: Any, name: str) -> None:
+        """Run a request of ``peer`` in its own task, once one of its in-flight slots is free.
+
+        Waiting for a slot holds up this connection's read loop: a peer with ``maxInFlight`` requests
+        unanswered is not read until one is answered.
+        """
+        try:
+            await peer.slots.acquire()
+        except BaseException:
+            coro.close()
+            raise
+        task = self._spawn(coro, name)
+        task.add_done_callback(lambda _t: peer.slots.release())
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -588,27 +806,43 @@ class WaltzServer:
             return
         if found is None:
             peer.send(cs.TransactionDataResponse.failure(rid, msg.transaction_id, "transaction not found"))
-        else:
-            data, checksum = found
-            self.metrics.read_bytes.labels(str(rid.partition_id)).inc(len(data))
+            return
+        data, checksum = found
+        self.metrics.read_bytes.labels(str(rid.partition_id)).inc(len(data))
+        # The response's bytes count against the connection's budget until they left our write buffer.
+        await peer.budget.acquire(len(data))
+        try:
             peer.send(cs.TransactionDataResponse.success(rid, msg.transaction_id, data, checksum))
+            await peer.drain()
+        finally:
+            peer.budget.release(len(data))
 
     async def _transaction_range(
-        self, peer: _Connection, part: Partition | None, msg: cs.TransactionRangeRequest
+        self, peer: _Connection, part: Partition, msg: cs.TransactionRangeRequest
     ) -> None:
-        if part is None:
-            return  # like a high-water mark request: the client times out and re-reads the assignment
         count = max(0, min(msg.max_count, MAX_RANGE_RECORDS))
         # The run is relayed as the storage node sent it; the budget keeps the response well inside the frame
-        # limit whatever the record sizes (a single record larger than it still goes: it was appended whole).
-        got, run = (
-            await part.store.read_run(msg.transaction_id, count, self.config.max_frame_bytes // 2)
-            if count
-            else (0, b"")
-        )
-        if run:
-            self.metrics.read_bytes.labels(str(msg.req_id.partition_id)).inc(len(run))
-        peer.send(cs.TransactionRangeResponse(msg.req_id, msg.transaction_id, got, run))
+        # limit whatever the record sizes (a single record larger than it still goes: it was appended whole),
+        # and within an eighth of the connection's response budget, so several reads proceed at once.
+        budget = min(self.config.max_frame_bytes // 2, max(1, self.config.connection_max_response_bytes // 8))
+        reserved = budget
+        # Reserved before reading, so a peer that asks for many ranges and reads none of them holds at most
+        # the connection's budget; what the run turns out to need stays reserved until it left our buffer.
+        await peer.budget.acquire(reserved)
+        try:
+            if peer.closed:
+                return
+            got, run = await part.store.read_run(msg.transaction_id, count, budget) if count else (0, b"")
+            if len(run) < reserved:
+                peer.budget.release(reserved - len(run))
+                reserved = len(run)
+            if run:
+                self.metrics.read_bytes.labels(str(msg.req_id.partition_id)).inc(len(run))
+            peer.send(cs.TransactionRangeResponse(msg.req_id, msg.transaction_id, got, run))
+            del run  # the write buffer holds the bytes now: one copy per reservation, not two
+            await peer.drain()
+        finally:
+            peer.budget.release(reserved)
 
     async def _change_preferred(
         self, msg: cs.AddPreferredPartitionRequest | cs.RemovePreferredPartitionRequest
@@ -644,7 +878,14 @@ async def run_server(config: ServerConfig, *, ready: Callable[[WaltzServer], Non
     try:
         if ready is not None:
             ready(server)
-        await wait_for_stop_signal()
+        stop = asyncio.create_task(wait_for_stop_signal(), name="server-stop-signal")
+        failed = asyncio.create_task(server.wait_failed(), name="server-failure")
+        await asyncio.wait([stop, failed], return_when=asyncio.FIRST_COMPLETED)
+        for t in (stop, failed):
+            t.cancel()
+        await asyncio.gather(stop, failed, return_exceptions=True)
+        if server.failure is not None:
+            raise WaltzError(f"the server failed: {server.failure!r}") from server.failure
     finally:
         await server.aclose()
         log.info("server %d stopped", server.server_id)

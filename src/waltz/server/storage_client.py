@@ -248,6 +248,10 @@ class StorageClient(_Endpoint[st.StorageMessage]):
             raise RemoteProtocolError(f"asked for a run from {transaction_id}, got one from {resp.first}")
         return resp.count, resp.run
 
+    async def repair(self, session_id: int, partition_id: int, records: Sequence[Record]) -> None:
+        """Send good copies of records this node reported damaged (see ``st.RepairRequest``)."""
+        await self._call(st.RepairRequest(session_id, self._seq(), partition_id, records), st.SuccessResponse)
+
 
 class AdminClient(_Endpoint[adm.AdminMessage]):
     """A connection to one storage node's admin port."""

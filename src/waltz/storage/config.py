@@ -12,9 +12,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from waltz.cluster.zk import ZkAuth, zk_auth_keys
 from waltz.config import ConfigSchema, Key, distinct_ports, read_yaml
 from waltz.errors import ConfigError
-from waltz.tls import TlsConfig, tls_keys
+from waltz.tls import TlsConfig, parse_peer_names, tls_keys
+
+
+def _directory_check(value: Any) -> str | None:
+    # A blank directory would put the control file and partition folders in whatever the current directory
+    # happens to be.
+    if not str(value).strip():
+        return "must name a directory (it is blank)"
+    return None
 
 
 def _uuid_check(value: Any) -> str | None:
@@ -33,20 +42,53 @@ STORAGE_SCHEMA = ConfigSchema(
         Key("storage.admin.port", int, doc="admin port", min_value=0, max_value=65535),
         Key("storage.http.port", int, 0, "HTTP port for /health and /metrics (0 = off)", 0, 65535),
         Key("storage.host", str, "127.0.0.1", "address to listen on"),
-        Key("storage.directory", str, doc="storage directory (control file and partition folders)"),
+        Key(
+            "storage.directory",
+            str,
+            doc="storage directory (control file and partition folders)",
+            check=_directory_check,
+        ),
         Key("storage.segment.size.threshold", int, 1_000_000_000, "roll a segment past this size", 1024),
         Key("storage.segment.cache.capacity", int, 5, "open read-only segments kept", 1, 10_000),
         Key("storage.maxFrameBytes", int, 64 * 1024 * 1024, "largest frame accepted", 1024, 2**31 - 1),
         Key("storage.partition.queueSize", int, 1000, "requests queued per partition", 1, 1_000_000),
         Key("storage.connection.maxInFlight", int, 2000, "unanswered requests per connection", 1, 1_000_000),
+        # Bounds per connection (what one peer may hold; see docs/operations.md, "Limits").
+        Key(
+            "storage.connection.maxResponseBytes",
+            int,
+            64 * 1024 * 1024,
+            "bytes of read responses one connection may have queued or unsent",
+            1024,
+        ),
+        Key("storage.connection.idleTimeout", int, 180_000, "close a connection silent this long (ms)", 100),
+        Key("storage.maxConnections", int, 1024, "data and admin connections served at once", 1, 1_000_000),
+        Key("storage.connection.maxPerSource", int, 128, "connections from one address", 1, 1_000_000),
         Key("storage.maxGroupCommitRecords", int, 20_000, "records written before one fsync", 1, 10_000_000),
+        Key(
+            "storage.scrub.bytesPerSecond",
+            int,
+            4 * 1024 * 1024,
+            "background verification read rate (0 = no scrub)",
+            0,
+            2**40,
+        ),
+        Key("storage.scrub.pauseMs", int, 60_000, "pause between two scrub passes over every partition", 1),
         Key("storage.cluster.key", str, "", "cluster key when not using ZooKeeper", check=_uuid_check),
         Key("storage.cluster.numPartitions", int, 0, "partition count when not using ZooKeeper", 0, 100_000),
         Key("zookeeper.connectString", str, "", "ZooKeeper ensemble; empty = standalone"),
         Key("zookeeper.sessionTimeout", int, 30000, "ZooKeeper session timeout", 1000),
         Key("zookeeper.connectTimeout", int, 10000, "time allowed to reach ZooKeeper at start (ms)", 100),
         Key("cluster.root", str, "", "cluster root znode"),
+        *zk_auth_keys(),
         *tls_keys("storage.ssl."),
+        Key(
+            "storage.ssl.allowedPeers",
+            str,
+            "",
+            "certificate common names allowed on the data and admin ports (comma-separated; empty: any "
+            "certificate the CA signed)",
+        ),
     ],
 )
 
@@ -66,6 +108,8 @@ class StorageConfig:
     partition_queue_size: int
     connection_max_in_flight: int
     max_group_commit_records: int
+    scrub_bytes_per_second: int
+    scrub_pause_ms: int
     cluster_key: uuid.UUID | None
     num_partitions: int
     zookeeper_connect: str
@@ -74,6 +118,14 @@ class StorageConfig:
     cluster_root: str
     tls: TlsConfig = field(default_factory=lambda: TlsConfig(prefix="storage.ssl."))
     """``storage.ssl.*``: TLS on the data and admin ports (see :mod:`waltz.tls`)."""
+    connection_max_response_bytes: int = 64 * 1024 * 1024
+    connection_idle_timeout_ms: int = 180_000
+    max_connections: int = 1024
+    max_connections_per_source: int = 128
+    zookeeper_auth: ZkAuth = field(default_factory=ZkAuth)
+    """``zookeeper.authFile``/``aclReaders``: how the node authenticates with ZooKeeper."""
+    allowed_peers: tuple[str, ...] = ()
+    """``storage.ssl.allowedPeers``: the certificate common names (servers, operators) that may connect."""
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], source: str = "storage config") -> StorageConfig:
@@ -100,6 +152,8 @@ class StorageConfig:
             partition_queue_size=c["storage.partition.queueSize"],
             connection_max_in_flight=c["storage.connection.maxInFlight"],
             max_group_commit_records=c["storage.maxGroupCommitRecords"],
+            scrub_bytes_per_second=c["storage.scrub.bytesPerSecond"],
+            scrub_pause_ms=c["storage.scrub.pauseMs"],
             cluster_key=uuid.UUID(key) if key else None,
             num_partitions=c["storage.cluster.numPartitions"],
             zookeeper_connect=zk,
@@ -107,9 +161,24 @@ class StorageConfig:
             zookeeper_connect_timeout_ms=c["zookeeper.connectTimeout"],
             cluster_root=c["cluster.root"],
             tls=TlsConfig.from_config(c, "storage.ssl.", role="listen", source=source),
+            connection_max_response_bytes=c["storage.connection.maxResponseBytes"],
+            connection_idle_timeout_ms=c["storage.connection.idleTimeout"],
+            max_connections=c["storage.maxConnections"],
+            max_connections_per_source=c["storage.connection.maxPerSource"],
+            zookeeper_auth=ZkAuth.from_config(c, source),
+            allowed_peers=_allowed_peers(c, source),
         )
 
     @classmethod
     def load(cls, path: str | Path) -> StorageConfig:
         """Read and validate ``path``; every problem is reported as one line in a ConfigError."""
         return cls.from_mapping(read_yaml(path), str(path))
+
+
+def _allowed_peers(c: dict[str, Any], source: str) -> tuple[str, ...]:
+    names = parse_peer_names(c["storage.ssl.allowedPeers"])
+    if names and not c["storage.ssl.caFile"]:
+        raise ConfigError(
+            f"{source}: storage.ssl.allowedPeers needs storage.ssl.caFile (client certificates to check)"
+        )
+    return names

@@ -31,6 +31,11 @@ number is current; equal numbers or no valid struct raise :class:`~waltz.errors.
 writes the *other* struct with sequence + 1 and fsyncs before returning, so a write torn by a crash fails its
 checksum and the partition rolls back exactly one update.
 
+A storage node opens the file even when some partitions' entries do not verify (both structs bad, equal
+sequence numbers, a wrong partition id): only those partitions are down (:attr:`ControlFile.damaged`; their
+info reads as unassigned and updates are refused) until :meth:`ControlFile.reset` rewrites the entry fresh,
+which the node does only when the replica is removed with its files. A damaged header still fails the open.
+
 The file is created once (written to ``waltz-storage.ctl.tmp``, fsynced, renamed) with the cluster key and
 partition count from ZooKeeper; every later open verifies both
 (:class:`~waltz.errors.ClusterKeyMismatchError`).
@@ -179,7 +184,15 @@ def read_control_file(path: str, fs: FileSystem = OS_FS) -> tuple[ControlHeader,
     return header, [s[0] for s in slots]
 
 
-def _load(f: File, path: str) -> tuple[ControlHeader, list[tuple[PartitionInfo, int, int]]]:
+DAMAGED_INFO = PartitionInfo(flags=0)
+"""What a damaged entry reads as: not assigned, not available, no session."""
+
+
+def _load(
+    f: File, path: str, damaged: dict[int, str] | None = None
+) -> tuple[ControlHeader, list[tuple[PartitionInfo, int, int]]]:
+    """Header and current slots; with ``damaged`` given, an entry that does not verify is recorded there
+    (partition id -> reason) and read as :data:`DAMAGED_INFO` instead of failing the whole file."""
     header = ControlHeader.decode(f.pread(HEADER_BYTES, 0), path)
     body_bytes = header.num_partitions * PARTITION_INFO_BYTES
     size = f.size()
@@ -189,10 +202,16 @@ def _load(f: File, path: str) -> tuple[ControlHeader, list[tuple[PartitionInfo, 
             f"for {header.num_partitions} partitions"
         )
     body = memoryview(f.pread(body_bytes, HEADER_BYTES))
-    slots = [
-        decode_partition_info(body[p * PARTITION_INFO_BYTES : (p + 1) * PARTITION_INFO_BYTES], p, path)
-        for p in range(header.num_partitions)
-    ]
+    slots: list[tuple[PartitionInfo, int, int]] = []
+    for p in range(header.num_partitions):
+        raw = body[p * PARTITION_INFO_BYTES : (p + 1) * PARTITION_INFO_BYTES]
+        try:
+            slots.append(decode_partition_info(raw, p, path))
+        except CorruptionError as e:
+            if damaged is None:
+                raise
+            damaged[p] = str(e)
+            slots.append((DAMAGED_INFO, 0, 0))
     return header, slots
 
 
@@ -200,12 +219,19 @@ class ControlFile:
     """The open, locked control file. Not thread-safe: one owner (the storage node) calls it."""
 
     def __init__(
-        self, path: str, f: File, header: ControlHeader, slots: list[tuple[PartitionInfo, int, int]]
+        self,
+        path: str,
+        f: File,
+        header: ControlHeader,
+        slots: list[tuple[PartitionInfo, int, int]],
+        damaged: dict[int, str] | None = None,
     ):
         self.path = path
         self._file: File | None = f
         self.header = header
         self._slots = slots
+        self.damaged: dict[int, str] = dict(damaged or {})
+        """Partitions whose entry did not verify at open -> why (see the module docstring)."""
 
     @classmethod
     def open_or_create(
@@ -229,9 +255,10 @@ class ControlFile:
         if not fs.exists(path):
             cls._create(fs, path, key, num_partitions, clock_ms())
         f = fs.open(path)
+        damaged: dict[int, str] = {}
         try:
             f.lock_exclusive()
-            header, slots = _load(f, path)
+            header, slots = _load(f, path, damaged)
             if header.key != key:
                 raise ClusterKeyMismatchError(f"{path}: cluster key {header.key} does not match {key}")
             if header.num_partitions != num_partitions:
@@ -241,7 +268,9 @@ class ControlFile:
         except BaseException:
             f.close()
             raise
-        return cls(path, f, header, slots)
+        for pid, reason in sorted(damaged.items()):
+            log.error("%s: partition %d is down on this node: %s", path, pid, reason)
+        return cls(path, f, header, slots, damaged)
 
     @staticmethod
     def _create(fs: FileSystem, path: str, key: uuid.UUID, num_partitions: int, now_ms: int) -> None:
@@ -300,6 +329,11 @@ class ControlFile:
     ) -> PartitionInfo:
         """Change some fields of a partition's info; durable (fsynced) when this returns."""
         f = self._check(partition_id)
+        if partition_id in self.damaged:
+            raise CorruptionError(
+                f"{self.path}: partition {partition_id}'s entry is damaged ({self.damaged[partition_id]}); "
+                "remove the replica with its files to reset it"
+            )
         current, seq, slot = self._slots[partition_id]
         changes: dict[str, int] = {}
         if session_id is not None:
@@ -325,6 +359,17 @@ class ControlFile:
         f.fsync()
         self._slots[partition_id] = (new, seq + 1, other)
         return new
+
+    def reset(self, partition_id: int) -> PartitionInfo:
+        """Rewrite a partition's whole entry as new (both structs), durably; clears its damage. Only for a
+        replica whose files are being deleted: the entry no longer describes anything."""
+        f = self._check(partition_id)
+        f.pwrite(fresh_partition_info_bytes(partition_id), HEADER_BYTES + partition_id * PARTITION_INFO_BYTES)
+        f.fsync()
+        self._slots[partition_id] = (PartitionInfo(), 0, 1)
+        if self.damaged.pop(partition_id, None) is not None:
+            log.info("%s: partition %d's damaged entry was reset", self.path, partition_id)
+        return PartitionInfo()
 
     def set_assigned(self, partition_id: int, assigned: bool) -> PartitionInfo:
         flags = self.partition_info(partition_id).flags

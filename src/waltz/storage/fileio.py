@@ -160,6 +160,9 @@ class OsFile:
 
     def fsync(self, *, data_only: bool = False) -> None:
         fd = self._check()
+        if FAULTS.fsync_failures and data_only:
+            FAULTS.fsync_failures -= 1
+            raise _storage_error(self._path, "fsync", OSError(errno.EIO, "injected I/O error"))
         try:
             if data_only and hasattr(os, "fdatasync"):
                 os.fdatasync(fd)
@@ -187,6 +190,22 @@ class OsFile:
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)
+
+
+class FaultSwitch:
+    """Test-only fault injection into the real file layer, for tests that run real storage processes (the
+    node arms it on SIGUSR1 when started with ``WALTZ_TEST_FAULTS=1``). Unarmed it costs one attribute read
+    per fsync."""
+
+    def __init__(self) -> None:
+        self.fsync_failures = 0
+        """How many of the next data-file fsyncs (``data_only=True``) fail with EIO."""
+
+    def fail_next_fsync(self) -> None:
+        self.fsync_failures += 1
+
+
+FAULTS = FaultSwitch()
 
 
 class OsFileSystem:

@@ -11,12 +11,31 @@ Guarantees:
   *arrival* of any data request its value becomes ``max(current, request.session_id)``; when the worker
   later processes the request it fails it with SessionFencedError unless ``request.session_id == current``.
   So the first message of a newer store session fences every older session, even requests already queued.
+  With ZooKeeper configured, a session id above the newest one the cluster's metadata records for the
+  partition is refused on arrival and fences nothing (see :mod:`waltz.storage.authority`): only a session
+  that a server really took can fence, and so only such a session can persist a fence.
 * **Permissions.** A partition must carry the ASSIGNED flag. A normal request needs AVAILABLE; an offline
   request (``offline=True``) needs AVAILABLE cleared and the *persisted* session id.
 * **Back pressure.** Each partition queue and each connection's unanswered requests are bounded; when either
-  is full the connection's reader stops reading from its socket, so TCP pushes back on the sender.
+  is full the connection's reader stops reading from its socket, so TCP pushes back on the sender. Read
+  requests also reserve their largest response from the connection's ``maxResponseBytes`` budget until it is
+  sent, and the reader takes no request while its unsent responses exceed the write buffer's high-water mark:
+  a peer that asks and never reads holds at most about the budget, and is closed after the idle timeout.
 * **Bad input** (malformed or oversized frames, unknown types, a wrong cluster key, requests before Open)
   gets a failure response or a closed connection with a logged reason; other connections are unaffected.
+* **Disk faults fail-stop the partition, which heals itself.** A failed write or fsync (an I/O error, a full
+  disk) *breaks* the partition: one ERROR line says why, nothing of the failed group is acknowledged, and
+  every later request is refused, so the server writes through the other replicas and keeps retrying this
+  one. At most every :data:`HEAL_INTERVAL_S`, a request to a broken partition first tries to heal it, if the
+  disk has :data:`HEAL_MIN_FREE_BYTES` free: reopen the log (which repairs a torn tail, as a restart
+  would), truncate it to the last id an fsync made durable (after a failed fsync the page cache may hold
+  data the disk lost, and a later fsync may report success: nothing above that id can be trusted, and
+  none of it was acknowledged), fsync. On success one INFO line says so and the partition serves again;
+  the server's recovery then brings it up to date.
+* **Failures are heard.** A broken partition, or one whose worker hit a bug (``failed``: it refuses
+  everything until the node restarts and answers each request with a failure instead of leaving it
+  queued), is reported by ``/health`` (503, with the reason per partition). The node owns its workers: one
+  that ends for any reason but the node's close marks its partition failed and answers what was queued.
 
 The admin port mutates partitions (assign, unassign, availability) through the same partition queues, so an
 admin change is ordered with respect to data requests.
@@ -27,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -43,6 +63,7 @@ from waltz.errors import (
     ClosedResourceError,
     ClusterKeyMismatchError,
     ConnectionError_,
+    CorruptionError,
     PartitionNotAssignedError,
     RemoteProtocolError,
     SessionFencedError,
@@ -55,19 +76,68 @@ from waltz.protocol import admin as adm
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
 from waltz.protocol.records import Record
+from waltz.storage.authority import SessionAuthority, ZkSessionAuthority
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import FLAG_AVAILABLE, ControlFile, PartitionInfo
-from waltz.storage.fileio import OS_FS
+from waltz.storage.fileio import FAULTS, OS_FS
 from waltz.storage.partition import PartitionLog, delete_log_files
-from waltz.tls import TlsConfig
-from waltz.transport import FramedConnection, FramedServer, serve, tune_gc, wait_for_stop_signal
+from waltz.storage.segment import RecordCorruptionError
+from waltz.tls import TlsConfig, peer_common_name
+from waltz.transport import (
+    ByteBudget,
+    FramedConnection,
+    FramedServer,
+    RateLimitedLog,
+    reason_kind,
+    serve,
+    tune_gc,
+    wait_for_stop_signal,
+)
 
 log = logging.getLogger(__name__)
+_peer_warnings = RateLimitedLog(log)
+
+HEAL_INTERVAL_S = 1.0
+"""Least time between two attempts to heal a broken partition."""
+HEAL_MIN_FREE_BYTES = 1 << 20
+"""Free space the data directory needs before a broken partition tries to heal (so a full disk does not
+make it flap between healed and broken)."""
+FAULTS_ENV = "WALTZ_TEST_FAULTS"
+"""Test-only: with this set to 1, SIGUSR1 makes the node's next data-file fsync fail (see run_node)."""
 
 MAX_LIST_RECORDS = 10_000
 """Largest record list one request may ask for; larger requests are answered with at most this many."""
 MAX_LIST_BYTES = 8 * 1024 * 1024
 """A list response stops after this many data bytes (always at least one record), to bound frames."""
+SESSION_CHECK_TIMEOUT_S = 10.0
+"""How long a request with a new session id waits for ZooKeeper to confirm it before it is refused."""
+SESSION_RECHECK_INTERVAL_S = 0.2
+"""After a refusal, higher ids are refused without asking ZooKeeper again for this long (bounds the reads a
+peer sending forged ids can cause; a real new session retries after its back-off and passes)."""
+REFUSAL_LOG_INTERVAL_S = 10.0
+"""At most one warning per partition per this many seconds about refused session ids."""
+SCRUB_CHUNK_BYTES = 256 * 1024
+"""Bytes one scrub step reads (in the partition's worker, between its requests: small, so writes barely
+wait)."""
+MAX_DAMAGED_REPORTED = 1000
+"""Damaged transaction ids remembered per partition (for metrics, /health and ``cluster verify``)."""
+RECORD_RESPONSE_ESTIMATE_BYTES = 1024 * 1024
+"""What a single-record read reserves from its connection's response budget (its size is unknown before)."""
+HEADER_ESTIMATE_BYTES = 64
+"""What one record header in a header list reserves (a header is about 40 bytes on the wire)."""
+
+
+def _response_estimate(msg: st.StorageMessage) -> int:
+    """The bytes a read request's response may take, reserved from the connection's budget (0: small)."""
+    if isinstance(msg, st.RecordRunRequest):
+        return max(0, min(msg.max_bytes, MAX_LIST_BYTES))
+    if isinstance(msg, st.RecordListRequest):
+        return MAX_LIST_BYTES
+    if isinstance(msg, st.RecordRequest):
+        return RECORD_RESPONSE_ESTIMATE_BYTES
+    if isinstance(msg, st.RecordHeaderListRequest):
+        return max(0, min(msg.max_records, MAX_LIST_RECORDS)) * HEADER_ESTIMATE_BYTES
+    return 0
 
 
 @dataclass(slots=True)
@@ -80,6 +150,9 @@ class _Item:
     done: asyncio.Future[Any] | None = None
     slot: asyncio.Semaphore | None = None
     arrived_s: float = 0.0
+    budget: ByteBudget | None = None
+    reserved: int = 0
+    """Bytes of ``budget`` this request's response holds until it is handed to the connection."""
 
 
 class _BoundedQueue:
@@ -140,6 +213,30 @@ class _Metrics:
         )
         self.queue = Gauge("waltz_storage_queue_size", "Queued requests", ["partition"], registry=registry)
         self.connections = Gauge("waltz_storage_connections", "Open data connections", registry=registry)
+        self.corrupt_records = Counter(
+            "waltz_storage_corrupt_records",
+            "Stored records found damaged (checksum, id or length) by a read",
+            ["partition"],
+            registry=registry,
+        )
+        self.repaired_records = Counter(
+            "waltz_storage_repaired_records",
+            "Damaged records overwritten with a good copy from another replica",
+            ["partition"],
+            registry=registry,
+        )
+        self.refused_peers = Counter(
+            "waltz_storage_refused_peers",
+            "Connections refused because the peer certificate is not in storage.ssl.allowedPeers",
+            ["port"],
+            registry=registry,
+        )
+        self.refused_sessions = Counter(
+            "waltz_storage_refused_session_ids",
+            "Requests refused for a session id the cluster's metadata never handed out",
+            ["partition"],
+            registry=registry,
+        )
         self.appended_bytes = Counter(
             "waltz_storage_appended_bytes", "Data bytes of records appended", ["partition"], registry=registry
         )
@@ -204,12 +301,27 @@ class StoragePartition:
         self.log: PartitionLog | None = None
         info = node.control.partition_info(partition_id)
         self.session_id = info.session_id
+        self.verified_session_id = info.session_id
+        """The highest session id the cluster's metadata is known to have handed out (see authority.py)."""
+        self.damaged: dict[int, str] = {}
+        """Transaction ids whose stored copy failed verification here and was not repaired yet -> reason."""
+        self.session_check = asyncio.Lock()
+        self.last_refusal_s = -1e9
+        self.last_refusal_log_s = -1e9
         self.queue = _BoundedQueue(node.config.partition_queue_size)
         self.fsync_count = 0
         self.broken: str | None = None
+        """Set after a failed write or fsync: the partition is fail-stopped until it heals (``_heal``)."""
+        self.durable_max = -1
+        """The highest id an fsync (or a truncation, which syncs) made durable: healing truncates to it."""
+        self._next_heal_s = 0.0
+        self.failed: str | None = None
+        """Set when the worker hit a bug: the partition then refuses every request (see ``run``)."""
+        self.worker_gone = False
+        self.current: _Item | None = None
+        """The item the worker is on (answered by the node if the worker ends under it)."""
         self._queue_gauge = node.metrics.queue.labels(partition_id)
         self._read_bytes = node.metrics.read_bytes.labels(partition_id)
-        """Set after a failed write or fsync: the partition then refuses writes (see ``_fsync``)."""
 
     @property
     def info(self) -> PartitionInfo:
@@ -226,6 +338,10 @@ class StoragePartition:
                 segment_cache_capacity=cfg.segment_cache_capacity,
                 local_low_water_mark=self.info.local_low_water_mark,
             )
+            if self.broken is None:
+                # What a (re)start finds on disk is what the disk holds. A broken partition keeps the mark it
+                # had: its page cache may hold records the disk lost (see ``_heal``).
+                self.durable_max = self.log.max_transaction_id
             self.node.metrics.max_txn.labels(self.partition_id).set(self.log.max_transaction_id)
         return self.log
 
@@ -239,6 +355,16 @@ class StoragePartition:
     def _check(self, msg: st.StorageMessage, offline: bool, *, may_adopt: bool = False) -> PartitionLog:
         """``may_adopt``: an offline request may carry a *newer* session id than the persisted one (an offline
         SetLowWaterMark, which then persists it: see ``_set_low_water_mark``)."""
+        damage = self.node.control.damaged.get(self.partition_id)
+        if damage is not None:
+            raise CorruptionError(
+                f"partition {self.partition_id} is down on this node: its control file entry is damaged "
+                f"({damage}); remove this replica with its files and add it again"
+            )
+        if self.failed is not None:
+            raise StorageError(f"partition {self.partition_id} failed: {self.failed}")
+        if self.broken is not None and not self._heal():
+            raise StorageError(f"partition {self.partition_id} is fail-stopped: {self.broken}")
         info = self.info
         if not info.assigned or self.log is None:
             raise PartitionNotAssignedError(f"Partition:{self.partition_id} is not assigned.")
@@ -264,24 +390,108 @@ class StoragePartition:
     def _check_writable(
         self, msg: st.StorageMessage, offline: bool, *, may_adopt: bool = False
     ) -> PartitionLog:
-        plog = self._check(msg, offline, may_adopt=may_adopt)
-        if self.broken is not None:
-            raise StorageError(f"partition {self.partition_id} refuses writes: {self.broken}")
-        return plog
+        return self._check(msg, offline, may_adopt=may_adopt)
+
+    def _heal(self) -> bool:
+        """Try to bring a broken partition back (see the module docstring); True if it serves again."""
+        now = time.monotonic()
+        if now < self._next_heal_s:
+            return False
+        self._next_heal_s = now + HEAL_INTERVAL_S
+        directory = str(self.node.config.directory)
+        try:
+            stat = os.statvfs(directory)
+        except OSError as e:
+            log.debug("partition %d: cannot stat %s: %s", self.partition_id, directory, e)
+            return False
+        free = stat.f_bavail * stat.f_frsize
+        if free < HEAL_MIN_FREE_BYTES:
+            return False
+        try:
+            self.close_log()
+            plog = self.open_log()
+            dropped = plog.max_transaction_id - self.durable_max
+            if dropped > 0:
+                plog.truncate(self.durable_max)
+            plog.flush()
+        except WaltzError as e:
+            log.debug("partition %d: still broken: %s", self.partition_id, e)
+            return False
+        self.durable_max = plog.max_transaction_id
+        log.info(
+            'partition %d healed after "%s": %d MiB free, log cut to %d (the last durable id; %d '
+            "unacknowledged records dropped); serving again",
+            self.partition_id,
+            self.broken,
+            free >> 20,
+            plog.max_transaction_id,
+            max(0, dropped),
+        )
+        self.broken = None
+        self.node.metrics.max_txn.labels(self.partition_id).set(plog.max_transaction_id)
+        return True
 
     # -- the worker -------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Process this partition's queue forever (cancelled when the node closes)."""
+        """Process this partition's queue forever (cancelled when the node closes).
+
+        Request errors are answered where they happen; an exception that reaches this loop is a bug. The
+        partition then fails (it refuses every later request, so nothing of it can be trusted to a writer)
+        but the worker goes on answering, so no request waits forever on a dead worker.
+        """
         while True:
-            item = await self.queue.get()
+            item = self.current = await self.queue.get()
             self._queue_gauge.set(len(self.queue))
-            if item.op is not None:
-                await self._run_op(item)
-            elif isinstance(item.msg, st.AppendRequest):
-                await self._group_commit(item)
-            else:
-                self._respond(item, self._process(item))
+            try:
+                if item.op is not None:
+                    await self._run_op(item)
+                elif isinstance(item.msg, st.AppendRequest):
+                    await self._group_commit(item)
+                else:
+                    self._respond(item, self._process(item))
+            except Exception as e:  # noqa: BLE001 - a bug: fail the partition, answer the request
+                self.fail(
+                    f"{type(item.msg).__name__ if item.msg is not None else 'admin operation'}: {e!r}", e
+                )
+                self.answer_failed(item)
+            self.current = None
+
+    def fail(self, reason: str, error: BaseException | None = None) -> None:
+        """Fail this partition for good (until the node restarts): one ERROR line, then health reports it."""
+        if self.failed is None:
+            self.failed = reason
+            log.error(
+                "partition %d failed (%s); refusing every request until the node restarts",
+                self.partition_id,
+                reason,
+                exc_info=error,
+            )
+
+    def answer_failed(self, item: _Item) -> None:
+        """Answer ``item`` with this partition's failure (if it was not answered yet)."""
+        error = StorageError(f"partition {self.partition_id} failed: {self.failed}")
+        if item.done is not None:
+            if not item.done.done():
+                item.done.set_exception(error)
+        elif item.msg is not None:
+            self._respond(item, self._failure(item.msg, error))
+
+    async def enqueue(self, item: _Item) -> None:
+        """Queue ``item`` for the worker, or answer it at once if the worker is gone."""
+        if self.worker_gone:
+            self.answer_failed(item)
+        else:
+            await self.queue.put(item)
+
+    @property
+    def problem(self) -> str | None:
+        """Why this partition does not serve fully, or None."""
+        if self.failed is not None:
+            return f"failed: {self.failed}"
+        if self.broken is not None:
+            return f"fail-stopped: {self.broken}"
+        return None
 
     async def _run_op(self, item: _Item) -> None:
         assert item.op is not None
@@ -318,6 +528,7 @@ class StoragePartition:
             if isinstance(msg, st.TruncateRequest):
                 plog = self._check_writable(msg, msg.offline)
                 new_max = plog.truncate(msg.transaction_id)
+                self.durable_max = min(self.durable_max, new_max)
                 self.node.metrics.max_txn.labels(pid).set(new_max)
                 return st.MaxTransactionIdResponse(sid, seq, pid, new_max)
             if isinstance(msg, st.SetLowWaterMarkRequest):
@@ -349,9 +560,68 @@ class StoragePartition:
                 count, run = plog.read_run(msg.transaction_id, n, max_bytes=budget) if n else (0, b"")
                 self._read_bytes.inc(len(run))
                 return st.RecordRunResponse(sid, seq, pid, count, run)
+            if isinstance(msg, st.RepairRequest):
+                plog = self._check_writable(msg, False)
+                self._repaired(plog.repair(msg.records))
+                return st.SuccessResponse(sid, seq, pid)
             raise RemoteProtocolError(f"{type(msg).__name__} is not a request")
+        except RecordCorruptionError as e:
+            self.note_damage(e.transaction_id, str(e))
+            # Sent as the plain CorruptionError the peer knows: the server then reads another replica.
+            return self._failure(msg, CorruptionError(str(e)))
         except WaltzError as e:
             return self._failure(msg, e)
+
+    def scrub_step(self, after: int) -> tuple[int, int] | None:
+        """Verify the records stored after ``after`` (a bounded run); ``(last id checked, bytes read)``, or
+        None when there is nothing after it. A damaged record is noted (see :meth:`note_damage`)."""
+        plog = self.log
+        if plog is None:
+            return None
+        firsts = plog.segment_first_ids
+        txn = max(after + 1, firsts[0] if firsts else 0)
+        if txn > plog.max_transaction_id:
+            return None
+        try:
+            count, run = plog.read_run(txn, MAX_LIST_RECORDS, max_bytes=SCRUB_CHUNK_BYTES)
+        except RecordCorruptionError as e:
+            self.note_damage(e.transaction_id, str(e))
+            return e.transaction_id, SCRUB_CHUNK_BYTES
+        except CorruptionError as e:
+            # Not one record but a structure (an index): nothing to skip to; the next pass tries again.
+            log.error("partition %d: scrub stopped at transaction %d: %s", self.partition_id, txn, e)
+            return None
+        if count == 0:
+            return None
+        return txn + count - 1, len(run)
+
+    def note_damage(self, transaction_id: int, reason: str) -> None:
+        """Report a damaged stored record: one ERROR line and a metric per record, kept for status."""
+        if transaction_id in self.damaged:
+            return
+        if len(self.damaged) < MAX_DAMAGED_REPORTED:
+            self.damaged[transaction_id] = reason
+        self.node.metrics.corrupt_records.labels(self.partition_id).inc()
+        log.error(
+            "partition %d: stored transaction %d is damaged on this node (%s); readers fall back to another "
+            "replica, which repairs this copy",
+            self.partition_id,
+            transaction_id,
+            reason,
+        )
+
+    def _repaired(self, ids: list[int]) -> None:
+        for txn in ids:
+            self.damaged.pop(txn, None)
+            self.node.metrics.repaired_records.labels(self.partition_id).inc()
+        if ids:
+            log.info(
+                "partition %d: repaired %d damaged record(s) from another replica's copy (%d..%d)",
+                self.partition_id,
+                len(ids),
+                min(ids),
+                max(ids),
+            )
 
     def _set_low_water_mark(self, msg: st.SetLowWaterMarkRequest) -> st.StorageMessage:
         # Offline recovery (``waltz storage recover-partition``) ends by persisting the session id of the
@@ -382,6 +652,17 @@ class StoragePartition:
             low_water_mark=msg.low_water_mark,
             local_low_water_mark=max_id,
         )
+        # The fencing id never trails the persisted one (a restart initialises it from there): after an
+        # offline adoption, sessions older than the adopted one stay fenced.
+        self.session_id = max(self.session_id, msg.session_id)
+        if msg.offline and msg.session_id != info.session_id:
+            log.info(
+                "partition %d: offline recovery set low-water mark %d and adopted session %d (was %d)",
+                self.partition_id,
+                msg.low_water_mark,
+                msg.session_id,
+                info.session_id,
+            )
         return st.SuccessResponse(msg.session_id, msg.seq_num, msg.partition_id)
 
     async def _group_commit(self, first: _Item) -> None:
@@ -439,7 +720,7 @@ class StoragePartition:
             try:
                 plog.append(records)
             except WaltzError as e:
-                if plog.max_transaction_id != before:
+                if plog.max_transaction_id != before or _is_io_error(e):
                     # Part of the group reached the file before an I/O error: answer nothing but failures.
                     self._break(f"write failed: {e}")
                     for i in accepted:
@@ -489,7 +770,7 @@ class StoragePartition:
                 plog.append(msg.records)
             except WaltzError as e:
                 results[i] = self._failure(msg, e)
-                if plog.max_transaction_id != before:
+                if plog.max_transaction_id != before or _is_io_error(e):
                     self._break(f"write failed: {e}")
                     for j in written:
                         results[j] = self._failure(batch[j].msg, e)  # type: ignore[arg-type]
@@ -525,14 +806,18 @@ class StoragePartition:
             return e if isinstance(e, WaltzError) else StorageError(f"fsync failed: {e}")
         node.metrics.fsyncs.inc()
         self.fsync_count += 1
+        self.durable_max = plog.max_transaction_id
         return None
 
     def _break(self, reason: str) -> None:
         if self.broken is None:
             log.error(
-                "partition %d: %s; refusing further writes until the node restarts", self.partition_id, reason
+                "partition %d: %s; fail-stopped: refusing requests until it heals (disk space, clean fsync)",
+                self.partition_id,
+                reason,
             )
             self.broken = reason
+            self._next_heal_s = time.monotonic() + HEAL_INTERVAL_S
 
     def _failure(self, msg: st.StorageMessage, e: WaltzError) -> st.StorageMessage:
         self.node.metrics.failures.labels(type(e).__name__).inc()
@@ -543,6 +828,11 @@ class StoragePartition:
         self.node.respond(item, resp)
 
 
+def _is_io_error(e: WaltzError) -> bool:
+    """An I/O failure of the file layer (it raises plain StorageError), as opposed to a refused request."""
+    return type(e) is StorageError
+
+
 class StorageNode:
     """A storage node: control file, partitions, data port, admin port and optional HTTP port.
 
@@ -550,9 +840,13 @@ class StorageNode:
     started. ``key``/``num_partitions`` come from ZooKeeper (see :func:`load_cluster_identity`) or the config.
     """
 
-    def __init__(self, config: StorageConfig, control: ControlFile) -> None:
+    def __init__(
+        self, config: StorageConfig, control: ControlFile, authority: SessionAuthority | None = None
+    ) -> None:
         self.config = config
         self.control = control
+        self.authority = authority
+        """Checks new session ids against the cluster's metadata; None (no ZooKeeper) trusts every peer."""
         self.registry = new_registry()
         self.metrics = _Metrics(self.registry)
         self.partitions = [StoragePartition(self, pid) for pid in range(control.num_partitions)]
@@ -570,23 +864,34 @@ class StorageNode:
         self._admin_server: FramedServer | None = None
         self._http: HttpEndpoint | None = None
         self.fsyncs_in_flight = 0
+        self._closing = False
         self.port = 0
         self.admin_port = 0
         self.http_port = 0
 
     @classmethod
-    async def start(cls, config: StorageConfig, key: uuid.UUID, num_partitions: int) -> StorageNode:
+    async def start(
+        cls,
+        config: StorageConfig,
+        key: uuid.UUID,
+        num_partitions: int,
+        authority: SessionAuthority | None = None,
+    ) -> StorageNode:
         server_ssl = config.tls.server_context("storage config")  # Before touching any file.
         control = await asyncio.to_thread(
             ControlFile.open_or_create, str(config.directory), key, num_partitions
         )
-        node = cls(control=control, config=config)
+        node = cls(control=control, config=config, authority=authority)
         try:
             for p in node.partitions:
                 if p.info.assigned:
                     await asyncio.to_thread(p.open_log)
             for p in node.partitions:
-                node._tasks.append(asyncio.create_task(p.run(), name=f"storage-partition-{p.partition_id}"))
+                task = asyncio.create_task(p.run(), name=f"storage-partition-{p.partition_id}")
+                task.add_done_callback(functools.partial(node._worker_done, p))
+                node._tasks.append(task)
+            if config.scrub_bytes_per_second > 0:
+                node._tasks.append(asyncio.create_task(node._scrub_forever(), name="storage-scrub"))
             node._data_server = await listen(
                 "storage.port",
                 config.host,
@@ -599,6 +904,9 @@ class StorageNode:
                     versions=st.STORAGE_VERSIONS,
                     hello_text=st.STORAGE_SERVER_HELLO,
                     max_frame_bytes=config.max_frame_bytes,
+                    max_connections=config.max_connections,
+                    max_connections_per_source=config.max_connections_per_source,
+                    idle_timeout_s=config.connection_idle_timeout_ms / 1000,
                     ssl=server_ssl,
                 ),
             )
@@ -615,12 +923,15 @@ class StorageNode:
                     versions=adm.ADMIN_VERSIONS,
                     hello_text=adm.ADMIN_SERVER_HELLO,
                     max_frame_bytes=config.max_frame_bytes,
+                    max_connections=config.max_connections,
+                    max_connections_per_source=config.max_connections_per_source,
+                    idle_timeout_s=config.connection_idle_timeout_ms / 1000,
                     ssl=server_ssl,
                 ),
             )
             node.admin_port = node._admin_server.port
             if config.http_port:
-                node._http = HttpEndpoint(node.registry, lambda: (True, {"storage": "ok"}))
+                node._http = HttpEndpoint(node.registry, node.health)
                 node.http_port = await node._http.start(config.host, config.http_port, "storage.http.port")
         except BaseException:
             await node.aclose()
@@ -635,8 +946,39 @@ class StorageNode:
         )
         return node
 
+    def _worker_done(self, part: StoragePartition, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or self._closing:
+            return
+        error = task.exception()
+        part.worker_gone = True
+        part.fail(f"worker ended: {error!r}", error)
+        # Nobody takes from this queue any more: answer what it was on and what is queued now; ``enqueue``
+        # answers later ones.
+        if part.current is not None:
+            part.answer_failed(part.current)
+        while part.queue.peek() is not None:
+            part.answer_failed(part.queue.pop())
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Healthy when no partition failed or is fail-stopped; ``partitions`` says which are, and why.
+
+        Damaged records not repaired yet, and partitions whose control-file entry is damaged, are listed
+        too (for operators and ``waltz cluster verify``); a damaged control entry takes its partition down.
+        """
+        problems = {str(p.partition_id): p.problem for p in self.partitions if p.problem is not None}
+        for pid, why in sorted(self.control.damaged.items()):
+            problems[str(pid)] = f"control file entry damaged: {why}"
+        damaged = {str(p.partition_id): sorted(p.damaged) for p in self.partitions if p.damaged}
+        return not problems, {
+            "storage": "degraded" if problems else "ok",
+            "partitions": problems,
+            "damagedTransactions": damaged,
+            "damagedControlEntries": {str(pid): why for pid, why in sorted(self.control.damaged.items())},
+        }
+
     async def aclose(self) -> None:
         """Stop serving and close every file; idempotent."""
+        self._closing = True
         for server in (self._data_server, self._admin_server):
             if server is not None:
                 await server.aclose()
@@ -644,9 +986,8 @@ class StorageNode:
             await self._http.aclose()
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        # A worker that died was reported by _worker_done already.
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         for p in self.partitions:
             p.close_log()
@@ -657,6 +998,9 @@ class StorageNode:
     def respond(self, item: _Item, resp: st.StorageMessage) -> None:
         if item.slot is not None:
             item.slot.release()
+        if item.budget is not None:
+            # From here on the reader's drain bounds these bytes (it reads nothing while they pile up).
+            item.budget.release(item.reserved)
         conn = item.conn
         if conn is None or conn.is_closed:
             return
@@ -667,9 +1011,30 @@ class StorageNode:
 
     # -- data port ---------------------------------------------------------------------------------
 
+    def _peer_refused(self, conn: FramedConnection, port: str) -> bool:
+        """True (logged) if ``storage.ssl.allowedPeers`` is set and the peer's certificate is not listed: a
+        client certificate from the same CA must not reach the ports that fence, truncate and unassign."""
+        allowed = self.config.allowed_peers
+        if not allowed:
+            return False
+        name = peer_common_name(conn.peercert)
+        if name in allowed:
+            return False
+        self.metrics.refused_peers.labels(port).inc()
+        log.warning(
+            "refusing %s connection from %s: certificate %r is not in storage.ssl.allowedPeers",
+            port,
+            conn.peername,
+            name,
+        )
+        return True
+
     async def _serve_data(self, conn: FramedConnection) -> None:
+        if self._peer_refused(conn, "data"):
+            return
         self.metrics.connections.inc()
         slot = asyncio.Semaphore(self.config.connection_max_in_flight)
+        budget = ByteBudget(self.config.connection_max_response_bytes)
         opened = False
         try:
             while True:
@@ -677,7 +1042,13 @@ class StorageNode:
                 try:
                     msg = st.decode(payload)
                 except RemoteProtocolError as e:
-                    log.warning("closing storage connection from %s: %s", conn.peername, e)
+                    _peer_warnings.warning(
+                        conn.source,
+                        reason_kind("decode", e),
+                        "closing storage connection from %s: %s",
+                        conn.peername,
+                        e,
+                    )
                     return
                 if isinstance(msg, st.OpenRequest):
                     resp: st.StorageMessage
@@ -686,7 +1057,9 @@ class StorageNode:
                         opened = True
                         resp = st.SuccessResponse(msg.session_id, msg.seq_num, msg.partition_id)
                     except ClusterKeyMismatchError as e:
-                        log.warning("refusing open from %s: %s", conn.peername, e)
+                        _peer_warnings.warning(
+                            conn.source, reason_kind("open", e), "refusing open from %s: %s", conn.peername, e
+                        )
                         resp = st.failure_from_error(msg.session_id, msg.seq_num, msg.partition_id, e)
                     conn.send(st.encode(resp))
                     continue
@@ -706,6 +1079,17 @@ class StorageNode:
                 offline = bool(
                     getattr(msg, "offline", False) or getattr(msg, "used_by_offline_recovery", False)
                 )
+                if msg.session_id > part.session_id:
+                    # Offline requests too: an offline SetLowWaterMark persists a newer id (recover-partition
+                    # adopts its source's), so a forged one must not get through that way either.
+                    refusal = await self._session_refusal(part, msg.session_id, conn.peername)
+                    if refusal is not None:
+                        conn.send(
+                            st.encode(
+                                st.failure_from_error(msg.session_id, msg.seq_num, msg.partition_id, refusal)
+                            )
+                        )
+                        continue
                 if not offline and msg.session_id > part.session_id:
                     log.info(
                         "partition %d: session %d from %s fences session %d",
@@ -717,13 +1101,56 @@ class StorageNode:
                     part.session_id = msg.session_id  # fence older sessions on arrival
                     self.metrics.session.labels(part.partition_id).set(part.session_id)
                 await slot.acquire()  # bounded unanswered requests per connection
-                await part.queue.put(_Item(msg, conn, slot=slot, arrived_s=time.monotonic()))
-                # A peer that sends but does not read must not grow our write buffer without bound.
+                reserved = _response_estimate(msg)
+                if reserved:
+                    await budget.acquire(reserved)  # bounded bytes of read responses per connection
+                # A peer that sends but does not read must not grow our write buffer without bound: with the
+                # reservation held and the buffer drained, unsent + reserved stays within high-water + budget.
                 await conn.drain()
+                await part.enqueue(
+                    _Item(msg, conn, slot=slot, arrived_s=time.monotonic(), budget=budget, reserved=reserved)
+                )
         except ConnectionError_:
             pass
         finally:
             self.metrics.connections.dec()
+
+    async def _session_refusal(self, part: StoragePartition, session_id: int, peer: Any) -> WaltzError | None:
+        """Why ``session_id`` may not fence ``part`` (None: it may): the cluster never handed it out."""
+        if self.authority is None or session_id <= part.verified_session_id:
+            return None
+        async with part.session_check:  # One ZooKeeper read at a time per partition.
+            if session_id <= part.verified_session_id:
+                return None
+            now = time.monotonic()
+            if now - part.last_refusal_s >= SESSION_RECHECK_INTERVAL_S:
+                try:
+                    newest = await self.authority.newest_session_id(part.partition_id)
+                except (WaltzError, TimeoutError) as e:
+                    # Fail closed: a new session cannot be taken without ZooKeeper either.
+                    return StorageError(
+                        f"cannot confirm session {session_id} of partition {part.partition_id} with the "
+                        f"cluster's metadata: {e!r}"
+                    )
+                part.verified_session_id = max(part.verified_session_id, newest)
+                if session_id <= part.verified_session_id:
+                    return None
+                part.last_refusal_s = now
+        self.metrics.refused_sessions.labels(part.partition_id).inc()
+        if now - part.last_refusal_log_s >= REFUSAL_LOG_INTERVAL_S:
+            part.last_refusal_log_s = now
+            log.warning(
+                "partition %d: refused session id %d from %s: the cluster's metadata records no session "
+                "above %d (a forged or corrupt request; it fences nothing)",
+                part.partition_id,
+                session_id,
+                peer,
+                part.verified_session_id,
+            )
+        return SessionFencedError(
+            f"session {session_id} of partition {part.partition_id} was never handed out by the cluster "
+            f"(newest recorded: {part.verified_session_id}); refused"
+        )
 
     def _check_identity(self, key: uuid.UUID, num_partitions: int) -> None:
         if key != self.control.key:
@@ -741,7 +1168,7 @@ class StorageNode:
         if not 0 <= pid < len(self.partitions):
             raise PartitionNotAssignedError(f"Partition:{pid} does not exist.")
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        await self.partitions[pid].queue.put(_Item(None, None, op=op, done=done))
+        await self.partitions[pid].enqueue(_Item(None, None, op=op, done=done))
         return await done
 
     async def assign(self, pid: int, assigned: bool, delete_files: bool = False) -> None:
@@ -750,6 +1177,20 @@ class StorageNode:
             raise PartitionNotAssignedError(f"Partition:{pid} does not exist.")
 
         def op() -> None:
+            if pid in self.control.damaged:
+                # The entry no longer says which session this replica took part in: its files cannot be
+                # trusted either. Only removing them resets the entry (the replica is then re-copied).
+                if assigned or not delete_files:
+                    raise CorruptionError(
+                        f"partition {pid}'s control file entry is damaged on this node "
+                        f"({self.control.damaged[pid]}); unassign it with its files deleted first"
+                    )
+                self.control.reset(pid)
+                self.control.update(pid, flags=FLAG_AVAILABLE)
+                part.session_id = -1
+                part.close_log()
+                delete_log_files(OS_FS, os.path.join(self.config.directory, str(pid)))
+                return
             if assigned:
                 part.open_log()
                 self.control.set_assigned(pid, True)
@@ -781,11 +1222,41 @@ class StorageNode:
         if was is not None and was != available:
             log.info("partition %d is now %s", pid, "available (online)" if available else "offline")
 
+    # -- scrub -------------------------------------------------------------------------------------------
+
+    async def _scrub_forever(self) -> None:
+        """Verify every stored record, partition by partition, at ``storage.scrub.bytesPerSecond``, then pause
+        and start again: damage (a flipped bit, a torn page) is found and reported before a reader needs the
+        record. Each step is a bounded read run through the partition's worker, ordered with its requests."""
+        rate = self.config.scrub_bytes_per_second
+        while True:
+            started = time.monotonic()
+            scanned = 0
+            for part in self.partitions:
+                txn: int | None = -1
+                while txn is not None:
+                    try:
+                        step = await self._on_partition(
+                            part.partition_id, functools.partial(part.scrub_step, txn)
+                        )
+                    except WaltzError as e:  # An I/O error, say: the partition's own requests report it too.
+                        log.warning("partition %d: scrub skipped the rest: %r", part.partition_id, e)
+                        break
+                    if step is None:
+                        break
+                    txn, nbytes = step
+                    scanned += nbytes
+                    await asyncio.sleep(nbytes / rate)
+            log.debug("scrub pass: %d bytes in %.1f s", scanned, time.monotonic() - started)
+            await asyncio.sleep(self.config.scrub_pause_ms / 1000)
+
     def statuses(self) -> list[adm.PartitionStatus]:
         out = []
         for p in self.partitions:
             info = p.info
-            if info.assigned:
+            if p.partition_id in self.control.damaged:
+                out.append(adm.PartitionStatus(p.partition_id, False))  # held here, and down
+            elif info.assigned:
                 out.append(adm.PartitionStatus(p.partition_id, info.assigned and info.available))
         return out
 
@@ -805,9 +1276,13 @@ class StorageNode:
                 "maxTransactionId": p.log.max_transaction_id if p.log is not None else -1,
                 "queueSize": len(p.queue),
                 "fsyncs": p.fsync_count,
+                "damagedTransactions": sorted(p.damaged),
             }
+        damaged = {str(pid): why for pid, why in sorted(self.control.damaged.items())}
         return json.dumps(
-            {"partitions": parts, "numPartitions": len(self.partitions)}, indent=2, sort_keys=True
+            {"partitions": parts, "numPartitions": len(self.partitions), "damagedControlEntries": damaged},
+            indent=2,
+            sort_keys=True,
         )
 
     async def _admin_request(self, msg: adm.AdminMessage, opened: bool) -> adm.AdminMessage:
@@ -859,6 +1334,8 @@ class StorageNode:
         raise RemoteProtocolError(f"{type(msg).__name__} is not an admin request")
 
     async def _serve_admin(self, conn: FramedConnection) -> None:
+        if self._peer_refused(conn, "admin"):
+            return
         opened = False
         with contextlib.suppress(ConnectionError_):
             while True:
@@ -897,6 +1374,7 @@ def load_cluster_identity(config: StorageConfig) -> tuple[uuid.UUID, int]:
             config.zookeeper_connect,
             session_timeout_ms=config.zookeeper_session_timeout_ms,
             connect_timeout_ms=config.zookeeper_connect_timeout_ms,
+            auth=config.zookeeper_auth,
         )
         try:
             params = read_store_params(client, config.cluster_root)
@@ -932,12 +1410,39 @@ async def run_node(config: StorageConfig, *, ready: Callable[[StorageNode], None
         "on" if config.tls.enabled else "off",
     )
     key, num_partitions = await asyncio.to_thread(load_cluster_identity, config)
-    node = await StorageNode.start(config, key, num_partitions)
-    tune_gc()
+    zk_client = None
+    authority: SessionAuthority | None = None
+    if config.zookeeper_connect:
+        from waltz.cluster import zk
+
+        # Kept for the node's lifetime: new session ids are checked against the partitions' metadata.
+        zk_client = await asyncio.to_thread(
+            zk.connect,
+            config.zookeeper_connect,
+            session_timeout_ms=config.zookeeper_session_timeout_ms,
+            connect_timeout_ms=config.zookeeper_connect_timeout_ms,
+            auth=config.zookeeper_auth,
+        )
+        authority = ZkSessionAuthority(zk_client, config.cluster_root, SESSION_CHECK_TIMEOUT_S)
     try:
-        if ready is not None:
-            ready(node)
-        await wait_for_stop_signal()
+        node = await StorageNode.start(config, key, num_partitions, authority)
+        tune_gc()
+        if os.environ.get(FAULTS_ENV) == "1":
+            import signal
+
+            log.warning(
+                "%s=1: SIGUSR1 makes the next data-file fsync fail (test-only fault injection)", FAULTS_ENV
+            )
+            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, FAULTS.fail_next_fsync)
+        try:
+            if ready is not None:
+                ready(node)
+            await wait_for_stop_signal()
+        finally:
+            await node.aclose()
     finally:
-        await node.aclose()
+        if zk_client is not None:
+            from waltz.cluster import zk
+
+            await asyncio.to_thread(zk.close, zk_client)
         log.info("storage node stopped")

@@ -36,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
+from waltz.protocol.record_run import encode_run
 from waltz.protocol.records import Record, RecordHeader
 from waltz.storage.fileio import OS_FS, FileSystem
 from waltz.storage.segment import (
@@ -336,8 +337,9 @@ class PartitionLog:
     def read_run(
         self, transaction_id: int, max_count: int, *, max_bytes: int = DEFAULT_MAX_READ_BYTES
     ) -> tuple[int, bytes]:
-        """Consecutive records from ``transaction_id`` as stored, unverified (:meth:`Segment.read_run`):
-        ``(count, run)``; stops at the end of a segment; ``(0, b"")`` if the id is not in the log."""
+        """Consecutive records from ``transaction_id`` as stored, each record checksum checked
+        (:meth:`Segment.read_run`): ``(count, run)``; stops at the end of a segment; ``(0, b"")`` if the id is
+        not in the log."""
         seg = self.segment_for(transaction_id)
         if seg is None:
             return 0, b""
@@ -360,6 +362,43 @@ class PartitionLog:
             out.extend(got)
             txn += len(got)
         return out
+
+    def repair(self, records: Sequence[Record]) -> list[int]:
+        """Overwrite stored records that do not verify with good copies; returns the ids rewritten, durable.
+
+        Only a damaged record is touched, and only with a copy that verifies, carries the same id and has the
+        same stored length (a committed record is identical on every replica, so a good copy always fits);
+        anything else raises StorageError and changes nothing more. Records that verify are left alone, so a
+        repair sent twice, or with a range around the damage, is harmless.
+        """
+        repaired: list[int] = []
+        for rec in records:
+            if not rec.verify():
+                raise CorruptionError(f"repair copy of transaction {rec.transaction_id} fails its checksum")
+            seg = self.segment_for(rec.transaction_id)
+            if seg is None:
+                raise StorageError(f"cannot repair transaction {rec.transaction_id}: not in this log")
+            offset, stored = seg.stored_record(rec.transaction_id)
+            try:
+                seg.read_records(rec.transaction_id, 1)
+                continue  # This copy is good.
+            except CorruptionError:
+                pass
+            good = encode_run((rec,))
+            if len(good) != len(stored):
+                raise StorageError(
+                    f"cannot repair transaction {rec.transaction_id}: the copy is {len(good)} bytes, the "
+                    f"stored record {len(stored)} (the index itself may be damaged)"
+                )
+            f = self._fs.open(seg.data_path)
+            try:
+                f.pwrite(good, offset)
+                f.fsync(data_only=True)
+            finally:
+                f.close()
+            seg.read_records(rec.transaction_id, 1)  # Verify what is now on disk, right after writing it.
+            repaired.append(rec.transaction_id)
+        return repaired
 
     # --------------------------------------------------------------------------------------- lifecycle
 

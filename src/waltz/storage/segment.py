@@ -93,6 +93,15 @@ _I64 = struct.Struct(">q")
 _MASK32 = 0xFFFFFFFF
 
 
+class RecordCorruptionError(CorruptionError):
+    """A stored record that does not verify (checksum, id or length): names the transaction, so the node can
+    report that replica's copy as damaged and accept a repair of it. Sent on the wire as CorruptionError."""
+
+    def __init__(self, message: str, transaction_id: int) -> None:
+        super().__init__(message)
+        self.transaction_id = transaction_id
+
+
 def data_file_name(first_transaction_id: int) -> str:
     return f"{first_transaction_id:019d}.seg"
 
@@ -554,11 +563,21 @@ class Segment:
         """Up to ``max_count`` consecutive records from ``transaction_id`` as stored (a record run, see
         :mod:`waltz.protocol.record_run`), at most ``max_bytes`` but at least one record: ``(count, bytes)``.
 
-        One ``pread``, nothing decoded or verified here: the reader verifies every record. ``(0, b"")`` if the
-        segment does not hold ``transaction_id``.
+        One ``pread``; each record's checksum (which covers the whole record) is checked right after the read,
+        so a damaged copy is refused here (RecordCorruptionError) and the server reads another replica,
+        rather than relayed to a reader that could only fail. The reader still verifies both checksums of
+        every record (end to end). ``(0, b"")`` if the segment does not hold ``transaction_id``.
         """
         raw, offsets = self._load(transaction_id, max_count, max_bytes)
+        _check_run(raw, offsets, transaction_id, self.data_path)
         return max(len(offsets) - 1, 0), raw
+
+    def stored_record(self, transaction_id: int) -> tuple[int, bytes]:
+        """``(offset, bytes)`` of a held record as stored, unverified (for repair and tools)."""
+        raw, offsets = self._load(transaction_id, 1, 0)
+        if not offsets:
+            raise StorageError(f"{self.data_path}: transaction {transaction_id} is not in this segment")
+        return offsets[0], raw
 
     def record_offset(self, transaction_id: int) -> int:
         """Data-file offset of a held transaction (for tools)."""
@@ -734,29 +753,61 @@ def _decode_verified(
 ) -> tuple[int, ReqId, int, int]:
     """Check one record at ``raw[start:end]``: id, length, record checksum, data checksum."""
     if end - start < RECORD_OVERHEAD_BYTES:
-        raise CorruptionError(f"{path}: record {transaction_id} at offset {offset} is truncated")
+        raise RecordCorruptionError(
+            f"{path}: record {transaction_id} at offset {offset} is truncated", transaction_id
+        )
     txn, msb, lsb, header, n, data_crc = _PREFIX.unpack_from(raw, start)
     if txn != transaction_id:
-        raise CorruptionError(
-            f"{path}: expected transaction {transaction_id} at offset {offset}, found {txn}"
+        raise RecordCorruptionError(
+            f"{path}: expected transaction {transaction_id} at offset {offset}, found {txn}",
+            transaction_id,
         )
     if RECORD_OVERHEAD_BYTES + n != end - start:
-        raise CorruptionError(f"{path}: record {transaction_id} at offset {offset} has a bad length {n}")
+        raise RecordCorruptionError(
+            f"{path}: record {transaction_id} at offset {offset} has a bad length {n}", transaction_id
+        )
     body_end = end - 4
     view = memoryview(raw)
     try:
         stored = _U32.unpack_from(raw, body_end)[0]
         if zlib.crc32(view[start:body_end]) != stored:
-            raise CorruptionError(
-                f"{path}: record {transaction_id} at offset {offset}: record checksum mismatch"
+            raise RecordCorruptionError(
+                f"{path}: record {transaction_id} at offset {offset}: record checksum mismatch",
+                transaction_id,
             )
         if zlib.crc32(view[start + RECORD_HEADER_BYTES : body_end]) != data_crc:
-            raise CorruptionError(
-                f"{path}: record {transaction_id} at offset {offset}: data checksum mismatch"
+            raise RecordCorruptionError(
+                f"{path}: record {transaction_id} at offset {offset}: data checksum mismatch",
+                transaction_id,
             )
     finally:
         view.release()
     return txn, make_req_id(msb, lsb), header, data_crc
+
+
+def _check_run(raw: bytes, offsets: list[int], first: int, path: str) -> None:
+    """Check every record of a loaded run: its id and its record checksum (one CRC-32 per record)."""
+    if not offsets:
+        return
+    base = offsets[0]
+    view = memoryview(raw)
+    try:
+        for j in range(len(offsets) - 1):
+            start = offsets[j] - base
+            end = offsets[j + 1] - base
+            txn = first + j
+            if (
+                end - start < RECORD_OVERHEAD_BYTES
+                or _I64.unpack_from(raw, start)[0] != txn
+                or zlib.crc32(view[start : end - 4]) != _U32.unpack_from(raw, end - 4)[0]
+            ):
+                # The slow path names exactly what is wrong.
+                _decode_verified(raw, start, end, txn, path, offsets[j])
+                raise RecordCorruptionError(
+                    f"{path}: record {txn} at offset {offsets[j]} does not verify", txn
+                )
+    finally:
+        view.release()
 
 
 def _check_header(

@@ -108,13 +108,18 @@ class ReplicaConnection(Protocol):
         ...
 
     async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, bytes]:
-        """Like :meth:`read_records`, but the records as stored (a record run, its shape checked, its
-        checksums not; :mod:`waltz.protocol.record_run`) and at most ``max_bytes`` beyond the first:
-        ``(count, run)``."""
+        """Like :meth:`read_records`, but the records as stored (a record run, its shape checked here, each
+        record checksum by the node; :mod:`waltz.protocol.record_run`) and at most ``max_bytes`` beyond the
+        first: ``(count, run)``. A damaged stored copy raises CorruptionError."""
         ...
 
     async def read_record(self, transaction_id: int) -> Record | None:
         """One record, or None if the node does not hold that id."""
+        ...
+
+    async def repair(self, records: Sequence[Record]) -> None:
+        """Give the node good copies of committed records it reported damaged; it overwrites only copies that
+        do not verify, with records of the same id and stored length (durably)."""
         ...
 
     async def aclose(self) -> None:

@@ -355,6 +355,13 @@ class MemoryStorage:
             (txn,) = args
             found = self._read(part, txn, 1)
             return found[0] if found else None
+        if kind == "repair":
+            # Memory replicas never hold damaged records; a repair of a record they hold must match it.
+            (records,) = args
+            for rec in records:
+                if not 0 <= rec.transaction_id < len(part.records) or part.records[rec.transaction_id] != rec:
+                    raise StorageRpcError(f"repair of transaction {rec.transaction_id} does not match")
+            return None
         raise StorageRpcError(f"unknown request {kind}")
 
     @staticmethod
@@ -476,6 +483,9 @@ class MemoryConnection:
     async def read_record(self, transaction_id: int) -> Record | None:
         result: Record | None = await self._call("read_record", transaction_id)
         return result
+
+    async def repair(self, records: Sequence[Record]) -> None:
+        await self._call("repair", records)
 
     async def aclose(self) -> None:
         if self._closed:

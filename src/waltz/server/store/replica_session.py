@@ -19,9 +19,13 @@ A replica session is one task. Its life, in order:
    id (it joined late), the replica task first copies the missing records, all committed (they are below the
    oldest batch in flight), from another participant; it also probes an idle connection.
 
-Failure policy (no replica rejoins a session it left): a participant's failure ends the session; before the
-session opens, the failure of a replica counted in the vote ends it too (the vote relied on it). A replica
-that neither counts nor writes just retries (before the opening) or sits the session out (after it).
+Failure policy: a participant's failure ends the session; before the session opens, the failure of a
+replica counted in the vote ends it too (the vote relied on it). A replica that neither counts nor writes
+retries with backoff, before the opening and after it alike: after it, it rejoins the way any late replica
+does (recorded clean in ZooKeeper, copies, joins), so a storage node that failed (a full disk, a failed
+fsync, a restart) is back in the session on its own once it serves again. (It used to sit the rest of the
+session out, which could be hours: sessions end only on failures, replica-set changes and checkpoints.) Its
+first failure is logged at WARNING, its return at INFO.
 """
 
 from __future__ import annotations
@@ -90,6 +94,8 @@ class ReplicaSession:
         self.session = session
         self.storage = storage
         self.retiring = retiring
+        self._failures = 0
+        """Failures since this replica last answered (the first is logged at WARNING, the return at INFO)."""
         """A replica of the previous set that is no longer assigned: it only votes and serves copies."""
         self.role = ReplicaRole.CONNECTING
         self.connection: ReplicaConnection | None = None
@@ -247,15 +253,24 @@ class ReplicaSession:
         if load_bearing:
             self.session.end_for(self, f"failed: {error!r}")
             return False
-        log.info("%r failed without ending the session: %r", self, error)
+        self._note_failure(error)
         self.session.recovery_forget(self)
         self.readable_max = -1
         self.counted = False
-        if self.session.is_open:
-            self.role = ReplicaRole.RETIRED
-            return False
         self.role = ReplicaRole.CONNECTING
         return True
+
+    def _note_failure(self, error: BaseException) -> None:
+        self._failures += 1
+        if self._failures == 1:
+            log.warning(
+                "%r is out of the session (%r); retrying it every %d ms at most",
+                self,
+                error,
+                self.session.config.max_retry_interval_ms,
+            )
+        else:
+            log.debug("%r still failing: %r", self, error)
 
     async def _connect(self, backoff: Backoff) -> tuple[ReplicaConnection, SessionInfo]:
         session = self.session
@@ -274,9 +289,12 @@ class ReplicaSession:
             except (WaltzError, TimeoutError) as e:
                 if conn is not None:
                     await conn.aclose()
-                log.debug("%r cannot connect: %r", self, e)
+                self._note_failure(e)
                 await backoff.sleep()
                 continue
+            if self._failures:
+                log.info("%r answers again after %d failed attempts; recovering it", self, self._failures)
+                self._failures = 0
             self.connection = conn
             self.role = ReplicaRole.RECOVERING
             return conn, info

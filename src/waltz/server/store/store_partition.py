@@ -122,6 +122,8 @@ class StorePartition:
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop :meth:`start` ran on (asking asyncio for it costs a getpid system call each time)."""
         self.outcomes: list[SessionOutcome] = []
+        self.damaged_replicas: dict[str, int] = {}
+        """Reads that found a replica's stored copy damaged, by storage node (reported in /health)."""
         """How each session ended, oldest first (bounded to the last 100)."""
         self.internal_errors: list[BaseException] = []
         """Bugs caught by the supervisor (it logs them and starts a new session)."""
@@ -485,6 +487,21 @@ class StorePartition:
         self.queue.clear()
         self._resolutions.set()
 
+    def replica_damaged(self, storage: str, detail: str) -> None:
+        """SessionHost: count and log a read that found ``storage``'s stored copy damaged."""
+        first = storage not in self.damaged_replicas
+        self.damaged_replicas[storage] = self.damaged_replicas.get(storage, 0) + 1
+        # One line per replica, then every 100th: a scan over a damaged range must not flood the log.
+        if first or self.damaged_replicas[storage] % 100 == 0:
+            log.error(
+                "partition %d: replica %s holds a damaged record (%d reads so far); reading another replica "
+                "and repairing it: %s",
+                self.partition_id,
+                storage,
+                self.damaged_replicas[storage],
+                detail,
+            )
+
     # -- introspection ---------------------------------------------------------------------------------------
 
     def statistics(self) -> dict[str, object]:
@@ -499,4 +516,5 @@ class StorePartition:
             "queued_appends": self.queue.qsize(),
             "inflight_appends": len(self.inflight),
             "sessions_ended": len(self.outcomes),
+            "damaged_replica_reads": dict(self.damaged_replicas),
         }

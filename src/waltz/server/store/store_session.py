@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+REPAIR_MAX_RECORDS = 10_000
+"""Records one background repair copies at most (one read's range; the node caps what one read returns)."""
+
 
 class EndReason(enum.Enum):
     REPLICA_FAILED = "replica failed"
@@ -122,6 +125,8 @@ class AppendQueue:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
         self._items: deque[PendingAppend] = deque()
+        self.data_bytes = 0
+        """Bytes of data queued (a batch is full by count or by bytes)."""
         self._room = asyncio.Event()
         self._room.set()
         self._arrived = asyncio.Event()
@@ -143,6 +148,7 @@ class AppendQueue:
             if append.resolved:
                 return
         self._items.append(append)
+        self.data_bytes += len(append.data)
         self._arrived.set()
 
     async def get(self) -> PendingAppend:
@@ -151,8 +157,13 @@ class AppendQueue:
             await self._arrived.wait()
         return self.get_nowait()
 
+    def peek(self) -> PendingAppend | None:
+        """The oldest queued append, left in the queue (None if empty)."""
+        return self._items[0] if self._items else None
+
     def get_nowait(self) -> PendingAppend:
         append = self._items.popleft()
+        self.data_bytes -= len(append.data)
         self._room.set()
         return append
 
@@ -160,6 +171,7 @@ class AppendQueue:
         """Drop every queued append and wake the producers waiting for room (to queue theirs, or give up if
         it was resolved meanwhile)."""
         self._items.clear()
+        self.data_bytes = 0
         self._room.set()
 
 
@@ -177,6 +189,10 @@ class SessionHost(Protocol):
 
     def batch_committed(self, session: StoreSession, appends: Sequence[PendingAppend]) -> None:
         """A batch reached the quorum: ``session.high_water_mark`` is its last id."""
+        ...
+
+    def replica_damaged(self, storage: str, detail: str) -> None:
+        """A read found ``storage``'s stored copy damaged (it answered CorruptionError): report it."""
         ...
 
 
@@ -244,6 +260,8 @@ class StoreSession:
         self.started_ms = _loop_ms()
         self.recovery_ms = -1
         """How long recovery took, from the session's start until it opened (-1 until it opens)."""
+        self._repairing: set[str] = set()
+        """Replicas a background repair is running for (at most one at a time each)."""
 
     def __repr__(self) -> str:
         return f"StoreSession(partition={self.partition_id}, session={self.session_id}, open={self.is_open})"
@@ -300,7 +318,12 @@ class StoreSession:
 
     def _full_batch_queued(self) -> bool:
         queue = self._host.queue
-        return queue.qsize() >= self.config.max_batch_size or queue.full()
+        config = self.config
+        return (
+            queue.qsize() >= config.max_batch_size
+            or queue.data_bytes >= config.max_batch_bytes
+            or queue.full()
+        )
 
     @property
     def batches_in_flight(self) -> tuple[Batch, ...]:
@@ -535,8 +558,15 @@ class StoreSession:
                 finally:
                     self._writer_idle = False
             appends = [first]
-            while len(appends) < config.max_batch_size and not queue.empty():
+            # A batch is bounded in appends and in data bytes (one larger append still goes, alone): every
+            # replica request and every in-flight batch holds its data until the batch is decided.
+            size = len(first.data)
+            while len(appends) < config.max_batch_size:
+                nxt = queue.peek()
+                if nxt is None or size + len(nxt.data) > config.max_batch_bytes:
+                    break
                 appends.append(queue.get_nowait())
+                size += len(nxt.data)
             start = self.next_id
             for i, append in enumerate(appends):
                 append.transaction_id = start + i
@@ -632,20 +662,80 @@ class StoreSession:
         request: Callable[[ReplicaConnection], Awaitable[T]],
         problem_of: Callable[[T], str | None],
     ) -> T:
-        """``request`` on a participant that holds ``transaction_id``; a replica that fails it or answers with
-        a problem ends the session, and the error raises."""
+        """``request`` on a participant that holds ``transaction_id``.
+
+        A replica whose stored copy is damaged (CorruptionError, found by the node's checksum check right
+        after its read) is reported, the read goes to another participant, and the damaged copy is repaired
+        in the background from the good one; the damaged replica keeps taking writes. Any other failure, or an
+        answer with a problem, ends the session, and the error raises.
+        """
         src = self._read_source(transaction_id)
-        assert src.connection is not None  # checked by _read_source
-        try:
-            answer = await self.call(request(src.connection))
-        except WaltzError as e:
-            self.end_for(src, f"failed a read: {e!r}")
-            raise
+        damaged: list[ReplicaSession] = []
+        while True:
+            assert src.connection is not None  # checked by _read_source / _other_source
+            try:
+                answer = await self.call(request(src.connection))
+            except CorruptionError as e:
+                self._host.replica_damaged(src.storage, str(e))
+                damaged.append(src)
+                other = self._other_source(transaction_id, damaged)
+                if other is None:
+                    raise
+                src = other
+                continue
+            except WaltzError as e:
+                self.end_for(src, f"failed a read: {e!r}")
+                raise
+            break
         problem = problem_of(answer)
         if problem is not None:
             self.end_for(src, f"returned bad records: {problem}")
             raise CorruptionError(f"{src.storage} returned bad records for {transaction_id}: {problem}")
+        for bad in damaged:
+            if bad.storage not in self._repairing:
+                self._repairing.add(bad.storage)
+                self._tasks.spawn(
+                    self._repair(bad, src, transaction_id),
+                    name=f"repair-{self.partition_id}-{bad.storage}-{transaction_id}",
+                )
         return answer
+
+    def _other_source(self, transaction_id: int, exclude: Sequence[ReplicaSession]) -> ReplicaSession | None:
+        candidates = [
+            p
+            for p in self.participants
+            if p.connection is not None and p.max_id >= transaction_id and p not in exclude
+        ]
+        if not self.is_open or not candidates:
+            return None
+        return candidates[0] if len(candidates) == 1 else self.rng.choice(candidates)
+
+    async def _repair(self, bad: ReplicaSession, good: ReplicaSession, transaction_id: int) -> None:
+        """Copy the committed records of one read's range from ``good`` onto ``bad``, which overwrites only
+        the copies that fail its checks. Best effort: a failure is logged; the next damaged read retries."""
+        try:
+            if good.connection is None or bad.connection is None:
+                return
+            count = self._committed_count(transaction_id, REPAIR_MAX_RECORDS)
+            position, end = transaction_id, transaction_id + count
+            while position < end:
+                records = await self.call(good.connection.read_records(position, end - position))
+                if _check_records(records, position, end - position) is not None:
+                    return
+                await self.call(bad.connection.repair(records))
+                position += len(records)
+            log.info(
+                "partition %d: repaired %s's copy of %d..%d from %s",
+                self.partition_id,
+                bad.storage,
+                transaction_id,
+                end - 1,
+                good.storage,
+            )
+        except WaltzError as e:
+            log.warning("partition %d: repair of %s failed: %r", self.partition_id, bad.storage, e)
+        finally:
+            self._repairing.discard(bad.storage)
 
 
 def _check_records(records: Sequence[Record], start: int, max_count: int) -> str | None:

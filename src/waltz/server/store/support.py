@@ -24,6 +24,8 @@ class StoreConfig:
 
     max_batch_size: int = 100
     """Appends per write round (``storage.maxBatchSize``)."""
+    max_batch_bytes: int = 4 * 1024 * 1024
+    """Data bytes per write round (``storage.maxBatchBytes``); one larger append is a round of its own."""
     max_queued_appends: int = 200
     """Appends waiting for a write round; producers wait beyond this (2 x max_batch_size, as the original)."""
     checkpoint_interval: int = 250_000
@@ -51,6 +53,7 @@ class StoreConfig:
     def __post_init__(self) -> None:
         for name in (
             "max_batch_size",
+            "max_batch_bytes",
             "max_queued_appends",
             "checkpoint_interval",
             "initial_retry_interval_ms",
