@@ -1,7 +1,7 @@
 """A seeded, deterministic simulation of the replication core under faults (in the spirit of TigerBeetle's
 VOPR).
 
-One run = one scenario x one seed, on :class:`~tests.fault.simloop.VirtualTimeLoop` (virtual time, no I/O):
+One run = one scenario x one seed, on :class:`~waltz.testing.VirtualTimeLoop` (virtual time, no I/O):
 
 * a *world*: in-memory storage nodes (:class:`MemoryStorage`), a lossy/delaying network, a metadata store;
 * one or more *servers*: :class:`StorePartition` instances (the real store code) with a generation each;

@@ -6,6 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +17,7 @@ from tests.integration.conftest import ClusterFactory
 from tests.integration.raw_client import RawClient
 from tests.integration.server_process import Cluster, ServerProcess, wait_until
 from tests.integration.waltz_process import WaltzProcess
-from waltz import __version__
+from waltz import __version__, local
 from waltz.cluster.membership import ClusterWatcher
 
 pytestmark = [pytest.mark.integration]
@@ -120,5 +124,58 @@ def test_log_format_json_writes_one_object_per_line(cluster_factory: ClusterFact
         assert {"ts", "level", "logger", "msg"} <= set(records[0])
         assert any(r["level"] == "DEBUG" for r in records)
         assert any(r["msg"].startswith("partition 0 opened at generation") for r in records)
+
+    asyncio.run(main())
+
+
+@pytest.fixture
+def local_dir(tmp_path: Path) -> Iterator[Path]:
+    directory = tmp_path / "local"
+    try:
+        yield directory
+    finally:
+        if (directory / "cluster.json").exists():
+            local.down(directory)
+
+
+@pytest.mark.timeout(120)
+def test_waltz_local_passes_the_log_options_to_the_processes_it_starts(local_dir: Path) -> None:
+    options = ["--log-level", "debug", "--log-format", "json"]
+    size = ["--storages", "1", "--servers", "1", "--partitions", "1"]
+    up = subprocess.run(
+        [sys.executable, "-m", "waltz.cli.main", *options, "local", "up", "--dir", str(local_dir), *size],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert up.returncode == 0, up.stderr
+    for name in ("server-0", "storage-0"):
+        lines = (local_dir / "logs" / f"{name}.log").read_text().splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]
+        assert records, name
+        assert records[0]["msg"].startswith("waltz "), records[0]
+        assert any(r["level"] == "DEBUG" for r in records), name
+
+
+@pytest.mark.timeout(60)
+def test_an_expired_zookeeper_session_is_three_lines_not_a_warning_per_attempt(
+    cluster_factory: ClusterFactory,
+) -> None:
+    cluster = cluster_factory()
+
+    async def main() -> None:
+        await cluster.start(storages=1, servers=1)
+        server = cluster.servers[0]
+        server.pause()  # longer than the 4 s session: ZooKeeper expires it
+        await asyncio.sleep(5)
+        server.resume()
+        await _log_shows(server, r"WARNING waltz.cluster.zk: ZooKeeper session expired")
+        await _log_shows(server, r"(?s)session expired.*INFO waltz.cluster.zk: ZooKeeper session started")
+        text = server.log_text()
+        zk_lines = [line for line in text.splitlines() if "waltz.cluster.zk" in line or "kazoo" in line]
+        assert len(zk_lines) <= 4, zk_lines  # started, (lost,) expired, started again
+        assert "Connection dropped" not in text
 
     asyncio.run(main())

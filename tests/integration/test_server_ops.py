@@ -56,7 +56,12 @@ def test_health_follows_the_quorum_and_metrics_count_appends(cluster_factory: Cl
         # Healthy means: ZooKeeper connected and every partition it owns healthy (none owned yet is fine).
         await wait_until(owns_healthy_partition, 20, "the server to report its partition healthy")
         status, body = await health()
-        assert body == {"healthy": True, "zookeeper": True, "partitions": {"0": True}}
+        assert {k: body[k] for k in ("healthy", "zookeeper", "partitions", "problems")} == {
+            "healthy": True,
+            "zookeeper": True,
+            "partitions": {"0": True},
+            "problems": [],
+        }
 
         async with ClusterWatcher(cluster.zk, cluster.root) as watcher:
             client = await RawClient(watcher, 1).start()
@@ -70,7 +75,8 @@ def test_health_follows_the_quorum_and_metrics_count_appends(cluster_factory: Cl
         assert status == 200
         metrics = _samples(text)
         assert metrics['waltz_server_appends_total{partition="0"}'] == 500
-        assert metrics['waltz_server_append_seconds_count{partition="0"}'] == 500
+        # One latency observation per committed batch (per-append observations cost the hot path).
+        assert 1 <= metrics['waltz_server_append_seconds_count{partition="0"}'] <= 500
         assert metrics['waltz_server_high_water_mark{partition="0"}'] == 499
         assert metrics['waltz_server_partition_healthy{partition="0"}'] == 1
         assert metrics["waltz_server_partitions"] == 1

@@ -14,13 +14,16 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tests.fault.simloop import run_virtual
 from tests.unit.test_store_session import NAMES, World, _open_session, _recording_partition, _slow_fsyncs, req
 from waltz.config import MAX_CONFIG_FILE_BYTES, read_bounded, read_yaml
 from waltz.errors import BrokenResourceError, ConfigError
 from waltz.protocol.framing import MAGIC_HELLO, MAGIC_STORAGE, encode_frame, encode_hello
 from waltz.server.config import ServerConfig
+from waltz.server.feed_cache import FeedCache
+from waltz.server.partition import Partition
+from waltz.server.transaction_cache import TransactionCache, TransactionData, TransactionFetcher
 from waltz.storage.config import StorageConfig
+from waltz.testing import run_virtual
 from waltz.tls import TlsConfig
 from waltz.transport import ByteBudget, FramedConnection, RateLimitedLog, open_connection, reason_kind, serve
 
@@ -349,5 +352,42 @@ def test_replication_batches_are_capped_by_bytes_and_a_larger_append_goes_alone(
             assert [6000] in batches
             assert session.high_water_mark == len(sizes) - 1
             assert all(len(world.log(n)) == len(sizes) for n in NAMES)
+
+    run_virtual(main())
+
+
+# ------------------------------------------------------------------------ transaction data via the fetcher
+
+
+def test_transaction_data_reads_go_through_the_fetcher_one_load_per_transaction() -> None:
+    async def main() -> None:
+        world = World()
+        store = world.partition()
+        cache = TransactionCache(1 << 20)
+        loads: list[int] = []
+
+        async def load(partition_id: int, transaction_id: int) -> TransactionData:
+            loads.append(transaction_id)
+            return await part.load_transaction(transaction_id)
+
+        fetcher = TransactionFetcher(cache, load, max_in_flight=2)
+        part = Partition(0, store, feed_cache=FeedCache(1 << 20, 1), transaction_cache=cache, fetcher=fetcher)
+        await part.start()
+        try:
+            for i in range(5):
+                assert await (await store.submit(req(i))) == i
+            # Nothing was cached through the append path here: every read misses, and concurrent reads of one
+            # transaction share a single store read.
+            results = await asyncio.gather(*(part.transaction_data(i % 3) for i in range(12)))
+            assert [r[0] if r else None for r in results] == [f"txn-{i % 3}".encode() for i in range(12)]
+            assert sorted(loads) == [0, 1, 2]
+            assert await part.transaction_data(4) == (b"txn-4", req(4).checksum)
+            assert await part.transaction_data(5) is None  # above the high-water mark: no load at all
+            assert sorted(loads) == [0, 1, 2, 4]
+            assert await part.transaction_data(1) is not None  # cached now
+            assert sorted(loads) == [0, 1, 2, 4]
+        finally:
+            await part.close()
+            await fetcher.aclose()
 
     run_virtual(main())

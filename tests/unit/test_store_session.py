@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from waltz.cluster.partition_metadata import PartitionMetadata
 from waltz.errors import (
     ClosedResourceError,
     CorruptionError,
@@ -507,5 +508,25 @@ def test_an_append_failed_while_its_producer_waited_for_room_is_never_written() 
         for name in NAMES:
             written = [r.req_id for r in world.log(name)]
             assert written == [req(0).req_id, req(4, generation=2).req_id, req(5, generation=3).req_id]
+
+    run_virtual(main())
+
+
+def test_metadata_generation_no_assignment_explains_is_reported_not_obeyed_silently() -> None:
+    async def main() -> None:
+        world = World(stale_report_ms=5_000)
+        # An anonymous write left the partition's metadata at generation 1002; the assignment says 3.
+        await world.metadata.compare_and_set(0, PartitionMetadata(generation=1002, session_id=4), -1)
+        async with world.partition(generation=3) as partition:
+            await _wait(lambda: not partition.is_healthy and partition.statistics()["metadata_conflict"])
+            conflict = str(partition.statistics()["metadata_conflict"])
+            assert "generation 1002" in conflict
+            assert "not written by an owner the assignment named" in conflict
+            with pytest.raises(GenerationMismatchError):
+                await partition.append(req(0, generation=3))
+            # An operator reassigns it above the bogus generation: the report clears and appends commit.
+            partition.set_generation(1003)
+            assert await partition.append(req(1, generation=1003)) == 0
+            assert partition.statistics()["metadata_conflict"] is None
 
     run_virtual(main())

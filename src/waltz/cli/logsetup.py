@@ -5,6 +5,11 @@ event an operator acts on (start, ZooKeeper session changes, partitions opened a
 replicas fenced and caught up, partitions assigned). Other commands log at WARNING, so their output stays
 their answer. ``--log-level`` overrides both; ``-v`` is DEBUG.
 
+The processes a command starts inherit its choice: ``--log-level``/``--log-format`` are passed down through
+the environment (``WALTZ_LOG_LEVEL``, ``WALTZ_LOG_FORMAT``), which a command reads when it is given neither,
+so ``waltz --log-level DEBUG local up`` (or ``WALTZ_LOG_LEVEL=DEBUG waltz local up``) starts a cluster whose
+servers and storage nodes log at DEBUG to ``D/logs/``.
+
 ``--log-format json`` writes one JSON object per line (``ts``, ``level``, ``logger``, ``msg``, and ``exc``
 with the formatted traceback when there is one) for log shippers.
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -43,6 +49,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False)
 
 
+class _OurHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The stderr handler :func:`configure` installs."""
+
+
 def add_arguments(parser: argparse.ArgumentParser, *, default_level: str | None = None) -> None:
     """``--log-level`` and ``--log-format`` on ``parser``. On a subcommand they are also accepted after the
     command (``waltz server run --log-level DEBUG``); ``default_level`` is that command's level when none is
@@ -64,23 +74,52 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_level: str | None 
         parser.set_defaults(default_log_level=default_level)
 
 
+LEVEL_ENV = "WALTZ_LOG_LEVEL"
+FORMAT_ENV = "WALTZ_LOG_FORMAT"
+
+
 def level_of(args: argparse.Namespace) -> str:
-    """The level a command logs at: --log-level, else DEBUG with -v, else the command's default."""
+    """The level a command logs at: --log-level, else DEBUG with -v, else $WALTZ_LOG_LEVEL, else the
+    command's default."""
     given = getattr(args, "log_level", None)
     if given:
         return str(given)
     if getattr(args, "verbose", False):
         return "DEBUG"
+    inherited = os.environ.get(LEVEL_ENV, "").upper()
+    if inherited in LEVELS:
+        return inherited
     return str(getattr(args, "default_log_level", "WARNING"))
 
 
+def format_of(args: argparse.Namespace) -> str:
+    """--log-format, else $WALTZ_LOG_FORMAT, else text."""
+    given = getattr(args, "log_format", None) or os.environ.get(FORMAT_ENV, "")
+    return given if given in FORMATS else "text"
+
+
+def pass_down(args: argparse.Namespace) -> None:
+    """Put the options given on the command line into the environment, for the processes it starts."""
+    if getattr(args, "log_level", None):
+        os.environ[LEVEL_ENV] = str(args.log_level)
+    if getattr(args, "log_format", None):
+        os.environ[FORMAT_ENV] = str(args.log_format)
+
+
 def configure(level: str, fmt: str = "text") -> None:
-    """Send log records at ``level`` and above to stderr as text or JSON lines (replacing any handler)."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    """Send log records at ``level`` and above to stderr as text or JSON lines.
+
+    Replaces the handler an earlier call installed. Like :func:`logging.basicConfig`, it changes nothing when
+    the root logger already has another handler (``main()`` also runs inside test processes, which capture
+    logs their own way)."""
     root = logging.getLogger()
     for old in list(root.handlers):
-        root.removeHandler(old)
+        if isinstance(old, _OurHandler):
+            root.removeHandler(old)
+    if root.handlers:
+        return
+    handler = _OurHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     root.addHandler(handler)
     root.setLevel(level)
     logging.getLogger("kazoo").setLevel(logging.DEBUG if level == "DEBUG" else logging.ERROR)

@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logsetup.configure(logsetup.level_of(args), getattr(args, "log_format", "text"))
+    logsetup.configure(logsetup.level_of(args), logsetup.format_of(args))
+    logsetup.pass_down(args)
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.error(f"missing command for {args.group}")

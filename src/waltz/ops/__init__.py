@@ -1,6 +1,6 @@
 """Operator tools: repair and verification of a running cluster (``waltz storage recover-partition``,
 ``sync-partitions``, ``validate``, ``waltz cluster verify``, ``check-connectivity``, and the guard of
-``remove-partition -d``).
+``remove-partition -d``), and the data of the live view ``waltz top`` (:mod:`waltz.ops.top`).
 
 Each tool is a library function over ZooKeeper metadata and the storage and server clients; the ``waltz``
 commands in :mod:`waltz.cli` are thin layers over them, and the integration tests call them directly.

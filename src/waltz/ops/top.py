@@ -41,17 +41,15 @@ from kazoo.client import KazooClient
 
 from waltz.cluster import store_metadata as sm
 from waltz.config import host_port
-from waltz.errors import WaltzError
+from waltz.errors import RemoteProtocolError, WaltzError
+from waltz.ops.servers import ADMIN_CLIENT_ID, admin_req_id, query
 from waltz.protocol import client_server as cs
-from waltz.protocol.framing import MAGIC_CLIENT
 from waltz.protocol.records import ReqId
 from waltz.server.storage_client import AdminClient
-from waltz.transport import open_connection
 
 __all__ = ["PartitionRow", "ProcessRow", "ReplicaRow", "TopSnapshot", "gather"]
 
 DEFAULT_TIMEOUT_S = 2.0
-ADMIN_CLIENT_ID = -1
 
 T = TypeVar("T")
 
@@ -122,36 +120,23 @@ async def _within(timeout_s: float, what: Awaitable[T]) -> T | None:
 
 
 async def _ask_server(address: str, ssl: SSLContext | None, timeout_s: float) -> _ServerAnswer:
-    host, port = host_port(address)
-    conn = await open_connection(
-        host,
-        port,
-        magic=MAGIC_CLIENT,
-        versions=cs.SUPPORTED_VERSIONS,
-        hello_text="Waltz Top",
-        connect_timeout_ms=int(timeout_s * 1000),
-        ssl=ssl,
+    timeout_ms = int(timeout_s * 1000)
+    (health,) = await query(
+        address, [cs.ServerPartitionsHealthStatRequest(admin_req_id(1))], timeout_ms, ssl=ssl
     )
-    version = conn.negotiated_version
-    seq = iter(range(1, 1_000_000))
-
-    async def ask(msg: cs.Message) -> cs.Message:
-        await conn.send_and_drain(cs.encode(msg, version))
-        return cs.decode(await conn.receive(), version)
-
-    try:
-        health = await ask(cs.ServerPartitionsHealthStatRequest(ReqId.of(ADMIN_CLIENT_ID, 0, 0, next(seq))))
-        if not isinstance(health, cs.ServerPartitionsHealthStatResponse):
-            raise WaltzError(f"unexpected answer from {address}")
-        served = dict(health.partition_health)
-        hwms: dict[int, int] = {}
-        for pid in sorted(served):
-            answer = await ask(cs.HighWaterMarkRequest(ReqId.of(ADMIN_CLIENT_ID, 0, pid, next(seq))))
-            if isinstance(answer, cs.HighWaterMarkResponse):
-                hwms[pid] = answer.transaction_id
-        return _ServerAnswer(served, hwms)
-    finally:
-        await conn.aclose()
+    if not isinstance(health, cs.ServerPartitionsHealthStatResponse):
+        raise RemoteProtocolError(f"unexpected answer from {address}: {type(health).__name__}")
+    served = dict(health.partition_health)
+    # A server drops a high-water mark request for a partition it does not serve: ask only for its own.
+    requests: list[cs.Message] = [
+        cs.HighWaterMarkRequest(ReqId.of(ADMIN_CLIENT_ID, 0, pid, 2 + i))
+        for i, pid in enumerate(sorted(served))
+    ]
+    answers = await query(address, requests, timeout_ms, ssl=ssl) if requests else []
+    hwms = {
+        a.req_id.partition_id: a.transaction_id for a in answers if isinstance(a, cs.HighWaterMarkResponse)
+    }
+    return _ServerAnswer(served, hwms)
 
 
 async def _ask_storage(

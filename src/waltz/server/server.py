@@ -645,12 +645,18 @@ class WaltzServer:
             for pid, p in sorted(self.partitions.items())
             if p.store.damaged_replicas
         }
+        conflicts = {
+            str(pid): p.store.metadata_conflict
+            for pid, p in sorted(self.partitions.items())
+            if p.store.metadata_conflict
+        }
         healthy = zk_ok and self.failure is None and all(parts.values())
         return healthy, {
             "zookeeper": zk_ok,
             "partitions": parts,
             "problems": problems,
             "damagedReplicaReads": damaged,
+            "metadataConflicts": conflicts,
         }
 
     # -- client connections --

@@ -1021,7 +1021,9 @@ class StorageNode:
         if name in allowed:
             return False
         self.metrics.refused_peers.labels(port).inc()
-        log.warning(
+        _peer_warnings.warning(
+            conn.source,
+            f"peer-refused:{port}",
             "refusing %s connection from %s: certificate %r is not in storage.ssl.allowedPeers",
             port,
             conn.peername,
@@ -1104,12 +1106,12 @@ class StorageNode:
                 reserved = _response_estimate(msg)
                 if reserved:
                     await budget.acquire(reserved)  # bounded bytes of read responses per connection
-                # A peer that sends but does not read must not grow our write buffer without bound: with the
-                # reservation held and the buffer drained, unsent + reserved stays within high-water + budget.
-                await conn.drain()
                 await part.enqueue(
                     _Item(msg, conn, slot=slot, arrived_s=time.monotonic(), budget=budget, reserved=reserved)
                 )
+                # A peer that sends but does not read must not grow our write buffer without bound: its next
+                # request waits until the answers sent so far drain (and then for budget, at the top).
+                await conn.drain()
         except ConnectionError_:
             pass
         finally:
@@ -1343,7 +1345,13 @@ class StorageNode:
                 try:
                     msg = adm.decode(payload)
                 except RemoteProtocolError as e:
-                    log.warning("closing admin connection from %s: %s", conn.peername, e)
+                    _peer_warnings.warning(
+                        conn.source,
+                        reason_kind("admin-decode", e),
+                        "closing admin connection from %s: %s",
+                        conn.peername,
+                        e,
+                    )
                     return
                 resp: adm.AdminMessage
                 try:

@@ -122,6 +122,10 @@ class StorePartition:
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop :meth:`start` ran on (asking asyncio for it costs a getpid system call each time)."""
         self.outcomes: list[SessionOutcome] = []
+        self.metadata_conflict: str | None = None
+        """Set while the partition metadata holds a generation no assignment explains (see
+        :meth:`_wait_for_newer_generation`)."""
+        self._stale_detail = ""
         self.damaged_replicas: dict[str, int] = {}
         """Reads that found a replica's stored copy damaged, by storage node (reported in /health)."""
         """How each session ended, oldest first (bounded to the last 100)."""
@@ -349,13 +353,14 @@ class StorePartition:
                     GenerationMismatchError(f"partition {self.partition_id} moved to a newer generation")
                 )
                 self._generation_raised.clear()
-                await self._generation_raised.wait()
+                await self._wait_for_newer_generation()
                 continue
             try:
                 session = await self._new_session()
             except GenerationMismatchError as e:
                 log.warning("partition %d: %s", self.partition_id, e)
                 self._stale = True
+                self._stale_detail = str(e)
                 continue
             except WaltzError as e:
                 log.warning("partition %d: cannot start a store session: %r", self.partition_id, e)
@@ -381,6 +386,25 @@ class StorePartition:
                 if outcome.reason in _NO_BACKOFF:
                     continue
             await backoff.sleep()
+
+    async def _wait_for_newer_generation(self) -> None:
+        """Wait until :meth:`set_generation` raises ours. A partition that really moved is dropped by this
+        server well before ``stale_report_ms``; if it is still ours by then, the metadata's generation was
+        not written by any owner the assignment named (an anonymous or corrupt write): say so, loudly and in
+        :meth:`statistics`, rather than sit silently unserved."""
+        try:
+            async with asyncio.timeout(self.config.stale_report_ms / 1000):
+                await self._generation_raised.wait()
+        except TimeoutError:
+            self.metadata_conflict = (
+                f"{self._stale_detail}, and no assignment of a newer generation reached this server in "
+                f"{self.config.stale_report_ms} ms: the partition metadata in ZooKeeper was not written by "
+                "an owner the assignment named (an anonymous or corrupt write; see docs/security.md); the "
+                "partition stays unserved until an operator repairs the metadata or reassigns it"
+            )
+            log.error("partition %d: %s", self.partition_id, self.metadata_conflict)
+            await self._generation_raised.wait()
+        self.metadata_conflict = None
 
     async def _new_session(self) -> StoreSession:
         """Take the next session id by a version-checked metadata write."""
@@ -517,4 +541,5 @@ class StorePartition:
             "inflight_appends": len(self.inflight),
             "sessions_ended": len(self.outcomes),
             "damaged_replica_reads": dict(self.damaged_replicas),
+            "metadata_conflict": self.metadata_conflict,
         }

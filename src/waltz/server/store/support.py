@@ -49,6 +49,9 @@ class StoreConfig:
     max_metadata_attempts: int = 10
     """Version-checked metadata writes attempted before giving up on one session (each re-reads)."""
     max_read_attempts: int = 5
+    stale_report_ms: int = 30_000
+    """A partition refused by a newer generation in its metadata, with no newer assignment reaching this
+    server within this time, is reported as holding metadata no assignment explains (forged or corrupt)."""
 
     def __post_init__(self) -> None:
         for name in (
