@@ -212,7 +212,16 @@ class Harness:
             start_timeout_s=opts.start_timeout_s,
         )
         self.cluster_up = True
-        await asyncio.to_thread(local.up, up)
+        for attempt in range(3):
+            try:
+                await asyncio.to_thread(local.up, up)
+                break
+            except procs.ProcessStartError as e:
+                # A free port taken by another process between `up` choosing it and a node binding it (the
+                # machine is shared): `up` cleaned up after itself, so try again with new ports.
+                if "Address already in use" not in str(e) or attempt == 2:
+                    raise
+                self.log("a port was taken during start-up; starting the cluster again")
         cluster = self.cluster()
         # Move every listener behind a proxy on the address the rest of the cluster already knows.
         for rec in cluster.storages:
