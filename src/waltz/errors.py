@@ -32,6 +32,7 @@ operation later can succeed (``retriable``); callers decide on that flag, never 
         ├── ClientTimeoutError         an operation did not finish in its time limit (retriable)
         ├── ClientAheadError           the application's high-water mark is past the server's
         ├── LockFailureError           an optimistic-lock conflict rejected the transaction (retriable)
+        ├── PartitionStuckError        apply_transaction keeps failing on one transaction (retriable)
         └── DataChecksumError          transaction data did not match its checksum after retries
 
 Storage failure responses carry a class name (the first frame of the wire ``StorageRpcException``);
@@ -175,6 +176,14 @@ class ClientAheadError(ClientError):
 
 class LockFailureError(ClientError):
     """An optimistic-lock conflict rejected the transaction."""
+
+    retriable = True
+
+
+class PartitionStuckError(ClientError):
+    """``apply_transaction`` keeps failing on one transaction, so the partition's feed cannot advance; the
+    message names the transaction and the error. Retriable: it clears once the transaction applies (or the
+    application skips it)."""
 
     retriable = True
 

@@ -178,7 +178,9 @@ class CounterApp(ClientCallbacks):
             return self.hwm[partition_id]
 
     def apply_transaction(self, transaction: Transaction) -> None:
-        data = transaction.get_transaction_data()
+        self._apply(transaction, transaction.get_transaction_data())
+
+    def _apply(self, transaction: Transaction, data: bytes) -> None:
         with self.lock:
             p = transaction.partition_id
             if transaction.transaction_id != self.hwm[p] + 1:
@@ -199,6 +201,23 @@ class CounterApp(ClientCallbacks):
     def data(self, partition_id: int) -> list[bytes]:
         with self.lock:
             return [d for _, d in self.applied[partition_id]]
+
+
+class AsyncCounterApp(CounterApp):
+    """:class:`CounterApp` for ``client.callbackMode: inline``: ``apply_transaction`` is a coroutine (a
+    blocking data fetch is refused on the event loop)."""
+
+    async def apply_transaction(self, transaction: Transaction) -> None:  # type: ignore[override]
+        self._apply(transaction, await transaction.fetch_transaction_data())
+
+
+CALLBACK_MODES = ("threads", "inline")
+"""``client.callbackMode`` values the key integration tests run in."""
+
+
+def counter_app(num_partitions: int, mode: str) -> CounterApp:
+    """The counter application that suits ``client.callbackMode`` ``mode``."""
+    return AsyncCounterApp(num_partitions) if mode == "inline" else CounterApp(num_partitions)
 
 
 class Outcome(TransactionContext):

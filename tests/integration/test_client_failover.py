@@ -11,9 +11,11 @@ import pytest
 from kazoo.client import KazooClient
 
 from tests.integration.client_cluster import (
+    CALLBACK_MODES,
     ClientTestCluster,
     CounterApp,
     Increment,
+    counter_app,
     wait_until,
 )
 from waltz import WaltzClient
@@ -29,8 +31,9 @@ KILL_AFTER = 10
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", CALLBACK_MODES)
 def test_clients_follow_a_partition_when_its_server_is_killed(
-    tmp_path: Path, zk: KazooClient, zk_connect_string: str
+    tmp_path: Path, zk: KazooClient, zk_connect_string: str, mode: str
 ) -> None:
     async def main() -> None:
         async with ClientTestCluster(
@@ -38,8 +41,9 @@ def test_clients_follow_a_partition_when_its_server_is_killed(
         ) as cluster:
             async with ClusterWatcher(zk, cluster.root) as watcher:
                 before = await watcher.wait_for(lambda e: len(e) == NUM_PARTITIONS, 30)
-            apps = [CounterApp(NUM_PARTITIONS) for _ in range(NUM_CLIENTS)]
-            clients = [await asyncio.to_thread(WaltzClient, app, cluster.client_config()) for app in apps]
+            apps = [counter_app(NUM_PARTITIONS, mode) for _ in range(NUM_CLIENTS)]
+            config = cluster.client_config(callback_mode=mode)
+            clients = [await asyncio.to_thread(WaltzClient, app, config) for app in apps]
             try:
 
                 def work(client: WaltzClient, app: CounterApp) -> list[Increment]:

@@ -13,10 +13,11 @@ import pytest
 from kazoo.client import KazooClient
 
 from tests.integration.client_cluster import (
+    CALLBACK_MODES,
     ClientTestCluster,
-    CounterApp,
     RewritingDiscovery,
     Tagged,
+    counter_app,
     wait_until,
 )
 from tests.integration.tcp_proxy import TcpProxy
@@ -32,8 +33,9 @@ MIN_OUTAGES = 8
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", CALLBACK_MODES)
 def test_contexts_commit_exactly_once_while_the_network_is_cut_repeatedly(
-    tmp_path: Path, zk: KazooClient, zk_connect_string: str
+    tmp_path: Path, zk: KazooClient, zk_connect_string: str, mode: str
 ) -> None:
     rng = random.Random(20240611)
 
@@ -43,10 +45,10 @@ def test_contexts_commit_exactly_once_while_the_network_is_cut_repeatedly(
             # Client 0 has one context in flight at a time, so its log order must be its submission order;
             # client 1 keeps five in flight, so its appends race their own retries.
             configs = [
-                cluster.client_config(max_concurrent_transactions=1),
-                cluster.client_config(max_concurrent_transactions=5),
+                cluster.client_config(max_concurrent_transactions=1, callback_mode=mode),
+                cluster.client_config(max_concurrent_transactions=5, callback_mode=mode),
             ]
-            apps = [CounterApp(1), CounterApp(1)]
+            apps = [counter_app(1, mode), counter_app(1, mode)]
             clients = []
             for app, config in zip(apps, configs, strict=True):
                 driver = NetworkDriver(

@@ -52,7 +52,9 @@ def test_racing_withdrawals_cannot_overdraw(tmp_path: Path) -> None:
         driver.resume_feed()
         outcomes = sorted([bank.wait_applied(first) or "", bank.wait_applied(second) or ""])
         assert outcomes == [COMMITTED, DECLINED]
-        assert first.result.lock_failures + second.result.lock_failures >= 1
+        # The loser executed again on the fresh balance: the two contexts of this client took turns on the
+        # account's write lock (waltz.client.lock_queue), so it was re-executed without a lock failure.
+        assert sorted([first.result.attempts, second.result.attempts]) == [1, 2]
         assert bank.balance(3) == (30, True)
 
 

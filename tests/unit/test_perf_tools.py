@@ -10,7 +10,7 @@ import pytest
 from waltz.cli.main import main
 from waltz.client.config import ClientConfig
 from waltz.client.transaction import Transaction
-from waltz.errors import ConfigError
+from waltz.errors import ClientError, ConfigError
 from waltz.perf.common import PerfResult, percentile
 from waltz.perf.producer import ConsumerOptions, ProducerOptions, run_consumers, run_producers
 from waltz.perf.validate import VALUE, ValidateOptions, ValidationReport, _Checker, run_validation
@@ -157,3 +157,23 @@ def test_cli_commands_on_the_mock(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["client", "high-water-mark", "--mock", "3", "-p", "5"]) == 2
     assert main(["perf", "producer", "--mock", "1", "--txns-per-client", "0"]) == 2
     assert "--txns-per-client must be positive" in capsys.readouterr().err
+
+
+def test_producer_stops_with_a_clear_error_when_nothing_commits(monkeypatch: pytest.MonkeyPatch) -> None:
+    import waltz.perf.common as common
+
+    monkeypatch.setattr(common, "STALL_TIMEOUT_S", 0.5)
+    cluster = MockCluster(1)
+
+    class Stuck(MockDriver):
+        """A cluster that mounts but never commits: every append is dropped."""
+
+        def send_append(self, partition_id: int, request: object) -> None:  # type: ignore[override]
+            return None
+
+    opts = ProducerOptions(txn_size_bytes=10, txns_per_client=5, clients=1, seed=1)
+    config = ClientConfig(
+        long_wait_threshold_ms=60_000, retry_initial_backoff_ms=1000, retry_max_backoff_ms=1000
+    )
+    with pytest.raises(ClientError, match=r"no appends completed in the last 0.5 s .* cannot take appends"):
+        asyncio.run(run_producers(config, opts, lambda: Stuck(cluster=cluster)))

@@ -8,7 +8,7 @@ import asyncio
 import json
 from typing import Any
 
-from waltz.cli.perf import add_client_args, client_setup
+from waltz.cli.perf import add_client_args, client_setup, progress_line, run_on_fast_loop
 from waltz.perf.common import current_marks
 from waltz.perf.validate import ValidateOptions, run_validation
 
@@ -40,7 +40,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         interval_ms=args.interval_ms,
         partitions=args.partitions,
     )
-    report = asyncio.run(run_validation(config, opts, drivers))
+    with progress_line(not args.json) as show:
+        report = run_on_fast_loop(run_validation(config, opts, drivers, show_progress=show))
     if args.json:
         print(
             json.dumps(

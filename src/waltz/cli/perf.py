@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
-from typing import Any
+import sys
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
 
 from waltz.client.config import ClientConfig
 from waltz.errors import ConfigError
-from waltz.perf.common import DriverFactory, PerfResult, network_driver
+from waltz.perf.common import DriverFactory, PerfResult, ProgressLine, network_driver
 from waltz.perf.producer import ConsumerOptions, ProducerOptions, run_consumers, run_producers
+
+T = TypeVar("T")
 
 
 def register(groups: Any) -> None:
@@ -92,7 +97,9 @@ def cmd_producer(args: argparse.Namespace) -> int:
         partitions=args.partitions,
         max_in_flight=args.max_in_flight,
     )
-    return _print(asyncio.run(run_producers(config, opts, drivers)), args.json)
+    with progress_line(not args.json) as show:
+        result = run_on_fast_loop(run_producers(config, opts, drivers, show_progress=show))
+    return _print(result, args.json)
 
 
 def cmd_consumer(args: argparse.Namespace) -> int:
@@ -100,4 +107,27 @@ def cmd_consumer(args: argparse.Namespace) -> int:
     opts = ConsumerOptions(
         txn_size_bytes=args.txn_size, num_txns=args.num_txns, clients=args.clients, partitions=args.partitions
     )
-    return _print(asyncio.run(run_consumers(config, opts, drivers)), args.json)
+    return _print(run_on_fast_loop(run_consumers(config, opts, drivers)), args.json)
+
+
+@contextlib.contextmanager
+def progress_line(wanted: bool) -> Iterator[ProgressLine | None]:
+    """A live line on stderr (rich), refreshed by the tool twice a second; None when not wanted or when
+    stderr is not a terminal (logs and pipes get the final report only)."""
+    if not wanted or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.live import Live
+
+    with Live(console=Console(stderr=True), transient=True, auto_refresh=False) as live:
+        yield lambda line: live.update(line, refresh=True)
+
+
+def run_on_fast_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a tool on uvloop when it is installed (the loop an asyncio application would pick for speed)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)

@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from waltz.client.transaction import Transaction
+
+
+class ApplyAction(enum.Enum):
+    """What :meth:`ClientCallbacks.uncaught_exception` may return about a transaction that failed to apply."""
+
+    RETRY = "retry"
+    """Deliver the same transaction again after a backoff (the default; returning None means this too)."""
+    SKIP = "skip"
+    """Give up on this transaction: the client counts it as applied, moves its high-water mark past it and
+    delivers the next one. At the application's risk: the transaction's effect is lost, contexts waiting for
+    it get ``on_application`` as if it had been applied, and an application that keeps its own high-water
+    mark (``client_high_water_mark``) must record the skip itself or it will see the transaction again after
+    a restart."""
 
 
 class ClientCallbacks(ABC):
@@ -17,8 +31,10 @@ class ClientCallbacks(ABC):
     * For each partition, :meth:`apply_transaction` is called for every committed transaction after the
       application's high-water mark, one at a time, in transaction-id order, with no gaps.
     * If :meth:`apply_transaction` raises, :meth:`uncaught_exception` is called with that exception and the
-      **same** transaction is delivered again (after a short backoff); the client's high-water mark does not
-      advance past a transaction until :meth:`apply_transaction` returned normally.
+      **same** transaction is delivered again (after a growing backoff); the client's high-water mark does
+      not advance past a transaction until :meth:`apply_transaction` returned normally, unless
+      :meth:`uncaught_exception` returns :attr:`ApplyAction.SKIP`. The client logs the first traceback of a
+      failing transaction, then a one-line reminder every 30 s.
     * Callbacks run on the client's callback threads (``client.numConsumerThreads``), never on the event
       loop, so a slow callback does not stall networking. Different partitions may be applied concurrently
       on different threads: callbacks must be thread-safe across partitions.
@@ -39,5 +55,13 @@ class ClientCallbacks(ABC):
         :class:`waltz.client.sql.SqlClientCallbacks` does)."""
 
     @abstractmethod
-    def uncaught_exception(self, partition_id: int, transaction_id: int, exception: BaseException) -> None:
-        """``apply_transaction`` raised (or ``client_high_water_mark``: then ``transaction_id`` is -1)."""
+    def uncaught_exception(
+        self, partition_id: int, transaction_id: int, exception: BaseException
+    ) -> ApplyAction | None:
+        """``apply_transaction`` raised (or ``client_high_water_mark``: then ``transaction_id`` is -1).
+
+        Return None (or :attr:`ApplyAction.RETRY`) to have the transaction delivered again after a backoff,
+        or :attr:`ApplyAction.SKIP` to skip it (see there: at the application's risk). While one transaction
+        keeps failing, ``submit`` to its partition fails with :class:`~waltz.errors.PartitionStuckError`,
+        which names the transaction and the error.
+        """

@@ -97,14 +97,19 @@ class TransactionBuilder:
     def append_locks(self) -> tuple[PartitionLocalLock, ...]:
         return self._append_locks
 
+    @property
+    def write_lock_hashes(self) -> tuple[int, ...]:
+        """The distinct 32-bit hashes of the write locks, as the server sees them."""
+        return _hashes(self._write_locks) if self._write_locks else ()
+
     def build(self, req_id: ReqId) -> AppendRequest:
         """The append request for this transaction (the client assigns ``req_id`` when it sends it)."""
         return AppendRequest(
             req_id=req_id,
             client_high_water_mark=self.client_high_water_mark,
-            write_locks=_hashes(self._write_locks),
-            read_locks=_hashes(self._read_locks),
-            append_locks=_hashes(self._append_locks),
+            write_locks=_hashes(self._write_locks) if self._write_locks else (),
+            read_locks=_hashes(self._read_locks) if self._read_locks else (),
+            append_locks=_hashes(self._append_locks) if self._append_locks else (),
             header=self._header,
             data=self._data,
             checksum=crc32(self._data),

@@ -12,6 +12,8 @@ cluster.root                           required   the cluster's root znode, e.g.
 client.autoMount                       true       mount every partition; false: only ``set_partitions``
 client.numTransactionRetryThreads      1          accepted for compatibility; retries are asyncio tasks
 client.numConsumerThreads              10         threads running callbacks and ``execute``
+client.callbackMode                    threads    ``threads``: application code on callback threads;
+                                                  ``inline``: on the event loop (AsyncWaltzClient only)
 client.longWaitThreshold               5000       a partition with appends pending this long gets a flush
 client.maxConcurrentTransactions       5          contexts in flight per partition (back pressure)
 client.submitTimeout                   10000      how long ``submit`` waits for room before it fails
@@ -62,6 +64,16 @@ def _znode_path(value: Any) -> str | None:
     return None
 
 
+CALLBACK_MODES = ("threads", "inline")
+"""Where application code runs: on callback threads (the default), or inline on the client's event loop."""
+
+
+def _callback_mode(value: Any) -> str | None:
+    if value not in CALLBACK_MODES:
+        return f"must be one of {', '.join(CALLBACK_MODES)}, got {value!r}"
+    return None
+
+
 SSL_PREFIX = "client.ssl."
 
 CLIENT_SCHEMA = ConfigSchema(
@@ -73,6 +85,7 @@ CLIENT_SCHEMA = ConfigSchema(
         Key("client.autoMount", bool, True, "mount every partition automatically"),
         Key("client.numTransactionRetryThreads", int, 1, "compatibility only", min_value=1),
         Key("client.numConsumerThreads", int, 10, "callback threads", min_value=1, max_value=1024),
+        Key("client.callbackMode", str, "threads", "threads | inline", check=_callback_mode),
         Key("client.longWaitThreshold", int, 5000, "nudge a stuck partition (ms)", min_value=1),
         Key("client.maxConcurrentTransactions", int, 5, "contexts in flight per partition", min_value=1),
         Key("client.submitTimeout", int, 10000, "submit waits this long for room (ms)", min_value=1),
@@ -104,6 +117,8 @@ class ClientConfig:
     auto_mount: bool = True
     num_transaction_retry_threads: int = 1
     num_consumer_threads: int = 10
+    callback_mode: str = "threads"
+    """``threads`` or ``inline``; see "Execution modes" in docs/client.md."""
     long_wait_threshold_ms: int = 5000
     max_concurrent_transactions: int = 5
     submit_timeout_ms: int = 10000
@@ -199,6 +214,7 @@ _KEY_TO_ATTR: dict[str, str] = {
     "client.autoMount": "auto_mount",
     "client.numTransactionRetryThreads": "num_transaction_retry_threads",
     "client.numConsumerThreads": "num_consumer_threads",
+    "client.callbackMode": "callback_mode",
     "client.longWaitThreshold": "long_wait_threshold_ms",
     "client.maxConcurrentTransactions": "max_concurrent_transactions",
     "client.submitTimeout": "submit_timeout_ms",

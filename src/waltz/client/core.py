@@ -16,6 +16,11 @@ What it does, per partition:
 * **nudge**: a task sends a flush for any partition whose appends have been pending longer than
   ``client.longWaitThreshold``, so a lost append is detected even when the application is idle.
 
+Split by role: a context's fate is the pure :class:`~waltz.client.lifecycle.Lifecycle`, turns on write locks
+the pure :class:`~waltz.client.lock_queue.LockQueue`, the fate of appends the pure
+:class:`~waltz.client.monitor.TransactionMonitor`; the records of partitions and contexts are in
+:mod:`waltz.client.state`; this module drives them.
+
 Threading guarantee: all state here lives on the event loop. Application code (``execute``, the context hooks,
 ``ClientCallbacks``) runs on a :class:`~waltz.client.pool.CallbackPool` of ``client.numConsumerThreads``
 threads ("waltz-callback-N"); for one partition ``apply_transaction`` calls are strictly sequential and in
@@ -34,22 +39,24 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
-import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeAlias, TypeVar
 
-from waltz.client.api import ClientCallbacks
+from waltz.client.api import ApplyAction, ClientCallbacks
 from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.context import TransactionContext
 from waltz.client.driver import ClientDriver, MountState, create_network_driver
+from waltz.client.lifecycle import Event, Hook, State
 from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
 from waltz.client.pool import Call, CallbackPool
 from waltz.client.retry import APPLY_RETRY, FETCH_RETRY, MAX_CHECKSUM_ATTEMPTS, RetryPolicy
+from waltz.client.state import OutcomeCallback, PartitionState, Run, Stuck
 from waltz.client.transaction import Transaction
 from waltz.errors import (
     ClientAheadError,
@@ -57,7 +64,7 @@ from waltz.errors import (
     ClientError,
     ClientTimeoutError,
     DataChecksumError,
-    RemoteProtocolError,
+    PartitionStuckError,
     WaltzError,
 )
 from waltz.protocol.records import ReqId, crc32
@@ -70,166 +77,33 @@ T = TypeVar("T")
 
 APPLY_BATCH_MAX = 256
 """Most feed transactions handed to one callback thread in one job (applied one after the other)."""
+STUCK_REMINDER_S = 30.0
+"""After the first traceback, a partition stuck on one transaction logs a one-line reminder this often."""
+STUCK_SUBMIT_AFTER = 3
+"""Failed deliveries of one transaction after which ``submit`` to its partition fails with
+:class:`~waltz.errors.PartitionStuckError` (the feed cannot advance, so nothing appended would be applied)."""
 APPLY_BATCH_MAX_S = 0.005
 """A batch returns to the loop after this long, so the applied high-water mark (and ``on_application``)
 never lags far behind a slow ``apply_transaction``."""
 
-_First: TypeAlias = TransactionBuilder | Literal[False] | Exception | None
+
+class _Pending:
+    """A first attempt whose ``execute`` returned an awaitable (a coroutine, in inline mode)."""
+
+    __slots__ = ("awaitable", "builder")
+
+    def __init__(self, builder: TransactionBuilder, awaitable: Awaitable[Any]) -> None:
+        self.builder = builder
+        self.awaitable = awaitable
+
+
+_First: TypeAlias = TransactionBuilder | Literal[False] | Exception | _Pending | None
+_Executed: TypeAlias = TransactionBuilder | Literal[False] | _Pending
+"""A first attempt that ran ``execute`` without an exception (filled, gave up, or a coroutine to await)."""
 """What a submit's first callback-thread call returns (see ``AsyncWaltzClient._first_attempt``)."""
 
-OutcomeCallback = Callable[["Resolution | BaseException"], None]
-"""How an append learns its fate: a :class:`Resolution`, or the error that ended its partition's mount."""
-
-
-class _Slots:
-    """A counting semaphore with a timeout that never loses a slot to a cancellation (FIFO wake-up).
-
-    :meth:`try_acquire` may be called from any thread (a callback thread takes a slot for the first attempt
-    of a submit); :meth:`acquire` and :meth:`release` only on the loop.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
-        self._lock = threading.Lock()
-
-    def try_acquire(self) -> bool:
-        """Take a slot if one is free and nobody waits for one."""
-        with self._lock:
-            if self.used < self.limit and not self._waiters:
-                self.used += 1
-                return True
-            return False
-
-    async def acquire(self, timeout_s: float) -> None:
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        with self._lock:
-            if self.used < self.limit and not self._waiters:
-                self.used += 1
-                return
-            self._waiters.append(waiter)
-        try:
-            async with asyncio.timeout(timeout_s):
-                await waiter
-        except BaseException:
-            if waiter.done() and not waiter.cancelled():
-                self.release()  # Granted just as we gave up: pass the slot on.
-            else:
-                waiter.cancel()
-                with self._lock:
-                    if waiter in self._waiters:
-                        self._waiters.remove(waiter)  # Or it would keep try_acquire from taking free slots.
-            raise
-
-    def release(self) -> None:
-        granted: list[asyncio.Future[None]] = []
-        with self._lock:
-            self.used -= 1
-            while self._waiters and self.used < self.limit:
-                waiter = self._waiters.popleft()
-                if not waiter.done():
-                    self.used += 1
-                    granted.append(waiter)
-        for waiter in granted:
-            waiter.set_result(None)
-
-
-class _Partition:
-    """The client's state for one partition (event loop only)."""
-
-    def __init__(self, partition_id: int, config: ClientConfig) -> None:
-        self.id = partition_id
-        self.slots = _Slots(config.max_concurrent_transactions)
-        # Committed transactions waiting for apply_transaction, at most feed_limit of them.
-        self.feed: deque[Transaction] = deque()
-        self.feed_limit = config.feed_queue_size
-        self.monitor: TransactionMonitor | None = None  # Set once the application's HWM is known.
-        self.state: MountState | None = None
-        self.error: ClientError | None = None  # Set when the partition is released or the client closes.
-        self.outcomes: dict[ReqId, OutcomeCallback] = {}
-        # Runs appended on their first attempt whose transaction is not applied yet, in transaction-id order.
-        self.awaiting_apply: deque[_Run] = deque()
-        self.tasks: list[asyncio.Task[Any]] = []  # Mount and applier tasks, cancelled on release.
-        self._changed = asyncio.Event()
-        self._feed_waiter: asyncio.Future[None] | None = None  # The applier, waiting for the feed.
-        self._room_waiter: asyncio.Future[None] | None = None  # The driver, waiting for room in the feed.
-
-    def push_feed(self, transaction: Transaction) -> None:
-        self.feed.append(transaction)
-        waiter = self._feed_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def wait_feed(self) -> None:
-        while not self.feed:
-            self._feed_waiter = asyncio.get_running_loop().create_future()
-            await self._feed_waiter
-
-    async def wait_room(self) -> None:
-        while len(self.feed) >= self.feed_limit:
-            self._room_waiter = asyncio.get_running_loop().create_future()
-            await self._room_waiter
-
-    def take_feed(self, max_count: int) -> list[Transaction]:
-        feed = self.feed
-        batch = [feed.popleft() for _ in range(min(max_count, len(feed)))]
-        waiter = self._room_waiter
-        if waiter is not None and not waiter.done() and len(feed) < self.feed_limit:
-            waiter.set_result(None)
-        return batch
-
-    def notify(self) -> None:
-        """Wake everything waiting for a state or high-water-mark change."""
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def changed(self) -> None:
-        await self._changed.wait()
-
-
-class _Run:
-    """One submitted context, from ``submit`` to its last hook."""
-
-    __slots__ = (
-        "_done",
-        "applied",
-        "completed",
-        "context",
-        "ended",
-        "finished",
-        "first_send",
-        "holds_slot",
-        "partition",
-        "transaction_id",
-    )
-
-    def __init__(self, context: TransactionContext) -> None:
-        self.context = context
-        self.partition: _Partition | None = None  # Known once partition_id() returned.
-        # Slow path only: resolved when the first append is sent (or the context ended).
-        self.first_send: asyncio.Future[None] | None = None
-        self._done: asyncio.Future[None] | None = None  # Made on demand, for flush_transactions.
-        self.holds_slot = False
-        self.ended = False  # A terminal hook (on_completion / on_exception) has been called (or queued).
-        self.finished = False
-        # Fast path, once committed: the transaction id, and whether on_completion ran and it was applied.
-        self.transaction_id = -1
-        self.completed = False
-        self.applied = False
-
-    def done(self) -> asyncio.Future[None]:
-        """A future resolved when the run is finished."""
-        if self._done is None:
-            self._done = asyncio.get_running_loop().create_future()
-            if self.finished:
-                self._done.set_result(None)
-        return self._done
-
-    def set_finished(self) -> None:
-        self.finished = True
-        if self._done is not None and not self._done.done():
-            self._done.set_result(None)
+_FAILURE_EVENTS = {Outcome.LOCK_FAILED: Event.LOCK_FAIL, Outcome.FAILED: Event.LOST}
+"""The lifecycle event of an append that did not commit."""
 
 
 class _Listener:
@@ -240,6 +114,9 @@ class _Listener:
 
     async def on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
         await self._client._on_feed_data(partition_id, transaction_id, req_id, header)
+
+    def feed_data_nowait(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> bool:
+        return self._client._feed_nowait(partition_id, transaction_id, req_id, header)
 
     async def on_mount_state(self, partition_id: int, state: MountState) -> None:
         self._client._on_mount_state(partition_id, state)
@@ -306,17 +183,19 @@ class AsyncWaltzClient:
             max_attempts=config.max_transaction_attempts,
             timeout_ms=config.transaction_timeout_ms,
         )
-        self._partitions: dict[int, _Partition] = {}
+        self._partitions: dict[int, PartitionState] = {}
         self._next_seq: dict[int, int] = {}  # Survives set_partitions, so request ids are never reused.
-        self._runs: set[_Run] = set()
+        self._runs: set[Run] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pool: CallbackPool | None = None
         self._hooks: list[Call] = []  # Hooks queued during this loop iteration, run as one job.
-        self._hook_runs: list[tuple[_Run, bool]] = []  # (run, True: on_completion / False: on_application)
+        self._hook_runs: list[tuple[Run, bool]] = []  # (run, True: on_completion / False: on_application)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._source: _DataSource | None = None
         self._started = False
         self._closed = False
+        # client.callbackMode: inline runs application code on the loop (no thread hop; see docs/client.md).
+        self._inline = config.callback_mode == "inline"
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -361,7 +240,7 @@ class AsyncWaltzClient:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for run in list(self._runs):
-            await self._end_with_exception(run, closed)
+            await self._end_with_exception(run, closed, Event.CLOSE)
         if self._driver is not None:
             try:
                 await self._driver.close()
@@ -418,13 +297,23 @@ class AsyncWaltzClient:
         """
         self._check_open()
         pool = self._require_pool()
-        run = _Run(context)
+        run = Run(context)
         try:
-            # One callback-thread call: partition_id() and, when a slot is free on a ready partition, the
-            # first execute() too (the common case: no second hop, no task).
-            first = await pool.call(
-                self._first_attempt, run, self.num_partitions, orphan=functools.partial(self._orphaned, run)
-            )
+            first: _First
+            if self._inline:
+                # Zero hops: partition_id() and execute() run right here, on the loop.
+                first = self._first_attempt(run, self.num_partitions)
+            else:
+                # One callback-thread call: partition_id() and, when a slot is free on a ready partition, the
+                # first execute() too (the common case: no second hop, no task).
+                first = await pool.call(
+                    self._first_attempt,
+                    run,
+                    self.num_partitions,
+                    orphan=functools.partial(self._orphaned, run),
+                )
+            if isinstance(first, _Pending):
+                first = await self._finish_first(run, first)
             partition = run.partition
             assert partition is not None
             if first is None:
@@ -433,25 +322,35 @@ class AsyncWaltzClient:
             self._check_open()
         except Exception as e:
             self._release_slot(run)
-            await self._call_hook(context.on_exception, e)
+            if run.lifecycle.handle(Event.FAIL) is Hook.EXCEPTION:
+                await self._call_hook(context.on_exception, e)
             raise
         except BaseException:
             self._release_slot(run)
             raise
         self._runs.add(run)
+        if first is not None:
+            run.lifecycle.handle(Event.EXECUTE)
         if isinstance(first, Exception):  # execute() raised
             await self._end_with_exception(run, first)
             raise first
         if first is False:  # execute() gave up
             self._release_slot(run)
-            run.ended = True
+            run.lifecycle.handle(Event.GIVE_UP)
             await self._call_hook(context.on_completion, False)
             self._finish(run)
             return
         if first is not None:
             monitor = self._ready_monitor(partition)
             if monitor is not None:
-                self._send(partition, monitor, first, functools.partial(self._on_first_outcome, run))
+                if self._take_turn(partition, run, first):
+                    run.lifecycle.handle(Event.SEND)  # Before _send: a failed send resolves at once.
+                    self._send(partition, monitor, first, functools.partial(self._on_first_outcome, run))
+                    return
+                # Queued behind this client's own append on a write lock: it executes again on its turn.
+                run.lifecycle.handle(Event.QUEUE)
+                self._park(partition, run, first)
+                self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
                 return
         # The slow path: a task executes (or sends what was executed) once the partition is mounted.
         run.first_send = asyncio.get_running_loop().create_future()
@@ -460,7 +359,121 @@ class AsyncWaltzClient:
         )
         await asyncio.shield(run.first_send)
 
-    def _first_attempt(self, run: _Run, num_partitions: int) -> _First:
+    def submit_from_thread(self, context: TransactionContext) -> bool:
+        """The zero-wait submit of :class:`~waltz.client.sync.WaltzClient`, on an application thread (never
+        the loop). When the partition is mounted and has a free slot, ``partition_id`` and ``execute`` run
+        right here (as on a callback thread) and the outcome goes to the loop with one
+        ``call_soon_threadsafe``, without waiting for it: the append is sent in order before anything the
+        thread asks the client afterwards. Returns False, having done nothing, when that is not possible at
+        once (no free slot, the partition not ready, the client not started or closed): the caller then
+        uses :meth:`submit`, which waits. As with :meth:`submit`, an exception of the first attempt is
+        raised here and reported through ``on_exception``.
+        """
+        loop = self._loop
+        if loop is None or self._closed or self._driver is None:
+            return False
+        run = Run(context)
+        try:
+            first = self._first_attempt(run, self._driver.num_partitions)
+        except Exception as e:
+            loop.call_soon_threadsafe(self._spawn_end, run, e)
+            raise
+        if first is None:
+            return False
+        if isinstance(first, Exception):
+            loop.call_soon_threadsafe(self._spawn_end, run, first, True)
+            raise first
+        loop.call_soon_threadsafe(self._continue_first, run, first)
+        return True
+
+    def submit_batch_from_thread(self, contexts: Sequence[TransactionContext]) -> int:
+        """:meth:`submit_from_thread` for a run of contexts: executes the leading ones that find a free slot
+        on a mounted partition, on this thread, in order, and hands them all to the loop with ONE
+        ``call_soon_threadsafe`` (they are sent in this order). Returns how many were taken; the caller
+        submits the next one with :meth:`submit` (which waits for room) and continues after it. An
+        exception of a first attempt is raised (the contexts before it are taken; see ``submit``).
+        """
+        loop = self._loop
+        if loop is None or self._closed or self._driver is None:
+            return 0
+        num_partitions = self._driver.num_partitions
+        taken: list[tuple[Run, _Executed]] = []
+        try:
+            for context in contexts:
+                run = Run(context)
+                try:
+                    first = self._first_attempt(run, num_partitions)
+                except Exception as e:
+                    loop.call_soon_threadsafe(self._spawn_end, run, e)
+                    raise
+                if first is None:
+                    break
+                if isinstance(first, Exception):
+                    loop.call_soon_threadsafe(self._spawn_end, run, first, True)
+                    raise first
+                taken.append((run, first))
+        finally:
+            if taken:
+                loop.call_soon_threadsafe(self._continue_batch, taken)
+        return len(taken)
+
+    def _continue_batch(
+        self, taken: list[tuple[Run, TransactionBuilder | Literal[False] | _Pending]]
+    ) -> None:
+        for run, first in taken:
+            self._continue_first(run, first)
+
+    def _spawn_end(self, run: Run, error: Exception, executed: bool = False) -> None:
+        self._runs.add(run)
+        if executed:
+            run.lifecycle.handle(Event.EXECUTE)
+        self._spawn(self._end_with_exception(run, error), "waltz-failed-submit")
+
+    def _continue_first(self, run: Run, first: _Executed) -> None:
+        """On the loop: what ``submit`` does after a first attempt made by :meth:`submit_from_thread`."""
+        partition = run.partition
+        assert partition is not None
+        self._runs.add(run)
+        if isinstance(first, _Pending):
+            self._spawn(self._continue_pending(run, first), f"waltz-run-p{partition.id}")
+            return
+        run.lifecycle.handle(Event.EXECUTE)
+        if first is False:
+            self._release_slot(run)
+            run.lifecycle.handle(Event.GIVE_UP)
+            self._spawn(self._gave_up(run), "waltz-gave-up")
+            return
+        if self._closed:
+            self._spawn(
+                self._end_with_exception(run, ClientClosedError("the client was closed"), Event.CLOSE),
+                "waltz-closed-run",
+            )
+            return
+        monitor = self._ready_monitor(partition)
+        if monitor is not None:
+            if self._take_turn(partition, run, first):
+                run.lifecycle.handle(Event.SEND)
+                self._send(partition, monitor, first, functools.partial(self._on_first_outcome, run))
+                return
+            run.lifecycle.handle(Event.QUEUE)
+            self._park(partition, run, first)
+            self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
+            return
+        self._spawn(self._run_context(run, 1, first), f"waltz-run-p{partition.id}")
+
+    async def _continue_pending(self, run: Run, pending: _Pending) -> None:
+        first = await self._finish_first(run, pending)
+        if isinstance(first, Exception):
+            run.lifecycle.handle(Event.EXECUTE)
+            await self._end_with_exception(run, first)
+        else:
+            self._continue_first(run, first)
+
+    async def _gave_up(self, run: Run) -> None:
+        await self._call_hook(run.context.on_completion, False)
+        self._finish(run)
+
+    def _first_attempt(self, run: Run, num_partitions: int) -> _First:
         """On a callback thread: call ``partition_id`` and, if a slot is free at once on a ready partition,
         take it and call ``execute``. Returns the filled builder, False (execute gave up), the exception
         execute raised, or None (not executed: the caller waits for a slot and the mount on the loop).
@@ -482,6 +495,9 @@ class AsyncWaltzClient:
                 f"(mounted: {sorted(self._partitions)}; see set_partitions)"
             )
         run.partition = partition
+        stuck = partition.stuck
+        if stuck is not None and stuck.failures >= STUCK_SUBMIT_AFTER:
+            raise PartitionStuckError(stuck.describe(partition_id, self._clock()))
         monitor = partition.monitor
         if (
             monitor is None
@@ -495,26 +511,46 @@ class AsyncWaltzClient:
         run.holds_slot = True
         builder = TransactionBuilder(partition_id, monitor.applied_high_water_mark)
         try:
-            return builder if context.execute(builder) else False
+            result: Any = context.execute(builder)
         except Exception as e:  # noqa: BLE001 - reported through on_exception by submit
             return e
+        if result is True:
+            return builder
+        if result is not None and inspect.isawaitable(result):
+            return _Pending(builder, result)  # A coroutine execute (inline mode): submit awaits it.
+        return builder if result else False
 
-    def _orphaned(self, run: _Run, first: _First) -> None:
+    async def _finish_first(
+        self, run: Run, pending: _Pending
+    ) -> TransactionBuilder | Literal[False] | Exception:
+        """Await a coroutine ``execute`` of a first attempt (inline mode)."""
+        try:
+            result = await pending.awaitable
+        except asyncio.CancelledError:
+            self._release_slot(run)
+            raise
+        except Exception as e:  # noqa: BLE001 - reported through on_exception by submit
+            return e
+        return pending.builder if result else False
+
+    def _orphaned(self, run: Run, first: _First) -> None:
         """``submit`` was cancelled while its first attempt ran: give back the slot it may have taken (the
         context is dropped, as when ``submit`` is cancelled while it waits for a slot)."""
         self._release_slot(run)
 
-    async def _acquire_slot(self, partition: _Partition) -> None:
+    async def _acquire_slot(self, partition: PartitionState) -> None:
         try:
             await partition.slots.acquire(self._config.submit_timeout_ms / 1000)
         except TimeoutError:
+            if partition.stuck is not None:
+                raise PartitionStuckError(partition.stuck.describe(partition.id, self._clock())) from None
             raise ClientTimeoutError(
                 f"submit timed out after {self._config.submit_timeout_ms} ms: partition {partition.id} "
                 f"already has {partition.slots.limit} transactions in flight "
                 "(client.maxConcurrentTransactions); is the feed stalled or the application overloaded?"
             ) from None
 
-    def _ready_monitor(self, partition: _Partition) -> TransactionMonitor | None:
+    def _ready_monitor(self, partition: PartitionState) -> TransactionMonitor | None:
         """The partition's monitor if appends may be sent to it right now."""
         if (
             partition.error is None
@@ -591,11 +627,11 @@ class AsyncWaltzClient:
     # -- partitions: mount, feed, apply --------------------------------------------------------------------
 
     def _add_partition(self, partition_id: int) -> None:
-        partition = _Partition(partition_id, self._config)
+        partition = PartitionState(partition_id, self._config)
         self._partitions[partition_id] = partition
         partition.tasks.append(self._spawn(self._mount(partition), f"waltz-mount-p{partition_id}"))
 
-    async def _mount(self, partition: _Partition) -> None:
+    async def _mount(self, partition: PartitionState) -> None:
         retry = 0
         while True:
             try:
@@ -613,24 +649,32 @@ class AsyncWaltzClient:
         partition.tasks.append(self._spawn(self._apply_loop(partition), f"waltz-apply-p{partition.id}"))
         await self._require_driver().mount(partition.id, hwm)
 
-    def _active(self, partition_id: int) -> _Partition | None:
+    def _active(self, partition_id: int) -> PartitionState | None:
         partition = self._partitions.get(partition_id)
         if partition is None or partition.monitor is None or partition.error is not None:
             return None
         return partition
+
+    def _feed_nowait(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> bool:
+        """:meth:`_on_feed_data` without a coroutine, when the feed has room (the common case); False, having
+        done nothing, when it has none (the driver then awaits ``on_feed_data``)."""
+        partition = self._active(partition_id)
+        if partition is None or partition.monitor is None:
+            return True  # Not ours (any more): dropped, as on_feed_data drops it.
+        if len(partition.feed) >= partition.feed_limit:
+            return False
+        assert self._source is not None
+        partition.push_feed(Transaction(partition_id, transaction_id, header, req_id, self._source))
+        self._resolve(partition, partition.monitor.on_feed(transaction_id, req_id))
+        return True
 
     async def _on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
         partition = self._active(partition_id)
         if partition is None or partition.monitor is None:
             return
         monitor = partition.monitor
-        if transaction_id <= monitor.feed_high_water_mark:
-            return  # Delivered twice (a driver re-mounting conservatively): already queued.
-        if transaction_id != monitor.feed_high_water_mark + 1:
-            raise RemoteProtocolError(
-                f"partition {partition_id}: the feed jumped from {monitor.feed_high_water_mark} "
-                f"to {transaction_id}"
-            )
+        # The driver alone owns the feed position and its density (it re-mounts from it after a reconnect and
+        # drops repeats, resets on a gap): every entry it delivers is the next one (see driver.py).
         assert self._source is not None
         # Queue first: if the driver is cancelled while we wait for room, nothing has changed and it may
         # deliver the same id again. After the put nothing awaits, so the monitor sees every queued record.
@@ -670,44 +714,105 @@ class AsyncWaltzClient:
         if partition is not None and partition.monitor is not None:
             self._resolve(partition, event(partition.monitor))
 
-    def _resolve(self, partition: _Partition, resolutions: list[Resolution]) -> None:
+    def _resolve(self, partition: PartitionState, resolutions: list[Resolution]) -> None:
         for resolution in resolutions:
             outcome = partition.outcomes.pop(resolution.req_id, None)
             if outcome is not None:
                 outcome(resolution)
 
-    def _fail_outcomes(self, partition: _Partition, error: ClientError) -> None:
+    def _fail_outcomes(self, partition: PartitionState, error: ClientError) -> None:
         outcomes, partition.outcomes = partition.outcomes, {}
         for outcome in outcomes.values():
             outcome(error)
 
-    async def _apply_loop(self, partition: _Partition) -> None:
+    async def _apply_loop(self, partition: PartitionState) -> None:
         """Hand the feed to ``apply_transaction`` in id order, one batch per callback-thread job."""
         monitor = partition.monitor
         assert monitor is not None
         pool = self._require_pool()
         apply = self._callbacks.apply_transaction
-        retry = 0
         batch: list[Transaction] = []
         while True:
             if not batch:
                 await partition.wait_feed()
                 batch = partition.take_feed(APPLY_BATCH_MAX)
-            applied, error = await pool.call(_apply_batch, apply, batch)
+            if self._inline:
+                applied, error = await _apply_batch_inline(apply, batch)
+            else:
+                applied, error = await pool.call(_apply_batch, apply, batch)
             if applied:
                 last = batch[applied - 1].transaction_id
                 del batch[:applied]
-                retry = 0
-                self._resolve(partition, monitor.on_applied(last))
-                self._on_applied(partition, last)
-                partition.notify()
+                if partition.stuck is not None:
+                    log.info(
+                        "partition %d: transaction %d applied after %d failed attempts",
+                        partition.id,
+                        partition.stuck.transaction_id,
+                        partition.stuck.failures,
+                    )
+                    partition.stuck = None
+                self._advance_applied(partition, monitor, last)
             if error is not None:
-                retry += 1
-                await self._call_hook(
-                    self._callbacks.uncaught_exception, partition.id, batch[0].transaction_id, error
-                )
+                transaction_id = batch[0].transaction_id
+                stuck = self._note_apply_failure(partition, transaction_id, error)
+                try:
+                    action = await self._call_user(
+                        self._callbacks.uncaught_exception, partition.id, transaction_id, error
+                    )
+                except Exception:
+                    log.exception("uncaught_exception raised")
+                    action = None
+                if action is ApplyAction.SKIP:
+                    log.warning(
+                        "partition %d: SKIPPING transaction %d at the application's request "
+                        "(uncaught_exception returned ApplyAction.SKIP after %d failed attempts); "
+                        "it was never applied",
+                        partition.id,
+                        transaction_id,
+                        stuck.failures,
+                    )
+                    del batch[0]
+                    partition.stuck = None
+                    self._advance_applied(partition, monitor, transaction_id)
+                    continue
                 # The high-water mark stays put: the same transaction is delivered again.
-                await asyncio.sleep(APPLY_RETRY.delay_s(retry))
+                await asyncio.sleep(APPLY_RETRY.delay_s(stuck.failures))
+
+    def _advance_applied(self, partition: PartitionState, monitor: TransactionMonitor, last: int) -> None:
+        """Transactions up to ``last`` are applied (or skipped): release what waited for them."""
+        self._resolve(partition, monitor.on_applied(last))
+        self._on_applied(partition, last)
+        partition.notify()
+
+    def _note_apply_failure(self, partition: PartitionState, transaction_id: int, error: Exception) -> Stuck:
+        """Record a failed ``apply_transaction``: the traceback is logged once per transaction, then a
+        one-line reminder at growing intervals (a poisoned transaction must not flood the log)."""
+        stuck = partition.stuck
+        now = self._clock()
+        if stuck is None or stuck.transaction_id != transaction_id:
+            stuck = partition.stuck = Stuck(transaction_id, error, 1, now, now)
+            log.error(
+                "partition %d: apply_transaction raised for transaction %d; delivering it again with backoff "
+                "(the feed of this partition waits; see 'Poisoned transactions' in docs/client.md)",
+                partition.id,
+                transaction_id,
+                exc_info=error,
+            )
+            return stuck
+        stuck.failures += 1
+        stuck.error = error
+        if now - stuck.reminded_at >= STUCK_REMINDER_S:
+            stuck.reminded_at = now
+            log.error(
+                "partition %d: still stuck applying transaction %d (%d attempts, %.0f s): %s: %s",
+                partition.id,
+                transaction_id,
+                stuck.failures,
+                now - stuck.since,
+                type(error).__name__,
+                error,
+            )
+        return stuck
 
     async def _nudge_loop(self) -> None:
         threshold_s = self._config.long_wait_threshold_ms / 1000
@@ -726,30 +831,80 @@ class AsyncWaltzClient:
 
     # -- contexts ----------------------------------------------------------------------------------------
 
-    def _on_first_outcome(self, run: _Run, result: Resolution | BaseException) -> None:
+    def _on_first_outcome(self, run: Run, result: Resolution | BaseException) -> None:
         """The fate of a first attempt sent by ``submit`` (no task so far): commits are finished with batched
         hooks; anything else continues in a task, as the slow path."""
         partition = run.partition
         assert partition is not None
         if isinstance(result, Resolution) and result.outcome is Outcome.COMMITTED:
             self._release_slot(run)
-            run.ended = True
+            run.lifecycle.handle(Event.COMMIT)
             run.transaction_id = result.transaction_id
             partition.awaiting_apply.append(run)
             self._queue_hook(run, True, run.context.on_completion, True)
             return
+        if isinstance(result, Resolution):
+            run.lifecycle.handle(_FAILURE_EVENTS[result.outcome])
+        self._wake(partition.lock_queue.release(run))
         self._spawn(self._run_context(run, 1, None, result), f"waltz-run-p{partition.id}")
 
-    def _on_applied(self, partition: _Partition, transaction_id: int) -> None:
+    def _take_turn(self, partition: PartitionState, run: Run, builder: TransactionBuilder) -> bool:
+        """True if ``run`` may send ``builder`` now (it then holds its write locks in the lock queue); False
+        if another context of this client holds one of them (then ``run`` must wait for its turn)."""
+        queue = partition.lock_queue
+        locks = builder.write_lock_hashes
+        if locks and queue.blocker(run, locks) is not None:
+            return False
+        self._wake(queue.acquire(run, locks))
+        return True
+
+    def _park(self, partition: PartitionState, run: Run, builder: TransactionBuilder) -> None:
+        """Queue ``run`` behind the context holding one of ``builder``'s write locks (see _await_turn)."""
+        blocker = partition.lock_queue.blocker(run, builder.write_lock_hashes)
+        if blocker is None:
+            raise ClientError("internal error: parking a context that is not blocked")
+        run.turn = asyncio.get_running_loop().create_future()
+        self._wake(partition.lock_queue.park(run, blocker))
+        if run.first_send is not None and not run.first_send.done():
+            run.first_send.set_result(None)  # Queued counts as accepted: submit returns.
+
+    async def _await_turn(self, run: Run) -> None:
+        """Return when it is the parked ``run``'s turn to execute again (the transaction of the context
+        before it applied, or its append failed), or once the context expired."""
+        if run.turn is None:
+            return
+        timeout_ms = self._config.transaction_timeout_ms
+        try:
+            if timeout_ms > 0:
+                remaining_s = timeout_ms / 1000 - (time.time() - run.context.creation_time)
+                # Past the deadline the caller's expiry check ends the context.
+                await asyncio.wait_for(asyncio.shield(run.turn), max(remaining_s, 0))
+            else:
+                await run.turn
+        except TimeoutError:
+            pass  # Still QUEUED: the caller's expiry check ends the context.
+        else:
+            run.lifecycle.handle(Event.TURN)
+        finally:
+            run.turn = None
+
+    def _wake(self, runs: list[Any]) -> None:
+        for run in runs:
+            turn = run.turn
+            if turn is not None and not turn.done():
+                turn.set_result(None)
+
+    def _on_applied(self, partition: PartitionState, transaction_id: int) -> None:
         """Transactions up to ``transaction_id`` are applied: on_application for the runs that wait for it."""
         waiting = partition.awaiting_apply
         while waiting and waiting[0].transaction_id <= transaction_id:
             run = waiting.popleft()
             run.applied = True
+            self._wake(partition.lock_queue.release(run))
             if run.completed:
-                self._queue_hook(run, False, run.context.on_application)
+                self._queue_application(run)
 
-    def _drop_awaiting_apply(self, partition: _Partition) -> None:
+    def _drop_awaiting_apply(self, partition: PartitionState) -> None:
         """The partition is gone: its committed runs end without on_application (as with close)."""
         waiting, partition.awaiting_apply = partition.awaiting_apply, deque()
         for run in waiting:
@@ -757,7 +912,13 @@ class AsyncWaltzClient:
                 self._finish(run)
             # Otherwise _hooks_done finishes it once on_completion ran.
 
-    def _queue_hook(self, run: _Run, completion: bool, fn: Callable[..., Any], *args: Any) -> None:
+    def _queue_application(self, run: Run) -> None:
+        if run.lifecycle.state is State.COMMITTED and run.lifecycle.handle(Event.APPLY) is Hook.APPLICATION:
+            self._queue_hook(run, False, run.context.on_application)
+        else:
+            self._finish(run)  # Ended meanwhile (closed): no on_application.
+
+    def _queue_hook(self, run: Run, completion: bool, fn: Callable[..., Any], *args: Any) -> None:
         """Queue a fast-path hook; the hooks queued in one loop iteration run as one callback-thread job."""
         if not self._hooks:
             asyncio.get_running_loop().call_soon(self._flush_hooks)
@@ -772,9 +933,25 @@ class AsyncWaltzClient:
         pool = self._pool
         if pool is None or pool.is_shut_down:
             return
+        if self._inline:
+            awaitables = _run_hooks_inline(hooks)
+            if awaitables:
+                self._spawn(self._await_hooks(awaitables, runs), "waltz-hooks")
+            else:
+                self._hooks_done(runs)
+            return
         pool.post(hooks, then=functools.partial(self._hooks_done, runs))
 
-    def _hooks_done(self, runs: list[tuple[_Run, bool]]) -> None:
+    async def _await_hooks(self, awaitables: list[Awaitable[Any]], runs: list[tuple[Run, bool]]) -> None:
+        """Coroutine hooks (inline mode), one after the other, then the runs' next step."""
+        for awaitable in awaitables:
+            try:
+                await awaitable
+            except Exception:
+                log.exception("a context hook raised")
+        self._hooks_done(runs)
+
+    def _hooks_done(self, runs: list[tuple[Run, bool]]) -> None:
         for run, completion in runs:
             if not completion:
                 self._finish(run)  # on_application ran: the last hook.
@@ -783,13 +960,13 @@ class AsyncWaltzClient:
             partition = run.partition
             assert partition is not None
             if run.applied and not self._closed:
-                self._queue_hook(run, False, run.context.on_application)
+                self._queue_application(run)
             elif self._closed or partition.error is not None:
                 self._finish(run)  # No on_application will follow.
 
     async def _run_context(
         self,
-        run: _Run,
+        run: Run,
         attempts: int = 0,
         builder: TransactionBuilder | None = None,
         pending: Resolution | BaseException | None = None,
@@ -802,13 +979,13 @@ class AsyncWaltzClient:
         partition = run.partition
         assert partition is not None
         context = run.context
+        expired = False
         try:
+            await self._await_turn(run)  # Parked by submit.
             if pending is not None:
                 if isinstance(pending, BaseException):
                     raise pending
-                if pending.outcome is Outcome.LOCK_FAILED:
-                    await self._call_hook(context.on_lock_failure)
-                await asyncio.sleep(self._retry.delay_s(attempts))
+                await self._after_failure(context, pending, attempts)
             while True:
                 if builder is None:
                     if attempts > 0 and self._retry.attempts_exhausted(attempts):
@@ -817,6 +994,7 @@ class AsyncWaltzClient:
                             "(client.maxTransactionAttempts)"
                         )
                     if self._retry.expired(context.creation_time, time.time()):
+                        expired = True  # The lifecycle's EXPIRE event, not a FAIL.
                         raise ClientTimeoutError(
                             f"transaction context expired after {self._config.transaction_timeout_ms} ms "
                             f"and {attempts} attempts (client.transactionTimeout)"
@@ -824,14 +1002,24 @@ class AsyncWaltzClient:
                     attempts += 1
                     monitor = await self._wait_mounted(partition)
                     builder = TransactionBuilder(partition.id, monitor.applied_high_water_mark)
+                    run.lifecycle.handle(Event.EXECUTE)
                     if not await self._call_user(context.execute, builder):
                         self._release_slot(run)
-                        run.ended = True
+                        run.lifecycle.handle(Event.GIVE_UP)
                         await self._call_hook(context.on_completion, False)
                         return
                 # The mount may have changed while execute ran; its high-water mark is still a safe one.
                 monitor = await self._wait_mounted(partition)
+                if not self._take_turn(partition, run, builder):
+                    # Not sent, so not counted: the attempt bound is about appends the server refused.
+                    attempts -= 1
+                    run.lifecycle.handle(Event.QUEUE)
+                    self._park(partition, run, builder)
+                    builder = None
+                    await self._await_turn(run)
+                    continue
                 outcome: asyncio.Future[Resolution] = asyncio.get_running_loop().create_future()
+                run.lifecycle.handle(Event.SEND)
                 self._send(partition, monitor, builder, functools.partial(_settle, outcome))
                 builder = None
                 if run.first_send is not None and not run.first_send.done():
@@ -839,26 +1027,40 @@ class AsyncWaltzClient:
                 resolution = await outcome
                 if resolution.outcome is Outcome.COMMITTED:
                     self._release_slot(run)
-                    run.ended = True
+                    run.lifecycle.handle(Event.COMMIT)
                     await self._call_hook(context.on_completion, True)
                     await self._wait_applied(partition, resolution.transaction_id)
-                    await self._call_hook(context.on_application)
+                    self._wake(partition.lock_queue.release(run))
+                    if run.lifecycle.handle(Event.APPLY) is Hook.APPLICATION:
+                        await self._call_hook(context.on_application)
                     return
-                if resolution.outcome is Outcome.LOCK_FAILED:
-                    await self._call_hook(context.on_lock_failure)
-                await asyncio.sleep(self._retry.delay_s(attempts))
+                run.lifecycle.handle(_FAILURE_EVENTS[resolution.outcome])
+                self._wake(partition.lock_queue.release(run))
+                await self._after_failure(context, resolution, attempts)
         except asyncio.CancelledError:
             raise  # close() reports ClientClosedError to the context.
         except Exception as e:  # noqa: BLE001 - every failure ends the context through on_exception
-            await self._end_with_exception(run, e)
+            await self._end_with_exception(run, e, Event.EXPIRE if expired else Event.FAIL)
         finally:
             self._release_slot(run)
             if run.ended or not self._closed:
                 self._finish(run)
 
+    async def _after_failure(self, context: TransactionContext, failure: Resolution, attempts: int) -> None:
+        """Between a failed attempt and the next execute: retry on knowledge, back off on ignorance.
+
+        A lock failure names the transaction that took the lock, and the monitor releases it only once this
+        client has applied that transaction, so executing again right away reads the state that won: no
+        sleep. A lost append (or a send error) says nothing about when a retry could succeed: back off.
+        """
+        if failure.outcome is Outcome.LOCK_FAILED:
+            await self._call_hook(context.on_lock_failure)
+            return
+        await asyncio.sleep(self._retry.delay_s(attempts))
+
     def _send(
         self,
-        partition: _Partition,
+        partition: PartitionState,
         monitor: TransactionMonitor,
         builder: TransactionBuilder,
         outcome: OutcomeCallback,
@@ -885,7 +1087,7 @@ class AsyncWaltzClient:
             # Not fatal: the next nudge or READY sends another flush.
             log.warning("partition %d: flush not sent: %s", partition_id, e)
 
-    async def _wait_mounted(self, partition: _Partition) -> TransactionMonitor:
+    async def _wait_mounted(self, partition: PartitionState) -> TransactionMonitor:
         timeout_ms = self._config.mount_timeout_ms
         try:
             async with asyncio.timeout(timeout_ms / 1000):
@@ -901,33 +1103,37 @@ class AsyncWaltzClient:
                         return partition.monitor
                     await partition.changed()
         except TimeoutError:
+            if partition.stuck is not None:
+                raise PartitionStuckError(partition.stuck.describe(partition.id, self._clock())) from None
             raise ClientTimeoutError(
                 f"partition {partition.id} was not mounted within {timeout_ms} ms (client.mountTimeout)"
             ) from None
 
-    async def _wait_applied(self, partition: _Partition, transaction_id: int) -> None:
+    async def _wait_applied(self, partition: PartitionState, transaction_id: int) -> None:
         while partition.monitor is None or partition.monitor.applied_high_water_mark < transaction_id:
             if partition.error is not None:
                 raise partition.error
             await partition.changed()
 
-    def _release_slot(self, run: _Run) -> None:
+    def _release_slot(self, run: Run) -> None:
         if run.holds_slot:
             run.holds_slot = False
             assert run.partition is not None
             run.partition.slots.release()
 
-    def _finish(self, run: _Run) -> None:
+    def _finish(self, run: Run) -> None:
+        if run.partition is not None:
+            self._wake(run.partition.lock_queue.leave(run))
         self._runs.discard(run)
         run.set_finished()
         if run.first_send is not None and not run.first_send.done():
             run.first_send.set_result(None)
 
-    async def _end_with_exception(self, run: _Run, error: BaseException) -> None:
-        """End ``run`` with ``on_exception(error)`` (once); a first attempt also raises it from submit."""
+    async def _end_with_exception(self, run: Run, error: BaseException, event: Event = Event.FAIL) -> None:
+        """End ``run`` with ``on_exception(error)`` if its lifecycle owes it (once); a first attempt also
+        raises it from submit."""
         self._release_slot(run)
-        if not run.ended:
-            run.ended = True
+        if run.lifecycle.handle(event) is Hook.EXCEPTION:
             await self._call_hook(run.context.on_exception, error)
         if run.first_send is not None and not run.first_send.done():
             run.first_send.set_exception(error)
@@ -982,8 +1188,15 @@ class AsyncWaltzClient:
 
     # -- helpers -----------------------------------------------------------------------------------------
 
-    async def _call_user(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run application code on a callback thread."""
+    async def _call_user(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run application code on a callback thread, or (inline mode) here, awaiting what it returns if
+        that is awaitable."""
+        if self._inline:
+            self._require_pool()  # The same closed-client check as the threads mode.
+            result = fn(*args)
+            if result is not None and inspect.isawaitable(result):
+                result = await result
+            return result
         return await self._require_pool().call(fn, *args)
 
     async def _call_hook(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -1047,3 +1260,35 @@ def _apply_batch(
         except Exception as e:  # noqa: BLE001 - application code: the loop reports it and delivers again
             return i, e
     return len(batch), None
+
+
+async def _apply_batch_inline(
+    apply: Callable[[Transaction], Any], batch: list[Transaction]
+) -> tuple[int, Exception | None]:
+    """On the loop (inline mode): like :func:`_apply_batch`; a coroutine ``apply_transaction`` is awaited."""
+    deadline = time.monotonic() + APPLY_BATCH_MAX_S
+    for i, transaction in enumerate(batch):
+        if i and time.monotonic() > deadline:
+            return i, None
+        try:
+            result = apply(transaction)
+            if result is not None and inspect.isawaitable(result):
+                await result
+        except Exception as e:  # noqa: BLE001 - application code: the loop reports it and delivers again
+            return i, e
+    return len(batch), None
+
+
+def _run_hooks_inline(hooks: list[Call]) -> list[Awaitable[Any]]:
+    """Run context hooks on the loop (inline mode), logging their exceptions; returns the awaitables that
+    coroutine hooks returned, in order, for the caller to await."""
+    awaitables: list[Awaitable[Any]] = []
+    for fn, args in hooks:
+        try:
+            result = fn(*args)
+        except Exception:
+            log.exception("%s raised", getattr(fn, "__qualname__", fn))
+            continue
+        if result is not None and inspect.isawaitable(result):
+            awaitables.append(result)
+    return awaitables

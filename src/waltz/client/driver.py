@@ -28,8 +28,8 @@ Lifecycle
    order, the feed of committed transactions ``client_hwm + 1, client_hwm + 2, ...`` (dense: no gaps, no
    repeats) and :class:`MountState` changes. The **driver keeps the feed position** across reconnects and
    server moves: after a reconnect it re-mounts from the last transaction id it delivered, never from
-   ``client_hwm`` again. The core ignores a repeated id and treats a gap as a driver bug
-   (``RemoteProtocolError`` raised from ``on_feed_data``).
+   ``client_hwm`` again. The driver is the **one owner** of the feed position and of its density check:
+   the core does not track or check it again, and takes every ``on_feed_data`` as the next transaction.
 3. While mounted (after ``READY``), ``send_append``/``send_flush`` may be called.
 4. ``await driver.unmount(p)`` stops the partition; no more events for it afterwards.
 5. ``await driver.close()`` closes everything; it must return even if the cluster is unreachable.
@@ -80,14 +80,29 @@ from __future__ import annotations
 import enum
 import importlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from waltz.errors import ConfigError
+from waltz.protocol.client_server import AppendRequest
 from waltz.protocol.records import ReqId
 
 if TYPE_CHECKING:
     from waltz.client.config import ClientConfig
+
+
+__all__ = [
+    "AppendRequest",
+    "ClientDriver",
+    "DriverListener",
+    "MountState",
+    "create_network_driver",
+]
+
+# An append travels as the wire message itself (waltz.protocol.client_server.AppendRequest): the core
+# builds it once and the network driver encodes it as it is, with no twin copied field by field.
+# ``client_high_water_mark`` is the application's high-water mark captured just before ``execute`` ran;
+# lock values are the 32-bit hashes of :func:`waltz.client.locks.lock_hash`; ``checksum`` is the CRC-32 of
+# ``data``.
 
 
 class MountState(enum.IntEnum):
@@ -96,26 +111,6 @@ class MountState(enum.IntEnum):
     READY = 0
     NOT_READY = 1
     CLIENT_AHEAD = 2
-
-
-@dataclass(frozen=True, slots=True)
-class AppendRequest:
-    """One append, as the core hands it to the driver (the fields of the wire AppendRequest).
-
-    ``client_high_water_mark`` is the application's high-water mark captured just before ``execute`` ran;
-    the server rejects the append with a lock failure if a lock it holds was taken by a later transaction.
-    Lock values are the 32-bit hashes of :func:`waltz.client.locks.lock_hash`. ``checksum`` is the CRC-32 of
-    ``data``.
-    """
-
-    req_id: ReqId
-    client_high_water_mark: int
-    write_locks: tuple[int, ...]
-    read_locks: tuple[int, ...]
-    append_locks: tuple[int, ...]
-    header: int
-    data: bytes
-    checksum: int
 
 
 class DriverListener(Protocol):
@@ -134,6 +129,12 @@ class DriverListener(Protocol):
     async def on_flush_response(self, partition_id: int, req_id: ReqId, transaction_id: int) -> None:
         """Every append sent before the flush ``req_id`` is resolved; ``transaction_id`` is the partition's
         high-water mark at that point."""
+
+
+# A listener may also offer ``feed_data_nowait(partition_id, transaction_id, req_id, header) -> bool``: the
+# same as ``on_feed_data`` without a coroutine, returning False (having done nothing) when it would have to
+# wait for room. A driver may call it first and await ``on_feed_data`` only on False; the network driver
+# does (the core's listener offers it), the MockDriver does not need to.
 
 
 class ClientDriver(ABC):

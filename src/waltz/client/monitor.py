@@ -104,7 +104,8 @@ class TransactionMonitor:
             resolutions.extend(self._fail_up_to(entry.seq - 1))
             del self._pending[req_id]
             resolutions.append(Resolution(req_id, Outcome.COMMITTED, transaction_id))
-        resolutions.extend(self._release_flushes())
+        if self._flush_responses or self._flushes_sent:
+            resolutions.extend(self._release_flushes())
         return resolutions
 
     def on_lock_failure(self, req_id: ReqId, transaction_id: int) -> list[Resolution]:
@@ -161,7 +162,15 @@ class TransactionMonitor:
     # -- internals ---------------------------------------------------------------------------------------
 
     def _fail_up_to(self, seq: int) -> list[Resolution]:
-        failed = [req_id for req_id, entry in self._pending.items() if entry.seq <= seq]
+        # _pending is in registration order, which is seq order: stop at the first newer entry, so a commit
+        # of the oldest pending append (the common case) costs O(1), not O(pending).
+        failed: list[ReqId] = []
+        for req_id, entry in self._pending.items():
+            if entry.seq > seq:
+                break
+            failed.append(req_id)
+        if not failed:
+            return []
         for req_id in failed:
             del self._pending[req_id]
         return [Resolution(req_id, Outcome.FAILED) for req_id in failed]
@@ -177,7 +186,8 @@ class TransactionMonitor:
         self._flush_responses = still_parked
         # Flushes whose appends are all resolved can never resolve anything; forget them.
         if self._flushes_sent:
-            oldest_pending = min((e.seq for e in self._pending.values()), default=None)
+            # The first pending entry is the oldest (registration order).
+            oldest_pending = next(iter(self._pending.values())).seq if self._pending else None
             self._flushes_sent = {
                 r: s
                 for r, s in self._flushes_sent.items()

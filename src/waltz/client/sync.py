@@ -29,6 +29,8 @@ __all__ = ["WaltzClient"]
 
 T = TypeVar("T")
 
+SUBMIT_BATCH_MAX = 256
+"""Contexts :meth:`WaltzClient.submit_many` hands to the loop in one call."""
 START_TIMEOUT_S = 60.0
 """How long the constructor waits for the driver to open (ZooKeeper discovery)."""
 
@@ -47,7 +49,7 @@ class WaltzClient:
         *,
         driver: ClientDriver | None = None,
     ) -> None:
-        self._loop = asyncio.new_event_loop()
+        self._loop = _new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="waltz-client-loop", daemon=True)
         self._thread.start()
         self._closed = False
@@ -90,8 +92,42 @@ class WaltzClient:
     def submit(self, context: TransactionContext) -> None:
         """Execute and append ``context``; blocks while the partition is at
         ``client.maxConcurrentTransactions`` (up to ``client.submitTimeout``, then
-        :class:`~waltz.errors.ClientTimeoutError`). See :meth:`AsyncWaltzClient.submit`."""
+        :class:`~waltz.errors.ClientTimeoutError`). See :meth:`AsyncWaltzClient.submit`.
+
+        With a free slot on a mounted partition, ``execute`` runs on the calling thread and the append is
+        handed to the client's loop without waiting (no round trip through the loop per submit); otherwise
+        this waits on the loop as described."""
+        try:
+            on_own_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_own_loop = False
+        # On the client's own loop _call refuses (a blocking call there could never finish).
+        if not on_own_loop and self._thread.is_alive() and self._client.submit_from_thread(context):
+            return
         self._call(self._client.submit(context))
+
+    def submit_many(self, contexts: Iterable[TransactionContext]) -> None:
+        """Submit ``contexts`` in order: the bulk form of :meth:`submit` for loaders (a Spark task, an
+        import). Same guarantees as calling :meth:`submit` for each in turn (the appends of one partition
+        are sent in this order; back pressure blocks as there), but while slots are free the contexts are
+        executed on this thread and handed to the client's loop up to :data:`SUBMIT_BATCH_MAX` at a time
+        with one wake-up. An exception of a first attempt is raised at once (like :meth:`submit`, after
+        ``on_exception``); the contexts before it were submitted, those after it were not.
+        """
+        pending = list(contexts)
+        i = 0
+        while i < len(pending):
+            try:
+                on_own_loop = asyncio.get_running_loop() is self._loop
+            except RuntimeError:
+                on_own_loop = False
+            taken = 0
+            if not on_own_loop and self._thread.is_alive():
+                taken = self._client.submit_batch_from_thread(pending[i : i + SUBMIT_BATCH_MAX])
+            i += taken
+            if taken == 0 and i < len(pending):
+                self._call(self._client.submit(pending[i]))  # No room right now: wait for it.
+                i += 1
 
     def flush_transactions(self, timeout: float | None = None) -> None:
         """Block until every context submitted before the call has ended and been applied (seconds)."""
@@ -147,6 +183,17 @@ class WaltzClient:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    """The private loop: uvloop when it is installed (its call_soon_threadsafe, futures and socket I/O cost
+    less per append, and every submit from an application thread crosses onto this loop), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
 
 
 async def _value(fn: Callable[[], T]) -> T:

@@ -11,9 +11,9 @@ import asyncio
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from waltz.client.api import ClientCallbacks
 from waltz.client.builder import TransactionBuilder
@@ -25,11 +25,66 @@ from waltz.client.locks import PartitionLocalLock
 from waltz.client.transaction import Transaction
 from waltz.errors import ClientError
 
+T = TypeVar("T")
 DriverFactory = Callable[[], ClientDriver | None]
 MAX_CLIENTS = 1000
 MAX_TXN_BYTES = 16 * 1024 * 1024
 COMPLETION_TIMEOUT_S = 300.0
 """How long a tool waits for its last transaction to complete before it reports a failure."""
+STALL_TIMEOUT_S = 15.0
+"""A run in which no append has committed for this long while some are outstanding stops with a clear error
+(the cluster cannot take appends: no quorum of storage nodes, no server) instead of waiting for the end."""
+PROGRESS_INTERVAL_S = 0.5
+
+
+class Progress:
+    """A run's outcomes as they happen (on the loop), for the live progress line and the stall check."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.committed = 0
+        self.failed = 0
+        self.started = time.perf_counter()
+        self.last_change = self.started
+
+    def note(self, ok: bool) -> None:
+        if ok:
+            self.committed += 1
+        else:
+            self.failed += 1
+        self.last_change = time.perf_counter()
+
+    def line(self) -> str:
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        return (
+            f"{self.committed}/{self.total} committed, {self.failed} failed, "
+            f"{self.committed / elapsed:,.0f}/s, {elapsed:.1f} s"
+        )
+
+    def stalled_s(self) -> float:
+        """Seconds without any outcome while appends are outstanding (0 when done)."""
+        if self.committed + self.failed >= self.total:
+            return 0.0
+        return time.perf_counter() - self.last_change
+
+
+ProgressLine = Callable[[str], None]
+"""Shows the live progress line (the CLI draws it with rich; the library does not print)."""
+
+
+async def watch(progress: Progress, show: ProgressLine | None, what: str = "appends") -> None:
+    """Refresh the progress line through ``show`` (if given) and raise ClientError if the run stalls; runs
+    until cancelled."""
+    while True:
+        await asyncio.sleep(PROGRESS_INTERVAL_S)
+        if show is not None:
+            show(progress.line())
+        if progress.stalled_s() > STALL_TIMEOUT_S:
+            raise ClientError(
+                f"no {what} completed in the last {STALL_TIMEOUT_S:g} s ({progress.line()}): the cluster "
+                "cannot take appends right now (is a quorum of storage nodes up and a server serving the "
+                "partition? see 'waltz local status' or 'waltz cluster status')"
+            )
 
 
 def network_driver() -> ClientDriver | None:
@@ -64,6 +119,23 @@ class MarkCallbacks(ClientCallbacks):
         return None  # The tools report what they saw; a redelivery is not an error for them.
 
 
+async def watched(work: Awaitable[T], progress: Progress, show: ProgressLine | None) -> T:
+    """Await ``work`` under :func:`watch`: a live progress line, and the stall error if nothing completes."""
+    watcher = asyncio.create_task(watch(progress, show))
+    task = asyncio.ensure_future(work)
+    try:
+        both: list[asyncio.Future[Any]] = [watcher, task]
+        done, _ = await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+        if watcher in done:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            watcher.result()  # Raises the stall error.
+        return await task
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+
+
 class ReportingContext(TransactionContext):
     """A context that appends ``data`` to ``partition`` (optionally under one write lock) and resolves a
     future on the client's loop with ``(result, completion time)`` when it ends."""
@@ -83,6 +155,7 @@ class ReportingContext(TransactionContext):
         self.executions = 0
         self.sent_at = 0.0
         self.done: asyncio.Future[tuple[bool, float]] = loop.create_future()
+        self.progress: Progress | None = None
 
     def partition_id(self, num_partitions: int) -> int:
         return self.partition
@@ -101,12 +174,22 @@ class ReportingContext(TransactionContext):
         def settle() -> None:
             if self.done.done():
                 return
+            if self.progress is not None:
+                self.progress.note(result is True)
             if isinstance(result, BaseException):
                 self.done.set_exception(result)
+                self.done.exception()  # Read by submit_and_settle, or never: no "never retrieved" noise.
             else:
                 self.done.set_result((result, now))
 
-        self.loop.call_soon_threadsafe(settle)
+        try:
+            on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            settle()  # client.callbackMode inline: the hook runs on the loop, no hop needed.
+        else:
+            self.loop.call_soon_threadsafe(settle)
 
     def on_completion(self, result: bool) -> None:
         self._resolve(result)
@@ -125,7 +208,10 @@ class Settled:
 
 
 async def submit_and_settle(
-    client: AsyncWaltzClient, contexts: Iterable[ReportingContext], interval_ms: float = 0.0
+    client: AsyncWaltzClient,
+    contexts: Iterable[ReportingContext],
+    interval_ms: float = 0.0,
+    progress: Progress | None = None,
 ) -> Settled:
     """Submit each context in turn (pausing ``interval_ms`` between submits), then wait for every outcome.
 
@@ -136,10 +222,13 @@ async def submit_and_settle(
     out = Settled()
     submitted: list[ReportingContext] = []
     for ctx in contexts:
+        ctx.progress = progress
         try:
             await client.submit(ctx)
         except ClientError:
             out.failed += 1
+            if progress is not None and not ctx.done.done():
+                progress.note(False)
             continue
         ctx.sent_at = time.perf_counter()
         submitted.append(ctx)

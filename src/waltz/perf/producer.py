@@ -36,6 +36,8 @@ from waltz.perf.common import (
     DriverFactory,
     MarkCallbacks,
     PerfResult,
+    Progress,
+    ProgressLine,
     ReportingContext,
     active_partitions,
     close_all,
@@ -43,6 +45,7 @@ from waltz.perf.common import (
     network_driver,
     start_client,
     submit_and_settle,
+    watched,
 )
 
 LOCK_NAME = "perf"
@@ -79,6 +82,7 @@ async def _produce(
     partitions: list[int],
     rng: random.Random,
     result: PerfResult,
+    progress: Progress | None = None,
 ) -> None:
     loop = asyncio.get_running_loop()
 
@@ -91,7 +95,7 @@ async def _produce(
             )
             yield ReportingContext(loop, rng.choice(partitions), rng.randbytes(opts.txn_size_bytes), lock)
 
-    settled = await submit_and_settle(client, contexts(), opts.interval_ms)
+    settled = await submit_and_settle(client, contexts(), opts.interval_ms, progress)
     result.failed += settled.failed
     result.retries += settled.retries
     result.transactions += len(settled.committed)
@@ -99,10 +103,20 @@ async def _produce(
 
 
 async def run_producers(
-    config: ClientConfig, opts: ProducerOptions, driver_factory: DriverFactory = network_driver
+    config: ClientConfig,
+    opts: ProducerOptions,
+    driver_factory: DriverFactory = network_driver,
+    *,
+    show_progress: ProgressLine | None = None,
 ) -> PerfResult:
-    """Run the producer benchmark (see the module docstring) and return its figures."""
+    """Run the producer benchmark (see the module docstring) and return its figures.
+
+    The clients run in ``client.callbackMode: inline`` (the tool's hooks only note outcomes), the fast path
+    of an asyncio application. ``show_progress`` is called with a progress line twice a second. A run in
+    which nothing commits for :data:`~waltz.perf.common.STALL_TIMEOUT_S` stops with a ClientError saying so.
+    """
     opts.validate()
+    config = config.replace(callback_mode="inline")
     if opts.max_in_flight is not None:
         config = config.replace(max_concurrent_transactions=opts.max_in_flight)
     marks, n = await current_marks(config, driver_factory)
@@ -128,9 +142,11 @@ async def run_producers(
         for _ in range(opts.clients):
             clients.append(await start_client(MarkCallbacks(marks), config, driver_factory))  # noqa: PERF401 - closed on failure
         started = time.perf_counter()
-        await asyncio.gather(
-            *(_produce(c, opts, partitions, random.Random(rng.random()), result) for c in clients)
+        progress = Progress(opts.clients * opts.txns_per_client)
+        producers = asyncio.gather(
+            *(_produce(c, opts, partitions, random.Random(rng.random()), result, progress) for c in clients)
         )
+        await watched(producers, progress, show_progress)
         result.seconds = time.perf_counter() - started
     finally:
         await close_all(clients)

@@ -34,6 +34,8 @@ from waltz.perf.common import (
     MAX_CLIENTS,
     DriverFactory,
     MarkCallbacks,
+    Progress,
+    ProgressLine,
     ReportingContext,
     active_partitions,
     close_all,
@@ -41,6 +43,7 @@ from waltz.perf.common import (
     network_driver,
     start_client,
     submit_and_settle,
+    watched,
 )
 
 VALUE = struct.Struct(">q")
@@ -113,8 +116,10 @@ class _Checker:
         self.lock = threading.Lock()
 
     def __call__(self, transaction: Transaction) -> None:
+        self.check(transaction, transaction.get_transaction_data())
+
+    def check(self, transaction: Transaction, data: bytes) -> None:
         p, tid = transaction.partition_id, transaction.transaction_id
-        data = transaction.get_transaction_data()
         with self.lock:
             last = self.last.get(p, -1)
             if tid != last + 1:
@@ -136,15 +141,37 @@ class _Checker:
             self.last[p] = max(last, tid)
 
 
+class _CheckingCallbacks(MarkCallbacks):
+    """Feeds every transaction to a :class:`_Checker`, on the client's loop (``client.callbackMode:
+    inline``): the data is fetched with ``await``, no thread hop."""
+
+    def __init__(self, start_marks: dict[int, int], checker: _Checker) -> None:
+        super().__init__(start_marks)
+        self.checker = checker
+
+    async def apply_transaction(self, transaction: Transaction) -> None:  # type: ignore[override]
+        self.checker.check(transaction, await transaction.fetch_transaction_data())
+        with self._lock:
+            self.marks[transaction.partition_id] = transaction.transaction_id
+
+
 def _next_value(builder: TransactionBuilder) -> bytes:
     return VALUE.pack(builder.client_high_water_mark + 1)
 
 
 async def run_validation(
-    config: ClientConfig, opts: ValidateOptions, driver_factory: DriverFactory = network_driver
+    config: ClientConfig,
+    opts: ValidateOptions,
+    driver_factory: DriverFactory = network_driver,
+    *,
+    show_progress: ProgressLine | None = None,
 ) -> ValidationReport:
-    """Run the check (see the module docstring); violations are in the report, never raised."""
+    """Run the check (see the module docstring); violations are in the report, never raised. The clients run
+    inline on the loop (the fast path); a run in which nothing completes for
+    :data:`~waltz.perf.common.STALL_TIMEOUT_S` raises ClientError, and ``show_progress`` is called with a
+    progress line twice a second."""
     opts.validate()
+    config = config.replace(callback_mode="inline")
     marks, n = await current_marks(config, driver_factory)
     partitions = active_partitions(opts.partitions, n)
     report = ValidationReport(opts.clients, start_marks=dict(marks))
@@ -152,22 +179,24 @@ async def run_validation(
     checkers = [_Checker(i, marks, report) for i in range(opts.clients)]
     clients: list[AsyncWaltzClient] = []
     loop = asyncio.get_running_loop()
+    progress = Progress(opts.clients * opts.txns_per_client)
 
     async def produce(client: AsyncWaltzClient, crng: random.Random) -> None:
         contexts = (
             ReportingContext(loop, crng.choice(partitions), _next_value, SHARED_LOCK)
             for _ in range(opts.txns_per_client)
         )
-        settled = await submit_and_settle(client, contexts, opts.interval_ms)
+        settled = await submit_and_settle(client, contexts, opts.interval_ms, progress)
         report.failed += settled.failed
         report.retries += settled.retries
         report.committed += len(settled.committed)
 
     try:
         for checker in checkers:
-            clients.append(await start_client(MarkCallbacks(marks, checker), config, driver_factory))  # noqa: PERF401 - closed on failure
+            clients.append(await start_client(_CheckingCallbacks(marks, checker), config, driver_factory))  # noqa: PERF401 - closed on failure
         started = time.perf_counter()
-        await asyncio.gather(*(produce(c, random.Random(rng.random())) for c in clients))
+        producers = asyncio.gather(*(produce(c, random.Random(rng.random())) for c in clients))
+        await watched(producers, progress, show_progress)
         report.seconds = time.perf_counter() - started
         end_marks = {p: await clients[0].high_water_mark(p) for p in range(n)}
         report.end_marks = end_marks

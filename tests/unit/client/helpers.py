@@ -46,6 +46,10 @@ class RecordingCallbacks(ClientCallbacks):
             return self.hwm.get(partition_id, -1)
 
     def apply_transaction(self, transaction: Transaction) -> None:
+        self._deliver(transaction)
+        self._record(transaction, transaction.get_transaction_data())
+
+    def _deliver(self, transaction: Transaction) -> None:
         key = (transaction.partition_id, transaction.transaction_id)
         with self.lock:
             self.threads.add(threading.current_thread().name)
@@ -53,7 +57,9 @@ class RecordingCallbacks(ClientCallbacks):
             if self.fail_next.get(key, 0) > 0:
                 self.fail_next[key] -= 1
                 raise RuntimeError(f"apply of {key} failed on purpose")
-        data = transaction.get_transaction_data()
+
+    def _record(self, transaction: Transaction, data: bytes) -> None:
+        key = (transaction.partition_id, transaction.transaction_id)
         if self.on_apply is not None:
             self.on_apply(transaction)
         with self.lock:
@@ -70,6 +76,20 @@ class RecordingCallbacks(ClientCallbacks):
     def data(self, partition_id: int = 0) -> list[bytes]:
         with self.lock:
             return [d for _, d in self.applied.get(partition_id, [])]
+
+
+class AsyncRecordingCallbacks(RecordingCallbacks):
+    """:class:`RecordingCallbacks` for ``client.callbackMode: inline``: a coroutine ``apply_transaction``
+    (the data is fetched with ``await``, since a blocking fetch is refused on the loop)."""
+
+    async def apply_transaction(self, transaction: Transaction) -> None:  # type: ignore[override]
+        self._deliver(transaction)
+        self._record(transaction, await transaction.fetch_transaction_data())
+
+
+def recording_callbacks(mode: str = "threads") -> RecordingCallbacks:
+    """The recording callbacks that suit ``client.callbackMode`` ``mode``."""
+    return AsyncRecordingCallbacks() if mode == "inline" else RecordingCallbacks()
 
 
 class Ctx(TransactionContext):

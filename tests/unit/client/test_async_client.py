@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from waltz import AsyncWaltzClient, ClientConfig, PartitionLocalLock, Transaction
+from waltz import AsyncWaltzClient, ClientConfig, Transaction
 from waltz.client.driver import AppendRequest
 from waltz.errors import (
     ClientAheadError,
@@ -21,7 +21,7 @@ from waltz.errors import (
 )
 from waltz.testing import MockCluster, MockDriver
 
-from .helpers import FAST, Ctx, RecordingCallbacks, UnreachableDriver
+from .helpers import FAST, Ctx, RecordingCallbacks, UnreachableDriver, recording_callbacks
 
 
 def run(coro: Coroutine[Any, Any, None], timeout_s: float = 30.0) -> None:
@@ -42,7 +42,8 @@ async def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> N
 def client_with(
     driver: MockDriver, callbacks: RecordingCallbacks | None = None, **config: Any
 ) -> tuple[AsyncWaltzClient, RecordingCallbacks]:
-    callbacks = callbacks if callbacks is not None else RecordingCallbacks()
+    if callbacks is None:
+        callbacks = recording_callbacks(config.get("callback_mode", "threads"))
     return AsyncWaltzClient(callbacks, FAST.replace(**config), driver=driver), callbacks
 
 
@@ -129,31 +130,6 @@ def test_every_older_pending_append_fails_when_a_newer_one_commits() -> None:
             assert first.executions == 2  # Failed because "second" committed after it, then retried.
             assert second.executions == 1
             assert data_of(driver.cluster) == [b"second", b"first"]
-
-    run(main())
-
-
-def test_lock_conflict_waits_for_the_conflicting_transaction_then_executes_again() -> None:
-    driver = MockDriver()
-    lock = PartitionLocalLock("account", 1)
-
-    async def main() -> None:
-        client, _ = client_with(driver)
-        async with client:
-            await wait_until(lambda: client._partitions[0].state is not None)
-            driver.suspend_feed()
-            a, b = Ctx(b"a", write=(lock,)), Ctx(b"b", write=(lock,))
-            await client.submit(a)
-            await client.submit(b)
-            await wait_until(lambda: driver.lock_failures == 1)
-            await asyncio.sleep(0.05)
-            assert b.executions == 1  # Held back until "a" (id 0) is applied.
-            driver.resume_feed()
-            await client.flush_transactions(timeout=5)
-            assert a.hwms_seen == [-1]
-            assert b.hwms_seen == [-1, 0]
-            assert b.events == ["lock_failure", "completion:True", "application"]
-            assert data_of(driver.cluster) == [b"a", b"b"]
 
     run(main())
 

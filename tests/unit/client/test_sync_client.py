@@ -95,3 +95,65 @@ def test_blocking_call_from_an_event_loop_of_its_own_is_refused() -> None:
             fut.result(5)
     finally:
         client.close()
+
+
+class ThreadRecordingCtx(Ctx):
+    def execute(self, builder):  # type: ignore[no-untyped-def]
+        self.thread = threading.current_thread().name
+        return super().execute(builder)
+
+
+@pytest.mark.parametrize("mode", ["threads", "inline"])
+def test_submit_executes_on_the_calling_thread_without_waiting_for_the_loop(mode: str) -> None:
+    driver = MockDriver()
+    callbacks = RecordingCallbacks() if mode == "threads" else _NoFetch()
+    with WaltzClient(callbacks, FAST.replace(callback_mode=mode), driver=driver) as client:
+        ok = ThreadRecordingCtx(b"ok")
+        gave_up = ThreadRecordingCtx(b"no", give_up=True)
+        boom = ThreadRecordingCtx(b"x", raise_in_execute=ValueError("bad input"))
+        threading.Event().wait(0.1)  # Let the partition become ready: the fast path needs a mount.
+        client.submit(ok)
+        client.submit(gave_up)
+        with pytest.raises(ValueError, match="bad input"):
+            client.submit(boom)
+        client.flush_transactions(timeout=5)
+        assert ok.thread == gave_up.thread == boom.thread == threading.current_thread().name
+        assert ok.events == ["completion:True", "application"]
+        assert gave_up.events == ["completion:False"]
+        assert boom.events == ["exception:ValueError"]
+        assert not client.has_pending_transactions()
+        assert client.high_water_mark(0) == 0
+
+
+class _NoFetch(RecordingCallbacks):
+    """Inline mode on WaltzClient: apply_transaction runs on the client's loop, so no blocking fetch."""
+
+    def apply_transaction(self, transaction):  # type: ignore[no-untyped-def]
+        self._deliver(transaction)
+        self._record(transaction, b"")
+
+
+def test_submit_many_keeps_the_order_and_waits_for_room() -> None:
+    driver = MockDriver()
+    callbacks = RecordingCallbacks()
+    config = FAST.replace(max_concurrent_transactions=7)  # Far fewer slots than contexts: it must wait.
+    with WaltzClient(callbacks, config, driver=driver) as client:
+        threading.Event().wait(0.1)  # The mock mounts at once; give it that moment.
+        contexts = [Ctx(b"%d" % i) for i in range(300)]
+        client.submit_many(contexts)
+        client.flush_transactions(timeout=10)
+    assert callbacks.data(0) == [b"%d" % i for i in range(300)]
+    assert all(ctx.events == ["completion:True", "application"] for ctx in contexts)
+
+
+def test_submit_many_raises_the_first_failing_execute_and_stops_there() -> None:
+    driver = MockDriver()
+    with WaltzClient(RecordingCallbacks(), FAST, driver=driver) as client:
+        threading.Event().wait(0.1)
+        contexts = [Ctx(b"a"), Ctx(b"b", raise_in_execute=ValueError("bad row")), Ctx(b"c")]
+        with pytest.raises(ValueError, match="bad row"):
+            client.submit_many(contexts)
+        client.flush_transactions(timeout=5)
+    assert contexts[0].events == ["completion:True", "application"]
+    assert contexts[1].events == ["exception:ValueError"]
+    assert contexts[2].executions == 0

@@ -1,0 +1,374 @@
+"""The client library against a real cluster, through the public API only (the peer-comparison workload).
+
+Starts a ``waltz local`` cluster (ZooKeeper, 3 storage nodes, 1 server, 1 partition) in a temporary
+directory, runs the phases below in this process with one :class:`~waltz.AsyncWaltzClient` (and one
+:class:`~waltz.WaltzClient` for ``sync8``), then stops the cluster. Every record is 512 bytes.
+
+=========  ==================================================================================================
+phase      what it measures
+=========  ==================================================================================================
+seq        one append at a time; latency = submit to ``on_completion(True)``
+conc       64 coroutines appending, each waiting for its own ``on_completion`` (64 outstanding)
+occ1       one at a time with a write lock, waiting for ``on_application``
+occ64      64 writers, each with a write lock on its own key, each waiting for its own ``on_application``
+hot64      64 writers with a write lock on ONE key (a counter); successes = committed appends; latency =
+           submit to ``on_application`` including retries; prints the fewest successes of one writer
+read1      ``high_water_mark`` one at a time
+read64     ``high_water_mark`` from 64 coroutines
+sync8      :class:`~waltz.WaltzClient` driven from 8 threads (each submits; completions are counted)
+=========  ==================================================================================================
+
+Each phase stops after ``--count`` operations or ``--seconds``, whichever comes first, after a short warm-up.
+Per phase it prints ops/s, p50/p99 latency, client CPU per op (this process: ``time.process_time``) and
+server CPU per op (server + storage processes, from ``/proc/<pid>/stat``). The load average is printed at
+the start and the end. ``--mode`` picks ``client.callbackMode`` (``inline`` or ``threads``), ``--loop`` the
+application's event loop (uvloop, the default, or the standard asyncio loop).
+
+    .venv/bin/python bench/client_peer.py                       # every phase, inline mode
+    .venv/bin/python bench/client_peer.py --mode threads --phase conc --phase seq
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from waltz import (  # noqa: E402
+    AsyncWaltzClient,
+    ClientCallbacks,
+    ClientConfig,
+    PartitionLocalLock,
+    Transaction,
+    TransactionBuilder,
+    TransactionContext,
+    WaltzClient,
+)
+from waltz.local import cluster as local  # noqa: E402
+
+RECORD_BYTES = 512
+PAYLOAD = bytes(RECORD_BYTES)
+WARMUP_S = 1.0
+PHASES = ("seq", "conc", "occ1", "occ64", "hot64", "read1", "read64", "sync8")
+TICKS_S = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` (fields 14 and 15 of /proc/<pid>/stat)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / TICKS_S
+
+
+class Callbacks(ClientCallbacks):
+    """Keeps only the high-water mark (the bench measures the client, not an application)."""
+
+    def __init__(self) -> None:
+        self.hwm = -1
+        self.counter = 0  # hot64's shared state: how many increments were applied
+
+    def client_high_water_mark(self, partition_id: int) -> int:
+        return self.hwm
+
+    def apply_transaction(self, transaction: Transaction) -> None:
+        self.hwm = transaction.transaction_id
+        if transaction.header == 1:
+            self.counter += 1
+
+    def uncaught_exception(self, partition_id: int, transaction_id: int, exception: BaseException) -> None:
+        print(f"apply failed: {exception!r}", file=sys.stderr)
+
+
+class Ctx(TransactionContext):
+    """One append; ``done`` is called (on the loop) on completion or application, as asked."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        inline: bool,
+        done: Callable[[bool], None],
+        lock: int | None = None,
+        wait_apply: bool = False,
+        header: int = 0,
+    ) -> None:
+        super().__init__()
+        self._loop = loop
+        self._inline = inline
+        self._done = done
+        self._lock = PartitionLocalLock("k", lock) if lock is not None else None
+        self._wait_apply = wait_apply
+        self._header = header
+
+    def partition_id(self, num_partitions: int) -> int:
+        return 0
+
+    def execute(self, builder: TransactionBuilder) -> bool:
+        builder.set_header(self._header)
+        builder.set_transaction_data(PAYLOAD)
+        if self._lock is not None:
+            builder.set_write_locks([self._lock])
+        return True
+
+    def _signal(self, ok: bool) -> None:
+        if self._inline:
+            self._done(ok)
+        else:
+            self._loop.call_soon_threadsafe(self._done, ok)
+
+    def on_completion(self, result: bool) -> None:
+        if not result or not self._wait_apply:
+            self._signal(result)
+
+    def on_application(self) -> None:
+        if self._wait_apply:
+            self._signal(True)
+
+    def on_exception(self, exception: BaseException) -> None:
+        print(f"context failed: {exception!r}", file=sys.stderr)
+        self._signal(False)
+
+
+@dataclass
+class Result:
+    phase: str
+    ops: int
+    seconds: float
+    latencies_s: list[float]
+    client_cpu_s: float
+    server_cpu_s: float
+    note: str = ""
+
+    def line(self) -> str:
+        lat = sorted(self.latencies_s)
+        p50 = statistics.median(lat) * 1000 if lat else float("nan")
+        p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000 if lat else float("nan")
+        per_op = 1e6 / max(self.ops, 1)
+        return (
+            f"{self.phase:7} {self.ops / self.seconds:9.0f} ops/s  p50 {p50:7.2f} ms  p99 {p99:7.2f} ms  "
+            f"client {self.client_cpu_s * per_op:6.1f} us/op  server {self.server_cpu_s * per_op:6.1f} us/op"
+            f"  ({self.ops} ops in {self.seconds:.1f} s){'  ' + self.note if self.note else ''}"
+        )
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, client: AsyncWaltzClient, pids: list[int]) -> None:
+        self.args = args
+        self.client = client
+        self.pids = pids
+        self.inline = args.mode == "inline"
+        self.loop = asyncio.get_running_loop()
+
+    async def one(self, lock: int | None = None, wait_apply: bool = False, header: int = 0) -> bool:
+        future: asyncio.Future[bool] = self.loop.create_future()
+
+        def done(ok: bool) -> None:
+            if not future.done():
+                future.set_result(ok)
+
+        await self.client.submit(Ctx(self.loop, self.inline, done, lock, wait_apply, header))
+        return await future
+
+    async def workers(
+        self, phase: str, n: int, op: Callable[[int], Awaitable[bool]], per_worker: list[int] | None = None
+    ) -> Result:
+        """``n`` coroutines each running ``op(worker)`` in a loop; warm-up, then measure."""
+        latencies: list[float] = []
+        count = 0
+        measuring = False
+        stop = False
+        deadline = self.loop.time() + WARMUP_S + self.args.seconds
+
+        async def worker(w: int) -> None:
+            nonlocal count, stop
+            while not stop:
+                t0 = time.perf_counter()
+                ok = await op(w)
+                if measuring and ok:
+                    latencies.append(time.perf_counter() - t0)
+                    count += 1
+                    if per_worker is not None:
+                        per_worker[w] += 1
+                    if count >= self.args.count or self.loop.time() > deadline:
+                        stop = True
+
+        tasks = [asyncio.create_task(worker(w)) for w in range(n)]
+        await asyncio.sleep(WARMUP_S)
+        measuring = True
+        c0, s0, t0 = time.process_time(), proc_cpu_s(self.pids), time.perf_counter()
+        while not stop and not all(t.done() for t in tasks):
+            await asyncio.sleep(0.05)
+            if self.loop.time() > deadline + 30:
+                stop = True  # A stuck phase ends (and says so through its count).
+        elapsed = time.perf_counter() - t0
+        c1, s1 = time.process_time(), proc_cpu_s(self.pids)
+        await asyncio.wait(tasks, timeout=30)
+        return Result(phase, count, elapsed, latencies, c1 - c0, s1 - s0)
+
+    async def run(self, phase: str) -> Result:
+        if phase == "seq":
+            return await self.workers(phase, 1, lambda w: self.one())
+        if phase == "conc":
+            return await self.workers(phase, 64, lambda w: self.one())
+        if phase == "occ1":
+            return await self.workers(phase, 1, lambda w: self.one(lock=0, wait_apply=True))
+        if phase == "occ64":
+            return await self.workers(phase, 64, lambda w: self.one(lock=w + 1, wait_apply=True))
+        if phase == "hot64":
+            per_worker = [0] * 64
+            result = await self.workers(
+                phase, 64, lambda w: self.one(lock=1_000_000, wait_apply=True, header=1), per_worker
+            )
+            result.note = f"fewest successes of one writer: {min(per_worker)}"
+            return result
+        if phase in ("read1", "read64"):
+
+            async def read(w: int) -> bool:
+                await self.client.high_water_mark(0)
+                return True
+
+            return await self.workers(phase, 1 if phase == "read1" else 64, read)
+        raise ValueError(phase)
+
+
+def sync8(args: argparse.Namespace, config: ClientConfig, pids: list[int]) -> Result:
+    """WaltzClient from 8 threads, each submitting in a loop (bounded by client.maxConcurrentTransactions)."""
+    callbacks = Callbacks()
+    lock = threading.Lock()
+    sent: dict[int, float] = {}
+    latencies: list[float] = []
+    committed = [0]
+
+    class SyncCtx(TransactionContext):
+        def __init__(self, key: int) -> None:
+            super().__init__()
+            self.key = key
+
+        def partition_id(self, num_partitions: int) -> int:
+            return 0
+
+        def execute(self, builder: TransactionBuilder) -> bool:
+            builder.set_transaction_data(PAYLOAD)
+            return True
+
+        def on_completion(self, result: bool) -> None:
+            with lock:
+                t0 = sent.pop(self.key, None)
+                if result and t0 is not None:
+                    committed[0] += 1
+                    latencies.append(time.perf_counter() - t0)
+
+    with WaltzClient(callbacks, config) as client:
+        stop = threading.Event()
+        keys = iter(range(1 << 62))
+
+        def thread_main() -> None:
+            while not stop.is_set():
+                with lock:
+                    key = next(keys)
+                    sent[key] = time.perf_counter()
+                client.submit(SyncCtx(key))
+
+        threads = [threading.Thread(target=thread_main) for _ in range(8)]
+        for t in threads:
+            t.start()
+        time.sleep(WARMUP_S)
+        with lock:
+            n0 = committed[0]
+            latencies.clear()
+        c0, s0, t0 = time.process_time(), proc_cpu_s(pids), time.perf_counter()
+        deadline = t0 + args.seconds
+        while time.perf_counter() < deadline and committed[0] - n0 < args.count:
+            time.sleep(0.05)
+        elapsed = time.perf_counter() - t0
+        c1, s1 = time.process_time(), proc_cpu_s(pids)
+        with lock:
+            n = committed[0] - n0
+            lat = list(latencies)
+        stop.set()
+        for t in threads:
+            t.join()
+        client.flush_transactions(30)
+    return Result("sync8", n, elapsed, lat, c1 - c0, s1 - s0)
+
+
+async def main_async(args: argparse.Namespace, config: ClientConfig, pids: list[int]) -> list[Result]:
+    results: list[Result] = []
+    async with AsyncWaltzClient(Callbacks(), config) as client:
+        bench = Bench(args, client, pids)
+        for phase in args.phase:
+            if phase == "sync8":
+                continue
+            result = await bench.run(phase)
+            print(result.line(), flush=True)
+            results.append(result)
+        await client.flush_transactions(30)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--mode", choices=("inline", "threads"), default="inline")
+    parser.add_argument("--phase", action="append", choices=PHASES, help="repeatable; default: all")
+    parser.add_argument("--count", type=int, default=100_000, help="operations per phase at most")
+    parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per phase at most")
+    parser.add_argument("--max-concurrent", type=int, default=128, help="client.maxConcurrentTransactions")
+    parser.add_argument("--profile", help="write a cProfile of the async phases to this file")
+    parser.add_argument(
+        "--loop", choices=("uvloop", "asyncio"), default="uvloop", help="the application's event loop"
+    )
+    args = parser.parse_args()
+    args.phase = args.phase or list(PHASES)
+    print(f"load average at start: {os.getloadavg()}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="waltz-client-peer-") as tmp:
+        opts = local.UpOptions(directory=Path(tmp) / "cluster", storages=3, servers=1, partitions=1)
+        cluster = local.up(opts)
+        try:
+            pids = [r.pid for r in [*cluster.servers, *cluster.storages] if r.pid is not None]
+            config = ClientConfig.from_yaml(
+                Path(cluster.directory) / "client.yaml",
+                {
+                    "client.maxConcurrentTransactions": args.max_concurrent,
+                    "client.callbackMode": args.mode,
+                },
+            )
+            if args.profile:
+                import cProfile
+
+                profiler = cProfile.Profile()
+                profiler.enable()
+            if args.loop == "uvloop":
+                import uvloop
+
+                uvloop.run(main_async(args, config, pids))
+            else:
+                asyncio.run(main_async(args, config, pids))
+            if args.profile:
+                profiler.disable()
+                profiler.dump_stats(args.profile)
+            if "sync8" in args.phase:
+                print(sync8(args, config, pids).line(), flush=True)
+        finally:
+            local.down(cluster.directory, purge=True)
+    print(f"load average at end: {os.getloadavg()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""The client core's state, per partition and per submitted context (event loop only, except where said).
+
+:class:`PartitionState` holds what the core knows about one mounted partition (mount state, monitor, feed
+queue, slots, the lock queue, a stuck apply); :class:`Run` is one submitted context from ``submit`` to its
+last hook, its fate kept by its :class:`~waltz.client.lifecycle.Lifecycle`. The core
+(:mod:`waltz.client.core`) is the only code that changes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from waltz.client.config import ClientConfig
+from waltz.client.context import TransactionContext
+from waltz.client.driver import MountState
+from waltz.client.lifecycle import Lifecycle
+from waltz.client.lock_queue import LockQueue
+from waltz.client.monitor import Resolution, TransactionMonitor
+from waltz.client.transaction import Transaction
+from waltz.errors import ClientError
+from waltz.protocol.records import ReqId
+
+__all__ = ["OutcomeCallback", "PartitionState", "Run", "Slots", "Stuck"]
+
+OutcomeCallback = Callable[["Resolution | BaseException"], None]
+"""How an append learns its fate: a :class:`Resolution`, or the error that ended its partition's mount."""
+
+
+class Slots:
+    """A counting semaphore with a timeout that never loses a slot to a cancellation (FIFO wake-up).
+
+    :meth:`try_acquire` may be called from any thread (a callback thread takes a slot for the first attempt
+    of a submit); :meth:`acquire` and :meth:`release` only on the loop.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._lock = threading.Lock()
+
+    def try_acquire(self) -> bool:
+        """Take a slot if one is free and nobody waits for one."""
+        with self._lock:
+            if self.used < self.limit and not self._waiters:
+                self.used += 1
+                return True
+            return False
+
+    async def acquire(self, timeout_s: float) -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        with self._lock:
+            if self.used < self.limit and not self._waiters:
+                self.used += 1
+                return
+            self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # Granted just as we gave up: pass the slot on.
+            else:
+                waiter.cancel()
+                with self._lock:
+                    if waiter in self._waiters:
+                        self._waiters.remove(waiter)  # Or it would keep try_acquire from taking free slots.
+            raise
+
+    def release(self) -> None:
+        granted: list[asyncio.Future[None]] = []
+        with self._lock:
+            self.used -= 1
+            while self._waiters and self.used < self.limit:
+                waiter = self._waiters.popleft()
+                if not waiter.done():
+                    self.used += 1
+                    granted.append(waiter)
+        for waiter in granted:
+            waiter.set_result(None)
+
+
+class PartitionState:
+    """The client's state for one partition (event loop only)."""
+
+    def __init__(self, partition_id: int, config: ClientConfig) -> None:
+        self.id = partition_id
+        self.slots = Slots(config.max_concurrent_transactions)
+        # Committed transactions waiting for apply_transaction, at most feed_limit of them.
+        self.feed: deque[Transaction] = deque()
+        self.feed_limit = config.feed_queue_size
+        self.monitor: TransactionMonitor | None = None  # Set once the application's HWM is known.
+        self.state: MountState | None = None
+        self.error: ClientError | None = None  # Set when the partition is released or the client closes.
+        self.outcomes: dict[ReqId, OutcomeCallback] = {}
+        # Runs appended on their first attempt whose transaction is not applied yet, in transaction-id order.
+        self.awaiting_apply: deque[Run] = deque()
+        self.tasks: list[asyncio.Task[Any]] = []  # Mount and applier tasks, cancelled on release.
+        self.lock_queue = LockQueue()  # This client's contexts take turns on a write lock.
+        self.stuck: Stuck | None = None  # Set while apply_transaction keeps failing on one transaction.
+        self._changed = asyncio.Event()
+        self._feed_waiter: asyncio.Future[None] | None = None  # The applier, waiting for the feed.
+        self._room_waiter: asyncio.Future[None] | None = None  # The driver, waiting for room in the feed.
+
+    def push_feed(self, transaction: Transaction) -> None:
+        self.feed.append(transaction)
+        waiter = self._feed_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait_feed(self) -> None:
+        while not self.feed:
+            self._feed_waiter = asyncio.get_running_loop().create_future()
+            await self._feed_waiter
+
+    async def wait_room(self) -> None:
+        while len(self.feed) >= self.feed_limit:
+            self._room_waiter = asyncio.get_running_loop().create_future()
+            await self._room_waiter
+
+    def take_feed(self, max_count: int) -> list[Transaction]:
+        feed = self.feed
+        batch = [feed.popleft() for _ in range(min(max_count, len(feed)))]
+        waiter = self._room_waiter
+        if waiter is not None and not waiter.done() and len(feed) < self.feed_limit:
+            waiter.set_result(None)
+        return batch
+
+    def notify(self) -> None:
+        """Wake everything waiting for a state or high-water-mark change."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def changed(self) -> None:
+        await self._changed.wait()
+
+
+@dataclass(slots=True)
+class Stuck:
+    """A partition whose ``apply_transaction`` keeps failing on one transaction."""
+
+    transaction_id: int
+    error: Exception
+    failures: int
+    since: float  # client clock
+    reminded_at: float
+
+    def describe(self, partition_id: int, now: float) -> str:
+        return (
+            f"partition {partition_id} is stuck applying transaction {self.transaction_id}: "
+            f"apply_transaction raised {type(self.error).__name__}: {self.error} "
+            f"({self.failures} attempts in {now - self.since:.1f} s; "
+            "uncaught_exception may return ApplyAction.SKIP, see docs/client.md)"
+        )
+
+
+class Run:
+    """One submitted context, from ``submit`` to its last hook."""
+
+    __slots__ = (
+        "_done",
+        "applied",
+        "completed",
+        "context",
+        "finished",
+        "first_send",
+        "holds_slot",
+        "lifecycle",
+        "partition",
+        "transaction_id",
+        "turn",
+    )
+
+    def __init__(self, context: TransactionContext) -> None:
+        self.context = context
+        self.partition: PartitionState | None = None  # Known once partition_id() returned.
+        # Slow path only: resolved when the first append is sent (or the context ended).
+        self.first_send: asyncio.Future[None] | None = None
+        self._done: asyncio.Future[None] | None = None  # Made on demand, for flush_transactions.
+        self.holds_slot = False
+        self.lifecycle = Lifecycle()  # The context's fate: one state machine (see waltz.client.lifecycle).
+        self.finished = False
+        # Fast path, once committed: the transaction id, and whether on_completion ran and it was applied.
+        self.transaction_id = -1
+        self.completed = False
+        self.applied = False
+        self.turn: asyncio.Future[None] | None = None  # Set while waiting in a lock queue.
+
+    @property
+    def ended(self) -> bool:
+        """A terminal hook (on_completion / on_exception) has been decided."""
+        return self.lifecycle.ended
+
+    def done(self) -> asyncio.Future[None]:
+        """A future resolved when the run is finished."""
+        if self._done is None:
+            self._done = asyncio.get_running_loop().create_future()
+            if self.finished:
+                self._done.set_result(None)
+        return self._done
+
+    def set_finished(self) -> None:
+        self.finished = True
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
