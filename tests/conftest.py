@@ -26,12 +26,21 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+from hypothesis import HealthCheck, settings
 from kazoo.client import KazooClient
 from kazoo.protocol.states import KazooState
 
 from tests.tls_fixture import stranger_pki, tls_pki  # noqa: F401 - session fixtures (throwaway certificates)
 from waltz.cluster import zk as zkutil
 from waltz.cluster.zkserver import ZooKeeperServer
+
+# Property tests check what is generated, not how fast: on a shared or loaded machine a slow example must not
+# fail a run (a deadline miss replays as "Flaky", a slow generator trips a health check).
+settings.register_profile(
+    "waltz", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+settings.load_profile("waltz")
+
 
 # ----------------------------------------------------------------------------------------------- ZooKeeper
 

@@ -87,6 +87,9 @@ def test_health_follows_the_quorum_and_metrics_count_appends(cluster_factory: Cl
         await wait_until(lambda: _status_is(health, 503), 20, "the server to report unhealthy")
         status, body = await health()
         assert body["partitions"] == {"0": False}
+        assert body["problems"] == [
+            "partition 0: no open store session (recovering, or too few replicas reachable)"
+        ]
         assert body["zookeeper"] is True
         await asyncio.gather(*(asyncio.to_thread(s.start) for s in cluster.storages[1:]))
         await wait_until(lambda: _status_is(health, 200), 30, "the server to be healthy again")

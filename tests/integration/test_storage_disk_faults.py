@@ -115,7 +115,7 @@ async def _fault_and_recover(cluster: Cluster, inject: object, release: object) 
 def test_a_full_disk_fail_stops_the_replica_which_rejoins_when_space_returns(
     cluster_factory: ClusterFactory, tmp_path: Path
 ) -> None:
-    cluster = cluster_factory(verbose=True)  # the INFO lines are part of the test
+    cluster = cluster_factory()
     data = cluster.base / "storage-2-data"  # where StorageProcess puts storage-2's directory
     data.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES}", "tmpfs", str(data)], check=True)
@@ -148,7 +148,7 @@ def test_a_failed_fsync_fail_stops_the_replica_which_heals_and_rejoins(
     cluster_factory: ClusterFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(FAULTS_ENV, "1")
-    cluster = cluster_factory(verbose=True)  # the INFO lines are part of the test
+    cluster = cluster_factory()
 
     def fail_next_fsync() -> None:
         os.kill(cluster.storages[2].pid, signal.SIGUSR1)

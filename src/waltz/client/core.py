@@ -54,7 +54,7 @@ from waltz.client.context import TransactionContext
 from waltz.client.driver import ClientDriver, MountState, create_network_driver
 from waltz.client.lifecycle import Event, Hook, State
 from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
-from waltz.client.pool import Call, CallbackPool
+from waltz.client.pool import Call, CallbackPool, report_hook_failure
 from waltz.client.retry import APPLY_RETRY, FETCH_RETRY, MAX_CHECKSUM_ATTEMPTS, RetryPolicy
 from waltz.client.state import OutcomeCallback, PartitionState, Run, Stuck
 from waltz.client.transaction import Transaction
@@ -942,13 +942,16 @@ class AsyncWaltzClient:
             return
         pool.post(hooks, then=functools.partial(self._hooks_done, runs))
 
-    async def _await_hooks(self, awaitables: list[Awaitable[Any]], runs: list[tuple[Run, bool]]) -> None:
+    async def _await_hooks(
+        self, awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]], runs: list[tuple[Run, bool]]
+    ) -> None:
         """Coroutine hooks (inline mode), one after the other, then the runs' next step."""
-        for awaitable in awaitables:
+        loop = asyncio.get_running_loop()
+        for fn, awaitable in awaitables:
             try:
                 await awaitable
-            except Exception:
-                log.exception("a context hook raised")
+            except Exception as e:  # noqa: BLE001 - reported to the application, not swallowed
+                report_hook_failure(loop, fn, e)
         self._hooks_done(runs)
 
     def _hooks_done(self, runs: list[tuple[Run, bool]]) -> None:
@@ -1200,11 +1203,12 @@ class AsyncWaltzClient:
         return await self._require_pool().call(fn, *args)
 
     async def _call_hook(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run an application hook; its exceptions are logged (there is nobody else to tell)."""
+        """Run an application hook; its exception goes to the loop's exception handler
+        (:func:`~waltz.client.pool.report_hook_failure`): a hook has no caller to raise to."""
         try:
             await self._call_user(fn, *args)
-        except Exception:
-            log.exception("%s raised", getattr(fn, "__qualname__", fn))
+        except Exception as e:  # noqa: BLE001 - reported to the application, not swallowed
+            report_hook_failure(asyncio.get_running_loop(), fn, e)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -1279,16 +1283,17 @@ async def _apply_batch_inline(
     return len(batch), None
 
 
-def _run_hooks_inline(hooks: list[Call]) -> list[Awaitable[Any]]:
-    """Run context hooks on the loop (inline mode), logging their exceptions; returns the awaitables that
-    coroutine hooks returned, in order, for the caller to await."""
-    awaitables: list[Awaitable[Any]] = []
+def _run_hooks_inline(hooks: list[Call]) -> list[tuple[Callable[..., Any], Awaitable[Any]]]:
+    """Run context hooks on the loop (inline mode), reporting their exceptions to the loop's exception
+    handler; returns the awaitables that coroutine hooks returned, in order, for the caller to await."""
+    awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]] = []
+    loop = asyncio.get_running_loop()
     for fn, args in hooks:
         try:
             result = fn(*args)
-        except Exception:
-            log.exception("%s raised", getattr(fn, "__qualname__", fn))
+        except Exception as e:  # noqa: BLE001 - reported to the application, not swallowed
+            report_hook_failure(loop, fn, e)
             continue
         if result is not None and inspect.isawaitable(result):
-            awaitables.append(result)
+            awaitables.append((fn, result))
     return awaitables

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["CallbackPool", "Call"]
+__all__ = ["Call", "CallbackPool", "report_hook_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +82,22 @@ class CallbackPool:
         return future
 
     def post(self, calls: Sequence[Call], then: Callable[[], None] | None = None) -> None:
-        """Run ``calls`` in order on one pool thread, logging (and otherwise ignoring) their exceptions; then
-        call ``then()`` on the loop, if given."""
+        """Run ``calls`` in order on one pool thread; then call ``then()`` on the loop, if given.
+
+        An exception of one call does not stop the others: it goes to the loop's exception handler (see
+        :func:`report_hook_failure`), where the application hears of it."""
         future: asyncio.Future[None] | None = None
         if then is not None:
             future = self._loop.create_future()
             future.add_done_callback(lambda _: then())
-        self._submit(_Job(_run_all, (calls,), future))
+        self._submit(_Job(_run_all, (calls, self._hook_failed), future))
+
+    def _hook_failed(self, fn: Callable[..., Any], error: Exception) -> None:
+        # On a pool thread: the handler runs on the loop, like every other report of an asyncio callback.
+        try:
+            self._loop.call_soon_threadsafe(report_hook_failure, self._loop, fn, error)
+        except RuntimeError:  # the loop is closed: logging is all that is left
+            log.error("%s raised", _name(fn), exc_info=error)
 
     @property
     def is_shut_down(self) -> bool:
@@ -173,9 +182,33 @@ class CallbackPool:
             del job, value, error
 
 
-def _run_all(calls: Sequence[Call]) -> None:
+def _name(fn: Callable[..., Any]) -> str:
+    return str(getattr(fn, "__qualname__", fn))
+
+
+def report_hook_failure(
+    loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], error: BaseException
+) -> None:
+    """Tell the application that one of its hooks (``on_completion``, ``on_application``, ``on_lock_failure``,
+    ``on_exception``) raised. Call on the loop.
+
+    A hook has no caller to raise to, so its exception goes where asyncio sends the exceptions of callbacks:
+    the loop's exception handler (``loop.set_exception_handler``), with the keys ``message``, ``exception``
+    and ``waltz_hook`` (the function). The default handler logs it at ERROR with its traceback; an
+    application that must not lose one installs its own handler.
+    """
+    loop.call_exception_handler(
+        {
+            "message": f"Waltz client: application hook {_name(fn)} raised",
+            "exception": error,
+            "waltz_hook": fn,
+        }
+    )
+
+
+def _run_all(calls: Sequence[Call], failed: Callable[[Callable[..., Any], Exception], None]) -> None:
     for fn, args in calls:
         try:
             fn(*args)
-        except Exception:
-            log.exception("%s raised", getattr(fn, "__qualname__", fn))
+        except Exception as e:  # noqa: BLE001 - reported to the application, not swallowed
+            failed(fn, e)

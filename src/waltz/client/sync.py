@@ -89,6 +89,14 @@ class WaltzClient:
 
     # -- API ---------------------------------------------------------------------------------------------
 
+    def set_exception_handler(
+        self, handler: Callable[[asyncio.AbstractEventLoop, dict[str, Any]], object] | None
+    ) -> None:
+        """Where exceptions raised by context hooks go: ``handler(loop, context)`` on the client's loop
+        thread, as ``loop.set_exception_handler`` (see docs/client.md, "When a hook raises"). None restores
+        the default, which logs them."""
+        self._loop.call_soon_threadsafe(self._loop.set_exception_handler, handler)
+
     def submit(self, context: TransactionContext) -> None:
         """Execute and append ``context``; blocks while the partition is at
         ``client.maxConcurrentTransactions`` (up to ``client.submitTimeout``, then

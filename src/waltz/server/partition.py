@@ -19,7 +19,7 @@ Per partition there is one **append task** and one **feed task per mounted clien
 
 A partition object is one *incarnation*: it lives for one generation on this server, and its registrations
 die with it. Nothing is dropped silently: :meth:`Partition.append`, :meth:`Partition.feed_request` and
-:meth:`Partition.accepts` return False for a request this incarnation cannot take (another generation, a
+:meth:`Partition.accepts_flush` return False for a request this incarnation cannot take (another generation, a
 connection that is not the client's current mount here), and the caller tells the client to mount again
 (MountResponse NOT_READY on its mount session). :meth:`Partition.close` tells every mounted client the same.
 """
@@ -180,6 +180,15 @@ class Partition:
         return None
 
     @property
+    def is_ready(self) -> bool:
+        """True once the first store session opened: from then on :attr:`high_water_mark` is the committed
+        mark (before, it is -1 whatever the log holds)."""
+        return self._ready.is_set()
+
+    async def wait_ready(self) -> None:
+        await self._ready.wait()
+
+    @property
     def feed_context_count(self) -> int:
         return len(self._feeds)
 
@@ -238,9 +247,15 @@ class Partition:
         return reg is not None and reg.peer is peer
 
     def accepts(self, peer: Peer, req_id: ReqId) -> bool:
-        """Whether an append or flush from ``peer`` belongs to this incarnation: the current mount of its
-        client, in this generation. If not, the caller must tell the client to mount again."""
+        """Whether an append from ``peer`` belongs to this incarnation: the current mount of its client, in
+        this generation. If not, the caller must tell the client to mount again."""
         return not self._closed and req_id.generation == self.generation and self._is_current(peer, req_id)
+
+    def accepts_flush(self, peer: Peer, req_id: ReqId) -> bool:
+        """Whether a flush from ``peer`` belongs to this incarnation: the current mount of its client. A
+        flush names the client's last pending append, which may have been sent in an earlier generation (it
+        asks "resolve everything up to it"), so its generation is not checked."""
+        return not self._closed and self._is_current(peer, req_id)
 
     async def append(self, peer: Peer, msg: cs.AppendRequest) -> bool:
         """Queue an append (waits while the queue is full: back pressure on that connection); False if this

@@ -124,6 +124,9 @@ class _Connection:
     async def drain(self) -> None:
         await self._conn.drain()
 
+    async def aclose(self) -> None:
+        await self._conn.aclose()
+
 
 class _Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -444,12 +447,12 @@ class WaltzServer:
         self._suspended = True
         self._suspended_at = time.monotonic()
         self._resumed.clear()
-        log.warning("ZooKeeper connection suspended: holding new work until it is back")
+        log.debug("ZooKeeper connection suspended: holding new work until it is back")
 
     def _on_resumed(self) -> None:
         self._suspended = False
         self._resumed.set()
-        log.info(
+        log.debug(
             "ZooKeeper connection resumed after %.1f s; serving partitions %s",
             time.monotonic() - self._suspended_at,
             sorted(self.partitions),
@@ -518,6 +521,7 @@ class WaltzServer:
                         continue
                     # It moved away and back (we missed the step between): another server may have committed
                     # meanwhile, so this incarnation's lock table and registrations are stale. Start afresh.
+                    self.metrics.generation_changes.labels(str(pid)).inc()
                     del self.partitions[pid]
                     log.info(
                         "partition %d: generation %d -> %d; reopening it",
@@ -737,7 +741,10 @@ class WaltzServer:
                     f"{type(msg).__name__} for partition {pid}, which this server does not own"
                 )
             if isinstance(msg, cs.HighWaterMarkRequest):
-                peer.send(cs.HighWaterMarkResponse(rid, part.high_water_mark))
+                if part.is_ready:
+                    peer.send(cs.HighWaterMarkResponse(rid, part.high_water_mark))
+                else:
+                    self._spawn(self._high_water_mark(peer, part, msg), f"hwm-{pid}")
             else:
                 await self._spawn_for(peer, self._transaction_range(peer, part, msg), f"range-{pid}")
             return
@@ -763,7 +770,7 @@ class WaltzServer:
         if isinstance(msg, cs.AppendRequest):
             accepted = part is not None and await part.append(peer, msg)
         else:
-            accepted = part is not None and part.accepts(peer, rid)
+            accepted = part is not None and part.accepts_flush(peer, rid)
             if part is not None and accepted:
                 await self._spawn_for(peer, part.flush_request(peer, msg), f"flush-{pid}")
         if not accepted and not peer.end_mount(pid):
@@ -822,6 +829,24 @@ class WaltzServer:
             await peer.drain()
         finally:
             peer.budget.release(len(data))
+
+    async def _high_water_mark(
+        self, peer: _Connection, part: Partition, msg: cs.HighWaterMarkRequest
+    ) -> None:
+        """Answer once the partition has recovered: before, its high-water mark (-1) is not the log's. If it
+        does not recover in time, close the connection: the client's call fails at once and is retried."""
+        try:
+            async with asyncio.timeout(self.config.zookeeper_session_timeout_ms / 1000):
+                await part.wait_ready()
+        except TimeoutError:
+            log.info(
+                "closing the connection of client %s: partition %d has not recovered",
+                peer.client_id,
+                part.partition_id,
+            )
+            await peer.aclose()
+            return
+        peer.send(cs.HighWaterMarkResponse(msg.req_id, part.high_water_mark))
 
     async def _transaction_range(
         self, peer: _Connection, part: Partition, msg: cs.TransactionRangeRequest
