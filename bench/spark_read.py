@@ -10,7 +10,12 @@ times, over the same committed range:
   in one plain process, unpacking each run into columns (``RecordRun.columns``, checksums verified);
 * Spark ``local[2]``: ``spark.read.format("waltz")...`` aggregated so every row and byte is materialised
   (``count(*)``, ``sum(length(data))``). The first Spark run pays the Python worker start-up; the best and
-  the median of the following ``--runs`` runs are reported, as is the first.
+  the median of the following ``--runs`` runs are reported, as is the first;
+* Spark ``local[2]`` reading the **same rows from Parquet** (written once from the waltz DataFrame, in two
+  files like the two waltz partitions) with the same aggregation, the runs interleaved with the waltz runs
+  so both see the same machine load; the waltz/Parquet ratio of the medians is printed (goal >= 50%).
+  Parquet reads only the ``data`` column (column pruning), the Python source every column (PySpark 4.3 has
+  no column pruning for Python sources).
 
 Usage: ``.venv/bin/python bench/spark_read.py [--transactions 400000] [--size 512] [--runs 3]``
 """
@@ -85,6 +90,15 @@ def spark_read(spark: object, options: dict[str, str]) -> tuple[int, int, float]
     return int(row.n), int(row.b), time.perf_counter() - t0
 
 
+def parquet_read(spark: object, path: Path) -> tuple[int, int, float]:
+    from pyspark.sql import functions as sf
+
+    t0 = time.perf_counter()
+    df = spark.read.parquet(str(path))  # type: ignore[attr-defined]
+    row = df.agg(sf.count("*").alias("n"), sf.sum(sf.length("data")).alias("b")).collect()[0]
+    return int(row.n), int(row.b), time.perf_counter() - t0
+
+
 def line(name: str, rows: int, nbytes: int, seconds: float) -> str:
     return f"| {name} | {rows:,} | {seconds:.2f} | {rows / seconds:,.0f} | {nbytes / seconds / 1e6:,.1f} |"
 
@@ -127,15 +141,29 @@ def main() -> None:
         )
         spark.sparkContext.setLogLevel("ERROR")
         waltz.spark.register(spark)
-        runs = [spark_read(spark, options) for _ in range(args.runs + 1)]
+        runs = [spark_read(spark, options)]
+        parquet_dir = directory / "parquet"
+        spark.read.format("waltz").options(**options).load().coalesce(PARTITIONS).write.parquet(
+            str(parquet_dir)
+        )
+        parquet_runs = [parquet_read(spark, parquet_dir)]  # the first Parquet read warms its code paths
+        for _ in range(args.runs):
+            runs.append(spark_read(spark, options))
+            parquet_runs.append(parquet_read(spark, parquet_dir))
         results.append(line("Spark local[2], first run (cold workers)", *runs[0]))
         warm = sorted(runs[1:], key=lambda r: r[2])
         results.append(line(f"Spark local[2], best of {args.runs} warm runs", *warm[0]))
         results.append(line(f"Spark local[2], median of {args.runs} warm runs", *warm[len(warm) // 2]))
+        parquet = sorted(parquet_runs[1:], key=lambda r: r[2])
+        results.append(line(f"Spark local[2], Parquet of the same rows, best of {args.runs}", *parquet[0]))
+        results.append(line(f"Spark local[2], Parquet, median of {args.runs}", *parquet[len(parquet) // 2]))
         spark.stop()
+        print(f"load average at the end: {os.getloadavg()[0]:.1f}")
         print("| reader | transactions | seconds | transactions/s | MB/s |")
         print("|---|---:|---:|---:|---:|")
         print("\n".join(results))
+        ratio = parquet[len(parquet) // 2][2] / warm[len(warm) // 2][2]
+        print(f"waltz warm median / Parquet warm median (rate): {ratio:.0%} (goal >= 50%)")
     finally:
         down(directory, purge=True)
 

@@ -10,7 +10,9 @@ Reads the whole committed log with the ``waltz`` data source and computes
   has none; withdrawals the bank declined before appending never reach the log.
 
 Each transaction's data is the bank's JSON ``{"op": "deposit"|"withdraw"|"deactivate", "account": id,
-"amount": n}`` (demo/bank/model.py). Results are written as Parquet under ``out_dir`` and printed.
+"amount": n}`` (demo/bank/model.py). Results are written as Parquet under ``out_dir`` and printed, and
+``out_dir/report.html`` shows two charts (demo/chart.py): the distribution of balances, and operations per
+partition over transaction-id ranges (how evenly the load spread, and when).
 
 ``run_report(client_yaml_or_options, out_dir) -> {account: balance}`` is what ``make demo`` calls.
 Usage: ``.venv/bin/python -m demo.report --client-config D/client.yaml --out report/``
@@ -120,6 +122,52 @@ def rejected_withdrawals(ops: Any) -> Any:
     return flagged.groupBy("account").agg(sf.count("*").alias("rejected_withdrawals"))
 
 
+ID_RANGES = 10
+"""Transaction-id ranges of the per-partition chart."""
+
+
+def operations_by_id_range(ops: Any, ranges: int = ID_RANGES) -> tuple[list[str], dict[str, list[int]]]:
+    """``(range labels, {"partition p": operations per range})``: ids cut into ``ranges`` equal ranges."""
+    from pyspark.sql import functions as sf
+
+    top = ops.agg(sf.max("transactionId")).collect()[0][0]
+    if top is None:
+        return [], {}
+    width = max(1, -(-(int(top) + 1) // ranges))
+    counts = ops.groupBy("partition", sf.floor(sf.col("transactionId") / width).alias("r")).count().collect()
+    partitions = sorted({int(row.partition) for row in counts})
+    series = {f"partition {p}": [0] * ranges for p in partitions}
+    for row in counts:
+        series[f"partition {row.partition}"][min(int(row.r), ranges - 1)] += int(row["count"])
+    labels = [f"{i * width}-{(i + 1) * width - 1}" for i in range(ranges)]
+    return labels, series
+
+
+def write_chart(ops: Any, balances_by_account: Mapping[int, int], rejected: int, path: Path) -> Path:
+    """Write the report's HTML page of charts (demo/chart.py) to ``path``; returns it."""
+    from demo.chart import balance_histogram, histogram_svg, lines_svg, report_html
+
+    labels, series = operations_by_id_range(ops)
+    values = list(balances_by_account.values())
+    page = report_html(
+        "Waltz bank report",
+        [
+            f"{len(values)} accounts, total balance {sum(values)}",
+            f"{sum(sum(v) for v in series.values())} operations in the log",
+            f"rejected withdrawals in the log: {rejected}",
+        ],
+        [
+            histogram_svg(balance_histogram(values), "Balance distribution", "balance"),
+            lines_svg(series, labels, "Operations per partition over transaction ids", "transaction ids"),
+        ],
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(page)
+    tmp.replace(path)  # a browser reloading the page never sees half of it
+    return path
+
+
 def run_report(
     client_yaml_or_options: str | Path | Mapping[str, str], out_dir: str | Path, spark: Any = None
 ) -> dict[int, int]:
@@ -146,6 +194,8 @@ def run_report(
         rejected_total = rejected.agg(sf.sum("rejected_withdrawals")).collect()[0][0] or 0
         print(f"rejected withdrawals in the log: {rejected_total}")
         result = {int(r.account): int(r.balance) for r in per_account.collect()}
+        chart = write_chart(ops, result, int(rejected_total), out / "report.html")
+        print(f"report chart: {chart.resolve()}")
         ops.unpersist()
         return result
     finally:

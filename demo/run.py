@@ -7,7 +7,9 @@
    money is conserved, no balance is negative, every instance's database agrees, and the log replayed from
    the start into a fresh database gives the same balances.
 3. The Spark report (``demo/report.py``) rebuilds every balance from the log alone with the ``waltz`` data
-   source, writes Parquet, prints the tables, and must equal the bank databases' balances.
+   source, writes Parquet, prints the tables, and must equal the bank databases' balances. Its charts
+   (balance distribution, operations per partition over transaction-id ranges) are written next to the
+   Parquet output as ``report/report.html``; the demo prints the file's path and keeps it.
 4. ``waltz local down``: everything started is stopped, whatever happened.
 
 Exit status 0 only if every step succeeded. ``--seconds`` shortens the bank run; ``--dir`` keeps the cluster's
@@ -102,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         except WaltzError as e:
             print(f"demo: local down: {e}", file=sys.stderr)
         if args.dir is None and ok:
-            shutil.rmtree(base, ignore_errors=True)
+            # The cluster's data goes; the report (Parquet and report.html) stays for people to look at.
+            for name in ("cluster", "bank"):
+                shutil.rmtree(base / name, ignore_errors=True)
+            if (base / "report" / "report.html").exists():
+                print(f"report kept in {base / 'report'}; open {base / 'report' / 'report.html'}")
         elif not ok:
             print(f"demo: logs and data kept in {base}", file=sys.stderr)
         print("demo OK" if ok else "demo FAILED", flush=True)

@@ -13,6 +13,7 @@ import pytest
 
 from tests.spark.conftest import NUM_PARTITIONS, WaltzTestCluster
 from waltz.spark.options import parse_options
+from waltz.spark.plan import progress_lag
 from waltz.spark.writer import MARKER_HEADER, exactly_once_commit
 
 pytestmark = [pytest.mark.spark, pytest.mark.integration, pytest.mark.timeout(300)]
@@ -68,7 +69,7 @@ def test_stream_killed_mid_batch_restarts_exactly_once(
     assert all(p["numInputRows"] <= 10 for p in query.recentProgress)
     offsets = (tmp_path / "checkpoint" / "offsets" / "0").read_text().splitlines()[-1]
     parsed = json.loads(offsets)
-    assert parsed["v"] == 1
+    assert parsed["v"] == 2
     assert list(parsed["partitions"]) == [str(p) for p in range(NUM_PARTITIONS)]
 
 
@@ -116,6 +117,7 @@ def test_stream_follows_a_live_cluster(spark: Any, waltz_cluster: WaltzTestClust
 
 def test_exactly_once_sink_skips_replayed_batches(waltz_cluster: WaltzTestCluster) -> None:
     tag = uuid.uuid4().hex[:8]
+    CK = f"spark-query:{tag}"  # noqa: N806 - the checkpoint identity, a constant of this test
     query_id = f"q-{tag}"
     options = parse_options({**waltz_cluster.options, "exactlyOnce": "true", "queryId": query_id})
     rows = [(i % NUM_PARTITIONS, i, f"{tag}-{i}".encode(), (), (), ()) for i in range(12)]
@@ -128,8 +130,8 @@ def test_exactly_once_sink_skips_replayed_batches(waltz_cluster: WaltzTestCluste
             if r.data.startswith(tag.encode()) and r.header != MARKER_HEADER
         ]
 
-    assert exactly_once_commit(options, 0, rows) == 12
-    assert exactly_once_commit(options, 0, rows) == 0  # a replay of batch 0 appends nothing
+    assert exactly_once_commit(options, 0, rows, CK) == 12
+    assert exactly_once_commit(options, 0, rows, CK) == 0  # a replay of batch 0 appends nothing
     assert sorted(ours()) == sorted((p, h, d) for p, h, d, *_ in rows)
     # An attempt that died after appending a prefix: the replay appends only the rest.
     partial = rows[:5]
@@ -147,15 +149,40 @@ def test_exactly_once_sink_skips_replayed_batches(waltz_cluster: WaltzTestCluste
     writer._marker = die_at_end  # type: ignore[assignment]
     try:
         with pytest.raises(RuntimeError, match="before END"):
-            exactly_once_commit(options, 1, partial)
+            exactly_once_commit(options, 1, partial, CK)
     finally:
         writer._marker = real_marker  # type: ignore[assignment]
     batch1 = [(p, h + 100, d + b"-b1", *rest) for p, h, d, *rest in rows]
-    assert exactly_once_commit(options, 2, batch1) == 12
+    assert exactly_once_commit(options, 2, batch1, CK) == 12
     assert calls["n"] == 1
     # Batch 1's first attempt died after appending its first five rows (the driver only had those when it
     # died); the replay with the whole batch recognises them by the attempt's client id and appends 7.
-    assert exactly_once_commit(options, 1, rows) == 7
-    assert exactly_once_commit(options, 1, rows) == 0
+    assert exactly_once_commit(options, 1, rows, CK) == 7
+    assert exactly_once_commit(options, 1, rows, CK) == 0
     counted = sorted(ours())
     assert len(counted) == 12 + 12 + 12  # batch 0, batch 1 (5 + 7), batch 2: each row once
+
+
+def test_progress_reports_the_lag_per_partition(
+    spark: Any, waltz_cluster: WaltzTestCluster, tmp_path: Path
+) -> None:
+    start = now_offsets(waltz_cluster)
+    waltz_cluster.append([{"partition": i % 2, "data": b"lag-%d" % i} for i in range(30)])  # 15 + 15
+    query = (
+        spark.readStream.format("waltz")
+        .options(**waltz_cluster.options)
+        .option("startingOffsets", start)
+        .option("maxOffsetsPerTrigger", "10")
+        .load()
+        .writeStream.format("noop")
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    assert query.awaitTermination(120)
+    lags = [progress_lag(p) for p in query.recentProgress]
+    # Transactions committed but not yet in a micro-batch, after each batch of 10 was planned.
+    assert [lag["total"] for lag in lags if lag is not None] == [20, 10, 0]
+    first = lags[0]
+    assert first is not None
+    assert first["partitions"] == {0: 10, 1: 10, 2: 0}

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 
 import pytest
 
 from waltz.errors import ConfigError
+from waltz.spark import plan
 from waltz.spark.options import parse_options
 from waltz.spark.plan import (
     DataLossError,
@@ -15,10 +17,14 @@ from waltz.spark.plan import (
     TxnRange,
     WaltzOffset,
     admit,
+    progress_lag,
     resolve_batch_ranges,
     split_ranges,
 )
 from waltz.spark.source import MemoryLogSource
+
+KEY = MemoryLogSource(1).cluster_key
+OTHER_KEY = "11111111-2222-3333-4444-555555555555"
 
 BASE = {"waltz.zookeeper.connectString": "127.0.0.1:2181", "waltz.cluster.root": "/waltz/x"}
 
@@ -95,24 +101,67 @@ def test_options_that_do_not_apply_are_rejected_per_use() -> None:
         parse_options(opts(startingOffsets="earliest")).for_write(streaming=False)
     with pytest.raises(ConfigError, match="needs queryId"):
         parse_options(opts(exactlyOnce="true")).for_write(streaming=True)
-    parse_options(opts(exactlyOnce="true", queryId="q")).for_write(streaming=True)
+    with pytest.raises(ConfigError, match="needs the writer's checkpointLocation"):
+        parse_options(opts(exactlyOnce="true", queryId="q")).for_write(streaming=True)
+    parse_options(opts(exactlyOnce="true", queryId="q", checkpointLocation="/ck")).for_write(streaming=True)
+
+
+def test_sparks_own_writer_options_pass_through() -> None:
+    # DataStreamWriter.option("checkpointLocation") and .queryName() reach the data source's options.
+    spark_own = {"checkpointlocation": "/ck", "queryname": "q1", "path": "/p"}
+    parsed = parse_options(opts(**spark_own))
+    assert parsed.checkpoint_location == "/ck"
+    parsed.for_write(streaming=True)
+    parsed.for_write(streaming=False)
+    parsed.for_stream_read()
+
+
+def test_kafka_parity_options() -> None:
+    parsed = parse_options(opts(minOffsetsPerTrigger="100", maxTriggerDelay="30s"))
+    assert (parsed.min_offsets_per_trigger, parsed.max_trigger_delay_ms) == (100, 30_000)
+    assert parse_options(opts()).max_trigger_delay_ms == 15 * 60_000
+    assert parse_options(opts()).fetch_retry_interval_ms == 10  # Kafka's fetchOffset.retryIntervalMs
+    with pytest.raises(ConfigError, match="maxTriggerDelay: expected a duration"):
+        parse_options(opts(maxTriggerDelay="soon"))
+    with pytest.raises(ConfigError, match="is above maxOffsetsPerTrigger"):
+        parse_options(opts(minOffsetsPerTrigger="10", maxOffsetsPerTrigger="5"))
+    with pytest.raises(ConfigError, match=r"minOffsetsPerTrigger \(stream only\)"):
+        parse_options(opts(minOffsetsPerTrigger="10")).for_batch_read()
 
 
 # -- offsets ------------------------------------------------------------------------------------------------
 
 
 def test_offset_json_is_versioned_sorted_and_checked() -> None:
-    off = WaltzOffset("c1", {10: 3, 2: 7, 0: 1})
+    off = WaltzOffset("c1", {10: 3, 2: 7, 0: 1}, KEY)
     text = json.dumps(off.to_json())
-    assert text == '{"v": 1, "cluster": "c1", "partitions": {"0": 1, "2": 7, "10": 3}}'
-    back = WaltzOffset.from_json(json.loads(text), expected_cluster="c1")
+    assert text == (
+        f'{{"v": 2, "cluster": "c1", "clusterKey": "{KEY}", "partitions": {{"0": 1, "2": 7, "10": 3}}}}'
+    )
+    back = WaltzOffset.from_json(json.loads(text), expected_cluster="c1", expected_key=KEY)
     assert dict(back.partitions) == {0: 1, 2: 7, 10: 3}
     with pytest.raises(ConfigError, match="belongs to cluster 'c1'"):
         WaltzOffset.from_json(json.loads(text), expected_cluster="other")
-    with pytest.raises(ConfigError, match="version 2 is not supported"):
-        WaltzOffset.from_json({"v": 2, "cluster": "c1", "partitions": {}})
+    # Same name, another log: refused by the cluster key.
+    with pytest.raises(ConfigError, match=r"belongs to another log .* cluster key"):
+        WaltzOffset.from_json(json.loads(text), expected_cluster="c1", expected_key=OTHER_KEY)
+    with pytest.raises(ConfigError, match="version 3 is not supported"):
+        WaltzOffset.from_json({"v": 3, "cluster": "c1", "partitions": {}})
+    with pytest.raises(ConfigError, match="malformed"):
+        WaltzOffset.from_json({"v": 2, "cluster": "c1", "partitions": {}})  # v2 without its key
     with pytest.raises(ConfigError, match="bad position"):
         WaltzOffset.from_json({"v": 1, "cluster": "c1", "partitions": {"0": -1}})
+
+
+def test_old_offsets_are_read_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    plan._warned_v1.clear()
+    old = {"v": 1, "cluster": "c1", "partitions": {"0": 4}}
+    with caplog.at_level(logging.WARNING, logger="waltz.spark.plan"):
+        back = WaltzOffset.from_json(old, expected_cluster="c1", expected_key=KEY)
+    assert dict(back.partitions) == {0: 4}
+    assert "v1 offsets" in caplog.text
+    with pytest.raises(ConfigError, match="belongs to cluster 'c1'"):
+        WaltzOffset.from_json(old, expected_cluster="c2", expected_key=KEY)
 
 
 # -- range planning -----------------------------------------------------------------------------------------
@@ -172,7 +221,7 @@ def test_stream_offsets_never_move_back_or_past_the_committed_log() -> None:
     grow(log, {0: 5, 1: 2})
     planner = StreamPlanner(log, partitions=None, starting="earliest", fail_on_data_loss=True)
     start = planner.initial_offset()
-    assert start == {"v": 1, "cluster": "mem", "partitions": {"0": 0, "1": 0, "2": 0}}
+    assert start == {"v": 2, "cluster": "mem", "clusterKey": KEY, "partitions": {"0": 0, "1": 0, "2": 0}}
     end = planner.latest_offset(start, max_rows=4)
     assert sum(end["partitions"].values()) == 4
     assert all(end["partitions"][k] <= v for k, v in {"0": 5, "1": 2, "2": 0}.items())
@@ -183,7 +232,7 @@ def test_stream_offsets_never_move_back_or_past_the_committed_log() -> None:
     assert end2["partitions"] == {"0": 5, "1": 2, "2": 0}
     assert planner.latest_offset(end2, None) == end2  # nothing new: no movement
     # A checkpoint past the log (restored storage): fail, or hold the position without failOnDataLoss.
-    ahead = {"v": 1, "cluster": "mem", "partitions": {"0": 50, "1": 2, "2": 0}}
+    ahead = {"v": 2, "cluster": "mem", "clusterKey": KEY, "partitions": {"0": 50, "1": 2, "2": 0}}
     with pytest.raises(DataLossError, match="only 5 committed"):
         planner.latest_offset(ahead, None)
     lenient = StreamPlanner(log, partitions=None, starting="earliest", fail_on_data_loss=False)
@@ -203,7 +252,69 @@ def test_available_now_pins_the_target() -> None:
     grow(log, {0: 5})  # arrives after the AvailableNow run started: not part of it
     end = planner.latest_offset(start, max_rows=None)
     assert end["partitions"] == {"0": 15}
-    assert planner.latest_reported() == {"v": 1, "cluster": "memory", "partitions": {"0": 15}}
+    assert planner.latest_reported() == {
+        "v": 2,
+        "cluster": "memory",
+        "clusterKey": KEY,
+        "partitions": {"0": 15},
+        "lag": {"0": 0},
+        "lagTotal": 0,
+    }
+
+
+def test_available_now_fails_on_a_checkpoint_past_the_log() -> None:
+    log = MemoryLogSource(2)
+    grow(log, {0: 3, 1: 3})
+    past = {"v": 2, "cluster": "memory", "clusterKey": KEY, "partitions": {"0": 40, "1": 3}}
+    planner = StreamPlanner(log, partitions=None, starting="earliest", fail_on_data_loss=True)
+    planner.prepare_available_now()
+    with pytest.raises(DataLossError, match="checkpoint is at transaction 40"):
+        planner.latest_offset(past, max_rows=None)
+    lenient = StreamPlanner(log, partitions=None, starting="earliest", fail_on_data_loss=False)
+    lenient.prepare_available_now()
+    assert lenient.latest_offset(past, max_rows=None)["partitions"] == {"0": 40, "1": 3}
+
+
+def test_lag_is_reported_per_partition_and_in_total() -> None:
+    log = MemoryLogSource(2)
+    grow(log, {0: 30, 1: 10})
+    planner = StreamPlanner(log, partitions=None, starting="earliest", fail_on_data_loss=True)
+    assert planner.latest_reported() is None
+    start = planner.initial_offset()
+    planner.latest_offset(start, max_rows=8)  # 6 of partition 0, 2 of partition 1
+    report = planner.latest_reported()
+    assert report is not None
+    assert report["lag"] == {"0": 24, "1": 8}
+    assert report["lagTotal"] == 32
+    progress = {"sources": [{"description": "x", "latestOffset": json.dumps(report)}]}
+    assert progress_lag(progress) == {"total": 32, "partitions": {0: 24, 1: 8}}
+    assert progress_lag(None) is None
+
+
+def test_min_offsets_per_trigger_waits_up_to_max_trigger_delay() -> None:
+    log = MemoryLogSource(1)
+    now = [0.0]
+    planner = StreamPlanner(
+        log,
+        partitions=None,
+        starting="earliest",
+        fail_on_data_loss=True,
+        min_offsets_per_trigger=10,
+        max_trigger_delay_ms=5000,
+        clock=lambda: now[0],
+    )
+    start = planner.initial_offset()
+    grow(log, {0: 4})
+    now[0] = 1.0
+    assert planner.latest_offset(start, None) == start  # 4 < 10 and only 1 s waited: no batch
+    grow(log, {0: 6})
+    end = planner.latest_offset(start, None)
+    assert end["partitions"] == {"0": 10}  # 10 pending: a batch
+    grow(log, {0: 3})
+    now[0] = 3.0
+    assert planner.latest_offset(end, None) == end
+    now[0] = 6.5  # maxTriggerDelay since the last batch (at 1 s) has passed: 3 go anyway
+    assert planner.latest_offset(end, None)["partitions"] == {"0": 13}
 
 
 def test_memory_source_reads_consecutive_verified_batches() -> None:

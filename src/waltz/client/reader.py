@@ -13,6 +13,10 @@ Guarantees:
   mismatch is read again, then raises :class:`~waltz.errors.DataChecksumError`);
 * a partition that moves, a server that dies or a dropped connection is retried (with back-off) on the
   owner the latest assignment names, within ``client.requestTimeout`` per call;
+* a partition that is not being served (no server assigned, or its owner has not opened its store since
+  it took the partition, so its high-water mark is unknown) is never read as empty: every call raises the
+  retriable :class:`~waltz.errors.PartitionNotReadyError` (after retrying within ``client.requestTimeout``,
+  as :class:`~waltz.errors.ClientTimeoutError` whose message names the partition and the cause);
 * all methods are coroutines for one event loop; a reader is not thread-safe.
 
 Example::
@@ -25,6 +29,8 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import TypeVar
@@ -39,7 +45,10 @@ from waltz.client.network import (
     rpc_read_range,
     rpc_read_run,
 )
+from waltz.cluster import zk
+from waltz.cluster.store_metadata import read_store_params
 from waltz.errors import ClientClosedError, ClientError, PartitionNotReadyError
+from waltz.protocol.client_server import HWM_NOT_SERVED
 from waltz.protocol.record_run import RecordRun
 from waltz.protocol.records import Record
 
@@ -63,6 +72,7 @@ class LogReader:
         self._rpc = RpcPool(READER_CLIENT_ID, config.tls.client_context("client config"))
         self._opened = False
         self._closed = False
+        self._cluster_key: uuid.UUID | None = None
 
     async def open(self) -> None:
         """Connect to ZooKeeper and read the cluster's parameters and assignment."""
@@ -97,17 +107,49 @@ class LogReader:
     def num_partitions(self) -> int:
         return self._discovery.num_partitions
 
+    async def cluster_key(self) -> uuid.UUID:
+        """The cluster key: the log's identity, a UUID chosen when the cluster was created (two clusters may
+        share a name, never a key). Read from ZooKeeper on first use, then cached."""
+        if self._cluster_key is None:
+            config = self._config
+
+            def read() -> uuid.UUID:
+                client = zk.connect(
+                    config.zookeeper_connect_string, session_timeout_ms=config.zookeeper_session_timeout_ms
+                )
+                try:
+                    return read_store_params(client, config.cluster_root).cluster_key
+                finally:
+                    zk.close(client)
+
+            self._cluster_key = await asyncio.to_thread(read)
+        return self._cluster_key
+
     async def high_water_mark(self, partition_id: int) -> int:
-        """The partition's last committed transaction id (-1 for an empty log)."""
+        """The partition's last committed transaction id (-1 for an empty log); PartitionNotReadyError (once
+        ``client.requestTimeout`` is used up, as ClientTimeoutError) while the partition is not served."""
         self._check(partition_id)
+        return await retry_rpc(
+            lambda: self._hwm_attempt(partition_id),
+            f"high_water_mark({partition_id})",
+            self._config.request_timeout_ms,
+        )
 
-        async def attempt() -> int:
-            endpoint, generation = self._target(partition_id)
-            return await rpc_high_water_mark(
-                self._rpc, endpoint, partition_id, generation, self._attempt_timeout_ms
+    async def _hwm_attempt(self, partition_id: int) -> int:
+        endpoint, generation = self._target(partition_id)
+        hwm = await rpc_high_water_mark(
+            self._rpc, endpoint, partition_id, generation, self._attempt_timeout_ms
+        )
+        if hwm == HWM_NOT_SERVED:
+            raise PartitionNotReadyError(
+                f"partition {partition_id} is not served: its server {endpoint} has not opened its store "
+                "(too few clean replicas?); its high-water mark is unknown"
             )
-
-        return await retry_rpc(attempt, f"high_water_mark({partition_id})", self._config.request_timeout_ms)
+        if hwm < -1:
+            raise PartitionNotReadyError(
+                f"partition {partition_id}: {endpoint} sent a bad high-water mark {hwm}"
+            )
+        return hwm
 
     async def read_range(self, partition_id: int, start: int, max_count: int) -> list[Record]:
         """Up to ``max_count`` committed records from ``start`` (fewer, or none, at the high-water mark)."""
@@ -148,7 +190,15 @@ class LogReader:
             raise ClientError(f"bad range: start {start}, max_count {max_count}")
 
         async def attempt() -> T:
-            return await rpc(*self._target(partition_id))
+            endpoint, generation = self._target(partition_id)
+            result = await rpc(endpoint, generation)
+            empty = result.count == 0 if isinstance(result, RecordRun) else not result
+            if empty and max_count > 0:
+                # Nothing at ``start``: the end of the log, or a partition whose owner has not opened its
+                # store (it answers every range as past its unknown high-water mark). Only the high-water
+                # mark tells them apart; asking costs one round trip, only at the end of the log.
+                await self._hwm_attempt(partition_id)
+            return result
 
         return await retry_rpc(
             attempt, f"{what}({partition_id}, {start}, {max_count})", self._config.request_timeout_ms

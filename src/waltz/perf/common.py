@@ -23,7 +23,8 @@ from waltz.client.core import AsyncWaltzClient
 from waltz.client.driver import ClientDriver
 from waltz.client.locks import PartitionLocalLock
 from waltz.client.transaction import Transaction
-from waltz.errors import ClientError
+from waltz.errors import ClientError, PartitionNotReadyError
+from waltz.protocol.client_server import HWM_NOT_SERVED
 
 T = TypeVar("T")
 DriverFactory = Callable[[], ClientDriver | None]
@@ -267,6 +268,13 @@ async def current_marks(config: ClientConfig, driver_factory: DriverFactory) -> 
     try:
         n = probe.num_partitions
         marks = {p: await probe.high_water_mark(p) for p in range(n)}
+        unserved = sorted(p for p, mark in marks.items() if mark == HWM_NOT_SERVED)
+        if unserved:
+            # Never print an unserved partition as an empty one (-1).
+            raise PartitionNotReadyError(
+                f"partition(s) {unserved} not served: the owning server has not opened its store (too few "
+                "clean replicas?), so the high-water mark is unknown; retry later or see 'waltz local status'"
+            )
         return marks, n
     finally:
         await probe.close()

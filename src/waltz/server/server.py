@@ -77,6 +77,9 @@ _peer_warnings = RateLimitedLog(log)
 SERVER_HELLO = "Waltz Server"
 MAX_RANGE_RECORDS = 10_000
 """Most records one TransactionRangeRequest is answered with."""
+HWM_RECOVERY_WAIT_S = 1.0
+"""How long a high-water-mark request waits for a partition that is still recovering before the answer is
+``HWM_NOT_SERVED``: long enough for a normal start, short against a client's request timeout."""
 
 
 class _CloseConnection(Exception):
@@ -834,17 +837,16 @@ class WaltzServer:
         self, peer: _Connection, part: Partition, msg: cs.HighWaterMarkRequest
     ) -> None:
         """Answer once the partition has recovered: before, its high-water mark (-1) is not the log's. If it
-        does not recover in time, close the connection: the client's call fails at once and is retried."""
+        does not recover within :data:`HWM_RECOVERY_WAIT_S`, answer :data:`~cs.HWM_NOT_SERVED`: the mark is
+        unknown, and a reader must fail with a clear, retriable error rather than take the partition for an
+        empty one or wait out its whole request timeout for an answer that does not come."""
         try:
-            async with asyncio.timeout(self.config.zookeeper_session_timeout_ms / 1000):
+            async with asyncio.timeout(
+                min(HWM_RECOVERY_WAIT_S, self.config.zookeeper_session_timeout_ms / 1000)
+            ):
                 await part.wait_ready()
         except TimeoutError:
-            log.info(
-                "closing the connection of client %s: partition %d has not recovered",
-                peer.client_id,
-                part.partition_id,
-            )
-            await peer.aclose()
+            peer.send(cs.HighWaterMarkResponse(msg.req_id, cs.HWM_NOT_SERVED))
             return
         peer.send(cs.HighWaterMarkResponse(msg.req_id, part.high_water_mark))
 

@@ -73,6 +73,7 @@ class ClusterLogSource:
         self._io = io
         self._timeout_s = options.client_config.request_timeout_ms / 1000 + 5
         self._reader = LogReader(options.client_config)
+        self._cluster_key: str | None = None  # read on first use: only planners need it
         self._io.run(
             self._reader.open(), self._timeout_s + options.client_config.zookeeper_session_timeout_ms / 1000
         )
@@ -80,6 +81,12 @@ class ClusterLogSource:
     @property
     def cluster_name(self) -> str:
         return self._reader.cluster_name
+
+    @property
+    def cluster_key(self) -> str:
+        if self._cluster_key is None:
+            self._cluster_key = str(self._retrying("cluster key read", self._reader.cluster_key))
+        return self._cluster_key
 
     @property
     def num_partitions(self) -> int:

@@ -51,7 +51,14 @@ from waltz.spark.plan import (
     split_ranges,
 )
 from waltz.spark.source import LogSource
-from waltz.spark.writer import RowWriter, WriteSummary, check_write_schema, exactly_once_commit
+from waltz.spark.writer import (
+    RowWriter,
+    WriteSummary,
+    check_partitions,
+    check_write_schema,
+    checkpoint_identity,
+    exactly_once_commit,
+)
 
 __all__ = ["WaltzDataSource"]
 
@@ -158,6 +165,8 @@ class WaltzStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 fail_on_data_loss=opts.fail_on_data_loss,
                 min_partitions=opts.min_partitions,
                 max_records_per_partition=opts.max_records_per_partition,
+                min_offsets_per_trigger=opts.min_offsets_per_trigger,
+                max_trigger_delay_ms=opts.max_trigger_delay_ms,
             )
         return self._planner
 
@@ -199,6 +208,14 @@ class WaltzCommitMessage(WriterCommitMessage):
     rows: tuple[tuple[int, int, bytes, tuple[str, ...], tuple[str, ...], tuple[str, ...]], ...] = ()
 
 
+def _planned_partition_count(options: SourceOptions) -> int:
+    """The cluster's partition count, read when a write is planned (on the driver), with the ``partition``
+    option checked against it: a write to a partition that does not exist fails before any task starts."""
+    count = _source(options).num_partitions
+    check_partitions(options, count)
+    return count
+
+
 class WaltzBatchWriter(DataSourceWriter):
     """``df.write.format("waltz").mode("append")``: every row becomes one transaction (at-least-once)."""
 
@@ -209,9 +226,10 @@ class WaltzBatchWriter(DataSourceWriter):
             raise ConfigError("waltz data source: a log cannot be overwritten; use mode('append')")
         check_write_schema(schema)
         self.options = options
+        self.num_partitions = _planned_partition_count(options)
 
     def write(self, iterator: Iterator[Any]) -> WaltzCommitMessage:
-        return WaltzCommitMessage(RowWriter(self.options).append_rows(iterator))
+        return WaltzCommitMessage(RowWriter(self.options, self.num_partitions).append_rows(iterator))
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         total = sum(m.summary.appended for m in messages if isinstance(m, WaltzCommitMessage))
@@ -230,18 +248,24 @@ class WaltzStreamWriter(DataSourceStreamWriter):
     def __init__(self, options: SourceOptions, schema: Any, overwrite: bool) -> None:
         check_write_schema(schema)
         self.options = options
+        self.num_partitions = _planned_partition_count(options)
+        self._checkpoint: str | None = None
 
     def write(self, iterator: Iterator[Any]) -> WaltzCommitMessage:
+        writer = RowWriter(self.options, self.num_partitions)
         if self.options.exactly_once:
-            rows, summary = RowWriter(self.options).collect_rows(iterator)
+            rows, summary = writer.collect_rows(iterator)
             return WaltzCommitMessage(summary, rows)
-        return WaltzCommitMessage(RowWriter(self.options).append_rows(iterator))
+        return WaltzCommitMessage(writer.append_rows(iterator))
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         if not self.options.exactly_once:
             return
+        if self._checkpoint is None and self.options.checkpoint_location:
+            # Read on the driver at the first commit: Spark has written the checkpoint's metadata by then.
+            self._checkpoint = checkpoint_identity(self.options.checkpoint_location)
         rows = [row for m in messages if isinstance(m, WaltzCommitMessage) for row in m.rows]
-        exactly_once_commit(self.options, batchId, rows)
+        exactly_once_commit(self.options, batchId, rows, self._checkpoint)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         if not self.options.exactly_once:

@@ -30,8 +30,11 @@ option                         applies    default         meaning
                                                           ``false`` logs a warning and clamps
 ``fetchSize``                  read       ``10000``       transactions per range request (1..10000)
 ``fetchDepth``                 read       ``3``           range requests in flight per task (1..16)
+``minOffsetsPerTrigger``       stream     -               wait for at least this many new transactions
+                                                          before a micro-batch, up to ``maxTriggerDelay``
+``maxTriggerDelay``            stream     ``15m``         longest wait for ``minOffsetsPerTrigger``
 ``fetchOffset.numRetries``     read       ``3``           retries of a failed range or high-water-mark read
-``fetchOffset.retryIntervalMs`` read      ``1000``        pause between those retries
+``fetchOffset.retryIntervalMs`` read      ``10``          pause between those retries (Kafka's default)
 ``partition``                  write      ``0``           target partition of rows without a ``partition``
 ``exactlyOnce``                stream     ``false``       micro-batch sink: append each batch exactly once,
                                           write           keyed by (``queryId``, batch id); see docs/spark.md
@@ -73,6 +76,8 @@ MAX_FETCH_SIZE = 10_000
 MAX_FETCH_DEPTH = 16
 """The server answers a range request with at most this many transactions."""
 DEFAULT_SESSION_TIMEOUT_MS = 30_000
+DEFAULT_MAX_TRIGGER_DELAY_MS = 15 * 60 * 1000
+"""Kafka's ``maxTriggerDelay`` default (15 minutes)."""
 
 CLIENT_PREFIX = "waltz."
 
@@ -94,6 +99,8 @@ _OPTIONS: dict[str, tuple[str, ...]] = {
     "maxRecordsPerPartition": (_READ,),
     "maxOffsetsPerTrigger": (_STREAM,),
     "maxTransactionsPerTrigger": (_STREAM,),
+    "minOffsetsPerTrigger": (_STREAM,),
+    "maxTriggerDelay": (_STREAM,),
     "includeData": (_READ,),
     "failOnDataLoss": (_READ,),
     "fetchSize": (_READ,),
@@ -103,12 +110,19 @@ _OPTIONS: dict[str, tuple[str, ...]] = {
     "partition": (_WRITE,),
     "exactlyOnce": (_STREAM_WRITE,),
     "queryId": (_STREAM_WRITE,),
-    # Spark itself may pass these to a data source; they mean nothing to waltz.
+    # Spark itself passes these to a data source (DataStreamWriter.option("checkpointLocation"),
+    # .queryName(), load(path), ...): they are Spark's, so they are accepted everywhere and never reach an
+    # "unknown option" error. checkpointLocation also identifies the exactly-once sink's checkpoint.
     "path": (),
+    "checkpointLocation": (),
+    "queryName": (),
+    "asyncProgressTrackingEnabled": (),
+    "asyncProgressTrackingCheckpointIntervalMs": (),
 }
 _BY_LOWER = {name.lower(): name for name in _OPTIONS}
 _CLIENT_KEYS = {name.lower(): name for name in CLIENT_SCHEMA.keys}
-_IGNORED = frozenset({"path"})
+_IGNORED = frozenset(name for name, uses in _OPTIONS.items() if not uses)
+"""Spark's own options: accepted for every use."""
 
 
 @dataclass(frozen=True)
@@ -130,7 +144,11 @@ class SourceOptions:
     fetch_size: int = MAX_FETCH_SIZE
     fetch_depth: int = 3
     fetch_num_retries: int = 3
-    fetch_retry_interval_ms: int = 1000
+    fetch_retry_interval_ms: int = 10
+    min_offsets_per_trigger: int | None = None
+    max_trigger_delay_ms: int = DEFAULT_MAX_TRIGGER_DELAY_MS
+    checkpoint_location: str | None = None
+    """Spark's ``checkpointLocation`` writer option, when given (the exactly-once sink keys on it)."""
     default_partition: int = 0
     exactly_once: bool = False
     query_id: str | None = None
@@ -198,6 +216,12 @@ class SourceOptions:
                 "waltz data source: exactlyOnce=true needs queryId, a name of the streaming query that "
                 "stays the same across restarts (it keys the batches already written)"
             )
+        if self.exactly_once and not self.checkpoint_location:
+            raise ConfigError(
+                "waltz data source: exactlyOnce=true needs the writer's checkpointLocation option "
+                "(.option('checkpointLocation', ...)): the batches already written are keyed by the "
+                "checkpoint as well as by queryId, so a new checkpoint never skips its batches"
+            )
         return self
 
 
@@ -216,6 +240,20 @@ def _int(name: str, raw: str, problems: list[str], *, low: int, high: int | None
         problems.append(f"{name}: must be {bound}, got {value}")
         return None
     return value
+
+
+_DURATION_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "min": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def _duration_ms(name: str, raw: str, problems: list[str]) -> int | None:
+    """``15m``, ``30 s``, ``500ms``, ``1h`` (Spark's time strings); a bare number is milliseconds."""
+    text = raw.strip().lower().replace(" ", "")
+    digits = len(text) - len(text.lstrip("0123456789"))
+    number, unit = text[:digits], text[digits:] or "ms"
+    if not number or unit not in _DURATION_UNITS_MS:
+        problems.append(f"{name}: expected a duration such as 15m, 30s or 500ms, got {raw!r}")
+        return None
+    return int(number) * _DURATION_UNITS_MS[unit]
 
 
 def _bool(name: str, raw: str, problems: list[str]) -> bool | None:
@@ -334,6 +372,12 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
                 kwargs["fetch_depth"] = _int(name, raw, problems, low=1, high=MAX_FETCH_DEPTH)
             case "fetchOffset.numRetries":
                 kwargs["fetch_num_retries"] = _int(name, raw, problems, low=0, high=100)
+            case "minOffsetsPerTrigger":
+                kwargs["min_offsets_per_trigger"] = _int(name, raw, problems, low=1)
+            case "maxTriggerDelay":
+                kwargs["max_trigger_delay_ms"] = _duration_ms(name, raw, problems)
+            case "checkpointLocation":
+                kwargs["checkpoint_location"] = raw.strip() or None
             case "fetchOffset.retryIntervalMs":
                 kwargs["fetch_retry_interval_ms"] = _int(name, raw, problems, low=0, high=600_000)
             case "partition":
@@ -346,6 +390,9 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
                 kwargs["query_id"] = raw.strip()
             case _:
                 pass  # ignored names (Spark's own ``path``)
+    low, high = kwargs.get("min_offsets_per_trigger"), kwargs.get("max_offsets_per_trigger")
+    if low is not None and high is not None and low > high:
+        problems.append(f"minOffsetsPerTrigger ({low}) is above maxOffsetsPerTrigger ({high})")
     partitions = kwargs.get("partitions")
     for spec_name, attr in (("startingOffsets", "starting_offsets"), ("endingOffsets", "ending_offsets")):
         spec = kwargs.get(attr)

@@ -1,11 +1,14 @@
 """Offsets, range planning and admission control for the ``waltz`` source: pure functions, no Spark.
 
 Offsets
-    A streaming offset is the JSON object ``{"v": 1, "cluster": "<name>", "partitions": {"0": 1200, ...}}``.
+    A streaming offset is the JSON object
+    ``{"v": 2, "cluster": "<name>", "clusterKey": "<uuid>", "partitions": {"0": 1200, ...}}``.
     A partition's value is the id of the **next** transaction to read, so the range of a micro-batch is the
     half-open ``[previous, this)``, as in Kafka. Partition keys are decimal strings in ascending numeric
     order, so equal offsets always serialise to equal text. ``v`` lets the format evolve (a reader rejects
-    versions it does not know); ``cluster`` makes a checkpoint taken on one log fail loudly on another.
+    versions it does not know); ``clusterKey``, the log's UUID chosen when the cluster was created, makes a
+    checkpoint taken on one log fail loudly on another, even one with the same name (every ``waltz local``
+    cluster is called ``local``). Offsets of format v1 (name only) are still read, with a warning.
 
 Invariants the planner keeps (and the tests pin):
 
@@ -18,9 +21,11 @@ Invariants the planner keeps (and the tests pin):
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +40,7 @@ __all__ = [
     "TxnRange",
     "WaltzOffset",
     "admit",
+    "progress_lag",
     "resolve_batch_ranges",
     "resolve_start",
     "split_ranges",
@@ -42,7 +48,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-OFFSET_VERSION = 1
+OFFSET_VERSION = 2
 
 
 class DataLossError(ClientError):
@@ -68,40 +74,82 @@ class WaltzOffset:
 
     cluster: str
     partitions: Mapping[int, int]
+    cluster_key: str | None = None
+    """The log's identity (its cluster key, a UUID); None only in offsets of format v1."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "v": OFFSET_VERSION,
             "cluster": self.cluster,
+            "clusterKey": self.cluster_key,
             "partitions": {str(p): self.partitions[p] for p in sorted(self.partitions)},
         }
 
     @classmethod
-    def from_json(cls, value: Mapping[str, Any], expected_cluster: str | None = None) -> WaltzOffset:
-        """Parse an offset Spark read back from a checkpoint; raise ConfigError if it is not ours."""
+    def from_json(
+        cls,
+        value: Mapping[str, Any],
+        expected_cluster: str | None = None,
+        expected_key: str | None = None,
+    ) -> WaltzOffset:
+        """Parse an offset Spark read back from a checkpoint; raise ConfigError if it is not ours.
+
+        An offset of format v2 must carry ``expected_key`` (when given): a checkpoint of another log, even
+        one with the same cluster name (every ``waltz local`` cluster is named ``local``), is refused. An
+        offset of format v1 (no key) is still read, matched by cluster name only, with a warning.
+        """
         if not isinstance(value, Mapping):
             raise ConfigError(f"waltz offset: expected a JSON object, got {value!r}")
         version = value.get("v")
-        if version != OFFSET_VERSION:
+        if version not in (1, OFFSET_VERSION):
             raise ConfigError(
-                f"waltz offset: version {version!r} is not supported (this reader knows v{OFFSET_VERSION}); "
-                "was the checkpoint written by a newer waltz?"
+                f"waltz offset: version {version!r} is not supported (this reader knows v1 and "
+                f"v{OFFSET_VERSION}); was the checkpoint written by a newer waltz?"
             )
         cluster = value.get("cluster")
+        key = value.get("clusterKey") if version == OFFSET_VERSION else None
         raw = value.get("partitions")
-        if not isinstance(cluster, str) or not isinstance(raw, Mapping):
+        if (
+            not isinstance(cluster, str)
+            or not isinstance(raw, Mapping)
+            or (version == OFFSET_VERSION and not isinstance(key, str))
+        ):
             raise ConfigError(f"waltz offset: malformed {dict(value)!r}")
+        if expected_key is not None and key is not None and key != expected_key:
+            raise ConfigError(
+                f"waltz offset: the checkpoint belongs to another log (cluster {cluster!r}, cluster key "
+                f"{key}) but this query reads cluster {expected_cluster or '?'!r} with cluster key "
+                f"{expected_key}; use a new checkpoint location for a different log"
+            )
         if expected_cluster is not None and cluster != expected_cluster:
             raise ConfigError(
                 f"waltz offset: the checkpoint belongs to cluster {cluster!r} but this query reads "
                 f"{expected_cluster!r}; use a new checkpoint location for a different log"
             )
+        if version == 1:
+            _warn_v1(cluster)
         partitions: dict[int, int] = {}
-        for key, next_id in raw.items():
+        for k, next_id in raw.items():
             if isinstance(next_id, bool) or not isinstance(next_id, int) or next_id < 0:
-                raise ConfigError(f"waltz offset: partition {key!r}: bad position {next_id!r}")
-            partitions[int(key)] = next_id
-        return cls(cluster, partitions)
+                raise ConfigError(f"waltz offset: partition {k!r}: bad position {next_id!r}")
+            partitions[int(k)] = next_id
+        return cls(cluster, partitions, key)
+
+
+_warned_v1: set[str] = set()
+
+
+def _warn_v1(cluster: str) -> None:
+    # Once per process and cluster: Spark parses the same checkpointed offset at every micro-batch.
+    if cluster not in _warned_v1:
+        _warned_v1.add(cluster)
+        log.warning(
+            "waltz offset: the checkpoint has v1 offsets, which name the log by cluster name (%r) only; a "
+            "checkpoint of another log with the same name cannot be told apart. New offsets are written "
+            "as v%d with the cluster key",
+            cluster,
+            OFFSET_VERSION,
+        )
 
 
 def resolve_start(
@@ -250,7 +298,8 @@ class StreamPlanner:
     """The state and decisions of a streaming read, independent of Spark (see the module docstring).
 
     One instance lives in Spark's long-running driver-side source process; ``WaltzStreamReader`` forwards to
-    it. Not thread-safe: Spark calls a stream reader from one thread.
+    it. Not thread-safe: Spark calls a stream reader from one thread. ``clock`` (monotonic seconds) is
+    injected so that ``minOffsetsPerTrigger`` / ``maxTriggerDelay`` are tested without waiting.
     """
 
     def __init__(
@@ -262,16 +311,28 @@ class StreamPlanner:
         fail_on_data_loss: bool,
         min_partitions: int | None = None,
         max_records_per_partition: int | None = None,
+        min_offsets_per_trigger: int | None = None,
+        max_trigger_delay_ms: int = 15 * 60 * 1000,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.source = source
         self.cluster = source.cluster_name
+        self.cluster_key = source.cluster_key
         self.partitions = selected_partitions(partitions, source.num_partitions)
         self.starting = starting
         self.fail_on_data_loss = fail_on_data_loss
         self.min_partitions = min_partitions
         self.max_records_per_partition = max_records_per_partition
+        self.min_offsets_per_trigger = min_offsets_per_trigger
+        self.max_trigger_delay_s = max_trigger_delay_ms / 1000
+        self._clock = clock
+        self._last_trigger_s = clock()
         self._pinned: dict[int, int] | None = None  # Trigger.AvailableNow's target
-        self._latest: dict[int, int] | None = None
+        self._latest: dict[int, int] | None = None  # committed ends, as last read
+        self._planned: dict[int, int] | None = None  # end of the last micro-batch latest_offset returned
+
+    def _offset(self, positions: Mapping[int, int]) -> dict[str, Any]:
+        return WaltzOffset(self.cluster, positions, self.cluster_key).to_json()
 
     def _committed_ends(self) -> dict[int, int]:
         hwms = self.source.high_water_marks(self.partitions)
@@ -282,10 +343,10 @@ class StreamPlanner:
         """Where a query with an empty checkpoint starts (``startingOffsets``)."""
         hwms = self._committed_ends()
         start = resolve_start(self.starting, self.partitions, hwms, self.fail_on_data_loss)
-        return WaltzOffset(self.cluster, start).to_json()
+        return self._offset(start)
 
     def _parse(self, offset: Mapping[str, Any]) -> dict[int, int]:
-        parsed = WaltzOffset.from_json(offset, self.cluster).partitions
+        parsed = WaltzOffset.from_json(offset, self.cluster, self.cluster_key).partitions
         # A partition added to the selection since the checkpoint starts at its beginning.
         return {p: parsed.get(p, 0) for p in self.partitions}
 
@@ -295,15 +356,31 @@ class StreamPlanner:
         self._pinned = {p: hwms[p] + 1 for p in self.partitions}
 
     def latest_offset(self, start: Mapping[str, Any], max_rows: int | None) -> dict[str, Any]:
-        """The end of the next micro-batch: committed, never behind ``start``, at most ``max_rows`` ahead."""
+        """The end of the next micro-batch: committed, never behind ``start``, at most ``max_rows`` ahead.
+
+        A start past the committed log is data loss under every trigger (``failOnDataLoss``), including
+        ``Trigger.AvailableNow``, whose target is the log pinned when the run started. With
+        ``minOffsetsPerTrigger`` (not under AvailableNow, as in Kafka) a micro-batch waits until that many
+        transactions are pending or ``maxTriggerDelay`` has passed since the last one: until then the end is
+        the start, which Spark treats as "no new data".
+        """
         begin = self._parse(start)
         if self._pinned is not None:
-            target = {p: max(begin[p], self._pinned[p]) for p in self.partitions}
+            target = advance(begin, {p: self._pinned[p] - 1 for p in self.partitions}, self.fail_on_data_loss)
         else:
             hwms = self._committed_ends()
             target = advance(begin, hwms, self.fail_on_data_loss)
         end = admit(begin, target, max_rows)
-        return WaltzOffset(self.cluster, end).to_json()
+        pending = sum(end[p] - begin[p] for p in self.partitions)
+        if self._pinned is None and self.min_offsets_per_trigger is not None and pending > 0:
+            waited_s = self._clock() - self._last_trigger_s
+            if pending < self.min_offsets_per_trigger and waited_s < self.max_trigger_delay_s:
+                end = dict(begin)
+                pending = 0
+        if pending > 0:
+            self._last_trigger_s = self._clock()
+        self._planned = end
+        return self._offset(end)
 
     def plan(self, start: Mapping[str, Any], end: Mapping[str, Any]) -> list[TxnRange]:
         """The tasks of the micro-batch ``[start, end)``; ``[]`` when they are equal."""
@@ -318,7 +395,37 @@ class StreamPlanner:
         return split_ranges(ranges, self.min_partitions, self.max_records_per_partition)
 
     def latest_reported(self) -> dict[str, Any] | None:
-        """The committed ends seen last (shown as ``latestOffset`` in query progress, so lag is visible)."""
+        """The committed ends seen last, and the lag: shown as ``latestOffset`` in the query's progress.
+
+        ``lag`` is, per partition, how many committed transactions are behind the end of the micro-batch
+        planned last (not yet in any batch), and ``lagTotal`` their sum: the Kafka source's "offsets behind
+        latest". PySpark's Python API has no custom metrics for a source, so the lag travels in this report
+        (``sources[i].latestOffset`` of ``StreamingQuery.lastProgress``; :func:`progress_lag` reads it).
+        """
         if self._latest is None:
             return None
-        return WaltzOffset(self.cluster, self._latest).to_json()
+        report = self._offset(self._latest)
+        if self._planned is not None:
+            lag = {p: max(0, self._latest[p] - self._planned[p]) for p in self.partitions}
+            report["lag"] = {str(p): lag[p] for p in sorted(lag)}
+            report["lagTotal"] = sum(lag.values())
+        return report
+
+
+def progress_lag(progress: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The lag of the first ``waltz`` source in a ``StreamingQuery.lastProgress`` (or ``recentProgress``
+    item): ``{"total": n, "partitions": {partition: n}}``, or None before the first report."""
+    if not progress:
+        return None
+    for source in progress.get("sources", ()):
+        raw = source.get("latestOffset")
+        try:
+            report = json.loads(raw) if isinstance(raw, str) else raw
+        except ValueError:
+            continue
+        if isinstance(report, Mapping) and "lagTotal" in report:
+            return {
+                "total": report["lagTotal"],
+                "partitions": {int(p): n for p, n in report.get("lag", {}).items()},
+            }
+    return None

@@ -41,6 +41,12 @@ class LogSource(Protocol):
         ...
 
     @property
+    def cluster_key(self) -> str:
+        """The log's unique identity (its cluster key, a UUID), recorded in streaming offsets: two clusters
+        may share a name, never a key."""
+        ...
+
+    @property
     def num_partitions(self) -> int: ...
 
     def high_water_marks(self, partitions: Sequence[int]) -> dict[int, int]:
@@ -55,8 +61,15 @@ class LogSource(Protocol):
 class MemoryLogSource:
     """A log held in lists; thread-safe. ``append`` adds committed transactions (tests grow the log)."""
 
-    def __init__(self, num_partitions: int, cluster_name: str = "memory", fetch_size: int = 10_000) -> None:
+    def __init__(
+        self,
+        num_partitions: int,
+        cluster_name: str = "memory",
+        fetch_size: int = 10_000,
+        cluster_key: str = "00000000-0000-0000-0000-00000000beef",
+    ) -> None:
         self._cluster_name = cluster_name
+        self._cluster_key = cluster_key
         self._logs: list[list[Record]] = [[] for _ in range(num_partitions)]
         self._lock = threading.Lock()
         self.fetch_size = fetch_size
@@ -66,6 +79,10 @@ class MemoryLogSource:
     @property
     def cluster_name(self) -> str:
         return self._cluster_name
+
+    @property
+    def cluster_key(self) -> str:
+        return self._cluster_key
 
     @property
     def num_partitions(self) -> int:

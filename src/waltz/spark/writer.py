@@ -13,7 +13,10 @@ Delivery guarantees
     Within one task, rows of one partition are appended in row order unless an append has to be retried.
 
     *``exactlyOnce=true`` (streaming only) appends each micro-batch exactly once,* keyed by
-    (``queryId``, batch id). Tasks send their rows to the driver in their commit messages, and the driver's
+    (``queryId``, checkpoint, batch id), the checkpoint being :func:`checkpoint_identity` of the writer's
+    ``checkpointLocation`` (a new checkpoint restarts batch ids at 0, so without it a reused ``queryId``
+    would skip the new checkpoint's batches). Tasks send their rows to the driver in their commit messages,
+    and the driver's
     :func:`exactly_once_commit` appends them between two marker transactions in the marker partition (the
     ``partition`` option): ``BEGIN(query, batch)``, then the rows, then ``END(query, batch)``. Before
     appending it scans the last :data:`EXACTLY_ONCE_SCAN_WINDOW` transactions: with an ``END`` the batch is
@@ -28,12 +31,15 @@ Delivery guarantees
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
+import urllib.parse
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from waltz.client.api import ClientCallbacks
@@ -42,7 +48,8 @@ from waltz.client.context import TransactionContext
 from waltz.client.locks import PartitionLocalLock
 from waltz.client.sync import WaltzClient
 from waltz.client.transaction import Transaction
-from waltz.errors import ClientError, ConfigError
+from waltz.errors import ClientError, ConfigError, PartitionNotReadyError
+from waltz.protocol.client_server import HWM_NOT_SERVED
 from waltz.protocol.wire import I32_MAX, I32_MIN
 from waltz.spark.options import SourceOptions
 
@@ -51,7 +58,9 @@ __all__ = [
     "MARKER_HEADER",
     "RowWriter",
     "WriteSummary",
+    "check_partitions",
     "check_write_schema",
+    "checkpoint_identity",
     "exactly_once_commit",
 ]
 
@@ -197,31 +206,67 @@ class _NoApply(ClientCallbacks):
         log.error("waltz sink: partition %d: %r", partition_id, exception)
 
 
-class RowWriter:
-    """Appends rows through one :class:`WaltzClient` (see the module docstring for the guarantee)."""
+SUBMIT_CHUNK_ROWS = 500
+"""Rows handed to ``WaltzClient.submit_many`` at a time (checked first, so a bad row fails before its
+chunk)."""
+WRITER_MAX_CONCURRENT_TRANSACTIONS = 200
+"""Transactions a write task keeps in flight per partition unless ``waltz.client.maxConcurrentTransactions``
+is given: rows carry no locks and never conflict, so a deep pipeline is safe, and the client's default (5,
+sized for applications that read their own writes) makes a bulk write wait for a round trip every few rows.
+Not deeper: the client's cost per row grows with the depth (measured with ``submit_many``: 52-57 µs of CPU
+per row at 200 in flight, 70-76 at 1,000)."""
 
-    def __init__(self, options: SourceOptions) -> None:
+
+class RowWriter:
+    """Appends rows through one :class:`WaltzClient` (see the module docstring for the guarantee).
+
+    ``num_partitions`` is the cluster's partition count as read when the write was planned: rows are checked
+    against it before a connection is opened, so a row for a partition that does not exist fails at once.
+    """
+
+    def __init__(self, options: SourceOptions, num_partitions: int | None = None) -> None:
         self.options = options
+        self.num_partitions = num_partitions
+
+    def _row(self, raw: Any) -> WriteRow:
+        row = _to_write_row(raw, self.options.default_partition)
+        _check_row(row, self.num_partitions)
+        return row
 
     def collect_rows(self, rows: Iterable[Any]) -> tuple[tuple[WriteRow, ...], WriteSummary]:
-        out = tuple(_to_write_row(r, self.options.default_partition) for r in rows)
-        for row in out:
-            _check_row(row)
+        out = tuple(self._row(r) for r in rows)
         return out, WriteSummary(len(out), 0)
 
     def append_rows(self, rows: Iterable[Any]) -> WriteSummary:
+        iterator = iter(rows)
+        chunk = [self._row(raw) for raw in itertools.islice(iterator, SUBMIT_CHUNK_ROWS)]
+        if not chunk:
+            return WriteSummary(0, 0)  # an empty task opens no connection
+        count = 0
         with _Session(self.options) as session:
-            count = 0
-            for raw in rows:
-                row = _to_write_row(raw, self.options.default_partition)
-                _check_row(row)
-                session.submit(row)
-                count += 1
+            while chunk:
+                session.submit_many(chunk)
+                count += len(chunk)
+                chunk = [self._row(raw) for raw in itertools.islice(iterator, SUBMIT_CHUNK_ROWS)]
             appended = session.finish()
         return WriteSummary(count, appended)
 
 
-def _check_row(row: WriteRow) -> None:
+def check_partitions(options: SourceOptions, num_partitions: int) -> None:
+    """When a write is planned: the ``partition`` option must name a partition of the cluster."""
+    if not 0 <= options.default_partition < num_partitions:
+        raise ConfigError(
+            f"waltz sink: partition {options.default_partition} does not exist "
+            f"(the cluster has partitions 0..{num_partitions - 1})"
+        )
+
+
+def _check_row(row: WriteRow, num_partitions: int | None = None) -> None:
+    if num_partitions is not None and not 0 <= row[0] < num_partitions:
+        raise ClientError(
+            f"waltz sink: a row is for partition {row[0]}, which does not exist "
+            f"(the cluster has partitions 0..{num_partitions - 1})"
+        )
     if not I32_MIN <= row[1] <= I32_MAX:
         raise ClientError(f"waltz sink: header {row[1]} does not fit in a signed 32-bit int")
     if row[1] == MARKER_HEADER:
@@ -230,12 +275,19 @@ def _check_row(row: WriteRow) -> None:
 
 
 class _Session:
-    """A write-only client, mounting partitions as rows need them."""
+    """A write-only client, mounting partitions as rows need them.
+
+    Rows go to :meth:`WaltzClient.submit_many <waltz.client.sync.WaltzClient.submit_many>`, the client's
+    bulk path: while slots are free the contexts are executed on the task's thread and handed to the client's
+    loop in batches with one wake-up each, instead of one thread hop per row.
+    """
 
     def __init__(self, options: SourceOptions) -> None:
         self.callbacks = _NoApply()
         self.outcome = _Outcome()
         config = options.client_config.replace(auto_mount=False)
+        if "client.maxConcurrentTransactions" not in options.client:
+            config = config.replace(max_concurrent_transactions=WRITER_MAX_CONCURRENT_TRANSACTIONS)
         self.client = WaltzClient(self.callbacks, config)
         self.submitted = 0
 
@@ -252,15 +304,24 @@ class _Session:
         for p in new:
             if not 0 <= p < self.client.num_partitions:
                 raise ClientError(f"waltz sink: partition {p} outside 0..{self.client.num_partitions - 1}")
-            self.callbacks.start[p] = self.client.high_water_mark(p)
+            hwm = self.client.high_water_mark(p)
+            if hwm == HWM_NOT_SERVED:
+                raise PartitionNotReadyError(
+                    f"waltz sink: partition {p} is not served (its store is not open)"
+                )
+            self.callbacks.start[p] = hwm
         self.client.set_partitions(self.callbacks.start)
 
     def submit(self, row: WriteRow) -> None:
-        self.mount([row[0]])
+        self.submit_many([row])
+
+    def submit_many(self, rows: Sequence[WriteRow]) -> None:
+        """Submit ``rows`` in order; blocks while ``client.maxConcurrentTransactions`` are in flight."""
+        self.mount({row[0] for row in rows})
         if self.outcome.error is not None:
             raise ClientError(f"waltz sink: an append failed: {self.outcome.error!r}") from self.outcome.error
-        self.client.submit(_RowContext(row, self.outcome))
-        self.submitted += 1
+        self.client.submit_many([_RowContext(row, self.outcome) for row in rows])
+        self.submitted += len(rows)
 
     def finish(self) -> int:
         """Wait until every submitted row is appended; raise if one failed. Returns the number appended."""
@@ -274,8 +335,27 @@ class _Session:
         return self.outcome.appended
 
 
-def _marker(kind: str, query: str, batch: int, client_id: int) -> WriteRow:
-    data = json.dumps({"waltz.spark": kind, "query": query, "batch": batch, "client": client_id}).encode()
+def checkpoint_identity(location: str) -> str:
+    """What names a streaming query's checkpoint: Spark's query id, which Spark keeps in
+    ``<checkpointLocation>/metadata`` and which changes when a checkpoint is deleted and made again; the
+    location itself when that file cannot be read here (a remote file system)."""
+    parsed = urllib.parse.urlparse(location)
+    if parsed.scheme in ("", "file"):
+        path = Path(urllib.parse.unquote(parsed.path) if parsed.scheme else location)
+        try:
+            first = (path / "metadata").read_text().splitlines()[0]
+            query_id = json.loads(first)["id"]
+            if isinstance(query_id, str) and query_id:
+                return f"spark-query:{query_id}"
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            log.warning("waltz sink: cannot read Spark's query id in %s/metadata; keying on the path", path)
+    return f"location:{location}"
+
+
+def _marker(kind: str, query: str, checkpoint: str, batch: int, client_id: int) -> WriteRow:
+    data = json.dumps(
+        {"waltz.spark": kind, "query": query, "checkpoint": checkpoint, "batch": batch, "client": client_id}
+    ).encode()
     return (-1, MARKER_HEADER, data, (), (), ())
 
 
@@ -287,13 +367,25 @@ def _parse_marker(data: bytes) -> dict[str, Any] | None:
     return value if isinstance(value, dict) and "waltz.spark" in value else None
 
 
-def exactly_once_commit(options: SourceOptions, batch_id: int, rows: Sequence[WriteRow]) -> int:
-    """Append the rows of micro-batch ``batch_id`` exactly once (module docstring); returns rows appended."""
+def exactly_once_commit(
+    options: SourceOptions, batch_id: int, rows: Sequence[WriteRow], checkpoint: str | None = None
+) -> int:
+    """Append the rows of micro-batch ``batch_id`` exactly once (module docstring); returns rows appended.
+
+    Batches are keyed by (``queryId``, ``checkpoint``, batch id), ``checkpoint`` being
+    :func:`checkpoint_identity` of the writer's ``checkpointLocation`` (by default): a new checkpoint starts
+    its batch ids at 0 again, so with the query id alone its batches would be taken for the old ones and
+    skipped.
+    """
     from waltz.spark.cluster import open_source
 
     query = options.query_id
     if not query:
         raise ConfigError("waltz sink: exactlyOnce needs queryId")
+    if checkpoint is None:
+        if not options.checkpoint_location:
+            raise ConfigError("waltz sink: exactlyOnce needs the writer's checkpointLocation option")
+        checkpoint = checkpoint_identity(options.checkpoint_location)
     marker_partition = options.default_partition
     touched = sorted({marker_partition, *(r[0] for r in rows)})
     source = open_source(options)
@@ -309,8 +401,13 @@ def exactly_once_commit(options: SourceOptions, batch_id: int, rows: Sequence[Wr
         if rec.header != MARKER_HEADER:
             continue
         marker = _parse_marker(rec.data)
-        if marker is None or marker.get("query") != query or marker.get("batch") != batch_id:
-            continue
+        if (
+            marker is None
+            or marker.get("query") != query
+            or marker.get("checkpoint") != checkpoint
+            or marker.get("batch") != batch_id
+        ):
+            continue  # another query or checkpoint (markers without one predate checkpoint keys)
         if marker["waltz.spark"] == "end":
             log.info("waltz sink: batch %d of %s is already in the log; nothing to do", batch_id, query)
             return 0
@@ -331,13 +428,13 @@ def exactly_once_commit(options: SourceOptions, batch_id: int, rows: Sequence[Wr
     with _Session(options) as session:
         session.mount(touched)
         client_id = session.client.client_id
-        begin = _marker("begin", query, batch_id, client_id)
+        begin = _marker("begin", query, checkpoint, batch_id, client_id)
         session.submit((marker_partition, *begin[1:]))
         session.finish()  # BEGIN is committed before any row: a later attempt will recognise our rows.
         for row in pending:
             session.submit(row)
         session.finish()
-        end = _marker("end", query, batch_id, client_id)
+        end = _marker("end", query, checkpoint, batch_id, client_id)
         session.submit((marker_partition, *end[1:]))
         session.finish()
     log.info(
