@@ -37,7 +37,7 @@ test: deps lint typecheck
 demo: deps
 	$(BIN)/python -m demo.run
 
-# The black-box fault suite (docs/faults.md): FAULT_SEEDS seeds from FAULT_FIRST, about 80 s each.
+# The black-box fault suite (docs/faults.md): FAULT_SEEDS seeds from FAULT_FIRST, about 80-150 s each.
 FAULT_SEEDS ?= 3
 FAULT_FIRST ?= 0
 FAULT_ARGS ?=

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import sys
 import time
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--stop-file", type=Path, default=None, help="stop submitting once this file exists")
     args = parser.parse_args(argv)
+    # The client's INFO lines (mounts, reconnects, ZooKeeper state) with times, for the post-mortem of a run.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with args.out.open("w", encoding="utf-8") as out:
         counts, pending_tags = asyncio.run(run(args, out))
         out.write(json.dumps({"summary": counts, "pending_tags": pending_tags}) + "\n")

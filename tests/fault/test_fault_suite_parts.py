@@ -38,7 +38,7 @@ def test_the_checker_finds_a_lost_acknowledgement_a_duplicate_a_gap_and_a_mispla
 
 
 def test_the_seed_decides_the_schedule_and_short_zookeeper_pauses_stay_below_the_session_timeout() -> None:
-    opts = Options(fault_phase_s=120)
+    opts = Options(fault_phase_s=120, long_zk_pauses=False)
     assert schedule(5, opts) == schedule(5, opts)
     assert schedule(5, opts) != schedule(6, opts)
     pauses = [f for s in range(40) for f in schedule(s, opts) if f.kind == "sigstop-zookeeper"]
@@ -47,6 +47,10 @@ def test_the_seed_decides_the_schedule_and_short_zookeeper_pauses_stay_below_the
     long = dataclasses.replace(opts, long_zk_pauses=True)
     pauses = [f for s in range(40) for f in schedule(s, long) if f.kind == "sigstop-zookeeper"]
     assert any(f.duration_s > ZK_SESSION_TIMEOUT_MS / 1000 for f in pauses)
+    ci = dataclasses.replace(long, each_kind_once=True)
+    assert all(
+        f.duration_s > ZK_SESSION_TIMEOUT_MS / 1000 for f in schedule(1, ci) if f.kind == "sigstop-zookeeper"
+    )
     for seed in range(40):
         faults = schedule(seed, opts)
         for a, b in itertools.pairwise(faults):
