@@ -1172,8 +1172,10 @@ class AsyncWaltzClient:
         while True:
             remaining = deadline - self._clock()
             if remaining <= 0:
+                # The last error says why (e.g. "partition 3 is not served"): keep it in the message.
+                why = f": {last_error}" if last_error is not None else ""
                 raise ClientTimeoutError(
-                    f"{what} did not succeed within {self._config.request_timeout_ms} ms"
+                    f"{what} did not succeed within {self._config.request_timeout_ms} ms{why}"
                 ) from (last_error)
             try:
                 async with asyncio.timeout(remaining):
