@@ -38,7 +38,21 @@ class LinkProxy:
     ) -> Self:
         proxy = cls(name, listen_port, target_port, max_connections)
         proxy._server = await asyncio.start_server(proxy._on_client, "127.0.0.1", listen_port)
+        # listen_port 0 asks for a free port: record the one we got.
+        proxy.listen_port = int(proxy._server.sockets[0].getsockname()[1])
         return proxy
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.listen_port}"
+
+    async def outage(self, seconds: float) -> None:
+        """Cut everything and refuse new connections for ``seconds``."""
+        self.cut()
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self.restore()
 
     def cut(self) -> None:
         """Abort every relayed connection and refuse new ones until :meth:`restore`."""
