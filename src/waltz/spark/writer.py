@@ -48,8 +48,7 @@ from waltz.client.context import TransactionContext
 from waltz.client.locks import PartitionLocalLock
 from waltz.client.sync import WaltzClient
 from waltz.client.transaction import Transaction
-from waltz.errors import ClientError, ConfigError, PartitionNotReadyError
-from waltz.protocol.client_server import HWM_NOT_SERVED
+from waltz.errors import ClientError, ConfigError
 from waltz.protocol.wire import I32_MAX, I32_MIN
 from waltz.spark.options import SourceOptions
 
@@ -304,12 +303,8 @@ class _Session:
         for p in new:
             if not 0 <= p < self.client.num_partitions:
                 raise ClientError(f"waltz sink: partition {p} outside 0..{self.client.num_partitions - 1}")
-            hwm = self.client.high_water_mark(p)
-            if hwm == HWM_NOT_SERVED:
-                raise PartitionNotReadyError(
-                    f"waltz sink: partition {p} is not served (its store is not open)"
-                )
-            self.callbacks.start[p] = hwm
+            # Raises (retriable) for a partition that is not served: never taken as an empty log.
+            self.callbacks.start[p] = self.client.high_water_mark(p)
         self.client.set_partitions(self.callbacks.start)
 
     def submit(self, row: WriteRow) -> None:

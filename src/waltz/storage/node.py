@@ -387,11 +387,6 @@ class StoragePartition:
                 )
         return self.log
 
-    def _check_writable(
-        self, msg: st.StorageMessage, offline: bool, *, may_adopt: bool = False
-    ) -> PartitionLog:
-        return self._check(msg, offline, may_adopt=may_adopt)
-
     def _heal(self) -> bool:
         """Try to bring a broken partition back (see the module docstring); True if it serves again."""
         now = time.monotonic()
@@ -526,7 +521,7 @@ class StoragePartition:
                 plog = self._check(msg, msg.offline)
                 return st.MaxTransactionIdResponse(sid, seq, pid, plog.max_transaction_id)
             if isinstance(msg, st.TruncateRequest):
-                plog = self._check_writable(msg, msg.offline)
+                plog = self._check(msg, msg.offline)
                 new_max = plog.truncate(msg.transaction_id)
                 self.durable_max = min(self.durable_max, new_max)
                 self.node.metrics.max_txn.labels(pid).set(new_max)
@@ -561,7 +556,7 @@ class StoragePartition:
                 self._read_bytes.inc(len(run))
                 return st.RecordRunResponse(sid, seq, pid, count, run)
             if isinstance(msg, st.RepairRequest):
-                plog = self._check_writable(msg, False)
+                plog = self._check(msg, False)
                 self._repaired(plog.repair(msg.records))
                 return st.SuccessResponse(sid, seq, pid)
             raise RemoteProtocolError(f"{type(msg).__name__} is not a request")
@@ -628,7 +623,7 @@ class StoragePartition:
         # replica it copied, so the next store session classifies the copy like its source instead of as a
         # restored replica that cannot vote. Offline requests only reach a partition marked unavailable, which
         # no store session writes, and a later session's id is higher still and fences this one as usual.
-        plog = self._check_writable(msg, msg.offline, may_adopt=msg.offline)
+        plog = self._check(msg, msg.offline, may_adopt=msg.offline)
         info = self.info
         if msg.session_id < info.session_id:
             raise SessionFencedError(
@@ -697,7 +692,7 @@ class StoragePartition:
             msg = item.msg
             assert isinstance(msg, st.AppendRequest)
             try:
-                plog = self._check_writable(msg, msg.offline)
+                plog = self._check(msg, msg.offline)
                 if expected < 0:
                     expected = plog.max_transaction_id + 1
                 if not msg.records:
