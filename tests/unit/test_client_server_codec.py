@@ -250,6 +250,19 @@ NEWER_MESSAGES: list[tuple[Message, int]] = [
 ]
 
 
+@pytest.mark.parametrize(("msg", "version", "payload"), CASES, ids=CASE_IDS)
+def test_decode_feed_data_takes_exactly_the_feed_data_payloads(
+    msg: Message, version: int, payload: bytes
+) -> None:
+    fast = cs.decode_feed_data(payload)
+    if isinstance(msg, FeedData):
+        assert fast == (msg.req_id, msg.transaction_id, msg.header)
+        assert cs.decode_feed_data(payload + b"\x00") is None  # Trailing bytes: decode() refuses them.
+        assert cs.decode_feed_data(payload[:-1]) is None
+    else:
+        assert fast is None
+
+
 @pytest.mark.parametrize(("msg", "version"), NEWER_MESSAGES)
 def test_message_newer_than_the_version_is_refused_on_both_sides(msg: Message, version: int) -> None:
     with pytest.raises(LocalProtocolError, match="upgrade servers"):

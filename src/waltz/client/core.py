@@ -816,18 +816,51 @@ class AsyncWaltzClient:
 
     async def _nudge_loop(self) -> None:
         threshold_s = self._config.long_wait_threshold_ms / 1000
+        answer_s = self._config.answer_timeout_ms / 1000
         while True:
-            await asyncio.sleep(max(threshold_s / 2, 0.005))
+            await asyncio.sleep(max(min(threshold_s, answer_s) / 2, 0.005))
             now = self._clock()
             for partition in list(self._partitions.values()):
-                if partition.monitor is None or partition.state is not MountState.READY:
+                monitor = partition.monitor
+                if monitor is None:
                     continue
-                req_id = partition.monitor.nudge(now, threshold_s)
+                self._check_answered(partition, monitor, now, answer_s)
+                if partition.state is not MountState.READY:
+                    continue
+                req_id = monitor.nudge(now, threshold_s)
                 if req_id is not None:
                     log.debug(
                         "partition %d: appends pending for %.1f s, sending a flush", partition.id, threshold_s
                     )
                     self._send_flush(partition.id, req_id)
+
+    def _check_answered(
+        self, partition: PartitionState, monitor: TransactionMonitor, now: float, answer_s: float
+    ) -> None:
+        """An append unresolved for ``client.answerTimeout`` (since it was sent, or since the last resync):
+        the server or the link lost it along with every answer that would have resolved it (a flush, the
+        MountResponse of a re-mount), so ask the driver to start the stream again. Its READY's flush then
+        decides the append: committed (it shows up in the feed) or failed (retried as any lost append)."""
+        if partition.state is MountState.CLIENT_AHEAD:
+            return
+        oldest = monitor.oldest_pending_at
+        if oldest is None:
+            return
+        since = oldest if partition.resynced_at is None else max(oldest, partition.resynced_at)
+        if now - since < answer_s:
+            return
+        partition.resynced_at = now
+        log.warning(
+            "partition %d: %d appends pending, the oldest unanswered for %.1f s (client.answerTimeout); "
+            "mounting again",
+            partition.id,
+            monitor.pending_count,
+            now - oldest,
+        )
+        try:
+            self._require_driver().resync(partition.id)
+        except Exception:
+            log.exception("partition %d: resync failed", partition.id)
 
     # -- contexts ----------------------------------------------------------------------------------------
 

@@ -90,7 +90,7 @@ from waltz.errors import (
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
 from waltz.protocol.record_run import run_records
-from waltz.protocol.records import Record, ReqId
+from waltz.protocol.records import Record, ReqId, to_signed32
 from waltz.transport import FramedConnection, RpcClient, open_connection
 
 __all__ = [
@@ -515,10 +515,12 @@ class _Mount:
         self.reported: MountState | None = None
         self.inbox: deque[_Event] = deque()
         self.feed_queued = 0
+        self.busy = False  # The delivery task holds an event it took from the inbox (order: after it).
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
         self.deliver_task: asyncio.Task[None] | None = None
         self.retry_task: asyncio.Task[None] | None = None
+        self.answer_timer: asyncio.TimerHandle | None = None  # Bounds the wait for the MountResponse.
 
     def put(self, event: _Event) -> None:
         self.inbox.append(event)
@@ -651,29 +653,84 @@ class _Link:
     async def _read(self, conn: FramedConnection) -> None:
         driver = self.driver
         version = conn.negotiated_version
+        decode = cs.decode
+        decode_feed = cs.decode_feed_data
+        mounts = driver._mounts
+        listener = driver._listener
+        # A listener that takes a feed entry without a coroutine (the core does) gets it straight from here
+        # when nothing of its partition is queued before it: no event object, no inbox, no task hop.
+        nowait = getattr(listener, "feed_data_nowait", None)
         while True:
-            msg = cs.decode(await conn.receive(), version)
-            mount = driver._mounts.get(msg.req_id.partition_id)
-            if mount is None or mount.link is not self or mount.closed:
-                continue  # Not (or no longer) ours to hear from this server.
-            if isinstance(msg, cs.FeedData):
-                if mount.session is None:
-                    continue
-                mount.put(_Feed(mount.session, msg.transaction_id, msg.req_id, msg.header))
-                if mount.feed_queued >= INBOX_FEED_LIMIT:
-                    await mount.wait_room(self)
-            elif isinstance(msg, cs.MountResponse):
-                if msg.req_id == mount.session:
-                    mount.put(_MountReply(msg.req_id, msg.state))
-            elif isinstance(msg, cs.FeedSuspended):
-                if msg.req_id == mount.session:
-                    mount.put(_Suspended(msg.req_id))
-            elif isinstance(msg, cs.LockFailure):
-                mount.put(_LockFailed(msg.req_id, msg.transaction_id))
-            elif isinstance(msg, cs.FlushResponse):
-                mount.put(_Flushed(msg.req_id, msg.transaction_id))
-            else:
-                log.debug("ignoring %s from %s on the stream connection", type(msg).__name__, self.endpoint)
+            payload: bytes | None = await conn.receive()
+            # Then every message already buffered, without a coroutine each (a burst of feed entries).
+            while payload is not None:
+                feed = decode_feed(payload)
+                if feed is not None:
+                    req_id, tid, header = feed
+                    mount = mounts.get(to_signed32(req_id.lsb >> 32))
+                    if (
+                        mount is not None
+                        and mount.link is self
+                        and not mount.closed
+                        and _on_feed(nowait, mount, tid, req_id, header)
+                    ):
+                        await mount.wait_room(self)
+                else:
+                    self._on_message(decode(payload, version))
+                payload = conn.receive_nowait()
+
+    def _on_message(self, msg: cs.Message) -> None:
+        """Queue a message other than FeedData for its partition's delivery task."""
+        mount = self.driver._mounts.get(msg.req_id.partition_id)
+        if mount is None or mount.link is not self or mount.closed:
+            return  # Not (or no longer) ours to hear from this server.
+        if isinstance(msg, cs.MountResponse):
+            if msg.req_id == mount.session:
+                _cancel_answer_timer(mount)  # Answered, even if the delivery task reaches it later.
+                mount.put(_MountReply(msg.req_id, msg.state))
+        elif isinstance(msg, cs.FeedSuspended):
+            if msg.req_id == mount.session:
+                mount.put(_Suspended(msg.req_id))
+        elif isinstance(msg, cs.LockFailure):
+            mount.put(_LockFailed(msg.req_id, msg.transaction_id))
+        elif isinstance(msg, cs.FlushResponse):
+            mount.put(_Flushed(msg.req_id, msg.transaction_id))
+        elif isinstance(msg, cs.FeedData):  # pragma: no cover - decode_feed_data takes every FeedData
+            raise RemoteProtocolError("a FeedData the fast decoder refused")
+        else:
+            log.debug("ignoring %s from %s on the stream connection", type(msg).__name__, self.endpoint)
+
+
+def _on_feed(
+    nowait: Callable[[int, int, ReqId, int], bool] | None, mount: _Mount, tid: int, req_id: ReqId, header: int
+) -> bool:
+    """A feed entry for ``mount`` (attached to the link it came on): delivered at once when nothing of the
+    partition is queued before it and the listener has room, else queued for the delivery task, which
+    decides (repeats, gaps, waits for room). True if the reader must now wait for room in the inbox."""
+    session = mount.session
+    if session is None:
+        return False  # No feed session open: from an abandoned one.
+    if nowait is not None and not mount.inbox and not mount.busy:
+        if tid <= mount.position:
+            return False  # A repeat after a re-mount.
+        if tid == mount.position + 1 and _deliver_now(nowait, mount, tid, req_id, header):
+            return False
+    mount.put(_Feed(session, tid, req_id, header))
+    return mount.feed_queued >= INBOX_FEED_LIMIT
+
+
+def _deliver_now(
+    nowait: Callable[[int, int, ReqId, int], bool], mount: _Mount, tid: int, req_id: ReqId, header: int
+) -> bool:
+    """Hand the next feed entry to the listener at once; False (nothing done) if it has no room."""
+    try:
+        taken = nowait(mount.partition_id, tid, req_id, header)
+    except Exception:
+        log.exception("partition %d: delivering transaction %d failed", mount.partition_id, tid)
+        taken = True  # As the delivery task does: logged, and the feed goes on.
+    if taken:
+        mount.position = tid
+    return taken
 
 
 # -------------------------------------------------------------------------------------------- the driver
@@ -816,6 +873,7 @@ class NetworkDriver(ClientDriver):
         mount.closed = True
         mount.session = None
         mount.ready = False
+        _cancel_answer_timer(mount)
         if mount.link is not None:
             mount.link.detach(mount)
         tasks = [t for t in (mount.deliver_task, mount.retry_task) if t is not None]
@@ -972,12 +1030,48 @@ class NetworkDriver(ClientDriver):
         try:
             link.send(cs.MountRequest(session, mount.position, link.incarnation))
         except BrokenResourceError:
-            pass  # The link's reader sees the loss and mounts again on the next connection.
+            return  # The link's reader sees the loss and mounts again on the next connection.
+        _cancel_answer_timer(mount)
+        mount.answer_timer = asyncio.get_running_loop().call_later(
+            self._config.answer_timeout_ms / 1000, self._mount_unanswered, mount, session
+        )
+
+    def _mount_unanswered(self, mount: _Mount, session: ReqId) -> None:
+        """No MountResponse within ``client.answerTimeout``: a server that drops requests (or a link that
+        lost them without closing) would otherwise leave the partition unmounted for good."""
+        mount.answer_timer = None
+        if mount.session != session or mount.ready or mount.closed:
+            return
+        self._reconnect(mount, f"no answer to the mount within {self._config.answer_timeout_ms} ms")
+
+    def resync(self, partition_id: int) -> None:
+        mount = self._mounts.get(partition_id)
+        if mount is None or mount.closed or mount.ahead or self._closed:
+            return
+        self._reconnect(mount, f"appends unresolved for {self._config.answer_timeout_ms} ms")
+
+    def _reconnect(self, mount: _Mount, why: str) -> None:
+        """Drop the partition's stream connection (every partition on it re-mounts, as after a lost
+        connection), or place the partition again if it has none."""
+        link = mount.link
+        conn = link.conn if link is not None else None
+        if link is None or conn is None or conn.is_closed:
+            self._place(mount)
+            return
+        log.warning(
+            "partition %d: %s (client.answerTimeout); reconnecting to %s",
+            mount.partition_id,
+            why,
+            link.endpoint,
+        )
+        # The link's reader sees the close, abandons every session on it and reconnects at once.
+        self._spawn(conn.aclose(), f"waltz-reconnect {link.endpoint}")
 
     def _abandon(self, mount: _Mount) -> None:
         """End the partition's session: NOT_READY for the core, and no more feed from it."""
         mount.session = None
         mount.ready = False
+        _cancel_answer_timer(mount)
         mount.put(_Unready())
         mount.wake_readers()
 
@@ -1007,9 +1101,11 @@ class NetworkDriver(ClientDriver):
         nowait = getattr(listener, "feed_data_nowait", None)
         p = mount.partition_id
         while True:
+            mount.busy = False
             event = mount.get_nowait()
             if event is None:
                 event = await mount.get()
+            mount.busy = True
             try:
                 if isinstance(event, _Feed):
                     if event.session != mount.session or event.transaction_id <= mount.position:
@@ -1048,6 +1144,7 @@ class NetworkDriver(ClientDriver):
 
     async def _on_mount_reply(self, mount: _Mount, reply: _MountReply, listener: DriverListener) -> None:
         p = mount.partition_id
+        _cancel_answer_timer(mount)
         if reply.state == cs.PartitionState.READY:
             mount.ready = True
             if mount.link is not None:
@@ -1099,6 +1196,12 @@ class NetworkDriver(ClientDriver):
                 for p, m in self._mounts.items()
             },
         }
+
+
+def _cancel_answer_timer(mount: _Mount) -> None:
+    timer, mount.answer_timer = mount.answer_timer, None
+    if timer is not None:
+        timer.cancel()
 
 
 def _endpoint_of(mount: _Mount) -> str | None:

@@ -83,7 +83,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import ClassVar, Self
+from typing import ClassVar, Final, Self
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
 from waltz.protocol.record_run import encode_run, run_records, scan_run
@@ -123,6 +123,7 @@ __all__ = [
     "TransactionRangeRequest",
     "TransactionRangeResponse",
     "decode",
+    "decode_feed_data",
     "encode",
 ]
 
@@ -963,6 +964,19 @@ def encode(msg: Message, version: int) -> bytes:
             "not supported, upgrade servers"
         )
     return msg._encode(version)
+
+
+_FEED_DATA_TYPE: Final = int(MessageType.FEED_DATA)
+
+
+def decode_feed_data(payload: bytes | bytearray | memoryview) -> tuple[ReqId, int, int] | None:
+    """``(req_id, transaction_id, header)`` if ``payload`` is a well-formed FeedData (any codec version),
+    else None (then :func:`decode` it). The client's feed reader takes most messages this way, without a
+    message object: the feed is the bulk of what a client receives."""
+    if len(payload) != _FEED_DATA.size or payload[0] != _FEED_DATA_TYPE:
+        return None
+    _, msb, lsb, transaction_id, header = _FEED_DATA.unpack_from(payload, 0)
+    return ReqId(msb, lsb), transaction_id, header
 
 
 def decode(payload: bytes | bytearray | memoryview, version: int) -> Message:
