@@ -330,6 +330,13 @@ class RpcPool:
         request = make(ReqId.of(self.client_id, generation, partition_id, seq))
         try:
             return await rpc.call(request, timeout_ms)
+        except ClientTimeoutError:
+            # No answer on a connection that looks open: the server dropped the request, or the link loses
+            # what comes back. The next attempt gets a new connection rather than the same silence.
+            if self._clients.get(endpoint) is rpc:
+                del self._clients[endpoint]
+                await rpc.aclose()
+            raise
         except ClosedResourceError:
             if self._closed:
                 raise
@@ -946,7 +953,9 @@ class NetworkDriver(ClientDriver):
 
     @property
     def _attempt_timeout_ms(self) -> int:
-        return min(self._config.request_timeout_ms, RPC_ATTEMPT_TIMEOUT_MS)
+        # A third of the caller's limit at most, so that an attempt lost in silence leaves time for two more
+        # (each on a new connection: see RpcPool.call).
+        return max(min(self._config.request_timeout_ms // 3, RPC_ATTEMPT_TIMEOUT_MS), 1)
 
     def _rpc_target(self, partition_id: int) -> tuple[str, int]:
         self._check_open()
