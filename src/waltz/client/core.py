@@ -176,6 +176,7 @@ class AsyncWaltzClient:
         self._config = config
         self._driver_arg = driver if driver is not None else config.mock_driver
         self._driver: ClientDriver | None = None
+        self._client_id = -1
         self._clock = clock
         self._retry = RetryPolicy(
             initial_backoff_ms=config.retry_initial_backoff_ms,
@@ -218,6 +219,7 @@ class AsyncWaltzClient:
             await asyncio.to_thread(self._pool.shutdown)
             raise
         self._driver = self._driver_arg
+        self._client_id = self._driver.client_id  # Constant once the driver is open.
         if self._config.auto_mount:
             for partition_id in range(self._driver.num_partitions):
                 self._add_partition(partition_id)
@@ -504,7 +506,7 @@ class AsyncWaltzClient:
             or partition.error is not None
             or partition.state is not MountState.READY
             or self._closed
-            or self._retry.expired(context.creation_time, time.time())
+            or (self._retry.timeout_ms > 0 and self._retry.expired(context.creation_time, time.time()))
             or not partition.slots.try_acquire()
         ):
             return None
@@ -1104,9 +1106,10 @@ class AsyncWaltzClient:
         """Register and send one append; synchronous, so registration order is send order. ``outcome`` is
         called (on the loop) with the append's fate."""
         driver = self._require_driver()
-        seq = self._next_seq.get(partition.id, 0) + 1
-        self._next_seq[partition.id] = seq
-        req_id = ReqId.of(driver.client_id, driver.generation(partition.id), partition.id, seq)
+        p = partition.id
+        seq = self._next_seq.get(p, 0) + 1
+        self._next_seq[p] = seq
+        req_id = ReqId.of(self._client_id, driver.generation(p), p, seq)
         request = builder.build(req_id)
         partition.outcomes[req_id] = outcome
         monitor.register(req_id, seq, self._clock())

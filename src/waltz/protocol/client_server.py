@@ -139,6 +139,7 @@ _PREFIX = struct.Struct(">BQQ")  # type, ReqId msb, ReqId lsb
 _PREFIX_BYTES = _PREFIX.size  # 17
 _APPEND_HEAD = struct.Struct(">BQQqi")  # type, ReqId, clientHighWaterMark, writeLocks count
 _FEED_DATA = struct.Struct(">BQQqi")  # type, ReqId, transactionId, header
+_APPEND_HEAD_NO_LOCKS = struct.Struct(">BQQqiiiii")  # V2+: type, ReqId, hwm, 0 locks x3, header, length
 _I32 = struct.Struct(">i")
 _HEADER_AND_LENGTH = struct.Struct(">ii")
 _U32 = struct.Struct(">I")
@@ -422,7 +423,20 @@ class AppendRequest(_Message):
         nw, nr, na = len(w), len(r), len(a)
         data = self.data
         try:
-            if version >= 2:
+            if version >= 2 and not (nw or nr or na):
+                # The common append, without locks: one precompiled struct instead of a format per call.
+                head = _APPEND_HEAD_NO_LOCKS.pack(
+                    2,
+                    self.req_id.msb & _MASK64,
+                    self.req_id.lsb & _MASK64,
+                    self.client_high_water_mark,
+                    0,
+                    0,
+                    0,
+                    self.header,
+                    len(data),
+                )
+            elif version >= 2:
                 head = struct.pack(
                     f">BQQqi{nw}ii{nr}ii{na}iii",
                     2,
