@@ -367,8 +367,10 @@ def _deliver_now(nowait: FeedNowait, mount: Mount, tid: int, req_id: ReqId, head
     try:
         taken = nowait(mount.partition_id, tid, req_id, header)
     except Exception:
+        # As the delivery task does: logged, and the position stays, so the next entry is a gap and the
+        # partition re-mounts from here (this one is delivered again).
         log.exception("partition %d: delivering transaction %d failed", mount.partition_id, tid)
-        taken = True  # As the delivery task does: logged, and the feed goes on.
+        return True
     if taken:
         mount.position = tid
     return taken
