@@ -36,6 +36,7 @@ class TransactionBuilder:
         self._header = 0
         self._data = b""
         self._write_locks: tuple[PartitionLocalLock, ...] = ()
+        self._write_hashes: tuple[int, ...] | None = None  # Computed once: the core asks up to three times.
         self._read_locks: tuple[PartitionLocalLock, ...] = ()
         self._append_locks: tuple[PartitionLocalLock, ...] = ()
 
@@ -68,6 +69,7 @@ class TransactionBuilder:
     def set_write_locks(self, locks: Iterable[PartitionLocalLock]) -> None:
         """Locks this transaction checks and takes."""
         self._write_locks = _check_locks(locks)
+        self._write_hashes = None
 
     def set_read_locks(self, locks: Iterable[PartitionLocalLock]) -> None:
         """Locks this transaction checks but does not take."""
@@ -100,14 +102,17 @@ class TransactionBuilder:
     @property
     def write_lock_hashes(self) -> tuple[int, ...]:
         """The distinct 32-bit hashes of the write locks, as the server sees them."""
-        return _hashes(self._write_locks) if self._write_locks else ()
+        hashes = self._write_hashes
+        if hashes is None:
+            hashes = self._write_hashes = _hashes(self._write_locks) if self._write_locks else ()
+        return hashes
 
     def build(self, req_id: ReqId) -> AppendRequest:
         """The append request for this transaction (the client assigns ``req_id`` when it sends it)."""
         return AppendRequest(
             req_id=req_id,
             client_high_water_mark=self.client_high_water_mark,
-            write_locks=_hashes(self._write_locks) if self._write_locks else (),
+            write_locks=self.write_lock_hashes,
             read_locks=_hashes(self._read_locks) if self._read_locks else (),
             append_locks=_hashes(self._append_locks) if self._append_locks else (),
             header=self._header,

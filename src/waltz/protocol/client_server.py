@@ -79,6 +79,7 @@ other messages use.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -140,6 +141,12 @@ _PREFIX_BYTES = _PREFIX.size  # 17
 _APPEND_HEAD = struct.Struct(">BQQqi")  # type, ReqId, clientHighWaterMark, writeLocks count
 _FEED_DATA = struct.Struct(">BQQqi")  # type, ReqId, transactionId, header
 _APPEND_HEAD_NO_LOCKS = struct.Struct(">BQQqiiiii")  # V2+: type, ReqId, hwm, 0 locks x3, header, length
+
+
+@functools.lru_cache(maxsize=64)
+def _append_head_v2(nw: int, nr: int, na: int) -> struct.Struct:
+    """The V2+ AppendRequest head for these lock counts, compiled once (appends reuse a few shapes)."""
+    return struct.Struct(f">BQQqi{nw}ii{nr}ii{na}iii")
 _I32 = struct.Struct(">i")
 _HEADER_AND_LENGTH = struct.Struct(">ii")
 _U32 = struct.Struct(">I")
@@ -437,8 +444,7 @@ class AppendRequest(_Message):
                     len(data),
                 )
             elif version >= 2:
-                head = struct.pack(
-                    f">BQQqi{nw}ii{nr}ii{na}iii",
+                head = _append_head_v2(nw, nr, na).pack(
                     2,
                     self.req_id.msb & _MASK64,
                     self.req_id.lsb & _MASK64,
