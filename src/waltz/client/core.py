@@ -326,6 +326,11 @@ class AsyncWaltzClient:
             if first is None:
                 await self._acquire_slot(partition)
                 run.holds_slot = True
+                self._check_open()
+                # A slot after a wait (the common case of a loaded sync client): execute now, as the first
+                # attempt does when it finds a free slot, instead of a slow-path task that waits for the
+                # mount under a timeout to do the same.
+                first = await self._execute_after_wait(run, partition)
             self._check_open()
         except Exception as e:
             self._release_slot(run)
@@ -526,6 +531,24 @@ class AsyncWaltzClient:
             return builder
         if result is not None and inspect.isawaitable(result):
             return _Pending(builder, result)  # A coroutine execute (inline mode): submit awaits it.
+        return builder if result else False
+
+    async def _execute_after_wait(
+        self, run: Run, partition: PartitionState
+    ) -> TransactionBuilder | Literal[False] | Exception | None:
+        """``execute`` for a first attempt that waited for its slot (which it holds), if the partition is
+        ready and the context not expired; None (not executed: the slow path decides) otherwise. Like
+        :meth:`_first_attempt`, an exception of ``execute`` is returned, not raised."""
+        monitor = self._ready_monitor(partition)
+        if monitor is None or (
+            self._retry.timeout_ms > 0 and self._retry.expired(run.context.creation_time, time.time())
+        ):
+            return None
+        builder = TransactionBuilder(partition.id, monitor.applied_high_water_mark)
+        try:
+            result = await self._call_user(run.context.execute, builder)
+        except Exception as e:  # noqa: BLE001 - reported through on_exception by submit
+            return e
         return builder if result else False
 
     async def _finish_first(

@@ -147,6 +147,8 @@ _APPEND_HEAD_NO_LOCKS = struct.Struct(">BQQqiiiii")  # V2+: type, ReqId, hwm, 0 
 def _append_head_v2(nw: int, nr: int, na: int) -> struct.Struct:
     """The V2+ AppendRequest head for these lock counts, compiled once (appends reuse a few shapes)."""
     return struct.Struct(f">BQQqi{nw}ii{nr}ii{na}iii")
+
+
 _I32 = struct.Struct(">i")
 _HEADER_AND_LENGTH = struct.Struct(">ii")
 _U32 = struct.Struct(">I")
