@@ -530,3 +530,57 @@ def test_metadata_generation_no_assignment_explains_is_reported_not_obeyed_silen
             assert partition.statistics()["metadata_conflict"] is None
 
     run_virtual(main())
+
+
+# -- damage reported by a replica's scrub --------------------------------------------------------------------
+
+
+def test_damage_a_replica_reports_on_its_own_is_repaired_without_any_read() -> None:
+    async def main() -> None:
+        world = World(damage_poll_interval_ms=1_000)
+        async with world.partition() as partition:
+            ids = await asyncio.gather(*(partition.append(req(i)) for i in range(20)))
+            assert ids == list(range(20))
+            bad = world.storages["s1:1"]
+            for txn in (3, 4, 11):
+                bad.damage(0, txn)
+            # Nobody reads: the owner's poll finds the damage and sends good copies.
+            await _wait(lambda: not bad.partitions[0].damaged, timeout_s=5)
+            repairs = partition.repairs
+            assert (repairs.started, repairs.finished, repairs.failed, repairs.records) == (1, 1, 0, 3)
+            assert partition.damaged_replicas == {}  # no read met it
+            assert await partition.append(req(20)) == 20  # writes went on
+            assert partition.is_healthy
+
+    run_virtual(main())
+
+
+def test_damage_no_other_replica_holds_a_good_copy_of_is_retried_later_not_every_poll() -> None:
+    async def main() -> None:
+        world = World(damage_poll_interval_ms=1_000)
+        async with world.partition() as partition:
+            await asyncio.gather(*(partition.append(req(i)) for i in range(10)))
+            for name in NAMES:
+                world.storages[name].damage(0, 5)
+            await asyncio.sleep(3.5)
+            # Every replica tried once, each failing: each then waits REPAIR_RETRY_POLLS polls.
+            assert partition.repairs.started == 3
+            assert partition.repairs.failed == 3
+            assert partition.repairs.finished == 0
+            assert partition.is_healthy
+            assert await partition.append(req(10)) == 10
+
+    run_virtual(main())
+
+
+def test_damage_polls_are_off_with_a_zero_interval() -> None:
+    async def main() -> None:
+        world = World(damage_poll_interval_ms=0)
+        async with world.partition() as partition:
+            await asyncio.gather(*(partition.append(req(i)) for i in range(10)))
+            world.storages["s0:1"].damage(0, 2)
+            await asyncio.sleep(30)
+            assert world.storages["s0:1"].partitions[0].damaged == {2}
+            assert partition.repairs.started == 0
+
+    run_virtual(main())

@@ -524,6 +524,7 @@ class StoragePartition:
                 plog = self._check(msg, msg.offline)
                 new_max = plog.truncate(msg.transaction_id)
                 self.durable_max = min(self.durable_max, new_max)
+                self._forget_damage_above(new_max)
                 self.node.metrics.max_txn.labels(pid).set(new_max)
                 return st.MaxTransactionIdResponse(sid, seq, pid, new_max)
             if isinstance(msg, st.SetLowWaterMarkRequest):
@@ -559,6 +560,11 @@ class StoragePartition:
                 plog = self._check(msg, False)
                 self._repaired(plog.repair(msg.records))
                 return st.SuccessResponse(sid, seq, pid)
+            if isinstance(msg, st.DamagedRecordsRequest):
+                # Session-checked like a read: only the partition's current owner learns (and repairs) them.
+                self._check(msg, False)
+                n = max(0, min(msg.max_ids, MAX_DAMAGED_REPORTED))
+                return st.DamagedRecordsResponse(sid, seq, pid, tuple(sorted(self.damaged)[:n]))
             raise RemoteProtocolError(f"{type(msg).__name__} is not a request")
         except RecordCorruptionError as e:
             self.note_damage(e.transaction_id, str(e))
@@ -604,6 +610,11 @@ class StoragePartition:
             transaction_id,
             reason,
         )
+
+    def _forget_damage_above(self, max_id: int) -> None:
+        """Damaged records a truncation removed are no longer held, so no longer reported."""
+        for txn in [t for t in self.damaged if t > max_id]:
+            del self.damaged[txn]
 
     def _repaired(self, ids: list[int]) -> None:
         for txn in ids:

@@ -56,7 +56,7 @@ from waltz.server.store.store_session import (
     SessionOutcome,
     StoreSession,
 )
-from waltz.server.store.support import Backoff, InvariantViolation, StoreConfig, TaskList
+from waltz.server.store.support import Backoff, InvariantViolation, RepairStatistics, StoreConfig, TaskList
 
 __all__ = ["StorePartition", "StoreStatistics"]
 
@@ -132,6 +132,8 @@ class StorePartition:
         self.internal_errors: list[BaseException] = []
         """Bugs caught by the supervisor (it logs them and starts a new session)."""
         self.stats = StoreStatistics()
+        self.repairs = RepairStatistics()
+        """SessionHost: repairs of damage that replicas reported on their own (their scrub found it)."""
         """Running totals for metrics (plain numbers: the server reads them when scraped)."""
 
     # -- life cycle ------------------------------------------------------------------------------------------
