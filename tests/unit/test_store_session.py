@@ -532,6 +532,30 @@ def test_metadata_generation_no_assignment_explains_is_reported_not_obeyed_silen
     run_virtual(main())
 
 
+def test_metadata_repaired_by_an_operator_is_served_again_without_a_new_assignment() -> None:
+    async def main() -> None:
+        world = World(stale_report_ms=5_000)
+        await world.metadata.compare_and_set(0, PartitionMetadata(generation=3, session_id=-1), -1)
+        async with world.partition(generation=3) as partition:
+            assert await partition.append(req(0, generation=3)) == 0
+            # A bogus write of generation 1002 (the rest kept); a replica fails, so a new session is needed.
+            metadata, version = await world.metadata.get(0)
+            bogus = PartitionMetadata(1002, metadata.session_id, metadata.replicas)
+            version = await world.metadata.compare_and_set(0, bogus, version)
+            world.storages["s0:1"].crash()
+            await _wait(lambda: partition.statistics()["metadata_conflict"] is not None)
+            # The operator's fix (waltz cluster fix-generation) lowers it back to the assigned generation.
+            fixed = PartitionMetadata(3, bogus.session_id, bogus.replicas)
+            await world.metadata.compare_and_set(0, fixed, version)
+            world.storages["s0:1"].restart()
+            await _wait(lambda: partition.statistics()["metadata_conflict"] is None, timeout_s=15)
+            assert await partition.append(req(1, generation=3)) == 1
+            records = await partition.read_records(0, 10)
+            assert [r.req_id for r in records] == [req(0, generation=3).req_id, req(1, generation=3).req_id]
+
+    run_virtual(main())
+
+
 # -- damage reported by a replica's scrub --------------------------------------------------------------------
 
 

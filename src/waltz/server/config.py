@@ -69,6 +69,13 @@ SERVER_SCHEMA = ConfigSchema(
         Key("storage.checkpointInterval", int, 250_000, "transactions between forced new sessions", 1),
         Key("storage.rpcTimeout", int, 10_000, "storage request timeout (ms)", 100),
         Key(
+            "storage.metadataConflictReport",
+            int,
+            30_000,
+            "report (and re-read every this many ms) partition metadata at a generation no assignment gave",
+            100,
+        ),
+        Key(
             "storage.damagePollInterval",
             int,
             10_000,
@@ -162,6 +169,7 @@ class ServerConfig:
                 max_retry_interval_ms=c["storage.maxRetryInterval"],
                 rpc_timeout_ms=c["storage.rpcTimeout"],
                 damage_poll_interval_ms=c["storage.damagePollInterval"],
+                stale_report_ms=c["storage.metadataConflictReport"],
             ),
             tls=TlsConfig.from_config(c, "server.ssl.", role="both", source=source),
             connection_max_in_flight=c["server.connection.maxInFlight"],
