@@ -76,7 +76,7 @@ from waltz.protocol import admin as adm
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
 from waltz.protocol.records import Record
-from waltz.storage.authority import SessionAuthority, ZkSessionAuthority
+from waltz.storage.authority import SessionAuthority, ZkSessionAuthority, step_refusal
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import FLAG_AVAILABLE, ControlFile, PartitionInfo
 from waltz.storage.fileio import FAULTS, OS_FS
@@ -1124,9 +1124,12 @@ class StorageNode:
             self.metrics.connections.dec()
 
     async def _session_refusal(self, part: StoragePartition, session_id: int, peer: Any) -> WaltzError | None:
-        """Why ``session_id`` may not fence ``part`` (None: it may): the cluster never handed it out."""
-        if self.authority is None or session_id <= part.verified_session_id:
+        """Why ``session_id`` may not fence ``part`` (None: it may): the cluster never handed it out, or, on a
+        standalone node, it jumps further than ``storage.maxSessionIdStep``."""
+        if session_id <= part.verified_session_id:
             return None
+        if self.authority is None:
+            return self._step_refusal(part, session_id, peer)
         async with part.session_check:  # One ZooKeeper read at a time per partition.
             if session_id <= part.verified_session_id:
                 return None
@@ -1159,6 +1162,27 @@ class StorageNode:
             f"session {session_id} of partition {part.partition_id} was never handed out by the cluster "
             f"(newest recorded: {part.verified_session_id}); refused"
         )
+
+    def _step_refusal(self, part: StoragePartition, session_id: int, peer: Any) -> WaltzError | None:
+        """The standalone bound (see :func:`waltz.storage.authority.step_refusal`)."""
+        why = step_refusal(session_id, part.verified_session_id, self.config.max_session_id_step)
+        if why is None:
+            part.verified_session_id = session_id  # accepted: the next step is measured from here
+            return None
+        self.metrics.refused_sessions.labels(part.partition_id).inc()
+        now = time.monotonic()
+        if now - part.last_refusal_log_s >= REFUSAL_LOG_INTERVAL_S:
+            part.last_refusal_log_s = now
+            log.warning(
+                "partition %d: refused session id %d from %s: %s (a corrupt or forged request; it fences "
+                "nothing; if this replica joins a partition whose sessions really are that far on, raise "
+                "storage.maxSessionIdStep)",
+                part.partition_id,
+                session_id,
+                peer,
+                why,
+            )
+        return SessionFencedError(f"partition {part.partition_id}: {why}; refused")
 
     def _check_identity(self, key: uuid.UUID, num_partitions: int) -> None:
         if key != self.control.key:
