@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,8 +17,12 @@ import pytest
 from tests.integration.conftest import ClusterFactory
 from tests.integration.raw_client import RawClient
 from tests.integration.server_process import wait_until
+from tests.integration.storage_process import DEFAULT_KEY, StorageProcess
 from tests.integration.test_security_probes import _flip_byte
 from waltz.cluster.membership import ClusterWatcher
+from waltz.errors import SessionFencedError
+from waltz.protocol.records import Record, ReqId
+from waltz.server.storage_client import AdminClient, StorageClient
 
 pytestmark = [pytest.mark.integration]
 
@@ -110,3 +115,39 @@ def test_damage_only_the_scrub_found_is_repaired_by_the_owner_without_any_read(
         assert _metric(metrics, "waltz_server_scrub_repairs_failed_total") == 0
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_storage_node_tells_the_current_session_which_records_its_scrub_found_damaged(
+    tmp_path: Path,
+) -> None:
+    config = {"storage.scrub.bytesPerSecond": 10_000_000, "storage.scrub.pauseMs": 100}
+    with StorageProcess(tmp_path, config=config).start() as sp:
+
+        async def main() -> None:
+            admin = await AdminClient.connect("127.0.0.1", sp.admin_port, DEFAULT_KEY, sp.num_partitions)
+            data = await StorageClient.connect("127.0.0.1", sp.port, DEFAULT_KEY, sp.num_partitions)
+            async with admin, data:
+                await admin.set_assigned([0], True)
+                batch = [Record.build(i, ReqId.of(1, 1, 0, i), 0, b"polled-%04d" % i) for i in range(200)]
+                await data.append(0, 0, batch)
+                assert await data.damaged_records(0, 0, 1000) == []
+                _flip_byte(sp, 0, b"polled-0040")
+                _flip_byte(sp, 0, b"polled-0150")
+
+                async def reported() -> bool:
+                    return await data.damaged_records(0, 0, 1000) == [40, 150]
+
+                await wait_until(reported, 20, "the scrub to report 40 and 150 to the session")
+                assert await data.damaged_records(0, 0, 1) == [40]  # at most what was asked
+                # Only the current session learns them: a newer one fences the old.
+                assert await data.max_transaction_id(1, 0) == 199
+                with pytest.raises(SessionFencedError):
+                    await data.damaged_records(0, 0, 1000)
+                # Truncated records are no longer held, so no longer reported.
+                assert await data.truncate(1, 0, 100) == 100
+                assert await data.damaged_records(1, 0, 1000) == [40]
+                await data.repair(1, 0, batch[40:41])
+                assert await data.damaged_records(1, 0, 1000) == []
+
+        asyncio.run(main())

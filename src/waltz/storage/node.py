@@ -1220,6 +1220,7 @@ class StorageNode:
                 self.control.reset(pid)
                 self.control.update(pid, flags=FLAG_AVAILABLE)
                 part.session_id = -1
+                part.damaged.clear()  # The records it named are gone or no longer this node's business.
                 part.close_log()
                 delete_log_files(OS_FS, os.path.join(self.config.directory, str(pid)))
                 return
@@ -1231,6 +1232,7 @@ class StorageNode:
                     pid, session_id=-1, low_water_mark=-1, local_low_water_mark=-1, flags=FLAG_AVAILABLE
                 )
                 part.session_id = -1
+                part.damaged.clear()  # The records it named are gone or no longer this node's business.
                 part.close_log()
                 if delete_files:
                     # Never opened for deletion: a log that would not open (corrupt) must still go.
