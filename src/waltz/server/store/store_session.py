@@ -378,7 +378,10 @@ class StoreSession:
 
         Before the opening, any replica whose classification is done serves the ids it holds (``source`` picks
         the usher while the vote is undecidable); after it, only participants serve, and only committed ids. A
-        failed or misbehaving source ends the session (raises :class:`SessionOver`).
+        source whose stored copy is damaged (CorruptionError) is reported and another one is read: ending the
+        session instead would end every next one the same way until the damage is repaired, and the repair
+        (``_watch_damage``) needs an open session. Any other failure of a source, or a misbehaving one, ends
+        the session (raises :class:`SessionOver`).
         """
         if self.is_open:
             end = min(end, self.high_water_mark)
@@ -398,20 +401,30 @@ class StoreSession:
         if not candidates:
             self.end(EndReason.REPLICA_FAILED, f"no replica holds {start} for {requester.storage} to copy")
             raise SessionOver
-        src = candidates[0] if len(candidates) == 1 else self.rng.choice(candidates)
-        conn = src.connection
-        if conn is None or src.readable_max < start:
-            self.end_for(src, "left while being copied from")
-            raise SessionOver
-        count = min(count, src.readable_max - start + 1)
-        try:
-            records = await self.call(conn.read_records(start, count))
-        except SessionFencedError as e:
-            self.end_fenced(f"{src.storage}: {e}")
-            raise SessionOver from None
-        except WaltzError as e:
-            self.end_for(src, f"failed a catch-up read: {e!r}")
-            raise SessionOver from None
+        while True:
+            src = candidates[0] if len(candidates) == 1 else self.rng.choice(candidates)
+            conn = src.connection
+            if conn is None or src.readable_max < start:
+                self.end_for(src, "left while being copied from")
+                raise SessionOver
+            wanted = min(count, src.readable_max - start + 1)
+            try:
+                records = await self.call(conn.read_records(start, wanted))
+            except SessionFencedError as e:
+                self.end_fenced(f"{src.storage}: {e}")
+                raise SessionOver from None
+            except CorruptionError as e:
+                self._host.replica_damaged(src.storage, str(e))
+                candidates = [c for c in candidates if c is not src]
+                if candidates:
+                    continue
+                self.end_for(src, f"failed a catch-up read: {e!r}")
+                raise SessionOver from None
+            except WaltzError as e:
+                self.end_for(src, f"failed a catch-up read: {e!r}")
+                raise SessionOver from None
+            count = wanted
+            break
         problem = _check_records(records, start, count)
         if problem is not None:
             self.end_for(src, f"returned bad records for {start}..: {problem}")
