@@ -83,6 +83,9 @@ def test_a_bogus_generation_is_repaired_by_fix_generation_and_nothing_committed_
                 assigned = sm.read_partition_assignment(cluster.zk, cluster.root)[0].generations()[0]
                 assert assigned < BOGUS
 
+                code, out, _ = await waltz("cluster", "verify", "-c", config, "--timeout", "5")
+                assert code == 1
+                assert f"its metadata is at generation {BOGUS}, above the assignment's {assigned}" in out
                 # Without --yes: shows the change, writes nothing.
                 code, out, err = await waltz("cluster", "fix-generation", "-c", config, "-p", "0")
                 assert code == 0, err
@@ -119,6 +122,8 @@ def test_a_bogus_generation_is_repaired_by_fix_generation_and_nothing_committed_
                 await client.aclose()
         assert "0" not in (await asyncio.to_thread(_health, server.http_port)).get("metadataConflicts", {})
         assert "repaired; serving again" in server.log_text()
+        _, out, _ = await waltz("cluster", "verify", "-c", config, "--timeout", "5")
+        assert "above the assignment's" not in out
         for sp in cluster.storages:
             log = await cluster.read_log(sp, 0, 24)
             assert [r.data for r in log] == [b"before-%d" % i for i in range(20)] + [
