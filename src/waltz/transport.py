@@ -441,27 +441,19 @@ class FramedConnection:
             raise self._error
         if self._closed:
             raise ClosedResourceError("connection closed")
-        proto = self._proto
-        while True:
-            try:
-                event = proto.next_event()
-            except RemoteProtocolError as e:
-                self._warnings.warning(
-                    _source(self._writer),
-                    reason_kind("protocol", e),
-                    "closing connection with %s: %s",
-                    self.peername,
-                    e,
-                )
-                self._error = e
-                self._writer.transport.abort()
-                raise
-            if type(event) is Payload:
-                return event.data
-            if event is NEED_DATA:
-                return None
-            if not isinstance(event, KeepAlive):  # pragma: no cover - the decoder refuses a 2nd hello
-                raise RemoteProtocolError(f"unexpected event {event!r}")
+        try:
+            return self._proto.next_payload()
+        except RemoteProtocolError as e:
+            self._warnings.warning(
+                _source(self._writer),
+                reason_kind("protocol", e),
+                "closing connection with %s: %s",
+                self.peername,
+                e,
+            )
+            self._error = e
+            self._writer.transport.abort()
+            raise
 
     async def _read(self) -> bytes:
         self._read_started_s = self._loop.time()
