@@ -37,6 +37,9 @@ class Outcome(enum.Enum):
     LOCK_FAILED = "lock failed"
 
 
+_COMMITTED = Outcome.COMMITTED  # A module constant: read once per feed entry (enum lookups are slow).
+
+
 class Resolution(NamedTuple):
     """The fate of one append. ``transaction_id`` is the committed id (COMMITTED), the id of the conflicting
     transaction (LOCK_FAILED), or -1 (FAILED). A named tuple: one is made per append, and a frozen
@@ -114,7 +117,7 @@ class TransactionMonitor:
         else:
             resolutions = self._fail_up_to(entry.seq - 1)
             del pending[req_id]
-            resolutions.append(Resolution(req_id, Outcome.COMMITTED, transaction_id))
+            resolutions.append(Resolution(req_id, _COMMITTED, transaction_id))
         if self._flush_responses or self._flushes_sent:
             resolutions.extend(self._release_flushes())
         return resolutions
