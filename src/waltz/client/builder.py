@@ -8,6 +8,7 @@ from typing import Any, TypeVar, overload
 from waltz.client.driver import AppendRequest
 from waltz.client.locks import PartitionLocalLock, lock_hash
 from waltz.client.serializer import Serializer
+from waltz.protocol.client_server import new_append_request
 from waltz.protocol.records import ReqId, crc32
 from waltz.protocol.wire import I32_MAX, I32_MIN
 
@@ -109,15 +110,15 @@ class TransactionBuilder:
 
     def build(self, req_id: ReqId) -> AppendRequest:
         """The append request for this transaction (the client assigns ``req_id`` when it sends it)."""
-        return AppendRequest(
-            req_id=req_id,
-            client_high_water_mark=self.client_high_water_mark,
-            write_locks=self.write_lock_hashes,
-            read_locks=_hashes(self._read_locks) if self._read_locks else (),
-            append_locks=_hashes(self._append_locks) if self._append_locks else (),
-            header=self._header,
-            data=self._data,
-            checksum=crc32(self._data),
+        return new_append_request(
+            req_id,
+            self.client_high_water_mark,
+            self.write_lock_hashes,
+            _hashes(self._read_locks) if self._read_locks else (),
+            _hashes(self._append_locks) if self._append_locks else (),
+            self._header,
+            self._data,
+            crc32(self._data),
         )
 
 

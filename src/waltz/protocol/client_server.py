@@ -125,6 +125,7 @@ __all__ = [
     "TransactionRangeResponse",
     "decode",
     "decode_feed_data",
+    "new_append_request",
     "encode",
 ]
 
@@ -986,6 +987,36 @@ def encode(msg: Message, version: int) -> bytes:
             "not supported, upgrade servers"
         )
     return msg._encode(version)
+
+
+_APPEND_SLOT_SETTERS = tuple(
+    AppendRequest.__dict__[f.name].__set__ for f in dataclasses.fields(AppendRequest)
+)
+
+
+def new_append_request(
+    req_id: ReqId,
+    client_high_water_mark: int,
+    write_locks: tuple[int, ...],
+    read_locks: tuple[int, ...],
+    append_locks: tuple[int, ...],
+    header: int,
+    data: bytes,
+    checksum: int,
+) -> AppendRequest:
+    """``AppendRequest(...)`` with the same arguments, built through its slots' setters: a frozen dataclass's
+    ``__init__`` pays an ``object.__setattr__`` lookup per field (twice the cost, on a client's hot path)."""
+    msg = object.__new__(AppendRequest)
+    s0, s1, s2, s3, s4, s5, s6, s7 = _APPEND_SLOT_SETTERS
+    s0(msg, req_id)
+    s1(msg, client_high_water_mark)
+    s2(msg, write_locks)
+    s3(msg, read_locks)
+    s4(msg, append_locks)
+    s5(msg, header)
+    s6(msg, data)
+    s7(msg, checksum)
+    return msg
 
 
 _FEED_DATA_TYPE: Final = int(MessageType.FEED_DATA)
