@@ -305,7 +305,11 @@ class ZooKeeperServer:
         return four_letter_word(self.host, self.port, word, timeout_s, ssl_context=self.probe_ssl_context())
 
     def is_serving(self) -> bool:
-        return self.four_letter_word("ruok") == "imok" and "Mode:" in self.four_letter_word("srvr")
+        # A TLS handshake with a JVM that has just started can take more than a second on a loaded machine.
+        timeout_s = 3.0 if self.tls is not None else 1.0
+        return self.four_letter_word("ruok", timeout_s) == "imok" and "Mode:" in self.four_letter_word(
+            "srvr", timeout_s
+        )
 
     def wait_serving(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
