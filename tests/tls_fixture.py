@@ -1,10 +1,10 @@
 """Test certificates, made once per test session with ``openssl`` (see :mod:`waltz.local.certs`).
 
 ``tls_pki`` (session scope) is a :class:`~waltz.local.certs.LocalPki` with a CA and the certificates
-``storage``, ``server`` and ``client`` (each for IP:127.0.0.1 and DNS:localhost, usable by servers and
-clients). ``stranger_pki`` is a second CA, which ``tls_pki`` does not trust, with one certificate,
+``storage``, ``server``, ``client`` and ``zookeeper`` (each for IP:127.0.0.1 and DNS:localhost, usable by
+servers and clients). ``stranger_pki`` is a second CA, which ``tls_pki`` does not trust, with one certificate,
 ``stranger``: one to present where it must be refused. ``tests/conftest.py`` makes both fixtures available
-to every test; :func:`tls_config` and :func:`tls_keys` turn them into settings.
+to every test; :func:`tls_config`, :func:`tls_keys` and :func:`zk_tls_keys` turn them into settings.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from waltz.local.certs import LocalPki, make_local_pki
 from waltz.tls import TlsConfig
 
-NAMES = ("storage", "server", "client")
+NAMES = ("storage", "server", "client", "zookeeper")
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +47,8 @@ def tls_keys(pki: LocalPki, name: str | None, prefix: str, *, ca: bool = True) -
     if ca:
         keys[f"{prefix}caFile"] = str(pki.ca_file)
     return keys
+
+
+def zk_tls_keys(pki: LocalPki, name: str | None, *, ca: bool = True) -> dict[str, object]:
+    """``zookeeper.ssl.*``: TLS to ZooKeeper with ``name``'s certificate (None: none) and the PKI's CA."""
+    return {"zookeeper.ssl.enabled": True, **tls_keys(pki, name, "zookeeper.ssl.", ca=ca)}

@@ -22,9 +22,8 @@ client port, so digest passwords and metadata (the cluster key among them) never
 ``zookeeper.ssl.caFile`` is the CA ZooKeeper's certificate must chain to (default: the system's CAs),
 ``zookeeper.ssl.certFile``/``keyFile`` the client certificate a server with ``ssl.clientAuth=need`` demands,
 ``zookeeper.ssl.checkHostname`` (default true) whether ZooKeeper's certificate must name the host connected
-to.
-The files are checked when the configuration is read (bounded reads, errors naming the key, as
-:mod:`waltz.tls` does for Waltz's own ports). kazoo reads them again on every (re)connection, so a
+to. The files are checked when the configuration is read (bounded reads, errors naming the key, as
+:mod:`waltz.tls` does for Waltz's own ports), and read again, the same way, at every (re)connection, so a
 certificate replaced in place (atomically) is picked up at the next reconnection.
 """
 
@@ -54,13 +53,13 @@ from kazoo.exceptions import (
     OperationTimeoutError,
     SessionExpiredError,
 )
-from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.handlers.threading import KazooTimeoutError, SequentialThreadingHandler
 from kazoo.retry import KazooRetry
 from kazoo.security import ACL, Id, Permissions, make_acl
 
 from waltz.config import Key
 from waltz.errors import ClusterError, ConcurrentUpdateError, ConfigError, MetadataError
-from waltz.tls import TlsConfig
+from waltz.tls import MIN_TLS_VERSION, TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -117,20 +116,44 @@ class ZkTls:
         """The keyword arguments of :class:`kazoo.client.KazooClient` for this setting."""
         if not self.enabled:
             return {}
-        f = self.files
-        return {
-            "use_ssl": True,
-            "ca": f.ca_file or None,
-            "certfile": f.cert_file or None,
-            "keyfile": f.key_file or None,
-            "verify_certs": True,
-            "check_hostname": f.check_hostname,
-        }
+        return {"use_ssl": True, "handler": _TlsHandler(self)}
 
     def describe(self) -> str:
         if not self.enabled:
             return "plain TCP"
         return "TLS with a client certificate" if self.files.has_identity else "TLS"
+
+
+class _TlsHandler(SequentialThreadingHandler):  # type: ignore[misc]  # kazoo has no type hints
+    """kazoo's threading handler, except that Waltz makes the TLS connections itself.
+
+    kazoo's own TLS path leaks the socket of every failed handshake, reads the key files without a bound and
+    accepts TLS below 1.2. Here each (re)connection builds its context with :mod:`waltz.tls` (bounded reads,
+    TLS 1.2 minimum, the files read again so a replaced certificate is picked up), and a failed handshake
+    closes its socket. Failures are OSErrors, which kazoo treats as a dropped connection and retries.
+    """
+
+    def __init__(self, tls: ZkTls) -> None:
+        super().__init__()
+        self._tls = tls
+
+    def create_connection(  # type: ignore[no-untyped-def]
+        self, address, hostname=None, timeout=None, use_ssl=False, **kwargs
+    ):
+        if not use_ssl:
+            return super().create_connection(address, hostname=hostname, timeout=timeout, **kwargs)
+        try:
+            ctx = _tls_context(self._tls)
+        except ConfigError as e:
+            raise OSError(f"ZooKeeper TLS settings unusable: {e}") from None
+        raw = socket.create_connection(address, timeout)
+        try:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # The handshake runs here, bounded by the socket's timeout; on failure the SSL socket closes.
+            return ctx.wrap_socket(raw, server_hostname=hostname)
+        except BaseException:
+            raw.close()
+            raise
 
 
 @dataclass(frozen=True)
@@ -357,10 +380,11 @@ def _hosts(connect_string: str) -> list[tuple[str, int]]:
 
 
 def _tls_context(tls: ZkTls) -> ssl.SSLContext:
-    """The context kazoo builds for ``tls`` (same CA, identity and hostname rule), for the diagnosis."""
-    ctx = tls.files.client_context("zookeeper") if tls.files.enabled else None
+    """A client context for ``tls``: its CA (else the system's), its certificate, its hostname rule."""
+    ctx = tls.files.client_context("ZooKeeper TLS") if tls.files.enabled else None
     if ctx is None:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = MIN_TLS_VERSION
         ctx.check_hostname = tls.files.check_hostname
         ctx.load_default_certs(ssl.Purpose.SERVER_AUTH)
     return ctx
