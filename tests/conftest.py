@@ -12,10 +12,9 @@ ZooKeeper (real, Debian's package; see :mod:`waltz.cluster.zkserver`)
                            client trick) and wait until the client sees LOST.
     ``drop_connection``    ``drop_connection(client)``: break the client's TCP connection once (it reconnects
                            at once, same session).
-    ``tls_zookeeper``      session-scoped ZooKeeperServer serving TLS only (client certificates from
-                           ``tls_pki`` required; its own is ``tls_pki``'s ``zookeeper``); started on first use.
 When a test that used ZooKeeper fails, the tail of ZooKeeper's log is added to its report.
-TLS (``tests/tls_fixture.py``): ``tls_pki``, ``stranger_pki``: session-scoped throwaway CAs and certificates.
+TLS (``tests/tls_fixture.py``): ``tls_pki``, ``stranger_pki``: session-scoped throwaway CAs and certificates;
+``tls_zookeeper``: a session-scoped ZooKeeper serving TLS only, started on first use.
 """
 
 from __future__ import annotations
@@ -32,10 +31,9 @@ from hypothesis import HealthCheck, settings
 from kazoo.client import KazooClient
 from kazoo.protocol.states import KazooState
 
-from tests.tls_fixture import stranger_pki, tls_pki  # noqa: F401 - session fixtures (throwaway certificates)
+from tests.tls_fixture import stranger_pki, tls_pki, tls_zookeeper  # noqa: F401 - session fixtures
 from waltz.cluster import zk as zkutil
-from waltz.cluster.zkserver import ServerTls, ZooKeeperServer
-from waltz.local.certs import LocalPki
+from waltz.cluster.zkserver import ZooKeeperServer
 
 # Property tests check what is generated, not how fast: on a shared or loaded machine a slow example must not
 # fail a run (a deadline miss replays as "Flaky", a slow generator trips a health check).
@@ -60,17 +58,6 @@ def zookeeper(
     server = ZooKeeperServer(tmp_path_factory.mktemp("zookeeper"))
     server.start()
     request.config.stash[_ZK_SERVER_KEY] = server
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="session")
-def tls_zookeeper(tmp_path_factory: pytest.TempPathFactory, tls_pki: LocalPki) -> Iterator[ZooKeeperServer]:
-    tls = ServerTls(tls_pki.cert_file("zookeeper"), tls_pki.key_file("zookeeper"), tls_pki.ca_file)
-    server = ZooKeeperServer(tmp_path_factory.mktemp("tls-zookeeper"), tls=tls)
-    server.start()
     try:
         yield server
     finally:

@@ -55,7 +55,7 @@ from kazoo.exceptions import (
 )
 from kazoo.handlers.threading import KazooTimeoutError, SequentialThreadingHandler
 from kazoo.retry import KazooRetry
-from kazoo.security import ACL, Id, Permissions, make_acl
+from kazoo.security import ACL, Id, Permissions
 
 from waltz.config import Key
 from waltz.errors import ClusterError, ConcurrentUpdateError, ConfigError, MetadataError
@@ -181,12 +181,17 @@ class ZkAuth:
         return [("digest", self.credentials)] if self.enabled else None
 
     def default_acl(self) -> list[ACL] | None:
-        """All permissions for this identity (ZooKeeper's ``auth`` scheme: whoever created the znode), READ
-        for the readers; None when anonymous (znodes are then created open, ZooKeeper's default)."""
+        """All permissions for this digest identity, READ for the readers; None when anonymous (znodes are
+        then created open, ZooKeeper's default).
+
+        The identity is named (``digest:user:hash``), not ZooKeeper's ``auth`` scheme ("every id the creating
+        session holds"): over TLS a session also holds its certificate's ``x509`` id, and ``auth`` would
+        hand the creator's certificate all rights, so whoever holds a copy of a server's certificate could
+        rewrite metadata without the cluster's password. Named, the ACL is the same with or without TLS."""
         if not self.enabled:
             return None
         return [
-            make_acl("auth", "", all=True),
+            ACL(Permissions.ALL, Id("digest", digest_id(self.credentials))),
             *(ACL(Permissions.READ, Id("digest", r)) for r in self.readers),
         ]
 

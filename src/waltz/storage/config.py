@@ -123,7 +123,7 @@ class StorageConfig:
     max_connections: int = 1024
     max_connections_per_source: int = 128
     zookeeper_auth: ZkAuth = field(default_factory=ZkAuth)
-    """``zookeeper.authFile``/``aclReaders``: how the node authenticates with ZooKeeper."""
+    """``zookeeper.authFile``/``aclReaders``/``ssl.*``: how the node reaches and logs in to ZooKeeper."""
     allowed_peers: tuple[str, ...] = ()
     """``storage.ssl.allowedPeers``: the certificate common names (servers, operators) that may connect."""
 
