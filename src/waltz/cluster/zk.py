@@ -456,7 +456,10 @@ class _StateLog:
 
     def __init__(self, connect_string: str, tls: ZkTls | None = None) -> None:
         self.connect_string = connect_string
-        self.transport = (tls or ZkTls()).describe()
+        # Said only when it is TLS: plain TCP was the only transport before, and its line stays as it was.
+        self.where = (
+            connect_string if tls is None or not tls.enabled else f"{connect_string}, {tls.describe()}"
+        )
         self.state: str | None = None
 
     def __call__(self, state: str) -> None:
@@ -467,7 +470,7 @@ class _StateLog:
             if previous == "SUSPENDED":
                 log.info("ZooKeeper connection back, same session (%s)", self.connect_string)
             else:
-                log.info("ZooKeeper session started (%s, %s)", self.connect_string, self.transport)
+                log.info("ZooKeeper session started (%s)", self.where)
         elif state == "SUSPENDED":
             log.warning("ZooKeeper connection lost; reconnecting to %s", self.connect_string)
         elif state == "LOST":
