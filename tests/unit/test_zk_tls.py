@@ -9,6 +9,7 @@ import pytest
 
 from tests.tls_fixture import zk_tls_keys
 from waltz.cli.common import load_cli_config
+from waltz.cli.main import main
 from waltz.client.config import ClientConfig
 from waltz.cluster.zk import ZkAuth, ZkTls
 from waltz.errors import ConfigError
@@ -126,3 +127,14 @@ def test_client_config_and_spark_options(tls_pki: LocalPki) -> None:
         }
     )
     assert options.client_config.zookeeper_tls.files.key_file == str(tls_pki.key_file("client"))
+
+
+def test_the_cli_names_the_file_and_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "admin.yaml"
+    bad.write_text(
+        "zookeeper.connectString: 127.0.0.1:1\ncluster.root: /w\nzookeeper.ssl.enabled: true\n"
+        "zookeeper.ssl.caFile: /dev/zero\n"
+    )
+    assert main(["cluster", "list", "-c", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: zookeeper.ssl.caFile: /dev/zero holds more than 1048576 bytes" in err

@@ -35,7 +35,7 @@ def _run(command: Command) -> Callable[[argparse.Namespace], int]:
             # kazoo logs each failed connection attempt as a warning; the CLI reports the outcome in one line.
             logging.getLogger("kazoo").setLevel(logging.ERROR)
         config = load_cli_config(args.cli_config_path)
-        with session(config) as client:
+        with session(config, str(args.cli_config_path)) as client:
             return int(command(client, str(config["cluster.root"]), args, sys.stdout) or 0)
 
     return handler

@@ -489,20 +489,21 @@ def close(client: KazooClient) -> None:
         client.close()
 
 
-def connect_from_config(config: Mapping[str, Any]) -> KazooClient:
-    """Connect using ``zookeeper.connectString``/``sessionTimeout``/``connectTimeout`` of a parsed config."""
+def connect_from_config(config: Mapping[str, Any], source: str = "config") -> KazooClient:
+    """Connect using ``zookeeper.connectString``/``sessionTimeout``/``connectTimeout`` and the access keys
+    (``authFile``, ``aclReaders``, ``ssl.*``) of a parsed config; ``source`` names it in errors."""
     return connect(
         str(config["zookeeper.connectString"]),
         session_timeout_ms=int(config.get("zookeeper.sessionTimeout", DEFAULT_SESSION_TIMEOUT_MS)),
         connect_timeout_ms=int(config.get("zookeeper.connectTimeout", DEFAULT_CONNECT_TIMEOUT_MS)),
-        auth=ZkAuth.from_config(config),
+        auth=ZkAuth.from_config(config, source),
     )
 
 
 @contextmanager
-def session(config: Mapping[str, Any]) -> Iterator[KazooClient]:
+def session(config: Mapping[str, Any], source: str = "config") -> Iterator[KazooClient]:
     """A connected client for the duration of a ``with`` block (used by the CLI)."""
-    client = connect_from_config(config)
+    client = connect_from_config(config, source)
     try:
         yield client
     finally:
