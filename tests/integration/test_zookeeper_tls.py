@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
 import threading
 import uuid
 from collections.abc import Iterator
@@ -179,3 +180,14 @@ def test_zookeeper_tls_material_is_checked_before_the_jvm_starts(tmp_path: Path,
     endless = ServerTls(tls_pki.cert_file("zookeeper"), tls_pki.key_file("zookeeper"), Path("/dev/zero"))
     with pytest.raises(ConfigError, match="more than 1048576 bytes"):
         ZooKeeperServer(tmp_path / "c", tls=endless).start()
+    # The same key in SEC1 form ("BEGIN EC PRIVATE KEY"), which ZooKeeper cannot read.
+    sec1 = tmp_path / "sec1-key.pem"
+    subprocess.run(
+        ["openssl", "ec", "-in", str(tls_pki.key_file("zookeeper")), "-out", str(sec1)],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    legacy = ServerTls(tls_pki.cert_file("zookeeper"), sec1, tls_pki.ca_file)
+    with pytest.raises(ConfigError, match="not a PKCS#8 key"):
+        ZooKeeperServer(tmp_path / "d", tls=legacy).start()

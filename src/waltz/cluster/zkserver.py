@@ -111,6 +111,13 @@ class ServerTls:
         key = _read_pem(self.key_file, "private key", "PRIVATE KEY-----")
         if b"ENCRYPTED" in key:
             raise ConfigError(f"ZooKeeper TLS: {self.key_file} is encrypted; give an unencrypted key")
+        if b"-----BEGIN PRIVATE KEY-----" not in key:
+            # ZooKeeper 3.8 reads PKCS#8 only; given an "EC/RSA PRIVATE KEY" it logs an exception, runs on
+            # and never answers on its port, which would show here as nothing but a start time-out.
+            raise ConfigError(
+                f"ZooKeeper TLS: {self.key_file} is not a PKCS#8 key (BEGIN PRIVATE KEY), the only form "
+                f"ZooKeeper reads; convert it with: openssl pkcs8 -topk8 -nocrypt -in {self.key_file}"
+            )
         cert = _read_pem(self.cert_file, "certificate", "-----BEGIN CERTIFICATE-----")
         _read_pem(self.ca_file, "CA certificate", "-----BEGIN CERTIFICATE-----")
         return key.rstrip(b"\n") + b"\n" + cert
