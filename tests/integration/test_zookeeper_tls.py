@@ -22,7 +22,7 @@ import pytest
 from tests.conftest import TcpProxy
 from tests.tls_fixture import zk_tls_keys
 from waltz.cluster import zk as zkutil
-from waltz.cluster.zkserver import ServerTls, ZooKeeperServer, four_letter_word
+from waltz.cluster.zkserver import ServerTls, ZooKeeperServer, four_letter_word, free_port
 from waltz.errors import ClusterError, ConfigError
 from waltz.local.certs import LocalPki
 
@@ -191,3 +191,23 @@ def test_zookeeper_tls_material_is_checked_before_the_jvm_starts(tmp_path: Path,
     legacy = ServerTls(tls_pki.cert_file("zookeeper"), sec1, tls_pki.ca_file)
     with pytest.raises(ConfigError, match="not a PKCS#8 key"):
         ZooKeeperServer(tmp_path / "d", tls=legacy).start()
+
+
+def test_a_plain_port_is_bound_only_when_asked_for(tmp_path: Path, tls_pki: LocalPki) -> None:
+    """The migration setting: a secure port and, because ``plain_port`` asks for it, a plain one beside it."""
+    plain_port = free_port()
+    tls = ServerTls(
+        tls_pki.cert_file("zookeeper"), tls_pki.key_file("zookeeper"), tls_pki.ca_file, plain_port=plain_port
+    )
+    with ZooKeeperServer(tmp_path / "zk", tls=tls) as server:
+        assert four_letter_word(server.host, plain_port, "ruok") == "imok"
+        assert server.four_letter_word("ruok") == "imok"
+        for target, auth in (
+            (f"127.0.0.1:{plain_port}", None),
+            (server.connect_string, _auth(zk_tls_keys(tls_pki, "client"))),
+        ):
+            client = zkutil.connect(target, session_timeout_ms=4000, auth=auth)
+            try:
+                assert "zookeeper" in client.get_children("/")
+            finally:
+                zkutil.close(client)
