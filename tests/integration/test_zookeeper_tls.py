@@ -22,6 +22,7 @@ import pytest
 from tests.conftest import TcpProxy
 from tests.tls_fixture import zk_tls_keys
 from waltz.cluster import zk as zkutil
+from waltz.cluster import zkserver
 from waltz.cluster.zkserver import ServerTls, ZooKeeperServer, four_letter_word, free_port
 from waltz.errors import ClusterError, ConfigError
 from waltz.local.certs import LocalPki
@@ -211,3 +212,13 @@ def test_a_plain_port_is_bound_only_when_asked_for(tmp_path: Path, tls_pki: Loca
                 assert "zookeeper" in client.get_children("/")
             finally:
                 zkutil.close(client)
+
+
+def test_missing_netty_jars_give_the_package_to_install(
+    tmp_path: Path, tls_pki: LocalPki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(zkserver, "NETTY_JARS", (tmp_path / "netty-codec.jar",))
+    tls = ServerTls(tls_pki.cert_file("zookeeper"), tls_pki.key_file("zookeeper"), tls_pki.ca_file)
+    with pytest.raises(ClusterError, match="apt-get install libnetty-java"):
+        ZooKeeperServer(tmp_path / "zk", tls=tls).start()
+    zkserver.classpath()  # Plain ZooKeeper does not need them.

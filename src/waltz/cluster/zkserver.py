@@ -441,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     tls = ServerTls(Path(args.tls_cert), Path(args.tls_key), Path(args.tls_ca)) if all(tls_args) else None
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="waltz-zk-"))
     zk: ZooKeeperServer | ZooKeeperEnsemble
+    # Before starting: a SIGTERM during the start raises SystemExit in it, and start() stops the JVM it
+    # spawned (the JVM runs in its own session, so nothing else would).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         if args.ensemble > 1:
             zk = ZooKeeperEnsemble(data_dir, args.ensemble).start()
@@ -452,7 +455,6 @@ def main(argv: list[str] | None = None) -> int:
     print(zk.connect_string, flush=True)
     print(f"data and logs in {data_dir}; Ctrl-C to stop", file=sys.stderr, flush=True)
     try:
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         while True:
             time.sleep(3600)
     except (KeyboardInterrupt, SystemExit):
