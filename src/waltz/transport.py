@@ -502,20 +502,22 @@ class FramedConnection:
         Raises LocalProtocolError if the payload is empty or larger than ``max_frame_bytes``,
         ClosedResourceError after :meth:`aclose`, BrokenResourceError if the connection is gone.
         """
-        self._check_writable()
+        if self._closed or self._error is not None or self._writer.is_closing():
+            self._check_writable()  # Raises the error that says why.
         frame = self._proto.frame(payload)
         out = self._out
         if out is None:
             # The first frame of this loop iteration: every frame sent until the loop runs its callbacks joins
             # it, and they leave in one socket write. One write per frame was the largest cost of the server
-            # (feeds, storage requests) and the storage node (responses) under load.
+            # (feeds, storage requests) and the storage node (responses) under load. The keep-alive clock is
+            # read here only: the frames that join this one leave in the same write.
             self._out = bytearray(frame)
             self._loop.call_soon(self._flush_out)
+            self._last_write_s = self._loop.time()
         else:
             out += frame
             if len(out) >= _COALESCE_MAX_BYTES:
                 self._flush_out()
-        self._last_write_s = self._loop.time()
 
     def _flush_out(self) -> None:
         """Hand the frames queued in this loop iteration to the transport, in order."""

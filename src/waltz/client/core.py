@@ -56,7 +56,7 @@ from waltz.client.lifecycle import Event, Hook, State
 from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
 from waltz.client.pool import Call, CallbackPool, report_hook_failure
 from waltz.client.retry import APPLY_RETRY, FETCH_RETRY, MAX_CHECKSUM_ATTEMPTS, RetryPolicy
-from waltz.client.state import OutcomeCallback, PartitionState, Run, Stuck
+from waltz.client.state import PartitionState, Run, Stuck, Waiter
 from waltz.client.transaction import Transaction
 from waltz.errors import (
     ClientAheadError,
@@ -342,7 +342,7 @@ class AsyncWaltzClient:
             self._check_open()
         except Exception as e:
             self._release_slot(run)
-            if run.lifecycle.handle(Event.FAIL) is Hook.EXCEPTION:
+            if run.handle(Event.FAIL) is Hook.EXCEPTION:
                 await self._call_hook(context.on_exception, e)
             raise
         except BaseException:
@@ -350,13 +350,13 @@ class AsyncWaltzClient:
             raise
         self._runs.add(run)
         if first is not None:
-            run.lifecycle.handle(_EXECUTE)
+            run.handle(_EXECUTE)
         if isinstance(first, Exception):  # execute() raised
             await self._end_with_exception(run, first)
             raise first
         if first is False:  # execute() gave up
             self._release_slot(run)
-            run.lifecycle.handle(Event.GIVE_UP)
+            run.handle(Event.GIVE_UP)
             await self._call_hook(context.on_completion, False)
             self._finish(run)
             return
@@ -364,11 +364,11 @@ class AsyncWaltzClient:
             monitor = self._ready_monitor(partition)
             if monitor is not None:
                 if self._take_turn(partition, run, first):
-                    run.lifecycle.handle(_SEND)  # Before _send: a failed send resolves at once.
-                    self._send(partition, monitor, first, functools.partial(self._on_first_outcome, run))
+                    run.handle(_SEND)  # Before _send: a failed send resolves at once.
+                    self._send(partition, monitor, first, run)
                     return
                 # Queued behind this client's own append on a write lock: it executes again on its turn.
-                run.lifecycle.handle(Event.QUEUE)
+                run.handle(Event.QUEUE)
                 self._park(partition, run, first)
                 self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
                 return
@@ -446,7 +446,7 @@ class AsyncWaltzClient:
     def _spawn_end(self, run: Run, error: Exception, executed: bool = False) -> None:
         self._runs.add(run)
         if executed:
-            run.lifecycle.handle(_EXECUTE)
+            run.handle(_EXECUTE)
         self._spawn(self._end_with_exception(run, error), "waltz-failed-submit")
 
     def _continue_first(self, run: Run, first: _Executed) -> None:
@@ -457,10 +457,10 @@ class AsyncWaltzClient:
         if isinstance(first, _Pending):
             self._spawn(self._continue_pending(run, first), f"waltz-run-p{partition.id}")
             return
-        run.lifecycle.handle(_EXECUTE)
+        run.handle(_EXECUTE)
         if first is False:
             self._release_slot(run)
-            run.lifecycle.handle(Event.GIVE_UP)
+            run.handle(Event.GIVE_UP)
             self._spawn(self._gave_up(run), "waltz-gave-up")
             return
         if self._closed:
@@ -472,10 +472,10 @@ class AsyncWaltzClient:
         monitor = self._ready_monitor(partition)
         if monitor is not None:
             if self._take_turn(partition, run, first):
-                run.lifecycle.handle(_SEND)
-                self._send(partition, monitor, first, functools.partial(self._on_first_outcome, run))
+                run.handle(_SEND)
+                self._send(partition, monitor, first, run)
                 return
-            run.lifecycle.handle(Event.QUEUE)
+            run.handle(Event.QUEUE)
             self._park(partition, run, first)
             self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
             return
@@ -484,7 +484,7 @@ class AsyncWaltzClient:
     async def _continue_pending(self, run: Run, pending: _Pending) -> None:
         first = await self._finish_first(run, pending)
         if isinstance(first, Exception):
-            run.lifecycle.handle(_EXECUTE)
+            run.handle(_EXECUTE)
             await self._end_with_exception(run, first)
         else:
             self._continue_first(run, first)
@@ -760,15 +760,21 @@ class AsyncWaltzClient:
             self._resolve(partition, event(partition.monitor))
 
     def _resolve(self, partition: PartitionState, resolutions: list[Resolution]) -> None:
+        outcomes = partition.outcomes
         for resolution in resolutions:
-            outcome = partition.outcomes.pop(resolution.req_id, None)
-            if outcome is not None:
-                outcome(resolution)
+            waiter = outcomes.pop(resolution.req_id, None)
+            if isinstance(waiter, Run):
+                self._on_first_outcome(waiter, resolution)
+            elif waiter is not None:
+                _settle(waiter, resolution)
 
     def _fail_outcomes(self, partition: PartitionState, error: ClientError) -> None:
         outcomes, partition.outcomes = partition.outcomes, {}
-        for outcome in outcomes.values():
-            outcome(error)
+        for waiter in outcomes.values():
+            if isinstance(waiter, Run):
+                self._on_first_outcome(waiter, error)
+            else:
+                _settle(waiter, error)
 
     async def _apply_loop(self, partition: PartitionState) -> None:
         """Hand the feed to ``apply_transaction`` in id order, one batch per callback-thread job."""
@@ -916,13 +922,13 @@ class AsyncWaltzClient:
         assert partition is not None
         if isinstance(result, Resolution) and result.outcome is _COMMITTED:
             self._release_slot(run)
-            run.lifecycle.handle(_COMMIT)
+            run.handle(_COMMIT)
             run.transaction_id = result.transaction_id
             partition.awaiting_apply.append(run)
             self._queue_hook(run, True, run.context.on_completion, True)
             return
         if isinstance(result, Resolution):
-            run.lifecycle.handle(_FAILURE_EVENTS[result.outcome])
+            run.handle(_FAILURE_EVENTS[result.outcome])
         wake = partition.lock_queue.release(run)
         if wake:
             self._wake(wake)
@@ -968,7 +974,7 @@ class AsyncWaltzClient:
         except TimeoutError:
             pass  # Still QUEUED: the caller's expiry check ends the context.
         else:
-            run.lifecycle.handle(Event.TURN)
+            run.handle(Event.TURN)
         finally:
             run.turn = None
 
@@ -999,7 +1005,7 @@ class AsyncWaltzClient:
             # Otherwise _hooks_done finishes it once on_completion ran.
 
     def _queue_application(self, run: Run) -> None:
-        if run.lifecycle.state is _STATE_COMMITTED and run.lifecycle.handle(_APPLY) is _ON_APPLICATION:
+        if run.state is _STATE_COMMITTED and run.handle(_APPLY) is _ON_APPLICATION:
             self._queue_hook(run, False, run.context.on_application)
         else:
             self._finish(run)  # Ended meanwhile (closed): no on_application.
@@ -1091,10 +1097,10 @@ class AsyncWaltzClient:
                     attempts += 1
                     monitor = await self._wait_mounted(partition)
                     builder = TransactionBuilder(partition.id, monitor.applied_high_water_mark)
-                    run.lifecycle.handle(_EXECUTE)
+                    run.handle(_EXECUTE)
                     if not await self._call_user(context.execute, builder):
                         self._release_slot(run)
-                        run.lifecycle.handle(Event.GIVE_UP)
+                        run.handle(Event.GIVE_UP)
                         await self._call_hook(context.on_completion, False)
                         return
                 # The mount may have changed while execute ran; its high-water mark is still a safe one.
@@ -1102,30 +1108,30 @@ class AsyncWaltzClient:
                 if not self._take_turn(partition, run, builder):
                     # Not sent, so not counted: the attempt bound is about appends the server refused.
                     attempts -= 1
-                    run.lifecycle.handle(Event.QUEUE)
+                    run.handle(Event.QUEUE)
                     self._park(partition, run, builder)
                     builder = None
                     await self._await_turn(run)
                     continue
                 outcome: asyncio.Future[Resolution] = asyncio.get_running_loop().create_future()
-                run.lifecycle.handle(_SEND)
-                self._send(partition, monitor, builder, functools.partial(_settle, outcome))
+                run.handle(_SEND)
+                self._send(partition, monitor, builder, outcome)
                 builder = None
                 if run.first_send is not None and not run.first_send.done():
                     run.first_send.set_result(None)
                 resolution = await outcome
                 if resolution.outcome is _COMMITTED:
                     self._release_slot(run)
-                    run.lifecycle.handle(_COMMIT)
+                    run.handle(_COMMIT)
                     await self._call_hook(context.on_completion, True)
                     await self._wait_applied(partition, resolution.transaction_id)
                     wake = partition.lock_queue.release(run)
                     if wake:
                         self._wake(wake)
-                    if run.lifecycle.handle(_APPLY) is _ON_APPLICATION:
+                    if run.handle(_APPLY) is _ON_APPLICATION:
                         await self._call_hook(context.on_application)
                     return
-                run.lifecycle.handle(_FAILURE_EVENTS[resolution.outcome])
+                run.handle(_FAILURE_EVENTS[resolution.outcome])
                 wake = partition.lock_queue.release(run)
                 if wake:
                     self._wake(wake)
@@ -1156,17 +1162,18 @@ class AsyncWaltzClient:
         partition: PartitionState,
         monitor: TransactionMonitor,
         builder: TransactionBuilder,
-        outcome: OutcomeCallback,
+        waiter: Waiter,
     ) -> None:
-        """Register and send one append; synchronous, so registration order is send order. ``outcome`` is
-        called (on the loop) with the append's fate."""
+        """Register and send one append; synchronous, so registration order is send order. ``waiter`` learns
+        the append's fate (on the loop): a first attempt's run through ``_on_first_outcome``, a slow-path
+        future through its result."""
         driver = self._require_driver()
         p = partition.id
         seq = self._next_seq.get(p, 0) + 1
         self._next_seq[p] = seq
         req_id = ReqId.of(self._client_id, driver.generation(p), p, seq)
         request = builder.build(req_id)
-        partition.outcomes[req_id] = outcome
+        partition.outcomes[req_id] = waiter
         monitor.register(req_id, seq, self._clock())
         try:
             driver.send_append(partition.id, request)
@@ -1229,7 +1236,7 @@ class AsyncWaltzClient:
         """End ``run`` with ``on_exception(error)`` if its lifecycle owes it (once); a first attempt also
         raises it from submit."""
         self._release_slot(run)
-        if run.lifecycle.handle(event) is Hook.EXCEPTION:
+        if run.handle(event) is Hook.EXCEPTION:
             await self._call_hook(run.context.on_exception, error)
         if run.first_send is not None and not run.first_send.done():
             run.first_send.set_exception(error)

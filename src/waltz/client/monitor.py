@@ -20,8 +20,7 @@ Timestamps are passed in (seconds on any monotonic clock), so tests need no real
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 from waltz.protocol.records import ReqId
 
@@ -50,10 +49,8 @@ class Resolution(NamedTuple):
     transaction_id: int = -1
 
 
-@dataclass(slots=True)
-class _Entry:
-    seq: int
-    registered_at: float
+_Entry: TypeAlias = tuple[int, float]
+"""A pending append: (seq, registered_at). A tuple, not a class: one is made per append."""
 
 
 class TransactionMonitor:
@@ -82,7 +79,7 @@ class TransactionMonitor:
             raise ValueError(f"{req_id!r} registered twice")
         self._last_seq = seq
         self._last_registered_at = now
-        self._pending[req_id] = _Entry(seq, now)
+        self._pending[req_id] = (seq, now)
 
     @property
     def pending_count(self) -> int:
@@ -98,7 +95,7 @@ class TransactionMonitor:
     def oldest_pending_at(self) -> float | None:
         """When the oldest pending append was registered (None if nothing is pending)."""
         for entry in self._pending.values():
-            return entry.registered_at
+            return entry[1]
         return None
 
     def is_pending(self, req_id: ReqId) -> bool:
@@ -111,13 +108,16 @@ class TransactionMonitor:
         if transaction_id > self.feed_high_water_mark:
             self.feed_high_water_mark = transaction_id
         pending = self._pending
-        entry = pending.get(req_id)
+        entry = pending.pop(req_id, None)
         if entry is None:
             resolutions: list[Resolution] = []
-        else:
-            resolutions = self._fail_up_to(entry.seq - 1)
-            del pending[req_id]
+        elif pending and next(iter(pending.values()))[0] < entry[0]:
+            # Older appends still pending: they were lost (the server commits in send order).
+            resolutions = self._fail_up_to(entry[0] - 1)
             resolutions.append(Resolution(req_id, _COMMITTED, transaction_id))
+        else:
+            # The common case: the oldest pending append committed.
+            resolutions = [Resolution(req_id, _COMMITTED, transaction_id)]
         if self._flush_responses or self._flushes_sent:
             resolutions.extend(self._release_flushes())
         return resolutions
@@ -158,7 +158,7 @@ class TransactionMonitor:
         if not self._pending:
             return None
         req_id = next(reversed(self._pending))
-        self._flushes_sent[req_id] = self._pending[req_id].seq
+        self._flushes_sent[req_id] = self._pending[req_id][0]
         while len(self._flushes_sent) > MAX_FLUSHES_IN_FLIGHT:
             # Forget the oldest: a newer flush covers everything it covered.
             del self._flushes_sent[next(iter(self._flushes_sent))]
@@ -180,7 +180,7 @@ class TransactionMonitor:
         # of the oldest pending append (the common case) costs O(1), not O(pending).
         failed: list[ReqId] = []
         for req_id, entry in self._pending.items():
-            if entry.seq > seq:
+            if entry[0] > seq:
                 break
             failed.append(req_id)
         if not failed:
@@ -201,7 +201,7 @@ class TransactionMonitor:
         # Flushes whose appends are all resolved can never resolve anything; forget them.
         if self._flushes_sent:
             # The first pending entry is the oldest (registration order).
-            oldest_pending = next(iter(self._pending.values())).seq if self._pending else None
+            oldest_pending = next(iter(self._pending.values()))[0] if self._pending else None
             self._flushes_sent = {
                 r: s
                 for r, s in self._flushes_sent.items()
