@@ -19,10 +19,10 @@ sync8      :class:`~waltz.WaltzClient` driven from 8 threads (each submits; comp
 =========  ==================================================================================================
 
 Each phase stops after ``--count`` operations or ``--seconds``, whichever comes first, after a short warm-up.
-Per phase it prints ops/s, p50/p99 latency, client CPU per op (this process: ``time.process_time``) and
-server CPU per op (server + storage processes, from ``/proc/<pid>/stat``). The load average is printed at
-the start and the end. ``--mode`` picks ``client.callbackMode`` (``inline`` or ``threads``), ``--loop`` the
-application's event loop (uvloop, the default, or the standard asyncio loop).
+Per phase it prints ops/s, p50/p99 latency, client CPU per op (this process: ``time.process_time``; its
+system share in brackets) and server CPU per op (server + storage processes, from ``/proc/<pid>/stat``).
+The load average is printed at the start and the end. ``--mode`` picks ``client.callbackMode`` (``inline``
+or ``threads``), ``--loop`` the application's event loop (uvloop, the default, or the standard asyncio loop).
 
     .venv/bin/python bench/client_peer.py                       # every phase, inline mode
     .venv/bin/python bench/client_peer.py --mode threads --phase conc --phase seq
@@ -151,6 +151,7 @@ class Result:
     seconds: float
     latencies_s: list[float]
     client_cpu_s: float
+    client_sys_s: float
     server_cpu_s: float
     note: str = ""
 
@@ -161,7 +162,8 @@ class Result:
         per_op = 1e6 / max(self.ops, 1)
         return (
             f"{self.phase:7} {self.ops / self.seconds:9.0f} ops/s  p50 {p50:7.2f} ms  p99 {p99:7.2f} ms  "
-            f"client {self.client_cpu_s * per_op:6.1f} us/op  server {self.server_cpu_s * per_op:6.1f} us/op"
+            f"client {self.client_cpu_s * per_op:6.1f} us/op (sys {self.client_sys_s * per_op:4.1f})  "
+            f"server {self.server_cpu_s * per_op:6.1f} us/op"
             f"  ({self.ops} ops in {self.seconds:.1f} s){'  ' + self.note if self.note else ''}"
         )
 
@@ -210,15 +212,15 @@ class Bench:
         tasks = [asyncio.create_task(worker(w)) for w in range(n)]
         await asyncio.sleep(WARMUP_S)
         measuring = True
-        c0, s0, t0 = time.process_time(), proc_cpu_s(self.pids), time.perf_counter()
+        c0, k0, s0, t0 = time.process_time(), os.times().system, proc_cpu_s(self.pids), time.perf_counter()
         while not stop and not all(t.done() for t in tasks):
             await asyncio.sleep(0.05)
             if self.loop.time() > deadline + 30:
                 stop = True  # A stuck phase ends (and says so through its count).
         elapsed = time.perf_counter() - t0
-        c1, s1 = time.process_time(), proc_cpu_s(self.pids)
+        c1, k1, s1 = time.process_time(), os.times().system, proc_cpu_s(self.pids)
         await asyncio.wait(tasks, timeout=30)
-        return Result(phase, count, elapsed, latencies, c1 - c0, s1 - s0)
+        return Result(phase, count, elapsed, latencies, c1 - c0, k1 - k0, s1 - s0)
 
     async def run(self, phase: str) -> Result:
         if phase == "seq":
@@ -291,12 +293,12 @@ def sync8(args: argparse.Namespace, config: ClientConfig, pids: list[int]) -> Re
         with lock:
             n0 = committed[0]
             latencies.clear()
-        c0, s0, t0 = time.process_time(), proc_cpu_s(pids), time.perf_counter()
+        c0, k0, s0, t0 = time.process_time(), os.times().system, proc_cpu_s(pids), time.perf_counter()
         deadline = t0 + args.seconds
         while time.perf_counter() < deadline and committed[0] - n0 < args.count:
             time.sleep(0.05)
         elapsed = time.perf_counter() - t0
-        c1, s1 = time.process_time(), proc_cpu_s(pids)
+        c1, k1, s1 = time.process_time(), os.times().system, proc_cpu_s(pids)
         with lock:
             n = committed[0] - n0
             lat = list(latencies)
@@ -304,7 +306,7 @@ def sync8(args: argparse.Namespace, config: ClientConfig, pids: list[int]) -> Re
         for t in threads:
             t.join()
         client.flush_transactions(30)
-    return Result("sync8", n, elapsed, lat, c1 - c0, s1 - s0)
+    return Result("sync8", n, elapsed, lat, c1 - c0, k1 - k0, s1 - s0)
 
 
 async def main_async(args: argparse.Namespace, config: ClientConfig, pids: list[int]) -> list[Result]:

@@ -111,6 +111,10 @@ _COMMITTED = Outcome.COMMITTED
 _STATE_COMMITTED = State.COMMITTED
 _ON_APPLICATION = Hook.APPLICATION
 
+_MASK32 = 0xFFFFFFFF
+_new_tuple = tuple.__new__
+"""Builds a named tuple (ReqId) from a tuple in C, without its generated Python ``__new__``."""
+
 _FAILURE_EVENTS = {Outcome.LOCK_FAILED: Event.LOCK_FAIL, Outcome.FAILED: Event.LOST}
 """The lifecycle event of an append that did not commit."""
 
@@ -185,6 +189,7 @@ class AsyncWaltzClient:
         self._driver_arg = driver if driver is not None else config.mock_driver
         self._driver: ClientDriver | None = None
         self._client_id = -1
+        self._client_msb = 0
         self._num_partitions = 0
         self._clock = clock
         self._retry = RetryPolicy(
@@ -230,6 +235,7 @@ class AsyncWaltzClient:
         self._driver = self._driver_arg
         # Constant once the driver is open.
         self._client_id = self._driver.client_id
+        self._client_msb = (self._client_id & _MASK32) << 32  # The client's half of every ReqId.msb.
         self._num_partitions = self._driver.num_partitions
         if self._config.auto_mount:
             for partition_id in range(self._driver.num_partitions):
@@ -921,7 +927,9 @@ class AsyncWaltzClient:
         partition = run.partition
         assert partition is not None
         if isinstance(result, Resolution) and result.outcome is _COMMITTED:
-            self._release_slot(run)
+            if run.holds_slot:  # _release_slot, inline (once per append)
+                run.holds_slot = False
+                partition.slots.release()
             run.handle(_COMMIT)
             run.transaction_id = result.transaction_id
             partition.awaiting_apply.append(run)
@@ -939,7 +947,10 @@ class AsyncWaltzClient:
         if another context of this client holds one of them (then ``run`` must wait for its turn)."""
         queue = partition.lock_queue
         locks = builder.write_lock_hashes
-        if locks and queue.blocker(run, locks) is not None:
+        if not locks:
+            if queue.is_idle(run):
+                return True  # The common case, no write locks: nothing to hold, nobody to wake.
+        elif queue.blocker(run, locks) is not None:
             return False
         wake = queue.acquire(run, locks)
         if wake:
@@ -1167,11 +1178,16 @@ class AsyncWaltzClient:
         """Register and send one append; synchronous, so registration order is send order. ``waiter`` learns
         the append's fate (on the loop): a first attempt's run through ``_on_first_outcome``, a slow-path
         future through its result."""
-        driver = self._require_driver()
+        driver = self._driver
+        assert driver is not None  # Sending follows a check of the partition's mount.
         p = partition.id
         seq = self._next_seq.get(p, 0) + 1
         self._next_seq[p] = seq
-        req_id = ReqId.of(self._client_id, driver.generation(p), p, seq)
+        # ReqId.of(client id, generation, p, seq) without its two Python calls (classmethod, tuple __new__).
+        req_id = _new_tuple(
+            ReqId,
+            (self._client_msb | (driver.generation(p) & _MASK32), ((p & _MASK32) << 32) | (seq & _MASK32)),
+        )
         request = builder.build(req_id)
         partition.outcomes[req_id] = waiter
         monitor.register(req_id, seq, self._clock())

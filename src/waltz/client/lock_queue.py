@@ -84,6 +84,10 @@ class LockQueue:
         self._parked[context] = lock_hash
         return wake
 
+    def is_idle(self, context: Hashable) -> bool:
+        """True if ``context`` holds and waits for nothing here: ``acquire(context, ())`` would do nothing."""
+        return context not in self._held and context not in self._parked
+
     def release(self, context: Hashable) -> list[Hashable]:
         """``context``'s append failed, or its transaction is applied: its locks pass on. Returns contexts
         to wake (each now holds a reservation)."""

@@ -260,7 +260,11 @@ class NetworkDriver(ClientDriver):
     # -- contract: requests ----------------------------------------------------------------------------------
 
     def send_append(self, partition_id: int, request: AppendRequest) -> None:
-        self._ready_link(partition_id).send(request)
+        mount = self._mounts.get(partition_id)
+        link = mount.link if mount is not None else None
+        if self._closed or link is None or link.conn is None or not mount.ready:  # type: ignore[union-attr]
+            link = self._ready_link(partition_id)  # Raises the error that says why.
+        link.send_append(request)
 
     def send_flush(self, partition_id: int, req_id: ReqId) -> None:
         self._ready_link(partition_id).send(cs.FlushRequest(req_id))

@@ -43,7 +43,7 @@ from waltz.errors import (
     RemoteProtocolError,
 )
 from waltz.protocol import client_server as cs
-from waltz.protocol.records import ReqId, to_signed32
+from waltz.protocol.records import ReqId
 from waltz.transport import FramedConnection
 
 __all__ = [
@@ -250,6 +250,16 @@ class StreamLink:
         except ConnectionError_ as e:
             raise BrokenResourceError(f"connection to {self.endpoint} lost: {e}") from None
 
+    def send_append(self, request: cs.AppendRequest) -> None:
+        """:meth:`send` for an append (the hot path: no version check, AppendRequest is in every codec)."""
+        conn = self.conn
+        if conn is None:
+            raise BrokenResourceError(f"no connection to {self.endpoint}")
+        try:
+            conn.send(cs.append_payload(request, self.version))
+        except ConnectionError_ as e:
+            raise BrokenResourceError(f"connection to {self.endpoint} lost: {e}") from None
+
     async def aclose(self) -> None:
         self._closed = True
         self._task.cancel()
@@ -312,7 +322,8 @@ class StreamLink:
                 feed = decode_feed(payload)
                 if feed is not None:
                     req_id, tid, header = feed
-                    mount = mounts.get(to_signed32(req_id.lsb >> 32))
+                    # The partition id read unsigned: one of 2**31 or up is no mount's, as its signed reading.
+                    mount = mounts.get(req_id.lsb >> 32 & 0xFFFFFFFF)
                     if (
                         mount is not None
                         and mount.link is self
@@ -356,21 +367,17 @@ def _on_feed(nowait: FeedNowait | None, mount: Mount, tid: int, req_id: ReqId, h
     if nowait is not None and not mount.inbox and not mount.busy:
         if tid <= mount.position:
             return False  # A repeat after a re-mount.
-        if tid == mount.position + 1 and _deliver_now(nowait, mount, tid, req_id, header):
-            return False
+        if tid == mount.position + 1:
+            # Handed to the listener at once (inline: one call per feed entry less).
+            try:
+                taken = nowait(mount.partition_id, tid, req_id, header)
+            except Exception:
+                # As the delivery task does: logged, and the position stays, so the next entry is a gap and
+                # the partition re-mounts from here (this one is delivered again).
+                log.exception("partition %d: delivering transaction %d failed", mount.partition_id, tid)
+                return False
+            if taken:
+                mount.position = tid
+                return False
     mount.put(Feed(session, tid, req_id, header))
     return mount.feed_queued >= INBOX_FEED_LIMIT
-
-
-def _deliver_now(nowait: FeedNowait, mount: Mount, tid: int, req_id: ReqId, header: int) -> bool:
-    """Hand the next feed entry to the listener at once; False (nothing done) if it has no room."""
-    try:
-        taken = nowait(mount.partition_id, tid, req_id, header)
-    except Exception:
-        # As the delivery task does: logged, and the position stays, so the next entry is a gap and the
-        # partition re-mounts from here (this one is delivered again).
-        log.exception("partition %d: delivering transaction %d failed", mount.partition_id, tid)
-        return True
-    if taken:
-        mount.position = tid
-    return taken
