@@ -315,3 +315,35 @@ def test_next_payload_fed_random_frames_raises_only_protocol_errors(chunks: list
             drain_payloads(a)
     except RemoteProtocolError:
         pass
+
+
+def test_take_payloads_drains_what_next_payload_gives_in_one_call() -> None:
+    a, b = pair(max_frame_bytes=4096)
+    payloads = [b"one", bytes(range(256)) * 3, b"\x00"]
+    stream = b.keep_alive() + b"".join(b.frame(p) for p in payloads) + b.keep_alive() + b.frame(b"x")
+    received: list[bytes] = []
+    for i in range(len(stream)):
+        a.receive_data(stream[i : i + 1])
+        a.take_payloads(received)
+    assert received == [*payloads, b"x"]
+    a.receive_data(stream)  # All at once, with a partial frame behind: kept for the next call.
+    a.receive_data(b.frame(b"tail")[:5])
+    out: list[bytes] = []
+    a.take_payloads(out)
+    assert out == [*payloads, b"x"]
+    a.receive_data(b.frame(b"tail")[5:])
+    a.take_payloads(out)
+    assert out[-1] == b"tail"
+
+
+def test_take_payloads_keeps_the_payloads_before_an_error_and_stays_failed() -> None:
+    a, b = pair(max_frame_bytes=1024)
+    a.receive_data(b.frame(b"good") + bytes.fromhex("53 0000 00000401"))
+    out: list[bytes] = []
+    with pytest.raises(FrameTooLargeError, match="1025"):
+        a.take_payloads(out)
+    assert out == [b"good"]
+    with pytest.raises(FrameTooLargeError, match="1025"):
+        a.take_payloads(out)  # Dead: the same error again.
+    with pytest.raises(LocalProtocolError):
+        ProtocolConnection(MAGIC_STORAGE, [0], "a").take_payloads(out)  # Before the hello exchange.

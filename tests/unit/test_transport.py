@@ -150,6 +150,28 @@ def test_receive_nowait_drains_the_buffered_payloads_in_order_then_says_none() -
     run(main)
 
 
+def test_receive_buffered_appends_every_buffered_payload_in_order() -> None:
+    async def main() -> None:
+        async with serving(echo) as port:
+            conn = await connect(port)
+            async with conn:
+                out: list[bytes] = []
+                conn.receive_buffered(out)
+                assert out == []  # Nothing read yet: no socket read is made.
+                payloads = [bytes([i]) * (1 + i) for i in range(50)]
+                for payload in payloads:
+                    conn.send(payload)
+                await conn.drain()
+                while len(out) < len(payloads):
+                    out.append(await conn.receive())
+                    conn.receive_buffered(out)
+                assert out == payloads
+            with pytest.raises(ClosedResourceError):
+                conn.receive_buffered(out)
+
+    run(main)
+
+
 def test_oversized_frame_closes_that_connection_with_a_logged_reason(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -315,10 +315,16 @@ class StreamLink:
         # A listener that takes a feed entry without a coroutine (the core does) gets it straight from here
         # when nothing of its partition is queued before it: no event object, no inbox, no task hop.
         nowait = getattr(listener, "feed_data_nowait", None)
+        burst: list[bytes] = []
         while True:
-            payload: bytes | None = await conn.receive()
-            # Then every message already buffered, without a coroutine each (a burst of feed entries).
-            while payload is not None:
+            burst.append(await conn.receive())
+            # Then every message already buffered, in one call (a burst of feed entries).
+            error: Exception | None = None
+            try:
+                conn.receive_buffered(burst)
+            except (ConnectionError_, ProtocolError) as e:
+                error = e  # Raised once the messages before it were handled, as if read one by one.
+            for payload in burst:
                 feed = decode_feed(payload)
                 if feed is not None:
                     req_id, tid, header = feed
@@ -331,9 +337,13 @@ class StreamLink:
                         and _on_feed(nowait, mount, tid, req_id, header)
                     ):
                         await mount.wait_room(self)
+                        if conn.is_closed:
+                            conn.receive_nowait()  # Raises why, as the next read would have.
                 else:
                     self._on_message(decode(payload, version))
-                payload = conn.receive_nowait()
+            burst.clear()
+            if error is not None:
+                raise error
 
     def _on_message(self, msg: cs.Message) -> None:
         """Queue a message other than FeedData for its partition's delivery task."""

@@ -231,6 +231,38 @@ class FrameDecoder:
             self._pos = end
         return payload
 
+    def take_payloads(self, out: list[bytes]) -> None:
+        """Append the payload of every complete frame buffered to ``out``, in order, skipping empty ones
+        (keep-alives): :meth:`next_payload` drained in one call (a client reads a burst of small feed frames
+        per socket read). Checks and errors as :meth:`next_payload`; on an error, the payloads of the frames
+        before it are in ``out`` already."""
+        if self._error is not None:
+            raise self._error
+        buf = self._buf
+        pos = self._pos
+        n = len(buf)
+        expected = self.expected
+        limit = self.max_frame_bytes
+        unpack = FRAME_HEADER.unpack_from
+        try:
+            while n - pos >= FRAME_HEADER_BYTES:
+                magic, version, length = unpack(buf, pos)
+                if (magic, version) != expected or not 0 <= length <= limit:
+                    self._check_header(magic, version, length)
+                start = pos + FRAME_HEADER_BYTES
+                end = start + length
+                if end > n:
+                    break
+                if length:
+                    out.append(bytes(buf[start:end]))
+                pos = end
+        finally:
+            if pos == n:
+                buf.clear()  # Ended on a frame boundary (the common case): reuse the buffer from its start.
+                self._pos = 0
+            else:
+                self._pos = pos
+
     def _check_header(self, magic: int, version: int, length: int) -> None:
         error: RemoteProtocolError | None = None
         if self.expected is not None and (magic, version) != self.expected:
@@ -388,6 +420,14 @@ class ProtocolConnection:
             if payload is None or payload:
                 return payload
             # An empty payload is a keep-alive: nothing to return.
+
+    def take_payloads(self, out: list[bytes]) -> None:
+        """After the hello exchange: every whole payload already buffered, appended to ``out`` (keep-alives
+        skipped); :meth:`next_payload` until None, in one call. Raises as :meth:`next_payload` does, the
+        payloads before the error appended."""
+        if self.negotiated_version is None:
+            raise LocalProtocolError("no payloads before the hello exchange completed")
+        self._decoder.take_payloads(out)
 
     def _on_hello(self, payload: bytes) -> HelloReceived:
         try:
