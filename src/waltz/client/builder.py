@@ -43,6 +43,9 @@ class TransactionBuilder:
 
     def set_header(self, header: int) -> None:
         """Set the application-defined 32-bit header (streamed with the feed, before any data fetch)."""
+        if type(header) is int and I32_MIN <= header <= I32_MAX:
+            self._header = header  # The common case in one test (a bool's type is not int).
+            return
         if isinstance(header, bool) or not isinstance(header, int):
             raise TypeError(f"header must be an int, got {type(header).__name__}")
         if not I32_MIN <= header <= I32_MAX:
@@ -55,6 +58,9 @@ class TransactionBuilder:
     def set_transaction_data(self, data: T, serializer: Serializer[T]) -> None: ...
     def set_transaction_data(self, data: Any, serializer: Serializer[Any] | None = None) -> None:
         """Set the data: ``bytes`` as they are, or ``serializer.serialize(data)``."""
+        if type(data) is bytes and serializer is None:
+            self._data = data  # The common case in one test (bytes(data) would be data itself).
+            return
         if serializer is not None:
             raw: bytes | bytearray | memoryview = serializer.serialize(data)
             if not isinstance(raw, bytes | bytearray | memoryview):

@@ -345,7 +345,8 @@ class AsyncWaltzClient:
                 # attempt does when it finds a free slot, instead of a slow-path task that waits for the
                 # mount under a timeout to do the same.
                 first = await self._execute_after_wait(run, partition)
-            self._check_open()
+            if self._closed:  # Closed while execute() ran (the driver, once set, stays).
+                self._check_open()
         except Exception as e:
             self._release_slot(run)
             if run.handle(Event.FAIL) is Hook.EXCEPTION:
@@ -355,19 +356,17 @@ class AsyncWaltzClient:
             self._release_slot(run)
             raise
         self._runs.add(run)
-        if first is not None:
+        if type(first) is TransactionBuilder:  # The common case: executed and filled.
             run.handle(_EXECUTE)
-        if isinstance(first, Exception):  # execute() raised
-            await self._end_with_exception(run, first)
-            raise first
-        if first is False:  # execute() gave up
-            self._release_slot(run)
-            run.handle(Event.GIVE_UP)
-            await self._call_hook(context.on_completion, False)
-            self._finish(run)
-            return
-        if first is not None:
-            monitor = self._ready_monitor(partition)
+            # _ready_monitor, inline: execute() may have changed the partition (set_partitions, close).
+            if (
+                partition.error is None
+                and partition.state is _READY
+                and self._partitions.get(partition.id) is partition
+            ):
+                monitor = partition.monitor
+            else:
+                monitor = None
             if monitor is not None:
                 if self._take_turn(partition, run, first):
                     run.handle(_SEND)  # Before _send: a failed send resolves at once.
@@ -377,6 +376,17 @@ class AsyncWaltzClient:
                 run.handle(Event.QUEUE)
                 self._park(partition, run, first)
                 self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
+                return
+        elif first is not None:
+            run.handle(_EXECUTE)
+            if isinstance(first, Exception):  # execute() raised
+                await self._end_with_exception(run, first)
+                raise first
+            if first is False:  # execute() gave up
+                self._release_slot(run)
+                run.handle(Event.GIVE_UP)
+                await self._call_hook(context.on_completion, False)
+                self._finish(run)
                 return
         # The slow path: a task executes (or sends what was executed) once the partition is mounted.
         run.first_send = asyncio.get_running_loop().create_future()
@@ -926,7 +936,7 @@ class AsyncWaltzClient:
         hooks; anything else continues in a task, as the slow path."""
         partition = run.partition
         assert partition is not None
-        if isinstance(result, Resolution) and result.outcome is _COMMITTED:
+        if type(result) is Resolution and result.outcome is _COMMITTED:
             if run.holds_slot:  # _release_slot, inline (once per append)
                 run.holds_slot = False
                 partition.slots.release()

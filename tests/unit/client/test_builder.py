@@ -52,6 +52,16 @@ def test_header_must_fit_in_32_bits(header: int) -> None:
         TransactionBuilder(0, -1).set_header(header)
 
 
+def test_header_takes_the_32_bit_bounds_and_refuses_a_bool() -> None:
+    b = TransactionBuilder(0, -1)
+    for header in (2**31 - 1, -(2**31)):
+        b.set_header(header)
+        assert b.header == header
+    with pytest.raises(TypeError, match="bool"):
+        b.set_header(True)
+    assert b.header == -(2**31)
+
+
 def test_locks_become_java_hashes_without_duplicates() -> None:
     a, b = PartitionLocalLock("account", 1), PartitionLocalLock("withdrawal", 1)
     builder = TransactionBuilder(0, -1)
