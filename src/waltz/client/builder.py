@@ -137,5 +137,7 @@ def _check_locks(locks: Iterable[PartitionLocalLock]) -> tuple[PartitionLocalLoc
 
 
 def _hashes(locks: tuple[PartitionLocalLock, ...]) -> tuple[int, ...]:
+    if len(locks) == 1:
+        return (lock_hash(locks[0]),)  # The common case: no duplicates to drop, no generator.
     # Duplicates (two locks, or two hashes that collide) mean nothing more to the server; send each once.
     return tuple(dict.fromkeys(lock_hash(lock) for lock in locks))

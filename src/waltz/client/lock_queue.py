@@ -63,8 +63,18 @@ class LockQueue:
         """``context`` sends an append holding ``locks`` (check :meth:`blocker` first). Returns contexts to
         wake: those next in line for the locks it was reserved but no longer wants."""
         wanted = set(locks)
-        if not wanted and context not in self._held and context not in self._parked:
-            return []  # The common case, a context without write locks: nothing to do.
+        if context not in self._held and context not in self._parked:
+            # The common cases: a context that holds, reserves and waits for nothing yet, so it has no
+            # reservation to pass on; without write locks it has nothing to do at all.
+            if wanted:
+                lock_table = self._locks
+                for h in wanted:
+                    lock = lock_table.get(h)
+                    if lock is None:
+                        lock = lock_table[h] = _Lock()
+                    lock.owner = context
+                self._held[context] = wanted
+            return []
         for h in wanted:
             lock = self._locks.get(h)
             if lock is None:

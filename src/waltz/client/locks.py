@@ -77,7 +77,10 @@ class PartitionLocalLock:
 def lock_hash(lock: PartitionLocalLock) -> int:
     """``name.hashCode() ^ Long.hashCode(id)``, the signed 32-bit value the Java client sends for ``lock``."""
     # The xor of two signed 32-bit ints is again a signed 32-bit int, so no re-normalisation is needed.
-    return java_string_hash(lock.name) ^ java_long_hash(lock.id)
+    # java_long_hash inlined (one per write lock per append): two Python calls less.
+    bits = lock.id & _MASK64
+    h = (bits ^ (bits >> 32)) & _MASK32
+    return java_string_hash(lock.name) ^ (h - (1 << 32) if h >= 1 << 31 else h)
 
 
 def lock_hashes(locks: Iterable[PartitionLocalLock]) -> tuple[int, ...]:
