@@ -112,6 +112,7 @@ _STATE_COMMITTED = State.COMMITTED
 _ON_APPLICATION = Hook.APPLICATION
 
 _MASK32 = 0xFFFFFFFF
+_TRUE_ARGS = (True,)
 _new_tuple = tuple.__new__
 """Builds a named tuple (ReqId) from a tuple in C, without its generated Python ``__new__``."""
 
@@ -368,7 +369,8 @@ class AsyncWaltzClient:
             else:
                 monitor = None
             if monitor is not None:
-                if self._take_turn(partition, run, first):
+                # A new run is unknown to the lock queue: without write locks it has nothing to take there.
+                if not first.write_lock_hashes or self._take_turn(partition, run, first):
                     run.handle(_SEND)  # Before _send: a failed send resolves at once.
                     self._send(partition, monitor, first, run)
                     return
@@ -726,7 +728,14 @@ class AsyncWaltzClient:
         partition.push_feed(Transaction(partition_id, transaction_id, header, req_id, source))
         resolutions = monitor.on_feed(transaction_id, req_id)
         if resolutions:
-            self._resolve(partition, resolutions)
+            # _resolve, inline (once per feed entry)
+            outcomes = partition.outcomes
+            for resolution in resolutions:
+                waiter = outcomes.pop(resolution.req_id, None)
+                if isinstance(waiter, Run):
+                    self._on_first_outcome(waiter, resolution)
+                elif waiter is not None:
+                    _settle(waiter, resolution)
         return True
 
     async def _on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
@@ -943,7 +952,12 @@ class AsyncWaltzClient:
             run.handle(_COMMIT)
             run.transaction_id = result.transaction_id
             partition.awaiting_apply.append(run)
-            self._queue_hook(run, True, run.context.on_completion, True)
+            # _queue_hook(run, True, on_completion, True), inline (once per append)
+            hooks = self._hooks
+            if not hooks:
+                asyncio.get_running_loop().call_soon(self._flush_hooks)
+            hooks.append((run.context.on_completion, _TRUE_ARGS))
+            self._hook_runs.append((run, True))
             return
         if isinstance(result, Resolution):
             run.handle(_FAILURE_EVENTS[result.outcome])
@@ -1027,7 +1041,12 @@ class AsyncWaltzClient:
 
     def _queue_application(self, run: Run) -> None:
         if run.state is _STATE_COMMITTED and run.handle(_APPLY) is _ON_APPLICATION:
-            self._queue_hook(run, False, run.context.on_application)
+            # _queue_hook(run, False, on_application), inline (once per append)
+            hooks = self._hooks
+            if not hooks:
+                asyncio.get_running_loop().call_soon(self._flush_hooks)
+            hooks.append((run.context.on_application, ()))
+            self._hook_runs.append((run, False))
         else:
             self._finish(run)  # Ended meanwhile (closed): no on_application.
 
