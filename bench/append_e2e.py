@@ -18,6 +18,7 @@ Scenarios (each after a warm-up; the figures are measured over ``--seconds``):
     .venv/bin/python bench/append_e2e.py                 # all scenarios
     .venv/bin/python bench/append_e2e.py --seconds 5 --scenario pipelined
     .venv/bin/python bench/append_e2e.py --max-inflight-batches 1   # one replication batch at a time
+    .venv/bin/python bench/append_e2e.py --scenario single --profile-server /tmp/server.prof
 
 After each scenario it prints the CPU (user + system, from ``/proc/<pid>/stat``) that each process spent per
 committed append over the measured window: the server, each storage node and the load generator
@@ -281,6 +282,12 @@ def main() -> None:
         help="the server's storage.maxInflightBatches (default: the server's default)",
     )
     parser.add_argument("--dir", default=None, help="where to put the temporary cluster (default /tmp)")
+    parser.add_argument(
+        "--profile-server",
+        default=None,
+        metavar="PATH",
+        help="write a cProfile of the server process (its whole run) to PATH (read it with pstats)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the cluster's directory (logs, data)")
     parser.add_argument("--load", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--client-id", type=int, default=1, help=argparse.SUPPRESS)
@@ -291,6 +298,9 @@ def main() -> None:
     else:
         # SIGTERM (e.g. from timeout(1)) unwinds like Ctrl-C, so every process started is stopped.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
+        if args.profile_server:
+            # Read by `waltz server run` (storage nodes ignore it); the file is written when the server stops.
+            os.environ["WALTZ_PROFILE"] = str(Path(args.profile_server).resolve())
         asyncio.run(driver(args))
 
 
