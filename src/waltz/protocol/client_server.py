@@ -80,14 +80,14 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar, Self
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
 from waltz.protocol.record_run import encode_run, run_records, scan_run
-from waltz.protocol.records import Record, ReqId, crc32
+from waltz.protocol.records import Record, RecordHeader, ReqId, crc32
 from waltz.protocol.wire import Reader, Writer
 
 __all__ = [
@@ -963,6 +963,20 @@ def encode(msg: Message, version: int) -> bytes:
             "not supported, upgrade servers"
         )
     return msg._encode(version)
+
+
+def encode_feed_data(headers: Iterable[RecordHeader], version: int) -> list[bytes]:
+    """The payloads of ``FeedData(h.req_id, h.transaction_id, h.header)`` for each of ``headers``: the same
+    bytes as :func:`encode` of each, without building the messages (the server's feed sends one per
+    commit)."""
+    if version not in SUPPORTED_VERSIONS:
+        _check_version(version)
+    pack = _FEED_DATA.pack
+    code = int(MessageType.FEED_DATA)
+    try:
+        return [pack(code, msb & _MASK64, lsb & _MASK64, txn, header) for txn, (msb, lsb), header in headers]
+    except struct.error as e:
+        raise LocalProtocolError(f"FeedData field out of range: {e}") from None
 
 
 def decode(payload: bytes | bytearray | memoryview, version: int) -> Message:

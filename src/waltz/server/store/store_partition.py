@@ -254,6 +254,26 @@ class StorePartition:
         in the order it sent them). Waits while the queue is full. Raises as :meth:`append` does, either here
         (refused up front) or from the future.
         """
+        pending = self._pending(request)
+        await self.queue.put(pending)  # returns without queueing it if the partition failed it meanwhile
+        session = self._session
+        if session is not None:
+            session.appends_queued()
+        return pending.future
+
+    def submit_nowait(self, request: AppendLike) -> asyncio.Future[int] | None:
+        """:meth:`submit` if the queue has room now; None (nothing queued) if it would have to wait."""
+        if self.queue.full():
+            return None
+        pending = self._pending(request)
+        self.queue.put_nowait(pending)
+        session = self._session
+        if session is not None:
+            session.appends_queued()
+        return pending.future
+
+    def _pending(self, request: AppendLike) -> PendingAppend:
+        """Check ``request`` and give it the next ticket (the caller queues it at once)."""
         if self._closed:
             raise ClosedResourceError(f"partition {self.partition_id} store is closed")
         loop = self._loop
@@ -276,11 +296,7 @@ class StorePartition:
             ticket,
         )
         self._unresolved[ticket] = pending
-        await self.queue.put(pending)  # returns without queueing it if the partition failed it meanwhile
-        session = self._session
-        if session is not None:
-            session.appends_queued()
-        return pending.future
+        return pending
 
     async def wait_open(self) -> int:
         """Wait until a store session is open (recovered) and return the committed high-water mark."""

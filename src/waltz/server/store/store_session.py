@@ -45,7 +45,7 @@ from waltz.protocol.records import Record, RecordHeader, ReqId
 from waltz.server.store.interfaces import PartitionMetadataStore, ReplicaConnection, ReplicaConnector
 from waltz.server.store.recovery import RecoveryState, metadata_after_recovery, metadata_with_clean_replica
 from waltz.server.store.replica_session import Batch, ReplicaRole, ReplicaSession, SessionOver
-from waltz.server.store.support import StoreConfig, TaskList
+from waltz.server.store.support import InvariantViolation, StoreConfig, TaskList
 from waltz.server.store.voting import Voting, quorum_of
 
 __all__ = ["AppendQueue", "EndReason", "PendingAppend", "SessionHost", "SessionOutcome", "StoreSession"]
@@ -147,6 +147,12 @@ class AppendQueue:
             await self._room.wait()
             if append.resolved:
                 return
+        self.put_nowait(append)
+
+    def put_nowait(self, append: PendingAppend) -> None:
+        """Queue ``append`` now; the caller checked that the queue is not :meth:`full`."""
+        if len(self._items) >= self.capacity:
+            raise InvariantViolation(f"append queue full ({self.capacity})")
         self._items.append(append)
         self.data_bytes += len(append.data)
         self._arrived.set()
