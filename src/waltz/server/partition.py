@@ -415,15 +415,17 @@ class Partition:
                 return False
             if not self._check_locks(item, req):
                 return True
+        listener = self._resolution_listener(req, item)
         try:
-            future = self.store.submit_nowait(msg)
+            future = self.store.submit_nowait(msg, listener)
         except WaltzError as e:
+            self.pending_appends -= 1
             self._refused(req, msg, e)
             return True
         if future is None:
+            self.pending_appends -= 1
             self._release(req)
             return False
-        self._submitted(future, req, item)
         return True
 
     async def _process_append(self, item: _Append) -> None:
@@ -434,21 +436,25 @@ class Partition:
             req = await self._take_locks(item)
             if req is None:
                 return
+        listener = self._resolution_listener(req, item)
         try:
-            future = await self.store.submit(msg)
+            await self.store.submit(msg, listener)
         except WaltzError as e:
+            self.pending_appends -= 1
             self._refused(req, msg, e)
-            return
-        self._submitted(future, req, item)
 
     def _refused(self, req: LockRequest | None, msg: cs.AppendRequest, error: WaltzError) -> None:
         self._release(req)
         self.metrics.failed()
         log.debug("partition %d: append %r refused: %s", self.partition_id, msg.req_id, error)
 
-    def _submitted(self, future: asyncio.Future[int], req: LockRequest | None, item: _Append) -> None:
+    def _resolution_listener(
+        self, req: LockRequest | None, item: _Append
+    ) -> Callable[[int, BaseException | None], None]:
+        """What the store calls when ``item`` is resolved (synchronously, in the commit: see
+        ``PendingAppend.on_resolved``)."""
         self.pending_appends += 1
-        future.add_done_callback(lambda f: self._append_done(f, req, item))
+        return lambda txn, error: self._append_done(txn, error, req, item)
 
     async def _take_locks(self, item: _Append) -> LockRequest | None:
         """Begin the append's locks and check them; None (with a LockFailure sent) if they conflict."""
@@ -459,9 +465,10 @@ class Partition:
         if req is None:
             # A slot is held by an in-flight append: wait until the store resolved everything, then retry.
             await self.store.flush()
-            # Every append is resolved now, but the callbacks releasing their slots (_append_done) may still
-            # be queued on the loop: flush() does not yield when everything was already resolved. Let them run
-            # before concluding that slots leaked; a reset makes every in-flight append fail its lock check.
+            # Every append is resolved now, and _append_done released their slots as each was resolved (the
+            # store calls it synchronously). The yield is a safety margin for anything else the resolutions
+            # scheduled before we conclude that slots leaked: a reset makes every in-flight append fail its
+            # lock check.
             await asyncio.sleep(0)
             req = locks.begin(msg.write_locks, msg.read_locks, msg.append_locks)
             if req is None:
@@ -494,13 +501,14 @@ class Partition:
             assert locks is not None
             locks.release(req)
 
-    def _append_done(self, future: asyncio.Future[int], req: LockRequest | None, item: _Append) -> None:
+    def _append_done(
+        self, txn: int, error: BaseException | None, req: LockRequest | None, item: _Append
+    ) -> None:
         self.pending_appends -= 1
-        if future.cancelled() or future.exception() is not None:
+        if error is not None:
             self._release(req)
             self.metrics.failed()
             return
-        txn = future.result()
         msg = item.msg
         if req is not None:
             locks = self._locks
