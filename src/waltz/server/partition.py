@@ -39,7 +39,7 @@ from typing import Protocol
 
 from waltz.errors import WaltzError
 from waltz.protocol import client_server as cs
-from waltz.protocol.records import RecordHeader, ReqId
+from waltz.protocol.records import RecordHeader, ReqId, make_header
 from waltz.server.feed_cache import FeedCache
 from waltz.server.locks import LockRequest, LockTable
 from waltz.server.store.store_partition import StorePartition
@@ -518,7 +518,7 @@ class Partition:
             assert locks is not None
             locks.commit(req, txn)
             locks.release(req)
-        self._feed_cache.add(self.partition_id, RecordHeader(txn, msg.req_id, msg.header))
+        self._feed_cache.add(self.partition_id, make_header(txn, msg.req_id, msg.header))
         self._txn_cache.put(self.partition_id, txn, msg.data, msg.checksum)
         self._committed += 1
         self._committed_bytes += len(msg.data)

@@ -52,6 +52,8 @@ __all__ = ["AppendQueue", "EndReason", "PendingAppend", "SessionHost", "SessionO
 
 log = logging.getLogger(__name__)
 
+_tuple_new = tuple.__new__
+
 T = TypeVar("T")
 
 REPAIR_MAX_RECORDS = 10_000
@@ -106,7 +108,8 @@ class PendingAppend:
     iteration later, for every append."""
 
     def record(self) -> Record:
-        return Record(self.transaction_id, self.req_id, self.header, self.data, self.checksum)
+        # Record(...) without its generated __new__: one per append on the write path.
+        return _tuple_new(Record, (self.transaction_id, self.req_id, self.header, self.data, self.checksum))
 
     def succeed(self, transaction_id: int) -> None:
         first = not self.resolved
