@@ -233,6 +233,22 @@ def test_append_round_trip(records: tuple[Record, ...], offline: bool) -> None:
     assert s.decode(s.encode(msg)) == msg
 
 
+@given(records_strategy, st.booleans(), st.integers(-(2**63), 2**63 - 1), st.integers(0, 2**63 - 1))
+def test_append_encoded_once_is_the_append_request(
+    records: tuple[Record, ...], offline: bool, session_id: int, seq_num: int
+) -> None:
+    body = s.append_request_body(records, offline)
+    msg = s.AppendRequest(session_id, seq_num, 7, records, offline)
+    assert s.encode_append_request(session_id, seq_num, 7, body) == s.encode(msg)
+
+
+def test_append_encoded_once_refuses_what_encode_refuses() -> None:
+    with pytest.raises(LocalProtocolError):
+        s.append_request_body((REC._replace(header=2**31),))
+    with pytest.raises(LocalProtocolError):
+        s.encode_append_request(0, 2**63, 0, b"")
+
+
 @given(st.binary(max_size=300))
 def test_random_bytes_decode_or_raise_protocol_error(data: bytes) -> None:
     try:

@@ -225,6 +225,44 @@ def test_closed_partition_refuses_appends_and_fails_pending_ones() -> None:
     run_virtual(main())
 
 
+def test_submit_nowait_calls_the_listener_once_in_the_commit_and_refuses_when_the_queue_is_full() -> None:
+    async def main() -> None:
+        world = World(max_queued_appends=3)
+        heard: list[tuple[int, BaseException | None]] = []
+
+        def listener(txn: int, error: BaseException | None) -> None:
+            # Synchronous: the future is already resolved, and nothing else was scheduled in between.
+            heard.append((txn, error))
+
+        def failing_listener(txn: int, error: BaseException | None) -> None:
+            raise RuntimeError("a bug in the listener")
+
+        async with world.partition() as partition:
+            await partition.wait_open()
+            futures = [partition.submit_nowait(req(i), listener) for i in range(3)]
+            assert all(f is not None for f in futures)
+            assert partition.submit_nowait(req(3), listener) is None  # full: nothing queued
+            ids = [await f for f in futures if f is not None]
+            assert ids == [0, 1, 2]
+            assert heard == [(0, None), (1, None), (2, None)]
+            # A listener that raises is logged; the store carries on.
+            future = partition.submit_nowait(req(3), failing_listener)
+            assert future is not None
+            assert await future == 3
+            assert await partition.append(req(4)) == 4
+            # A failed append is heard once, with its error.
+            for name in NAMES[1:]:
+                world.storages[name].crash()
+            doomed = partition.submit_nowait(req(5), listener)
+            assert doomed is not None
+            await asyncio.sleep(0.5)
+        assert doomed.done()
+        assert isinstance(doomed.exception(), ClosedResourceError)
+        assert heard[3:] == [(-1, doomed.exception())]
+
+    run_virtual(main())
+
+
 def test_replica_set_change_moves_the_log_to_the_new_set() -> None:
     async def main() -> None:
         world = World([*NAMES, "s3:1", "s4:1"])

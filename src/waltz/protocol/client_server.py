@@ -81,14 +81,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import struct
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar, Final, Self
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
 from waltz.protocol.record_run import encode_run, run_records, scan_run
-from waltz.protocol.records import Record, ReqId, crc32
+from waltz.protocol.records import Record, RecordHeader, ReqId, crc32, make_req_id
 from waltz.protocol.wire import Reader, Writer
 
 __all__ = [
@@ -508,17 +509,26 @@ class AppendRequest(_Message):
         if end < pos:
             raise _truncated(pos, end)
         _, msb, lsb, hwm, n = _APPEND_HEAD.unpack_from(payload, 0)
-        write_locks, pos = _read_locks(payload, pos, end, n)
+        # Most appends carry no locks (counts 0, or -1 for Java's null array): skip the general reader then.
+        write_locks: tuple[int, ...] = ()
+        if n > 0 or n < -1:
+            write_locks, pos = _read_locks(payload, pos, end, n)
         read_locks: tuple[int, ...] = ()
         append_locks: tuple[int, ...] = ()
         if version >= 1:
             if pos + 4 > end:
                 raise _truncated(pos + 4, end)
-            read_locks, pos = _read_locks(payload, pos + 4, end, _I32.unpack_from(payload, pos)[0])
+            n = _I32.unpack_from(payload, pos)[0]
+            pos += 4
+            if n > 0 or n < -1:
+                read_locks, pos = _read_locks(payload, pos, end, n)
             if version >= 2:
                 if pos + 4 > end:
                     raise _truncated(pos + 4, end)
-                append_locks, pos = _read_locks(payload, pos + 4, end, _I32.unpack_from(payload, pos)[0])
+                n = _I32.unpack_from(payload, pos)[0]
+                pos += 4
+                if n > 0 or n < -1:
+                    append_locks, pos = _read_locks(payload, pos, end, n)
         if pos + 8 > end:
             raise _truncated(pos + 8, end)
         header, length = _HEADER_AND_LENGTH.unpack_from(payload, pos)
@@ -532,12 +542,12 @@ class AppendRequest(_Message):
             raise RemoteProtocolError(f"{end - stop - 4} unexpected trailing bytes")
         data = bytes(payload[pos:stop])
         checksum: int = _U32.unpack_from(payload, stop)[0]
-        if crc32(data) != checksum:
+        if zlib.crc32(data) != checksum:  # both unsigned
             raise RemoteProtocolError(
                 f"AppendRequest data checksum mismatch: carried {checksum:#010x}, "
                 f"computed {crc32(data):#010x}"
             )
-        return cls(ReqId(msb, lsb), hwm, write_locks, read_locks, append_locks, header, data, checksum)
+        return cls(make_req_id(msb, lsb), hwm, write_locks, read_locks, append_locks, header, data, checksum)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1030,6 +1040,20 @@ def decode_feed_data(payload: bytes | bytearray | memoryview) -> tuple[ReqId, in
         return None
     _, msb, lsb, transaction_id, header = _FEED_DATA.unpack_from(payload, 0)
     return ReqId(msb, lsb), transaction_id, header
+
+
+def encode_feed_data(headers: Iterable[RecordHeader], version: int) -> list[bytes]:
+    """The payloads of ``FeedData(h.req_id, h.transaction_id, h.header)`` for each of ``headers``: the same
+    bytes as :func:`encode` of each, without building the messages (the server's feed sends one per
+    commit)."""
+    if version not in SUPPORTED_VERSIONS:
+        _check_version(version)
+    pack = _FEED_DATA.pack
+    code = int(MessageType.FEED_DATA)
+    try:
+        return [pack(code, msb & _MASK64, lsb & _MASK64, txn, header) for txn, (msb, lsb), header in headers]
+    except struct.error as e:
+        raise LocalProtocolError(f"FeedData field out of range: {e}") from None
 
 
 def decode(payload: bytes | bytearray | memoryview, version: int) -> Message:

@@ -737,6 +737,26 @@ def encode(msg: StorageMessage) -> bytes:
     return bytes(w.buf)
 
 
+def append_request_body(records: Sequence[Record], offline: bool = False) -> bytes:
+    """The bytes of ``AppendRequest(..., records, offline)`` after its prefix: the same for every replica a
+    batch goes to, so a server encodes them once per batch (see :func:`encode_append_request`)."""
+    w = Writer()
+    write_record_list(w, records)
+    w.bool(offline)
+    return bytes(w.buf)
+
+
+def encode_append_request(session_id: int, seq_num: int, partition_id: int, body: bytes) -> bytes:
+    """The payload of an AppendRequest whose fields after the prefix are ``body``
+    (:func:`append_request_body`): the same bytes as :func:`encode` of the message."""
+    try:
+        return PREFIX.pack(AppendRequest.TYPE, session_id, seq_num, partition_id) + body
+    except struct.error:
+        raise LocalProtocolError(
+            f"storage message prefix out of range: {(session_id, seq_num, partition_id)}"
+        ) from None
+
+
 def decode(payload: bytes | bytearray | memoryview) -> StorageMessage:
     """Decode one whole payload; raises RemoteProtocolError if it is not exactly one valid message."""
     data = payload if isinstance(payload, bytes) else bytes(payload)

@@ -36,7 +36,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kazoo.client import KazooClient
@@ -53,7 +53,7 @@ from waltz.errors import ConnectionError_, PartitionNotReadyError, RemoteProtoco
 from waltz.http import HttpEndpoint, build_info, listen, new_registry
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
-from waltz.protocol.records import ReqId
+from waltz.protocol.records import RecordHeader, ReqId
 from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
 from waltz.server.config import ServerConfig
 from waltz.server.feed_cache import FeedCache
@@ -121,8 +121,17 @@ class _Connection:
         return self._conn.source
 
     def send(self, msg: cs.Message) -> None:
-        with contextlib.suppress(ConnectionError_):
+        try:
             self._conn.send(cs.encode(msg, self._version))
+        except ConnectionError_:
+            pass  # the connection is gone: its read loop ends and cleans up
+
+    def send_feed(self, headers: Sequence[RecordHeader]) -> None:
+        """A FeedData for each of ``headers``, in order (the feed's hot path: one call per batch)."""
+        try:
+            self._conn.send_many(cs.encode_feed_data(headers, self._version))
+        except ConnectionError_:
+            pass
 
     async def drain(self) -> None:
         await self._conn.drain()
@@ -731,6 +740,13 @@ class WaltzServer:
 
     async def _dispatch(self, peer: _Connection, msg: cs.Message) -> None:
         rid = msg.req_id
+        if type(msg) is cs.AppendRequest:
+            # Appends first: nearly every message under load is one.
+            pid = rid.partition_id
+            part = self.partitions.get(pid) if not self._suspended else await self._owned(pid)
+            if not (part is not None and await part.append(peer, msg)) and not peer.end_mount(pid):
+                raise _CloseConnection(f"AppendRequest for partition {pid}, never mounted on this connection")
+            return
         # Cluster-level queries first: they name no partition.
         if isinstance(msg, cs.CheckStorageConnectivityRequest):
             # Every storage node of the cluster, not only those this server has talked to (as the original).
