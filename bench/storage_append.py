@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,6 +57,12 @@ class Result:
     seconds: float
     latencies_s: list[float]
     fsyncs: int
+    node_user_s: float
+    node_system_s: float
+
+    @property
+    def node_us_per_record(self) -> float:
+        return (self.node_user_s + self.node_system_s) / self.records * 1e6
 
     def line(self) -> str:
         rate = self.records / self.seconds
@@ -65,6 +72,8 @@ class Result:
         return (
             f"{self.mode:<28} {rate:>10,.0f} rec/s {rate * RECORD_BYTES / 1e6:>7.1f} MB/s  "
             f"ack p50 {p50:6.2f} ms  p99 {p99:6.2f} ms  fsyncs/s {self.fsyncs / self.seconds:>7,.0f}  "
+            f"node CPU {self.node_us_per_record:6.1f} us/rec "
+            f"(user {self.node_user_s / self.records * 1e6:.1f})  "
             f"({self.records} records in {self.seconds:.1f} s)"
         )
 
@@ -88,14 +97,26 @@ def raw_fsync_latency(directory: Path, seconds: float = 2.0) -> list[float]:
     return samples
 
 
-def start_node(directory: Path, event_loop: str) -> tuple[subprocess.Popen[bytes], int, int]:
+def process_cpu_s(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of process ``pid`` so far, all its threads (from /proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def start_node(
+    directory: Path, event_loop: str, profile: str | None = None
+) -> tuple[subprocess.Popen[bytes], int, int]:
     config = directory / "storage.yaml"
     config.write_text(
         f"storage.port: 0\nstorage.admin.port: 0\nstorage.directory: {directory / 'data'}\n"
         f"storage.cluster.key: {KEY}\nstorage.cluster.numPartitions: 1\n",
         encoding="utf-8",
     )
-    cmd = [sys.executable, "-m", "waltz.cli.main", "storage", "run", "--config", str(config)]
+    # Under cProfile the node writes its profile when it stops (SIGTERM ends it cleanly).
+    profiler = ["-m", "cProfile", "-o", profile] if profile else []
+    cmd = [sys.executable, *profiler, "-m", "waltz.cli.main", "storage", "run", "--config", str(config)]
     cmd += ["--event-loop", event_loop]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
     assert proc.stdout is not None
@@ -236,7 +257,7 @@ async def open_raw(port: int) -> FramedConnection:
     return conn
 
 
-async def bench(args: argparse.Namespace, port: int, admin_port: int) -> list[Result]:
+async def bench(args: argparse.Namespace, port: int, admin_port: int, node_pid: int) -> list[Result]:
     admin = await AdminClient.connect("127.0.0.1", admin_port, KEY, 1)
     client = await StorageClient.connect("127.0.0.1", port, KEY, 1, max_in_flight=max(args.in_flight, 64))
     raw_conn = await open_raw(port)
@@ -285,10 +306,22 @@ async def bench(args: argparse.Namespace, port: int, admin_port: int) -> list[Re
             runner.next_id = acked
             runner.acked = acked
             before = await fsync_count(admin)
+            cpu_before = process_cpu_s(node_pid)
             elapsed, lat = await runner.run(total, batch, in_flight)
+            cpu_after = process_cpu_s(node_pid)
             fsyncs = await fsync_count(admin) - before
             acked = runner.acked
-            results.append(Result(label, total, elapsed, lat, fsyncs))
+            results.append(
+                Result(
+                    label,
+                    total,
+                    elapsed,
+                    lat,
+                    fsyncs,
+                    cpu_after[0] - cpu_before[0],
+                    cpu_after[1] - cpu_before[1],
+                )
+            )
             print(results[-1].line(), flush=True)
         # Everything acknowledged is there, densely, and verifies.
         max_id = await client.max_transaction_id(SESSION, PARTITION)
@@ -321,6 +354,14 @@ def main() -> int:
     parser.add_argument("--in-flight", type=int, default=512)
     parser.add_argument("--batch", type=int, default=100)
     parser.add_argument("--batch-in-flight", type=int, default=8)
+    parser.add_argument(
+        "--profile", metavar="FILE", help="run the node under cProfile and write its profile to FILE"
+    )
+    parser.add_argument(
+        "--py-spy",
+        metavar="FILE",
+        help="sample the node with py-spy (on CPU only) while the modes run; collapsed stacks to FILE",
+    )
     args = parser.parse_args()
 
     base = Path(tempfile.mkdtemp(prefix="waltz-bench-", dir=args.dir))
@@ -332,15 +373,27 @@ def main() -> int:
             f"p99 {raw[int(len(raw) * 0.99)] * 1000:.3f} ms  ({1 / statistics.mean(raw):,.0f} fsyncs/s)"
         )
         print(f"node event loop: {args.event_loop}; client loop: {args.client_loop}; cpus: {os.cpu_count()}")
-        proc, port, admin_port = start_node(base, args.event_loop)
+        proc, port, admin_port = start_node(base, args.event_loop, args.profile)
+        spy = None
+        if args.py_spy:
+            spy = subprocess.Popen(
+                [
+                    *(str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(proc.pid)),
+                    *("--rate", "500", "--format", "raw", "--output", args.py_spy, "--nonblocking"),
+                ],
+                stdout=subprocess.DEVNULL,
+            )
         try:
             if args.client_loop == "uvloop":
                 import uvloop
 
-                results = uvloop.run(bench(args, port, admin_port))
+                results = uvloop.run(bench(args, port, admin_port, proc.pid))
             else:
-                results = asyncio.run(bench(args, port, admin_port))
+                results = asyncio.run(bench(args, port, admin_port, proc.pid))
         finally:
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(30)
             proc.terminate()
             proc.wait(10)
         for r in results:

@@ -75,13 +75,17 @@ from waltz.http import HttpEndpoint, build_info, listen, new_registry
 from waltz.protocol import admin as adm
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
-from waltz.protocol.records import Record
 from waltz.storage.authority import SessionAuthority, ZkSessionAuthority
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import FLAG_AVAILABLE, ControlFile, PartitionInfo
 from waltz.storage.fileio import FAULTS, OS_FS
 from waltz.storage.partition import PartitionLog, delete_log_files
-from waltz.storage.segment import RecordCorruptionError
+from waltz.storage.segment import (
+    RecordCorruptionError,
+    append_wire_run,
+    encode_stored_run,
+    verify_client_checksums,
+)
 from waltz.tls import TlsConfig, peer_common_name
 from waltz.transport import (
     ByteBudget,
@@ -320,8 +324,13 @@ class StoragePartition:
         self.worker_gone = False
         self.current: _Item | None = None
         """The item the worker is on (answered by the node if the worker ends under it)."""
+        # Metric children looked up once: ``labels()`` costs more than the update on the append path.
         self._queue_gauge = node.metrics.queue.labels(partition_id)
         self._read_bytes = node.metrics.read_bytes.labels(partition_id)
+        self._append_requests = node.metrics.requests.labels("AppendRequest")
+        self._appended = node.metrics.appended.labels(partition_id)
+        self._appended_bytes = node.metrics.appended_bytes.labels(partition_id)
+        self._max_txn = node.metrics.max_txn.labels(partition_id)
 
     @property
     def info(self) -> PartitionInfo:
@@ -663,12 +672,12 @@ class StoragePartition:
     async def _group_commit(self, first: _Item) -> None:
         """Write every append queued right now, fsync once, then answer them all in order.
 
-        The records of all accepted requests are written with one :meth:`PartitionLog.append` (one pwrite
-        per file for the whole group, the lean path). That call checks the whole batch before writing
-        anything, so when it refuses (a request whose records are not dense inside it, or a bad data
-        checksum) nothing was written and each request is appended on its own, so only the bad one fails.
-        Success is sent strictly after the data file's fsync returned; if the fsync fails, every request of
-        the group fails and the partition refuses further writes (see :meth:`_fsync`).
+        Each request is checked on its own right before its records join the group's run (ids continuing
+        the log, client data checksums; :func:`append_wire_run` builds the stored layout straight from the
+        request's bytes), so a bad request fails alone. The run of all accepted requests is then written with
+        one :meth:`PartitionLog.append_run` (one pwrite per file for the whole group). Success is sent
+        strictly after the data file's fsync returned; if the write or the fsync fails, every request of the
+        group fails and the partition refuses further writes (see :meth:`_fsync`).
         """
         batch = [first]
         limit = self.node.config.max_group_commit_records
@@ -681,98 +690,83 @@ class StoragePartition:
                 break
             batch.append(queue.pop())
             count += len(nxt.msg.records)
-        metrics = self.node.metrics
-        metrics.requests.labels("AppendRequest").inc(len(batch))
-        results: list[st.StorageMessage | None] = [None] * len(batch)
+        self._append_requests.inc(len(batch))
+        results: list[bytes | None] = [None] * len(batch)
         accepted: list[int] = []  # indexes into batch of requests whose records go into the group write
-        records: list[Record] = []
+        run = bytearray()
+        ends: list[int] = []
         plog: PartitionLog | None = None
         expected = -1
         for i, item in enumerate(batch):
             msg = item.msg
             assert isinstance(msg, st.AppendRequest)
+            records = msg.records
             try:
                 plog = self._check(msg, msg.offline)
                 if expected < 0:
                     expected = plog.max_transaction_id + 1
-                if not msg.records:
-                    results[i] = st.SuccessResponse(msg.session_id, msg.seq_num, msg.partition_id)
+                if not records:
+                    results[i] = st.encode_success(msg.session_id, msg.seq_num, msg.partition_id)
                     continue
-                got = msg.records[0].transaction_id
+                got = records[0].transaction_id
                 if got != expected:
                     raise TransactionOutOfOrderError(
                         f"partition {self.partition_id}: transaction out of order: expected {expected}, "
                         f"got {got}"
                     )
+                if isinstance(records, st.WireRecordList):
+                    append_wire_run(run, ends, records, expected)
+                else:
+                    verify_client_checksums(records, expected)
+                    part, part_ends = encode_stored_run(records)
+                    base = len(run)
+                    run += part
+                    ends += [base + e for e in part_ends]
             except WaltzError as e:
-                results[i] = self._failure(msg, e)
+                results[i] = st.encode(self._failure(msg, e))
                 continue
             accepted.append(i)
-            records.extend(msg.records)
-            expected += len(msg.records)
+            expected += len(records)
         if accepted and plog is not None:
             before = plog.max_transaction_id
             try:
-                plog.append(records)
+                plog.append_run(run, ends, expected - len(ends))
             except WaltzError as e:
+                # Every record was checked above, so this is the disk (or a bug): nothing of the group may
+                # be acknowledged, and if part of it reached the file the partition stops taking writes.
                 if plog.max_transaction_id != before or _is_io_error(e):
-                    # Part of the group reached the file before an I/O error: answer nothing but failures.
                     self._break(f"write failed: {e}")
-                    for i in accepted:
-                        results[i] = self._failure(batch[i].msg, e)  # type: ignore[arg-type]
-                    accepted = []
-                else:
-                    accepted = self._append_one_by_one(batch, accepted, results, plog)
+                for i in accepted:
+                    results[i] = st.encode(self._failure(batch[i].msg, e))  # type: ignore[arg-type]
+                accepted = []
         if accepted and plog is not None:
             error = await self._fsync(plog, single=len(batch) == 1)
-            n_records = 0
             n_bytes = 0
+            encode_success = st.encode_success
             for i in accepted:
                 msg = batch[i].msg
                 assert isinstance(msg, st.AppendRequest)
                 if error is None:
-                    results[i] = st.SuccessResponse(msg.session_id, msg.seq_num, msg.partition_id)
-                    n_records += len(msg.records)
-                    n_bytes += sum(len(r.data) for r in msg.records)
+                    results[i] = encode_success(msg.session_id, msg.seq_num, msg.partition_id)
+                    records = msg.records
+                    n_bytes += (
+                        records.data_bytes
+                        if isinstance(records, st.WireRecordList)
+                        else sum(len(r.data) for r in records)
+                    )
                 else:
-                    results[i] = self._failure(msg, error)
-            if n_records:
-                metrics.appended.labels(self.partition_id).inc(n_records)
-                metrics.appended_bytes.labels(self.partition_id).inc(n_bytes)
-                metrics.max_txn.labels(self.partition_id).set(plog.max_transaction_id)
+                    results[i] = st.encode(self._failure(msg, error))
+            if error is None:
+                self._appended.inc(len(ends))
+                self._appended_bytes.inc(n_bytes)
+                self._max_txn.set(plog.max_transaction_id)
         # One latency observation per group (its oldest request): observing every request costs more than
         # the rest of the acknowledgement path.
-        metrics.append_latency.observe(time.monotonic() - first.arrived_s)
-        respond = self.node.respond
-        for item, resp in zip(batch, results, strict=True):
-            assert resp is not None
-            respond(item, resp)
-
-    def _append_one_by_one(
-        self,
-        batch: list[_Item],
-        accepted: list[int],
-        results: list[st.StorageMessage | None],
-        plog: PartitionLog,
-    ) -> list[int]:
-        """The group write was refused before writing: append each request alone, failing only bad ones."""
-        written: list[int] = []
-        for i in accepted:
-            msg = batch[i].msg
-            assert isinstance(msg, st.AppendRequest)
-            before = plog.max_transaction_id
-            try:
-                plog.append(msg.records)
-            except WaltzError as e:
-                results[i] = self._failure(msg, e)
-                if plog.max_transaction_id != before or _is_io_error(e):
-                    self._break(f"write failed: {e}")
-                    for j in written:
-                        results[j] = self._failure(batch[j].msg, e)  # type: ignore[arg-type]
-                    return []
-                continue
-            written.append(i)
-        return written
+        self.node.metrics.append_latency.observe(time.monotonic() - first.arrived_s)
+        send = self.node.send_payload
+        for item, payload in zip(batch, results, strict=True):
+            assert payload is not None
+            send(item, payload)
 
     async def _fsync(self, plog: PartitionLog, *, single: bool) -> WaltzError | None:
         """Make the data file durable; return None, or the error that fails the whole group.
@@ -991,6 +985,10 @@ class StorageNode:
     # -- responses ---------------------------------------------------------------------------------
 
     def respond(self, item: _Item, resp: st.StorageMessage) -> None:
+        self.send_payload(item, st.encode(resp))
+
+    def send_payload(self, item: _Item, payload: bytes) -> None:
+        """Send the encoded response to ``item`` and release what the request held."""
         if item.slot is not None:
             item.slot.release()
         if item.budget is not None:
@@ -1000,7 +998,7 @@ class StorageNode:
         if conn is None or conn.is_closed:
             return
         try:
-            conn.send(st.encode(resp))
+            conn.send(payload)
         except ConnectionError_:
             pass  # the peer is gone; it learns nothing more from us
 
