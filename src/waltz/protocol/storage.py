@@ -88,7 +88,7 @@ from waltz.protocol.records import (
     write_record,
     write_record_header,
 )
-from waltz.protocol.wire import I32, U32, Reader, Writer
+from waltz.protocol.wire import I32, I64, U32, Reader, Writer
 
 __all__ = [
     "MAX_FAILURE_FRAMES",
@@ -278,11 +278,17 @@ class WireRecordList(Sequence[Record]):
     (indexing, iteration) cannot fail. It compares equal to any sequence of the same records.
     """
 
-    __slots__ = ("_data", "_starts")
+    __slots__ = ("_count", "_data", "_starts")
 
     def __init__(self, data: bytes, starts: list[int]) -> None:
         self._data = data
         self._starts = starts
+        self._count = len(starts) - 1
+
+    @property
+    def first_transaction_id(self) -> int:
+        """The id of the first record (the list must not be empty)."""
+        return int(I64.unpack_from(self._data, self._starts[0])[0])
 
     @property
     def buffer(self) -> bytes:
@@ -297,10 +303,10 @@ class WireRecordList(Sequence[Record]):
     @property
     def data_bytes(self) -> int:
         """Total length of the records' data."""
-        return self._starts[-1] - self._starts[0] - RECORD_OVERHEAD_BYTES * (len(self._starts) - 1)
+        return self._starts[-1] - self._starts[0] - RECORD_OVERHEAD_BYTES * self._count
 
     def __len__(self) -> int:
-        return len(self._starts) - 1
+        return self._count
 
     def _record(self, i: int) -> Record:
         data = self._data

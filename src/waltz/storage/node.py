@@ -160,24 +160,43 @@ class _Item:
 
 
 class _BoundedQueue:
-    """A FIFO with a capacity and peeking, which asyncio.Queue lacks (group commit needs to look ahead)."""
+    """A FIFO with a capacity and peeking, which asyncio.Queue lacks (group commit needs to look ahead).
+
+    Fair to producers: when the queue is full, producers wait in arrival order and each freed slot goes to
+    the one that has waited longest (its item moves in as the slot frees), so a connection that floods a
+    partition cannot keep taking the slots another connection is waiting for.
+    """
 
     def __init__(self, capacity: int) -> None:
         self._items: collections.deque[_Item] = collections.deque()
         self._capacity = capacity
         self._not_empty = asyncio.Event()
-        self._not_full = asyncio.Event()
-        self._not_full.set()
+        self._putters: collections.deque[tuple[_Item, asyncio.Future[None]]] = collections.deque()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    async def put(self, item: _Item) -> None:
-        while len(self._items) >= self._capacity:
-            self._not_full.clear()
-            await self._not_full.wait()
+    def put_nowait(self, item: _Item) -> bool:
+        """Queue ``item`` if there is room and no producer is waiting; False (nothing queued) otherwise."""
+        if self._putters or len(self._items) >= self._capacity:
+            return False
         self._items.append(item)
         self._not_empty.set()
+        return True
+
+    async def put(self, item: _Item) -> None:
+        if self.put_nowait(item):
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (item, waiter)
+        self._putters.append(entry)
+        try:
+            await waiter  # pop() moves the item in before it resolves this
+        except BaseException:
+            if not waiter.done() or waiter.cancelled():
+                with contextlib.suppress(ValueError):
+                    self._putters.remove(entry)
+            raise
 
     async def get(self) -> _Item:
         while not self._items:
@@ -190,8 +209,12 @@ class _BoundedQueue:
 
     def pop(self) -> _Item:
         item = self._items.popleft()
-        if len(self._items) < self._capacity:
-            self._not_full.set()
+        while self._putters and len(self._items) < self._capacity:
+            waiting, waiter = self._putters.popleft()
+            if waiter.done():  # cancelled while waiting: its item never goes in
+                continue
+            self._items.append(waiting)
+            waiter.set_result(None)
         return item
 
 
@@ -482,11 +505,19 @@ class StoragePartition:
             self._respond(item, self._failure(item.msg, error))
 
     async def enqueue(self, item: _Item) -> None:
-        """Queue ``item`` for the worker, or answer it at once if the worker is gone."""
+        """Queue ``item`` for the worker (waiting for room), or answer it at once if the worker is gone."""
         if self.worker_gone:
             self.answer_failed(item)
         else:
             await self.queue.put(item)
+
+    def enqueue_nowait(self, item: _Item) -> bool:
+        """:meth:`enqueue` without waiting (the common case, saving a coroutine per request); False if the
+        queue has no room for it now (nothing done)."""
+        if self.worker_gone:
+            self.answer_failed(item)
+            return True
+        return self.queue.put_nowait(item)
 
     @property
     def problem(self) -> str | None:
@@ -708,7 +739,11 @@ class StoragePartition:
                 if not records:
                     results[i] = st.encode_success(msg.session_id, msg.seq_num, msg.partition_id)
                     continue
-                got = records[0].transaction_id
+                got = (
+                    records.first_transaction_id
+                    if isinstance(records, st.WireRecordList)
+                    else records[0].transaction_id
+                )
                 if got != expected:
                     raise TransactionOutOfOrderError(
                         f"partition {self.partition_id}: transaction out of order: expected {expected}, "
@@ -1099,9 +1134,11 @@ class StorageNode:
                 reserved = _response_estimate(msg)
                 if reserved:
                     await budget.acquire(reserved)  # bounded bytes of read responses per connection
-                await part.enqueue(
-                    _Item(msg, conn, slot=slot, arrived_s=time.monotonic(), budget=budget, reserved=reserved)
+                item = _Item(
+                    msg, conn, slot=slot, arrived_s=time.monotonic(), budget=budget, reserved=reserved
                 )
+                if not part.enqueue_nowait(item):
+                    await part.enqueue(item)
                 # A peer that sends but does not read must not grow our write buffer without bound: its next
                 # request waits until the answers sent so far drain (and then for budget, at the top).
                 await conn.drain()
