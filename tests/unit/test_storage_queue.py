@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from waltz.protocol import storage as st
-from waltz.storage.node import _BoundedQueue, _Item
+from waltz.storage.node import _BoundedQueue, _Item, _Tally
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -78,5 +78,26 @@ def test_a_cancelled_producer_leaves_no_item_behind() -> None:
         await kept
         assert seqs([queue.pop()]) == [3]
         assert queue.peek() is None
+
+    asyncio.run(go())
+
+
+def test_queues_sharing_a_tally_count_every_queued_item() -> None:
+    """The node's tally says whether another partition has work waiting (its fsync then leaves the loop)."""
+
+    async def go() -> None:
+        tally = _Tally()
+        a, b = _BoundedQueue(1, tally), _BoundedQueue(4, tally)
+        a.put_nowait(item(1))
+        waiting = asyncio.create_task(a.put(item(2)))
+        await asyncio.sleep(0)
+        b.put_nowait(item(3))
+        assert tally.items == 2  # a waiting producer's item is not queued yet
+        a.pop()
+        await waiting
+        assert tally.items == 2
+        a.pop()
+        b.pop()
+        assert tally.items == 0
 
     asyncio.run(go())

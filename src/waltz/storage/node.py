@@ -159,6 +159,15 @@ class _Item:
     """Bytes of ``budget`` this request's response holds until it is handed to the connection."""
 
 
+class _Tally:
+    """A count shared by the partition queues of a node: the requests queued in all of them."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items = 0
+
+
 class _BoundedQueue:
     """A FIFO with a capacity and peeking, which asyncio.Queue lacks (group commit needs to look ahead).
 
@@ -167,9 +176,11 @@ class _BoundedQueue:
     partition cannot keep taking the slots another connection is waiting for.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, tally: _Tally | None = None) -> None:
         self._items: collections.deque[_Item] = collections.deque()
         self._capacity = capacity
+        self._tally = tally if tally is not None else _Tally()
+        """Counts the items of every queue sharing it (the node's: see ``StoragePartition._fsync``)."""
         self._not_empty = asyncio.Event()
         self._putters: collections.deque[tuple[_Item, asyncio.Future[None]]] = collections.deque()
 
@@ -181,6 +192,7 @@ class _BoundedQueue:
         if self._putters or len(self._items) >= self._capacity:
             return False
         self._items.append(item)
+        self._tally.items += 1
         self._not_empty.set()
         return True
 
@@ -209,11 +221,13 @@ class _BoundedQueue:
 
     def pop(self) -> _Item:
         item = self._items.popleft()
+        self._tally.items -= 1
         while self._putters and len(self._items) < self._capacity:
             waiting, waiter = self._putters.popleft()
             if waiter.done():  # cancelled while waiting: its item never goes in
                 continue
             self._items.append(waiting)
+            self._tally.items += 1
             waiter.set_result(None)
         return item
 
@@ -335,7 +349,7 @@ class StoragePartition:
         self.session_check = asyncio.Lock()
         self.last_refusal_s = -1e9
         self.last_refusal_log_s = -1e9
-        self.queue = _BoundedQueue(node.config.partition_queue_size)
+        self.queue = _BoundedQueue(node.config.partition_queue_size, node.queued)
         self.fsync_count = 0
         self.broken: str | None = None
         """Set after a failed write or fsync: the partition is fail-stopped until it heals (``_heal``)."""
@@ -775,7 +789,7 @@ class StoragePartition:
                     results[i] = st.encode(self._failure(batch[i].msg, e))  # type: ignore[arg-type]
                 accepted = []
         if accepted and plog is not None:
-            error = await self._fsync(plog, single=len(batch) == 1)
+            error = await self._fsync(plog)
             n_bytes = 0
             encode_success = st.encode_success
             for i in accepted:
@@ -803,17 +817,19 @@ class StoragePartition:
             assert payload is not None
             send(item, payload)
 
-    async def _fsync(self, plog: PartitionLog, *, single: bool) -> WaltzError | None:
+    async def _fsync(self, plog: PartitionLog) -> WaltzError | None:
         """Make the data file durable; return None, or the error that fails the whole group.
 
-        A lone request with no other fsync running is synced on the event loop thread: the hand-off to a
-        worker thread and back costs about as much as the fsync itself on a fast disk, and nothing else is
-        waiting for the loop. Larger groups sync in a thread, so the next group is read and decoded (and
-        other partitions are served) while the disk works.
+        When no other partition has requests queued and no other fsync is running, the fsync runs on the
+        event loop thread: the hand-off to a worker thread and back (a thread wake-up, a future, a wake-up of
+        the loop, the GIL passed to and fro) costs more CPU than the fsync itself (10-20% of the node's CPU
+        per record in ``bench/storage_append.py``), and nothing waits for the loop meanwhile but arrivals,
+        which then form the next group. Otherwise it runs in a thread, so the other partitions are served
+        while the disk works.
         """
         node = self.node
         try:
-            if single and node.fsyncs_in_flight == 0:
+            if node.fsyncs_in_flight == 0 and node.queued.items == len(self.queue):
                 plog.flush()
             else:
                 node.fsyncs_in_flight += 1
@@ -873,6 +889,8 @@ class StorageNode:
         """Checks new session ids against the cluster's metadata; None (no ZooKeeper) trusts every peer."""
         self.registry = new_registry()
         self.metrics = _Metrics(self.registry)
+        self.queued = _Tally()
+        """Requests queued in all partitions (see ``StoragePartition._fsync``)."""
         self.partitions = [StoragePartition(self, pid) for pid in range(control.num_partitions)]
         directory = str(config.directory)
         self.metrics.disk_bytes.set_function(lambda: directory_bytes(directory))
