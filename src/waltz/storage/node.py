@@ -738,7 +738,7 @@ class StoragePartition:
         self._append_requests.inc(len(batch))
         results: list[bytes | None] = [None] * len(batch)
         accepted: list[int] = []  # indexes into batch of requests whose records go into the group write
-        run = bytearray()
+        parts: list[bytes | memoryview] = []  # of the group's stored run
         ends: list[int] = []
         plog: PartitionLog | None = None
         expected = -1
@@ -764,12 +764,12 @@ class StoragePartition:
                         f"got {got}"
                     )
                 if isinstance(records, st.WireRecordList):
-                    append_wire_run(run, ends, records, expected)
+                    append_wire_run(parts, ends, records, expected)
                 else:
                     verify_client_checksums(records, expected)
                     part, part_ends = encode_stored_run(records)
-                    base = len(run)
-                    run += part
+                    base = ends[-1] if ends else 0
+                    parts.append(part)
                     ends += [base + e for e in part_ends]
             except WaltzError as e:
                 results[i] = st.encode(self._failure(msg, e))
@@ -779,7 +779,7 @@ class StoragePartition:
         if accepted and plog is not None:
             before = plog.max_transaction_id
             try:
-                plog.append_run(run, ends, expected - len(ends))
+                plog.append_run(b"".join(parts), ends, expected - len(ends))
             except WaltzError as e:
                 # Every record was checked above, so this is the disk (or a bug): nothing of the group may
                 # be acknowledged, and if part of it reached the file the partition stops taking writes.

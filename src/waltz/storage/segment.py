@@ -191,50 +191,57 @@ def encode_stored_run(records: Sequence[Record]) -> tuple[bytes, list[int]]:
 
 
 def append_wire_run(
-    out: bytearray, ends: list[int], records: WireRecordList, first_transaction_id: int
+    parts: list[bytes | memoryview], ends: list[int], records: WireRecordList, first_transaction_id: int
 ) -> None:
-    """Append ``records`` (as an AppendRequest carried them) to ``out`` in the stored layout, and the end
-    offset in ``out`` of each to ``ends``: the append path, without a Record object per record.
+    """Append ``records`` (as an AppendRequest carried them) to ``parts`` in the stored layout, and the end
+    offset of each to ``ends`` (offsets in ``b"".join(parts)``): the append path, without a Record object
+    per record and without copying the data until the join.
 
     Each record is checked right before it joins the run: its id continues densely from
     ``first_transaction_id`` and its data matches the client's CRC-32 (TransactionOutOfOrderError,
     CorruptionError). The wire and stored layouts share their first 32 bytes (id, ReqId, header, length), so
     a stored record is those bytes, the data checksum, the data and a new record checksum. If a record is
-    refused, ``out`` and ``ends`` are left as they were.
+    refused, ``parts`` and ``ends`` are left as they were.
     """
     buf = records.buffer
     starts = records.starts
-    mark = len(out)
+    mark = len(parts)
     marked_ends = len(ends)
-    view = memoryview(buf)  # of immutable bytes: slices need no release
+    pos = ends[-1] if ends else 0
+    view = memoryview(buf)  # of immutable bytes: its slices need no release
     crc = zlib.crc32
     unpack_id = _I64.unpack_from
     unpack_u32 = _U32.unpack_from
     pack_u32 = _U32.pack
+    add = parts.append
+    end_at = ends.append
     expected = first_transaction_id
     try:
         for k in range(len(starts) - 1):
             s = starts[k]
             e = starts[k + 1] - 4  # the end of the data, where the client's checksum begins
-            (txn,) = unpack_id(buf, s)
-            if txn != expected:
-                raise TransactionOutOfOrderError(f"transaction out of order: expected {expected}, got {txn}")
+            if unpack_id(buf, s)[0] != expected:
+                raise TransactionOutOfOrderError(
+                    f"transaction out of order: expected {expected}, got {unpack_id(buf, s)[0]}"
+                )
             head = view[s : s + _WIRE_PREFIX_BYTES]
-            data_crc = view[e : e + 4]
             body = view[s + _WIRE_PREFIX_BYTES : e]
+            data_crc = view[e : e + 4]
             if crc(body) != unpack_u32(buf, e)[0]:
                 raise CorruptionError(
-                    f"transaction {txn}: data does not match its checksum {unpack_u32(buf, e)[0]:#010x}; "
-                    "not written"
+                    f"transaction {expected}: data does not match its checksum "
+                    f"{unpack_u32(buf, e)[0]:#010x}; not written"
                 )
-            out += head
-            out += data_crc
-            out += body
-            out += pack_u32(crc(body, crc(data_crc, crc(head))))
-            ends.append(len(out))
+            # Parts joined once per group: appending to a bytearray record by record cost a third more.
+            add(head)
+            add(data_crc)
+            add(body)
+            add(pack_u32(crc(body, crc(data_crc, crc(head)))))
+            pos += e - s + 8
+            end_at(pos)
             expected += 1
     except BaseException:
-        del out[mark:]
+        del parts[mark:]
         del ends[marked_ends:]
         raise
 
