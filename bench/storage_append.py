@@ -16,6 +16,11 @@ followed by ``fdatasync``, as the node does for one lone record.
 
     .venv/bin/python bench/storage_append.py                       # all modes, uvloop on both sides
     .venv/bin/python bench/storage_append.py --event-loop asyncio  # the node on the standard loop
+    .venv/bin/python bench/storage_append.py --path-only --batch 31   # CPU of the append path alone
+
+Each mode also prints the node's CPU per record (user + system, all threads, from /proc/<pid>/stat): the
+steadier figure on a shared machine. ``--profile FILE`` runs the node under cProfile, ``--py-spy FILE``
+samples it with py-spy (a dev tool, installed separately).
 
 Every acknowledged append is checked at the end: the node's max transaction id must equal the number of
 records acknowledged minus one, and a sample of records is read back and verified.
@@ -42,6 +47,8 @@ from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_STORAGE
 from waltz.protocol.records import Record, ReqId
 from waltz.server.storage_client import AdminClient, StorageClient
+from waltz.storage.partition import PartitionLog
+from waltz.storage.segment import append_wire_run
 from waltz.transport import FramedConnection, open_connection
 
 KEY = uuid.UUID("0b5e7c1a-43d2-4f5e-9a6b-7c8d9e0f1a2b")
@@ -95,6 +102,46 @@ def raw_fsync_latency(directory: Path, seconds: float = 2.0) -> list[float]:
         os.close(fd)
         path.unlink()
     return samples
+
+
+def append_path_cpu(per_request: int, rounds: int = 60, requests: int = 100) -> str:
+    """CPU of the node's append path for requests of ``per_request`` records, in this process: decode the
+    payload, build the stored run (checks included), write it (no fsync: the checkpoints' aside) and encode
+    the Success. The least CPU time of ``rounds`` rounds of ``requests`` requests, so that other processes
+    disturb it as little as possible on a shared machine."""
+    base = Path(tempfile.mkdtemp(prefix="waltz-path-"))
+    plog = PartitionLog.open(str(base), KEY, PARTITION)
+    data = os.urandom(RECORD_BYTES)
+    best = float("inf")
+    next_id = 0
+    try:
+        for _ in range(rounds):
+            payloads = []
+            for seq in range(requests):
+                records = [
+                    Record.build(i, ReqId(7 << 32, i), 0, data) for i in range(next_id, next_id + per_request)
+                ]
+                next_id += per_request
+                payloads.append(st.encode(st.AppendRequest(SESSION, seq, PARTITION, records, False)))
+            t0 = time.process_time()
+            for payload in payloads:
+                msg = st.decode(payload)
+                assert isinstance(msg, st.AppendRequest)
+                assert isinstance(msg.records, st.WireRecordList)
+                parts: list[bytes | memoryview] = []
+                ends: list[int] = []
+                first = plog.max_transaction_id + 1
+                append_wire_run(parts, ends, msg.records, first)
+                plog.append_run(b"".join(parts), ends, first)
+                st.encode_success(msg.session_id, msg.seq_num, msg.partition_id)
+            best = min(best, (time.process_time() - t0) / requests)
+    finally:
+        plog.close()
+        shutil.rmtree(base, ignore_errors=True)
+    return (
+        f"append path, {per_request} records/request: {best * 1e6:7.1f} us/request "
+        f"{best / per_request * 1e6:6.2f} us/record (least of {rounds} rounds)"
+    )
 
 
 def process_cpu_s(pid: int) -> tuple[float, float]:
@@ -360,9 +407,19 @@ def main() -> int:
     parser.add_argument(
         "--py-spy",
         metavar="FILE",
-        help="sample the node with py-spy (on CPU only) while the modes run; collapsed stacks to FILE",
+        help="sample the node with py-spy while the modes run (threads in a syscall such as fsync count as "
+        "busy); collapsed stacks to FILE",
+    )
+    parser.add_argument(
+        "--path-only",
+        action="store_true",
+        help="measure only the CPU of the node's append path in this process (no sockets, no fsync)",
     )
     args = parser.parse_args()
+    if args.path_only:
+        for per_request in (1, args.batch):
+            print(append_path_cpu(per_request), flush=True)
+        return 0
 
     base = Path(tempfile.mkdtemp(prefix="waltz-bench-", dir=args.dir))
     try:
