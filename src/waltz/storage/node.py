@@ -17,7 +17,9 @@ Guarantees:
 * **Permissions.** A partition must carry the ASSIGNED flag. A normal request needs AVAILABLE; an offline
   request (``offline=True``) needs AVAILABLE cleared and the *persisted* session id.
 * **Back pressure.** Each partition queue and each connection's unanswered requests are bounded; when either
-  is full the connection's reader stops reading from its socket, so TCP pushes back on the sender. Read
+  is full the connection's reader stops reading from its socket, so TCP pushes back on the sender. A full
+  partition queue gives each freed slot to the connection that has waited longest, so one that floods a
+  partition does not starve the others. Read
   requests also reserve their largest response from the connection's ``maxResponseBytes`` budget until it is
   sent, and the reader takes no request while its unsent responses exceed the write buffer's high-water mark:
   a peer that asks and never reads holds at most about the budget, and is closed after the idle timeout.
