@@ -17,9 +17,12 @@
   reading that connection (back pressure). **No request goes unanswered**: one for a partition we do not
   own, or from a connection that is not the client's current mount of it, ends that mount (MountResponse
   NOT_READY on the mount's ReqId; the client mounts again wherever the assignment then says); a
-  TransactionDataRequest gets an error response; a high-water mark or range request for a partition we do
-  not own closes the connection (its RPC fails at once and is retried on the owner), as does a stream
-  request for a partition the connection never mounted (a protocol violation).
+  TransactionDataRequest gets an error response; for a partition we own but do not serve (no open store
+  session within ``HWM_RECOVERY_WAIT_S``: never opened, or its quorum lost), a high-water mark request gets
+  ``HWM_NOT_SERVED`` and a range request no records (readers then ask for the mark); a high-water mark or
+  range request for a partition we do not own closes the connection (its RPC fails at once and is retried
+  on the owner), as does a stream request for a partition the connection never mounted (a protocol
+  violation).
 * **Bounds per connection** (``server.connection.*``, docs/operations.md "Limits"): at most ``maxInFlight``
   mounts, reads and flushes unanswered (the connection is not read meanwhile); read responses reserve their
   bytes from a ``maxResponseBytes`` budget until they left our write buffer, so a peer that asks and never
@@ -766,7 +769,7 @@ class WaltzServer:
                     f"{type(msg).__name__} for partition {pid}, which this server does not own"
                 )
             if isinstance(msg, cs.HighWaterMarkRequest):
-                if part.is_ready:
+                if part.is_serving:
                     peer.send(cs.HighWaterMarkResponse(rid, part.high_water_mark))
                 else:
                     self._spawn(self._high_water_mark(peer, part, msg), f"hwm-{pid}")
@@ -855,22 +858,30 @@ class WaltzServer:
         finally:
             peer.budget.release(len(data))
 
-    async def _high_water_mark(
-        self, peer: _Connection, part: Partition, msg: cs.HighWaterMarkRequest
-    ) -> None:
-        """Answer once the partition has recovered: before, its high-water mark (-1) is not the log's. If it
-        does not recover within :data:`HWM_RECOVERY_WAIT_S`, answer :data:`~cs.HWM_NOT_SERVED`: the mark is
-        unknown, and a reader must fail with a clear, retriable error rather than take the partition for an
-        empty one or wait out its whole request timeout for an answer that does not come."""
+    async def _wait_serving(self, part: Partition) -> bool:
+        """True once ``part`` serves reads (ready, its store session open), False if it does not within
+        :data:`HWM_RECOVERY_WAIT_S`: a normal start or a new session fits in it, a lost quorum does not."""
+        if part.is_serving:
+            return True
         try:
             async with asyncio.timeout(
                 min(HWM_RECOVERY_WAIT_S, self.config.zookeeper_session_timeout_ms / 1000)
             ):
-                await part.wait_ready()
-        except TimeoutError:
-            peer.send(cs.HighWaterMarkResponse(msg.req_id, cs.HWM_NOT_SERVED))
-            return
-        peer.send(cs.HighWaterMarkResponse(msg.req_id, part.high_water_mark))
+                await part.wait_serving()
+        except (TimeoutError, WaltzError):
+            return False
+        return True
+
+    async def _high_water_mark(
+        self, peer: _Connection, part: Partition, msg: cs.HighWaterMarkRequest
+    ) -> None:
+        """Answer once the partition serves: before its first session, its mark (-1) is not the log's, and
+        after its session ended (quorum lost) the last mark it knew may not be either. If it does not serve
+        within :data:`HWM_RECOVERY_WAIT_S`, answer :data:`~cs.HWM_NOT_SERVED`: the mark is unknown, and a
+        reader must fail with a clear, retriable error rather than take the partition for an empty one (or one
+        that ends at a stale mark) or wait out its whole request timeout for an answer that does not come."""
+        served = await self._wait_serving(part)
+        peer.send(cs.HighWaterMarkResponse(msg.req_id, part.high_water_mark if served else cs.HWM_NOT_SERVED))
 
     async def _transaction_range(
         self, peer: _Connection, part: Partition, msg: cs.TransactionRangeRequest
@@ -887,7 +898,16 @@ class WaltzServer:
         try:
             if peer.closed:
                 return
-            got, run = await part.store.read_run(msg.transaction_id, count, budget) if count else (0, b"")
+            # Not served (no open store session): answer at once with no records rather than not at all (the
+            # reader would wait out its request timeout). No records is also how the end of the log reads, so
+            # readers ask for the high-water mark next, which says HWM_NOT_SERVED.
+            got, run = 0, b""
+            if count and await self._wait_serving(part):
+                try:
+                    got, run = await part.store.read_run(msg.transaction_id, count, budget)
+                except WaltzError:
+                    if part.is_serving:
+                        raise
             if len(run) < reserved:
                 peer.budget.release(reserved - len(run))
                 reserved = len(run)
