@@ -108,6 +108,10 @@ def test_damage_only_the_scrub_found_is_repaired_by_the_owner_without_any_read(
         # No read met the damage: the server never read around it (that path reports damaged replica reads).
         health: dict[str, Any] = json.loads(await asyncio.to_thread(_get, server.http_port, "/health"))
         assert health["damagedReplicaReads"] == {}
+        # The repair shows on /health too: done, nothing running or failing.
+        assert health["scrubRepairs"] == {
+            "0": {"started": 1, "finished": 1, "failed": 0, "records": 1, "inProgress": {}, "failing": {}}
+        }
         metrics = await asyncio.to_thread(_get, server.http_port, "/metrics")
         assert _metric(metrics, "waltz_server_scrub_repairs_started_total") == 1
         assert _metric(metrics, "waltz_server_scrub_repairs_finished_total") == 1

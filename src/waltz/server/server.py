@@ -39,6 +39,7 @@ import contextlib
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -351,6 +352,9 @@ class WaltzServer:
         self._failed = asyncio.Event()
         self._suspended = False
         self._suspended_at = 0.0
+        self._unserved: weakref.WeakKeyDictionary[Partition, tuple[float, int]] = weakref.WeakKeyDictionary()
+        """Partitions a read found not serving: (when, on the monotonic clock, and how many store sessions it
+        had opened then). See :meth:`_wait_serving`."""
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.port = 0
@@ -682,6 +686,13 @@ class WaltzServer:
             for pid, p in sorted(self.partitions.items())
             if p.store.metadata_conflict
         }
+        # Repairs of damage the storage nodes' scrub reported (running, or failed and waiting for their next
+        # try): like damaged reads, they leave the partition served and the server healthy.
+        repairs = {
+            str(pid): p.store.repairs.health()
+            for pid, p in sorted(self.partitions.items())
+            if p.store.repairs.started
+        }
         healthy = zk_ok and self.failure is None and all(parts.values())
         return healthy, {
             "zookeeper": zk_ok,
@@ -689,6 +700,7 @@ class WaltzServer:
             "problems": problems,
             "damagedReplicaReads": damaged,
             "metadataConflicts": conflicts,
+            "scrubRepairs": repairs,
         }
 
     # -- client connections --
@@ -860,13 +872,21 @@ class WaltzServer:
 
     async def _wait_serving(self, part: Partition) -> bool:
         """True once ``part`` serves reads (ready, its store session open), False if it does not within
-        :data:`HWM_RECOVERY_WAIT_S`: a normal start or a new session fits in it, a lost quorum does not."""
+        :data:`HWM_RECOVERY_WAIT_S` of the first read that found it not serving: a normal start or a new
+        session fits in it, a lost quorum does not. Once that wait has run out with no session opened since,
+        reads are answered at once (a reader retrying an unserved partition pays a round trip, not a wait)."""
         if part.is_serving:
+            self._unserved.pop(part, None)
             return True
+        now = time.monotonic()
+        opened = part.store.stats.sessions_opened
+        since, opened_then = self._unserved.get(part, (now, opened))
+        if opened_then != opened:  # served in between, unread: this is a new gap
+            since = now
+        self._unserved[part] = (since, opened)
+        wait_s = min(HWM_RECOVERY_WAIT_S, self.config.zookeeper_session_timeout_ms / 1000)
         try:
-            async with asyncio.timeout(
-                min(HWM_RECOVERY_WAIT_S, self.config.zookeeper_session_timeout_ms / 1000)
-            ):
+            async with asyncio.timeout(max(0.0, since + wait_s - now)):
                 await part.wait_serving()
         except (TimeoutError, WaltzError):
             return False
@@ -898,11 +918,13 @@ class WaltzServer:
         try:
             if peer.closed:
                 return
-            # Not served (no open store session): answer at once with no records rather than not at all (the
-            # reader would wait out its request timeout). No records is also how the end of the log reads, so
-            # readers ask for the high-water mark next, which says HWM_NOT_SERVED.
+            # Not served (no open store session): answer with no records rather than not at all (the reader
+            # would wait out its request timeout). No records is also how the end of the log reads, so readers
+            # ask for the high-water mark next, which says HWM_NOT_SERVED. A partition that never opened
+            # answers at once (the mark request does the waiting); one that was served waits here too, so a
+            # new session (the checkpoint interval) does not read as the end of the log.
             got, run = 0, b""
-            if count and await self._wait_serving(part):
+            if count and part.is_ready and await self._wait_serving(part):
                 try:
                     got, run = await part.store.read_run(msg.transaction_id, count, budget)
                 except WaltzError:
