@@ -17,12 +17,11 @@ import pytest
 from tests.integration.conftest import ClusterFactory
 from tests.integration.raw_client import RawClient
 from tests.integration.server_process import wait_until
-from tests.integration.storage_process import DEFAULT_KEY, StorageProcess
+from tests.integration.storage_process import StorageProcess
 from tests.integration.test_security_probes import _flip_byte
 from waltz.cluster.membership import ClusterWatcher
 from waltz.errors import SessionFencedError
 from waltz.protocol.records import Record, ReqId
-from waltz.server.storage_client import AdminClient, StorageClient
 
 pytestmark = [pytest.mark.integration]
 
@@ -129,8 +128,8 @@ def test_a_storage_node_tells_the_current_session_which_records_its_scrub_found_
     with StorageProcess(tmp_path, config=config).start() as sp:
 
         async def main() -> None:
-            admin = await AdminClient.connect("127.0.0.1", sp.admin_port, DEFAULT_KEY, sp.num_partitions)
-            data = await StorageClient.connect("127.0.0.1", sp.port, DEFAULT_KEY, sp.num_partitions)
+            admin = await sp.admin_client()
+            data = await sp.data_client()
             async with admin, data:
                 await admin.set_assigned([0], True)
                 batch = [Record.build(i, ReqId.of(1, 1, 0, i), 0, b"polled-%04d" % i) for i in range(200)]
