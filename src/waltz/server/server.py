@@ -353,8 +353,9 @@ class WaltzServer:
         self._suspended = False
         self._suspended_at = 0.0
         self._unserved: weakref.WeakKeyDictionary[Partition, tuple[float, int]] = weakref.WeakKeyDictionary()
-        """Partitions a read found not serving: (when, on the monotonic clock, and how many store sessions it
-        had opened then). See :meth:`_wait_serving`."""
+        """Partitions not serving since (a time on the monotonic clock, and how many store sessions they had
+        opened then): from their opening here, or from the first read that found them not serving. See
+        :meth:`_wait_serving`."""
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.port = 0
@@ -588,6 +589,9 @@ class WaltzServer:
                 part.on_failure = self._partition_failed
                 await part.start()
                 self.partitions[pid] = part
+                # Not served until its first session opens: reads wait for that from now, not from the first
+                # read (see _wait_serving).
+                self._unserved[part] = (time.monotonic(), 0)
                 self.metrics.export_partition(pid, part)
                 self.metrics.generation.labels(str(pid)).set(generation)
                 self.metrics.generation_changes.labels(str(pid)).inc()
@@ -872,9 +876,10 @@ class WaltzServer:
 
     async def _wait_serving(self, part: Partition) -> bool:
         """True once ``part`` serves reads (ready, its store session open), False if it does not within
-        :data:`HWM_RECOVERY_WAIT_S` of the first read that found it not serving: a normal start or a new
-        session fits in it, a lost quorum does not. Once that wait has run out with no session opened since,
-        reads are answered at once (a reader retrying an unserved partition pays a round trip, not a wait)."""
+        :data:`HWM_RECOVERY_WAIT_S` of its opening here or of the first read that found it not serving: a
+        normal start or a new session fits in it, a lost quorum does not. Once that wait has run out with no
+        session opened since, reads are answered at once (a reader retrying an unserved partition pays a round
+        trip, not a wait each time)."""
         if part.is_serving:
             self._unserved.pop(part, None)
             return True
