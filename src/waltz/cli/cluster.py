@@ -38,7 +38,7 @@ def _run(command: Command) -> Callable[[argparse.Namespace], int]:
             # logs the one change it made.
             logging.getLogger("waltz.cluster.zk").setLevel(logging.WARNING)
         config = load_cli_config(args.cli_config_path)
-        with session(config) as client:
+        with session(config, str(args.cli_config_path)) as client:
             return int(command(client, str(config["cluster.root"]), args, sys.stdout) or 0)
 
     return handler

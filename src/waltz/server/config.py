@@ -120,7 +120,7 @@ class ServerConfig:
     max_connections_per_source: int = 256
     max_fetches_in_flight: int = 64
     zookeeper_auth: ZkAuth = field(default_factory=ZkAuth)
-    """``zookeeper.authFile``/``aclReaders``: how the server authenticates with ZooKeeper."""
+    """``zookeeper.authFile``/``aclReaders``/``ssl.*``: how the server reaches and logs in to ZooKeeper."""
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], source: str = "server config") -> ServerConfig:

@@ -132,7 +132,7 @@ class StorageConfig:
     max_connections: int = 1024
     max_connections_per_source: int = 128
     zookeeper_auth: ZkAuth = field(default_factory=ZkAuth)
-    """``zookeeper.authFile``/``aclReaders``: how the node authenticates with ZooKeeper."""
+    """``zookeeper.authFile``/``aclReaders``/``ssl.*``: how the node reaches and logs in to ZooKeeper."""
     allowed_peers: tuple[str, ...] = ()
     max_session_id_step: int = 1_000_000
     """Standalone nodes: the largest jump above the newest accepted session id of a partition (see
