@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -248,6 +250,19 @@ NEWER_MESSAGES: list[tuple[Message, int]] = [
     for version in SUPPORTED_VERSIONS
     if version < type(msg).MIN_VERSION
 ]
+
+
+@pytest.mark.parametrize(("msg", "version", "payload"), CASES, ids=CASE_IDS)
+def test_decode_feed_data_takes_exactly_the_feed_data_payloads(
+    msg: Message, version: int, payload: bytes
+) -> None:
+    fast = cs.decode_feed_data(payload)
+    if isinstance(msg, FeedData):
+        assert fast == (msg.req_id, msg.transaction_id, msg.header)
+        assert cs.decode_feed_data(payload + b"\x00") is None  # Trailing bytes: decode() refuses them.
+        assert cs.decode_feed_data(payload[:-1]) is None
+    else:
+        assert fast is None
 
 
 @pytest.mark.parametrize(("msg", "version"), NEWER_MESSAGES)
@@ -520,3 +535,22 @@ def test_round_trip(data: st.DataObject) -> None:
     assert payload[0] == msg.TYPE
     assert decode(payload, version) == msg
     assert encode(decode(payload, version), version) == payload
+
+
+def test_new_append_request_is_the_constructor_field_for_field() -> None:
+    args = (REQ, 9, (1, -1), (3,), (-2,), 7, b"abc", crc32(b"abc"))
+    fast = cs.new_append_request(*args)
+    assert fast == AppendRequest(*args)
+    assert hash(fast) == hash(AppendRequest(*args))
+    assert [f.name for f in dataclasses.fields(AppendRequest)] == [
+        "req_id",
+        "client_high_water_mark",
+        "write_locks",
+        "read_locks",
+        "append_locks",
+        "header",
+        "data",
+        "checksum",
+    ]  # new_append_request sets exactly these, in this order: a new field must be added there too.
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.header = 1  # type: ignore[misc]

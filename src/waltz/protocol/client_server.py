@@ -79,11 +79,12 @@ other messages use.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import ClassVar, Self
+from typing import ClassVar, Final, Self
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
 from waltz.protocol.record_run import encode_run, run_records, scan_run
@@ -123,6 +124,8 @@ __all__ = [
     "TransactionRangeRequest",
     "TransactionRangeResponse",
     "decode",
+    "decode_feed_data",
+    "new_append_request",
     "encode",
 ]
 
@@ -138,6 +141,15 @@ _PREFIX = struct.Struct(">BQQ")  # type, ReqId msb, ReqId lsb
 _PREFIX_BYTES = _PREFIX.size  # 17
 _APPEND_HEAD = struct.Struct(">BQQqi")  # type, ReqId, clientHighWaterMark, writeLocks count
 _FEED_DATA = struct.Struct(">BQQqi")  # type, ReqId, transactionId, header
+_APPEND_HEAD_NO_LOCKS = struct.Struct(">BQQqiiiii")  # V2+: type, ReqId, hwm, 0 locks x3, header, length
+
+
+@functools.lru_cache(maxsize=64)
+def _append_head_v2(nw: int, nr: int, na: int) -> struct.Struct:
+    """The V2+ AppendRequest head for these lock counts, compiled once (appends reuse a few shapes)."""
+    return struct.Struct(f">BQQqi{nw}ii{nr}ii{na}iii")
+
+
 _I32 = struct.Struct(">i")
 _HEADER_AND_LENGTH = struct.Struct(">ii")
 _U32 = struct.Struct(">I")
@@ -421,9 +433,21 @@ class AppendRequest(_Message):
         nw, nr, na = len(w), len(r), len(a)
         data = self.data
         try:
-            if version >= 2:
-                head = struct.pack(
-                    f">BQQqi{nw}ii{nr}ii{na}iii",
+            if version >= 2 and not (nw or nr or na):
+                # The common append, without locks: one precompiled struct instead of a format per call.
+                head = _APPEND_HEAD_NO_LOCKS.pack(
+                    2,
+                    self.req_id.msb & _MASK64,
+                    self.req_id.lsb & _MASK64,
+                    self.client_high_water_mark,
+                    0,
+                    0,
+                    0,
+                    self.header,
+                    len(data),
+                )
+            elif version >= 2:
+                head = _append_head_v2(nw, nr, na).pack(
                     2,
                     self.req_id.msb & _MASK64,
                     self.req_id.lsb & _MASK64,
@@ -965,6 +989,49 @@ def encode(msg: Message, version: int) -> bytes:
             "not supported, upgrade servers"
         )
     return msg._encode(version)
+
+
+_APPEND_SLOT_SETTERS = tuple(
+    AppendRequest.__dict__[f.name].__set__ for f in dataclasses.fields(AppendRequest)
+)
+
+
+def new_append_request(
+    req_id: ReqId,
+    client_high_water_mark: int,
+    write_locks: tuple[int, ...],
+    read_locks: tuple[int, ...],
+    append_locks: tuple[int, ...],
+    header: int,
+    data: bytes,
+    checksum: int,
+) -> AppendRequest:
+    """``AppendRequest(...)`` with the same arguments, built through its slots' setters: a frozen dataclass's
+    ``__init__`` pays an ``object.__setattr__`` lookup per field (twice the cost, on a client's hot path)."""
+    msg = object.__new__(AppendRequest)
+    s0, s1, s2, s3, s4, s5, s6, s7 = _APPEND_SLOT_SETTERS
+    s0(msg, req_id)
+    s1(msg, client_high_water_mark)
+    s2(msg, write_locks)
+    s3(msg, read_locks)
+    s4(msg, append_locks)
+    s5(msg, header)
+    s6(msg, data)
+    s7(msg, checksum)
+    return msg
+
+
+_FEED_DATA_TYPE: Final = int(MessageType.FEED_DATA)
+
+
+def decode_feed_data(payload: bytes | bytearray | memoryview) -> tuple[ReqId, int, int] | None:
+    """``(req_id, transaction_id, header)`` if ``payload`` is a well-formed FeedData (any codec version),
+    else None (then :func:`decode` it). The client's feed reader takes most messages this way, without a
+    message object: the feed is the bulk of what a client receives."""
+    if len(payload) != _FEED_DATA.size or payload[0] != _FEED_DATA_TYPE:
+        return None
+    _, msb, lsb, transaction_id, header = _FEED_DATA.unpack_from(payload, 0)
+    return ReqId(msb, lsb), transaction_id, header
 
 
 def decode(payload: bytes | bytearray | memoryview, version: int) -> Message:
