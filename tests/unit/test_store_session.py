@@ -610,6 +610,7 @@ def test_damage_a_replica_reports_on_its_own_is_repaired_without_any_read() -> N
             await _wait(lambda: not bad.partitions[0].damaged, timeout_s=5)
             repairs = partition.repairs
             assert (repairs.started, repairs.finished, repairs.failed, repairs.records) == (1, 1, 0, 3)
+            assert (repairs.in_progress, repairs.failing) == ({}, {})
             assert partition.damaged_replicas == {}  # no read met it
             assert await partition.append(req(20)) == 20  # writes went on
             assert partition.is_healthy
@@ -629,8 +630,20 @@ def test_damage_no_other_replica_holds_a_good_copy_of_is_retried_later_not_every
             assert partition.repairs.started == 3
             assert partition.repairs.failed == 3
             assert partition.repairs.finished == 0
+            # /health shows which replicas' repairs fail, and why, until they succeed.
+            failing = partition.repairs.failing
+            assert sorted(failing) == sorted(NAMES)
+            assert all(why.startswith("5: CorruptionError") for why in failing.values()), failing
+            assert partition.repairs.health()["failing"] == failing
+            assert partition.repairs.in_progress == {}
             assert partition.is_healthy
             assert await partition.append(req(10)) == 10
+            # One copy becomes good again (as a read's repair would make it): the other two are repaired from
+            # it at their next try, and nothing is reported failing any more.
+            world.storages[NAMES[0]].partitions[0].damaged.clear()
+            await _wait(lambda: not partition.repairs.failing, timeout_s=30)
+            assert partition.repairs.finished == 2
+            assert all(not world.storages[name].partitions[0].damaged for name in NAMES)
 
     run_virtual(main())
 

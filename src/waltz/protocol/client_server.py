@@ -29,7 +29,7 @@ ReqId = ``u64 msb · u64 lsb`` (see :mod:`waltz.protocol.records`)::
      9   FlushResponse                       i64 transactionId                                         V0+
     10   LockFailure                         i64 transactionId                                         V0+
     11   HighWaterMarkRequest                -                                                         V0+
-    12   HighWaterMarkResponse               i64 transactionId (-2: not served yet, HWM_NOT_SERVED)    V0+
+    12   HighWaterMarkResponse               i64 transactionId (-2: not served, HWM_NOT_SERVED)        V0+
     13   CheckStorageConnectivityRequest     -                                                         V1+
     14   CheckStorageConnectivityResponse    i32 n · n x (string connectString · bool reachable)       V1+
     15   ServerPartitionsAssignmentRequest   -                                                         V2+
@@ -719,14 +719,16 @@ class HighWaterMarkRequest(_Message):
 
 HWM_NOT_SERVED = -2
 """``HighWaterMarkResponse.transaction_id`` of a partition the server owns but cannot serve: its store session
-has not opened since the server took the partition (no quorum of clean replicas yet), so its high-water mark
-is unknown. Readers raise a retriable PartitionNotReadyError; they must never read it as an empty log."""
+is not open (it has not opened since the server took the partition, or it ended and no new one opened: too
+few clean replicas reachable), so the log's high-water mark is unknown (the last one the server knew may have
+been passed, or cannot be read now). Readers raise a retriable PartitionNotReadyError; they must never read it
+as an empty log."""
 
 
 @dataclass(frozen=True, slots=True)
 class HighWaterMarkResponse(_Message):
     """The partition's last committed transaction id (-1 for an empty log, :data:`HWM_NOT_SERVED` (-2) when
-    the owning server does not know it yet)."""
+    the owning server does not serve the partition)."""
 
     TYPE: ClassVar[MessageType] = MessageType.HIGH_WATER_MARK_RESPONSE
     _KINDS: ClassVar[tuple[str, ...] | None] = (_I64,)

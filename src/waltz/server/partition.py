@@ -198,6 +198,18 @@ class Partition:
         await self._ready.wait()
 
     @property
+    def is_serving(self) -> bool:
+        """True while reads are answered: the partition is ready and its store session is open. A partition
+        whose session ended (quorum lost, fenced) still knows its last mark, but no longer whether it is the
+        log's end, nor can it read below it: it must not answer as if it did."""
+        return self._ready.is_set() and self.store.is_healthy
+
+    async def wait_serving(self) -> None:
+        """Wait until :attr:`is_serving` (raises ClosedResourceError if the store closes meanwhile)."""
+        await self._ready.wait()
+        await self.store.wait_open()
+
+    @property
     def feed_context_count(self) -> int:
         return len(self._feeds)
 

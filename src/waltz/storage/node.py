@@ -1021,15 +1021,23 @@ class StorageNode:
         too (for operators and ``waltz cluster verify``); a damaged control entry takes its partition down.
         """
         problems = {str(p.partition_id): p.problem for p in self.partitions if p.problem is not None}
-        for pid, why in sorted(self.control.damaged.items()):
-            problems[str(pid)] = f"control file entry damaged: {why}"
-        damaged = {str(p.partition_id): sorted(p.damaged) for p in self.partitions if p.damaged}
+        transactions, entries = self.damage_report()
+        for pid, why in entries.items():
+            problems[pid] = f"control file entry damaged: {why}"
         return not problems, {
             "storage": "degraded" if problems else "ok",
             "partitions": problems,
-            "damagedTransactions": damaged,
-            "damagedControlEntries": {str(pid): why for pid, why in sorted(self.control.damaged.items())},
+            "damagedTransactions": transactions,
+            "damagedControlEntries": entries,
         }
+
+    def damage_report(self) -> tuple[dict[str, list[int]], dict[str, str]]:
+        """The damage this node knows of, as /health and the admin metrics both show it: per partition the
+        stored ids found damaged and not repaired yet (partitions with none are left out), and per partition
+        why its control-file entry is damaged."""
+        transactions = {str(p.partition_id): sorted(p.damaged) for p in self.partitions if p.damaged}
+        entries = {str(pid): why for pid, why in sorted(self.control.damaged.items())}
+        return transactions, entries
 
     async def aclose(self) -> None:
         """Stop serving and close every file; idempotent."""
@@ -1350,6 +1358,7 @@ class StorageNode:
         return out
 
     def metrics_json(self) -> str:
+        transactions, entries = self.damage_report()
         parts: dict[str, Any] = {}
         for p in self.partitions:
             info = p.info
@@ -1365,11 +1374,10 @@ class StorageNode:
                 "maxTransactionId": p.log.max_transaction_id if p.log is not None else -1,
                 "queueSize": len(p.queue),
                 "fsyncs": p.fsync_count,
-                "damagedTransactions": sorted(p.damaged),
+                "damagedTransactions": transactions.get(str(p.partition_id), []),
             }
-        damaged = {str(pid): why for pid, why in sorted(self.control.damaged.items())}
         return json.dumps(
-            {"partitions": parts, "numPartitions": len(self.partitions), "damagedControlEntries": damaged},
+            {"partitions": parts, "numPartitions": len(self.partitions), "damagedControlEntries": entries},
             indent=2,
             sort_keys=True,
         )

@@ -807,8 +807,11 @@ class StoreSession:
         """
         interval_s = self.config.damage_poll_interval_ms / 1000
         skip: dict[str, int] = {}
+        failing = self._host.repairs.failing
         while True:
             await asyncio.sleep(interval_s)
+            for gone in [s for s in failing if s not in self.replica_sessions]:
+                del failing[gone]  # no longer a replica: its damage is not this partition's to repair
             for replica in list(self.participants):
                 storage, conn = replica.storage, replica.connection
                 if conn is None or storage in self._repairing:
@@ -825,6 +828,8 @@ class StoreSession:
                 last = min(self.high_water_mark, replica.max_id)
                 committed = sorted(t for t in set(ids) if 0 <= t <= last)
                 if not committed:
+                    # Repaired meanwhile (by a read that met the damage) or truncated: nothing is failing.
+                    failing.pop(storage, None)
                     continue
                 self._repairing.add(storage)
                 try:
@@ -839,6 +844,16 @@ class StoreSession:
         stats = self._host.repairs
         stats.started += 1
         what = _describe_ids(ids)
+        stats.in_progress[bad.storage] = what
+        try:
+            return await self._rewrite_reported(bad, ids, what, stats)
+        finally:
+            stats.in_progress.pop(bad.storage, None)
+
+    async def _rewrite_reported(
+        self, bad: ReplicaSession, ids: Sequence[int], what: str, stats: RepairStatistics
+    ) -> bool:
+        """The body of :meth:`_repair_reported`: rewrite, count and log."""
         log.info(
             "partition %d: repairing %d damaged record(s) %s reported by %s, from the other replicas",
             self.partition_id,
@@ -861,6 +876,7 @@ class StoreSession:
         except WaltzError as e:
             stats.failed += 1
             stats.records += rewritten
+            stats.failing[bad.storage] = f"{what}: {e!r}"
             log.warning(
                 "partition %d: repair of %s's damaged records %s failed after %d record(s); tried again "
                 "later: %r",
@@ -873,6 +889,7 @@ class StoreSession:
             return False
         stats.finished += 1
         stats.records += rewritten
+        stats.failing.pop(bad.storage, None)
         log.info(
             "partition %d: repaired %d damaged record(s) %s on %s",
             self.partition_id,
