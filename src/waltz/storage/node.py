@@ -108,6 +108,9 @@ HEAL_INTERVAL_S = 1.0
 HEAL_MIN_FREE_BYTES = 1 << 20
 """Free space the data directory needs before a broken partition tries to heal (so a full disk does not
 make it flap between healed and broken)."""
+INLINE_FSYNC_LIMIT_S = 0.02
+"""An fsync on the event loop slower than this sends the next ones to a thread (see ``_fsync``)."""
+INLINE_FSYNC_BACKOFF_S = 10.0
 FAULTS_ENV = "WALTZ_TEST_FAULTS"
 """Test-only: with this set to 1, SIGUSR1 makes the node's next data-file fsync fail (see run_node)."""
 
@@ -834,16 +837,27 @@ class StoragePartition:
         """Make the data file durable; return None, or the error that fails the whole group.
 
         When no other partition has requests queued and no other fsync is running, the fsync runs on the
-        event loop thread: the hand-off to a worker thread and back (a thread wake-up, a future, a wake-up of
-        the loop, the GIL passed to and fro) costs more CPU than the fsync itself (10-20% of the node's CPU
-        per record in ``bench/storage_append.py``), and nothing waits for the loop meanwhile but arrivals,
+        event loop thread (unless one such fsync took longer than ``INLINE_FSYNC_LIMIT_S`` in the last
+        ``INLINE_FSYNC_BACKOFF_S``): the hand-off to a worker thread and back (a thread wake-up, a future, a
+        wake-up of the loop, the GIL passed to and fro) costs more CPU than the fsync itself (10-20% of the
+        node's CPU per record in ``bench/storage_append.py``), and nothing waits for the loop meanwhile but
+        arrivals,
         which then form the next group. Otherwise it runs in a thread, so the other partitions are served
         while the disk works.
         """
         node = self.node
         try:
-            if node.fsyncs_in_flight == 0 and node.queued.items == len(self.queue):
+            if (
+                node.fsyncs_in_flight == 0
+                and node.queued.items == len(self.queue)
+                and time.monotonic() >= node.inline_fsync_off_until
+            ):
+                started = time.monotonic()
                 plog.flush()
+                if time.monotonic() - started > INLINE_FSYNC_LIMIT_S:
+                    # A slow disk would stall the loop (and /health, keep-alives, other partitions'
+                    # reads) for every fsync: hand fsyncs to a thread until the disk has had time to recover.
+                    node.inline_fsync_off_until = time.monotonic() + INLINE_FSYNC_BACKOFF_S
             else:
                 node.fsyncs_in_flight += 1
                 try:
@@ -919,6 +933,8 @@ class StorageNode:
         self._admin_server: FramedServer | None = None
         self._http: HttpEndpoint | None = None
         self.fsyncs_in_flight = 0
+        self.inline_fsync_off_until = 0.0
+        """Until this monotonic time every fsync runs in a thread (a slow one ran on the loop)."""
         self._closing = False
         self.port = 0
         self.admin_port = 0
