@@ -543,6 +543,20 @@ class FramedConnection:
             if len(out) >= _COALESCE_MAX_BYTES:
                 self._flush_out()
 
+    def send_many(self, payloads: Iterable[bytes | bytearray | memoryview]) -> None:
+        """:meth:`send` of each of ``payloads``, in order (checked once: for many small frames at a time)."""
+        self._check_writable()
+        frame = self._proto.frame
+        out = self._out
+        if out is None:
+            out = self._out = bytearray()
+            self._loop.call_soon(self._flush_out)
+        for payload in payloads:
+            out += frame(payload)
+        if len(out) >= _COALESCE_MAX_BYTES:
+            self._flush_out()
+        self._last_write_s = self._loop.time()
+
     def _flush_out(self) -> None:
         """Hand the frames queued in this loop iteration to the transport, in order."""
         out, self._out = self._out, None

@@ -43,7 +43,7 @@ from waltz.protocol.client_server import (
     decode,
     encode,
 )
-from waltz.protocol.records import Record, ReqId, crc32
+from waltz.protocol.records import Record, RecordHeader, ReqId, crc32
 
 REQ = ReqId.of(client_id=1, generation=2, partition_id=3, seq_num=4)
 # msb = client 1 << 32 | generation 2; lsb = partition 3 << 32 | seq 4
@@ -406,6 +406,26 @@ def test_negative_data_length_is_a_remote_error() -> None:
 def test_unencodable_fields_are_local_errors(msg: Message) -> None:
     with pytest.raises(LocalProtocolError):
         encode(msg, 4)
+
+
+@pytest.mark.parametrize("version", ALL)
+def test_encode_feed_data_is_encode_of_each_feed_data(version: int) -> None:
+    headers = [
+        RecordHeader(0, REQ, 0),
+        RecordHeader(2**63 - 1, ReqId(2**64 - 1, 2**64 - 1), -(2**31)),
+        RecordHeader(7, ReqId.of(-1, -2, 3, -4), 2**31 - 1),
+    ]
+    assert cs.encode_feed_data(headers, version) == [
+        encode(FeedData(rid, txn, header), version) for txn, rid, header in headers
+    ]
+    assert cs.encode_feed_data([], version) == []
+
+
+def test_encode_feed_data_refuses_what_encode_refuses() -> None:
+    with pytest.raises(LocalProtocolError):
+        cs.encode_feed_data([RecordHeader(0, REQ, 2**31)], 4)
+    with pytest.raises(LocalProtocolError):
+        cs.encode_feed_data([RecordHeader(0, REQ, 0)], 99)
 
 
 def test_append_build_computes_the_checksum() -> None:

@@ -172,6 +172,26 @@ def test_receive_buffered_appends_every_buffered_payload_in_order() -> None:
     run(main)
 
 
+def test_send_many_frames_each_payload_in_order_after_what_was_sent_before() -> None:
+    async def main() -> None:
+        async with serving(echo) as port:
+            conn = await connect(port)
+            async with conn:
+                conn.send(b"first")
+                conn.send_many([b"a", b"bb" * 1000, b"ccc"])
+                conn.send_many([])
+                conn.send(b"last")
+                await conn.drain()
+                for expected in (b"first", b"a", b"bb" * 1000, b"ccc", b"last"):
+                    assert await conn.receive() == expected
+                with pytest.raises(LocalProtocolError):
+                    conn.send_many([b"ok", b""])  # an empty payload would read as a keep-alive
+            with pytest.raises(ClosedResourceError):
+                conn.send_many([b"x"])
+
+    run(main)
+
+
 def test_oversized_frame_closes_that_connection_with_a_logged_reason(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -1326,8 +1326,10 @@ class AsyncWaltzClient:
                 async with asyncio.timeout(remaining):
                     return await call()
             except TimeoutError:
+                # The deadline cut an attempt short; the errors before it still say why.
+                why = f": {last_error}" if last_error is not None else ""
                 raise ClientTimeoutError(
-                    f"{what} timed out after {self._config.request_timeout_ms} ms"
+                    f"{what} timed out after {self._config.request_timeout_ms} ms{why}"
                 ) from (last_error)
             except WaltzError as e:
                 if not e.retriable or self._closed:

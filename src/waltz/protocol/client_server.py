@@ -29,7 +29,7 @@ ReqId = ``u64 msb · u64 lsb`` (see :mod:`waltz.protocol.records`)::
      9   FlushResponse                       i64 transactionId                                         V0+
     10   LockFailure                         i64 transactionId                                         V0+
     11   HighWaterMarkRequest                -                                                         V0+
-    12   HighWaterMarkResponse               i64 transactionId (-2: not served yet, HWM_NOT_SERVED)    V0+
+    12   HighWaterMarkResponse               i64 transactionId (-2: not served, HWM_NOT_SERVED)        V0+
     13   CheckStorageConnectivityRequest     -                                                         V1+
     14   CheckStorageConnectivityResponse    i32 n · n x (string connectString · bool reachable)       V1+
     15   ServerPartitionsAssignmentRequest   -                                                         V2+
@@ -81,14 +81,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import struct
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar, Final, Self
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
 from waltz.protocol.record_run import encode_run, run_records, scan_run
-from waltz.protocol.records import Record, ReqId, crc32
+from waltz.protocol.records import Record, RecordHeader, ReqId, crc32, make_req_id
 from waltz.protocol.wire import Reader, Writer
 
 __all__ = [
@@ -508,17 +509,26 @@ class AppendRequest(_Message):
         if end < pos:
             raise _truncated(pos, end)
         _, msb, lsb, hwm, n = _APPEND_HEAD.unpack_from(payload, 0)
-        write_locks, pos = _read_locks(payload, pos, end, n)
+        # Most appends carry no locks (counts 0, or -1 for Java's null array): skip the general reader then.
+        write_locks: tuple[int, ...] = ()
+        if n > 0 or n < -1:
+            write_locks, pos = _read_locks(payload, pos, end, n)
         read_locks: tuple[int, ...] = ()
         append_locks: tuple[int, ...] = ()
         if version >= 1:
             if pos + 4 > end:
                 raise _truncated(pos + 4, end)
-            read_locks, pos = _read_locks(payload, pos + 4, end, _I32.unpack_from(payload, pos)[0])
+            n = _I32.unpack_from(payload, pos)[0]
+            pos += 4
+            if n > 0 or n < -1:
+                read_locks, pos = _read_locks(payload, pos, end, n)
             if version >= 2:
                 if pos + 4 > end:
                     raise _truncated(pos + 4, end)
-                append_locks, pos = _read_locks(payload, pos + 4, end, _I32.unpack_from(payload, pos)[0])
+                n = _I32.unpack_from(payload, pos)[0]
+                pos += 4
+                if n > 0 or n < -1:
+                    append_locks, pos = _read_locks(payload, pos, end, n)
         if pos + 8 > end:
             raise _truncated(pos + 8, end)
         header, length = _HEADER_AND_LENGTH.unpack_from(payload, pos)
@@ -532,12 +542,12 @@ class AppendRequest(_Message):
             raise RemoteProtocolError(f"{end - stop - 4} unexpected trailing bytes")
         data = bytes(payload[pos:stop])
         checksum: int = _U32.unpack_from(payload, stop)[0]
-        if crc32(data) != checksum:
+        if zlib.crc32(data) != checksum:  # both unsigned
             raise RemoteProtocolError(
                 f"AppendRequest data checksum mismatch: carried {checksum:#010x}, "
                 f"computed {crc32(data):#010x}"
             )
-        return cls(ReqId(msb, lsb), hwm, write_locks, read_locks, append_locks, header, data, checksum)
+        return cls(make_req_id(msb, lsb), hwm, write_locks, read_locks, append_locks, header, data, checksum)
 
 
 @dataclass(frozen=True, slots=True)
@@ -709,14 +719,16 @@ class HighWaterMarkRequest(_Message):
 
 HWM_NOT_SERVED = -2
 """``HighWaterMarkResponse.transaction_id`` of a partition the server owns but cannot serve: its store session
-has not opened since the server took the partition (no quorum of clean replicas yet), so its high-water mark
-is unknown. Readers raise a retriable PartitionNotReadyError; they must never read it as an empty log."""
+is not open (it has not opened since the server took the partition, or it ended and no new one opened: too
+few clean replicas reachable), so the log's high-water mark is unknown (the last one the server knew may have
+been passed, or cannot be read now). Readers raise a retriable PartitionNotReadyError; they must never read it
+as an empty log."""
 
 
 @dataclass(frozen=True, slots=True)
 class HighWaterMarkResponse(_Message):
     """The partition's last committed transaction id (-1 for an empty log, :data:`HWM_NOT_SERVED` (-2) when
-    the owning server does not know it yet)."""
+    the owning server does not serve the partition)."""
 
     TYPE: ClassVar[MessageType] = MessageType.HIGH_WATER_MARK_RESPONSE
     _KINDS: ClassVar[tuple[str, ...] | None] = (_I64,)
@@ -1025,6 +1037,7 @@ def new_append_request(
 
 
 _FEED_DATA_TYPE: Final = int(MessageType.FEED_DATA)
+_tuple_new = tuple.__new__
 
 
 def decode_feed_data(payload: bytes | bytearray | memoryview) -> tuple[ReqId, int, int] | None:
@@ -1034,7 +1047,22 @@ def decode_feed_data(payload: bytes | bytearray | memoryview) -> tuple[ReqId, in
     if len(payload) != _FEED_DATA.size or payload[0] != _FEED_DATA_TYPE:
         return None
     _, msb, lsb, transaction_id, header = _FEED_DATA.unpack_from(payload, 0)
-    return ReqId(msb, lsb), transaction_id, header
+    # ReqId(msb, lsb) built in C, without its generated __new__ (one per feed entry).
+    return _tuple_new(ReqId, (msb, lsb)), transaction_id, header
+
+
+def encode_feed_data(headers: Iterable[RecordHeader], version: int) -> list[bytes]:
+    """The payloads of ``FeedData(h.req_id, h.transaction_id, h.header)`` for each of ``headers``: the same
+    bytes as :func:`encode` of each, without building the messages (the server's feed sends one per
+    commit)."""
+    if version not in SUPPORTED_VERSIONS:
+        _check_version(version)
+    pack = _FEED_DATA.pack
+    code = int(MessageType.FEED_DATA)
+    try:
+        return [pack(code, msb & _MASK64, lsb & _MASK64, txn, header) for txn, (msb, lsb), header in headers]
+    except struct.error as e:
+        raise LocalProtocolError(f"FeedData field out of range: {e}") from None
 
 
 def decode(payload: bytes | bytearray | memoryview, version: int) -> Message:
