@@ -4,6 +4,9 @@
 set -euo pipefail
 need=()
 [ -x /usr/share/zookeeper/bin/zkServer.sh ] || need+=(zookeeper)
+# ZooKeeper over TLS (waltz local up --tls, the TLS tests) runs on Netty: zookeeper depends on libnetty-java,
+# but its codec jar is not on zookeeper.jar's manifest classpath, so check for it by name.
+[ -f /usr/share/java/netty-codec.jar ] || need+=(libnetty-java)
 command -v java >/dev/null 2>&1 || need+=(default-jre-headless)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 if [ ${#need[@]} -eq 0 ]; then

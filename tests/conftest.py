@@ -13,7 +13,8 @@ ZooKeeper (real, Debian's package; see :mod:`waltz.cluster.zkserver`)
     ``drop_connection``    ``drop_connection(client)``: break the client's TCP connection once (it reconnects
                            at once, same session).
 When a test that used ZooKeeper fails, the tail of ZooKeeper's log is added to its report.
-TLS (``tests/tls_fixture.py``): ``tls_pki``, ``stranger_pki``: session-scoped throwaway CAs and certificates.
+TLS (``tests/tls_fixture.py``): ``tls_pki``, ``stranger_pki``: session-scoped throwaway CAs and certificates;
+``tls_zookeeper``: a session-scoped ZooKeeper serving TLS only, started on first use.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from hypothesis import HealthCheck, settings
 from kazoo.client import KazooClient
 from kazoo.protocol.states import KazooState
 
-from tests.tls_fixture import stranger_pki, tls_pki  # noqa: F401 - session fixtures (throwaway certificates)
+from tests.tls_fixture import stranger_pki, tls_pki, tls_zookeeper  # noqa: F401 - session fixtures
 from waltz.cluster import zk as zkutil
 from waltz.cluster.zkserver import ZooKeeperServer
 

@@ -272,6 +272,27 @@ async def checkpoint_interval_forces_new_sessions(world: World) -> None:
     await _crash_and_restart_some(world, rounds=3)
 
 
+async def scrub_finds_damaged_records_on_one_replica_during_crashes(world: World) -> None:
+    """One replica at a time has durable records damaged (as a scrub finds them: nobody reads them), while
+    replicas crash and restart; the owner's damage poll must repair every damaged copy from a good replica,
+    and nothing acknowledged may be lost."""
+    for _ in range(3):
+        await world.sleep_ms(5, 60)
+        name = world.rng.choice(world.replicas)
+        held = len(world.storages[name].durable_records(0))
+        for txn in sorted(world.rng.sample(range(held), min(held, world.rng.randint(1, 3)))):
+            world.damage(name, txn)
+        world.check()
+        await _crash_and_restart_some(world, rounds=1)
+    world.heal_everything()
+    for _ in range(1000):  # virtual time: 5 s at most
+        if not any(storage.partitions[0].damaged for storage in world.storages.values()):
+            return
+        await world.sleep_ms(5, 5)
+    left = {n: sorted(s.partitions[0].damaged) for n, s in world.storages.items() if s.partitions[0].damaged}
+    world.checker.fail(f"liveness: damaged copies not repaired: {left}")
+
+
 async def mixed_faults(world: World) -> None:
     """Everything at once: crashes beyond tolerance, isolation, server restarts and replica-set changes."""
     for _ in range(6):
@@ -340,6 +361,11 @@ SCENARIOS = [
         "checkpoint_interval_forces_new_sessions",
         checkpoint_interval_forces_new_sessions,
         WorldParams(checkpoint_interval=5),
+    ),
+    Scenario(
+        "scrub_finds_damaged_records_on_one_replica_during_crashes",
+        scrub_finds_damaged_records_on_one_replica_during_crashes,
+        WorldParams(damage_poll_interval_ms=20),
     ),
     Scenario(
         "mixed_faults",

@@ -87,6 +87,8 @@ class WorldParams:
     appender_window: int | None = None
     max_pending_batches: int = StoreConfig.max_pending_batches
     """Committed batches a replica may owe before it counts as unable to keep up (the server uses 64)."""
+    damage_poll_interval_ms: int = StoreConfig.damage_poll_interval_ms
+    """How often an open session asks its replicas for damage their scrub found."""
     """Appends each appender keeps in flight; None: the seed picks 1..4."""
 
 
@@ -267,6 +269,7 @@ class World:
             max_inflight_batches=inflight if inflight is not None else master.randint(1, 8),
             join_max_lag=2 * batch,
             max_pending_batches=params.max_pending_batches,
+            damage_poll_interval_ms=params.damage_poll_interval_ms,
         )
         self.servers: list[Server] = []
         self.retired_servers: list[Server] = []
@@ -367,6 +370,10 @@ class World:
         if not self.metadata.connected:
             self.event("ZooKeeper connection back")
             self.metadata.reconnect()
+
+    def damage(self, name: str, transaction_id: int) -> None:
+        self.event(f"{name}'s stored copy of {transaction_id} is damaged (its scrub finds it)")
+        self.storages[name].damage(PARTITION, transaction_id)
 
     def slow_disk(self, name: str, fsync_ms: tuple[float, float]) -> None:
         self.event(f"{name} fsyncs now take {fsync_ms[0]:g}..{fsync_ms[1]:g} ms")

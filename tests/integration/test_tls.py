@@ -1,7 +1,9 @@
 """TLS end to end on real processes: a storage node, a whole cluster, and ``waltz local up --tls``.
 
-Certificates come from the session fixtures of :mod:`tests.tls_fixture`. ZooKeeper stays plain (Waltz's TLS
-covers its own links: client <-> server, server <-> storage, admin <-> storage).
+Certificates come from the session fixtures of :mod:`tests.tls_fixture`. The whole-cluster tests run
+ZooKeeper over TLS too (``tls_zookeeper``; ``waltz local up --tls`` starts its own), so every link a
+cluster has is encrypted and authenticated; tests/integration/test_zookeeper_tls.py covers ZooKeeper's TLS
+refusals in detail.
 """
 
 from __future__ import annotations
@@ -17,19 +19,20 @@ from typing import Any
 
 import pytest
 import yaml
-from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError
 
 from tests.integration.client_cluster import Tagged, wait_until
 from tests.integration.server_process import ServerProcess
 from tests.integration.storage_process import DEFAULT_KEY, StorageProcess
-from tests.tls_fixture import tls_config, tls_keys
+from tests.tls_fixture import tls_config, tls_keys, zk_tls_keys
 from waltz import ClientConfig, WaltzClient
 from waltz.client.api import ClientCallbacks
 from waltz.client.transaction import Transaction
 from waltz.cluster import store_metadata as sm
 from waltz.cluster import zk as zkutil
-from waltz.errors import BrokenResourceError, ConfigError
+from waltz.cluster.zkserver import ZooKeeperServer
+from waltz.config import flatten
+from waltz.errors import BrokenResourceError, ClusterError, ConfigError
 from waltz.local.certs import LocalPki
 from waltz.protocol.records import Record, ReqId
 from waltz.server.storage_client import AdminClient, StorageClient
@@ -133,12 +136,33 @@ class Recorder(ClientCallbacks):
         raise AssertionError(f"partition {partition_id} transaction {transaction_id}: {exception!r}")
 
 
+@pytest.fixture
+def tls_zk_connect_string(tls_zookeeper: ZooKeeperServer, tls_pki: LocalPki) -> Iterator[str]:
+    """A fresh chroot on the TLS-only ZooKeeper (as ``zk_connect_string`` is on the plain one)."""
+    auth = zkutil.ZkAuth.from_config(zk_tls_keys(tls_pki, "client"))
+    admin = zkutil.connect(tls_zookeeper.connect_string, session_timeout_ms=10_000, auth=auth)
+    chroot = f"/test-{os.urandom(6).hex()}"
+    admin.create(chroot)
+    try:
+        yield f"{tls_zookeeper.connect_string}{chroot}"
+    finally:
+        admin.delete(chroot, recursive=True)
+        zkutil.close(admin)
+
+
 @pytest.mark.timeout(180)
 def test_cluster_commits_over_tls_end_to_end(
-    tmp_path: Path, tls_pki: LocalPki, zk: KazooClient, zk_connect_string: str
+    tmp_path: Path, tls_pki: LocalPki, tls_zk_connect_string: str
 ) -> None:
-    """ZooKeeper plain; two storage nodes, a server and a client, every Waltz link mutual TLS."""
+    """Two storage nodes, a server and a client, every Waltz link mutual TLS, and ZooKeeper TLS only: the
+    server and the client reach it with their own certificates."""
     root = "/waltz-tls"
+    zk_connect_string = tls_zk_connect_string
+    zk = zkutil.connect(
+        zk_connect_string,
+        session_timeout_ms=10_000,
+        auth=zkutil.ZkAuth.from_config(zk_tls_keys(tls_pki, "client")),
+    )
     sm.create_cluster(zk, root, "tls", NUM_PARTITIONS, cluster_key=DEFAULT_KEY)
     storages = [
         StorageProcess(
@@ -154,7 +178,7 @@ def test_cluster_commits_over_tls_end_to_end(
         zk_connect=zk_connect_string,
         cluster_root=root,
         name="server",
-        config=tls_keys(tls_pki, "server", "server.ssl."),
+        config={**tls_keys(tls_pki, "server", "server.ssl."), **zk_tls_keys(tls_pki, "server")},
     )
     admin_ssl = tls_config(tls_pki, "client").client_context()
     config = ClientConfig(
@@ -165,6 +189,9 @@ def test_cluster_commits_over_tls_end_to_end(
         submit_timeout_ms=30000,
         num_consumer_threads=2,
         ssl={k.removeprefix("client.ssl."): v for k, v in tls_keys(tls_pki, "client", "client.ssl.").items()},
+        zookeeper_ssl={
+            k.removeprefix("zookeeper.ssl."): v for k, v in zk_tls_keys(tls_pki, "client").items()
+        },
     )
     parts = list(range(NUM_PARTITIONS))
 
@@ -213,6 +240,7 @@ def test_cluster_commits_over_tls_end_to_end(
         server.stop()
         for sp in storages:
             sp.stop()
+        zkutil.close(zk)
 
 
 # --------------------------------------------------------------------------------------- waltz local up --tls
@@ -250,8 +278,11 @@ def test_local_up_tls_status_appends_and_down(cluster_dir: Path) -> None:
     )  # fmt: skip
     assert up.returncode == 0, up.stderr
     assert "TLS: mutual" in up.stdout
+    assert "ZooKeeper: TLS only, client certificates required" in up.stdout
     tls_dir = cluster_dir / "tls"
-    assert {p.name for p in tls_dir.iterdir()} >= {"ca.pem", "client.pem", "client-key.pem", "server.pem"}
+    assert {p.name for p in tls_dir.iterdir()} >= {
+        "ca.pem", "client.pem", "client-key.pem", "server.pem", "zookeeper.pem", "zookeeper-key.pem"
+    }  # fmt: skip
     assert not (tls_dir / "ca-key.pem").exists()
     assert (tls_dir / "client-key.pem").stat().st_mode & 0o077 == 0
 
@@ -288,9 +319,25 @@ def test_local_up_tls_status_appends_and_down(cluster_dir: Path) -> None:
     assert refused.returncode != 0
     assert "not in storage.ssl.allowedPeers" in (cluster_dir / "logs" / "storage-0.log").read_text()
 
-    # ZooKeeper: an anonymous session can neither read the cluster key nor write partition metadata.
-    zk_connect = yaml.safe_load(admin_yaml.read_text())["zookeeper.connectString"]
-    anonymous = zkutil.connect(zk_connect, session_timeout_ms=10_000)
+    # ZooKeeper serves TLS only: a plain client gets no session at all; every process config reaches it with
+    # its role's certificate.
+    admin_config = yaml.safe_load(admin_yaml.read_text())
+    zk_connect = admin_config["zookeeper.connectString"]
+    zoo_cfg = (cluster_dir / "zookeeper" / "zoo.cfg").read_text()
+    assert f"secureClientPort={zk_connect.rsplit(':', 1)[1]}" in zoo_cfg
+    assert "clientPort=" not in zoo_cfg.replace("secureClientPort=", "")
+    with pytest.raises(ClusterError, match="no answer within"):
+        zkutil.connect(zk_connect, session_timeout_ms=10_000, connect_timeout_ms=1500)
+    for name in ("storage-0.yaml", "server-0.yaml", "client.yaml", "admin.yaml"):
+        flat = flatten(yaml.safe_load((cluster_dir / name).read_text()))
+        assert flat["zookeeper.ssl.enabled"] is True, name
+        assert flat["zookeeper.ssl.caFile"] == str(tls_dir / "ca.pem"), name
+    # With a certificate of the cluster's CA but no digest identity: neither the cluster key nor a partition's
+    # metadata is within reach (the ACLs still hold behind TLS).
+    tls_only = {k: v for k, v in admin_config.items() if k.startswith("zookeeper.ssl.")}
+    anonymous = zkutil.connect(
+        zk_connect, session_timeout_ms=10_000, auth=zkutil.ZkAuth.from_config(tls_only)
+    )
     try:
         with pytest.raises(NoAuthError):
             anonymous.get("/waltz/local/store")
@@ -298,6 +345,10 @@ def test_local_up_tls_status_appends_and_down(cluster_dir: Path) -> None:
             anonymous.set("/waltz/local/store/partition/0", b"forged")
     finally:
         zkutil.close(anonymous)
+    # The operator's tools work through it.
+    listed = waltz("cluster", "list", "-c", str(admin_yaml), timeout_s=30)
+    assert listed.returncode == 0, listed.stderr
+    assert "partition 0" in listed.stdout
 
     down = waltz("local", "down", "--dir", str(cluster_dir), timeout_s=60)
     assert down.returncode == 0, down.stderr

@@ -26,7 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "http": {"errors", "__version__"},
     "protocol": {"errors"},
     "transport": {"errors", "protocol"},
-    "cluster": {"errors", "config"},
+    "cluster": {"errors", "config", "tls"},
     "storage": _BASE | {"protocol", "cluster"},
     "server": _BASE | {"protocol", "cluster"},
     "client": _BASE | {"protocol", "cluster"},

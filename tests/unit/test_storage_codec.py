@@ -88,11 +88,14 @@ CASES: list[tuple[s.StorageMessage, str]] = [
     ),
     (s.RecordRunResponse(1, 2, 3, 0, b""), p(20) + "00000000 00000000"),
     (s.RepairRequest(1, 2, 3, (REC,)), p(21) + f"00000001 {REC_HEX}"),
+    (s.DamagedRecordsRequest(1, 2, 3, 1000), p(22) + "000003e8"),
+    (s.DamagedRecordsResponse(1, 2, 3, (17, 2000)), p(23) + "00000002 0000000000000011 00000000000007d0"),
+    (s.DamagedRecordsResponse(1, 2, 3, ()), p(23) + "00000000"),
 ]
 
 
 def test_every_message_type_has_a_golden_case() -> None:
-    assert {type(msg).TYPE for msg, _ in CASES} == set(range(1, 22))
+    assert {type(msg).TYPE for msg, _ in CASES} == set(range(1, 24))
 
 
 @pytest.mark.parametrize(("msg", "hex_"), CASES, ids=case_id)
@@ -127,7 +130,7 @@ def test_trailing_and_truncated_payloads_are_refused(msg: s.StorageMessage, hex_
 
 
 def test_unknown_type_and_bad_fields_are_refused() -> None:
-    for code in (0, 22, 255):
+    for code in (0, 24, 255):
         with pytest.raises(RemoteProtocolError, match="unknown"):
             s.decode(bytes.fromhex(p(code)))
     with pytest.raises(RemoteProtocolError, match="boolean"):

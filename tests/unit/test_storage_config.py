@@ -62,6 +62,7 @@ def test_zookeeper_identity_needs_a_cluster_root() -> None:
         ({"storage.segment.size.threshold": 10}, "must be at least"),
         ({"storage.cluster.numPartitions": 0}, "storage.cluster.key and storage.cluster.numPartitions"),
         ({"storage.directory": None}, "storage.directory"),
+        ({"storage.maxSessionIdStep": 0}, "must be at least 1"),
     ],
 )
 def test_bad_values(change: dict[str, object], message: str) -> None:

@@ -530,3 +530,81 @@ def test_metadata_generation_no_assignment_explains_is_reported_not_obeyed_silen
             assert partition.statistics()["metadata_conflict"] is None
 
     run_virtual(main())
+
+
+def test_metadata_repaired_by_an_operator_is_served_again_without_a_new_assignment() -> None:
+    async def main() -> None:
+        world = World(stale_report_ms=5_000)
+        await world.metadata.compare_and_set(0, PartitionMetadata(generation=3, session_id=-1), -1)
+        async with world.partition(generation=3) as partition:
+            assert await partition.append(req(0, generation=3)) == 0
+            # A bogus write of generation 1002 (the rest kept); a replica fails, so a new session is needed.
+            metadata, version = await world.metadata.get(0)
+            bogus = PartitionMetadata(1002, metadata.session_id, metadata.replicas)
+            version = await world.metadata.compare_and_set(0, bogus, version)
+            world.storages["s0:1"].crash()
+            await _wait(lambda: partition.statistics()["metadata_conflict"] is not None)
+            # The operator's fix (waltz cluster fix-generation) lowers it back to the assigned generation.
+            fixed = PartitionMetadata(3, bogus.session_id, bogus.replicas)
+            await world.metadata.compare_and_set(0, fixed, version)
+            world.storages["s0:1"].restart()
+            await _wait(lambda: partition.statistics()["metadata_conflict"] is None, timeout_s=15)
+            assert await partition.append(req(1, generation=3)) == 1
+            records = await partition.read_records(0, 10)
+            assert [r.req_id for r in records] == [req(0, generation=3).req_id, req(1, generation=3).req_id]
+
+    run_virtual(main())
+
+
+# -- damage reported by a replica's scrub --------------------------------------------------------------------
+
+
+def test_damage_a_replica_reports_on_its_own_is_repaired_without_any_read() -> None:
+    async def main() -> None:
+        world = World(damage_poll_interval_ms=1_000)
+        async with world.partition() as partition:
+            ids = await asyncio.gather(*(partition.append(req(i)) for i in range(20)))
+            assert ids == list(range(20))
+            bad = world.storages["s1:1"]
+            for txn in (3, 4, 11):
+                bad.damage(0, txn)
+            # Nobody reads: the owner's poll finds the damage and sends good copies.
+            await _wait(lambda: not bad.partitions[0].damaged, timeout_s=5)
+            repairs = partition.repairs
+            assert (repairs.started, repairs.finished, repairs.failed, repairs.records) == (1, 1, 0, 3)
+            assert partition.damaged_replicas == {}  # no read met it
+            assert await partition.append(req(20)) == 20  # writes went on
+            assert partition.is_healthy
+
+    run_virtual(main())
+
+
+def test_damage_no_other_replica_holds_a_good_copy_of_is_retried_later_not_every_poll() -> None:
+    async def main() -> None:
+        world = World(damage_poll_interval_ms=1_000)
+        async with world.partition() as partition:
+            await asyncio.gather(*(partition.append(req(i)) for i in range(10)))
+            for name in NAMES:
+                world.storages[name].damage(0, 5)
+            await asyncio.sleep(3.5)
+            # Every replica tried once, each failing: each then waits REPAIR_RETRY_POLLS polls.
+            assert partition.repairs.started == 3
+            assert partition.repairs.failed == 3
+            assert partition.repairs.finished == 0
+            assert partition.is_healthy
+            assert await partition.append(req(10)) == 10
+
+    run_virtual(main())
+
+
+def test_damage_polls_are_off_with_a_zero_interval() -> None:
+    async def main() -> None:
+        world = World(damage_poll_interval_ms=0)
+        async with world.partition() as partition:
+            await asyncio.gather(*(partition.append(req(i)) for i in range(10)))
+            world.storages["s0:1"].damage(0, 2)
+            await asyncio.sleep(30)
+            assert world.storages["s0:1"].partitions[0].damaged == {2}
+            assert partition.repairs.started == 0
+
+    run_virtual(main())

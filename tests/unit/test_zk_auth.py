@@ -33,7 +33,12 @@ def test_identity_and_readers_make_the_acl(tmp_path: Path) -> None:
     assert auth.auth_data() == [("digest", "waltz:secret")]
     acl = auth.default_acl()
     assert acl is not None
-    assert (acl[0].id.scheme, acl[0].perms) == ("auth", Permissions.ALL)
+    # Named, not ZooKeeper's "auth" scheme: over TLS that would also grant the creator's x509 certificate id.
+    assert (acl[0].id.scheme, acl[0].id.id, acl[0].perms) == (
+        "digest",
+        digest_id("waltz:secret"),
+        Permissions.ALL,
+    )
     assert (acl[1].id.scheme, acl[1].id.id, acl[1].perms) == ("digest", reader, Permissions.READ)
 
 

@@ -23,7 +23,7 @@ from waltz.cluster.partition_metadata import UNRESOLVED
 from waltz.cluster.zk import session
 from waltz.config import host_port, parse_partition_ranges
 from waltz.errors import ConfigError
-from waltz.ops import checks
+from waltz.ops import checks, generation
 from waltz.ops.view import ClusterView, read_view
 
 Command = Callable[[KazooClient, str, argparse.Namespace, TextIO], int | None]
@@ -34,8 +34,11 @@ def _run(command: Command) -> Callable[[argparse.Namespace], int]:
         if not getattr(args, "verbose", False):
             # kazoo logs each failed connection attempt as a warning; the CLI reports the outcome in one line.
             logging.getLogger("kazoo").setLevel(logging.ERROR)
+            # Nor does the CLI's own ZooKeeper session need a line: a command logging at INFO (fix-generation)
+            # logs the one change it made.
+            logging.getLogger("waltz.cluster.zk").setLevel(logging.WARNING)
         config = load_cli_config(args.cli_config_path)
-        with session(config) as client:
+        with session(config, str(args.cli_config_path)) as client:
             return int(command(client, str(config["cluster.root"]), args, sys.stdout) or 0)
 
     return handler
@@ -209,6 +212,25 @@ def cmd_verify(client: KazooClient, root: str, args: argparse.Namespace, out: Te
     return 1 if problems else 0
 
 
+def cmd_fix_generation(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    view = _ops_view(client, root, args)
+    fix = asyncio.run(generation.plan_generation_fix(client, view, args.partition, args.to, args.timeout))
+    for line in fix.describe():
+        print(line, file=out)
+    if not fix.changes:
+        return 0
+    if not args.yes:
+        print("nothing written: run again with --yes to write this change", file=out)
+        return 0
+    generation.apply_generation_fix(client, root, fix)
+    print(
+        f"written: partition {fix.partition} is at generation {fix.target.generation}, session "
+        f"{fix.target.session_id}; its owner serves it again within storage.metadataConflictReport (30 s)",
+        file=out,
+    )
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- registration
 
 
@@ -266,3 +288,18 @@ def register(groups: Any) -> None:
         "-p", "--partition", metavar="RANGES", help="only these partitions (node checks still run)"
     )
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit per node (10 s)")
+
+    p = command(
+        "fix-generation",
+        cmd_fix_generation,
+        "lower a partition's metadata generation that no assignment handed out back to the assigned one "
+        "(shows the change; writes it with --yes)",
+    )
+    p.add_argument("-p", "--partition", required=True, type=_non_negative, help="the partition")
+    p.add_argument(
+        "--to", type=_non_negative, metavar="G", help="the generation to set (default: the assignment's)"
+    )
+    p.add_argument("--yes", action="store_true", help="write the change (without it, only show it)")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit per node (10 s)")
+    # The one line that records the write goes to stderr like a server's (other commands log warnings only).
+    p.set_defaults(default_log_level="INFO")

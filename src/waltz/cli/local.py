@@ -41,7 +41,8 @@ def register(groups: Any) -> None:
     up.add_argument(
         "--tls",
         action="store_true",
-        help="mutual TLS on every link, with a throwaway CA and certificates in D/tls (needs openssl)",
+        help="mutual TLS on every link, ZooKeeper's too, with a throwaway CA and certificates in D/tls "
+        "(needs openssl)",
     )
     up.add_argument(
         "--base-port", type=int, default=None, metavar="P", help="use ports P, P+1, ... (default: free)"

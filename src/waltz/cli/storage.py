@@ -166,7 +166,7 @@ def cluster_identity(args: argparse.Namespace) -> tuple[uuid.UUID, int]:
     from waltz.cluster.store_metadata import read_store_params
 
     cfg = load_cli_config(args.cli_config_path)
-    with zk.session(cfg) as client:
+    with zk.session(cfg, str(args.cli_config_path)) as client:
         params = read_store_params(client, cfg["cluster.root"])
     return params.cluster_key, params.num_partitions
 
@@ -275,7 +275,7 @@ def _view(args: argparse.Namespace) -> ClusterView:
         logging.getLogger("kazoo").setLevel(logging.ERROR)
     cfg = load_cli_config(args.cli_config_path)
     ssl = load_cli_tls(args.cli_config_path).client_context(args.cli_config_path)
-    with zk.session(cfg) as client:
+    with zk.session(cfg, str(args.cli_config_path)) as client:
         return read_view(client, cfg["cluster.root"], ssl)
 
 

@@ -50,7 +50,7 @@ def cmd_top(args: argparse.Namespace) -> int:
     interval_s = max(0.2, args.interval)
     once = args.once or not sys.stdout.isatty()
 
-    with zk.session(cfg) as client:
+    with zk.session(cfg, str(args.cli_config_path)) as client:
 
         async def snapshot(previous: TopSnapshot | None) -> TopSnapshot:
             return await gather(

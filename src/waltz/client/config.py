@@ -8,6 +8,11 @@ key                                    default    meaning
 zookeeper.connectString                required   ZooKeeper ensemble ``host:port[,host:port...]``
 zookeeper.sessionTimeout               required   ZooKeeper session timeout (ms)
 zookeeper.authFile                     ""         file with ZooKeeper digest credentials ``user:password``
+zookeeper.ssl.enabled                  false      reach ZooKeeper over TLS (its secure client port)
+zookeeper.ssl.certFile                 empty      PEM client certificate presented to ZooKeeper
+zookeeper.ssl.keyFile                  empty      its PEM private key
+zookeeper.ssl.caFile                   empty      PEM CA ZooKeeper's certificate must chain to
+zookeeper.ssl.checkHostname            true       ZooKeeper's certificate must name the host connected to
 cluster.root                           required   the cluster's root znode, e.g. ``/waltz/mycluster``
 client.autoMount                       true       mount every partition; false: only ``set_partitions``
 client.numTransactionRetryThreads      1          accepted for compatibility; retries are asyncio tasks
@@ -31,7 +36,8 @@ client.ssl.checkHostname               true       a server's certificate must na
 =====================================  =========  ===========================================================
 
 Any ``client.ssl.*`` file turns TLS on for every server connection (see :mod:`waltz.tls`); the files are
-checked when the configuration is built.
+checked when the configuration is built. ``zookeeper.ssl.*`` is ZooKeeper's own TLS (see
+:class:`waltz.cluster.zk.ZkTls`), checked when the configuration is built too.
 
 ``client.mockDriver`` cannot come from a file: set :attr:`ClientConfig.mock_driver` in code (or pass
 ``driver=`` to the client) to run against :class:`waltz.testing.MockDriver`.
@@ -45,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from waltz.cluster.zk import ZK_SSL_PREFIX, ZkAuth, ZkTls, read_auth_file, zk_tls_keys
 from waltz.config import ConfigSchema, Key, read_yaml
 from waltz.errors import ConfigError
 from waltz.tls import TLS_KEY_NAMES, TlsConfig, tls_keys
@@ -82,6 +89,7 @@ CLIENT_SCHEMA = ConfigSchema(
         Key("zookeeper.sessionTimeout", int, doc="ZooKeeper session timeout (ms)", min_value=1),
         Key("cluster.root", str, doc="the cluster's root znode", check=_znode_path),
         Key("zookeeper.authFile", str, "", "file with ZooKeeper digest credentials user:password"),
+        *zk_tls_keys(),
         Key("client.autoMount", bool, True, "mount every partition automatically"),
         Key("client.numTransactionRetryThreads", int, 1, "compatibility only", min_value=1),
         Key("client.numConsumerThreads", int, 10, "callback threads", min_value=1, max_value=1024),
@@ -114,6 +122,9 @@ class ClientConfig:
     cluster_root: str = ""
     zookeeper_auth_file: str = ""
     """A file holding ``user:password``: the client's ZooKeeper digest identity (docs/security.md)."""
+    zookeeper_ssl: Mapping[str, Any] = field(default_factory=dict)
+    """``zookeeper.ssl.*`` keys without the prefix (``enabled``, ``certFile``, ``keyFile``, ``caFile``,
+    ``checkHostname``): TLS to ZooKeeper."""
     auto_mount: bool = True
     num_transaction_retry_threads: int = 1
     num_consumer_threads: int = 10
@@ -133,6 +144,8 @@ class ClientConfig:
     """``client.ssl.*`` keys without the prefix (``certFile``, ``keyFile``, ``caFile``, ``checkHostname``)."""
     tls: TlsConfig = field(init=False, compare=False, repr=False)
     """:attr:`ssl` checked and parsed (derived, not an argument); the network driver's TLS settings."""
+    zookeeper_tls: ZkTls = field(init=False, compare=False, repr=False)
+    """:attr:`zookeeper_ssl` checked and parsed (derived, not an argument)."""
     mock_driver: ClientDriver | None = field(default=None, compare=False)
     """The driver to use instead of the network driver (tests; see :mod:`waltz.testing`)."""
 
@@ -156,6 +169,9 @@ class ClientConfig:
         unknown = sorted(set(self.ssl) - set(TLS_KEY_NAMES))
         if unknown:
             problems.append(f"unknown TLS keys {', '.join(SSL_PREFIX + k for k in unknown)}")
+        unknown_zk = sorted(set(self.zookeeper_ssl) - {*TLS_KEY_NAMES, "enabled"})
+        if unknown_zk:
+            problems.append(f"unknown TLS keys {', '.join(ZK_SSL_PREFIX + k for k in unknown_zk)}")
         if problems:
             raise ConfigError("client config: " + "; ".join(problems))
         tls = TlsConfig.from_config(
@@ -165,6 +181,18 @@ class ClientConfig:
             source="client config",
         )
         object.__setattr__(self, "tls", tls)  # A derived field of a frozen dataclass.
+        zk_tls = ZkTls.from_config(
+            {ZK_SSL_PREFIX + k: v for k, v in self.zookeeper_ssl.items()}, source="client config"
+        )
+        object.__setattr__(self, "zookeeper_tls", zk_tls)
+
+    def zookeeper_auth(self) -> ZkAuth:
+        """How this client reaches and authenticates with ZooKeeper: :attr:`zookeeper_tls` and the identity in
+        :attr:`zookeeper_auth_file` (read now, bounded; ConfigError naming the key if it is unusable)."""
+        credentials = (
+            read_auth_file(self.zookeeper_auth_file, "client config") if self.zookeeper_auth_file else ""
+        )
+        return ZkAuth(credentials, tls=self.zookeeper_tls)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], source: str = "client config") -> ClientConfig:
@@ -177,6 +205,9 @@ class ClientConfig:
         kwargs: dict[str, Any] = {attr: parsed[key] for key, attr in _KEY_TO_ATTR.items()}
         kwargs["ssl"] = {
             k.removeprefix("client.ssl."): v for k, v in parsed.items() if k.startswith("client.ssl.")
+        }
+        kwargs["zookeeper_ssl"] = {
+            k.removeprefix(ZK_SSL_PREFIX): v for k, v in parsed.items() if k.startswith(ZK_SSL_PREFIX)
         }
         return cls(**kwargs)
 

@@ -213,15 +213,10 @@ class ZkDiscovery:
     async def open(self) -> None:
         config = self._config
         session_timeout_ms = config.zookeeper_session_timeout_ms
-        auth = (
-            zk.ZkAuth(zk.read_auth_file(config.zookeeper_auth_file, "client config"))
-            if config.zookeeper_auth_file
-            else None
-        )
         client = await asyncio.to_thread(
             zk.connect,
             config.zookeeper_connect_string,
-            auth=auth,
+            auth=config.zookeeper_auth(),
             session_timeout_ms=session_timeout_ms,
             # An ensemble that does not answer within a session timeout is reported, not waited for.
             connect_timeout_ms=max(

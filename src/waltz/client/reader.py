@@ -114,7 +114,9 @@ class LogReader:
 
             def read() -> uuid.UUID:
                 client = zk.connect(
-                    config.zookeeper_connect_string, session_timeout_ms=config.zookeeper_session_timeout_ms
+                    config.zookeeper_connect_string,
+                    session_timeout_ms=config.zookeeper_session_timeout_ms,
+                    auth=config.zookeeper_auth(),
                 )
                 try:
                     return read_store_params(client, config.cluster_root).cluster_key

@@ -16,6 +16,15 @@ creates every znode with an ACL that gives its own identity all permissions and 
 ``zookeeper.aclReaders`` (digest ids ``user:base64(sha1(user:password))``, see :func:`digest_id`) read access,
 so anonymous sessions can neither read the cluster key nor write metadata. Without ``zookeeper.authFile``
 nothing changes: znodes are created open, as before.
+
+Transport (:class:`ZkTls`): with ``zookeeper.ssl.enabled`` every session runs over TLS to ZooKeeper's secure
+client port, so digest passwords and metadata (the cluster key among them) never cross the network in clear.
+``zookeeper.ssl.caFile`` is the CA ZooKeeper's certificate must chain to (default: the system's CAs),
+``zookeeper.ssl.certFile``/``keyFile`` the client certificate a server with ``ssl.clientAuth=need`` demands,
+``zookeeper.ssl.checkHostname`` (default true) whether ZooKeeper's certificate must name the host connected
+to. The files are checked when the configuration is read (bounded reads, errors naming the key, as
+:mod:`waltz.tls` does for Waltz's own ports), and read again, the same way, at every (re)connection, so a
+certificate replaced in place (atomically) is picked up at the next reconnection.
 """
 
 from __future__ import annotations
@@ -23,9 +32,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import socket
+import ssl
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,12 +53,13 @@ from kazoo.exceptions import (
     OperationTimeoutError,
     SessionExpiredError,
 )
-from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.handlers.threading import KazooTimeoutError, SequentialThreadingHandler
 from kazoo.retry import KazooRetry
-from kazoo.security import ACL, Id, Permissions, make_acl
+from kazoo.security import ACL, Id, Permissions
 
 from waltz.config import Key
 from waltz.errors import ClusterError, ConcurrentUpdateError, ConfigError, MetadataError
+from waltz.tls import MIN_TLS_VERSION, TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +69,10 @@ DEFAULT_SESSION_TIMEOUT_MS = 30000
 DEFAULT_CONNECT_TIMEOUT_MS = 10000
 MAX_AUTH_FILE_BYTES = 4096
 """An auth file larger than this is not a ``user:password`` line; refuse it rather than read it whole."""
+ZK_SSL_PREFIX = "zookeeper.ssl."
+TLS_PROBE_TIMEOUT_S = 2.0
+"""How long the diagnosis of a failed TLS connection (:func:`_tls_diagnosis`) may take per host."""
+MAX_PROBED_HOSTS = 3
 
 
 def digest_id(credentials: str) -> str:
@@ -66,14 +82,92 @@ def digest_id(credentials: str) -> str:
 
 
 @dataclass(frozen=True)
-class ZkAuth:
-    """How one process authenticates with ZooKeeper and which ACL its new znodes get (module docstring).
+class ZkTls:
+    """How a process reaches ZooKeeper: plain TCP (the default instance) or TLS (module docstring).
 
-    ``credentials`` is ``user:password`` ("" = anonymous); ``readers`` are digest ids granted READ.
+    ``files`` holds the paths (``zookeeper.ssl.certFile``/``keyFile``/``caFile``/``checkHostname``), already
+    checked by :meth:`from_config`; building an instance in code skips that check (tests do, on purpose).
+    """
+
+    enabled: bool = False
+    files: TlsConfig = field(default_factory=lambda: TlsConfig(prefix=ZK_SSL_PREFIX))
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], source: str = "config") -> ZkTls:
+        """From the ``zookeeper.ssl.*`` keys of a parsed config; ConfigError naming the key and file when a
+        file is missing, unreadable, larger than 1 MiB, not PEM, or a key that does not match its
+        certificate."""
+        raw = config.get(f"{ZK_SSL_PREFIX}enabled", False)
+        if isinstance(raw, str) and raw.strip().lower() in ("true", "false", "yes", "no", "on", "off"):
+            raw = raw.strip().lower() in ("true", "yes", "on")
+        if not isinstance(raw, bool):
+            raise ConfigError(f"{source}: {ZK_SSL_PREFIX}enabled: expected true or false, got {raw!r}")
+        files = TlsConfig.from_config(config, ZK_SSL_PREFIX, role="connect", source=source)
+        if files.enabled and not raw:
+            # Files without the switch are a half-done setup: connecting in clear would silently send the
+            # digest password over the network the operator meant to protect.
+            raise ConfigError(
+                f"{source}: {ZK_SSL_PREFIX}certFile/keyFile/caFile are set but {ZK_SSL_PREFIX}enabled is not "
+                "true; set it to connect to ZooKeeper's secure port, or remove the files"
+            )
+        return cls(raw, files)
+
+    def kazoo_args(self) -> dict[str, Any]:
+        """The keyword arguments of :class:`kazoo.client.KazooClient` for this setting."""
+        if not self.enabled:
+            return {}
+        return {"use_ssl": True, "handler": _TlsHandler(self)}
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "plain TCP"
+        return "TLS with a client certificate" if self.files.has_identity else "TLS"
+
+
+class _TlsHandler(SequentialThreadingHandler):  # type: ignore[misc]  # kazoo has no type hints
+    """kazoo's threading handler, except that Waltz makes the TLS connections itself.
+
+    kazoo's own TLS path leaks the socket of every failed handshake, reads the key files without a bound and
+    accepts TLS below 1.2. Here each (re)connection builds its context with :mod:`waltz.tls` (bounded reads,
+    TLS 1.2 minimum, the files read again so a replaced certificate is picked up), and a failed handshake
+    closes its socket. Failures are OSErrors, which kazoo treats as a dropped connection and retries.
+    """
+
+    def __init__(self, tls: ZkTls) -> None:
+        super().__init__()
+        self._tls = tls
+
+    def create_connection(  # type: ignore[no-untyped-def]
+        self, address, hostname=None, timeout=None, use_ssl=False, **kwargs
+    ):
+        if not use_ssl:
+            return super().create_connection(address, hostname=hostname, timeout=timeout, **kwargs)
+        try:
+            ctx = _tls_context(self._tls)
+        except ConfigError as e:
+            raise OSError(f"ZooKeeper TLS settings unusable: {e}") from None
+        raw = socket.create_connection(address, timeout)
+        try:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # The handshake runs here, bounded by the socket's timeout; on failure the SSL socket closes.
+            return ctx.wrap_socket(raw, server_hostname=hostname)
+        except BaseException:
+            raw.close()
+            raise
+
+
+@dataclass(frozen=True)
+class ZkAuth:
+    """How one process authenticates with ZooKeeper, how it reaches it, and which ACL its new znodes get
+    (module docstring).
+
+    ``credentials`` is ``user:password`` ("" = anonymous); ``readers`` are digest ids granted READ; ``tls``
+    is the transport (plain by default).
     """
 
     credentials: str = ""
     readers: tuple[str, ...] = ()
+    tls: ZkTls = field(default_factory=ZkTls)
 
     @property
     def enabled(self) -> bool:
@@ -87,18 +181,25 @@ class ZkAuth:
         return [("digest", self.credentials)] if self.enabled else None
 
     def default_acl(self) -> list[ACL] | None:
-        """All permissions for this identity (ZooKeeper's ``auth`` scheme: whoever created the znode), READ
-        for the readers; None when anonymous (znodes are then created open, ZooKeeper's default)."""
+        """All permissions for this digest identity, READ for the readers; None when anonymous (znodes are
+        then created open, ZooKeeper's default).
+
+        The identity is named (``digest:user:hash``), not ZooKeeper's ``auth`` scheme ("every id the creating
+        session holds"): over TLS a session also holds its certificate's ``x509`` id, and ``auth`` would
+        hand the creator's certificate all rights, so whoever holds a copy of a server's certificate could
+        rewrite metadata without the cluster's password. Named, the ACL is the same with or without TLS."""
         if not self.enabled:
             return None
         return [
-            make_acl("auth", "", all=True),
+            ACL(Permissions.ALL, Id("digest", digest_id(self.credentials))),
             *(ACL(Permissions.READ, Id("digest", r)) for r in self.readers),
         ]
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], source: str = "config") -> ZkAuth:
-        """From ``zookeeper.authFile`` and ``zookeeper.aclReaders`` of a parsed config (absent: anonymous)."""
+        """From ``zookeeper.authFile``, ``zookeeper.aclReaders`` and ``zookeeper.ssl.*`` of a parsed config
+        (absent: anonymous, plain TCP)."""
+        tls = ZkTls.from_config(config, source)
         path = str(config.get("zookeeper.authFile", "") or "").strip()
         readers_raw = config.get("zookeeper.aclReaders", "") or ""
         readers = tuple(r.strip() for r in str(readers_raw).split(",") if r.strip())
@@ -108,8 +209,8 @@ class ZkAuth:
         if not path:
             if readers:
                 raise ConfigError(f"{source}: zookeeper.aclReaders needs zookeeper.authFile")
-            return cls()
-        return cls(read_auth_file(path, source), readers)
+            return cls(tls=tls)
+        return cls(read_auth_file(path, source), readers, tls)
 
 
 def read_auth_file(path: str, source: str = "config") -> str:
@@ -129,7 +230,7 @@ def read_auth_file(path: str, source: str = "config") -> str:
 
 
 def zk_auth_keys() -> list[Key]:
-    """The ZooKeeper access-control keys every component's schema carries."""
+    """The ZooKeeper access-control and transport keys every component's schema carries."""
     return [
         Key(
             "zookeeper.authFile", str, "", "file with the digest credentials user:password (empty: anonymous)"
@@ -137,6 +238,19 @@ def zk_auth_keys() -> list[Key]:
         Key(
             "zookeeper.aclReaders", str, "", "digest ids user:hash given READ on znodes this process creates"
         ),
+        *zk_tls_keys(),
+    ]
+
+
+def zk_tls_keys() -> list[Key]:
+    """The ``zookeeper.ssl.*`` keys (see :class:`ZkTls`)."""
+    p = ZK_SSL_PREFIX
+    return [
+        Key(f"{p}enabled", bool, False, "connect to ZooKeeper over TLS (its secureClientPort)"),
+        Key(f"{p}certFile", str, "", "PEM client certificate presented to ZooKeeper"),
+        Key(f"{p}keyFile", str, "", "PEM private key of certFile (unencrypted)"),
+        Key(f"{p}caFile", str, "", "PEM CA ZooKeeper's certificate must chain to (empty: system CAs)"),
+        Key(f"{p}checkHostname", bool, True, "ZooKeeper's certificate must name the host connected to"),
     ]
 
 
@@ -210,9 +324,11 @@ def connect(
     """Start a kazoo client and wait until it has a session.
 
     ``connect_string`` is ``host:port[,host:port...][/chroot]``. Raises ClusterError (and leaves no thread
-    behind) when no server answers within ``connect_timeout_ms``. Once connected, the client keeps
-    reconnecting by itself after a drop, and opens a new session after an expiry. With ``auth`` the session
-    authenticates (digest) and creates znodes with ``auth``'s ACL.
+    behind) when no server answers within ``connect_timeout_ms``; over TLS the error says why the handshake
+    failed when it did (a refused client certificate, an untrusted server certificate, a port that does not
+    speak TLS). Once connected, the client keeps reconnecting by itself after a drop, and opens a new session
+    after an expiry. With ``auth`` the session authenticates (digest) and creates znodes with ``auth``'s ACL,
+    over ``auth.tls``.
     """
     auth = auth or ZkAuth()
     client = KazooClient(
@@ -224,14 +340,23 @@ def connect(
         connection_retry=KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0),
         # Individual commands are retried across a connection drop, within the session timeout.
         command_retry=KazooRetry(max_tries=3, delay=0.1, max_delay=1.0),
+        **auth.tls.kazoo_args(),
     )
-    client.add_listener(_StateLog(connect_string))
+    client.add_listener(_StateLog(connect_string, auth.tls))
     try:
         client.start(timeout=connect_timeout_ms / 1000.0)
     except KazooTimeoutError:
         close(client)
+        # kazoo retries a failed handshake like any dropped connection, so all it reports is the time-out;
+        # one handshake of our own with the same settings finds the reason.
+        reason = _tls_diagnosis(connect_string, auth.tls) if auth.tls.enabled else None
+        if reason is not None:
+            raise ClusterError(
+                f"cannot connect to ZooKeeper at {connect_string} over TLS: {reason}"
+            ) from None
+        hint = "" if auth.tls.enabled else " (if it serves TLS only, set zookeeper.ssl.enabled and its files)"
         raise ClusterError(
-            f"cannot connect to ZooKeeper at {connect_string}: no answer within {connect_timeout_ms} ms"
+            f"cannot connect to ZooKeeper at {connect_string}: no answer within {connect_timeout_ms} ms{hint}"
         ) from None
     except AuthFailedError:
         close(client)
@@ -245,14 +370,96 @@ def connect(
     return client
 
 
+def _hosts(connect_string: str) -> list[tuple[str, int]]:
+    """``(host, port)`` of each server in a connect string (chroot dropped, default port 2181)."""
+    found: list[tuple[str, int]] = []
+    for part in connect_string.split("/", 1)[0].split(","):
+        host, sep, port = part.strip().rpartition(":")
+        if not sep:
+            host, port = part.strip(), "2181"
+        try:
+            found.append((host.strip("[]"), int(port)))
+        except ValueError:
+            continue
+    return found
+
+
+def _tls_context(tls: ZkTls) -> ssl.SSLContext:
+    """A client context for ``tls``: its CA (else the system's), its certificate, its hostname rule."""
+    ctx = tls.files.client_context("ZooKeeper TLS") if tls.files.enabled else None
+    if ctx is None:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = MIN_TLS_VERSION
+        ctx.check_hostname = tls.files.check_hostname
+        ctx.load_default_certs(ssl.Purpose.SERVER_AUTH)
+    return ctx
+
+
+def _tls_diagnosis(connect_string: str, tls: ZkTls, timeout_s: float = TLS_PROBE_TIMEOUT_S) -> str | None:
+    """Why a TLS session with the first reachable server fails, in words naming the key to look at; None
+    when no server is reachable or the handshake and a ``ruok`` went through (the failure is elsewhere)."""
+    try:
+        ctx = _tls_context(tls)
+    except (ConfigError, ssl.SSLError, OSError) as e:
+        return f"cannot build the TLS context: {e}"
+    for host, port in _hosts(connect_string)[:MAX_PROBED_HOSTS]:
+        try:
+            # Under TLS 1.3 the server judges the client certificate after the handshake: its verdict (an
+            # alert) arrives with the first answer, so ask a question.
+            with (
+                socket.create_connection((host, port), timeout=timeout_s) as raw,
+                ctx.wrap_socket(raw, server_hostname=host) as s,
+            ):
+                s.sendall(b"ruok")
+                s.recv(64)
+        except ssl.SSLCertVerificationError as e:
+            return (
+                f"ZooKeeper's certificate at {host}:{port} is not trusted ({e.verify_message}); check "
+                f"{ZK_SSL_PREFIX}caFile and {ZK_SSL_PREFIX}checkHostname"
+            )
+        except ssl.SSLError as e:
+            return _explain_ssl_error(host, port, e, has_identity=tls.files.has_identity)
+        except (ConnectionResetError, BrokenPipeError):
+            return (
+                f"{host}:{port} closed the connection during the TLS handshake; is it ZooKeeper's "
+                "secureClientPort, and does it accept this client's certificate?"
+            )
+        except OSError:
+            continue
+        return None
+    return None
+
+
+def _explain_ssl_error(host: str, port: int, e: ssl.SSLError, *, has_identity: bool) -> str:
+    reason = str(e.reason or e)
+    where = f"{host}:{port}"
+    if isinstance(e, ssl.SSLEOFError) or reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE"):
+        return f"{where} does not speak TLS ({reason}); is it ZooKeeper's secureClientPort?"
+    if "ALERT" in reason and not has_identity:
+        return (
+            f"{where} refused the handshake ({reason}): it requires a client certificate; set "
+            f"{ZK_SSL_PREFIX}certFile and {ZK_SSL_PREFIX}keyFile"
+        )
+    if "ALERT" in reason:
+        return (
+            f"{where} refused this client's certificate ({reason}); {ZK_SSL_PREFIX}certFile must be signed "
+            "by a CA in ZooKeeper's ssl.trustStore"
+        )
+    return f"TLS with {where} failed: {reason}"
+
+
 class _StateLog:
     """Logs one line per change of a client's session state (kazoo's own loggers are kept at ERROR, see
     :mod:`waltz.cli.logsetup`: they warn on every failed attempt while ZooKeeper is down).
 
     Called on kazoo's thread; it only logs, which is thread-safe."""
 
-    def __init__(self, connect_string: str) -> None:
+    def __init__(self, connect_string: str, tls: ZkTls | None = None) -> None:
         self.connect_string = connect_string
+        # Said only when it is TLS: plain TCP was the only transport before, and its line stays as it was.
+        self.where = (
+            connect_string if tls is None or not tls.enabled else f"{connect_string}, {tls.describe()}"
+        )
         self.state: str | None = None
 
     def __call__(self, state: str) -> None:
@@ -263,7 +470,7 @@ class _StateLog:
             if previous == "SUSPENDED":
                 log.info("ZooKeeper connection back, same session (%s)", self.connect_string)
             else:
-                log.info("ZooKeeper session started (%s)", self.connect_string)
+                log.info("ZooKeeper session started (%s)", self.where)
         elif state == "SUSPENDED":
             log.warning("ZooKeeper connection lost; reconnecting to %s", self.connect_string)
         elif state == "LOST":
@@ -282,20 +489,21 @@ def close(client: KazooClient) -> None:
         client.close()
 
 
-def connect_from_config(config: Mapping[str, Any]) -> KazooClient:
-    """Connect using ``zookeeper.connectString``/``sessionTimeout``/``connectTimeout`` of a parsed config."""
+def connect_from_config(config: Mapping[str, Any], source: str = "config") -> KazooClient:
+    """Connect using ``zookeeper.connectString``/``sessionTimeout``/``connectTimeout`` and the access keys
+    (``authFile``, ``aclReaders``, ``ssl.*``) of a parsed config; ``source`` names it in errors."""
     return connect(
         str(config["zookeeper.connectString"]),
         session_timeout_ms=int(config.get("zookeeper.sessionTimeout", DEFAULT_SESSION_TIMEOUT_MS)),
         connect_timeout_ms=int(config.get("zookeeper.connectTimeout", DEFAULT_CONNECT_TIMEOUT_MS)),
-        auth=ZkAuth.from_config(config),
+        auth=ZkAuth.from_config(config, source),
     )
 
 
 @contextmanager
-def session(config: Mapping[str, Any]) -> Iterator[KazooClient]:
+def session(config: Mapping[str, Any], source: str = "config") -> Iterator[KazooClient]:
     """A connected client for the duration of a ``with`` block (used by the CLI)."""
-    client = connect_from_config(config)
+    client = connect_from_config(config, source)
     try:
         yield client
     finally:

@@ -13,8 +13,21 @@ Configuration choices, and why:
 * ``tickTime`` 500 ms with ``minSessionTimeout`` 1000 and ``maxSessionTimeout`` 60000: tests can use short
   session timeouts, and the production default of 30 s is still honoured (not capped at 20 ticks).
 
-Command line: ``python -m waltz.cluster.zkserver [--port P] [--data-dir D] [--ensemble 3]`` runs until
-interrupted and prints the connect string.
+TLS (:class:`ServerTls`, used by ``waltz local up --tls``): the server's port becomes a ``secureClientPort``
+served by Netty (``serverCnxnFactory=NettyServerCnxnFactory``; the netty jars that the zookeeper.jar manifest
+leaves out, ``netty-codec``, ``netty-resolver`` and ``netty-transport-native-unix-common`` from Debian's
+``libnetty-java``, are added to the classpath) and **no plain client port is bound** unless ``plain_port``
+asks for one. Key material is PEM: ZooKeeper 3.8 reads the private key and certificate chain from one file,
+so the launcher writes ``keystore.pem`` (key then certificate, mode 0600) into the server's directory; the
+trust store is the CA file as given. ``ssl.clientAuth=need``: a client without a certificate signed by that
+CA is refused during the handshake. ``ssl.hostnameVerification=false``: ZooKeeper would otherwise demand that
+a *client's* certificate name the client's address, which client certificates do not do (Waltz's own TLS
+ports do not check it either); clients still check the server's name. TLS 1.2 is the minimum, as on Waltz's
+ports. Readiness is checked with ``ruok`` over TLS, presenting ``probe_cert_file`` (default: the server's own
+certificate, which must then allow clientAuth). An ensemble's quorum links stay plain (tests only).
+
+Command line: ``python -m waltz.cluster.zkserver [--port P] [--data-dir D] [--ensemble 3]
+[--tls-cert C --tls-key K --tls-ca CA]`` runs until interrupted and prints the connect string.
 """
 
 from __future__ import annotations
@@ -24,21 +37,34 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from waltz.errors import ClusterError
+from waltz.config import read_bounded
+from waltz.errors import ClusterError, ConfigError
 
 ZOOKEEPER_JAR = Path("/usr/share/java/zookeeper.jar")
 SLF4J_BINDING_JAR = Path("/usr/share/java/slf4j-simple.jar")
+NETTY_JARS = tuple(
+    Path(f"/usr/share/java/{name}.jar")
+    for name in ("netty-codec", "netty-resolver", "netty-transport-native-unix-common")
+)
+"""What NettyServerCnxnFactory (hence TLS) needs beyond the netty jars zookeeper.jar's manifest lists."""
 MAIN_CLASS = "org.apache.zookeeper.server.quorum.QuorumPeerMain"
 INSTALL_HINT = "install Debian's zookeeper package: apt-get install zookeeper"
+NETTY_INSTALL_HINT = (
+    "install Debian's libnetty-java package (a dependency of zookeeper): apt-get install libnetty-java"
+)
 DEFAULT_START_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
+MAX_PEM_BYTES = 1024 * 1024
+"""The largest certificate or key file read (as :mod:`waltz.tls` does): /dev/zero must not fill memory."""
 
 
 def find_java() -> str:
@@ -48,14 +74,76 @@ def find_java() -> str:
     return java
 
 
-def classpath() -> str:
-    """The classpath of Debian's ZooKeeper; ClusterError with the install hint if it is missing."""
+def classpath(*, tls: bool = False) -> str:
+    """The classpath of Debian's ZooKeeper (with the netty jars TLS needs when ``tls``); ClusterError with the
+    install hint if something is missing."""
     if not ZOOKEEPER_JAR.exists():
         raise ClusterError(f"ZooKeeper is not installed ({ZOOKEEPER_JAR} missing); {INSTALL_HINT}")
     jars = [str(ZOOKEEPER_JAR)]
     if SLF4J_BINDING_JAR.exists():
         jars.append(str(SLF4J_BINDING_JAR))
+    if tls:
+        missing = [str(j) for j in NETTY_JARS if not j.exists()]
+        if missing:
+            raise ClusterError(f"ZooKeeper over TLS needs {', '.join(missing)}; {NETTY_INSTALL_HINT}")
+        jars += [str(j) for j in NETTY_JARS]
     return ":".join(jars)
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """TLS on a :class:`ZooKeeperServer`'s client port (module docstring): PEM files, mutual TLS.
+
+    ``plain_port``: also bind a plain client port there (None: none, the default).
+    ``probe_cert_file``/``probe_key_file``: the client certificate the readiness check presents (default: the
+    server's own).
+    """
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
+    plain_port: int | None = None
+    probe_cert_file: Path | None = None
+    probe_key_file: Path | None = None
+
+    def keystore_pem(self) -> bytes:
+        """The private key, then the certificate chain: the one-file PEM keystore ZooKeeper 3.8 reads."""
+        key = _read_pem(self.key_file, "private key", "PRIVATE KEY-----")
+        if b"ENCRYPTED" in key:
+            raise ConfigError(f"ZooKeeper TLS: {self.key_file} is encrypted; give an unencrypted key")
+        if b"-----BEGIN PRIVATE KEY-----" not in key:
+            # ZooKeeper 3.8 reads PKCS#8 only; given an "EC/RSA PRIVATE KEY" it logs an exception, runs on
+            # and never answers on its port, which would show here as nothing but a start time-out.
+            raise ConfigError(
+                f"ZooKeeper TLS: {self.key_file} is not a PKCS#8 key (BEGIN PRIVATE KEY), the only form "
+                f"ZooKeeper reads; convert it with: openssl pkcs8 -topk8 -nocrypt -in {self.key_file}"
+            )
+        cert = _read_pem(self.cert_file, "certificate", "-----BEGIN CERTIFICATE-----")
+        _read_pem(self.ca_file, "CA certificate", "-----BEGIN CERTIFICATE-----")
+        return key.rstrip(b"\n") + b"\n" + cert
+
+    def probe_context(self) -> ssl.SSLContext:
+        """The readiness check's context: trusts the CA, presents the probe (or server) certificate."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.check_hostname = False  # The launcher knows whom it started; the certificate's chain is checked.
+        ctx.load_verify_locations(cafile=str(self.ca_file))
+        ctx.load_cert_chain(
+            str(self.probe_cert_file or self.cert_file), str(self.probe_key_file or self.key_file)
+        )
+        return ctx
+
+
+def _read_pem(path: Path, what: str, marker: str) -> bytes:
+    try:
+        data = read_bounded(path, MAX_PEM_BYTES)
+    except ValueError:
+        raise ConfigError(f"ZooKeeper TLS: {what} {path} holds more than {MAX_PEM_BYTES} bytes") from None
+    except OSError as e:
+        raise ConfigError(f"ZooKeeper TLS: cannot read {what} {path}: {e.strerror or e}") from None
+    if marker.encode() not in data:
+        raise ConfigError(f"ZooKeeper TLS: {path} holds no PEM {what}")
+    return data
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -65,19 +153,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def four_letter_word(host: str, port: int, word: str, timeout_s: float = 1.0) -> str:
-    """Send a ZooKeeper four-letter command and return the answer ('' if the server does not answer)."""
+def four_letter_word(
+    host: str, port: int, word: str, timeout_s: float = 1.0, *, ssl_context: ssl.SSLContext | None = None
+) -> str:
+    """Send a ZooKeeper four-letter command (over TLS with ``ssl_context``) and return the answer ('' if the
+    server does not answer, or refuses the handshake)."""
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as s:
-            s.sendall(word.encode("ascii"))
-            chunks = []
-            while True:
-                chunk = s.recv(4096)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-            return b"".join(chunks).decode("utf-8", "replace")
-    except OSError:
+        with socket.create_connection((host, port), timeout=timeout_s) as raw:
+            s = ssl_context.wrap_socket(raw, server_hostname=host) if ssl_context is not None else raw
+            with s:
+                s.sendall(word.encode("ascii"))
+                chunks = []
+                total = 0
+                # Bounded: srvr/stat answers are a few hundred bytes.
+                while total < 1024 * 1024:
+                    chunk = s.recv(4096)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    total += len(chunk)
+                return b"".join(chunks).decode("utf-8", "replace")
+    except OSError:  # ssl.SSLError is an OSError
         return ""
 
 
@@ -96,14 +192,18 @@ class ZooKeeperServer:
         tick_time_ms: int = 500,
         server_id: int | None = None,
         peers: list[tuple[int, int, int]] | None = None,
+        tls: ServerTls | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port or free_port(host)
+        """The client port: the secure one with ``tls``."""
         self.tick_time_ms = tick_time_ms
         self.server_id = server_id
         self.peers = peers
+        self.tls = tls
         self.process: subprocess.Popen[bytes] | None = None
+        self._probe_ssl: ssl.SSLContext | None = None
 
     @property
     def connect_string(self) -> str:
@@ -118,6 +218,10 @@ class ZooKeeperServer:
         return self.data_dir / "zoo.cfg"
 
     @property
+    def keystore_path(self) -> Path:
+        return self.data_dir / "keystore.pem"
+
+    @property
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
 
@@ -127,8 +231,7 @@ class ZooKeeperServer:
         lines = [
             f"tickTime={self.tick_time_ms}",
             f"dataDir={data}",
-            f"clientPort={self.port}",
-            f"clientPortAddress={self.host}",
+            *self._port_lines(),
             "admin.enableServer=false",
             "4lw.commands.whitelist=ruok,srvr,stat",
             "minSessionTimeout=1000",
@@ -145,6 +248,29 @@ class ZooKeeperServer:
                 lines.append(f"server.{sid}={self.host}:{quorum_port}:{election_port}")
         self.config_path.write_text("\n".join(lines) + "\n", encoding="ascii")
 
+    def _port_lines(self) -> list[str]:
+        if self.tls is None:
+            return [f"clientPort={self.port}", f"clientPortAddress={self.host}"]
+        self.keystore_path.touch(mode=0o600)
+        self.keystore_path.chmod(0o600)  # touch keeps the mode of a file that already exists
+        self.keystore_path.write_bytes(self.tls.keystore_pem())
+        lines = []
+        if self.tls.plain_port is not None:
+            lines += [f"clientPort={self.tls.plain_port}", f"clientPortAddress={self.host}"]
+        return [
+            *lines,
+            f"secureClientPort={self.port}",
+            f"secureClientPortAddress={self.host}",
+            "serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory",
+            f"ssl.keyStore.location={self.keystore_path}",
+            "ssl.keyStore.type=PEM",
+            f"ssl.trustStore.location={self.tls.ca_file}",
+            "ssl.trustStore.type=PEM",
+            "ssl.clientAuth=need",
+            "ssl.hostnameVerification=false",
+            "ssl.enabledProtocols=TLSv1.3,TLSv1.2",
+        ]
+
     def spawn(self) -> None:
         """Start the JVM without waiting for it to answer."""
         if self.process is not None and self.process.poll() is None:
@@ -159,7 +285,7 @@ class ZooKeeperServer:
             "-Dorg.slf4j.simpleLogger.dateTimeFormat=HH:mm:ss.SSS",
             "-Dzookeeper.jmx.log4j.disable=true",
             "-cp",
-            classpath(),
+            classpath(tls=self.tls is not None),
             MAIN_CLASS,
             str(self.config_path),
         ]
@@ -168,9 +294,28 @@ class ZooKeeperServer:
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
 
+    def probe_ssl_context(self) -> ssl.SSLContext | None:
+        """The context :meth:`four_letter_word` needs on this server's port (None without TLS)."""
+        if self.tls is None:
+            return None
+        if self._probe_ssl is None:
+            try:
+                self._probe_ssl = self.tls.probe_context()
+            except (ssl.SSLError, OSError) as e:
+                raise ConfigError(
+                    f"ZooKeeper TLS: cannot load the readiness check's certificate: {e}"
+                ) from None
+        return self._probe_ssl
+
+    def four_letter_word(self, word: str, timeout_s: float = 1.0) -> str:
+        """:func:`four_letter_word` on this server's client port, over TLS when it serves TLS."""
+        return four_letter_word(self.host, self.port, word, timeout_s, ssl_context=self.probe_ssl_context())
+
     def is_serving(self) -> bool:
-        return four_letter_word(self.host, self.port, "ruok") == "imok" and "Mode:" in four_letter_word(
-            self.host, self.port, "srvr"
+        # A TLS handshake with a JVM that has just started can take more than a second on a loaded machine.
+        timeout_s = 3.0 if self.tls is not None else 1.0
+        return self.four_letter_word("ruok", timeout_s) == "imok" and "Mode:" in self.four_letter_word(
+            "srvr", timeout_s
         )
 
     def wait_serving(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
@@ -284,21 +429,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=None, help="client port (default: a free one)")
     parser.add_argument("--data-dir", default=None, help="directory for config, data and log (default: temp)")
     parser.add_argument("--ensemble", type=int, default=1, metavar="N", help="run N servers as one quorum")
+    parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS only, with this certificate")
+    parser.add_argument("--tls-key", metavar="PEM", help="its private key")
+    parser.add_argument("--tls-ca", metavar="PEM", help="CA that client certificates must chain to")
     args = parser.parse_args(argv)
+    tls_args = (args.tls_cert, args.tls_key, args.tls_ca)
+    if any(tls_args) and not all(tls_args):
+        parser.error("TLS needs --tls-cert, --tls-key and --tls-ca")
+    if any(tls_args) and args.ensemble > 1:
+        parser.error("TLS is for a standalone server")
+    tls = ServerTls(Path(args.tls_cert), Path(args.tls_key), Path(args.tls_ca)) if all(tls_args) else None
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="waltz-zk-"))
     zk: ZooKeeperServer | ZooKeeperEnsemble
+    # Before starting: a SIGTERM during the start raises SystemExit in it, and start() stops the JVM it
+    # spawned (the JVM runs in its own session, so nothing else would).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         if args.ensemble > 1:
             zk = ZooKeeperEnsemble(data_dir, args.ensemble).start()
         else:
-            zk = ZooKeeperServer(data_dir, args.port).start()
-    except ClusterError as e:
+            zk = ZooKeeperServer(data_dir, args.port, tls=tls).start()
+    except (ClusterError, ConfigError) as e:
         print(f"zkserver: error: {e}", file=sys.stderr)
         return 1
     print(zk.connect_string, flush=True)
     print(f"data and logs in {data_dir}; Ctrl-C to stop", file=sys.stderr, flush=True)
     try:
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         while True:
             time.sleep(3600)
     except (KeyboardInterrupt, SystemExit):

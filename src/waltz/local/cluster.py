@@ -13,10 +13,12 @@ servers, the clients and the operator (``admin``; for 127.0.0.1/localhost) are m
 present theirs to storage nodes, and ``D/client.yaml`` carries ``client.ssl.*``. Storage data and admin ports
 accept only the server and admin certificates (``storage.ssl.allowedPeers``): an application's certificate
 cannot fence, truncate or unassign anything. ``D/admin.yaml`` is the operator's CLI configuration (``-c``).
-ZooKeeper gets digest ACLs (docs/security.md): servers, storage nodes and the operator authenticate as the
-cluster identity (``D/tls/zk-cluster.auth``), applications as the client identity (``D/tls/zk-client.auth``,
-read-only but for the client-id counter); anonymous sessions see nothing. ZooKeeper's own port and the HTTP
-ports (``/health``, ``/metrics``) stay plain TCP.
+ZooKeeper serves TLS only, on its one client port, and requires a client certificate from the same CA (its
+own certificate is ``D/tls/zookeeper.pem``); every process reaches it with its role's certificate
+(``zookeeper.ssl.*``). On top, digest ACLs (docs/security.md): servers, storage nodes and the operator
+authenticate as the cluster identity (``D/tls/zk-cluster.auth``), applications as the client identity
+(``D/tls/zk-client.auth``, read-only but for the client-id counter); anonymous sessions see nothing. Only the
+HTTP ports (``/health``, ``/metrics``) stay plain TCP.
 
 Guarantees:
 
@@ -57,6 +59,7 @@ from waltz.cluster import store_metadata as sm
 from waltz.cluster import zk as zkutil
 from waltz.cluster import zkserver
 from waltz.cluster.partition_metadata import UNRESOLVED
+from waltz.cluster.zkserver import ServerTls
 from waltz.errors import ClusterError, ConfigError, WaltzError
 from waltz.local import certs, probe, procs
 from waltz.local.state import CLIENT_CONFIG_FILE, STATE_FILE, LocalCluster, ProcessRecord
@@ -187,8 +190,8 @@ def _only_our_logs(logs: Path) -> bool:
     )
 
 
-def _check_zookeeper_installed() -> None:
-    zkserver.classpath()
+def _check_zookeeper_installed(*, tls: bool) -> None:
+    zkserver.classpath(tls=tls)
     zkserver.find_java()
 
 
@@ -223,7 +226,7 @@ def _allocate_ports(opts: UpOptions) -> dict[str, list[int]]:
     }
 
 
-TLS_NAMES = ("storage", "server", "client", "admin")
+TLS_NAMES = ("storage", "server", "client", "admin", "zookeeper")
 """One certificate per role in ``D/tls/``: ``<name>.pem`` and ``<name>-key.pem``, plus ``ca.pem``."""
 STORAGE_PEERS = ("waltz server", "waltz admin")
 """Certificate common names (``waltz <role>``, see ``certs``) allowed on storage data and admin ports."""
@@ -250,25 +253,38 @@ def _make_zk_credentials(cluster: LocalCluster) -> None:
         path.write_text(f"{user}:{secrets.token_urlsafe(24)}\n", encoding="ascii")
 
 
-def _zk_keys(cluster: LocalCluster, *, identity: str) -> dict[str, Any]:
-    """``zookeeper.authFile`` (and, for the cluster identity, ``aclReaders``), or nothing without TLS."""
+def _zk_keys(cluster: LocalCluster, *, identity: str, cert: str) -> dict[str, Any]:
+    """How a process reaches ZooKeeper: ``zookeeper.ssl.*`` with the certificate of role ``cert`` (when
+    ZooKeeper serves TLS), ``zookeeper.authFile`` (and, for the cluster identity, ``aclReaders``); nothing
+    without TLS."""
     files = _zk_auth_files(cluster)
     if files is None:
         return {}
+    keys: dict[str, Any] = {}
+    if cluster.zk_tls:
+        keys["zookeeper.ssl.enabled"] = True
+        keys.update(_tls_keys(cluster, zkutil.ZK_SSL_PREFIX, cert))
     cluster_file, client_file = files
     if identity == "client":
-        return {"zookeeper.authFile": str(client_file)}
+        return {**keys, "zookeeper.authFile": str(client_file)}
     reader = zkutil.digest_id(zkutil.read_auth_file(str(client_file)))
-    return {"zookeeper.authFile": str(cluster_file), "zookeeper.aclReaders": reader}
+    return {**keys, "zookeeper.authFile": str(cluster_file), "zookeeper.aclReaders": reader}
 
 
 def _zk_connect(cluster: LocalCluster, connect_timeout_ms: int) -> Any:
-    """The orchestrator's ZooKeeper session, authenticated as the cluster identity when there is one."""
-    keys = _zk_keys(cluster, identity="cluster")
+    """The orchestrator's ZooKeeper session: the operator's certificate, the cluster identity (with TLS)."""
+    keys = _zk_keys(cluster, identity="cluster", cert="admin")
     auth = zkutil.ZkAuth.from_config(keys, str(cluster.tls_dir)) if keys else None
     return zkutil.connect(
         cluster.zk_connect, session_timeout_ms=10_000, connect_timeout_ms=connect_timeout_ms, auth=auth
     )
+
+
+def _zk_server_tls(cluster: LocalCluster) -> ServerTls | None:
+    if not cluster.zk_tls:
+        return None
+    d = cluster.tls_dir
+    return ServerTls(d / "zookeeper.pem", d / "zookeeper-key.pem", d / "ca.pem")
 
 
 def _tls_keys(cluster: LocalCluster, prefix: str, name: str) -> dict[str, Any]:
@@ -302,7 +318,7 @@ def _storage_config(cluster: LocalCluster, rec: ProcessRecord, segment_size_byte
         "cluster.root": cluster.cluster_root,
         **_tls_keys(cluster, "storage.ssl.", "storage"),
         **({"storage.ssl.allowedPeers": ",".join(STORAGE_PEERS)} if cluster.tls else {}),
-        **_zk_keys(cluster, identity="cluster"),
+        **_zk_keys(cluster, identity="cluster", cert="storage"),
     }
 
 
@@ -320,7 +336,7 @@ def _server_config(cluster: LocalCluster, rec: ProcessRecord) -> dict[str, Any]:
         "storage.maxRetryInterval": 1000,
         "storage.rpcTimeout": 5000,
         **_tls_keys(cluster, "server.ssl.", "server"),
-        **_zk_keys(cluster, identity="cluster"),
+        **_zk_keys(cluster, identity="cluster", cert="server"),
     }
 
 
@@ -329,7 +345,7 @@ def _client_config(cluster: LocalCluster) -> dict[str, Any]:
         "zookeeper": {"connectString": cluster.zk_connect, "sessionTimeout": 30000},
         "cluster": {"root": cluster.cluster_root},
         **_tls_keys(cluster, "client.ssl.", "client"),
-        **_zk_keys(cluster, identity="client"),
+        **_zk_keys(cluster, identity="client", cert="client"),
     }
 
 
@@ -339,7 +355,7 @@ def _admin_config(cluster: LocalCluster) -> dict[str, Any]:
         "zookeeper.connectString": cluster.zk_connect,
         "cluster.root": cluster.cluster_root,
         **_tls_keys(cluster, "ssl.", "admin"),
-        **_zk_keys(cluster, identity="cluster"),
+        **_zk_keys(cluster, identity="cluster", cert="admin"),
     }
 
 
@@ -441,7 +457,7 @@ def up(opts: UpOptions, report: Report = _quiet) -> LocalCluster:
         raise ConfigError(f"{directory} exists and is not a directory")
     if directory.exists():
         _check_directory(directory)
-    _check_zookeeper_installed()
+    _check_zookeeper_installed(tls=opts.tls)
     ports = _allocate_ports(opts)
     logs = directory / "logs"
     with _locked(directory):
@@ -464,6 +480,7 @@ def up(opts: UpOptions, report: Report = _quiet) -> LocalCluster:
             ),
             zk_session_timeout_ms=opts.zk_session_timeout_ms,
             tls=opts.tls,
+            zk_tls=opts.tls,
         )
         sp = ports["storage"]
         for i in range(opts.storages):
@@ -507,7 +524,11 @@ def up(opts: UpOptions, report: Report = _quiet) -> LocalCluster:
 
 def _bring_up(cluster: LocalCluster, opts: UpOptions, report: Report) -> None:
     timeout_s = opts.start_timeout_s
-    report(f"starting ZooKeeper on {cluster.zk_connect}")
+    if cluster.tls:
+        # Before ZooKeeper: with TLS it serves its port with one of these certificates.
+        report(f"making a throwaway CA and certificates in {cluster.tls_dir}")
+        certs.make_local_pki(cluster.tls_dir, TLS_NAMES)
+    report(f"starting ZooKeeper on {cluster.zk_connect}{' (TLS only)' if cluster.zk_tls else ''}")
     _start_zookeeper(cluster, timeout_s)
 
     report(
@@ -529,9 +550,6 @@ def _bring_up(cluster: LocalCluster, opts: UpOptions, report: Report) -> None:
         zkutil.close(client)
     cluster.save()
 
-    if cluster.tls:
-        report(f"making a throwaway CA and certificates in {cluster.tls_dir}")
-        certs.make_local_pki(cluster.tls_dir, TLS_NAMES)
     for rec in cluster.storages:
         Path(rec.data_dir).mkdir(parents=True, exist_ok=True)
         _write_yaml(Path(rec.config), _storage_config(cluster, rec, opts.segment_size_bytes))
@@ -602,7 +620,7 @@ def _start_zookeeper(cluster: LocalCluster, timeout_s: float) -> None:
     # TIME_WAIT connections a killed ZooKeeper leaves behind, which ZooKeeper's own bind tolerates.
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", zk_rec.port), timeout=1.0):
         raise ClusterError(f"ZooKeeper's port {zk_rec.port} is in use by another process")
-    zk = zkserver.ZooKeeperServer(zk_rec.data_dir, zk_rec.port)
+    zk = zkserver.ZooKeeperServer(zk_rec.data_dir, zk_rec.port, tls=_zk_server_tls(cluster))
     zk.spawn()
     if zk.process is None:
         raise ClusterError("ZooKeeper did not start")
@@ -751,7 +769,8 @@ def status(directory: str | Path) -> ClusterStatus:
     for rec in cluster.processes:
         alive = procs.is_alive(rec.process)
         if rec.kind == "zookeeper":
-            ports, detail = f"client {rec.port}", rec.data_dir
+            ports = f"{'TLS ' if cluster.zk_tls else ''}client {rec.port}"
+            detail = rec.data_dir
         elif rec.kind == "storage":
             ports = f"data {rec.port}, admin {rec.admin_port}, http {rec.http_port}"
             detail = f"group {rec.group}, partitions {sm.format_ranges(rec.partitions) or '-'}"
@@ -866,8 +885,8 @@ def _tls_line(cluster: LocalCluster) -> str:
         return "TLS: off"
     return (
         f"TLS: mutual, on every storage, server and client link; CA and certificates in {cluster.tls_dir}\n"
-        f"ZooKeeper: digest ACLs (credentials in {cluster.tls_dir}); operator config: "
-        f"{cluster.directory / ADMIN_CONFIG_FILE}"
+        f"ZooKeeper: {'TLS only, client certificates required, and ' if cluster.zk_tls else ''}digest ACLs "
+        f"(credentials in {cluster.tls_dir}); operator config: {cluster.directory / ADMIN_CONFIG_FILE}"
     )
 
 

@@ -16,7 +16,8 @@ that was started, even by an ``up`` that failed half-way. Example::
       "servers": [{"kind": "server", "index": 0, "pid": ..., "port": ..., "http_port": ...,
                    "server_id": 1, ...}],
       "client_config": "D/client.yaml",
-      "tls": false                             # true: mutual TLS everywhere, certificates in D/tls/
+      "tls": false,                            # true: mutual TLS everywhere, certificates in D/tls/
+      "zk_tls": false                          # true: ZooKeeper serves TLS only (absent in older files)
     }
 """
 
@@ -95,6 +96,9 @@ class LocalCluster:
     zk_session_timeout_ms: int = 6000
     tls: bool = False
     """Every storage node, server and client.yaml use mutual TLS with the certificates in ``D/tls/``."""
+    zk_tls: bool = False
+    """ZooKeeper serves only a TLS port requiring client certificates (``up --tls`` since ZooKeeper TLS came;
+    a cluster made before keeps its plain ZooKeeper, which its configs expect)."""
 
     @property
     def zk_connect(self) -> str:
@@ -136,6 +140,7 @@ class LocalCluster:
             "groups": self.groups,
             "zk_session_timeout_ms": self.zk_session_timeout_ms,
             "tls": self.tls,
+            "zk_tls": self.zk_tls,
             "zookeeper": dataclasses.asdict(self.zookeeper),
             "storages": [dataclasses.asdict(s) for s in self.storages],
             "servers": [dataclasses.asdict(s) for s in self.servers],
@@ -174,6 +179,7 @@ class LocalCluster:
                 state=str(raw.get("state", "running")),
                 zk_session_timeout_ms=int(raw.get("zk_session_timeout_ms", 6000)),
                 tls=bool(raw.get("tls", False)),
+                zk_tls=bool(raw.get("zk_tls", False)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"{path} is damaged: {e!r}") from None

@@ -277,7 +277,8 @@ async def verify(
     """Every problem found, one per line (empty: the cluster is healthy). Checks, in order:
 
     1. ZooKeeper's assignments are valid: every partition has replicas, every replica's node has an admin
-       port, every partition is owned by exactly one live server;
+       port, every partition is owned by exactly one live server, and its metadata's generation is not above
+       the one the assignment gives (only an anonymous or corrupt write puts it there);
     2. servers agree with ZooKeeper: each live server answers, owns the partitions ZooKeeper gives it, and
        reaches every storage node;
     3. storage nodes agree with ZooKeeper: each answers, holds exactly the partitions ZooKeeper assigns it,
@@ -312,6 +313,17 @@ async def verify(
             add(Problem(p, f"several servers are assigned it in ZooKeeper: {owner}"))
         elif owner[0] not in live:
             add(Problem(p, f"its server {owner[0]} is not live"))
+        metadata = view.metadata(p)
+        assigned = info.assignment.servers.get(owner[0], {}).get(p) if len(owner) == 1 else None
+        if metadata is not None and assigned is not None and metadata.generation > assigned:
+            # Owners write the generation the assignment gave them, and assignments only raise it.
+            add(
+                Problem(
+                    p,
+                    f"its metadata is at generation {metadata.generation}, above the assignment's "
+                    f"{assigned}: no owner wrote that (repair: `waltz cluster fix-generation`)",
+                )
+            )
 
     servers, storages = await asyncio.gather(
         server_views(view, timeout_s), storage_reports(view, None, timeout_s)

@@ -32,11 +32,17 @@ code  message                    fields after the prefix
 19    RecordRunRequest           i64 transaction_id · i32 max_records · i32 max_bytes   (ours)
 20    RecordRunResponse          i32 n · bytes run: n records as stored (ours)
 21    RepairRequest              i32 n · n x Record   (ours; answered by Success)
+22    DamagedRecordsRequest      i32 max_ids   (ours)
+23    DamagedRecordsResponse     i32 n · n x i64 transaction_id   (ours)
 ====  =========================  ===================================================================
 
 21 is not the original's either: good copies of records a replica reported damaged (a read failed there with
 CorruptionError). The node overwrites a stored record only if it does not verify and the copy does, with the
 same id and stored length; see ``PartitionLog.repair``.
+
+22/23 are not the original's either: the ids of stored records the node found damaged (by a read or by its
+background scrub) and not repaired yet, lowest first, at most ``max_ids``. The owner server asks each
+participant now and then, so damage nobody read is repaired too (see ``StoreSession``).
 
 19/20 are not the original's: a bulk read that returns consecutive records exactly as the data file holds
 them (a *record run*, :mod:`waltz.protocol.record_run`), read with one ``pread`` and not decoded by the node;
@@ -96,6 +102,8 @@ __all__ = [
     "STORAGE_SERVER_HELLO",
     "STORAGE_VERSIONS",
     "AppendRequest",
+    "DamagedRecordsRequest",
+    "DamagedRecordsResponse",
     "FailureResponse",
     "LastSessionInfoRequest",
     "LastSessionInfoResponse",
@@ -112,6 +120,7 @@ __all__ = [
     "RecordResponse",
     "RecordRunRequest",
     "RecordRunResponse",
+    "RepairRequest",
     "SessionInfo",
     "SetLowWaterMarkRequest",
     "StackFrame",
@@ -649,6 +658,41 @@ class RepairRequest(StorageMessage):
         return cls(session_id, seq_num, partition_id, read_record_list(r))
 
 
+@dataclass(frozen=True, slots=True)
+class DamagedRecordsRequest(StorageMessage):
+    """Which stored records of the partition failed verification here and are not repaired yet (ours)."""
+
+    TYPE: ClassVar[int] = 22
+
+    max_ids: int
+
+    def _write(self, w: Writer) -> None:
+        w.i32(self.max_ids)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, r.i32())
+
+
+@dataclass(frozen=True, slots=True)
+class DamagedRecordsResponse(StorageMessage):
+    """The damaged transaction ids, lowest first (ours)."""
+
+    TYPE: ClassVar[int] = 23
+
+    transaction_ids: Sequence[int]
+
+    def _write(self, w: Writer) -> None:
+        w.i32(len(self.transaction_ids))
+        for txn in self.transaction_ids:
+            w.i64(txn)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        n = r.count(8)
+        return cls(session_id, seq_num, partition_id, tuple(r.i64() for _ in range(n)))
+
+
 _BY_TYPE: Final[dict[int, type[StorageMessage]]] = {
     cls.TYPE: cls
     for cls in (
@@ -673,6 +717,8 @@ _BY_TYPE: Final[dict[int, type[StorageMessage]]] = {
         RecordRunRequest,
         RecordRunResponse,
         RepairRequest,
+        DamagedRecordsRequest,
+        DamagedRecordsResponse,
     )
 }
 

@@ -84,6 +84,9 @@ class TcpReplicaConnection:
     async def repair(self, records: Sequence[Record]) -> None:
         await self._live().repair(self._session_id, self._partition_id, records)
 
+    async def damaged_records(self, max_ids: int) -> list[int]:
+        return await self._live().damaged_records(self._session_id, self._partition_id, max_ids)
+
     async def aclose(self) -> None:
         # The TCP connection is shared with other partitions; only this view of it closes.
         self._closed = True

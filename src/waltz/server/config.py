@@ -68,6 +68,20 @@ SERVER_SCHEMA = ConfigSchema(
         Key("storage.maxRetryInterval", int, 20000, "largest retry delay (ms)", 1),
         Key("storage.checkpointInterval", int, 250_000, "transactions between forced new sessions", 1),
         Key("storage.rpcTimeout", int, 10_000, "storage request timeout (ms)", 100),
+        Key(
+            "storage.metadataConflictReport",
+            int,
+            30_000,
+            "report (and re-read every this many ms) partition metadata at a generation no assignment gave",
+            100,
+        ),
+        Key(
+            "storage.damagePollInterval",
+            int,
+            10_000,
+            "how often (ms) to ask replicas for records their scrub found damaged, to repair them (0: never)",
+            0,
+        ),
         # One set of keys for both sides, as in the original: the listener for clients, and the client
         # context towards storage nodes (whose certificate must chain to server.ssl.caFile).
         *tls_keys("server.ssl."),
@@ -106,7 +120,7 @@ class ServerConfig:
     max_connections_per_source: int = 256
     max_fetches_in_flight: int = 64
     zookeeper_auth: ZkAuth = field(default_factory=ZkAuth)
-    """``zookeeper.authFile``/``aclReaders``: how the server authenticates with ZooKeeper."""
+    """``zookeeper.authFile``/``aclReaders``/``ssl.*``: how the server reaches and logs in to ZooKeeper."""
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], source: str = "server config") -> ServerConfig:
@@ -154,6 +168,8 @@ class ServerConfig:
                 initial_retry_interval_ms=c["storage.initialRetryInterval"],
                 max_retry_interval_ms=c["storage.maxRetryInterval"],
                 rpc_timeout_ms=c["storage.rpcTimeout"],
+                damage_poll_interval_ms=c["storage.damagePollInterval"],
+                stale_report_ms=c["storage.metadataConflictReport"],
             ),
             tls=TlsConfig.from_config(c, "server.ssl.", role="both", source=source),
             connection_max_in_flight=c["server.connection.maxInFlight"],

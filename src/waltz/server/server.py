@@ -265,9 +265,31 @@ class _StoreCollector:
             "Time from a store session's start to its opening (replica recovery and the vote)",
             labels=["partition"],
         )
+        repairs = {
+            outcome: CounterMetricFamily(
+                f"waltz_server_scrub_repairs_{outcome}",
+                f"Repairs of records a storage node's scrub reported damaged: {what}",
+                labels=["partition"],
+            )
+            for outcome, what in (
+                ("started", "started"),
+                ("finished", "every reported record rewritten from a good copy"),
+                ("failed", "ended early (tried again later)"),
+            )
+        }
+        repaired = CounterMetricFamily(
+            "waltz_server_scrub_repaired_records",
+            "Records rewritten on a replica from a good copy after its scrub reported them damaged",
+            labels=["partition"],
+        )
         for pid, part in sorted(self._partitions().items()):
             p = str(pid)
             store = part.store
+            counts = store.repairs
+            repairs["started"].add_metric([p], counts.started)
+            repairs["finished"].add_metric([p], counts.finished)
+            repairs["failed"].add_metric([p], counts.failed)
+            repaired.add_metric([p], counts.records)
             hwm = store.high_water_mark
             for replica, (role, max_id) in sorted(store.replica_positions().items()):
                 lag.add_metric([p, replica], max(0, hwm - max_id))
@@ -277,7 +299,7 @@ class _StoreCollector:
             for reason, count in sorted(stats.sessions_ended.items()):
                 ended.add_metric([p, reason], count)
             recovery.add_metric([p], stats.sessions_opened, stats.recovery_seconds_sum)
-        yield from (lag, state, opened, ended, recovery)
+        yield from (lag, state, opened, ended, recovery, *repairs.values(), repaired)
 
 
 def _hit_ratio(cache: FeedCache | TransactionCache) -> Callable[[], float]:

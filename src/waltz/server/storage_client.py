@@ -252,6 +252,14 @@ class StorageClient(_Endpoint[st.StorageMessage]):
         """Send good copies of records this node reported damaged (see ``st.RepairRequest``)."""
         await self._call(st.RepairRequest(session_id, self._seq(), partition_id, records), st.SuccessResponse)
 
+    async def damaged_records(self, session_id: int, partition_id: int, max_ids: int) -> list[int]:
+        """Ids of stored records this node found damaged and has not had repaired yet, lowest first."""
+        resp = await self._call(
+            st.DamagedRecordsRequest(session_id, self._seq(), partition_id, max_ids),
+            st.DamagedRecordsResponse,
+        )
+        return list(resp.transaction_ids)
+
 
 class AdminClient(_Endpoint[adm.AdminMessage]):
     """A connection to one storage node's admin port."""

@@ -74,6 +74,15 @@ STORAGE_SCHEMA = ConfigSchema(
             2**40,
         ),
         Key("storage.scrub.pauseMs", int, 60_000, "pause between two scrub passes over every partition", 1),
+        Key(
+            "storage.maxSessionIdStep",
+            int,
+            1_000_000,
+            "standalone only: how far above the newest session id it accepted for a partition a request's "
+            "session id may be (ZooKeeper's metadata decides when configured)",
+            1,
+            2**62,
+        ),
         Key("storage.cluster.key", str, "", "cluster key when not using ZooKeeper", check=_uuid_check),
         Key("storage.cluster.numPartitions", int, 0, "partition count when not using ZooKeeper", 0, 100_000),
         Key("zookeeper.connectString", str, "", "ZooKeeper ensemble; empty = standalone"),
@@ -123,8 +132,11 @@ class StorageConfig:
     max_connections: int = 1024
     max_connections_per_source: int = 128
     zookeeper_auth: ZkAuth = field(default_factory=ZkAuth)
-    """``zookeeper.authFile``/``aclReaders``: how the node authenticates with ZooKeeper."""
+    """``zookeeper.authFile``/``aclReaders``/``ssl.*``: how the node reaches and logs in to ZooKeeper."""
     allowed_peers: tuple[str, ...] = ()
+    max_session_id_step: int = 1_000_000
+    """Standalone nodes: the largest jump above the newest accepted session id of a partition (see
+    :func:`waltz.storage.authority.step_refusal`)."""
     """``storage.ssl.allowedPeers``: the certificate common names (servers, operators) that may connect."""
 
     @classmethod
@@ -167,6 +179,7 @@ class StorageConfig:
             max_connections_per_source=c["storage.connection.maxPerSource"],
             zookeeper_auth=ZkAuth.from_config(c, source),
             allowed_peers=_allowed_peers(c, source),
+            max_session_id_step=c["storage.maxSessionIdStep"],
         )
 
     @classmethod

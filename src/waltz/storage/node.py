@@ -76,7 +76,7 @@ from waltz.protocol import admin as adm
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
 from waltz.protocol.records import Record
-from waltz.storage.authority import SessionAuthority, ZkSessionAuthority
+from waltz.storage.authority import SessionAuthority, ZkSessionAuthority, step_refusal
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import FLAG_AVAILABLE, ControlFile, PartitionInfo
 from waltz.storage.fileio import FAULTS, OS_FS
@@ -524,6 +524,7 @@ class StoragePartition:
                 plog = self._check(msg, msg.offline)
                 new_max = plog.truncate(msg.transaction_id)
                 self.durable_max = min(self.durable_max, new_max)
+                self._forget_damage_above(new_max)
                 self.node.metrics.max_txn.labels(pid).set(new_max)
                 return st.MaxTransactionIdResponse(sid, seq, pid, new_max)
             if isinstance(msg, st.SetLowWaterMarkRequest):
@@ -559,6 +560,11 @@ class StoragePartition:
                 plog = self._check(msg, False)
                 self._repaired(plog.repair(msg.records))
                 return st.SuccessResponse(sid, seq, pid)
+            if isinstance(msg, st.DamagedRecordsRequest):
+                # Session-checked like a read: only the partition's current owner learns (and repairs) them.
+                self._check(msg, False)
+                n = max(0, min(msg.max_ids, MAX_DAMAGED_REPORTED))
+                return st.DamagedRecordsResponse(sid, seq, pid, tuple(sorted(self.damaged)[:n]))
             raise RemoteProtocolError(f"{type(msg).__name__} is not a request")
         except RecordCorruptionError as e:
             self.note_damage(e.transaction_id, str(e))
@@ -604,6 +610,11 @@ class StoragePartition:
             transaction_id,
             reason,
         )
+
+    def _forget_damage_above(self, max_id: int) -> None:
+        """Damaged records a truncation removed are no longer held, so no longer reported."""
+        for txn in [t for t in self.damaged if t > max_id]:
+            del self.damaged[txn]
 
     def _repaired(self, ids: list[int]) -> None:
         for txn in ids:
@@ -1113,9 +1124,12 @@ class StorageNode:
             self.metrics.connections.dec()
 
     async def _session_refusal(self, part: StoragePartition, session_id: int, peer: Any) -> WaltzError | None:
-        """Why ``session_id`` may not fence ``part`` (None: it may): the cluster never handed it out."""
-        if self.authority is None or session_id <= part.verified_session_id:
+        """Why ``session_id`` may not fence ``part`` (None: it may): the cluster never handed it out, or, on a
+        standalone node, it jumps further than ``storage.maxSessionIdStep``."""
+        if session_id <= part.verified_session_id:
             return None
+        if self.authority is None:
+            return self._step_refusal(part, session_id, peer)
         async with part.session_check:  # One ZooKeeper read at a time per partition.
             if session_id <= part.verified_session_id:
                 return None
@@ -1148,6 +1162,27 @@ class StorageNode:
             f"session {session_id} of partition {part.partition_id} was never handed out by the cluster "
             f"(newest recorded: {part.verified_session_id}); refused"
         )
+
+    def _step_refusal(self, part: StoragePartition, session_id: int, peer: Any) -> WaltzError | None:
+        """The standalone bound (see :func:`waltz.storage.authority.step_refusal`)."""
+        why = step_refusal(session_id, part.verified_session_id, self.config.max_session_id_step)
+        if why is None:
+            part.verified_session_id = session_id  # accepted: the next step is measured from here
+            return None
+        self.metrics.refused_sessions.labels(part.partition_id).inc()
+        now = time.monotonic()
+        if now - part.last_refusal_log_s >= REFUSAL_LOG_INTERVAL_S:
+            part.last_refusal_log_s = now
+            log.warning(
+                "partition %d: refused session id %d from %s: %s (a corrupt or forged request; it fences "
+                "nothing; if this replica joins a partition whose sessions really are that far on, raise "
+                "storage.maxSessionIdStep)",
+                part.partition_id,
+                session_id,
+                peer,
+                why,
+            )
+        return SessionFencedError(f"partition {part.partition_id}: {why}; refused")
 
     def _check_identity(self, key: uuid.UUID, num_partitions: int) -> None:
         if key != self.control.key:
@@ -1185,6 +1220,7 @@ class StorageNode:
                 self.control.reset(pid)
                 self.control.update(pid, flags=FLAG_AVAILABLE)
                 part.session_id = -1
+                part.damaged.clear()  # The records it named are gone or no longer this node's business.
                 part.close_log()
                 delete_log_files(OS_FS, os.path.join(self.config.directory, str(pid)))
                 return
@@ -1196,6 +1232,7 @@ class StorageNode:
                     pid, session_id=-1, low_water_mark=-1, local_low_water_mark=-1, flags=FLAG_AVAILABLE
                 )
                 part.session_id = -1
+                part.damaged.clear()  # The records it named are gone or no longer this node's business.
                 part.close_log()
                 if delete_files:
                     # Never opened for deletion: a log that would not open (corrupt) must still go.

@@ -122,6 +122,11 @@ class ReplicaConnection(Protocol):
         do not verify, with records of the same id and stored length (durably)."""
         ...
 
+    async def damaged_records(self, max_ids: int) -> list[int]:
+        """Ids (lowest first, at most ``max_ids``) of stored records the node found damaged, by a read or by
+        its background scrub, and has not had repaired yet."""
+        ...
+
     async def aclose(self) -> None:
         """Release the connection. Never raises; requests still in flight fail with ClosedResourceError."""
         ...

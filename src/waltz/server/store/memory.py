@@ -140,6 +140,8 @@ class _PartitionState:
     rewrites: int = 0
     """How many times records were removed or replaced (truncate, crash, restore): a checker that verified a
     prefix of ``records`` may keep trusting it while this is unchanged, since appends only add at the end."""
+    damaged: set[int] = field(default_factory=set)
+    """Ids whose stored copy is damaged (``MemoryStorage.damage``): reads of them fail; a repair heals."""
 
     @property
     def max_transaction_id(self) -> int:
@@ -197,6 +199,14 @@ class MemoryStorage:
             part.busy = False
             part.session_id = part.persisted_session_id
         self.break_connections()
+
+    def damage(self, partition_id: int, transaction_id: int) -> None:
+        """Damage one stored record, as a flipped bit that the node's scrub found: reads that cover it fail
+        with CorruptionError and ``damaged_records`` reports it, until a repair sends the good copy."""
+        part = self.partitions[partition_id]
+        if not 0 <= transaction_id <= part.max_transaction_id:
+            raise ValueError(f"{self.name} does not hold transaction {transaction_id}")
+        part.damaged.add(transaction_id)
 
     def restart(self) -> None:
         if not self.up:
@@ -307,6 +317,7 @@ class MemoryStorage:
         if kind == "truncate":
             (txn,) = args
             del part.records[max(txn + 1, 0) :]
+            part.damaged = {t for t in part.damaged if t <= txn}
             part.rewrites += 1
             part.synced = min(part.synced, len(part.records))
             return part.max_transaction_id
@@ -356,12 +367,16 @@ class MemoryStorage:
             found = self._read(part, txn, 1)
             return found[0] if found else None
         if kind == "repair":
-            # Memory replicas never hold damaged records; a repair of a record they hold must match it.
+            # A memory replica keeps the good copy of a record it reports damaged: a repair must match it.
             (records,) = args
             for rec in records:
                 if not 0 <= rec.transaction_id < len(part.records) or part.records[rec.transaction_id] != rec:
                     raise StorageRpcError(f"repair of transaction {rec.transaction_id} does not match")
+                part.damaged.discard(rec.transaction_id)
             return None
+        if kind == "damaged_records":
+            (max_ids,) = args
+            return sorted(part.damaged)[: max(0, max_ids)]
         raise StorageRpcError(f"unknown request {kind}")
 
     @staticmethod
@@ -370,7 +385,11 @@ class MemoryStorage:
         # when the next message of the partition can be processed.
         if txn < 0:
             return []
-        return part.records[txn : min(txn + max(max_count, 0), part.synced)]
+        end = min(txn + max(max_count, 0), part.synced)
+        for damaged in part.damaged:
+            if txn <= damaged < end:
+                raise CorruptionError(f"stored transaction {damaged} fails its checksum")
+        return part.records[txn:end]
 
     # -- introspection for tests -----------------------------------------------------------------------------
 
@@ -486,6 +505,10 @@ class MemoryConnection:
 
     async def repair(self, records: Sequence[Record]) -> None:
         await self._call("repair", records)
+
+    async def damaged_records(self, max_ids: int) -> list[int]:
+        result: list[int] = await self._call("damaged_records", max_ids)
+        return result
 
     async def aclose(self) -> None:
         if self._closed:

@@ -56,7 +56,7 @@ from waltz.server.store.store_session import (
     SessionOutcome,
     StoreSession,
 )
-from waltz.server.store.support import Backoff, InvariantViolation, StoreConfig, TaskList
+from waltz.server.store.support import Backoff, InvariantViolation, RepairStatistics, StoreConfig, TaskList
 
 __all__ = ["StorePartition", "StoreStatistics"]
 
@@ -132,6 +132,8 @@ class StorePartition:
         self.internal_errors: list[BaseException] = []
         """Bugs caught by the supervisor (it logs them and starts a new session)."""
         self.stats = StoreStatistics()
+        self.repairs = RepairStatistics()
+        """SessionHost: repairs of damage that replicas reported on their own (their scrub found it)."""
         """Running totals for metrics (plain numbers: the server reads them when scraped)."""
 
     # -- life cycle ------------------------------------------------------------------------------------------
@@ -403,8 +405,35 @@ class StorePartition:
                 "partition stays unserved until an operator repairs the metadata or reassigns it"
             )
             log.error("partition %d: %s", self.partition_id, self.metadata_conflict)
-            await self._generation_raised.wait()
+            await self._wait_for_repair()
         self.metadata_conflict = None
+
+    async def _wait_for_repair(self) -> None:
+        """Wait for a newer assignment, or for an operator to repair the metadata (``waltz cluster
+        fix-generation``): every ``stale_report_ms``, read it again, and serve again once its generation is no
+        longer above ours. Only a partition already reported pays these reads."""
+        while True:
+            try:
+                async with asyncio.timeout(self.config.stale_report_ms / 1000):
+                    await self._generation_raised.wait()
+                return
+            except TimeoutError:
+                pass
+            try:
+                metadata, _ = await self._metadata_store.get(self.partition_id)
+            except WaltzError as e:
+                log.debug("partition %d: cannot re-read the metadata: %r", self.partition_id, e)
+                continue
+            if metadata.generation <= self._generation:
+                log.info(
+                    "partition %d: the metadata's generation is %d again, not above ours (%d): repaired; "
+                    "serving again",
+                    self.partition_id,
+                    metadata.generation,
+                    self._generation,
+                )
+                self._stale = False
+                return
 
     async def _new_session(self) -> StoreSession:
         """Take the next session id by a version-checked metadata write."""

@@ -9,7 +9,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Backoff", "InvariantViolation", "StoreConfig", "TaskList"]
+__all__ = ["Backoff", "InvariantViolation", "RepairStatistics", "StoreConfig", "TaskList"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,9 @@ class StoreConfig:
     stale_report_ms: int = 30_000
     """A partition refused by a newer generation in its metadata, with no newer assignment reaching this
     server within this time, is reported as holding metadata no assignment explains (forged or corrupt)."""
+    damage_poll_interval_ms: int = 10_000
+    """An open session asks each participant this often which stored records it found damaged (its background
+    scrub finds damage nobody read) and repairs them from another participant; 0 turns this off."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -71,8 +74,23 @@ class StoreConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.damage_poll_interval_ms < 0:
+            raise ValueError("damage_poll_interval_ms must not be negative")
         if self.join_max_lag < self.max_batch_size:
             raise ValueError("join_max_lag must be at least max_batch_size, or a late replica may never join")
+
+
+@dataclass
+class RepairStatistics:
+    """Repairs of damaged records that storage nodes reported on their own (found by their scrub, not by a
+    read), since the partition was opened here. Plain numbers: the server reads them when scraped."""
+
+    started: int = 0
+    finished: int = 0
+    """Repairs that ended with every reported record rewritten from a good copy."""
+    failed: int = 0
+    records: int = 0
+    """Records rewritten by those repairs."""
 
 
 class Backoff:
