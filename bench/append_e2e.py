@@ -18,6 +18,11 @@ Scenarios (each after a warm-up; the figures are measured over ``--seconds``):
     .venv/bin/python bench/append_e2e.py                 # all scenarios
     .venv/bin/python bench/append_e2e.py --seconds 5 --scenario pipelined
     .venv/bin/python bench/append_e2e.py --max-inflight-batches 1   # one replication batch at a time
+    .venv/bin/python bench/append_e2e.py --scenario single --profile-server /tmp/server.prof
+
+After each scenario it prints the CPU (user + system, from ``/proc/<pid>/stat``) that each process spent per
+committed append over the measured window: the server, each storage node and the load generator
+(``cpu us/op server 41.2  storage-1 18.0 ...``), so a change to one process shows in its own column.
 
 At the end it checks the log: every storage node holds the same transactions ``0..hwm`` (compared by
 CRC-32 of every record's bytes), and every acknowledged append is in it.
@@ -29,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import signal
 import statistics
@@ -53,6 +59,17 @@ from waltz.cluster.zkserver import ZooKeeperServer  # noqa: E402
 
 RECORD_BYTES = 512
 WARMUP_S = 2.0
+TICKS_S = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far (fields 14 and 15 of /proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS_S
+
+
+def _cpu_snapshot(procs: dict[str, int]) -> dict[str, float]:
+    return {name: _cpu_s(pid) for name, pid in procs.items()}
 
 
 # ----------------------------------------------------------------------------------------- load generator
@@ -76,6 +93,10 @@ async def _load(
     acked_at_start = -1
     lat_index = 0
     lock_failures_at_start = 0
+    # The processes whose CPU is measured over the window: the cluster's (named by the driver) and this one.
+    procs = {name: int(pid) for name, pid in (item.split("=") for item in args.cpu_pids.split(",") if item)}
+    procs["loadgen"] = os.getpid()
+    cpu_at_start: dict[str, float] = {}
     try:
         while True:
             now = loop.time()
@@ -83,6 +104,7 @@ async def _load(
                 acked_at_start = client.stats.acknowledged
                 lat_index = len(client.stats.latencies_s)
                 lock_failures_at_start = client.stats.lock_failures
+                cpu_at_start = _cpu_snapshot(procs)
             if now >= end:
                 break
             wl = (((client_id << 24) ^ i) & 0x7FFFFFFF,) if locks else ()
@@ -94,6 +116,10 @@ async def _load(
             if i % 256 == 0:
                 await client.drain()
         acked = client.stats.acknowledged - acked_at_start
+        cpu_at_end = _cpu_snapshot(procs)
+        cpu_us_per_op = {
+            name: (cpu_at_end[name] - cpu_at_start[name]) * 1e6 / max(acked, 1) for name in procs
+        }
         latencies = sorted(client.stats.latencies_s[lat_index:])
         lock_failures = client.stats.lock_failures - lock_failures_at_start
         # Let the tail commit so the final check sees every acknowledged append.
@@ -103,6 +129,7 @@ async def _load(
             "seconds": args.seconds,
             "latencies": _percentiles(latencies),
             "lock_failures": lock_failures,
+            "cpu_us_per_op": cpu_us_per_op,
             "violations": client.violations,
             "hwm": client.hwm,
         }
@@ -139,7 +166,9 @@ async def _cluster(base: Path, zks: ZooKeeperServer, server_config: dict[str, An
     return cluster, client
 
 
-def _run_load(endpoint: str, scenario: str, args: argparse.Namespace, client_id: int) -> dict[str, Any]:
+def _run_load(
+    endpoint: str, scenario: str, args: argparse.Namespace, client_id: int, cpu_pids: str
+) -> dict[str, Any]:
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -153,6 +182,8 @@ def _run_load(endpoint: str, scenario: str, args: argparse.Namespace, client_id:
         str(args.in_flight),
         "--client-id",
         str(client_id),
+        "--cpu-pids",
+        cpu_pids,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.seconds + 120, check=False)
     if done.returncode != 0:
@@ -187,9 +218,12 @@ async def driver(args: argparse.Namespace) -> None:
             raise SystemExit("partition 0 was never assigned")
         endpoint = f"127.0.0.1:{server.port}:{generation}"
         scenarios = [args.scenario] if args.scenario != "all" else ["pipelined", "locked", "single"]
+        cpu_pids = ",".join(
+            [f"server={server.pid}", *(f"storage-{i}={sp.pid}" for i, sp in enumerate(cluster.storages, 1))]
+        )
         results: dict[str, dict[str, Any]] = {}
         for n, scenario in enumerate(scenarios, 1):
-            r = await asyncio.to_thread(_run_load, endpoint, scenario, args, n)
+            r = await asyncio.to_thread(_run_load, endpoint, scenario, args, n, cpu_pids)
             results[scenario] = r
             lat = r["latencies"]
             extra = f", lock failures {r['lock_failures']}" if scenario == "locked" else ""
@@ -199,6 +233,7 @@ async def driver(args: argparse.Namespace) -> None:
                 f"p99 {lat['p99_ms']:.2f} ms, mean {lat['mean_ms']:.2f} ms{extra}",
                 flush=True,
             )
+            print(f"{'':10s} {_cpu_line(r['cpu_us_per_op'])}", flush=True)
             if r["violations"]:
                 raise SystemExit(f"protocol violations: {r['violations'][:5]}")
         # Every replica holds the same log; compare CRC-32 of every record.
@@ -216,6 +251,13 @@ async def driver(args: argparse.Namespace) -> None:
         zks.stop()
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
+
+
+def _cpu_line(cpu: dict[str, float]) -> str:
+    """``cpu us/op server 41.2  storage-1 18.0 ... (server+storage 95.3)  loadgen 30.1``."""
+    cluster_total = sum(v for name, v in cpu.items() if name != "loadgen")
+    cols = "  ".join(f"{name} {v:.1f}" for name, v in cpu.items() if name != "loadgen")
+    return f"cpu us/op {cols}  (server+storage {cluster_total:.1f})  loadgen {cpu['loadgen']:.1f}"
 
 
 def _crc_of(records: list[Any]) -> int:
@@ -240,15 +282,25 @@ def main() -> None:
         help="the server's storage.maxInflightBatches (default: the server's default)",
     )
     parser.add_argument("--dir", default=None, help="where to put the temporary cluster (default /tmp)")
+    parser.add_argument(
+        "--profile-server",
+        default=None,
+        metavar="PATH",
+        help="write a cProfile of the server process (its whole run) to PATH (read it with pstats)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the cluster's directory (logs, data)")
     parser.add_argument("--load", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--client-id", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--cpu-pids", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load:
         load_main(args)
     else:
         # SIGTERM (e.g. from timeout(1)) unwinds like Ctrl-C, so every process started is stopped.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
+        if args.profile_server:
+            # Read by `waltz server run` (storage nodes ignore it); the file is written when the server stops.
+            os.environ["WALTZ_PROFILE"] = str(Path(args.profile_server).resolve())
         asyncio.run(driver(args))
 
 

@@ -352,7 +352,9 @@ def main() -> None:
             if args.profile:
                 import cProfile
 
-                profiler = cProfile.Profile()
+                # CPU time of the loop's thread (the client's work in inline mode), not wall time: a wall
+                # clock charges waits for the GIL and the kernel's scheduling to whatever ran last.
+                profiler = cProfile.Profile(time.thread_time)
                 profiler.enable()
             if args.loop == "uvloop":
                 import uvloop

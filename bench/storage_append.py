@@ -16,6 +16,11 @@ followed by ``fdatasync``, as the node does for one lone record.
 
     .venv/bin/python bench/storage_append.py                       # all modes, uvloop on both sides
     .venv/bin/python bench/storage_append.py --event-loop asyncio  # the node on the standard loop
+    .venv/bin/python bench/storage_append.py --path-only --batch 31   # CPU of the append path alone
+
+Each mode also prints the node's CPU per record (user + system, all threads, from /proc/<pid>/stat): the
+steadier figure on a shared machine. ``--profile FILE`` runs the node under cProfile, ``--py-spy FILE``
+samples it with py-spy (a dev tool, installed separately).
 
 Every acknowledged append is checked at the end: the node's max transaction id must equal the number of
 records acknowledged minus one, and a sample of records is read back and verified.
@@ -28,6 +33,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,6 +62,12 @@ class Result:
     seconds: float
     latencies_s: list[float]
     fsyncs: int
+    node_user_s: float
+    node_system_s: float
+
+    @property
+    def node_us_per_record(self) -> float:
+        return (self.node_user_s + self.node_system_s) / self.records * 1e6
 
     def line(self) -> str:
         rate = self.records / self.seconds
@@ -65,6 +77,8 @@ class Result:
         return (
             f"{self.mode:<28} {rate:>10,.0f} rec/s {rate * RECORD_BYTES / 1e6:>7.1f} MB/s  "
             f"ack p50 {p50:6.2f} ms  p99 {p99:6.2f} ms  fsyncs/s {self.fsyncs / self.seconds:>7,.0f}  "
+            f"node CPU {self.node_us_per_record:6.1f} us/rec "
+            f"(user {self.node_user_s / self.records * 1e6:.1f})  "
             f"({self.records} records in {self.seconds:.1f} s)"
         )
 
@@ -88,14 +102,70 @@ def raw_fsync_latency(directory: Path, seconds: float = 2.0) -> list[float]:
     return samples
 
 
-def start_node(directory: Path, event_loop: str) -> tuple[subprocess.Popen[bytes], int, int]:
+def append_path_cpu(per_request: int, rounds: int = 60, requests: int = 100) -> str:
+    """CPU of the node's append path for requests of ``per_request`` records, in this process: decode the
+    payload, build the stored run (checks included), write it (no fsync: the checkpoints' aside) and encode
+    the Success. The least CPU time of ``rounds`` rounds of ``requests`` requests, so that other processes
+    disturb it as little as possible on a shared machine."""
+    # Imported here so that the socket modes also run against trees without it (A/B against older code).
+    from waltz.storage.partition import PartitionLog
+    from waltz.storage.segment import append_wire_run
+
+    base = Path(tempfile.mkdtemp(prefix="waltz-path-"))
+    plog = PartitionLog.open(str(base), KEY, PARTITION)
+    data = os.urandom(RECORD_BYTES)
+    best = float("inf")
+    next_id = 0
+    try:
+        for _ in range(rounds):
+            payloads = []
+            for seq in range(requests):
+                records = [
+                    Record.build(i, ReqId(7 << 32, i), 0, data) for i in range(next_id, next_id + per_request)
+                ]
+                next_id += per_request
+                payloads.append(st.encode(st.AppendRequest(SESSION, seq, PARTITION, records, False)))
+            t0 = time.process_time()
+            for payload in payloads:
+                msg = st.decode(payload)
+                assert isinstance(msg, st.AppendRequest)
+                assert isinstance(msg.records, st.WireRecordList)
+                parts: list[bytes | memoryview] = []
+                ends: list[int] = []
+                first = plog.max_transaction_id + 1
+                append_wire_run(parts, ends, msg.records, first)
+                plog.append_run(b"".join(parts), ends, first)
+                st.encode_success(msg.session_id, msg.seq_num, msg.partition_id)
+            best = min(best, (time.process_time() - t0) / requests)
+    finally:
+        plog.close()
+        shutil.rmtree(base, ignore_errors=True)
+    return (
+        f"append path, {per_request} records/request: {best * 1e6:7.1f} us/request "
+        f"{best / per_request * 1e6:6.2f} us/record (least of {rounds} rounds)"
+    )
+
+
+def process_cpu_s(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of process ``pid`` so far, all its threads (from /proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def start_node(
+    directory: Path, event_loop: str, profile: str | None = None
+) -> tuple[subprocess.Popen[bytes], int, int]:
     config = directory / "storage.yaml"
     config.write_text(
         f"storage.port: 0\nstorage.admin.port: 0\nstorage.directory: {directory / 'data'}\n"
         f"storage.cluster.key: {KEY}\nstorage.cluster.numPartitions: 1\n",
         encoding="utf-8",
     )
-    cmd = [sys.executable, "-m", "waltz.cli.main", "storage", "run", "--config", str(config)]
+    # Under cProfile the node writes its profile when it stops (SIGTERM ends it cleanly).
+    profiler = ["-m", "cProfile", "-o", profile] if profile else []
+    cmd = [sys.executable, *profiler, "-m", "waltz.cli.main", "storage", "run", "--config", str(config)]
     cmd += ["--event-loop", event_loop]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
     assert proc.stdout is not None
@@ -236,7 +306,7 @@ async def open_raw(port: int) -> FramedConnection:
     return conn
 
 
-async def bench(args: argparse.Namespace, port: int, admin_port: int) -> list[Result]:
+async def bench(args: argparse.Namespace, port: int, admin_port: int, node_pid: int) -> list[Result]:
     admin = await AdminClient.connect("127.0.0.1", admin_port, KEY, 1)
     client = await StorageClient.connect("127.0.0.1", port, KEY, 1, max_in_flight=max(args.in_flight, 64))
     raw_conn = await open_raw(port)
@@ -285,10 +355,22 @@ async def bench(args: argparse.Namespace, port: int, admin_port: int) -> list[Re
             runner.next_id = acked
             runner.acked = acked
             before = await fsync_count(admin)
+            cpu_before = process_cpu_s(node_pid)
             elapsed, lat = await runner.run(total, batch, in_flight)
+            cpu_after = process_cpu_s(node_pid)
             fsyncs = await fsync_count(admin) - before
             acked = runner.acked
-            results.append(Result(label, total, elapsed, lat, fsyncs))
+            results.append(
+                Result(
+                    label,
+                    total,
+                    elapsed,
+                    lat,
+                    fsyncs,
+                    cpu_after[0] - cpu_before[0],
+                    cpu_after[1] - cpu_before[1],
+                )
+            )
             print(results[-1].line(), flush=True)
         # Everything acknowledged is there, densely, and verifies.
         max_id = await client.max_transaction_id(SESSION, PARTITION)
@@ -321,7 +403,25 @@ def main() -> int:
     parser.add_argument("--in-flight", type=int, default=512)
     parser.add_argument("--batch", type=int, default=100)
     parser.add_argument("--batch-in-flight", type=int, default=8)
+    parser.add_argument(
+        "--profile", metavar="FILE", help="run the node under cProfile and write its profile to FILE"
+    )
+    parser.add_argument(
+        "--py-spy",
+        metavar="FILE",
+        help="sample the node with py-spy while the modes run (threads in a syscall such as fsync count as "
+        "busy); collapsed stacks to FILE",
+    )
+    parser.add_argument(
+        "--path-only",
+        action="store_true",
+        help="measure only the CPU of the node's append path in this process (no sockets, no fsync)",
+    )
     args = parser.parse_args()
+    if args.path_only:
+        for per_request in (1, args.batch):
+            print(append_path_cpu(per_request), flush=True)
+        return 0
 
     base = Path(tempfile.mkdtemp(prefix="waltz-bench-", dir=args.dir))
     try:
@@ -332,15 +432,27 @@ def main() -> int:
             f"p99 {raw[int(len(raw) * 0.99)] * 1000:.3f} ms  ({1 / statistics.mean(raw):,.0f} fsyncs/s)"
         )
         print(f"node event loop: {args.event_loop}; client loop: {args.client_loop}; cpus: {os.cpu_count()}")
-        proc, port, admin_port = start_node(base, args.event_loop)
+        proc, port, admin_port = start_node(base, args.event_loop, args.profile)
+        spy = None
+        if args.py_spy:
+            spy = subprocess.Popen(
+                [
+                    *(str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(proc.pid)),
+                    *("--rate", "500", "--format", "raw", "--output", args.py_spy, "--nonblocking"),
+                ],
+                stdout=subprocess.DEVNULL,
+            )
         try:
             if args.client_loop == "uvloop":
                 import uvloop
 
-                results = uvloop.run(bench(args, port, admin_port))
+                results = uvloop.run(bench(args, port, admin_port, proc.pid))
             else:
-                results = asyncio.run(bench(args, port, admin_port))
+                results = asyncio.run(bench(args, port, admin_port, proc.pid))
         finally:
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(30)
             proc.terminate()
             proc.wait(10)
         for r in results:

@@ -22,7 +22,8 @@ operation later can succeed (``retriable``); callers decide on that flag, never 
     ├── ClusterError                   ZooKeeper metadata and membership
     │   ├── ClusterNotFoundError       no cluster at that root
     │   ├── ConcurrentUpdateError      a version-checked write lost a race (retriable)
-    │   └── MetadataError              a znode holds something we cannot read, or an edit is refused
+    │   ├── MetadataError              a znode holds something we cannot read, or an edit is refused
+    │   └── ZooKeeperUnavailableError  the connection was lost or the session expired (retriable)
     ├── ServerError
     │   ├── GenerationMismatchError    a request carried another partition generation (retriable)
     │   ├── PartitionNotReadyError     this server does not (yet) own the partition (retriable)
@@ -132,6 +133,13 @@ class ConcurrentUpdateError(ClusterError):
 
 class MetadataError(ClusterError):
     """A znode holds something unreadable, or a metadata edit is refused."""
+
+
+class ZooKeeperUnavailableError(ClusterError):
+    """A ZooKeeper request failed because the connection was lost or the session expired. That state change
+    is logged once where it is seen (``waltz.cluster.zk``), so callers that retry do it quietly."""
+
+    retriable = True
 
 
 class ServerError(WaltzError):

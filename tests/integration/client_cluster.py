@@ -42,7 +42,7 @@ from waltz import (
     WaltzClient,
 )
 from waltz.client.api import ClientCallbacks
-from waltz.client.network import Endpoints, ZkDiscovery
+from waltz.client.discovery import Endpoints, ZkDiscovery
 from waltz.client.serializer import JsonSerializer
 from waltz.client.sql import GuardedConnection, SqlClientCallbacks
 from waltz.cluster import store_metadata as sm

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.integration.waltz_process import READY_TIMEOUT_S, STOP_TIMEOUT_S, WaltzProcess, WaltzProcessError
+from waltz.server.storage_client import AdminClient, StorageClient
 
 DEFAULT_KEY = uuid.UUID("6f1f0f7e-1d2c-4b3a-9e8d-7c6b5a493827")
 __all__ = ["DEFAULT_KEY", "READY_TIMEOUT_S", "STOP_TIMEOUT_S", "StorageProcess", "StorageProcessError"]
@@ -74,6 +75,14 @@ class StorageProcess(WaltzProcess):
             int(ready["admin_port"]),
             int(ready["http_port"]),
         )
+
+    async def admin_client(self) -> AdminClient:
+        """A new admin connection to this node, as the cluster's identity (close it: ``async with``)."""
+        return await AdminClient.connect("127.0.0.1", self.admin_port, self.cluster_key, self.num_partitions)
+
+    async def data_client(self) -> StorageClient:
+        """A new data connection to this node, as a server would open (close it: ``async with``)."""
+        return await StorageClient.connect("127.0.0.1", self.port, self.cluster_key, self.num_partitions)
 
     def __repr__(self) -> str:
         return f"StorageProcess({self.name}, {self._state()}, port {self.port}, admin {self.admin_port})"

@@ -304,3 +304,34 @@ def test_instant_connection_drop_suspends_and_resumes(
         await m.close()
 
     asyncio.run(main())
+
+
+def test_a_lost_session_is_one_log_line_not_one_per_failed_refresh(
+    zk_client_factory: Factory,
+    cluster: str,
+    expire_session: Callable[..., None],
+    drop_connection: Callable[..., None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # waltz.cluster.zk logs each ZooKeeper state change once; the member's refreshes that fail on it (the
+    # connection is gone) must not add an INFO "refresh failed: ... ConnectionLoss" line each.
+    async def main() -> None:
+        client = zk_client_factory()
+        other = ClusterMember(zk_client_factory(), cluster, "h2", 2)
+        m = ClusterMember(client, cluster, "h", 1)
+        await m.start()
+        await other.start()
+        await _settled([m, other])
+        caplog.set_level("INFO", logger="waltz.cluster")
+        for _ in range(3):
+            await asyncio.to_thread(drop_connection, client)
+            await _eventually(lambda: not m.suspended, 10)
+        await asyncio.to_thread(expire_session, client)
+        await _eventually(lambda: not m.suspended, 10)
+        await _settled([m, other])
+        await m.close()
+        await other.close()
+
+    asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if r.name == "waltz.cluster.membership"]
+    assert not [line for line in lines if "refresh failed" in line], lines

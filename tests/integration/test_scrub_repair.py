@@ -17,12 +17,11 @@ import pytest
 from tests.integration.conftest import ClusterFactory
 from tests.integration.raw_client import RawClient
 from tests.integration.server_process import wait_until
-from tests.integration.storage_process import DEFAULT_KEY, StorageProcess
+from tests.integration.storage_process import StorageProcess
 from tests.integration.test_security_probes import _flip_byte
 from waltz.cluster.membership import ClusterWatcher
 from waltz.errors import SessionFencedError
 from waltz.protocol.records import Record, ReqId
-from waltz.server.storage_client import AdminClient, StorageClient
 
 pytestmark = [pytest.mark.integration]
 
@@ -108,6 +107,10 @@ def test_damage_only_the_scrub_found_is_repaired_by_the_owner_without_any_read(
         # No read met the damage: the server never read around it (that path reports damaged replica reads).
         health: dict[str, Any] = json.loads(await asyncio.to_thread(_get, server.http_port, "/health"))
         assert health["damagedReplicaReads"] == {}
+        # The repair shows on /health too: done, nothing running or failing.
+        assert health["scrubRepairs"] == {
+            "0": {"started": 1, "finished": 1, "failed": 0, "records": 1, "inProgress": {}, "failing": {}}
+        }
         metrics = await asyncio.to_thread(_get, server.http_port, "/metrics")
         assert _metric(metrics, "waltz_server_scrub_repairs_started_total") == 1
         assert _metric(metrics, "waltz_server_scrub_repairs_finished_total") == 1
@@ -125,8 +128,8 @@ def test_a_storage_node_tells_the_current_session_which_records_its_scrub_found_
     with StorageProcess(tmp_path, config=config).start() as sp:
 
         async def main() -> None:
-            admin = await AdminClient.connect("127.0.0.1", sp.admin_port, DEFAULT_KEY, sp.num_partitions)
-            data = await StorageClient.connect("127.0.0.1", sp.port, DEFAULT_KEY, sp.num_partitions)
+            admin = await sp.admin_client()
+            data = await sp.data_client()
             async with admin, data:
                 await admin.set_assigned([0], True)
                 batch = [Record.build(i, ReqId.of(1, 1, 0, i), 0, b"polled-%04d" % i) for i in range(200)]

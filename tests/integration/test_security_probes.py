@@ -19,7 +19,7 @@ from kazoo.exceptions import NoAuthError
 from tests.integration.conftest import ClusterFactory
 from tests.integration.raw_client import RawClient
 from tests.integration.server_process import Cluster, wait_until
-from tests.integration.storage_process import DEFAULT_KEY, StorageProcess
+from tests.integration.storage_process import StorageProcess
 from waltz.client.config import ClientConfig
 from waltz.client.reader import LogReader
 from waltz.cluster import store_metadata as sm
@@ -29,7 +29,7 @@ from waltz.cluster.partition_metadata import PartitionMetadata
 from waltz.cluster.zk import ClusterPaths, ZkAuth, digest_id
 from waltz.errors import CorruptionError, SessionFencedError
 from waltz.protocol.records import Record, ReqId
-from waltz.server.storage_client import AdminClient, StorageClient
+from waltz.server.storage_client import StorageClient
 
 pytestmark = [pytest.mark.integration]
 
@@ -240,8 +240,8 @@ def test_the_background_scrub_finds_a_flipped_byte_nobody_read(tmp_path: Path) -
     with StorageProcess(tmp_path, config=config).start() as sp:
 
         async def main() -> None:
-            admin = await AdminClient.connect("127.0.0.1", sp.admin_port, DEFAULT_KEY, sp.num_partitions)
-            data = await StorageClient.connect("127.0.0.1", sp.port, DEFAULT_KEY, sp.num_partitions)
+            admin = await sp.admin_client()
+            data = await sp.data_client()
             async with admin, data:
                 await admin.set_assigned([0], True)
                 batch = [Record.build(i, ReqId.of(1, 1, 0, i), 0, b"scrubbed-%04d" % i) for i in range(200)]
@@ -269,16 +269,16 @@ def test_a_control_entry_with_both_copies_corrupt_takes_down_only_its_partition(
     batch = [Record.build(i, ReqId.of(1, 1, 0, i), 0, b"kept-%d" % i) for i in range(5)]
 
     async def fill() -> None:
-        admin = await AdminClient.connect("127.0.0.1", sp.admin_port, DEFAULT_KEY, sp.num_partitions)
-        data = await StorageClient.connect("127.0.0.1", sp.port, DEFAULT_KEY, sp.num_partitions)
+        admin = await sp.admin_client()
+        data = await sp.data_client()
         async with admin, data:
             await admin.set_assigned([0, 1], True)
             await data.append(0, 0, batch)
             await data.append(0, 1, batch)
 
     async def after_restart() -> None:
-        admin = await AdminClient.connect("127.0.0.1", sp.admin_port, DEFAULT_KEY, sp.num_partitions)
-        data = await StorageClient.connect("127.0.0.1", sp.port, DEFAULT_KEY, sp.num_partitions)
+        admin = await sp.admin_client()
+        data = await sp.data_client()
         async with admin, data:
             # Partition 0 serves on; partition 1 is down with a reason that says what to do.
             assert await data.read_records(0, 0, 0, 10) == batch

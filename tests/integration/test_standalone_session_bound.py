@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.storage_process import DEFAULT_KEY, StorageProcess
+from tests.integration.storage_process import StorageProcess
 from waltz.errors import SessionFencedError
 from waltz.protocol.records import Record, ReqId
-from waltz.server.storage_client import AdminClient, StorageClient
 
 pytestmark = [pytest.mark.integration]
 
@@ -28,10 +27,10 @@ def test_a_forged_session_id_is_refused_by_a_standalone_node_and_real_sessions_g
     sp = StorageProcess(tmp_path, config={"storage.maxSessionIdStep": 100})
 
     async def main() -> None:
-        admin = await AdminClient.connect("127.0.0.1", sp.admin_port, DEFAULT_KEY, sp.num_partitions)
+        admin = await sp.admin_client()
         async with admin:
             await admin.set_assigned([0], True)
-        data = await StorageClient.connect("127.0.0.1", sp.port, DEFAULT_KEY, sp.num_partitions)
+        data = await sp.data_client()
         async with data:
             await data.append(0, 0, _records(0, 3))
             # The forged id, on the message that fences and on the one that persisted the fence.
@@ -59,11 +58,11 @@ def test_a_forged_session_id_is_refused_by_a_standalone_node_and_real_sessions_g
 
     # Nothing forged was persisted: after a restart the step is measured from the persisted 101.
     async def after_restart() -> None:
-        admin = await AdminClient.connect("127.0.0.1", sp.admin_port, DEFAULT_KEY, sp.num_partitions)
+        admin = await sp.admin_client()
         async with admin:
             info = await admin.last_session_info(0)
             assert info.session_id == 101
-        data = await StorageClient.connect("127.0.0.1", sp.port, DEFAULT_KEY, sp.num_partitions)
+        data = await sp.data_client()
         async with data:
             with pytest.raises(SessionFencedError, match=r"storage.maxSessionIdStep"):
                 await data.max_transaction_id(FORGED, 0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -41,7 +43,7 @@ from waltz.protocol.client_server import (
     decode,
     encode,
 )
-from waltz.protocol.records import Record, ReqId, crc32
+from waltz.protocol.records import Record, RecordHeader, ReqId, crc32
 
 REQ = ReqId.of(client_id=1, generation=2, partition_id=3, seq_num=4)
 # msb = client 1 << 32 | generation 2; lsb = partition 3 << 32 | seq 4
@@ -250,6 +252,19 @@ NEWER_MESSAGES: list[tuple[Message, int]] = [
 ]
 
 
+@pytest.mark.parametrize(("msg", "version", "payload"), CASES, ids=CASE_IDS)
+def test_decode_feed_data_takes_exactly_the_feed_data_payloads(
+    msg: Message, version: int, payload: bytes
+) -> None:
+    fast = cs.decode_feed_data(payload)
+    if isinstance(msg, FeedData):
+        assert fast == (msg.req_id, msg.transaction_id, msg.header)
+        assert cs.decode_feed_data(payload + b"\x00") is None  # Trailing bytes: decode() refuses them.
+        assert cs.decode_feed_data(payload[:-1]) is None
+    else:
+        assert fast is None
+
+
 @pytest.mark.parametrize(("msg", "version"), NEWER_MESSAGES)
 def test_message_newer_than_the_version_is_refused_on_both_sides(msg: Message, version: int) -> None:
     with pytest.raises(LocalProtocolError, match="upgrade servers"):
@@ -393,6 +408,26 @@ def test_unencodable_fields_are_local_errors(msg: Message) -> None:
         encode(msg, 4)
 
 
+@pytest.mark.parametrize("version", ALL)
+def test_encode_feed_data_is_encode_of_each_feed_data(version: int) -> None:
+    headers = [
+        RecordHeader(0, REQ, 0),
+        RecordHeader(2**63 - 1, ReqId(2**64 - 1, 2**64 - 1), -(2**31)),
+        RecordHeader(7, ReqId.of(-1, -2, 3, -4), 2**31 - 1),
+    ]
+    assert cs.encode_feed_data(headers, version) == [
+        encode(FeedData(rid, txn, header), version) for txn, rid, header in headers
+    ]
+    assert cs.encode_feed_data([], version) == []
+
+
+def test_encode_feed_data_refuses_what_encode_refuses() -> None:
+    with pytest.raises(LocalProtocolError):
+        cs.encode_feed_data([RecordHeader(0, REQ, 2**31)], 4)
+    with pytest.raises(LocalProtocolError):
+        cs.encode_feed_data([RecordHeader(0, REQ, 0)], 99)
+
+
 def test_append_build_computes_the_checksum() -> None:
     msg = AppendRequest.build(REQ, 1, 2, b"abc", (1,), (2,), (3,))
     assert msg.checksum == 0x352441C2
@@ -520,3 +555,22 @@ def test_round_trip(data: st.DataObject) -> None:
     assert payload[0] == msg.TYPE
     assert decode(payload, version) == msg
     assert encode(decode(payload, version), version) == payload
+
+
+def test_new_append_request_is_the_constructor_field_for_field() -> None:
+    args = (REQ, 9, (1, -1), (3,), (-2,), 7, b"abc", crc32(b"abc"))
+    fast = cs.new_append_request(*args)
+    assert fast == AppendRequest(*args)
+    assert hash(fast) == hash(AppendRequest(*args))
+    assert [f.name for f in dataclasses.fields(AppendRequest)] == [
+        "req_id",
+        "client_high_water_mark",
+        "write_locks",
+        "read_locks",
+        "append_locks",
+        "header",
+        "data",
+        "checksum",
+    ]  # new_append_request sets exactly these, in this order: a new field must be added there too.
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.header = 1  # type: ignore[misc]

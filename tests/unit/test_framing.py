@@ -266,3 +266,52 @@ def test_negotiated_connection_fed_random_frames_raises_only_protocol_errors(chu
             drain(a)
     except RemoteProtocolError:
         pass
+
+
+def drain_payloads(conn: ProtocolConnection) -> list[bytes]:
+    payloads: list[bytes] = []
+    while (payload := conn.next_payload()) is not None:
+        payloads.append(payload)
+    return payloads
+
+
+def test_next_payload_gives_the_payload_events_split_at_every_byte_keep_alives_skipped() -> None:
+    a, b = pair(max_frame_bytes=4096)
+    payloads = [b"one", bytes(range(256)) * 3, b"\x00"]
+    stream = b.keep_alive() + b"".join(b.frame(p) for p in payloads) + b.keep_alive() + b.frame(b"x")
+    received: list[bytes] = []
+    for i in range(len(stream)):
+        a.receive_data(stream[i : i + 1])
+        received.extend(drain_payloads(a))
+    assert received == [*payloads, b"x"]
+    a.receive_data(stream)  # All at once, with a partial frame behind.
+    a.receive_data(b.frame(b"tail")[:5])
+    assert drain_payloads(a) == [*payloads, b"x"]
+
+
+def test_next_payload_refuses_what_next_event_refuses_and_stays_failed() -> None:
+    cases = [
+        (encode_frame(MAGIC_ADMIN, 0, b"x"), RemoteProtocolError, "negotiated"),
+        (bytes.fromhex("53 0000 ffffffff"), RemoteProtocolError, "negative"),
+        (bytes.fromhex("53 0000 00000401"), FrameTooLargeError, "1025"),
+    ]
+    for data, error, match in cases:
+        a, _ = pair(max_frame_bytes=1024)
+        a.receive_data(data)
+        with pytest.raises(error, match=match):
+            a.next_payload()
+        with pytest.raises(error, match=match):
+            a.next_payload()  # Dead: the same error again.
+    with pytest.raises(LocalProtocolError):
+        ProtocolConnection(MAGIC_STORAGE, [0], "a").next_payload()  # Before the hello exchange.
+
+
+@given(st.lists(st.binary(max_size=40), max_size=8))
+def test_next_payload_fed_random_frames_raises_only_protocol_errors(chunks: list[bytes]) -> None:
+    a, _ = pair(max_frame_bytes=32)
+    try:
+        for chunk in chunks:
+            a.receive_data(b"\x53\x00\x00" + len(chunk).to_bytes(4, "big") + chunk)
+            drain_payloads(a)
+    except RemoteProtocolError:
+        pass

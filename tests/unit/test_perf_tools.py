@@ -74,6 +74,23 @@ def test_consumer_reads_what_it_loaded() -> None:
     assert result.transactions == 400  # two consumers read 200 each
 
 
+def test_consumer_shows_a_live_progress_line_of_reads() -> None:
+    cluster = MockCluster(1)
+    # Slow data fetches keep the run going past a few refreshes of the line.
+    opts = ConsumerOptions(txn_size_bytes=16, num_txns=100, clients=1, seed=6)
+    lines: list[str] = []
+
+    def slow_factory() -> MockDriver:
+        driver = MockDriver(cluster=cluster)
+        driver.set_max_delay(20)
+        return driver
+
+    result = asyncio.run(run_consumers(ClientConfig(), opts, slow_factory, show_progress=lines.append))  # type: ignore[arg-type]
+    assert result.transactions == 100
+    assert lines, "no progress line was shown"
+    assert all(" read, " in line and "/100 read" in line for line in lines)
+
+
 def test_validation_passes_on_a_correct_cluster() -> None:
     _, factory = drivers(2)
     opts = ValidateOptions(txns_per_client=30, clients=3, seed=5)

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
+from waltz.protocol import storage as st
 from waltz.protocol.record_run import RecordRun
 from waltz.protocol.records import Record, ReqId
+from waltz.protocol.storage import WireRecordList
 from waltz.storage.fileio import CrashFS
 from waltz.storage.segment import (
     CHECKPOINT_INTERVAL,
@@ -18,6 +20,7 @@ from waltz.storage.segment import (
     RecordCorruptionError,
     Segment,
     SegmentHeader,
+    append_wire_run,
     data_file_name,
     encode_record,
     index_file_name,
@@ -347,3 +350,57 @@ def test_read_run_refuses_a_damaged_record_and_names_it() -> None:
     count, run = seg.read_run(0, 1)
     assert count == 1
     assert RecordRun(0, count, run).records() == recs(0, 1)
+
+
+def wire_list(records: list[Record]) -> WireRecordList:
+    msg = st.decode(st.encode(st.AppendRequest(1, 1, PID, records, False)))
+    assert isinstance(msg, st.AppendRequest)
+    assert isinstance(msg.records, WireRecordList)
+    return msg.records
+
+
+def test_wire_run_is_the_stored_layout() -> None:
+    """The append path builds the stored run straight from a request's bytes: the same bytes encode_run
+    gives, split where each record ends, across requests of one group."""
+    first, second = recs(5, 3, size=40), recs(8, 2, size=0)
+    parts: list[bytes | memoryview] = []
+    ends: list[int] = []
+    append_wire_run(parts, ends, wire_list(first), 5)
+    append_wire_run(parts, ends, wire_list(second), 8)
+    run = b"".join(parts)
+    assert run == b"".join(encode_record(r) for r in first + second)
+    assert ends == [80, 160, 240, 280, 320]
+    seg = new_segment(CrashFS(), 5)
+    assert seg.append_run(run, ends) == 5
+    assert seg.read_records(5, 10) == first + second
+
+
+@pytest.mark.parametrize("bad", ["gap", "checksum"])
+def test_wire_run_refuses_a_bad_request_and_keeps_the_group(bad: str) -> None:
+    parts: list[bytes | memoryview] = []
+    ends: list[int] = []
+    append_wire_run(parts, ends, wire_list(recs(0, 2)), 0)
+    kept = (b"".join(parts), list(ends))
+    wrong = recs(2, 3)
+    if bad == "gap":
+        wrong[1] = rec(9)
+        error: type[Exception] = TransactionOutOfOrderError
+    else:
+        wrong[2] = wrong[2]._replace(checksum=wrong[2].checksum ^ 1)
+        error = CorruptionError
+    with pytest.raises(error):
+        append_wire_run(parts, ends, wire_list(wrong), 2)
+    assert (b"".join(parts), ends) == kept
+
+
+def test_append_run_splits_at_the_threshold_and_the_checkpoint() -> None:
+    fs = CrashFS()
+    seg = new_segment(fs, 995)
+    run = b"".join(encode_record(r) for r in recs(995, 10))
+    ends = [56 * (k + 1) for k in range(10)]
+    syncs = fs.fsync_count
+    # Stops after the record that passes the threshold (the 7th), fsyncing both files before id 1000.
+    assert seg.append_run(run, ends, size_threshold_bytes=128 + 56 * 6 + 1) == 7
+    assert fs.fsync_count == syncs + 2
+    assert seg.append_run(run, ends, 7) == 3
+    assert seg.read_records(995, 20) == recs(995, 10)

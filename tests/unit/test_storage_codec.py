@@ -233,6 +233,22 @@ def test_append_round_trip(records: tuple[Record, ...], offline: bool) -> None:
     assert s.decode(s.encode(msg)) == msg
 
 
+@given(records_strategy, st.booleans(), st.integers(-(2**63), 2**63 - 1), st.integers(0, 2**63 - 1))
+def test_append_encoded_once_is_the_append_request(
+    records: tuple[Record, ...], offline: bool, session_id: int, seq_num: int
+) -> None:
+    body = s.append_request_body(records, offline)
+    msg = s.AppendRequest(session_id, seq_num, 7, records, offline)
+    assert s.encode_append_request(session_id, seq_num, 7, body) == s.encode(msg)
+
+
+def test_append_encoded_once_refuses_what_encode_refuses() -> None:
+    with pytest.raises(LocalProtocolError):
+        s.append_request_body((REC._replace(header=2**31),))
+    with pytest.raises(LocalProtocolError):
+        s.encode_append_request(0, 2**63, 0, b"")
+
+
 @given(st.binary(max_size=300))
 def test_random_bytes_decode_or_raise_protocol_error(data: bytes) -> None:
     try:
@@ -262,3 +278,37 @@ def test_record_run_response_with_a_bad_shape_is_refused() -> None:
     bad_length[31] = 0x09  # data length 9 runs past the end
     with pytest.raises(RemoteProtocolError, match="bad length"):
         s.decode(prefix + bytes.fromhex("00000001 0000002a") + bad_length)
+
+
+def test_append_records_decode_as_a_wire_record_list() -> None:
+    """An AppendRequest keeps its records in the bytes they arrived in; they behave as a tuple of Records."""
+    records = (REC, REC_EMPTY, REC._replace(transaction_id=7))
+    payload = s.encode(s.AppendRequest(1, 2, 3, records, False))
+    msg = s.decode(payload)
+    assert isinstance(msg, s.AppendRequest)
+    wire = msg.records
+    assert isinstance(wire, s.WireRecordList)
+    assert len(wire) == 3
+    assert wire == records
+    assert wire == list(records)
+    assert records == wire
+    assert hash(wire) == hash(records)
+    assert wire[0] == REC
+    assert wire[-1] == records[-1]
+    assert wire[1:] == records[1:]
+    with pytest.raises(IndexError):
+        wire[3]
+    assert wire.first_transaction_id == 5
+    assert wire.data_bytes == 4
+    assert s.encode(msg) == payload  # relayed as it came
+
+
+@given(st.binary(max_size=300))
+def test_a_decoded_append_always_yields_its_records(body: bytes) -> None:
+    """The shape is checked on decoding, so reading the records later cannot fail."""
+    try:
+        msg = s.decode(bytes.fromhex(p(6)) + body)
+    except RemoteProtocolError:
+        return
+    assert isinstance(msg, s.AppendRequest)
+    assert len(list(msg.records)) == len(msg.records)

@@ -225,6 +225,44 @@ def test_closed_partition_refuses_appends_and_fails_pending_ones() -> None:
     run_virtual(main())
 
 
+def test_submit_nowait_calls_the_listener_once_in_the_commit_and_refuses_when_the_queue_is_full() -> None:
+    async def main() -> None:
+        world = World(max_queued_appends=3)
+        heard: list[tuple[int, BaseException | None]] = []
+
+        def listener(txn: int, error: BaseException | None) -> None:
+            # Synchronous: the future is already resolved, and nothing else was scheduled in between.
+            heard.append((txn, error))
+
+        def failing_listener(txn: int, error: BaseException | None) -> None:
+            raise RuntimeError("a bug in the listener")
+
+        async with world.partition() as partition:
+            await partition.wait_open()
+            futures = [partition.submit_nowait(req(i), listener) for i in range(3)]
+            assert all(f is not None for f in futures)
+            assert partition.submit_nowait(req(3), listener) is None  # full: nothing queued
+            ids = [await f for f in futures if f is not None]
+            assert ids == [0, 1, 2]
+            assert heard == [(0, None), (1, None), (2, None)]
+            # A listener that raises is logged; the store carries on.
+            future = partition.submit_nowait(req(3), failing_listener)
+            assert future is not None
+            assert await future == 3
+            assert await partition.append(req(4)) == 4
+            # A failed append is heard once, with its error.
+            for name in NAMES[1:]:
+                world.storages[name].crash()
+            doomed = partition.submit_nowait(req(5), listener)
+            assert doomed is not None
+            await asyncio.sleep(0.5)
+        assert doomed.done()
+        assert isinstance(doomed.exception(), ClosedResourceError)
+        assert heard[3:] == [(-1, doomed.exception())]
+
+    run_virtual(main())
+
+
 def test_replica_set_change_moves_the_log_to_the_new_set() -> None:
     async def main() -> None:
         world = World([*NAMES, "s3:1", "s4:1"])
@@ -572,6 +610,7 @@ def test_damage_a_replica_reports_on_its_own_is_repaired_without_any_read() -> N
             await _wait(lambda: not bad.partitions[0].damaged, timeout_s=5)
             repairs = partition.repairs
             assert (repairs.started, repairs.finished, repairs.failed, repairs.records) == (1, 1, 0, 3)
+            assert (repairs.in_progress, repairs.failing) == ({}, {})
             assert partition.damaged_replicas == {}  # no read met it
             assert await partition.append(req(20)) == 20  # writes went on
             assert partition.is_healthy
@@ -591,8 +630,20 @@ def test_damage_no_other_replica_holds_a_good_copy_of_is_retried_later_not_every
             assert partition.repairs.started == 3
             assert partition.repairs.failed == 3
             assert partition.repairs.finished == 0
+            # /health shows which replicas' repairs fail, and why, until they succeed.
+            failing = partition.repairs.failing
+            assert sorted(failing) == sorted(NAMES)
+            assert all(why.startswith("5: CorruptionError") for why in failing.values()), failing
+            assert partition.repairs.health()["failing"] == failing
+            assert partition.repairs.in_progress == {}
             assert partition.is_healthy
             assert await partition.append(req(10)) == 10
+            # One copy becomes good again (as a read's repair would make it): the other two are repaired from
+            # it at their next try, and nothing is reported failing any more.
+            world.storages[NAMES[0]].partitions[0].damaged.clear()
+            await _wait(lambda: not partition.repairs.failing, timeout_s=30)
+            assert partition.repairs.finished == 2
+            assert all(not world.storages[name].partitions[0].damaged for name in NAMES)
 
     run_virtual(main())
 

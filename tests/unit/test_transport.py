@@ -126,6 +126,50 @@ def test_echo_round_trip_negotiates_the_highest_common_version() -> None:
     run(main)
 
 
+def test_receive_nowait_drains_the_buffered_payloads_in_order_then_says_none() -> None:
+    async def main() -> None:
+        async with serving(echo) as port:
+            conn = await connect(port)
+            async with conn:
+                assert conn.receive_nowait() is None  # Nothing read yet: no socket read is made.
+                payloads = [bytes([i]) * (1 + i) for i in range(50)]
+                for payload in payloads:
+                    conn.send(payload)
+                await conn.drain()
+                received = [await conn.receive()]
+                while len(received) < len(payloads):
+                    payload = conn.receive_nowait()
+                    if payload is None:
+                        payload = await conn.receive()
+                    received.append(payload)
+                assert received == payloads
+                assert conn.receive_nowait() is None
+            with pytest.raises(ClosedResourceError):
+                conn.receive_nowait()
+
+    run(main)
+
+
+def test_send_many_frames_each_payload_in_order_after_what_was_sent_before() -> None:
+    async def main() -> None:
+        async with serving(echo) as port:
+            conn = await connect(port)
+            async with conn:
+                conn.send(b"first")
+                conn.send_many([b"a", b"bb" * 1000, b"ccc"])
+                conn.send_many([])
+                conn.send(b"last")
+                await conn.drain()
+                for expected in (b"first", b"a", b"bb" * 1000, b"ccc", b"last"):
+                    assert await conn.receive() == expected
+                with pytest.raises(LocalProtocolError):
+                    conn.send_many([b"ok", b""])  # an empty payload would read as a keep-alive
+            with pytest.raises(ClosedResourceError):
+                conn.send_many([b"x"])
+
+    run(main)
+
+
 def test_oversized_frame_closes_that_connection_with_a_logged_reason(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

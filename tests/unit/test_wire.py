@@ -12,6 +12,8 @@ from waltz.protocol.records import (
     RecordHeader,
     ReqId,
     crc32,
+    make_header,
+    make_req_id,
     read_record,
     read_record_header,
     write_record,
@@ -72,6 +74,16 @@ def test_req_id_layout() -> None:
     neg = ReqId.of(-1, -1, 7, -5)
     assert (neg.client_id, neg.generation, neg.partition_id, neg.seq_num) == (-1, -1, 7, -5)
     assert ReqId.from_bytes(neg.to_bytes()) == neg
+
+
+def test_fast_constructors_build_the_same_values() -> None:
+    rid = make_req_id(2**64 - 1, 7)
+    assert rid == ReqId(2**64 - 1, 7)
+    assert type(rid) is ReqId
+    header = make_header(9, rid, -3)
+    assert header == RecordHeader(9, rid, -3)
+    assert type(header) is RecordHeader
+    assert (header.transaction_id, header.req_id, header.header) == (9, rid, -3)
 
 
 def test_record_golden_bytes_and_checksum() -> None:

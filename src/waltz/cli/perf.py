@@ -107,7 +107,9 @@ def cmd_consumer(args: argparse.Namespace) -> int:
     opts = ConsumerOptions(
         txn_size_bytes=args.txn_size, num_txns=args.num_txns, clients=args.clients, partitions=args.partitions
     )
-    return _print(run_on_fast_loop(run_consumers(config, opts, drivers)), args.json)
+    with progress_line(not args.json) as show:
+        result = run_on_fast_loop(run_consumers(config, opts, drivers, show_progress=show))
+    return _print(result, args.json)
 
 
 @contextlib.contextmanager

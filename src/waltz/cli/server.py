@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 from ssl import SSLContext
 from typing import Any
 
@@ -57,7 +58,21 @@ def cmd_run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    run(run_server(config, ready=ready))
+    profile_path = os.environ.get("WALTZ_PROFILE")
+    if not profile_path:
+        run(run_server(config, ready=ready))
+        return 0
+    # For finding where the server's CPU goes (bench/append_e2e.py --profile-server): a cProfile of the event
+    # loop's thread, written when the server stops. It counts the thread's CPU time, not the wall clock: on a
+    # busy host a socket write that wakes a peer often loses the CPU to it, which is not the server's cost.
+    import cProfile
+    import time
+
+    profiler = cProfile.Profile(time.thread_time)
+    try:
+        profiler.runcall(run, run_server(config, ready=ready))
+    finally:
+        profiler.dump_stats(profile_path)
     return 0
 
 

@@ -8,6 +8,7 @@ from typing import Any, TypeVar, overload
 from waltz.client.driver import AppendRequest
 from waltz.client.locks import PartitionLocalLock, lock_hash
 from waltz.client.serializer import Serializer
+from waltz.protocol.client_server import new_append_request
 from waltz.protocol.records import ReqId, crc32
 from waltz.protocol.wire import I32_MAX, I32_MIN
 
@@ -36,6 +37,7 @@ class TransactionBuilder:
         self._header = 0
         self._data = b""
         self._write_locks: tuple[PartitionLocalLock, ...] = ()
+        self._write_hashes: tuple[int, ...] | None = None  # Computed once: the core asks up to three times.
         self._read_locks: tuple[PartitionLocalLock, ...] = ()
         self._append_locks: tuple[PartitionLocalLock, ...] = ()
 
@@ -68,6 +70,7 @@ class TransactionBuilder:
     def set_write_locks(self, locks: Iterable[PartitionLocalLock]) -> None:
         """Locks this transaction checks and takes."""
         self._write_locks = _check_locks(locks)
+        self._write_hashes = None
 
     def set_read_locks(self, locks: Iterable[PartitionLocalLock]) -> None:
         """Locks this transaction checks but does not take."""
@@ -100,19 +103,22 @@ class TransactionBuilder:
     @property
     def write_lock_hashes(self) -> tuple[int, ...]:
         """The distinct 32-bit hashes of the write locks, as the server sees them."""
-        return _hashes(self._write_locks) if self._write_locks else ()
+        hashes = self._write_hashes
+        if hashes is None:
+            hashes = self._write_hashes = _hashes(self._write_locks) if self._write_locks else ()
+        return hashes
 
     def build(self, req_id: ReqId) -> AppendRequest:
         """The append request for this transaction (the client assigns ``req_id`` when it sends it)."""
-        return AppendRequest(
-            req_id=req_id,
-            client_high_water_mark=self.client_high_water_mark,
-            write_locks=_hashes(self._write_locks) if self._write_locks else (),
-            read_locks=_hashes(self._read_locks) if self._read_locks else (),
-            append_locks=_hashes(self._append_locks) if self._append_locks else (),
-            header=self._header,
-            data=self._data,
-            checksum=crc32(self._data),
+        return new_append_request(
+            req_id,
+            self.client_high_water_mark,
+            self.write_lock_hashes,
+            _hashes(self._read_locks) if self._read_locks else (),
+            _hashes(self._append_locks) if self._append_locks else (),
+            self._header,
+            self._data,
+            crc32(self._data),
         )
 
 

@@ -20,6 +20,8 @@ client.numConsumerThreads              10         threads running callbacks and 
 client.callbackMode                    threads    ``threads``: application code on callback threads;
                                                   ``inline``: on the event loop (AsyncWaltzClient only)
 client.longWaitThreshold               5000       a partition with appends pending this long gets a flush
+client.answerTimeout                   15000      a mount, or an append, the server leaves unanswered this
+                                                  long makes the client reconnect and mount again
 client.maxConcurrentTransactions       5          contexts in flight per partition (back pressure)
 client.submitTimeout                   10000      how long ``submit`` waits for room before it fails
 client.mountTimeout                    10000      how long an append waits for its partition to be mounted
@@ -95,6 +97,7 @@ CLIENT_SCHEMA = ConfigSchema(
         Key("client.numConsumerThreads", int, 10, "callback threads", min_value=1, max_value=1024),
         Key("client.callbackMode", str, "threads", "threads | inline", check=_callback_mode),
         Key("client.longWaitThreshold", int, 5000, "nudge a stuck partition (ms)", min_value=1),
+        Key("client.answerTimeout", int, 15000, "reconnect after no answer for this long (ms)", min_value=1),
         Key("client.maxConcurrentTransactions", int, 5, "contexts in flight per partition", min_value=1),
         Key("client.submitTimeout", int, 10000, "submit waits this long for room (ms)", min_value=1),
         Key("client.mountTimeout", int, 10000, "wait for a mounted partition (ms)", min_value=1),
@@ -131,6 +134,9 @@ class ClientConfig:
     callback_mode: str = "threads"
     """``threads`` or ``inline``; see "Execution modes" in docs/client.md."""
     long_wait_threshold_ms: int = 5000
+    answer_timeout_ms: int = 15000
+    """A MountRequest unanswered, or an append neither committed nor resolved, for this long: the client
+    drops the connection and mounts again (the flush after READY then decides each pending append)."""
     max_concurrent_transactions: int = 5
     submit_timeout_ms: int = 10000
     mount_timeout_ms: int = 10000
@@ -247,6 +253,7 @@ _KEY_TO_ATTR: dict[str, str] = {
     "client.numConsumerThreads": "num_consumer_threads",
     "client.callbackMode": "callback_mode",
     "client.longWaitThreshold": "long_wait_threshold_ms",
+    "client.answerTimeout": "answer_timeout_ms",
     "client.maxConcurrentTransactions": "max_concurrent_transactions",
     "client.submitTimeout": "submit_timeout_ms",
     "client.mountTimeout": "mount_timeout_ms",

@@ -83,8 +83,9 @@ STUCK_SUBMIT_AFTER = 3
 """Failed deliveries of one transaction after which ``submit`` to its partition fails with
 :class:`~waltz.errors.PartitionStuckError` (the feed cannot advance, so nothing appended would be applied)."""
 APPLY_BATCH_MAX_S = 0.005
-"""A batch returns to the loop after this long, so the applied high-water mark (and ``on_application``)
-never lags far behind a slow ``apply_transaction``."""
+"""A batch returns to the loop after this long (checked every 8 transactions, so that a fast
+``apply_transaction`` does not pay for a clock read each), so the applied high-water mark (and
+``on_application``) never lags far behind a slow ``apply_transaction``."""
 
 
 class _Pending:
@@ -102,6 +103,14 @@ _Executed: TypeAlias = TransactionBuilder | Literal[False] | _Pending
 """A first attempt that ran ``execute`` without an exception (filled, gave up, or a coroutine to await)."""
 """What a submit's first callback-thread call returns (see ``AsyncWaltzClient._first_attempt``)."""
 
+# Enum members of the hot path as module constants: in Python 3.11 ``Event.SEND`` goes through the enum's
+# metaclass (~150 ns a time, a dozen times per append), a module global costs a dictionary lookup.
+_EXECUTE, _SEND, _COMMIT, _APPLY = Event.EXECUTE, Event.SEND, Event.COMMIT, Event.APPLY
+_READY = MountState.READY
+_COMMITTED = Outcome.COMMITTED
+_STATE_COMMITTED = State.COMMITTED
+_ON_APPLICATION = Hook.APPLICATION
+
 _FAILURE_EVENTS = {Outcome.LOCK_FAILED: Event.LOCK_FAIL, Outcome.FAILED: Event.LOST}
 """The lifecycle event of an append that did not commit."""
 
@@ -111,12 +120,11 @@ class _Listener:
 
     def __init__(self, client: AsyncWaltzClient) -> None:
         self._client = client
+        # The client's own method, not a forwarding one: the network driver calls it once per feed entry.
+        self.feed_data_nowait: Callable[[int, int, ReqId, int], bool] = client._feed_nowait
 
     async def on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
         await self._client._on_feed_data(partition_id, transaction_id, req_id, header)
-
-    def feed_data_nowait(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> bool:
-        return self._client._feed_nowait(partition_id, transaction_id, req_id, header)
 
     async def on_mount_state(self, partition_id: int, state: MountState) -> None:
         self._client._on_mount_state(partition_id, state)
@@ -176,6 +184,8 @@ class AsyncWaltzClient:
         self._config = config
         self._driver_arg = driver if driver is not None else config.mock_driver
         self._driver: ClientDriver | None = None
+        self._client_id = -1
+        self._num_partitions = 0
         self._clock = clock
         self._retry = RetryPolicy(
             initial_backoff_ms=config.retry_initial_backoff_ms,
@@ -218,6 +228,9 @@ class AsyncWaltzClient:
             await asyncio.to_thread(self._pool.shutdown)
             raise
         self._driver = self._driver_arg
+        # Constant once the driver is open.
+        self._client_id = self._driver.client_id
+        self._num_partitions = self._driver.num_partitions
         if self._config.auto_mount:
             for partition_id in range(self._driver.num_partitions):
                 self._add_partition(partition_id)
@@ -295,21 +308,23 @@ class AsyncWaltzClient:
         timeout, ``CLIENT_AHEAD``, a closed client), ``on_exception`` is called and the exception is raised
         here as well.
         """
-        self._check_open()
-        pool = self._require_pool()
+        pool = self._pool
+        if self._closed or self._driver is None or pool is None or pool.is_shut_down:
+            self._check_open()  # Raises the error that says why.
+            pool = self._require_pool()
         run = Run(context)
         try:
             first: _First
             if self._inline:
                 # Zero hops: partition_id() and execute() run right here, on the loop.
-                first = self._first_attempt(run, self.num_partitions)
+                first = self._first_attempt(run, self._num_partitions)
             else:
                 # One callback-thread call: partition_id() and, when a slot is free on a ready partition, the
                 # first execute() too (the common case: no second hop, no task).
                 first = await pool.call(
                     self._first_attempt,
                     run,
-                    self.num_partitions,
+                    self._num_partitions,
                     orphan=functools.partial(self._orphaned, run),
                 )
             if isinstance(first, _Pending):
@@ -319,6 +334,11 @@ class AsyncWaltzClient:
             if first is None:
                 await self._acquire_slot(partition)
                 run.holds_slot = True
+                self._check_open()
+                # A slot after a wait (the common case of a loaded sync client): execute now, as the first
+                # attempt does when it finds a free slot, instead of a slow-path task that waits for the
+                # mount under a timeout to do the same.
+                first = await self._execute_after_wait(run, partition)
             self._check_open()
         except Exception as e:
             self._release_slot(run)
@@ -330,7 +350,7 @@ class AsyncWaltzClient:
             raise
         self._runs.add(run)
         if first is not None:
-            run.lifecycle.handle(Event.EXECUTE)
+            run.lifecycle.handle(_EXECUTE)
         if isinstance(first, Exception):  # execute() raised
             await self._end_with_exception(run, first)
             raise first
@@ -344,7 +364,7 @@ class AsyncWaltzClient:
             monitor = self._ready_monitor(partition)
             if monitor is not None:
                 if self._take_turn(partition, run, first):
-                    run.lifecycle.handle(Event.SEND)  # Before _send: a failed send resolves at once.
+                    run.lifecycle.handle(_SEND)  # Before _send: a failed send resolves at once.
                     self._send(partition, monitor, first, functools.partial(self._on_first_outcome, run))
                     return
                 # Queued behind this client's own append on a write lock: it executes again on its turn.
@@ -426,7 +446,7 @@ class AsyncWaltzClient:
     def _spawn_end(self, run: Run, error: Exception, executed: bool = False) -> None:
         self._runs.add(run)
         if executed:
-            run.lifecycle.handle(Event.EXECUTE)
+            run.lifecycle.handle(_EXECUTE)
         self._spawn(self._end_with_exception(run, error), "waltz-failed-submit")
 
     def _continue_first(self, run: Run, first: _Executed) -> None:
@@ -437,7 +457,7 @@ class AsyncWaltzClient:
         if isinstance(first, _Pending):
             self._spawn(self._continue_pending(run, first), f"waltz-run-p{partition.id}")
             return
-        run.lifecycle.handle(Event.EXECUTE)
+        run.lifecycle.handle(_EXECUTE)
         if first is False:
             self._release_slot(run)
             run.lifecycle.handle(Event.GIVE_UP)
@@ -452,7 +472,7 @@ class AsyncWaltzClient:
         monitor = self._ready_monitor(partition)
         if monitor is not None:
             if self._take_turn(partition, run, first):
-                run.lifecycle.handle(Event.SEND)
+                run.lifecycle.handle(_SEND)
                 self._send(partition, monitor, first, functools.partial(self._on_first_outcome, run))
                 return
             run.lifecycle.handle(Event.QUEUE)
@@ -464,7 +484,7 @@ class AsyncWaltzClient:
     async def _continue_pending(self, run: Run, pending: _Pending) -> None:
         first = await self._finish_first(run, pending)
         if isinstance(first, Exception):
-            run.lifecycle.handle(Event.EXECUTE)
+            run.lifecycle.handle(_EXECUTE)
             await self._end_with_exception(run, first)
         else:
             self._continue_first(run, first)
@@ -484,10 +504,11 @@ class AsyncWaltzClient:
         """
         context = run.context
         partition_id = context.partition_id(num_partitions)
-        if isinstance(partition_id, bool) or not isinstance(partition_id, int):
-            raise ClientError(f"partition_id() returned {partition_id!r}, not an int")
-        if not 0 <= partition_id < num_partitions:
-            raise ClientError(f"partition_id() returned {partition_id}, outside 0..{num_partitions - 1}")
+        if type(partition_id) is not int or not 0 <= partition_id < num_partitions:
+            if isinstance(partition_id, bool) or not isinstance(partition_id, int):
+                raise ClientError(f"partition_id() returned {partition_id!r}, not an int")
+            if not 0 <= partition_id < num_partitions:
+                raise ClientError(f"partition_id() returned {partition_id}, outside 0..{num_partitions - 1}")
         partition = self._partitions.get(partition_id)
         if partition is None:
             raise ClientError(
@@ -502,9 +523,9 @@ class AsyncWaltzClient:
         if (
             monitor is None
             or partition.error is not None
-            or partition.state is not MountState.READY
+            or partition.state is not _READY
             or self._closed
-            or self._retry.expired(context.creation_time, time.time())
+            or (self._retry.timeout_ms > 0 and self._retry.expired(context.creation_time, time.time()))
             or not partition.slots.try_acquire()
         ):
             return None
@@ -518,6 +539,24 @@ class AsyncWaltzClient:
             return builder
         if result is not None and inspect.isawaitable(result):
             return _Pending(builder, result)  # A coroutine execute (inline mode): submit awaits it.
+        return builder if result else False
+
+    async def _execute_after_wait(
+        self, run: Run, partition: PartitionState
+    ) -> TransactionBuilder | Literal[False] | Exception | None:
+        """``execute`` for a first attempt that waited for its slot (which it holds), if the partition is
+        ready and the context not expired; None (not executed: the slow path decides) otherwise. Like
+        :meth:`_first_attempt`, an exception of ``execute`` is returned, not raised."""
+        monitor = self._ready_monitor(partition)
+        if monitor is None or (
+            self._retry.timeout_ms > 0 and self._retry.expired(run.context.creation_time, time.time())
+        ):
+            return None
+        builder = TransactionBuilder(partition.id, monitor.applied_high_water_mark)
+        try:
+            result = await self._call_user(run.context.execute, builder)
+        except Exception as e:  # noqa: BLE001 - reported through on_exception by submit
+            return e
         return builder if result else False
 
     async def _finish_first(
@@ -554,7 +593,7 @@ class AsyncWaltzClient:
         """The partition's monitor if appends may be sent to it right now."""
         if (
             partition.error is None
-            and partition.state is MountState.READY
+            and partition.state is _READY
             and self._partitions.get(partition.id) is partition
         ):
             return partition.monitor
@@ -568,7 +607,7 @@ class AsyncWaltzClient:
         self._check_open()
         waiting = [run.done() for run in self._runs]
         for partition in self._partitions.values():
-            if partition.monitor is not None and partition.state is MountState.READY:
+            if partition.monitor is not None and partition.state is _READY:
                 req_id = partition.monitor.flush_request(self._clock())
                 if req_id is not None:
                     self._send_flush(partition.id, req_id)
@@ -658,14 +697,20 @@ class AsyncWaltzClient:
     def _feed_nowait(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> bool:
         """:meth:`_on_feed_data` without a coroutine, when the feed has room (the common case); False, having
         done nothing, when it has none (the driver then awaits ``on_feed_data``)."""
-        partition = self._active(partition_id)
-        if partition is None or partition.monitor is None:
+        partition = self._partitions.get(partition_id)
+        if partition is None or partition.error is not None:
             return True  # Not ours (any more): dropped, as on_feed_data drops it.
+        monitor = partition.monitor
+        if monitor is None:
+            return True
         if len(partition.feed) >= partition.feed_limit:
             return False
-        assert self._source is not None
-        partition.push_feed(Transaction(partition_id, transaction_id, header, req_id, self._source))
-        self._resolve(partition, partition.monitor.on_feed(transaction_id, req_id))
+        source = self._source
+        assert source is not None
+        partition.push_feed(Transaction(partition_id, transaction_id, header, req_id, source))
+        resolutions = monitor.on_feed(transaction_id, req_id)
+        if resolutions:
+            self._resolve(partition, resolutions)
         return True
 
     async def _on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
@@ -691,7 +736,7 @@ class AsyncWaltzClient:
             return
         partition.state = state
         partition.notify()
-        if state is MountState.READY:
+        if state is _READY:
             # Appends sent on an earlier connection may be lost; a flush resolves them (see driver.py).
             req_id = partition.monitor.flush_request(self._clock())
             if req_id is not None:
@@ -816,18 +861,51 @@ class AsyncWaltzClient:
 
     async def _nudge_loop(self) -> None:
         threshold_s = self._config.long_wait_threshold_ms / 1000
+        answer_s = self._config.answer_timeout_ms / 1000
         while True:
-            await asyncio.sleep(max(threshold_s / 2, 0.005))
+            await asyncio.sleep(max(min(threshold_s, answer_s) / 2, 0.005))
             now = self._clock()
             for partition in list(self._partitions.values()):
-                if partition.monitor is None or partition.state is not MountState.READY:
+                monitor = partition.monitor
+                if monitor is None:
                     continue
-                req_id = partition.monitor.nudge(now, threshold_s)
+                self._check_answered(partition, monitor, now, answer_s)
+                if partition.state is not _READY:
+                    continue
+                req_id = monitor.nudge(now, threshold_s)
                 if req_id is not None:
                     log.debug(
                         "partition %d: appends pending for %.1f s, sending a flush", partition.id, threshold_s
                     )
                     self._send_flush(partition.id, req_id)
+
+    def _check_answered(
+        self, partition: PartitionState, monitor: TransactionMonitor, now: float, answer_s: float
+    ) -> None:
+        """An append unresolved for ``client.answerTimeout`` (since it was sent, or since the last resync):
+        the server or the link lost it along with every answer that would have resolved it (a flush, the
+        MountResponse of a re-mount), so ask the driver to start the stream again. Its READY's flush then
+        decides the append: committed (it shows up in the feed) or failed (retried as any lost append)."""
+        if partition.state is MountState.CLIENT_AHEAD:
+            return
+        oldest = monitor.oldest_pending_at
+        if oldest is None:
+            return
+        since = oldest if partition.resynced_at is None else max(oldest, partition.resynced_at)
+        if now - since < answer_s:
+            return
+        partition.resynced_at = now
+        log.warning(
+            "partition %d: %d appends pending, the oldest unanswered for %.1f s (client.answerTimeout); "
+            "mounting again",
+            partition.id,
+            monitor.pending_count,
+            now - oldest,
+        )
+        try:
+            self._require_driver().resync(partition.id)
+        except Exception:
+            log.exception("partition %d: resync failed", partition.id)
 
     # -- contexts ----------------------------------------------------------------------------------------
 
@@ -836,16 +914,18 @@ class AsyncWaltzClient:
         hooks; anything else continues in a task, as the slow path."""
         partition = run.partition
         assert partition is not None
-        if isinstance(result, Resolution) and result.outcome is Outcome.COMMITTED:
+        if isinstance(result, Resolution) and result.outcome is _COMMITTED:
             self._release_slot(run)
-            run.lifecycle.handle(Event.COMMIT)
+            run.lifecycle.handle(_COMMIT)
             run.transaction_id = result.transaction_id
             partition.awaiting_apply.append(run)
             self._queue_hook(run, True, run.context.on_completion, True)
             return
         if isinstance(result, Resolution):
             run.lifecycle.handle(_FAILURE_EVENTS[result.outcome])
-        self._wake(partition.lock_queue.release(run))
+        wake = partition.lock_queue.release(run)
+        if wake:
+            self._wake(wake)
         self._spawn(self._run_context(run, 1, None, result), f"waltz-run-p{partition.id}")
 
     def _take_turn(self, partition: PartitionState, run: Run, builder: TransactionBuilder) -> bool:
@@ -855,7 +935,9 @@ class AsyncWaltzClient:
         locks = builder.write_lock_hashes
         if locks and queue.blocker(run, locks) is not None:
             return False
-        self._wake(queue.acquire(run, locks))
+        wake = queue.acquire(run, locks)
+        if wake:
+            self._wake(wake)
         return True
 
     def _park(self, partition: PartitionState, run: Run, builder: TransactionBuilder) -> None:
@@ -864,7 +946,9 @@ class AsyncWaltzClient:
         if blocker is None:
             raise ClientError("internal error: parking a context that is not blocked")
         run.turn = asyncio.get_running_loop().create_future()
-        self._wake(partition.lock_queue.park(run, blocker))
+        wake = partition.lock_queue.park(run, blocker)
+        if wake:
+            self._wake(wake)
         if run.first_send is not None and not run.first_send.done():
             run.first_send.set_result(None)  # Queued counts as accepted: submit returns.
 
@@ -900,7 +984,9 @@ class AsyncWaltzClient:
         while waiting and waiting[0].transaction_id <= transaction_id:
             run = waiting.popleft()
             run.applied = True
-            self._wake(partition.lock_queue.release(run))
+            wake = partition.lock_queue.release(run)
+            if wake:
+                self._wake(wake)
             if run.completed:
                 self._queue_application(run)
 
@@ -913,7 +999,7 @@ class AsyncWaltzClient:
             # Otherwise _hooks_done finishes it once on_completion ran.
 
     def _queue_application(self, run: Run) -> None:
-        if run.lifecycle.state is State.COMMITTED and run.lifecycle.handle(Event.APPLY) is Hook.APPLICATION:
+        if run.lifecycle.state is _STATE_COMMITTED and run.lifecycle.handle(_APPLY) is _ON_APPLICATION:
             self._queue_hook(run, False, run.context.on_application)
         else:
             self._finish(run)  # Ended meanwhile (closed): no on_application.
@@ -1005,7 +1091,7 @@ class AsyncWaltzClient:
                     attempts += 1
                     monitor = await self._wait_mounted(partition)
                     builder = TransactionBuilder(partition.id, monitor.applied_high_water_mark)
-                    run.lifecycle.handle(Event.EXECUTE)
+                    run.lifecycle.handle(_EXECUTE)
                     if not await self._call_user(context.execute, builder):
                         self._release_slot(run)
                         run.lifecycle.handle(Event.GIVE_UP)
@@ -1022,23 +1108,27 @@ class AsyncWaltzClient:
                     await self._await_turn(run)
                     continue
                 outcome: asyncio.Future[Resolution] = asyncio.get_running_loop().create_future()
-                run.lifecycle.handle(Event.SEND)
+                run.lifecycle.handle(_SEND)
                 self._send(partition, monitor, builder, functools.partial(_settle, outcome))
                 builder = None
                 if run.first_send is not None and not run.first_send.done():
                     run.first_send.set_result(None)
                 resolution = await outcome
-                if resolution.outcome is Outcome.COMMITTED:
+                if resolution.outcome is _COMMITTED:
                     self._release_slot(run)
-                    run.lifecycle.handle(Event.COMMIT)
+                    run.lifecycle.handle(_COMMIT)
                     await self._call_hook(context.on_completion, True)
                     await self._wait_applied(partition, resolution.transaction_id)
-                    self._wake(partition.lock_queue.release(run))
-                    if run.lifecycle.handle(Event.APPLY) is Hook.APPLICATION:
+                    wake = partition.lock_queue.release(run)
+                    if wake:
+                        self._wake(wake)
+                    if run.lifecycle.handle(_APPLY) is _ON_APPLICATION:
                         await self._call_hook(context.on_application)
                     return
                 run.lifecycle.handle(_FAILURE_EVENTS[resolution.outcome])
-                self._wake(partition.lock_queue.release(run))
+                wake = partition.lock_queue.release(run)
+                if wake:
+                    self._wake(wake)
                 await self._after_failure(context, resolution, attempts)
         except asyncio.CancelledError:
             raise  # close() reports ClientClosedError to the context.
@@ -1071,9 +1161,10 @@ class AsyncWaltzClient:
         """Register and send one append; synchronous, so registration order is send order. ``outcome`` is
         called (on the loop) with the append's fate."""
         driver = self._require_driver()
-        seq = self._next_seq.get(partition.id, 0) + 1
-        self._next_seq[partition.id] = seq
-        req_id = ReqId.of(driver.client_id, driver.generation(partition.id), partition.id, seq)
+        p = partition.id
+        seq = self._next_seq.get(p, 0) + 1
+        self._next_seq[p] = seq
+        req_id = ReqId.of(self._client_id, driver.generation(p), p, seq)
         request = builder.build(req_id)
         partition.outcomes[req_id] = outcome
         monitor.register(req_id, seq, self._clock())
@@ -1102,7 +1193,7 @@ class AsyncWaltzClient:
                             f"partition {partition.id}: the application's high-water mark is ahead of the "
                             "server's (wrong cluster, or the log lost data)"
                         )
-                    if partition.state is MountState.READY and partition.monitor is not None:
+                    if partition.state is _READY and partition.monitor is not None:
                         return partition.monitor
                     await partition.changed()
         except TimeoutError:
@@ -1126,7 +1217,9 @@ class AsyncWaltzClient:
 
     def _finish(self, run: Run) -> None:
         if run.partition is not None:
-            self._wake(run.partition.lock_queue.leave(run))
+            wake = run.partition.lock_queue.leave(run)
+            if wake:
+                self._wake(wake)
         self._runs.discard(run)
         run.set_finished()
         if run.first_send is not None and not run.first_send.done():
@@ -1181,8 +1274,10 @@ class AsyncWaltzClient:
                 async with asyncio.timeout(remaining):
                     return await call()
             except TimeoutError:
+                # The deadline cut an attempt short; the errors before it still say why.
+                why = f": {last_error}" if last_error is not None else ""
                 raise ClientTimeoutError(
-                    f"{what} timed out after {self._config.request_timeout_ms} ms"
+                    f"{what} timed out after {self._config.request_timeout_ms} ms{why}"
                 ) from (last_error)
             except WaltzError as e:
                 if not e.retriable or self._closed:
@@ -1259,7 +1354,7 @@ def _apply_batch(
     :data:`APPLY_BATCH_MAX_S`. Returns how many were applied, and the exception that stopped it."""
     deadline = time.monotonic() + APPLY_BATCH_MAX_S
     for i, transaction in enumerate(batch):
-        if i and time.monotonic() > deadline:
+        if i and not i % 8 and time.monotonic() > deadline:
             return i, None
         try:
             apply(transaction)
@@ -1274,7 +1369,7 @@ async def _apply_batch_inline(
     """On the loop (inline mode): like :func:`_apply_batch`; a coroutine ``apply_transaction`` is awaited."""
     deadline = time.monotonic() + APPLY_BATCH_MAX_S
     for i, transaction in enumerate(batch):
-        if i and time.monotonic() > deadline:
+        if i and not i % 8 and time.monotonic() > deadline:
             return i, None
         try:
             result = apply(transaction)

@@ -30,7 +30,9 @@ Lifecycle
    server moves: after a reconnect it re-mounts from the last transaction id it delivered, never from
    ``client_hwm`` again. The driver is the **one owner** of the feed position and of its density check:
    the core does not track or check it again, and takes every ``on_feed_data`` as the next transaction.
-3. While mounted (after ``READY``), ``send_append``/``send_flush`` may be called.
+3. While mounted (after ``READY``), ``send_append``/``send_flush`` may be called. A server that never
+   answers is not waited for without bound: the driver gives a MountRequest ``client.answerTimeout`` to be
+   answered, and the core calls ``resync`` when an append stays unresolved that long.
 4. ``await driver.unmount(p)`` stops the partition; no more events for it afterwards.
 5. ``await driver.close()`` closes everything; it must return even if the cluster is unreachable.
 
@@ -179,6 +181,14 @@ class ClientDriver(ABC):
     @abstractmethod
     def send_flush(self, partition_id: int, req_id: ReqId) -> None:
         """Queue a flush for the partition, after every append queued before it. Never blocks."""
+
+    @abstractmethod
+    def resync(self, partition_id: int) -> None:
+        """The core heard nothing that resolves the partition's oldest pending append for
+        ``client.answerTimeout``: drop the partition's stream as if its connection were lost (``NOT_READY``,
+        answers still owed on it are gone) and mount it again. Never blocks. The core's flush after the
+        next ``READY`` then resolves every pending append (an append that did commit shows up in the feed,
+        which re-mounts from the last id delivered: nothing is applied twice)."""
 
     @abstractmethod
     async def fetch_transaction_data(self, partition_id: int, transaction_id: int) -> tuple[bytes, int]:

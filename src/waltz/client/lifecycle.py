@@ -116,6 +116,9 @@ TRANSITIONS: dict[tuple[State, Event], tuple[State, Hook | None]] = {
 }
 """``(state, event) -> (next state, hook owed)``; see the module docstring."""
 
+# Module constants for what handle() compares on every call (an enum member lookup costs far more in 3.11).
+_SEND, _COMMITTED, _ENDED = Event.SEND, State.COMMITTED, State.ENDED
+
 
 class Lifecycle:
     """The state of one context. ``attempts`` counts the appends sent (what ``client.maxTransactionAttempts``
@@ -133,7 +136,7 @@ class Lifecycle:
             state, hook = TRANSITIONS[(self.state, event)]
         except KeyError:
             raise LifecycleError(f"a context in state {self.state.value} cannot {event.value}") from None
-        if event is Event.SEND:
+        if event is _SEND:
             self.attempts += 1
         self.state = state
         return hook
@@ -141,7 +144,7 @@ class Lifecycle:
     @property
     def ended(self) -> bool:
         """True once no terminal hook remains to be decided (committed, or ended)."""
-        return self.state is State.COMMITTED or self.state is State.ENDED
+        return self.state is _COMMITTED or self.state is _ENDED
 
     def __repr__(self) -> str:
         return f"Lifecycle({self.state.value}, attempts={self.attempts})"

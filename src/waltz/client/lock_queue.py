@@ -87,8 +87,11 @@ class LockQueue:
     def release(self, context: Hashable) -> list[Hashable]:
         """``context``'s append failed, or its transaction is applied: its locks pass on. Returns contexts
         to wake (each now holds a reservation)."""
+        held = self._held.pop(context, None)
+        if held is None:
+            return []  # The common case, a context without write locks (no set made for it).
         wake: list[Hashable] = []
-        for h in self._held.pop(context, set()):
+        for h in held:
             lock = self._locks.get(h)
             if lock is None:
                 continue

@@ -143,6 +143,8 @@ class _Stream:
         self.outbox: deque[_Outbound] = deque()
         self.inbox: deque[tuple[str, ReqId, int]] = deque()
         self.ready = False
+        self.deaf = False  # Wedged: requests vanish unanswered (see MockDriver.wedge).
+        self.mute = False  # Wedged: nothing comes back (see MockDriver.wedge).
         self.wake_sender = asyncio.Event()
         self.wake_delivery = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
@@ -183,6 +185,8 @@ class _Stream:
             if not self.outbox:
                 continue  # Lost to a simulated disconnect while we waited.
             item = self.outbox.popleft()
+            if self.deaf:
+                continue
             if item[0] == "flush":
                 self.inbox.append(("flush", item[1], cluster.high_water_mark(self.partition_id)))
             else:
@@ -221,6 +225,9 @@ class _Stream:
         await listener.on_mount_state(p, MountState.READY)
         while True:
             self.wake_delivery.clear()
+            if self.mute:
+                await self.wake_delivery.wait()
+                continue
             if self.inbox:
                 kind, req_id, txn = self.inbox.popleft()
                 if kind == "flush":
@@ -276,6 +283,8 @@ class MockDriver(ClientDriver):
         self.appends_received = 0
         self.appends_dropped = 0
         self.lock_failures = 0
+        self.resyncs = 0
+        self._tasks: set[asyncio.Task[None]] = set()
         self._listener: DriverListener | None = None
         self._streams: dict[int, _Stream] = {}
         self._closed = False
@@ -315,6 +324,16 @@ class MockDriver(ClientDriver):
         """Return a wrong checksum for the next ``count`` data fetches."""
         self._corrupt_next_fetches += count
 
+    def wedge(self, partition_id: int, *, deaf: bool = True, mute: bool = False) -> None:
+        """Wedge the partition's current stream, as a connection that stays open while the server drops
+        what it gets or the link loses what comes back: ``deaf``, requests (appends, flushes) vanish
+        unanswered; ``mute``, the server still appends but nothing comes back (feed, responses). The next
+        stream (after :meth:`disconnect` or ``resync``) works again."""
+        stream = self._streams.get(partition_id)
+        if stream is None:
+            raise ClientError(f"partition {partition_id} is not mounted")
+        stream.deaf, stream.mute = deaf, mute
+
     async def disconnect(self, reconnect_delay_ms: float = 10.0) -> None:
         """Simulate losing the connection: requests and responses in flight are lost, every partition
         reports NOT_READY, and after ``reconnect_delay_ms`` re-mounts from where its feed stopped.
@@ -327,6 +346,7 @@ class MockDriver(ClientDriver):
             await stream.stop()
             stream.outbox.clear()
             stream.inbox.clear()
+            stream.deaf = stream.mute = False
             await listener.on_mount_state(partition_id, MountState.NOT_READY)
             stream.start(initial_delay_s=reconnect_delay_ms / 1000)
 
@@ -385,6 +405,26 @@ class MockDriver(ClientDriver):
         stream.wake_sender.set()
         return stream.outbox
 
+    def resync(self, partition_id: int) -> None:
+        stream = self._streams.get(partition_id)
+        if stream is None or self._closed:
+            return
+        self.resyncs += 1
+        task = asyncio.get_running_loop().create_task(self._restart(stream), name="mock-resync")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _restart(self, stream: _Stream) -> None:
+        """A new stream for the partition (a reconnect): what was in flight on the old one is lost."""
+        await stream.stop()
+        stream.outbox.clear()
+        stream.inbox.clear()
+        stream.deaf = stream.mute = False
+        if self._streams.get(stream.partition_id) is not stream:
+            return
+        await self.listener.on_mount_state(stream.partition_id, MountState.NOT_READY)
+        stream.start(initial_delay_s=0.01)
+
     async def fetch_transaction_data(self, partition_id: int, transaction_id: int) -> tuple[bytes, int]:
         if self.max_delay_ms > 0:
             await asyncio.sleep(self.rng.uniform(0, self.max_delay_ms) / 1000)
@@ -401,5 +441,8 @@ class MockDriver(ClientDriver):
 
     async def close(self) -> None:
         self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for partition_id in list(self._streams):
             await self.unmount(partition_id)

@@ -36,10 +36,9 @@ from types import TracebackType
 from typing import TypeVar
 
 from waltz.client.config import ClientConfig
-from waltz.client.network import (
-    Discovery,
+from waltz.client.discovery import Discovery, ZkDiscovery
+from waltz.client.rpc import (
     RpcPool,
-    ZkDiscovery,
     retry_rpc,
     rpc_high_water_mark,
     rpc_read_range,

@@ -103,6 +103,7 @@ class PartitionState:
         self.tasks: list[asyncio.Task[Any]] = []  # Mount and applier tasks, cancelled on release.
         self.lock_queue = LockQueue()  # This client's contexts take turns on a write lock.
         self.stuck: Stuck | None = None  # Set while apply_transaction keeps failing on one transaction.
+        self.resynced_at: float | None = None  # When the core last asked the driver to resync (its clock).
         self._changed = asyncio.Event()
         self._feed_waiter: asyncio.Future[None] | None = None  # The applier, waiting for the feed.
         self._room_waiter: asyncio.Future[None] | None = None  # The driver, waiting for room in the feed.

@@ -50,7 +50,13 @@ from waltz.cluster.partition_assignment import PartitionAssignment
 from waltz.cluster.server_descriptor import ServerDescriptor
 from waltz.cluster.store_metadata import next_id
 from waltz.cluster.zk import ClusterPaths, zk_errors
-from waltz.errors import ClientTimeoutError, ClusterError, ConcurrentUpdateError, MetadataError
+from waltz.errors import (
+    ClientTimeoutError,
+    ClusterError,
+    ConcurrentUpdateError,
+    MetadataError,
+    ZooKeeperUnavailableError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +220,10 @@ class _AssignmentView:
             except (ClusterError, MetadataError) as e:
                 if isinstance(e, ConcurrentUpdateError):
                     log.debug("%s: lost an assignment race, re-reading", self.paths.root)
+                elif isinstance(e, ZooKeeperUnavailableError):
+                    # waltz.cluster.zk logs the state change once; a line per failed refresh would repeat it.
+                    log.debug("%s: refresh failed: %s", self.paths.root, e)
+                    await asyncio.sleep(RETRY_DELAY_S)
                 else:
                     log.info("%s: refresh failed: %s", self.paths.root, e)
                     await asyncio.sleep(RETRY_DELAY_S)

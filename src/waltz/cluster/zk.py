@@ -58,7 +58,13 @@ from kazoo.retry import KazooRetry
 from kazoo.security import ACL, Id, Permissions
 
 from waltz.config import Key
-from waltz.errors import ClusterError, ConcurrentUpdateError, ConfigError, MetadataError
+from waltz.errors import (
+    ClusterError,
+    ConcurrentUpdateError,
+    ConfigError,
+    MetadataError,
+    ZooKeeperUnavailableError,
+)
 from waltz.tls import MIN_TLS_VERSION, TlsConfig
 
 log = logging.getLogger(__name__)
@@ -527,7 +533,9 @@ def zk_errors(what: str) -> Iterator[None]:
         raise MetadataError(
             f"{what}: not allowed by the znode's ACL (set zookeeper.authFile to the cluster's identity)"
         ) from None
-    except (ConnectionLoss, SessionExpiredError, OperationTimeoutError, KazooTimeoutError) as e:
+    except (ConnectionLoss, SessionExpiredError) as e:
+        raise ZooKeeperUnavailableError(f"{what}: ZooKeeper unavailable ({type(e).__name__})") from None
+    except (OperationTimeoutError, KazooTimeoutError) as e:
         raise ClusterError(f"{what}: ZooKeeper unavailable ({type(e).__name__})") from None
     except KazooException as e:
         raise ClusterError(f"{what}: ZooKeeper error {type(e).__name__}: {e}") from None

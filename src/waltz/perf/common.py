@@ -40,8 +40,9 @@ PROGRESS_INTERVAL_S = 0.5
 class Progress:
     """A run's outcomes as they happen (on the loop), for the live progress line and the stall check."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, done: str = "committed") -> None:
         self.total = total
+        self.done = done  # What an outcome is called on the line: "committed", "read".
         self.committed = 0
         self.failed = 0
         self.started = time.perf_counter()
@@ -57,7 +58,7 @@ class Progress:
     def line(self) -> str:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         return (
-            f"{self.committed}/{self.total} committed, {self.failed} failed, "
+            f"{self.committed}/{self.total} {self.done}, {self.failed} failed, "
             f"{self.committed / elapsed:,.0f}/s, {elapsed:.1f} s"
         )
 
@@ -119,9 +120,11 @@ class MarkCallbacks(ClientCallbacks):
         return None  # The tools report what they saw; a redelivery is not an error for them.
 
 
-async def watched(work: Awaitable[T], progress: Progress, show: ProgressLine | None) -> T:
+async def watched(
+    work: Awaitable[T], progress: Progress, show: ProgressLine | None, what: str = "appends"
+) -> T:
     """Await ``work`` under :func:`watch`: a live progress line, and the stall error if nothing completes."""
-    watcher = asyncio.create_task(watch(progress, show))
+    watcher = asyncio.create_task(watch(progress, show, what))
     task = asyncio.ensure_future(work)
     try:
         both: list[asyncio.Future[Any]] = [watcher, task]

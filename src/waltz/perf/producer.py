@@ -13,13 +13,16 @@ replaces ``client.maxConcurrentTransactions`` for the run, to measure pipelined 
 Consumer: first appends ``num_txns`` transactions (untimed, a few producer clients, no locks), then
 ``clients`` fresh clients mount at the marks before those appends and each reads them all, fetching every
 transaction's data; the time runs from the consumers' start to the last transaction read by the last one.
+
+Both run their clients on the path an asyncio application gets from ``client.callbackMode: inline``: hooks
+and ``apply_transaction`` on the event loop (the consumer's awaits ``fetch_transaction_data``), on uvloop
+when the CLI finds it, with a live progress line and the stall check.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -171,9 +174,19 @@ class ConsumerOptions:
 
 
 async def run_consumers(
-    config: ClientConfig, opts: ConsumerOptions, driver_factory: DriverFactory = network_driver
+    config: ClientConfig,
+    opts: ConsumerOptions,
+    driver_factory: DriverFactory = network_driver,
+    *,
+    show_progress: ProgressLine | None = None,
 ) -> PerfResult:
-    """Run the consumer benchmark (see the module docstring) and return its figures."""
+    """Run the consumer benchmark (see the module docstring) and return its figures.
+
+    The consumers run in ``client.callbackMode: inline``: ``apply_transaction`` is a coroutine on the event
+    loop that awaits the transaction's data (no callback thread). ``show_progress`` is called with a progress
+    line twice a second; a run in which no transaction is read for
+    :data:`~waltz.perf.common.STALL_TIMEOUT_S` stops with a ClientError saying so.
+    """
     opts.validate()
     marks, n = await current_marks(config, driver_factory)
     # The most load clients (up to CONSUMER_LOAD_CLIENTS) that split num_txns evenly, so exactly num_txns
@@ -198,38 +211,33 @@ async def run_consumers(
     end_marks, _ = await current_marks(config, driver_factory)
     expected = sum(end_marks[p] - marks[p] for p in range(n))
 
-    loop = asyncio.get_running_loop()
+    progress = Progress(expected * opts.clients, "read")
     done_events: list[asyncio.Event] = []
     read_bytes = [0]
-    lock = threading.Lock()
 
-    def make_callbacks() -> MarkCallbacks:
+    def make_callbacks() -> _ReadingCallbacks:
         event = asyncio.Event()
         done_events.append(event)
-        count = [0]
+        return _ReadingCallbacks(marks, expected, event, progress, read_bytes)
 
-        def on_apply(transaction: Transaction) -> None:
-            data = transaction.get_transaction_data()
-            with lock:
-                read_bytes[0] += len(data)
-            count[0] += 1
-            if count[0] == expected:
-                loop.call_soon_threadsafe(event.set)
-
-        return MarkCallbacks(marks, on_apply)
-
+    consumer_config = config.replace(callback_mode="inline")
     clients: list[AsyncWaltzClient] = []
     try:
         started = time.perf_counter()
+        progress.started = progress.last_change = started
         for _ in range(opts.clients):
-            clients.append(await start_client(make_callbacks(), config, driver_factory))  # noqa: PERF401 - closed on failure
-        try:
-            async with asyncio.timeout(COMPLETION_TIMEOUT_S):
-                await asyncio.gather(*(e.wait() for e in done_events))
-        except TimeoutError:
-            raise ClientTimeoutError(
-                f"consumers did not read the {expected} transactions within {COMPLETION_TIMEOUT_S:g} s"
-            ) from None
+            clients.append(await start_client(make_callbacks(), consumer_config, driver_factory))  # noqa: PERF401 - closed on failure
+
+        async def all_read() -> None:
+            try:
+                async with asyncio.timeout(COMPLETION_TIMEOUT_S):
+                    await asyncio.gather(*(e.wait() for e in done_events))
+            except TimeoutError:
+                raise ClientTimeoutError(
+                    f"consumers did not read the {expected} transactions within {COMPLETION_TIMEOUT_S:g} s"
+                ) from None
+
+        await watched(all_read(), progress, show_progress, "reads")
         seconds = time.perf_counter() - started
     finally:
         await close_all(clients)
@@ -240,3 +248,31 @@ async def run_consumers(
         seconds,
         parameters={"clients": opts.clients, "num_txns": expected, "txn_size": opts.txn_size_bytes},
     )
+
+
+class _ReadingCallbacks(MarkCallbacks):
+    """A consumer's callbacks (inline mode): every transaction's data is fetched on the loop and counted."""
+
+    def __init__(
+        self,
+        start_marks: dict[int, int],
+        expected: int,
+        done: asyncio.Event,
+        progress: Progress,
+        read_bytes: list[int],
+    ) -> None:
+        super().__init__(start_marks)
+        self._expected = expected
+        self._count = 0
+        self._done = done
+        self._progress = progress
+        self._read_bytes = read_bytes
+
+    async def apply_transaction(self, transaction: Transaction) -> None:  # type: ignore[override]
+        data = await transaction.fetch_transaction_data()
+        self._read_bytes[0] += len(data)
+        self.marks[transaction.partition_id] = transaction.transaction_id
+        self._progress.note(True)
+        self._count += 1
+        if self._count == self._expected:
+            self._done.set()

@@ -29,7 +29,7 @@ ReqId = ``u64 msb · u64 lsb`` (see :mod:`waltz.protocol.records`)::
      9   FlushResponse                       i64 transactionId                                         V0+
     10   LockFailure                         i64 transactionId                                         V0+
     11   HighWaterMarkRequest                -                                                         V0+
-    12   HighWaterMarkResponse               i64 transactionId (-2: not served yet, HWM_NOT_SERVED)    V0+
+    12   HighWaterMarkResponse               i64 transactionId (-2: not served, HWM_NOT_SERVED)        V0+
     13   CheckStorageConnectivityRequest     -                                                         V1+
     14   CheckStorageConnectivityResponse    i32 n · n x (string connectString · bool reachable)       V1+
     15   ServerPartitionsAssignmentRequest   -                                                         V2+
@@ -79,15 +79,17 @@ other messages use.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import ClassVar, Self
+from typing import ClassVar, Final, Self
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
 from waltz.protocol.record_run import encode_run, run_records, scan_run
-from waltz.protocol.records import Record, ReqId, crc32
+from waltz.protocol.records import Record, RecordHeader, ReqId, crc32, make_req_id
 from waltz.protocol.wire import Reader, Writer
 
 __all__ = [
@@ -123,6 +125,8 @@ __all__ = [
     "TransactionRangeRequest",
     "TransactionRangeResponse",
     "decode",
+    "decode_feed_data",
+    "new_append_request",
     "encode",
 ]
 
@@ -138,6 +142,15 @@ _PREFIX = struct.Struct(">BQQ")  # type, ReqId msb, ReqId lsb
 _PREFIX_BYTES = _PREFIX.size  # 17
 _APPEND_HEAD = struct.Struct(">BQQqi")  # type, ReqId, clientHighWaterMark, writeLocks count
 _FEED_DATA = struct.Struct(">BQQqi")  # type, ReqId, transactionId, header
+_APPEND_HEAD_NO_LOCKS = struct.Struct(">BQQqiiiii")  # V2+: type, ReqId, hwm, 0 locks x3, header, length
+
+
+@functools.lru_cache(maxsize=64)
+def _append_head_v2(nw: int, nr: int, na: int) -> struct.Struct:
+    """The V2+ AppendRequest head for these lock counts, compiled once (appends reuse a few shapes)."""
+    return struct.Struct(f">BQQqi{nw}ii{nr}ii{na}iii")
+
+
 _I32 = struct.Struct(">i")
 _HEADER_AND_LENGTH = struct.Struct(">ii")
 _U32 = struct.Struct(">I")
@@ -421,9 +434,21 @@ class AppendRequest(_Message):
         nw, nr, na = len(w), len(r), len(a)
         data = self.data
         try:
-            if version >= 2:
-                head = struct.pack(
-                    f">BQQqi{nw}ii{nr}ii{na}iii",
+            if version >= 2 and not (nw or nr or na):
+                # The common append, without locks: one precompiled struct instead of a format per call.
+                head = _APPEND_HEAD_NO_LOCKS.pack(
+                    2,
+                    self.req_id.msb & _MASK64,
+                    self.req_id.lsb & _MASK64,
+                    self.client_high_water_mark,
+                    0,
+                    0,
+                    0,
+                    self.header,
+                    len(data),
+                )
+            elif version >= 2:
+                head = _append_head_v2(nw, nr, na).pack(
                     2,
                     self.req_id.msb & _MASK64,
                     self.req_id.lsb & _MASK64,
@@ -484,17 +509,26 @@ class AppendRequest(_Message):
         if end < pos:
             raise _truncated(pos, end)
         _, msb, lsb, hwm, n = _APPEND_HEAD.unpack_from(payload, 0)
-        write_locks, pos = _read_locks(payload, pos, end, n)
+        # Most appends carry no locks (counts 0, or -1 for Java's null array): skip the general reader then.
+        write_locks: tuple[int, ...] = ()
+        if n > 0 or n < -1:
+            write_locks, pos = _read_locks(payload, pos, end, n)
         read_locks: tuple[int, ...] = ()
         append_locks: tuple[int, ...] = ()
         if version >= 1:
             if pos + 4 > end:
                 raise _truncated(pos + 4, end)
-            read_locks, pos = _read_locks(payload, pos + 4, end, _I32.unpack_from(payload, pos)[0])
+            n = _I32.unpack_from(payload, pos)[0]
+            pos += 4
+            if n > 0 or n < -1:
+                read_locks, pos = _read_locks(payload, pos, end, n)
             if version >= 2:
                 if pos + 4 > end:
                     raise _truncated(pos + 4, end)
-                append_locks, pos = _read_locks(payload, pos + 4, end, _I32.unpack_from(payload, pos)[0])
+                n = _I32.unpack_from(payload, pos)[0]
+                pos += 4
+                if n > 0 or n < -1:
+                    append_locks, pos = _read_locks(payload, pos, end, n)
         if pos + 8 > end:
             raise _truncated(pos + 8, end)
         header, length = _HEADER_AND_LENGTH.unpack_from(payload, pos)
@@ -508,12 +542,12 @@ class AppendRequest(_Message):
             raise RemoteProtocolError(f"{end - stop - 4} unexpected trailing bytes")
         data = bytes(payload[pos:stop])
         checksum: int = _U32.unpack_from(payload, stop)[0]
-        if crc32(data) != checksum:
+        if zlib.crc32(data) != checksum:  # both unsigned
             raise RemoteProtocolError(
                 f"AppendRequest data checksum mismatch: carried {checksum:#010x}, "
                 f"computed {crc32(data):#010x}"
             )
-        return cls(ReqId(msb, lsb), hwm, write_locks, read_locks, append_locks, header, data, checksum)
+        return cls(make_req_id(msb, lsb), hwm, write_locks, read_locks, append_locks, header, data, checksum)
 
 
 @dataclass(frozen=True, slots=True)
@@ -685,14 +719,16 @@ class HighWaterMarkRequest(_Message):
 
 HWM_NOT_SERVED = -2
 """``HighWaterMarkResponse.transaction_id`` of a partition the server owns but cannot serve: its store session
-has not opened since the server took the partition (no quorum of clean replicas yet), so its high-water mark
-is unknown. Readers raise a retriable PartitionNotReadyError; they must never read it as an empty log."""
+is not open (it has not opened since the server took the partition, or it ended and no new one opened: too
+few clean replicas reachable), so the log's high-water mark is unknown (the last one the server knew may have
+been passed, or cannot be read now). Readers raise a retriable PartitionNotReadyError; they must never read it
+as an empty log."""
 
 
 @dataclass(frozen=True, slots=True)
 class HighWaterMarkResponse(_Message):
     """The partition's last committed transaction id (-1 for an empty log, :data:`HWM_NOT_SERVED` (-2) when
-    the owning server does not know it yet)."""
+    the owning server does not serve the partition)."""
 
     TYPE: ClassVar[MessageType] = MessageType.HIGH_WATER_MARK_RESPONSE
     _KINDS: ClassVar[tuple[str, ...] | None] = (_I64,)
@@ -963,6 +999,63 @@ def encode(msg: Message, version: int) -> bytes:
             "not supported, upgrade servers"
         )
     return msg._encode(version)
+
+
+_APPEND_SLOT_SETTERS = tuple(
+    AppendRequest.__dict__[f.name].__set__ for f in dataclasses.fields(AppendRequest)
+)
+
+
+def new_append_request(
+    req_id: ReqId,
+    client_high_water_mark: int,
+    write_locks: tuple[int, ...],
+    read_locks: tuple[int, ...],
+    append_locks: tuple[int, ...],
+    header: int,
+    data: bytes,
+    checksum: int,
+) -> AppendRequest:
+    """``AppendRequest(...)`` with the same arguments, built through its slots' setters: a frozen dataclass's
+    ``__init__`` pays an ``object.__setattr__`` lookup per field (twice the cost, on a client's hot path)."""
+    msg = object.__new__(AppendRequest)
+    s0, s1, s2, s3, s4, s5, s6, s7 = _APPEND_SLOT_SETTERS
+    s0(msg, req_id)
+    s1(msg, client_high_water_mark)
+    s2(msg, write_locks)
+    s3(msg, read_locks)
+    s4(msg, append_locks)
+    s5(msg, header)
+    s6(msg, data)
+    s7(msg, checksum)
+    return msg
+
+
+_FEED_DATA_TYPE: Final = int(MessageType.FEED_DATA)
+
+
+def decode_feed_data(payload: bytes | bytearray | memoryview) -> tuple[ReqId, int, int] | None:
+    """``(req_id, transaction_id, header)`` if ``payload`` is a well-formed FeedData (any codec version),
+    else None (then :func:`decode` it). The client's feed reader takes most messages this way, without a
+    message object: the feed is the bulk of what a client receives."""
+    if len(payload) != _FEED_DATA.size or payload[0] != _FEED_DATA_TYPE:
+        return None
+    _, msb, lsb, transaction_id, header = _FEED_DATA.unpack_from(payload, 0)
+    return ReqId(msb, lsb), transaction_id, header
+
+
+def encode_feed_data(headers: Iterable[RecordHeader], version: int) -> list[bytes]:
+    """The payloads of ``FeedData(h.req_id, h.transaction_id, h.header)`` for each of ``headers``: the same
+    bytes as :func:`encode` of each, without building the messages (the server's feed sends one per
+    commit)."""
+    if version not in SUPPORTED_VERSIONS:
+        _check_version(version)
+    pack = _FEED_DATA.pack
+    code = int(MessageType.FEED_DATA)
+    try:
+        return [pack(code, msb & _MASK64, lsb & _MASK64, txn, header) for txn, (msb, lsb), header in headers]
+    except struct.error as e:
+        raise LocalProtocolError(f"FeedData field out of range: {e}") from None
 
 
 def decode(payload: bytes | bytearray | memoryview, version: int) -> Message:

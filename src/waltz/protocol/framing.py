@@ -205,6 +205,32 @@ class FrameDecoder:
             self._pos = end
         return Frame(magic, version, payload)
 
+    def next_payload(self) -> bytes | None:
+        """The next complete frame's payload alone, without a :class:`Frame` (for a reader that set
+        :attr:`expected`, to whom magic and version say nothing more), or None if more bytes are needed.
+        Checks and errors as :meth:`next_frame`."""
+        if self._error is not None:
+            raise self._error
+        buf = self._buf
+        pos = self._pos
+        n = len(buf)
+        if n - pos < FRAME_HEADER_BYTES:
+            return None
+        magic, version, length = FRAME_HEADER.unpack_from(buf, pos)
+        if (magic, version) != self.expected or not 0 <= length <= self.max_frame_bytes:
+            self._check_header(magic, version, length)
+        start = pos + FRAME_HEADER_BYTES
+        end = start + length
+        if end > n:
+            return None
+        payload = bytes(buf[start:end])
+        if end == n:
+            buf.clear()
+            self._pos = 0
+        else:
+            self._pos = end
+        return payload
+
     def _check_header(self, magic: int, version: int, length: int) -> None:
         error: RemoteProtocolError | None = None
         if self.expected is not None and (magic, version) != self.expected:
@@ -349,6 +375,19 @@ class ProtocolConnection:
             # The decoder already checked magic and version against the negotiated codec.
             return Payload(frame.payload) if frame.payload else _KEEP_ALIVE
         return self._on_hello(frame.payload)
+
+    def next_payload(self) -> bytes | None:
+        """After the hello exchange: the next payload (keep-alives skipped), or None if more bytes are
+        needed; the :class:`Payload` events of :meth:`next_event` without an event object each (a client's
+        feed is one small frame per committed transaction). Raises as :meth:`next_event` does."""
+        if self.negotiated_version is None:
+            raise LocalProtocolError("no payloads before the hello exchange completed")
+        decoder = self._decoder
+        while True:
+            payload = decoder.next_payload()
+            if payload is None or payload:
+                return payload
+            # An empty payload is a keep-alive: nothing to return.
 
     def _on_hello(self, payload: bytes) -> HelloReceived:
         try:

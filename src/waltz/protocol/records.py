@@ -133,6 +133,12 @@ class Record(NamedTuple):
         return RecordHeader(self.transaction_id, self.req_id, self.header)
 
 
+def make_header(transaction_id: int, req_id: ReqId, header: int) -> RecordHeader:
+    """``RecordHeader(transaction_id, req_id, header)`` without the generated ``__new__`` (the server makes
+    one per commit and per feed entry)."""
+    return _tuple_new(RecordHeader, (transaction_id, req_id, header))
+
+
 def make_record(transaction_id: int, msb: int, lsb: int, header: int, data: bytes, checksum: int) -> Record:
     """A Record straight from decoded fields, about twice as fast as calling ``Record(...)`` (the decode hot
     path of replication, feeds and range reads)."""

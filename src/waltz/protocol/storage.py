@@ -74,9 +74,9 @@ import os
 import struct
 import traceback
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Final, NamedTuple, Self
+from typing import ClassVar, Final, NamedTuple, Self, overload
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError, WaltzError, error_from_wire, wire_name
 from waltz.protocol.record_run import run_first_id, scan_run
@@ -94,7 +94,7 @@ from waltz.protocol.records import (
     write_record,
     write_record_header,
 )
-from waltz.protocol.wire import I32, U32, Reader, Writer
+from waltz.protocol.wire import I32, I64, U32, Reader, Writer
 
 __all__ = [
     "MAX_FAILURE_FRAMES",
@@ -128,12 +128,15 @@ __all__ = [
     "StorageRpcFailure",
     "SuccessResponse",
     "TruncateRequest",
+    "WireRecordList",
     "decode",
     "encode",
+    "encode_success",
     "failure_from_error",
     "failure_to_error",
     "read_failure",
     "read_record_list",
+    "read_wire_record_list",
     "rpc_failure_of",
     "seq_num_of",
     "write_failure",
@@ -232,6 +235,10 @@ def write_record_list(w: Writer, records: Sequence[Record]) -> None:
     _check_count(len(records), "records")
     buf = w.buf
     buf += I32.pack(len(records))
+    if isinstance(records, WireRecordList):
+        # Already in wire form (a decoded list relayed as it is).
+        buf += memoryview(records.buffer)[records.starts[0] : records.starts[-1]]
+        return
     pack_prefix = RECORD_PREFIX.pack
     pack_u32 = U32.pack
     try:
@@ -269,6 +276,110 @@ def read_record_list(r: Reader) -> tuple[Record, ...]:
         append(make_record(txn, msb, lsb, header, body, checksum))
     r.pos = pos
     return tuple(records)
+
+
+class WireRecordList(Sequence[Record]):
+    """A decoded ``i32 n · n x Record`` list kept in the bytes it arrived in (an AppendRequest's records).
+
+    The storage node turns these bytes into its on-disk layout without building a Record per record (see
+    ``waltz.storage.segment.append_wire_run``), which was the largest per-record cost of an append. The
+    shape was checked when decoded (every length inside the message), so building a Record on access
+    (indexing, iteration) cannot fail. It compares equal to any sequence of the same records.
+    """
+
+    __slots__ = ("_count", "_data", "_starts")
+
+    def __init__(self, data: bytes, starts: list[int]) -> None:
+        self._data = data
+        self._starts = starts
+        self._count = len(starts) - 1
+
+    @property
+    def first_transaction_id(self) -> int:
+        """The id of the first record (the list must not be empty)."""
+        return int(I64.unpack_from(self._data, self._starts[0])[0])
+
+    @property
+    def buffer(self) -> bytes:
+        """The bytes the records lie in (the whole message payload)."""
+        return self._data
+
+    @property
+    def starts(self) -> list[int]:
+        """Offset in :attr:`buffer` of each record, then the end of the last: ``len(self) + 1`` values."""
+        return self._starts
+
+    @property
+    def data_bytes(self) -> int:
+        """Total length of the records' data."""
+        return self._starts[-1] - self._starts[0] - RECORD_OVERHEAD_BYTES * self._count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _record(self, i: int) -> Record:
+        data = self._data
+        start = self._starts[i]
+        end = self._starts[i + 1] - 4
+        txn, msb, lsb, header, _ = RECORD_PREFIX.unpack_from(data, start)
+        return make_record(
+            txn, msb, lsb, header, data[start + RECORD_PREFIX.size : end], U32.unpack_from(data, end)[0]
+        )
+
+    @overload
+    def __getitem__(self, index: int) -> Record: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Record, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Record | tuple[Record, ...]:
+        n = len(self)
+        if isinstance(index, slice):
+            return tuple(self._record(i) for i in range(*index.indices(n)))
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError("record index out of range")
+        return self._record(index)
+
+    def __iter__(self) -> Iterator[Record]:
+        return (self._record(i) for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, WireRecordList | tuple | list):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"WireRecordList({tuple(self)!r})"
+
+
+def read_wire_record_list(r: Reader) -> WireRecordList:
+    """Read ``i32 n · n x Record`` as a :class:`WireRecordList`, bounds-checking every length: one unpack per
+    record, no copy."""
+    n = r.count(RECORD_OVERHEAD_BYTES)
+    data = r.data if isinstance(r.data, bytes) else bytes(r.data)
+    pos = r.pos
+    end = r.end
+    unpack_size = I32.unpack_from
+    size_at = RECORD_PREFIX.size - 4
+    starts = [0] * (n + 1)
+    for i in range(n):
+        starts[i] = pos
+        if pos + RECORD_OVERHEAD_BYTES > end:
+            raise RemoteProtocolError(f"record list truncated at offset {pos}")
+        (size,) = unpack_size(data, pos + size_at)
+        pos += RECORD_OVERHEAD_BYTES + size
+        if size < 0 or pos > end:
+            raise RemoteProtocolError(
+                f"record data length {size} at offset {pos - size - 4} does not fit the message"
+            )
+    starts[n] = pos
+    r.pos = pos
+    return WireRecordList(data, starts)
 
 
 def _write_header_list(w: Writer, headers: Sequence[RecordHeader]) -> None:
@@ -414,7 +525,8 @@ class AppendRequest(StorageMessage):
 
     @classmethod
     def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
-        return cls(session_id, seq_num, partition_id, read_record_list(r), r.bool())
+        # Kept as received: the storage node writes these bytes without a Record per record.
+        return cls(session_id, seq_num, partition_id, read_wire_record_list(r), r.bool())
 
 
 @dataclass(frozen=True, slots=True)
@@ -735,6 +847,35 @@ def encode(msg: StorageMessage) -> bytes:
         raise LocalProtocolError(f"storage message prefix out of range: {msg!r}") from None
     msg._write(w)
     return bytes(w.buf)
+
+
+def append_request_body(records: Sequence[Record], offline: bool = False) -> bytes:
+    """The bytes of ``AppendRequest(..., records, offline)`` after its prefix: the same for every replica a
+    batch goes to, so a server encodes them once per batch (see :func:`encode_append_request`)."""
+    w = Writer()
+    write_record_list(w, records)
+    w.bool(offline)
+    return bytes(w.buf)
+
+
+def encode_append_request(session_id: int, seq_num: int, partition_id: int, body: bytes) -> bytes:
+    """The payload of an AppendRequest whose fields after the prefix are ``body``
+    (:func:`append_request_body`): the same bytes as :func:`encode` of the message."""
+    try:
+        return PREFIX.pack(AppendRequest.TYPE, session_id, seq_num, partition_id) + body
+    except struct.error:
+        raise LocalProtocolError(
+            f"storage message prefix out of range: {(session_id, seq_num, partition_id)}"
+        ) from None
+
+
+def encode_success(session_id: int, seq_num: int, partition_id: int) -> bytes:
+    """``encode(SuccessResponse(session_id, seq_num, partition_id))`` without building the message (the
+    storage node sends one per append)."""
+    try:
+        return PREFIX.pack(SuccessResponse.TYPE, session_id, seq_num, partition_id)
+    except struct.error:
+        raise LocalProtocolError("storage message prefix out of range") from None
 
 
 def decode(payload: bytes | bytearray | memoryview) -> StorageMessage:

@@ -22,19 +22,46 @@ from waltz.cluster.store_metadata import read_partition_metadata, write_partitio
 from waltz.config import host_port
 from waltz.errors import BrokenResourceError, ClosedResourceError, ConfigError, WaltzError
 from waltz.protocol.records import Record, RecordHeader
+from waltz.protocol.storage import append_request_body
 from waltz.server.storage_client import StorageClient
 from waltz.server.store.interfaces import ReplicaConnection, SessionInfo
+
+
+class _AppendBodies:
+    """The encoded records of the last batch appended: the store session hands the same records object to
+    every replica of the batch, so they are encoded once, not once per replica. Keeping that object keeps
+    its identity from being reused while it is cached."""
+
+    __slots__ = ("_body", "_records")
+
+    def __init__(self) -> None:
+        self._records: Sequence[Record] | None = None
+        self._body = b""
+
+    def body_of(self, records: Sequence[Record]) -> bytes:
+        if records is not self._records:
+            self._body = append_request_body(records)
+            self._records = records
+        return self._body
 
 
 class TcpReplicaConnection:
     """One partition on one storage node for one store session, over the node's shared connection."""
 
-    def __init__(self, client: StorageClient, storage: str, partition_id: int, session_id: int) -> None:
+    def __init__(
+        self,
+        client: StorageClient,
+        storage: str,
+        partition_id: int,
+        session_id: int,
+        bodies: _AppendBodies | None = None,
+    ) -> None:
         self._client = client
         self._storage = storage
         self._partition_id = partition_id
         self._session_id = session_id
         self._closed = False
+        self._bodies = bodies if bodies is not None else _AppendBodies()
 
     @property
     def storage(self) -> str:
@@ -61,7 +88,8 @@ class TcpReplicaConnection:
         await self._live().set_low_water_mark(self._session_id, self._partition_id, low_water_mark)
 
     async def append(self, records: Sequence[Record]) -> None:
-        await self._live().append(self._session_id, self._partition_id, records)
+        client = self._live()
+        await client.append_encoded(self._session_id, self._partition_id, self._bodies.body_of(records))
 
     async def read_records(self, transaction_id: int, max_count: int) -> list[Record]:
         return await self._live().read_records(
@@ -109,6 +137,7 @@ class TcpReplicaConnector:
         self._ssl = ssl
         self._clients: dict[str, StorageClient] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._bodies = _AppendBodies()
         self._closed = False
 
     async def _client(self, storage: str) -> StorageClient:
@@ -139,7 +168,7 @@ class TcpReplicaConnector:
 
     async def connect(self, storage: str, partition_id: int, session_id: int) -> ReplicaConnection:
         client = await self._client(storage)
-        return TcpReplicaConnection(client, storage, partition_id, session_id)
+        return TcpReplicaConnection(client, storage, partition_id, session_id, self._bodies)
 
     def reachable(self) -> dict[str, bool]:
         """Storage nodes this server has talked to, and whether their connection is up."""

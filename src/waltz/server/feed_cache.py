@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from waltz.protocol.records import HEADER_STRUCT, RecordHeader, ReqId
+from waltz.protocol.records import HEADER_STRUCT, RecordHeader, ReqId, make_header, make_req_id
 
 __all__ = ["BLOCK_BYTES", "BLOCK_ENTRIES", "DEFAULT_FEED_CACHE_BYTES", "FeedCache", "FeedCacheStatistics"]
 
@@ -147,7 +147,7 @@ class FeedCache:
             entries = block.entries
             while index < last and (present >> index) & 1:
                 t, msb, lsb, h = HEADER_STRUCT.unpack_from(entries, index * _ENTRY_BYTES)
-                out.append(RecordHeader(t, ReqId(msb, lsb), h))
+                out.append(make_header(t, make_req_id(msb, lsb), h))
                 index += 1
                 txn += 1
             if index < last:

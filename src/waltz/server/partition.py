@@ -6,9 +6,12 @@ Per partition there is one **append task** and one **feed task per mounted clien
   the lock table (waiting for in-flight appends when a slot is busy), rejects it with a LockFailure naming
   the lock high-water mark if the client computed it from stale state, and otherwise submits it to the
   store partition *in arrival order* (so a client's appends commit in the order it sent them, which its
-  transaction monitor relies on). When the store commits it, the locks advance to its id, its header goes to
-  the feed cache and its data to the transaction cache, and feeds wake up. A failed append sends nothing:
-  the client learns it from the feed or a flush.
+  transaction monitor relies on). An append that finds the task idle and nothing queued is handled the same
+  way at once by the connection's task, unless that would have to wait (a busy lock slot, a full store
+  queue): it is then queued like any other. When the store commits it (its resolution listener runs inside
+  the commit), the locks advance to its id, its header goes to the feed cache and its data to the
+  transaction cache, and feeds wake up. A failed append sends nothing: the client learns it from the feed or
+  a flush.
 * A feed task streams ``(transaction id, header, request id)`` of every committed transaction after the
   client's high-water mark, in order, within the windows the client asks for (FeedRequest); a client that
   reads slowly only stalls its own feed task (we wait for its socket to drain).
@@ -30,13 +33,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from waltz.errors import WaltzError
 from waltz.protocol import client_server as cs
-from waltz.protocol.records import RecordHeader, ReqId
+from waltz.protocol.records import RecordHeader, ReqId, make_header
 from waltz.server.feed_cache import FeedCache
 from waltz.server.locks import LockRequest, LockTable
 from waltz.server.store.store_partition import StorePartition
@@ -60,6 +63,10 @@ class Peer(Protocol):
     def closed(self) -> bool: ...
 
     def send(self, msg: cs.Message) -> None: ...
+
+    def send_feed(self, headers: Sequence[RecordHeader]) -> None:
+        """A FeedData for each of ``headers``, in order."""
+        ...
 
     async def drain(self) -> None: ...
 
@@ -140,6 +147,8 @@ class Partition:
         self._locks: LockTable | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._notify_scheduled = False
+        self._loop_idle = False
+        """True while the append task waits for an item with nothing queued (see :meth:`append`)."""
         self._ready = asyncio.Event()
         self._closed = False
         self.failure: BaseException | None = None
@@ -187,6 +196,18 @@ class Partition:
 
     async def wait_ready(self) -> None:
         await self._ready.wait()
+
+    @property
+    def is_serving(self) -> bool:
+        """True while reads are answered: the partition is ready and its store session is open. A partition
+        whose session ended (quorum lost, fenced) still knows its last mark, but no longer whether it is the
+        log's end, nor can it read below it: it must not answer as if it did."""
+        return self._ready.is_set() and self.store.is_healthy
+
+    async def wait_serving(self) -> None:
+        """Wait until :attr:`is_serving` (raises ClosedResourceError if the store closes meanwhile)."""
+        await self._ready.wait()
+        await self.store.wait_open()
 
     @property
     def feed_context_count(self) -> int:
@@ -262,7 +283,13 @@ class Partition:
         incarnation cannot take it (see :meth:`accepts`)."""
         if not self.accepts(peer, msg.req_id):
             return False
-        await self._queue.put(_Append(peer, msg, time.monotonic()))
+        item = _Append(peer, msg, time.monotonic())
+        # The append task is idle and nothing is queued ahead of this append: hand it to the store here, as
+        # the task would at once, unless that has to wait (a busy lock slot, a full store queue). It saves a
+        # queue hand-off and a task switch per append, and a loop iteration on the way to the storage nodes.
+        if self._loop_idle and self._queue.empty() and self._process_append_now(item):
+            return True
+        await self._queue.put(item)
         return True
 
     async def flush(self) -> int:
@@ -367,8 +394,16 @@ class Partition:
         # not seen everything up to here conflicts (never a false negative).
         self._locks = LockTable(self._lock_table_size, hwm)
         self._ready.set()
+        queue = self._queue
         while True:
-            item = await self._queue.get()
+            if queue.empty():
+                self._loop_idle = True
+                try:
+                    item = await queue.get()
+                finally:
+                    self._loop_idle = False
+            else:
+                item = queue.get_nowait()
             if isinstance(item, _Flush):
                 try:
                     hwm = await self.store.flush()
@@ -381,6 +416,33 @@ class Partition:
                 continue
             await self._process_append(item)
 
+    def _process_append_now(self, item: _Append) -> bool:
+        """Process ``item`` as :meth:`_process_append` would, if that needs no wait; False (nothing done) if
+        it would have to wait for a lock slot or for room in the store's queue."""
+        msg = item.msg
+        req: LockRequest | None = None
+        if msg.write_locks or msg.read_locks or msg.append_locks:
+            locks = self._locks
+            if locks is None:
+                return False
+            req = locks.begin(msg.write_locks, msg.read_locks, msg.append_locks)
+            if req is None:
+                return False
+            if not self._check_locks(item, req):
+                return True
+        listener = self._resolution_listener(req, item)
+        try:
+            future = self.store.submit_nowait(msg, listener)
+        except WaltzError as e:
+            self.pending_appends -= 1
+            self._refused(req, msg, e)
+            return True
+        if future is None:
+            self.pending_appends -= 1
+            self._release(req)
+            return False
+        return True
+
     async def _process_append(self, item: _Append) -> None:
         msg = item.msg
         req: LockRequest | None = None
@@ -389,15 +451,25 @@ class Partition:
             req = await self._take_locks(item)
             if req is None:
                 return
+        listener = self._resolution_listener(req, item)
         try:
-            future = await self.store.submit(msg)
+            await self.store.submit(msg, listener)
         except WaltzError as e:
-            self._release(req)
-            self.metrics.failed()
-            log.debug("partition %d: append %r refused: %s", self.partition_id, msg.req_id, e)
-            return
+            self.pending_appends -= 1
+            self._refused(req, msg, e)
+
+    def _refused(self, req: LockRequest | None, msg: cs.AppendRequest, error: WaltzError) -> None:
+        self._release(req)
+        self.metrics.failed()
+        log.debug("partition %d: append %r refused: %s", self.partition_id, msg.req_id, error)
+
+    def _resolution_listener(
+        self, req: LockRequest | None, item: _Append
+    ) -> Callable[[int, BaseException | None], None]:
+        """What the store calls when ``item`` is resolved (synchronously, in the commit: see
+        ``PendingAppend.on_resolved``)."""
         self.pending_appends += 1
-        future.add_done_callback(lambda f: self._append_done(f, req, item))
+        return lambda txn, error: self._append_done(txn, error, req, item)
 
     async def _take_locks(self, item: _Append) -> LockRequest | None:
         """Begin the append's locks and check them; None (with a LockFailure sent) if they conflict."""
@@ -408,9 +480,10 @@ class Partition:
         if req is None:
             # A slot is held by an in-flight append: wait until the store resolved everything, then retry.
             await self.store.flush()
-            # Every append is resolved now, but the callbacks releasing their slots (_append_done) may still
-            # be queued on the loop: flush() does not yield when everything was already resolved. Let them run
-            # before concluding that slots leaked; a reset makes every in-flight append fail its lock check.
+            # Every append is resolved now, and _append_done released their slots as each was resolved (the
+            # store calls it synchronously). The yield is a safety margin for anything else the resolutions
+            # scheduled before we conclude that slots leaked: a reset makes every in-flight append fail its
+            # lock check.
             await asyncio.sleep(0)
             req = locks.begin(msg.write_locks, msg.read_locks, msg.append_locks)
             if req is None:
@@ -421,14 +494,21 @@ class Partition:
                 req = locks.begin(msg.write_locks, msg.read_locks, msg.append_locks)
                 if req is None:
                     raise AssertionError("lock table refused a request right after a reset")
+        return req if self._check_locks(item, req) else None
+
+    def _check_locks(self, item: _Append, req: LockRequest) -> bool:
+        """Check the begun locks of ``item``; on a conflict release them, send a LockFailure, return False."""
+        locks = self._locks
+        assert locks is not None
+        msg = item.msg
         conflict = locks.check(req, msg.client_high_water_mark)
         if conflict is not None:
             locks.release(req)
             self.lock_failures += 1
             self.metrics.lock_failed()
             item.peer.send(cs.LockFailure(msg.req_id, conflict))
-            return None
-        return req
+            return False
+        return True
 
     def _release(self, req: LockRequest | None) -> None:
         if req is not None:
@@ -436,36 +516,39 @@ class Partition:
             assert locks is not None
             locks.release(req)
 
-    def _append_done(self, future: asyncio.Future[int], req: LockRequest | None, item: _Append) -> None:
+    def _append_done(
+        self, txn: int, error: BaseException | None, req: LockRequest | None, item: _Append
+    ) -> None:
         self.pending_appends -= 1
-        if future.cancelled() or future.exception() is not None:
+        if error is not None:
             self._release(req)
             self.metrics.failed()
             return
-        txn = future.result()
         msg = item.msg
         if req is not None:
             locks = self._locks
             assert locks is not None
             locks.commit(req, txn)
             locks.release(req)
-        self._feed_cache.add(self.partition_id, RecordHeader(txn, msg.req_id, msg.header))
+        self._feed_cache.add(self.partition_id, make_header(txn, msg.req_id, msg.header))
         self._txn_cache.put(self.partition_id, txn, msg.data, msg.checksum)
         self._committed += 1
         self._committed_bytes += len(msg.data)
         if not self._notify_scheduled:
             # One wake-up per loop iteration, however many appends a batch committed; its first append's
-            # latency stands for the batch.
+            # latency stands for the batch. The feeds are woken now: the other appends of the batch were
+            # resolved together with this one, so their callbacks run before the feed tasks do (an extra
+            # call_soon here cost every commit a loop iteration before its FeedData left).
             self.metrics.latency(time.monotonic() - item.received_s)
             self._notify_scheduled = True
-            asyncio.get_running_loop().call_soon(self._notify_feeds)
+            for ctx in self._feeds.values():
+                ctx.wake.set()
+            asyncio.get_running_loop().call_soon(self._report_commits)
 
-    def _notify_feeds(self) -> None:
+    def _report_commits(self) -> None:
         self._notify_scheduled = False
         self.metrics.appended(self._committed, self._committed_bytes)
         self._committed = self._committed_bytes = 0
-        for ctx in self._feeds.values():
-            ctx.wake.set()
 
     # -- feeds -----------------------------------------------------------------------------------------------
 
@@ -516,8 +599,7 @@ class Partition:
                 if not headers:
                     await asyncio.sleep(0.01)  # the store cannot serve it right now; try again shortly
                     continue
-                for h in headers:
-                    peer.send(cs.FeedData(h.req_id, h.transaction_id, h.header))
+                peer.send_feed(headers)
                 ctx.next_id += len(headers)
                 if ctx.mount_target is None:
                     ctx.remaining -= len(headers)

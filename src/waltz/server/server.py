@@ -17,9 +17,12 @@
   reading that connection (back pressure). **No request goes unanswered**: one for a partition we do not
   own, or from a connection that is not the client's current mount of it, ends that mount (MountResponse
   NOT_READY on the mount's ReqId; the client mounts again wherever the assignment then says); a
-  TransactionDataRequest gets an error response; a high-water mark or range request for a partition we do
-  not own closes the connection (its RPC fails at once and is retried on the owner), as does a stream
-  request for a partition the connection never mounted (a protocol violation).
+  TransactionDataRequest gets an error response; for a partition we own but do not serve (no open store
+  session within ``HWM_RECOVERY_WAIT_S``: never opened, or its quorum lost), a high-water mark request gets
+  ``HWM_NOT_SERVED`` and a range request no records (readers then ask for the mark); a high-water mark or
+  range request for a partition we do not own closes the connection (its RPC fails at once and is retried
+  on the owner), as does a stream request for a partition the connection never mounted (a protocol
+  violation).
 * **Bounds per connection** (``server.connection.*``, docs/operations.md "Limits"): at most ``maxInFlight``
   mounts, reads and flushes unanswered (the connection is not read meanwhile); read responses reserve their
   bytes from a ``maxResponseBytes`` budget until they left our write buffer, so a peer that asks and never
@@ -36,7 +39,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kazoo.client import KazooClient
@@ -53,7 +57,7 @@ from waltz.errors import ConnectionError_, PartitionNotReadyError, RemoteProtoco
 from waltz.http import HttpEndpoint, build_info, listen, new_registry
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
-from waltz.protocol.records import ReqId
+from waltz.protocol.records import RecordHeader, ReqId
 from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
 from waltz.server.config import ServerConfig
 from waltz.server.feed_cache import FeedCache
@@ -121,8 +125,17 @@ class _Connection:
         return self._conn.source
 
     def send(self, msg: cs.Message) -> None:
-        with contextlib.suppress(ConnectionError_):
+        try:
             self._conn.send(cs.encode(msg, self._version))
+        except ConnectionError_:
+            pass  # the connection is gone: its read loop ends and cleans up
+
+    def send_feed(self, headers: Sequence[RecordHeader]) -> None:
+        """A FeedData for each of ``headers``, in order (the feed's hot path: one call per batch)."""
+        try:
+            self._conn.send_many(cs.encode_feed_data(headers, self._version))
+        except ConnectionError_:
+            pass
 
     async def drain(self) -> None:
         await self._conn.drain()
@@ -348,6 +361,10 @@ class WaltzServer:
         self._failed = asyncio.Event()
         self._suspended = False
         self._suspended_at = 0.0
+        self._unserved: weakref.WeakKeyDictionary[Partition, tuple[float, int]] = weakref.WeakKeyDictionary()
+        """Partitions not serving since (a time on the monotonic clock, and how many store sessions they had
+        opened then): from their opening here, or from the first read that found them not serving. See
+        :meth:`_wait_serving`."""
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.port = 0
@@ -581,6 +598,9 @@ class WaltzServer:
                 part.on_failure = self._partition_failed
                 await part.start()
                 self.partitions[pid] = part
+                # Not served until its first session opens: reads wait for that from now, not from the first
+                # read (see _wait_serving).
+                self._unserved[part] = (time.monotonic(), 0)
                 self.metrics.export_partition(pid, part)
                 self.metrics.generation.labels(str(pid)).set(generation)
                 self.metrics.generation_changes.labels(str(pid)).inc()
@@ -679,6 +699,13 @@ class WaltzServer:
             for pid, p in sorted(self.partitions.items())
             if p.store.metadata_conflict
         }
+        # Repairs of damage the storage nodes' scrub reported (running, or failed and waiting for their next
+        # try): like damaged reads, they leave the partition served and the server healthy.
+        repairs = {
+            str(pid): p.store.repairs.health()
+            for pid, p in sorted(self.partitions.items())
+            if p.store.repairs.started
+        }
         healthy = zk_ok and self.failure is None and all(parts.values())
         return healthy, {
             "zookeeper": zk_ok,
@@ -686,6 +713,7 @@ class WaltzServer:
             "problems": problems,
             "damagedReplicaReads": damaged,
             "metadataConflicts": conflicts,
+            "scrubRepairs": repairs,
         }
 
     # -- client connections --
@@ -731,6 +759,13 @@ class WaltzServer:
 
     async def _dispatch(self, peer: _Connection, msg: cs.Message) -> None:
         rid = msg.req_id
+        if type(msg) is cs.AppendRequest:
+            # Appends first: nearly every message under load is one.
+            pid = rid.partition_id
+            part = self.partitions.get(pid) if not self._suspended else await self._owned(pid)
+            if not (part is not None and await part.append(peer, msg)) and not peer.end_mount(pid):
+                raise _CloseConnection(f"AppendRequest for partition {pid}, never mounted on this connection")
+            return
         # Cluster-level queries first: they name no partition.
         if isinstance(msg, cs.CheckStorageConnectivityRequest):
             # Every storage node of the cluster, not only those this server has talked to (as the original).
@@ -766,7 +801,7 @@ class WaltzServer:
                     f"{type(msg).__name__} for partition {pid}, which this server does not own"
                 )
             if isinstance(msg, cs.HighWaterMarkRequest):
-                if part.is_ready:
+                if part.is_serving:
                     peer.send(cs.HighWaterMarkResponse(rid, part.high_water_mark))
                 else:
                     self._spawn(self._high_water_mark(peer, part, msg), f"hwm-{pid}")
@@ -855,22 +890,39 @@ class WaltzServer:
         finally:
             peer.budget.release(len(data))
 
+    async def _wait_serving(self, part: Partition) -> bool:
+        """True once ``part`` serves reads (ready, its store session open), False if it does not within
+        :data:`HWM_RECOVERY_WAIT_S` of its opening here or of the first read that found it not serving: a
+        normal start or a new session fits in it, a lost quorum does not. Once that wait has run out with no
+        session opened since, reads are answered at once (a reader retrying an unserved partition pays a round
+        trip, not a wait each time)."""
+        if part.is_serving:
+            self._unserved.pop(part, None)
+            return True
+        now = time.monotonic()
+        opened = part.store.stats.sessions_opened
+        since, opened_then = self._unserved.get(part, (now, opened))
+        if opened_then != opened:  # served in between, unread: this is a new gap
+            since = now
+        self._unserved[part] = (since, opened)
+        wait_s = min(HWM_RECOVERY_WAIT_S, self.config.zookeeper_session_timeout_ms / 1000)
+        try:
+            async with asyncio.timeout(max(0.0, since + wait_s - now)):
+                await part.wait_serving()
+        except (TimeoutError, WaltzError):
+            return False
+        return True
+
     async def _high_water_mark(
         self, peer: _Connection, part: Partition, msg: cs.HighWaterMarkRequest
     ) -> None:
-        """Answer once the partition has recovered: before, its high-water mark (-1) is not the log's. If it
-        does not recover within :data:`HWM_RECOVERY_WAIT_S`, answer :data:`~cs.HWM_NOT_SERVED`: the mark is
-        unknown, and a reader must fail with a clear, retriable error rather than take the partition for an
-        empty one or wait out its whole request timeout for an answer that does not come."""
-        try:
-            async with asyncio.timeout(
-                min(HWM_RECOVERY_WAIT_S, self.config.zookeeper_session_timeout_ms / 1000)
-            ):
-                await part.wait_ready()
-        except TimeoutError:
-            peer.send(cs.HighWaterMarkResponse(msg.req_id, cs.HWM_NOT_SERVED))
-            return
-        peer.send(cs.HighWaterMarkResponse(msg.req_id, part.high_water_mark))
+        """Answer once the partition serves: before its first session, its mark (-1) is not the log's, and
+        after its session ended (quorum lost) the last mark it knew may not be either. If it does not serve
+        within :data:`HWM_RECOVERY_WAIT_S`, answer :data:`~cs.HWM_NOT_SERVED`: the mark is unknown, and a
+        reader must fail with a clear, retriable error rather than take the partition for an empty one (or one
+        that ends at a stale mark) or wait out its whole request timeout for an answer that does not come."""
+        served = await self._wait_serving(part)
+        peer.send(cs.HighWaterMarkResponse(msg.req_id, part.high_water_mark if served else cs.HWM_NOT_SERVED))
 
     async def _transaction_range(
         self, peer: _Connection, part: Partition, msg: cs.TransactionRangeRequest
@@ -887,7 +939,18 @@ class WaltzServer:
         try:
             if peer.closed:
                 return
-            got, run = await part.store.read_run(msg.transaction_id, count, budget) if count else (0, b"")
+            # Not served (no open store session): answer with no records rather than not at all (the reader
+            # would wait out its request timeout). No records is also how the end of the log reads, so readers
+            # ask for the high-water mark next, which says HWM_NOT_SERVED. A partition that never opened
+            # answers at once (the mark request does the waiting); one that was served waits here too, so a
+            # new session (the checkpoint interval) does not read as the end of the log.
+            got, run = 0, b""
+            if count and part.is_ready and await self._wait_serving(part):
+                try:
+                    got, run = await part.store.read_run(msg.transaction_id, count, budget)
+                except WaltzError:
+                    if part.is_serving:
+                        raise
             if len(run) < reserved:
                 peer.budget.release(reserved - len(run))
                 reserved = len(run)

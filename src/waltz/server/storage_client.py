@@ -12,9 +12,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from ssl import SSLContext
 from types import TracebackType
-from typing import Generic, Self, TypeVar
+from typing import Generic, NamedTuple, Self, TypeVar, cast
 
-from waltz.errors import RemoteProtocolError, StorageRpcError
+from waltz.errors import LocalProtocolError, RemoteProtocolError, StorageRpcError
 from waltz.protocol import admin as adm
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
@@ -23,6 +23,26 @@ from waltz.transport import RpcClient, open_connection
 
 DEFAULT_TIMEOUT_MS = 30_000
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+
+class EncodedAppend(NamedTuple):
+    """An AppendRequest whose records are encoded already
+    (:func:`waltz.protocol.storage.append_request_body`): a batch goes to every replica, and its records are
+    encoded once for all of them."""
+
+    session_id: int
+    seq_num: int
+    partition_id: int
+    body: bytes
+
+
+def _encode_storage(msg: object) -> bytes:
+    """The connection's encoder: storage messages, and appends whose records are encoded already."""
+    if type(msg) is EncodedAppend:
+        return st.encode_append_request(msg.session_id, msg.seq_num, msg.partition_id, msg.body)
+    if not isinstance(msg, st.StorageMessage):
+        raise LocalProtocolError(f"not a storage message: {type(msg).__name__}")
+    return st.encode(msg)
 
 
 def _storage_error(resp: st.StorageMessage) -> BaseException | None:
@@ -143,7 +163,7 @@ class StorageClient(_Endpoint[st.StorageMessage]):
             magic=MAGIC_STORAGE,
             versions=st.STORAGE_VERSIONS,
             hello_text=st.STORAGE_CLIENT_HELLO,
-            encode=st.encode,
+            encode=_encode_storage,
             decode=st.decode,
             seq_of=st.seq_num_of,
             error_of=_storage_error,
@@ -199,6 +219,13 @@ class StorageClient(_Endpoint[st.StorageMessage]):
         await self._call(
             st.AppendRequest(session_id, self._seq(), partition_id, records, offline), st.SuccessResponse
         )
+
+    async def append_encoded(self, session_id: int, partition_id: int, body: bytes) -> None:
+        """:meth:`append` of records encoded by :func:`waltz.protocol.storage.append_request_body`."""
+        # The request rides the storage connection like any message (its encoder knows this type; the
+        # sequence number is read the same way): the cast only tells the type checker so.
+        request = cast(st.StorageMessage, EncodedAppend(session_id, self._seq(), partition_id, body))
+        await self._call(request, st.SuccessResponse)
 
     async def read_header(
         self, session_id: int, partition_id: int, transaction_id: int

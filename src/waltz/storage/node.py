@@ -17,7 +17,9 @@ Guarantees:
 * **Permissions.** A partition must carry the ASSIGNED flag. A normal request needs AVAILABLE; an offline
   request (``offline=True``) needs AVAILABLE cleared and the *persisted* session id.
 * **Back pressure.** Each partition queue and each connection's unanswered requests are bounded; when either
-  is full the connection's reader stops reading from its socket, so TCP pushes back on the sender. Read
+  is full the connection's reader stops reading from its socket, so TCP pushes back on the sender. A full
+  partition queue gives each freed slot to the connection that has waited longest, so one that floods a
+  partition does not starve the others. Read
   requests also reserve their largest response from the connection's ``maxResponseBytes`` budget until it is
   sent, and the reader takes no request while its unsent responses exceed the write buffer's high-water mark:
   a peer that asks and never reads holds at most about the budget, and is closed after the idle timeout.
@@ -75,13 +77,17 @@ from waltz.http import HttpEndpoint, build_info, listen, new_registry
 from waltz.protocol import admin as adm
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
-from waltz.protocol.records import Record
 from waltz.storage.authority import SessionAuthority, ZkSessionAuthority, step_refusal
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import FLAG_AVAILABLE, ControlFile, PartitionInfo
 from waltz.storage.fileio import FAULTS, OS_FS
 from waltz.storage.partition import PartitionLog, delete_log_files
-from waltz.storage.segment import RecordCorruptionError
+from waltz.storage.segment import (
+    RecordCorruptionError,
+    append_wire_run,
+    encode_stored_run,
+    verify_client_checksums,
+)
 from waltz.tls import TlsConfig, peer_common_name
 from waltz.transport import (
     ByteBudget,
@@ -102,6 +108,9 @@ HEAL_INTERVAL_S = 1.0
 HEAL_MIN_FREE_BYTES = 1 << 20
 """Free space the data directory needs before a broken partition tries to heal (so a full disk does not
 make it flap between healed and broken)."""
+INLINE_FSYNC_LIMIT_S = 0.02
+"""An fsync on the event loop slower than this sends the next ones to a thread (see ``_fsync``)."""
+INLINE_FSYNC_BACKOFF_S = 10.0
 FAULTS_ENV = "WALTZ_TEST_FAULTS"
 """Test-only: with this set to 1, SIGUSR1 makes the node's next data-file fsync fail (see run_node)."""
 
@@ -155,25 +164,56 @@ class _Item:
     """Bytes of ``budget`` this request's response holds until it is handed to the connection."""
 
 
-class _BoundedQueue:
-    """A FIFO with a capacity and peeking, which asyncio.Queue lacks (group commit needs to look ahead)."""
+class _Tally:
+    """A count shared by the partition queues of a node: the requests queued in all of them."""
 
-    def __init__(self, capacity: int) -> None:
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items = 0
+
+
+class _BoundedQueue:
+    """A FIFO with a capacity and peeking, which asyncio.Queue lacks (group commit needs to look ahead).
+
+    Fair to producers: when the queue is full, producers wait in arrival order and each freed slot goes to
+    the one that has waited longest (its item moves in as the slot frees), so a connection that floods a
+    partition cannot keep taking the slots another connection is waiting for.
+    """
+
+    def __init__(self, capacity: int, tally: _Tally | None = None) -> None:
         self._items: collections.deque[_Item] = collections.deque()
         self._capacity = capacity
+        self._tally = tally if tally is not None else _Tally()
+        """Counts the items of every queue sharing it (the node's: see ``StoragePartition._fsync``)."""
         self._not_empty = asyncio.Event()
-        self._not_full = asyncio.Event()
-        self._not_full.set()
+        self._putters: collections.deque[tuple[_Item, asyncio.Future[None]]] = collections.deque()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    async def put(self, item: _Item) -> None:
-        while len(self._items) >= self._capacity:
-            self._not_full.clear()
-            await self._not_full.wait()
+    def put_nowait(self, item: _Item) -> bool:
+        """Queue ``item`` if there is room and no producer is waiting; False (nothing queued) otherwise."""
+        if self._putters or len(self._items) >= self._capacity:
+            return False
         self._items.append(item)
+        self._tally.items += 1
         self._not_empty.set()
+        return True
+
+    async def put(self, item: _Item) -> None:
+        if self.put_nowait(item):
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (item, waiter)
+        self._putters.append(entry)
+        try:
+            await waiter  # pop() moves the item in before it resolves this
+        except BaseException:
+            if not waiter.done() or waiter.cancelled():
+                with contextlib.suppress(ValueError):
+                    self._putters.remove(entry)
+            raise
 
     async def get(self) -> _Item:
         while not self._items:
@@ -186,8 +226,14 @@ class _BoundedQueue:
 
     def pop(self) -> _Item:
         item = self._items.popleft()
-        if len(self._items) < self._capacity:
-            self._not_full.set()
+        self._tally.items -= 1
+        while self._putters and len(self._items) < self._capacity:
+            waiting, waiter = self._putters.popleft()
+            if waiter.done():  # cancelled while waiting: its item never goes in
+                continue
+            self._items.append(waiting)
+            self._tally.items += 1
+            waiter.set_result(None)
         return item
 
 
@@ -308,7 +354,7 @@ class StoragePartition:
         self.session_check = asyncio.Lock()
         self.last_refusal_s = -1e9
         self.last_refusal_log_s = -1e9
-        self.queue = _BoundedQueue(node.config.partition_queue_size)
+        self.queue = _BoundedQueue(node.config.partition_queue_size, node.queued)
         self.fsync_count = 0
         self.broken: str | None = None
         """Set after a failed write or fsync: the partition is fail-stopped until it heals (``_heal``)."""
@@ -320,8 +366,13 @@ class StoragePartition:
         self.worker_gone = False
         self.current: _Item | None = None
         """The item the worker is on (answered by the node if the worker ends under it)."""
+        # Metric children looked up once: ``labels()`` costs more than the update on the append path.
         self._queue_gauge = node.metrics.queue.labels(partition_id)
         self._read_bytes = node.metrics.read_bytes.labels(partition_id)
+        self._append_requests = node.metrics.requests.labels("AppendRequest")
+        self._appended = node.metrics.appended.labels(partition_id)
+        self._appended_bytes = node.metrics.appended_bytes.labels(partition_id)
+        self._max_txn = node.metrics.max_txn.labels(partition_id)
 
     @property
     def info(self) -> PartitionInfo:
@@ -473,11 +524,19 @@ class StoragePartition:
             self._respond(item, self._failure(item.msg, error))
 
     async def enqueue(self, item: _Item) -> None:
-        """Queue ``item`` for the worker, or answer it at once if the worker is gone."""
+        """Queue ``item`` for the worker (waiting for room), or answer it at once if the worker is gone."""
         if self.worker_gone:
             self.answer_failed(item)
         else:
             await self.queue.put(item)
+
+    def enqueue_nowait(self, item: _Item) -> bool:
+        """:meth:`enqueue` without waiting (the common case, saving a coroutine per request); False if the
+        queue has no room for it now (nothing done)."""
+        if self.worker_gone:
+            self.answer_failed(item)
+            return True
+        return self.queue.put_nowait(item)
 
     @property
     def problem(self) -> str | None:
@@ -674,12 +733,12 @@ class StoragePartition:
     async def _group_commit(self, first: _Item) -> None:
         """Write every append queued right now, fsync once, then answer them all in order.
 
-        The records of all accepted requests are written with one :meth:`PartitionLog.append` (one pwrite
-        per file for the whole group, the lean path). That call checks the whole batch before writing
-        anything, so when it refuses (a request whose records are not dense inside it, or a bad data
-        checksum) nothing was written and each request is appended on its own, so only the bad one fails.
-        Success is sent strictly after the data file's fsync returned; if the fsync fails, every request of
-        the group fails and the partition refuses further writes (see :meth:`_fsync`).
+        Each request is checked on its own right before its records join the group's run (ids continuing
+        the log, client data checksums; :func:`append_wire_run` builds the stored layout straight from the
+        request's bytes), so a bad request fails alone. The run of all accepted requests is then written with
+        one :meth:`PartitionLog.append_run` (one pwrite per file for the whole group). Success is sent
+        strictly after the data file's fsync returned; if the write or the fsync fails, every request of the
+        group fails and the partition refuses further writes (see :meth:`_fsync`).
         """
         batch = [first]
         limit = self.node.config.max_group_commit_records
@@ -692,111 +751,112 @@ class StoragePartition:
                 break
             batch.append(queue.pop())
             count += len(nxt.msg.records)
-        metrics = self.node.metrics
-        metrics.requests.labels("AppendRequest").inc(len(batch))
-        results: list[st.StorageMessage | None] = [None] * len(batch)
+        self._append_requests.inc(len(batch))
+        results: list[bytes | None] = [None] * len(batch)
         accepted: list[int] = []  # indexes into batch of requests whose records go into the group write
-        records: list[Record] = []
+        parts: list[bytes | memoryview] = []  # of the group's stored run
+        ends: list[int] = []
         plog: PartitionLog | None = None
         expected = -1
         for i, item in enumerate(batch):
             msg = item.msg
             assert isinstance(msg, st.AppendRequest)
+            records = msg.records
             try:
                 plog = self._check(msg, msg.offline)
                 if expected < 0:
                     expected = plog.max_transaction_id + 1
-                if not msg.records:
-                    results[i] = st.SuccessResponse(msg.session_id, msg.seq_num, msg.partition_id)
+                if not records:
+                    results[i] = st.encode_success(msg.session_id, msg.seq_num, msg.partition_id)
                     continue
-                got = msg.records[0].transaction_id
+                got = (
+                    records.first_transaction_id
+                    if isinstance(records, st.WireRecordList)
+                    else records[0].transaction_id
+                )
                 if got != expected:
                     raise TransactionOutOfOrderError(
                         f"partition {self.partition_id}: transaction out of order: expected {expected}, "
                         f"got {got}"
                     )
+                if isinstance(records, st.WireRecordList):
+                    append_wire_run(parts, ends, records, expected)
+                else:
+                    verify_client_checksums(records, expected)
+                    part, part_ends = encode_stored_run(records)
+                    base = ends[-1] if ends else 0
+                    parts.append(part)
+                    ends += [base + e for e in part_ends]
             except WaltzError as e:
-                results[i] = self._failure(msg, e)
+                results[i] = st.encode(self._failure(msg, e))
                 continue
             accepted.append(i)
-            records.extend(msg.records)
-            expected += len(msg.records)
+            expected += len(records)
         if accepted and plog is not None:
             before = plog.max_transaction_id
             try:
-                plog.append(records)
+                plog.append_run(b"".join(parts), ends, expected - len(ends))
             except WaltzError as e:
+                # Every record was checked above, so this is the disk (or a bug): nothing of the group may
+                # be acknowledged, and if part of it reached the file the partition stops taking writes.
                 if plog.max_transaction_id != before or _is_io_error(e):
-                    # Part of the group reached the file before an I/O error: answer nothing but failures.
                     self._break(f"write failed: {e}")
-                    for i in accepted:
-                        results[i] = self._failure(batch[i].msg, e)  # type: ignore[arg-type]
-                    accepted = []
-                else:
-                    accepted = self._append_one_by_one(batch, accepted, results, plog)
+                for i in accepted:
+                    results[i] = st.encode(self._failure(batch[i].msg, e))  # type: ignore[arg-type]
+                accepted = []
         if accepted and plog is not None:
-            error = await self._fsync(plog, single=len(batch) == 1)
-            n_records = 0
+            error = await self._fsync(plog)
             n_bytes = 0
+            encode_success = st.encode_success
             for i in accepted:
                 msg = batch[i].msg
                 assert isinstance(msg, st.AppendRequest)
                 if error is None:
-                    results[i] = st.SuccessResponse(msg.session_id, msg.seq_num, msg.partition_id)
-                    n_records += len(msg.records)
-                    n_bytes += sum(len(r.data) for r in msg.records)
+                    results[i] = encode_success(msg.session_id, msg.seq_num, msg.partition_id)
+                    records = msg.records
+                    n_bytes += (
+                        records.data_bytes
+                        if isinstance(records, st.WireRecordList)
+                        else sum(len(r.data) for r in records)
+                    )
                 else:
-                    results[i] = self._failure(msg, error)
-            if n_records:
-                metrics.appended.labels(self.partition_id).inc(n_records)
-                metrics.appended_bytes.labels(self.partition_id).inc(n_bytes)
-                metrics.max_txn.labels(self.partition_id).set(plog.max_transaction_id)
+                    results[i] = st.encode(self._failure(msg, error))
+            if error is None:
+                self._appended.inc(len(ends))
+                self._appended_bytes.inc(n_bytes)
+                self._max_txn.set(plog.max_transaction_id)
         # One latency observation per group (its oldest request): observing every request costs more than
         # the rest of the acknowledgement path.
-        metrics.append_latency.observe(time.monotonic() - first.arrived_s)
-        respond = self.node.respond
-        for item, resp in zip(batch, results, strict=True):
-            assert resp is not None
-            respond(item, resp)
+        self.node.metrics.append_latency.observe(time.monotonic() - first.arrived_s)
+        send = self.node.send_payload
+        for item, payload in zip(batch, results, strict=True):
+            assert payload is not None
+            send(item, payload)
 
-    def _append_one_by_one(
-        self,
-        batch: list[_Item],
-        accepted: list[int],
-        results: list[st.StorageMessage | None],
-        plog: PartitionLog,
-    ) -> list[int]:
-        """The group write was refused before writing: append each request alone, failing only bad ones."""
-        written: list[int] = []
-        for i in accepted:
-            msg = batch[i].msg
-            assert isinstance(msg, st.AppendRequest)
-            before = plog.max_transaction_id
-            try:
-                plog.append(msg.records)
-            except WaltzError as e:
-                results[i] = self._failure(msg, e)
-                if plog.max_transaction_id != before or _is_io_error(e):
-                    self._break(f"write failed: {e}")
-                    for j in written:
-                        results[j] = self._failure(batch[j].msg, e)  # type: ignore[arg-type]
-                    return []
-                continue
-            written.append(i)
-        return written
-
-    async def _fsync(self, plog: PartitionLog, *, single: bool) -> WaltzError | None:
+    async def _fsync(self, plog: PartitionLog) -> WaltzError | None:
         """Make the data file durable; return None, or the error that fails the whole group.
 
-        A lone request with no other fsync running is synced on the event loop thread: the hand-off to a
-        worker thread and back costs about as much as the fsync itself on a fast disk, and nothing else is
-        waiting for the loop. Larger groups sync in a thread, so the next group is read and decoded (and
-        other partitions are served) while the disk works.
+        When no other partition has requests queued and no other fsync is running, the fsync runs on the
+        event loop thread (unless one such fsync took longer than ``INLINE_FSYNC_LIMIT_S`` in the last
+        ``INLINE_FSYNC_BACKOFF_S``): the hand-off to a worker thread and back (a thread wake-up, a future, a
+        wake-up of the loop, the GIL passed to and fro) costs more CPU than the fsync itself (10-20% of the
+        node's CPU per record in ``bench/storage_append.py``), and nothing waits for the loop meanwhile but
+        arrivals, which then form the next group. Otherwise it runs in a thread, so the other partitions are served
+        while the disk works.
         """
         node = self.node
         try:
-            if single and node.fsyncs_in_flight == 0:
+            if (
+                node.fsyncs_in_flight == 0
+                and node.queued.items == len(self.queue)
+                and time.monotonic() >= node.inline_fsync_off_until
+            ):
+                started = time.monotonic()
                 plog.flush()
+                if time.monotonic() - started > INLINE_FSYNC_LIMIT_S:
+                    # A slow disk would stall the loop (and /health, keep-alives, other partitions'
+                    # reads) for every fsync: hand fsyncs to a thread until the disk has had time to recover.
+                    node.inline_fsync_off_until = time.monotonic() + INLINE_FSYNC_BACKOFF_S
             else:
                 node.fsyncs_in_flight += 1
                 try:
@@ -855,6 +915,8 @@ class StorageNode:
         """Checks new session ids against the cluster's metadata; None (no ZooKeeper) trusts every peer."""
         self.registry = new_registry()
         self.metrics = _Metrics(self.registry)
+        self.queued = _Tally()
+        """Requests queued in all partitions (see ``StoragePartition._fsync``)."""
         self.partitions = [StoragePartition(self, pid) for pid in range(control.num_partitions)]
         directory = str(config.directory)
         self.metrics.disk_bytes.set_function(lambda: directory_bytes(directory))
@@ -870,6 +932,8 @@ class StorageNode:
         self._admin_server: FramedServer | None = None
         self._http: HttpEndpoint | None = None
         self.fsyncs_in_flight = 0
+        self.inline_fsync_off_until = 0.0
+        """Until this monotonic time every fsync runs in a thread (a slow one ran on the loop)."""
         self._closing = False
         self.port = 0
         self.admin_port = 0
@@ -972,15 +1036,23 @@ class StorageNode:
         too (for operators and ``waltz cluster verify``); a damaged control entry takes its partition down.
         """
         problems = {str(p.partition_id): p.problem for p in self.partitions if p.problem is not None}
-        for pid, why in sorted(self.control.damaged.items()):
-            problems[str(pid)] = f"control file entry damaged: {why}"
-        damaged = {str(p.partition_id): sorted(p.damaged) for p in self.partitions if p.damaged}
+        transactions, entries = self.damage_report()
+        for pid, why in entries.items():
+            problems[pid] = f"control file entry damaged: {why}"
         return not problems, {
             "storage": "degraded" if problems else "ok",
             "partitions": problems,
-            "damagedTransactions": damaged,
-            "damagedControlEntries": {str(pid): why for pid, why in sorted(self.control.damaged.items())},
+            "damagedTransactions": transactions,
+            "damagedControlEntries": entries,
         }
+
+    def damage_report(self) -> tuple[dict[str, list[int]], dict[str, str]]:
+        """The damage this node knows of, as /health and the admin metrics both show it: per partition the
+        stored ids found damaged and not repaired yet (partitions with none are left out), and per partition
+        why its control-file entry is damaged."""
+        transactions = {str(p.partition_id): sorted(p.damaged) for p in self.partitions if p.damaged}
+        entries = {str(pid): why for pid, why in sorted(self.control.damaged.items())}
+        return transactions, entries
 
     async def aclose(self) -> None:
         """Stop serving and close every file; idempotent."""
@@ -1002,6 +1074,10 @@ class StorageNode:
     # -- responses ---------------------------------------------------------------------------------
 
     def respond(self, item: _Item, resp: st.StorageMessage) -> None:
+        self.send_payload(item, st.encode(resp))
+
+    def send_payload(self, item: _Item, payload: bytes) -> None:
+        """Send the encoded response to ``item`` and release what the request held."""
         if item.slot is not None:
             item.slot.release()
         if item.budget is not None:
@@ -1011,7 +1087,7 @@ class StorageNode:
         if conn is None or conn.is_closed:
             return
         try:
-            conn.send(st.encode(resp))
+            conn.send(payload)
         except ConnectionError_:
             pass  # the peer is gone; it learns nothing more from us
 
@@ -1112,9 +1188,11 @@ class StorageNode:
                 reserved = _response_estimate(msg)
                 if reserved:
                     await budget.acquire(reserved)  # bounded bytes of read responses per connection
-                await part.enqueue(
-                    _Item(msg, conn, slot=slot, arrived_s=time.monotonic(), budget=budget, reserved=reserved)
+                item = _Item(
+                    msg, conn, slot=slot, arrived_s=time.monotonic(), budget=budget, reserved=reserved
                 )
+                if not part.enqueue_nowait(item):
+                    await part.enqueue(item)
                 # A peer that sends but does not read must not grow our write buffer without bound: its next
                 # request waits until the answers sent so far drain (and then for budget, at the top).
                 await conn.drain()
@@ -1295,6 +1373,7 @@ class StorageNode:
         return out
 
     def metrics_json(self) -> str:
+        transactions, entries = self.damage_report()
         parts: dict[str, Any] = {}
         for p in self.partitions:
             info = p.info
@@ -1310,11 +1389,10 @@ class StorageNode:
                 "maxTransactionId": p.log.max_transaction_id if p.log is not None else -1,
                 "queueSize": len(p.queue),
                 "fsyncs": p.fsync_count,
-                "damagedTransactions": sorted(p.damaged),
+                "damagedTransactions": transactions.get(str(p.partition_id), []),
             }
-        damaged = {str(pid): why for pid, why in sorted(self.control.damaged.items())}
         return json.dumps(
-            {"partitions": parts, "numPartitions": len(self.partitions), "damagedControlEntries": damaged},
+            {"partitions": parts, "numPartitions": len(self.partitions), "damagedControlEntries": entries},
             indent=2,
             sort_keys=True,
         )

@@ -46,6 +46,7 @@ from waltz.storage.segment import (
     Segment,
     SegmentHeader,
     data_file_name,
+    encode_stored_run,
     index_file_name,
     parse_segment_name,
     verify_client_checksums,
@@ -193,21 +194,35 @@ class PartitionLog:
         """
         if not records:
             return
-        current = self._writable()
-        expected = current.next_transaction_id
+        expected = self._writable().next_transaction_id
         if records[0].transaction_id != expected:
             raise TransactionOutOfOrderError(
                 f"partition {self.partition_id}: transaction out of order: expected {expected}, "
                 f"got {records[0].transaction_id}"
             )
         verify_client_checksums(records, expected)
+        run, ends = encode_stored_run(records)
+        self.append_run(run, ends, expected)
+
+    def append_run(self, run: bytes | bytearray, ends: Sequence[int], first_transaction_id: int) -> None:
+        """Append a stored run of records ``first_transaction_id..`` that continues the log, already checked
+        record by record (:func:`~waltz.storage.segment.append_wire_run`); ``ends[k]`` is where record ``k``
+        ends in ``run``. Not durable until :meth:`flush` returns."""
+        if not ends:
+            return
+        expected = self._writable().next_transaction_id
+        if first_transaction_id != expected:
+            raise TransactionOutOfOrderError(
+                f"partition {self.partition_id}: transaction out of order: expected {expected}, "
+                f"got {first_transaction_id}"
+            )
         i = 0
-        total = len(records)
+        total = len(ends)
         while i < total:
             current = self._writable()
             if current.size_bytes > self.segment_size_threshold_bytes and current.record_count > 0:
                 current = self._roll_over()
-            i += current.append_verified(records, i, size_threshold_bytes=self.segment_size_threshold_bytes)
+            i += current.append_run(run, ends, i, size_threshold_bytes=self.segment_size_threshold_bytes)
 
     def _roll_over(self) -> Segment:
         old = self._writable()

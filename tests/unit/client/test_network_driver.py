@@ -278,3 +278,107 @@ def test_a_partition_its_owner_does_not_serve_is_an_error_not_an_empty_log() -> 
             await server.aclose()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_an_unanswered_mount_and_a_resync_reconnect_and_mount_again() -> None:
+    async def main() -> None:
+        server = FakeServer()
+        endpoint = await server.start()
+        discovery = StaticDiscovery()
+        driver = NetworkDriver(ClientConfig(answer_timeout_ms=300), discovery=discovery)
+        listener = Recorder()
+        await driver.open(listener)
+        try:
+            await driver.mount(0, -1)
+            discovery.publish({0: (endpoint, 1)})
+            conn, first = await server.expect(cs.MountRequest)
+            # No answer: after client.answerTimeout the driver drops the connection and mounts on a new one.
+            conn2, second = await server.expect(cs.MountRequest)
+            assert conn2 is not conn
+            assert second.seq_num > first.seq_num  # A newer incarnation.
+            assert second.client_high_water_mark == -1
+            server.send(conn2, cs.FeedData(append_id(1), 0, 10))
+            server.send(conn2, cs.MountResponse(second.req_id, cs.PartitionState.READY))
+            await listener.wait_for("state", MountState.READY)
+            await asyncio.sleep(0.5)  # Answered: no more reconnects.
+            while not server.received.empty():
+                _, msg = server.received.get_nowait()
+                assert not isinstance(msg, cs.MountRequest), msg
+            # The core's resync (appends unresolved for too long): the same, from the last id delivered.
+            driver.resync(0)
+            conn3, third = await server.expect(cs.MountRequest)
+            assert conn3 is not conn2
+            assert third.client_high_water_mark == 0
+            await listener.wait_for("state", MountState.NOT_READY)
+        finally:
+            await driver.close()
+            await server.aclose()
+
+    asyncio.run(main())
+
+
+class NowaitRecorder(Recorder):
+    """A listener that takes feed entries without a coroutine while it has room (as the core does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.room = True
+        self.direct: list[int] = []
+
+    def feed_data_nowait(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> bool:
+        if not self.room:
+            return False
+        self.direct.append(transaction_id)
+        self.events.append(("feed", transaction_id))
+        self.changed.set()
+        return True
+
+
+@pytest.mark.timeout(60)
+def test_feed_entries_go_straight_to_a_listener_with_room_and_keep_their_order_without() -> None:
+    async def main() -> None:
+        server = FakeServer()
+        endpoint = await server.start()
+        discovery = StaticDiscovery()
+        driver = NetworkDriver(ClientConfig(), discovery=discovery)
+        listener = NowaitRecorder()
+        await driver.open(listener)
+        try:
+            await driver.mount(0, -1)
+            discovery.publish({0: (endpoint, 1)})
+            conn, mount = await server.expect(cs.MountRequest)
+            server.send(conn, cs.MountResponse(mount.req_id, cs.PartitionState.READY))
+            await listener.wait_for("state", MountState.READY)
+            for t in range(3):
+                server.send(conn, cs.FeedData(append_id(t + 1), t, 0))
+            await listener.wait_for("feed", 2)
+            assert listener.direct == [0, 1, 2]  # No event object, no delivery task.
+            # No room: entries wait in the inbox, and a flush response behind them is not delivered first.
+            listener.room = False
+            server.send(conn, cs.FeedData(append_id(4), 3, 0))
+            server.send(conn, cs.FeedData(append_id(5), 4, 0))
+            server.send(conn, cs.FlushResponse(append_id(5), 4))
+            await listener.wait_for("feed", 4)  # Through on_feed_data, awaited by the delivery task.
+            await listener.wait_for("flush", append_id(5), 4)
+            feeds = [e for e in listener.events if e[0] in ("feed", "flush")]
+            assert feeds == [
+                ("feed", 0),
+                ("feed", 1),
+                ("feed", 2),
+                ("feed", 3),
+                ("feed", 4),
+                ("flush", append_id(5), 4),
+            ]
+            # A repeat after the inbox drained is dropped; the next id goes straight through again.
+            listener.room = True
+            server.send(conn, cs.FeedData(append_id(5), 4, 0))
+            server.send(conn, cs.FeedData(append_id(6), 5, 0))
+            await listener.wait_for("feed", 5)
+            assert listener.direct == [0, 1, 2, 5]
+            assert [e[1] for e in listener.events if e[0] == "feed"] == [0, 1, 2, 3, 4, 5]
+        finally:
+            await driver.close()
+            await server.aclose()
+
+    asyncio.run(main())

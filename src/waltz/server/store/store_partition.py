@@ -248,14 +248,47 @@ class StorePartition:
         """
         return await (await self.submit(request))
 
-    async def submit(self, request: AppendLike) -> asyncio.Future[int]:
+    async def submit(
+        self,
+        request: AppendLike,
+        on_resolved: Callable[[int, BaseException | None], None] | None = None,
+    ) -> asyncio.Future[int]:
         """Queue one transaction and return the future of its id, without waiting for the commit.
 
         Transactions get ids in the order their ``submit`` calls returned, so a caller that awaits each
         ``submit`` before the next keeps its order (the server relies on this: a client's appends must commit
         in the order it sent them). Waits while the queue is full. Raises as :meth:`append` does, either here
-        (refused up front) or from the future.
+        (refused up front) or from the future. ``on_resolved`` as in :meth:`submit_nowait`.
         """
+        pending = self._pending(request)
+        pending.on_resolved = on_resolved
+        await self.queue.put(pending)  # returns without queueing it if the partition failed it meanwhile
+        session = self._session
+        if session is not None:
+            session.appends_queued()
+        return pending.future
+
+    def submit_nowait(
+        self,
+        request: AppendLike,
+        on_resolved: Callable[[int, BaseException | None], None] | None = None,
+    ) -> asyncio.Future[int] | None:
+        """:meth:`submit` if the queue has room now; None (nothing queued) if it would have to wait.
+
+        ``on_resolved``, if given, is called once, synchronously, when the append is resolved, with
+        ``(transaction id, None)`` or ``(-1, error)``, whether or not the future is still awaited."""
+        if self.queue.full():
+            return None
+        pending = self._pending(request)
+        pending.on_resolved = on_resolved
+        self.queue.put_nowait(pending)
+        session = self._session
+        if session is not None:
+            session.appends_queued()
+        return pending.future
+
+    def _pending(self, request: AppendLike) -> PendingAppend:
+        """Check ``request`` and give it the next ticket (the caller queues it at once)."""
         if self._closed:
             raise ClosedResourceError(f"partition {self.partition_id} store is closed")
         loop = self._loop
@@ -278,11 +311,7 @@ class StorePartition:
             ticket,
         )
         self._unresolved[ticket] = pending
-        await self.queue.put(pending)  # returns without queueing it if the partition failed it meanwhile
-        session = self._session
-        if session is not None:
-            session.appends_queued()
-        return pending.future
+        return pending
 
     async def wait_open(self) -> int:
         """Wait until a store session is open (recovered) and return the committed high-water mark."""

@@ -45,12 +45,14 @@ from waltz.protocol.records import Record, RecordHeader, ReqId
 from waltz.server.store.interfaces import PartitionMetadataStore, ReplicaConnection, ReplicaConnector
 from waltz.server.store.recovery import RecoveryState, metadata_after_recovery, metadata_with_clean_replica
 from waltz.server.store.replica_session import Batch, ReplicaRole, ReplicaSession, SessionOver
-from waltz.server.store.support import RepairStatistics, StoreConfig, TaskList
+from waltz.server.store.support import InvariantViolation, RepairStatistics, StoreConfig, TaskList
 from waltz.server.store.voting import Voting, quorum_of
 
 __all__ = ["AppendQueue", "EndReason", "PendingAppend", "SessionHost", "SessionOutcome", "StoreSession"]
 
 log = logging.getLogger(__name__)
+
+_tuple_new = tuple.__new__
 
 T = TypeVar("T")
 
@@ -100,21 +102,43 @@ class PendingAppend:
     session_id: int = -1
     resolved: bool = False
     """The store decided its fate (it succeeded or failed), whether or not its caller still waits."""
+    on_resolved: Callable[[int, BaseException | None], None] | None = None
+    """Called once, synchronously, when the append is resolved: ``(transaction id, None)`` or ``(-1, error)``.
+    The server's partition uses it instead of a callback on :attr:`future`, which would run one event-loop
+    iteration later, for every append."""
 
     def record(self) -> Record:
-        return Record(self.transaction_id, self.req_id, self.header, self.data, self.checksum)
+        # Record(...) without its generated __new__: one per append on the write path.
+        return _tuple_new(Record, (self.transaction_id, self.req_id, self.header, self.data, self.checksum))
 
     def succeed(self, transaction_id: int) -> None:
+        first = not self.resolved
         self.resolved = True
         if not self.future.done():
             self.future.set_result(transaction_id)
+        if first and self.on_resolved is not None:
+            _notify(self.on_resolved, transaction_id, None)
 
     def fail(self, error: BaseException) -> None:
+        first = not self.resolved
         self.resolved = True
         if not self.future.done():
             self.future.set_exception(error)
             # The caller may have stopped waiting (cancelled); do not let asyncio warn about the exception.
             self.future.exception()
+        if first and self.on_resolved is not None:
+            _notify(self.on_resolved, -1, error)
+
+
+def _notify(
+    on_resolved: Callable[[int, BaseException | None], None], transaction_id: int, error: BaseException | None
+) -> None:
+    # A failing listener must not break the store's bookkeeping (it runs inside a commit): log it, as the
+    # event loop logs a failing future callback.
+    try:
+        on_resolved(transaction_id, error)
+    except Exception:
+        log.exception("an append's resolution listener failed")
 
 
 class AppendQueue:
@@ -152,6 +176,12 @@ class AppendQueue:
             await self._room.wait()
             if append.resolved:
                 return
+        self.put_nowait(append)
+
+    def put_nowait(self, append: PendingAppend) -> None:
+        """Queue ``append`` now; the caller checked that the queue is not :meth:`full`."""
+        if len(self._items) >= self.capacity:
+            raise InvariantViolation(f"append queue full ({self.capacity})")
         self._items.append(append)
         self.data_bytes += len(append.data)
         self._arrived.set()
@@ -777,8 +807,11 @@ class StoreSession:
         """
         interval_s = self.config.damage_poll_interval_ms / 1000
         skip: dict[str, int] = {}
+        failing = self._host.repairs.failing
         while True:
             await asyncio.sleep(interval_s)
+            for gone in [s for s in failing if s not in self.replica_sessions]:
+                del failing[gone]  # no longer a replica: its damage is not this partition's to repair
             for replica in list(self.participants):
                 storage, conn = replica.storage, replica.connection
                 if conn is None or storage in self._repairing:
@@ -795,6 +828,8 @@ class StoreSession:
                 last = min(self.high_water_mark, replica.max_id)
                 committed = sorted(t for t in set(ids) if 0 <= t <= last)
                 if not committed:
+                    # Repaired meanwhile (by a read that met the damage) or truncated: nothing is failing.
+                    failing.pop(storage, None)
                     continue
                 self._repairing.add(storage)
                 try:
@@ -809,6 +844,16 @@ class StoreSession:
         stats = self._host.repairs
         stats.started += 1
         what = _describe_ids(ids)
+        stats.in_progress[bad.storage] = what
+        try:
+            return await self._rewrite_reported(bad, ids, what, stats)
+        finally:
+            stats.in_progress.pop(bad.storage, None)
+
+    async def _rewrite_reported(
+        self, bad: ReplicaSession, ids: Sequence[int], what: str, stats: RepairStatistics
+    ) -> bool:
+        """The body of :meth:`_repair_reported`: rewrite, count and log."""
         log.info(
             "partition %d: repairing %d damaged record(s) %s reported by %s, from the other replicas",
             self.partition_id,
@@ -831,6 +876,7 @@ class StoreSession:
         except WaltzError as e:
             stats.failed += 1
             stats.records += rewritten
+            stats.failing[bad.storage] = f"{what}: {e!r}"
             log.warning(
                 "partition %d: repair of %s's damaged records %s failed after %d record(s); tried again "
                 "later: %r",
@@ -843,6 +889,7 @@ class StoreSession:
             return False
         stats.finished += 1
         stats.records += rewritten
+        stats.failing.pop(bad.storage, None)
         log.info(
             "partition %d: repaired %d damaged record(s) %s on %s",
             self.partition_id,

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Backoff", "InvariantViolation", "RepairStatistics", "StoreConfig", "TaskList"]
@@ -91,6 +91,22 @@ class RepairStatistics:
     failed: int = 0
     records: int = 0
     """Records rewritten by those repairs."""
+    in_progress: dict[str, str] = field(default_factory=dict)
+    """Repairs running now: storage node -> the ids being rewritten."""
+    failing: dict[str, str] = field(default_factory=dict)
+    """Storage nodes whose last repair failed (it is tried again later) -> the ids and why; cleared by the
+    node's next repair that rewrites everything it reported."""
+
+    def health(self) -> dict[str, object]:
+        """What ``/health`` shows of them (the counters are in /metrics too)."""
+        return {
+            "started": self.started,
+            "finished": self.finished,
+            "failed": self.failed,
+            "records": self.records,
+            "inProgress": dict(self.in_progress),
+            "failing": dict(self.failing),
+        }
 
 
 class Backoff:

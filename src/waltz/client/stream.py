@@ -1,0 +1,376 @@
+"""The stream connection to one server, and the per-partition state that the connection feeds.
+
+One :class:`StreamLink` per server endpoint ("network client" in the original), created when a partition is
+placed there: the **stream** connection (mount, append, feed, flush), opened as long as a mounted partition
+lives on the endpoint. Its reader routes every message to the partition it names (``req_id.partition_id``)
+and only if that partition is currently attached to this link. Each connection gets a new *incarnation*
+number (sent as the MountRequest's ``seqNum``; the server then ignores the older connection of this client).
+Losing the connection, for whatever reason, makes every partition on it report ``NOT_READY``; the link
+reconnects at once, waiting (0.2 s doubling to 1 s) only when the connect itself fails, and has its owner
+(the :class:`~waltz.client.network.NetworkDriver`, through the narrow :class:`LinkOwner`) re-mount each
+partition from the last transaction id it delivered.
+
+A mounted partition (:class:`Mount`) has an inbox of :data:`MountEvent` and a delivery task (the driver's)
+that awaits the listener for one event at a time, in arrival order, so partitions never wait on one
+another's application. The inbox holds at most :data:`INBOX_FEED_LIMIT` feed entries; beyond that the
+connection's reader waits (TCP back pressure towards the server).
+
+The common case skips the inbox: a feed entry that is the partition's next id, with nothing of the
+partition queued before it (nor held by its delivery task), goes from the reader straight to the listener's
+``feed_data_nowait`` when it has room, without an event object or a task hop. Anything else (other messages,
+gaps, repeats, a full listener) goes through the inbox, so the order of a partition's events never changes.
+
+Everything runs on the client's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from ssl import SSLContext
+from typing import Final, Protocol
+
+from waltz.client.driver import MountState
+from waltz.client.rpc import connect_server
+from waltz.errors import (
+    BrokenResourceError,
+    ConfigError,
+    ConnectionError_,
+    ProtocolError,
+    RemoteProtocolError,
+)
+from waltz.protocol import client_server as cs
+from waltz.protocol.records import ReqId, to_signed32
+from waltz.transport import FramedConnection
+
+__all__ = [
+    "INBOX_FEED_LIMIT",
+    "Feed",
+    "Flushed",
+    "LinkOwner",
+    "LockFailed",
+    "Mount",
+    "MountEvent",
+    "MountReply",
+    "StreamLink",
+    "Suspended",
+    "Unready",
+]
+
+log = logging.getLogger(__name__)
+
+RECONNECT_INITIAL_DELAY_S: Final = 0.2
+RECONNECT_MAX_DELAY_S: Final = 1.0
+"""Back-off between failed connects to one endpoint (a lost connection is re-opened at once)."""
+INBOX_FEED_LIMIT: Final = 1024
+"""Feed entries queued per partition before the connection's reader waits for the application."""
+
+FeedNowait = Callable[[int, int, ReqId, int], bool]
+"""``feed_data_nowait`` of a :class:`~waltz.client.driver.DriverListener` that offers it."""
+
+
+class LinkOwner(Protocol):
+    """What a :class:`StreamLink` may ask of the driver that owns it."""
+
+    @property
+    def ssl(self) -> SSLContext | None: ...
+
+    @property
+    def mounts(self) -> Mapping[int, Mount]:
+        """The mounted partitions (the link delivers only to those attached to it)."""
+        ...
+
+    @property
+    def listener(self) -> object:
+        """The driver's listener (its ``feed_data_nowait``, if any, takes feed entries directly)."""
+        ...
+
+    def next_incarnation(self) -> int: ...
+
+    def send_mount(self, mount: Mount) -> None:
+        """Mount ``mount`` on its link (a new feed session)."""
+        ...
+
+    def abandon(self, mount: Mount) -> None:
+        """End the partition's feed session (``NOT_READY``)."""
+        ...
+
+    def spawn(self, coro: Awaitable[None], name: str) -> None: ...
+
+
+@dataclass(slots=True)
+class Feed:
+    session: ReqId
+    transaction_id: int
+    req_id: ReqId
+    header: int
+
+
+@dataclass(slots=True)
+class MountReply:
+    session: ReqId
+    state: cs.PartitionState
+
+
+@dataclass(slots=True)
+class Suspended:
+    session: ReqId
+
+
+@dataclass(slots=True)
+class LockFailed:
+    req_id: ReqId
+    transaction_id: int
+
+
+@dataclass(slots=True)
+class Flushed:
+    req_id: ReqId
+    transaction_id: int
+
+
+@dataclass(slots=True)
+class Unready:
+    """The driver abandoned the session (connection lost, partition moved): report NOT_READY."""
+
+
+MountEvent = Feed | MountReply | Suspended | LockFailed | Flushed | Unready
+
+
+class Mount:
+    """The driver's state for one mounted partition (event loop only)."""
+
+    def __init__(self, partition_id: int, client_high_water_mark: int) -> None:
+        self.partition_id = partition_id
+        self.position = client_high_water_mark  # Last feed id delivered; kept across reconnects and moves.
+        self.link: StreamLink | None = None
+        self.generation = 0
+        self.session: ReqId | None = None  # The current feed session (the latest MountRequest's ReqId).
+        self.ready = False  # READY seen for the current session: appends may be sent.
+        self.ahead = False  # CLIENT_AHEAD: terminal until unmounted.
+        self.closed = False
+        self.reported: MountState | None = None
+        self.inbox: deque[MountEvent] = deque()
+        self.feed_queued = 0
+        self.busy = False  # The delivery task holds an event it took from the inbox (order: after it).
+        self._wake = asyncio.Event()
+        self._room = asyncio.Event()
+        self.deliver_task: asyncio.Task[None] | None = None
+        self.retry_task: asyncio.Task[None] | None = None
+        self.answer_timer: asyncio.TimerHandle | None = None  # Bounds the wait for the MountResponse.
+
+    def put(self, event: MountEvent) -> None:
+        self.inbox.append(event)
+        if isinstance(event, Feed):
+            self.feed_queued += 1
+        self._wake.set()
+
+    def get_nowait(self) -> MountEvent | None:
+        """The next event if one is queued (no coroutine), else None."""
+        if not self.inbox:
+            return None
+        event = self.inbox.popleft()
+        if isinstance(event, Feed):
+            self.feed_queued -= 1
+            if self.feed_queued <= INBOX_FEED_LIMIT // 2:
+                self._room.set()
+        return event
+
+    async def get(self) -> MountEvent:
+        while not self.inbox:
+            self._wake.clear()
+            await self._wake.wait()
+        event = self.inbox.popleft()
+        if isinstance(event, Feed):
+            self.feed_queued -= 1
+            if self.feed_queued <= INBOX_FEED_LIMIT // 2:
+                self._room.set()
+        return event
+
+    async def wait_room(self, link: StreamLink) -> None:
+        """Wait while the inbox is full and the partition still listens to ``link``."""
+        while self.feed_queued >= INBOX_FEED_LIMIT and self.link is link and not self.closed:
+            self._room.clear()
+            await self._room.wait()
+
+    def wake_readers(self) -> None:
+        self._room.set()
+
+    def cancel_answer_timer(self) -> None:
+        timer, self.answer_timer = self.answer_timer, None
+        if timer is not None:
+            timer.cancel()
+
+
+class StreamLink:
+    """The stream connection to one server endpoint, kept open while partitions are attached."""
+
+    def __init__(self, owner: LinkOwner, endpoint: str) -> None:
+        self.owner = owner
+        self.endpoint = endpoint
+        self.attached: dict[int, Mount] = {}
+        self.conn: FramedConnection | None = None
+        self.version = 0
+        self.incarnation = -1
+        self._wanted = asyncio.Event()
+        self._closed = False
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"waltz-link {endpoint}")
+
+    @property
+    def connected(self) -> bool:
+        return self.conn is not None and not self.conn.is_closed
+
+    def attach(self, mount: Mount) -> None:
+        self.attached[mount.partition_id] = mount
+        mount.link = self
+        self._wanted.set()
+
+    def detach(self, mount: Mount) -> None:
+        if self.attached.get(mount.partition_id) is mount:
+            del self.attached[mount.partition_id]
+        if mount.link is self:
+            mount.link = None
+        mount.wake_readers()
+        conn = self.conn
+        if not self.attached and conn is not None and not conn.is_closed:
+            # Nothing of ours lives here any more: let the connection go (the run loop then idles).
+            self.owner.spawn(conn.aclose(), f"waltz-idle {self.endpoint}")
+
+    def send(self, msg: cs.Message) -> None:
+        """Encode and queue ``msg`` on the stream connection (BrokenResourceError if there is none)."""
+        conn = self.conn
+        if conn is None:
+            raise BrokenResourceError(f"no connection to {self.endpoint}")
+        payload = cs.encode(msg, self.version)
+        try:
+            conn.send(payload)
+        except ConnectionError_ as e:
+            raise BrokenResourceError(f"connection to {self.endpoint} lost: {e}") from None
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._task.cancel()
+        await asyncio.wait([self._task])
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            await conn.aclose()
+
+    async def _run(self) -> None:
+        delay_s = RECONNECT_INITIAL_DELAY_S
+        while not self._closed:
+            if not self.attached:
+                self._wanted.clear()
+                await self._wanted.wait()
+                continue
+            try:
+                conn = await connect_server(self.endpoint, self.owner.ssl)
+            except ConfigError as e:
+                # Such as a plain client meeting a TLS server: retrying will not help, but the assignment may
+                # move the partitions to a server that takes us, so keep the link (slowly).
+                log.error("cannot connect to %s: %s", self.endpoint, e)
+                await asyncio.sleep(RECONNECT_MAX_DELAY_S)
+                continue
+            except (ConnectionError_, ProtocolError) as e:
+                log.info("cannot connect to %s (retrying in %.1f s): %s", self.endpoint, delay_s, e)
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, RECONNECT_MAX_DELAY_S)
+                continue
+            delay_s = RECONNECT_INITIAL_DELAY_S
+            self.incarnation = self.owner.next_incarnation()
+            self.conn, self.version = conn, conn.negotiated_version
+            log.debug("connected to %s (incarnation %d)", self.endpoint, self.incarnation)
+            try:
+                for mount in list(self.attached.values()):
+                    self.owner.send_mount(mount)
+                await self._read(conn)
+            except (ConnectionError_, ProtocolError) as e:
+                if not self._closed:
+                    log.info("connection to %s lost: %s", self.endpoint, e)
+            finally:
+                self.conn = None
+                await conn.aclose()
+            for mount in list(self.attached.values()):
+                self.owner.abandon(mount)
+
+    async def _read(self, conn: FramedConnection) -> None:
+        owner = self.owner
+        version = conn.negotiated_version
+        decode = cs.decode
+        decode_feed = cs.decode_feed_data
+        mounts = owner.mounts
+        listener = owner.listener
+        # A listener that takes a feed entry without a coroutine (the core does) gets it straight from here
+        # when nothing of its partition is queued before it: no event object, no inbox, no task hop.
+        nowait = getattr(listener, "feed_data_nowait", None)
+        while True:
+            payload: bytes | None = await conn.receive()
+            # Then every message already buffered, without a coroutine each (a burst of feed entries).
+            while payload is not None:
+                feed = decode_feed(payload)
+                if feed is not None:
+                    req_id, tid, header = feed
+                    mount = mounts.get(to_signed32(req_id.lsb >> 32))
+                    if (
+                        mount is not None
+                        and mount.link is self
+                        and not mount.closed
+                        and _on_feed(nowait, mount, tid, req_id, header)
+                    ):
+                        await mount.wait_room(self)
+                else:
+                    self._on_message(decode(payload, version))
+                payload = conn.receive_nowait()
+
+    def _on_message(self, msg: cs.Message) -> None:
+        """Queue a message other than FeedData for its partition's delivery task."""
+        mount = self.owner.mounts.get(msg.req_id.partition_id)
+        if mount is None or mount.link is not self or mount.closed:
+            return  # Not (or no longer) ours to hear from this server.
+        if isinstance(msg, cs.MountResponse):
+            if msg.req_id == mount.session:
+                mount.cancel_answer_timer()  # Answered, even if the delivery task reaches it later.
+                mount.put(MountReply(msg.req_id, msg.state))
+        elif isinstance(msg, cs.FeedSuspended):
+            if msg.req_id == mount.session:
+                mount.put(Suspended(msg.req_id))
+        elif isinstance(msg, cs.LockFailure):
+            mount.put(LockFailed(msg.req_id, msg.transaction_id))
+        elif isinstance(msg, cs.FlushResponse):
+            mount.put(Flushed(msg.req_id, msg.transaction_id))
+        elif isinstance(msg, cs.FeedData):  # pragma: no cover - decode_feed_data takes every FeedData
+            raise RemoteProtocolError("a FeedData the fast decoder refused")
+        else:
+            log.debug("ignoring %s from %s on the stream connection", type(msg).__name__, self.endpoint)
+
+
+def _on_feed(nowait: FeedNowait | None, mount: Mount, tid: int, req_id: ReqId, header: int) -> bool:
+    """A feed entry for ``mount`` (attached to the link it came on): delivered at once when nothing of the
+    partition is queued before it and the listener has room, else queued for the delivery task, which
+    decides (repeats, gaps, waits for room). True if the reader must now wait for room in the inbox."""
+    session = mount.session
+    if session is None:
+        return False  # No feed session open: from an abandoned one.
+    if nowait is not None and not mount.inbox and not mount.busy:
+        if tid <= mount.position:
+            return False  # A repeat after a re-mount.
+        if tid == mount.position + 1 and _deliver_now(nowait, mount, tid, req_id, header):
+            return False
+    mount.put(Feed(session, tid, req_id, header))
+    return mount.feed_queued >= INBOX_FEED_LIMIT
+
+
+def _deliver_now(nowait: FeedNowait, mount: Mount, tid: int, req_id: ReqId, header: int) -> bool:
+    """Hand the next feed entry to the listener at once; False (nothing done) if it has no room."""
+    try:
+        taken = nowait(mount.partition_id, tid, req_id, header)
+    except Exception:
+        # As the delivery task does: logged, and the position stays, so the next entry is a gap and the
+        # partition re-mounts from here (this one is delivered again).
+        log.exception("partition %d: delivering transaction %d failed", mount.partition_id, tid)
+        return True
+    if taken:
+        mount.position = tid
+    return taken

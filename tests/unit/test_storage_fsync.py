@@ -1,0 +1,67 @@
+"""Where a storage node runs its group-commit fsync: on the event loop while the disk is fast (a thread
+hand-off costs more CPU than the fsync), in a thread once one fsync on the loop was slow (so a stalling disk
+does not stall /health, keep-alives and the other partitions with it)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from waltz.storage import node as node_module
+from waltz.storage.config import StorageConfig
+from waltz.storage.controlfile import ControlFile
+from waltz.storage.node import StorageNode
+
+
+class _Log:
+    """The one method ``_fsync`` calls on a partition log, recording the thread and taking ``delay_s``."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.threads: list[bool] = []
+        self.max_transaction_id = 7
+
+    def flush(self) -> None:
+        self.threads.append(threading.current_thread() is threading.main_thread())
+        time.sleep(self.delay_s)
+
+
+def _node(tmp_path: Path) -> StorageNode:
+    key = uuid.uuid4()
+    config = StorageConfig.from_mapping(
+        {
+            "storage.directory": str(tmp_path),
+            "storage.port": 1,
+            "storage.admin.port": 2,
+            "storage.cluster.key": str(key),
+            "storage.cluster.numPartitions": 1,
+        }
+    )
+    return StorageNode(config, ControlFile.open_or_create(str(tmp_path), key, 1))
+
+
+def test_fsyncs_run_on_the_loop_until_one_is_slow_then_in_a_thread_for_a_while(tmp_path: Path) -> None:
+    node = _node(tmp_path)
+    partition = node.partitions[0]
+
+    async def main() -> None:
+        fast = _Log(0.0)
+        assert await partition._fsync(fast) is None  # type: ignore[arg-type]
+        assert await partition._fsync(fast) is None  # type: ignore[arg-type]
+        assert fast.threads == [True, True]  # on the loop's (main) thread
+
+        slow = _Log(node_module.INLINE_FSYNC_LIMIT_S * 2)
+        assert await partition._fsync(slow) is None  # type: ignore[arg-type]
+        assert slow.threads == [True]  # it could not know in advance
+        assert await partition._fsync(fast) is None  # type: ignore[arg-type]
+        assert fast.threads == [True, True, False]  # now in a worker thread
+        assert partition.durable_max == 7
+
+        node.inline_fsync_off_until = time.monotonic() - 1  # the back-off has passed
+        assert await partition._fsync(fast) is None  # type: ignore[arg-type]
+        assert fast.threads[-1] is True
+
+    asyncio.run(main())
