@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -34,7 +35,7 @@ class BenchCluster:
 
 @contextmanager
 def waltz_cluster(prefix: str) -> Iterator[BenchCluster]:
-    """A ``waltz local`` cluster in a new temporary directory; stopped and purged on exit."""
+    """A ``waltz local`` cluster in a new temporary directory; stopped and the directory deleted on exit."""
     directory = Path(tempfile.mkdtemp(prefix=prefix))
     cluster = up(UpOptions(directory=directory, storages=1, servers=1, partitions=PARTITIONS))
     try:
@@ -47,6 +48,7 @@ def waltz_cluster(prefix: str) -> Iterator[BenchCluster]:
         )
     finally:
         down(directory, purge=True)
+        shutil.rmtree(directory, ignore_errors=True)  # and what the bench wrote there (Parquet copies)
 
 
 @contextmanager
