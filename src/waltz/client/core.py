@@ -489,7 +489,8 @@ class AsyncWaltzClient:
             return
         monitor = self._ready_monitor(partition)
         if monitor is not None:
-            if self._take_turn(partition, run, first):
+            # A new run is unknown to the lock queue: without write locks it has nothing to take there.
+            if not first.write_lock_hashes or self._take_turn(partition, run, first):
                 run.handle(_SEND)
                 self._send(partition, monitor, first, run)
                 return
