@@ -1,42 +1,43 @@
-"""Batch read throughput of the Spark ``waltz`` source beside the plain client (LogReader) on the same range.
+"""Batch read throughput of the Spark ``waltz`` source beside Parquet of the same rows and the plain client.
 
-Starts a local cluster (``waltz local``: ZooKeeper, one storage node, one server, two partitions) in a
-temporary directory, appends ``--transactions`` transactions of ``--size`` bytes through the client, then
-times, over the same committed range:
+Starts a local cluster (``spark_bench.waltz_cluster``: ZooKeeper, one storage node, one server, two
+partitions), appends ``--transactions`` transactions of ``--size`` bytes through the client, then times:
 
 * ``LogReader.read_range``: one process reading both partitions with range requests of 10,000, one at a time,
   into ``Record`` objects (checksums verified);
 * the Spark tasks' reader (``waltz.spark.cluster``, ``LogReader.read_run`` with three requests in flight)
-  in one plain process, unpacking each run into columns (``RecordRun.columns``, checksums verified);
-* Spark ``local[2]``: ``spark.read.format("waltz")...`` aggregated so every row and byte is materialised
-  (``count(*)``, ``sum(length(data))``). The first Spark run pays the Python worker start-up; the best and
-  the median of the following ``--runs`` runs are reported, as is the first;
-* Spark ``local[2]`` reading the **same rows from Parquet** (written once from the waltz DataFrame, in two
-  files like the two waltz partitions) with the same aggregation, the runs interleaved with the waltz runs
-  so both see the same machine load; the waltz/Parquet ratio of the medians is printed (goal >= 50%).
-  Parquet reads only the ``data`` column (column pruning), the Python source every column (PySpark 4.3 has
-  no column pruning for Python sources).
+  in one plain process, turning each run into an Arrow batch as a task does (``waltz.spark.arrow.to_arrow``,
+  checksums verified);
+* for each of ``--sizes`` (the first N transactions, half from each partition, through ``endingOffsets``):
+  Spark ``local[2]`` reading them with ``spark.read.format("waltz")``, aggregated so every row and byte is
+  materialised (``count(*)``, ``sum(length(data))``), and the **same rows from Parquet** (written once per
+  size from the waltz DataFrame, two files like the two partitions) with the same aggregation. One run of
+  each warms up (the first waltz query of the session also starts the Python workers), then ``--runs``
+  runs of each are interleaved so both see the same machine load; the waltz/Parquet ratio of the medians
+  is printed (goal >= 50%), with the CPU seconds per query of the Spark processes (JVM and Python
+  workers) and of the cluster (server and storage node).
 
-Usage: ``.venv/bin/python bench/spark_read.py [--transactions 400000] [--size 512] [--runs 3]``
+Parquet reads only the ``data`` column (column pruning, a vectorised reader in the JVM); the Python source
+ships every column through a Python worker and Arrow (PySpark 4.3 has no column pruning for Python sources).
+
+Usage: ``.venv/bin/python bench/spark_read.py [--sizes 100000,400000] [--size 512] [--runs 5]``
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
-import sys
-import tempfile
 import time
-from pathlib import Path
+from typing import Any
 
+from spark_bench import PARTITIONS, BenchCluster, cpu_seconds, median, spark_session, waltz_cluster
 from waltz.client.reader import LogReader
-from waltz.local import UpOptions, down, up
+from waltz.spark.arrow import to_arrow
 from waltz.spark.cluster import close_all, open_source
 from waltz.spark.options import parse_options
 from waltz.spark.writer import RowWriter
-
-PARTITIONS = 2
 
 
 def append(options: dict[str, str], count: int, size: int) -> None:
@@ -66,106 +67,109 @@ async def plain_read(options: dict[str, str]) -> tuple[int, int, float]:
         return rows, nbytes, time.perf_counter() - t0
 
 
-def columnar_read(options: dict[str, str]) -> tuple[int, int, float]:
+def task_read(options: dict[str, str]) -> tuple[int, int, float]:
     source = open_source(parse_options(options))  # what each Spark task uses, here in one plain process
     hwms = source.high_water_marks(range(PARTITIONS))
     t0 = time.perf_counter()
     rows = nbytes = 0
     for p in range(PARTITIONS):
         for run in source.read(p, 0, hwms[p] + 1):
-            cols = run.columns()
-            rows += cols.num_records
-            nbytes += len(cols.data)
+            batch = to_arrow(p, run)
+            rows += batch.num_rows
+            nbytes += batch.column(4).buffers()[2].size
     elapsed = time.perf_counter() - t0
     close_all()
     return rows, nbytes, elapsed
 
 
-def spark_read(spark: object, options: dict[str, str]) -> tuple[int, int, float]:
+def aggregate(df: Any) -> tuple[int, int]:
     from pyspark.sql import functions as sf
 
-    t0 = time.perf_counter()
-    df = spark.read.format("waltz").options(**options).load()  # type: ignore[attr-defined]
     row = df.agg(sf.count("*").alias("n"), sf.sum(sf.length("data")).alias("b")).collect()[0]
-    return int(row.n), int(row.b), time.perf_counter() - t0
+    return int(row.n), int(row.b)
 
 
-def parquet_read(spark: object, path: Path) -> tuple[int, int, float]:
-    from pyspark.sql import functions as sf
-
-    t0 = time.perf_counter()
-    df = spark.read.parquet(str(path))  # type: ignore[attr-defined]
-    row = df.agg(sf.count("*").alias("n"), sf.sum(sf.length("data")).alias("b")).collect()[0]
-    return int(row.n), int(row.b), time.perf_counter() - t0
+def ending(count: int) -> str:
+    return json.dumps({str(p): count // PARTITIONS for p in range(PARTITIONS)})
 
 
 def line(name: str, rows: int, nbytes: int, seconds: float) -> str:
     return f"| {name} | {rows:,} | {seconds:.2f} | {rows / seconds:,.0f} | {nbytes / seconds / 1e6:,.1f} |"
 
 
+def compare(spark: Any, cluster: BenchCluster, count: int, runs: int) -> list[str]:
+    """Interleaved waltz and Parquet reads of the first ``count`` transactions; the result table rows."""
+    options = {**cluster.options, "endingOffsets": ending(count)}
+    parquet_dir = cluster.directory / f"parquet-{count}"
+    spark.read.format("waltz").options(**options).load().coalesce(PARTITIONS).write.parquet(str(parquet_dir))
+
+    def waltz() -> tuple[int, int]:
+        return aggregate(spark.read.format("waltz").options(**options).load())
+
+    def parquet() -> tuple[int, int]:
+        return aggregate(spark.read.parquet(str(parquet_dir)))
+
+    seconds: dict[str, list[float]] = {"waltz": [], "parquet": []}
+    cpu: dict[str, list[dict[str, float]]] = {"waltz": [], "parquet": []}
+    for attempt in range(runs + 1):
+        for name, read in (("waltz", waltz), ("parquet", parquet)):
+            before = cpu_seconds(cluster)
+            t0 = time.perf_counter()
+            rows, _ = read()
+            elapsed = time.perf_counter() - t0
+            after = cpu_seconds(cluster)
+            if rows != count:
+                raise SystemExit(f"{name} read {rows:,} rows, expected {count:,}")
+            if attempt > 0:  # the first run of each warms up
+                seconds[name].append(elapsed)
+                cpu[name].append({k: after[k] - before[k] for k in after})
+    out = []
+    for name in ("waltz", "parquet"):
+        best, mid = min(seconds[name]), median(seconds[name])
+        spark_cpu = median([c["spark"] for c in cpu[name]])
+        cluster_cpu = median([c["cluster"] for c in cpu[name]])
+        out.append(
+            f"| {name} | {count:,} | {best:.2f} / {mid:.2f} | {count / best:,.0f} / {count / mid:,.0f} | "
+            f"{spark_cpu:.2f} | {cluster_cpu:.2f} |"
+        )
+    ratio = median(seconds["parquet"]) / median(seconds["waltz"])
+    out.append(f"| **waltz / Parquet rate (medians)** | {count:,} | | **{ratio:.0%}** (goal >= 50%) | | |")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--transactions", type=int, default=400_000)
-    parser.add_argument("--size", type=int, default=512)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--sizes", default="100000,400000", help="comma-separated transaction counts to read")
+    parser.add_argument("--size", type=int, default=512, help="bytes of data per transaction")
+    parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    directory = Path(tempfile.mkdtemp(prefix="waltz-spark-bench-"))
-    cluster = up(UpOptions(directory=directory, storages=1, servers=1, partitions=PARTITIONS))
-    try:
-        options = {
-            "waltz.zookeeper.connectString": cluster.zk_connect,
-            "waltz.cluster.root": cluster.cluster_root,
-        }
+    sizes = [int(s) for s in args.sizes.split(",")]
+    total = max(sizes)
+    with waltz_cluster("waltz-spark-bench-") as cluster:
         t0 = time.perf_counter()
-        append(options, args.transactions, args.size)
-        print(
-            f"appended {args.transactions:,} x {args.size} B in {time.perf_counter() - t0:.1f} s", flush=True
-        )
-        results = [
-            line("plain LogReader.read_range, records (1 process)", *asyncio.run(plain_read(options))),
-            line("LogReader.read_run, columns, 3 in flight (1 process)", *columnar_read(options)),
+        append(cluster.options, total, args.size)
+        print(f"appended {total:,} x {args.size} B in {time.perf_counter() - t0:.1f} s", flush=True)
+        load = [os.getloadavg()[0]]
+        plain = asyncio.run(plain_read(cluster.options))
+        tasks = task_read(cluster.options)
+        single = [
+            line("plain LogReader.read_range, records (1 process)", *plain),
+            line("LogReader.read_run into Arrow batches, 3 in flight (1 process)", *tasks),
         ]
-        from pyspark.sql import SparkSession
-
-        import waltz.spark
-
-        spark = (
-            SparkSession.builder.master("local[2]")
-            .config("spark.ui.enabled", "false")
-            .config("spark.driver.bindAddress", "127.0.0.1")
-            .config("spark.driver.host", "127.0.0.1")
-            .config("spark.sql.shuffle.partitions", "2")
-            .getOrCreate()
-        )
-        spark.sparkContext.setLogLevel("ERROR")
-        waltz.spark.register(spark)
-        runs = [spark_read(spark, options)]
-        parquet_dir = directory / "parquet"
-        spark.read.format("waltz").options(**options).load().coalesce(PARTITIONS).write.parquet(
-            str(parquet_dir)
-        )
-        parquet_runs = [parquet_read(spark, parquet_dir)]  # the first Parquet read warms its code paths
-        for _ in range(args.runs):
-            runs.append(spark_read(spark, options))
-            parquet_runs.append(parquet_read(spark, parquet_dir))
-        results.append(line("Spark local[2], first run (cold workers)", *runs[0]))
-        warm = sorted(runs[1:], key=lambda r: r[2])
-        results.append(line(f"Spark local[2], best of {args.runs} warm runs", *warm[0]))
-        results.append(line(f"Spark local[2], median of {args.runs} warm runs", *warm[len(warm) // 2]))
-        parquet = sorted(parquet_runs[1:], key=lambda r: r[2])
-        results.append(line(f"Spark local[2], Parquet of the same rows, best of {args.runs}", *parquet[0]))
-        results.append(line(f"Spark local[2], Parquet, median of {args.runs}", *parquet[len(parquet) // 2]))
-        spark.stop()
-        print(f"load average at the end: {os.getloadavg()[0]:.1f}")
-        print("| reader | transactions | seconds | transactions/s | MB/s |")
-        print("|---|---:|---:|---:|---:|")
-        print("\n".join(results))
-        ratio = parquet[len(parquet) // 2][2] / warm[len(warm) // 2][2]
-        print(f"waltz warm median / Parquet warm median (rate): {ratio:.0%} (goal >= 50%)")
-    finally:
-        down(directory, purge=True)
+        with spark_session() as spark:
+            tables = [compare(spark, cluster, count, args.runs) for count in sizes]
+        load.append(os.getloadavg()[0])
+    print(f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end")
+    print("| reader | transactions | seconds | transactions/s | MB/s |")
+    print("|---|---:|---:|---:|---:|")
+    print("\n".join(single))
+    print()
+    print(
+        f"| Spark local[2] | transactions | seconds, best / median of {args.runs} | transactions/s, best / "
+        "median | CPU s per query, Spark (JVM + Python workers) | CPU s per query, server + storage |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    print("\n".join(row for table in tables for row in table))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from waltz.local import UpOptions, down, up
 from waltz.protocol.records import Record
 from waltz.spark.cluster import close_all
 from waltz.spark.options import parse_options
-from waltz.spark.writer import RowWriter
+from waltz.spark.writer import RowWriter, close_idle_sessions
 
 NUM_PARTITIONS = 3
 SEGMENT_SIZE_BYTES = 32 * 1024
@@ -117,4 +117,5 @@ def waltz_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WaltzTes
         )
     finally:
         close_all()  # this process's reader connections, before their servers go
+        close_idle_sessions()  # and the write sessions kept for the next append
         down(directory)

@@ -20,6 +20,7 @@ from waltz.client.reader import LogReader
 from waltz.errors import ClientTimeoutError, PartitionNotReadyError
 from waltz.local import UpOptions, down, kill, start, up
 from waltz.spark.cluster import close_all
+from waltz.spark.writer import close_idle_sessions
 
 pytestmark = [pytest.mark.spark, pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -42,6 +43,7 @@ def second_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WaltzTe
         )
     finally:
         close_all()
+        close_idle_sessions()
         down(directory)
 
 
@@ -152,6 +154,7 @@ def test_an_unserved_partition_fails_every_read_path(
         [{"partition": p, "data": b"committed"} for p in range(NUM_PARTITIONS) for _ in range(5)]
     )
     close_all()  # this process's connections to the server that is about to go
+    close_idle_sessions()
     kill(second_cluster.directory, "storage", 0)
     kill(second_cluster.directory, "server", 0)
     start(second_cluster.directory, "server", 0)

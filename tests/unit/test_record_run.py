@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,6 +12,7 @@ from waltz.errors import DataChecksumError, LocalProtocolError, RemoteProtocolEr
 from waltz.protocol.record_run import (
     RecordRun,
     encode_run,
+    run_bounds,
     run_columns,
     run_first_id,
     run_records,
@@ -104,6 +107,8 @@ def test_round_trip(first: int, sizes: list[int]) -> None:
     run = encode_run(recs)
     scan_run(run, first, len(recs))
     assert run_records(run, first, len(recs)) == recs
+    bounds = run_bounds(run, first, len(recs))
+    assert [run[a:b] for a, b in itertools.pairwise(bounds)] == [encode_run([r]) for r in recs]
     cols = run_columns(run, first, len(recs))
     assert [cols.data[a:b] for a, b in zip(cols.data_offsets, cols.data_offsets[1:], strict=False)] == [
         r.data for r in recs
@@ -121,12 +126,14 @@ def test_any_damage_is_caught(sizes: list[int], data: st.DataObject) -> None:
         run_records(bytes(run), 100, len(recs))
     with pytest.raises((RemoteProtocolError, DataChecksumError)):
         run_columns(bytes(run), 100, len(recs))
+    with pytest.raises((RemoteProtocolError, DataChecksumError)):
+        run_bounds(bytes(run), 100, len(recs))
 
 
 @settings(max_examples=300, deadline=None)
 @given(blob=st.binary(max_size=200), first=st.integers(min_value=-5, max_value=5), count=st.integers(-2, 6))
 def test_garbage_raises_only_protocol_errors(blob: bytes, first: int, count: int) -> None:
-    for unpack in (scan_run, run_records, run_columns):
+    for unpack in (scan_run, run_bounds, run_records, run_columns):
         try:
             unpack(blob, first, count)
         except (RemoteProtocolError, DataChecksumError):

@@ -12,7 +12,8 @@ Which process runs what (PySpark 4.x Python Data Source API):
 * a streaming read keeps one :class:`WaltzStreamReader` alive in a driver-side process for the whole query
   (offsets, admission control, planning), and pickles it to executors for ``read()``, which depends only on
   the range and the options (the planner is not pickled);
-* writers run ``write()`` per task on executors; ``commit``/``abort`` run on the driver.
+* writers run ``write()`` per task on executors, on Arrow record batches; ``commit``/``abort`` run on the
+  driver.
 
 Filter pushdown is deliberately not implemented (pitfall P1 of PySpark 4.3: a pushed filter leaks into other
 DataFrames of the same relation); prune with ``partitions``, ``startingOffsets`` and ``endingOffsets``.
@@ -27,10 +28,10 @@ from typing import Any
 
 from pyspark.sql.datasource import (
     DataSource,
+    DataSourceArrowWriter,
     DataSourceReader,
+    DataSourceStreamArrowWriter,
     DataSourceStreamReader,
-    DataSourceStreamWriter,
-    DataSourceWriter,
     InputPartition,
     WriterCommitMessage,
 )
@@ -109,10 +110,10 @@ class WaltzDataSource(DataSource):
     def streamReader(self, schema: Any) -> DataSourceStreamReader:
         return WaltzStreamReader(self.parsed.for_stream_read())
 
-    def writer(self, schema: Any, overwrite: bool) -> DataSourceWriter:
+    def writer(self, schema: Any, overwrite: bool) -> DataSourceArrowWriter:
         return WaltzBatchWriter(self.parsed.for_write(streaming=False), schema, overwrite)
 
-    def streamWriter(self, schema: Any, overwrite: bool) -> DataSourceStreamWriter:
+    def streamWriter(self, schema: Any, overwrite: bool) -> DataSourceStreamArrowWriter:
         return WaltzStreamWriter(self.parsed.for_write(streaming=True), schema, overwrite)
 
 
@@ -216,8 +217,11 @@ def _planned_partition_count(options: SourceOptions) -> int:
     return count
 
 
-class WaltzBatchWriter(DataSourceWriter):
-    """``df.write.format("waltz").mode("append")``: every row becomes one transaction (at-least-once)."""
+class WaltzBatchWriter(DataSourceArrowWriter):
+    """``df.write.format("waltz").mode("append")``: every row becomes one transaction (at-least-once).
+
+    An Arrow writer: tasks get the rows as the Arrow record batches Spark already builds for the Python
+    worker, not as one ``Row`` object per row."""
 
     def __init__(self, options: SourceOptions, schema: Any, overwrite: bool) -> None:
         if overwrite:
@@ -229,7 +233,7 @@ class WaltzBatchWriter(DataSourceWriter):
         self.num_partitions = _planned_partition_count(options)
 
     def write(self, iterator: Iterator[Any]) -> WaltzCommitMessage:
-        return WaltzCommitMessage(RowWriter(self.options, self.num_partitions).append_rows(iterator))
+        return WaltzCommitMessage(RowWriter(self.options, self.num_partitions).append_batches(iterator))
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         total = sum(m.summary.appended for m in messages if isinstance(m, WaltzCommitMessage))
@@ -242,8 +246,10 @@ class WaltzBatchWriter(DataSourceWriter):
         )
 
 
-class WaltzStreamWriter(DataSourceStreamWriter):
-    """The streaming sink: at-least-once from the executors, or exactly-once per (queryId, batch id)."""
+class WaltzStreamWriter(DataSourceStreamArrowWriter):
+    """The streaming sink: at-least-once from the executors, or exactly-once per (queryId, batch id).
+
+    An Arrow writer, as :class:`WaltzBatchWriter`."""
 
     def __init__(self, options: SourceOptions, schema: Any, overwrite: bool) -> None:
         check_write_schema(schema)
@@ -254,9 +260,9 @@ class WaltzStreamWriter(DataSourceStreamWriter):
     def write(self, iterator: Iterator[Any]) -> WaltzCommitMessage:
         writer = RowWriter(self.options, self.num_partitions)
         if self.options.exactly_once:
-            rows, summary = writer.collect_rows(iterator)
+            rows, summary = writer.collect_batches(iterator)
             return WaltzCommitMessage(summary, rows)
-        return WaltzCommitMessage(writer.append_rows(iterator))
+        return WaltzCommitMessage(writer.append_batches(iterator))
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         if not self.options.exactly_once:

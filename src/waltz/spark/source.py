@@ -14,9 +14,10 @@ Contract of every implementation:
 * ``read(partition, start, end)`` yields the records ``start, start + 1, ..., end - 1`` in order, as
   :class:`~waltz.protocol.record_run.RecordRun` batches that follow each other without gaps, or raises. A run
   is the records as the storage node keeps them; its checksums are verified when it is unpacked
-  (``run.columns()`` or ``run.records()``, which raise :class:`~waltz.errors.DataChecksumError`), so each
-  task unpacks its own batches straight into columns. ``end`` must be at most ``hwm + 1`` of an earlier
-  ``high_water_marks`` call; a source never returns a record past the committed high-water mark.
+  (``run.records()``, ``run.columns()`` or ``run_bounds``, which raise
+  :class:`~waltz.errors.DataChecksumError`), so each task unpacks its own batches straight into columns.
+  ``end`` must be at most ``hwm + 1`` of an earlier ``high_water_marks`` call; a source never returns a
+  record past the committed high-water mark.
 """
 
 from __future__ import annotations

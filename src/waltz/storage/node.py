@@ -841,8 +841,8 @@ class StoragePartition:
         ``INLINE_FSYNC_BACKOFF_S``): the hand-off to a worker thread and back (a thread wake-up, a future, a
         wake-up of the loop, the GIL passed to and fro) costs more CPU than the fsync itself (10-20% of the
         node's CPU per record in ``bench/storage_append.py``), and nothing waits for the loop meanwhile but
-        arrivals, which then form the next group. Otherwise it runs in a thread, so the other partitions are served
-        while the disk works.
+        arrivals, which then form the next group. Otherwise it runs in a thread, so the other partitions are
+        served while the disk works.
         """
         node = self.node
         try:

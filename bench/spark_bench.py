@@ -1,0 +1,124 @@
+"""What ``spark_read.py`` and ``spark_write.py`` share: the cluster they start and the SparkSession they use.
+
+Both benches run against a ``waltz local`` cluster (ZooKeeper, one storage node, one server, ``PARTITIONS``
+partitions) in a temporary directory that is stopped and deleted at the end, and against a ``local[2]``
+SparkSession on loopback with the ``waltz`` format registered. Keeping that set-up here means the two benches
+measure the same cluster shape and the same Spark configuration, so their figures can be compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from waltz.local import UpOptions, down, up
+
+__all__ = ["PARTITIONS", "BenchCluster", "cpu_seconds", "median", "spark_session", "waltz_cluster"]
+
+PARTITIONS = 2
+
+
+@dataclass(frozen=True)
+class BenchCluster:
+    directory: Path
+    options: dict[str, str]
+    """The data source options that reach the cluster (its address only: the defaults are what is timed)."""
+
+
+@contextmanager
+def waltz_cluster(prefix: str) -> Iterator[BenchCluster]:
+    """A ``waltz local`` cluster in a new temporary directory; stopped and the directory deleted on exit."""
+    directory = Path(tempfile.mkdtemp(prefix=prefix))
+    cluster = up(UpOptions(directory=directory, storages=1, servers=1, partitions=PARTITIONS))
+    try:
+        yield BenchCluster(
+            directory,
+            {
+                "waltz.zookeeper.connectString": cluster.zk_connect,
+                "waltz.cluster.root": cluster.cluster_root,
+            },
+        )
+    finally:
+        down(directory, purge=True)
+        shutil.rmtree(directory, ignore_errors=True)  # and what the bench wrote there (Parquet copies)
+
+
+@contextmanager
+def spark_session(conf: dict[str, str] | None = None) -> Iterator[Any]:
+    """A ``local[2]`` SparkSession on loopback with the ``waltz`` format registered; stopped on exit.
+
+    ``conf`` adds Spark settings (e.g. ``{"spark.python.worker.reuse": "false"}`` for an A/B run)."""
+    os.environ["PYSPARK_PYTHON"] = sys.executable  # workers must run this venv's interpreter
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    from pyspark.sql import SparkSession
+
+    import waltz.spark
+
+    builder = (
+        SparkSession.builder.master("local[2]")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.sql.shuffle.partitions", "2")
+    )
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    waltz.spark.register(spark)
+    try:
+        yield spark
+    finally:
+        spark.stop()
+
+
+def median(values: list[float]) -> float:
+    """The middle value (the upper one of an even count, so it is always a measured figure)."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: str) -> tuple[int, float]:
+    """(parent pid, user + system CPU seconds) of a process, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+
+
+def cpu_seconds(cluster: BenchCluster) -> dict[str, float]:
+    """CPU seconds used so far by each side of a bench, from /proc (the machine is shared, so CPU per row is
+    a steadier figure than a rate): ``cluster`` (the storage node and the server), ``spark`` (every process
+    this one started: the JVM, its Python workers) and ``bench`` (this process)."""
+    record = json.loads((cluster.directory / "cluster.json").read_text())
+    cluster_pids = {str(p["pid"]) for p in (*record["storages"], *record["servers"]) if p.get("pid")}
+    stats: dict[str, tuple[int, float]] = {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                stats[pid] = _stat(pid)
+            except (OSError, ValueError, IndexError):
+                pass  # exited meanwhile
+    me = os.getpid()
+    out = {"cluster": 0.0, "spark": 0.0, "bench": sum(os.times()[:2])}
+    for pid, (_, cpu) in stats.items():
+        if pid in cluster_pids:
+            out["cluster"] += cpu
+            continue
+        parent, depth = pid, 0
+        while parent in stats and int(parent) != me and depth < 16:
+            parent, depth = str(stats[parent][0]), depth + 1
+        if int(parent) == me and int(pid) != me:
+            out["spark"] += cpu
+    return out
