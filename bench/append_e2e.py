@@ -223,7 +223,9 @@ async def driver(args: argparse.Namespace) -> None:
         )
         results: dict[str, dict[str, Any]] = {}
         for n, scenario in enumerate(scenarios, 1):
+            fsyncs_before = await _fsync_counts(cluster)
             r = await asyncio.to_thread(_run_load, endpoint, scenario, args, n, cpu_pids)
+            fsyncs_after = await _fsync_counts(cluster)
             results[scenario] = r
             lat = r["latencies"]
             extra = f", lock failures {r['lock_failures']}" if scenario == "locked" else ""
@@ -234,6 +236,7 @@ async def driver(args: argparse.Namespace) -> None:
                 flush=True,
             )
             print(f"{'':10s} {_cpu_line(r['cpu_us_per_op'])}", flush=True)
+            print(f"{'':10s} {_per_fsync_line(fsyncs_before, fsyncs_after)}", flush=True)
             if r["violations"]:
                 raise SystemExit(f"protocol violations: {r['violations'][:5]}")
         # Every replica holds the same log; compare CRC-32 of every record.
@@ -251,6 +254,26 @@ async def driver(args: argparse.Namespace) -> None:
         zks.stop()
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
+
+
+async def _fsync_counts(cluster: Cluster) -> list[tuple[int, int]]:
+    """``(max transaction id, fsyncs)`` of partition 0 on each storage node (its admin metrics)."""
+    counts = []
+    for sp in cluster.storages:
+        async with await cluster.admin(sp) as admin:
+            part = json.loads(await admin.metrics_json())["partitions"]["0"]
+        counts.append((part["maxTransactionId"], part["fsyncs"]))
+    return counts
+
+
+def _per_fsync_line(before: list[tuple[int, int]], after: list[tuple[int, int]]) -> str:
+    """``records/fsync storage-1 31.2 ...``: how many records each replication request (one group commit
+    and fsync on the node, warm-up included) carried."""
+    cols = "  ".join(
+        f"storage-{i} {(a[0] - b[0]) / max(a[1] - b[1], 1):.1f}"
+        for i, (b, a) in enumerate(zip(before, after, strict=True), 1)
+    )
+    return f"records/fsync {cols}"
 
 
 def _cpu_line(cpu: dict[str, float]) -> str:

@@ -223,6 +223,7 @@ class TcpProxy:
                 data = src.recv(65536)
                 if not data:
                     break
+                self._relayed(data)
                 dst.sendall(data)
         except OSError:
             pass
@@ -231,6 +232,9 @@ class TcpProxy:
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
                 s.close()
+
+    def _relayed(self, data: bytes) -> None:
+        """Called (on a pump thread) with every chunk relayed, in either direction: a hook for subclasses."""
 
     def cut(self, seconds: float) -> None:
         """Close every relayed connection and refuse new ones for ``seconds`` (returns at once)."""

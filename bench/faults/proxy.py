@@ -28,6 +28,8 @@ class LinkProxy:
         self.cut_now = False
         self.cuts = 0
         self.relayed = 0
+        self.connections = 0
+        """Connections accepted so far; each is numbered in arrival order from 0 (see :meth:`_drops`)."""
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._handlers: set[asyncio.Task[None]] = set()
@@ -86,6 +88,8 @@ class LinkProxy:
             self._handlers.discard(task)
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        number = self.connections
+        self.connections += 1
         try:
             async with asyncio.timeout(5):
                 up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
@@ -99,7 +103,10 @@ class LinkProxy:
         self.relayed += 1
         self._writers.update((writer, up_writer))
         loop = asyncio.get_running_loop()
-        pumps = [loop.create_task(_pump(reader, up_writer)), loop.create_task(_pump(up_reader, writer))]
+        pumps = [
+            loop.create_task(self._pump(reader, up_writer, number, upstream=True)),
+            loop.create_task(self._pump(up_reader, writer, number, upstream=False)),
+        ]
         try:
             # When one direction ends, end the other: a half-open relay would hide the cut.
             await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
@@ -111,12 +118,20 @@ class LinkProxy:
                 self._writers.discard(w)
                 w.transport.abort()
 
+    def _drops(self, number: int, upstream: bool) -> bool:
+        """Whether connection ``number`` silently loses what it relays towards the target (``upstream``) or
+        back: never here; a subclass plays lossy links."""
+        return False
 
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    with contextlib.suppress(OSError, asyncio.IncompleteReadError):
-        while True:
-            data = await reader.read(RELAY_READ_BYTES)
-            if not data:
-                return
-            writer.write(data)
-            await writer.drain()
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int, upstream: bool
+    ) -> None:
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            while True:
+                data = await reader.read(RELAY_READ_BYTES)
+                if not data:
+                    return
+                if self._drops(number, upstream):
+                    continue  # Lost on the way; the connection stays up.
+                writer.write(data)
+                await writer.drain()

@@ -14,10 +14,7 @@ Run it on the test's event loop::
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-
-from bench.faults.proxy import RELAY_READ_BYTES, LinkProxy
+from bench.faults.proxy import LinkProxy
 
 
 class TcpProxy(LinkProxy):
@@ -25,7 +22,6 @@ class TcpProxy(LinkProxy):
 
     def __init__(self, name: str, listen_port: int, target_port: int, max_connections: int) -> None:
         super().__init__(name, listen_port, target_port, max_connections)
-        self._connections = 0
         self._muted_below = 0  # Connections numbered below this drop what the server sends.
 
     @classmethod
@@ -35,47 +31,7 @@ class TcpProxy(LinkProxy):
     def mute(self) -> None:
         """From now on, every connection open now silently drops the server's bytes (the client's still
         reach the server); connections made later relay both ways."""
-        self._muted_below = self._connections
+        self._muted_below = self.connections
 
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        number = self._connections
-        self._connections += 1
-        try:
-            async with asyncio.timeout(5):
-                up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        except (OSError, TimeoutError):
-            writer.transport.abort()
-            return
-        if self.cut_now:  # The link was cut while we connected upstream.
-            writer.transport.abort()
-            up_writer.transport.abort()
-            return
-        self.relayed += 1
-        self._writers.update((writer, up_writer))
-        loop = asyncio.get_running_loop()
-        pumps = [
-            loop.create_task(self._pump(reader, up_writer, None)),
-            loop.create_task(self._pump(up_reader, writer, number)),
-        ]
-        try:
-            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in pumps:
-                task.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
-            for w in (writer, up_writer):
-                self._writers.discard(w)
-                w.transport.abort()
-
-    async def _pump(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int | None
-    ) -> None:
-        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
-            while True:
-                data = await reader.read(RELAY_READ_BYTES)
-                if not data:
-                    return
-                if number is not None and number < self._muted_below:
-                    continue  # Muted: lost on the way, the connection stays up.
-                writer.write(data)
-                await writer.drain()
+    def _drops(self, number: int, upstream: bool) -> bool:
+        return not upstream and number < self._muted_below

@@ -10,7 +10,6 @@ data) is not readable by someone on the path, while the same session over plain 
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import threading
 import uuid
@@ -105,23 +104,10 @@ class RecordingProxy(TcpProxy):
         self._seen_lock = threading.Lock()
         super().__init__(target_host, target_port)
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while True:
-                data = src.recv(65536)
-                if not data:
-                    break
-                with self._seen_lock:
-                    if len(self.seen) < self.MAX_BYTES:
-                        self.seen += data
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-                s.close()
+    def _relayed(self, data: bytes) -> None:
+        with self._seen_lock:
+            if len(self.seen) < self.MAX_BYTES:
+                self.seen += data
 
 
 @contextlib.contextmanager

@@ -659,3 +659,27 @@ def test_damage_polls_are_off_with_a_zero_interval() -> None:
             assert partition.repairs.started == 0
 
     run_virtual(main())
+
+
+def test_an_append_request_a_replica_never_answers_fails_it_at_its_own_deadline() -> None:
+    """One timer per replica bounds its append requests: a request sent while an earlier one's deadline is
+    armed still times out ``rpc_timeout_ms`` after it was sent (not at the earlier deadline, not never)."""
+
+    async def main() -> None:
+        world = World(max_batch_size=1, rpc_timeout_ms=2000)
+        async with world.partition() as partition:
+            session = await _open_session(partition)
+            loop = asyncio.get_running_loop()
+            assert await partition.append(req(0)) == 0  # arms s2's timer for about 2 s from now
+            await asyncio.sleep(1.5)
+            world.storages["s2:1"].fsync_ms = (600_000, 600_000)  # s2 stops answering appends
+            sent = loop.time()
+            assert await partition.append(req(1)) == 1  # s0 and s1 are a quorum
+            await _wait(lambda: session.ended)
+            assert 2.0 <= loop.time() - sent < 2.1
+            outcome = partition.outcomes[0]
+            assert outcome.reason is EndReason.REPLICA_FAILED
+            assert "s2:1" in outcome.detail
+            assert "timed out after 2000 ms" in outcome.detail
+
+    run_virtual(main())

@@ -15,9 +15,12 @@ A replica session is one task. Its life, in order:
    then joins (and is sent the batches in flight); it never counted in a vote before that.
 4. **Write**: each batch is sent as soon as it is delivered, with up to ``max_inflight_batches`` append
    requests unanswered (batches waiting beyond that go together in the next request); each request is a small
-   task that votes for its batches when the node acknowledges them. If the first batch starts beyond its max
-   id (it joined late), the replica task first copies the missing records, all committed (they are below the
-   oldest batch in flight), from another participant; it also probes an idle connection.
+   task that votes for its batches when the node acknowledges them. One timer per replica, not a timeout per
+   request, bounds them: the node answers in order, so only the oldest unanswered request can be the first
+   to outlive ``rpc_timeout_ms``, which fails the replica as a timed-out request did. If the first batch
+   starts beyond its max id (it joined late), the replica task first copies the missing records, all
+   committed (they are below the oldest batch in flight), from another participant; it also probes an idle
+   connection.
 
 Failure policy: a participant's failure ends the session; before the session opens, the failure of a
 replica counted in the vote ends it too (the vote relied on it). A replica that neither counts nor writes
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import TYPE_CHECKING
 
-from waltz.errors import SessionFencedError, WaltzError
+from waltz.errors import BrokenResourceError, SessionFencedError, WaltzError
 from waltz.protocol.records import Record
 from waltz.server.store.interfaces import ReplicaConnection, SessionInfo
 from waltz.server.store.recovery import Classification, classify_replica
@@ -113,6 +116,10 @@ class ReplicaSession:
         """The last id sent to the node; batches are sent only when they continue it (see :meth:`_send`)."""
         self._requests: deque[asyncio.Task[None]] = deque()
         """Append requests sent and not answered yet, oldest first."""
+        self._deadlines: deque[float] = deque()
+        """When each of :attr:`_requests` times out (loop time), oldest first."""
+        self._timer: asyncio.TimerHandle | None = None
+        """Checks the oldest request's deadline (see :meth:`_check_deadline`); None while not armed."""
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop ``_write`` runs on (asyncio.get_running_loop() costs a getpid system call each time)."""
         self._failure: BaseException | None = None
@@ -180,6 +187,10 @@ class ReplicaSession:
             task = loop.create_task(self._append(conn, batch.first, end - first, records))
             task.add_done_callback(self._answered)
             requests.append(task)
+            deadline = loop.time() + self.session.config.rpc_timeout_ms / 1000
+            self._deadlines.append(deadline)
+            if self._timer is None:
+                self._timer = loop.call_at(deadline, self._check_deadline)
             self._unsent = end
             self._sent_max = mailbox[end - 1].last
         return True
@@ -187,20 +198,43 @@ class ReplicaSession:
     async def _append(
         self, conn: ReplicaConnection, first: int, count: int, records: Sequence[Record]
     ) -> None:
-        """One append request carrying the ``count`` oldest unacknowledged batches (from id ``first``)."""
-        await self.session.call(conn.append(records))
+        """One append request carrying the ``count`` oldest unacknowledged batches (from id ``first``).
+
+        Not wrapped in a timeout of its own: :meth:`_check_deadline` fails the replica if it is too slow."""
+        await conn.append(records)
         mailbox = self._mailbox
         # The node answers one connection's requests in order: this is the oldest request unanswered, and an
         # acknowledgement means every earlier append of this session is durable on the node too.
         if mailbox[0].first != first:
             raise InvariantViolation(f"{self.storage} acknowledged {first} before {mailbox[0].first}")
         self._requests.popleft()
+        self._deadlines.popleft()
         self._unsent -= count
         for _ in range(count):
             done = mailbox.popleft()
             self.max_id = self.readable_max = done.last
             done.voting.vote()
         self._send()
+
+    def _check_deadline(self) -> None:
+        """The timer fired: fail the replica if its oldest request is overdue, else wait for its deadline.
+
+        The timer is armed when a request is sent with none armed, and moved lazily here rather than on
+        every answer: one timer handle per ``rpc_timeout_ms`` under a steady load instead of a timeout (two
+        timer operations) per request."""
+        self._timer = None
+        deadlines = self._deadlines
+        if not deadlines:
+            return
+        loop = self._loop
+        assert loop is not None  # armed only while _write runs
+        if deadlines[0] > loop.time():
+            self._timer = loop.call_at(deadlines[0], self._check_deadline)
+            return
+        if self._failure is None:
+            ms = self.session.config.rpc_timeout_ms
+            self._failure = BrokenResourceError(f"storage request timed out after {ms} ms")
+            self._mail.set()
 
     def _answered(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -456,6 +490,9 @@ class ReplicaSession:
                         ) from None
         finally:
             self._sent_max = _NOT_WRITING
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             requests = list(self._requests)
             for task in requests:
                 task.cancel()

@@ -202,6 +202,27 @@ class AppendQueue:
         self._room.set()
         return append
 
+    def take_more(self, batch: list[PendingAppend], size: int, max_count: int, max_bytes: int) -> int:
+        """Move the oldest queued appends onto ``batch`` (holding ``size`` data bytes) while it has fewer than
+        ``max_count`` and the next one fits in ``max_bytes``; return the batch's data bytes.
+
+        One call per batch rather than a :meth:`peek` and :meth:`get_nowait` per append: forming batches is
+        per-record work on the write path."""
+        items = self._items
+        room = max_count - len(batch)
+        taken = 0
+        while room > 0 and items:
+            n = len(items[0].data)
+            if size + n > max_bytes:
+                break
+            batch.append(items.popleft())
+            size += n
+            taken += n
+            room -= 1
+        self.data_bytes -= taken
+        self._room.set()
+        return size
+
     def clear(self) -> None:
         """Drop every queued append and wake the producers waiting for room (to queue theirs, or give up if
         it was resolved meanwhile)."""
@@ -615,22 +636,23 @@ class StoreSession:
             appends = [first]
             # A batch is bounded in appends and in data bytes (one larger append still goes, alone): every
             # replica request and every in-flight batch holds its data until the batch is decided.
-            size = len(first.data)
-            while len(appends) < config.max_batch_size:
-                nxt = queue.peek()
-                if nxt is None or size + len(nxt.data) > config.max_batch_bytes:
-                    break
-                appends.append(queue.get_nowait())
-                size += len(nxt.data)
-            start = self.next_id
-            for i, append in enumerate(appends):
-                append.transaction_id = start + i
-                append.session_id = self.session_id
+            queue.take_more(appends, len(first.data), config.max_batch_size, config.max_batch_bytes)
+            start = txn = self.next_id
+            session_id = self.session_id
+            records = []
+            for append in appends:
+                append.transaction_id = txn
+                append.session_id = session_id
+                # Record(...) without its generated __new__ (see PendingAppend.record).
+                records.append(
+                    _tuple_new(Record, (txn, append.req_id, append.header, append.data, append.checksum))
+                )
+                txn += 1
             # From here on the appends' fate is decided by this batch, or by the next session's recovery.
             self._host.inflight.extend(appends)
-            self.next_id += len(appends)
+            self.next_id = txn
             voting = Voting(self.quorum, len(self.participants), self._batch_decided)
-            batch = Batch(start, tuple(a.record() for a in appends), voting)
+            batch = Batch(start, tuple(records), voting)
             batches.append((batch, appends))
             for participant in list(self.participants):
                 participant.deliver(batch, len(batches))
