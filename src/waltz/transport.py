@@ -1070,6 +1070,23 @@ class RpcClient(Generic[ReqT, RespT]):
                 f" to {type(request).__name__}"
             ) from None
 
+    def start_call(self, request: ReqT) -> asyncio.Future[RespT]:
+        """Send ``request`` now and return the future of its response, for a caller that bounds its requests
+        in flight and their time itself (no slot, no timeout, no task): the replica sessions of the server,
+        whose requests then leave in the iteration that formed them instead of one task start later.
+
+        The future fails with the response's error (``error_of``) or as :meth:`call` would on a lost
+        connection; cancelling it forgets the request (a late response is dropped)."""
+        self._check_usable()
+        seq = self._request_seq(request)
+        if seq in self._pending:
+            raise LocalProtocolError(f"{self._name}: sequence number {seq} is already in flight")
+        payload = self._encode(request)
+        future: asyncio.Future[RespT] = self._loop.create_future()
+        self._conn.send(payload)
+        self._pending[seq] = future
+        return future
+
     async def _call_with_slot(self, request: ReqT) -> RespT:
         seq = self._request_seq(request)
         if seq in self._pending:
@@ -1087,11 +1104,7 @@ class RpcClient(Generic[ReqT, RespT]):
             if future.done() and not future.cancelled():
                 # Mark a failure set while we were being cancelled as seen, so it is not logged at GC.
                 future.exception()
-        if self._error_of is not None:
-            error = self._error_of(response)
-            if error is not None:
-                raise error
-        return response
+        return response  # a failure response raised above: the reader makes it the future's exception
 
     async def _read_loop(self) -> None:
         reason: BaseException
@@ -1099,7 +1112,9 @@ class RpcClient(Generic[ReqT, RespT]):
             while True:
                 response = self._decode(await self._conn.receive())
                 seq = self._response_seq(response)
-                future = self._pending.get(seq)
+                # Popped here, so a start_call request is forgotten once answered (a call's own cleanup
+                # finds it gone, which it allows for).
+                future = self._pending.pop(seq, None)
                 if future is None or future.done():
                     # Normal after a caller timed out or was cancelled.
                     log.debug(
@@ -1109,7 +1124,11 @@ class RpcClient(Generic[ReqT, RespT]):
                         self._conn.peername,
                     )
                     continue
-                future.set_result(response)
+                error = self._error_of(response) if self._error_of is not None else None
+                if error is None:
+                    future.set_result(response)
+                else:
+                    future.set_exception(error)
         except (ConnectionError_, ProtocolError) as e:
             reason = e
         except Exception as e:

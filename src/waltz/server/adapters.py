@@ -91,6 +91,10 @@ class TcpReplicaConnection:
         client = self._live()
         await client.append_encoded(self._session_id, self._partition_id, self._bodies.body_of(records))
 
+    def start_append(self, records: Sequence[Record]) -> asyncio.Future[object]:
+        body = self._bodies.body_of(records)
+        return self._live().start_append_encoded(self._session_id, self._partition_id, body)
+
     async def read_records(self, transaction_id: int, max_count: int) -> list[Record]:
         return await self._live().read_records(
             self._session_id, self._partition_id, transaction_id, max_count

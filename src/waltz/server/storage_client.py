@@ -8,6 +8,7 @@ requests by sequence number. Failure responses are raised as the Waltz error the
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Callable, Sequence
 from ssl import SSLContext
@@ -226,6 +227,13 @@ class StorageClient(_Endpoint[st.StorageMessage]):
         # sequence number is read the same way): the cast only tells the type checker so.
         request = cast(st.StorageMessage, EncodedAppend(session_id, self._seq(), partition_id, body))
         await self._call(request, st.SuccessResponse)
+
+    def start_append_encoded(self, session_id: int, partition_id: int, body: bytes) -> asyncio.Future[object]:
+        """:meth:`append_encoded` sent now, without a timeout of its own (see ``RpcClient.start_call``): the
+        future's result is the node's SuccessResponse once it fsynced the records."""
+        request = cast(st.StorageMessage, EncodedAppend(session_id, self._seq(), partition_id, body))
+        future: asyncio.Future[object] = cast("asyncio.Future[object]", self._rpc.start_call(request))
+        return future
 
     async def read_header(
         self, session_id: int, partition_id: int, transaction_id: int

@@ -37,6 +37,7 @@ What an implementation must guarantee
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -97,6 +98,11 @@ class ReplicaConnection(Protocol):
 
     async def append(self, records: Sequence[Record]) -> None:
         """Append records whose ids continue the log densely; return once they are fsynced."""
+        ...
+
+    def start_append(self, records: Sequence[Record]) -> asyncio.Future[object]:
+        """:meth:`append` sent now: a future done once the records are fsynced (failed as ``append`` would
+        raise), with no timeout of its own (the caller bounds the time)."""
         ...
 
     async def read_records(self, transaction_id: int, max_count: int) -> list[Record]:

@@ -487,6 +487,9 @@ class MemoryConnection:
     async def append(self, records: Sequence[Record]) -> None:
         await self._call("append", tuple(records))
 
+    def start_append(self, records: Sequence[Record]) -> asyncio.Future[object]:
+        return asyncio.ensure_future(self.append(records))
+
     async def read_records(self, transaction_id: int, max_count: int) -> list[Record]:
         result: list[Record] = await self._call("read_records", transaction_id, max_count)
         return result

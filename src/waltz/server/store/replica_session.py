@@ -39,6 +39,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import islice
 from typing import TYPE_CHECKING
 
@@ -114,7 +115,7 @@ class ReplicaSession:
         """Index in the mailbox of the first batch not sent yet."""
         self._sent_max = _NOT_WRITING
         """The last id sent to the node; batches are sent only when they continue it (see :meth:`_send`)."""
-        self._requests: deque[asyncio.Task[None]] = deque()
+        self._requests: deque[asyncio.Future[object]] = deque()
         """Append requests sent and not answered yet, oldest first."""
         self._deadlines: deque[float] = deque()
         """When each of :attr:`_requests` times out (loop time), oldest first."""
@@ -184,9 +185,12 @@ class ReplicaSession:
             conn, loop = self.connection, self._loop
             assert conn is not None
             assert loop is not None
-            task = loop.create_task(self._append(conn, batch.first, end - first, records))
-            task.add_done_callback(self._answered)
-            requests.append(task)
+            # Sent now, not from a task started on the next iteration: the batch leaves for every replica
+            # in the iteration that formed it, the three writes back to back (a task per request cost a
+            # loop iteration and ~40 us of the server's CPU each, and spaced the replicas' writes apart).
+            future = conn.start_append(records)
+            future.add_done_callback(partial(self._answered, batch.first, end - first))
+            requests.append(future)
             deadline = loop.time() + self.session.config.rpc_timeout_ms / 1000
             self._deadlines.append(deadline)
             if self._timer is None:
@@ -195,13 +199,8 @@ class ReplicaSession:
             self._sent_max = mailbox[end - 1].last
         return True
 
-    async def _append(
-        self, conn: ReplicaConnection, first: int, count: int, records: Sequence[Record]
-    ) -> None:
-        """One append request carrying the ``count`` oldest unacknowledged batches (from id ``first``).
-
-        Not wrapped in a timeout of its own: :meth:`_check_deadline` fails the replica if it is too slow."""
-        await conn.append(records)
+    def _acknowledged(self, first: int, count: int) -> None:
+        """The node fsynced the request of the ``count`` oldest unacknowledged batches (from ``first``)."""
         mailbox = self._mailbox
         # The node answers one connection's requests in order: this is the oldest request unanswered, and an
         # acknowledgement means every earlier append of this session is durable on the node too.
@@ -236,11 +235,18 @@ class ReplicaSession:
             self._failure = BrokenResourceError(f"storage request timed out after {ms} ms")
             self._mail.set()
 
-    def _answered(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled():
+    def _answered(self, first: int, count: int, future: asyncio.Future[object]) -> None:
+        """A request's response (or failure) arrived: vote, or fail the replica (its task raises)."""
+        if future.cancelled():
             return
-        error = task.exception()
-        if error is not None and self._failure is None:
+        error = future.exception()
+        if error is None:
+            try:
+                self._acknowledged(first, count)
+                return
+            except InvariantViolation as e:
+                error = e
+        if self._failure is None:
             self._failure = error
             self._mail.set()
 
@@ -494,7 +500,7 @@ class ReplicaSession:
                 self._timer.cancel()
                 self._timer = None
             requests = list(self._requests)
-            for task in requests:
-                task.cancel()
+            for future in requests:
+                future.cancel()
             if requests:
                 await asyncio.wait(requests)
