@@ -557,12 +557,6 @@ class FramedConnection:
             self._flush_out()
         self._last_write_s = self._loop.time()
 
-    def flush(self) -> None:
-        """Hand the frames queued so far to the transport now, not when the loop next runs its callbacks:
-        for a sender that knows nothing else will join them (saves a loop iteration of latency)."""
-        if self._out is not None:
-            self._flush_out()
-
     def _flush_out(self) -> None:
         """Hand the frames queued in this loop iteration to the transport, in order."""
         out, self._out = self._out, None
@@ -1089,9 +1083,7 @@ class RpcClient(Generic[ReqT, RespT]):
             raise LocalProtocolError(f"{self._name}: sequence number {seq} is already in flight")
         payload = self._encode(request)
         future: asyncio.Future[RespT] = self._loop.create_future()
-        conn = self._conn
-        conn.send(payload)
-        conn.flush()  # one request per call: nothing would join it in this iteration
+        self._conn.send(payload)
         self._pending[seq] = future
         return future
 

@@ -832,11 +832,6 @@ class StoragePartition:
         for item, payload in zip(batch, results, strict=True):
             assert payload is not None
             send(item, payload)
-        # The answers leave now rather than when the loop next runs its callbacks (one iteration, ~20 us,
-        # less on every append's critical path); a group still makes one write per connection.
-        for conn in {item.conn for item in batch if item.conn is not None}:
-            if not conn.is_closed:
-                conn.flush()
 
     async def _fsync(self, plog: PartitionLog) -> WaltzError | None:
         """Make the data file durable; return None, or the error that fails the whole group.
