@@ -475,6 +475,47 @@ def test_rpc_client_maps_failures_refuses_duplicate_seq_and_closes() -> None:
     run(main)
 
 
+def test_rpc_client_start_call_sends_at_once_and_resolves_maps_fails_and_forgets() -> None:
+    """The server's replica appends: sent in the caller's iteration (no task), the future gets the response,
+    a failure response's error or the lost connection's; an answered request is forgotten."""
+
+    async def main() -> None:
+        received: list[int] = []
+
+        async def replier(conn: FramedConnection) -> None:
+            while True:
+                req = s.decode(await conn.receive())
+                received.append(req.seq_num)
+                if req.partition_id == 99:
+                    error = PartitionNotAssignedError("Partition:99 is not assigned.")
+                    conn.send(s.encode(s.failure_from_error(req.session_id, req.seq_num, 99, error)))
+                elif req.partition_id == 7:
+                    return  # hangs up
+                else:
+                    conn.send(s.encode(s.SuccessResponse(req.session_id, req.seq_num, req.partition_id)))
+
+        def error_of(response: s.StorageMessage) -> BaseException | None:
+            return s.failure_to_error(response) if isinstance(response, s.FailureResponse) else None
+
+        async with serving(replier) as port, storage_rpc(await connect(port), error_of=error_of) as rpc:
+            ok = rpc.start_call(s.MaxTransactionIdRequest(1, 0, 0, False))
+            failed = rpc.start_call(s.MaxTransactionIdRequest(1, 1, 99, False))
+            assert rpc.in_flight == 2
+            assert not ok.done()
+            with pytest.raises(LocalProtocolError, match="already in flight"):
+                rpc.start_call(s.MaxTransactionIdRequest(1, 1, 0, False))
+            assert await ok == s.SuccessResponse(1, 0, 0)
+            with pytest.raises(PartitionNotAssignedError, match="Partition:99"):
+                await failed
+            assert received == [0, 1]
+            assert rpc.in_flight == 0  # answered: forgotten without a caller's cleanup
+            lost = rpc.start_call(s.MaxTransactionIdRequest(1, 2, 7, False))
+            with pytest.raises(BrokenResourceError, match="lost"):
+                await lost
+
+    run(main)
+
+
 def test_a_failing_handler_is_logged_and_the_server_keeps_serving(caplog: pytest.LogCaptureFixture) -> None:
     async def picky(conn: FramedConnection) -> None:
         payload = await conn.receive()
