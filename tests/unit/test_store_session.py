@@ -683,3 +683,25 @@ def test_an_append_request_a_replica_never_answers_fails_it_at_its_own_deadline(
             assert "timed out after 2000 ms" in outcome.detail
 
     run_virtual(main())
+
+
+def test_a_replica_whose_connection_broke_before_a_batch_was_sent_fails_alone() -> None:
+    """The connection refuses the send at once (it knows it is broken): that replica fails and the session
+    ends for it, as when the request fails later; the writer and the other replicas carry on."""
+
+    async def main() -> None:
+        world = World(max_batch_size=1)
+        async with world.partition() as partition:
+            session = await _open_session(partition)
+            assert await partition.append(req(0)) == 0
+            connection = session.replica_sessions["s2:1"].connection
+            assert connection is not None
+            connection.break_()  # type: ignore[attr-defined]  # a MemoryConnection
+            assert await partition.append(req(1)) == 1  # s0 and s1 are a quorum
+            await _wait(lambda: session.ended)
+            outcome = partition.outcomes[0]
+            assert outcome.reason is EndReason.REPLICA_FAILED, outcome
+            assert "s2:1" in outcome.detail
+            assert await partition.append(req(2)) == 2  # the next session serves
+
+    run_virtual(main())

@@ -488,6 +488,12 @@ class MemoryConnection:
         await self._call("append", tuple(records))
 
     def start_append(self, records: Sequence[Record]) -> asyncio.Future[object]:
+        # As the TCP adapter does: a connection already known broken or closed refuses at once, not in the
+        # future, so the simulator exercises the caller's handling of both.
+        if self._closed:
+            raise ClosedResourceError(f"connection to {self.storage} is closed")
+        if self._broken:
+            raise BrokenResourceError(f"connection to {self.storage} is broken")
         return asyncio.ensure_future(self.append(records))
 
     async def read_records(self, transaction_id: int, max_count: int) -> list[Record]:

@@ -188,7 +188,15 @@ class ReplicaSession:
             # Sent now, not from a task started on the next iteration: the batch leaves for every replica
             # in the iteration that formed it, the three writes back to back (a task per request cost a
             # loop iteration and ~40 us of the server's CPU each, and spaced the replicas' writes apart).
-            future = conn.start_append(records)
+            try:
+                future = conn.start_append(records)
+            except (WaltzError, OSError) as e:
+                # The connection broke before the request could leave: this replica fails (its task raises
+                # and retries it), not the writer that delivered the batch, which would end the session.
+                if self._failure is None:
+                    self._failure = e
+                    self._mail.set()
+                return False
             future.add_done_callback(partial(self._answered, batch.first, end - first))
             requests.append(future)
             deadline = loop.time() + self.session.config.rpc_timeout_ms / 1000
