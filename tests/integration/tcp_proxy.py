@@ -9,6 +9,7 @@ Run it on the test's event loop::
     ...  # point the client at proxy.endpoint
     await proxy.outage(0.5)  # cut everything; refuse connections for 0.5 s
     proxy.mute()  # the connections open now lose every byte from the server; new ones relay normally
+    proxy.swallow()  # the same for every byte from the client
     await proxy.aclose()
 """
 
@@ -23,6 +24,7 @@ class TcpProxy(LinkProxy):
     def __init__(self, name: str, listen_port: int, target_port: int, max_connections: int) -> None:
         super().__init__(name, listen_port, target_port, max_connections)
         self._muted_below = 0  # Connections numbered below this drop what the server sends.
+        self._swallowed_below = 0  # Connections numbered below this drop what the client sends.
 
     @classmethod
     async def start_to(cls, target_port: int) -> TcpProxy:
@@ -33,5 +35,10 @@ class TcpProxy(LinkProxy):
         reach the server); connections made later relay both ways."""
         self._muted_below = self.connections
 
+    def swallow(self) -> None:
+        """From now on, every connection open now silently drops what the client sends (requests lost on
+        the way, as in the moment before a link dies); connections made later relay both ways."""
+        self._swallowed_below = self.connections
+
     def _drops(self, number: int, upstream: bool) -> bool:
-        return not upstream and number < self._muted_below
+        return number < (self._swallowed_below if upstream else self._muted_below)
