@@ -405,15 +405,7 @@ class FramedConnection:
                 try:
                     event = proto.next_event()
                 except RemoteProtocolError as e:
-                    self._warnings.warning(
-                        _source(self._writer),
-                        reason_kind("protocol", e),
-                        "closing connection with %s: %s",
-                        self.peername,
-                        e,
-                    )
-                    self._error = e
-                    self._writer.transport.abort()
+                    self._protocol_failure(e)
                     raise
                 if type(event) is Payload:
                     return event.data
@@ -435,49 +427,44 @@ class FramedConnection:
         A reader that drains a burst with it after one :meth:`receive` pays one coroutine per socket read
         instead of one per message. Raises as :meth:`receive` does. Not while another task is in receive.
         """
-        if self._receiving:
-            raise RuntimeError("another task is already receiving on this connection")
-        if self._error is not None:
-            raise self._error
-        if self._closed:
-            raise ClosedResourceError("connection closed")
+        self._check_buffered_read()
         try:
             return self._proto.next_payload()
         except RemoteProtocolError as e:
-            self._warnings.warning(
-                _source(self._writer),
-                reason_kind("protocol", e),
-                "closing connection with %s: %s",
-                self.peername,
-                e,
-            )
-            self._error = e
-            self._writer.transport.abort()
+            self._protocol_failure(e)
             raise
 
     def receive_buffered(self, out: list[bytes]) -> None:
         """Append every whole payload already buffered to ``out`` (no socket read, no coroutine): a burst
         drained with one call instead of one :meth:`receive_nowait` per payload. Raises as
         :meth:`receive_nowait` does, after appending the payloads before a protocol error."""
+        self._check_buffered_read()
+        try:
+            self._proto.take_payloads(out)
+        except RemoteProtocolError as e:
+            self._protocol_failure(e)
+            raise
+
+    def _check_buffered_read(self) -> None:
+        """Raise why a buffered read (:meth:`receive_nowait`, :meth:`receive_buffered`) cannot be made."""
         if self._receiving:
             raise RuntimeError("another task is already receiving on this connection")
         if self._error is not None:
             raise self._error
         if self._closed:
             raise ClosedResourceError("connection closed")
-        try:
-            self._proto.take_payloads(out)
-        except RemoteProtocolError as e:
-            self._warnings.warning(
-                _source(self._writer),
-                reason_kind("protocol", e),
-                "closing connection with %s: %s",
-                self.peername,
-                e,
-            )
-            self._error = e
-            self._writer.transport.abort()
-            raise
+
+    def _protocol_failure(self, error: RemoteProtocolError) -> None:
+        """The peer broke the protocol: log it (once per peer and reason), remember it, abort."""
+        self._warnings.warning(
+            _source(self._writer),
+            reason_kind("protocol", error),
+            "closing connection with %s: %s",
+            self.peername,
+            error,
+        )
+        self._error = error
+        self._writer.transport.abort()
 
     async def _read(self) -> bytes:
         self._read_started_s = self._loop.time()
