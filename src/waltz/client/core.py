@@ -359,25 +359,10 @@ class AsyncWaltzClient:
         self._runs.add(run)
         if type(first) is TransactionBuilder:  # The common case: executed and filled.
             run.handle(_EXECUTE)
-            # _ready_monitor, inline: execute() may have changed the partition (set_partitions, close).
-            if (
-                partition.error is None
-                and partition.state is _READY
-                and self._partitions.get(partition.id) is partition
-            ):
-                monitor = partition.monitor
-            else:
-                monitor = None
+            # Checked again: execute() may have changed the partition (set_partitions, close).
+            monitor = self._ready_monitor(partition)
             if monitor is not None:
-                # A new run is unknown to the lock queue: without write locks it has nothing to take there.
-                if not first.write_lock_hashes or self._take_turn(partition, run, first):
-                    run.handle(_SEND)  # Before _send: a failed send resolves at once.
-                    self._send(partition, monitor, first, run)
-                    return
-                # Queued behind this client's own append on a write lock: it executes again on its turn.
-                run.handle(Event.QUEUE)
-                self._park(partition, run, first)
-                self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
+                self._start_first(partition, monitor, run, first)
                 return
         elif first is not None:
             run.handle(_EXECUTE)
@@ -489,14 +474,7 @@ class AsyncWaltzClient:
             return
         monitor = self._ready_monitor(partition)
         if monitor is not None:
-            # A new run is unknown to the lock queue: without write locks it has nothing to take there.
-            if not first.write_lock_hashes or self._take_turn(partition, run, first):
-                run.handle(_SEND)
-                self._send(partition, monitor, first, run)
-                return
-            run.handle(Event.QUEUE)
-            self._park(partition, run, first)
-            self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
+            self._start_first(partition, monitor, run, first)
             return
         self._spawn(self._run_context(run, 1, first), f"waltz-run-p{partition.id}")
 
@@ -607,6 +585,20 @@ class AsyncWaltzClient:
                 f"already has {partition.slots.limit} transactions in flight "
                 "(client.maxConcurrentTransactions); is the feed stalled or the application overloaded?"
             ) from None
+
+    def _start_first(
+        self, partition: PartitionState, monitor: TransactionMonitor, run: Run, first: TransactionBuilder
+    ) -> None:
+        """Send a run's first executed attempt to a ready partition, or park it behind this client's own
+        append on one of its write locks (it then executes again on its turn)."""
+        # A new run is unknown to the lock queue: without write locks it has nothing to take there.
+        if not first.write_lock_hashes or self._take_turn(partition, run, first):
+            run.handle(_SEND)  # Before _send: a failed send resolves at once.
+            self._send(partition, monitor, first, run)
+            return
+        run.handle(Event.QUEUE)
+        self._park(partition, run, first)
+        self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
 
     def _ready_monitor(self, partition: PartitionState) -> TransactionMonitor | None:
         """The partition's monitor if appends may be sent to it right now."""
