@@ -89,7 +89,7 @@ from typing import ClassVar, Final, Self
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
 from waltz.protocol.record_run import encode_run, run_records, scan_run
-from waltz.protocol.records import Record, RecordHeader, ReqId, crc32, make_req_id
+from waltz.protocol.records import Record, RecordHeader, ReqId, crc32
 from waltz.protocol.wire import Reader, Writer
 
 __all__ = [
@@ -137,6 +137,8 @@ SUPPORTED_VERSIONS: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
 """Codec versions this module speaks; the hello handshake picks the highest one both peers have."""
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
+_tuple_new = tuple.__new__
+"""``_tuple_new(ReqId, (msb, lsb))`` builds a ReqId in C, without its generated ``__new__``."""
 
 _PREFIX = struct.Struct(">BQQ")  # type, ReqId msb, ReqId lsb
 _PREFIX_BYTES = _PREFIX.size  # 17
@@ -505,6 +507,19 @@ class AppendRequest(_Message):
     @classmethod
     def _decode(cls, payload: bytes | bytearray | memoryview, version: int) -> AppendRequest:
         end = len(payload)
+        if version >= 2 and end >= _APPEND_HEAD_NO_LOCKS.size + 4:
+            # The common append under V2+, without locks: its whole head in one precompiled struct, the
+            # message built through its slots (a server decodes one per append).
+            _, msb, lsb, hwm, nw, nr, na, header, length = _APPEND_HEAD_NO_LOCKS.unpack_from(payload, 0)
+            if not (nw or nr or na) and length >= 0 and _APPEND_HEAD_NO_LOCKS.size + length + 4 == end:
+                stop = end - 4
+                data = bytes(payload[_APPEND_HEAD_NO_LOCKS.size : stop])
+                checksum: int = _U32.unpack_from(payload, stop)[0]
+                if zlib.crc32(data) != checksum:  # both unsigned
+                    raise _checksum_mismatch(checksum, data)
+                return new_append_request(
+                    _tuple_new(ReqId, (msb, lsb)), hwm, (), (), (), header, data, checksum
+                )
         pos = _APPEND_HEAD.size
         if end < pos:
             raise _truncated(pos, end)
@@ -541,13 +556,18 @@ class AppendRequest(_Message):
                 raise _truncated(stop + 4, end)
             raise RemoteProtocolError(f"{end - stop - 4} unexpected trailing bytes")
         data = bytes(payload[pos:stop])
-        checksum: int = _U32.unpack_from(payload, stop)[0]
+        checksum = _U32.unpack_from(payload, stop)[0]
         if zlib.crc32(data) != checksum:  # both unsigned
-            raise RemoteProtocolError(
-                f"AppendRequest data checksum mismatch: carried {checksum:#010x}, "
-                f"computed {crc32(data):#010x}"
-            )
-        return cls(make_req_id(msb, lsb), hwm, write_locks, read_locks, append_locks, header, data, checksum)
+            raise _checksum_mismatch(checksum, data)
+        return new_append_request(
+            _tuple_new(ReqId, (msb, lsb)), hwm, write_locks, read_locks, append_locks, header, data, checksum
+        )
+
+
+def _checksum_mismatch(checksum: int, data: bytes) -> RemoteProtocolError:
+    return RemoteProtocolError(
+        f"AppendRequest data checksum mismatch: carried {checksum:#010x}, computed {crc32(data):#010x}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -1005,6 +1025,13 @@ append_payload: Final[Callable[[AppendRequest, int], bytes]] = AppendRequest._en
 """``encode(request, version)`` for an AppendRequest on a negotiated connection, without the version checks
 (every codec version carries it): the client's hot path, one call per append less."""
 
+decode_append_request: Final[Callable[[bytes | bytearray | memoryview, int], AppendRequest]] = (
+    AppendRequest._decode
+)
+"""``decode(payload, version)`` for a payload whose type byte is APPEND_REQUEST (every codec version carries
+it), on a negotiated connection: without the version and type dispatch, the server's hot path. Raises as
+:func:`decode` does."""
+
 
 _APPEND_SLOT_SETTERS = tuple(
     AppendRequest.__dict__[f.name].__set__ for f in dataclasses.fields(AppendRequest)
@@ -1037,7 +1064,6 @@ def new_append_request(
 
 
 _FEED_DATA_TYPE: Final = int(MessageType.FEED_DATA)
-_tuple_new = tuple.__new__
 
 
 def decode_feed_data(payload: bytes | bytearray | memoryview) -> tuple[ReqId, int, int] | None:

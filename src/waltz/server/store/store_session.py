@@ -95,7 +95,9 @@ class PendingAppend:
     header: int
     data: bytes
     checksum: int
-    future: asyncio.Future[int]
+    future: asyncio.Future[int] | None
+    """What :meth:`StorePartition.submit` returns; None for a caller that learns the outcome from
+    ``on_resolved`` alone."""
     ticket: int
     """Its place in submission order (the host's bookkeeping)."""
     transaction_id: int = -1
@@ -114,18 +116,20 @@ class PendingAppend:
     def succeed(self, transaction_id: int) -> None:
         first = not self.resolved
         self.resolved = True
-        if not self.future.done():
-            self.future.set_result(transaction_id)
+        future = self.future
+        if future is not None and not future.done():
+            future.set_result(transaction_id)
         if first and self.on_resolved is not None:
             _notify(self.on_resolved, transaction_id, None)
 
     def fail(self, error: BaseException) -> None:
         first = not self.resolved
         self.resolved = True
-        if not self.future.done():
-            self.future.set_exception(error)
+        future = self.future
+        if future is not None and not future.done():
+            future.set_exception(error)
             # The caller may have stopped waiting (cancelled); do not let asyncio warn about the exception.
-            self.future.exception()
+            future.exception()
         if first and self.on_resolved is not None:
             _notify(self.on_resolved, -1, error)
 
@@ -372,8 +376,18 @@ class StoreSession:
 
     def appends_queued(self) -> None:
         """The host queued appends: a writer waiting for a batch to be decided may send another."""
-        if self._full_batch_queued():
-            self._wake.set()
+        # Only a writer with batches in flight waits on _wake (an idle one waits for the queue itself); the
+        # test is _full_batch_queued's, inlined: this runs once per append.
+        if self._batches:
+            queue = self._host.queue
+            config = self.config
+            n = queue.qsize()
+            if (
+                n >= config.max_batch_size
+                or queue.data_bytes >= config.max_batch_bytes
+                or n >= queue.capacity
+            ):
+                self._wake.set()
 
     def _full_batch_queued(self) -> bool:
         queue = self._host.queue
