@@ -533,13 +533,12 @@ class FramedConnection:
     def send_many(self, payloads: Iterable[bytes | bytearray | memoryview]) -> None:
         """:meth:`send` of each of ``payloads``, in order (checked once: for many small frames at a time)."""
         self._check_writable()
-        frame = self._proto.frame
+        frames = self._proto.frame_many(payloads)
         out = self._out
         if out is None:
             out = self._out = bytearray()
             self._loop.call_soon(self._flush_out)
-        for payload in payloads:
-            out += frame(payload)
+        out += frames
         if len(out) >= _COALESCE_MAX_BYTES:
             self._flush_out()
         self._last_write_s = self._loop.time()

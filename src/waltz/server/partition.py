@@ -40,7 +40,7 @@ from typing import Protocol
 
 from waltz.errors import WaltzError
 from waltz.protocol import client_server as cs
-from waltz.protocol.records import RecordHeader, ReqId, make_header
+from waltz.protocol.records import RecordHeader, ReqId
 from waltz.server.feed_cache import FeedCache
 from waltz.server.locks import LockRequest, LockTable
 from waltz.server.store.store_partition import StorePartition
@@ -554,10 +554,11 @@ class Partition:
             assert locks is not None
             locks.commit(req, txn)
             locks.release(req)
-        self._feed_cache.add(self.partition_id, make_header(txn, msg.req_id, msg.header))
-        self._txn_cache.put(self.partition_id, txn, msg.data, msg.checksum)
+        data = msg.data
+        self._feed_cache.add_entry(self.partition_id, txn, msg.req_id, msg.header)
+        self._txn_cache.put(self.partition_id, txn, data, msg.checksum)
         self._committed += 1
-        self._committed_bytes += len(msg.data)
+        self._committed_bytes += len(data)
         if not self._notify_scheduled:
             # One wake-up per loop iteration, however many appends a batch committed; its first append's
             # latency stands for the batch. The feeds are woken now: the other appends of the batch were

@@ -48,7 +48,15 @@ from waltz.server.store.replica_session import Batch, ReplicaRole, ReplicaSessio
 from waltz.server.store.support import InvariantViolation, RepairStatistics, StoreConfig, TaskList
 from waltz.server.store.voting import Voting, quorum_of
 
-__all__ = ["AppendQueue", "EndReason", "PendingAppend", "SessionHost", "SessionOutcome", "StoreSession"]
+__all__ = [
+    "AppendQueue",
+    "EndReason",
+    "PendingAppend",
+    "SessionHost",
+    "SessionOutcome",
+    "StoreSession",
+    "notify_resolution",
+]
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +128,7 @@ class PendingAppend:
         if future is not None and not future.done():
             future.set_result(transaction_id)
         if first and self.on_resolved is not None:
-            _notify(self.on_resolved, transaction_id, None)
+            notify_resolution(self.on_resolved, transaction_id, None)
 
     def fail(self, error: BaseException) -> None:
         first = not self.resolved
@@ -131,10 +139,10 @@ class PendingAppend:
             # The caller may have stopped waiting (cancelled); do not let asyncio warn about the exception.
             future.exception()
         if first and self.on_resolved is not None:
-            _notify(self.on_resolved, -1, error)
+            notify_resolution(self.on_resolved, -1, error)
 
 
-def _notify(
+def notify_resolution(
     on_resolved: Callable[[int, BaseException | None], None], transaction_id: int, error: BaseException | None
 ) -> None:
     # A failing listener must not break the store's bookkeeping (it runs inside a commit): log it, as the
