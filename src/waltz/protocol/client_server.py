@@ -385,7 +385,13 @@ def _read_locks(
     stop = pos + 4 * n
     if stop > end:  # checked before unpacking, so a forged count cannot allocate
         raise _truncated(stop, end)
+    if n < len(_LOCK_LISTS):
+        return _LOCK_LISTS[n].unpack_from(payload, pos), stop
     return struct.unpack_from(f">{n}i", payload, pos), stop
+
+
+_LOCK_LISTS = tuple(struct.Struct(f">{n}i") for n in range(9))
+"""Precompiled ``n x i32`` for the lock counts appends nearly always carry (one lock, a few)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -451,11 +451,14 @@ class Partition:
                 return False
             if not self._check_locks(item, req):
                 return True
-        listener = self._resolution_listener(req, item)
+        self.pending_appends += 1
         try:
             # The codec verified the data against its checksum as it decoded the request (see
-            # cs.decode_append_request): the store need not compute it again.
-            queued = self.store.submit_listened(msg, listener, checksum_verified=True)
+            # cs.decode_append_request): the store need not compute it again. The listener is the one
+            # _resolution_listener makes, inlined (this runs once per append).
+            queued = self.store.submit_listened(
+                msg, functools.partial(self._append_done, req, item), checksum_verified=True
+            )
         except WaltzError as e:
             self.pending_appends -= 1
             self._refused(req, msg, e)

@@ -298,9 +298,13 @@ class StorePartition:
         ``checksum_verified=True`` says the caller checked ``request.data`` against its checksum itself (the
         client codec does, as it decodes an AppendRequest into immutable bytes), so it is not computed a
         second time here; the storage nodes verify it again right before writing."""
-        if self.queue.full():
+        queue = self.queue
+        if queue.full():
             return False
-        self._queue_now(self._pending(request, on_resolved, False, checksum_verified))
+        queue.put_nowait(self._pending(request, on_resolved, False, checksum_verified))
+        session = self._session
+        if session is not None:
+            session.appends_queued()
         return True
 
     def _queue_now(self, pending: PendingAppend) -> None:
@@ -323,9 +327,13 @@ class StorePartition:
         if loop is None:
             raise PartitionNotReadyError(f"partition {self.partition_id} store is not started")
         req_id = request.req_id
-        if req_id.generation != self._generation or self._stale:
+        # req_id.generation, inlined (once per append): the signed low half of the ReqId's msb.
+        generation = req_id.msb & 0xFFFFFFFF
+        if generation >= 0x80000000:
+            generation -= 0x100000000
+        if generation != self._generation or self._stale:
             raise GenerationMismatchError(
-                f"request generation {req_id.generation}, partition generation {self._generation}"
+                f"request generation {generation}, partition generation {self._generation}"
             )
         data = request.data
         checksum = request.checksum
