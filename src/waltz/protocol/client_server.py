@@ -391,6 +391,8 @@ def _read_locks(
 
 
 _LOCK_LISTS = tuple(struct.Struct(f">{n}i") for n in range(9))
+_WRITE_LOCKS_HEADS = tuple(_append_head_v2(n, 0, 0) for n in range(9))
+"""V2+ AppendRequest heads with ``n`` write locks and no others, precompiled for the decoder's fast path."""
 """Precompiled ``n x i32`` for the lock counts appends nearly always carry (one lock, a few)."""
 
 
@@ -514,17 +516,27 @@ class AppendRequest(_Message):
     def _decode(cls, payload: bytes | bytearray | memoryview, version: int) -> AppendRequest:
         end = len(payload)
         if version >= 2 and end >= _APPEND_HEAD_NO_LOCKS.size + 4:
-            # The common append under V2+, without locks: its whole head in one precompiled struct, the
-            # message built through its slots (a server decodes one per append).
+            # The common appends under V2+, without locks or with a few write locks only: the whole head in
+            # one precompiled struct, the message built through its slots (a server decodes one per append).
+            # Anything else (or anything malformed) takes the general path below, which says what is wrong.
             _, msb, lsb, hwm, nw, nr, na, header, length = _APPEND_HEAD_NO_LOCKS.unpack_from(payload, 0)
-            if not (nw or nr or na) and length >= 0 and _APPEND_HEAD_NO_LOCKS.size + length + 4 == end:
+            locks: tuple[int, ...] = ()
+            head_bytes = _APPEND_HEAD_NO_LOCKS.size
+            if 0 < nw < len(_WRITE_LOCKS_HEADS) and end >= _WRITE_LOCKS_HEADS[nw].size + 4:
+                head = _WRITE_LOCKS_HEADS[nw]
+                head_bytes = head.size
+                fields = head.unpack_from(payload, 0)
+                locks = fields[5 : 5 + nw]
+                nr, na, header, length = fields[5 + nw :]
+                nw = 0  # read: the test below is of the other counts
+            if not (nw or nr or na) and length >= 0 and head_bytes + length + 4 == end:
                 stop = end - 4
-                data = bytes(payload[_APPEND_HEAD_NO_LOCKS.size : stop])
+                data = bytes(payload[head_bytes:stop])
                 checksum: int = _U32.unpack_from(payload, stop)[0]
                 if zlib.crc32(data) != checksum:  # both unsigned
                     raise _checksum_mismatch(checksum, data)
                 return new_append_request(
-                    _tuple_new(ReqId, (msb, lsb)), hwm, (), (), (), header, data, checksum
+                    _tuple_new(ReqId, (msb, lsb)), hwm, locks, (), (), header, data, checksum
                 )
         pos = _APPEND_HEAD.size
         if end < pos:
