@@ -435,7 +435,8 @@ class Partition:
                 continue
             if item.peer.closed or not self._is_current(item.peer, item.msg.req_id):
                 continue
-            await self._process_append(item)
+            if not self._process_append_now(item):
+                await self._process_append(item)
 
     def _process_append_now(self, item: _Append) -> bool:
         """Process ``item`` as :meth:`_process_append` would, if that needs no wait; False (nothing done) if

@@ -194,9 +194,13 @@ class AppendQueue:
         """Queue ``append`` now; the caller checked that the queue is not :meth:`full`."""
         if len(self._items) >= self.capacity:
             raise InvariantViolation(f"append queue full ({self.capacity})")
-        self._items.append(append)
+        items = self._items
+        items.append(append)
         self.data_bytes += len(append.data)
-        self._arrived.set()
+        if len(items) == 1:
+            # Only a getter that found the queue empty waits (after clearing the event): the append that
+            # ends the emptiness wakes it, those after it need not (Event.set is a Python call per append).
+            self._arrived.set()
 
     async def get(self) -> PendingAppend:
         while not self._items:
