@@ -1094,27 +1094,22 @@ class RpcClient(Generic[ReqT, RespT]):
 
     async def _read_loop(self) -> None:
         reason: BaseException
+        conn = self._conn
+        payloads: list[bytes] = []
         try:
             while True:
-                response = self._decode(await self._conn.receive())
-                seq = self._response_seq(response)
-                # Popped here, so a start_call request is forgotten once answered (a call's own cleanup
-                # finds it gone, which it allows for).
-                future = self._pending.pop(seq, None)
-                if future is None or future.done():
-                    # Normal after a caller timed out or was cancelled.
-                    log.debug(
-                        "%s: dropping response %d from %s: no caller waits",
-                        self._name,
-                        seq,
-                        self._conn.peername,
-                    )
-                    continue
-                error = self._error_of(response) if self._error_of is not None else None
-                if error is None:
-                    future.set_result(response)
-                else:
-                    future.set_exception(error)
+                # Every whole response of one socket read in one go: one coroutine per read, not per response.
+                payloads.append(await conn.receive())
+                broken: ProtocolError | None = None
+                try:
+                    conn.receive_buffered(payloads)
+                except ProtocolError as e:
+                    broken = e  # the responses before the broken one are delivered first
+                for payload in payloads:
+                    self._deliver(self._decode(payload))
+                payloads.clear()
+                if broken is not None:
+                    raise broken
         except (ConnectionError_, ProtocolError) as e:
             reason = e
         except Exception as e:
@@ -1124,6 +1119,23 @@ class RpcClient(Generic[ReqT, RespT]):
             self._broken = f"{self._name}: connection with {self._conn.peername} lost: {reason}"
             self._fail_pending(lambda: BrokenResourceError(self._broken))
             await self._conn.aclose()
+
+    def _deliver(self, response: RespT) -> None:
+        seq = self._response_seq(response)
+        # Popped here, so a start_call request is forgotten once answered (a call's own cleanup finds it
+        # gone, which it allows for).
+        future = self._pending.pop(seq, None)
+        if future is None or future.done():
+            # Normal after a caller timed out or was cancelled.
+            log.debug(
+                "%s: dropping response %d from %s: no caller waits", self._name, seq, self._conn.peername
+            )
+            return
+        error = self._error_of(response) if self._error_of is not None else None
+        if error is None:
+            future.set_result(response)
+        else:
+            future.set_exception(error)
 
     def _fail_pending(self, make_error: Callable[[], BaseException]) -> None:
         for future in self._pending.values():

@@ -473,6 +473,16 @@ class ProtocolConnection:
         magic = self.magic
         limit = self.max_frame_bytes
         pack = FRAME_HEADER.pack
+        if not isinstance(payloads, list | tuple):
+            payloads = list(payloads)
+        sizes = set(map(len, payloads))
+        if len(sizes) == 1:
+            # Payloads of one size (a feed's FeedData) share one frame header: joined in C.
+            (n,) = sizes
+            if not 0 < n <= limit:
+                raise LocalProtocolError(f"payload of {n} bytes is outside 1..{limit} (max_frame_bytes)")
+            header = pack(magic, version, n)
+            return header + header.join(payloads)
         parts: list[bytes | bytearray | memoryview] = []
         append = parts.append
         for payload in payloads:
