@@ -591,14 +591,14 @@ class Partition:
         if ctx.task is not None and ctx.task is not asyncio.current_task():
             ctx.task.cancel()
 
-    async def _headers(self, start: int, count: int) -> list[RecordHeader]:
-        headers = self._feed_cache.get_range(self.partition_id, start, count)
-        if len(headers) < count:
-            more = await self.store.read_headers(start + len(headers), count - len(headers))
-            if more:
-                self._feed_cache.fill(self.partition_id, more)
-            headers.extend(more)
-        return headers
+    async def _headers(self, start: int, count: int, cached: list[RecordHeader]) -> list[RecordHeader]:
+        """``count`` headers from ``start``: ``cached`` (fewer, what the feed cache had from there), then the
+        rest read from the store (fewer if the store cannot serve them now)."""
+        more = await self.store.read_headers(start + len(cached), count - len(cached))
+        if more:
+            self._feed_cache.fill(self.partition_id, more)
+        cached.extend(more)
+        return cached
 
     async def _feed_loop(self, ctx: _FeedContext) -> None:
         peer = ctx.peer
@@ -624,7 +624,10 @@ class Partition:
                         await ctx.wake.wait()  # long poll: wait for a commit
                     continue
                 count = min(limit - ctx.next_id + 1, FEED_BATCH)
-                headers = await self._headers(ctx.next_id, count)
+                headers = self._feed_cache.get_range(self.partition_id, ctx.next_id, count)
+                if len(headers) < count:
+                    # Not all in the cache (a reader behind it): the rest comes from the store.
+                    headers = await self._headers(ctx.next_id, count, headers)
                 if not headers:
                     await asyncio.sleep(0.01)  # the store cannot serve it right now; try again shortly
                     continue

@@ -736,6 +736,7 @@ class WaltzServer:
         decode = cs.decode
         decode_append = cs.decode_append_request
         append_type = _APPEND_REQUEST_TYPE
+        append_cls = cs.AppendRequest
         # Every whole frame of one socket read is taken in one go and handled in order: one coroutine
         # (``receive``) per read instead of one per message (a client sends a burst of appends per write).
         payloads: list[bytes] = []
@@ -765,7 +766,7 @@ class WaltzServer:
                         return
                     if peer.client_id is None:
                         peer.client_id = msg.req_id.client_id
-                    if type(msg) is cs.AppendRequest and not self._suspended:
+                    if type(msg) is append_cls and not self._suspended:
                         # Appends first, without a coroutine when nothing has to wait (nearly every message
                         # under load is one): the partition takes it, refuses it, or says it must wait.
                         pid = msg.req_id.lsb >> 32

@@ -55,7 +55,6 @@ from waltz.server.store.store_session import (
     PendingAppend,
     SessionOutcome,
     StoreSession,
-    notify_resolution,
 )
 from waltz.server.store.support import Backoff, InvariantViolation, RepairStatistics, StoreConfig, TaskList
 
@@ -598,7 +597,11 @@ class StorePartition:
             if future is not None and not future.done():
                 future.set_result(pending.transaction_id)
             if first and pending.on_resolved is not None:
-                notify_resolution(pending.on_resolved, pending.transaction_id, None)
+                # notify_resolution, inlined: a failing listener is logged, and the commit goes on.
+                try:
+                    pending.on_resolved(pending.transaction_id, None)
+                except Exception:
+                    log.exception("an append's resolution listener failed")
             del unresolved[pending.ticket]
         self._resolutions.set()
 

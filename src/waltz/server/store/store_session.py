@@ -55,7 +55,6 @@ __all__ = [
     "SessionHost",
     "SessionOutcome",
     "StoreSession",
-    "notify_resolution",
 ]
 
 log = logging.getLogger(__name__)
@@ -128,7 +127,7 @@ class PendingAppend:
         if future is not None and not future.done():
             future.set_result(transaction_id)
         if first and self.on_resolved is not None:
-            notify_resolution(self.on_resolved, transaction_id, None)
+            _notify(self.on_resolved, transaction_id, None)
 
     def fail(self, error: BaseException) -> None:
         first = not self.resolved
@@ -139,10 +138,10 @@ class PendingAppend:
             # The caller may have stopped waiting (cancelled); do not let asyncio warn about the exception.
             future.exception()
         if first and self.on_resolved is not None:
-            notify_resolution(self.on_resolved, -1, error)
+            _notify(self.on_resolved, -1, error)
 
 
-def notify_resolution(
+def _notify(
     on_resolved: Callable[[int, BaseException | None], None], transaction_id: int, error: BaseException | None
 ) -> None:
     # A failing listener must not break the store's bookkeeping (it runs inside a commit): log it, as the
