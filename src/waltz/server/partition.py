@@ -556,8 +556,7 @@ class Partition:
         if req is not None:
             locks = self._locks
             assert locks is not None
-            locks.commit(req, txn)
-            locks.release(req)
+            locks.commit_and_release(req, txn)
         data = msg.data
         self._feed_cache.add_entry(self.partition_id, txn, msg.req_id, msg.header)
         self._txn_cache.put(self.partition_id, txn, data, msg.checksum)
