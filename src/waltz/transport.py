@@ -421,6 +421,39 @@ class FramedConnection:
         finally:
             self._receiving = False
 
+    async def receive_many(self, out: list[bytes]) -> None:
+        """Wait for at least one payload, then append every whole payload buffered to ``out``, in order: one
+        coroutine per socket read for a reader that handles a burst at a time (a server's client connection,
+        a storage RPC reader). Raises as :meth:`receive` does; a protocol error found after some payloads
+        returns those first and raises on the next call."""
+        if self._receiving:
+            raise RuntimeError("another task is already receiving on this connection")
+        self._receiving = True
+        try:
+            proto = self._proto
+            start = len(out)
+            while True:
+                if self._error is not None:
+                    raise self._error
+                if self._closed:
+                    raise ClosedResourceError("connection closed")
+                try:
+                    proto.take_payloads(out)
+                except RemoteProtocolError as e:
+                    self._protocol_failure(e)  # remembered: the next call raises it
+                    if len(out) > start:
+                        return
+                    raise
+                if len(out) > start:
+                    return
+                high = self._pause_reading_above_bytes
+                if high is not None and self._writer.transport.get_write_buffer_size() > high:
+                    # As in receive(): read no more requests while our answers pile up unsent.
+                    await self.drain()
+                proto.receive_data(await self._read())
+        finally:
+            self._receiving = False
+
     def receive_nowait(self) -> bytes | None:
         """The next payload if a whole one is already buffered, else None (no socket read, no coroutine).
 
@@ -1099,17 +1132,10 @@ class RpcClient(Generic[ReqT, RespT]):
         try:
             while True:
                 # Every whole response of one socket read in one go: one coroutine per read, not per response.
-                payloads.append(await conn.receive())
-                broken: ProtocolError | None = None
-                try:
-                    conn.receive_buffered(payloads)
-                except ProtocolError as e:
-                    broken = e  # the responses before the broken one are delivered first
+                await conn.receive_many(payloads)
                 for payload in payloads:
                     self._deliver(self._decode(payload))
                 payloads.clear()
-                if broken is not None:
-                    raise broken
         except (ConnectionError_, ProtocolError) as e:
             reason = e
         except Exception as e:

@@ -738,16 +738,11 @@ class WaltzServer:
         append_type = _APPEND_REQUEST_TYPE
         append_cls = cs.AppendRequest
         # Every whole frame of one socket read is taken in one go and handled in order: one coroutine
-        # (``receive``) per read instead of one per message (a client sends a burst of appends per write).
+        # (``receive_many``) per read instead of one per message (a client writes appends in bursts).
         payloads: list[bytes] = []
         try:
             while True:
-                payloads.append(await conn.receive())
-                broken: RemoteProtocolError | None = None
-                try:
-                    conn.receive_buffered(payloads)
-                except RemoteProtocolError as e:
-                    broken = e  # the frames before the broken one are handled first, as one by one
+                await conn.receive_many(payloads)
                 for payload in payloads:
                     try:
                         msg = (
@@ -797,8 +792,6 @@ class WaltzServer:
                         )
                         return
                 payloads.clear()
-                if broken is not None:
-                    raise broken
         finally:
             log.debug("client connection from %s (client %s) closed", conn.peername, peer.client_id)
             for part in self.partitions.values():
