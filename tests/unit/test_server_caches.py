@@ -352,3 +352,6 @@ def test_add_entry_caches_what_add_caches_and_get_range_reads_runs_across_gaps_a
                 expected.append(RecordHeader(t, ReqId(t * 3, 2**64 - 1 - t), -t))
             assert by_header.get_range(0, start, count) == expected
             assert by_entry.get_range(0, start, count) == expected
+            assert by_entry.get_entries(0, start, count) == [
+                (h.transaction_id, h.req_id.msb, h.req_id.lsb, h.header) for h in expected
+            ]

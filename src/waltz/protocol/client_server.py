@@ -1109,6 +1109,19 @@ def encode_feed_data(headers: Iterable[RecordHeader], version: int) -> list[byte
         raise LocalProtocolError(f"FeedData field out of range: {e}") from None
 
 
+def encode_feed_entries(entries: Iterable[tuple[int, int, int, int]], version: int) -> list[bytes]:
+    """:func:`encode_feed_data` of flat ``(transaction id, ReqId msb, ReqId lsb, header)`` tuples, the halves
+    as unsigned 64-bit values (as a feed cache unpacks them): no RecordHeader per entry."""
+    if version not in SUPPORTED_VERSIONS:
+        _check_version(version)
+    pack = _FEED_DATA.pack
+    code = int(MessageType.FEED_DATA)
+    try:
+        return [pack(code, msb, lsb, txn, header) for txn, msb, lsb, header in entries]
+    except struct.error as e:
+        raise LocalProtocolError(f"FeedData field out of range: {e}") from None
+
+
 def decode(payload: bytes | bytearray | memoryview, version: int) -> Message:
     """The one message in ``payload`` (a whole frame payload) under codec ``version``.
 

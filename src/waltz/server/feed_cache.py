@@ -27,9 +27,19 @@ from dataclasses import dataclass
 
 from waltz.protocol.records import HEADER_STRUCT, RecordHeader, ReqId
 
-__all__ = ["BLOCK_BYTES", "BLOCK_ENTRIES", "DEFAULT_FEED_CACHE_BYTES", "FeedCache", "FeedCacheStatistics"]
+__all__ = [
+    "BLOCK_BYTES",
+    "BLOCK_ENTRIES",
+    "DEFAULT_FEED_CACHE_BYTES",
+    "FeedCache",
+    "FeedCacheStatistics",
+    "FeedEntry",
+]
 
 _tuple_new = tuple.__new__
+
+FeedEntry = tuple[int, int, int, int]
+"""A cached header, flat: ``(transaction id, ReqId msb, ReqId lsb, header)``."""
 
 BLOCK_ENTRIES = 64
 """Consecutive transaction ids per block."""
@@ -135,10 +145,19 @@ class FeedCache:
 
         Counts one hit per header returned, and one miss if it stopped early on an uncached id.
         """
-        out: list[RecordHeader] = []
+        new = _tuple_new
+        return [
+            new(RecordHeader, (t, new(ReqId, (msb, lsb)), h))
+            for t, msb, lsb, h in self.get_entries(partition, start, max_count)
+        ]
+
+    def get_entries(self, partition: int, start: int, max_count: int) -> list[FeedEntry]:
+        """:meth:`get_range` as flat ``(transaction id, ReqId msb, ReqId lsb, header)`` tuples, unpacked in
+        C (a feed sends one per commit and needs no RecordHeader for it). Counts hits and misses the same
+        way."""
+        out: list[FeedEntry] = []
         txn = start
         stop = start + max_count
-        new = _tuple_new
         while txn < stop:
             block = self._find(partition, txn & ~_LOW_BITS)
             if block is None:
@@ -146,16 +165,13 @@ class FeedCache:
             index = txn & _LOW_BITS
             # Take the run of present entries in this block without going back through _find: the run's
             # length is the count of trailing one bits of ``present`` from ``index``, its entries unpacked
-            # in one C loop and built without the generated __new__s (a feed reads one per commit).
+            # in one C loop.
             wanted = min(BLOCK_ENTRIES - index, stop - txn)
             bits = block.present >> index
             run = min(wanted, ((bits + 1) & ~bits).bit_length() - 1)
             if run:
                 view = memoryview(block.entries)[index * _ENTRY_BYTES : (index + run) * _ENTRY_BYTES]
-                out += [
-                    new(RecordHeader, (t, new(ReqId, (msb, lsb)), h))
-                    for t, msb, lsb, h in HEADER_STRUCT.iter_unpack(view)
-                ]
+                out += HEADER_STRUCT.iter_unpack(view)
                 txn += run
             if run < wanted:
                 break

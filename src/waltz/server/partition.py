@@ -40,8 +40,8 @@ from typing import Protocol
 
 from waltz.errors import WaltzError
 from waltz.protocol import client_server as cs
-from waltz.protocol.records import RecordHeader, ReqId
-from waltz.server.feed_cache import FeedCache
+from waltz.protocol.records import ReqId
+from waltz.server.feed_cache import FeedCache, FeedEntry
 from waltz.server.locks import LockRequest, LockTable
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.transaction_cache import TransactionCache, TransactionData, TransactionFetcher
@@ -65,8 +65,8 @@ class Peer(Protocol):
 
     def send(self, msg: cs.Message) -> None: ...
 
-    def send_feed(self, headers: Sequence[RecordHeader]) -> None:
-        """A FeedData for each of ``headers``, in order."""
+    def send_feed(self, entries: Sequence[FeedEntry]) -> None:
+        """A FeedData for each of ``entries`` (flat headers, see :class:`FeedEntry`), in order."""
         ...
 
     async def drain(self) -> None: ...
@@ -590,13 +590,13 @@ class Partition:
         if ctx.task is not None and ctx.task is not asyncio.current_task():
             ctx.task.cancel()
 
-    async def _headers(self, start: int, count: int, cached: list[RecordHeader]) -> list[RecordHeader]:
+    async def _headers(self, start: int, count: int, cached: list[FeedEntry]) -> list[FeedEntry]:
         """``count`` headers from ``start``: ``cached`` (fewer, what the feed cache had from there), then the
         rest read from the store (fewer if the store cannot serve them now)."""
         more = await self.store.read_headers(start + len(cached), count - len(cached))
         if more:
             self._feed_cache.fill(self.partition_id, more)
-        cached.extend(more)
+        cached.extend((h.transaction_id, h.req_id.msb, h.req_id.lsb, h.header) for h in more)
         return cached
 
     async def _feed_loop(self, ctx: _FeedContext) -> None:
@@ -623,7 +623,7 @@ class Partition:
                         await ctx.wake.wait()  # long poll: wait for a commit
                     continue
                 count = min(limit - ctx.next_id + 1, FEED_BATCH)
-                headers = self._feed_cache.get_range(self.partition_id, ctx.next_id, count)
+                headers = self._feed_cache.get_entries(self.partition_id, ctx.next_id, count)
                 if len(headers) < count:
                     # Not all in the cache (a reader behind it): the rest comes from the store.
                     headers = await self._headers(ctx.next_id, count, headers)

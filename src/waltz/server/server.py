@@ -57,10 +57,10 @@ from waltz.errors import ConnectionError_, PartitionNotReadyError, RemoteProtoco
 from waltz.http import HttpEndpoint, build_info, listen, new_registry
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
-from waltz.protocol.records import RecordHeader, ReqId
+from waltz.protocol.records import ReqId
 from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
 from waltz.server.config import ServerConfig
-from waltz.server.feed_cache import FeedCache
+from waltz.server.feed_cache import FeedCache, FeedEntry
 from waltz.server.partition import Partition, PartitionMetrics
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.transaction_cache import TransactionCache, TransactionData, TransactionFetcher
@@ -131,10 +131,10 @@ class _Connection:
         except ConnectionError_:
             pass  # the connection is gone: its read loop ends and cleans up
 
-    def send_feed(self, headers: Sequence[RecordHeader]) -> None:
-        """A FeedData for each of ``headers``, in order (the feed's hot path: one call per batch)."""
+    def send_feed(self, entries: Sequence[FeedEntry]) -> None:
+        """A FeedData for each of ``entries``, in order (the feed's hot path: one call per batch)."""
         try:
-            self._conn.send_many(cs.encode_feed_data(headers, self._version))
+            self._conn.send_many(cs.encode_feed_entries(entries, self._version))
         except ConnectionError_:
             pass
 
