@@ -37,7 +37,9 @@ class Slots:
     """A counting semaphore with a timeout that never loses a slot to a cancellation (FIFO wake-up).
 
     :meth:`try_acquire` may be called from any thread (a callback thread takes a slot for the first attempt
-    of a submit); :meth:`acquire` and :meth:`release` only on the loop.
+    of a submit), and so may :meth:`wait_from_thread` (an application thread of the sync client waits there
+    for room instead of on the loop); :meth:`acquire`, :meth:`release` and :meth:`wake_threads` only on the
+    loop. Waiters on the loop come first: a thread is woken only when a slot is free and none waits there.
     """
 
     def __init__(self, limit: int) -> None:
@@ -45,6 +47,8 @@ class Slots:
         self.used = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # Application threads waiting for a free slot.
+        self._thread_waiters = 0  # How many (under _lock): release notifies only when one waits.
 
     def try_acquire(self) -> bool:
         """Take a slot if one is free and nobody waits for one."""
@@ -53,6 +57,34 @@ class Slots:
                 self.used += 1
                 return True
             return False
+
+    @property
+    def is_full(self) -> bool:
+        """True if :meth:`try_acquire` would fail for want of a slot (a read, from any thread)."""
+        return self.used >= self.limit or bool(self._waiters)
+
+    def wait_from_thread(self, timeout_s: float) -> bool:
+        """On an application thread (never the loop): wait up to ``timeout_s`` until a slot is free and no
+        loop waiter waits for one, without taking it (the caller then races for it with
+        :meth:`try_acquire`). Returns whether a slot is free as it returns (False: timed out, woken by
+        :meth:`wake_threads`, or another caller took the slot first)."""
+        with self._lock:
+            self._thread_waiters += 1
+            try:
+                if self._free():
+                    return True
+                self._room.wait(timeout_s)
+                return self._free()
+            finally:
+                self._thread_waiters -= 1
+
+    def wake_threads(self) -> None:
+        """Wake every thread in :meth:`wait_from_thread` (the partition or the client is going away)."""
+        with self._lock:
+            self._room.notify_all()
+
+    def _free(self) -> bool:
+        return self.used < self.limit and not self._waiters
 
     async def acquire(self, timeout_s: float) -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -72,13 +104,19 @@ class Slots:
                 with self._lock:
                     if waiter in self._waiters:
                         self._waiters.remove(waiter)  # Or it would keep try_acquire from taking free slots.
+                        if self._thread_waiters and self._free():
+                            self._room.notify()
             raise
 
     def release(self) -> None:
         with self._lock:
             self.used -= 1
             if not self._waiters:
-                return  # The common case (once per append): nobody to wake, no list made.
+                # The common case (once per append): nobody to wake on the loop, no list made; a thread of
+                # the sync client may wait for this slot (one wake-up per slot freed).
+                if self._thread_waiters:
+                    self._room.notify()
+                return
             granted: list[asyncio.Future[None]] = []
             while self._waiters and self.used < self.limit:
                 waiter = self._waiters.popleft()
