@@ -654,7 +654,11 @@ class AsyncWaltzClient:
         """Send a run's first executed attempt to a ready partition, or park it behind this client's own
         append on one of its write locks (it then executes again on its turn)."""
         # A new run is unknown to the lock queue: without write locks it has nothing to take there.
-        if not first.write_lock_hashes or self._take_turn(partition, run, first):
+        locks = first.write_lock_hashes
+        wake = partition.lock_queue.take(run, locks) if locks else None
+        if not locks or wake is not None:
+            if wake:
+                self._wake(wake)
             run.handle(_SEND)  # Before _send: a failed send resolves at once.
             self._send(partition, monitor, first, run)
             return
@@ -1027,12 +1031,11 @@ class AsyncWaltzClient:
         if another context of this client holds one of them (then ``run`` must wait for its turn)."""
         queue = partition.lock_queue
         locks = builder.write_lock_hashes
-        if not locks:
-            if queue.is_idle(run):
-                return True  # The common case, no write locks: nothing to hold, nobody to wake.
-        elif queue.blocker(run, locks) is not None:
+        if not locks and queue.is_idle(run):
+            return True  # The common case, no write locks: nothing to hold, nobody to wake.
+        wake = queue.take(run, locks)
+        if wake is None:
             return False
-        wake = queue.acquire(run, locks)
         if wake:
             self._wake(wake)
         return True
