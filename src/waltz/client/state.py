@@ -49,6 +49,9 @@ class Slots:
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # Application threads waiting for a free slot.
         self._thread_waiters = 0  # How many (under _lock): release notifies only when one waits.
+        # A thread was notified and has not returned from its wait yet (under _lock): the loop then wakes
+        # nobody more; that thread wakes the next one if more slots are free (see wait_from_thread).
+        self._waking = False
 
     def try_acquire(self) -> bool:
         """Take a slot if one is free and nobody waits for one."""
@@ -69,18 +72,25 @@ class Slots:
         :meth:`try_acquire`). Returns whether a slot is free as it returns (False: timed out, woken by
         :meth:`wake_threads`, or another caller took the slot first)."""
         with self._lock:
+            if self._free():
+                return True
             self._thread_waiters += 1
             try:
-                if self._free():
-                    return True
                 self._room.wait(timeout_s)
-                return self._free()
             finally:
                 self._thread_waiters -= 1
+            self._waking = False
+            # Wake-ups go from thread to thread, not one per slot from the loop: a burst of releases costs
+            # the loop one notify, and each thread woken passes it on while more than its own slot is free.
+            if self._thread_waiters and self.limit - self.used > 1 and not self._waiters:
+                self._waking = True
+                self._room.notify()
+            return self._free()
 
     def wake_threads(self) -> None:
         """Wake every thread in :meth:`wait_from_thread` (the partition or the client is going away)."""
         with self._lock:
+            self._waking = True
             self._room.notify_all()
 
     def _free(self) -> bool:
@@ -104,7 +114,8 @@ class Slots:
                 with self._lock:
                     if waiter in self._waiters:
                         self._waiters.remove(waiter)  # Or it would keep try_acquire from taking free slots.
-                        if self._thread_waiters and self._free():
+                        if self._thread_waiters and self._free() and not self._waking:
+                            self._waking = True
                             self._room.notify()
             raise
 
@@ -113,8 +124,9 @@ class Slots:
             self.used -= 1
             if not self._waiters:
                 # The common case (once per append): nobody to wake on the loop, no list made; a thread of
-                # the sync client may wait for this slot (one wake-up per slot freed).
-                if self._thread_waiters:
+                # the sync client may wait for this slot (woken unless one woken before has not run yet).
+                if self._thread_waiters and not self._waking:
+                    self._waking = True
                     self._room.notify()
                 return
             granted: list[asyncio.Future[None]] = []
@@ -123,6 +135,9 @@ class Slots:
                 if not waiter.done():
                     self.used += 1
                     granted.append(waiter)
+            if self._thread_waiters and not self._waking and self._free():
+                self._waking = True  # Only cancelled waiters were left on the loop: a thread takes it.
+                self._room.notify()
         for waiter in granted:
             waiter.set_result(None)
 
