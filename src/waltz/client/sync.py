@@ -125,7 +125,8 @@ class WaltzClient:
         import). Same guarantees as calling :meth:`submit` for each in turn (the appends of one partition
         are sent in this order; back pressure blocks as there), but while slots are free the contexts are
         executed on this thread and handed to the client's loop up to :data:`SUBMIT_BATCH_MAX` at a time
-        with one wake-up. An exception of a first attempt is raised at once (like :meth:`submit`, after
+        with one wake-up; without a free slot this thread waits for one, as :meth:`submit` does. An
+        exception of a first attempt is raised at once (like :meth:`submit`, after
         ``on_exception``); the contexts before it were submitted, those after it were not.
         """
         pending = list(contexts)
@@ -140,7 +141,14 @@ class WaltzClient:
                 taken = self._client.submit_batch_from_thread(pending[i : i + SUBMIT_BATCH_MAX])
             i += taken
             if taken == 0 and i < len(pending):
-                self._call(self._client.submit(pending[i]))  # No room right now: wait for it.
+                # No room right now: wait for it on this thread (then execute here), or on the loop if the
+                # partition is not ready.
+                if (
+                    on_own_loop
+                    or not self._thread.is_alive()
+                    or not self._client.submit_from_thread(pending[i], self._submit_timeout_s)
+                ):
+                    self._call(self._client.submit(pending[i]))
                 i += 1
 
     def flush_transactions(self, timeout: float | None = None) -> None:
