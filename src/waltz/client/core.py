@@ -655,16 +655,17 @@ class AsyncWaltzClient:
         append on one of its write locks (it then executes again on its turn)."""
         # A new run is unknown to the lock queue: without write locks it has nothing to take there.
         locks = first.write_lock_hashes
-        wake = partition.lock_queue.take(run, locks) if locks else None
-        if not locks or wake is not None:
+        if locks:
+            wake = partition.lock_queue.take(run, locks)
+            if wake is None:
+                run.handle(Event.QUEUE)
+                self._park(partition, run, first)
+                self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
+                return
             if wake:
                 self._wake(wake)
-            run.handle(_SEND)  # Before _send: a failed send resolves at once.
-            self._send(partition, monitor, first, run)
-            return
-        run.handle(Event.QUEUE)
-        self._park(partition, run, first)
-        self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
+        run.handle(_SEND)  # Before _send: a failed send resolves at once.
+        self._send(partition, monitor, first, run)
 
     def _ready_monitor(self, partition: PartitionState) -> TransactionMonitor | None:
         """The partition's monitor if appends may be sent to it right now."""
