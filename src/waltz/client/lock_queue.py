@@ -33,7 +33,8 @@ class _Lock:
     def __init__(self, owner: Hashable | None = None) -> None:
         self.owner: Hashable | None = owner
         self.reserved: Hashable | None = None
-        self.queue: deque[Hashable] = deque()
+        # Made when the first context waits: most locks (one per append with write locks) never have one.
+        self.queue: deque[Hashable] | None = None
 
 
 class LockQueue:
@@ -71,6 +72,18 @@ class LockQueue:
                 return None
             return self.acquire(context, locks)
         lock_table = self._locks
+        if len(locks) == 1:
+            # The commonest case, one write lock: one lookup, no loops.
+            h = locks[0]
+            lock = lock_table.get(h)
+            if lock is None:
+                lock_table[h] = _Lock(context)
+            elif lock.owner is not None or lock.reserved is not None or lock.queue:
+                return None
+            else:
+                lock.owner = context
+            self._held[context] = {h}
+            return []
         for h in locks:
             lock = lock_table.get(h)
             if lock is not None and (lock.owner is not None or lock.reserved is not None or lock.queue):
@@ -116,7 +129,12 @@ class LockQueue:
         """``context`` waits for ``lock_hash`` (the :meth:`blocker` it hit). Returns contexts to wake."""
         self._unpark(context)
         wake = self._pass_reservations(context, keep=set())
-        self._locks.setdefault(lock_hash, _Lock()).queue.append(context)
+        lock = self._locks.get(lock_hash)
+        if lock is None:
+            lock = self._locks[lock_hash] = _Lock()
+        if lock.queue is None:
+            lock.queue = deque()
+        lock.queue.append(context)
         self._parked[context] = lock_hash
         return wake
 
@@ -174,7 +192,8 @@ class LockQueue:
         lock = self._locks.get(h)
         if lock is not None:
             try:
-                lock.queue.remove(context)
+                if lock.queue is not None:
+                    lock.queue.remove(context)
             except ValueError:
                 pass
             self._forget_if_idle(h, lock)
