@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import itertools
 import struct
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from waltz.errors import DataChecksumError, LocalProtocolError, RemoteProtocolError
+from waltz.protocol.checksum import crc32
 from waltz.protocol.records import Record, make_record
 
 __all__ = [
@@ -84,7 +84,7 @@ def encode_run(records: Iterable[Record]) -> bytes:
         start = len(out)
         out += head
         out += rec.data
-        out += _U32.pack(zlib.crc32(memoryview(out)[start:]))
+        out += _U32.pack(crc32(memoryview(out)[start:]))
     return bytes(out)
 
 
@@ -158,9 +158,9 @@ def _check_record(
     run: bytes | bytearray | memoryview, view: memoryview, pos: int, end: int, txn: int, data_crc: int
 ) -> None:
     stored = _U32.unpack_from(run, end)[0]
-    if zlib.crc32(view[pos:end]) != stored:
+    if crc32(view[pos:end]) != stored:
         raise DataChecksumError(f"transaction {txn}: record checksum mismatch")
-    if zlib.crc32(view[pos + STORED_HEADER_BYTES : end]) != data_crc:
+    if crc32(view[pos + STORED_HEADER_BYTES : end]) != data_crc:
         raise DataChecksumError(f"transaction {txn}: data does not match its checksum")
 
 
@@ -180,7 +180,7 @@ def run_bounds(run: bytes | bytearray | memoryview, first: int, count: int) -> l
         raise RemoteProtocolError(f"a run of {len(run)} bytes cannot hold {count} records")
     view = memoryview(run)
     unpack = _PREFIX_CHECKED.unpack_from
-    crc = zlib.crc32
+    crc = crc32
     u32 = _U32.unpack_from
     size = len(run)
     bounds = [0] * (count + 1)

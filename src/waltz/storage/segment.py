@@ -60,12 +60,12 @@ import os
 import struct
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, overload
 
 from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
+from waltz.protocol.checksum import crc32
 from waltz.protocol.record_run import encode_run
 from waltz.protocol.records import Record, RecordHeader, ReqId, make_req_id
 from waltz.protocol.storage import WireRecordList
@@ -170,7 +170,7 @@ def verify_client_checksums(records: Sequence[Record], first_transaction_id: int
             raise TransactionOutOfOrderError(
                 f"transaction out of order: expected {expected}, got {rec.transaction_id}"
             )
-        if zlib.crc32(rec.data) != rec.checksum:
+        if crc32(rec.data) != rec.checksum:
             raise CorruptionError(
                 f"transaction {expected}: data does not match its checksum {rec.checksum:#010x}; not written"
             )
@@ -209,7 +209,7 @@ def append_wire_run(
     marked_ends = len(ends)
     pos = ends[-1] if ends else 0
     view = memoryview(buf)  # of immutable bytes: its slices need no release
-    crc = zlib.crc32
+    crc = crc32
     unpack_id = _I64.unpack_from
     unpack_u32 = _U32.unpack_from
     pack_u32 = _U32.pack
@@ -831,12 +831,12 @@ def _decode_verified(
     view = memoryview(raw)
     try:
         stored = _U32.unpack_from(raw, body_end)[0]
-        if zlib.crc32(view[start:body_end]) != stored:
+        if crc32(view[start:body_end]) != stored:
             raise RecordCorruptionError(
                 f"{path}: record {transaction_id} at offset {offset}: record checksum mismatch",
                 transaction_id,
             )
-        if zlib.crc32(view[start + RECORD_HEADER_BYTES : body_end]) != data_crc:
+        if crc32(view[start + RECORD_HEADER_BYTES : body_end]) != data_crc:
             raise RecordCorruptionError(
                 f"{path}: record {transaction_id} at offset {offset}: data checksum mismatch",
                 transaction_id,
@@ -860,7 +860,7 @@ def _check_run(raw: bytes, offsets: list[int], first: int, path: str) -> None:
             if (
                 end - start < RECORD_OVERHEAD_BYTES
                 or _I64.unpack_from(raw, start)[0] != txn
-                or zlib.crc32(view[start : end - 4]) != _U32.unpack_from(raw, end - 4)[0]
+                or crc32(view[start : end - 4]) != _U32.unpack_from(raw, end - 4)[0]
             ):
                 # The slow path names exactly what is wrong.
                 _decode_verified(raw, start, end, txn, path, offsets[j])
