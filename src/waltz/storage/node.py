@@ -394,7 +394,9 @@ class StoragePartition:
         node.metrics.queue.labels(partition_id).set_function(lambda: len(self.queue))
         self._read_bytes = node.metrics.read_bytes.labels(partition_id)
         self._append_requests = node.metrics.requests.labels("AppendRequest")
-        self._max_txn = node.metrics.max_txn.labels(partition_id)
+        # The highest durable id, read when scraped (as the queue size): a Gauge.set per group commit took a
+        # lock and three calls on the append path.
+        node.metrics.max_txn.labels(partition_id).set_function(lambda: self.durable_max)
 
     @property
     def info(self) -> PartitionInfo:
@@ -415,7 +417,6 @@ class StoragePartition:
                 # What a (re)start finds on disk is what the disk holds. A broken partition keeps the mark it
                 # had: its page cache may hold records the disk lost (see ``_heal``).
                 self.durable_max = self.log.max_transaction_id
-            self.node.metrics.max_txn.labels(self.partition_id).set(self.log.max_transaction_id)
         return self.log
 
     def close_log(self) -> None:
@@ -496,7 +497,6 @@ class StoragePartition:
             max(0, dropped),
         )
         self.broken = None
-        self.node.metrics.max_txn.labels(self.partition_id).set(plog.max_transaction_id)
         return True
 
     # -- the worker -------------------------------------------------------------------------------
@@ -605,7 +605,6 @@ class StoragePartition:
                 new_max = plog.truncate(msg.transaction_id)
                 self.durable_max = min(self.durable_max, new_max)
                 self._forget_damage_above(new_max)
-                self.node.metrics.max_txn.labels(pid).set(new_max)
                 return st.MaxTransactionIdResponse(sid, seq, pid, new_max)
             if isinstance(msg, st.SetLowWaterMarkRequest):
                 return self._set_low_water_mark(msg)
@@ -845,7 +844,6 @@ class StoragePartition:
             if error is None:
                 self.appended_records += len(ends)
                 self.appended_bytes += n_bytes
-                self._max_txn.set(plog.max_transaction_id)
         # One latency observation per group (its oldest request): observing every request costs more than
         # the rest of the acknowledgement path.
         self.node.metrics.append_latency.observe(time.monotonic() - first.arrived_s)
@@ -1101,7 +1099,8 @@ class StorageNode:
         """Send the encoded response to ``item`` and release what the request held."""
         if item.slot is not None:
             item.slot.release()
-        if item.budget is not None:
+        if item.reserved:
+            assert item.budget is not None
             # From here on the reader's drain bounds these bytes (it reads nothing while they pile up).
             item.budget.release(item.reserved)
         conn = item.conn
@@ -1206,7 +1205,7 @@ class StorageNode:
                     part.session_id = msg.session_id  # fence older sessions on arrival
                     self.metrics.session.labels(part.partition_id).set(part.session_id)
                 await slot.acquire()  # bounded unanswered requests per connection
-                reserved = _response_estimate(msg)
+                reserved = 0 if type(msg) is st.AppendRequest else _response_estimate(msg)
                 if reserved:
                     await budget.acquire(reserved)  # bounded bytes of read responses per connection
                 item = _Item(
@@ -1216,7 +1215,8 @@ class StorageNode:
                     await part.enqueue(item)
                 # A peer that sends but does not read must not grow our write buffer without bound: its next
                 # request waits until the answers sent so far drain (and then for budget, at the top).
-                await conn.drain()
+                if conn.drain_needed:
+                    await conn.drain()
         except ConnectionError_:
             pass
         finally:
