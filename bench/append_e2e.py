@@ -332,7 +332,7 @@ def main() -> None:
             # Read by `waltz server run` (storage nodes ignore it); the file is written when the server stops.
             os.environ["WALTZ_PROFILE"] = str(Path(args.profile_server).resolve())
         if args.profile_storage:
-            # Read by `waltz storage run` (WALTZ_STORAGE_PROFILE); each node writes PREFIX.<pid> when it stops.
+            # Read by `waltz storage run` (WALTZ_STORAGE_PROFILE); each node writes PREFIX.<pid> on stopping.
             os.environ["WALTZ_STORAGE_PROFILE"] = str(Path(args.profile_storage).resolve())
         asyncio.run(driver(args))
 
