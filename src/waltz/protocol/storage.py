@@ -845,6 +845,18 @@ def encode(msg: StorageMessage) -> bytes:
     if cls is RecordRunResponse:
         assert isinstance(msg, RecordRunResponse)
         return encode_record_run_response(msg.session_id, msg.seq_num, msg.partition_id, msg.count, msg.run)
+    if cls is RecordListResponse:
+        assert isinstance(msg, RecordListResponse)
+        records = msg.records
+        if isinstance(records, WireRecordList) and records:
+            # Already in wire form (a storage node's list read): one copy into the payload, as for a run.
+            try:
+                head = PREFIX.pack(cls.TYPE, msg.session_id, msg.seq_num, msg.partition_id)
+            except struct.error:
+                raise LocalProtocolError(f"storage message prefix out of range: {msg!r}") from None
+            starts = records.starts
+            body = memoryview(records.buffer)[starts[0] : starts[-1]]
+            return b"".join((head, I32.pack(len(records)), body))
     w = Writer()
     try:
         w.buf += PREFIX.pack(cls.TYPE, msg.session_id, msg.seq_num, msg.partition_id)

@@ -719,9 +719,9 @@ class StoragePartition:
             if isinstance(msg, st.RecordListRequest):
                 plog = self._check(msg, False)
                 n = max(0, min(msg.max_records, MAX_LIST_RECORDS))
-                records = plog.read_records(msg.transaction_id, n, max_bytes=MAX_LIST_BYTES) if n else []
-                self._read_bytes.inc(sum(len(r.data) for r in records))
-                return st.RecordListResponse(sid, seq, pid, tuple(records))
+                records = plog.read_wire(msg.transaction_id, n, max_bytes=MAX_LIST_BYTES) if n else ()
+                self._read_bytes.inc(records.data_bytes if records else 0)
+                return st.RecordListResponse(sid, seq, pid, records)
             if isinstance(msg, st.RecordRunRequest):
                 plog = self._check(msg, False)
                 n = max(0, min(msg.max_records, MAX_LIST_RECORDS))
