@@ -1196,8 +1196,7 @@ class StorageNode:
         """Send the encoded response to ``item`` and release what the request held."""
         if item.slot is not None:
             item.slot.release()
-        if item.reserved:
-            assert item.budget is not None
+        if item.reserved and item.budget is not None:
             # From here on the reader's drain bounds these bytes (it reads nothing while they pile up).
             item.budget.release(item.reserved)
         conn = item.conn

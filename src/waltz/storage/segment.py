@@ -655,7 +655,7 @@ class Segment:
             parts += (
                 view[s : s + _WIRE_PREFIX_BYTES],
                 view[s + RECORD_HEADER_BYTES : e - 4],
-                view[s + 32 : s + 36],
+                view[s + _WIRE_PREFIX_BYTES : s + RECORD_HEADER_BYTES],  # the data checksum
             )
         return parts, [b - a - 4 for a, b in itertools.pairwise(offsets)]
 
