@@ -81,13 +81,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import struct
-import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar, Final, Self
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
+from waltz.protocol.checksum import crc32 as _crc32
 from waltz.protocol.record_run import encode_run, run_records, scan_run
 from waltz.protocol.records import Record, RecordHeader, ReqId, crc32
 from waltz.protocol.wire import Reader, Writer
@@ -533,7 +533,7 @@ class AppendRequest(_Message):
                 stop = end - 4
                 data = bytes(payload[head_bytes:stop])
                 checksum: int = _U32.unpack_from(payload, stop)[0]
-                if zlib.crc32(data) != checksum:  # both unsigned
+                if _crc32(data) != checksum:  # both unsigned
                     raise _checksum_mismatch(checksum, data)
                 return new_append_request(
                     _tuple_new(ReqId, (msb, lsb)), hwm, locks, (), (), header, data, checksum
@@ -575,7 +575,7 @@ class AppendRequest(_Message):
             raise RemoteProtocolError(f"{end - stop - 4} unexpected trailing bytes")
         data = bytes(payload[pos:stop])
         checksum = _U32.unpack_from(payload, stop)[0]
-        if zlib.crc32(data) != checksum:  # both unsigned
+        if _crc32(data) != checksum:  # both unsigned
             raise _checksum_mismatch(checksum, data)
         return new_append_request(
             _tuple_new(ReqId, (msb, lsb)), hwm, write_locks, read_locks, append_locks, header, data, checksum
