@@ -506,12 +506,21 @@ class Partition:
         msg = item.msg
         req = locks.begin(msg.write_locks, msg.read_locks, msg.append_locks)
         if req is None:
-            # A slot is held by an in-flight append: wait until the store resolved everything, then retry.
-            await self.store.flush()
-            # Every append is resolved now, and _append_done released their slots as each was resolved (the
-            # store calls it synchronously). The yield is a safety margin for anything else the resolutions
-            # scheduled before we conclude that slots leaked: a reset makes every in-flight append fail its
-            # lock check.
+            # A slot is held by an in-flight append: retry after each resolution of the store, so the wait
+            # ends as soon as that append is resolved (_append_done releases its slots synchronously, inside
+            # the resolution), not when everything in flight is (a full replication round trip later, with
+            # the whole append queue stalled behind it). Nothing is submitted while we wait (this task is
+            # the only submitter while it is busy), so the unresolved appends only decrease: the loop ends.
+            # The order of appends is kept: this append is still the next one submitted.
+            store = self.store
+            while await store.wait_resolution():
+                req = locks.begin(msg.write_locks, msg.read_locks, msg.append_locks)
+                if req is not None:
+                    break
+        if req is None:
+            # Every append is resolved and the slot is still busy. The yield is a safety margin for anything
+            # else the resolutions scheduled before we conclude that slots leaked: a reset makes every
+            # in-flight append fail its lock check.
             await asyncio.sleep(0)
             req = locks.begin(msg.write_locks, msg.read_locks, msg.append_locks)
             if req is None:

@@ -371,6 +371,16 @@ class StorePartition:
             await self._resolutions.wait()
         return self._hwm
 
+    async def wait_resolution(self) -> bool:
+        """Wait until the store next resolves appends (a batch commits, or a session's appends fail); False
+        at once, without waiting, if no append is unresolved. Each resolution's listeners have run by the
+        time this returns (they are called synchronously, before the waiters wake)."""
+        if not self._unresolved:
+            return False
+        self._resolutions.clear()
+        await self._resolutions.wait()
+        return True
+
     # -- reads -----------------------------------------------------------------------------------------------
 
     async def read_record(self, transaction_id: int) -> Record | None:
