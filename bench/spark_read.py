@@ -14,8 +14,8 @@ partitions), appends ``--transactions`` transactions of ``--size`` bytes through
   size from the waltz DataFrame, two files like the two partitions) with the same aggregation.
   ``--warmup`` runs of each (default 1) warm up (the first waltz query of the session also starts the Python
   workers), then ``--runs`` runs of each are interleaved so both see the same machine load; the
-  waltz/Parquet ratio of the medians is printed (goal >= 50%), with the CPU seconds per query of the Spark processes (JVM and Python
-  workers) and of the cluster (server and storage node). With ``--schema-row``, a third read of the same
+  waltz/Parquet ratio of the medians is printed (goal >= 50%), with the CPU seconds per query of the Spark
+  processes (JVM and Python workers) and of the cluster (server and storage node). With ``--schema-row``, a third read of the same
   rows with a user-specified schema of the one column the aggregation needs (``.schema("data BINARY")``,
   column pruning the user asks for) is timed too, as its own row: the headline ratio reads the default schema.
 
