@@ -15,9 +15,10 @@ partitions), appends ``--transactions`` transactions of ``--size`` bytes through
   ``--warmup`` runs of each (default 1) warm up (the first waltz query of the session also starts the Python
   workers), then ``--runs`` runs of each are interleaved so both see the same machine load; the
   waltz/Parquet ratio of the medians is printed (goal >= 50%), with the CPU seconds per query of the Spark
-  processes (JVM and Python workers) and of the cluster (server and storage node). With ``--schema-row``, a third read of the same
-  rows with a user-specified schema of the one column the aggregation needs (``.schema("data BINARY")``,
-  column pruning the user asks for) is timed too, as its own row: the headline ratio reads the default schema.
+  processes (JVM and Python workers) and of the cluster (server and storage node). With ``--schema-row``, a
+  third read of the same rows with a user-specified schema of the one column the aggregation needs
+  (``.schema("data BINARY")``, column pruning the user asks for) is timed too, as its own row: the headline
+  ratio reads the default schema.
 
 Parquet reads only the ``data`` column (column pruning, a vectorised reader in the JVM); the Python source
 ships every column through a Python worker and Arrow (PySpark 4.3 has no column pruning for Python sources).
