@@ -205,6 +205,9 @@ class AsyncWaltzClient:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pool: CallbackPool | None = None
         self._hooks: list[Call] = []  # Hooks queued during this loop iteration, run as one job.
+        # Inline mode: a coroutine on_completion run at once (see _complete_now), awaited first by this
+        # iteration's batch, with the hooks queued after it (its run leads _hook_runs).
+        self._lead_awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]] = []
         self._hook_runs: list[tuple[Run, bool]] = []  # (run, True: on_completion / False: on_application)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._source: _DataSource | None = None
@@ -945,11 +948,13 @@ class AsyncWaltzClient:
             run.handle(_COMMIT)
             run.transaction_id = result.transaction_id
             partition.awaiting_apply.append(run)
+            if not self._hook_runs:
+                if self._inline:
+                    self._complete_now(run)
+                    return
+                self._call_soon(self._flush_hooks)
             # _queue_hook(run, True, on_completion, True), inline (once per append)
-            hooks = self._hooks
-            if not hooks:
-                asyncio.get_running_loop().call_soon(self._flush_hooks)
-            hooks.append((run.context.on_completion, _TRUE_ARGS))
+            self._hooks.append((run.context.on_completion, _TRUE_ARGS))
             self._hook_runs.append((run, True))
             return
         if isinstance(result, Resolution):
@@ -1035,37 +1040,66 @@ class AsyncWaltzClient:
     def _queue_application(self, run: Run) -> None:
         if run.state is _STATE_COMMITTED and run.handle(_APPLY) is _ON_APPLICATION:
             # _queue_hook(run, False, on_application), inline (once per append)
-            hooks = self._hooks
-            if not hooks:
-                asyncio.get_running_loop().call_soon(self._flush_hooks)
-            hooks.append((run.context.on_application, ()))
+            if not self._hook_runs:
+                self._call_soon(self._flush_hooks)
+            self._hooks.append((run.context.on_application, ()))
             self._hook_runs.append((run, False))
         else:
             self._finish(run)  # Ended meanwhile (closed): no on_application.
 
     def _queue_hook(self, run: Run, completion: bool, fn: Callable[..., Any], *args: Any) -> None:
         """Queue a fast-path hook; the hooks queued in one loop iteration run as one callback-thread job."""
-        if not self._hooks:
-            asyncio.get_running_loop().call_soon(self._flush_hooks)
+        if not self._hook_runs:
+            self._call_soon(self._flush_hooks)
         self._hooks.append((fn, args))
         self._hook_runs.append((run, completion))
 
     def _flush_hooks(self) -> None:
-        if not self._hooks:
+        if not self._hook_runs:
             return
         hooks, self._hooks = self._hooks, []
         runs, self._hook_runs = self._hook_runs, []
+        lead, self._lead_awaitables = self._lead_awaitables, []
         pool = self._pool
         if pool is None or pool.is_shut_down:
+            for _fn, awaitable in lead:
+                if inspect.iscoroutine(awaitable):
+                    awaitable.close()  # Dropped with its batch, as the hooks never called.
             return
         if self._inline:
             awaitables = _run_hooks_inline(hooks)
+            if lead:
+                awaitables = lead + awaitables
             if awaitables:
                 self._spawn(self._await_hooks(awaitables, runs), "waltz-hooks")
             else:
                 self._hooks_done(runs)
             return
         pool.post(hooks, then=functools.partial(self._hooks_done, runs))
+
+    def _complete_now(self, run: Run) -> None:
+        """Inline mode, no hook queued in this iteration: ``on_completion(True)`` now, in the loop iteration
+        that resolved the append, instead of in the next one through _flush_hooks (a lone append's
+        application hears of it one loop pass sooner). What it would have been in its batch, it still is: the
+        first hook; a coroutine it returns is awaited first by this iteration's batch, before the hooks
+        queued after it, which therefore run in order as before."""
+        pool = self._pool
+        if pool is None or pool.is_shut_down:
+            return  # As _flush_hooks: no hooks once the client is shut down.
+        awaitables = _run_hooks_inline([(run.context.on_completion, _TRUE_ARGS)])
+        if awaitables:
+            self._lead_awaitables = awaitables
+            self._hook_runs.append((run, True))
+            self._call_soon(self._flush_hooks)
+        else:
+            self._hooks_done([(run, True)])
+
+    def _call_soon(self, callback: Callable[[], object]) -> None:
+        """``loop.call_soon`` on the client's loop without asyncio.get_running_loop() (a getpid() system call
+        on each call in CPython 3.11; the hot path made five per append)."""
+        loop = self._loop
+        assert loop is not None  # Set by start(), before anything queues a hook.
+        loop.call_soon(callback)
 
     async def _await_hooks(
         self, awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]], runs: list[tuple[Run, bool]]
@@ -1433,7 +1467,11 @@ def _run_hooks_inline(hooks: list[Call]) -> list[tuple[Callable[..., Any], Await
     for fn, args in hooks:
         try:
             result = fn(*args)
-        except Exception as e:  # noqa: BLE001 - reported to the application, not swallowed
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as e:  # noqa: BLE001 - reported to the application, not swallowed
+            # BaseException too: a hook may now run inside the socket reader (on_completion), which a
+            # CancelledError from application code must not end.
             report_hook_failure(loop, fn, e)
             continue
         if result is not None and inspect.isawaitable(result):
