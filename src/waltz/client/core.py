@@ -1463,7 +1463,6 @@ def _run_hooks_inline(hooks: list[Call]) -> list[tuple[Callable[..., Any], Await
     """Run context hooks on the loop (inline mode), reporting their exceptions to the loop's exception
     handler; returns the awaitables that coroutine hooks returned, in order, for the caller to await."""
     awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]] = []
-    loop = asyncio.get_running_loop()
     for fn, args in hooks:
         try:
             result = fn(*args)
@@ -1471,8 +1470,9 @@ def _run_hooks_inline(hooks: list[Call]) -> list[tuple[Callable[..., Any], Await
             raise
         except BaseException as e:  # noqa: BLE001 - reported to the application, not swallowed
             # BaseException too: a hook may now run inside the socket reader (on_completion), which a
-            # CancelledError from application code must not end.
-            report_hook_failure(loop, fn, e)
+            # CancelledError from application code must not end. (The loop is looked up here only: each
+            # asyncio.get_running_loop() is a getpid() system call, twice per append on this path.)
+            report_hook_failure(asyncio.get_running_loop(), fn, e)
             continue
         if result is not None and inspect.isawaitable(result):
             awaitables.append((fn, result))
