@@ -530,6 +530,23 @@ class FramedConnection:
             if len(out) >= _COALESCE_MAX_BYTES:
                 self._flush_out()
 
+    def send_now(self, payload: bytes | bytearray | memoryview) -> None:
+        """:meth:`send`, handed to the transport at once instead of at the end of the loop iteration (after
+        the frames queued before it, in one write): for a lone message that nothing would join, such as a
+        client's one append at a time, which then leaves one loop pass sooner and schedules no flush."""
+        if self._closed or self._error is not None or self._writer.is_closing():
+            self._check_writable()  # Raises the error that says why.
+        frame = self._proto.frame(payload)
+        out = self._out
+        if out is None:
+            self._writer.write(frame)
+        else:
+            # Frames queued earlier in this iteration go first; their scheduled flush then finds nothing.
+            self._out = None
+            out += frame
+            self._writer.write(out)
+        self._last_write_s = self._loop.time()
+
     def send_many(self, payloads: Iterable[bytes | bytearray | memoryview]) -> None:
         """:meth:`send` of each of ``payloads``, in order (checked once: for many small frames at a time)."""
         self._check_writable()

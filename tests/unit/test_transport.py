@@ -192,6 +192,39 @@ def test_send_many_frames_each_payload_in_order_after_what_was_sent_before() -> 
     run(main)
 
 
+def test_send_now_writes_at_once_after_the_frames_queued_before_it() -> None:
+    async def main() -> None:
+        async with serving(echo) as port:
+            conn = await connect(port)
+            async with conn:
+                writes: list[bytes] = []
+                writer = conn._writer
+                plain_write = writer.write
+
+                def recording_write(data: bytes | bytearray | memoryview) -> None:
+                    writes.append(bytes(data))
+                    plain_write(data)
+
+                writer.write = recording_write  # type: ignore[method-assign]
+                conn.send(b"queued")
+                assert writes == []  # send() waits for the end of the loop iteration
+                conn.send_now(b"now")
+                assert len(writes) == 1  # at once, with what was queued before it, in one write
+                conn.send_now(b"alone")
+                assert len(writes) == 2
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+                assert len(writes) == 2  # the iteration's flush found nothing left to write
+                for expected in (b"queued", b"now", b"alone"):
+                    assert await conn.receive() == expected
+                with pytest.raises(LocalProtocolError):
+                    conn.send_now(b"")
+            with pytest.raises(ClosedResourceError):
+                conn.send_now(b"x")
+
+    run(main)
+
+
 def test_oversized_frame_closes_that_connection_with_a_logged_reason(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -1248,7 +1248,12 @@ class AsyncWaltzClient:
         partition.outcomes[req_id] = waiter
         monitor.register(req_id, seq, self._clock())
         try:
-            driver.send_append(partition.id, request)
+            if len(partition.outcomes) == 1:
+                # Alone in flight (one append at a time): nothing would join it in this iteration's write,
+                # so it leaves now instead of one loop pass later. Pipelined appends share one write.
+                driver.send_append_now(p, request)
+            else:
+                driver.send_append(p, request)
         except WaltzError as e:
             log.warning("partition %d: append %r not sent: %s", partition.id, req_id, e)
             self._resolve(partition, monitor.fail(req_id))

@@ -178,6 +178,13 @@ class ClientDriver(ABC):
     def send_append(self, partition_id: int, request: AppendRequest) -> None:
         """Queue an append; requests of one partition are transmitted in call order. Never blocks."""
 
+    def send_append_now(self, partition_id: int, request: AppendRequest) -> None:
+        """:meth:`send_append`, handed to the network at once rather than with the requests queued in the
+        same loop iteration (which it follows, in order). The core uses it for a lone append (nothing else in
+        flight on its partition), which no other request would join: it leaves one loop pass sooner. A
+        driver with nothing to batch need not override it."""
+        self.send_append(partition_id, request)
+
     @abstractmethod
     def send_flush(self, partition_id: int, req_id: ReqId) -> None:
         """Queue a flush for the partition, after every append queued before it. Never blocks."""
