@@ -721,7 +721,6 @@ class AsyncWaltzClient:
             return False
         source = self._source
         assert source is not None
-        partition.push_feed(Transaction(partition_id, transaction_id, header, req_id, source))
         resolutions = monitor.on_feed(transaction_id, req_id)
         if resolutions:
             # _resolve, inline (once per feed entry)
@@ -732,6 +731,10 @@ class AsyncWaltzClient:
                     self._on_first_outcome(waiter, resolution)
                 elif waiter is not None:
                     _settle(waiter, resolution)
+        # Queued for apply_transaction after the resolutions: the applier's wake-up then follows the
+        # application's (an inline on_completion that woke the task waiting for it), so that task's next
+        # append goes out first and the apply runs while the server works on it (one append at a time).
+        partition.push_feed(Transaction(partition_id, transaction_id, header, req_id, source))
         return True
 
     async def _on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
