@@ -225,6 +225,31 @@ def test_closed_partition_refuses_appends_and_fails_pending_ones() -> None:
     run_virtual(main())
 
 
+def test_a_lone_append_is_batched_in_the_call_that_queued_it_and_later_ones_wait_for_its_commit() -> None:
+    async def main() -> None:
+        world = World()
+        async with world.partition() as partition:
+            await partition.wait_open()
+            session = partition.session
+            assert session is not None
+            await asyncio.sleep(0)  # the writer waits for appends
+            first = partition.submit_nowait(req(0))
+            # No loop iteration in between: the idle writer's batch was formed and delivered by the call.
+            assert [b.first for b in session.batches_in_flight] == [0]
+            assert partition.queue.qsize() == 0
+            # While it is in flight, the next appends wait and then go together (not full: no 2nd batch).
+            more = [partition.submit_nowait(req(i)) for i in (1, 2)]
+            assert [b.first for b in session.batches_in_flight] == [0]
+            assert partition.queue.qsize() == 2
+            await asyncio.sleep(0)
+            assert [b.first for b in session.batches_in_flight] == [0]  # the woken writer sent nothing
+            assert first is not None and await first == 0
+            assert [await f for f in more if f is not None] == [1, 2]
+            assert [r.transaction_id for r in world.log(NAMES[0])] == [0, 1, 2]
+
+    run_virtual(main())
+
+
 def test_submit_nowait_calls_the_listener_once_in_the_commit_and_refuses_when_the_queue_is_full() -> None:
     async def main() -> None:
         world = World(max_queued_appends=3)
@@ -239,26 +264,28 @@ def test_submit_nowait_calls_the_listener_once_in_the_commit_and_refuses_when_th
 
         async with world.partition() as partition:
             await partition.wait_open()
-            futures = [partition.submit_nowait(req(i), listener) for i in range(3)]
+            # The first leaves at once in a batch of its own (the writer was idle); the next three wait in
+            # the queue for that batch to be decided, and fill it.
+            futures = [partition.submit_nowait(req(i), listener) for i in range(4)]
             assert all(f is not None for f in futures)
-            assert partition.submit_nowait(req(3), listener) is None  # full: nothing queued
+            assert partition.submit_nowait(req(4), listener) is None  # full: nothing queued
             ids = [await f for f in futures if f is not None]
-            assert ids == [0, 1, 2]
-            assert heard == [(0, None), (1, None), (2, None)]
+            assert ids == [0, 1, 2, 3]
+            assert heard == [(0, None), (1, None), (2, None), (3, None)]
             # A listener that raises is logged; the store carries on.
-            future = partition.submit_nowait(req(3), failing_listener)
+            future = partition.submit_nowait(req(4), failing_listener)
             assert future is not None
-            assert await future == 3
-            assert await partition.append(req(4)) == 4
+            assert await future == 4
+            assert await partition.append(req(5)) == 5
             # A failed append is heard once, with its error.
             for name in NAMES[1:]:
                 world.storages[name].crash()
-            doomed = partition.submit_nowait(req(5), listener)
+            doomed = partition.submit_nowait(req(6), listener)
             assert doomed is not None
             await asyncio.sleep(0.5)
         assert doomed.done()
         assert isinstance(doomed.exception(), ClosedResourceError)
-        assert heard[3:] == [(-1, doomed.exception())]
+        assert heard[4:] == [(-1, doomed.exception())]
 
     run_virtual(main())
 

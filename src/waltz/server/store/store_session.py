@@ -187,10 +187,14 @@ class AppendQueue:
         self._arrived.set()
 
     async def get(self) -> PendingAppend:
+        await self.wait_arrived()
+        return self.get_nowait()
+
+    async def wait_arrived(self) -> None:
+        """Return once an append is queued (at once if one is), leaving it in the queue."""
         while not self._items:
             self._arrived.clear()
             await self._arrived.wait()
-        return self.get_nowait()
 
     def peek(self) -> PendingAppend | None:
         """The oldest queued append, left in the queue (None if empty)."""
@@ -371,7 +375,17 @@ class StoreSession:
         return self._outcome is not None
 
     def appends_queued(self) -> None:
-        """The host queued appends: a writer waiting for a batch to be decided may send another."""
+        """The host queued appends: a writer waiting for a batch to be decided may send another; an idle
+        writer's batch is formed and sent right here."""
+        if self._writer_idle and not self._batches and self.is_open and self._end_requested is None:
+            # Nothing in flight and the writer waits for appends (so the session is open and no end is
+            # requested): this is a lone append (or the first of a burst). It leaves for the replicas now,
+            # in the call that queued it, instead of after the writer task's wake-up one loop iteration
+            # later; the writer, woken for nothing, finds the queue empty (or this batch in flight) and waits.
+            written = self.next_id - 1 - self.low_water_mark
+            if written < self.config.checkpoint_interval:
+                self._send_batch(self._host.queue.get_nowait())
+                return
         if self._full_batch_queued():
             self._wake.set()
 
@@ -625,37 +639,44 @@ class StoreSession:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if batches:
-                first = queue.get_nowait()
-            else:
+            if not batches and queue.empty():
                 self._writer_idle = True
                 try:
-                    first = await queue.get()
+                    await queue.wait_arrived()
                 finally:
                     self._writer_idle = False
-            appends = [first]
-            # A batch is bounded in appends and in data bytes (one larger append still goes, alone): every
-            # replica request and every in-flight batch holds its data until the batch is decided.
-            queue.take_more(appends, len(first.data), config.max_batch_size, config.max_batch_bytes)
-            start = txn = self.next_id
-            session_id = self.session_id
-            records = []
-            for append in appends:
-                append.transaction_id = txn
-                append.session_id = session_id
-                # Record(...) without its generated __new__ (see PendingAppend.record).
-                records.append(
-                    _tuple_new(Record, (txn, append.req_id, append.header, append.data, append.checksum))
-                )
-                txn += 1
-            # From here on the appends' fate is decided by this batch, or by the next session's recovery.
-            self._host.inflight.extend(appends)
-            self.next_id = txn
-            voting = Voting(self.quorum, len(self.participants), self._batch_decided)
-            batch = Batch(start, tuple(records), voting)
-            batches.append((batch, appends))
-            for participant in list(self.participants):
-                participant.deliver(batch, len(batches))
+                continue  # Checked again: appends_queued may have sent what arrived itself (a lone append).
+            self._send_batch(queue.get_nowait())
+
+    def _send_batch(self, first: PendingAppend) -> None:
+        """Give ``first`` and the appends queued after it (up to a full batch) their ids and deliver them to
+        every participant as one batch."""
+        queue = self._host.queue
+        config = self.config
+        batches = self._batches
+        appends = [first]
+        # A batch is bounded in appends and in data bytes (one larger append still goes, alone): every
+        # replica request and every in-flight batch holds its data until the batch is decided.
+        queue.take_more(appends, len(first.data), config.max_batch_size, config.max_batch_bytes)
+        start = txn = self.next_id
+        session_id = self.session_id
+        records = []
+        for append in appends:
+            append.transaction_id = txn
+            append.session_id = session_id
+            # Record(...) without its generated __new__ (see PendingAppend.record).
+            records.append(
+                _tuple_new(Record, (txn, append.req_id, append.header, append.data, append.checksum))
+            )
+            txn += 1
+        # From here on the appends' fate is decided by this batch, or by the next session's recovery.
+        self._host.inflight.extend(appends)
+        self.next_id = txn
+        voting = Voting(self.quorum, len(self.participants), self._batch_decided)
+        batch = Batch(start, tuple(records), voting)
+        batches.append((batch, appends))
+        for participant in list(self.participants):
+            participant.deliver(batch, len(batches))
 
     def _batch_decided(self, committed: bool) -> None:
         """A batch's vote is decided: commit every batch at the head of the line that has its quorum.
