@@ -243,7 +243,8 @@ def test_a_lone_append_is_batched_in_the_call_that_queued_it_and_later_ones_wait
             assert partition.queue.qsize() == 2
             await asyncio.sleep(0)
             assert [b.first for b in session.batches_in_flight] == [0]  # the woken writer sent nothing
-            assert first is not None and await first == 0
+            assert first is not None
+            assert await first == 0
             assert [await f for f in more if f is not None] == [1, 2]
             assert [r.transaction_id for r in world.log(NAMES[0])] == [0, 1, 2]
 

@@ -1,5 +1,6 @@
-"""One append at a time: the append leaves at once (``send_append_now``) and, in inline mode, the task woken by
-``on_completion`` runs before the applier, so the next append goes out before the previous one is applied."""
+"""One append at a time: the append leaves at once (``send_append_now``) and, in inline mode, the task woken
+by ``on_completion`` runs before the applier, so the next append goes out before the previous one is
+applied."""
 
 from __future__ import annotations
 
