@@ -531,8 +531,19 @@ def test_rpc_client_start_call_sends_at_once_and_resolves_maps_fails_and_forgets
             return s.failure_to_error(response) if isinstance(response, s.FailureResponse) else None
 
         async with serving(replier) as port, storage_rpc(await connect(port), error_of=error_of) as rpc:
+            writes: list[int] = []
+            writer = rpc.connection._writer
+            plain_write = writer.write
+
+            def recording_write(data: bytes | bytearray | memoryview) -> None:
+                writes.append(len(data))
+                plain_write(data)
+
+            writer.write = recording_write  # type: ignore[method-assign]
             ok = rpc.start_call(s.MaxTransactionIdRequest(1, 0, 0, False))
+            assert len(writes) == 1  # nothing else in flight: written at once
             failed = rpc.start_call(s.MaxTransactionIdRequest(1, 1, 99, False))
+            assert len(writes) == 1  # pipelined behind it: joins the iteration's write
             assert rpc.in_flight == 2
             assert not ok.done()
             with pytest.raises(LocalProtocolError, match="already in flight"):
