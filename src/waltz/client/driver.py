@@ -51,7 +51,8 @@ Mount states (the events :meth:`DriverListener.on_mount_state` carries)
 Appends and flushes
 -------------------
 ``send_append`` and ``send_flush`` are **synchronous and non-blocking**: the driver queues the request and
-must transmit the requests of one partition **in call order** on the partition's stream. The core depends on
+must transmit the requests of one partition **in call order** on the partition's stream (``send_append_now``,
+which the core uses for a lone append, is the same with the request handed to the network at once). The core depends on
 this: once it sees one of its own request ids in the feed it fails every older pending append, which is only
 correct if the server received them in the order they were registered. The core never has more than
 ``client.maxConcurrentTransactions`` appends outstanding per partition, plus one flush per partition at a
