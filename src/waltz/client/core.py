@@ -205,7 +205,7 @@ class AsyncWaltzClient:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pool: CallbackPool | None = None
         self._hooks: list[Call] = []  # Hooks queued during this loop iteration, run as one job.
-        # Inline mode: a coroutine on_completion run at once (see _complete_now), awaited first by this
+        # Inline mode: a coroutine hook run at once (see _hook_now), awaited first by this
         # iteration's batch, with the hooks queued after it (its run leads _hook_runs).
         self._lead_awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]] = []
         self._hook_runs: list[tuple[Run, bool]] = []  # (run, True: on_completion / False: on_application)
@@ -953,7 +953,7 @@ class AsyncWaltzClient:
             partition.awaiting_apply.append(run)
             if not self._hook_runs:
                 if self._inline:
-                    self._complete_now(run)
+                    self._hook_now(run, True)
                     return
                 self._call_soon(self._flush_hooks)
             # _queue_hook(run, True, on_completion, True), inline (once per append)
@@ -1044,6 +1044,9 @@ class AsyncWaltzClient:
         if run.state is _STATE_COMMITTED and run.handle(_APPLY) is _ON_APPLICATION:
             # _queue_hook(run, False, on_application), inline (once per append)
             if not self._hook_runs:
+                if self._inline:
+                    self._hook_now(run, False)
+                    return
                 self._call_soon(self._flush_hooks)
             self._hooks.append((run.context.on_application, ()))
             self._hook_runs.append((run, False))
@@ -1080,22 +1083,25 @@ class AsyncWaltzClient:
             return
         pool.post(hooks, then=functools.partial(self._hooks_done, runs))
 
-    def _complete_now(self, run: Run) -> None:
-        """Inline mode, no hook queued in this iteration: ``on_completion(True)`` now, in the loop iteration
-        that resolved the append, instead of in the next one through _flush_hooks (a lone append's
-        application hears of it one loop pass sooner). What it would have been in its batch, it still is: the
-        first hook; a coroutine it returns is awaited first by this iteration's batch, before the hooks
+    def _hook_now(self, run: Run, completion: bool) -> None:
+        """Inline mode, no hook queued in this loop iteration: ``on_completion(True)`` (``completion``) or
+        ``on_application()`` now, where the append was resolved (the socket reader) or its transaction
+        applied (the applier), instead of in the next iteration through _flush_hooks: a lone append's
+        application hears of it one loop pass sooner. What the hook would have been in its batch, it still
+        is: the first; a coroutine it returns is awaited first by this iteration's batch, before the hooks
         queued after it, which therefore run in order as before."""
         pool = self._pool
         if pool is None or pool.is_shut_down:
             return  # As _flush_hooks: no hooks once the client is shut down.
-        awaitables = _run_hooks_inline([(run.context.on_completion, _TRUE_ARGS)])
+        context = run.context
+        hook: Call = (context.on_completion, _TRUE_ARGS) if completion else (context.on_application, ())
+        awaitables = _run_hooks_inline([hook])
         if awaitables:
             self._lead_awaitables = awaitables
-            self._hook_runs.append((run, True))
+            self._hook_runs.append((run, completion))
             self._call_soon(self._flush_hooks)
         else:
-            self._hooks_done([(run, True)])
+            self._hooks_done([(run, completion)])
 
     def _call_soon(self, callback: Callable[[], object]) -> None:
         """``loop.call_soon`` on the client's loop without asyncio.get_running_loop() (a getpid() system call

@@ -127,3 +127,84 @@ def test_inline_the_task_woken_by_on_completion_runs_before_the_transaction_is_a
                 assert events[4 * (i - 1) :] == ["completion", "woken", f"apply:{i}", "application"], events
 
     asyncio.run(main())
+
+
+def test_inline_on_application_runs_in_the_loop_iteration_that_applied_its_transaction() -> None:
+    async def main() -> None:
+        events: list[str] = []
+        loop = asyncio.get_running_loop()
+
+        class MarkingCallbacks(_Callbacks):
+            def apply_transaction(self, transaction: Transaction) -> None:
+                super().apply_transaction(transaction)
+                # Runs at the start of the next loop iteration: a hook run after it waited a loop pass.
+                loop.call_soon(events.append, "next iteration")
+
+        client = AsyncWaltzClient(
+            MarkingCallbacks(events), FAST.replace(callback_mode="inline"), driver=NowaitDriver()
+        )
+        async with client:
+            await client.submit(Ctx(b"w"))
+            await client.flush_transactions(timeout=5)
+            del events[:]
+            done: asyncio.Future[bool] = loop.create_future()
+            await client.submit(_SignallingCtx(b"x", done, events))
+            await client.flush_transactions(timeout=5)
+            assert events == ["completion", "apply:1", "application", "next iteration"], events
+
+    asyncio.run(main())
+
+
+class _CoroutineCtx(Ctx):
+    """Coroutine hooks that yield to the loop (inline mode awaits them, in order)."""
+
+    def __init__(self, name: str, events: list[str]) -> None:
+        super().__init__(name.encode())
+        self.name = name
+        self.shared = events
+
+    async def on_completion(self, result: bool) -> None:  # type: ignore[override]
+        await asyncio.sleep(0)
+        self.shared.append(f"completion:{self.name}")
+
+    async def on_application(self) -> None:  # type: ignore[override]
+        await asyncio.sleep(0)
+        self.shared.append(f"application:{self.name}")
+
+
+def test_inline_coroutine_hooks_keep_their_order_alone_and_pipelined() -> None:
+    async def main() -> None:
+        events: list[str] = []
+        client = AsyncWaltzClient(
+            _Callbacks(events), FAST.replace(callback_mode="inline"), driver=NowaitDriver()
+        )
+        async with client:
+            await client.submit(Ctx(b"w"))
+            await client.flush_transactions(timeout=5)
+            del events[:]
+            await client.submit(_CoroutineCtx("a", events))  # alone
+            await client.flush_transactions(timeout=5)
+            # A coroutine on_completion may still be running when the transaction is applied (as a hook on
+            # a callback thread may): only on_application waits for both.
+            assert sorted(events[:2]) == ["apply:1", "completion:a"], events
+            assert events[2:] == ["application:a"], events
+            del events[:]
+            for name in ("b", "c", "d"):  # pipelined
+                await client.submit(_CoroutineCtx(name, events))
+            await client.flush_transactions(timeout=5)
+        hooks = [e for e in events if not e.startswith("apply")]
+        assert [e for e in hooks if e.startswith("completion")] == [
+            "completion:b",
+            "completion:c",
+            "completion:d",
+        ]
+        assert [e for e in hooks if e.startswith("application")] == [
+            "application:b",
+            "application:c",
+            "application:d",
+        ]
+        for name, tid in (("b", 2), ("c", 3), ("d", 4)):
+            assert events.index(f"completion:{name}") < events.index(f"application:{name}")
+            assert events.index(f"apply:{tid}") < events.index(f"application:{name}")
+
+    asyncio.run(main())
