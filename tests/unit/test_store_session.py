@@ -225,7 +225,9 @@ def test_closed_partition_refuses_appends_and_fails_pending_ones() -> None:
     run_virtual(main())
 
 
-def test_a_lone_append_is_batched_in_the_call_that_queued_it_and_later_ones_wait_for_its_commit() -> None:
+def test_a_lone_append_is_batched_in_the_call_that_queued_it_and_its_burst_follows_one_iteration_later() -> (
+    None
+):
     async def main() -> None:
         world = World()
         async with world.partition() as partition:
@@ -237,16 +239,23 @@ def test_a_lone_append_is_batched_in_the_call_that_queued_it_and_later_ones_wait
             # No loop iteration in between: the idle writer's batch was formed and delivered by the call.
             assert [b.first for b in session.batches_in_flight] == [0]
             assert partition.queue.qsize() == 0
-            # While it is in flight, the next appends wait and then go together (not full: no 2nd batch).
-            more = [partition.submit_nowait(req(i)) for i in (1, 2)]
+            # Queued with it, in the same iteration (a burst read in one go): the writer, woken by the
+            # first arrival, sends them one iteration later as the next batch, without waiting for the
+            # commit of the first (as it sent a whole burst before the lone append's shortcut).
+            burst = [partition.submit_nowait(req(i)) for i in (1, 2)]
             assert [b.first for b in session.batches_in_flight] == [0]
             assert partition.queue.qsize() == 2
             await asyncio.sleep(0)
-            assert [b.first for b in session.batches_in_flight] == [0]  # the woken writer sent nothing
+            assert [b.first for b in session.batches_in_flight] == [0, 1]
+            assert partition.queue.qsize() == 0
+            # Later arrivals while batches are in flight wait for a commit (not a full batch: no 3rd batch).
+            later = [partition.submit_nowait(req(i)) for i in (3, 4)]
+            await asyncio.sleep(0)
+            assert [b.first for b in session.batches_in_flight] == [0, 1]
             assert first is not None
             assert await first == 0
-            assert [await f for f in more if f is not None] == [1, 2]
-            assert [r.transaction_id for r in world.log(NAMES[0])] == [0, 1, 2]
+            assert [await f for f in burst + later if f is not None] == [1, 2, 3, 4]
+            assert [r.transaction_id for r in world.log(NAMES[0])] == [0, 1, 2, 3, 4]
 
     run_virtual(main())
 
@@ -442,6 +451,7 @@ def test_with_a_batch_in_flight_only_a_full_batch_is_sent_before_the_next_commit
             _slow_fsyncs(world, 200)
             futures = [await partition.submit(req(0))]
             await _wait(lambda: len(session.batches_in_flight) == 1)
+            await asyncio.sleep(0.01)  # later than req(0): not in its burst (which would follow it at once)
             futures += [await partition.submit(req(i)) for i in (1, 2)]
             await asyncio.sleep(0.1)  # half an fsync: two queued appends are not a full batch
             assert len(session.batches_in_flight) == 1

@@ -187,12 +187,15 @@ class AppendQueue:
         self._arrived.set()
 
     async def get(self) -> PendingAppend:
-        await self.wait_arrived()
+        while not self._items:
+            self._arrived.clear()
+            await self._arrived.wait()
         return self.get_nowait()
 
     async def wait_arrived(self) -> None:
-        """Return once an append is queued (at once if one is), leaving it in the queue."""
-        while not self._items:
+        """Return at once if an append is queued, else once one was queued (it may have been taken since:
+        the store session's writer then checks again what to do)."""
+        if not self._items:
             self._arrived.clear()
             await self._arrived.wait()
 
@@ -645,6 +648,11 @@ class StoreSession:
                     await queue.wait_arrived()
                 finally:
                     self._writer_idle = False
+                if batches and not queue.empty() and len(batches) < config.max_inflight_batches:
+                    # appends_queued sent the first arrival alone, at once, and more arrived with it (a burst
+                    # read in one go): they go now, as the writer would have sent them all together one
+                    # iteration after their arrival, rather than wait for that first batch's commit.
+                    self._send_batch(queue.get_nowait())
                 continue  # Checked again: appends_queued may have sent what arrived itself (a lone append).
             self._send_batch(queue.get_nowait())
 
