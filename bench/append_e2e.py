@@ -19,6 +19,7 @@ Scenarios (each after a warm-up; the figures are measured over ``--seconds``):
     .venv/bin/python bench/append_e2e.py --seconds 5 --scenario pipelined
     .venv/bin/python bench/append_e2e.py --max-inflight-batches 1   # one replication batch at a time
     .venv/bin/python bench/append_e2e.py --scenario single --profile-server /tmp/server.prof
+    .venv/bin/python bench/append_e2e.py --scenario pipelined --profile-storage /tmp/storage.prof
 
 After each scenario it prints the CPU (user + system, from ``/proc/<pid>/stat``) that each process spent per
 committed append over the measured window: the server, each storage node and the load generator
@@ -311,6 +312,12 @@ def main() -> None:
         metavar="PATH",
         help="write a cProfile of the server process (its whole run) to PATH (read it with pstats)",
     )
+    parser.add_argument(
+        "--profile-storage",
+        default=None,
+        metavar="PREFIX",
+        help="write a cProfile of each storage node process (its whole run) to PREFIX.<pid>",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the cluster's directory (logs, data)")
     parser.add_argument("--load", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--client-id", type=int, default=1, help=argparse.SUPPRESS)
@@ -324,6 +331,9 @@ def main() -> None:
         if args.profile_server:
             # Read by `waltz server run` (storage nodes ignore it); the file is written when the server stops.
             os.environ["WALTZ_PROFILE"] = str(Path(args.profile_server).resolve())
+        if args.profile_storage:
+            # Read by `waltz storage run` (WALTZ_STORAGE_PROFILE); each node writes PREFIX.<pid> on stopping.
+            os.environ["WALTZ_STORAGE_PROFILE"] = str(Path(args.profile_storage).resolve())
         asyncio.run(driver(args))
 
 

@@ -8,6 +8,8 @@ test, assigns partition 0, and appends 512-byte records from this (separate) pro
 * ``pipelined`` 1 record per append request, ``--in-flight`` requests outstanding.
 * ``batched``   ``--batch`` records per append request (the Waltz server batches up to 100),
                 ``--batch-in-flight`` requests outstanding.
+* ``read``      (not in the default list) the whole log read back ``--read-passes`` times with
+                RecordRunRequests of 10,000 records or 8 MiB, one at a time: the node's CPU per record served.
 
 For each mode it prints records/s, MB/s (record data only), acknowledgement latency p50/p99 (send of the
 request to receipt of its Success, i.e. after the node's fsync) and the node's fsyncs/s. Before that it
@@ -306,6 +308,31 @@ async def open_raw(port: int) -> FramedConnection:
     return conn
 
 
+async def read_back(client: StorageClient, records: int, passes: int, node_pid: int) -> str:
+    """Read the whole log back ``passes`` times with RecordRunRequests (10,000 records or 8 MiB each, one at
+    a time, as a range reader does): the node's CPU per record served."""
+    served = 0
+    cpu_before = process_cpu_s(node_pid)
+    start = time.perf_counter()
+    for _ in range(passes):
+        txn = 0
+        while txn < records:
+            count, _ = await client.read_run(SESSION, PARTITION, txn, 10_000, 8 * 1024 * 1024)
+            if count == 0:
+                raise SystemExit(f"read_run from {txn} returned nothing; {records} records were acknowledged")
+            txn += count
+            served += count
+    elapsed = time.perf_counter() - start
+    cpu_after = process_cpu_s(node_pid)
+    user = cpu_after[0] - cpu_before[0]
+    total = user + cpu_after[1] - cpu_before[1]
+    return (
+        f"{'read runs, 10k records/8 MiB':<28} {served / elapsed:>10,.0f} rec/s  node CPU "
+        f"{total / served * 1e6:6.2f} us/rec (user {user / served * 1e6:.2f})  "
+        f"({served} records in {elapsed:.1f} s)"
+    )
+
+
 async def bench(args: argparse.Namespace, port: int, admin_port: int, node_pid: int) -> list[Result]:
     admin = await AdminClient.connect("127.0.0.1", admin_port, KEY, 1)
     client = await StorageClient.connect("127.0.0.1", port, KEY, 1, max_in_flight=max(args.in_flight, 64))
@@ -351,6 +378,9 @@ async def bench(args: argparse.Namespace, port: int, admin_port: int, node_pid: 
         }
         acked = appender.acked
         for mode in (m.strip() for m in args.modes.split(",")):
+            if mode == "read":
+                print(await read_back(client, acked, args.read_passes, node_pid), flush=True)
+                continue
             label, runner, total, batch, in_flight = plans[mode]
             runner.next_id = acked
             runner.acked = acked
@@ -403,6 +433,7 @@ def main() -> int:
     parser.add_argument("--in-flight", type=int, default=512)
     parser.add_argument("--batch", type=int, default=100)
     parser.add_argument("--batch-in-flight", type=int, default=8)
+    parser.add_argument("--read-passes", type=int, default=3, help="passes over the log of the read mode")
     parser.add_argument(
         "--profile", metavar="FILE", help="run the node under cProfile and write its profile to FILE"
     )

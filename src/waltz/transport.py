@@ -516,6 +516,14 @@ class FramedConnection:
         if self._closed or self._error is not None or self._writer.is_closing():
             self._check_writable()  # Raises the error that says why.
         frame = self._proto.frame(payload)
+        if len(frame) >= _COALESCE_MAX_BYTES:
+            # A large frame (a range read's run) is written as it is, after the frames queued before it:
+            # copying megabytes into the coalescing buffer cost more than the write (a fresh buffer that
+            # size page-faults all the way).
+            self._flush_out()
+            self._writer.write(frame)
+            self._last_write_s = self._loop.time()
+            return
         out = self._out
         if out is None:
             # The first frame of this loop iteration: every frame sent until the loop runs its callbacks joins
@@ -566,6 +574,17 @@ class FramedConnection:
         out, self._out = self._out, None
         if out and not self._writer.is_closing():
             self._writer.write(out)
+
+    @property
+    def drain_needed(self) -> bool:
+        """True unless more is unsent than the accepting side's high-water mark (see :func:`serve`), i.e.
+        unless :meth:`drain` may have to wait; always True on a connecting side. A handler answering many
+        small requests skips the drain coroutine per request with it."""
+        high = self._pause_reading_above_bytes
+        if high is None:
+            return True
+        out = self._out
+        return self._writer.transport.get_write_buffer_size() + (len(out) if out is not None else 0) > high
 
     async def drain(self) -> None:
         """Wait until the write buffer is below its high-water mark (back pressure)."""

@@ -10,6 +10,8 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from waltz.storage import node as node_module
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import ControlFile
@@ -65,3 +67,43 @@ def test_fsyncs_run_on_the_loop_until_one_is_slow_then_in_a_thread_for_a_while(t
         assert fast.threads[-1] is True
 
     asyncio.run(main())
+
+
+def test_fsync_threads_return_results_and_errors_on_the_loop_and_stop_on_close() -> None:
+    threads = node_module._FsyncThreads(2)
+    ran_in: list[str] = []
+
+    def ok() -> None:
+        ran_in.append(threading.current_thread().name)
+
+    def failing() -> None:
+        raise OSError(5, "injected")
+
+    async def main() -> None:
+        await asyncio.gather(threads.run(ok), threads.run(ok), threads.run(ok))
+        with pytest.raises(OSError, match="injected"):  # the error reaches the awaiting worker
+            await threads.run(failing)
+        started = list(threads._threads)
+        assert len(started) == 2
+        assert all(t.is_alive() for t in started)
+        await asyncio.to_thread(threads.close)
+        assert not any(t.is_alive() for t in started)
+
+    asyncio.run(main())
+    assert len(ran_in) == 3
+    assert all(name.startswith("storage-fsync-") for name in ran_in)
+
+
+def test_the_append_latency_histogram_exports_what_a_prometheus_histogram_would() -> None:
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    buckets = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0)
+    reference, ours = CollectorRegistry(), CollectorRegistry()
+    histogram = Histogram("waltz_storage_append_seconds", "doc", buckets=buckets, registry=reference)
+    latency = node_module._Latency("waltz_storage_append_seconds", "doc", buckets)
+    ours.register(latency)
+    for seconds in (0.0001, 0.0005, 0.0007, 0.001, 0.3, 0.5, 2.0, 1.0, 0.02, 0.0):
+        histogram.observe(seconds)
+        latency.observe(seconds)
+    expected = [line for line in generate_latest(reference).decode().splitlines() if "_created" not in line]
+    assert generate_latest(ours).decode().splitlines() == expected

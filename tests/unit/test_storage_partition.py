@@ -14,7 +14,7 @@ from waltz.protocol.record_run import RecordRun
 from waltz.protocol.records import Record, ReqId
 from waltz.storage.fileio import CrashFS, SimulatedCrash
 from waltz.storage.partition import PartitionLog
-from waltz.storage.segment import Segment, data_file_name, index_file_name
+from waltz.storage.segment import RecordCorruptionError, Segment, data_file_name, index_file_name
 
 KEY = uuid.UUID("0e0e0e0e-1111-2222-3333-444455556666")
 PID = 0
@@ -389,3 +389,42 @@ def test_repair_overwrites_only_a_damaged_record_with_a_good_copy() -> None:
         check_all(log)
         count, run = log.read_run(15, 10)
         assert RecordRun(15, count, run).records() == batch(15, count)
+
+
+def test_read_wire_is_read_records_in_wire_form_across_segments_and_bounds() -> None:
+    # What a RecordListRequest is answered with: the same records, counts and byte bounds as read_records,
+    # built from the stored bytes without a Record per record.
+    from waltz.protocol import storage as st
+
+    fs = CrashFS()
+    with open_log(fs, threshold=600) as log:
+        fill(log, 120)
+        assert len(log.segment_first_ids) > 3
+        for start, n, max_bytes in [
+            (0, 500, 1 << 20),
+            (7, 40, 1 << 20),
+            (30, 60, 200),
+            (5, 3, 0),
+            (119, 9, 99),
+        ]:
+            wire = log.read_wire(start, n, max_bytes=max_bytes)
+            assert list(wire) == log.read_records(start, n, max_bytes=max_bytes), (start, n, max_bytes)
+            payload = st.encode(st.RecordListResponse(1, 2, PID, wire))
+            decoded = st.decode(payload)
+            assert isinstance(decoded, st.RecordListResponse)
+            assert decoded.records == tuple(log.read_records(start, n, max_bytes=max_bytes))
+        assert len(log.read_wire(120, 5)) == 0
+        assert len(log.read_wire(-1, 5)) == 0
+
+
+def test_read_wire_refuses_a_damaged_record_and_names_it() -> None:
+    fs = CrashFS()
+    with open_log(fs) as log:
+        fill(log, 10)
+        seg = log.segment_for(4)
+        assert seg is not None
+        fs.corrupt(seg.data_path, seg.record_offset(4) + 38, b"\x99")  # in the data (or its record checksum)
+        with pytest.raises(RecordCorruptionError, match="record 4") as caught:
+            log.read_wire(0, 10)
+        assert caught.value.transaction_id == 4
+        assert list(log.read_wire(0, 4)) == batch(0, 4)

@@ -225,6 +225,25 @@ def test_send_now_writes_at_once_after_the_frames_queued_before_it() -> None:
     run(main)
 
 
+def test_a_large_frame_leaves_after_the_small_ones_queued_before_it_and_before_later_ones() -> None:
+    # A frame of 1 MiB or more is written as it is, not copied into the coalescing buffer: the frames queued
+    # before it in the same loop iteration must still go first.
+    large = bytes(range(256)) * (5 * 4096 + 1)  # 5 MiB and a bit, not a multiple of the read size
+
+    async def main() -> None:
+        async with serving(echo, max_frame_bytes=8 << 20) as port:
+            conn = await connect(port, max_frame_bytes=8 << 20)
+            async with conn:
+                conn.send(b"before")
+                conn.send(large)
+                conn.send(b"after")
+                await conn.drain()
+                for expected in (b"before", large, b"after"):
+                    assert await conn.receive() == expected
+
+    run(main)
+
+
 def test_oversized_frame_closes_that_connection_with_a_logged_reason(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

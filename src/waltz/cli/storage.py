@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import uuid
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,10 @@ from waltz.ops.view import ClusterView, read_view
 from waltz.server.storage_client import AdminClient
 
 T = TypeVar("T")
+
+PROFILE_ENV = "WALTZ_STORAGE_PROFILE"
+"""Dev aid: with this set to PREFIX, ``storage run`` writes a cProfile of the node to PREFIX.<pid> when it
+stops."""
 
 
 def register(groups: Any) -> None:
@@ -138,16 +143,33 @@ def cmd_run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    if args.event_loop == "asyncio":
-        asyncio.run(run_node(config, ready=ready))
-    elif args.event_loop == "uvloop":
-        try:
-            import uvloop
-        except ImportError:
-            raise ConfigError("--event-loop uvloop: uvloop is not installed") from None
-        uvloop.run(run_node(config, ready=ready))
-    else:
-        run(run_node(config, ready=ready))
+    def go() -> None:
+        if args.event_loop == "asyncio":
+            asyncio.run(run_node(config, ready=ready))
+        elif args.event_loop == "uvloop":
+            try:
+                import uvloop
+            except ImportError:
+                raise ConfigError("--event-loop uvloop: uvloop is not installed") from None
+            uvloop.run(run_node(config, ready=ready))
+        else:
+            run(run_node(config, ready=ready))
+
+    profile_prefix = os.environ.get(PROFILE_ENV)
+    if not profile_prefix:
+        go()
+        return 0
+    # For finding where a node's CPU goes under a real load (several nodes share the variable, so each writes
+    # PREFIX.<pid>). It counts the loop thread's CPU time, not the wall clock: on a busy host a socket write
+    # that wakes a peer often loses the CPU to it, which is not the node's cost.
+    import cProfile
+    import time
+
+    profiler = cProfile.Profile(time.thread_time)
+    try:
+        profiler.runcall(go)
+    finally:
+        profiler.dump_stats(f"{profile_prefix}.{os.getpid()}")
     return 0
 
 

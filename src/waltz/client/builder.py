@@ -129,6 +129,8 @@ class TransactionBuilder:
 
 
 def _check_locks(locks: Iterable[PartitionLocalLock]) -> tuple[PartitionLocalLock, ...]:
+    if type(locks) is list and len(locks) == 1 and type(locks[0]) is PartitionLocalLock:
+        return (locks[0],)  # The common case, ``[lock]``, in one test (no iterator, no loop).
     result = tuple(locks)
     for lock in result:
         if not isinstance(lock, PartitionLocalLock):

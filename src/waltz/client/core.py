@@ -41,6 +41,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
@@ -209,6 +210,10 @@ class AsyncWaltzClient:
         # iteration's batch, with the hooks queued after it (its run leads _hook_runs).
         self._lead_awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]] = []
         self._hook_runs: list[tuple[Run, bool]] = []  # (run, True: on_completion / False: on_application)
+        # What application threads hand to the loop (see _hand_over), and whether a take is scheduled.
+        self._handoff: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+        self._handoff_lock = threading.Lock()
+        self._handoff_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._source: _DataSource | None = None
         self._started = False
@@ -258,6 +263,7 @@ class AsyncWaltzClient:
         for partition in self._partitions.values():
             partition.error = closed
             partition.notify()
+            partition.slots.wake_threads()  # A sync client's threads waiting for room find it closed.
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -385,39 +391,56 @@ class AsyncWaltzClient:
         )
         await asyncio.shield(run.first_send)
 
-    def submit_from_thread(self, context: TransactionContext) -> bool:
+    def submit_from_thread(self, context: TransactionContext, wait_s: float = 0.0) -> bool:
         """The zero-wait submit of :class:`~waltz.client.sync.WaltzClient`, on an application thread (never
         the loop). When the partition is mounted and has a free slot, ``partition_id`` and ``execute`` run
-        right here (as on a callback thread) and the outcome goes to the loop with one
-        ``call_soon_threadsafe``, without waiting for it: the append is sent in order before anything the
-        thread asks the client afterwards. Returns False, having done nothing, when that is not possible at
-        once (no free slot, the partition not ready, the client not started or closed): the caller then
-        uses :meth:`submit`, which waits. As with :meth:`submit`, an exception of the first attempt is
-        raised here and reported through ``on_exception``.
+        right here (as on a callback thread) and the outcome goes to the loop through :meth:`_hand_over`
+        (one wake-up for a burst of submits), without waiting for it: the append is sent in order before
+        anything the thread asks the client afterwards. When the partition is mounted but has no free slot,
+        this waits on this thread, up to ``wait_s`` seconds, for one to be released (a loaded sync client's
+        common case: no coroutine, task or future per submit), and raises the ``submit`` timeout error past
+        it. Returns False, having done nothing, when that is not possible (the partition not ready, the
+        client not started or closed, or ``wait_s`` 0 and no free slot): the caller then uses
+        :meth:`submit`, which waits on the loop. As with :meth:`submit`, an exception of the first attempt
+        is raised here and reported through ``on_exception``.
         """
         loop = self._loop
         if loop is None or self._closed or self._driver is None:
             return False
         run = Run(context)
-        try:
-            first = self._first_attempt(run, self._driver.num_partitions)
-        except Exception as e:
-            loop.call_soon_threadsafe(self._spawn_end, run, e)
-            raise
-        if first is None:
-            return False
+        num_partitions = self._driver.num_partitions
+        deadline: float | None = None
+        while True:
+            try:
+                first = self._first_attempt(run, num_partitions)
+            except Exception as e:
+                self._hand_over(loop, self._spawn_end, run, e)
+                raise
+            if first is not None:
+                break
+            partition = run.partition
+            if wait_s <= 0 or partition is None or self._closed or not partition.slots.is_full:
+                return False
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + wait_s
+            elif now >= deadline:
+                error = self._slot_timeout_error(partition)
+                self._hand_over(loop, self._spawn_end, run, error)
+                raise error
+            partition.slots.wait_from_thread(deadline - now)
         if isinstance(first, Exception):
-            loop.call_soon_threadsafe(self._spawn_end, run, first, True)
+            self._hand_over(loop, self._spawn_end, run, first, True)
             raise first
-        loop.call_soon_threadsafe(self._continue_first, run, first)
+        self._hand_over(loop, self._continue_first, run, first)
         return True
 
     def submit_batch_from_thread(self, contexts: Sequence[TransactionContext]) -> int:
         """:meth:`submit_from_thread` for a run of contexts: executes the leading ones that find a free slot
-        on a mounted partition, on this thread, in order, and hands them all to the loop with ONE
-        ``call_soon_threadsafe`` (they are sent in this order). Returns how many were taken; the caller
-        submits the next one with :meth:`submit` (which waits for room) and continues after it. An
-        exception of a first attempt is raised (the contexts before it are taken; see ``submit``).
+        on a mounted partition, on this thread, in order, and hands them all to the loop at once (they are
+        sent in this order). Returns how many were taken; the caller submits the next one with
+        :meth:`submit` (which waits for room) and continues after it. An exception of a first attempt is
+        raised (the contexts before it are taken; see ``submit``).
         """
         loop = self._loop
         if loop is None or self._closed or self._driver is None:
@@ -430,18 +453,53 @@ class AsyncWaltzClient:
                 try:
                     first = self._first_attempt(run, num_partitions)
                 except Exception as e:
-                    loop.call_soon_threadsafe(self._spawn_end, run, e)
+                    if taken:
+                        self._hand_over(loop, self._continue_batch, taken)
+                        taken = []
+                    self._hand_over(loop, self._spawn_end, run, e)
                     raise
                 if first is None:
                     break
                 if isinstance(first, Exception):
-                    loop.call_soon_threadsafe(self._spawn_end, run, first, True)
+                    if taken:
+                        self._hand_over(loop, self._continue_batch, taken)
+                        taken = []
+                    self._hand_over(loop, self._spawn_end, run, first, True)
                     raise first
                 taken.append((run, first))
         finally:
             if taken:
-                loop.call_soon_threadsafe(self._continue_batch, taken)
+                self._hand_over(loop, self._continue_batch, taken)
         return len(taken)
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+        """From an application thread: run ``fn(*args)`` on the loop, after everything handed over before.
+
+        One ``call_soon_threadsafe`` (a handle and a wake-up of the loop) per burst instead of one per submit:
+        only the first hand-over after the loop last took them schedules :meth:`_take_handed_over`. The call
+        is made under the lock, so a thread that handed something over and then asks the loop anything else
+        (another ``call_soon_threadsafe``) finds the first one ahead of it in the loop's queue."""
+        with self._handoff_lock:
+            self._handoff.append((fn, args))
+            if self._handoff_scheduled:
+                return
+            try:
+                loop.call_soon_threadsafe(self._take_handed_over)
+            except BaseException:
+                self._handoff.pop()
+                raise
+            self._handoff_scheduled = True
+
+    def _take_handed_over(self) -> None:
+        with self._handoff_lock:
+            calls, self._handoff = self._handoff, []
+            self._handoff_scheduled = False
+        for fn, args in calls:
+            try:
+                fn(*args)
+            except Exception:
+                # Internal code only (no application code runs directly here): keep the others going.
+                log.exception("handing a submit over to the client loop failed")
 
     def _continue_batch(
         self, taken: list[tuple[Run, TransactionBuilder | Literal[False] | _Pending]]
@@ -581,13 +639,17 @@ class AsyncWaltzClient:
         try:
             await partition.slots.acquire(self._config.submit_timeout_ms / 1000)
         except TimeoutError:
-            if partition.stuck is not None:
-                raise PartitionStuckError(partition.stuck.describe(partition.id, self._clock())) from None
-            raise ClientTimeoutError(
-                f"submit timed out after {self._config.submit_timeout_ms} ms: partition {partition.id} "
-                f"already has {partition.slots.limit} transactions in flight "
-                "(client.maxConcurrentTransactions); is the feed stalled or the application overloaded?"
-            ) from None
+            raise self._slot_timeout_error(partition) from None
+
+    def _slot_timeout_error(self, partition: PartitionState) -> ClientError:
+        """Why a submit found no free slot within ``client.submitTimeout``."""
+        if partition.stuck is not None:
+            return PartitionStuckError(partition.stuck.describe(partition.id, self._clock()))
+        return ClientTimeoutError(
+            f"submit timed out after {self._config.submit_timeout_ms} ms: partition {partition.id} "
+            f"already has {partition.slots.limit} transactions in flight "
+            "(client.maxConcurrentTransactions); is the feed stalled or the application overloaded?"
+        )
 
     def _start_first(
         self, partition: PartitionState, monitor: TransactionMonitor, run: Run, first: TransactionBuilder
@@ -595,13 +657,18 @@ class AsyncWaltzClient:
         """Send a run's first executed attempt to a ready partition, or park it behind this client's own
         append on one of its write locks (it then executes again on its turn)."""
         # A new run is unknown to the lock queue: without write locks it has nothing to take there.
-        if not first.write_lock_hashes or self._take_turn(partition, run, first):
-            run.handle(_SEND)  # Before _send: a failed send resolves at once.
-            self._send(partition, monitor, first, run)
-            return
-        run.handle(Event.QUEUE)
-        self._park(partition, run, first)
-        self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
+        locks = first.write_lock_hashes
+        if locks:
+            wake = partition.lock_queue.take(run, locks)
+            if wake is None:
+                run.handle(Event.QUEUE)
+                self._park(partition, run, first)
+                self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
+                return
+            if wake:
+                self._wake(wake)
+        run.handle(_SEND)  # Before _send: a failed send resolves at once.
+        self._send(partition, monitor, first, run)
 
     def _ready_monitor(self, partition: PartitionState) -> TransactionMonitor | None:
         """The partition's monitor if appends may be sent to it right now."""
@@ -671,6 +738,7 @@ class AsyncWaltzClient:
             self._fail_outcomes(partition, partition.error)
             self._drop_awaiting_apply(partition)
             partition.notify()
+            partition.slots.wake_threads()
             for task in partition.tasks:
                 task.cancel()
             await driver.unmount(partition_id)
@@ -972,12 +1040,11 @@ class AsyncWaltzClient:
         if another context of this client holds one of them (then ``run`` must wait for its turn)."""
         queue = partition.lock_queue
         locks = builder.write_lock_hashes
-        if not locks:
-            if queue.is_idle(run):
-                return True  # The common case, no write locks: nothing to hold, nobody to wake.
-        elif queue.blocker(run, locks) is not None:
+        if not locks and queue.is_idle(run):
+            return True  # The common case, no write locks: nothing to hold, nobody to wake.
+        wake = queue.take(run, locks)
+        if wake is None:
             return False
-        wake = queue.acquire(run, locks)
         if wake:
             self._wake(wake)
         return True

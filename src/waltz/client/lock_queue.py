@@ -30,10 +30,11 @@ __all__ = ["LockQueue"]
 class _Lock:
     __slots__ = ("owner", "queue", "reserved")
 
-    def __init__(self) -> None:
-        self.owner: Hashable | None = None
+    def __init__(self, owner: Hashable | None = None) -> None:
+        self.owner: Hashable | None = owner
         self.reserved: Hashable | None = None
-        self.queue: deque[Hashable] = deque()
+        # Made when the first context waits: most locks (one per append with write locks) never have one.
+        self.queue: deque[Hashable] | None = None
 
 
 class LockQueue:
@@ -58,6 +59,44 @@ class LockQueue:
             if lock.reserved is None and lock.owner is None and lock.queue:
                 return h  # Cannot happen (a free lock with waiters has one reserved); be safe anyway.
         return None
+
+    def take(self, context: Hashable, locks: tuple[int, ...]) -> list[Hashable] | None:
+        """:meth:`acquire` if :meth:`blocker` finds nothing in the way, else None (nothing changed): the
+        contexts to wake, or None if ``context`` must wait for its turn.
+
+        One pass for the common case (once per append with write locks): a context new here, which owns,
+        reserves and waits for nothing, so any lock in the table that is owned, reserved or waited for is
+        another's."""
+        if context in self._held or context in self._parked:
+            if self.blocker(context, locks) is not None:
+                return None
+            return self.acquire(context, locks)
+        lock_table = self._locks
+        if len(locks) == 1:
+            # The commonest case, one write lock: one lookup, no loops.
+            h = locks[0]
+            lock = lock_table.get(h)
+            if lock is None:
+                lock_table[h] = _Lock(context)
+            elif lock.owner is not None or lock.reserved is not None or lock.queue:
+                return None
+            else:
+                lock.owner = context
+            self._held[context] = {h}
+            return []
+        for h in locks:
+            lock = lock_table.get(h)
+            if lock is not None and (lock.owner is not None or lock.reserved is not None or lock.queue):
+                return None
+        if locks:
+            for h in locks:
+                lock = lock_table.get(h)
+                if lock is None:
+                    lock_table[h] = _Lock(context)
+                else:
+                    lock.owner = context
+            self._held[context] = set(locks)
+        return []
 
     def acquire(self, context: Hashable, locks: Iterable[int]) -> list[Hashable]:
         """``context`` sends an append holding ``locks`` (check :meth:`blocker` first). Returns contexts to
@@ -90,7 +129,12 @@ class LockQueue:
         """``context`` waits for ``lock_hash`` (the :meth:`blocker` it hit). Returns contexts to wake."""
         self._unpark(context)
         wake = self._pass_reservations(context, keep=set())
-        self._locks.setdefault(lock_hash, _Lock()).queue.append(context)
+        lock = self._locks.get(lock_hash)
+        if lock is None:
+            lock = self._locks[lock_hash] = _Lock()
+        if lock.queue is None:
+            lock.queue = deque()
+        lock.queue.append(context)
         self._parked[context] = lock_hash
         return wake
 
@@ -105,15 +149,20 @@ class LockQueue:
         if held is None:
             return []  # The common case, a context without write locks (no set made for it).
         wake: list[Hashable] = []
+        lock_table = self._locks
         for h in held:
-            lock = self._locks.get(h)
+            lock = lock_table.get(h)
             if lock is None:
                 continue
             if lock.owner is context:
                 lock.owner = None
             if lock.reserved is context:
                 lock.reserved = None
-            wake.extend(self._next(h, lock))
+            if lock.owner is None and lock.reserved is None:
+                if lock.queue:
+                    wake.extend(self._next(h, lock))
+                else:
+                    del lock_table[h]  # Free and nobody waits (the common case): _forget_if_idle.
         return wake
 
     def leave(self, context: Hashable) -> list[Hashable]:
@@ -143,7 +192,8 @@ class LockQueue:
         lock = self._locks.get(h)
         if lock is not None:
             try:
-                lock.queue.remove(context)
+                if lock.queue is not None:
+                    lock.queue.remove(context)
             except ValueError:
                 pass
             self._forget_if_idle(h, lock)

@@ -37,7 +37,9 @@ class Slots:
     """A counting semaphore with a timeout that never loses a slot to a cancellation (FIFO wake-up).
 
     :meth:`try_acquire` may be called from any thread (a callback thread takes a slot for the first attempt
-    of a submit); :meth:`acquire` and :meth:`release` only on the loop.
+    of a submit), and so may :meth:`wait_from_thread` (an application thread of the sync client waits there
+    for room instead of on the loop); :meth:`acquire`, :meth:`release` and :meth:`wake_threads` only on the
+    loop. Waiters on the loop come first: a thread is woken only when a slot is free and none waits there.
     """
 
     def __init__(self, limit: int) -> None:
@@ -45,6 +47,11 @@ class Slots:
         self.used = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # Application threads waiting for a free slot.
+        self._thread_waiters = 0  # How many (under _lock): release notifies only when one waits.
+        # A thread was notified and has not returned from its wait yet (under _lock): the loop then wakes
+        # nobody more; that thread wakes the next one if more slots are free (see wait_from_thread).
+        self._waking = False
 
     def try_acquire(self) -> bool:
         """Take a slot if one is free and nobody waits for one."""
@@ -53,6 +60,41 @@ class Slots:
                 self.used += 1
                 return True
             return False
+
+    @property
+    def is_full(self) -> bool:
+        """True if :meth:`try_acquire` would fail for want of a slot (a read, from any thread)."""
+        return self.used >= self.limit or bool(self._waiters)
+
+    def wait_from_thread(self, timeout_s: float) -> bool:
+        """On an application thread (never the loop): wait up to ``timeout_s`` until a slot is free and no
+        loop waiter waits for one, without taking it (the caller then races for it with
+        :meth:`try_acquire`). Returns whether a slot is free as it returns (False: timed out, woken by
+        :meth:`wake_threads`, or another caller took the slot first)."""
+        with self._lock:
+            if self._free():
+                return True
+            self._thread_waiters += 1
+            try:
+                self._room.wait(timeout_s)
+            finally:
+                self._thread_waiters -= 1
+            self._waking = False
+            # Wake-ups go from thread to thread, not one per slot from the loop: a burst of releases costs
+            # the loop one notify, and each thread woken passes it on while more than its own slot is free.
+            if self._thread_waiters and self.limit - self.used > 1 and not self._waiters:
+                self._waking = True
+                self._room.notify()
+            return self._free()
+
+    def wake_threads(self) -> None:
+        """Wake every thread in :meth:`wait_from_thread` (the partition or the client is going away)."""
+        with self._lock:
+            self._waking = True
+            self._room.notify_all()
+
+    def _free(self) -> bool:
+        return self.used < self.limit and not self._waiters
 
     async def acquire(self, timeout_s: float) -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -72,19 +114,30 @@ class Slots:
                 with self._lock:
                     if waiter in self._waiters:
                         self._waiters.remove(waiter)  # Or it would keep try_acquire from taking free slots.
+                        if self._thread_waiters and self._free() and not self._waking:
+                            self._waking = True
+                            self._room.notify()
             raise
 
     def release(self) -> None:
         with self._lock:
             self.used -= 1
             if not self._waiters:
-                return  # The common case (once per append): nobody to wake, no list made.
+                # The common case (once per append): nobody to wake on the loop, no list made; a thread of
+                # the sync client may wait for this slot (woken unless one woken before has not run yet).
+                if self._thread_waiters and not self._waking:
+                    self._waking = True
+                    self._room.notify()
+                return
             granted: list[asyncio.Future[None]] = []
             while self._waiters and self.used < self.limit:
                 waiter = self._waiters.popleft()
                 if not waiter.done():
                     self.used += 1
                     granted.append(waiter)
+            if self._thread_waiters and not self._waking and self._free():
+                self._waking = True  # Only cancelled waiters were left on the loop: a thread takes it.
+                self._room.notify()
         for waiter in granted:
             waiter.set_result(None)
 

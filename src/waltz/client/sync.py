@@ -55,6 +55,7 @@ class WaltzClient:
         self._closed = False
         self._close_lock = threading.Lock()
         self._client = AsyncWaltzClient(callbacks, config, driver=driver)
+        self._submit_timeout_s = config.submit_timeout_ms / 1000
         try:
             self._call(self._client.start(), timeout=START_TIMEOUT_S)
         except BaseException:
@@ -102,15 +103,20 @@ class WaltzClient:
         ``client.maxConcurrentTransactions`` (up to ``client.submitTimeout``, then
         :class:`~waltz.errors.ClientTimeoutError`). See :meth:`AsyncWaltzClient.submit`.
 
-        With a free slot on a mounted partition, ``execute`` runs on the calling thread and the append is
-        handed to the client's loop without waiting (no round trip through the loop per submit); otherwise
-        this waits on the loop as described."""
+        On a mounted partition, ``execute`` runs on the calling thread (after waiting here for a free slot,
+        if there is none) and the append is handed to the client's loop without waiting for it (no round
+        trip through the loop per submit); otherwise (the partition not mounted yet) this waits on the loop
+        as described."""
         try:
             on_own_loop = asyncio.get_running_loop() is self._loop
         except RuntimeError:
             on_own_loop = False
         # On the client's own loop _call refuses (a blocking call there could never finish).
-        if not on_own_loop and self._thread.is_alive() and self._client.submit_from_thread(context):
+        if (
+            not on_own_loop
+            and self._thread.is_alive()
+            and self._client.submit_from_thread(context, self._submit_timeout_s)
+        ):
             return
         self._call(self._client.submit(context))
 
@@ -119,7 +125,8 @@ class WaltzClient:
         import). Same guarantees as calling :meth:`submit` for each in turn (the appends of one partition
         are sent in this order; back pressure blocks as there), but while slots are free the contexts are
         executed on this thread and handed to the client's loop up to :data:`SUBMIT_BATCH_MAX` at a time
-        with one wake-up. An exception of a first attempt is raised at once (like :meth:`submit`, after
+        with one wake-up; without a free slot this thread waits for one, as :meth:`submit` does. An
+        exception of a first attempt is raised at once (like :meth:`submit`, after
         ``on_exception``); the contexts before it were submitted, those after it were not.
         """
         pending = list(contexts)
@@ -134,7 +141,14 @@ class WaltzClient:
                 taken = self._client.submit_batch_from_thread(pending[i : i + SUBMIT_BATCH_MAX])
             i += taken
             if taken == 0 and i < len(pending):
-                self._call(self._client.submit(pending[i]))  # No room right now: wait for it.
+                # No room right now: wait for it on this thread (then execute here), or on the loop if the
+                # partition is not ready.
+                if (
+                    on_own_loop
+                    or not self._thread.is_alive()
+                    or not self._client.submit_from_thread(pending[i], self._submit_timeout_s)
+                ):
+                    self._call(self._client.submit(pending[i]))
                 i += 1
 
     def flush_transactions(self, timeout: float | None = None) -> None:

@@ -20,10 +20,10 @@ transaction; it is written as an unsigned 32-bit value (the same four bytes Java
 from __future__ import annotations
 
 import struct
-import zlib
 from typing import NamedTuple
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
+from waltz.protocol.checksum import crc32 as _crc32
 from waltz.protocol.wire import I32_MAX, Reader, Writer
 
 _MASK32 = 0xFFFFFFFF
@@ -39,7 +39,7 @@ RECORD_OVERHEAD_BYTES = RECORD_PREFIX.size + U32.size  # 36
 
 def crc32(data: bytes | bytearray | memoryview) -> int:
     """CRC-32 of ``data`` as an unsigned 32-bit int (java.util.zip.CRC32)."""
-    return zlib.crc32(data) & _MASK32
+    return _crc32(data) & _MASK32
 
 
 def to_signed32(value: int) -> int:

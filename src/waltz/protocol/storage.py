@@ -94,7 +94,7 @@ from waltz.protocol.records import (
     write_record,
     write_record_header,
 )
-from waltz.protocol.wire import I32, I64, U32, Reader, Writer
+from waltz.protocol.wire import I32, I32_MAX, I64, U32, Reader, Writer
 
 __all__ = [
     "MAX_FAILURE_FRAMES",
@@ -131,6 +131,7 @@ __all__ = [
     "WireRecordList",
     "decode",
     "encode",
+    "encode_record_run_response",
     "encode_success",
     "failure_from_error",
     "failure_to_error",
@@ -152,6 +153,7 @@ MAX_FAILURE_FRAMES: Final = 32
 """At most this many stack frames are sent in a failure (the receiver accepts any number that fits)."""
 
 PREFIX: Final = struct.Struct(">Bqqi")
+_RUN_RESPONSE_HEAD: Final = struct.Struct(">Bqqiii")  # the prefix, count, the run's byte length
 _MASK32: Final = 0xFFFFFFFF
 # Smallest encodings, used to bound counts before anything is allocated for them.
 _MIN_STACK_FRAME_BYTES: Final = 4 + 4 + 4 + 4
@@ -840,6 +842,21 @@ def encode(msg: StorageMessage) -> bytes:
     cls = type(msg)
     if _BY_TYPE.get(cls.TYPE) is not cls:
         raise LocalProtocolError(f"not a storage message: {cls.__name__}")
+    if cls is RecordRunResponse:
+        assert isinstance(msg, RecordRunResponse)
+        return encode_record_run_response(msg.session_id, msg.seq_num, msg.partition_id, msg.count, msg.run)
+    if cls is RecordListResponse:
+        assert isinstance(msg, RecordListResponse)
+        records = msg.records
+        if isinstance(records, WireRecordList) and records:
+            # Already in wire form (a storage node's list read): one copy into the payload, as for a run.
+            try:
+                head = PREFIX.pack(cls.TYPE, msg.session_id, msg.seq_num, msg.partition_id)
+            except struct.error:
+                raise LocalProtocolError(f"storage message prefix out of range: {msg!r}") from None
+            starts = records.starts
+            body = memoryview(records.buffer)[starts[0] : starts[-1]]
+            return b"".join((head, I32.pack(len(records)), body))
     w = Writer()
     try:
         w.buf += PREFIX.pack(cls.TYPE, msg.session_id, msg.seq_num, msg.partition_id)
@@ -867,6 +884,24 @@ def encode_append_request(session_id: int, seq_num: int, partition_id: int, body
         raise LocalProtocolError(
             f"storage message prefix out of range: {(session_id, seq_num, partition_id)}"
         ) from None
+
+
+def encode_record_run_response(
+    session_id: int, seq_num: int, partition_id: int, count: int, run: bytes | bytearray | memoryview
+) -> bytes:
+    """``encode(RecordRunResponse(...))`` with the run copied once (a Writer copied it twice: into its buffer,
+    then out as bytes; a run is up to 8 MiB, and a fresh buffer that size costs page faults as well)."""
+    if len(run) > I32_MAX:
+        raise LocalProtocolError(f"byte array too long: {len(run)}")
+    try:
+        head = _RUN_RESPONSE_HEAD.pack(
+            RecordRunResponse.TYPE, session_id, seq_num, partition_id, count, len(run)
+        )
+    except struct.error:
+        raise LocalProtocolError(
+            f"record run response fields out of range: {(session_id, seq_num)}"
+        ) from None
+    return b"".join((head, run))
 
 
 def encode_success(session_id: int, seq_num: int, partition_id: int) -> bytes:

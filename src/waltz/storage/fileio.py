@@ -100,6 +100,9 @@ class FileSystem(Protocol):
     def fsync_dir(self, path: str) -> None: ...
 
 
+_HAS_FDATASYNC = hasattr(os, "fdatasync")
+
+
 def _storage_error(path: str, what: str, e: OSError) -> StorageError:
     return StorageError(f"{path}: cannot {what}: {e.strerror or e}")
 
@@ -164,7 +167,7 @@ class OsFile:
             FAULTS.fsync_failures -= 1
             raise _storage_error(self._path, "fsync", OSError(errno.EIO, "injected I/O error"))
         try:
-            if data_only and hasattr(os, "fdatasync"):
+            if data_only and _HAS_FDATASYNC:
                 os.fdatasync(fd)
             else:
                 os.fsync(fd)

@@ -28,6 +28,7 @@ call does a bounded amount of work.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import os
 import time
@@ -38,6 +39,7 @@ from collections.abc import Callable, Sequence
 from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
 from waltz.protocol.record_run import encode_run
 from waltz.protocol.records import Record, RecordHeader
+from waltz.protocol.storage import WireRecordList
 from waltz.storage.fileio import OS_FS, FileSystem
 from waltz.storage.segment import (
     DEFAULT_MAX_READ_BYTES,
@@ -348,6 +350,32 @@ class PartitionLog:
             budget -= sum(len(r.data) + 40 for r in got)
             txn += len(got)
         return out
+
+    def read_wire(
+        self, transaction_id: int, max_count: int, *, max_bytes: int = DEFAULT_MAX_READ_BYTES
+    ) -> WireRecordList:
+        """:meth:`read_records`, across segments and with the same bounds, kept in the storage protocol's wire
+        layout (:meth:`Segment.read_wire`): what a RecordListRequest is answered with, without a Record per
+        record."""
+        parts: list[memoryview] = []
+        lengths: list[int] = []
+        budget = max_bytes
+        count = min(max_count, MAX_READ_RECORDS)
+        txn = transaction_id
+        while len(lengths) < count and budget > 0:
+            seg = self.segment_for(txn)
+            if seg is None:
+                break
+            got_parts, got = seg.read_wire(txn, count - len(lengths), max_bytes=budget)
+            if not got:
+                break
+            parts += got_parts
+            lengths += got
+            budget -= sum(got) + 4 * len(got)  # stored bytes, as read_records counts them
+            txn += len(got)
+        starts = [0]
+        starts += itertools.accumulate(lengths)
+        return WireRecordList(b"".join(parts), starts)
 
     def read_run(
         self, transaction_id: int, max_count: int, *, max_bytes: int = DEFAULT_MAX_READ_BYTES

@@ -53,3 +53,41 @@ def test_contexts_without_write_locks_cost_nothing() -> None:
     assert q.acquire("a", []) == []
     assert q.leave("a") == []
     assert q.statistics() == {"locks": 0, "owned": 0, "waiting": 0}
+
+
+def test_take_is_blocker_then_acquire() -> None:
+    q = LockQueue()
+    assert q.take("a", (K, J)) == []  # New here, locks free: taken in one pass.
+    assert q.take("b", (J,)) is None  # Owned by a: nothing changes.
+    assert q.statistics() == {"locks": 2, "owned": 2, "waiting": 0}
+    q.park("b", J)
+    assert q.release("a") == ["b"]
+    assert q.take("c", (J,)) is None  # Reserved for b.
+    assert q.take("b", (J,)) == []  # b, known here (reserved), takes what it was reserved.
+    assert q.release("b") == []
+    assert q.statistics() == {"locks": 0, "owned": 0, "waiting": 0}
+
+
+def test_take_agrees_with_blocker_and_acquire_on_random_histories() -> None:
+    # Two queues driven through the same random history, one taking with take(), the other with blocker()
+    # and acquire(): every answer and the final state must be the same.
+    import random
+
+    for seed in range(200):
+        rng = random.Random(seed)
+        fast, slow = LockQueue(), LockQueue()
+        for _ in range(60):
+            context = rng.choice("abcdef")
+            locks = tuple(rng.sample([1, 2, 3], rng.randint(1, 2)))
+            op = rng.random()
+            if op < 0.5:
+                blocked = slow.blocker(context, locks)
+                expected = None if blocked is not None else slow.acquire(context, locks)
+                assert fast.take(context, locks) == expected, seed
+                if blocked is not None and rng.random() < 0.7 and not slow.is_parked(context):
+                    assert fast.park(context, blocked) == slow.park(context, blocked), seed
+            elif op < 0.8:
+                assert fast.release(context) == slow.release(context), seed
+            else:
+                assert fast.leave(context) == slow.leave(context), seed
+            assert fast.statistics() == slow.statistics(), seed

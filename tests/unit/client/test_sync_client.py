@@ -157,3 +157,75 @@ def test_submit_many_raises_the_first_failing_execute_and_stops_there() -> None:
     assert contexts[0].events == ["completion:True", "application"]
     assert contexts[1].events == ["exception:ValueError"]
     assert contexts[2].executions == 0
+
+
+@pytest.mark.parametrize("mode", ["threads", "inline"])
+def test_submit_waits_for_room_on_the_calling_thread_and_executes_there(mode: str) -> None:
+    # A loaded sync client's common case: no free slot. The thread waits for one itself (no coroutine, task or
+    # future on the loop per submit) and, once a slot is freed, executes on its own thread as with a free one.
+    driver = MockDriver()
+    callbacks = RecordingCallbacks() if mode == "threads" else _NoFetch()
+    config = FAST.replace(callback_mode=mode, max_concurrent_transactions=1, submit_timeout_ms=10_000)
+    with WaltzClient(callbacks, config, driver=driver) as client:
+        threading.Event().wait(0.1)  # Let the partition become ready: the fast path needs a mount.
+        driver.suspend_feed()
+        first = ThreadRecordingCtx(b"a")
+        client.submit(first)  # Takes the only slot; its commit waits for the feed.
+        second = ThreadRecordingCtx(b"b")
+        submitted = threading.Event()
+
+        def submit_second() -> None:
+            client.submit(second)
+            submitted.set()
+
+        thread = threading.Thread(target=submit_second, name="app-waiter")
+        thread.start()
+        assert not submitted.wait(0.2)  # Blocked: no room.
+        driver.resume_feed()
+        assert submitted.wait(5)
+        thread.join(5)
+        client.flush_transactions(timeout=5)
+    assert second.thread == "app-waiter"
+    assert first.events == second.events == ["completion:True", "application"]
+    assert [r.data for r in driver.cluster.records(0)] == [b"a", b"b"]
+
+
+def test_submit_waiting_for_room_times_out_through_on_exception() -> None:
+    driver = MockDriver()
+    config = FAST.replace(max_concurrent_transactions=1, submit_timeout_ms=200)
+    with WaltzClient(RecordingCallbacks(), config, driver=driver) as client:
+        threading.Event().wait(0.1)
+        driver.suspend_feed()
+        client.submit(Ctx(b"a"))
+        late = Ctx(b"b")
+        with pytest.raises(ClientTimeoutError, match="submit timed out after 200 ms"):
+            client.submit(late)
+        driver.resume_feed()
+        client.flush_transactions(timeout=5)
+    assert late.events == ["exception:ClientTimeoutError"]
+    assert late.executions == 0
+
+
+def test_close_wakes_a_thread_waiting_for_room() -> None:
+    driver = MockDriver()
+    config = FAST.replace(max_concurrent_transactions=1, submit_timeout_ms=30_000)
+    client = WaltzClient(RecordingCallbacks(), config, driver=driver)
+    threading.Event().wait(0.1)
+    driver.suspend_feed()
+    client.submit(Ctx(b"a"))
+    errors: list[BaseException] = []
+
+    def submit_blocked() -> None:
+        try:
+            client.submit(Ctx(b"b"))
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=submit_blocked)
+    thread.start()
+    threading.Event().wait(0.2)
+    client.close()
+    thread.join(5)
+    assert not thread.is_alive()  # Not 30 s (client.submitTimeout): close woke it.
+    assert len(errors) == 1
+    assert isinstance(errors[0], ClientClosedError), errors
