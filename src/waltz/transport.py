@@ -421,6 +421,39 @@ class FramedConnection:
         finally:
             self._receiving = False
 
+    async def receive_many(self, out: list[bytes]) -> None:
+        """Wait for at least one payload, then append every whole payload buffered to ``out``, in order: one
+        coroutine per socket read for a reader that handles a burst at a time (a server's client connection,
+        a storage RPC reader). Raises as :meth:`receive` does; a protocol error found after some payloads
+        returns those first and raises on the next call."""
+        if self._receiving:
+            raise RuntimeError("another task is already receiving on this connection")
+        self._receiving = True
+        try:
+            proto = self._proto
+            start = len(out)
+            while True:
+                if self._error is not None:
+                    raise self._error
+                if self._closed:
+                    raise ClosedResourceError("connection closed")
+                try:
+                    proto.take_payloads(out)
+                except RemoteProtocolError as e:
+                    self._protocol_failure(e)  # remembered: the next call raises it
+                    if len(out) > start:
+                        return
+                    raise
+                if len(out) > start:
+                    return
+                high = self._pause_reading_above_bytes
+                if high is not None and self._writer.transport.get_write_buffer_size() > high:
+                    # As in receive(): read no more requests while our answers pile up unsent.
+                    await self.drain()
+                proto.receive_data(await self._read())
+        finally:
+            self._receiving = False
+
     def receive_nowait(self) -> bytes | None:
         """The next payload if a whole one is already buffered, else None (no socket read, no coroutine).
 
@@ -558,13 +591,12 @@ class FramedConnection:
     def send_many(self, payloads: Iterable[bytes | bytearray | memoryview]) -> None:
         """:meth:`send` of each of ``payloads``, in order (checked once: for many small frames at a time)."""
         self._check_writable()
-        frame = self._proto.frame
+        frames = self._proto.frame_many(payloads)
         out = self._out
         if out is None:
             out = self._out = bytearray()
             self._loop.call_soon(self._flush_out)
-        for payload in payloads:
-            out += frame(payload)
+        out += frames
         if len(out) >= _COALESCE_MAX_BYTES:
             self._flush_out()
         self._last_write_s = self._loop.time()
@@ -1139,27 +1171,15 @@ class RpcClient(Generic[ReqT, RespT]):
 
     async def _read_loop(self) -> None:
         reason: BaseException
+        conn = self._conn
+        payloads: list[bytes] = []
         try:
             while True:
-                response = self._decode(await self._conn.receive())
-                seq = self._response_seq(response)
-                # Popped here, so a start_call request is forgotten once answered (a call's own cleanup
-                # finds it gone, which it allows for).
-                future = self._pending.pop(seq, None)
-                if future is None or future.done():
-                    # Normal after a caller timed out or was cancelled.
-                    log.debug(
-                        "%s: dropping response %d from %s: no caller waits",
-                        self._name,
-                        seq,
-                        self._conn.peername,
-                    )
-                    continue
-                error = self._error_of(response) if self._error_of is not None else None
-                if error is None:
-                    future.set_result(response)
-                else:
-                    future.set_exception(error)
+                # Every whole response of one socket read in one go: one coroutine per read, not per response.
+                await conn.receive_many(payloads)
+                for payload in payloads:
+                    self._deliver(self._decode(payload))
+                payloads.clear()
         except (ConnectionError_, ProtocolError) as e:
             reason = e
         except Exception as e:
@@ -1169,6 +1189,23 @@ class RpcClient(Generic[ReqT, RespT]):
             self._broken = f"{self._name}: connection with {self._conn.peername} lost: {reason}"
             self._fail_pending(lambda: BrokenResourceError(self._broken))
             await self._conn.aclose()
+
+    def _deliver(self, response: RespT) -> None:
+        seq = self._response_seq(response)
+        # Popped here, so a start_call request is forgotten once answered (a call's own cleanup finds it
+        # gone, which it allows for).
+        future = self._pending.pop(seq, None)
+        if future is None or future.done():
+            # Normal after a caller timed out or was cancelled.
+            log.debug(
+                "%s: dropping response %d from %s: no caller waits", self._name, seq, self._conn.peername
+            )
+            return
+        error = self._error_of(response) if self._error_of is not None else None
+        if error is None:
+            future.set_result(response)
+        else:
+            future.set_exception(error)
 
     def _fail_pending(self, make_error: Callable[[], BaseException]) -> None:
         for future in self._pending.values():

@@ -300,6 +300,39 @@ def test_submit_nowait_calls_the_listener_once_in_the_commit_and_refuses_when_th
     run_virtual(main())
 
 
+def test_submit_listened_queues_without_a_future_and_checks_the_checksum_unless_told_it_was() -> None:
+    async def main() -> None:
+        world = World(max_queued_appends=2)
+        heard: list[tuple[int, BaseException | None]] = []
+
+        def listener(txn: int, error: BaseException | None) -> None:
+            heard.append((txn, error))
+
+        async with world.partition() as partition:
+            await partition.wait_open()
+            bad = Req(ReqId.of(7, 1, 0, 9), 0, b"data", crc32(b"other"))
+            with pytest.raises(CorruptionError):
+                partition.submit_listened(bad, listener)
+            with pytest.raises(GenerationMismatchError):
+                partition.submit_listened(req(0, generation=2), listener, checksum_verified=True)
+            await asyncio.sleep(0)  # the writer waits for appends: the first leaves at once, in a batch
+            assert partition.submit_listened(req(0), listener)
+            assert partition.submit_listened(req(1), listener, checksum_verified=True)
+            assert partition.submit_listened(req(2), listener)
+            assert not partition.submit_listened(req(3), listener)  # full: nothing queued
+            assert await partition.flush() == 2
+            assert heard == [(0, None), (1, None), (2, None)]
+            # Failing listeners are logged; the appends after them are still heard, in order.
+            assert partition.submit_listened(req(3), lambda _t, _e: 1 / 0)  # type: ignore[func-returns-value]
+            assert partition.submit_listened(req(4), listener)
+            assert await partition.flush() == 4
+            assert heard[3:] == [(4, None)]
+        for name in NAMES:
+            assert [r.req_id.seq_num for r in world.log(name)] == [0, 1, 2, 3, 4]
+
+    run_virtual(main())
+
+
 def test_replica_set_change_moves_the_log_to_the_new_set() -> None:
     async def main() -> None:
         world = World([*NAMES, "s3:1", "s4:1"])

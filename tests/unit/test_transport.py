@@ -172,6 +172,53 @@ def test_receive_buffered_appends_every_buffered_payload_in_order() -> None:
     run(main)
 
 
+def test_receive_many_waits_for_a_payload_then_takes_every_buffered_one_in_order() -> None:
+    async def main() -> None:
+        async with serving(echo) as port:
+            conn = await connect(port)
+            async with conn:
+                payloads = [bytes([i]) * (1 + i) for i in range(50)]
+                for payload in payloads:
+                    conn.send(payload)
+                await conn.drain()
+                out: list[bytes] = []
+                while len(out) < len(payloads):
+                    before = len(out)
+                    await conn.receive_many(out)
+                    assert len(out) > before  # returns with at least one payload, never empty-handed
+                assert out == payloads
+            with pytest.raises(ClosedResourceError):
+                await conn.receive_many(out)
+
+    run(main)
+
+
+def test_receive_many_returns_the_payloads_before_a_broken_frame_then_raises() -> None:
+    async def sender(conn: FramedConnection) -> None:
+        conn.send(b"a")
+        conn.send(b"bb")
+        conn.send(bytes(2000))  # more than the receiver's max_frame_bytes
+        await conn.drain()
+        await asyncio.sleep(5)
+
+    async def main() -> None:
+        async with serving(sender) as port:
+            conn = await connect(port, max_frame_bytes=1024)
+            async with conn:
+                out: list[bytes] = []
+                broken: RemoteProtocolError | None = None
+                while broken is None:
+                    try:
+                        await conn.receive_many(out)
+                    except RemoteProtocolError as e:
+                        broken = e
+                assert out == [b"a", b"bb"]
+                with pytest.raises(RemoteProtocolError):
+                    await conn.receive_many(out)  # the connection stays failed
+
+    run(main)
+
+
 def test_send_many_frames_each_payload_in_order_after_what_was_sent_before() -> None:
     async def main() -> None:
         async with serving(echo) as port:

@@ -48,7 +48,14 @@ from waltz.server.store.replica_session import Batch, ReplicaRole, ReplicaSessio
 from waltz.server.store.support import InvariantViolation, RepairStatistics, StoreConfig, TaskList
 from waltz.server.store.voting import Voting, quorum_of
 
-__all__ = ["AppendQueue", "EndReason", "PendingAppend", "SessionHost", "SessionOutcome", "StoreSession"]
+__all__ = [
+    "AppendQueue",
+    "EndReason",
+    "PendingAppend",
+    "SessionHost",
+    "SessionOutcome",
+    "StoreSession",
+]
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +102,9 @@ class PendingAppend:
     header: int
     data: bytes
     checksum: int
-    future: asyncio.Future[int]
+    future: asyncio.Future[int] | None
+    """What :meth:`StorePartition.submit` returns; None for a caller that learns the outcome from
+    ``on_resolved`` alone."""
     ticket: int
     """Its place in submission order (the host's bookkeeping)."""
     transaction_id: int = -1
@@ -114,18 +123,20 @@ class PendingAppend:
     def succeed(self, transaction_id: int) -> None:
         first = not self.resolved
         self.resolved = True
-        if not self.future.done():
-            self.future.set_result(transaction_id)
+        future = self.future
+        if future is not None and not future.done():
+            future.set_result(transaction_id)
         if first and self.on_resolved is not None:
             _notify(self.on_resolved, transaction_id, None)
 
     def fail(self, error: BaseException) -> None:
         first = not self.resolved
         self.resolved = True
-        if not self.future.done():
-            self.future.set_exception(error)
+        future = self.future
+        if future is not None and not future.done():
+            future.set_exception(error)
             # The caller may have stopped waiting (cancelled); do not let asyncio warn about the exception.
-            self.future.exception()
+            future.exception()
         if first and self.on_resolved is not None:
             _notify(self.on_resolved, -1, error)
 
@@ -182,9 +193,13 @@ class AppendQueue:
         """Queue ``append`` now; the caller checked that the queue is not :meth:`full`."""
         if len(self._items) >= self.capacity:
             raise InvariantViolation(f"append queue full ({self.capacity})")
-        self._items.append(append)
+        items = self._items
+        items.append(append)
         self.data_bytes += len(append.data)
-        self._arrived.set()
+        if len(items) == 1:
+            # Only a getter that found the queue empty waits (after clearing the event): the append that
+            # ends the emptiness wakes it, those after it need not (Event.set is a Python call per append).
+            self._arrived.set()
 
     async def get(self) -> PendingAppend:
         while not self._items:
@@ -217,6 +232,14 @@ class AppendQueue:
         per-record work on the write path."""
         items = self._items
         room = max_count - len(batch)
+        if len(items) <= room and size + self.data_bytes <= max_bytes:
+            # Everything queued fits (the common case under a steady load): take it in one C call.
+            batch.extend(items)
+            items.clear()
+            size += self.data_bytes
+            self.data_bytes = 0
+            self._room.set()
+            return size
         taken = 0
         while room > 0 and items:
             n = len(items[0].data)
@@ -380,17 +403,29 @@ class StoreSession:
     def appends_queued(self) -> None:
         """The host queued appends: a writer waiting for a batch to be decided may send another; an idle
         writer's batch is formed and sent right here."""
-        if self._writer_idle and not self._batches and self.is_open and self._end_requested is None:
-            # Nothing in flight and the writer waits for appends (so the session is open and no end is
-            # requested): this is a lone append (or the first of a burst). It leaves for the replicas now,
-            # in the call that queued it, instead of after the writer task's wake-up one loop iteration
-            # later; the writer, woken for nothing, finds the queue empty (or this batch in flight) and waits.
-            written = self.next_id - 1 - self.low_water_mark
-            if written < self.config.checkpoint_interval:
-                self._send_batch(self._host.queue.get_nowait())
-                return
-        if self._full_batch_queued():
-            self._wake.set()
+        if self._batches:
+            # Only a writer with batches in flight waits on _wake (an idle one waits for the queue itself);
+            # the test is _full_batch_queued's, inlined: this runs once per append.
+            queue = self._host.queue
+            config = self.config
+            n = queue.qsize()
+            if (
+                n >= config.max_batch_size
+                or queue.data_bytes >= config.max_batch_bytes
+                or n >= queue.capacity
+            ):
+                self._wake.set()
+        elif (
+            self._writer_idle
+            and self.is_open
+            and self._end_requested is None
+            and self.next_id - 1 - self.low_water_mark < self.config.checkpoint_interval
+        ):
+            # Nothing in flight and the writer waits for appends (the session is open, no end requested or
+            # due): this is a lone append (or the first of a burst). It leaves for the replicas now, in the
+            # call that queued it, instead of after the writer task's wake-up one loop iteration later; the
+            # writer, woken, finds the queue empty (or the burst that came with it) and goes on.
+            self._send_batch(self._host.queue.get_nowait())
 
     def _full_batch_queued(self) -> bool:
         queue = self._host.queue
