@@ -421,6 +421,39 @@ class FramedConnection:
         finally:
             self._receiving = False
 
+    async def receive_many(self, out: list[bytes]) -> None:
+        """Wait for at least one payload, then append every whole payload buffered to ``out``, in order: one
+        coroutine per socket read for a reader that handles a burst at a time (a server's client connection,
+        a storage RPC reader). Raises as :meth:`receive` does; a protocol error found after some payloads
+        returns those first and raises on the next call."""
+        if self._receiving:
+            raise RuntimeError("another task is already receiving on this connection")
+        self._receiving = True
+        try:
+            proto = self._proto
+            start = len(out)
+            while True:
+                if self._error is not None:
+                    raise self._error
+                if self._closed:
+                    raise ClosedResourceError("connection closed")
+                try:
+                    proto.take_payloads(out)
+                except RemoteProtocolError as e:
+                    self._protocol_failure(e)  # remembered: the next call raises it
+                    if len(out) > start:
+                        return
+                    raise
+                if len(out) > start:
+                    return
+                high = self._pause_reading_above_bytes
+                if high is not None and self._writer.transport.get_write_buffer_size() > high:
+                    # As in receive(): read no more requests while our answers pile up unsent.
+                    await self.drain()
+                proto.receive_data(await self._read())
+        finally:
+            self._receiving = False
+
     def receive_nowait(self) -> bytes | None:
         """The next payload if a whole one is already buffered, else None (no socket read, no coroutine).
 
@@ -538,16 +571,32 @@ class FramedConnection:
             if len(out) >= _COALESCE_MAX_BYTES:
                 self._flush_out()
 
+    def send_now(self, payload: bytes | bytearray | memoryview) -> None:
+        """:meth:`send`, handed to the transport at once instead of at the end of the loop iteration (after
+        the frames queued before it, in one write): for a lone message that nothing would join, such as a
+        client's one append at a time, which then leaves one loop pass sooner and schedules no flush."""
+        if self._closed or self._error is not None or self._writer.is_closing():
+            self._check_writable()  # Raises the error that says why.
+        frame = self._proto.frame(payload)
+        out = self._out
+        if out is None:
+            self._writer.write(frame)
+        else:
+            # Frames queued earlier in this iteration go first; their scheduled flush then finds nothing.
+            self._out = None
+            out += frame
+            self._writer.write(out)
+        self._last_write_s = self._loop.time()
+
     def send_many(self, payloads: Iterable[bytes | bytearray | memoryview]) -> None:
         """:meth:`send` of each of ``payloads``, in order (checked once: for many small frames at a time)."""
         self._check_writable()
-        frame = self._proto.frame
+        frames = self._proto.frame_many(payloads)
         out = self._out
         if out is None:
             out = self._out = bytearray()
             self._loop.call_soon(self._flush_out)
-        for payload in payloads:
-            out += frame(payload)
+        out += frames
         if len(out) >= _COALESCE_MAX_BYTES:
             self._flush_out()
         self._last_write_s = self._loop.time()
@@ -1079,7 +1128,9 @@ class RpcClient(Generic[ReqT, RespT]):
     def start_call(self, request: ReqT) -> asyncio.Future[RespT]:
         """Send ``request`` now and return the future of its response, for a caller that bounds its requests
         in flight and their time itself (no slot, no timeout, no task): the replica sessions of the server,
-        whose requests then leave in the iteration that formed them instead of one task start later.
+        whose requests then leave in the iteration that formed them instead of one task start later. With
+        nothing else in flight on the connection the request is handed to the transport at once
+        (:meth:`FramedConnection.send_now`); otherwise it joins the iteration's write.
 
         The future fails with the response's error (``error_of``) or as :meth:`call` would on a lost
         connection; cancelling it forgets the request (a late response is dropped)."""
@@ -1089,8 +1140,14 @@ class RpcClient(Generic[ReqT, RespT]):
             raise LocalProtocolError(f"{self._name}: sequence number {seq} is already in flight")
         payload = self._encode(request)
         future: asyncio.Future[RespT] = self._loop.create_future()
-        self._conn.send(payload)
-        self._pending[seq] = future
+        pending = self._pending
+        if pending:
+            self._conn.send(payload)  # Joins this iteration's write (requests pipelined on a busy peer).
+        else:
+            # Nothing in flight to this peer (a lone append's replica request): written now rather than one
+            # loop iteration later, with nothing to coalesce it with yet.
+            self._conn.send_now(payload)
+        pending[seq] = future
         return future
 
     async def _call_with_slot(self, request: ReqT) -> RespT:
@@ -1114,27 +1171,15 @@ class RpcClient(Generic[ReqT, RespT]):
 
     async def _read_loop(self) -> None:
         reason: BaseException
+        conn = self._conn
+        payloads: list[bytes] = []
         try:
             while True:
-                response = self._decode(await self._conn.receive())
-                seq = self._response_seq(response)
-                # Popped here, so a start_call request is forgotten once answered (a call's own cleanup
-                # finds it gone, which it allows for).
-                future = self._pending.pop(seq, None)
-                if future is None or future.done():
-                    # Normal after a caller timed out or was cancelled.
-                    log.debug(
-                        "%s: dropping response %d from %s: no caller waits",
-                        self._name,
-                        seq,
-                        self._conn.peername,
-                    )
-                    continue
-                error = self._error_of(response) if self._error_of is not None else None
-                if error is None:
-                    future.set_result(response)
-                else:
-                    future.set_exception(error)
+                # Every whole response of one socket read in one go: one coroutine per read, not per response.
+                await conn.receive_many(payloads)
+                for payload in payloads:
+                    self._deliver(self._decode(payload))
+                payloads.clear()
         except (ConnectionError_, ProtocolError) as e:
             reason = e
         except Exception as e:
@@ -1144,6 +1189,23 @@ class RpcClient(Generic[ReqT, RespT]):
             self._broken = f"{self._name}: connection with {self._conn.peername} lost: {reason}"
             self._fail_pending(lambda: BrokenResourceError(self._broken))
             await self._conn.aclose()
+
+    def _deliver(self, response: RespT) -> None:
+        seq = self._response_seq(response)
+        # Popped here, so a start_call request is forgotten once answered (a call's own cleanup finds it
+        # gone, which it allows for).
+        future = self._pending.pop(seq, None)
+        if future is None or future.done():
+            # Normal after a caller timed out or was cancelled.
+            log.debug(
+                "%s: dropping response %d from %s: no caller waits", self._name, seq, self._conn.peername
+            )
+            return
+        error = self._error_of(response) if self._error_of is not None else None
+        if error is None:
+            future.set_result(response)
+        else:
+            future.set_exception(error)
 
     def _fail_pending(self, make_error: Callable[[], BaseException]) -> None:
         for future in self._pending.values():

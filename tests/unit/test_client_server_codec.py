@@ -422,6 +422,22 @@ def test_encode_feed_data_is_encode_of_each_feed_data(version: int) -> None:
     assert cs.encode_feed_data([], version) == []
 
 
+@pytest.mark.parametrize("version", ALL)
+def test_encode_feed_entries_is_encode_feed_data_of_the_flat_headers(version: int) -> None:
+    headers = [
+        RecordHeader(0, REQ, 0),
+        RecordHeader(2**63 - 1, ReqId(2**64 - 1, 2**64 - 1), -(2**31)),
+        RecordHeader(7, ReqId.of(-1, -2, 3, -4), 2**31 - 1),
+    ]
+    flat = [(h.transaction_id, h.req_id.msb, h.req_id.lsb, h.header) for h in headers]
+    assert cs.encode_feed_entries(flat, version) == cs.encode_feed_data(headers, version)
+    assert cs.encode_feed_entries([], version) == []
+    with pytest.raises(LocalProtocolError):
+        cs.encode_feed_entries([(0, 0, 0, 2**31)], version)
+    with pytest.raises(LocalProtocolError):
+        cs.encode_feed_entries(flat, 99)
+
+
 def test_encode_feed_data_refuses_what_encode_refuses() -> None:
     with pytest.raises(LocalProtocolError):
         cs.encode_feed_data([RecordHeader(0, REQ, 2**31)], 4)

@@ -193,6 +193,33 @@ def test_sending_rules() -> None:
     assert a.frame(bytes(16))[:7] == bytes.fromhex("53 0000 00000010")
 
 
+@pytest.mark.parametrize(
+    "payloads",
+    [[], [b"a"], [b"abc"] * 5, [b"a", b"bb", b"ccc"], [bytearray(b"xy"), memoryview(b"zw"), b"uv"]],
+)
+def test_frame_many_is_frame_of_each_in_order(payloads: list[bytes]) -> None:
+    a, b = pair()
+    framed = a.frame_many(payloads)
+    assert framed == b"".join(a.frame(p) for p in payloads)
+    assert a.frame_many(iter(payloads)) == framed  # any iterable
+    b.receive_data(framed)
+    out: list[bytes] = []
+    b.take_payloads(out)
+    assert out == [bytes(p) for p in payloads]
+
+
+@pytest.mark.parametrize(
+    "payloads", [[b"ok", b""], [b""], [b"x" * 1025], [b"x" * 1025] * 2, [b"a", bytes(1025)]]
+)
+def test_frame_many_refuses_what_frame_refuses_and_frames_none(payloads: list[bytes]) -> None:
+    a, _ = pair()
+    with pytest.raises(LocalProtocolError):
+        a.frame_many(payloads)
+    unready = ProtocolConnection(MAGIC_STORAGE, [0], "a")
+    with pytest.raises(LocalProtocolError):
+        unready.frame_many([b"x"])
+
+
 def test_constructor_limits() -> None:
     with pytest.raises(LocalProtocolError):
         ProtocolConnection(MAGIC_HELLO, [0], "x")

@@ -301,3 +301,31 @@ def test_begin_never_shares_a_busy_slot(requests: list[tuple[tuple[int, ...], ..
             touched = {slot for triple in request.checked for slot in triple}
             assert not (touched & other.updated)
         held.append(request)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(-(2**31), 2**31 - 1), max_size=3),
+    st.lists(st.integers(-(2**31), 2**31 - 1), max_size=3),
+    st.lists(st.integers(-(2**31), 2**31 - 1), max_size=3),
+    st.integers(0, 100),
+)
+def test_one_call_commit_and_release_is_commit_then_release(
+    write: list[int], read: list[int], append: list[int], txn: int
+) -> None:
+    one, two = LockTable(size=17, initial_high_water_mark=5), LockTable(size=17, initial_high_water_mark=5)
+    a, b = (
+        one.begin(tuple(write), tuple(read), tuple(append)),
+        two.begin(tuple(write), tuple(read), tuple(append)),
+    )
+    assert a is not None
+    assert b is not None
+    assert (a.checked, a.updated) == (b.checked, b.updated)
+    one.commit_and_release(a, txn)
+    two.commit(b, txn)
+    two.release(b)
+    assert a.released
+    assert b.released
+    assert one.busy_slots() == two.busy_slots() == 0
+    for lock in [*write, *read, *append, 0, 1, 2]:
+        assert one.lock_high_water_mark(lock) == two.lock_high_water_mark(lock)

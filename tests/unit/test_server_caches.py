@@ -333,3 +333,25 @@ def test_put_serves_fresh_commits_without_a_load_and_aclose_cancels_loads() -> N
         assert await fetcher.fetch(0, 3) == TransactionData(b"new", 3)  # the cache still answers
 
     asyncio.run(main())
+
+
+def test_add_entry_caches_what_add_caches_and_get_range_reads_runs_across_gaps_and_blocks() -> None:
+    by_header, by_entry = FeedCache(1 << 20, 1), FeedCache(1 << 20, 1)
+    present = [t for t in range(200) if t % 37 != 36 and t not in (64, 65)]
+    for t in present:
+        by_header.add(0, RecordHeader(t, ReqId(t * 3, 2**64 - 1 - t), -t))
+        by_entry.add_entry(0, t, ReqId(t * 3, 2**64 - 1 - t), -t)
+    with pytest.raises(ValueError):
+        by_entry.add_entry(0, -1, ReqId(0, 0), 0)
+    for start in range(0, 200, 7):
+        for count in (1, 5, 64, 150):
+            expected = []
+            for t in range(start, start + count):
+                if t not in present:
+                    break
+                expected.append(RecordHeader(t, ReqId(t * 3, 2**64 - 1 - t), -t))
+            assert by_header.get_range(0, start, count) == expected
+            assert by_entry.get_range(0, start, count) == expected
+            assert by_entry.get_entries(0, start, count) == [
+                (h.transaction_id, h.req_id.msb, h.req_id.lsb, h.header) for h in expected
+            ]

@@ -172,6 +172,53 @@ def test_receive_buffered_appends_every_buffered_payload_in_order() -> None:
     run(main)
 
 
+def test_receive_many_waits_for_a_payload_then_takes_every_buffered_one_in_order() -> None:
+    async def main() -> None:
+        async with serving(echo) as port:
+            conn = await connect(port)
+            async with conn:
+                payloads = [bytes([i]) * (1 + i) for i in range(50)]
+                for payload in payloads:
+                    conn.send(payload)
+                await conn.drain()
+                out: list[bytes] = []
+                while len(out) < len(payloads):
+                    before = len(out)
+                    await conn.receive_many(out)
+                    assert len(out) > before  # returns with at least one payload, never empty-handed
+                assert out == payloads
+            with pytest.raises(ClosedResourceError):
+                await conn.receive_many(out)
+
+    run(main)
+
+
+def test_receive_many_returns_the_payloads_before_a_broken_frame_then_raises() -> None:
+    async def sender(conn: FramedConnection) -> None:
+        conn.send(b"a")
+        conn.send(b"bb")
+        conn.send(bytes(2000))  # more than the receiver's max_frame_bytes
+        await conn.drain()
+        await asyncio.sleep(5)
+
+    async def main() -> None:
+        async with serving(sender) as port:
+            conn = await connect(port, max_frame_bytes=1024)
+            async with conn:
+                out: list[bytes] = []
+                broken: RemoteProtocolError | None = None
+                while broken is None:
+                    try:
+                        await conn.receive_many(out)
+                    except RemoteProtocolError as e:
+                        broken = e
+                assert out == [b"a", b"bb"]
+                with pytest.raises(RemoteProtocolError):
+                    await conn.receive_many(out)  # the connection stays failed
+
+    run(main)
+
+
 def test_send_many_frames_each_payload_in_order_after_what_was_sent_before() -> None:
     async def main() -> None:
         async with serving(echo) as port:
@@ -188,6 +235,39 @@ def test_send_many_frames_each_payload_in_order_after_what_was_sent_before() -> 
                     conn.send_many([b"ok", b""])  # an empty payload would read as a keep-alive
             with pytest.raises(ClosedResourceError):
                 conn.send_many([b"x"])
+
+    run(main)
+
+
+def test_send_now_writes_at_once_after_the_frames_queued_before_it() -> None:
+    async def main() -> None:
+        async with serving(echo) as port:
+            conn = await connect(port)
+            async with conn:
+                writes: list[bytes] = []
+                writer = conn._writer
+                plain_write = writer.write
+
+                def recording_write(data: bytes | bytearray | memoryview) -> None:
+                    writes.append(bytes(data))
+                    plain_write(data)
+
+                writer.write = recording_write  # type: ignore[method-assign]
+                conn.send(b"queued")
+                assert writes == []  # send() waits for the end of the loop iteration
+                conn.send_now(b"now")
+                assert len(writes) == 1  # at once, with what was queued before it, in one write
+                conn.send_now(b"alone")
+                assert len(writes) == 2
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+                assert len(writes) == 2  # the iteration's flush found nothing left to write
+                for expected in (b"queued", b"now", b"alone"):
+                    assert await conn.receive() == expected
+                with pytest.raises(LocalProtocolError):
+                    conn.send_now(b"")
+            with pytest.raises(ClosedResourceError):
+                conn.send_now(b"x")
 
     run(main)
 
@@ -517,8 +597,19 @@ def test_rpc_client_start_call_sends_at_once_and_resolves_maps_fails_and_forgets
             return s.failure_to_error(response) if isinstance(response, s.FailureResponse) else None
 
         async with serving(replier) as port, storage_rpc(await connect(port), error_of=error_of) as rpc:
+            writes: list[int] = []
+            writer = rpc.connection._writer
+            plain_write = writer.write
+
+            def recording_write(data: bytes | bytearray | memoryview) -> None:
+                writes.append(len(data))
+                plain_write(data)
+
+            writer.write = recording_write  # type: ignore[method-assign]
             ok = rpc.start_call(s.MaxTransactionIdRequest(1, 0, 0, False))
+            assert len(writes) == 1  # nothing else in flight: written at once
             failed = rpc.start_call(s.MaxTransactionIdRequest(1, 1, 99, False))
+            assert len(writes) == 1  # pipelined behind it: joins the iteration's write
             assert rpc.in_flight == 2
             assert not ok.done()
             with pytest.raises(LocalProtocolError, match="already in flight"):

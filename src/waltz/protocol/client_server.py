@@ -82,15 +82,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import struct
-import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar, Final, Self
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
+from waltz.protocol.checksum import crc32 as _crc32
 from waltz.protocol.record_run import STORED_OVERHEAD_BYTES, encode_run, run_records
-from waltz.protocol.records import Record, RecordHeader, ReqId, crc32, make_req_id
+from waltz.protocol.records import Record, RecordHeader, ReqId, crc32
 from waltz.protocol.wire import Reader, Writer
 
 __all__ = [
@@ -138,6 +138,8 @@ SUPPORTED_VERSIONS: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
 """Codec versions this module speaks; the hello handshake picks the highest one both peers have."""
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
+_tuple_new = tuple.__new__
+"""``_tuple_new(ReqId, (msb, lsb))`` builds a ReqId in C, without its generated ``__new__``."""
 
 _PREFIX = struct.Struct(">BQQ")  # type, ReqId msb, ReqId lsb
 _PREFIX_BYTES = _PREFIX.size  # 17
@@ -384,7 +386,15 @@ def _read_locks(
     stop = pos + 4 * n
     if stop > end:  # checked before unpacking, so a forged count cannot allocate
         raise _truncated(stop, end)
+    if n < len(_LOCK_LISTS):
+        return _LOCK_LISTS[n].unpack_from(payload, pos), stop
     return struct.unpack_from(f">{n}i", payload, pos), stop
+
+
+_LOCK_LISTS = tuple(struct.Struct(f">{n}i") for n in range(9))
+_WRITE_LOCKS_HEADS = tuple(_append_head_v2(n, 0, 0) for n in range(9))
+"""V2+ AppendRequest heads with ``n`` write locks and no others, precompiled for the decoder's fast path."""
+"""Precompiled ``n x i32`` for the lock counts appends nearly always carry (one lock, a few)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -506,6 +516,29 @@ class AppendRequest(_Message):
     @classmethod
     def _decode(cls, payload: bytes | bytearray | memoryview, version: int) -> AppendRequest:
         end = len(payload)
+        if version >= 2 and end >= _APPEND_HEAD_NO_LOCKS.size + 4:
+            # The common appends under V2+, without locks or with a few write locks only: the whole head in
+            # one precompiled struct, the message built through its slots (a server decodes one per append).
+            # Anything else (or anything malformed) takes the general path below, which says what is wrong.
+            _, msb, lsb, hwm, nw, nr, na, header, length = _APPEND_HEAD_NO_LOCKS.unpack_from(payload, 0)
+            locks: tuple[int, ...] = ()
+            head_bytes = _APPEND_HEAD_NO_LOCKS.size
+            if 0 < nw < len(_WRITE_LOCKS_HEADS) and end >= _WRITE_LOCKS_HEADS[nw].size + 4:
+                head = _WRITE_LOCKS_HEADS[nw]
+                head_bytes = head.size
+                fields = head.unpack_from(payload, 0)
+                locks = fields[5 : 5 + nw]
+                nr, na, header, length = fields[5 + nw :]
+                nw = 0  # read: the test below is of the other counts
+            if not (nw or nr or na) and length >= 0 and head_bytes + length + 4 == end:
+                stop = end - 4
+                data = bytes(payload[head_bytes:stop])
+                checksum: int = _U32.unpack_from(payload, stop)[0]
+                if _crc32(data) != checksum:  # both unsigned
+                    raise _checksum_mismatch(checksum, data)
+                return new_append_request(
+                    _tuple_new(ReqId, (msb, lsb)), hwm, locks, (), (), header, data, checksum
+                )
         pos = _APPEND_HEAD.size
         if end < pos:
             raise _truncated(pos, end)
@@ -542,13 +575,18 @@ class AppendRequest(_Message):
                 raise _truncated(stop + 4, end)
             raise RemoteProtocolError(f"{end - stop - 4} unexpected trailing bytes")
         data = bytes(payload[pos:stop])
-        checksum: int = _U32.unpack_from(payload, stop)[0]
-        if zlib.crc32(data) != checksum:  # both unsigned
-            raise RemoteProtocolError(
-                f"AppendRequest data checksum mismatch: carried {checksum:#010x}, "
-                f"computed {crc32(data):#010x}"
-            )
-        return cls(make_req_id(msb, lsb), hwm, write_locks, read_locks, append_locks, header, data, checksum)
+        checksum = _U32.unpack_from(payload, stop)[0]
+        if _crc32(data) != checksum:  # both unsigned
+            raise _checksum_mismatch(checksum, data)
+        return new_append_request(
+            _tuple_new(ReqId, (msb, lsb)), hwm, write_locks, read_locks, append_locks, header, data, checksum
+        )
+
+
+def _checksum_mismatch(checksum: int, data: bytes) -> RemoteProtocolError:
+    return RemoteProtocolError(
+        f"AppendRequest data checksum mismatch: carried {checksum:#010x}, computed {crc32(data):#010x}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -1013,6 +1051,13 @@ append_payload: Final[Callable[[AppendRequest, int], bytes]] = AppendRequest._en
 """``encode(request, version)`` for an AppendRequest on a negotiated connection, without the version checks
 (every codec version carries it): the client's hot path, one call per append less."""
 
+decode_append_request: Final[Callable[[bytes | bytearray | memoryview, int], AppendRequest]] = (
+    AppendRequest._decode
+)
+"""``decode(payload, version)`` for a payload whose type byte is APPEND_REQUEST (every codec version carries
+it), on a negotiated connection: without the version and type dispatch, the server's hot path. Raises as
+:func:`decode` does."""
+
 
 _APPEND_SLOT_SETTERS = tuple(
     AppendRequest.__dict__[f.name].__set__ for f in dataclasses.fields(AppendRequest)
@@ -1045,7 +1090,6 @@ def new_append_request(
 
 
 _FEED_DATA_TYPE: Final = int(MessageType.FEED_DATA)
-_tuple_new = tuple.__new__
 
 
 def decode_feed_data(payload: bytes | bytearray | memoryview) -> tuple[ReqId, int, int] | None:
@@ -1069,6 +1113,19 @@ def encode_feed_data(headers: Iterable[RecordHeader], version: int) -> list[byte
     code = int(MessageType.FEED_DATA)
     try:
         return [pack(code, msb & _MASK64, lsb & _MASK64, txn, header) for txn, (msb, lsb), header in headers]
+    except struct.error as e:
+        raise LocalProtocolError(f"FeedData field out of range: {e}") from None
+
+
+def encode_feed_entries(entries: Iterable[tuple[int, int, int, int]], version: int) -> list[bytes]:
+    """:func:`encode_feed_data` of flat ``(transaction id, ReqId msb, ReqId lsb, header)`` tuples, the halves
+    as unsigned 64-bit values (as a feed cache unpacks them): no RecordHeader per entry."""
+    if version not in SUPPORTED_VERSIONS:
+        _check_version(version)
+    pack = _FEED_DATA.pack
+    code = int(MessageType.FEED_DATA)
+    try:
+        return [pack(code, msb, lsb, txn, header) for txn, msb, lsb, header in entries]
     except struct.error as e:
         raise LocalProtocolError(f"FeedData field out of range: {e}") from None
 

@@ -25,9 +25,21 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from waltz.protocol.records import HEADER_STRUCT, RecordHeader, ReqId, make_header, make_req_id
+from waltz.protocol.records import HEADER_STRUCT, RecordHeader, ReqId
 
-__all__ = ["BLOCK_BYTES", "BLOCK_ENTRIES", "DEFAULT_FEED_CACHE_BYTES", "FeedCache", "FeedCacheStatistics"]
+__all__ = [
+    "BLOCK_BYTES",
+    "BLOCK_ENTRIES",
+    "DEFAULT_FEED_CACHE_BYTES",
+    "FeedCache",
+    "FeedCacheStatistics",
+    "FeedEntry",
+]
+
+_tuple_new = tuple.__new__
+
+FeedEntry = tuple[int, int, int, int]
+"""A cached header, flat: ``(transaction id, ReqId msb, ReqId lsb, header)``."""
 
 BLOCK_ENTRIES = 64
 """Consecutive transaction ids per block."""
@@ -133,7 +145,17 @@ class FeedCache:
 
         Counts one hit per header returned, and one miss if it stopped early on an uncached id.
         """
-        out: list[RecordHeader] = []
+        new = _tuple_new
+        return [
+            new(RecordHeader, (t, new(ReqId, (msb, lsb)), h))
+            for t, msb, lsb, h in self.get_entries(partition, start, max_count)
+        ]
+
+    def get_entries(self, partition: int, start: int, max_count: int) -> list[FeedEntry]:
+        """:meth:`get_range` as flat ``(transaction id, ReqId msb, ReqId lsb, header)`` tuples, unpacked in
+        C (a feed sends one per commit and needs no RecordHeader for it). Counts hits and misses the same
+        way."""
+        out: list[FeedEntry] = []
         txn = start
         stop = start + max_count
         while txn < stop:
@@ -141,16 +163,17 @@ class FeedCache:
             if block is None:
                 break
             index = txn & _LOW_BITS
-            # Take the run of present entries in this block without going back through _find.
-            last = min(BLOCK_ENTRIES, index + (stop - txn))
-            present = block.present
-            entries = block.entries
-            while index < last and (present >> index) & 1:
-                t, msb, lsb, h = HEADER_STRUCT.unpack_from(entries, index * _ENTRY_BYTES)
-                out.append(make_header(t, make_req_id(msb, lsb), h))
-                index += 1
-                txn += 1
-            if index < last:
+            # Take the run of present entries in this block without going back through _find: the run's
+            # length is the count of trailing one bits of ``present`` from ``index``, its entries unpacked
+            # in one C loop.
+            wanted = min(BLOCK_ENTRIES - index, stop - txn)
+            bits = block.present >> index
+            run = min(wanted, ((bits + 1) & ~bits).bit_length() - 1)
+            if run:
+                view = memoryview(block.entries)[index * _ENTRY_BYTES : (index + run) * _ENTRY_BYTES]
+                out += HEADER_STRUCT.iter_unpack(view)
+                txn += run
+            if run < wanted:
                 break
         self.hits += len(out)
         if len(out) < max_count:
@@ -161,14 +184,30 @@ class FeedCache:
 
     def add(self, partition: int, header: RecordHeader) -> None:
         """Cache ``header`` (a just-committed transaction, or one read from storage)."""
-        txn = header.transaction_id
-        if txn < 0:
-            raise ValueError(f"transaction ids are not negative, got {txn}")
-        base = txn & ~_LOW_BITS
-        block = self._find(partition, base)
+        self.add_entry(partition, header.transaction_id, header.req_id, header.header)
+
+    def add_entry(self, partition: int, transaction_id: int, req_id: ReqId, header: int) -> None:
+        """:meth:`add` of ``RecordHeader(transaction_id, req_id, header)`` without building it (the server
+        caches one per commit)."""
+        if transaction_id < 0:
+            raise ValueError(f"transaction ids are not negative, got {transaction_id}")
+        base = transaction_id & ~_LOW_BITS
+        # _find's first step inlined: the block of the newest commits is nearly always in the local LRU.
+        local = self._local.get(partition)
+        block = None
+        if local is not None:
+            block = local.get(base)
+            if block is not None:
+                local.move_to_end(base)
         if block is None:
-            block = self._allocate(partition, base)
-        block.put(txn & _LOW_BITS, header)
+            block = self._find(partition, base)
+            if block is None:
+                block = self._allocate(partition, base)
+        index = transaction_id & _LOW_BITS
+        HEADER_STRUCT.pack_into(
+            block.entries, index * _ENTRY_BYTES, transaction_id, req_id[0], req_id[1], header
+        )
+        block.present |= 1 << index
 
     def fill(self, partition: int, headers: Iterable[RecordHeader]) -> None:
         """Cache many headers, e.g. the rest of a block read from storage after a miss."""

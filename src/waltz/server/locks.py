@@ -31,7 +31,7 @@ partition's append task owns its table.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 __all__ = ["DEFAULT_LOCK_TABLE_SIZE", "NUM_HASHES", "LockRequest", "LockTable", "lock_slots"]
 
@@ -99,9 +99,9 @@ class LockTable:
 
     def begin(
         self,
-        write_locks: Iterable[int] = (),
-        read_locks: Iterable[int] = (),
-        append_locks: Iterable[int] = (),
+        write_locks: Sequence[int] = (),
+        read_locks: Sequence[int] = (),
+        append_locks: Sequence[int] = (),
     ) -> LockRequest | None:
         """Take the slots of an append's locks, or return None if any of them is busy (nothing is taken then).
 
@@ -109,6 +109,14 @@ class LockTable:
         """
         size = self.size
         busy = self._busy
+        if not read_locks and not append_locks and len(write_locks) == 1:
+            # The common locked append: one write lock. The same as below, without the lists and sets.
+            slots = lock_slots(write_locks[0], size)
+            a, b, c = slots
+            if busy[a] or busy[b] or busy[c]:
+                return None
+            busy[a] = busy[b] = busy[c] = 1
+            return LockRequest((slots,), frozenset(slots), self._epoch)
         checked: list[tuple[int, int, int]] = []
         updated: set[int] = set()
         for lock in write_locks:
@@ -146,7 +154,13 @@ class LockTable:
 
         Pure: it changes nothing. A non-None result is what a LockFailure message carries.
         """
-        estimate = self.estimate(request)
+        # estimate(), inlined: this runs once per locked append.
+        hwms = self._hwms
+        estimate = -1
+        for a, b, c in request.checked:
+            lock_hwm = min(hwms[a], hwms[b], hwms[c])
+            if lock_hwm > estimate:
+                estimate = lock_hwm
         return estimate if estimate > client_high_water_mark else None
 
     def commit(self, request: LockRequest, transaction_id: int) -> None:
@@ -160,6 +174,14 @@ class LockTable:
         for slot in request.updated:
             if hwms[slot] < transaction_id:
                 hwms[slot] = transaction_id
+
+    def commit_and_release(self, request: LockRequest, transaction_id: int) -> None:
+        """:meth:`commit` then :meth:`release` (the append of ``request`` committed), in one call."""
+        hwms = self._hwms
+        for slot in request.updated:
+            if hwms[slot] < transaction_id:
+                hwms[slot] = transaction_id
+        self.release(request)
 
     def release(self, request: LockRequest) -> None:
         """The append of ``request`` is resolved (committed or failed): its busy slots become free.

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -39,8 +40,8 @@ from typing import Protocol
 
 from waltz.errors import WaltzError
 from waltz.protocol import client_server as cs
-from waltz.protocol.records import RecordHeader, ReqId, make_header
-from waltz.server.feed_cache import FeedCache
+from waltz.protocol.records import ReqId
+from waltz.server.feed_cache import FeedCache, FeedEntry
 from waltz.server.locks import LockRequest, LockTable
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.transaction_cache import TransactionCache, TransactionData, TransactionFetcher
@@ -64,8 +65,8 @@ class Peer(Protocol):
 
     def send(self, msg: cs.Message) -> None: ...
 
-    def send_feed(self, headers: Sequence[RecordHeader]) -> None:
-        """A FeedData for each of ``headers``, in order."""
+    def send_feed(self, entries: Sequence[FeedEntry]) -> None:
+        """A FeedData for each of ``entries`` (flat headers, see :class:`FeedEntry`), in order."""
         ...
 
     async def drain(self) -> None: ...
@@ -278,6 +279,26 @@ class Partition:
         asks "resolve everything up to it"), so its generation is not checked."""
         return not self._closed and self._is_current(peer, req_id)
 
+    def append_nowait(self, peer: Peer, msg: cs.AppendRequest) -> bool | None:
+        """:meth:`append` if that needs no wait: True if taken (handed to the store, or answered with a
+        LockFailure), False if this incarnation cannot take it (see :meth:`accepts`), None (nothing done) if
+        it would have to wait (appends queued ahead of it, a busy lock slot, a full store queue): then call
+        :meth:`append`. The connection's read loop calls this first: no coroutine per append."""
+        # accepts(), inlined on the ReqId's raw halves: this runs once per append.
+        msb = msg.req_id.msb
+        client_id = msb >> 32
+        if client_id >= 0x80000000:
+            client_id -= 0x100000000
+        generation = msb & 0xFFFFFFFF
+        if generation >= 0x80000000:
+            generation -= 0x100000000
+        reg = self._registrations.get(client_id)
+        if self._closed or reg is None or reg.peer is not peer or generation != self.store.generation:
+            return False
+        if not self._loop_idle or self._queue.qsize():
+            return None
+        return True if self._process_append_now(_Append(peer, msg, time.monotonic())) else None
+
     async def append(self, peer: Peer, msg: cs.AppendRequest) -> bool:
         """Queue an append (waits while the queue is full: back pressure on that connection); False if this
         incarnation cannot take it (see :meth:`accepts`)."""
@@ -414,7 +435,8 @@ class Partition:
                 continue
             if item.peer.closed or not self._is_current(item.peer, item.msg.req_id):
                 continue
-            await self._process_append(item)
+            if not self._process_append_now(item):
+                await self._process_append(item)
 
     def _process_append_now(self, item: _Append) -> bool:
         """Process ``item`` as :meth:`_process_append` would, if that needs no wait; False (nothing done) if
@@ -430,14 +452,19 @@ class Partition:
                 return False
             if not self._check_locks(item, req):
                 return True
-        listener = self._resolution_listener(req, item)
+        self.pending_appends += 1
         try:
-            future = self.store.submit_nowait(msg, listener)
+            # The codec verified the data against its checksum as it decoded the request (see
+            # cs.decode_append_request): the store need not compute it again. The listener is the one
+            # _resolution_listener makes, inlined (this runs once per append).
+            queued = self.store.submit_listened(
+                msg, functools.partial(self._append_done, req, item), checksum_verified=True
+            )
         except WaltzError as e:
             self.pending_appends -= 1
             self._refused(req, msg, e)
             return True
-        if future is None:
+        if not queued:
             self.pending_appends -= 1
             self._release(req)
             return False
@@ -469,7 +496,8 @@ class Partition:
         """What the store calls when ``item`` is resolved (synchronously, in the commit: see
         ``PendingAppend.on_resolved``)."""
         self.pending_appends += 1
-        return lambda txn, error: self._append_done(txn, error, req, item)
+        # A partial is called in C: one Python frame per resolution less than a lambda.
+        return functools.partial(self._append_done, req, item)
 
     async def _take_locks(self, item: _Append) -> LockRequest | None:
         """Begin the append's locks and check them; None (with a LockFailure sent) if they conflict."""
@@ -517,7 +545,7 @@ class Partition:
             locks.release(req)
 
     def _append_done(
-        self, txn: int, error: BaseException | None, req: LockRequest | None, item: _Append
+        self, req: LockRequest | None, item: _Append, txn: int, error: BaseException | None
     ) -> None:
         self.pending_appends -= 1
         if error is not None:
@@ -528,12 +556,12 @@ class Partition:
         if req is not None:
             locks = self._locks
             assert locks is not None
-            locks.commit(req, txn)
-            locks.release(req)
-        self._feed_cache.add(self.partition_id, make_header(txn, msg.req_id, msg.header))
-        self._txn_cache.put(self.partition_id, txn, msg.data, msg.checksum)
+            locks.commit_and_release(req, txn)
+        data = msg.data
+        self._feed_cache.add_entry(self.partition_id, txn, msg.req_id, msg.header)
+        self._txn_cache.put(self.partition_id, txn, data, msg.checksum)
         self._committed += 1
-        self._committed_bytes += len(msg.data)
+        self._committed_bytes += len(data)
         if not self._notify_scheduled:
             # One wake-up per loop iteration, however many appends a batch committed; its first append's
             # latency stands for the batch. The feeds are woken now: the other appends of the batch were
@@ -562,14 +590,14 @@ class Partition:
         if ctx.task is not None and ctx.task is not asyncio.current_task():
             ctx.task.cancel()
 
-    async def _headers(self, start: int, count: int) -> list[RecordHeader]:
-        headers = self._feed_cache.get_range(self.partition_id, start, count)
-        if len(headers) < count:
-            more = await self.store.read_headers(start + len(headers), count - len(headers))
-            if more:
-                self._feed_cache.fill(self.partition_id, more)
-            headers.extend(more)
-        return headers
+    async def _headers(self, start: int, count: int, cached: list[FeedEntry]) -> list[FeedEntry]:
+        """``count`` headers from ``start``: ``cached`` (fewer, what the feed cache had from there), then the
+        rest read from the store (fewer if the store cannot serve them now)."""
+        more = await self.store.read_headers(start + len(cached), count - len(cached))
+        if more:
+            self._feed_cache.fill(self.partition_id, more)
+        cached.extend((h.transaction_id, h.req_id.msb, h.req_id.lsb, h.header) for h in more)
+        return cached
 
     async def _feed_loop(self, ctx: _FeedContext) -> None:
         peer = ctx.peer
@@ -595,7 +623,10 @@ class Partition:
                         await ctx.wake.wait()  # long poll: wait for a commit
                     continue
                 count = min(limit - ctx.next_id + 1, FEED_BATCH)
-                headers = await self._headers(ctx.next_id, count)
+                headers = self._feed_cache.get_entries(self.partition_id, ctx.next_id, count)
+                if len(headers) < count:
+                    # Not all in the cache (a reader behind it): the rest comes from the store.
+                    headers = await self._headers(ctx.next_id, count, headers)
                 if not headers:
                     await asyncio.sleep(0.01)  # the store cannot serve it right now; try again shortly
                     continue

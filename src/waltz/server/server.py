@@ -57,10 +57,10 @@ from waltz.errors import ConnectionError_, PartitionNotReadyError, RemoteProtoco
 from waltz.http import HttpEndpoint, build_info, listen, new_registry
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
-from waltz.protocol.records import RecordHeader, ReqId
+from waltz.protocol.records import ReqId
 from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
 from waltz.server.config import ServerConfig
-from waltz.server.feed_cache import FeedCache
+from waltz.server.feed_cache import FeedCache, FeedEntry
 from waltz.server.partition import Partition, PartitionMetrics
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.transaction_cache import TransactionCache, TransactionData, TransactionFetcher
@@ -81,6 +81,7 @@ _peer_warnings = RateLimitedLog(log)
 SERVER_HELLO = "Waltz Server"
 MAX_RANGE_RECORDS = 10_000
 """Most records one TransactionRangeRequest is answered with."""
+_APPEND_REQUEST_TYPE = int(cs.MessageType.APPEND_REQUEST)
 HWM_RECOVERY_WAIT_S = 1.0
 """How long a high-water-mark request waits for a partition that is still recovering before the answer is
 ``HWM_NOT_SERVED``: long enough for a normal start, short against a client's request timeout."""
@@ -130,10 +131,10 @@ class _Connection:
         except ConnectionError_:
             pass  # the connection is gone: its read loop ends and cleans up
 
-    def send_feed(self, headers: Sequence[RecordHeader]) -> None:
-        """A FeedData for each of ``headers``, in order (the feed's hot path: one call per batch)."""
+    def send_feed(self, entries: Sequence[FeedEntry]) -> None:
+        """A FeedData for each of ``entries``, in order (the feed's hot path: one call per batch)."""
         try:
-            self._conn.send_many(cs.encode_feed_data(headers, self._version))
+            self._conn.send_many(cs.encode_feed_entries(entries, self._version))
         except ConnectionError_:
             pass
 
@@ -731,27 +732,66 @@ class WaltzServer:
         )
         version = conn.negotiated_version
         log.debug("client connection from %s opened (protocol version %d)", conn.peername, version)
+        partitions = self.partitions
+        decode = cs.decode
+        decode_append = cs.decode_append_request
+        append_type = _APPEND_REQUEST_TYPE
+        append_cls = cs.AppendRequest
+        # Every whole frame of one socket read is taken in one go and handled in order: one coroutine
+        # (``receive_many``) per read instead of one per message (a client writes appends in bursts).
+        payloads: list[bytes] = []
         try:
             while True:
-                payload = await conn.receive()
-                try:
-                    msg = cs.decode(payload, version)
-                except RemoteProtocolError as e:
-                    _peer_warnings.warning(
-                        conn.source,
-                        reason_kind("decode", e),
-                        "closing client connection from %s: %s",
-                        conn.peername,
-                        e,
-                    )
-                    return
-                if peer.client_id is None:
-                    peer.client_id = msg.req_id.client_id
-                try:
-                    await self._dispatch(peer, msg)
-                except _CloseConnection as e:
-                    log.info("closing the connection of client %s (%s): %s", peer.client_id, conn.peername, e)
-                    return
+                await conn.receive_many(payloads)
+                for payload in payloads:
+                    try:
+                        msg = (
+                            decode_append(payload, version)
+                            if payload[0] == append_type
+                            else decode(payload, version)
+                        )
+                    except RemoteProtocolError as e:
+                        _peer_warnings.warning(
+                            conn.source,
+                            reason_kind("decode", e),
+                            "closing client connection from %s: %s",
+                            conn.peername,
+                            e,
+                        )
+                        return
+                    if peer.client_id is None:
+                        peer.client_id = msg.req_id.client_id
+                    if type(msg) is append_cls and not self._suspended:
+                        # Appends first, without a coroutine when nothing has to wait (nearly every message
+                        # under load is one): the partition takes it, refuses it, or says it must wait.
+                        pid = msg.req_id.lsb >> 32
+                        if pid >= 0x80000000:
+                            pid -= 0x100000000  # the signed 32-bit partition id (ReqId.partition_id)
+                        part = partitions.get(pid)
+                        if part is not None:
+                            taken = part.append_nowait(peer, msg)
+                            if taken:
+                                continue
+                            if taken is False:
+                                if not peer.end_mount(pid):
+                                    log.info(
+                                        "closing the connection of client %s (%s): AppendRequest for "
+                                        "partition %d, never mounted on this connection",
+                                        peer.client_id,
+                                        conn.peername,
+                                        pid,
+                                    )
+                                    return
+                                continue
+                            # None: it has to wait (a busy lock slot, a full queue): the general path does.
+                    try:
+                        await self._dispatch(peer, msg)
+                    except _CloseConnection as e:
+                        log.info(
+                            "closing the connection of client %s (%s): %s", peer.client_id, conn.peername, e
+                        )
+                        return
+                payloads.clear()
         finally:
             log.debug("client connection from %s (client %s) closed", conn.peername, peer.client_id)
             for part in self.partitions.values():

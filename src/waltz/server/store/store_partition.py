@@ -260,12 +260,12 @@ class StorePartition:
         in the order it sent them). Waits while the queue is full. Raises as :meth:`append` does, either here
         (refused up front) or from the future. ``on_resolved`` as in :meth:`submit_nowait`.
         """
-        pending = self._pending(request)
-        pending.on_resolved = on_resolved
+        pending = self._pending(request, on_resolved)
         await self.queue.put(pending)  # returns without queueing it if the partition failed it meanwhile
         session = self._session
         if session is not None:
             session.appends_queued()
+        assert pending.future is not None  # made when asked for
         return pending.future
 
     def submit_nowait(
@@ -279,36 +279,75 @@ class StorePartition:
         ``(transaction id, None)`` or ``(-1, error)``, whether or not the future is still awaited."""
         if self.queue.full():
             return None
-        pending = self._pending(request)
-        pending.on_resolved = on_resolved
+        pending = self._pending(request, on_resolved, True)
+        self._queue_now(pending)
+        assert pending.future is not None  # made when asked for
+        return pending.future
+
+    def submit_listened(
+        self,
+        request: AppendLike,
+        on_resolved: Callable[[int, BaseException | None], None],
+        *,
+        checksum_verified: bool = False,
+    ) -> bool:
+        """:meth:`submit_nowait` for a caller that learns the outcome from ``on_resolved`` alone: no future
+        is made (the server's hot path, one per append). False (nothing queued) if the queue is full.
+
+        ``checksum_verified=True`` says the caller checked ``request.data`` against its checksum itself (the
+        client codec does, as it decodes an AppendRequest into immutable bytes), so it is not computed a
+        second time here; the storage nodes verify it again right before writing."""
+        queue = self.queue
+        if queue.full():
+            return False
+        queue.put_nowait(self._pending(request, on_resolved, False, checksum_verified))
+        session = self._session
+        if session is not None:
+            session.appends_queued()
+        return True
+
+    def _queue_now(self, pending: PendingAppend) -> None:
         self.queue.put_nowait(pending)
         session = self._session
         if session is not None:
             session.appends_queued()
-        return pending.future
 
-    def _pending(self, request: AppendLike) -> PendingAppend:
+    def _pending(
+        self,
+        request: AppendLike,
+        on_resolved: Callable[[int, BaseException | None], None] | None = None,
+        with_future: bool = True,
+        checksum_verified: bool = False,
+    ) -> PendingAppend:
         """Check ``request`` and give it the next ticket (the caller queues it at once)."""
         if self._closed:
             raise ClosedResourceError(f"partition {self.partition_id} store is closed")
         loop = self._loop
         if loop is None:
             raise PartitionNotReadyError(f"partition {self.partition_id} store is not started")
-        if request.req_id.generation != self._generation or self._stale:
+        req_id = request.req_id
+        # req_id.generation, inlined (once per append): the signed low half of the ReqId's msb.
+        generation = req_id.msb & 0xFFFFFFFF
+        if generation >= 0x80000000:
+            generation -= 0x100000000
+        if generation != self._generation or self._stale:
             raise GenerationMismatchError(
-                f"request generation {request.req_id.generation}, partition generation {self._generation}"
+                f"request generation {generation}, partition generation {self._generation}"
             )
-        if crc32(request.data) != request.checksum:
-            raise CorruptionError(f"append {request.req_id!r}: data does not match its checksum")
+        data = request.data
+        checksum = request.checksum
+        if not checksum_verified and crc32(data) != checksum:
+            raise CorruptionError(f"append {req_id!r}: data does not match its checksum")
         ticket = self._next_ticket
         self._next_ticket += 1
         pending = PendingAppend(
-            request.req_id,
+            req_id,
             request.header,
-            request.data,
-            request.checksum,
-            loop.create_future(),
+            data,
+            checksum,
+            loop.create_future() if with_future else None,
             ticket,
+            on_resolved=on_resolved,
         )
         self._unresolved[ticket] = pending
         return pending
@@ -549,9 +588,22 @@ class StorePartition:
         if len(inflight) < n or inflight[0] is not appends[0] or inflight[n - 1] is not appends[-1]:
             raise InvariantViolation(f"partition {self.partition_id}: batch up to {hwm} commits out of order")
         del inflight[:n]
+        unresolved = self._unresolved
         for pending in appends:
-            pending.succeed(pending.transaction_id)
-        self._forget(appends)
+            # pending.succeed(pending.transaction_id), inlined: this runs once per append.
+            first = not pending.resolved
+            pending.resolved = True
+            future = pending.future
+            if future is not None and not future.done():
+                future.set_result(pending.transaction_id)
+            if first and pending.on_resolved is not None:
+                # notify_resolution, inlined: a failing listener is logged, and the commit goes on.
+                try:
+                    pending.on_resolved(pending.transaction_id, None)
+                except Exception:
+                    log.exception("an append's resolution listener failed")
+            del unresolved[pending.ticket]
+        self._resolutions.set()
 
     def _forget(self, resolved: Iterable[PendingAppend]) -> None:
         unresolved = self._unresolved

@@ -48,7 +48,14 @@ from waltz.server.store.replica_session import Batch, ReplicaRole, ReplicaSessio
 from waltz.server.store.support import InvariantViolation, RepairStatistics, StoreConfig, TaskList
 from waltz.server.store.voting import Voting, quorum_of
 
-__all__ = ["AppendQueue", "EndReason", "PendingAppend", "SessionHost", "SessionOutcome", "StoreSession"]
+__all__ = [
+    "AppendQueue",
+    "EndReason",
+    "PendingAppend",
+    "SessionHost",
+    "SessionOutcome",
+    "StoreSession",
+]
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +102,9 @@ class PendingAppend:
     header: int
     data: bytes
     checksum: int
-    future: asyncio.Future[int]
+    future: asyncio.Future[int] | None
+    """What :meth:`StorePartition.submit` returns; None for a caller that learns the outcome from
+    ``on_resolved`` alone."""
     ticket: int
     """Its place in submission order (the host's bookkeeping)."""
     transaction_id: int = -1
@@ -114,18 +123,20 @@ class PendingAppend:
     def succeed(self, transaction_id: int) -> None:
         first = not self.resolved
         self.resolved = True
-        if not self.future.done():
-            self.future.set_result(transaction_id)
+        future = self.future
+        if future is not None and not future.done():
+            future.set_result(transaction_id)
         if first and self.on_resolved is not None:
             _notify(self.on_resolved, transaction_id, None)
 
     def fail(self, error: BaseException) -> None:
         first = not self.resolved
         self.resolved = True
-        if not self.future.done():
-            self.future.set_exception(error)
+        future = self.future
+        if future is not None and not future.done():
+            future.set_exception(error)
             # The caller may have stopped waiting (cancelled); do not let asyncio warn about the exception.
-            self.future.exception()
+            future.exception()
         if first and self.on_resolved is not None:
             _notify(self.on_resolved, -1, error)
 
@@ -182,15 +193,26 @@ class AppendQueue:
         """Queue ``append`` now; the caller checked that the queue is not :meth:`full`."""
         if len(self._items) >= self.capacity:
             raise InvariantViolation(f"append queue full ({self.capacity})")
-        self._items.append(append)
+        items = self._items
+        items.append(append)
         self.data_bytes += len(append.data)
-        self._arrived.set()
+        if len(items) == 1:
+            # Only a getter that found the queue empty waits (after clearing the event): the append that
+            # ends the emptiness wakes it, those after it need not (Event.set is a Python call per append).
+            self._arrived.set()
 
     async def get(self) -> PendingAppend:
         while not self._items:
             self._arrived.clear()
             await self._arrived.wait()
         return self.get_nowait()
+
+    async def wait_arrived(self) -> None:
+        """Return at once if an append is queued, else once one was queued (it may have been taken since:
+        the store session's writer then checks again what to do)."""
+        if not self._items:
+            self._arrived.clear()
+            await self._arrived.wait()
 
     def peek(self) -> PendingAppend | None:
         """The oldest queued append, left in the queue (None if empty)."""
@@ -210,6 +232,14 @@ class AppendQueue:
         per-record work on the write path."""
         items = self._items
         room = max_count - len(batch)
+        if len(items) <= room and size + self.data_bytes <= max_bytes:
+            # Everything queued fits (the common case under a steady load): take it in one C call.
+            batch.extend(items)
+            items.clear()
+            size += self.data_bytes
+            self.data_bytes = 0
+            self._room.set()
+            return size
         taken = 0
         while room > 0 and items:
             n = len(items[0].data)
@@ -371,9 +401,31 @@ class StoreSession:
         return self._outcome is not None
 
     def appends_queued(self) -> None:
-        """The host queued appends: a writer waiting for a batch to be decided may send another."""
-        if self._full_batch_queued():
-            self._wake.set()
+        """The host queued appends: a writer waiting for a batch to be decided may send another; an idle
+        writer's batch is formed and sent right here."""
+        if self._batches:
+            # Only a writer with batches in flight waits on _wake (an idle one waits for the queue itself);
+            # the test is _full_batch_queued's, inlined: this runs once per append.
+            queue = self._host.queue
+            config = self.config
+            n = queue.qsize()
+            if (
+                n >= config.max_batch_size
+                or queue.data_bytes >= config.max_batch_bytes
+                or n >= queue.capacity
+            ):
+                self._wake.set()
+        elif (
+            self._writer_idle
+            and self.is_open
+            and self._end_requested is None
+            and self.next_id - 1 - self.low_water_mark < self.config.checkpoint_interval
+        ):
+            # Nothing in flight and the writer waits for appends (the session is open, no end requested or
+            # due): this is a lone append (or the first of a burst). It leaves for the replicas now, in the
+            # call that queued it, instead of after the writer task's wake-up one loop iteration later; the
+            # writer, woken, finds the queue empty (or the burst that came with it) and goes on.
+            self._send_batch(self._host.queue.get_nowait())
 
     def _full_batch_queued(self) -> bool:
         queue = self._host.queue
@@ -625,37 +677,49 @@ class StoreSession:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if batches:
-                first = queue.get_nowait()
-            else:
+            if not batches and queue.empty():
                 self._writer_idle = True
                 try:
-                    first = await queue.get()
+                    await queue.wait_arrived()
                 finally:
                     self._writer_idle = False
-            appends = [first]
-            # A batch is bounded in appends and in data bytes (one larger append still goes, alone): every
-            # replica request and every in-flight batch holds its data until the batch is decided.
-            queue.take_more(appends, len(first.data), config.max_batch_size, config.max_batch_bytes)
-            start = txn = self.next_id
-            session_id = self.session_id
-            records = []
-            for append in appends:
-                append.transaction_id = txn
-                append.session_id = session_id
-                # Record(...) without its generated __new__ (see PendingAppend.record).
-                records.append(
-                    _tuple_new(Record, (txn, append.req_id, append.header, append.data, append.checksum))
-                )
-                txn += 1
-            # From here on the appends' fate is decided by this batch, or by the next session's recovery.
-            self._host.inflight.extend(appends)
-            self.next_id = txn
-            voting = Voting(self.quorum, len(self.participants), self._batch_decided)
-            batch = Batch(start, tuple(records), voting)
-            batches.append((batch, appends))
-            for participant in list(self.participants):
-                participant.deliver(batch, len(batches))
+                if batches and not queue.empty() and len(batches) < config.max_inflight_batches:
+                    # appends_queued sent the first arrival alone, at once, and more arrived with it (a burst
+                    # read in one go): they go now, as the writer would have sent them all together one
+                    # iteration after their arrival, rather than wait for that first batch's commit.
+                    self._send_batch(queue.get_nowait())
+                continue  # Checked again: appends_queued may have sent what arrived itself (a lone append).
+            self._send_batch(queue.get_nowait())
+
+    def _send_batch(self, first: PendingAppend) -> None:
+        """Give ``first`` and the appends queued after it (up to a full batch) their ids and deliver them to
+        every participant as one batch."""
+        queue = self._host.queue
+        config = self.config
+        batches = self._batches
+        appends = [first]
+        # A batch is bounded in appends and in data bytes (one larger append still goes, alone): every
+        # replica request and every in-flight batch holds its data until the batch is decided.
+        queue.take_more(appends, len(first.data), config.max_batch_size, config.max_batch_bytes)
+        start = txn = self.next_id
+        session_id = self.session_id
+        records = []
+        for append in appends:
+            append.transaction_id = txn
+            append.session_id = session_id
+            # Record(...) without its generated __new__ (see PendingAppend.record).
+            records.append(
+                _tuple_new(Record, (txn, append.req_id, append.header, append.data, append.checksum))
+            )
+            txn += 1
+        # From here on the appends' fate is decided by this batch, or by the next session's recovery.
+        self._host.inflight.extend(appends)
+        self.next_id = txn
+        voting = Voting(self.quorum, len(self.participants), self._batch_decided)
+        batch = Batch(start, tuple(records), voting)
+        batches.append((batch, appends))
+        for participant in list(self.participants):
+            participant.deliver(batch, len(batches))
 
     def _batch_decided(self, committed: bool) -> None:
         """A batch's vote is decided: commit every batch at the head of the line that has its quorum.
