@@ -571,6 +571,23 @@ class FramedConnection:
             if len(out) >= _COALESCE_MAX_BYTES:
                 self._flush_out()
 
+    def send_now(self, payload: bytes | bytearray | memoryview) -> None:
+        """:meth:`send`, handed to the transport at once instead of at the end of the loop iteration (after
+        the frames queued before it, in one write): for a lone message that nothing would join, such as a
+        client's one append at a time, which then leaves one loop pass sooner and schedules no flush."""
+        if self._closed or self._error is not None or self._writer.is_closing():
+            self._check_writable()  # Raises the error that says why.
+        frame = self._proto.frame(payload)
+        out = self._out
+        if out is None:
+            self._writer.write(frame)
+        else:
+            # Frames queued earlier in this iteration go first; their scheduled flush then finds nothing.
+            self._out = None
+            out += frame
+            self._writer.write(out)
+        self._last_write_s = self._loop.time()
+
     def send_many(self, payloads: Iterable[bytes | bytearray | memoryview]) -> None:
         """:meth:`send` of each of ``payloads``, in order (checked once: for many small frames at a time)."""
         self._check_writable()
@@ -1111,7 +1128,9 @@ class RpcClient(Generic[ReqT, RespT]):
     def start_call(self, request: ReqT) -> asyncio.Future[RespT]:
         """Send ``request`` now and return the future of its response, for a caller that bounds its requests
         in flight and their time itself (no slot, no timeout, no task): the replica sessions of the server,
-        whose requests then leave in the iteration that formed them instead of one task start later.
+        whose requests then leave in the iteration that formed them instead of one task start later. With
+        nothing else in flight on the connection the request is handed to the transport at once
+        (:meth:`FramedConnection.send_now`); otherwise it joins the iteration's write.
 
         The future fails with the response's error (``error_of``) or as :meth:`call` would on a lost
         connection; cancelling it forgets the request (a late response is dropped)."""
@@ -1121,8 +1140,14 @@ class RpcClient(Generic[ReqT, RespT]):
             raise LocalProtocolError(f"{self._name}: sequence number {seq} is already in flight")
         payload = self._encode(request)
         future: asyncio.Future[RespT] = self._loop.create_future()
-        self._conn.send(payload)
-        self._pending[seq] = future
+        pending = self._pending
+        if pending:
+            self._conn.send(payload)  # Joins this iteration's write (requests pipelined on a busy peer).
+        else:
+            # Nothing in flight to this peer (a lone append's replica request): written now rather than one
+            # loop iteration later, with nothing to coalesce it with yet.
+            self._conn.send_now(payload)
+        pending[seq] = future
         return future
 
     async def _call_with_slot(self, request: ReqT) -> RespT:

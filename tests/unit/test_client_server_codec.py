@@ -43,6 +43,7 @@ from waltz.protocol.client_server import (
     decode,
     encode,
 )
+from waltz.protocol.record_run import encode_run
 from waltz.protocol.records import Record, RecordHeader, ReqId, crc32
 
 REQ = ReqId.of(client_id=1, generation=2, partition_id=3, seq_num=4)
@@ -590,3 +591,20 @@ def test_new_append_request_is_the_constructor_field_for_field() -> None:
     ]  # new_append_request sets exactly these, in this order: a new field must be added there too.
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.header = 1  # type: ignore[misc]
+
+
+def test_a_range_response_run_is_checked_when_unpacked_not_when_decoded() -> None:
+    """The decoder does not walk the run (the reader's unpacking does, once, with the checksums): a run
+    whose ids are out of sequence decodes, and unpacking it refuses it whole. A count the run's bytes cannot
+    hold is refused by the decoder at no per-record cost."""
+    recs = [Record.build(7 + i, REQ, 0, b"abcd") for i in range(2)]
+    swapped = encode_run([recs[1], recs[0]])
+    msg = decode(encode(TransactionRangeResponse(REQ, 7, 2, swapped), 5), 5)
+    assert isinstance(msg, TransactionRangeResponse)
+    assert (msg.transaction_id, msg.count, msg.run) == (7, 2, swapped)
+    with pytest.raises(RemoteProtocolError, match="transaction 8, expected 7"):
+        msg.records()
+    with pytest.raises(RemoteProtocolError, match="cannot hold 3 records"):
+        decode(encode(TransactionRangeResponse(REQ, 7, 3, encode_run(recs)), 5), 5)
+    with pytest.raises(RemoteProtocolError, match="cannot hold -1 records"):
+        decode(encode(TransactionRangeResponse(REQ, 7, -1, b""), 5), 5)

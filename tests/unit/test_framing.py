@@ -264,6 +264,33 @@ def test_frame_decoder_many_frames_in_one_read_and_partial_tail() -> None:
     assert d.next_frame() is None
 
 
+def test_large_frames_between_small_ones_in_any_read_sizes() -> None:
+    """Large payloads (range-read runs) are copied out and the buffer restarted their own way: every way of
+    taking frames gives the same payloads, whether reads end on a frame boundary or not."""
+    sizes = [3, 200_000, 0, 17, 70_000, 1, 300_000]
+    payloads = [bytes([i + 1]) * n for i, n in enumerate(sizes)]
+    data = b"".join(encode_frame(MAGIC_STORAGE, 0, p) for p in payloads)
+    for read_bytes in (1000, 65_536, 262_144, len(data)):
+        for take in ("next_frame", "next_payload", "take_payloads"):
+            d = FrameDecoder(1 << 20)
+            d.expected = (MAGIC_STORAGE, 0)
+            got: list[bytes] = []
+            for i in range(0, len(data), read_bytes):
+                d.receive_data(data[i : i + read_bytes])
+                if take == "take_payloads":
+                    d.take_payloads(got)  # skips the empty (keep-alive) payload
+                elif take == "next_payload":
+                    while (p := d.next_payload()) is not None:
+                        got.append(p)
+                else:
+                    while (f := d.next_frame()) is not None:
+                        got.append(f.payload)
+            expected = [p for p in payloads if p] if take == "take_payloads" else payloads
+            assert got == expected, (read_bytes, take)
+            assert all(type(p) is bytes for p in got)
+            assert d.buffered_bytes == 0
+
+
 @given(st.binary(max_size=200))
 def test_hello_decoder_raises_only_protocol_errors(data: bytes) -> None:
     try:

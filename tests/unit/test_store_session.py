@@ -225,6 +225,41 @@ def test_closed_partition_refuses_appends_and_fails_pending_ones() -> None:
     run_virtual(main())
 
 
+def test_a_lone_append_is_batched_in_the_call_that_queued_it_and_its_burst_follows_one_iteration_later() -> (
+    None
+):
+    async def main() -> None:
+        world = World()
+        async with world.partition() as partition:
+            await partition.wait_open()
+            session = partition.session
+            assert session is not None
+            await asyncio.sleep(0)  # the writer waits for appends
+            first = partition.submit_nowait(req(0))
+            # No loop iteration in between: the idle writer's batch was formed and delivered by the call.
+            assert [b.first for b in session.batches_in_flight] == [0]
+            assert partition.queue.qsize() == 0
+            # Queued with it, in the same iteration (a burst read in one go): the writer, woken by the
+            # first arrival, sends them one iteration later as the next batch, without waiting for the
+            # commit of the first (as it sent a whole burst before the lone append's shortcut).
+            burst = [partition.submit_nowait(req(i)) for i in (1, 2)]
+            assert [b.first for b in session.batches_in_flight] == [0]
+            assert partition.queue.qsize() == 2
+            await asyncio.sleep(0)
+            assert [b.first for b in session.batches_in_flight] == [0, 1]
+            assert partition.queue.qsize() == 0
+            # Later arrivals while batches are in flight wait for a commit (not a full batch: no 3rd batch).
+            later = [partition.submit_nowait(req(i)) for i in (3, 4)]
+            await asyncio.sleep(0)
+            assert [b.first for b in session.batches_in_flight] == [0, 1]
+            assert first is not None
+            assert await first == 0
+            assert [await f for f in burst + later if f is not None] == [1, 2, 3, 4]
+            assert [r.transaction_id for r in world.log(NAMES[0])] == [0, 1, 2, 3, 4]
+
+    run_virtual(main())
+
+
 def test_submit_nowait_calls_the_listener_once_in_the_commit_and_refuses_when_the_queue_is_full() -> None:
     async def main() -> None:
         world = World(max_queued_appends=3)
@@ -239,26 +274,28 @@ def test_submit_nowait_calls_the_listener_once_in_the_commit_and_refuses_when_th
 
         async with world.partition() as partition:
             await partition.wait_open()
-            futures = [partition.submit_nowait(req(i), listener) for i in range(3)]
+            # The first leaves at once in a batch of its own (the writer was idle); the next three wait in
+            # the queue for that batch to be decided, and fill it.
+            futures = [partition.submit_nowait(req(i), listener) for i in range(4)]
             assert all(f is not None for f in futures)
-            assert partition.submit_nowait(req(3), listener) is None  # full: nothing queued
+            assert partition.submit_nowait(req(4), listener) is None  # full: nothing queued
             ids = [await f for f in futures if f is not None]
-            assert ids == [0, 1, 2]
-            assert heard == [(0, None), (1, None), (2, None)]
+            assert ids == [0, 1, 2, 3]
+            assert heard == [(0, None), (1, None), (2, None), (3, None)]
             # A listener that raises is logged; the store carries on.
-            future = partition.submit_nowait(req(3), failing_listener)
+            future = partition.submit_nowait(req(4), failing_listener)
             assert future is not None
-            assert await future == 3
-            assert await partition.append(req(4)) == 4
+            assert await future == 4
+            assert await partition.append(req(5)) == 5
             # A failed append is heard once, with its error.
             for name in NAMES[1:]:
                 world.storages[name].crash()
-            doomed = partition.submit_nowait(req(5), listener)
+            doomed = partition.submit_nowait(req(6), listener)
             assert doomed is not None
             await asyncio.sleep(0.5)
         assert doomed.done()
         assert isinstance(doomed.exception(), ClosedResourceError)
-        assert heard[3:] == [(-1, doomed.exception())]
+        assert heard[4:] == [(-1, doomed.exception())]
 
     run_virtual(main())
 
@@ -278,18 +315,20 @@ def test_submit_listened_queues_without_a_future_and_checks_the_checksum_unless_
                 partition.submit_listened(bad, listener)
             with pytest.raises(GenerationMismatchError):
                 partition.submit_listened(req(0, generation=2), listener, checksum_verified=True)
+            await asyncio.sleep(0)  # the writer waits for appends: the first leaves at once, in a batch
             assert partition.submit_listened(req(0), listener)
             assert partition.submit_listened(req(1), listener, checksum_verified=True)
-            assert not partition.submit_listened(req(2), listener)  # full: nothing queued
-            assert await partition.flush() == 1
-            assert heard == [(0, None), (1, None)]
+            assert partition.submit_listened(req(2), listener)
+            assert not partition.submit_listened(req(3), listener)  # full: nothing queued
+            assert await partition.flush() == 2
+            assert heard == [(0, None), (1, None), (2, None)]
             # Failing listeners are logged; the appends after them are still heard, in order.
-            assert partition.submit_listened(req(2), lambda _t, _e: 1 / 0)  # type: ignore[func-returns-value]
-            assert partition.submit_listened(req(3), listener)
-            assert await partition.flush() == 3
-            assert heard[2:] == [(3, None)]
+            assert partition.submit_listened(req(3), lambda _t, _e: 1 / 0)  # type: ignore[func-returns-value]
+            assert partition.submit_listened(req(4), listener)
+            assert await partition.flush() == 4
+            assert heard[3:] == [(4, None)]
         for name in NAMES:
-            assert [r.req_id.seq_num for r in world.log(name)] == [0, 1, 2, 3]
+            assert [r.req_id.seq_num for r in world.log(name)] == [0, 1, 2, 3, 4]
 
     run_virtual(main())
 
@@ -445,6 +484,7 @@ def test_with_a_batch_in_flight_only_a_full_batch_is_sent_before_the_next_commit
             _slow_fsyncs(world, 200)
             futures = [await partition.submit(req(0))]
             await _wait(lambda: len(session.batches_in_flight) == 1)
+            await asyncio.sleep(0.01)  # later than req(0): not in its burst (which would follow it at once)
             futures += [await partition.submit(req(i)) for i in (1, 2)]
             await asyncio.sleep(0.1)  # half an fsync: two queued appends are not a full batch
             assert len(session.batches_in_flight) == 1

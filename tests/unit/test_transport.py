@@ -239,6 +239,39 @@ def test_send_many_frames_each_payload_in_order_after_what_was_sent_before() -> 
     run(main)
 
 
+def test_send_now_writes_at_once_after_the_frames_queued_before_it() -> None:
+    async def main() -> None:
+        async with serving(echo) as port:
+            conn = await connect(port)
+            async with conn:
+                writes: list[bytes] = []
+                writer = conn._writer
+                plain_write = writer.write
+
+                def recording_write(data: bytes | bytearray | memoryview) -> None:
+                    writes.append(bytes(data))
+                    plain_write(data)
+
+                writer.write = recording_write  # type: ignore[method-assign]
+                conn.send(b"queued")
+                assert writes == []  # send() waits for the end of the loop iteration
+                conn.send_now(b"now")
+                assert len(writes) == 1  # at once, with what was queued before it, in one write
+                conn.send_now(b"alone")
+                assert len(writes) == 2
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+                assert len(writes) == 2  # the iteration's flush found nothing left to write
+                for expected in (b"queued", b"now", b"alone"):
+                    assert await conn.receive() == expected
+                with pytest.raises(LocalProtocolError):
+                    conn.send_now(b"")
+            with pytest.raises(ClosedResourceError):
+                conn.send_now(b"x")
+
+    run(main)
+
+
 def test_a_large_frame_leaves_after_the_small_ones_queued_before_it_and_before_later_ones() -> None:
     # A frame of 1 MiB or more is written as it is, not copied into the coalescing buffer: the frames queued
     # before it in the same loop iteration must still go first.
@@ -564,8 +597,19 @@ def test_rpc_client_start_call_sends_at_once_and_resolves_maps_fails_and_forgets
             return s.failure_to_error(response) if isinstance(response, s.FailureResponse) else None
 
         async with serving(replier) as port, storage_rpc(await connect(port), error_of=error_of) as rpc:
+            writes: list[int] = []
+            writer = rpc.connection._writer
+            plain_write = writer.write
+
+            def recording_write(data: bytes | bytearray | memoryview) -> None:
+                writes.append(len(data))
+                plain_write(data)
+
+            writer.write = recording_write  # type: ignore[method-assign]
             ok = rpc.start_call(s.MaxTransactionIdRequest(1, 0, 0, False))
+            assert len(writes) == 1  # nothing else in flight: written at once
             failed = rpc.start_call(s.MaxTransactionIdRequest(1, 1, 99, False))
+            assert len(writes) == 1  # pipelined behind it: joins the iteration's write
             assert rpc.in_flight == 2
             assert not ok.done()
             with pytest.raises(LocalProtocolError, match="already in flight"):

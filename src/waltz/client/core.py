@@ -206,6 +206,9 @@ class AsyncWaltzClient:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pool: CallbackPool | None = None
         self._hooks: list[Call] = []  # Hooks queued during this loop iteration, run as one job.
+        # Inline mode: a coroutine hook run at once (see _hook_now), awaited first by this
+        # iteration's batch, with the hooks queued after it (its run leads _hook_runs).
+        self._lead_awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]] = []
         self._hook_runs: list[tuple[Run, bool]] = []  # (run, True: on_completion / False: on_application)
         # What application threads hand to the loop (see _hand_over), and whether a take is scheduled.
         self._handoff: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
@@ -786,7 +789,6 @@ class AsyncWaltzClient:
             return False
         source = self._source
         assert source is not None
-        partition.push_feed(Transaction(partition_id, transaction_id, header, req_id, source))
         resolutions = monitor.on_feed(transaction_id, req_id)
         if resolutions:
             # _resolve, inline (once per feed entry)
@@ -797,6 +799,10 @@ class AsyncWaltzClient:
                     self._on_first_outcome(waiter, resolution)
                 elif waiter is not None:
                     _settle(waiter, resolution)
+        # Queued for apply_transaction after the resolutions: the applier's wake-up then follows the
+        # application's (an inline on_completion that woke the task waiting for it), so that task's next
+        # append goes out first and the apply runs while the server works on it (one append at a time).
+        partition.push_feed(Transaction(partition_id, transaction_id, header, req_id, source))
         return True
 
     async def _on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
@@ -1013,11 +1019,13 @@ class AsyncWaltzClient:
             run.handle(_COMMIT)
             run.transaction_id = result.transaction_id
             partition.awaiting_apply.append(run)
+            if not self._hook_runs:
+                if self._inline:
+                    self._hook_now(run, True)
+                    return
+                self._call_soon(self._flush_hooks)
             # _queue_hook(run, True, on_completion, True), inline (once per append)
-            hooks = self._hooks
-            if not hooks:
-                asyncio.get_running_loop().call_soon(self._flush_hooks)
-            hooks.append((run.context.on_completion, _TRUE_ARGS))
+            self._hooks.append((run.context.on_completion, _TRUE_ARGS))
             self._hook_runs.append((run, True))
             return
         if isinstance(result, Resolution):
@@ -1102,37 +1110,72 @@ class AsyncWaltzClient:
     def _queue_application(self, run: Run) -> None:
         if run.state is _STATE_COMMITTED and run.handle(_APPLY) is _ON_APPLICATION:
             # _queue_hook(run, False, on_application), inline (once per append)
-            hooks = self._hooks
-            if not hooks:
-                asyncio.get_running_loop().call_soon(self._flush_hooks)
-            hooks.append((run.context.on_application, ()))
+            if not self._hook_runs:
+                if self._inline:
+                    self._hook_now(run, False)
+                    return
+                self._call_soon(self._flush_hooks)
+            self._hooks.append((run.context.on_application, ()))
             self._hook_runs.append((run, False))
         else:
             self._finish(run)  # Ended meanwhile (closed): no on_application.
 
     def _queue_hook(self, run: Run, completion: bool, fn: Callable[..., Any], *args: Any) -> None:
         """Queue a fast-path hook; the hooks queued in one loop iteration run as one callback-thread job."""
-        if not self._hooks:
-            asyncio.get_running_loop().call_soon(self._flush_hooks)
+        if not self._hook_runs:
+            self._call_soon(self._flush_hooks)
         self._hooks.append((fn, args))
         self._hook_runs.append((run, completion))
 
     def _flush_hooks(self) -> None:
-        if not self._hooks:
+        if not self._hook_runs:
             return
         hooks, self._hooks = self._hooks, []
         runs, self._hook_runs = self._hook_runs, []
+        lead, self._lead_awaitables = self._lead_awaitables, []
         pool = self._pool
         if pool is None or pool.is_shut_down:
+            for _fn, awaitable in lead:
+                if inspect.iscoroutine(awaitable):
+                    awaitable.close()  # Dropped with its batch, as the hooks never called.
             return
         if self._inline:
             awaitables = _run_hooks_inline(hooks)
+            if lead:
+                awaitables = lead + awaitables
             if awaitables:
                 self._spawn(self._await_hooks(awaitables, runs), "waltz-hooks")
             else:
                 self._hooks_done(runs)
             return
         pool.post(hooks, then=functools.partial(self._hooks_done, runs))
+
+    def _hook_now(self, run: Run, completion: bool) -> None:
+        """Inline mode, no hook queued in this loop iteration: ``on_completion(True)`` (``completion``) or
+        ``on_application()`` now, where the append was resolved (the socket reader) or its transaction
+        applied (the applier), instead of in the next iteration through _flush_hooks: a lone append's
+        application hears of it one loop pass sooner. What the hook would have been in its batch, it still
+        is: the first; a coroutine it returns is awaited first by this iteration's batch, before the hooks
+        queued after it, which therefore run in order as before."""
+        pool = self._pool
+        if pool is None or pool.is_shut_down:
+            return  # As _flush_hooks: no hooks once the client is shut down.
+        context = run.context
+        hook: Call = (context.on_completion, _TRUE_ARGS) if completion else (context.on_application, ())
+        awaitables = _run_hooks_inline([hook])
+        if awaitables:
+            self._lead_awaitables = awaitables
+            self._hook_runs.append((run, completion))
+            self._call_soon(self._flush_hooks)
+        else:
+            self._hooks_done([(run, completion)])
+
+    def _call_soon(self, callback: Callable[[], object]) -> None:
+        """``loop.call_soon`` on the client's loop without asyncio.get_running_loop() (a getpid() system call
+        on each call in CPython 3.11; the hot path made five per append)."""
+        loop = self._loop
+        assert loop is not None  # Set by start(), before anything queues a hook.
+        loop.call_soon(callback)
 
     async def _await_hooks(
         self, awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]], runs: list[tuple[Run, bool]]
@@ -1281,7 +1324,12 @@ class AsyncWaltzClient:
         partition.outcomes[req_id] = waiter
         monitor.register(req_id, seq, self._clock())
         try:
-            driver.send_append(partition.id, request)
+            if len(partition.outcomes) == 1:
+                # Alone in flight (one append at a time): nothing would join it in this iteration's write,
+                # so it leaves now instead of one loop pass later. Pipelined appends share one write.
+                driver.send_append_now(p, request)
+            else:
+                driver.send_append(p, request)
         except WaltzError as e:
             log.warning("partition %d: append %r not sent: %s", partition.id, req_id, e)
             self._resolve(partition, monitor.fail(req_id))
@@ -1496,12 +1544,16 @@ def _run_hooks_inline(hooks: list[Call]) -> list[tuple[Callable[..., Any], Await
     """Run context hooks on the loop (inline mode), reporting their exceptions to the loop's exception
     handler; returns the awaitables that coroutine hooks returned, in order, for the caller to await."""
     awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]] = []
-    loop = asyncio.get_running_loop()
     for fn, args in hooks:
         try:
             result = fn(*args)
-        except Exception as e:  # noqa: BLE001 - reported to the application, not swallowed
-            report_hook_failure(loop, fn, e)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as e:  # noqa: BLE001 - reported to the application, not swallowed
+            # BaseException too: a hook may now run inside the socket reader (on_completion), which a
+            # CancelledError from application code must not end. (The loop is looked up here only: each
+            # asyncio.get_running_loop() is a getpid() system call, twice per append on this path.)
+            report_hook_failure(asyncio.get_running_loop(), fn, e)
             continue
         if result is not None and inspect.isawaitable(result):
             awaitables.append((fn, result))

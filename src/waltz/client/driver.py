@@ -51,15 +51,16 @@ Mount states (the events :meth:`DriverListener.on_mount_state` carries)
 Appends and flushes
 -------------------
 ``send_append`` and ``send_flush`` are **synchronous and non-blocking**: the driver queues the request and
-must transmit the requests of one partition **in call order** on the partition's stream. The core depends on
-this: once it sees one of its own request ids in the feed it fails every older pending append, which is only
-correct if the server received them in the order they were registered. The core never has more than
-``client.maxConcurrentTransactions`` appends outstanding per partition, plus one flush per partition at a
-time (rarely two), so the driver's queue is bounded by that. If a request cannot be sent (no connection), the
-driver may drop it silently: after the next ``READY`` the core's flush resolves it as failed. A failed append
-on the server sends nothing back; a lock conflict comes back as ``on_lock_failure``; a flush is always
-answered by ``on_flush_response`` with the partition's high-water mark once every earlier append of this
-client has been resolved.
+must transmit the requests of one partition **in call order** on the partition's stream
+(``send_append_now``, which the core uses for a lone append, is the same with the request handed to the
+network at once). The core depends on this: once it sees one of its own request ids in the feed it fails
+every older pending append, which is only correct if the server received them in the order they were
+registered. The core never has more than ``client.maxConcurrentTransactions`` appends outstanding per
+partition, plus one flush per partition at a time (rarely two), so the driver's queue is bounded by that.
+If a request cannot be sent (no connection), the driver may drop it silently: after the next ``READY`` the
+core's flush resolves it as failed. A failed append on the server sends nothing back; a lock conflict comes
+back as ``on_lock_failure``; a flush is always answered by ``on_flush_response`` with the partition's
+high-water mark once every earlier append of this client has been resolved.
 
 Data and high-water mark (RPC, no ordering)
 -------------------------------------------
@@ -177,6 +178,13 @@ class ClientDriver(ABC):
     @abstractmethod
     def send_append(self, partition_id: int, request: AppendRequest) -> None:
         """Queue an append; requests of one partition are transmitted in call order. Never blocks."""
+
+    def send_append_now(self, partition_id: int, request: AppendRequest) -> None:
+        """:meth:`send_append`, handed to the network at once rather than with the requests queued in the
+        same loop iteration (which it follows, in order). The core uses it for a lone append (nothing else in
+        flight on its partition), which no other request would join: it leaves one loop pass sooner. A
+        driver with nothing to batch need not override it."""
+        self.send_append(partition_id, request)
 
     @abstractmethod
     def send_flush(self, partition_id: int, req_id: ReqId) -> None:

@@ -266,6 +266,13 @@ class NetworkDriver(ClientDriver):
             link = self._ready_link(partition_id)  # Raises the error that says why.
         link.send_append(request)
 
+    def send_append_now(self, partition_id: int, request: AppendRequest) -> None:
+        mount = self._mounts.get(partition_id)
+        link = mount.link if mount is not None else None
+        if self._closed or link is None or link.conn is None or not mount.ready:  # type: ignore[union-attr]
+            link = self._ready_link(partition_id)  # Raises the error that says why.
+        link.send_append(request, at_once=True)
+
     def send_flush(self, partition_id: int, req_id: ReqId) -> None:
         self._ready_link(partition_id).send(cs.FlushRequest(req_id))
 

@@ -235,8 +235,9 @@ async def rpc_read_run(
     max_count: int,
     timeout_ms: int,
 ) -> tuple[int, bytes]:
-    """One TransactionRangeRequest attempt: ``(count, run)``, the records from ``start`` as a record run whose
-    shape the codec checked; verify the checksums with :func:`run_records` or :func:`run_columns`."""
+    """One TransactionRangeRequest attempt: ``(count, run)``, the records from ``start`` as a record run, not
+    yet checked: unpack it with :func:`run_records`, :func:`run_columns` or :func:`run_bounds`, which check
+    its shape and verify every checksum."""
 
     def make(req_id: ReqId) -> cs.Message:
         return cs.TransactionRangeRequest(req_id, start, max_count)

@@ -163,6 +163,7 @@ class PartitionState:
         self.resynced_at: float | None = None  # When the core last asked the driver to resync (its clock).
         self._changed = asyncio.Event()
         self._feed_waiter: asyncio.Future[None] | None = None  # The applier, waiting for the feed.
+        self._loop: asyncio.AbstractEventLoop | None = None  # The applier's, once it waited.
         self._room_waiter: asyncio.Future[None] | None = None  # The driver, waiting for room in the feed.
 
     def push_feed(self, transaction: Transaction) -> None:
@@ -172,8 +173,12 @@ class PartitionState:
             waiter.set_result(None)
 
     async def wait_feed(self) -> None:
+        loop = self._loop
+        if loop is None:
+            # Looked up once: asyncio.get_running_loop() costs a getpid() system call per call in 3.11.
+            loop = self._loop = asyncio.get_running_loop()
         while not self.feed:
-            self._feed_waiter = asyncio.get_running_loop().create_future()
+            self._feed_waiter = loop.create_future()
             await self._feed_waiter
 
     async def wait_room(self) -> None:

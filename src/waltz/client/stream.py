@@ -250,13 +250,17 @@ class StreamLink:
         except ConnectionError_ as e:
             raise BrokenResourceError(f"connection to {self.endpoint} lost: {e}") from None
 
-    def send_append(self, request: cs.AppendRequest) -> None:
-        """:meth:`send` for an append (the hot path: no version check, AppendRequest is in every codec)."""
+    def send_append(self, request: cs.AppendRequest, at_once: bool = False) -> None:
+        """:meth:`send` for an append (the hot path: no version check, AppendRequest is in every codec).
+        ``at_once``: written now (see FramedConnection.send_now), not with the loop iteration's frames."""
         conn = self.conn
         if conn is None:
             raise BrokenResourceError(f"no connection to {self.endpoint}")
         try:
-            conn.send(cs.append_payload(request, self.version))
+            if at_once:
+                conn.send_now(cs.append_payload(request, self.version))
+            else:
+                conn.send(cs.append_payload(request, self.version))
         except ConnectionError_ as e:
             raise BrokenResourceError(f"connection to {self.endpoint} lost: {e}") from None
 

@@ -55,8 +55,9 @@ V5 is ours, not the original's: 23/24 read a range of committed transactions (he
 trip, for bulk readers such as the Spark data source. The response holds consecutive committed records from
 ``transactionId`` (fewer than asked, or none, at the high-water mark) as a *record run*: the records exactly
 as the storage node stores them, each with its data checksum and a record checksum
-(:mod:`waltz.protocol.record_run`). The server relays the run without decoding it; the decoder checks its
-shape (ids, lengths) and the reader verifies every checksum.
+(:mod:`waltz.protocol.record_run`). The server relays the run without decoding it; the decoder checks only
+that the run can hold its count, and the reader checks its shape (ids, lengths) and every checksum in one
+pass when it unpacks it.
 
 Guarantees (the h11 contract):
 
@@ -88,7 +89,7 @@ from typing import ClassVar, Final, Self
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
 from waltz.protocol.checksum import crc32 as _crc32
-from waltz.protocol.record_run import encode_run, run_records, scan_run
+from waltz.protocol.record_run import STORED_OVERHEAD_BYTES, encode_run, run_records
 from waltz.protocol.records import Record, RecordHeader, ReqId, crc32
 from waltz.protocol.wire import Reader, Writer
 
@@ -905,7 +906,8 @@ class TransactionRangeRequest(_Message):
 @dataclass(frozen=True, slots=True)
 class TransactionRangeResponse(_Message):
     """``count`` consecutive committed records from ``transaction_id`` as a record run (none at or past the
-    high-water mark) (V5). The decoder checks the run's shape; :meth:`records` verifies the checksums."""
+    high-water mark) (V5). The decoder checks the framing only; :meth:`records` (or any run unpacker) checks
+    the run's shape and verifies the checksums."""
 
     TYPE: ClassVar[MessageType] = MessageType.TRANSACTION_RANGE_RESPONSE
     MIN_VERSION: ClassVar[int] = 5
@@ -947,7 +949,13 @@ class TransactionRangeResponse(_Message):
         count = r.i32()
         run = r.bytes_required()
         r.expect_end()
-        scan_run(run, transaction_id, count)
+        if count < 0 or count * STORED_OVERHEAD_BYTES > len(run):
+            raise RemoteProtocolError(
+                f"a range response's run of {len(run)} bytes cannot hold {count} records"
+            )
+        # The run's shape (ids, lengths) is not walked here: every consumer unpacks the run with run_bounds,
+        # which checks the shape and both checksums of every record in the one pass it makes anyway. A walk
+        # here cost a third as much again per record, on the reader's side of a bulk read.
         return cls(req_id, transaction_id, count, run)
 
 

@@ -15,11 +15,11 @@ A run of ``n`` records starting at transaction ``first`` is ``n`` stored records
 Range reads (storage ``RecordRunRequest``, client-server V5 ``TransactionRangeResponse``) carry runs so that
 nothing between the disk and the reader touches individual records: the storage node sends the bytes of its
 data file as they are (one ``pread``), the server checks their shape with :func:`scan_run` and forwards them
-untouched, and the reader checks both checksums of every record while unpacking (:func:`run_records`,
-:func:`run_columns`, or :func:`run_bounds` for a reader that cuts the fields out itself, as the Spark source
-does with Arrow). So the checks are end to end: corruption on disk, in a cache, in memory or on the wire
-is caught where the data is used, and the per-record work happens in the reader, which scales with the number
-of readers, not in the one server that owns the partition.
+untouched, and the reader checks the shape and both checksums of every record while unpacking
+(:func:`run_records`, :func:`run_columns`, or :func:`run_bounds` for a reader that cuts the fields out itself,
+as the Spark source does with Arrow). So the checks are end to end: corruption on disk, in a cache, in memory
+or on the wire is caught where the data is used, and the per-record work happens in the reader, which scales
+with the number of readers, not in the one server that owns the partition.
 
 Every function here is pure (no I/O). Unpacking raises :class:`~waltz.errors.RemoteProtocolError` for a run
 whose shape is wrong (an id out of sequence, a length that runs past the end, bytes left over, more records
@@ -123,8 +123,9 @@ def scan_run(run: bytes | bytearray | memoryview, first: int, count: int) -> Non
 
 @dataclass(frozen=True, slots=True)
 class RecordRun:
-    """``count`` consecutive records from ``first`` as a run whose shape was checked on arrival; its checksums
-    are verified when it is unpacked (:meth:`records`, :meth:`columns`)."""
+    """``count`` consecutive records from ``first`` as a run, as received: its shape and checksums are checked
+    when it is unpacked (:meth:`records`, :meth:`columns`, :func:`run_bounds`), which refuses the whole run
+    if any of it is wrong."""
 
     first: int
     count: int

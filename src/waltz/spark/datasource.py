@@ -42,7 +42,14 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 
-from waltz.spark.arrow import READ_SCHEMA_DDL, READ_SCHEMA_NO_DATA_DDL, to_arrow
+from waltz.spark.arrow import (
+    ALL_COLUMNS,
+    READ_SCHEMA_DDL,
+    READ_SCHEMA_NO_DATA_DDL,
+    Column,
+    read_columns,
+    to_arrow,
+)
 from waltz.spark.options import SourceOptions, parse_options
 from waltz.spark.plan import (
     StreamPlanner,
@@ -81,13 +88,21 @@ class TxnRangePartition(InputPartition):
         self.range = txn_range
 
 
-def _read(options: SourceOptions, partition: InputPartition) -> Iterator[Any]:
+def _read(options: SourceOptions, columns: tuple[Column, ...], partition: InputPartition) -> Iterator[Any]:
     txn_range = getattr(partition, "range", None)
     if not isinstance(txn_range, TxnRange):
         return  # Spark turns an empty plan into one partition of None: nothing to read.
     source = _source(options)
     for run in source.read(txn_range.partition, txn_range.start, txn_range.end):
-        yield to_arrow(txn_range.partition, run, options.include_data)
+        yield to_arrow(txn_range.partition, run, columns=columns)
+
+
+def _columns(schema: Any, options: SourceOptions) -> tuple[Column, ...]:
+    """The columns a read produces: those of the read's schema, which is the source's own or one the user
+    gave (``spark.read.format("waltz").schema(...)``, any subset of the source's columns)."""
+    if not hasattr(schema, "fields"):  # pragma: no cover - PySpark passes a StructType
+        return ALL_COLUMNS if options.include_data else ALL_COLUMNS[:4]
+    return read_columns(schema, options.include_data)
 
 
 class WaltzDataSource(DataSource):
@@ -105,10 +120,12 @@ class WaltzDataSource(DataSource):
         return READ_SCHEMA_DDL if self.parsed.include_data else READ_SCHEMA_NO_DATA_DDL
 
     def reader(self, schema: Any) -> DataSourceReader:
-        return WaltzBatchReader(self.parsed.for_batch_read())
+        options = self.parsed.for_batch_read()
+        return WaltzBatchReader(options, _columns(schema, options))
 
     def streamReader(self, schema: Any) -> DataSourceStreamReader:
-        return WaltzStreamReader(self.parsed.for_stream_read())
+        options = self.parsed.for_stream_read()
+        return WaltzStreamReader(options, _columns(schema, options))
 
     def writer(self, schema: Any, overwrite: bool) -> DataSourceArrowWriter:
         return WaltzBatchWriter(self.parsed.for_write(streaming=False), schema, overwrite)
@@ -120,8 +137,9 @@ class WaltzDataSource(DataSource):
 class WaltzBatchReader(DataSourceReader):
     """A batch read: the committed log from ``startingOffsets`` to ``endingOffsets``, fixed at planning."""
 
-    def __init__(self, options: SourceOptions) -> None:
+    def __init__(self, options: SourceOptions, columns: tuple[Column, ...] = ALL_COLUMNS) -> None:
         self.options = options
+        self.columns = columns
 
     def partitions(self) -> Sequence[InputPartition]:
         opts = self.options
@@ -136,7 +154,7 @@ class WaltzBatchReader(DataSourceReader):
         return [TxnRangePartition(t) for t in tasks]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        return _read(self.options, partition)
+        return _read(self.options, self.columns, partition)
 
 
 class WaltzStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -147,13 +165,14 @@ class WaltzStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     the checkpoint after a crash reads exactly the same transactions.
     """
 
-    def __init__(self, options: SourceOptions) -> None:
+    def __init__(self, options: SourceOptions, columns: tuple[Column, ...] = ALL_COLUMNS) -> None:
         self.options = options
+        self.columns = columns
         self._planner: StreamPlanner | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        # Executors only need the options: the planner holds a live connection.
-        return {"options": self.options, "_planner": None}
+        # Executors only need the options and columns: the planner holds a live connection.
+        return {"options": self.options, "columns": self.columns, "_planner": None}
 
     @property
     def planner(self) -> StreamPlanner:
@@ -192,7 +211,7 @@ class WaltzStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return [TxnRangePartition(t) for t in self.planner.plan(start, end)]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        return _read(self.options, partition)
+        return _read(self.options, self.columns, partition)
 
     def commit(self, end: dict[str, Any]) -> None:
         """Nothing to acknowledge: the log is immutable and the position lives in Spark's checkpoint."""

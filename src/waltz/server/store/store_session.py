@@ -207,6 +207,13 @@ class AppendQueue:
             await self._arrived.wait()
         return self.get_nowait()
 
+    async def wait_arrived(self) -> None:
+        """Return at once if an append is queued, else once one was queued (it may have been taken since:
+        the store session's writer then checks again what to do)."""
+        if not self._items:
+            self._arrived.clear()
+            await self._arrived.wait()
+
     def peek(self) -> PendingAppend | None:
         """The oldest queued append, left in the queue (None if empty)."""
         return self._items[0] if self._items else None
@@ -394,10 +401,11 @@ class StoreSession:
         return self._outcome is not None
 
     def appends_queued(self) -> None:
-        """The host queued appends: a writer waiting for a batch to be decided may send another."""
-        # Only a writer with batches in flight waits on _wake (an idle one waits for the queue itself); the
-        # test is _full_batch_queued's, inlined: this runs once per append.
+        """The host queued appends: a writer waiting for a batch to be decided may send another; an idle
+        writer's batch is formed and sent right here."""
         if self._batches:
+            # Only a writer with batches in flight waits on _wake (an idle one waits for the queue itself);
+            # the test is _full_batch_queued's, inlined: this runs once per append.
             queue = self._host.queue
             config = self.config
             n = queue.qsize()
@@ -407,6 +415,17 @@ class StoreSession:
                 or n >= queue.capacity
             ):
                 self._wake.set()
+        elif (
+            self._writer_idle
+            and self.is_open
+            and self._end_requested is None
+            and self.next_id - 1 - self.low_water_mark < self.config.checkpoint_interval
+        ):
+            # Nothing in flight and the writer waits for appends (the session is open, no end requested or
+            # due): this is a lone append (or the first of a burst). It leaves for the replicas now, in the
+            # call that queued it, instead of after the writer task's wake-up one loop iteration later; the
+            # writer, woken, finds the queue empty (or the burst that came with it) and goes on.
+            self._send_batch(self._host.queue.get_nowait())
 
     def _full_batch_queued(self) -> bool:
         queue = self._host.queue
@@ -658,37 +677,49 @@ class StoreSession:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if batches:
-                first = queue.get_nowait()
-            else:
+            if not batches and queue.empty():
                 self._writer_idle = True
                 try:
-                    first = await queue.get()
+                    await queue.wait_arrived()
                 finally:
                     self._writer_idle = False
-            appends = [first]
-            # A batch is bounded in appends and in data bytes (one larger append still goes, alone): every
-            # replica request and every in-flight batch holds its data until the batch is decided.
-            queue.take_more(appends, len(first.data), config.max_batch_size, config.max_batch_bytes)
-            start = txn = self.next_id
-            session_id = self.session_id
-            records = []
-            for append in appends:
-                append.transaction_id = txn
-                append.session_id = session_id
-                # Record(...) without its generated __new__ (see PendingAppend.record).
-                records.append(
-                    _tuple_new(Record, (txn, append.req_id, append.header, append.data, append.checksum))
-                )
-                txn += 1
-            # From here on the appends' fate is decided by this batch, or by the next session's recovery.
-            self._host.inflight.extend(appends)
-            self.next_id = txn
-            voting = Voting(self.quorum, len(self.participants), self._batch_decided)
-            batch = Batch(start, tuple(records), voting)
-            batches.append((batch, appends))
-            for participant in list(self.participants):
-                participant.deliver(batch, len(batches))
+                if batches and not queue.empty() and len(batches) < config.max_inflight_batches:
+                    # appends_queued sent the first arrival alone, at once, and more arrived with it (a burst
+                    # read in one go): they go now, as the writer would have sent them all together one
+                    # iteration after their arrival, rather than wait for that first batch's commit.
+                    self._send_batch(queue.get_nowait())
+                continue  # Checked again: appends_queued may have sent what arrived itself (a lone append).
+            self._send_batch(queue.get_nowait())
+
+    def _send_batch(self, first: PendingAppend) -> None:
+        """Give ``first`` and the appends queued after it (up to a full batch) their ids and deliver them to
+        every participant as one batch."""
+        queue = self._host.queue
+        config = self.config
+        batches = self._batches
+        appends = [first]
+        # A batch is bounded in appends and in data bytes (one larger append still goes, alone): every
+        # replica request and every in-flight batch holds its data until the batch is decided.
+        queue.take_more(appends, len(first.data), config.max_batch_size, config.max_batch_bytes)
+        start = txn = self.next_id
+        session_id = self.session_id
+        records = []
+        for append in appends:
+            append.transaction_id = txn
+            append.session_id = session_id
+            # Record(...) without its generated __new__ (see PendingAppend.record).
+            records.append(
+                _tuple_new(Record, (txn, append.req_id, append.header, append.data, append.checksum))
+            )
+            txn += 1
+        # From here on the appends' fate is decided by this batch, or by the next session's recovery.
+        self._host.inflight.extend(appends)
+        self.next_id = txn
+        voting = Voting(self.quorum, len(self.participants), self._batch_decided)
+        batch = Batch(start, tuple(records), voting)
+        batches.append((batch, appends))
+        for participant in list(self.participants):
+            participant.deliver(batch, len(batches))
 
     def _batch_decided(self, committed: bool) -> None:
         """A batch's vote is decided: commit every batch at the head of the line that has its quorum.
