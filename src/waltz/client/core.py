@@ -1160,15 +1160,24 @@ class AsyncWaltzClient:
         pool = self._pool
         if pool is None or pool.is_shut_down:
             return  # As _flush_hooks: no hooks once the client is shut down.
+        # _run_hooks_inline([hook]) then _hooks_done([(run, completion)]), written out for one hook (twice per
+        # append): no lists, no tuples, no loops.
         context = run.context
-        hook: Call = (context.on_completion, _TRUE_ARGS) if completion else (context.on_application, ())
-        awaitables = _run_hooks_inline([hook])
-        if awaitables:
-            self._lead_awaitables = awaitables
+        fn: Callable[..., Any] = context.on_completion if completion else context.on_application
+        result: Any  # The hooks are typed as returning None; an inline hook may return a coroutine.
+        try:
+            result = fn(True) if completion else fn()
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as e:  # noqa: BLE001 - reported to the application, as in _run_hooks_inline
+            report_hook_failure(asyncio.get_running_loop(), fn, e)
+            result = None
+        if result is not None and inspect.isawaitable(result):
+            self._lead_awaitables = [(fn, result)]
             self._hook_runs.append((run, completion))
             self._call_soon(self._flush_hooks)
         else:
-            self._hooks_done([(run, completion)])
+            self._hook_done(run, completion)
 
     def _call_soon(self, callback: Callable[[], object]) -> None:
         """``loop.call_soon`` on the client's loop without asyncio.get_running_loop() (a getpid() system call
@@ -1191,16 +1200,20 @@ class AsyncWaltzClient:
 
     def _hooks_done(self, runs: list[tuple[Run, bool]]) -> None:
         for run, completion in runs:
-            if not completion:
-                self._finish(run)  # on_application ran: the last hook.
-                continue
-            run.completed = True
-            partition = run.partition
-            assert partition is not None
-            if run.applied and not self._closed:
-                self._queue_application(run)
-            elif self._closed or partition.error is not None:
-                self._finish(run)  # No on_application will follow.
+            self._hook_done(run, completion)
+
+    def _hook_done(self, run: Run, completion: bool) -> None:
+        """``run``'s on_completion(True) (``completion``) or on_application ran: its next step."""
+        if not completion:
+            self._finish(run)  # on_application ran: the last hook.
+            return
+        run.completed = True
+        partition = run.partition
+        assert partition is not None
+        if run.applied and not self._closed:
+            self._queue_application(run)
+        elif self._closed or partition.error is not None:
+            self._finish(run)  # No on_application will follow.
 
     async def _run_context(
         self,
