@@ -76,6 +76,24 @@ def test_partition_local_lock_is_a_frozen_hashable_value() -> None:
         PartitionLocalLock("x", 2**63)
 
 
+def test_partition_local_lock_keeps_its_dataclass_behaviour() -> None:
+    # Its __init__ is written out (no generated one): keywords, bounds, repr, copies and pickling as before.
+    import copy
+    import dataclasses
+    import pickle
+
+    lock = PartitionLocalLock(name="x", id=-(2**63))
+    assert (lock.name, lock.id) == ("x", -(2**63))
+    assert repr(lock) == "PartitionLocalLock(name='x', id=-9223372036854775808)"
+    assert pickle.loads(pickle.dumps(lock)) == copy.copy(lock) == lock
+    assert dataclasses.replace(lock, id=5) == PartitionLocalLock("x", 5)
+    assert [f.name for f in dataclasses.fields(lock)] == ["name", "id"]
+    with pytest.raises(ValueError, match="64-bit"):
+        PartitionLocalLock("x", -(2**63) - 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lock.name = "y"  # type: ignore[misc]
+
+
 # -- server side: slots
 
 

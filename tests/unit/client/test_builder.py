@@ -75,6 +75,32 @@ def test_locks_become_java_hashes_without_duplicates() -> None:
     assert builder.write_locks == (b, b)
 
 
+@pytest.mark.parametrize("name", ["k", "", "withdrawal", "é𝄞x"])
+@pytest.mark.parametrize("lock_id", [0, 1, -1, 2**31 - 1, 2**31, -(2**31), 2**32 + 5, 2**63 - 1, -(2**63)])
+def test_one_write_lock_in_a_list_is_hashed_as_lock_hash(name: str, lock_id: int) -> None:
+    # set_write_locks([lock]) hashes on its own (lock_hash inlined): it must agree with lock_hash, and
+    # with the general path (a tuple), on both signs and across the 32-bit halves.
+    lock = PartitionLocalLock(name, lock_id)
+    fast, general = TransactionBuilder(0, -1), TransactionBuilder(0, -1)
+    fast.set_write_locks([lock])
+    general.set_write_locks((lock,))
+    assert fast.write_locks == general.write_locks == (lock,)
+    assert fast.write_lock_hashes == general.write_lock_hashes == (lock_hash(lock),)
+    assert fast.build(REQ).write_locks == (lock.hash32(),)
+
+
+def test_a_new_write_lock_list_replaces_the_hashes() -> None:
+    builder = TransactionBuilder(0, -1)
+    builder.set_write_locks([PartitionLocalLock("a", 1)])
+    builder.set_write_locks([PartitionLocalLock("a", 2), PartitionLocalLock("a", 3)])
+    assert builder.write_lock_hashes == (
+        lock_hash(PartitionLocalLock("a", 2)),
+        lock_hash(PartitionLocalLock("a", 3)),
+    )
+    builder.set_write_locks([PartitionLocalLock("b", 4)])
+    assert builder.write_lock_hashes == (lock_hash(PartitionLocalLock("b", 4)),)
+
+
 def test_locks_must_be_partition_local_locks() -> None:
     with pytest.raises(TypeError, match="PartitionLocalLock"):
         TransactionBuilder(0, -1).set_write_locks([("account", 1)])  # type: ignore[list-item]
