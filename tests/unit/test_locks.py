@@ -297,9 +297,9 @@ def test_begin_never_shares_a_busy_slot(requests: list[tuple[tuple[int, ...], ..
         if request is None:
             continue
         for other in held:
-            assert not (request.updated & other.updated)
+            assert not (set(request.updated) & set(other.updated))
             touched = {slot for triple in request.checked for slot in triple}
-            assert not (touched & other.updated)
+            assert not (touched & set(other.updated))
         held.append(request)
 
 

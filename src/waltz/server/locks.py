@@ -57,14 +57,19 @@ def lock_slots(lock: int, size: int) -> tuple[int, int, int]:
 class LockRequest:
     """The slots one append holds in a :class:`LockTable`, from :meth:`LockTable.begin` to its release.
 
-    ``checked`` has one slot triple per write and read lock (what the estimate looks at); ``updated`` is the
-    set of slots of write and append locks (marked busy, raised on commit).
+    ``checked`` has one slot triple per write and read lock (what the estimate looks at); ``updated`` holds
+    the slots of write and append locks (marked busy, raised on commit): a set, or for a single write lock
+    its slot triple itself (a repeated slot is marked, raised and cleared twice, which is harmless and
+    cheaper than building a set once per append).
     """
 
     __slots__ = ("_epoch", "_released", "checked", "updated")
 
     def __init__(
-        self, checked: tuple[tuple[int, int, int], ...], updated: frozenset[int], epoch: int
+        self,
+        checked: tuple[tuple[int, int, int], ...],
+        updated: frozenset[int] | tuple[int, int, int],
+        epoch: int,
     ) -> None:
         self.checked = checked
         self.updated = updated
@@ -116,7 +121,7 @@ class LockTable:
             if busy[a] or busy[b] or busy[c]:
                 return None
             busy[a] = busy[b] = busy[c] = 1
-            return LockRequest((slots,), frozenset(slots), self._epoch)
+            return LockRequest((slots,), slots, self._epoch)
         checked: list[tuple[int, int, int]] = []
         updated: set[int] = set()
         for lock in write_locks:
@@ -171,12 +176,19 @@ class LockTable:
         if busy[a] or busy[b] or busy[c]:
             return None
         hwms = self._hwms
-        estimate = min(hwms[a], hwms[b], hwms[c])
+        # min() of the three, without the builtin's call.
+        estimate = hwms[a]
+        other = hwms[b]
+        if other < estimate:
+            estimate = other
+        other = hwms[c]
+        if other < estimate:
+            estimate = other
         if estimate > client_high_water_mark:
             return estimate
         busy[a] = busy[b] = busy[c] = 1
         slots = (a, b, c)
-        return LockRequest((slots,), frozenset(slots), self._epoch)
+        return LockRequest((slots,), slots, self._epoch)
 
     def estimate(self, request: LockRequest) -> int:
         """The estimated lock high-water mark of ``request``: max over write/read locks of min over slots.

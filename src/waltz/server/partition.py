@@ -302,9 +302,10 @@ class Partition:
         # It has to wait (appends queued ahead of it, or a busy lock slot): queue it here, as append() would,
         # unless the queue is full (append() waits for room). After a busy slot, every append behind it comes
         # this way until the queue drains: no coroutine and no second accepts() or lock attempt for each.
-        if queue.full():
+        try:
+            queue.put_nowait(item)
+        except asyncio.QueueFull:
             return None
-        queue.put_nowait(item)
         return True
 
     async def append(self, peer: Peer, msg: cs.AppendRequest) -> bool:
