@@ -315,9 +315,9 @@ def test_begin_never_shares_a_busy_slot(requests: list[tuple[tuple[int, ...], ..
         if request is None:
             continue
         for other in held:
-            assert not (request.updated & other.updated)
+            assert not (set(request.updated) & set(other.updated))
             touched = {slot for triple in request.checked for slot in triple}
-            assert not (touched & other.updated)
+            assert not (touched & set(other.updated))
         held.append(request)
 
 
@@ -347,3 +347,57 @@ def test_one_call_commit_and_release_is_commit_then_release(
     assert one.busy_slots() == two.busy_slots() == 0
     for lock in [*write, *read, *append, 0, 1, 2]:
         assert one.lock_high_water_mark(lock) == two.lock_high_water_mark(lock)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 40),
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(-(2**31), 2**31 - 1), min_size=0, max_size=2),
+            st.lists(st.integers(-(2**31), 2**31 - 1), max_size=1),
+            st.lists(st.integers(-(2**31), 2**31 - 1), max_size=1),
+            st.integers(-1, 12),
+            st.sampled_from(["hold", "commit", "fail"]),
+        ),
+        max_size=40,
+    ),
+)
+def test_begin_checked_is_begin_then_check_then_release_on_conflict(
+    size: int, ops: list[tuple[list[int], list[int], list[int], int, str]]
+) -> None:
+    # Two tables driven alike, one with the one-call fast path, one with the separate calls; appends are
+    # held in flight (so busy slots matter), committed or failed, and the tables must agree throughout.
+    one, two = (
+        LockTable(size=size, initial_high_water_mark=3),
+        LockTable(size=size, initial_high_water_mark=3),
+    )
+    held: list[tuple[LockRequest, LockRequest]] = []
+    txn = 3
+    for write, read, append, client_hwm, fate in ops:
+        w, r, a = tuple(write), tuple(read), tuple(append)
+        got = one.begin_checked(w, r, a, client_hwm)
+        request = two.begin(w, r, a)
+        if request is None:
+            assert got is None
+        else:
+            conflict = two.check(request, client_hwm)
+            if conflict is not None:
+                two.release(request)
+                assert got == conflict
+            else:
+                assert isinstance(got, LockRequest)
+                assert (got.checked, got.updated) == (request.checked, request.updated)
+                held.append((got, request))
+        assert one.busy_slots() == two.busy_slots()
+        if held and fate != "hold":
+            first, second = held.pop(0)
+            if fate == "commit":
+                txn += 1
+                one.commit_and_release(first, txn)
+                two.commit_and_release(second, txn)
+            else:
+                one.release(first)
+                two.release(second)
+        for lock in [*write, *read, *append, 0, 1]:
+            assert one.lock_high_water_mark(lock) == two.lock_high_water_mark(lock)

@@ -57,14 +57,19 @@ def lock_slots(lock: int, size: int) -> tuple[int, int, int]:
 class LockRequest:
     """The slots one append holds in a :class:`LockTable`, from :meth:`LockTable.begin` to its release.
 
-    ``checked`` has one slot triple per write and read lock (what the estimate looks at); ``updated`` is the
-    set of slots of write and append locks (marked busy, raised on commit).
+    ``checked`` has one slot triple per write and read lock (what the estimate looks at); ``updated`` holds
+    the slots of write and append locks (marked busy, raised on commit): a set, or for a single write lock
+    its slot triple itself (a repeated slot is marked, raised and cleared twice, which is harmless and
+    cheaper than building a set once per append).
     """
 
     __slots__ = ("_epoch", "_released", "checked", "updated")
 
     def __init__(
-        self, checked: tuple[tuple[int, int, int], ...], updated: frozenset[int], epoch: int
+        self,
+        checked: tuple[tuple[int, int, int], ...],
+        updated: frozenset[int] | tuple[int, int, int],
+        epoch: int,
     ) -> None:
         self.checked = checked
         self.updated = updated
@@ -116,7 +121,7 @@ class LockTable:
             if busy[a] or busy[b] or busy[c]:
                 return None
             busy[a] = busy[b] = busy[c] = 1
-            return LockRequest((slots,), frozenset(slots), self._epoch)
+            return LockRequest((slots,), slots, self._epoch)
         checked: list[tuple[int, int, int]] = []
         updated: set[int] = set()
         for lock in write_locks:
@@ -135,6 +140,55 @@ class LockTable:
         for slot in updated:
             busy[slot] = 1
         return LockRequest(tuple(checked), frozenset(updated), self._epoch)
+
+    def begin_checked(
+        self,
+        write_locks: Sequence[int],
+        read_locks: Sequence[int],
+        append_locks: Sequence[int],
+        client_high_water_mark: int,
+    ) -> LockRequest | int | None:
+        """:meth:`begin` then :meth:`check` (and :meth:`release` on a conflict), in one call.
+
+        None if a slot is busy (nothing is taken); the conflicting lock high-water mark (an int; nothing is
+        taken) if the request conflicts; else the begun request. A busy slot wins over a conflict, as with
+        the separate calls. This is what an append that needs no wait runs, once per locked append.
+        """
+        if read_locks or append_locks or len(write_locks) != 1:
+            request = self.begin(write_locks, read_locks, append_locks)
+            if request is None:
+                return None
+            conflict = self.check(request, client_high_water_mark)
+            if conflict is not None:
+                self.release(request)
+                return conflict
+            return request
+        # The common locked append, one write lock: lock_slots(), the busy test and the estimate inlined,
+        # and nothing marked busy unless the request will be taken.
+        h1 = (write_locks[0] * _LCG_MULTIPLIER + _LCG_INCREMENT) & _MASK32
+        h2 = (h1 * _LCG_MULTIPLIER + _LCG_INCREMENT) & _MASK32
+        h3 = (h2 * _LCG_MULTIPLIER + _LCG_INCREMENT) & _MASK32
+        size = self.size
+        a = (h1 & 0x3FFFFFFF) % size
+        b = (h2 & 0x3FFFFFFF) % size
+        c = (h3 & 0x3FFFFFFF) % size
+        busy = self._busy
+        if busy[a] or busy[b] or busy[c]:
+            return None
+        hwms = self._hwms
+        # min() of the three, without the builtin's call.
+        estimate = hwms[a]
+        other = hwms[b]
+        if other < estimate:
+            estimate = other
+        other = hwms[c]
+        if other < estimate:
+            estimate = other
+        if estimate > client_high_water_mark:
+            return estimate
+        busy[a] = busy[b] = busy[c] = 1
+        slots = (a, b, c)
+        return LockRequest((slots,), slots, self._epoch)
 
     def estimate(self, request: LockRequest) -> int:
         """The estimated lock high-water mark of ``request``: max over write/read locks of min over slots.
@@ -181,7 +235,14 @@ class LockTable:
         for slot in request.updated:
             if hwms[slot] < transaction_id:
                 hwms[slot] = transaction_id
-        self.release(request)
+        # release(), inlined: this runs once per committed locked append.
+        if request._released:
+            return
+        request._released = True
+        if request._epoch == self._epoch:
+            busy = self._busy
+            for slot in request.updated:
+                busy[slot] = 0
 
     def release(self, request: LockRequest) -> None:
         """The append of ``request`` is resolved (committed or failed): its busy slots become free.

@@ -280,10 +280,10 @@ class Partition:
         return not self._closed and self._is_current(peer, req_id)
 
     def append_nowait(self, peer: Peer, msg: cs.AppendRequest) -> bool | None:
-        """:meth:`append` if that needs no wait: True if taken (handed to the store, or answered with a
-        LockFailure), False if this incarnation cannot take it (see :meth:`accepts`), None (nothing done) if
-        it would have to wait (appends queued ahead of it, a busy lock slot, a full store queue): then call
-        :meth:`append`. The connection's read loop calls this first: no coroutine per append."""
+        """:meth:`append` if that needs no wait: True if taken (handed to the store, queued for the append
+        task, or answered with a LockFailure), False if this incarnation cannot take it (see :meth:`accepts`),
+        None (nothing done) if it would have to wait for room in the append queue: then call :meth:`append`.
+        The connection's read loop calls this first: no coroutine per append."""
         # accepts(), inlined on the ReqId's raw halves: this runs once per append.
         msb = msg.req_id.msb
         client_id = msb >> 32
@@ -295,9 +295,18 @@ class Partition:
         reg = self._registrations.get(client_id)
         if self._closed or reg is None or reg.peer is not peer or generation != self.store.generation:
             return False
-        if not self._loop_idle or self._queue.qsize():
+        item = _Append(peer, msg, time.monotonic())
+        queue = self._queue
+        if self._loop_idle and not queue.qsize() and self._process_append_now(item):
+            return True
+        # It has to wait (appends queued ahead of it, or a busy lock slot): queue it here, as append() would,
+        # unless the queue is full (append() waits for room). After a busy slot, every append behind it comes
+        # this way until the queue drains: no coroutine and no second accepts() or lock attempt for each.
+        try:
+            queue.put_nowait(item)
+        except asyncio.QueueFull:
             return None
-        return True if self._process_append_now(_Append(peer, msg, time.monotonic())) else None
+        return True
 
     async def append(self, peer: Peer, msg: cs.AppendRequest) -> bool:
         """Queue an append (waits while the queue is full: back pressure on that connection); False if this
@@ -447,11 +456,16 @@ class Partition:
             locks = self._locks
             if locks is None:
                 return False
-            req = locks.begin(msg.write_locks, msg.read_locks, msg.append_locks)
-            if req is None:
+            # Begin and check in one call; a conflicting request takes nothing, so has nothing to release.
+            begun = locks.begin_checked(
+                msg.write_locks, msg.read_locks, msg.append_locks, msg.client_high_water_mark
+            )
+            if begun is None:
                 return False
-            if not self._check_locks(item, req):
+            if isinstance(begun, int):
+                self._lock_failed(item, begun)
                 return True
+            req = begun
         self.pending_appends += 1
         try:
             # The codec verified the data against its checksum as it decoded the request (see
@@ -541,11 +555,14 @@ class Partition:
         conflict = locks.check(req, msg.client_high_water_mark)
         if conflict is not None:
             locks.release(req)
-            self.lock_failures += 1
-            self.metrics.lock_failed()
-            item.peer.send(cs.LockFailure(msg.req_id, conflict))
+            self._lock_failed(item, conflict)
             return False
         return True
+
+    def _lock_failed(self, item: _Append, conflict: int) -> None:
+        self.lock_failures += 1
+        self.metrics.lock_failed()
+        item.peer.send(cs.LockFailure(item.msg.req_id, conflict))
 
     def _release(self, req: LockRequest | None) -> None:
         if req is not None:

@@ -783,7 +783,7 @@ class WaltzServer:
                                     )
                                     return
                                 continue
-                            # None: it has to wait (a busy lock slot, a full queue): the general path does.
+                            # None: it has to wait for room in the append queue: the general path does.
                     try:
                         await self._dispatch(peer, msg)
                     except _CloseConnection as e:
