@@ -163,15 +163,10 @@ class LockTable:
                 self.release(request)
                 return conflict
             return request
-        # The common locked append, one write lock: lock_slots(), the busy test and the estimate inlined,
-        # and nothing marked busy unless the request will be taken.
-        h1 = (write_locks[0] * _LCG_MULTIPLIER + _LCG_INCREMENT) & _MASK32
-        h2 = (h1 * _LCG_MULTIPLIER + _LCG_INCREMENT) & _MASK32
-        h3 = (h2 * _LCG_MULTIPLIER + _LCG_INCREMENT) & _MASK32
-        size = self.size
-        a = (h1 & 0x3FFFFFFF) % size
-        b = (h2 & 0x3FFFFFFF) % size
-        c = (h3 & 0x3FFFFFFF) % size
+        # The common locked append, one write lock: the busy test and the estimate inlined, and nothing
+        # marked busy unless the request will be taken.
+        slots = lock_slots(write_locks[0], self.size)
+        a, b, c = slots
         busy = self._busy
         if busy[a] or busy[b] or busy[c]:
             return None
@@ -187,7 +182,6 @@ class LockTable:
         if estimate > client_high_water_mark:
             return estimate
         busy[a] = busy[b] = busy[c] = 1
-        slots = (a, b, c)
         return LockRequest((slots,), slots, self._epoch)
 
     def estimate(self, request: LockRequest) -> int:
@@ -208,13 +202,7 @@ class LockTable:
 
         Pure: it changes nothing. A non-None result is what a LockFailure message carries.
         """
-        # estimate(), inlined: this runs once per locked append.
-        hwms = self._hwms
-        estimate = -1
-        for a, b, c in request.checked:
-            lock_hwm = min(hwms[a], hwms[b], hwms[c])
-            if lock_hwm > estimate:
-                estimate = lock_hwm
+        estimate = self.estimate(request)
         return estimate if estimate > client_high_water_mark else None
 
     def commit(self, request: LockRequest, transaction_id: int) -> None:
@@ -235,14 +223,7 @@ class LockTable:
         for slot in request.updated:
             if hwms[slot] < transaction_id:
                 hwms[slot] = transaction_id
-        # release(), inlined: this runs once per committed locked append.
-        if request._released:
-            return
-        request._released = True
-        if request._epoch == self._epoch:
-            busy = self._busy
-            for slot in request.updated:
-                busy[slot] = 0
+        self.release(request)
 
     def release(self, request: LockRequest) -> None:
         """The append of ``request`` is resolved (committed or failed): its busy slots become free.

@@ -271,7 +271,9 @@ class Partition:
     def accepts(self, peer: Peer, req_id: ReqId) -> bool:
         """Whether an append from ``peer`` belongs to this incarnation: the current mount of its client, in
         this generation. If not, the caller must tell the client to mount again."""
-        return not self._closed and req_id.generation == self.generation and self._is_current(peer, req_id)
+        return (
+            not self._closed and req_id.generation == self.store.generation and self._is_current(peer, req_id)
+        )
 
     def accepts_flush(self, peer: Peer, req_id: ReqId) -> bool:
         """Whether a flush from ``peer`` belongs to this incarnation: the current mount of its client. A
@@ -284,16 +286,7 @@ class Partition:
         task, or answered with a LockFailure), False if this incarnation cannot take it (see :meth:`accepts`),
         None (nothing done) if it would have to wait for room in the append queue: then call :meth:`append`.
         The connection's read loop calls this first: no coroutine per append."""
-        # accepts(), inlined on the ReqId's raw halves: this runs once per append.
-        msb = msg.req_id.msb
-        client_id = msb >> 32
-        if client_id >= 0x80000000:
-            client_id -= 0x100000000
-        generation = msb & 0xFFFFFFFF
-        if generation >= 0x80000000:
-            generation -= 0x100000000
-        reg = self._registrations.get(client_id)
-        if self._closed or reg is None or reg.peer is not peer or generation != self.store.generation:
+        if not self.accepts(peer, msg.req_id):
             return False
         item = _Append(peer, msg, time.monotonic())
         queue = self._queue

@@ -764,9 +764,7 @@ class WaltzServer:
                     if type(msg) is append_cls and not self._suspended:
                         # Appends first, without a coroutine when nothing has to wait (nearly every message
                         # under load is one): the partition takes it, refuses it, or says it must wait.
-                        pid = msg.req_id.lsb >> 32
-                        if pid >= 0x80000000:
-                            pid -= 0x100000000  # the signed 32-bit partition id (ReqId.partition_id)
+                        pid = msg.req_id.partition_id
                         part = partitions.get(pid)
                         if part is not None:
                             taken = part.append_nowait(peer, msg)

@@ -326,10 +326,7 @@ class StorePartition:
         if loop is None:
             raise PartitionNotReadyError(f"partition {self.partition_id} store is not started")
         req_id = request.req_id
-        # req_id.generation, inlined (once per append): the signed low half of the ReqId's msb.
-        generation = req_id.msb & 0xFFFFFFFF
-        if generation >= 0x80000000:
-            generation -= 0x100000000
+        generation = req_id.generation
         if generation != self._generation or self._stale:
             raise GenerationMismatchError(
                 f"request generation {generation}, partition generation {self._generation}"
