@@ -6,18 +6,13 @@ from collections.abc import Iterable
 from typing import Any, TypeVar, overload
 
 from waltz.client.driver import AppendRequest
-from waltz.client.locks import PartitionLocalLock, java_string_hash, lock_hash
+from waltz.client.locks import PartitionLocalLock, lock_hash
 from waltz.client.serializer import Serializer
 from waltz.protocol.client_server import new_append_request
 from waltz.protocol.records import ReqId, crc32
 from waltz.protocol.wire import I32_MAX, I32_MIN
 
 T = TypeVar("T")
-
-_MASK32 = 0xFFFFFFFF
-_MASK64 = 0xFFFFFFFFFFFFFFFF
-_2_31 = 1 << 31
-_2_32 = 1 << 32
 
 
 class TransactionBuilder:
@@ -83,12 +78,10 @@ class TransactionBuilder:
         if type(locks) is list and len(locks) == 1:
             lock = locks[0]
             if type(lock) is PartitionLocalLock:
-                # The common case, ``[lock]`` (once per locked append): the tuple and its hash at once, with
-                # lock_hash inlined, instead of _check_locks, then _hashes and lock_hash on first use.
+                # The common case, ``[lock]`` (once per locked append): the tuple and its hash at once,
+                # instead of _check_locks, then _hashes on first use.
                 self._write_locks = (lock,)
-                bits = lock.id & _MASK64
-                h = (bits ^ (bits >> 32)) & _MASK32
-                self._write_hashes = (java_string_hash(lock.name) ^ (h - _2_32 if h >= _2_31 else h),)
+                self._write_hashes = (lock_hash(lock),)
                 return
         self._write_locks = _check_locks(locks)
         self._write_hashes = None

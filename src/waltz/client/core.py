@@ -791,14 +791,7 @@ class AsyncWaltzClient:
         assert source is not None
         resolutions = monitor.on_feed(transaction_id, req_id)
         if resolutions:
-            # _resolve, inline (once per feed entry)
-            outcomes = partition.outcomes
-            for resolution in resolutions:
-                waiter = outcomes.pop(resolution.req_id, None)
-                if isinstance(waiter, Run):
-                    self._on_first_outcome(waiter, resolution)
-                elif waiter is not None:
-                    _settle(waiter, resolution)
+            self._resolve(partition, resolutions)
         # Queued for apply_transaction after the resolutions: the applier's wake-up then follows the
         # application's (an inline on_completion that woke the task waiting for it), so that task's next
         # append goes out first and the apply runs while the server works on it (one append at a time).
