@@ -92,6 +92,25 @@ def recording_callbacks(mode: str = "threads") -> RecordingCallbacks:
     return AsyncRecordingCallbacks() if mode == "inline" else RecordingCallbacks()
 
 
+class ApplyOrderCallbacks(ClientCallbacks):
+    """Appends ``apply:<id>`` to a shared event list per applied transaction (hook-order tests); fails loudly
+    if an apply raises."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+        self.hwm = -1
+
+    def client_high_water_mark(self, partition_id: int) -> int:
+        return self.hwm
+
+    def apply_transaction(self, transaction: Transaction) -> None:
+        self.events.append(f"apply:{transaction.transaction_id}")
+        self.hwm = transaction.transaction_id
+
+    def uncaught_exception(self, partition_id: int, transaction_id: int, exception: BaseException) -> None:
+        raise AssertionError(f"apply of {transaction_id} failed: {exception!r}")
+
+
 class Ctx(TransactionContext):
     """Appends ``data`` to ``partition``, with optional locks; records its hooks in order."""
 

@@ -6,26 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from waltz import AsyncWaltzClient, ClientCallbacks, Transaction
+from waltz import AsyncWaltzClient
 from waltz.testing import MockDriver
 
-from .helpers import FAST, Ctx
-
-
-class OrderCallbacks(ClientCallbacks):
-    def __init__(self, events: list[str]) -> None:
-        self.events = events
-        self.hwm = -1
-
-    def client_high_water_mark(self, partition_id: int) -> int:
-        return self.hwm
-
-    def apply_transaction(self, transaction: Transaction) -> None:
-        self.events.append(f"apply:{transaction.transaction_id}")
-        self.hwm = transaction.transaction_id
-
-    def uncaught_exception(self, partition_id: int, transaction_id: int, exception: BaseException) -> None:
-        raise AssertionError(f"apply of {transaction_id} failed: {exception!r}")
+from .helpers import FAST, ApplyOrderCallbacks, Ctx
 
 
 class OrderCtx(Ctx):
@@ -46,7 +30,7 @@ def test_a_lone_append_completes_before_its_transaction_is_applied() -> None:
     async def main() -> None:
         events: list[str] = []
         client = AsyncWaltzClient(
-            OrderCallbacks(events), FAST.replace(callback_mode="inline"), driver=MockDriver()
+            ApplyOrderCallbacks(events), FAST.replace(callback_mode="inline"), driver=MockDriver()
         )
         async with client:
             # The first submit may find the partition not mounted yet (the slow path, a task): warm up.
@@ -65,7 +49,7 @@ def test_appends_resolved_together_keep_their_hook_order() -> None:
     async def main() -> None:
         events: list[str] = []
         client = AsyncWaltzClient(
-            OrderCallbacks(events), FAST.replace(callback_mode="inline"), driver=MockDriver()
+            ApplyOrderCallbacks(events), FAST.replace(callback_mode="inline"), driver=MockDriver()
         )
         async with client:
             contexts = [OrderCtx(bytes([i]), events) for i in range(20)]

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from waltz import AsyncWaltzClient, ClientCallbacks, Transaction
+from waltz import AsyncWaltzClient, Transaction
 from waltz.client.driver import AppendRequest, DriverListener
 from waltz.testing import MockDriver
 
-from .helpers import FAST, Ctx
+from .helpers import FAST, ApplyOrderCallbacks, Ctx
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -58,7 +58,7 @@ class NowaitDriver(MockDriver):
 def test_a_lone_append_is_sent_at_once_and_pipelined_ones_are_queued(mode: str) -> None:
     async def main() -> None:
         driver = SendRecordingDriver()
-        client = AsyncWaltzClient(_Callbacks([]), FAST.replace(callback_mode=mode), driver=driver)
+        client = AsyncWaltzClient(ApplyOrderCallbacks([]), FAST.replace(callback_mode=mode), driver=driver)
         async with client:
             for _ in range(3):  # one at a time
                 await client.submit(Ctx(b"x"))
@@ -73,22 +73,6 @@ def test_a_lone_append_is_sent_at_once_and_pipelined_ones_are_queued(mode: str) 
             assert driver.sends == ["now", "queued", "queued", "queued"]
 
     asyncio.run(main())
-
-
-class _Callbacks(ClientCallbacks):
-    def __init__(self, events: list[str]) -> None:
-        self.events = events
-        self.hwm = -1
-
-    def client_high_water_mark(self, partition_id: int) -> int:
-        return self.hwm
-
-    def apply_transaction(self, transaction: Transaction) -> None:
-        self.events.append(f"apply:{transaction.transaction_id}")
-        self.hwm = transaction.transaction_id
-
-    def uncaught_exception(self, partition_id: int, transaction_id: int, exception: BaseException) -> None:
-        raise AssertionError(f"apply of {transaction_id} failed: {exception!r}")
 
 
 class _SignallingCtx(Ctx):
@@ -111,7 +95,7 @@ def test_inline_the_task_woken_by_on_completion_runs_before_the_transaction_is_a
     async def main() -> None:
         events: list[str] = []
         client = AsyncWaltzClient(
-            _Callbacks(events), FAST.replace(callback_mode="inline"), driver=NowaitDriver()
+            ApplyOrderCallbacks(events), FAST.replace(callback_mode="inline"), driver=NowaitDriver()
         )
         loop = asyncio.get_running_loop()
         async with client:
@@ -134,7 +118,7 @@ def test_inline_on_application_runs_in_the_loop_iteration_that_applied_its_trans
         events: list[str] = []
         loop = asyncio.get_running_loop()
 
-        class MarkingCallbacks(_Callbacks):
+        class MarkingCallbacks(ApplyOrderCallbacks):
             def apply_transaction(self, transaction: Transaction) -> None:
                 super().apply_transaction(transaction)
                 # Runs at the start of the next loop iteration: a hook run after it waited a loop pass.
@@ -176,7 +160,7 @@ def test_inline_coroutine_hooks_keep_their_order_alone_and_pipelined() -> None:
     async def main() -> None:
         events: list[str] = []
         client = AsyncWaltzClient(
-            _Callbacks(events), FAST.replace(callback_mode="inline"), driver=NowaitDriver()
+            ApplyOrderCallbacks(events), FAST.replace(callback_mode="inline"), driver=NowaitDriver()
         )
         async with client:
             await client.submit(Ctx(b"w"))
