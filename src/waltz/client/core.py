@@ -68,6 +68,7 @@ from waltz.errors import (
     PartitionStuckError,
     WaltzError,
 )
+from waltz.protocol.client_server import FeedEntry
 from waltz.protocol.records import ReqId, crc32
 
 __all__ = ["AsyncWaltzClient"]
@@ -128,6 +129,8 @@ class _Listener:
         self._client = client
         # The client's own method, not a forwarding one: the network driver calls it once per feed entry.
         self.feed_data_nowait: Callable[[int, int, ReqId, int], bool] = client._feed_nowait
+        # And a run of them (the network driver's reader hands each read's entries of a partition at once).
+        self.feed_run_nowait: Callable[[int, list[FeedEntry]], int] = client._feed_run_nowait
 
     async def on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
         await self._client._on_feed_data(partition_id, transaction_id, req_id, header)
@@ -797,6 +800,30 @@ class AsyncWaltzClient:
         # append goes out first and the apply runs while the server works on it (one append at a time).
         partition.push_feed(Transaction(partition_id, transaction_id, header, req_id, source))
         return True
+
+    def _feed_run_nowait(self, partition_id: int, entries: list[FeedEntry]) -> int:
+        """:meth:`_feed_nowait` of consecutive feed entries (the next ids of the partition, in order) in one
+        pass: as many as the feed has room for are resolved and queued for ``apply_transaction``; returns how
+        many were taken (0: the feed is full; the driver then delivers the rest through ``on_feed_data``)."""
+        partition = self._partitions.get(partition_id)
+        if partition is None or partition.error is not None or partition.monitor is None:
+            return len(entries)  # Not ours (any more): dropped, as on_feed_data drops them.
+        room = partition.feed_limit - len(partition.feed)
+        if room <= 0:
+            return 0
+        if room < len(entries):
+            entries = entries[:room]
+        resolutions = partition.monitor.on_feed_run(entries)
+        if resolutions:
+            self._resolve(partition, resolutions)
+        # Queued for apply_transaction after the resolutions (see _feed_nowait), all at once: nothing is
+        # queued if a resolution raised, so the driver may deliver the same entries again.
+        source = self._source
+        assert source is not None
+        partition.push_feed_run(
+            [Transaction(partition_id, tid, header, req_id, source) for tid, req_id, header in entries]
+        )
+        return len(entries)
 
     async def _on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
         partition = self._active(partition_id)
