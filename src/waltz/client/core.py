@@ -53,7 +53,7 @@ from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.context import TransactionContext
 from waltz.client.driver import ClientDriver, MountState, create_network_driver
-from waltz.client.lifecycle import Event, Hook, State
+from waltz.client.lifecycle import STEPS, Event, Hook, State
 from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
 from waltz.client.pool import Call, CallbackPool, report_hook_failure
 from waltz.client.retry import APPLY_RETRY, FETCH_RETRY, MAX_CHECKSUM_ATTEMPTS, RetryPolicy
@@ -108,6 +108,16 @@ _Executed: TypeAlias = TransactionBuilder | Literal[False] | _Pending
 # Enum members of the hot path as module constants: in Python 3.11 ``Event.SEND`` goes through the enum's
 # metaclass (~150 ns a time, a dozen times per append), a module global costs a dictionary lookup.
 _EXECUTE, _SEND, _COMMIT, _APPLY = Event.EXECUTE, Event.SEND, Event.COMMIT, Event.APPLY
+# The lifecycle table's rows of the four transitions every append makes: the hot path applies them with one
+# lookup (``row[run.state]``) instead of a call of ``run.handle`` each (none of them owes a hook the hot path
+# does not call); a state missing from the row is handed to ``run.handle``, which raises LifecycleError as for
+# any impossible transition.
+_EXECUTE_ROW, _SEND_ROW, _COMMIT_ROW, _APPLY_ROW = (
+    STEPS[_EXECUTE],
+    STEPS[_SEND],
+    STEPS[_COMMIT],
+    STEPS[_APPLY],
+)
 _READY = MountState.READY
 _COMMITTED = Outcome.COMMITTED
 _STATE_COMMITTED = State.COMMITTED
@@ -332,6 +342,9 @@ class AsyncWaltzClient:
             self._check_open()  # Raises the error that says why.
             pool = self._require_pool()
         run = Run(context)
+        # Executed here, on the loop, without an await since the partition was found ready: nothing can
+        # have changed it (set_partitions and close are coroutines), so it need not be checked again.
+        fresh = self._inline
         try:
             first: _First
             if self._inline:
@@ -347,10 +360,12 @@ class AsyncWaltzClient:
                     orphan=functools.partial(self._orphaned, run),
                 )
             if isinstance(first, _Pending):
+                fresh = False
                 first = await self._finish_first(run, first)
             partition = run.partition
             assert partition is not None
             if first is None:
+                fresh = False
                 await self._acquire_slot(partition)
                 run.holds_slot = True
                 self._check_open()
@@ -370,9 +385,13 @@ class AsyncWaltzClient:
             raise
         self._runs.add(run)
         if type(first) is TransactionBuilder:  # The common case: executed and filled.
-            run.handle(_EXECUTE)
-            # Checked again: execute() may have changed the partition (set_partitions, close).
-            monitor = self._ready_monitor(partition)
+            try:
+                run.state = _EXECUTE_ROW[run.state][0]  # run.handle(_EXECUTE), see _EXECUTE_ROW
+            except KeyError:
+                run.handle(_EXECUTE)  # Raises LifecycleError.
+                raise
+            # Checked again unless fresh: execute() may have changed the partition (set_partitions, close).
+            monitor = partition.monitor if fresh else self._ready_monitor(partition)
             if monitor is not None:
                 self._start_first(partition, monitor, run, first)
                 return
@@ -670,7 +689,13 @@ class AsyncWaltzClient:
                 return
             if wake:
                 self._wake(wake)
-        run.handle(_SEND)  # Before _send: a failed send resolves at once.
+        # run.handle(_SEND) (before _send: a failed send resolves at once), as one lookup in the table.
+        try:
+            run.state = _SEND_ROW[run.state][0]
+        except KeyError:
+            run.handle(_SEND)  # Raises LifecycleError.
+            raise
+        run.attempts += 1  # As handle() counts a SEND.
         self._send(partition, monitor, first, run)
 
     def _ready_monitor(self, partition: PartitionState) -> TransactionMonitor | None:
@@ -1036,12 +1061,38 @@ class AsyncWaltzClient:
             if run.holds_slot:  # _release_slot, inline (once per append)
                 run.holds_slot = False
                 partition.slots.release()
-            run.handle(_COMMIT)
+            try:
+                run.state = _COMMIT_ROW[run.state][0]  # run.handle(_COMMIT): owes on_completion(True)
+            except KeyError:
+                run.handle(_COMMIT)  # Raises LifecycleError.
+                raise
             run.transaction_id = result.transaction_id
             partition.awaiting_apply.append(run)
             if not self._hook_runs:
                 if self._inline:
-                    self._hook_now(run, True)
+                    # _hook_now(run, True) and then _hook_done(run, True), written out (once per append).
+                    pool = self._pool
+                    if pool is None or pool.is_shut_down:
+                        return  # As _flush_hooks: no hooks once the client is shut down.
+                    fn = run.context.on_completion
+                    hook_result: Any  # Typed as returning None; an inline hook may return a coroutine.
+                    try:
+                        hook_result = fn(True)
+                    except (SystemExit, KeyboardInterrupt):
+                        raise
+                    except BaseException as e:  # noqa: BLE001 - reported to the application, as in _hook_now
+                        report_hook_failure(asyncio.get_running_loop(), fn, e)
+                        hook_result = None
+                    if hook_result is not None and inspect.isawaitable(hook_result):
+                        self._lead_awaitables = [(fn, hook_result)]
+                        self._hook_runs.append((run, True))
+                        self._call_soon(self._flush_hooks)
+                        return
+                    run.completed = True
+                    if run.applied and not self._closed:
+                        self._queue_application(run)
+                    elif self._closed or partition.error is not None:
+                        self._finish(run)  # No on_application will follow.
                     return
                 self._call_soon(self._flush_hooks)
             # _queue_hook(run, True, on_completion, True), inline (once per append)
@@ -1110,13 +1161,38 @@ class AsyncWaltzClient:
     def _on_applied(self, partition: PartitionState, transaction_id: int) -> None:
         """Transactions up to ``transaction_id`` are applied: on_application for the runs that wait for it."""
         waiting = partition.awaiting_apply
+        queue = partition.lock_queue
         while waiting and waiting[0].transaction_id <= transaction_id:
             run = waiting.popleft()
             run.applied = True
-            wake = partition.lock_queue.release(run)
+            wake = queue.release(run)
             if wake:
                 self._wake(wake)
-            if run.completed:
+            if not run.completed:
+                continue  # on_completion has not run yet: _hook_done queues on_application after it.
+            if self._inline and not self._hook_runs and run.state is _STATE_COMMITTED:
+                # _queue_application(run), then _hook_now(run, False) and _hook_done(run, False), written out
+                # (once per append): COMMITTED + APPLY owes on_application, then the run is finished.
+                run.state = _APPLY_ROW[_STATE_COMMITTED][0]
+                pool = self._pool
+                if pool is None or pool.is_shut_down:
+                    continue  # As _flush_hooks: no hooks once the client is shut down.
+                fn = run.context.on_application
+                result: Any  # Typed as returning None; an inline hook may return a coroutine.
+                try:
+                    result = fn()
+                except (SystemExit, KeyboardInterrupt):
+                    raise
+                except BaseException as e:  # noqa: BLE001 - reported to the application, as in _hook_now
+                    report_hook_failure(asyncio.get_running_loop(), fn, e)
+                    result = None
+                if result is not None and inspect.isawaitable(result):
+                    self._lead_awaitables = [(fn, result)]
+                    self._hook_runs.append((run, False))
+                    self._call_soon(self._flush_hooks)
+                else:
+                    self._finish(run)
+            else:
                 self._queue_application(run)
 
     def _drop_awaiting_apply(self, partition: PartitionState) -> None:
