@@ -43,6 +43,7 @@ from waltz.transport import FramedConnection, serve
 
 PAYLOAD = bytes(512)
 WARMUP_S = 1.0
+WARMUP_OPS = 500
 
 
 def fake_server(port_out: multiprocessing.connection.Connection) -> None:  # type: ignore[name-defined]
@@ -140,11 +141,13 @@ class Ctx(TransactionContext):
             self._done(True)
 
 
-async def run_phase(client: AsyncWaltzClient, phase: str, seconds: float) -> str:
+async def run_phase(client: AsyncWaltzClient, phase: str, seconds: float, count: int | None) -> str:
+    """``phase`` for ``seconds`` after a warm-up of WARMUP_S, or (``count`` given) for ``count`` operations
+    after WARMUP_OPS (a fixed amount of work, for an instruction count under ``valgrind --tool=callgrind``)."""
     loop = asyncio.get_running_loop()
-    count = 0
-    measuring = False
+    done_ops = 0
     stop = False
+    finished = loop.create_future()
 
     async def one(lock: int | None, wait_apply: bool) -> bool:
         future: asyncio.Future[bool] = loop.create_future()
@@ -157,19 +160,28 @@ async def run_phase(client: AsyncWaltzClient, phase: str, seconds: float) -> str
         return await future
 
     async def worker(w: int) -> None:
-        nonlocal count
+        nonlocal done_ops, stop
         lock, wait_apply = (w + 1, True) if phase == "occ64" else (None, False)
         while not stop:
-            if await one(lock, wait_apply) and measuring:
-                count += 1
+            if await one(lock, wait_apply):
+                done_ops += 1
+                if count is not None and done_ops >= WARMUP_OPS + count and not finished.done():
+                    stop = True
+                    finished.set_result(None)
 
     tasks = [asyncio.create_task(worker(w)) for w in range(64)]
-    await asyncio.sleep(WARMUP_S)
-    measuring = True
-    c0, t0 = time.process_time(), time.perf_counter()
-    await asyncio.sleep(seconds)
+    if count is None:
+        await asyncio.sleep(WARMUP_S)
+    else:
+        while done_ops < WARMUP_OPS:
+            await asyncio.sleep(0.01)
+    n0, c0, t0 = done_ops, time.process_time(), time.perf_counter()
+    if count is None:
+        await asyncio.sleep(seconds)
+    else:
+        await finished
     c1, t1 = time.process_time(), time.perf_counter()
-    n = count
+    n = done_ops - n0
     stop = True
     await asyncio.wait(tasks, timeout=30)
     return f"{phase:6} {n / (t1 - t0):9.0f} ops/s  client {(c1 - c0) * 1e6 / max(n, 1):6.2f} us/op  ({n} ops)"
@@ -180,7 +192,7 @@ async def main_async(args: argparse.Namespace, endpoint: str) -> None:
     driver = NetworkDriver(config, discovery=StaticDiscovery(endpoint))  # type: ignore[arg-type]
     async with AsyncWaltzClient(Callbacks(), config, driver=driver) as client:
         for phase in args.phase:
-            print(await run_phase(client, phase, args.seconds), flush=True)
+            print(await run_phase(client, phase, args.seconds, args.count), flush=True)
         await client.flush_transactions(30)
 
 
@@ -191,6 +203,7 @@ def main() -> None:
     parser.add_argument("--mode", choices=("inline", "threads"), default="inline")
     parser.add_argument("--phase", action="append", choices=("conc", "occ64"), help="default: both")
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--count", type=int, help="measure this many operations instead of --seconds")
     args = parser.parse_args()
     args.phase = args.phase or ["conc", "occ64"]
     print(f"load average at start: {os.getloadavg()}", flush=True)
