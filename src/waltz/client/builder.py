@@ -9,7 +9,8 @@ from waltz.client.driver import AppendRequest
 from waltz.client.locks import PartitionLocalLock, lock_hash
 from waltz.client.serializer import Serializer
 from waltz.protocol.client_server import new_append_request
-from waltz.protocol.records import ReqId, crc32
+from waltz.protocol.checksum import crc32 as _crc32
+from waltz.protocol.records import ReqId
 from waltz.protocol.wire import I32_MAX, I32_MIN
 
 T = TypeVar("T")
@@ -124,15 +125,17 @@ class TransactionBuilder:
 
     def build(self, req_id: ReqId) -> AppendRequest:
         """The append request for this transaction (the client assigns ``req_id`` when it sends it)."""
+        write = self._write_hashes  # Known already when the core asked for them (once per append).
+        data = self._data
         return new_append_request(
             req_id,
             self.client_high_water_mark,
-            self.write_lock_hashes,
+            write if write is not None else self.write_lock_hashes,
             _hashes(self._read_locks) if self._read_locks else (),
             _hashes(self._append_locks) if self._append_locks else (),
             self._header,
-            self._data,
-            crc32(self._data),
+            data,
+            _crc32(data) & 0xFFFFFFFF,  # records.crc32, inline
         )
 
 

@@ -874,6 +874,8 @@ class AsyncWaltzClient:
         partition.state = state
         partition.notify()
         if state is _READY:
+            # Appends carry the generation of this mount (see "Request ids" in driver.py): read once here.
+            partition.generation = self._require_driver().generation(partition_id)
             # Appends sent on an earlier connection may be lost; a flush resolves them (see driver.py).
             req_id = partition.monitor.flush_request(self._clock())
             if req_id is not None:
@@ -1190,8 +1192,11 @@ class AsyncWaltzClient:
                     self._lead_awaitables = [(fn, result)]
                     self._hook_runs.append((run, False))
                     self._call_soon(self._flush_hooks)
-                else:
-                    self._finish(run)
+                    continue
+                # _finish(run), written out: its locks were released above, and a committed run waits in no
+                # lock queue, so it has nothing to leave there; a first attempt has no first_send.
+                self._runs.discard(run)
+                run.set_finished()
             else:
                 self._queue_application(run)
 
@@ -1427,7 +1432,7 @@ class AsyncWaltzClient:
         # ReqId.of(client id, generation, p, seq) without its two Python calls (classmethod, tuple __new__).
         req_id = _new_tuple(
             ReqId,
-            (self._client_msb | (driver.generation(p) & _MASK32), ((p & _MASK32) << 32) | (seq & _MASK32)),
+            (self._client_msb | (partition.generation & _MASK32), ((p & _MASK32) << 32) | (seq & _MASK32)),
         )
         request = builder.build(req_id)
         partition.outcomes[req_id] = waiter

@@ -74,8 +74,10 @@ Request ids
 -----------
 The core builds every :class:`~waltz.protocol.records.ReqId` with ``ReqId.of(client_id, generation,
 partition, seq)``: ``seq`` is a per-partition counter starting at 1, ``generation`` is
-:meth:`ClientDriver.generation` at the time the append is sent. Flushes carry the request id of the last
-pending append (the server echoes it back in the flush response).
+:meth:`ClientDriver.generation` as it was when the partition last became ``READY`` (the core reads it then,
+not once per append: a driver that changes a partition's generation mounts it again, so ``NOT_READY`` and
+``READY`` follow). Flushes carry the request id of the last pending append (the server echoes it back in the
+flush response).
 """
 
 from __future__ import annotations

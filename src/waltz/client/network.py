@@ -271,7 +271,7 @@ class NetworkDriver(ClientDriver):
         link = mount.link if mount is not None else None
         if self._closed or link is None or link.conn is None or not mount.ready:  # type: ignore[union-attr]
             link = self._ready_link(partition_id)  # Raises the error that says why.
-        link.send_append(request, at_once=True)
+        link.send_append_now(request)
 
     def send_flush(self, partition_id: int, req_id: ReqId) -> None:
         self._ready_link(partition_id).send(cs.FlushRequest(req_id))

@@ -153,6 +153,7 @@ class PartitionState:
         self.feed_limit = config.feed_queue_size
         self.monitor: TransactionMonitor | None = None  # Set once the application's HWM is known.
         self.state: MountState | None = None
+        self.generation = 0  # The driver's generation of the partition when it last became READY.
         self.error: ClientError | None = None  # Set when the partition is released or the client closes.
         self.outcomes: dict[ReqId, Waiter] = {}
         # Runs appended on their first attempt whose transaction is not applied yet, in transaction-id order.

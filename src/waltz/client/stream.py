@@ -253,17 +253,24 @@ class StreamLink:
         except ConnectionError_ as e:
             raise BrokenResourceError(f"connection to {self.endpoint} lost: {e}") from None
 
-    def send_append(self, request: cs.AppendRequest, at_once: bool = False) -> None:
-        """:meth:`send` for an append (the hot path: no version check, AppendRequest is in every codec).
-        ``at_once``: written now (see FramedConnection.send_now), not with the loop iteration's frames."""
+    def send_append(self, request: cs.AppendRequest) -> None:
+        """:meth:`send` for an append (the hot path: no version check, AppendRequest is in every codec)."""
         conn = self.conn
         if conn is None:
             raise BrokenResourceError(f"no connection to {self.endpoint}")
         try:
-            if at_once:
-                conn.send_now(cs.append_payload(request, self.version))
-            else:
-                conn.send(cs.append_payload(request, self.version))
+            conn.send(cs.append_payload(request, self.version))
+        except ConnectionError_ as e:
+            raise BrokenResourceError(f"connection to {self.endpoint} lost: {e}") from None
+
+    def send_append_now(self, request: cs.AppendRequest) -> None:
+        """:meth:`send_append`, written now (see FramedConnection.send_now), not with the loop iteration's
+        frames."""
+        conn = self.conn
+        if conn is None:
+            raise BrokenResourceError(f"no connection to {self.endpoint}")
+        try:
+            conn.send_now(cs.append_payload(request, self.version))
         except ConnectionError_ as e:
             raise BrokenResourceError(f"connection to {self.endpoint} lost: {e}") from None
 
