@@ -142,12 +142,14 @@ class Ctx(TransactionContext):
 
 
 async def run_phase(client: AsyncWaltzClient, phase: str, seconds: float, count: int | None) -> str:
-    """``phase`` for ``seconds`` after a warm-up of WARMUP_S, or (``count`` given) for ``count`` operations
-    after WARMUP_OPS (a fixed amount of work, for an instruction count under ``valgrind --tool=callgrind``)."""
+    """``phase`` for ``seconds`` after a warm-up of WARMUP_S, or (``count`` given) for ``count``
+    operations after WARMUP_OPS: a fixed amount of work, for an instruction count under
+    ``valgrind --tool=callgrind``."""
     loop = asyncio.get_running_loop()
     done_ops = 0
     stop = False
     finished = loop.create_future()
+    warm = asyncio.Event()
 
     async def one(lock: int | None, wait_apply: bool) -> bool:
         future: asyncio.Future[bool] = loop.create_future()
@@ -165,6 +167,8 @@ async def run_phase(client: AsyncWaltzClient, phase: str, seconds: float, count:
         while not stop:
             if await one(lock, wait_apply):
                 done_ops += 1
+                if done_ops == WARMUP_OPS:
+                    warm.set()
                 if count is not None and done_ops >= WARMUP_OPS + count and not finished.done():
                     stop = True
                     finished.set_result(None)
@@ -173,8 +177,7 @@ async def run_phase(client: AsyncWaltzClient, phase: str, seconds: float, count:
     if count is None:
         await asyncio.sleep(WARMUP_S)
     else:
-        while done_ops < WARMUP_OPS:
-            await asyncio.sleep(0.01)
+        await warm.wait()
     n0, c0, t0 = done_ops, time.process_time(), time.perf_counter()
     if count is None:
         await asyncio.sleep(seconds)
