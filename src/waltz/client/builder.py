@@ -8,8 +8,8 @@ from typing import Any, TypeVar, overload
 from waltz.client.driver import AppendRequest
 from waltz.client.locks import PartitionLocalLock, lock_hash
 from waltz.client.serializer import Serializer
-from waltz.protocol.client_server import new_append_request
 from waltz.protocol.checksum import crc32 as _crc32
+from waltz.protocol.client_server import new_append_request
 from waltz.protocol.records import ReqId
 from waltz.protocol.wire import I32_MAX, I32_MIN
 
