@@ -50,6 +50,10 @@ class Resolution(NamedTuple):
     transaction_id: int = -1
 
 
+_new_tuple = tuple.__new__
+"""``_new_tuple(Resolution, (req_id, outcome, transaction_id))`` builds a Resolution in C, without the named
+tuple's generated Python ``__new__`` (once per committed append)."""
+
 _Entry: TypeAlias = tuple[int, float]
 """A pending append: (seq, registered_at). A tuple, not a class: one is made per append."""
 
@@ -118,7 +122,7 @@ class TransactionMonitor:
             resolutions.append(Resolution(req_id, _COMMITTED, transaction_id))
         else:
             # The common case: the oldest pending append committed.
-            resolutions = [Resolution(req_id, _COMMITTED, transaction_id)]
+            resolutions = [_new_tuple(Resolution, (req_id, _COMMITTED, transaction_id))]
         if self._flush_responses or self._flushes_sent:
             resolutions.extend(self._release_flushes())
         return resolutions
@@ -137,7 +141,7 @@ class TransactionMonitor:
                 continue  # Not ours (another client's, or resolved already).
             if pending and next(iter(pending.values()))[0] < entry[0]:
                 resolutions.extend(self._fail_up_to(entry[0] - 1))  # Older ones lost, as in on_feed.
-            resolutions.append(Resolution(req_id, _COMMITTED, tid))
+            resolutions.append(_new_tuple(Resolution, (req_id, _COMMITTED, tid)))
         last = entries[-1][0] if entries else -1
         if last > self.feed_high_water_mark:
             self.feed_high_water_mark = last

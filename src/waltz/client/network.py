@@ -71,6 +71,7 @@ from waltz.errors import (
     ClientClosedError,
     ClientError,
     ConfigError,
+    ConnectionError_,
     PartitionNotReadyError,
     RemoteProtocolError,
     WaltzError,
@@ -260,18 +261,32 @@ class NetworkDriver(ClientDriver):
     # -- contract: requests ----------------------------------------------------------------------------------
 
     def send_append(self, partition_id: int, request: AppendRequest) -> None:
+        # The hot path (once per append): the link's connection written to here, the AppendRequest encoded
+        # without the codec's version check (every version carries it), instead of a StreamLink.send call.
         mount = self._mounts.get(partition_id)
         link = mount.link if mount is not None else None
         if self._closed or link is None or link.conn is None or not mount.ready:  # type: ignore[union-attr]
             link = self._ready_link(partition_id)  # Raises the error that says why.
-        link.send_append(request)
+        conn = link.conn
+        assert conn is not None  # Checked above.
+        try:
+            conn.send(cs.append_payload(request, link.version))
+        except ConnectionError_ as e:
+            raise BrokenResourceError(f"connection to {link.endpoint} lost: {e}") from None
 
     def send_append_now(self, partition_id: int, request: AppendRequest) -> None:
+        """:meth:`send_append`, written now (``FramedConnection.send_now``), not with the loop iteration's
+        frames: for a lone append, which nothing would join."""
         mount = self._mounts.get(partition_id)
         link = mount.link if mount is not None else None
         if self._closed or link is None or link.conn is None or not mount.ready:  # type: ignore[union-attr]
             link = self._ready_link(partition_id)  # Raises the error that says why.
-        link.send_append_now(request)
+        conn = link.conn
+        assert conn is not None  # Checked above.
+        try:
+            conn.send_now(cs.append_payload(request, link.version))
+        except ConnectionError_ as e:
+            raise BrokenResourceError(f"connection to {link.endpoint} lost: {e}") from None
 
     def send_flush(self, partition_id: int, req_id: ReqId) -> None:
         self._ready_link(partition_id).send(cs.FlushRequest(req_id))

@@ -253,27 +253,6 @@ class StreamLink:
         except ConnectionError_ as e:
             raise BrokenResourceError(f"connection to {self.endpoint} lost: {e}") from None
 
-    def send_append(self, request: cs.AppendRequest) -> None:
-        """:meth:`send` for an append (the hot path: no version check, AppendRequest is in every codec)."""
-        conn = self.conn
-        if conn is None:
-            raise BrokenResourceError(f"no connection to {self.endpoint}")
-        try:
-            conn.send(cs.append_payload(request, self.version))
-        except ConnectionError_ as e:
-            raise BrokenResourceError(f"connection to {self.endpoint} lost: {e}") from None
-
-    def send_append_now(self, request: cs.AppendRequest) -> None:
-        """:meth:`send_append`, written now (see FramedConnection.send_now), not with the loop iteration's
-        frames."""
-        conn = self.conn
-        if conn is None:
-            raise BrokenResourceError(f"no connection to {self.endpoint}")
-        try:
-            conn.send_now(cs.append_payload(request, self.version))
-        except ConnectionError_ as e:
-            raise BrokenResourceError(f"connection to {self.endpoint} lost: {e}") from None
-
     async def aclose(self) -> None:
         self._closed = True
         self._task.cancel()
