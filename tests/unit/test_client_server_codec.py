@@ -113,6 +113,22 @@ GOLDEN: list[tuple[Message, tuple[int, ...], bytes]] = [
         ),
     ),
     (
+        # One write lock and nothing else (a conditional append on one key: its own encoder path).
+        AppendRequest(REQ, 9, (-5,), (), (), 7, b"abc", crc32(b"abc")),
+        V2_UP,
+        h(
+            "02",
+            REQ_HEX,
+            "0000000000000009",
+            "00000001 fffffffb",  # write locks
+            "00000000",  # read locks
+            "00000000",  # append locks
+            "00000007",
+            "00000003 616263",
+            ABC_CRC_HEX,
+        ),
+    ),
+    (
         AppendRequest(REQ, 0, (), (), (), 0, b"", 0),
         V2_UP,
         h(

@@ -393,7 +393,17 @@ class AsyncWaltzClient:
             # Checked again unless fresh: execute() may have changed the partition (set_partitions, close).
             monitor = partition.monitor if fresh else self._ready_monitor(partition)
             if monitor is not None:
-                self._start_first(partition, monitor, run, first)
+                if first.write_lock_hashes:
+                    self._start_first(partition, monitor, run, first)
+                    return
+                # _start_first without write locks (nothing to take in the lock queue), written out.
+                try:
+                    run.state = _SEND_ROW[run.state][0]  # run.handle(_SEND), see _EXECUTE_ROW
+                except KeyError:
+                    run.handle(_SEND)  # Raises LifecycleError.
+                    raise
+                run.attempts += 1  # As handle() counts a SEND.
+                self._send(partition, monitor, first, run)
                 return
         elif first is not None:
             run.handle(_EXECUTE)

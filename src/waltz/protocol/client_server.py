@@ -149,6 +149,9 @@ _PREFIX_BYTES = _PREFIX.size  # 17
 _APPEND_HEAD = struct.Struct(">BQQqi")  # type, ReqId, clientHighWaterMark, writeLocks count
 _FEED_DATA = struct.Struct(">BQQqi")  # type, ReqId, transactionId, header
 _APPEND_HEAD_NO_LOCKS = struct.Struct(">BQQqiiiii")  # V2+: type, ReqId, hwm, 0 locks x3, header, length
+# V2+ with one write lock and no other (a conditional append on one key): type, ReqId, hwm, 1, the lock, no
+# read and no append locks, header, length.
+_APPEND_HEAD_ONE_WRITE = struct.Struct(">BQQqiiiiii")
 
 
 @functools.lru_cache(maxsize=64)
@@ -450,12 +453,28 @@ class AppendRequest(_Message):
         try:
             if version >= 2 and not (nw or nr or na):
                 # The common append, without locks: one precompiled struct instead of a format per call.
+                msb, lsb = self.req_id
                 head = _APPEND_HEAD_NO_LOCKS.pack(
                     2,
-                    self.req_id.msb & _MASK64,
-                    self.req_id.lsb & _MASK64,
+                    msb & _MASK64,
+                    lsb & _MASK64,
                     self.client_high_water_mark,
                     0,
+                    0,
+                    0,
+                    self.header,
+                    len(data),
+                )
+            elif version >= 2 and nw == 1 and not (nr or na):
+                # One write lock (a conditional append on one key): precompiled too, no argument unpacking.
+                msb, lsb = self.req_id
+                head = _APPEND_HEAD_ONE_WRITE.pack(
+                    2,
+                    msb & _MASK64,
+                    lsb & _MASK64,
+                    self.client_high_water_mark,
+                    1,
+                    w[0],
                     0,
                     0,
                     self.header,
