@@ -289,9 +289,11 @@ def test_decode_feed_run_takes_a_payload_exactly_as_decode_feed_data(
     partition, entries, end = cs.decode_feed_run([b"x", payload, payload + b"\x00"], 1)
     fast = cs.decode_feed_data(payload)
     if fast is None:
-        assert entries == [] and end == 1
+        assert entries == []
+        assert end == 1
     else:
-        assert entries == [(fast[1], fast[0], fast[2])] and end == 2  # The trailing-byte one is not taken.
+        assert entries == [(fast[1], fast[0], fast[2])]
+        assert end == 2  # The payload with a trailing byte is not taken.
         assert partition == fast[0].lsb >> 32 & 0xFFFFFFFF
 
 

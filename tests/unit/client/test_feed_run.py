@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from tests.unit.client.helpers import FAST, ApplyOrderCallbacks, Ctx
+from tests.unit.client.test_async_client import wait_until
 from waltz import AsyncWaltzClient
 from waltz.testing import MockDriver
 
@@ -25,16 +26,12 @@ def test_a_run_takes_what_the_feed_has_room_for_and_resolves_our_appends_in_orde
             contexts = [Ctx(b"x%d" % i) for i in range(5)]
             for context in contexts:
                 await client.submit(context)
-            async with asyncio.timeout(5):
-                while driver.cluster.high_water_mark(0) < 4:
-                    await asyncio.sleep(0.005)
+            await wait_until(lambda: driver.cluster.high_water_mark(0) == 4)
             entries = [(r.transaction_id, r.req_id, r.header) for r in driver.cluster.records(0)]
             listener = driver.listener
             # Room for three: the first three are taken (and resolved), the driver keeps the other two.
             assert listener.feed_run_nowait(0, entries) == 3
-            async with asyncio.timeout(5):
-                while "apply:2" not in events:
-                    await asyncio.sleep(0.005)
+            await wait_until(lambda: "apply:2" in events)
             assert not contexts[3].finished.is_set()
             assert listener.feed_run_nowait(0, entries[3:]) == 2
             await client.flush_transactions(timeout=5)
