@@ -218,9 +218,15 @@ class StreamLink:
         self.conn: FramedConnection | None = None
         self.version = 0
         self.incarnation = -1
+        self.max_frame_bytes = 0  # The connection's limit (read once per connection, not per append).
+        # Appends encoded in this loop iteration, written to _appends_conn in one send_many at its end (see
+        # queue_append); every other write on the link writes them first, so the link's order holds.
+        self._appends: list[bytes] = []
+        self._appends_conn: FramedConnection | None = None
+        self._loop = asyncio.get_running_loop()
         self._wanted = asyncio.Event()
         self._closed = False
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"waltz-link {endpoint}")
+        self._task = self._loop.create_task(self._run(), name=f"waltz-link {endpoint}")
 
     @property
     def connected(self) -> bool:
@@ -243,15 +249,53 @@ class StreamLink:
             self.owner.spawn(conn.aclose(), f"waltz-idle {self.endpoint}")
 
     def send(self, msg: cs.Message) -> None:
-        """Encode and queue ``msg`` on the stream connection (BrokenResourceError if there is none)."""
+        """Encode and queue ``msg`` on the stream connection (BrokenResourceError if there is none), after
+        the appends queued before it."""
         conn = self.conn
         if conn is None:
             raise BrokenResourceError(f"no connection to {self.endpoint}")
         payload = cs.encode(msg, self.version)
+        if self._appends:
+            self.flush_appends()
         try:
             conn.send(payload)
         except ConnectionError_ as e:
             raise BrokenResourceError(f"connection to {self.endpoint} lost: {e}") from None
+
+    def queue_append(self, conn: FramedConnection, payload: bytes) -> None:
+        """Queue an encoded AppendRequest for ``conn`` (the link's connection): the appends of one loop
+        iteration are framed and handed to the connection in one ``send_many`` when its callbacks run,
+        instead of one ``send`` (a frame, a check and a copy) each. An append the connection cannot take
+        then (it broke meanwhile) is dropped, as the driver contract allows: the flush after the next READY
+        resolves it. One over the frame limit is refused here, at once, as ``send`` refuses it."""
+        appends = self._appends
+        if not appends:
+            if conn.is_closed:
+                raise BrokenResourceError(f"connection to {self.endpoint} lost")
+            self._appends_conn = conn
+            self._loop.call_soon(self.flush_appends)
+        if len(payload) > self.max_frame_bytes:
+            self.flush_appends()  # Those before it keep their place.
+            try:
+                conn.send(payload)  # Raises LocalProtocolError, as for any message too large.
+            except ConnectionError_ as e:
+                raise BrokenResourceError(f"connection to {self.endpoint} lost: {e}") from None
+            return
+        appends.append(payload)
+
+    def flush_appends(self) -> None:
+        """Hand the queued appends to the connection they were queued for (nothing if it is gone)."""
+        appends = self._appends
+        if not appends:
+            return
+        self._appends = []
+        conn, self._appends_conn = self._appends_conn, None
+        if conn is None or conn is not self.conn:
+            return  # Lost with their connection: the READY after the reconnect resolves them.
+        try:
+            conn.send_many(appends)
+        except ConnectionError_ as e:
+            log.debug("%d appends to %s not sent: %s", len(appends), self.endpoint, e)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -284,6 +328,7 @@ class StreamLink:
             delay_s = RECONNECT_INITIAL_DELAY_S
             self.incarnation = self.owner.next_incarnation()
             self.conn, self.version = conn, conn.negotiated_version
+            self.max_frame_bytes = conn.max_frame_bytes
             log.debug("connected to %s (incarnation %d)", self.endpoint, self.incarnation)
             try:
                 for mount in list(self.attached.values()):
