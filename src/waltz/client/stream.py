@@ -15,10 +15,15 @@ that awaits the listener for one event at a time, in arrival order, so partition
 another's application. The inbox holds at most :data:`INBOX_FEED_LIMIT` feed entries; beyond that the
 connection's reader waits (TCP back pressure towards the server).
 
-The common case skips the inbox: a feed entry that is the partition's next id, with nothing of the
-partition queued before it (nor held by its delivery task), goes from the reader straight to the listener's
-``feed_data_nowait`` when it has room, without an event object or a task hop. Anything else (other messages,
-gaps, repeats, a full listener) goes through the inbox, so the order of a partition's events never changes.
+The common case skips the inbox: the feed entries of one partition in one read are decoded in one pass, and
+those that follow the partition's position, with nothing of the partition queued before them (nor held by
+its delivery task), go from the reader straight to the listener in one call (``feed_run_nowait``, or
+``feed_data_nowait`` per entry) as far as it has room, without an event object or a task hop. Anything else
+(other messages, gaps, repeats, what a full listener did not take) goes through the inbox, so the order of a
+partition's events never changes.
+
+Appends (the bulk of what a client writes) are queued per loop iteration and written in one ``send_many``
+(:meth:`StreamLink.queue_append`); every other write on the link writes them first.
 
 Everything runs on the client's event loop.
 """
