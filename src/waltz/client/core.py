@@ -393,10 +393,17 @@ class AsyncWaltzClient:
             # Checked again unless fresh: execute() may have changed the partition (set_partitions, close).
             monitor = partition.monitor if fresh else self._ready_monitor(partition)
             if monitor is not None:
-                if first.write_lock_hashes:
-                    self._start_first(partition, monitor, run, first)
-                    return
-                # _start_first without write locks (nothing to take in the lock queue), written out.
+                # _start_first(partition, monitor, run, first), written out (once per append).
+                locks = first.write_lock_hashes
+                if locks:
+                    wake = partition.lock_queue.take(run, locks)
+                    if wake is None:  # Another context of ours holds one of them: wait for its turn.
+                        run.handle(Event.QUEUE)
+                        self._park(partition, run, first)
+                        self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
+                        return
+                    if wake:
+                        self._wake(wake)
                 try:
                     run.state = _SEND_ROW[run.state][0]  # run.handle(_SEND), see _EXECUTE_ROW
                 except KeyError:
