@@ -10,6 +10,8 @@ real network driver (a static discovery instead of ZooKeeper), running the phase
 =========  ==================================================================================================
 conc       64 coroutines appending, each waiting for its own ``on_completion``
 occ64      64 writers, each with a write lock on its own key, each waiting for its own ``on_application``
+app64      occ64 without the locks (64 writers, each waiting for its own ``on_application``): occ64 minus
+           app64 is what the write locks cost
 =========  ==================================================================================================
 
 Per phase it prints ops/s and client CPU per op (``time.process_time`` of this process over the measured
@@ -163,7 +165,8 @@ async def run_phase(client: AsyncWaltzClient, phase: str, seconds: float, count:
 
     async def worker(w: int) -> None:
         nonlocal done_ops, stop
-        lock, wait_apply = (w + 1, True) if phase == "occ64" else (None, False)
+        lock = w + 1 if phase == "occ64" else None
+        wait_apply = phase in ("occ64", "app64")
         while not stop:
             if await one(lock, wait_apply):
                 done_ops += 1
@@ -204,7 +207,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--mode", choices=("inline", "threads"), default="inline")
-    parser.add_argument("--phase", action="append", choices=("conc", "occ64"), help="default: both")
+    parser.add_argument(
+        "--phase", action="append", choices=("conc", "occ64", "app64"), help="default: conc, occ64"
+    )
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--count", type=int, help="measure this many operations instead of --seconds")
     args = parser.parse_args()

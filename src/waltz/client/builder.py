@@ -86,11 +86,13 @@ class TransactionBuilder:
                 self._write_locks = (lock,)
                 # lock_hash(lock), written out (one call less per locked append; test_builder checks that
                 # both give the same value).
-                bits = lock.id & 0xFFFFFFFFFFFFFFFF
-                h = (bits ^ (bits >> 32)) & 0xFFFFFFFF
-                self.write_lock_hashes = (
-                    java_string_hash(lock.name) ^ (h - (1 << 32) if h >= 1 << 31 else h),
-                )
+                h = lock.id
+                if not 0 <= h <= 0x7FFFFFFF:  # Long.hashCode of a small id is the id itself.
+                    bits = h & 0xFFFFFFFFFFFFFFFF
+                    h = (bits ^ (bits >> 32)) & 0xFFFFFFFF
+                    if h >= 1 << 31:
+                        h -= 1 << 32
+                self.write_lock_hashes = (java_string_hash(lock.name) ^ h,)
                 return
         self._write_locks = _check_locks(locks)
         self.write_lock_hashes = _hashes(self._write_locks) if self._write_locks else ()
