@@ -31,9 +31,9 @@ Cost per transaction (the fast path): ``submit`` makes one callback-thread call 
 free slot on a ready partition, ``execute``) and sends the append without a task (the appends of one loop
 iteration leave in one write); the append's fate comes back through a callback (a socket read's feed
 entries of a partition in one call, ``_feed_run_nowait``); ``on_completion``/``on_application`` are queued
-and run as one callback job per event-loop iteration; the applier hands runs of the feed to one job. Anything unusual (no free slot, the
-partition not mounted, an append not committed) continues in a per-context task, the slow path, which is
-the original retry loop.
+and run as one callback job per event-loop iteration; the applier hands runs of the feed to one job.
+Anything unusual (no free slot, the partition not mounted, an append not committed) continues in a
+per-context task, the slow path, which is the original retry loop.
 """
 
 from __future__ import annotations
