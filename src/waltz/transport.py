@@ -553,6 +553,8 @@ class FramedConnection:
                     pending = handle(payload)
                     if pending is not None:
                         await pending
+                    if self._write_backlogged():
+                        await self.drain()
                     continue
                 if self._write_backlogged():
                     await self.drain()
@@ -598,6 +600,10 @@ class FramedConnection:
                 if pending is not None:
                     self._hand_over(pending)
                     return
+                if self._write_backlogged():
+                    # Our answers pile up unsent: the serving task drains them before the next payload.
+                    self._hand_over(None)
+                    return
         except Exception as e:  # noqa: BLE001 - the handler's: raised by serve_payloads, in its task
             self._hand_over(e)
             return
@@ -605,8 +611,6 @@ class FramedConnection:
             self._dispatching = False
             if self._out is not None:
                 self._flush_out()
-        if self._write_backlogged():
-            self._hand_over(None)  # the serving task drains before reading on
 
     def _hand_over(self, what: Awaitable[None] | Exception | None) -> None:
         """Stop the callback's deliveries and wake the serving task with ``what`` (see serve_payloads)."""
