@@ -107,3 +107,17 @@ def test_the_append_latency_histogram_exports_what_a_prometheus_histogram_would(
         latency.observe(seconds)
     expected = [line for line in generate_latest(reference).decode().splitlines() if "_created" not in line]
     assert generate_latest(ours).decode().splitlines() == expected
+
+
+def test_the_request_counts_export_what_a_prometheus_counter_would() -> None:
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    reference, ours = CollectorRegistry(), CollectorRegistry()
+    counter = Counter("waltz_storage_requests", "Requests processed", ["type"], registry=reference)
+    counts = node_module._RequestCounts()
+    ours.register(counts)
+    for kind, n in (("AppendRequest", 31), ("RecordRunRequest", 1), ("AppendRequest", 2), ("OpenRequest", 1)):
+        counter.labels(kind).inc(n)
+        counts.inc(kind, n)
+    expected = [line for line in generate_latest(reference).decode().splitlines() if "_created" not in line]
+    assert sorted(generate_latest(ours).decode().splitlines()) == sorted(expected)
