@@ -61,10 +61,14 @@ def test_fsyncs_run_on_the_loop_until_one_is_slow_then_in_a_thread_for_a_while(t
         assert await partition._fsync(fast) is None  # type: ignore[arg-type]
         assert fast.threads == [True, True, False]  # now in a worker thread
         assert partition.durable_max == 7
+        assert (partition.fsync_count, partition.threaded_fsync_count) == (4, 1)
+        assert partition.may_commit_now is False  # an append that arrives now is the worker's
 
         node.inline_fsync_off_until = time.monotonic() - 1  # the back-off has passed
+        assert partition.may_commit_now is True  # the worker idles, nothing queued, fsyncs on the loop
         assert await partition._fsync(fast) is None  # type: ignore[arg-type]
         assert fast.threads[-1] is True
+        assert partition.threaded_fsync_count == 1
 
     asyncio.run(main())
 

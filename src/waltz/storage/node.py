@@ -465,14 +465,20 @@ class _AppendCounters(Collector):
         data = CounterMetricFamily(
             "waltz_storage_appended_bytes", "Data bytes of records appended", labels=["partition"]
         )
-        fsyncs = 0
+        fsyncs = threaded = 0
         for p in self._partitions():
             records.add_metric([str(p.partition_id)], p.appended_records)
             data.add_metric([str(p.partition_id)], p.appended_bytes)
             fsyncs += p.fsync_count
+            threaded += p.threaded_fsync_count
         yield records
         yield data
         yield CounterMetricFamily("waltz_storage_fsyncs", "Group-commit fsyncs", value=fsyncs)
+        yield CounterMetricFamily(
+            "waltz_storage_fsyncs_in_thread",
+            "Group-commit fsyncs run in a thread (a slow disk, or other partitions busy), not on the loop",
+            value=threaded,
+        )
 
 
 def directory_bytes(directory: str) -> int:
@@ -521,6 +527,8 @@ class StoragePartition:
         self.last_refusal_log_s = -1e9
         self.queue = _BoundedQueue(node.config.partition_queue_size, node.queued)
         self.fsync_count = 0
+        self.threaded_fsync_count = 0
+        """Of ``fsync_count``, those run in a thread (see ``_fsync``)."""
         self.appended_records = 0
         self.appended_bytes = 0
         """Records and data bytes appended and fsynced (exported by ``_AppendCounters``)."""
@@ -1066,6 +1074,7 @@ class StoragePartition:
         ):
             return self._fsync_inline(plog)
         node.fsyncs_in_flight += 1
+        self.threaded_fsync_count += 1
         try:
             await node.fsync_threads.run(plog.flush)
         except Exception as e:  # noqa: BLE001 - any fsync failure fails the whole group
