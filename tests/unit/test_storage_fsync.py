@@ -125,3 +125,32 @@ def test_the_request_counts_export_what_a_prometheus_counter_would() -> None:
         counts.inc(kind, n)
     expected = [line for line in generate_latest(reference).decode().splitlines() if "_created" not in line]
     assert sorted(generate_latest(ours).decode().splitlines()) == sorted(expected)
+
+
+def test_a_lone_slow_fsync_sends_fsyncs_to_threads_for_a_second_and_repeated_ones_for_longer(
+    tmp_path: Path,
+) -> None:
+    node = _node(tmp_path)
+    partition = node.partitions[0]
+    slow = _Log(node_module.INLINE_FSYNC_LIMIT_S * 2)
+
+    async def slow_inline_fsync() -> float:
+        """Run a slow fsync on the loop (the back-off has passed); how long fsyncs now stay in threads."""
+        node.inline_fsync_off_until = time.monotonic() - 1
+        before = len(slow.threads)
+        assert await partition._fsync(slow) is None  # type: ignore[arg-type]
+        assert slow.threads[before:] == [True]
+        return node.inline_fsync_off_until - time.monotonic()
+
+    async def main() -> None:
+        first = await slow_inline_fsync()
+        assert 0.9 < first <= node_module.INLINE_FSYNC_FIRST_BACKOFF_S
+        assert 1.9 < await slow_inline_fsync() <= 2.0  # again within a minute: twice as long
+        assert 3.9 < await slow_inline_fsync() <= 4.0
+        for _ in range(3):
+            await slow_inline_fsync()
+        assert await slow_inline_fsync() <= node_module.INLINE_FSYNC_BACKOFF_S  # capped
+        node.last_slow_fsync_s -= node_module.INLINE_FSYNC_RESET_S + 1  # a quiet minute later
+        assert await slow_inline_fsync() <= node_module.INLINE_FSYNC_FIRST_BACKOFF_S
+
+    asyncio.run(main())

@@ -117,6 +117,11 @@ make it flap between healed and broken)."""
 INLINE_FSYNC_LIMIT_S = 0.02
 """An fsync on the event loop slower than this sends the next ones to a thread (see ``_fsync``)."""
 INLINE_FSYNC_BACKOFF_S = 10.0
+"""The longest time fsyncs stay in threads after a slow one on the loop (see ``_fsync_inline``)."""
+INLINE_FSYNC_FIRST_BACKOFF_S = 1.0
+"""How long fsyncs stay in threads after a slow one that follows none in the last ``INLINE_FSYNC_RESET_S``;
+each slow one within that time doubles it, up to ``INLINE_FSYNC_BACKOFF_S``."""
+INLINE_FSYNC_RESET_S = 60.0
 FSYNC_THREADS = 4
 """Threads for the fsyncs not run on the loop (fsyncs of several partitions overlap on the disk)."""
 FAULTS_ENV = "WALTZ_TEST_FAULTS"
@@ -1059,10 +1064,11 @@ class StoragePartition:
         """Make the data file durable; return None, or the error that fails the whole group.
 
         When no other partition has requests queued and no other fsync is running, the fsync runs on the
-        event loop thread (unless one such fsync took longer than ``INLINE_FSYNC_LIMIT_S`` in the last
-        ``INLINE_FSYNC_BACKOFF_S``): the hand-off to a worker thread and back (a thread wake-up, a future, a
-        wake-up of the loop, the GIL passed to and fro) costs more CPU than the fsync itself (10-20% of the
-        node's CPU per record in ``bench/storage_append.py``), and nothing waits for the loop meanwhile but
+        event loop thread (unless one such fsync took longer than ``INLINE_FSYNC_LIMIT_S`` lately: for 1 s
+        after a lone slow one, doubling up to ``INLINE_FSYNC_BACKOFF_S`` while they repeat): the hand-off to
+        a worker thread and back (a thread wake-up, a future, a wake-up of the loop, the GIL passed to and
+        fro) costs more CPU than the fsync itself (10-20% of the node's CPU per record in
+        ``bench/storage_append.py``), and nothing waits for the loop meanwhile but
         arrivals, which then form the next group. Otherwise it runs in a thread, so the other partitions are
         served while the disk works.
         """
@@ -1090,10 +1096,19 @@ class StoragePartition:
         try:
             started = time.monotonic()
             plog.flush()
-            if time.monotonic() - started > INLINE_FSYNC_LIMIT_S:
+            now = time.monotonic()
+            if now - started > INLINE_FSYNC_LIMIT_S:
                 # A slow disk would stall the loop (and /health, keep-alives, other partitions' reads) for
-                # every fsync: hand fsyncs to a thread until the disk has had time to recover.
-                node.inline_fsync_off_until = time.monotonic() + INLINE_FSYNC_BACKOFF_S
+                # every fsync: hand fsyncs to a thread until the disk has had time to recover. A lone spike
+                # (a busy host) costs a second of the threads' hand-off; a disk that stays slow, up to 10 s
+                # at a time (the hand-off costs a loop pass and a task wake-up per group, and appends can
+                # no longer be answered in the pass that read them).
+                if now - node.last_slow_fsync_s > INLINE_FSYNC_RESET_S:
+                    node.inline_fsync_backoff_s = INLINE_FSYNC_FIRST_BACKOFF_S
+                else:
+                    node.inline_fsync_backoff_s = min(2 * node.inline_fsync_backoff_s, INLINE_FSYNC_BACKOFF_S)
+                node.last_slow_fsync_s = now
+                node.inline_fsync_off_until = now + node.inline_fsync_backoff_s
         except Exception as e:  # noqa: BLE001 - any fsync failure fails the whole group
             return self._fsync_failed(e)
         self._fsynced(plog)
@@ -1170,6 +1185,9 @@ class StorageNode:
         self.fsyncs_in_flight = 0
         self.fsync_threads = _FsyncThreads(FSYNC_THREADS)
         self.inline_fsync_off_until = 0.0
+        self.inline_fsync_backoff_s = INLINE_FSYNC_FIRST_BACKOFF_S
+        self.last_slow_fsync_s = -1e9
+        """When an fsync on the loop last took longer than ``INLINE_FSYNC_LIMIT_S``."""
         """Until this monotonic time every fsync runs in a thread (a slow one ran on the loop)."""
         self._closing = False
         self.port = 0
