@@ -6,7 +6,10 @@ Guarantees:
   while an fsync is running are written together and share the next fsync (group commit), so throughput
   does not collapse to one batch per fsync.
 * **Order.** Requests for one partition are processed one at a time, in arrival order, by that partition's
-  worker task; responses to one connection for one partition leave in the same order.
+  worker task; responses to one connection for one partition leave in the same order. An append that finds
+  the worker idle with nothing queued anywhere (and fsyncs running on the loop) is written, fsynced and
+  answered at once, in the transport callback that read it (``StoragePartition.commit_now``): the same
+  steps the worker would take next, one loop pass and no task wake-up sooner.
 * **Fencing.** Each partition keeps an in-memory session id, initialised from the control file. On
   *arrival* of any data request its value becomes ``max(current, request.session_id)``; when the worker
   later processes the request it fails it with SessionFencedError unless ``request.session_id == current``.
