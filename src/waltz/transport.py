@@ -10,6 +10,10 @@ and a :class:`~waltz.protocol.framing.ProtocolConnection`:
   returned :class:`FramedServer` owns those handler tasks: closing it cancels them and closes their sockets.
 * :class:`RpcClient` multiplexes concurrent request/response calls over one connection, matching replies by
   sequence number, with a bounded number of requests in flight.
+* ``serve(..., callback_reads=True)`` hands a connection's payloads to a handler from the transport's data
+  callback (:meth:`FramedConnection.serve_payloads`) instead of through a StreamReader and a task woken per
+  read: for a peer whose requests should be answered in the loop pass that read them (a storage node's
+  data port). The same bounds hold.
 
 The accepting side bounds what one peer can hold (see :func:`serve`): at most ``max_connections`` in all and
 ``max_connections_per_source`` per source address; a connection whose peer sends nothing (not even a
