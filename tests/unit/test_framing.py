@@ -401,3 +401,30 @@ def test_take_payloads_keeps_the_payloads_before_an_error_and_stays_failed() -> 
         a.take_payloads(out)  # Dead: the same error again.
     with pytest.raises(LocalProtocolError):
         ProtocolConnection(MAGIC_STORAGE, [0], "a").take_payloads(out)  # Before the hello exchange.
+
+
+def test_payloads_never_alias_a_buffer_the_reader_overwrites() -> None:
+    """The decoder keeps the read itself as its buffer when it can (no copy): a payload handed out must still
+    be its own bytes after the caller reuses a bytearray or memoryview it read into, and after later reads
+    (small or large tails joined or assembled)."""
+    sizes = [60, 600, 5, 70_000, 60, 600]
+    payloads = [bytes([i + 1]) * n for i, n in enumerate(sizes)]
+    data = b"".join(encode_frame(MAGIC_STORAGE, 0, p) for p in payloads)
+    for read_bytes in (7, 100, 1000, 65_536, len(data)):
+        for kind in (bytes, bytearray, memoryview):
+            d = FrameDecoder(1 << 20)
+            d.expected = (MAGIC_STORAGE, 0)
+            got: list[bytes] = []
+            scratch = bytearray(read_bytes)
+            for i in range(0, len(data), read_bytes):
+                chunk = data[i : i + read_bytes]
+                scratch[: len(chunk)] = chunk
+                view = memoryview(scratch)[: len(chunk)]
+                d.receive_data(
+                    bytes(view) if kind is bytes else view if kind is memoryview else scratch[: len(chunk)]
+                )
+                view.release()
+                d.take_payloads(got)
+                scratch[:] = b"\xee" * read_bytes  # The caller reuses its read buffer.
+            assert got == payloads, (read_bytes, kind)
+            assert all(type(p) is bytes for p in got)
