@@ -105,6 +105,8 @@ DEFAULT_IDLE_TIMEOUT_S: Final = 3 * DEFAULT_KEEP_ALIVE_INTERVAL_S
 DEFAULT_MAX_IN_FLIGHT: Final = 1024
 _COALESCE_MAX_BYTES: Final = 1024 * 1024
 """Frames sent in one loop iteration are written together, up to this many bytes per write."""
+_HEADER_CACHE_SIZE: Final = 256
+"""Payload sizes whose frame header a connection remembers (7 bytes each)."""
 _CLOSE_TIMEOUT_S: Final = 1.0
 _TLS_RECORD_TYPES: Final = frozenset({0x15, 0x16})
 """TLS record content types a peer sends first: alert (21) and handshake (22)."""
@@ -345,6 +347,9 @@ class FramedConnection:
         self._error: ConnectionError_ | RemoteProtocolError | None = None
         self._last_write_s = self._loop.time()
         self._out: bytearray | None = None
+        self._max_payload_bytes = proto.max_frame_bytes
+        self._headers: dict[int, bytes] = {}
+        """Frame headers by payload size (see :meth:`_header`)."""
         self._dispatching = False
         """True while :meth:`_data_received` hands payloads to a handler: frames sent meanwhile leave in one
         write at its end instead of in a callback of the next loop iteration."""
@@ -731,13 +736,18 @@ class FramedConnection:
         """
         if self._closed or self._error is not None or self._transport.is_closing():
             self._check_writable()  # Raises the error that says why.
-        frame = self._proto.frame(payload)
-        if len(frame) >= _COALESCE_MAX_BYTES:
+        n = len(payload)
+        if not 0 < n <= self._max_payload_bytes:
+            self._proto.frame(payload)  # Raises the LocalProtocolError that says why.
+        # Framed here, not by ProtocolConnection.frame: the header is looked up, and the payload is copied
+        # once, into the coalescing buffer (frame() built header + payload, copied again into the buffer).
+        header = self._headers.get(n) or self._header(n)
+        if n >= _COALESCE_MAX_BYTES:
             # A large frame (a range read's run) is written as it is, after the frames queued before it:
             # copying megabytes into the coalescing buffer cost more than the write (a fresh buffer that
             # size page-faults all the way).
             self._flush_out()
-            self._transport.write(frame)
+            self._transport.write(header + payload)
             self._last_write_s = self._loop.time()
             return
         out = self._out
@@ -746,14 +756,24 @@ class FramedConnection:
             # it, and they leave in one socket write. One write per frame was the largest cost of the server
             # (feeds, storage requests) and the storage node (responses) under load. The keep-alive clock is
             # read here only: the frames that join this one leave in the same write.
-            self._out = bytearray(frame)
+            out = self._out = bytearray(header)
+            out += payload
             if not self._dispatching:  # else _data_received writes it when its handler returns
                 self._loop.call_soon(self._flush_out)
             self._last_write_s = self._loop.time()
         else:
-            out += frame
+            out += header
+            out += payload
             if len(out) >= _COALESCE_MAX_BYTES:
                 self._flush_out()
+
+    def _header(self, n: int) -> bytes:
+        """The frame header of an ``n``-byte payload, remembered for the next one of that size (messages of
+        one kind mostly have one size); at most ``_HEADER_CACHE_SIZE`` sizes are remembered."""
+        header = self._proto.frame_header(n)
+        if len(self._headers) < _HEADER_CACHE_SIZE:
+            self._headers[n] = header
+        return header
 
     def send_now(self, payload: bytes | bytearray | memoryview) -> None:
         """:meth:`send`, handed to the transport at once instead of at the end of the loop iteration (after
@@ -761,14 +781,18 @@ class FramedConnection:
         client's one append at a time, which then leaves one loop pass sooner and schedules no flush."""
         if self._closed or self._error is not None or self._transport.is_closing():
             self._check_writable()  # Raises the error that says why.
-        frame = self._proto.frame(payload)
+        n = len(payload)
+        if not 0 < n <= self._max_payload_bytes:
+            self._proto.frame(payload)  # Raises the LocalProtocolError that says why.
+        header = self._headers.get(n) or self._header(n)
         out = self._out
         if out is None:
-            self._transport.write(frame)
+            self._transport.write(header + payload)
         else:
             # Frames queued earlier in this iteration go first; their scheduled flush then finds nothing.
             self._out = None
-            out += frame
+            out += header
+            out += payload
             self._transport.write(out)
         self._last_write_s = self._loop.time()
 

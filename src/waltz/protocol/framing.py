@@ -521,6 +521,18 @@ class ProtocolConnection:
             )
         return FRAME_HEADER.pack(self.magic, version, n) + payload
 
+    def frame_header(self, n: int) -> bytes:
+        """The header of a frame of an ``n``-byte payload (what :meth:`frame` puts before it), for a sender
+        that writes header and payload into its own buffer. Raises as :meth:`frame` does."""
+        version = self.negotiated_version
+        if version is None or not self._hello_sent:
+            raise LocalProtocolError("cannot send a payload before the hello exchange completed")
+        if not 0 < n <= self.max_frame_bytes:
+            raise LocalProtocolError(
+                f"payload of {n} bytes is outside 1..{self.max_frame_bytes} (max_frame_bytes)"
+            )
+        return FRAME_HEADER.pack(self.magic, version, n)
+
     def frame_many(self, payloads: Iterable[bytes | bytearray | memoryview]) -> bytes:
         """:meth:`frame` of each of ``payloads``, in order, in one buffer (many small frames at a time, such
         as a feed's). Raises as :meth:`frame` does, and then frames none of them."""
