@@ -360,6 +360,12 @@ class FramedConnection:
         """What the serving task waits on while the callback delivers: the handler's awaitable to run, None to
         drain, or an exception (the connection ended)."""
         self._reading_paused = False
+        self._taken: list[bytes] = []
+        """The payloads :meth:`_data_received` decoded from one read, handed to the handler in order."""
+        self._left: collections.deque[bytes] = collections.deque()
+        """Payloads decoded but not yet handed over when the callback stopped (a handler had to wait, our
+        frames piled up): the serving task hands them over first, before any still in the decoder. At most
+        one read's worth, since reading pauses then."""
         self._keep_alive_interval_s = keep_alive_interval_s
         self._keep_alive_task: asyncio.Task[None] | None = None
         if keep_alive_interval_s is not None:
@@ -548,6 +554,7 @@ class FramedConnection:
         self._receiving = True
         proto = self._proto
         loop = self._loop
+        left = self._left
         try:
             while True:
                 if self._error is not None:
@@ -555,12 +562,16 @@ class FramedConnection:
                 if self._closed:
                     raise ClosedResourceError("connection closed")
                 # Payloads that arrived while this task was busy (or with the peer's hello) are handed over
-                # here, in order, before the callback takes over again.
-                try:
-                    payload = proto.next_payload()
-                except RemoteProtocolError as e:
-                    self._protocol_failure(e)
-                    raise
+                # here, in order, before the callback takes over again: those the callback decoded already
+                # first, then those still in the decoder.
+                if left:
+                    payload = left.popleft()
+                else:
+                    try:
+                        payload = proto.next_payload()
+                    except RemoteProtocolError as e:
+                        self._protocol_failure(e)
+                        raise
                 if payload is not None:
                     pending = handle(payload)
                     if pending is not None:
@@ -597,29 +608,39 @@ class FramedConnection:
             self._pause_reading()
             return
         self._read_started_s = self._loop.time()
-        self._dispatching = True
+        # Every whole payload of this read in one decoder call (not two Python calls per payload). A protocol
+        # error after some of them is raised again by the decoder when the serving task next asks it, once
+        # the payloads before it were handled, as if they had been decoded one by one.
+        taken = self._taken
+        error: RemoteProtocolError | None = None
         try:
-            while True:
-                try:
-                    payload = proto.next_payload()
-                except RemoteProtocolError as e:
-                    self._protocol_failure(e)
-                    self._hand_over(e)
-                    return
-                if payload is None:
-                    break
-                pending = handle(payload)
+            proto.take_payloads(taken)
+        except RemoteProtocolError as e:
+            error = e
+        self._dispatching = True
+        i = 0
+        n = len(taken)
+        try:
+            while i < n:
+                pending = handle(taken[i])
+                i += 1
                 if pending is not None:
+                    self._left.extend(taken[i:])
                     self._hand_over(pending)
                     return
                 if self._write_backlogged():
                     # Our answers pile up unsent: the serving task drains them before the next payload.
+                    self._left.extend(taken[i:])
                     self._hand_over(None)
                     return
+            if error is not None:
+                self._protocol_failure(error)
+                self._hand_over(error)
         except Exception as e:  # noqa: BLE001 - the handler's: raised by serve_payloads, in its task
             self._hand_over(e)
             return
         finally:
+            taken.clear()
             self._dispatching = False
             if self._out is not None:
                 self._flush_out()

@@ -331,3 +331,43 @@ def test_receive_on_a_callback_connection_and_serve_payloads_elsewhere_are_refus
         assert "serve_payloads" in str(errors[0])
 
     run(main)
+
+
+def test_payloads_before_garbage_in_one_read_are_all_handled_in_order_even_after_a_wait(run: Any) -> None:
+    """The callback decodes a whole read at once: when a handler has to wait on the first payload, the ones
+    after it (already decoded) are handled by the serving task in order, and only then is the garbage that
+    followed them in the same read refused."""
+
+    async def main() -> None:
+        seen: list[bytes] = []
+        ended: list[BaseException] = []
+
+        def waiting(conn: FramedConnection) -> Handler:
+            async def later(payload: bytes) -> None:
+                await asyncio.sleep(0.05)
+                seen.append(payload)
+
+            def handle(payload: bytes) -> Awaitable[None] | None:
+                if payload == b"wait":
+                    return later(payload)
+                seen.append(payload)
+                return None
+
+            return handle
+
+        async with serving(waiting, ended) as port:
+            _reader, writer = await raw_connect(port)
+            await asyncio.sleep(0.05)  # the hello exchange done: what follows is one read
+            garbage = encode_frame(MAGIC_STORAGE + 1, 0, b"x")
+            writer.write(frame(b"a") + frame(b"wait") + frame(b"b") + frame(b"c") + garbage)
+            await writer.drain()
+            for _ in range(100):
+                if ended:
+                    break
+                await asyncio.sleep(0.01)
+            writer.close()
+        assert seen == [b"a", b"wait", b"b", b"c"]
+        assert len(ended) == 1
+        assert isinstance(ended[0], RemoteProtocolError), ended
+
+    run(main)
