@@ -564,6 +564,7 @@ class FramedConnection:
                 # Payloads that arrived while this task was busy (or with the peer's hello) are handed over
                 # here, in order, before the callback takes over again: those the callback decoded already
                 # first, then those still in the decoder.
+                payload: bytes | None
                 if left:
                     payload = left.popleft()
                 else:

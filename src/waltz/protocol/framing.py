@@ -221,7 +221,7 @@ class FrameDecoder:
             return
         # A large frame arriving over many reads: a bytearray grows by amortised appends, where joining bytes
         # would copy everything received so far on every read.
-        if type(buf) is bytes:
+        if type(buf) is not bytearray:
             with memoryview(buf) as view:
                 assembly = bytearray(view[pos:])
             assembly += data
@@ -293,7 +293,7 @@ class FrameDecoder:
         expected = self.expected
         limit = self.max_frame_bytes
         unpack = FRAME_HEADER.unpack_from
-        is_bytes = type(buf) is bytes
+        read = buf if type(buf) is bytes else None  # the read itself: payloads are slices of it
         try:
             while n - pos >= FRAME_HEADER_BYTES:
                 magic, version, length = unpack(buf, pos)
@@ -305,7 +305,7 @@ class FrameDecoder:
                     break
                 if length:
                     # Slicing bytes (the read itself) copies the payload once; see _extract for a bytearray.
-                    out.append(buf[start:end] if is_bytes else _extract(buf, start, end))
+                    out.append(read[start:end] if read is not None else _extract(buf, start, end))
                 pos = end
         finally:
             if pos == n:
