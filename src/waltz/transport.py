@@ -61,8 +61,6 @@ from waltz.protocol.framing import (
     DEFAULT_MAX_FRAME_BYTES,
     NEED_DATA,
     HelloReceived,
-    KeepAlive,
-    Payload,
     ProtocolConnection,
 )
 
@@ -443,21 +441,19 @@ class FramedConnection:
                 if self._closed:
                     raise ClosedResourceError("connection closed")
                 try:
-                    event = proto.next_event()
+                    # The payload alone (keep-alives skipped), without a Frame and a Payload event around it.
+                    payload = proto.next_payload()
                 except RemoteProtocolError as e:
                     self._protocol_failure(e)
                     raise
-                if type(event) is Payload:
-                    return event.data
-                if event is NEED_DATA:
-                    high = self._pause_reading_above_bytes
-                    if high is not None and self._transport.get_write_buffer_size() > high:
-                        # Our answers to this peer are piling up unsent: read no more requests until they
-                        # drain (TCP then pushes back on a peer that sends but does not read).
-                        await self.drain()
-                    proto.receive_data(await self._read())
-                elif not isinstance(event, KeepAlive):  # pragma: no cover - the decoder refuses a 2nd hello
-                    raise RemoteProtocolError(f"unexpected event {event!r}")
+                if payload is not None:
+                    return payload
+                high = self._pause_reading_above_bytes
+                if high is not None and self._transport.get_write_buffer_size() > high:
+                    # Our answers to this peer are piling up unsent: read no more requests until they
+                    # drain (TCP then pushes back on a peer that sends but does not read).
+                    await self.drain()
+                proto.receive_data(await self._read())
         finally:
             self._receiving = False
 
