@@ -13,13 +13,15 @@ A run of ``n`` records starting at transaction ``first`` is ``n`` stored records
     36+len     4  u32 record checksum: CRC-32 of bytes 0 .. 36+len-1 of this record
 
 Range reads (storage ``RecordRunRequest``, client-server V5 ``TransactionRangeResponse``) carry runs so that
-nothing between the disk and the reader touches individual records: the storage node sends the bytes of its
-data file as they are (one ``pread``), the server checks their shape with :func:`scan_run` and forwards them
-untouched, and the reader checks the shape and both checksums of every record while unpacking
-(:func:`run_records`, :func:`run_columns`, or :func:`run_bounds` for a reader that cuts the fields out itself,
-as the Spark source does with Arrow). So the checks are end to end: corruption on disk, in a cache, in memory
-or on the wire is caught where the data is used, and the per-record work happens in the reader, which scales
-with the number of readers, not in the one server that owns the partition.
+nothing between the disk and the reader touches individual records beyond the storage node's check of each
+record's id and record checksum right after its ``pread`` (so a damaged replica is found and another one
+read): the storage node sends the bytes of its data file as they are, the server checks only that the run
+can hold the records announced and starts at the id asked for, and forwards it untouched, and the reader
+checks the shape and both checksums of every record while unpacking (:func:`run_records`, :func:`run_columns`,
+or :func:`run_bounds` for a reader that cuts the fields out itself, as the Spark source does with Arrow). So
+the checks are end to end: corruption on disk, in a cache, in memory or on the wire is caught where the data
+is used, and the per-record work happens in the reader, which scales with the number of readers, not in the
+one server that owns the partition.
 
 Every function here is pure (no I/O). Unpacking raises :class:`~waltz.errors.RemoteProtocolError` for a run
 whose shape is wrong (an id out of sequence, a length that runs past the end, bytes left over, more records
