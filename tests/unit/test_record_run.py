@@ -18,6 +18,7 @@ from waltz.protocol.record_run import (
     run_records,
     scan_run,
     stored_size,
+    uniform_run_verifies,
 )
 from waltz.protocol.records import Record, ReqId, crc32
 from waltz.storage.segment import encode_record
@@ -138,3 +139,70 @@ def test_garbage_raises_only_protocol_errors(blob: bytes, first: int, count: int
             unpack(blob, first, count)
         except (RemoteProtocolError, DataChecksumError):
             pass
+
+
+def uniform(first: int, count: int, size: int) -> list[Record]:
+    return records(first, [size] * count)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    count=st.integers(min_value=16, max_value=40),
+    size=st.integers(min_value=0, max_value=80),
+    data=st.data(),
+)
+def test_a_run_of_one_record_size_is_verified_whole_and_any_damage_is_caught(
+    count: int, size: int, data: st.DataObject
+) -> None:
+    """Runs of records of one size are checked without a loop over the records (CRC-32 linearity, see
+    record_run); they must accept exactly what the per-record loop accepts (run_bounds on a memoryview
+    takes the loop) and refuse one damaged byte anywhere, with the loop's error."""
+    first = data.draw(st.integers(min_value=0, max_value=2**40))
+    run = encode_run(uniform(first, count, size))
+    stride = size + 40
+    assert uniform_run_verifies(run, first, stride, count)
+    assert run_bounds(run, first, count) == list(range(0, len(run) + 1, stride))
+    assert run_bounds(run, first, count) == run_bounds(memoryview(run), first, count)
+    damaged = bytearray(run)
+    position = data.draw(st.integers(min_value=0, max_value=len(run) - 1))
+    damaged[position] ^= data.draw(st.integers(min_value=1, max_value=255))
+    assert not uniform_run_verifies(bytes(damaged), first, stride, count)
+    # The record checksum covers every byte but itself, so the check without data checksums refuses it too.
+    assert not uniform_run_verifies(bytes(damaged), first, stride, count, data_checksums=False)
+    with pytest.raises((RemoteProtocolError, DataChecksumError)) as fast:
+        run_bounds(bytes(damaged), first, count)
+    with pytest.raises((RemoteProtocolError, DataChecksumError)) as loop:
+        run_bounds(memoryview(damaged), first, count)
+    assert str(fast.value) == str(loop.value)
+
+
+def test_a_run_of_one_size_with_two_damaged_records_is_refused() -> None:
+    recs = uniform(0, 64, 24)
+    run = bytearray(encode_run(recs))
+    stride = stored_size(recs[0])
+    for i in (3, 40):  # the same damage in two records: a shift by a whole number of records cannot cancel it
+        run[i * stride + 50] ^= 0x10
+    assert not uniform_run_verifies(bytes(run), 0, stride, 64)
+    with pytest.raises(DataChecksumError, match="transaction 3: record checksum"):
+        run_bounds(bytes(run), 0, 64)
+
+
+def test_the_fast_check_refuses_what_the_loop_refuses_beyond_checksums() -> None:
+    recs = uniform(7, 20, 10)
+    run = encode_run(recs)
+    stride = stored_size(recs[0])
+    # Ids out of sequence, and a data checksum that is not the data's (with a record checksum that verifies:
+    # a storage node that stored what it was not given).
+    assert not uniform_run_verifies(run, 8, stride, 20)
+    forged = [r if r.transaction_id != 15 else r._replace(checksum=r.checksum ^ 1) for r in recs]
+    run_forged = encode_run(forged)
+    assert uniform_run_verifies(run_forged, 7, stride, 20, data_checksums=False)
+    assert not uniform_run_verifies(run_forged, 7, stride, 20)
+    with pytest.raises(DataChecksumError, match="transaction 15: data does not match"):
+        run_bounds(run_forged, 7, 20)
+    # Sizes and counts that do not describe the run are refused (the caller then runs its loop).
+    assert not uniform_run_verifies(run, 7, stride, 19)
+    assert not uniform_run_verifies(run[: 39 * 20], 7, 39, 20)
+    # Records of several sizes take the loop, and verify.
+    mixed = records(0, [10] * 10 + [11] * 10)
+    assert run_records(encode_run(mixed), 0, 20) == mixed
