@@ -324,3 +324,12 @@ def test_a_decoded_append_always_yields_its_records(body: bytes) -> None:
         return
     assert isinstance(msg, s.AppendRequest)
     assert len(list(msg.records)) == len(msg.records)
+
+
+def test_a_record_run_response_in_parts_is_its_encoding_with_the_run_not_copied() -> None:
+    run = bytes.fromhex(STORED_REC_HEX)
+    head, body = s.record_run_response_parts(1, 2, 3, 1, run)
+    assert body is run
+    assert head + body == s.encode(s.RecordRunResponse(1, 2, 3, 1, run))
+    with pytest.raises(LocalProtocolError, match="out of range"):
+        s.record_run_response_parts(2**63, 2, 3, 1, run)

@@ -132,6 +132,7 @@ __all__ = [
     "decode",
     "encode",
     "encode_record_run_response",
+    "record_run_response_parts",
     "encode_success",
     "failure_from_error",
     "failure_to_error",
@@ -898,6 +899,14 @@ def encode_record_run_response(
 ) -> bytes:
     """``encode(RecordRunResponse(...))`` with the run copied once (a Writer copied it twice: into its buffer,
     then out as bytes; a run is up to 8 MiB, and a fresh buffer that size costs page faults as well)."""
+    return b"".join(record_run_response_parts(session_id, seq_num, partition_id, count, run))
+
+
+def record_run_response_parts(
+    session_id: int, seq_num: int, partition_id: int, count: int, run: bytes | bytearray | memoryview
+) -> tuple[bytes, bytes | bytearray | memoryview]:
+    """``encode(RecordRunResponse(...))`` as ``(head, run)``, the run not copied: a storage node writes the
+    two after each other (``FramedConnection.send_parts``)."""
     if len(run) > I32_MAX:
         raise LocalProtocolError(f"byte array too long: {len(run)}")
     try:
@@ -908,7 +917,7 @@ def encode_record_run_response(
         raise LocalProtocolError(
             f"record run response fields out of range: {(session_id, seq_num)}"
         ) from None
-    return b"".join((head, run))
+    return head, run
 
 
 def encode_success(session_id: int, seq_num: int, partition_id: int) -> bytes:
