@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 
 import pytest
 from hypothesis import given, settings
@@ -206,3 +207,30 @@ def test_the_fast_check_refuses_what_the_loop_refuses_beyond_checksums() -> None
     # Records of several sizes take the loop, and verify.
     mixed = records(0, [10] * 10 + [11] * 10)
     assert run_records(encode_run(mixed), 0, 20) == mixed
+
+
+def test_the_fast_check_reuses_its_scratch_copy_without_carrying_anything_over() -> None:
+    """The copy the fast check makes is kept per thread for the next run of the same length (a fresh
+    megabyte buffer per run page-faulted); what one run leaves in it never decides the next one."""
+    good = encode_run(uniform(0, 32, 20))
+    bad = bytearray(good)
+    bad[3 * 60 + 45] ^= 1
+    stride = 60
+    for _ in range(3):
+        assert uniform_run_verifies(good, 0, stride, 32)
+        assert not uniform_run_verifies(bytes(bad), 0, stride, 32)
+    results: list[bool] = []
+
+    def other_thread() -> None:
+        for _ in range(50):
+            results.append(uniform_run_verifies(good, 0, stride, 32))
+            results.append(not uniform_run_verifies(bytes(bad), 0, stride, 32))
+
+    threads = [threading.Thread(target=other_thread) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for _ in range(50):
+        assert uniform_run_verifies(good, 0, stride, 32)
+    for t in threads:
+        t.join()
+    assert results == [True] * 300

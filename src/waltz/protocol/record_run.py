@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import itertools
 import struct
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -195,6 +196,27 @@ _FAST_MIN_RECORDS = 16
 _CANONICAL_BLOCK_RECORDS = 256
 
 
+_SCRATCH_MAX_BYTES = 16 * 1024 * 1024
+_scratch = threading.local()
+
+
+def _scratch_copy(run: bytes | bytearray) -> bytearray:
+    """A writable copy of ``run``, in this thread's scratch buffer when the last run had the same length (the
+    usual case: runs of a fetch size of records of one size) and it is at most :data:`_SCRATCH_MAX_BYTES`.
+    A fresh buffer per run cost a third of a storage node's CPU in a bulk read (megabytes of new pages
+    faulted in on every run), where a copy into pages already mapped is a memcpy."""
+    n = len(run)
+    buf: bytearray | None = getattr(_scratch, "buf", None)
+    if buf is not None and len(buf) == n:
+        with memoryview(buf) as view:
+            view[:] = run  # a memcpy (a slice assignment to the bytearray costs twice as much)
+        return buf
+    buf = bytearray(run)
+    if n <= _SCRATCH_MAX_BYTES:
+        _scratch.buf = buf
+    return buf
+
+
 @functools.lru_cache(maxsize=256)
 def _canonical_crc(size: int, count: int, covered: int) -> int:
     """The CRC-32 of ``count`` records of ``size`` bytes, each ``size - 4`` zero bytes and then, in
@@ -224,7 +246,7 @@ def uniform_run_verifies(
         return False
     if any(run[28 + j :: size] != length[j : j + 1] * count for j in range(4)):
         return False
-    copy = bytearray(run)
+    copy = _scratch_copy(run)
     for j in range(4):
         copy[size - 4 + j :: size] = run[size - 1 - j :: size]
     if crc32(copy) != _canonical_crc(size, count, size - 4):
