@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import struct
 import threading
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from waltz.errors import DataChecksumError, LocalProtocolError, RemoteProtocolError
 from waltz.protocol.record_run import (
     RecordRun,
+    _id_lane,
     encode_run,
     run_bounds,
     run_columns,
@@ -234,3 +236,23 @@ def test_the_fast_check_reuses_its_scratch_copy_without_carrying_anything_over()
     for t in threads:
         t.join()
     assert results == [True] * 300
+
+
+@pytest.mark.parametrize("first", [0, 200, 255, 65_000, 2**24 - 100, 2**40 - 1, 2**62 + 12_345])
+def test_the_fast_check_builds_the_expected_ids_lane_by_lane(first: int) -> None:
+    """The ids are compared one byte lane at a time against lanes built from runs of equal bytes; across
+    byte boundaries (first + count crossing 256, 65,536, ...) they must be the ids' big-endian bytes."""
+    count = 70_000
+    want = struct.pack(f">{count}q", *range(first, first + count))
+    for j in range(8):
+        assert _id_lane(first, count, 8 * (7 - j)) == want[j::8]
+    recs = uniform(first, 300, 0)
+    assert run_bounds(encode_run(recs), first, 300) == list(range(0, 300 * 40 + 1, 40))
+
+
+def test_the_fast_check_leaves_ids_past_the_i64_range_to_the_loop() -> None:
+    run = encode_run(uniform(2**63 - 20, 20, 4))
+    assert not uniform_run_verifies(run, 2**63 - 10, 44, 20)  # ids that would pass 2**63: no struct error
+    assert uniform_run_verifies(run, 2**63 - 20, 44, 20)
+    with pytest.raises(RemoteProtocolError, match="expected"):
+        run_bounds(run, 2**63 - 10, 20)

@@ -217,6 +217,26 @@ def _scratch_copy(run: bytes | bytearray) -> bytearray:
     return buf
 
 
+_ID_LIMIT = 2**63
+_BYTE_VALUES = bytes(range(256))
+
+
+def _id_lane(first: int, count: int, shift: int) -> bytes:
+    """Byte ``(id >> shift) & 0xFF`` of each id ``first, ..., first + count - 1``, in order, built from runs
+    of equal bytes (a byte above the lowest changes once every ``2**shift`` ids) rather than id by id."""
+    if shift == 0:
+        start = first & 0xFF
+        return (_BYTE_VALUES * ((start + count + 255) // 256))[start : start + count]
+    parts = []
+    i = 0
+    while i < count:
+        value = (first + i) >> shift
+        end = min(count, ((value + 1) << shift) - first)
+        parts.append(_BYTE_VALUES[value & 0xFF : (value & 0xFF) + 1] * (end - i))
+        i = end
+    return b"".join(parts)
+
+
 @functools.lru_cache(maxsize=256)
 def _canonical_crc(size: int, count: int, covered: int) -> int:
     """The CRC-32 of ``count`` records of ``size`` bytes, each ``size - 4`` zero bytes and then, in
@@ -239,10 +259,11 @@ def uniform_run_verifies(
     only that something is wrong: the caller then runs its per-record check, which says what."""
     if size < STORED_OVERHEAD_BYTES or count < 1 or len(run) != size * count:
         return False
-    want = struct.pack(f">{count}q", *range(first, first + count))
+    if first < 0 or first + count > _ID_LIMIT:
+        return False  # ids no record can carry: the loop says so
     length = (size - STORED_OVERHEAD_BYTES).to_bytes(4, "big")
-    # One byte lane at a time: run[j::size] is byte j of every record.
-    if any(run[j::size] != want[j::8] for j in range(8)):
+    # One byte lane at a time: run[j::size] is byte j of every record (the ids are big-endian i64s).
+    if any(run[j::size] != _id_lane(first, count, 8 * (7 - j)) for j in range(8)):
         return False
     if any(run[28 + j :: size] != length[j : j + 1] * count for j in range(4)):
         return False
