@@ -418,6 +418,12 @@ class FramedConnection:
         """True once :meth:`aclose` was called or the connection failed."""
         return self._closed or self._error is not None
 
+    @property
+    def read_ahead(self) -> bool:
+        """True if bytes the peer sent after the payload just received are read already: more requests are
+        right behind it (a handler may leave this one to be batched with them)."""
+        return self._proto.buffered_bytes > 0
+
     async def receive(self) -> bytes:
         """The next payload. Raises BrokenResourceError at EOF or reset, RemoteProtocolError on garbage,
         ClosedResourceError after :meth:`aclose`."""

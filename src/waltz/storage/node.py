@@ -7,9 +7,10 @@ Guarantees:
   does not collapse to one batch per fsync.
 * **Order.** Requests for one partition are processed one at a time, in arrival order, by that partition's
   worker task; responses to one connection for one partition leave in the same order. An append that finds
-  the worker idle with nothing queued anywhere (and fsyncs running on the loop) is written, fsynced and
-  answered at once, in the transport callback that read it (``StoragePartition.commit_now``): the same
-  steps the worker would take next, one loop pass and no task wake-up sooner.
+  the worker idle with nothing queued anywhere (and fsyncs running on the loop), and no request read behind
+  it on its connection, is written, fsynced and answered at once, in the transport callback that read it
+  (``StoragePartition.commit_now``): the same steps the worker would take next, one loop pass and no task
+  wake-up sooner. Appends read together go to the worker, which commits them as one group.
 * **Fencing.** Each partition keeps an in-memory session id, initialised from the control file. On
   *arrival* of any data request its value becomes ``max(current, request.session_id)``; when the worker
   later processes the request it fails it with SessionFencedError unless ``request.session_id == current``.
@@ -944,7 +945,8 @@ class StoragePartition:
         """Whether an append that just arrived may be written, fsynced and answered at once, in the caller's
         loop pass (:meth:`commit_now`) instead of by the worker: the worker idles with nothing queued (so
         nothing is overtaken), no fsync of this node is running and fsyncs run on the loop (see
-        :meth:`_fsync`)."""
+        :meth:`_fsync`). The caller also leaves to the worker an append with more requests read behind it
+        (group commit)."""
         node = self.node
         return (
             not self.busy
@@ -1763,7 +1765,9 @@ class _DataSession:
         item = _Item(
             msg, self.conn, slot=self.slots, arrived_s=time.monotonic(), budget=self.budget, reserved=reserved
         )
-        if append and part.may_commit_now:
+        if append and part.may_commit_now and not self.conn.read_ahead:
+            # Not when more requests were read behind it: those appends would each take an fsync of their
+            # own here, one after the other; queued, the worker writes them together and fsyncs once.
             part.commit_now(item)
             return None
         if part.enqueue_nowait(item):
