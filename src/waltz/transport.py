@@ -579,6 +579,14 @@ class FramedConnection:
                 self._resume_reading()
                 try:
                     pending = await wake
+                except asyncio.CancelledError:
+                    # Cancelled after the callback handed over a handler's awaitable and before this task
+                    # woke up: it never runs; closed, so it is not reported as never awaited.
+                    if wake.done() and not wake.cancelled() and wake.exception() is None:
+                        handed = wake.result()
+                        if inspect.iscoroutine(handed):
+                            handed.close()
+                    raise
                 finally:
                     self._handle = self._wake = self._read_started_s = None
                 if pending is not None:
