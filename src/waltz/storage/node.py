@@ -350,7 +350,9 @@ class _BoundedQueue:
 
 class _Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = _RequestCounts()
+        # Appends counted from 0 at start (as the Counter's child made up front was): an idle node's rate is
+        # 0 rather than missing, and increase() sees the first appends.
+        self.requests = _RequestCounts(("AppendRequest",))
         registry.register(self.requests)
         self.failures = Counter("waltz_storage_failures", "Failure responses", ["error"], registry=registry)
         self.append_latency = _Latency(
@@ -445,8 +447,8 @@ class _RequestCounts(Collector):
     """``waltz_storage_requests_total{type}``: requests processed, counted in a dict and exported when scraped
     (a prometheus Counter's ``inc`` takes a lock and four calls, on the path of every append group)."""
 
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
+    def __init__(self, kinds: Iterable[str] = ()) -> None:
+        self.counts: dict[str, int] = dict.fromkeys(kinds, 0)
 
     def inc(self, kind: str, n: int = 1) -> None:
         counts = self.counts
