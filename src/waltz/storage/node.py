@@ -1192,10 +1192,10 @@ class StorageNode:
         self.fsyncs_in_flight = 0
         self.fsync_threads = _FsyncThreads(FSYNC_THREADS)
         self.inline_fsync_off_until = 0.0
+        """Until this monotonic time every fsync runs in a thread (a slow one ran on the loop)."""
         self.inline_fsync_backoff_s = INLINE_FSYNC_FIRST_BACKOFF_S
         self.last_slow_fsync_s = -1e9
         """When an fsync on the loop last took longer than ``INLINE_FSYNC_LIMIT_S``."""
-        """Until this monotonic time every fsync runs in a thread (a slow one ran on the loop)."""
         self._closing = False
         self.port = 0
         self.admin_port = 0
