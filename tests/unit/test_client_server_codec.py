@@ -663,3 +663,13 @@ def test_a_range_response_run_is_checked_when_unpacked_not_when_decoded() -> Non
         decode(encode(TransactionRangeResponse(REQ, 7, 3, encode_run(recs)), 5), 5)
     with pytest.raises(RemoteProtocolError, match="cannot hold -1 records"):
         decode(encode(TransactionRangeResponse(REQ, 7, -1, b""), 5), 5)
+
+
+def test_a_range_response_in_parts_is_its_encoding_with_the_run_not_copied() -> None:
+    run = encode_run([Record.build(7 + i, ReqId.of(1, 2, 3, 4 + i), i, bytes(i * 10)) for i in range(3)])
+    msg = cs.TransactionRangeResponse(ReqId.of(1, 2, 3, 4), 7, 3, run)
+    head, body = cs.encode_range_response_parts(msg, 5)
+    assert body is run
+    assert head + body == cs.encode(msg, 5)
+    with pytest.raises(LocalProtocolError, match="V5"):
+        cs.encode_range_response_parts(msg, 4)  # as encode() refuses it

@@ -5,6 +5,7 @@ standard event loop and on uvloop (which the nodes run on)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -369,5 +370,72 @@ def test_payloads_before_garbage_in_one_read_are_all_handled_in_order_even_after
         assert seen == [b"a", b"wait", b"b", b"c"]
         assert len(ended) == 1
         assert isinstance(ended[0], RemoteProtocolError), ended
+
+    run(main)
+
+
+def test_an_awaitable_handed_over_is_closed_if_serving_is_cancelled_before_it_runs(run: Any) -> None:
+    """The callback hands a handler's awaitable to the serving task, which is cancelled (its server closing)
+    before it wakes up: the awaitable never runs, and is closed rather than left unawaited (a "never
+    awaited" warning at garbage collection, and whatever it held never released)."""
+
+    async def main() -> None:
+        made: list[Coroutine[Any, Any, None]] = []
+        ended: list[BaseException] = []
+
+        def cancelled_meanwhile(conn: FramedConnection) -> Handler:
+            task = asyncio.current_task()
+            assert task is not None
+
+            async def wait_then() -> None:
+                conn.send(b"never")
+
+            def handle(payload: bytes) -> Awaitable[None] | None:
+                # Runs before the wake-up the hand-over schedules: the task is cancelled with its awaitable
+                # handed over but not started.
+                asyncio.get_running_loop().call_soon(task.cancel)
+                made.append(wait_then())
+                return made[-1]
+
+            return handle
+
+        async with serving(cancelled_meanwhile, ended) as port, await connect(port) as conn:
+            await conn.send_and_drain(b"wait")
+            for _ in range(200):
+                if ended:
+                    break
+                await asyncio.sleep(0.01)
+        assert len(ended) == 1, ended
+        assert isinstance(ended[0], asyncio.CancelledError), ended
+        assert len(made) == 1
+        state = inspect.getcoroutinestate(made[0])
+        made[0].close()  # so that a failing run does not warn as well
+        assert state == inspect.CORO_CLOSED
+
+    run(main)
+
+
+def test_read_ahead_says_more_payloads_of_the_same_read_follow(run: Any) -> None:
+    """``read_ahead`` (what lets a storage node batch appends into one fsync) is True for every payload of a
+    read but the last, also once the callback decoded the whole read at once."""
+
+    async def main() -> None:
+        ahead: list[bool] = []
+
+        def recording(conn: FramedConnection) -> Handler:
+            def handle(payload: bytes) -> None:
+                ahead.append(conn.read_ahead)
+                conn.send(payload)
+
+            return handle
+
+        async with serving(recording) as port:
+            reader, writer = await raw_connect(port)
+            await asyncio.sleep(0.05)  # the hello exchange done: what follows is one read
+            writer.write(b"".join(frame(bytes([i + 1])) for i in range(4)))
+            await writer.drain()
+            assert await read_frames(reader, 4) == [b"\x01", b"\x02", b"\x03", b"\x04"]
+            writer.close()
+        assert ahead == [True, True, True, False]
 
     run(main)

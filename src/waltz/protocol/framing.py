@@ -444,6 +444,11 @@ class ProtocolConnection:
         """True once our hello was sent and the peer's received: payloads may flow both ways."""
         return self._hello_sent and self.negotiated_version is not None
 
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received from the peer and not yet returned as an event or payload."""
+        return self._decoder.buffered_bytes
+
     def send_hello(self) -> bytes:
         """Our hello frame; call exactly once, before sending anything else."""
         if self._hello_sent:
@@ -511,19 +516,11 @@ class ProtocolConnection:
 
         An empty payload would read as a keep-alive on the other end, so it is refused too.
         """
-        version = self.negotiated_version
-        if version is None or not self._hello_sent:
-            raise LocalProtocolError("cannot send a payload before the hello exchange completed")
-        n = len(payload)
-        if not 0 < n <= self.max_frame_bytes:
-            raise LocalProtocolError(
-                f"payload of {n} bytes is outside 1..{self.max_frame_bytes} (max_frame_bytes)"
-            )
-        return FRAME_HEADER.pack(self.magic, version, n) + payload
+        return self.frame_header(len(payload)) + payload
 
     def frame_header(self, n: int) -> bytes:
-        """The header of a frame of an ``n``-byte payload (what :meth:`frame` puts before it), for a sender
-        that writes header and payload into its own buffer. Raises as :meth:`frame` does."""
+        """The frame header of a payload of ``n`` bytes, for a caller that writes the payload after it
+        without joining them (``FramedConnection.send``, ``send_parts``). Raises as :meth:`frame`."""
         version = self.negotiated_version
         if version is None or not self._hello_sent:
             raise LocalProtocolError("cannot send a payload before the hello exchange completed")
