@@ -163,7 +163,7 @@ def _extract(buf: bytes | bytearray, start: int, end: int) -> bytes:
         return view[start:end].tobytes()
 
 
-_ASSEMBLY_BYTES: Final = 64 * 1024
+_ASSEMBLY_BYTES: Final = 16 * 1024
 """A partial frame this large or larger is assembled in a bytearray rather than joined to each new read."""
 
 
