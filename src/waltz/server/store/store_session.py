@@ -49,6 +49,7 @@ from waltz.server.store.support import InvariantViolation, RepairStatistics, Sto
 from waltz.server.store.voting import Voting, quorum_of
 
 __all__ = [
+    "AppendListener",
     "AppendQueue",
     "EndReason",
     "PendingAppend",
@@ -113,8 +114,16 @@ class PendingAppend:
     """The store decided its fate (it succeeded or failed), whether or not its caller still waits."""
     on_resolved: Callable[[int, BaseException | None], None] | None = None
     """Called once, synchronously, when the append is resolved: ``(transaction id, None)`` or ``(-1, error)``.
-    The server's partition uses it instead of a callback on :attr:`future`, which would run one event-loop
-    iteration later, for every append."""
+    Used instead of a callback on :attr:`future`, which would run one event-loop iteration later."""
+    listener: AppendListener | None = None
+    """For an append submitted with :meth:`StorePartition.submit_tagged`: told of its resolution together
+    with the other appends of its batch (one call per batch, the server's hot path), instead of
+    ``on_resolved``."""
+    tag: object = None
+    """What the submitter attached (the server's partition: the append's lock request); the store never
+    looks at it."""
+    received_s: float = 0.0
+    """When the submitter received the append (``time.monotonic()``), for its latency metric."""
 
     def record(self) -> Record:
         # Record(...) without its generated __new__: one per append on the write path.
@@ -126,8 +135,11 @@ class PendingAppend:
         future = self.future
         if future is not None and not future.done():
             future.set_result(transaction_id)
-        if first and self.on_resolved is not None:
-            _notify(self.on_resolved, transaction_id, None)
+        if first:
+            if self.on_resolved is not None:
+                _notify(self.on_resolved, transaction_id, None)
+            elif self.listener is not None:
+                _notify_committed(self.listener, (self,))
 
     def fail(self, error: BaseException) -> None:
         first = not self.resolved
@@ -137,8 +149,36 @@ class PendingAppend:
             future.set_exception(error)
             # The caller may have stopped waiting (cancelled); do not let asyncio warn about the exception.
             future.exception()
-        if first and self.on_resolved is not None:
-            _notify(self.on_resolved, -1, error)
+        if first:
+            if self.on_resolved is not None:
+                _notify(self.on_resolved, -1, error)
+            elif self.listener is not None:
+                try:
+                    self.listener.append_failed(self, error)
+                except Exception:
+                    log.exception("an append's resolution listener failed")
+
+
+class AppendListener(Protocol):
+    """Hears how appends submitted with :meth:`StorePartition.submit_tagged` end, synchronously, in id order.
+
+    Each append is reported exactly once: committed (its ``transaction_id`` set) or failed."""
+
+    def appends_committed(self, appends: Sequence[PendingAppend]) -> None:
+        """``appends`` committed (consecutive ids, oldest first): usually a whole batch in one call."""
+        ...
+
+    def append_failed(self, append: PendingAppend, error: BaseException) -> None:
+        """``append`` did not commit, and never will."""
+        ...
+
+
+def _notify_committed(listener: AppendListener, appends: Sequence[PendingAppend]) -> None:
+    # As _notify: a failing listener is logged, and the store's bookkeeping goes on.
+    try:
+        listener.appends_committed(appends)
+    except Exception:
+        log.exception("an append's resolution listener failed")
 
 
 def _notify(
