@@ -28,24 +28,19 @@ import argparse
 import asyncio
 import cProfile
 import struct
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
-
-from waltz.protocol import client_server as cs  # noqa: E402
-from waltz.protocol import storage as st  # noqa: E402
-from waltz.protocol.framing import MAGIC_CLIENT, ProtocolConnection  # noqa: E402
-from waltz.protocol.records import Record, RecordHeader, ReqId  # noqa: E402
-from waltz.server.feed_cache import FeedCache, FeedEntry  # noqa: E402
-from waltz.server.partition import Partition  # noqa: E402
-from waltz.server.store.interfaces import SessionInfo  # noqa: E402
-from waltz.server.store.memory import MemoryMetadataStore  # noqa: E402
-from waltz.server.store.store_partition import StorePartition  # noqa: E402
-from waltz.server.transaction_cache import TransactionCache  # noqa: E402
+from waltz.protocol import client_server as cs
+from waltz.protocol import storage as st
+from waltz.protocol.framing import MAGIC_CLIENT, ProtocolConnection
+from waltz.protocol.records import Record, RecordHeader, ReqId
+from waltz.server.feed_cache import FeedCache, FeedEntry
+from waltz.server.partition import Partition
+from waltz.server.store.interfaces import SessionInfo
+from waltz.server.store.memory import MemoryMetadataStore
+from waltz.server.store.store_partition import StorePartition
+from waltz.server.transaction_cache import TransactionCache
 
 VERSION = max(cs.SUPPORTED_VERSIONS)
 GENERATION = 1
