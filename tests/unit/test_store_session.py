@@ -22,7 +22,7 @@ from waltz.protocol.records import Record, ReqId, crc32
 from waltz.server.store import EndReason, StoreConfig, StoreSession
 from waltz.server.store.memory import MemoryConnector, MemoryMetadataStore, MemoryNetwork, MemoryStorage
 from waltz.server.store.store_partition import StorePartition
-from waltz.server.store.store_session import PendingAppend
+from waltz.server.store.store_session import AppendQueue, PendingAppend
 from waltz.server.store.support import Backoff
 from waltz.testing import run_virtual
 
@@ -826,5 +826,25 @@ def test_a_replica_whose_connection_broke_before_a_batch_was_sent_fails_alone() 
             assert outcome.reason is EndReason.REPLICA_FAILED, outcome
             assert "s2:1" in outcome.detail
             assert await partition.append(req(2)) == 2  # the next session serves
+
+    run_virtual(main())
+
+
+def test_append_queue_offer_queues_while_there_is_room_and_says_how_many_are_queued() -> None:
+    async def main() -> None:
+        queue = AppendQueue(2)
+        appends = [
+            PendingAppend(r.req_id, r.header, r.data, r.checksum, None, i)
+            for i, r in enumerate(map(req, range(3)))
+        ]
+        getter = asyncio.ensure_future(queue.get())
+        await asyncio.sleep(0)
+        assert queue.offer(appends[0]) == 1
+        assert await getter is appends[0]  # the append that ended the emptiness woke the getter
+        assert queue.offer(appends[1]) == 1
+        assert queue.offer(appends[2]) == 2
+        assert queue.data_bytes == len(appends[1].data) + len(appends[2].data)
+        assert queue.offer(appends[0]) == 0  # full: nothing queued
+        assert queue.qsize() == 2
 
     run_virtual(main())

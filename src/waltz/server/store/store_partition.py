@@ -317,9 +317,6 @@ class StorePartition:
         and ``tag`` and ``received_s`` go with it (the append's lock request, its arrival). The caller
         verified ``request.data`` against its checksum (the client codec does as it decodes). False (nothing
         queued) if the queue is full; raises as :meth:`submit` does if the append is refused up front."""
-        queue = self.queue
-        if queue.full():
-            return False
         if self._closed:
             raise ClosedResourceError(f"partition {self.partition_id} store is closed")
         if self._loop is None:
@@ -331,8 +328,6 @@ class StorePartition:
             raise GenerationMismatchError(
                 f"request generation {req_id.generation}, partition generation {self._generation}"
             )
-        ticket = self._next_ticket
-        self._next_ticket = ticket + 1
         # PendingAppend(...) without its generated __init__ (a Python call with a dozen arguments): every
         # slot is set here, once per append.
         pending = _object_new(PendingAppend)
@@ -341,7 +336,6 @@ class StorePartition:
         pending.data = request.data
         pending.checksum = request.checksum
         pending.future = None
-        pending.ticket = ticket
         pending.transaction_id = -1
         pending.session_id = -1
         pending.resolved = False
@@ -349,10 +343,19 @@ class StorePartition:
         pending.listener = listener
         pending.tag = tag
         pending.received_s = received_s
+        queue = self.queue
+        queued = queue.offer(pending)
+        if not queued:
+            return False  # full
+        ticket = self._next_ticket
+        self._next_ticket = ticket + 1
+        pending.ticket = ticket
         self._unresolved[ticket] = pending
-        queue.put_nowait(pending)
         session = self._session
-        if session is not None:
+        # The session's test, inlined: the call is needed only for an idle writer or a full batch.
+        if session is not None and (
+            queued >= session.notify_at_count or queue.data_bytes >= session.notify_at_bytes
+        ):
             session.appends_queued()
         return True
 

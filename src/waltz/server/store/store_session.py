@@ -258,6 +258,20 @@ class AppendQueue:
         """The oldest queued append, left in the queue (None if empty)."""
         return self._items[0] if self._items else None
 
+    def offer(self, append: PendingAppend) -> int:
+        """Queue ``append`` if there is room: how many appends are queued now, 0 if none was (full). One
+        call where :meth:`full` and :meth:`put_nowait` are two (the server's hot path)."""
+        items = self._items
+        n = len(items)
+        if n >= self.capacity:
+            return 0
+        items.append(append)
+        self.data_bytes += len(append.data)
+        if not n:
+            # As put_nowait: the append that ends the emptiness wakes a getter.
+            self._arrived.set()
+        return n + 1
+
     def get_nowait(self) -> PendingAppend:
         append = self._items.popleft()
         self.data_bytes -= len(append.data)
@@ -382,6 +396,13 @@ class StoreSession:
         self._writer_idle = False
         self._batches: deque[tuple[Batch, list[PendingAppend]]] = deque()
         """Batches sent and not yet committed, oldest first."""
+        self._full_count = min(config.max_batch_size, host.queue.capacity)
+        self.notify_at_count = 1
+        """How many queued appends (or :attr:`notify_at_bytes` of data) need :meth:`appends_queued`: one
+        while no batch is in flight (an idle writer sends it at once), a full batch otherwise (the only
+        thing a writer with batches in flight acts on). A host may skip the call below both; calling it more
+        often does no harm."""
+        self.notify_at_bytes = config.max_batch_bytes
         self._wake = asyncio.Event()
         """Wakes the writer while batches are in flight: one was decided, or a full batch is queued."""
         self._was_opened = False
@@ -758,6 +779,7 @@ class StoreSession:
         voting = Voting(self.quorum, len(self.participants), self._batch_decided)
         batch = Batch(start, tuple(records), voting)
         batches.append((batch, appends))
+        self.notify_at_count = self._full_count
         for participant in list(self.participants):
             participant.deliver(batch, len(batches))
 
@@ -775,6 +797,8 @@ class StoreSession:
         while batches and batches[0][0].voting.outcome:
             batch, appends = batches.popleft()
             self.high_water_mark = batch.last
+            if not batches:
+                self.notify_at_count = 1
             self._host.batch_committed(self, appends)
         self._wake.set()
         if not batches and self._end_requested is not None:
