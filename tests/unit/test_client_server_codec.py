@@ -608,3 +608,48 @@ def test_a_range_response_run_is_checked_when_unpacked_not_when_decoded() -> Non
         decode(encode(TransactionRangeResponse(REQ, 7, 3, encode_run(recs)), 5), 5)
     with pytest.raises(RemoteProtocolError, match="cannot hold -1 records"):
         decode(encode(TransactionRangeResponse(REQ, 7, -1, b""), 5), 5)
+
+
+@given(st.data())
+def test_decode_append_fields_reads_what_decode_reads_and_refuses_what_it_refuses(
+    data: st.DataObject,
+) -> None:
+    # The server's hot path decodes appends to AppendFields: for every payload, valid or mutated, it must
+    # give the message's fields in the message's order, or raise the same RemoteProtocolError.
+    version = data.draw(versions)
+    msg = data.draw(
+        st.builds(
+            AppendRequest.build,
+            req_ids,
+            i64,
+            i32,
+            st.binary(max_size=64),
+            int_tuples,
+            int_tuples if version >= 1 else st.just(()),
+            int_tuples if version >= 2 else st.just(()),
+        )
+    )
+    buf = bytearray(encode(msg, version))
+    for _ in range(data.draw(st.integers(0, 3))):
+        # Not the type byte: the server decodes only payloads of type APPEND_REQUEST this way.
+        pos = data.draw(st.integers(1, len(buf) - 1))
+        buf[pos] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        del buf[data.draw(st.integers(1, len(buf) - 1)) :]
+    payload = bytes(buf)
+    try:
+        expected = decode(payload, version)
+    except RemoteProtocolError as e:
+        refused = str(e)
+    else:
+        refused = None
+    if refused is not None:
+        with pytest.raises(RemoteProtocolError) as got:
+            cs.decode_append_fields(payload, version)
+        assert str(got.value) == refused
+        return
+    fields = cs.decode_append_fields(payload, version)
+    assert type(fields) is cs.AppendFields
+    assert isinstance(expected, AppendRequest)
+    assert tuple(fields) == tuple(getattr(expected, f.name) for f in dataclasses.fields(AppendRequest))
+    assert cs.AppendFields._fields == tuple(f.name for f in dataclasses.fields(AppendRequest))

@@ -94,7 +94,7 @@ class _Flush:
 @dataclass(slots=True)
 class _Append:
     peer: Peer
-    msg: cs.AppendRequest
+    msg: cs.AppendMessage
     received_s: float
 
 
@@ -344,7 +344,7 @@ class Partition:
         asks "resolve everything up to it"), so its generation is not checked."""
         return not self._closed and self._is_current(peer, req_id)
 
-    def append_nowait(self, peer: Peer, msg: cs.AppendRequest) -> bool | None:
+    def append_nowait(self, peer: Peer, msg: cs.AppendMessage) -> bool | None:
         """:meth:`append` if that needs no wait: True if taken (handed to the store, queued for the append
         task, or answered with a LockFailure), False if this incarnation cannot take it (see :meth:`accepts`),
         None (nothing done) if it would have to wait for room in the append queue: then call :meth:`append`.
@@ -365,7 +365,7 @@ class Partition:
         queue.put_nowait(_Append(peer, msg, received_s))
         return True
 
-    async def append(self, peer: Peer, msg: cs.AppendRequest) -> bool:
+    async def append(self, peer: Peer, msg: cs.AppendMessage) -> bool:
         """Queue an append (waits while the queue is full: back pressure on that connection); False if this
         incarnation cannot take it (see :meth:`accepts`)."""
         if not self.accepts(peer, msg.req_id):
@@ -506,7 +506,7 @@ class Partition:
             if not self._submit_now(item.peer, item.msg, item.received_s):
                 await self._process_append(item)
 
-    def _submit_now(self, peer: Peer, msg: cs.AppendRequest, received_s: float) -> bool:
+    def _submit_now(self, peer: Peer, msg: cs.AppendMessage, received_s: float) -> bool:
         """Process an append as :meth:`_process_append` would, if that needs no wait; False (nothing done)
         if it would have to wait for a lock slot or for room in the store's queue. Its commit is heard in
         :meth:`appends_committed`, with the rest of its batch."""
@@ -555,7 +555,7 @@ class Partition:
             self.pending_appends -= 1
             self._refused(req, msg, e)
 
-    def _refused(self, req: LockRequest | None, msg: cs.AppendRequest, error: WaltzError) -> None:
+    def _refused(self, req: LockRequest | None, msg: cs.AppendMessage, error: WaltzError) -> None:
         self._release(req)
         self.metrics.failed()
         log.debug("partition %d: append %r refused: %s", self.partition_id, msg.req_id, error)
@@ -615,7 +615,7 @@ class Partition:
             return False
         return True
 
-    def _lock_failed(self, peer: Peer, msg: cs.AppendRequest, conflict: int) -> None:
+    def _lock_failed(self, peer: Peer, msg: cs.AppendMessage, conflict: int) -> None:
         self.lock_failures += 1
         self.metrics.lock_failed()
         peer.send(cs.LockFailure(msg.req_id, conflict))

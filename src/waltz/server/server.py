@@ -734,9 +734,10 @@ class WaltzServer:
         log.debug("client connection from %s opened (protocol version %d)", conn.peername, version)
         partitions = self.partitions
         decode = cs.decode
-        decode_append = cs.decode_append_request
+        # Appends are decoded to their fields (a tuple built in C), not to the message class.
+        decode_append = cs.decode_append_fields
         append_type = _APPEND_REQUEST_TYPE
-        append_cls = cs.AppendRequest
+        append_cls = cs.AppendFields
         # Every whole frame of one socket read is taken in one go and handled in order: one coroutine
         # (``receive_many``) per read instead of one per message (a client writes appends in bursts).
         payloads: list[bytes] = []
@@ -795,9 +796,9 @@ class WaltzServer:
             for part in self.partitions.values():
                 part.disconnect(peer)
 
-    async def _dispatch(self, peer: _Connection, msg: cs.Message) -> None:
+    async def _dispatch(self, peer: _Connection, msg: cs.Message | cs.AppendFields) -> None:
         rid = msg.req_id
-        if type(msg) is cs.AppendRequest:
+        if isinstance(msg, cs.AppendFields | cs.AppendRequest):
             # Appends first: nearly every message under load is one.
             pid = rid.partition_id
             part = self.partitions.get(pid) if not self._suspended else await self._owned(pid)
@@ -856,7 +857,7 @@ class WaltzServer:
             # Mounting waits for the append queue to drain; do it off this connection's read loop.
             await self._spawn_for(peer, part.mount(peer, msg), f"mount-{pid}")
             return
-        if not isinstance(msg, cs.AppendRequest | cs.FeedRequest | cs.FlushRequest):
+        if not isinstance(msg, cs.FeedRequest | cs.FlushRequest):
             raise _CloseConnection(f"unexpected {type(msg).__name__} from a client")
         part = await self._owned(pid)
         if isinstance(msg, cs.FeedRequest):
@@ -865,12 +866,10 @@ class WaltzServer:
             if part is None or not part.feed_request(peer, msg):
                 peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
             return
-        if isinstance(msg, cs.AppendRequest):
-            accepted = part is not None and await part.append(peer, msg)
-        else:
-            accepted = part is not None and part.accepts_flush(peer, rid)
-            if part is not None and accepted:
-                await self._spawn_for(peer, part.flush_request(peer, msg), f"flush-{pid}")
+        # A flush (appends were handled first, above).
+        accepted = part is not None and part.accepts_flush(peer, rid)
+        if part is not None and accepted:
+            await self._spawn_for(peer, part.flush_request(peer, msg), f"flush-{pid}")
         if not accepted and not peer.end_mount(pid):
             raise _CloseConnection(
                 f"{type(msg).__name__} for partition {pid}, never mounted on this connection"
