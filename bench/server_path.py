@@ -176,7 +176,8 @@ async def _run(args: argparse.Namespace) -> float:
     await part.mount(peer, cs.MountRequest(session, -1, 1))
     warmup = args.appends // 5
     payloads = _payloads(args.appends + warmup, args.locks)
-    decode = cs.decode_append_request
+    # As server.py decodes them (a tree from before decode_append_fields decodes the message).
+    decode = getattr(cs, "decode_append_fields", cs.decode_append_request)
     locks = args.locks
     profile = cProfile.Profile() if args.profile else None
     sent = 0
