@@ -8,10 +8,10 @@ Per partition there is one **append task** and one **feed task per mounted clien
   store partition *in arrival order* (so a client's appends commit in the order it sent them, which its
   transaction monitor relies on). An append that finds the task idle and nothing queued is handled the same
   way at once by the connection's task, unless that would have to wait (a busy lock slot, a full store
-  queue): it is then queued like any other. When the store commits it (its resolution listener runs inside
-  the commit), the locks advance to its id, its header goes to the feed cache and its data to the
-  transaction cache, and feeds wake up. A failed append sends nothing: the client learns it from the feed or
-  a flush.
+  queue): it is then queued like any other. When the store commits it (the partition hears a committed batch
+  in one call, inside the commit: :meth:`Partition.appends_committed`), the locks advance to its id, its
+  header goes to the feed cache and its data to the transaction cache, and feeds wake up. A failed append
+  sends nothing: the client learns it from the feed or a flush.
 * A feed task streams ``(transaction id, header, request id)`` of every committed transaction after the
   client's high-water mark, in order, within the windows the client asks for (FeedRequest); a client that
   reads slowly only stalls its own feed task (we wait for its socket to drain).
