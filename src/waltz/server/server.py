@@ -764,8 +764,10 @@ class WaltzServer:
                         peer.client_id = msg.req_id.client_id
                     if type(msg) is append_cls and not self._suspended:
                         # Appends first, without a coroutine when nothing has to wait (nearly every message
-                        # under load is one): the partition takes it, refuses it, or says it must wait.
-                        pid = msg.req_id.partition_id
+                        # under load is one): the partition takes it, refuses it, or says it must wait. The
+                        # partition id is the high half of the ReqId's lsb, read unsigned (no property call):
+                        # it equals a key of ours (0 <= id < 2**31) exactly when the signed id does.
+                        pid = msg.req_id[1] >> 32
                         part = partitions.get(pid)
                         if part is not None:
                             taken = part.append_nowait(peer, msg)
