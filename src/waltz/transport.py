@@ -10,6 +10,10 @@ and a :class:`~waltz.protocol.framing.ProtocolConnection`:
   returned :class:`FramedServer` owns those handler tasks: closing it cancels them and closes their sockets.
 * :class:`RpcClient` multiplexes concurrent request/response calls over one connection, matching replies by
   sequence number, with a bounded number of requests in flight.
+* ``serve(..., callback_reads=True)`` hands a connection's payloads to a handler from the transport's data
+  callback (:meth:`FramedConnection.serve_payloads`) instead of through a StreamReader and a task woken per
+  read: for a peer whose requests should be answered in the loop pass that read them (a storage node's
+  data port). The same bounds hold.
 
 The accepting side bounds what one peer can hold (see :func:`serve`): at most ``max_connections`` in all and
 ``max_connections_per_source`` per source address; a connection whose peer sends nothing (not even a
@@ -33,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import inspect
 import logging
 import re
 import socket
@@ -190,6 +195,13 @@ class ByteBudget:
     def reserved_bytes(self) -> int:
         return self._used
 
+    def try_acquire(self, n: int) -> bool:
+        """:meth:`acquire` if it would not wait (True), else nothing (False)."""
+        if self._used and self._used + n > self.capacity_bytes:
+            return False
+        self._used += n
+        return True
+
     async def acquire(self, n: int) -> None:
         while self._used and self._used + n > self.capacity_bytes:
             self._freed.clear()
@@ -200,6 +212,10 @@ class ByteBudget:
         self._used -= n
         self._freed.set()
 
+
+PayloadHandler = Callable[[bytes], Awaitable[None] | None]
+"""What :meth:`FramedConnection.serve_payloads` calls per payload: None when done with it, or an awaitable
+to run (in the serving task, reading paused) before the next payload."""
 
 ReqT = TypeVar("ReqT")
 RespT = TypeVar("RespT")
@@ -304,7 +320,7 @@ class FramedConnection:
 
     def __init__(
         self,
-        reader: asyncio.StreamReader,
+        reader: asyncio.StreamReader | None,
         writer: asyncio.StreamWriter,
         proto: ProtocolConnection,
         *,
@@ -318,6 +334,9 @@ class FramedConnection:
             raise LocalProtocolError("a FramedConnection needs a completed hello exchange")
         self._reader = reader
         self._writer = writer
+        self._transport = writer.transport
+        """What ``writer.write`` and ``writer.is_closing`` call: used directly on the send path (two Python
+        calls fewer per frame)."""
         self._proto = proto
         self._read_bytes = read_bytes
         self._loop = asyncio.get_running_loop()
@@ -326,6 +345,16 @@ class FramedConnection:
         self._error: ConnectionError_ | RemoteProtocolError | None = None
         self._last_write_s = self._loop.time()
         self._out: bytearray | None = None
+        self._dispatching = False
+        """True while :meth:`_data_received` hands payloads to a handler: frames sent meanwhile leave in one
+        write at its end instead of in a callback of the next loop iteration."""
+        self._handle: PayloadHandler | None = None
+        """The handler of :meth:`serve_payloads` while the transport's callback may call it (None while the
+        serving task is busy: payloads then stay buffered and reading is paused)."""
+        self._wake: asyncio.Future[Awaitable[None] | None] | None = None
+        """What the serving task waits on while the callback delivers: the handler's awaitable to run, None to
+        drain, or an exception (the connection ended)."""
+        self._reading_paused = False
         self._keep_alive_interval_s = keep_alive_interval_s
         self._keep_alive_task: asyncio.Task[None] | None = None
         if keep_alive_interval_s is not None:
@@ -411,7 +440,7 @@ class FramedConnection:
                     return event.data
                 if event is NEED_DATA:
                     high = self._pause_reading_above_bytes
-                    if high is not None and self._writer.transport.get_write_buffer_size() > high:
+                    if high is not None and self._transport.get_write_buffer_size() > high:
                         # Our answers to this peer are piling up unsent: read no more requests until they
                         # drain (TCP then pushes back on a peer that sends but does not read).
                         await self.drain()
@@ -447,7 +476,7 @@ class FramedConnection:
                 if len(out) > start:
                     return
                 high = self._pause_reading_above_bytes
-                if high is not None and self._writer.transport.get_write_buffer_size() > high:
+                if high is not None and self._transport.get_write_buffer_size() > high:
                     # As in receive(): read no more requests while our answers pile up unsent.
                     await self.drain()
                 proto.receive_data(await self._read())
@@ -487,6 +516,158 @@ class FramedConnection:
         if self._closed:
             raise ClosedResourceError("connection closed")
 
+    async def serve_payloads(self, handle: PayloadHandler) -> None:
+        """Hand every payload the peer sends to ``handle``, in order, from the transport's data callback: no
+        task wakes up and no coroutine resumes per socket read (a storage node's data connections, where a
+        request and its answer then take one pass of the event loop). Only on a connection accepted by
+        ``serve(..., callback_reads=True)``, whose bytes reach it without a StreamReader.
+
+        ``handle(payload)`` returns None once it dealt with the payload, or an awaitable when it has to wait
+        (for room in a queue, for a lookup): reading then pauses, the awaitable runs in this task, and the
+        payloads after it are handed over once it finished, so they keep their order. An exception from
+        ``handle`` or its awaitable ends serving and propagates from here. Frames :meth:`send` queues while
+        the callback runs ``handle`` leave in one write when it returns, not one loop iteration later.
+
+        Bounds as :meth:`receive`: while more of our frames than the high-water mark are unsent, nothing more
+        is read until they drain (within the idle timeout); the idle timeout counts while waiting for the
+        peer. Never returns: raises BrokenResourceError when the peer leaves or the connection breaks,
+        RemoteProtocolError on garbage (logged and aborted as :meth:`receive` does), ClosedResourceError after
+        :meth:`aclose`.
+        """
+        if self._reader is not None:
+            raise RuntimeError(
+                "serve_payloads() needs a connection of a serve(..., callback_reads=True) server"
+            )
+        if self._receiving:
+            raise RuntimeError("another task is already receiving on this connection")
+        self._receiving = True
+        proto = self._proto
+        loop = self._loop
+        try:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                if self._closed:
+                    raise ClosedResourceError("connection closed")
+                # Payloads that arrived while this task was busy (or with the peer's hello) are handed over
+                # here, in order, before the callback takes over again.
+                try:
+                    payload = proto.next_payload()
+                except RemoteProtocolError as e:
+                    self._protocol_failure(e)
+                    raise
+                if payload is not None:
+                    pending = handle(payload)
+                    if pending is not None:
+                        await pending
+                    if self._write_backlogged():
+                        await self.drain()
+                    continue
+                if self._write_backlogged():
+                    await self.drain()
+                    continue
+                wake: asyncio.Future[Awaitable[None] | None] = loop.create_future()
+                self._wake = wake
+                self._handle = handle
+                self._read_started_s = loop.time()
+                self._resume_reading()
+                try:
+                    pending = await wake
+                finally:
+                    self._handle = self._wake = self._read_started_s = None
+                if pending is not None:
+                    await pending
+                # None: our frames pile up unsent; the top of the loop drains them before reading on.
+        finally:
+            self._receiving = False
+
+    def _data_received(self, data: bytes) -> None:
+        """The transport's data callback on a ``callback_reads`` connection (see :meth:`serve_payloads`)."""
+        proto = self._proto
+        proto.receive_data(data)
+        handle = self._handle
+        if handle is None:
+            # The serving task is busy (a handler's awaitable, a drain) or not serving yet: it takes these
+            # payloads itself, and nothing more is read until then (the buffer stays bounded).
+            self._pause_reading()
+            return
+        self._read_started_s = self._loop.time()
+        self._dispatching = True
+        try:
+            while True:
+                try:
+                    payload = proto.next_payload()
+                except RemoteProtocolError as e:
+                    self._protocol_failure(e)
+                    self._hand_over(e)
+                    return
+                if payload is None:
+                    break
+                pending = handle(payload)
+                if pending is not None:
+                    self._hand_over(pending)
+                    return
+                if self._write_backlogged():
+                    # Our answers pile up unsent: the serving task drains them before the next payload.
+                    self._hand_over(None)
+                    return
+        except Exception as e:  # noqa: BLE001 - the handler's: raised by serve_payloads, in its task
+            self._hand_over(e)
+            return
+        finally:
+            self._dispatching = False
+            if self._out is not None:
+                self._flush_out()
+
+    def _hand_over(self, what: Awaitable[None] | Exception | None) -> None:
+        """Stop the callback's deliveries and wake the serving task with ``what`` (see serve_payloads)."""
+        self._handle = None
+        self._pause_reading()
+        wake = self._wake
+        if wake is None or wake.done():  # the serving task was cancelled meanwhile
+            if inspect.iscoroutine(what):
+                what.close()  # never to run: closed, so it is not reported as never awaited
+            return
+        if isinstance(what, Exception):
+            wake.set_exception(what)
+        else:
+            wake.set_result(what)
+
+    def _connection_ended(self, exc: BaseException | None) -> None:
+        """The transport reported end of file or loss (``callback_reads`` connections)."""
+        if self._error is None and not self._closed:
+            if exc is None:
+                self._error = BrokenResourceError(f"{self.peername} closed the connection")
+            else:
+                self._error = BrokenResourceError(f"connection with {self.peername} broken: {exc}")
+        if self._handle is not None:
+            self._hand_over(
+                self._error if self._error is not None else ClosedResourceError("connection closed")
+            )
+
+    def _write_backlogged(self) -> bool:
+        """More of our frames unsent than the accepting side's high-water mark (never on connecting sides)."""
+        high = self._pause_reading_above_bytes
+        if high is None:
+            return False
+        out = self._out
+        return self._transport.get_write_buffer_size() + (len(out) if out is not None else 0) > high
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused:
+            self._reading_paused = True
+            # Any: a uvloop or an SSL transport is a read transport without saying so to the type checker.
+            transport: Any = self._transport
+            if not transport.is_closing():
+                transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        if self._reading_paused:
+            self._reading_paused = False
+            transport: Any = self._transport
+            if not transport.is_closing():
+                transport.resume_reading()
+
     def _protocol_failure(self, error: RemoteProtocolError) -> None:
         """The peer broke the protocol: log it (once per peer and reason), remember it, abort."""
         self._warnings.warning(
@@ -497,9 +678,11 @@ class FramedConnection:
             error,
         )
         self._error = error
-        self._writer.transport.abort()
+        self._transport.abort()
 
     async def _read(self) -> bytes:
+        if self._reader is None:
+            raise RuntimeError("this connection hands its payloads to serve_payloads(); it has no reader")
         self._read_started_s = self._loop.time()
         try:
             data = await self._reader.read(self._read_bytes)
@@ -538,7 +721,7 @@ class FramedConnection:
             _source(self._writer), kind, "closing connection with %s: %s", self.peername, reason
         )
         self._error = BrokenResourceError(f"connection with {self.peername} closed: {reason}")
-        self._writer.transport.abort()
+        self._transport.abort()
 
     def send(self, payload: bytes | bytearray | memoryview) -> None:
         """Queue one framed payload for writing (no wait; see :meth:`drain`).
@@ -546,7 +729,7 @@ class FramedConnection:
         Raises LocalProtocolError if the payload is empty or larger than ``max_frame_bytes``,
         ClosedResourceError after :meth:`aclose`, BrokenResourceError if the connection is gone.
         """
-        if self._closed or self._error is not None or self._writer.is_closing():
+        if self._closed or self._error is not None or self._transport.is_closing():
             self._check_writable()  # Raises the error that says why.
         frame = self._proto.frame(payload)
         if len(frame) >= _COALESCE_MAX_BYTES:
@@ -554,7 +737,7 @@ class FramedConnection:
             # copying megabytes into the coalescing buffer cost more than the write (a fresh buffer that
             # size page-faults all the way).
             self._flush_out()
-            self._writer.write(frame)
+            self._transport.write(frame)
             self._last_write_s = self._loop.time()
             return
         out = self._out
@@ -564,7 +747,8 @@ class FramedConnection:
             # (feeds, storage requests) and the storage node (responses) under load. The keep-alive clock is
             # read here only: the frames that join this one leave in the same write.
             self._out = bytearray(frame)
-            self._loop.call_soon(self._flush_out)
+            if not self._dispatching:  # else _data_received writes it when its handler returns
+                self._loop.call_soon(self._flush_out)
             self._last_write_s = self._loop.time()
         else:
             out += frame
@@ -575,17 +759,17 @@ class FramedConnection:
         """:meth:`send`, handed to the transport at once instead of at the end of the loop iteration (after
         the frames queued before it, in one write): for a lone message that nothing would join, such as a
         client's one append at a time, which then leaves one loop pass sooner and schedules no flush."""
-        if self._closed or self._error is not None or self._writer.is_closing():
+        if self._closed or self._error is not None or self._transport.is_closing():
             self._check_writable()  # Raises the error that says why.
         frame = self._proto.frame(payload)
         out = self._out
         if out is None:
-            self._writer.write(frame)
+            self._transport.write(frame)
         else:
             # Frames queued earlier in this iteration go first; their scheduled flush then finds nothing.
             self._out = None
             out += frame
-            self._writer.write(out)
+            self._transport.write(out)
         self._last_write_s = self._loop.time()
 
     def send_many(self, payloads: Iterable[bytes | bytearray | memoryview]) -> None:
@@ -595,7 +779,8 @@ class FramedConnection:
         out = self._out
         if out is None:
             out = self._out = bytearray()
-            self._loop.call_soon(self._flush_out)
+            if not self._dispatching:
+                self._loop.call_soon(self._flush_out)
         out += frames
         if len(out) >= _COALESCE_MAX_BYTES:
             self._flush_out()
@@ -604,8 +789,8 @@ class FramedConnection:
     def _flush_out(self) -> None:
         """Hand the frames queued in this loop iteration to the transport, in order."""
         out, self._out = self._out, None
-        if out and not self._writer.is_closing():
-            self._writer.write(out)
+        if out and not self._transport.is_closing():
+            self._transport.write(out)
 
     @property
     def drain_needed(self) -> bool:
@@ -616,7 +801,7 @@ class FramedConnection:
         if high is None:
             return True
         out = self._out
-        return self._writer.transport.get_write_buffer_size() + (len(out) if out is not None else 0) > high
+        return self._transport.get_write_buffer_size() + (len(out) if out is not None else 0) > high
 
     async def drain(self) -> None:
         """Wait until the write buffer is below its high-water mark (back pressure)."""
@@ -625,7 +810,7 @@ class FramedConnection:
         try:
             timeout_s = self._idle_timeout_s
             high = self._pause_reading_above_bytes
-            if timeout_s is None or high is None or self._writer.transport.get_write_buffer_size() <= high:
+            if timeout_s is None or high is None or self._transport.get_write_buffer_size() <= high:
                 await self._writer.drain()
             else:
                 # The peer is not reading: give it the idle timeout to start again, then let it go.
@@ -650,16 +835,16 @@ class FramedConnection:
             raise ClosedResourceError("connection closed")
         if self._error is not None:
             raise BrokenResourceError(f"connection with {self.peername} is gone: {self._error}")
-        if self._writer.is_closing():
+        if self._transport.is_closing():
             raise BrokenResourceError(f"connection with {self.peername} is closing")
 
     async def _keep_alive_loop(self, interval_s: float) -> None:
         # Emits a keep-alive whenever nothing was written for interval_s; ends when the connection does.
-        while not self._closed and self._error is None and not self._writer.is_closing():
+        while not self._closed and self._error is None and not self._transport.is_closing():
             idle_s = self._loop.time() - self._last_write_s
             if idle_s >= interval_s:
                 self._flush_out()
-                self._writer.write(self._proto.keep_alive())
+                self._transport.write(self._proto.keep_alive())
                 self._last_write_s = self._loop.time()
                 idle_s = 0.0
             await asyncio.sleep(interval_s - idle_s)
@@ -784,6 +969,116 @@ async def _speaks_tls(host: str, port: int) -> bool:
             await _close_writer(writer, abort=True)
 
 
+class _CallbackStreamProtocol(asyncio.StreamReaderProtocol):
+    """The protocol of a connection accepted by ``serve(..., callback_reads=True)``: what it receives goes
+    straight to the connection's frame decoder, in the transport's callback, instead of through a StreamReader
+    and a task woken per read: the peer's hello first (:attr:`hello` resolves), then the payloads, handed to
+    :meth:`FramedConnection.serve_payloads`. Writing, write flow control and closing are the stream protocol's
+    own, so the connection's StreamWriter (``drain``, ``wait_closed``) works as on any other.
+    """
+
+    def __init__(
+        self,
+        on_connect: Callable[[_CallbackStreamProtocol, asyncio.StreamWriter], None],
+        proto: ProtocolConnection,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        super().__init__(None, loop=loop)  # type: ignore[arg-type]  # no reader: see data_received
+        self._on_connect = on_connect
+        self._event_loop = loop
+        self.proto = proto
+        self.hello: asyncio.Future[HelloReceived] = loop.create_future()
+        # Its failure is read by the serving task, unless that task refused the connection before the hello.
+        self.hello.add_done_callback(_retrieve)
+        self.conn: FramedConnection | None = None
+        """Receives the payloads once the serving task built it (after the hello)."""
+        self._tls = False
+        self._first = True
+        self._transport_: asyncio.BaseTransport | None = None
+        self.ended: tuple[BaseException | None] | None = None
+        """``(exc,)`` once the transport reported end of file (None) or loss, for a connection built later."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._transport_ = transport
+        self._tls = transport.get_extra_info("sslcontext") is not None
+        writer = asyncio.StreamWriter(transport, self, None, self._event_loop)  # type: ignore[arg-type]
+        self._on_connect(self, writer)
+
+    def data_received(self, data: bytes) -> None:
+        conn = self.conn
+        if conn is not None:
+            conn._data_received(data)
+            return
+        self.proto.receive_data(data)
+        hello = self.hello
+        if hello.done():
+            return  # After the hello (reading is paused): the connection takes it when it serves.
+        if self._first and not self._tls and _looks_like_tls(data):
+            self._hello_failed(
+                RemoteProtocolError(
+                    "the peer speaks TLS but this side of the connection is plain: configure TLS on both "
+                    "sides"
+                )
+            )
+            return
+        self._first = False
+        try:
+            event = self.proto.next_event()
+        except ProtocolError as e:
+            self._hello_failed(e)
+            return
+        if isinstance(event, HelloReceived):
+            # Nothing more is read until the connection serves (serve_payloads resumes reading): what came
+            # with the hello stays buffered in the decoder, bounded by this one read.
+            self._pause()
+            hello.set_result(event)
+        elif event is not NEED_DATA:  # pragma: no cover - the decoder refuses anything but a hello here
+            self._hello_failed(RemoteProtocolError(f"unexpected {event!r} before the hello"))
+
+    def eof_received(self) -> bool | None:
+        self._ended(None)
+        return super().eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._ended(exc)
+
+    def _ended(self, exc: BaseException | None) -> None:
+        if self.ended is None:
+            self.ended = (exc,)
+        if self.conn is not None:
+            self.conn._connection_ended(exc)
+        elif exc is None:
+            self._hello_failed(
+                BrokenResourceError(f"peer closed the connection during the hello exchange{_hint(self._tls)}")
+            )
+        elif isinstance(exc, ssl_.SSLError):
+            self._hello_failed(
+                BrokenResourceError(
+                    f"TLS error during the hello exchange: {_ssl_reason(exc)} (is this side's certificate "
+                    "one the peer trusts?)"
+                )
+            )
+        else:
+            self._hello_failed(BrokenResourceError(f"connection broken during the hello exchange: {exc}"))
+
+    def _hello_failed(self, error: Exception) -> None:
+        self._pause()
+        if not self.hello.done():
+            self.hello.set_exception(error)
+
+    def _pause(self) -> None:
+        transport: Any = self._transport_
+        if transport is not None and not transport.is_closing():
+            transport.pause_reading()
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 ConnectionHandler = Callable[[FramedConnection], Awaitable[None]]
 
 
@@ -812,6 +1107,7 @@ class FramedServer:
         max_connections: int,
         max_connections_per_source: int = DEFAULT_MAX_CONNECTIONS_PER_SOURCE,
         idle_timeout_s: float | None = None,
+        callback_reads: bool = False,
     ) -> None:
         if max_connections_per_source < 1:
             raise ValueError(f"max_connections_per_source must be positive, got {max_connections_per_source}")
@@ -829,6 +1125,8 @@ class FramedServer:
         self._max_connections = max_connections
         self._max_connections_per_source = max_connections_per_source
         self._idle_timeout_s = idle_timeout_s
+        self.callback_reads = callback_reads
+        """Connections hand their payloads to :meth:`FramedConnection.serve_payloads` (see :func:`serve`)."""
         self._per_source: dict[str, int] = {}
         self._warnings = RateLimitedLog(log)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -895,7 +1193,25 @@ class FramedServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _protocol(self) -> _CallbackStreamProtocol:
+        """A ``callback_reads`` server's protocol factory."""
+        proto = ProtocolConnection(self._magic, self._versions, self._hello_text, self._max_frame_bytes)
+        return _CallbackStreamProtocol(self._on_connect_pushed, proto, asyncio.get_running_loop())
+
+    def _on_connect_pushed(self, protocol: _CallbackStreamProtocol, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._serve_connection(None, writer, protocol),
+            name=f"connection {writer.get_extra_info('peername')}",
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve_connection(
+        self,
+        reader: asyncio.StreamReader | None,
+        writer: asyncio.StreamWriter,
+        pushed: _CallbackStreamProtocol | None = None,
+    ) -> None:
         peer = writer.get_extra_info("peername")
         source = _source(writer)
         conn: FramedConnection | None = None
@@ -926,10 +1242,19 @@ class FramedServer:
             self._per_source[source] = from_source + 1
             counted = True
             _configure_socket(writer, self._write_buffer_high_bytes)
-            proto = ProtocolConnection(self._magic, self._versions, self._hello_text, self._max_frame_bytes)
+            if pushed is None:
+                proto = ProtocolConnection(
+                    self._magic, self._versions, self._hello_text, self._max_frame_bytes
+                )
+            else:
+                proto = pushed.proto
             try:
                 async with asyncio.timeout(self._handshake_timeout_ms / 1000):
-                    await _exchange_hellos(reader, writer, proto, self._read_bytes)
+                    if reader is not None:
+                        await _exchange_hellos(reader, writer, proto, self._read_bytes)
+                    elif pushed is not None:
+                        writer.write(proto.send_hello())
+                        await asyncio.shield(pushed.hello)
             except TimeoutError:
                 self._warnings.warning(
                     source,
@@ -958,6 +1283,12 @@ class FramedServer:
                 write_buffer_high_bytes=self._write_buffer_high_bytes,
                 peer_warnings=self._warnings,
             )
+            if pushed is not None:
+                # The protocol paused reading at the hello; serve_payloads resumes it.
+                conn._reading_paused = True
+                pushed.conn = conn
+                if pushed.ended is not None:
+                    conn._connection_ended(pushed.ended[0])
             await self._handler(conn)
         except (ConnectionError_, ProtocolError) as e:
             # Broken connections are routine; protocol errors were logged where they were detected.
@@ -994,6 +1325,7 @@ async def serve(
     max_connections_per_source: int = DEFAULT_MAX_CONNECTIONS_PER_SOURCE,
     idle_timeout_s: float | None = None,
     ssl: ssl_.SSLContext | None = None,
+    callback_reads: bool = False,
 ) -> FramedServer:
     """Listen on ``host:port`` (port 0 picks a free one) and serve each connection with ``handler``.
 
@@ -1015,6 +1347,11 @@ async def serve(
     a failed one silently (logged only in asyncio's debug mode): the connecting side reports what failed.
     (Running the handshake in our own task with ``start_tls`` would let us log it, but on uvloop the stream
     reads the client's first TLS bytes before ``start_tls`` can take over, and the handshake then stalls.)
+
+    With ``callback_reads`` the bytes a connection receives go straight from the transport's callback to its
+    frame decoder (no StreamReader), and the handler serves the payloads with
+    :meth:`FramedConnection.serve_payloads` (``receive`` and ``receive_many`` are not available): for a peer
+    whose every request should be handled in the loop pass that read it. Every bound above holds the same.
     """
     server = FramedServer(
         handler,
@@ -1029,15 +1366,22 @@ async def serve(
         max_connections=max_connections,
         max_connections_per_source=max_connections_per_source,
         idle_timeout_s=idle_timeout_s,
+        callback_reads=callback_reads,
     )
-    server._server = await asyncio.start_server(
-        server._on_connect,
-        host,
-        port,
-        limit=read_bytes,
-        ssl=ssl,
-        ssl_handshake_timeout=handshake_timeout_ms / 1000 if ssl is not None else None,
-    )
+    ssl_handshake_timeout_s = handshake_timeout_ms / 1000 if ssl is not None else None
+    if callback_reads:
+        server._server = await asyncio.get_running_loop().create_server(
+            server._protocol, host, port, ssl=ssl, ssl_handshake_timeout=ssl_handshake_timeout_s
+        )
+    else:
+        server._server = await asyncio.start_server(
+            server._on_connect,
+            host,
+            port,
+            limit=read_bytes,
+            ssl=ssl,
+            ssl_handshake_timeout=ssl_handshake_timeout_s,
+        )
     return server
 
 

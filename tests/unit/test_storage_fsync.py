@@ -61,10 +61,14 @@ def test_fsyncs_run_on_the_loop_until_one_is_slow_then_in_a_thread_for_a_while(t
         assert await partition._fsync(fast) is None  # type: ignore[arg-type]
         assert fast.threads == [True, True, False]  # now in a worker thread
         assert partition.durable_max == 7
+        assert (partition.fsync_count, partition.threaded_fsync_count) == (4, 1)
+        assert partition.may_commit_now is False  # an append that arrives now is the worker's
 
         node.inline_fsync_off_until = time.monotonic() - 1  # the back-off has passed
+        assert partition.may_commit_now is True  # the worker idles, nothing queued, fsyncs on the loop
         assert await partition._fsync(fast) is None  # type: ignore[arg-type]
         assert fast.threads[-1] is True
+        assert partition.threaded_fsync_count == 1
 
     asyncio.run(main())
 
@@ -107,3 +111,46 @@ def test_the_append_latency_histogram_exports_what_a_prometheus_histogram_would(
         latency.observe(seconds)
     expected = [line for line in generate_latest(reference).decode().splitlines() if "_created" not in line]
     assert generate_latest(ours).decode().splitlines() == expected
+
+
+def test_the_request_counts_export_what_a_prometheus_counter_would() -> None:
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    reference, ours = CollectorRegistry(), CollectorRegistry()
+    counter = Counter("waltz_storage_requests", "Requests processed", ["type"], registry=reference)
+    counts = node_module._RequestCounts()
+    ours.register(counts)
+    for kind, n in (("AppendRequest", 31), ("RecordRunRequest", 1), ("AppendRequest", 2), ("OpenRequest", 1)):
+        counter.labels(kind).inc(n)
+        counts.inc(kind, n)
+    expected = [line for line in generate_latest(reference).decode().splitlines() if "_created" not in line]
+    assert sorted(generate_latest(ours).decode().splitlines()) == sorted(expected)
+
+
+def test_a_lone_slow_fsync_sends_fsyncs_to_threads_for_a_second_and_repeated_ones_for_longer(
+    tmp_path: Path,
+) -> None:
+    node = _node(tmp_path)
+    partition = node.partitions[0]
+    slow = _Log(node_module.INLINE_FSYNC_LIMIT_S * 2)
+
+    async def slow_inline_fsync() -> float:
+        """Run a slow fsync on the loop (the back-off has passed); how long fsyncs now stay in threads."""
+        node.inline_fsync_off_until = time.monotonic() - 1
+        before = len(slow.threads)
+        assert await partition._fsync(slow) is None  # type: ignore[arg-type]
+        assert slow.threads[before:] == [True]
+        return node.inline_fsync_off_until - time.monotonic()
+
+    async def main() -> None:
+        first = await slow_inline_fsync()
+        assert 0.9 < first <= node_module.INLINE_FSYNC_FIRST_BACKOFF_S
+        assert 1.9 < await slow_inline_fsync() <= 2.0  # again within a minute: twice as long
+        assert 3.9 < await slow_inline_fsync() <= 4.0
+        for _ in range(3):
+            await slow_inline_fsync()
+        assert await slow_inline_fsync() <= node_module.INLINE_FSYNC_BACKOFF_S  # capped
+        node.last_slow_fsync_s -= node_module.INLINE_FSYNC_RESET_S + 1  # a quiet minute later
+        assert await slow_inline_fsync() <= node_module.INLINE_FSYNC_FIRST_BACKOFF_S
+
+    asyncio.run(main())

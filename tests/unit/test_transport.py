@@ -245,14 +245,14 @@ def test_send_now_writes_at_once_after_the_frames_queued_before_it() -> None:
             conn = await connect(port)
             async with conn:
                 writes: list[bytes] = []
-                writer = conn._writer
-                plain_write = writer.write
+                transport = conn._transport  # what the connection writes to
+                plain_write = transport.write
 
                 def recording_write(data: bytes | bytearray | memoryview) -> None:
                     writes.append(bytes(data))
                     plain_write(data)
 
-                writer.write = recording_write  # type: ignore[method-assign]
+                transport.write = recording_write  # type: ignore[method-assign]
                 conn.send(b"queued")
                 assert writes == []  # send() waits for the end of the loop iteration
                 conn.send_now(b"now")
@@ -598,14 +598,14 @@ def test_rpc_client_start_call_sends_at_once_and_resolves_maps_fails_and_forgets
 
         async with serving(replier) as port, storage_rpc(await connect(port), error_of=error_of) as rpc:
             writes: list[int] = []
-            writer = rpc.connection._writer
-            plain_write = writer.write
+            transport = rpc.connection._transport  # what the connection writes to
+            plain_write = transport.write
 
             def recording_write(data: bytes | bytearray | memoryview) -> None:
                 writes.append(len(data))
                 plain_write(data)
 
-            writer.write = recording_write  # type: ignore[method-assign]
+            transport.write = recording_write  # type: ignore[method-assign]
             ok = rpc.start_call(s.MaxTransactionIdRequest(1, 0, 0, False))
             assert len(writes) == 1  # nothing else in flight: written at once
             failed = rpc.start_call(s.MaxTransactionIdRequest(1, 1, 99, False))

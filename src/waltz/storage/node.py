@@ -6,7 +6,10 @@ Guarantees:
   while an fsync is running are written together and share the next fsync (group commit), so throughput
   does not collapse to one batch per fsync.
 * **Order.** Requests for one partition are processed one at a time, in arrival order, by that partition's
-  worker task; responses to one connection for one partition leave in the same order.
+  worker task; responses to one connection for one partition leave in the same order. An append that finds
+  the worker idle with nothing queued anywhere (and fsyncs running on the loop) is written, fsynced and
+  answered at once, in the transport callback that read it (``StoragePartition.commit_now``): the same
+  steps the worker would take next, one loop pass and no task wake-up sooner.
 * **Fencing.** Each partition keeps an in-memory session id, initialised from the control file. On
   *arrival* of any data request its value becomes ``max(current, request.session_id)``; when the worker
   later processes the request it fails it with SessionFencedError unless ``request.session_id == current``.
@@ -117,6 +120,11 @@ make it flap between healed and broken)."""
 INLINE_FSYNC_LIMIT_S = 0.02
 """An fsync on the event loop slower than this sends the next ones to a thread (see ``_fsync``)."""
 INLINE_FSYNC_BACKOFF_S = 10.0
+"""The longest time fsyncs stay in threads after a slow one on the loop (see ``_fsync_inline``)."""
+INLINE_FSYNC_FIRST_BACKOFF_S = 1.0
+"""How long fsyncs stay in threads after a slow one that follows none in the last ``INLINE_FSYNC_RESET_S``;
+each slow one within that time doubles it, up to ``INLINE_FSYNC_BACKOFF_S``."""
+INLINE_FSYNC_RESET_S = 60.0
 FSYNC_THREADS = 4
 """Threads for the fsyncs not run on the loop (fsyncs of several partitions overlap on the disk)."""
 FAULTS_ENV = "WALTZ_TEST_FAULTS"
@@ -157,6 +165,38 @@ def _response_estimate(msg: st.StorageMessage) -> int:
     return 0
 
 
+class _InFlight:
+    """A connection's unanswered requests, at most ``capacity``: taken without a coroutine while there is
+    room (:meth:`try_acquire`), waited for in arrival order when there is none (:meth:`acquire`)."""
+
+    __slots__ = ("_freed", "capacity", "count")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.count = 0
+        self._freed: asyncio.Event | None = None
+
+    def try_acquire(self) -> bool:
+        if self.count >= self.capacity:
+            return False
+        self.count += 1
+        return True
+
+    async def acquire(self) -> None:
+        # One connection's requests are admitted by its one serving task, so there is one waiter at most.
+        while self.count >= self.capacity:
+            freed = self._freed = asyncio.Event()
+            await freed.wait()
+        self.count += 1
+
+    def release(self) -> None:
+        self.count -= 1
+        freed = self._freed
+        if freed is not None:
+            self._freed = None
+            freed.set()
+
+
 @dataclass(slots=True)
 class _Item:
     """One queued unit of work for a partition worker."""
@@ -165,7 +205,7 @@ class _Item:
     conn: FramedConnection | None
     op: Callable[[], Any] | None = None
     done: asyncio.Future[Any] | None = None
-    slot: asyncio.Semaphore | None = None
+    slot: _InFlight | None = None
     arrived_s: float = 0.0
     budget: ByteBudget | None = None
     reserved: int = 0
@@ -309,7 +349,8 @@ class _BoundedQueue:
 
 class _Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("waltz_storage_requests", "Requests processed", ["type"], registry=registry)
+        self.requests = _RequestCounts()
+        registry.register(self.requests)
         self.failures = Counter("waltz_storage_failures", "Failure responses", ["error"], registry=registry)
         self.append_latency = _Latency(
             "waltz_storage_append_seconds",
@@ -399,6 +440,24 @@ class _Latency(Collector):
         yield family
 
 
+class _RequestCounts(Collector):
+    """``waltz_storage_requests_total{type}``: requests processed, counted in a dict and exported when scraped
+    (a prometheus Counter's ``inc`` takes a lock and four calls, on the path of every append group)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def inc(self, kind: str, n: int = 1) -> None:
+        counts = self.counts
+        counts[kind] = counts.get(kind, 0) + n
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily("waltz_storage_requests", "Requests processed", labels=["type"])
+        for kind, n in sorted(self.counts.items()):
+            family.add_metric([kind], n)
+        yield family
+
+
 class _AppendCounters(Collector):
     """``waltz_storage_appended_records``, ``_appended_bytes`` and ``_fsyncs``, read from the partitions'
     plain counts when scraped. A prometheus Counter takes a lock and a few calls per update: three per group
@@ -414,14 +473,20 @@ class _AppendCounters(Collector):
         data = CounterMetricFamily(
             "waltz_storage_appended_bytes", "Data bytes of records appended", labels=["partition"]
         )
-        fsyncs = 0
+        fsyncs = threaded = 0
         for p in self._partitions():
             records.add_metric([str(p.partition_id)], p.appended_records)
             data.add_metric([str(p.partition_id)], p.appended_bytes)
             fsyncs += p.fsync_count
+            threaded += p.threaded_fsync_count
         yield records
         yield data
         yield CounterMetricFamily("waltz_storage_fsyncs", "Group-commit fsyncs", value=fsyncs)
+        yield CounterMetricFamily(
+            "waltz_storage_fsyncs_in_thread",
+            "Group-commit fsyncs run in a thread (a slow disk, or other partitions busy), not on the loop",
+            value=threaded,
+        )
 
 
 def directory_bytes(directory: str) -> int:
@@ -470,6 +535,8 @@ class StoragePartition:
         self.last_refusal_log_s = -1e9
         self.queue = _BoundedQueue(node.config.partition_queue_size, node.queued)
         self.fsync_count = 0
+        self.threaded_fsync_count = 0
+        """Of ``fsync_count``, those run in a thread (see ``_fsync``)."""
         self.appended_records = 0
         self.appended_bytes = 0
         """Records and data bytes appended and fsynced (exported by ``_AppendCounters``)."""
@@ -483,11 +550,12 @@ class StoragePartition:
         self.worker_gone = False
         self.current: _Item | None = None
         """The item the worker is on (answered by the node if the worker ends under it)."""
+        self.busy = False
+        """True while a request of this partition is being processed (by the worker, or by ``commit_now``)."""
         # Metric children looked up once: ``labels()`` costs more than the update on the append path.
         # Read when scraped: setting it for every request the worker takes cost as much as the update.
         node.metrics.queue.labels(partition_id).set_function(lambda: len(self.queue))
         self._read_bytes = node.metrics.read_bytes.labels(partition_id)
-        self._append_requests = node.metrics.requests.labels("AppendRequest")
         # The highest durable id, read when scraped (as the queue size): a Gauge.set per group commit took a
         # lock and three calls on the append path.
         node.metrics.max_txn.labels(partition_id).set_function(lambda: self.durable_max)
@@ -604,6 +672,7 @@ class StoragePartition:
         """
         while True:
             item = self.current = await self.queue.get()
+            self.busy = True
             try:
                 if item.op is not None:
                     await self._run_op(item)
@@ -617,6 +686,7 @@ class StoragePartition:
                 )
                 self.answer_failed(item)
             self.current = None
+            self.busy = False
 
     def fail(self, reason: str, error: BaseException | None = None) -> None:
         """Fail this partition for good (until the node restarts): one ERROR line, then health reports it."""
@@ -680,7 +750,7 @@ class StoragePartition:
         msg = item.msg
         assert msg is not None
         sid, seq, pid = msg.session_id, msg.seq_num, msg.partition_id
-        self.node.metrics.requests.labels(type(msg).__name__).inc()
+        self.node.metrics.requests.inc(type(msg).__name__)
         try:
             if isinstance(msg, st.LastSessionInfoRequest):
                 self._check(msg, msg.used_by_offline_recovery)
@@ -865,7 +935,46 @@ class StoragePartition:
                 break
             batch.append(queue.pop())
             count += len(nxt.msg.records)
-        self._append_requests.inc(len(batch))
+        results, accepted, plog = self._write_group(batch)
+        error = await self._fsync(plog) if accepted and plog is not None else None
+        self._answer_group(batch, results, accepted, error)
+
+    @property
+    def may_commit_now(self) -> bool:
+        """Whether an append that just arrived may be written, fsynced and answered at once, in the caller's
+        loop pass (:meth:`commit_now`) instead of by the worker: the worker idles with nothing queued (so
+        nothing is overtaken), no fsync of this node is running and fsyncs run on the loop (see
+        :meth:`_fsync`)."""
+        node = self.node
+        return (
+            not self.busy
+            and node.queued.items == 0
+            and node.fsyncs_in_flight == 0
+            and not self.worker_gone
+            and time.monotonic() >= node.inline_fsync_off_until
+        )
+
+    def commit_now(self, item: _Item) -> None:
+        """:meth:`_group_commit` of ``item`` alone, its fsync on the loop, answered before this returns (call
+        only when :attr:`may_commit_now`). Same checks, same durability: Success only after the fsync. It
+        saves the worker's wake-up and a loop pass per append on a node whose requests come one at a time
+        (one replication batch per partition in flight from the server)."""
+        self.busy = True
+        try:
+            results, accepted, plog = self._write_group([item])
+            error = self._fsync_inline(plog) if accepted and plog is not None else None
+            self._answer_group([item], results, accepted, error)
+        except Exception as e:  # noqa: BLE001 - a bug: as in run(), fail the partition, answer the request
+            self.fail(f"AppendRequest: {e!r}", e)
+            self.answer_failed(item)
+        finally:
+            self.busy = False
+
+    def _write_group(self, batch: list[_Item]) -> tuple[list[bytes | None], list[int], PartitionLog | None]:
+        """Check each append of ``batch`` and write the accepted ones' records with one ``append_run``:
+        ``(responses so far, indexes of the accepted requests, the log)``; the accepted ones are answered
+        after the fsync (see :meth:`_answer_group`)."""
+        self.node.metrics.requests.inc("AppendRequest", len(batch))
         results: list[bytes | None] = [None] * len(batch)
         accepted: list[int] = []  # indexes into batch of requests whose records go into the group write
         parts: list[bytes | memoryview] = []  # of the group's stored run
@@ -918,9 +1027,16 @@ class StoragePartition:
                 for i in accepted:
                     results[i] = st.encode(self._failure(batch[i].msg, e))  # type: ignore[arg-type]
                 accepted = []
-        if accepted and plog is not None:
-            error = await self._fsync(plog)
+        return results, accepted, plog
+
+    def _answer_group(
+        self, batch: list[_Item], results: list[bytes | None], accepted: list[int], error: WaltzError | None
+    ) -> None:
+        """Answer every request of a written group, in order: Success for the accepted ones unless the
+        fsync failed (``error``)."""
+        if accepted:
             n_bytes = 0
+            n_records = 0
             encode_success = st.encode_success
             for i in accepted:
                 msg = batch[i].msg
@@ -928,6 +1044,7 @@ class StoragePartition:
                 if error is None:
                     results[i] = encode_success(msg.session_id, msg.seq_num, msg.partition_id)
                     records = msg.records
+                    n_records += len(records)
                     n_bytes += (
                         records.data_bytes
                         if isinstance(records, st.WireRecordList)
@@ -936,11 +1053,11 @@ class StoragePartition:
                 else:
                     results[i] = st.encode(self._failure(msg, error))
             if error is None:
-                self.appended_records += len(ends)
+                self.appended_records += n_records
                 self.appended_bytes += n_bytes
         # One latency observation per group (its oldest request): observing every request costs more than
         # the rest of the acknowledgement path.
-        self.node.metrics.append_latency.observe(time.monotonic() - first.arrived_s)
+        self.node.metrics.append_latency.observe(time.monotonic() - batch[0].arrived_s)
         send = self.node.send_payload
         for item, payload in zip(batch, results, strict=True):
             assert payload is not None
@@ -950,42 +1067,66 @@ class StoragePartition:
         """Make the data file durable; return None, or the error that fails the whole group.
 
         When no other partition has requests queued and no other fsync is running, the fsync runs on the
-        event loop thread (unless one such fsync took longer than ``INLINE_FSYNC_LIMIT_S`` in the last
-        ``INLINE_FSYNC_BACKOFF_S``): the hand-off to a worker thread and back (a thread wake-up, a future, a
-        wake-up of the loop, the GIL passed to and fro) costs more CPU than the fsync itself (10-20% of the
-        node's CPU per record in ``bench/storage_append.py``), and nothing waits for the loop meanwhile but
+        event loop thread (unless one such fsync took longer than ``INLINE_FSYNC_LIMIT_S`` lately: for 1 s
+        after a lone slow one, doubling up to ``INLINE_FSYNC_BACKOFF_S`` while they repeat): the hand-off to
+        a worker thread and back (a thread wake-up, a future, a wake-up of the loop, the GIL passed to and
+        fro) costs more CPU than the fsync itself (10-20% of the node's CPU per record in
+        ``bench/storage_append.py``), and nothing waits for the loop meanwhile but
         arrivals, which then form the next group. Otherwise it runs in a thread, so the other partitions are
         served while the disk works.
         """
         node = self.node
+        if (
+            node.fsyncs_in_flight == 0
+            and node.queued.items == len(self.queue)
+            and time.monotonic() >= node.inline_fsync_off_until
+        ):
+            return self._fsync_inline(plog)
+        node.fsyncs_in_flight += 1
+        self.threaded_fsync_count += 1
         try:
-            if (
-                node.fsyncs_in_flight == 0
-                and node.queued.items == len(self.queue)
-                and time.monotonic() >= node.inline_fsync_off_until
-            ):
-                started = time.monotonic()
-                plog.flush()
-                if time.monotonic() - started > INLINE_FSYNC_LIMIT_S:
-                    # A slow disk would stall the loop (and /health, keep-alives, other partitions'
-                    # reads) for every fsync: hand fsyncs to a thread until the disk has had time to recover.
-                    node.inline_fsync_off_until = time.monotonic() + INLINE_FSYNC_BACKOFF_S
-            else:
-                node.fsyncs_in_flight += 1
-                try:
-                    await node.fsync_threads.run(plog.flush)
-                finally:
-                    node.fsyncs_in_flight -= 1
+            await node.fsync_threads.run(plog.flush)
         except Exception as e:  # noqa: BLE001 - any fsync failure fails the whole group
-            # Nothing of this group may be acknowledged: its durability is unknown. After a failed fsync
-            # Linux may have dropped the dirty pages and report the next fsync as clean, so the partition
-            # stops taking writes; the server starts a new session elsewhere and recovery decides what
-            # survived.
-            self._break(f"fsync failed: {e}")
-            return e if isinstance(e, WaltzError) else StorageError(f"fsync failed: {e}")
+            return self._fsync_failed(e)
+        finally:
+            node.fsyncs_in_flight -= 1
+        self._fsynced(plog)
+        return None
+
+    def _fsync_inline(self, plog: PartitionLog) -> WaltzError | None:
+        """:meth:`_fsync` on the loop thread (the caller checked that it may)."""
+        node = self.node
+        try:
+            started = time.monotonic()
+            plog.flush()
+            now = time.monotonic()
+            if now - started > INLINE_FSYNC_LIMIT_S:
+                # A slow disk would stall the loop (and /health, keep-alives, other partitions' reads) for
+                # every fsync: hand fsyncs to a thread until the disk has had time to recover. A lone spike
+                # (a busy host) costs a second of the threads' hand-off; a disk that stays slow, up to 10 s
+                # at a time (the hand-off costs a loop pass and a task wake-up per group, and appends can
+                # no longer be answered in the pass that read them).
+                if now - node.last_slow_fsync_s > INLINE_FSYNC_RESET_S:
+                    node.inline_fsync_backoff_s = INLINE_FSYNC_FIRST_BACKOFF_S
+                else:
+                    node.inline_fsync_backoff_s = min(2 * node.inline_fsync_backoff_s, INLINE_FSYNC_BACKOFF_S)
+                node.last_slow_fsync_s = now
+                node.inline_fsync_off_until = now + node.inline_fsync_backoff_s
+        except Exception as e:  # noqa: BLE001 - any fsync failure fails the whole group
+            return self._fsync_failed(e)
+        self._fsynced(plog)
+        return None
+
+    def _fsync_failed(self, e: Exception) -> WaltzError:
+        # Nothing of this group may be acknowledged: its durability is unknown. After a failed fsync Linux
+        # may have dropped the dirty pages and report the next fsync as clean, so the partition stops taking
+        # writes; the server starts a new session elsewhere and recovery decides what survived.
+        self._break(f"fsync failed: {e}")
+        return e if isinstance(e, WaltzError) else StorageError(f"fsync failed: {e}")
+
+    def _fsynced(self, plog: PartitionLog) -> None:
         self.fsync_count += 1
         self.durable_max = plog.max_transaction_id
-        return None
 
     def _break(self, reason: str) -> None:
         if self.broken is None:
@@ -1047,6 +1188,9 @@ class StorageNode:
         self.fsyncs_in_flight = 0
         self.fsync_threads = _FsyncThreads(FSYNC_THREADS)
         self.inline_fsync_off_until = 0.0
+        self.inline_fsync_backoff_s = INLINE_FSYNC_FIRST_BACKOFF_S
+        self.last_slow_fsync_s = -1e9
+        """When an fsync on the loop last took longer than ``INLINE_FSYNC_LIMIT_S``."""
         """Until this monotonic time every fsync runs in a thread (a slow one ran on the loop)."""
         self._closing = False
         self.port = 0
@@ -1092,6 +1236,7 @@ class StorageNode:
                     max_connections_per_source=config.max_connections_per_source,
                     idle_timeout_s=config.connection_idle_timeout_ms / 1000,
                     ssl=server_ssl,
+                    callback_reads=True,
                 ),
             )
             node.port = node._data_server.port
@@ -1233,86 +1378,8 @@ class StorageNode:
         if self._peer_refused(conn, "data"):
             return
         self.metrics.connections.inc()
-        slot = asyncio.Semaphore(self.config.connection_max_in_flight)
-        budget = ByteBudget(self.config.connection_max_response_bytes)
-        opened = False
         try:
-            while True:
-                payload = await conn.receive()
-                try:
-                    msg = st.decode(payload)
-                except RemoteProtocolError as e:
-                    _peer_warnings.warning(
-                        conn.source,
-                        reason_kind("decode", e),
-                        "closing storage connection from %s: %s",
-                        conn.peername,
-                        e,
-                    )
-                    return
-                if isinstance(msg, st.OpenRequest):
-                    resp: st.StorageMessage
-                    try:
-                        self._check_identity(msg.cluster_key, msg.num_partitions)
-                        opened = True
-                        resp = st.SuccessResponse(msg.session_id, msg.seq_num, msg.partition_id)
-                    except ClusterKeyMismatchError as e:
-                        _peer_warnings.warning(
-                            conn.source, reason_kind("open", e), "refusing open from %s: %s", conn.peername, e
-                        )
-                        resp = st.failure_from_error(msg.session_id, msg.seq_num, msg.partition_id, e)
-                    conn.send(st.encode(resp))
-                    continue
-                if not opened:
-                    err = ClusterKeyMismatchError("the connection has not been opened with the cluster key")
-                    conn.send(
-                        st.encode(st.failure_from_error(msg.session_id, msg.seq_num, msg.partition_id, err))
-                    )
-                    continue
-                if not 0 <= msg.partition_id < len(self.partitions):
-                    err2 = PartitionNotAssignedError(f"Partition:{msg.partition_id} does not exist.")
-                    conn.send(
-                        st.encode(st.failure_from_error(msg.session_id, msg.seq_num, msg.partition_id, err2))
-                    )
-                    continue
-                part = self.partitions[msg.partition_id]
-                offline = bool(
-                    getattr(msg, "offline", False) or getattr(msg, "used_by_offline_recovery", False)
-                )
-                if msg.session_id > part.session_id:
-                    # Offline requests too: an offline SetLowWaterMark persists a newer id (recover-partition
-                    # adopts its source's), so a forged one must not get through that way either.
-                    refusal = await self._session_refusal(part, msg.session_id, conn.peername)
-                    if refusal is not None:
-                        conn.send(
-                            st.encode(
-                                st.failure_from_error(msg.session_id, msg.seq_num, msg.partition_id, refusal)
-                            )
-                        )
-                        continue
-                if not offline and msg.session_id > part.session_id:
-                    log.info(
-                        "partition %d: session %d from %s fences session %d",
-                        part.partition_id,
-                        msg.session_id,
-                        conn.peername,
-                        part.session_id,
-                    )
-                    part.session_id = msg.session_id  # fence older sessions on arrival
-                    self.metrics.session.labels(part.partition_id).set(part.session_id)
-                await slot.acquire()  # bounded unanswered requests per connection
-                reserved = 0 if type(msg) is st.AppendRequest else _response_estimate(msg)
-                if reserved:
-                    await budget.acquire(reserved)  # bounded bytes of read responses per connection
-                item = _Item(
-                    msg, conn, slot=slot, arrived_s=time.monotonic(), budget=budget, reserved=reserved
-                )
-                if not part.enqueue_nowait(item):
-                    await part.enqueue(item)
-                # A peer that sends but does not read must not grow our write buffer without bound: its next
-                # request waits until the answers sent so far drain (and then for budget, at the top).
-                if conn.drain_needed:
-                    await conn.drain()
+            await conn.serve_payloads(_DataSession(self, conn).on_payload)
         except ConnectionError_:
             pass
         finally:
@@ -1594,6 +1661,123 @@ class StorageNode:
                     await conn.send_and_drain(adm.encode(resp))
                 except ClosedResourceError:
                     return
+
+
+class _DataSession:
+    """One data connection's requests: decoded, checked and queued (or, for an append the partition can take
+    at once, written and answered) in the transport's callback that read them (see
+    :meth:`FramedConnection.serve_payloads`). What has to wait (a full queue or connection bound, a new
+    session id to confirm) continues in the connection's task, reading paused, so requests keep their order
+    and a peer that floods is pushed back by TCP."""
+
+    def __init__(self, node: StorageNode, conn: FramedConnection) -> None:
+        self.node = node
+        self.conn = conn
+        self.opened = False
+        self.slots = _InFlight(node.config.connection_max_in_flight)
+        """Unanswered requests of this connection (bounded)."""
+        self.budget = ByteBudget(node.config.connection_max_response_bytes)
+        """Bytes of read responses this connection may hold (bounded)."""
+
+    def on_payload(self, payload: bytes) -> Awaitable[None] | None:
+        node = self.node
+        conn = self.conn
+        try:
+            msg = st.decode(payload)
+        except RemoteProtocolError as e:
+            _peer_warnings.warning(
+                conn.source,
+                reason_kind("decode", e),
+                "closing storage connection from %s: %s",
+                conn.peername,
+                e,
+            )
+            raise  # ends serving; the connection is closed
+        if not self.opened or type(msg) is st.OpenRequest:
+            self._open(msg)
+            return None
+        partitions = node.partitions
+        if not 0 <= msg.partition_id < len(partitions):
+            err = PartitionNotAssignedError(f"Partition:{msg.partition_id} does not exist.")
+            conn.send(st.encode(st.failure_from_error(msg.session_id, msg.seq_num, msg.partition_id, err)))
+            return None
+        part = partitions[msg.partition_id]
+        if msg.session_id > part.session_id:
+            return self._admit_new_session(msg, part)
+        return self._admit(msg, part)
+
+    def _open(self, msg: st.StorageMessage) -> None:
+        conn = self.conn
+        if isinstance(msg, st.OpenRequest):
+            resp: st.StorageMessage
+            try:
+                self.node._check_identity(msg.cluster_key, msg.num_partitions)
+                self.opened = True
+                resp = st.SuccessResponse(msg.session_id, msg.seq_num, msg.partition_id)
+            except ClusterKeyMismatchError as e:
+                _peer_warnings.warning(
+                    conn.source, reason_kind("open", e), "refusing open from %s: %s", conn.peername, e
+                )
+                resp = st.failure_from_error(msg.session_id, msg.seq_num, msg.partition_id, e)
+            conn.send(st.encode(resp))
+            return
+        err = ClusterKeyMismatchError("the connection has not been opened with the cluster key")
+        conn.send(st.encode(st.failure_from_error(msg.session_id, msg.seq_num, msg.partition_id, err)))
+
+    async def _admit_new_session(self, msg: st.StorageMessage, part: StoragePartition) -> None:
+        """A request whose session id is newer than the partition's: confirmed (or refused), then fencing."""
+        node = self.node
+        conn = self.conn
+        # Offline requests too: an offline SetLowWaterMark persists a newer id (recover-partition adopts its
+        # source's), so a forged one must not get through that way either.
+        refusal = await node._session_refusal(part, msg.session_id, conn.peername)
+        if refusal is not None:
+            conn.send(
+                st.encode(st.failure_from_error(msg.session_id, msg.seq_num, msg.partition_id, refusal))
+            )
+            return
+        offline = bool(getattr(msg, "offline", False) or getattr(msg, "used_by_offline_recovery", False))
+        if not offline and msg.session_id > part.session_id:
+            log.info(
+                "partition %d: session %d from %s fences session %d",
+                part.partition_id,
+                msg.session_id,
+                conn.peername,
+                part.session_id,
+            )
+            part.session_id = msg.session_id  # fence older sessions on arrival
+            node.metrics.session.labels(part.partition_id).set(part.session_id)
+        pending = self._admit(msg, part)
+        if pending is not None:
+            await pending
+
+    def _admit(self, msg: st.StorageMessage, part: StoragePartition) -> Awaitable[None] | None:
+        """Queue ``msg`` for its partition (or commit an append at once); an awaitable if it has to wait."""
+        append = type(msg) is st.AppendRequest
+        reserved = 0 if append else _response_estimate(msg)
+        if not self.slots.try_acquire():
+            return self._admit_waiting(msg, part, reserved)
+        if reserved and not self.budget.try_acquire(reserved):
+            self.slots.release()
+            return self._admit_waiting(msg, part, reserved)
+        item = _Item(
+            msg, self.conn, slot=self.slots, arrived_s=time.monotonic(), budget=self.budget, reserved=reserved
+        )
+        if append and part.may_commit_now:
+            part.commit_now(item)
+            return None
+        if part.enqueue_nowait(item):
+            return None
+        return part.enqueue(item)
+
+    async def _admit_waiting(self, msg: st.StorageMessage, part: StoragePartition, reserved: int) -> None:
+        await self.slots.acquire()  # bounded unanswered requests per connection
+        if reserved:
+            await self.budget.acquire(reserved)  # bounded bytes of read responses per connection
+        item = _Item(
+            msg, self.conn, slot=self.slots, arrived_s=time.monotonic(), budget=self.budget, reserved=reserved
+        )
+        await part.enqueue(item)
 
 
 def load_cluster_identity(config: StorageConfig) -> tuple[uuid.UUID, int]:
