@@ -418,6 +418,12 @@ class FramedConnection:
         """True once :meth:`aclose` was called or the connection failed."""
         return self._closed or self._error is not None
 
+    @property
+    def read_ahead(self) -> bool:
+        """True if bytes the peer sent after the payload just received are read already: more requests are
+        right behind it (a handler may leave this one to be batched with them)."""
+        return self._proto.buffered_bytes > 0
+
     async def receive(self) -> bytes:
         """The next payload. Raises BrokenResourceError at EOF or reset, RemoteProtocolError on garbage,
         ClosedResourceError after :meth:`aclose`."""
@@ -573,6 +579,14 @@ class FramedConnection:
                 self._resume_reading()
                 try:
                     pending = await wake
+                except asyncio.CancelledError:
+                    # Cancelled after the callback handed over a handler's awaitable and before this task
+                    # woke up: it never runs; closed, so it is not reported as never awaited.
+                    if wake.done() and not wake.cancelled() and wake.exception() is None:
+                        handed = wake.result()
+                        if inspect.iscoroutine(handed):
+                            handed.close()
+                    raise
                 finally:
                     self._handle = self._wake = self._read_started_s = None
                 if pending is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import struct
@@ -200,6 +201,30 @@ def test_bad_appends_fail_alone_and_the_log_stays_dense(node: StorageProcess) ->
             stored = await client.read_records(1, 0, 0, 100)
             assert [r.transaction_id for r in stored] == list(range(25))
             assert all(r.verify() for r in stored)
+
+    run(go())
+
+
+@pytest.mark.timeout(60)
+def test_appends_read_together_share_one_fsync(node: StorageProcess) -> None:
+    """Group commit: appends to a partition that reach the node together (a server keeps up to
+    ``storage.maxInflightBatches`` per partition in flight) are written together and fsynced once, not one
+    fsync each (a lone append may be committed in the pass that read it; a burst must not be, one by one)."""
+
+    async def fsyncs(admin: AdminClient) -> int:
+        count: int = json.loads(await admin.metrics_json())["partitions"]["0"]["fsyncs"]
+        return count
+
+    async def go() -> None:
+        client, admin = await connect(node)
+        async with client, admin:
+            await admin.set_assigned([0], True)
+            await client.append(1, 0, records(0, 1))
+            before = await fsyncs(admin)
+            # Sent in one loop pass: the client's frames leave in one write, and reach the node in one read.
+            await asyncio.gather(*(client.append(1, 0, records(1 + i, 1)) for i in range(16)))
+            assert await client.max_transaction_id(1, 0) == 16
+            assert await fsyncs(admin) - before <= 3
 
     run(go())
 

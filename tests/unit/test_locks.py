@@ -66,6 +66,15 @@ def test_lock_hash_is_a_signed_32_bit_int(name: str, lock_id: int) -> None:
     assert -(2**31) <= value < 2**31
 
 
+@given(
+    st.text(max_size=20),
+    st.integers(-(2**63), 2**63 - 1) | st.sampled_from([0, 2**31 - 1, 2**31, -1, 2**32, -(2**31)]),
+)
+def test_lock_hash_is_the_string_hash_xor_the_long_hash_on_both_of_its_paths(name: str, lock_id: int) -> None:
+    # lock_hash has a shortcut for ids in 0..2**31-1 (Long.hashCode is the id there): the same values.
+    assert lock_hash(PartitionLocalLock(name, lock_id)) == java_string_hash(name) ^ java_long_hash(lock_id)
+
+
 def test_partition_local_lock_is_a_frozen_hashable_value() -> None:
     a, b = PartitionLocalLock("x", 1), PartitionLocalLock("x", 1)
     assert a == b

@@ -127,6 +127,16 @@ def test_the_request_counts_export_what_a_prometheus_counter_would() -> None:
     assert sorted(generate_latest(ours).decode().splitlines()) == sorted(expected)
 
 
+def test_a_fresh_node_exports_its_append_request_count_at_zero(tmp_path: Path) -> None:
+    """As when it was a prometheus Counter whose AppendRequest child was made at start: an idle node shows 0
+    (a rate of 0, and the first appends counted by increase()), not a series that appears later."""
+    from prometheus_client import generate_latest
+
+    node = _node(tmp_path)
+    exported = generate_latest(node.registry).decode().splitlines()
+    assert 'waltz_storage_requests_total{type="AppendRequest"} 0.0' in exported
+
+
 def test_a_lone_slow_fsync_sends_fsyncs_to_threads_for_a_second_and_repeated_ones_for_longer(
     tmp_path: Path,
 ) -> None:

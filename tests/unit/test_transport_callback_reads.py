@@ -5,6 +5,7 @@ standard event loop and on uvloop (which the nodes run on)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -329,5 +330,46 @@ def test_receive_on_a_callback_connection_and_serve_payloads_elsewhere_are_refus
                 await asyncio.sleep(0.01)
         assert errors
         assert "serve_payloads" in str(errors[0])
+
+    run(main)
+
+
+def test_an_awaitable_handed_over_is_closed_if_serving_is_cancelled_before_it_runs(run: Any) -> None:
+    """The callback hands a handler's awaitable to the serving task, which is cancelled (its server closing)
+    before it wakes up: the awaitable never runs, and is closed rather than left unawaited (a "never
+    awaited" warning at garbage collection, and whatever it held never released)."""
+
+    async def main() -> None:
+        made: list[Coroutine[Any, Any, None]] = []
+        ended: list[BaseException] = []
+
+        def cancelled_meanwhile(conn: FramedConnection) -> Handler:
+            task = asyncio.current_task()
+            assert task is not None
+
+            async def wait_then() -> None:
+                conn.send(b"never")
+
+            def handle(payload: bytes) -> Awaitable[None] | None:
+                # Runs before the wake-up the hand-over schedules: the task is cancelled with its awaitable
+                # handed over but not started.
+                asyncio.get_running_loop().call_soon(task.cancel)
+                made.append(wait_then())
+                return made[-1]
+
+            return handle
+
+        async with serving(cancelled_meanwhile, ended) as port, await connect(port) as conn:
+            await conn.send_and_drain(b"wait")
+            for _ in range(200):
+                if ended:
+                    break
+                await asyncio.sleep(0.01)
+        assert len(ended) == 1, ended
+        assert isinstance(ended[0], asyncio.CancelledError), ended
+        assert len(made) == 1
+        state = inspect.getcoroutinestate(made[0])
+        made[0].close()  # so that a failing run does not warn as well
+        assert state == inspect.CORO_CLOSED
 
     run(main)

@@ -28,11 +28,12 @@ transaction-id order, so a slow callback delays only its own partition's feed, n
 partitions. Every task is owned by the client and cancelled by :meth:`AsyncWaltzClient.close`.
 
 Cost per transaction (the fast path): ``submit`` makes one callback-thread call (``partition_id`` and, with a
-free slot on a ready partition, ``execute``) and sends the append without a task; the append's fate comes
-back through a callback; ``on_completion``/``on_application`` are queued and run as one callback job per
-event-loop iteration; the applier hands runs of the feed to one job. Anything unusual (no free slot, the
-partition not mounted, an append not committed) continues in a per-context task, the slow path, which is
-the original retry loop.
+free slot on a ready partition, ``execute``) and sends the append without a task (the appends of one loop
+iteration leave in one write); the append's fate comes back through a callback (a socket read's feed
+entries of a partition in one call, ``_feed_run_nowait``); ``on_completion``/``on_application`` are queued
+and run as one callback job per event-loop iteration; the applier hands runs of the feed to one job.
+Anything unusual (no free slot, the partition not mounted, an append not committed) continues in a
+per-context task, the slow path, which is the original retry loop.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.context import TransactionContext
 from waltz.client.driver import ClientDriver, MountState, create_network_driver
-from waltz.client.lifecycle import Event, Hook, State
+from waltz.client.lifecycle import STEPS, Event, Hook, State
 from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
 from waltz.client.pool import Call, CallbackPool, report_hook_failure
 from waltz.client.retry import APPLY_RETRY, FETCH_RETRY, MAX_CHECKSUM_ATTEMPTS, RetryPolicy
@@ -68,6 +69,7 @@ from waltz.errors import (
     PartitionStuckError,
     WaltzError,
 )
+from waltz.protocol.client_server import FeedEntry
 from waltz.protocol.records import ReqId, crc32
 
 __all__ = ["AsyncWaltzClient"]
@@ -107,6 +109,16 @@ _Executed: TypeAlias = TransactionBuilder | Literal[False] | _Pending
 # Enum members of the hot path as module constants: in Python 3.11 ``Event.SEND`` goes through the enum's
 # metaclass (~150 ns a time, a dozen times per append), a module global costs a dictionary lookup.
 _EXECUTE, _SEND, _COMMIT, _APPLY = Event.EXECUTE, Event.SEND, Event.COMMIT, Event.APPLY
+# The lifecycle table's rows of the four transitions every append makes: the hot path applies them with one
+# lookup (``row[run.state]``) instead of a call of ``run.handle`` each (none of them owes a hook the hot path
+# does not call); a state missing from the row is handed to ``run.handle``, which raises LifecycleError as for
+# any impossible transition.
+_EXECUTE_ROW, _SEND_ROW, _COMMIT_ROW, _APPLY_ROW = (
+    STEPS[_EXECUTE],
+    STEPS[_SEND],
+    STEPS[_COMMIT],
+    STEPS[_APPLY],
+)
 _READY = MountState.READY
 _COMMITTED = Outcome.COMMITTED
 _STATE_COMMITTED = State.COMMITTED
@@ -128,6 +140,8 @@ class _Listener:
         self._client = client
         # The client's own method, not a forwarding one: the network driver calls it once per feed entry.
         self.feed_data_nowait: Callable[[int, int, ReqId, int], bool] = client._feed_nowait
+        # And a run of them (the network driver's reader hands each read's entries of a partition at once).
+        self.feed_run_nowait: Callable[[int, list[FeedEntry]], int] = client._feed_run_nowait
 
     async def on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
         await self._client._on_feed_data(partition_id, transaction_id, req_id, header)
@@ -329,6 +343,9 @@ class AsyncWaltzClient:
             self._check_open()  # Raises the error that says why.
             pool = self._require_pool()
         run = Run(context)
+        # Executed here, on the loop, without an await since the partition was found ready: nothing can
+        # have changed it (set_partitions and close are coroutines), so it need not be checked again.
+        fresh = self._inline
         try:
             first: _First
             if self._inline:
@@ -344,10 +361,12 @@ class AsyncWaltzClient:
                     orphan=functools.partial(self._orphaned, run),
                 )
             if isinstance(first, _Pending):
+                fresh = False
                 first = await self._finish_first(run, first)
             partition = run.partition
             assert partition is not None
             if first is None:
+                fresh = False
                 await self._acquire_slot(partition)
                 run.holds_slot = True
                 self._check_open()
@@ -367,11 +386,32 @@ class AsyncWaltzClient:
             raise
         self._runs.add(run)
         if type(first) is TransactionBuilder:  # The common case: executed and filled.
-            run.handle(_EXECUTE)
-            # Checked again: execute() may have changed the partition (set_partitions, close).
-            monitor = self._ready_monitor(partition)
+            try:
+                run.state = _EXECUTE_ROW[run.state][0]  # run.handle(_EXECUTE), see _EXECUTE_ROW
+            except KeyError:
+                run.handle(_EXECUTE)  # Raises LifecycleError.
+                raise
+            # Checked again unless fresh: execute() may have changed the partition (set_partitions, close).
+            monitor = partition.monitor if fresh else self._ready_monitor(partition)
             if monitor is not None:
-                self._start_first(partition, monitor, run, first)
+                # _start_first(partition, monitor, run, first), written out (once per append).
+                locks = first.write_lock_hashes
+                if locks:
+                    wake = partition.lock_queue.take(run, locks)
+                    if wake is None:  # Another context of ours holds one of them: wait for its turn.
+                        run.handle(Event.QUEUE)
+                        self._park(partition, run, first)
+                        self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
+                        return
+                    if wake:
+                        self._wake(wake)
+                try:
+                    run.state = _SEND_ROW[run.state][0]  # run.handle(_SEND), see _EXECUTE_ROW
+                except KeyError:
+                    run.handle(_SEND)  # Raises LifecycleError.
+                    raise
+                run.attempts += 1  # As handle() counts a SEND.
+                self._send(partition, monitor, first, run)
                 return
         elif first is not None:
             run.handle(_EXECUTE)
@@ -667,7 +707,13 @@ class AsyncWaltzClient:
                 return
             if wake:
                 self._wake(wake)
-        run.handle(_SEND)  # Before _send: a failed send resolves at once.
+        # run.handle(_SEND) (before _send: a failed send resolves at once), as one lookup in the table.
+        try:
+            run.state = _SEND_ROW[run.state][0]
+        except KeyError:
+            run.handle(_SEND)  # Raises LifecycleError.
+            raise
+        run.attempts += 1  # As handle() counts a SEND.
         self._send(partition, monitor, first, run)
 
     def _ready_monitor(self, partition: PartitionState) -> TransactionMonitor | None:
@@ -798,6 +844,30 @@ class AsyncWaltzClient:
         partition.push_feed(Transaction(partition_id, transaction_id, header, req_id, source))
         return True
 
+    def _feed_run_nowait(self, partition_id: int, entries: list[FeedEntry]) -> int:
+        """:meth:`_feed_nowait` of consecutive feed entries (the next ids of the partition, in order) in one
+        pass: as many as the feed has room for are resolved and queued for ``apply_transaction``; returns how
+        many were taken (0: the feed is full; the driver then delivers the rest through ``on_feed_data``)."""
+        partition = self._partitions.get(partition_id)
+        if partition is None or partition.error is not None or partition.monitor is None:
+            return len(entries)  # Not ours (any more): dropped, as on_feed_data drops them.
+        room = partition.feed_limit - len(partition.feed)
+        if room <= 0:
+            return 0
+        if room < len(entries):
+            entries = entries[:room]
+        resolutions = partition.monitor.on_feed_run(entries)
+        if resolutions:
+            self._resolve(partition, resolutions)
+        # Queued for apply_transaction after the resolutions (see _feed_nowait), all at once: nothing is
+        # queued if a resolution raised, so the driver may deliver the same entries again.
+        source = self._source
+        assert source is not None
+        partition.push_feed_run(
+            [Transaction(partition_id, tid, header, req_id, source) for tid, req_id, header in entries]
+        )
+        return len(entries)
+
     async def _on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
         partition = self._active(partition_id)
         if partition is None or partition.monitor is None:
@@ -822,6 +892,8 @@ class AsyncWaltzClient:
         partition.state = state
         partition.notify()
         if state is _READY:
+            # Appends carry the generation of this mount (see "Request ids" in driver.py): read once here.
+            partition.generation = self._require_driver().generation(partition_id)
             # Appends sent on an earlier connection may be lost; a flush resolves them (see driver.py).
             req_id = partition.monitor.flush_request(self._clock())
             if req_id is not None:
@@ -1009,12 +1081,38 @@ class AsyncWaltzClient:
             if run.holds_slot:  # _release_slot, inline (once per append)
                 run.holds_slot = False
                 partition.slots.release()
-            run.handle(_COMMIT)
+            try:
+                run.state = _COMMIT_ROW[run.state][0]  # run.handle(_COMMIT): owes on_completion(True)
+            except KeyError:
+                run.handle(_COMMIT)  # Raises LifecycleError.
+                raise
             run.transaction_id = result.transaction_id
             partition.awaiting_apply.append(run)
             if not self._hook_runs:
                 if self._inline:
-                    self._hook_now(run, True)
+                    # _hook_now(run, True) and then _hook_done(run, True), written out (once per append).
+                    pool = self._pool
+                    if pool is None or pool.is_shut_down:
+                        return  # As _flush_hooks: no hooks once the client is shut down.
+                    fn = run.context.on_completion
+                    hook_result: Any  # Typed as returning None; an inline hook may return a coroutine.
+                    try:
+                        hook_result = fn(True)
+                    except (SystemExit, KeyboardInterrupt):
+                        raise
+                    except BaseException as e:  # noqa: BLE001 - reported to the application, as in _hook_now
+                        report_hook_failure(asyncio.get_running_loop(), fn, e)
+                        hook_result = None
+                    if hook_result is not None and inspect.isawaitable(hook_result):
+                        self._lead_awaitables = [(fn, hook_result)]
+                        self._hook_runs.append((run, True))
+                        self._call_soon(self._flush_hooks)
+                        return
+                    run.completed = True
+                    if run.applied and not self._closed:
+                        self._queue_application(run)
+                    elif self._closed or partition.error is not None:
+                        self._finish(run)  # No on_application will follow.
                     return
                 self._call_soon(self._flush_hooks)
             # _queue_hook(run, True, on_completion, True), inline (once per append)
@@ -1083,13 +1181,41 @@ class AsyncWaltzClient:
     def _on_applied(self, partition: PartitionState, transaction_id: int) -> None:
         """Transactions up to ``transaction_id`` are applied: on_application for the runs that wait for it."""
         waiting = partition.awaiting_apply
+        queue = partition.lock_queue
         while waiting and waiting[0].transaction_id <= transaction_id:
             run = waiting.popleft()
             run.applied = True
-            wake = partition.lock_queue.release(run)
+            wake = queue.release(run)
             if wake:
                 self._wake(wake)
-            if run.completed:
+            if not run.completed:
+                continue  # on_completion has not run yet: _hook_done queues on_application after it.
+            if self._inline and not self._hook_runs and run.state is _STATE_COMMITTED:
+                # _queue_application(run), then _hook_now(run, False) and _hook_done(run, False), written out
+                # (once per append): COMMITTED + APPLY owes on_application, then the run is finished.
+                run.state = _APPLY_ROW[_STATE_COMMITTED][0]
+                pool = self._pool
+                if pool is None or pool.is_shut_down:
+                    continue  # As _flush_hooks: no hooks once the client is shut down.
+                fn = run.context.on_application
+                result: Any  # Typed as returning None; an inline hook may return a coroutine.
+                try:
+                    result = fn()
+                except (SystemExit, KeyboardInterrupt):
+                    raise
+                except BaseException as e:  # noqa: BLE001 - reported to the application, as in _hook_now
+                    report_hook_failure(asyncio.get_running_loop(), fn, e)
+                    result = None
+                if result is not None and inspect.isawaitable(result):
+                    self._lead_awaitables = [(fn, result)]
+                    self._hook_runs.append((run, False))
+                    self._call_soon(self._flush_hooks)
+                    continue
+                # _finish(run), written out: its locks were released above, and a committed run waits in no
+                # lock queue, so it has nothing to leave there; a first attempt has no first_send.
+                self._runs.discard(run)
+                run.set_finished()
+            else:
                 self._queue_application(run)
 
     def _drop_awaiting_apply(self, partition: PartitionState) -> None:
@@ -1324,7 +1450,7 @@ class AsyncWaltzClient:
         # ReqId.of(client id, generation, p, seq) without its two Python calls (classmethod, tuple __new__).
         req_id = _new_tuple(
             ReqId,
-            (self._client_msb | (driver.generation(p) & _MASK32), ((p & _MASK32) << 32) | (seq & _MASK32)),
+            (self._client_msb | (partition.generation & _MASK32), ((p & _MASK32) << 32) | (seq & _MASK32)),
         )
         request = builder.build(req_id)
         partition.outcomes[req_id] = waiter

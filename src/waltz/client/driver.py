@@ -74,8 +74,10 @@ Request ids
 -----------
 The core builds every :class:`~waltz.protocol.records.ReqId` with ``ReqId.of(client_id, generation,
 partition, seq)``: ``seq`` is a per-partition counter starting at 1, ``generation`` is
-:meth:`ClientDriver.generation` at the time the append is sent. Flushes carry the request id of the last
-pending append (the server echoes it back in the flush response).
+:meth:`ClientDriver.generation` as it was when the partition last became ``READY`` (the core reads it then,
+not once per append: a driver that changes a partition's generation mounts it again, so ``NOT_READY`` and
+``READY`` follow). Flushes carry the request id of the last pending append (the server echoes it back in the
+flush response).
 """
 
 from __future__ import annotations
@@ -138,6 +140,10 @@ class DriverListener(Protocol):
 # same as ``on_feed_data`` without a coroutine, returning False (having done nothing) when it would have to
 # wait for room. A driver may call it first and await ``on_feed_data`` only on False; the network driver
 # does (the core's listener offers it), the MockDriver does not need to.
+# And ``feed_run_nowait(partition_id, entries) -> int``: the same for a run of consecutive entries
+# ``[(transaction_id, req_id, header), ...]`` (the partition's next ids, in order) in one call, returning how
+# many of the leading ones it took (0 when it has no room); the driver delivers the rest as above. The
+# network driver hands it each socket read's entries of a partition.
 
 
 class ClientDriver(ABC):

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Event", "Hook", "Lifecycle", "LifecycleError", "State", "TRANSITIONS"]
+__all__ = ["STEPS", "TRANSITIONS", "Event", "Hook", "Lifecycle", "LifecycleError", "State"]
 
 
 class State(enum.Enum):
@@ -115,6 +115,13 @@ TRANSITIONS: dict[tuple[State, Event], tuple[State, Hook | None]] = {
     **{(S.ENDED, event): (S.ENDED, None) for event in (E.FAIL, E.CLOSE, E.EXPIRE)},
 }
 """``(state, event) -> (next state, hook owed)``; see the module docstring."""
+
+STEPS: dict[Event, dict[State, tuple[State, Hook | None]]] = {
+    event: {state: TRANSITIONS[(state, e)] for (state, e) in TRANSITIONS if e is event} for event in Event
+}
+""":data:`TRANSITIONS` by event: ``STEPS[event][state]``. The same table, for the client core's hot path,
+which applies a transition it knows by one lookup in the event's row instead of a call of
+:meth:`Lifecycle.handle` (a missing state there is still handed to ``handle``, which raises)."""
 
 # Module constants for what handle() compares on every call (an enum member lookup costs far more in 3.11).
 _SEND, _COMMITTED, _ENDED = Event.SEND, State.COMMITTED, State.ENDED

@@ -26,6 +26,8 @@ from collections.abc import Hashable, Iterable
 
 __all__ = ["LockQueue"]
 
+_new_lock = object.__new__
+
 
 class _Lock:
     __slots__ = ("owner", "queue", "reserved")
@@ -77,7 +79,11 @@ class LockQueue:
             h = locks[0]
             lock = lock_table.get(h)
             if lock is None:
-                lock_table[h] = _Lock(context)
+                # _Lock(context) without its __init__ call (once per locked append).
+                lock = lock_table[h] = _new_lock(_Lock)
+                lock.owner = context
+                lock.reserved = None
+                lock.queue = None
             elif lock.owner is not None or lock.reserved is not None or lock.queue:
                 return None
             else:

@@ -89,7 +89,10 @@ def lock_hash(lock: PartitionLocalLock) -> int:
     """``name.hashCode() ^ Long.hashCode(id)``, the signed 32-bit value the Java client sends for ``lock``."""
     # The xor of two signed 32-bit ints is again a signed 32-bit int, so no re-normalisation is needed.
     # java_long_hash inlined (one per write lock per append): two Python calls less.
-    bits = lock.id & _MASK64
+    lock_id = lock.id
+    if 0 <= lock_id <= 0x7FFFFFFF:
+        return java_string_hash(lock.name) ^ lock_id  # Long.hashCode of a small id is the id itself.
+    bits = lock_id & _MASK64
     h = (bits ^ (bits >> 32)) & _MASK32
     return java_string_hash(lock.name) ^ (h - (1 << 32) if h >= 1 << 31 else h)
 

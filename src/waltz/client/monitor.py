@@ -20,6 +20,7 @@ Timestamps are passed in (seconds on any monotonic clock), so tests need no real
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import NamedTuple, TypeAlias
 
 from waltz.protocol.records import ReqId
@@ -48,6 +49,10 @@ class Resolution(NamedTuple):
     outcome: Outcome
     transaction_id: int = -1
 
+
+_new_tuple = tuple.__new__
+"""``_new_tuple(Resolution, (req_id, outcome, transaction_id))`` builds a Resolution in C, without the named
+tuple's generated Python ``__new__`` (once per committed append)."""
 
 _Entry: TypeAlias = tuple[int, float]
 """A pending append: (seq, registered_at). A tuple, not a class: one is made per append."""
@@ -117,9 +122,29 @@ class TransactionMonitor:
             resolutions.append(Resolution(req_id, _COMMITTED, transaction_id))
         else:
             # The common case: the oldest pending append committed.
-            resolutions = [Resolution(req_id, _COMMITTED, transaction_id)]
+            resolutions = [_new_tuple(Resolution, (req_id, _COMMITTED, transaction_id))]
         if self._flush_responses or self._flushes_sent:
             resolutions.extend(self._release_flushes())
+        return resolutions
+
+    def on_feed_run(self, entries: Sequence[tuple[int, ReqId, int]]) -> list[Resolution]:
+        """:meth:`on_feed` of each ``(transaction_id, req_id, header)`` of ``entries`` (in id order), in one
+        pass: the resolutions in the order the calls one by one would have made them."""
+        if self._flush_responses or self._flushes_sent:
+            # Flushes are released as the feed high-water mark passes theirs, entry by entry.
+            return [r for tid, req_id, _ in entries for r in self.on_feed(tid, req_id)]
+        pending = self._pending
+        resolutions: list[Resolution] = []
+        for tid, req_id, _ in entries:
+            entry = pending.pop(req_id, None)
+            if entry is None:
+                continue  # Not ours (another client's, or resolved already).
+            if pending and next(iter(pending.values()))[0] < entry[0]:
+                resolutions.extend(self._fail_up_to(entry[0] - 1))  # Older ones lost, as in on_feed.
+            resolutions.append(_new_tuple(Resolution, (req_id, _COMMITTED, tid)))
+        last = entries[-1][0] if entries else -1
+        if last > self.feed_high_water_mark:
+            self.feed_high_water_mark = last
         return resolutions
 
     def on_lock_failure(self, req_id: ReqId, transaction_id: int) -> list[Resolution]:

@@ -71,6 +71,7 @@ from waltz.errors import (
     ClientClosedError,
     ClientError,
     ConfigError,
+    ConnectionError_,
     PartitionNotReadyError,
     RemoteProtocolError,
     WaltzError,
@@ -260,18 +261,30 @@ class NetworkDriver(ClientDriver):
     # -- contract: requests ----------------------------------------------------------------------------------
 
     def send_append(self, partition_id: int, request: AppendRequest) -> None:
+        # The hot path (once per append): the AppendRequest encoded without the codec's version check (every
+        # version carries it) and queued for this loop iteration's write (StreamLink.queue_append).
         mount = self._mounts.get(partition_id)
         link = mount.link if mount is not None else None
         if self._closed or link is None or link.conn is None or not mount.ready:  # type: ignore[union-attr]
             link = self._ready_link(partition_id)  # Raises the error that says why.
-        link.send_append(request)
+        conn = link.conn
+        assert conn is not None  # Checked above.
+        link.queue_append(conn, cs.append_payload(request, link.version))
 
     def send_append_now(self, partition_id: int, request: AppendRequest) -> None:
+        """:meth:`send_append`, written now (``FramedConnection.send_now``), not with the loop iteration's
+        frames: for a lone append, which nothing would join."""
         mount = self._mounts.get(partition_id)
         link = mount.link if mount is not None else None
         if self._closed or link is None or link.conn is None or not mount.ready:  # type: ignore[union-attr]
             link = self._ready_link(partition_id)  # Raises the error that says why.
-        link.send_append(request, at_once=True)
+        conn = link.conn
+        assert conn is not None  # Checked above.
+        link.flush_appends()  # Queued appends of other partitions of the link go first.
+        try:
+            conn.send_now(cs.append_payload(request, link.version))
+        except ConnectionError_ as e:
+            raise BrokenResourceError(f"connection to {link.endpoint} lost: {e}") from None
 
     def send_flush(self, partition_id: int, req_id: ReqId) -> None:
         self._ready_link(partition_id).send(cs.FlushRequest(req_id))

@@ -64,7 +64,9 @@ class CallbackPool:
         self._lock = threading.Lock()
         self._idle = 0  # Threads that finished a job and no job has been queued for since (under _lock).
         self._results: list[tuple[_Job, BaseException | None, Any]] = []
-        self._shut = False
+        # A plain attribute, not a property: the client core reads it several times per append.
+        self.is_shut_down = False
+        """True once :meth:`shutdown` was called (no more work is accepted)."""
 
     # -- loop side -----------------------------------------------------------------------------------------
 
@@ -99,12 +101,8 @@ class CallbackPool:
         except RuntimeError:  # the loop is closed: logging is all that is left
             log.error("%s raised", _name(fn), exc_info=error)
 
-    @property
-    def is_shut_down(self) -> bool:
-        return self._shut
-
     def _submit(self, job: _Job) -> None:
-        if self._shut:
+        if self.is_shut_down:
             raise RuntimeError("the callback pool is shut down")
         with self._lock:
             spawn = False
@@ -138,7 +136,7 @@ class CallbackPool:
     def shutdown(self) -> None:
         """Stop accepting work; the threads finish the jobs already queued, then exit. Blocking: call it
         through ``asyncio.to_thread`` (from any thread except a pool thread)."""
-        self._shut = True
+        self.is_shut_down = True
         with self._lock:
             threads = list(self._threads)
         for _ in threads:

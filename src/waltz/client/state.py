@@ -153,6 +153,7 @@ class PartitionState:
         self.feed_limit = config.feed_queue_size
         self.monitor: TransactionMonitor | None = None  # Set once the application's HWM is known.
         self.state: MountState | None = None
+        self.generation = 0  # The driver's generation of the partition when it last became READY.
         self.error: ClientError | None = None  # Set when the partition is released or the client closes.
         self.outcomes: dict[ReqId, Waiter] = {}
         # Runs appended on their first attempt whose transaction is not applied yet, in transaction-id order.
@@ -168,6 +169,13 @@ class PartitionState:
 
     def push_feed(self, transaction: Transaction) -> None:
         self.feed.append(transaction)
+        waiter = self._feed_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def push_feed_run(self, transactions: list[Transaction]) -> None:
+        """:meth:`push_feed` of each of ``transactions``, in order, with one wake-up."""
+        self.feed.extend(transactions)
         waiter = self._feed_waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -188,7 +196,11 @@ class PartitionState:
 
     def take_feed(self, max_count: int) -> list[Transaction]:
         feed = self.feed
-        batch = [feed.popleft() for _ in range(min(max_count, len(feed)))]
+        if len(feed) <= max_count:
+            batch = list(feed)  # The common case, all of it: copied and cleared in C.
+            feed.clear()
+        else:
+            batch = [feed.popleft() for _ in range(max_count)]
         waiter = self._room_waiter
         if waiter is not None and not waiter.done() and len(feed) < self.feed_limit:
             waiter.set_result(None)

@@ -15,10 +15,15 @@ that awaits the listener for one event at a time, in arrival order, so partition
 another's application. The inbox holds at most :data:`INBOX_FEED_LIMIT` feed entries; beyond that the
 connection's reader waits (TCP back pressure towards the server).
 
-The common case skips the inbox: a feed entry that is the partition's next id, with nothing of the
-partition queued before it (nor held by its delivery task), goes from the reader straight to the listener's
-``feed_data_nowait`` when it has room, without an event object or a task hop. Anything else (other messages,
-gaps, repeats, a full listener) goes through the inbox, so the order of a partition's events never changes.
+The common case skips the inbox: the feed entries of one partition in one read are decoded in one pass, and
+those that follow the partition's position, with nothing of the partition queued before them (nor held by
+its delivery task), go from the reader straight to the listener in one call (``feed_run_nowait``, or
+``feed_data_nowait`` per entry) as far as it has room, without an event object or a task hop. Anything else
+(other messages, gaps, repeats, what a full listener did not take) goes through the inbox, so the order of a
+partition's events never changes.
+
+Appends (the bulk of what a client writes) are queued per loop iteration and written in one ``send_many``
+(:meth:`StreamLink.queue_append`); every other write on the link writes them first.
 
 Everything runs on the client's event loop.
 """
@@ -26,6 +31,7 @@ Everything runs on the client's event loop.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -70,6 +76,8 @@ INBOX_FEED_LIMIT: Final = 1024
 
 FeedNowait = Callable[[int, int, ReqId, int], bool]
 """``feed_data_nowait`` of a :class:`~waltz.client.driver.DriverListener` that offers it."""
+FeedRunNowait = Callable[[int, list[cs.FeedEntry]], int]
+"""``feed_run_nowait`` of a :class:`~waltz.client.driver.DriverListener` that offers it."""
 
 
 class LinkOwner(Protocol):
@@ -215,9 +223,15 @@ class StreamLink:
         self.conn: FramedConnection | None = None
         self.version = 0
         self.incarnation = -1
+        self.max_frame_bytes = 0  # The connection's limit (read once per connection, not per append).
+        # Appends encoded in this loop iteration, written to _appends_conn in one send_many at its end (see
+        # queue_append); every other write on the link writes them first, so the link's order holds.
+        self._appends: list[bytes] = []
+        self._appends_conn: FramedConnection | None = None
+        self._loop = asyncio.get_running_loop()
         self._wanted = asyncio.Event()
         self._closed = False
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"waltz-link {endpoint}")
+        self._task = self._loop.create_task(self._run(), name=f"waltz-link {endpoint}")
 
     @property
     def connected(self) -> bool:
@@ -240,29 +254,53 @@ class StreamLink:
             self.owner.spawn(conn.aclose(), f"waltz-idle {self.endpoint}")
 
     def send(self, msg: cs.Message) -> None:
-        """Encode and queue ``msg`` on the stream connection (BrokenResourceError if there is none)."""
+        """Encode and queue ``msg`` on the stream connection (BrokenResourceError if there is none), after
+        the appends queued before it."""
         conn = self.conn
         if conn is None:
             raise BrokenResourceError(f"no connection to {self.endpoint}")
         payload = cs.encode(msg, self.version)
+        if self._appends:
+            self.flush_appends()
         try:
             conn.send(payload)
         except ConnectionError_ as e:
             raise BrokenResourceError(f"connection to {self.endpoint} lost: {e}") from None
 
-    def send_append(self, request: cs.AppendRequest, at_once: bool = False) -> None:
-        """:meth:`send` for an append (the hot path: no version check, AppendRequest is in every codec).
-        ``at_once``: written now (see FramedConnection.send_now), not with the loop iteration's frames."""
-        conn = self.conn
-        if conn is None:
-            raise BrokenResourceError(f"no connection to {self.endpoint}")
+    def queue_append(self, conn: FramedConnection, payload: bytes) -> None:
+        """Queue an encoded AppendRequest for ``conn`` (the link's connection): the appends of one loop
+        iteration are framed and handed to the connection in one ``send_many`` when its callbacks run,
+        instead of one ``send`` (a frame, a check and a copy) each. An append the connection cannot take
+        then (it broke meanwhile) is dropped, as the driver contract allows: the flush after the next READY
+        resolves it. One over the frame limit is refused here, at once, as ``send`` refuses it."""
+        appends = self._appends
+        if not appends:
+            if conn.is_closed:
+                raise BrokenResourceError(f"connection to {self.endpoint} lost")
+            self._appends_conn = conn
+            self._loop.call_soon(self.flush_appends)
+        if len(payload) > self.max_frame_bytes:
+            self.flush_appends()  # Those before it keep their place.
+            try:
+                conn.send(payload)  # Raises LocalProtocolError, as for any message too large.
+            except ConnectionError_ as e:
+                raise BrokenResourceError(f"connection to {self.endpoint} lost: {e}") from None
+            return
+        appends.append(payload)
+
+    def flush_appends(self) -> None:
+        """Hand the queued appends to the connection they were queued for (nothing if it is gone)."""
+        appends = self._appends
+        if not appends:
+            return
+        self._appends = []
+        conn, self._appends_conn = self._appends_conn, None
+        if conn is None or conn is not self.conn:
+            return  # Lost with their connection: the READY after the reconnect resolves them.
         try:
-            if at_once:
-                conn.send_now(cs.append_payload(request, self.version))
-            else:
-                conn.send(cs.append_payload(request, self.version))
+            conn.send_many(appends)
         except ConnectionError_ as e:
-            raise BrokenResourceError(f"connection to {self.endpoint} lost: {e}") from None
+            log.debug("%d appends to %s not sent: %s", len(appends), self.endpoint, e)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -295,6 +333,7 @@ class StreamLink:
             delay_s = RECONNECT_INITIAL_DELAY_S
             self.incarnation = self.owner.next_incarnation()
             self.conn, self.version = conn, conn.negotiated_version
+            self.max_frame_bytes = conn.max_frame_bytes
             log.debug("connected to %s (incarnation %d)", self.endpoint, self.incarnation)
             try:
                 for mount in list(self.attached.values()):
@@ -313,12 +352,14 @@ class StreamLink:
         owner = self.owner
         version = conn.negotiated_version
         decode = cs.decode
-        decode_feed = cs.decode_feed_data
+        decode_feed_run = cs.decode_feed_run
         mounts = owner.mounts
         listener = owner.listener
-        # A listener that takes a feed entry without a coroutine (the core does) gets it straight from here
-        # when nothing of its partition is queued before it: no event object, no inbox, no task hop.
-        nowait = getattr(listener, "feed_data_nowait", None)
+        # A listener that takes feed entries without a coroutine (the core does) gets them straight from here
+        # when nothing of their partition is queued before them: no event object, no inbox, no task hop; one
+        # that takes a whole run of them gets each run of one partition's entries in a read in one call.
+        nowait: FeedNowait | None = getattr(listener, "feed_data_nowait", None)
+        run_nowait: FeedRunNowait | None = getattr(listener, "feed_run_nowait", None)
         burst: list[bytes] = []
         while True:
             burst.append(await conn.receive())
@@ -328,23 +369,25 @@ class StreamLink:
                 conn.receive_buffered(burst)
             except (ConnectionError_, ProtocolError) as e:
                 error = e  # Raised once the messages before it were handled, as if read one by one.
-            for payload in burst:
-                feed = decode_feed(payload)
-                if feed is not None:
-                    req_id, tid, header = feed
-                    # The partition id read unsigned: one of 2**31 or up is no mount's, as its signed reading.
-                    mount = mounts.get(req_id.lsb >> 32 & 0xFFFFFFFF)
-                    if (
-                        mount is not None
-                        and mount.link is self
-                        and not mount.closed
-                        and _on_feed(nowait, mount, tid, req_id, header)
-                    ):
-                        await mount.wait_room(self)
-                        if conn.is_closed:
-                            conn.receive_nowait()  # Raises why, as the next read would have.
-                else:
-                    self._on_message(decode(payload, version))
+            i, n = 0, len(burst)
+            while i < n:
+                # The feed entries of one partition at burst[i:], decoded in one pass (most of a read).
+                partition_id, entries, end = decode_feed_run(burst, i)
+                if not entries:
+                    self._on_message(decode(burst[i], version))
+                    i += 1
+                    continue
+                i = end
+                mount = mounts.get(partition_id)
+                if (
+                    mount is not None
+                    and mount.link is self
+                    and not mount.closed
+                    and _on_feed_run(run_nowait, nowait, mount, entries)
+                ):
+                    await mount.wait_room(self)
+                    if conn.is_closed:
+                        conn.receive_nowait()  # Raises why, as the next read would have.
             burst.clear()
             if error is not None:
                 raise error
@@ -371,27 +414,55 @@ class StreamLink:
             log.debug("ignoring %s from %s on the stream connection", type(msg).__name__, self.endpoint)
 
 
-def _on_feed(nowait: FeedNowait | None, mount: Mount, tid: int, req_id: ReqId, header: int) -> bool:
-    """A feed entry for ``mount`` (attached to the link it came on): delivered at once when nothing of the
-    partition is queued before it and the listener has room, else queued for the delivery task, which
-    decides (repeats, gaps, waits for room). True if the reader must now wait for room in the inbox."""
+def _on_feed_run(
+    run_nowait: FeedRunNowait | None, nowait: FeedNowait | None, mount: Mount, entries: list[cs.FeedEntry]
+) -> bool:
+    """Feed entries for ``mount`` (attached to the link they came on), in arrival order: the leading ones
+    that follow the partition's position are delivered at once when nothing of the partition is queued
+    before them and the listener has room (repeats after a re-mount are dropped), the rest queued for the
+    delivery task, which decides (repeats, gaps, waits for room). True if the reader must now wait for room
+    in the inbox."""
     session = mount.session
     if session is None:
         return False  # No feed session open: from an abandoned one.
-    if nowait is not None and not mount.inbox and not mount.busy:
-        if tid <= mount.position:
-            return False  # A repeat after a re-mount.
-        if tid == mount.position + 1:
-            # Handed to the listener at once (inline: one call per feed entry less).
-            try:
-                taken = nowait(mount.partition_id, tid, req_id, header)
-            except Exception:
-                # As the delivery task does: logged, and the position stays, so the next entry is a gap and
-                # the partition re-mounts from here (this one is delivered again).
-                log.exception("partition %d: delivering transaction %d failed", mount.partition_id, tid)
-                return False
+    k, n = 0, len(entries)
+    if (run_nowait is not None or nowait is not None) and not mount.inbox and not mount.busy:
+        position = mount.position
+        while k < n and entries[k][0] <= position:
+            k += 1  # Repeats after a re-mount.
+        # The entries that follow the position one by one (a dense feed: all of them).
+        m = k
+        while m < n and entries[m][0] == position + 1:
+            position += 1
+            m += 1
+        if m > k:
+            taken = _deliver_run(run_nowait, nowait, mount, entries if k == 0 and m == n else entries[k:m])
             if taken:
-                mount.position = tid
+                k += taken
+                mount.position = entries[k - 1][0]
+            if k == n:
                 return False
-    mount.put(Feed(session, tid, req_id, header))
+    for transaction_id, req_id, header in itertools.islice(entries, k, None):
+        mount.put(Feed(session, transaction_id, req_id, header))
     return mount.feed_queued >= INBOX_FEED_LIMIT
+
+
+def _deliver_run(
+    run_nowait: FeedRunNowait | None, nowait: FeedNowait | None, mount: Mount, entries: list[cs.FeedEntry]
+) -> int:
+    """Hand ``entries`` (the next ids of the partition, in order) to the listener; how many it took."""
+    p = mount.partition_id
+    taken = 0
+    try:
+        if run_nowait is not None:
+            return run_nowait(p, entries)
+        assert nowait is not None
+        for transaction_id, req_id, header in entries:
+            if not nowait(p, transaction_id, req_id, header):
+                break
+            taken += 1
+    except Exception:
+        # As the delivery task does: logged, and the position stays at the last entry taken, so the
+        # entries not taken are queued and the first of them delivered again by the delivery task.
+        log.exception("partition %d: delivering transaction %d failed", p, entries[taken][0])
+    return taken

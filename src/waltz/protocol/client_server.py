@@ -81,11 +81,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import ClassVar, Final, NamedTuple, Self
+from typing import ClassVar, Final, NamedTuple, Self, TypeAlias
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
 from waltz.protocol.checksum import crc32 as _crc32
@@ -105,6 +106,7 @@ __all__ = [
     "CheckStorageConnectivityRequest",
     "CheckStorageConnectivityResponse",
     "FeedData",
+    "FeedEntry",
     "FeedRequest",
     "FeedSuspended",
     "FlushRequest",
@@ -130,6 +132,7 @@ __all__ = [
     "decode",
     "decode_append_fields",
     "decode_feed_data",
+    "decode_feed_run",
     "new_append_request",
     "encode",
 ]
@@ -149,6 +152,9 @@ _PREFIX_BYTES = _PREFIX.size  # 17
 _APPEND_HEAD = struct.Struct(">BQQqi")  # type, ReqId, clientHighWaterMark, writeLocks count
 _FEED_DATA = struct.Struct(">BQQqi")  # type, ReqId, transactionId, header
 _APPEND_HEAD_NO_LOCKS = struct.Struct(">BQQqiiiii")  # V2+: type, ReqId, hwm, 0 locks x3, header, length
+# V2+ with one write lock and no other (a conditional append on one key): type, ReqId, hwm, 1, the lock, no
+# read and no append locks, header, length.
+_APPEND_HEAD_ONE_WRITE = struct.Struct(">BQQqiiiiii")
 
 
 @functools.lru_cache(maxsize=64)
@@ -450,12 +456,28 @@ class AppendRequest(_Message):
         try:
             if version >= 2 and not (nw or nr or na):
                 # The common append, without locks: one precompiled struct instead of a format per call.
+                msb, lsb = self.req_id
                 head = _APPEND_HEAD_NO_LOCKS.pack(
                     2,
-                    self.req_id.msb & _MASK64,
-                    self.req_id.lsb & _MASK64,
+                    msb & _MASK64,
+                    lsb & _MASK64,
                     self.client_high_water_mark,
                     0,
+                    0,
+                    0,
+                    self.header,
+                    len(data),
+                )
+            elif version >= 2 and nw == 1 and not (nr or na):
+                # One write lock (a conditional append on one key): precompiled too, no argument unpacking.
+                msb, lsb = self.req_id
+                head = _APPEND_HEAD_ONE_WRITE.pack(
+                    2,
+                    msb & _MASK64,
+                    lsb & _MASK64,
+                    self.client_high_water_mark,
+                    1,
+                    w[0],
                     0,
                     0,
                     self.header,
@@ -1130,6 +1152,38 @@ def decode_feed_data(payload: bytes | bytearray | memoryview) -> tuple[ReqId, in
     _, msb, lsb, transaction_id, header = _FEED_DATA.unpack_from(payload, 0)
     # ReqId(msb, lsb) built in C, without its generated __new__ (one per feed entry).
     return _tuple_new(ReqId, (msb, lsb)), transaction_id, header
+
+
+FeedEntry: TypeAlias = tuple[int, ReqId, int]
+"""``(transaction_id, req_id, header)`` of one FeedData, as :func:`decode_feed_run` returns it."""
+
+
+def decode_feed_run(
+    payloads: Sequence[bytes | bytearray | memoryview], start: int
+) -> tuple[int, list[FeedEntry], int]:
+    """The run of well-formed FeedData payloads of one partition at ``payloads[start:]``, decoded in one pass
+    (the client's feed reader takes a burst of a read this way): ``(partition, entries, end)`` where
+    ``entries`` are those of ``payloads[start:end]``, in order, and ``partition`` is their ReqId's partition
+    id read unsigned (as the reader looks it up). ``entries`` is empty when ``payloads[start]`` is not a
+    well-formed FeedData (then :func:`decode` it). Each entry is what :func:`decode_feed_data` returns."""
+    size = _FEED_DATA.size
+    unpack = _FEED_DATA.unpack_from
+    code = _FEED_DATA_TYPE
+    entries: list[FeedEntry] = []
+    partition = -1
+    end = start
+    for payload in itertools.islice(payloads, start, None):
+        if len(payload) != size or payload[0] != code:
+            break
+        _, msb, lsb, transaction_id, header = unpack(payload, 0)
+        p = lsb >> 32 & 0xFFFFFFFF
+        if p != partition:
+            if entries:
+                break  # Another partition's run starts here.
+            partition = p
+        entries.append((transaction_id, _tuple_new(ReqId, (msb, lsb)), header))
+        end += 1
+    return partition, entries, end
 
 
 def encode_feed_data(headers: Iterable[RecordHeader], version: int) -> list[bytes]:

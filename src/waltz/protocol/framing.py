@@ -410,6 +410,11 @@ class ProtocolConnection:
         """True once our hello was sent and the peer's received: payloads may flow both ways."""
         return self._hello_sent and self.negotiated_version is not None
 
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received from the peer and not yet returned as an event or payload."""
+        return self._decoder.buffered_bytes
+
     def send_hello(self) -> bytes:
         """Our hello frame; call exactly once, before sending anything else."""
         if self._hello_sent:

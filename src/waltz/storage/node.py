@@ -7,9 +7,10 @@ Guarantees:
   does not collapse to one batch per fsync.
 * **Order.** Requests for one partition are processed one at a time, in arrival order, by that partition's
   worker task; responses to one connection for one partition leave in the same order. An append that finds
-  the worker idle with nothing queued anywhere (and fsyncs running on the loop) is written, fsynced and
-  answered at once, in the transport callback that read it (``StoragePartition.commit_now``): the same
-  steps the worker would take next, one loop pass and no task wake-up sooner.
+  the worker idle with nothing queued anywhere (and fsyncs running on the loop), and no request read behind
+  it on its connection, is written, fsynced and answered at once, in the transport callback that read it
+  (``StoragePartition.commit_now``): the same steps the worker would take next, one loop pass and no task
+  wake-up sooner. Appends read together go to the worker, which commits them as one group.
 * **Fencing.** Each partition keeps an in-memory session id, initialised from the control file. On
   *arrival* of any data request its value becomes ``max(current, request.session_id)``; when the worker
   later processes the request it fails it with SessionFencedError unless ``request.session_id == current``.
@@ -349,7 +350,9 @@ class _BoundedQueue:
 
 class _Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = _RequestCounts()
+        # Appends counted from 0 at start (as the Counter's child made up front was): an idle node's rate is
+        # 0 rather than missing, and increase() sees the first appends.
+        self.requests = _RequestCounts(("AppendRequest",))
         registry.register(self.requests)
         self.failures = Counter("waltz_storage_failures", "Failure responses", ["error"], registry=registry)
         self.append_latency = _Latency(
@@ -444,8 +447,8 @@ class _RequestCounts(Collector):
     """``waltz_storage_requests_total{type}``: requests processed, counted in a dict and exported when scraped
     (a prometheus Counter's ``inc`` takes a lock and four calls, on the path of every append group)."""
 
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
+    def __init__(self, kinds: Iterable[str] = ()) -> None:
+        self.counts: dict[str, int] = dict.fromkeys(kinds, 0)
 
     def inc(self, kind: str, n: int = 1) -> None:
         counts = self.counts
@@ -944,7 +947,8 @@ class StoragePartition:
         """Whether an append that just arrived may be written, fsynced and answered at once, in the caller's
         loop pass (:meth:`commit_now`) instead of by the worker: the worker idles with nothing queued (so
         nothing is overtaken), no fsync of this node is running and fsyncs run on the loop (see
-        :meth:`_fsync`)."""
+        :meth:`_fsync`). The caller also leaves to the worker an append with more requests read behind it
+        (group commit)."""
         node = self.node
         return (
             not self.busy
@@ -1188,10 +1192,10 @@ class StorageNode:
         self.fsyncs_in_flight = 0
         self.fsync_threads = _FsyncThreads(FSYNC_THREADS)
         self.inline_fsync_off_until = 0.0
+        """Until this monotonic time every fsync runs in a thread (a slow one ran on the loop)."""
         self.inline_fsync_backoff_s = INLINE_FSYNC_FIRST_BACKOFF_S
         self.last_slow_fsync_s = -1e9
         """When an fsync on the loop last took longer than ``INLINE_FSYNC_LIMIT_S``."""
-        """Until this monotonic time every fsync runs in a thread (a slow one ran on the loop)."""
         self._closing = False
         self.port = 0
         self.admin_port = 0
@@ -1763,7 +1767,9 @@ class _DataSession:
         item = _Item(
             msg, self.conn, slot=self.slots, arrived_s=time.monotonic(), budget=self.budget, reserved=reserved
         )
-        if append and part.may_commit_now:
+        if append and part.may_commit_now and not self.conn.read_ahead:
+            # Not when more requests were read behind it: those appends would each take an fsync of their
+            # own here, one after the other; queued, the worker writes them together and fsyncs once.
             part.commit_now(item)
             return None
         if part.enqueue_nowait(item):

@@ -7,13 +7,19 @@ import itertools
 
 import pytest
 
-from waltz.client.lifecycle import TRANSITIONS, Event, Hook, Lifecycle, LifecycleError, State
+from waltz.client.lifecycle import STEPS, TRANSITIONS, Event, Hook, Lifecycle, LifecycleError, State
 
 
 def at(state: State) -> Lifecycle:
     lifecycle = Lifecycle()
     lifecycle.state = state
     return lifecycle
+
+
+@pytest.mark.parametrize(("state", "event"), list(itertools.product(State, Event)))
+def test_the_rows_by_event_are_the_table(state: State, event: Event) -> None:
+    # The core's hot path applies EXECUTE, SEND, COMMIT and APPLY through STEPS: exactly TRANSITIONS.
+    assert STEPS[event].get(state) == TRANSITIONS.get((state, event))
 
 
 @pytest.mark.parametrize(("state", "event"), list(itertools.product(State, Event)))

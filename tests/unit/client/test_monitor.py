@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
@@ -122,3 +124,41 @@ def test_fail_removes_a_pending_append() -> None:
     assert m.fail(rid(1)) == [Resolution(rid(1), Outcome.FAILED)]
     assert m.fail(rid(1)) == []
     assert m.on_feed(0, rid(2)) == [Resolution(rid(2), Outcome.COMMITTED, 0)]
+
+
+def test_a_run_of_feed_entries_commits_each_and_fails_older_ones_in_one_pass() -> None:
+    m = monitor_with(1, 2, 3, 4, 5)
+    entries = [(0, rid(2), 0), (1, rid(9, client=8), 0), (2, rid(3), 0), (3, rid(5), 0)]
+    assert m.on_feed_run(entries) == [
+        Resolution(rid(1), Outcome.FAILED),
+        Resolution(rid(2), Outcome.COMMITTED, 0),
+        Resolution(rid(3), Outcome.COMMITTED, 2),
+        Resolution(rid(4), Outcome.FAILED),
+        Resolution(rid(5), Outcome.COMMITTED, 3),
+    ]
+    assert m.pending_count == 0
+    assert m.feed_high_water_mark == 3
+    assert m.on_feed_run([]) == []
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_run_of_feed_entries_resolves_as_the_entries_one_by_one(seed: int) -> None:
+    """on_feed_run is on_feed of each entry: the same resolutions, in the same order, the same state after,
+    whatever is lost, foreign or covered by a flush (which the run hands to on_feed entry by entry)."""
+    rng = random.Random(seed)
+    one, run = monitor_with(*range(1, 21)), monitor_with(*range(1, 21))
+    if rng.random() < 0.5:
+        flush_hwm = rng.randrange(0, 12)
+        for m in (one, run):
+            flushed = m.flush_request(now=30.0)
+            assert flushed is not None
+            assert m.on_flush_response(flushed, flush_hwm) == []
+    entries: list[tuple[int, ReqId, int]] = []
+    seqs = sorted(rng.sample(range(1, 21), 12))
+    for tid, seq in enumerate(seqs):
+        entries.append((tid, rid(seq) if rng.random() < 0.8 else rid(seq, client=8), 0))
+    expected = [r for tid, req_id, _ in entries for r in one.on_feed(tid, req_id)]
+    assert run.on_feed_run(entries) == expected
+    assert run.pending_count == one.pending_count
+    assert run.feed_high_water_mark == one.feed_high_water_mark
+    assert run.flush_request(now=40.0) == one.flush_request(now=40.0)

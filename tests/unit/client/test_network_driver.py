@@ -382,3 +382,125 @@ def test_feed_entries_go_straight_to_a_listener_with_room_and_keep_their_order_w
             await server.aclose()
 
     asyncio.run(main())
+
+
+class RunRecorder(Recorder):
+    """A listener that takes a run of feed entries in one call (as the core does), up to ``room`` of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.room = 1000
+        self.runs: list[list[int]] = []
+
+    def feed_run_nowait(self, partition_id: int, entries: list[tuple[int, ReqId, int]]) -> int:
+        taken = entries[: self.room]
+        if taken:
+            self.runs.append([tid for tid, _, _ in taken])
+            self.events.extend(("feed", tid) for tid, _, _ in taken)
+            self.changed.set()
+        return len(taken)
+
+
+@pytest.mark.timeout(60)
+def test_the_feed_entries_of_one_read_reach_a_run_listener_in_one_call_and_the_rest_keep_their_order() -> (
+    None
+):
+    async def main() -> None:
+        server = FakeServer()
+        endpoint = await server.start()
+        discovery = StaticDiscovery()
+        driver = NetworkDriver(ClientConfig(), discovery=discovery)
+        listener = RunRecorder()
+        await driver.open(listener)
+        try:
+            await driver.mount(0, -1)
+            discovery.publish({0: (endpoint, 1)})
+            conn, mount = await server.expect(cs.MountRequest)
+            server.send(conn, cs.MountResponse(mount.req_id, cs.PartitionState.READY))
+            await listener.wait_for("state", MountState.READY)
+            for t in range(5):  # One loop iteration: one write, so one read on the client.
+                server.send(conn, cs.FeedData(append_id(t + 1), t, 0))
+            await listener.wait_for("feed", 4)
+            assert listener.runs == [[0, 1, 2, 3, 4]]
+            # Room for two: the rest of the read waits in the inbox for the delivery task (on_feed_data),
+            # in order, with the flush response behind it.
+            listener.room = 2
+            for t in range(5, 9):
+                server.send(conn, cs.FeedData(append_id(t + 1), t, 0))
+            server.send(conn, cs.FlushResponse(append_id(9), 8))
+            await listener.wait_for("flush", append_id(9), 8)
+            assert listener.runs[1:] == [[5, 6]]
+            assert [e[1] for e in listener.events if e[0] == "feed"] == list(range(9))
+            # Repeats at the head of a read are dropped; what follows the position goes straight through.
+            listener.room = 1000
+            for t in (7, 8, 9, 10):
+                server.send(conn, cs.FeedData(append_id(t + 1), t, 0))
+            await listener.wait_for("feed", 10)
+            assert listener.runs[2:] == [[9, 10]]
+            assert [e[1] for e in listener.events if e[0] == "feed"] == list(range(11))
+        finally:
+            await driver.close()
+            await server.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_the_appends_of_one_loop_iteration_leave_in_one_write_before_anything_sent_after_them() -> None:
+    async def main() -> None:
+        server = FakeServer()
+        endpoint = await server.start()
+        discovery = StaticDiscovery()
+        driver = NetworkDriver(ClientConfig(), discovery=discovery)
+        listener = Recorder()
+        await driver.open(listener)
+        try:
+            await driver.mount(0, -1)
+            discovery.publish({0: (endpoint, 1)})
+            conn, mount = await server.expect(cs.MountRequest)
+            server.send(conn, cs.MountResponse(mount.req_id, cs.PartitionState.READY))
+            await listener.wait_for("state", MountState.READY)
+            link = driver.mounts[0].link
+            assert link is not None
+            assert link.conn is not None
+            calls: list[tuple[str, int]] = []
+            client_conn = link.conn
+            send_many, send = client_conn.send_many, client_conn.send
+            client_conn.send_many = lambda payloads: (  # type: ignore[method-assign]
+                calls.append(("send_many", len(list(payloads)))),
+                send_many(payloads),
+            )[1]
+            client_conn.send = lambda payload: (calls.append(("send", 1)), send(payload))[1]  # type: ignore[method-assign]
+
+            def append(seq: int) -> AppendRequest:
+                return AppendRequest(append_id(seq), -1, (), (), (), 0, b"x", crc32(b"x"))
+
+            for seq in (1, 2, 3):
+                driver.send_append(0, append(seq))
+            driver.send_flush(0, append_id(3))  # Writes the three appends first.
+            driver.send_append(0, append(4))
+            await asyncio.sleep(0)  # The loop's callbacks: the fourth append's write.
+            assert calls == [("send_many", 3), ("send", 1), ("send_many", 1)]
+            received = []
+            while len(received) < 5:
+                _, msg = await server.expect(cs.Message)
+                if isinstance(msg, cs.AppendRequest | cs.FlushRequest):  # Not the FeedRequest after READY.
+                    received.append((type(msg).__name__, msg.req_id.seq_num))
+            assert received == [
+                ("AppendRequest", 1),
+                ("AppendRequest", 2),
+                ("AppendRequest", 3),
+                ("FlushRequest", 3),
+                ("AppendRequest", 4),
+            ]
+            # Appends queued for a connection that is gone by the write are dropped, not raised.
+            driver.send_append(0, append(5))
+            link.conn = None
+            link.flush_appends()
+            link.conn = client_conn
+            assert calls[-1] == ("send_many", 1)
+        finally:
+            await driver.close()
+            await server.aclose()
+
+    asyncio.run(main())

@@ -1,0 +1,233 @@
+"""The client library's own CPU per committed append, against a fake server that commits everything at once.
+
+``bench/client_peer.py`` measures the client against a real cluster, whose server and storage nodes share
+the machine's cores: its client CPU per op moves with their load and with how many appends each read
+carries. This bench isolates the client: a fake server in a child process (not measured) answers a mount
+with READY and every AppendRequest with the FeedData that commits it (ids 0, 1, 2 ... in arrival order, no
+lock checks, nothing stored), one write per read. The client is the public ``AsyncWaltzClient`` over the
+real network driver (a static discovery instead of ZooKeeper), running the phases of ``client_peer.py``:
+
+=========  ==================================================================================================
+conc       64 coroutines appending, each waiting for its own ``on_completion``
+occ64      64 writers, each with a write lock on its own key, each waiting for its own ``on_application``
+app64      occ64 without the locks (64 writers, each waiting for its own ``on_application``): occ64 minus
+           app64 is what the write locks cost
+=========  ==================================================================================================
+
+Per phase it prints ops/s and client CPU per op (``time.process_time`` of this process over the measured
+seconds). Compare two source trees with the same command and ``PYTHONPATH`` at each tree's ``src``.
+
+    PYTHONPATH=src .venv/bin/python bench/client_cpu.py --seconds 3 --phase conc --phase occ64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+
+from waltz import (
+    AsyncWaltzClient,
+    ClientCallbacks,
+    ClientConfig,
+    PartitionLocalLock,
+    Transaction,
+    TransactionBuilder,
+    TransactionContext,
+)
+from waltz.client.network import NetworkDriver
+from waltz.protocol import client_server as cs
+from waltz.protocol.framing import MAGIC_CLIENT
+from waltz.transport import FramedConnection, serve
+
+PAYLOAD = bytes(512)
+WARMUP_S = 1.0
+WARMUP_OPS = 500
+
+
+def fake_server(port_out: multiprocessing.connection.Connection) -> None:  # type: ignore[name-defined]
+    """The child process: commit every append at once, in arrival order."""
+
+    async def handle(conn: FramedConnection) -> None:
+        version = conn.negotiated_version
+        next_id = 0
+        append_type = int(cs.MessageType.APPEND_REQUEST)
+        while True:
+            burst = [await conn.receive()]
+            conn.receive_buffered(burst)
+            out: list[bytes] = []
+            for payload in burst:
+                if payload[0] == append_type:
+                    request = cs.decode_append_request(payload, version)
+                    out.append(cs.encode(cs.FeedData(request.req_id, next_id, request.header), version))
+                    next_id += 1
+                    continue
+                msg = cs.decode(payload, version)
+                if isinstance(msg, cs.MountRequest):
+                    next_id = msg.client_high_water_mark + 1
+                    out.append(cs.encode(cs.MountResponse(msg.req_id, cs.PartitionState.READY), version))
+            if out:
+                conn.send_many(out)
+
+    async def main() -> None:
+        server = await serve(
+            "127.0.0.1", 0, handle, magic=MAGIC_CLIENT, versions=cs.SUPPORTED_VERSIONS, hello_text="fake"
+        )
+        port_out.send(server.port)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+class StaticDiscovery:
+    """One partition, placed on the fake server."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.num_partitions = 1
+        self.cluster_name = "fake"
+        self.endpoints = {0: (endpoint, 1)}
+
+    async def open(self) -> None:
+        pass
+
+    async def new_client_id(self) -> int:
+        return 7
+
+    async def updates(self) -> AsyncIterator[dict[int, tuple[str, int]]]:
+        yield dict(self.endpoints)
+        await asyncio.Event().wait()
+
+    async def close(self) -> None:
+        pass
+
+
+class Callbacks(ClientCallbacks):
+    def __init__(self) -> None:
+        self.hwm = -1
+
+    def client_high_water_mark(self, partition_id: int) -> int:
+        return self.hwm
+
+    def apply_transaction(self, transaction: Transaction) -> None:
+        self.hwm = transaction.transaction_id
+
+    def uncaught_exception(self, partition_id: int, transaction_id: int, exception: BaseException) -> None:
+        print(f"apply failed: {exception!r}")
+
+
+class Ctx(TransactionContext):
+    def __init__(self, done: Callable[[bool], None], lock: int | None, wait_apply: bool) -> None:
+        super().__init__()
+        self._done = done
+        self._lock = PartitionLocalLock("k", lock) if lock is not None else None
+        self._wait_apply = wait_apply
+
+    def partition_id(self, num_partitions: int) -> int:
+        return 0
+
+    def execute(self, builder: TransactionBuilder) -> bool:
+        builder.set_transaction_data(PAYLOAD)
+        if self._lock is not None:
+            builder.set_write_locks([self._lock])
+        return True
+
+    def on_completion(self, result: bool) -> None:
+        if not result or not self._wait_apply:
+            self._done(result)
+
+    def on_application(self) -> None:
+        if self._wait_apply:
+            self._done(True)
+
+
+async def run_phase(client: AsyncWaltzClient, phase: str, seconds: float, count: int | None) -> str:
+    """``phase`` for ``seconds`` after a warm-up of WARMUP_S, or (``count`` given) for ``count``
+    operations after WARMUP_OPS: a fixed amount of work, for an instruction count under
+    ``valgrind --tool=callgrind``."""
+    loop = asyncio.get_running_loop()
+    done_ops = 0
+    stop = False
+    finished = loop.create_future()
+    warm = asyncio.Event()
+
+    async def one(lock: int | None, wait_apply: bool) -> bool:
+        future: asyncio.Future[bool] = loop.create_future()
+
+        def done(ok: bool) -> None:
+            if not future.done():
+                future.set_result(ok)
+
+        await client.submit(Ctx(done, lock, wait_apply))
+        return await future
+
+    async def worker(w: int) -> None:
+        nonlocal done_ops, stop
+        lock = w + 1 if phase == "occ64" else None
+        wait_apply = phase in ("occ64", "app64")
+        while not stop:
+            if await one(lock, wait_apply):
+                done_ops += 1
+                if done_ops == WARMUP_OPS:
+                    warm.set()
+                if count is not None and done_ops >= WARMUP_OPS + count and not finished.done():
+                    stop = True
+                    finished.set_result(None)
+
+    tasks = [asyncio.create_task(worker(w)) for w in range(64)]
+    if count is None:
+        await asyncio.sleep(WARMUP_S)
+    else:
+        await warm.wait()
+    n0, c0, t0 = done_ops, time.process_time(), time.perf_counter()
+    if count is None:
+        await asyncio.sleep(seconds)
+    else:
+        await finished
+    c1, t1 = time.process_time(), time.perf_counter()
+    n = done_ops - n0
+    stop = True
+    await asyncio.wait(tasks, timeout=30)
+    return f"{phase:6} {n / (t1 - t0):9.0f} ops/s  client {(c1 - c0) * 1e6 / max(n, 1):6.2f} us/op  ({n} ops)"
+
+
+async def main_async(args: argparse.Namespace, endpoint: str) -> None:
+    config = ClientConfig(max_concurrent_transactions=128, callback_mode=args.mode)
+    driver = NetworkDriver(config, discovery=StaticDiscovery(endpoint))  # type: ignore[arg-type]
+    async with AsyncWaltzClient(Callbacks(), config, driver=driver) as client:
+        for phase in args.phase:
+            print(await run_phase(client, phase, args.seconds, args.count), flush=True)
+        await client.flush_transactions(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--mode", choices=("inline", "threads"), default="inline")
+    parser.add_argument(
+        "--phase", action="append", choices=("conc", "occ64", "app64"), help="default: conc, occ64"
+    )
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--count", type=int, help="measure this many operations instead of --seconds")
+    args = parser.parse_args()
+    args.phase = args.phase or ["conc", "occ64"]
+    print(f"load average at start: {os.getloadavg()}", flush=True)
+    ours, theirs = multiprocessing.Pipe()
+    child = multiprocessing.get_context("spawn").Process(target=fake_server, args=(theirs,), daemon=True)
+    child.start()
+    try:
+        port = ours.recv()
+        import uvloop
+
+        uvloop.run(main_async(args, f"127.0.0.1:{port}"))
+    finally:
+        child.terminate()
+        child.join()
+    print(f"load average at end: {os.getloadavg()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
