@@ -708,3 +708,13 @@ def test_decode_append_fields_reads_what_decode_reads_and_refuses_what_it_refuse
     assert isinstance(expected, AppendRequest)
     assert tuple(fields) == tuple(getattr(expected, f.name) for f in dataclasses.fields(AppendRequest))
     assert cs.AppendFields._fields == tuple(f.name for f in dataclasses.fields(AppendRequest))
+
+
+def test_a_range_response_in_parts_is_its_encoding_with_the_run_not_copied() -> None:
+    run = encode_run([Record.build(7 + i, ReqId.of(1, 2, 3, 4 + i), i, bytes(i * 10)) for i in range(3)])
+    msg = cs.TransactionRangeResponse(ReqId.of(1, 2, 3, 4), 7, 3, run)
+    head, body = cs.encode_range_response_parts(msg, 5)
+    assert body is run
+    assert head + body == cs.encode(msg, 5)
+    with pytest.raises(LocalProtocolError, match="V5"):
+        cs.encode_range_response_parts(msg, 4)  # as encode() refuses it

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import struct
+import threading
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 from waltz.errors import DataChecksumError, LocalProtocolError, RemoteProtocolError
 from waltz.protocol.record_run import (
     RecordRun,
+    _id_lane,
     encode_run,
     run_bounds,
     run_columns,
@@ -18,6 +21,7 @@ from waltz.protocol.record_run import (
     run_records,
     scan_run,
     stored_size,
+    uniform_run_verifies,
 )
 from waltz.protocol.records import Record, ReqId, crc32
 from waltz.storage.segment import encode_record
@@ -138,3 +142,117 @@ def test_garbage_raises_only_protocol_errors(blob: bytes, first: int, count: int
             unpack(blob, first, count)
         except (RemoteProtocolError, DataChecksumError):
             pass
+
+
+def uniform(first: int, count: int, size: int) -> list[Record]:
+    return records(first, [size] * count)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    count=st.integers(min_value=16, max_value=40),
+    size=st.integers(min_value=0, max_value=80),
+    data=st.data(),
+)
+def test_a_run_of_one_record_size_is_verified_whole_and_any_damage_is_caught(
+    count: int, size: int, data: st.DataObject
+) -> None:
+    """Runs of records of one size are checked without a loop over the records (CRC-32 linearity, see
+    record_run); they must accept exactly what the per-record loop accepts (run_bounds on a memoryview
+    takes the loop) and refuse one damaged byte anywhere, with the loop's error."""
+    first = data.draw(st.integers(min_value=0, max_value=2**40))
+    run = encode_run(uniform(first, count, size))
+    stride = size + 40
+    assert uniform_run_verifies(run, first, stride, count)
+    assert run_bounds(run, first, count) == list(range(0, len(run) + 1, stride))
+    assert run_bounds(run, first, count) == run_bounds(memoryview(run), first, count)
+    damaged = bytearray(run)
+    position = data.draw(st.integers(min_value=0, max_value=len(run) - 1))
+    damaged[position] ^= data.draw(st.integers(min_value=1, max_value=255))
+    assert not uniform_run_verifies(bytes(damaged), first, stride, count)
+    # The record checksum covers every byte but itself, so the check without data checksums refuses it too.
+    assert not uniform_run_verifies(bytes(damaged), first, stride, count, data_checksums=False)
+    with pytest.raises((RemoteProtocolError, DataChecksumError)) as fast:
+        run_bounds(bytes(damaged), first, count)
+    with pytest.raises((RemoteProtocolError, DataChecksumError)) as loop:
+        run_bounds(memoryview(damaged), first, count)
+    assert str(fast.value) == str(loop.value)
+
+
+def test_a_run_of_one_size_with_two_damaged_records_is_refused() -> None:
+    recs = uniform(0, 64, 24)
+    run = bytearray(encode_run(recs))
+    stride = stored_size(recs[0])
+    for i in (3, 40):  # the same damage in two records: a shift by a whole number of records cannot cancel it
+        run[i * stride + 50] ^= 0x10
+    assert not uniform_run_verifies(bytes(run), 0, stride, 64)
+    with pytest.raises(DataChecksumError, match="transaction 3: record checksum"):
+        run_bounds(bytes(run), 0, 64)
+
+
+def test_the_fast_check_refuses_what_the_loop_refuses_beyond_checksums() -> None:
+    recs = uniform(7, 20, 10)
+    run = encode_run(recs)
+    stride = stored_size(recs[0])
+    # Ids out of sequence, and a data checksum that is not the data's (with a record checksum that verifies:
+    # a storage node that stored what it was not given).
+    assert not uniform_run_verifies(run, 8, stride, 20)
+    forged = [r if r.transaction_id != 15 else r._replace(checksum=r.checksum ^ 1) for r in recs]
+    run_forged = encode_run(forged)
+    assert uniform_run_verifies(run_forged, 7, stride, 20, data_checksums=False)
+    assert not uniform_run_verifies(run_forged, 7, stride, 20)
+    with pytest.raises(DataChecksumError, match="transaction 15: data does not match"):
+        run_bounds(run_forged, 7, 20)
+    # Sizes and counts that do not describe the run are refused (the caller then runs its loop).
+    assert not uniform_run_verifies(run, 7, stride, 19)
+    assert not uniform_run_verifies(run[: 39 * 20], 7, 39, 20)
+    # Records of several sizes take the loop, and verify.
+    mixed = records(0, [10] * 10 + [11] * 10)
+    assert run_records(encode_run(mixed), 0, 20) == mixed
+
+
+def test_the_fast_check_reuses_its_scratch_copy_without_carrying_anything_over() -> None:
+    """The copy the fast check makes is kept per thread for the next run of the same length (a fresh
+    megabyte buffer per run page-faulted); what one run leaves in it never decides the next one."""
+    good = encode_run(uniform(0, 32, 20))
+    bad = bytearray(good)
+    bad[3 * 60 + 45] ^= 1
+    stride = 60
+    for _ in range(3):
+        assert uniform_run_verifies(good, 0, stride, 32)
+        assert not uniform_run_verifies(bytes(bad), 0, stride, 32)
+    results: list[bool] = []
+
+    def other_thread() -> None:
+        for _ in range(50):
+            results.append(uniform_run_verifies(good, 0, stride, 32))
+            results.append(not uniform_run_verifies(bytes(bad), 0, stride, 32))
+
+    threads = [threading.Thread(target=other_thread) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for _ in range(50):
+        assert uniform_run_verifies(good, 0, stride, 32)
+    for t in threads:
+        t.join()
+    assert results == [True] * 300
+
+
+@pytest.mark.parametrize("first", [0, 200, 255, 65_000, 2**24 - 100, 2**40 - 1, 2**62 + 12_345])
+def test_the_fast_check_builds_the_expected_ids_lane_by_lane(first: int) -> None:
+    """The ids are compared one byte lane at a time against lanes built from runs of equal bytes; across
+    byte boundaries (first + count crossing 256, 65,536, ...) they must be the ids' big-endian bytes."""
+    count = 70_000
+    want = struct.pack(f">{count}q", *range(first, first + count))
+    for j in range(8):
+        assert _id_lane(first, count, 8 * (7 - j)) == want[j::8]
+    recs = uniform(first, 300, 0)
+    assert run_bounds(encode_run(recs), first, 300) == list(range(0, 300 * 40 + 1, 40))
+
+
+def test_the_fast_check_leaves_ids_past_the_i64_range_to_the_loop() -> None:
+    run = encode_run(uniform(2**63 - 20, 20, 4))
+    assert not uniform_run_verifies(run, 2**63 - 10, 44, 20)  # ids that would pass 2**63: no struct error
+    assert uniform_run_verifies(run, 2**63 - 20, 44, 20)
+    with pytest.raises(RemoteProtocolError, match="expected"):
+        run_bounds(run, 2**63 - 10, 20)

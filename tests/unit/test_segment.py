@@ -352,6 +352,27 @@ def test_read_run_refuses_a_damaged_record_and_names_it() -> None:
     assert RecordRun(0, count, run).records() == recs(0, 1)
 
 
+@pytest.mark.parametrize(("record", "at"), [(0, 40), (13, 40), (19, 0), (7, 28), (5, 55)])
+def test_read_run_of_records_of_one_size_refuses_damage_anywhere_and_names_the_record(
+    record: int, at: int
+) -> None:
+    """A run of records of one size is checked without a loop over its records (see _check_run); damage in
+    any one of them (data, id, length, record checksum) is still refused, naming the record, as the loop
+    does (the tests above use runs too short for that path)."""
+    fs = CrashFS()
+    seg = new_segment(fs)
+    batch = recs(0, 20)
+    seg.append(batch)
+    seg.flush()
+    count, run = seg.read_run(0, 20)
+    assert (count, RecordRun(0, count, run).records()) == (20, batch)
+    offset = seg.record_offset(record) + at
+    fs.corrupt(seg.data_path, offset, bytes([run[offset - seg.record_offset(0)] ^ 0x24]))
+    with pytest.raises(RecordCorruptionError, match=rf"(record|transaction) {record}\b") as caught:
+        seg.read_run(0, 20)
+    assert caught.value.transaction_id == record
+
+
 def wire_list(records: list[Record]) -> WireRecordList:
     msg = st.decode(st.encode(st.AppendRequest(1, 1, PID, records, False)))
     assert isinstance(msg, st.AppendRequest)

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import random
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -268,6 +268,38 @@ def test_send_now_writes_at_once_after_the_frames_queued_before_it() -> None:
                     conn.send_now(b"")
             with pytest.raises(ClosedResourceError):
                 conn.send_now(b"x")
+
+    run(main)
+
+
+def test_send_parts_frames_head_and_body_as_one_payload_without_joining_the_body() -> None:
+    async def main() -> None:
+        async with serving(echo) as port:
+            conn = await connect(port)
+            async with conn:
+                pieces: list[bytes | bytearray | memoryview] = []
+                writer = conn._writer
+                plain_writelines = writer.writelines
+
+                def recording_writelines(data: Iterable[bytes | bytearray | memoryview]) -> None:
+                    data = list(data)
+                    pieces.extend(data)
+                    plain_writelines(data)
+
+                writer.writelines = recording_writelines  # type: ignore[method-assign]
+                body = bytes(range(256)) * 8192  # 2 MiB: a range read's run
+                conn.send(b"queued")
+                conn.send_parts(b"head", body)
+                conn.send(b"after")
+                await conn.drain()
+                # The body is handed to the transport as the object it is: not copied into a payload or frame.
+                assert pieces[-1] is body
+                for expected in (b"queued", b"head" + body, b"after"):
+                    assert await conn.receive() == expected
+                with pytest.raises(LocalProtocolError):
+                    conn.send_parts(b"", b"")  # an empty payload would read as a keep-alive
+            with pytest.raises(ClosedResourceError):
+                conn.send_parts(b"x", b"y")
 
     run(main)
 

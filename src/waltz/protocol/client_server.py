@@ -135,6 +135,7 @@ __all__ = [
     "decode_feed_run",
     "new_append_request",
     "encode",
+    "encode_range_response_parts",
 ]
 
 MAGIC = 0x4C
@@ -979,13 +980,12 @@ class TransactionRangeResponse(_Message):
         return run_records(self.run, self.transaction_id, self.count)
 
     def _encode(self, version: int) -> bytes:
+        return self._head() + self.run
+
+    def _head(self) -> bytes:
         try:
-            return b"".join(
-                (
-                    _prefix(self.TYPE, self.req_id),
-                    _RANGE_HEAD.pack(self.transaction_id, self.count, len(self.run)),
-                    self.run,
-                )
+            return _prefix(self.TYPE, self.req_id) + _RANGE_HEAD.pack(
+                self.transaction_id, self.count, len(self.run)
             )
         except struct.error:
             raise LocalProtocolError(
@@ -1088,6 +1088,19 @@ def encode(msg: Message, version: int) -> bytes:
 
     Raises LocalProtocolError if the version cannot carry the message (see the module docstring).
     """
+    _check_carries(msg, version)
+    return msg._encode(version)
+
+
+def encode_range_response_parts(msg: TransactionRangeResponse, version: int) -> tuple[bytes, bytes]:
+    """``encode(msg, version)`` as ``(head, run)``, the run not copied: a server relays a storage node's run
+    after the head (``FramedConnection.send_parts``) instead of joining megabytes into one payload. Raises
+    as :func:`encode`."""
+    _check_carries(msg, version)
+    return msg._head(), msg.run
+
+
+def _check_carries(msg: Message, version: int) -> None:
     if version not in SUPPORTED_VERSIONS:
         _check_version(version)
     if version < msg.MIN_VERSION:
@@ -1095,7 +1108,6 @@ def encode(msg: Message, version: int) -> bytes:
             f"{type(msg).__name__} needs codec V{msg.MIN_VERSION} but V{version} is in use: "
             "not supported, upgrade servers"
         )
-    return msg._encode(version)
 
 
 append_payload: Final[Callable[[AppendRequest, int], bytes]] = AppendRequest._encode

@@ -482,15 +482,19 @@ class ProtocolConnection:
 
         An empty payload would read as a keep-alive on the other end, so it is refused too.
         """
+        return self.frame_header(len(payload)) + payload
+
+    def frame_header(self, n: int) -> bytes:
+        """The frame header of a payload of ``n`` bytes, for a caller that writes the payload after it
+        without joining them (``FramedConnection.send_parts``). Raises as :meth:`frame`."""
         version = self.negotiated_version
         if version is None or not self._hello_sent:
             raise LocalProtocolError("cannot send a payload before the hello exchange completed")
-        n = len(payload)
         if not 0 < n <= self.max_frame_bytes:
             raise LocalProtocolError(
                 f"payload of {n} bytes is outside 1..{self.max_frame_bytes} (max_frame_bytes)"
             )
-        return FRAME_HEADER.pack(self.magic, version, n) + payload
+        return FRAME_HEADER.pack(self.magic, version, n)
 
     def frame_many(self, payloads: Iterable[bytes | bytearray | memoryview]) -> bytes:
         """:meth:`frame` of each of ``payloads``, in order, in one buffer (many small frames at a time, such

@@ -79,7 +79,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Final, NamedTuple, Self, overload
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError, WaltzError, error_from_wire, wire_name
-from waltz.protocol.record_run import run_first_id, scan_run
+from waltz.protocol.record_run import STORED_OVERHEAD_BYTES, run_first_id
 from waltz.protocol.records import (
     HEADER_STRUCT,
     RECORD_HEADER_BYTES,
@@ -132,6 +132,7 @@ __all__ = [
     "decode",
     "encode",
     "encode_record_run_response",
+    "record_run_response_parts",
     "encode_success",
     "failure_from_error",
     "failure_to_error",
@@ -750,9 +751,16 @@ class RecordRunResponse(StorageMessage):
         count = r.i32()
         run = r.bytes_required()
         if count:
-            scan_run(run, run_first_id(run), count)
+            if count < 0 or count * STORED_OVERHEAD_BYTES > len(run):
+                raise RemoteProtocolError(f"a run of {len(run)} bytes cannot hold {count} records")
+            run_first_id(run)
         elif run:
             raise RemoteProtocolError(f"an empty run carries {len(run)} bytes")
+        # The rest of the run's shape (ids in sequence, lengths) is not walked here: the one consumer of a
+        # run is a server relaying it to a reader, and every reader unpacks it with run_bounds, which checks
+        # the shape and both checksums of every record in the pass it makes anyway. The storage node checked
+        # each record's id and checksum right after reading it (Segment.read_run). A walk here cost the
+        # server ~0.2 us per relayed record, a fifth of its CPU in a bulk read.
         return cls(session_id, seq_num, partition_id, count, run)
 
 
@@ -891,6 +899,14 @@ def encode_record_run_response(
 ) -> bytes:
     """``encode(RecordRunResponse(...))`` with the run copied once (a Writer copied it twice: into its buffer,
     then out as bytes; a run is up to 8 MiB, and a fresh buffer that size costs page faults as well)."""
+    return b"".join(record_run_response_parts(session_id, seq_num, partition_id, count, run))
+
+
+def record_run_response_parts(
+    session_id: int, seq_num: int, partition_id: int, count: int, run: bytes | bytearray | memoryview
+) -> tuple[bytes, bytes | bytearray | memoryview]:
+    """``encode(RecordRunResponse(...))`` as ``(head, run)``, the run not copied: a storage node writes the
+    two after each other (``FramedConnection.send_parts``)."""
     if len(run) > I32_MAX:
         raise LocalProtocolError(f"byte array too long: {len(run)}")
     try:
@@ -901,7 +917,7 @@ def encode_record_run_response(
         raise LocalProtocolError(
             f"record run response fields out of range: {(session_id, seq_num)}"
         ) from None
-    return b"".join((head, run))
+    return head, run
 
 
 def encode_success(session_id: int, seq_num: int, partition_id: int) -> bytes:

@@ -139,6 +139,17 @@ class _Connection:
         except ConnectionError_:
             pass  # the connection is gone: its read loop ends and cleans up
 
+    def send_range(self, msg: cs.TransactionRangeResponse) -> None:
+        """:meth:`send` of a range response, its run (megabytes, as the storage node sent it) written after
+        the head rather than joined into a payload and then into a frame."""
+        if not msg.run:
+            self.send(msg)
+            return
+        try:
+            self._conn.send_parts(*cs.encode_range_response_parts(msg, self._version))
+        except ConnectionError_:
+            pass
+
     def send_feed(self, entries: Sequence[FeedEntry]) -> None:
         """A FeedData for each of ``entries``, in order (the feed's hot path: one call per batch)."""
         try:
@@ -996,7 +1007,7 @@ class WaltzServer:
                 reserved = len(run)
             if run:
                 self.metrics.read_bytes.labels(str(msg.req_id.partition_id)).inc(len(run))
-            peer.send(cs.TransactionRangeResponse(msg.req_id, msg.transaction_id, got, run))
+            peer.send_range(cs.TransactionRangeResponse(msg.req_id, msg.transaction_id, got, run))
             del run  # the write buffer holds the bytes now: one copy per reservation, not two
             await peer.drain()
         finally:

@@ -271,8 +271,9 @@ class StorageClient(_Endpoint[st.StorageMessage]):
     async def read_run(
         self, session_id: int, partition_id: int, transaction_id: int, max_records: int, max_bytes: int
     ) -> tuple[int, bytes]:
-        """Up to ``max_records`` records from ``transaction_id`` as stored (a record run, its shape checked,
-        its checksums not): ``(count, run)``."""
+        """Up to ``max_records`` records from ``transaction_id`` as stored (a record run, relayed: only its
+        size against ``count`` and its first id are checked here, the rest by the reader):
+        ``(count, run)``."""
         resp = await self._call(
             st.RecordRunRequest(
                 session_id, self._seq(), partition_id, transaction_id, max_records, max_bytes

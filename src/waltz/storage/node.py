@@ -1339,10 +1339,22 @@ class StorageNode:
     # -- responses ---------------------------------------------------------------------------------
 
     def respond(self, item: _Item, resp: st.StorageMessage) -> None:
+        if type(resp) is st.RecordRunResponse and resp.run:
+            # A range read's run (megabytes) leaves as it was read, not copied into a payload and a frame.
+            self.send_payload(
+                item,
+                st.record_run_response_parts(
+                    resp.session_id, resp.seq_num, resp.partition_id, resp.count, resp.run
+                ),
+            )
+            return
         self.send_payload(item, st.encode(resp))
 
-    def send_payload(self, item: _Item, payload: bytes) -> None:
-        """Send the encoded response to ``item`` and release what the request held."""
+    def send_payload(
+        self, item: _Item, payload: bytes | tuple[bytes, bytes | bytearray | memoryview]
+    ) -> None:
+        """Send the encoded response to ``item`` (a payload, or a head and a body to send after it without
+        joining them) and release what the request held."""
         if item.slot is not None:
             item.slot.release()
         if item.reserved and item.budget is not None:
@@ -1352,7 +1364,10 @@ class StorageNode:
         if conn is None or conn.is_closed:
             return
         try:
-            conn.send(payload)
+            if isinstance(payload, tuple):
+                conn.send_parts(*payload)
+            else:
+                conn.send(payload)
         except ConnectionError_:
             pass  # the peer is gone; it learns nothing more from us
 

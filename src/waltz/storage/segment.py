@@ -67,7 +67,7 @@ from typing import Literal, overload
 
 from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
 from waltz.protocol.checksum import crc32
-from waltz.protocol.record_run import encode_run
+from waltz.protocol.record_run import encode_run, uniform_run_verifies
 from waltz.protocol.records import Record, RecordHeader, ReqId, make_req_id
 from waltz.protocol.storage import WireRecordList
 from waltz.storage.fileio import OS_FS, File, FileSystem
@@ -95,6 +95,7 @@ _U32 = struct.Struct(">I")
 _I64 = struct.Struct(">q")
 _MASK32 = 0xFFFFFFFF
 _WIRE_PREFIX_BYTES = 32
+_FAST_CHECK_MIN_RECORDS = 16  # below this a run is checked by the per-record loop (the fast check's set-up)
 """Bytes a wire record and a stored record share at their start: id, ReqId, header, data length."""
 
 
@@ -881,6 +882,18 @@ def _check_run(raw: bytes, offsets: list[int], first: int, path: str) -> None:
     if not offsets:
         return
     base = offsets[0]
+    count = len(offsets) - 1
+    size = offsets[1] - base if count else 0
+    if (
+        count >= _FAST_CHECK_MIN_RECORDS
+        and offsets[-1] - base == size * count
+        and offsets == list(range(base, offsets[-1] + 1, size))
+        and uniform_run_verifies(raw, first, size, count, data_checksums=False)
+    ):
+        # Records of one size (the index says so): ids, lengths and record checksums checked without a
+        # Python loop over the records (see waltz.protocol.record_run). Otherwise, or if that check fails,
+        # the loop below checks each record and names the one that is damaged.
+        return
     view = memoryview(raw)
     unpack_id = _I64.unpack_from
     unpack_crc = _U32.unpack_from

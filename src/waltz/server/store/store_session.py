@@ -826,8 +826,9 @@ class StoreSession:
 
     async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, bytes]:
         """Committed records from ``transaction_id`` as stored, ``(count, run)`` (see
-        :mod:`waltz.protocol.record_run`). The run is relayed, not decoded: its shape is checked on arrival,
-        its checksums by the reader, so corruption found there is not pinned on the replica here."""
+        :mod:`waltz.protocol.record_run`). The run is relayed, not decoded: its size and first id are checked
+        on arrival, its shape and checksums by the reader, so corruption found there is not pinned on the
+        replica here (the storage node refuses a record that fails its checksum after the read)."""
         count = self._committed_count(transaction_id, max_count)
         if count <= 0:
             return 0, b""
