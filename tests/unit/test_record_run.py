@@ -326,6 +326,14 @@ def test_the_fast_check_agrees_with_the_loop_on_multi_record_damage(
     damaged = bytes(run)
     loop = _loop_accepts(damaged, first, count)
     assert uniform_run_verifies(damaged, first, stride, count) == loop
+    # Without data checksums (the storage node's check after its pread): ids, lengths and record checksums.
+    shape_and_record_crcs = all(
+        struct.unpack_from(">q20xi", damaged, k * stride) == (first + k, size)
+        and crc32(damaged[k * stride : (k + 1) * stride - 4])
+        == struct.unpack_from(">I", damaged, (k + 1) * stride - 4)[0]
+        for k in range(count)
+    )
+    assert uniform_run_verifies(damaged, first, stride, count, data_checksums=False) == shape_and_record_crcs
     assert (run_bounds(damaged, first, count) == list(range(0, len(damaged) + 1, stride))) if loop else True
     if not loop:
         with pytest.raises((RemoteProtocolError, DataChecksumError)):
