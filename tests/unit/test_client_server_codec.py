@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import struct
 
 import pytest
 from hypothesis import given
@@ -718,3 +719,35 @@ def test_a_range_response_in_parts_is_its_encoding_with_the_run_not_copied() -> 
     assert head + body == cs.encode(msg, 5)
     with pytest.raises(LocalProtocolError, match="V5"):
         cs.encode_range_response_parts(msg, 4)  # as encode() refuses it
+
+
+i32s = st.integers(min_value=-(2**31), max_value=2**31 - 1)
+
+
+@given(
+    version=versions,
+    msb=st.integers(min_value=0, max_value=2**64 - 1),
+    lsb=st.integers(min_value=0, max_value=2**64 - 1),
+    hwm=st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    lock=i32s,
+    header=i32s,
+    data=st.binary(max_size=40),
+)
+def test_an_append_with_one_write_lock_encodes_as_the_general_layout(
+    version: int, msb: int, lsb: int, hwm: int, lock: int, header: int, data: bytes
+) -> None:
+    """The precompiled head of an append with one write lock and no other locks gives the bytes of the
+    general layout (type, ReqId, hwm, then each lock list as a count and its hashes, header, length, data,
+    data checksum), on every codec version, and encode and append_payload agree."""
+    msg = AppendRequest(ReqId(msb, lsb), hwm, (lock,), (), (), header, data, crc32(data))
+    mask = 2**64 - 1
+    if version >= 2:
+        head = struct.pack(">BQQqiiiiii", 2, msb & mask, lsb & mask, hwm, 1, lock, 0, 0, header, len(data))
+    elif version == 1:
+        head = struct.pack(">BQQqiiiii", 2, msb & mask, lsb & mask, hwm, 1, lock, 0, header, len(data))
+    else:
+        head = struct.pack(">BQQqiiii", 2, msb & mask, lsb & mask, hwm, 1, lock, header, len(data))
+    want = head + data + struct.pack(">I", crc32(data))
+    assert encode(msg, version) == want
+    assert cs.append_payload(msg, version) == want
+    assert decode(want, version) == msg
