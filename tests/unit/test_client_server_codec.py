@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import struct
 
 import pytest
 from hypothesis import given
@@ -665,6 +666,51 @@ def test_a_range_response_run_is_checked_when_unpacked_not_when_decoded() -> Non
         decode(encode(TransactionRangeResponse(REQ, 7, -1, b""), 5), 5)
 
 
+@given(st.data())
+def test_decode_append_fields_reads_what_decode_reads_and_refuses_what_it_refuses(
+    data: st.DataObject,
+) -> None:
+    # The server's hot path decodes appends to AppendFields: for every payload, valid or mutated, it must
+    # give the message's fields in the message's order, or raise the same RemoteProtocolError.
+    version = data.draw(versions)
+    msg = data.draw(
+        st.builds(
+            AppendRequest.build,
+            req_ids,
+            i64,
+            i32,
+            st.binary(max_size=64),
+            int_tuples,
+            int_tuples if version >= 1 else st.just(()),
+            int_tuples if version >= 2 else st.just(()),
+        )
+    )
+    buf = bytearray(encode(msg, version))
+    for _ in range(data.draw(st.integers(0, 3))):
+        # Not the type byte: the server decodes only payloads of type APPEND_REQUEST this way.
+        pos = data.draw(st.integers(1, len(buf) - 1))
+        buf[pos] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        del buf[data.draw(st.integers(1, len(buf) - 1)) :]
+    payload = bytes(buf)
+    try:
+        expected = decode(payload, version)
+    except RemoteProtocolError as e:
+        refused = str(e)
+    else:
+        refused = None
+    if refused is not None:
+        with pytest.raises(RemoteProtocolError) as got:
+            cs.decode_append_fields(payload, version)
+        assert str(got.value) == refused
+        return
+    fields = cs.decode_append_fields(payload, version)
+    assert type(fields) is cs.AppendFields
+    assert isinstance(expected, AppendRequest)
+    assert tuple(fields) == tuple(getattr(expected, f.name) for f in dataclasses.fields(AppendRequest))
+    assert cs.AppendFields._fields == tuple(f.name for f in dataclasses.fields(AppendRequest))
+
+
 def test_a_range_response_in_parts_is_its_encoding_with_the_run_not_copied() -> None:
     run = encode_run([Record.build(7 + i, ReqId.of(1, 2, 3, 4 + i), i, bytes(i * 10)) for i in range(3)])
     msg = cs.TransactionRangeResponse(ReqId.of(1, 2, 3, 4), 7, 3, run)
@@ -673,3 +719,35 @@ def test_a_range_response_in_parts_is_its_encoding_with_the_run_not_copied() -> 
     assert head + body == cs.encode(msg, 5)
     with pytest.raises(LocalProtocolError, match="V5"):
         cs.encode_range_response_parts(msg, 4)  # as encode() refuses it
+
+
+i32s = st.integers(min_value=-(2**31), max_value=2**31 - 1)
+
+
+@given(
+    version=versions,
+    msb=st.integers(min_value=0, max_value=2**64 - 1),
+    lsb=st.integers(min_value=0, max_value=2**64 - 1),
+    hwm=st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    lock=i32s,
+    header=i32s,
+    data=st.binary(max_size=40),
+)
+def test_an_append_with_one_write_lock_encodes_as_the_general_layout(
+    version: int, msb: int, lsb: int, hwm: int, lock: int, header: int, data: bytes
+) -> None:
+    """The precompiled head of an append with one write lock and no other locks gives the bytes of the
+    general layout (type, ReqId, hwm, then each lock list as a count and its hashes, header, length, data,
+    data checksum), on every codec version, and encode and append_payload agree."""
+    msg = AppendRequest(ReqId(msb, lsb), hwm, (lock,), (), (), header, data, crc32(data))
+    mask = 2**64 - 1
+    if version >= 2:
+        head = struct.pack(">BQQqiiiiii", 2, msb & mask, lsb & mask, hwm, 1, lock, 0, 0, header, len(data))
+    elif version == 1:
+        head = struct.pack(">BQQqiiiii", 2, msb & mask, lsb & mask, hwm, 1, lock, 0, header, len(data))
+    else:
+        head = struct.pack(">BQQqiiii", 2, msb & mask, lsb & mask, hwm, 1, lock, header, len(data))
+    want = head + data + struct.pack(">I", crc32(data))
+    assert encode(msg, version) == want
+    assert cs.append_payload(msg, version) == want
+    assert decode(want, version) == msg

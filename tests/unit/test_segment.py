@@ -425,3 +425,36 @@ def test_append_run_splits_at_the_threshold_and_the_checkpoint() -> None:
     assert fs.fsync_count == syncs + 2
     assert seg.append_run(run, ends, 7) == 3
     assert seg.read_records(995, 20) == recs(995, 10)
+
+
+@pytest.mark.parametrize("damage", ["swap", "duplicate", "swap_bodies", "zero_same_bytes"])
+def test_read_run_of_records_of_one_size_refuses_damage_in_two_records(damage: str) -> None:
+    """Damage spread over two records of a run of one record size (records swapped or duplicated on disk,
+    record bodies moved under their ids, the same bytes of two records zeroed as by a torn page) is refused
+    by the fast check as by the loop, naming the first damaged record."""
+    fs = CrashFS()
+    seg = new_segment(fs)
+    batch = recs(0, 20)
+    seg.append(batch)
+    seg.flush()
+    _, run = seg.read_run(0, 20)
+    base = seg.record_offset(0)
+    stride = seg.record_offset(1) - base
+    i, j = 4, 11
+    a, b = run[i * stride : (i + 1) * stride], run[j * stride : (j + 1) * stride]
+    at_i, at_j = seg.record_offset(i), seg.record_offset(j)
+    if damage == "swap":
+        fs.corrupt(seg.data_path, at_i, b)
+        fs.corrupt(seg.data_path, at_j, a)
+    elif damage == "duplicate":
+        fs.corrupt(seg.data_path, at_j, a)
+    elif damage == "swap_bodies":
+        fs.corrupt(seg.data_path, at_i + 8, b[8:])
+        fs.corrupt(seg.data_path, at_j + 8, a[8:])
+    else:
+        fs.corrupt(seg.data_path, at_i + 30, bytes(stride - 30))
+        fs.corrupt(seg.data_path, at_j + 30, bytes(stride - 30))
+    first_damaged = j if damage == "duplicate" else i
+    with pytest.raises(RecordCorruptionError, match=rf"(record|transaction) {first_damaged}\b") as caught:
+        seg.read_run(0, 20)
+    assert caught.value.transaction_id == first_damaged

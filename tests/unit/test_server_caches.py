@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
@@ -355,3 +356,48 @@ def test_add_entry_caches_what_add_caches_and_get_range_reads_runs_across_gaps_a
             assert by_entry.get_entries(0, start, count) == [
                 (h.transaction_id, h.req_id.msb, h.req_id.lsb, h.header) for h in expected
             ]
+
+
+@dataclass
+class _Committed:
+    """A committed append as the server's partition hands it to the caches (a store's pending append)."""
+
+    transaction_id: int
+    req_id: ReqId
+    header: int
+    data: bytes
+    checksum: int
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(0, 300),
+    st.lists(st.integers(0, 70), min_size=1, max_size=6),
+    st.integers(2, 6),
+    st.integers(0, 600),
+)
+def test_a_batch_added_to_the_caches_in_one_call_caches_what_one_call_per_append_does(
+    start: int, runs: list[int], blocks: int, data_bytes: int
+) -> None:
+    # Runs of consecutive ids (a committed batch each), crossing block boundaries, in caches small enough to
+    # evict: add_run / put_run must leave each cache exactly as add_entry / put per append do.
+    feed_one, feed_run = (FeedCache(max_bytes=blocks * BLOCK_BYTES, num_partitions=1) for _ in range(2))
+    data_one, data_run = (TransactionCache(6 * (data_bytes + ENTRY_OVERHEAD_BYTES) + 1) for _ in range(2))
+    txn = start
+    for count in runs:
+        batch = [
+            _Committed(t, ReqId.of(-3, 1, 0, t), t * 7 - 3, bytes([t % 251]) * data_bytes, t * 11)
+            for t in range(txn, txn + count)
+        ]
+        txn += count
+        for c in batch:
+            feed_one.add_entry(0, c.transaction_id, c.req_id, c.header)
+            data_one.put(0, c.transaction_id, c.data, c.checksum)
+        feed_run.add_run(0, batch)
+        data_run.put_run(0, batch)
+        assert feed_run.statistics() == feed_one.statistics()
+        assert feed_run.get_entries(0, start, txn - start) == feed_one.get_entries(0, start, txn - start)
+        assert data_run.statistics() == data_one.statistics()
+        assert list(data_run._entries.items()) == list(data_one._entries.items())
+    with pytest.raises(ValueError, match="not negative"):
+        feed_run.add_run(0, [_Committed(-1, ReqId(0, 0), 0, b"", 0)])

@@ -21,6 +21,11 @@ class _Store:
         self.generation = generation
         self.high_water_mark = -1
         self.is_healthy = True
+        self.submitted: list[ReqId] = []
+
+    def submit_tagged(self, request: cs.AppendRequest, *_: object) -> bool:
+        self.submitted.append(request.req_id)
+        return True
 
     async def start(self) -> None:
         pass
@@ -47,7 +52,7 @@ class _Peer:
         pass
 
 
-async def _mounted(generation: int) -> tuple[Partition, _Peer, ReqId]:
+async def _mounted(generation: int, client_id: int = 7) -> tuple[Partition, _Peer, ReqId]:
     part = Partition(
         0,
         cast(StorePartition, _Store(generation)),
@@ -56,7 +61,7 @@ async def _mounted(generation: int) -> tuple[Partition, _Peer, ReqId]:
     )
     await part.start()
     peer = _Peer()
-    session = ReqId.of(7, generation, 0, -1)
+    session = ReqId.of(client_id, generation, 0, -1)
     await part.mount(cast(Any, peer), cs.MountRequest(session, -1, 1))
     for _ in range(100):
         if any(isinstance(m, cs.MountResponse) for m in peer.sent):
@@ -92,5 +97,39 @@ def test_closing_an_incarnation_tells_its_mounted_clients_to_mount_again() -> No
         assert peer.sent[-1] == cs.MountResponse(session, cs.PartitionState.NOT_READY)
         assert not part.accepts(cast(Any, peer), ReqId.of(7, 1, 0, 1))
         assert part.problem == "closed"
+
+    asyncio.run(main())
+
+
+def test_append_nowait_takes_only_appends_of_the_current_mount_in_this_generation() -> None:
+    # append_nowait checks the mount on the ReqId's raw msb (client id << 32 | generation), kept in step with
+    # the registrations: each case accepts() refuses must be refused there too, and nothing reach the store.
+    async def main() -> None:
+        for client_id in (7, -5):  # a negative client id: the msb's high half read unsigned
+            part, peer, session = await _mounted(generation=3, client_id=client_id)
+            store = cast(_Store, part.store)
+            try:
+
+                def append(generation: int, seq: int, client_id: int = client_id) -> cs.AppendRequest:
+                    return cs.AppendRequest.build(ReqId.of(client_id, generation, 0, seq), -1, 0, b"x")
+
+                assert part.append_nowait(cast(Any, peer), append(3, 1)) is True
+                assert part.append_nowait(cast(Any, peer), append(2, 2)) is False  # an older generation
+                assert part.append_nowait(cast(Any, peer), append(4, 3)) is False  # a newer one
+                other = _Peer()
+                assert part.append_nowait(cast(Any, other), append(3, 4)) is False  # not its mount
+                other_client = cs.AppendRequest.build(ReqId.of(client_id + 1, 3, 0, 5), -1, 0, b"x")
+                assert part.append_nowait(cast(Any, peer), other_client) is False  # never mounted
+                # A newer connection of the client mounts: the old one's appends are refused from then on.
+                newer = _Peer()
+                await part.mount(cast(Any, newer), cs.MountRequest(session, -1, 2))
+                assert part.append_nowait(cast(Any, peer), append(3, 6)) is False
+                assert part.append_nowait(cast(Any, newer), append(3, 7)) is True
+                part.disconnect(cast(Any, newer))
+                assert part.append_nowait(cast(Any, newer), append(3, 8)) is False
+                assert [r.seq_num for r in store.submitted] == [1, 7]
+            finally:
+                await part.close()
+            assert part.append_nowait(cast(Any, peer), append(3, 9)) is False
 
     asyncio.run(main())

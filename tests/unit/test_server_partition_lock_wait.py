@@ -15,6 +15,7 @@ from waltz.protocol.records import ReqId
 from waltz.server.feed_cache import FeedCache
 from waltz.server.partition import Partition
 from waltz.server.store.store_partition import StorePartition
+from waltz.server.store.store_session import AppendListener, PendingAppend
 from waltz.server.transaction_cache import TransactionCache
 
 Listener = Callable[[int, BaseException | None], None]
@@ -28,7 +29,7 @@ class _Store:
         self.high_water_mark = -1
         self.is_healthy = True
         self.submitted: list[cs.AppendRequest] = []
-        self._unresolved: list[Listener] = []
+        self._unresolved: list[Listener | PendingAppend] = []
         self._resolutions = asyncio.Event()
 
     async def start(self) -> None:
@@ -44,15 +45,31 @@ class _Store:
         self._unresolved.append(on_resolved)
         return True
 
+    def submit_tagged(
+        self, request: cs.AppendRequest, listener: AppendListener, tag: object, received_s: float
+    ) -> bool:
+        pending = PendingAppend(
+            request.req_id, request.header, request.data, request.checksum, None, len(self.submitted)
+        )
+        pending.listener, pending.tag, pending.received_s = listener, tag, received_s
+        self.submitted.append(request)
+        self._unresolved.append(pending)
+        return True
+
     async def submit(self, request: cs.AppendRequest, on_resolved: Listener) -> None:
         self.submit_listened(request, on_resolved)
 
     def commit(self, count: int) -> None:
         """Commit the ``count`` oldest unresolved appends (their listeners run synchronously, in order)."""
         batch, self._unresolved = self._unresolved[:count], self._unresolved[count:]
-        for on_resolved in batch:
+        for item in batch:
             self.high_water_mark += 1
-            on_resolved(self.high_water_mark, None)
+            if isinstance(item, PendingAppend):
+                assert item.listener is not None
+                item.transaction_id = self.high_water_mark
+                item.listener.appends_committed([item])
+            else:
+                item(self.high_water_mark, None)
         self._resolutions.set()
 
     async def wait_resolution(self) -> bool:

@@ -22,7 +22,7 @@ from waltz.protocol.records import Record, ReqId, crc32
 from waltz.server.store import EndReason, StoreConfig, StoreSession
 from waltz.server.store.memory import MemoryConnector, MemoryMetadataStore, MemoryNetwork, MemoryStorage
 from waltz.server.store.store_partition import StorePartition
-from waltz.server.store.store_session import PendingAppend
+from waltz.server.store.store_session import AppendQueue, PendingAppend
 from waltz.server.store.support import Backoff
 from waltz.testing import run_virtual
 
@@ -329,6 +329,58 @@ def test_submit_listened_queues_without_a_future_and_checks_the_checksum_unless_
             assert heard[3:] == [(4, None)]
         for name in NAMES:
             assert [r.req_id.seq_num for r in world.log(name)] == [0, 1, 2, 3, 4]
+
+    run_virtual(main())
+
+
+class _BatchListener:
+    """Records every call of the AppendListener interface."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[tuple[int, object]]] = []
+        self.failed: list[tuple[object, BaseException]] = []
+
+    def appends_committed(self, appends: Sequence[PendingAppend]) -> None:
+        self.calls.append([(p.transaction_id, p.tag) for p in appends])
+
+    def append_failed(self, append: PendingAppend, error: BaseException) -> None:
+        self.failed.append((append.tag, error))
+
+
+def test_submit_tagged_tells_its_listener_once_per_batch_in_order_and_each_append_once() -> None:
+    async def main() -> None:
+        world = World(max_queued_appends=7)
+        listener = _BatchListener()
+        heard: list[int] = []
+        async with world.partition() as partition:
+            with pytest.raises(GenerationMismatchError):
+                partition.submit_tagged(req(0, generation=2), listener, "refused", 0.0)
+            await partition.wait_open()
+            await asyncio.sleep(0)  # the writer waits for appends: the first leaves at once, in a batch
+            # A lone append is a batch of its own; the seven behind it wait for its commit and form one more
+            # batch, with an append submitted another way among them (heard by its own listener only).
+            assert partition.submit_tagged(req(0), listener, "a0", 1.5)
+            for i in range(1, 7):
+                if i == 4:
+                    partition.submit_listened(req(i), lambda txn, _e: heard.append(txn))
+                else:
+                    assert partition.submit_tagged(req(i), listener, f"a{i}", 0.0)
+            assert partition.submit_tagged(req(7), listener, "a7", 0.0)
+            assert not partition.submit_tagged(req(8), listener, "full", 0.0)  # full: nothing queued
+            assert await partition.flush() == 7
+            assert listener.calls == [
+                [(0, "a0")],
+                [(1, "a1"), (2, "a2"), (3, "a3"), (5, "a5"), (6, "a6"), (7, "a7")],
+            ]
+            assert heard == [4]
+            assert not listener.failed
+            # An append that will never commit is told to append_failed, once, with its tag.
+            for name in NAMES[1:]:
+                world.storages[name].crash()
+            assert partition.submit_tagged(req(8), listener, "doomed", 0.0)
+            await asyncio.sleep(0.5)
+        assert [(tag, type(error)) for tag, error in listener.failed] == [("doomed", ClosedResourceError)]
+        assert len(listener.calls) == 2
 
     run_virtual(main())
 
@@ -774,5 +826,25 @@ def test_a_replica_whose_connection_broke_before_a_batch_was_sent_fails_alone() 
             assert outcome.reason is EndReason.REPLICA_FAILED, outcome
             assert "s2:1" in outcome.detail
             assert await partition.append(req(2)) == 2  # the next session serves
+
+    run_virtual(main())
+
+
+def test_append_queue_offer_queues_while_there_is_room_and_says_how_many_are_queued() -> None:
+    async def main() -> None:
+        queue = AppendQueue(2)
+        appends = [
+            PendingAppend(r.req_id, r.header, r.data, r.checksum, None, i)
+            for i, r in enumerate(map(req, range(3)))
+        ]
+        getter = asyncio.ensure_future(queue.get())
+        await asyncio.sleep(0)
+        assert queue.offer(appends[0]) == 1
+        assert await getter is appends[0]  # the append that ended the emptiness woke the getter
+        assert queue.offer(appends[1]) == 1
+        assert queue.offer(appends[2]) == 2
+        assert queue.data_bytes == len(appends[1].data) + len(appends[2].data)
+        assert queue.offer(appends[0]) == 0  # full: nothing queued
+        assert queue.qsize() == 2
 
     run_virtual(main())

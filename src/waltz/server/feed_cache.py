@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from waltz.protocol.records import HEADER_STRUCT, RecordHeader, ReqId
 
@@ -34,12 +35,27 @@ __all__ = [
     "FeedCache",
     "FeedCacheStatistics",
     "FeedEntry",
+    "HeaderLike",
 ]
 
 _tuple_new = tuple.__new__
 
 FeedEntry = tuple[int, int, int, int]
 """A cached header, flat: ``(transaction id, ReqId msb, ReqId lsb, header)``."""
+
+
+class HeaderLike(Protocol):
+    """What :meth:`FeedCache.add_run` reads of each committed append (a store's pending append, a Record)."""
+
+    @property
+    def transaction_id(self) -> int: ...
+
+    @property
+    def req_id(self) -> ReqId: ...
+
+    @property
+    def header(self) -> int: ...
+
 
 BLOCK_ENTRIES = 64
 """Consecutive transaction ids per block."""
@@ -208,6 +224,45 @@ class FeedCache:
             block.entries, index * _ENTRY_BYTES, transaction_id, req_id[0], req_id[1], header
         )
         block.present |= 1 << index
+
+    def add_run(self, partition: int, items: Iterable[HeaderLike]) -> None:
+        """:meth:`add` of each of ``items`` (consecutive ids, oldest first: a committed batch), one call per
+        batch: each block is looked up once for the entries it takes, not once per entry."""
+        pack = HEADER_STRUCT.pack_into
+        base = -1
+        block: _Block | None = None
+        entries = bytearray()
+        present = 0
+        for item in items:
+            txn = item.transaction_id
+            if txn < 0:
+                raise ValueError(f"transaction ids are not negative, got {txn}")
+            if txn & ~_LOW_BITS != base:
+                if block is not None:
+                    block.present |= present
+                base = txn & ~_LOW_BITS
+                block = self._block_for(partition, base)
+                entries = block.entries
+                present = 0
+            index = txn & _LOW_BITS
+            rid = item.req_id
+            pack(entries, index * _ENTRY_BYTES, txn, rid[0], rid[1], item.header)
+            present |= 1 << index
+        if block is not None:
+            block.present |= present
+
+    def _block_for(self, partition: int, base: int) -> _Block:
+        """The block of ``base`` in ``partition``, found or allocated (the newest block, usually local)."""
+        local = self._local.get(partition)
+        if local is not None:
+            block = local.get(base)
+            if block is not None:
+                local.move_to_end(base)
+                return block
+        block = self._find(partition, base)
+        if block is None:
+            block = self._allocate(partition, base)
+        return block
 
     def fill(self, partition: int, headers: Iterable[RecordHeader]) -> None:
         """Cache many headers, e.g. the rest of a block read from storage after a miss."""

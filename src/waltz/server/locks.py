@@ -42,6 +42,7 @@ NUM_HASHES = 3
 """Slots per lock; hard-coded in the original, and part of what makes Java and Python tables agree."""
 
 _MASK32 = 0xFFFFFFFF
+_object_new = object.__new__
 _LCG_MULTIPLIER = 1103515245
 _LCG_INCREMENT = 12345
 
@@ -182,7 +183,13 @@ class LockTable:
         if estimate > client_high_water_mark:
             return estimate
         busy[a] = busy[b] = busy[c] = 1
-        return LockRequest((slots,), slots, self._epoch)
+        # LockRequest((slots,), slots, self._epoch) without the Python call of its __init__.
+        request = _object_new(LockRequest)
+        request.checked = (slots,)
+        request.updated = slots
+        request._epoch = self._epoch
+        request._released = False
+        return request
 
     def estimate(self, request: LockRequest) -> int:
         """The estimated lock high-water mark of ``request``: max over write/read locks of min over slots.
@@ -220,10 +227,19 @@ class LockTable:
     def commit_and_release(self, request: LockRequest, transaction_id: int) -> None:
         """:meth:`commit` then :meth:`release` (the append of ``request`` committed), in one call."""
         hwms = self._hwms
-        for slot in request.updated:
+        updated = request.updated
+        for slot in updated:
             if hwms[slot] < transaction_id:
                 hwms[slot] = transaction_id
-        self.release(request)
+        # release(request), inlined (once per locked append).
+        if request._released:
+            return
+        request._released = True
+        if request._epoch != self._epoch:
+            return
+        busy = self._busy
+        for slot in updated:
+            busy[slot] = 0
 
     def release(self, request: LockRequest) -> None:
         """The append of ``request`` is resolved (committed or failed): its busy slots become free.

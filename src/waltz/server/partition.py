@@ -8,10 +8,10 @@ Per partition there is one **append task** and one **feed task per mounted clien
   store partition *in arrival order* (so a client's appends commit in the order it sent them, which its
   transaction monitor relies on). An append that finds the task idle and nothing queued is handled the same
   way at once by the connection's task, unless that would have to wait (a busy lock slot, a full store
-  queue): it is then queued like any other. When the store commits it (its resolution listener runs inside
-  the commit), the locks advance to its id, its header goes to the feed cache and its data to the
-  transaction cache, and feeds wake up. A failed append sends nothing: the client learns it from the feed or
-  a flush.
+  queue): it is then queued like any other. When the store commits it (the partition hears a committed batch
+  in one call, inside the commit: :meth:`Partition.appends_committed`), the locks advance to its id, its
+  header goes to the feed cache and its data to the transaction cache, and feeds wake up. A failed append
+  sends nothing: the client learns it from the feed or a flush.
 * A feed task streams ``(transaction id, header, request id)`` of every committed transaction after the
   client's high-water mark, in order, within the windows the client asks for (FeedRequest); a client that
   reads slowly only stalls its own feed task (we wait for its socket to drain).
@@ -34,6 +34,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -44,9 +45,13 @@ from waltz.protocol.records import ReqId
 from waltz.server.feed_cache import FeedCache, FeedEntry
 from waltz.server.locks import LockRequest, LockTable
 from waltz.server.store.store_partition import StorePartition
+from waltz.server.store.store_session import PendingAppend
 from waltz.server.transaction_cache import TransactionCache, TransactionData, TransactionFetcher
 
 log = logging.getLogger(__name__)
+
+_MASK32 = 0xFFFFFFFF
+_monotonic = time.monotonic
 
 
 class _NoSuchTransaction(Exception):
@@ -89,8 +94,59 @@ class _Flush:
 @dataclass(slots=True)
 class _Append:
     peer: Peer
-    msg: cs.AppendRequest
+    msg: cs.AppendMessage
     received_s: float
+
+
+class _AppendQueue(deque[_Append | _Flush]):
+    """The append task's queue: arrival order, at most ``capacity`` items, waits as :class:`asyncio.Queue`
+    (``put`` for room, ``get`` for an item). A deque itself, so the connection's read loop tests it for
+    emptiness in C (``not queue``), once per append."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self._arrived = asyncio.Event()
+        self._room = asyncio.Event()
+
+    def full(self) -> bool:
+        return len(self) >= self.capacity
+
+    def empty(self) -> bool:
+        return not self
+
+    def qsize(self) -> int:
+        return len(self)
+
+    def put_nowait(self, item: _Append | _Flush) -> None:
+        """Queue ``item``; raises asyncio.QueueFull if there is no room."""
+        if len(self) >= self.capacity:
+            raise asyncio.QueueFull
+        self.append(item)
+        if len(self) == 1:
+            # Only a getter that found the queue empty waits: the item that ends the emptiness wakes it.
+            self._arrived.set()
+
+    async def put(self, item: _Append | _Flush) -> None:
+        """Queue ``item``, waiting for room."""
+        while len(self) >= self.capacity:
+            self._room.clear()
+            await self._room.wait()
+        self.put_nowait(item)
+
+    async def get(self) -> _Append | _Flush:
+        while not self:
+            self._arrived.clear()
+            await self._arrived.wait()
+        return self.get_nowait()
+
+    def get_nowait(self) -> _Append | _Flush:
+        """The oldest item; raises asyncio.QueueEmpty if there is none."""
+        if not self:
+            raise asyncio.QueueEmpty
+        item = self.popleft()
+        self._room.set()
+        return item
 
 
 @dataclass
@@ -142,8 +198,13 @@ class Partition:
         """Shared by the server's partitions: bounds and coalesces store reads of transaction data."""
         self._lock_table_size = lock_table_size
         self._min_fetch_size = min_fetch_size
-        self._queue: asyncio.Queue[_Append | _Flush] = asyncio.Queue(append_queue_size)
+        self._queue = _AppendQueue(append_queue_size)
         self._registrations: dict[int, _Registration] = {}
+        self._mounted: dict[int, Peer] = {}
+        """The peer of each registration, keyed by the high half of the client's ReqId msb (its client id,
+        unsigned): :meth:`append_nowait` checks an append's mount with one lookup of its raw msb."""
+        self._generation32 = store.generation & _MASK32
+        """The generation as the low half of a ReqId msb carries it (kept by :meth:`set_generation`)."""
         self._feeds: dict[int, _FeedContext] = {}
         self._locks: LockTable | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -243,6 +304,7 @@ class Partition:
             if not reg.peer.closed:
                 reg.peer.send(cs.MountResponse(reg.session, cs.PartitionState.NOT_READY))
         self._registrations.clear()
+        self._mounted.clear()
         for ctx in list(self._feeds.values()):
             self._end_feed(ctx)
         tasks = self._tasks + [c.task for c in self._feeds.values() if c.task is not None]
@@ -261,6 +323,7 @@ class Partition:
 
     def set_generation(self, generation: int) -> None:
         self.store.set_generation(generation)
+        self._generation32 = self.store.generation & _MASK32
 
     # -- entry points (called by the connection handler, in the connection's message order) -----------------
 
@@ -281,38 +344,39 @@ class Partition:
         asks "resolve everything up to it"), so its generation is not checked."""
         return not self._closed and self._is_current(peer, req_id)
 
-    def append_nowait(self, peer: Peer, msg: cs.AppendRequest) -> bool | None:
+    def append_nowait(self, peer: Peer, msg: cs.AppendMessage) -> bool | None:
         """:meth:`append` if that needs no wait: True if taken (handed to the store, queued for the append
         task, or answered with a LockFailure), False if this incarnation cannot take it (see :meth:`accepts`),
         None (nothing done) if it would have to wait for room in the append queue: then call :meth:`append`.
         The connection's read loop calls this first: no coroutine per append."""
-        if not self.accepts(peer, msg.req_id):
+        # accepts(), on the ReqId's raw msb (client id << 32 | generation): one dict lookup, no properties.
+        msb = msg.req_id[0]
+        if self._mounted.get(msb >> 32) is not peer or msb & _MASK32 != self._generation32 or self._closed:
             return False
-        item = _Append(peer, msg, time.monotonic())
+        received_s = _monotonic()
         queue = self._queue
-        if self._loop_idle and not queue.qsize() and self._process_append_now(item):
+        if self._loop_idle and not queue and self._submit_now(peer, msg, received_s):
             return True
         # It has to wait (appends queued ahead of it, or a busy lock slot): queue it here, as append() would,
         # unless the queue is full (append() waits for room). After a busy slot, every append behind it comes
         # this way until the queue drains: no coroutine and no second accepts() or lock attempt for each.
-        try:
-            queue.put_nowait(item)
-        except asyncio.QueueFull:
+        if queue.full():
             return None
+        queue.put_nowait(_Append(peer, msg, received_s))
         return True
 
-    async def append(self, peer: Peer, msg: cs.AppendRequest) -> bool:
+    async def append(self, peer: Peer, msg: cs.AppendMessage) -> bool:
         """Queue an append (waits while the queue is full: back pressure on that connection); False if this
         incarnation cannot take it (see :meth:`accepts`)."""
         if not self.accepts(peer, msg.req_id):
             return False
-        item = _Append(peer, msg, time.monotonic())
+        received_s = _monotonic()
         # The append task is idle and nothing is queued ahead of this append: hand it to the store here, as
         # the task would at once, unless that has to wait (a busy lock slot, a full store queue). It saves a
         # queue hand-off and a task switch per append, and a loop iteration on the way to the storage nodes.
-        if self._loop_idle and self._queue.empty() and self._process_append_now(item):
+        if self._loop_idle and not self._queue and self._submit_now(peer, msg, received_s):
             return True
-        await self._queue.put(item)
+        await self._queue.put(_Append(peer, msg, received_s))
         return True
 
     async def flush(self) -> int:
@@ -339,6 +403,7 @@ class Partition:
                 peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
                 return
         self._registrations[rid.client_id] = _Registration(peer, rid.generation, msg.seq_num, rid)
+        self._mounted[rid.msb >> 32] = peer
         old = self._feeds.pop(rid.client_id, None)
         if old is not None:
             self._end_feed(old)
@@ -377,6 +442,7 @@ class Partition:
         for client_id, reg in list(self._registrations.items()):
             if reg.peer is peer:
                 del self._registrations[client_id]
+                del self._mounted[reg.session.msb >> 32]
                 ctx = self._feeds.get(client_id)
                 if ctx is not None and ctx.peer is peer:
                     del self._feeds[client_id]
@@ -437,13 +503,13 @@ class Partition:
                 continue
             if item.peer.closed or not self._is_current(item.peer, item.msg.req_id):
                 continue
-            if not self._process_append_now(item):
+            if not self._submit_now(item.peer, item.msg, item.received_s):
                 await self._process_append(item)
 
-    def _process_append_now(self, item: _Append) -> bool:
-        """Process ``item`` as :meth:`_process_append` would, if that needs no wait; False (nothing done) if
-        it would have to wait for a lock slot or for room in the store's queue."""
-        msg = item.msg
+    def _submit_now(self, peer: Peer, msg: cs.AppendMessage, received_s: float) -> bool:
+        """Process an append as :meth:`_process_append` would, if that needs no wait; False (nothing done)
+        if it would have to wait for a lock slot or for room in the store's queue. Its commit is heard in
+        :meth:`appends_committed`, with the rest of its batch."""
         req: LockRequest | None = None
         if msg.write_locks or msg.read_locks or msg.append_locks:
             locks = self._locks
@@ -456,17 +522,14 @@ class Partition:
             if begun is None:
                 return False
             if isinstance(begun, int):
-                self._lock_failed(item, begun)
+                self._lock_failed(peer, msg, begun)
                 return True
             req = begun
         self.pending_appends += 1
         try:
             # The codec verified the data against its checksum as it decoded the request (see
-            # cs.decode_append_request): the store need not compute it again. The listener is the one
-            # _resolution_listener makes, inlined (this runs once per append).
-            queued = self.store.submit_listened(
-                msg, functools.partial(self._append_done, req, item), checksum_verified=True
-            )
+            # cs.decode_append_request): the store need not compute it again.
+            queued = self.store.submit_tagged(msg, self, req, received_s)
         except WaltzError as e:
             self.pending_appends -= 1
             self._refused(req, msg, e)
@@ -492,7 +555,7 @@ class Partition:
             self.pending_appends -= 1
             self._refused(req, msg, e)
 
-    def _refused(self, req: LockRequest | None, msg: cs.AppendRequest, error: WaltzError) -> None:
+    def _refused(self, req: LockRequest | None, msg: cs.AppendMessage, error: WaltzError) -> None:
         self._release(req)
         self.metrics.failed()
         log.debug("partition %d: append %r refused: %s", self.partition_id, msg.req_id, error)
@@ -548,14 +611,14 @@ class Partition:
         conflict = locks.check(req, msg.client_high_water_mark)
         if conflict is not None:
             locks.release(req)
-            self._lock_failed(item, conflict)
+            self._lock_failed(item.peer, msg, conflict)
             return False
         return True
 
-    def _lock_failed(self, item: _Append, conflict: int) -> None:
+    def _lock_failed(self, peer: Peer, msg: cs.AppendMessage, conflict: int) -> None:
         self.lock_failures += 1
         self.metrics.lock_failed()
-        item.peer.send(cs.LockFailure(item.msg.req_id, conflict))
+        peer.send(cs.LockFailure(msg.req_id, conflict))
 
     def _release(self, req: LockRequest | None) -> None:
         if req is not None:
@@ -591,6 +654,43 @@ class Partition:
             for ctx in self._feeds.values():
                 ctx.wake.set()
             asyncio.get_running_loop().call_soon(self._report_commits)
+
+    def appends_committed(self, appends: Sequence[PendingAppend]) -> None:
+        """AppendListener: appends submitted by :meth:`_submit_now` committed (a batch, in id order, inside
+        the store's commit). What :meth:`_append_done` does for one, done for the batch: locks advance to
+        each id, headers go to the feed cache and data to the transaction cache a batch at a time, the
+        feeds wake once."""
+        n = len(appends)
+        if not n:
+            return
+        self.pending_appends -= n
+        locks = self._locks
+        data_bytes = 0
+        for pending in appends:
+            req = pending.tag
+            if req is not None:
+                assert locks is not None  # a lock request was begun in it
+                locks.commit_and_release(req, pending.transaction_id)  # type: ignore[arg-type]
+            data_bytes += len(pending.data)
+        pid = self.partition_id
+        self._feed_cache.add_run(pid, appends)
+        self._txn_cache.put_run(pid, appends)
+        self._committed += n
+        self._committed_bytes += data_bytes
+        if not self._notify_scheduled:
+            # As in _append_done: one wake-up and one latency sample per loop iteration.
+            self.metrics.latency(_monotonic() - appends[0].received_s)
+            self._notify_scheduled = True
+            for ctx in self._feeds.values():
+                ctx.wake.set()
+            asyncio.get_running_loop().call_soon(self._report_commits)
+
+    def append_failed(self, append: PendingAppend, error: BaseException) -> None:
+        """AppendListener: an append submitted by :meth:`_submit_now` will not commit (the client learns it
+        from the feed or a flush: nothing is sent)."""
+        self.pending_appends -= 1
+        self._release(append.tag)  # type: ignore[arg-type]
+        self.metrics.failed()
 
     def _report_commits(self) -> None:
         self._notify_scheduled = False

@@ -40,7 +40,7 @@ import logging
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 from kazoo.client import KazooClient
@@ -89,6 +89,14 @@ HWM_RECOVERY_WAIT_S = 1.0
 
 class _CloseConnection(Exception):
     """Raised by a request handler when the only honest answer is to close the connection."""
+
+
+class _BadMessage(Exception):
+    """A client message did not decode (``error``): the connection is closed, with a rate-limited warning."""
+
+    def __init__(self, error: RemoteProtocolError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class _Connection:
@@ -426,6 +434,8 @@ class WaltzServer:
                 max_connections_per_source=self.config.max_connections_per_source,
                 idle_timeout_s=self.config.connection_idle_timeout_ms / 1000,
                 ssl=ssl,
+                # Client messages are handed to _serve_client's handler from the transport's data callback.
+                callback_reads=True,
             ),
         )
         self.port = self._listener.port
@@ -745,70 +755,64 @@ class WaltzServer:
         log.debug("client connection from %s opened (protocol version %d)", conn.peername, version)
         partitions = self.partitions
         decode = cs.decode
-        decode_append = cs.decode_append_request
+        # Appends are decoded to their fields (a tuple built in C), not to the message class.
+        decode_append = cs.decode_append_fields
         append_type = _APPEND_REQUEST_TYPE
-        append_cls = cs.AppendRequest
-        # Every whole frame of one socket read is taken in one go and handled in order: one coroutine
-        # (``receive_many``) per read instead of one per message (a client writes appends in bursts).
-        payloads: list[bytes] = []
+        append_cls = cs.AppendFields
+        dispatch = self._dispatch
+
+        def on_payload(payload: bytes) -> Awaitable[None] | None:
+            """One message of the client, in order, from the transport's data callback (no task wake-up and
+            no coroutine per socket read): None once handled, or the coroutine that handles it when it has
+            to wait (reading pauses meanwhile, so the messages after it keep their order)."""
+            try:
+                msg = (
+                    decode_append(payload, version) if payload[0] == append_type else decode(payload, version)
+                )
+            except RemoteProtocolError as e:
+                raise _BadMessage(e) from None
+            if peer.client_id is None:
+                peer.client_id = msg.req_id.client_id
+            if type(msg) is append_cls and not self._suspended:
+                # Appends first, without a coroutine when nothing has to wait (nearly every message under
+                # load is one): the partition takes it, refuses it, or says it must wait. The partition id is
+                # the high half of the ReqId's lsb, read unsigned (no property call): it equals a key of ours
+                # (0 <= id < 2**31) exactly when the signed id does.
+                pid = msg.req_id[1] >> 32
+                part = partitions.get(pid)
+                if part is not None:
+                    taken = part.append_nowait(peer, msg)
+                    if taken:
+                        return None
+                    if taken is False:
+                        if not peer.end_mount(pid):
+                            raise _CloseConnection(
+                                f"AppendRequest for partition {pid}, never mounted on this connection"
+                            )
+                        return None
+                    # None: it has to wait for room in the append queue: the general path does.
+            return dispatch(peer, msg)
+
         try:
-            while True:
-                await conn.receive_many(payloads)
-                for payload in payloads:
-                    try:
-                        msg = (
-                            decode_append(payload, version)
-                            if payload[0] == append_type
-                            else decode(payload, version)
-                        )
-                    except RemoteProtocolError as e:
-                        _peer_warnings.warning(
-                            conn.source,
-                            reason_kind("decode", e),
-                            "closing client connection from %s: %s",
-                            conn.peername,
-                            e,
-                        )
-                        return
-                    if peer.client_id is None:
-                        peer.client_id = msg.req_id.client_id
-                    if type(msg) is append_cls and not self._suspended:
-                        # Appends first, without a coroutine when nothing has to wait (nearly every message
-                        # under load is one): the partition takes it, refuses it, or says it must wait.
-                        pid = msg.req_id.partition_id
-                        part = partitions.get(pid)
-                        if part is not None:
-                            taken = part.append_nowait(peer, msg)
-                            if taken:
-                                continue
-                            if taken is False:
-                                if not peer.end_mount(pid):
-                                    log.info(
-                                        "closing the connection of client %s (%s): AppendRequest for "
-                                        "partition %d, never mounted on this connection",
-                                        peer.client_id,
-                                        conn.peername,
-                                        pid,
-                                    )
-                                    return
-                                continue
-                            # None: it has to wait for room in the append queue: the general path does.
-                    try:
-                        await self._dispatch(peer, msg)
-                    except _CloseConnection as e:
-                        log.info(
-                            "closing the connection of client %s (%s): %s", peer.client_id, conn.peername, e
-                        )
-                        return
-                payloads.clear()
+            await conn.serve_payloads(on_payload)
+        except _BadMessage as e:
+            _peer_warnings.warning(
+                conn.source,
+                reason_kind("decode", e.error),
+                "closing client connection from %s: %s",
+                conn.peername,
+                e.error,
+            )
+        except _CloseConnection as e:
+            log.info("closing the connection of client %s (%s): %s", peer.client_id, conn.peername, e)
         finally:
             log.debug("client connection from %s (client %s) closed", conn.peername, peer.client_id)
             for part in self.partitions.values():
                 part.disconnect(peer)
 
-    async def _dispatch(self, peer: _Connection, msg: cs.Message) -> None:
+    async def _dispatch(self, peer: _Connection, msg: cs.Message | cs.AppendFields) -> None:
         rid = msg.req_id
-        if type(msg) is cs.AppendRequest:
+        if isinstance(msg, cs.AppendFields | cs.AppendRequest):
             # Appends first: nearly every message under load is one.
             pid = rid.partition_id
             part = self.partitions.get(pid) if not self._suspended else await self._owned(pid)
@@ -867,7 +871,7 @@ class WaltzServer:
             # Mounting waits for the append queue to drain; do it off this connection's read loop.
             await self._spawn_for(peer, part.mount(peer, msg), f"mount-{pid}")
             return
-        if not isinstance(msg, cs.AppendRequest | cs.FeedRequest | cs.FlushRequest):
+        if not isinstance(msg, cs.FeedRequest | cs.FlushRequest):
             raise _CloseConnection(f"unexpected {type(msg).__name__} from a client")
         part = await self._owned(pid)
         if isinstance(msg, cs.FeedRequest):
@@ -876,12 +880,10 @@ class WaltzServer:
             if part is None or not part.feed_request(peer, msg):
                 peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
             return
-        if isinstance(msg, cs.AppendRequest):
-            accepted = part is not None and await part.append(peer, msg)
-        else:
-            accepted = part is not None and part.accepts_flush(peer, rid)
-            if part is not None and accepted:
-                await self._spawn_for(peer, part.flush_request(peer, msg), f"flush-{pid}")
+        # A flush (appends were handled first, above).
+        accepted = part is not None and part.accepts_flush(peer, rid)
+        if part is not None and accepted:
+            await self._spawn_for(peer, part.flush_request(peer, msg), f"flush-{pid}")
         if not accepted and not peer.end_mount(pid):
             raise _CloseConnection(
                 f"{type(msg).__name__} for partition {pid}, never mounted on this connection"

@@ -21,15 +21,16 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from waltz.errors import ClosedResourceError
 
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT_FETCHES",
     "DEFAULT_TRANSACTION_CACHE_BYTES",
+    "DataLike",
     "ENTRY_OVERHEAD_BYTES",
     "TransactionCache",
     "TransactionCacheStatistics",
@@ -55,6 +56,19 @@ class TransactionData(NamedTuple):
 
     data: bytes
     checksum: int
+
+
+class DataLike(Protocol):
+    """What :meth:`TransactionCache.put_run` reads of each committed append (a store's pending append)."""
+
+    @property
+    def transaction_id(self) -> int: ...
+
+    @property
+    def data(self) -> bytes: ...
+
+    @property
+    def checksum(self) -> int: ...
 
 
 TransactionLoader = Callable[[int, int], Awaitable[TransactionData]]
@@ -134,6 +148,34 @@ class TransactionCache:
         entries[key] = _tuple_new(TransactionData, (data, checksum))
         self._size_bytes += cost
         return True
+
+    def put_run(self, partition: int, items: Iterable[DataLike]) -> None:
+        """:meth:`put` of each of ``items`` (a committed batch), in order, in one call: the server caches
+        every commit, and a call per transaction was a good part of the cost."""
+        entries = self._entries
+        max_item = self.max_item_bytes
+        max_bytes = self.max_bytes
+        size = self._size_bytes
+        new = _tuple_new
+        try:
+            for item in items:
+                data = item.data
+                cost = len(data) + ENTRY_OVERHEAD_BYTES
+                if cost > max_item:
+                    self.rejected_too_large += 1
+                    continue
+                key = (partition, item.transaction_id)
+                old = entries.pop(key, None)
+                if old is not None:
+                    size -= len(old.data) + ENTRY_OVERHEAD_BYTES
+                while size + cost > max_bytes:
+                    _, evicted = entries.popitem(last=False)
+                    size -= len(evicted.data) + ENTRY_OVERHEAD_BYTES
+                    self.evictions += 1
+                entries[key] = new(TransactionData, (data, item.checksum))
+                size += cost
+        finally:
+            self._size_bytes = size
 
     def evict_partition(self, partition: int) -> None:
         """Drop every entry of ``partition`` (the server no longer owns it)."""

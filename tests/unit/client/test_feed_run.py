@@ -7,10 +7,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.unit.client.helpers import FAST, ApplyOrderCallbacks, Ctx
 from tests.unit.client.test_async_client import wait_until
 from waltz import AsyncWaltzClient
+from waltz.client.stream import Feed, Mount, _on_feed_run
+from waltz.protocol.records import ReqId
 from waltz.testing import MockDriver
 
 
@@ -42,3 +46,90 @@ def test_a_run_takes_what_the_feed_has_room_for_and_resolves_our_appends_in_orde
             assert listener.feed_run_nowait(5, entries) == 5
 
     asyncio.run(main())
+
+
+def _deliver_in_inbox_order(mount: Mount, delivered: list[int]) -> bool:
+    """What the delivery task does with the queued feed entries (an unbounded listener): repeats dropped, the
+    next id delivered, a gap ends the session (False)."""
+    while (event := mount.get_nowait()) is not None:
+        assert isinstance(event, Feed)
+        if event.transaction_id <= mount.position:
+            continue
+        if event.transaction_id != mount.position + 1:
+            return False
+        delivered.append(event.transaction_id)
+        mount.position = event.transaction_id
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    start=st.integers(min_value=-1, max_value=5),
+    # Mostly the next id (a dense feed), sometimes a repeat, a step back or a gap.
+    reads=st.lists(
+        st.lists(st.sampled_from([1, 1, 1, 1, 1, 0, -1, -3, 2]), max_size=8), min_size=1, max_size=4
+    ),
+    rooms=st.lists(st.integers(min_value=0, max_value=6), min_size=4, max_size=4),
+    drain=st.lists(st.booleans(), min_size=4, max_size=4),
+    per_entry=st.booleans(),
+    data_lag=st.integers(min_value=-1, max_value=2),
+)
+def test_the_reader_hands_a_partitions_feed_on_in_id_order_once_whatever_the_reads_hold(
+    start: int, reads: list[list[int]], rooms: list[int], drain: list[bool], per_entry: bool, data_lag: int
+) -> None:
+    """Reads of feed entries with repeats, gaps, entries out of order and more than the listener has room for
+    (taken by run or entry by entry, the inbox drained by the delivery task between reads or not): the ids
+    that reach the listener are those the partition's feed has in order, each once, as when the entries
+    arrived one at a time; a gap ends delivery there."""
+    mount = Mount(0, start)
+    mount.session = ReqId.of(1, 1, 0, -1)
+    delivered: list[int] = []
+    room = [0]
+
+    def run_nowait(_p: int, entries: list[tuple[int, ReqId, int]]) -> int:
+        taken = entries[: room[0]]
+        room[0] -= len(taken)
+        delivered.extend(tid for tid, _, _ in taken)
+        return len(taken)
+
+    def nowait(_p: int, tid: int, _r: ReqId, _h: int) -> bool:
+        if room[0] <= 0:
+            return False
+        room[0] -= 1
+        delivered.append(tid)
+        return True
+
+    last = start - data_lag
+    ids_of_reads: list[list[int]] = []
+    for steps in reads:
+        ids_of_reads.append([])
+        for step in steps:
+            last += step
+            ids_of_reads[-1].append(last)
+    reads = ids_of_reads
+    expected: list[int] = []
+    position, broken = start, False
+    for ids in reads:  # The oracle: one entry at a time.
+        for tid in ids:
+            if broken or tid <= position:
+                continue
+            if tid != position + 1:
+                broken = True
+                continue
+            expected.append(tid)
+            position = tid
+
+    ok = True
+    for i, ids in enumerate(reads):
+        room[0] = rooms[i]
+        entries = [(tid, ReqId.of(1, 1, 0, tid), 0) for tid in ids]
+        if entries:
+            _on_feed_run(None if per_entry else run_nowait, nowait if per_entry else None, mount, entries)
+        if drain[i]:
+            ok = ok and _deliver_in_inbox_order(mount, delivered)
+        if not ok:
+            break
+    if ok:
+        ok = _deliver_in_inbox_order(mount, delivered)
+    assert ok == (not broken)
+    assert delivered == expected

@@ -50,6 +50,7 @@ from waltz.server.store.interfaces import (
 )
 from waltz.server.store.replica_session import SessionOver
 from waltz.server.store.store_session import (
+    AppendListener,
     AppendQueue,
     EndReason,
     PendingAppend,
@@ -63,6 +64,8 @@ __all__ = ["StorePartition", "StoreStatistics"]
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
+
+_object_new = object.__new__
 
 _NO_BACKOFF = (EndReason.CHECKPOINT, EndReason.REPLICAS_CHANGED)
 
@@ -303,6 +306,56 @@ class StorePartition:
         queue.put_nowait(self._pending(request, on_resolved, False, checksum_verified))
         session = self._session
         if session is not None:
+            session.appends_queued()
+        return True
+
+    def submit_tagged(
+        self, request: AppendLike, listener: AppendListener, tag: object, received_s: float
+    ) -> bool:
+        """:meth:`submit_listened` for the server's hot path: ``listener`` hears of the append together
+        with the rest of its batch (:class:`AppendListener`, one call per batch instead of one per append),
+        and ``tag`` and ``received_s`` go with it (the append's lock request, its arrival). The caller
+        verified ``request.data`` against its checksum (the client codec does as it decodes). False (nothing
+        queued) if the queue is full; raises as :meth:`submit` does if the append is refused up front."""
+        if self._closed:
+            raise ClosedResourceError(f"partition {self.partition_id} store is closed")
+        if self._loop is None:
+            raise PartitionNotReadyError(f"partition {self.partition_id} store is not started")
+        req_id = request.req_id
+        # The ReqId's generation, decoded inline (its property is a Python call): the low 32 bits of msb.
+        generation = req_id[0] & 0xFFFFFFFF
+        if generation != self._generation & 0xFFFFFFFF or self._stale:
+            raise GenerationMismatchError(
+                f"request generation {req_id.generation}, partition generation {self._generation}"
+            )
+        # PendingAppend(...) without its generated __init__ (a Python call with a dozen arguments): every
+        # slot is set here, once per append.
+        pending = _object_new(PendingAppend)
+        pending.req_id = req_id
+        pending.header = request.header
+        pending.data = request.data
+        pending.checksum = request.checksum
+        pending.future = None
+        pending.transaction_id = -1
+        pending.session_id = -1
+        pending.resolved = False
+        pending.on_resolved = None
+        pending.listener = listener
+        pending.tag = tag
+        pending.received_s = received_s
+        queue = self.queue
+        queued = queue.offer(pending)
+        if not queued:
+            return False  # full
+        ticket = self._next_ticket
+        self._next_ticket = ticket + 1
+        pending.ticket = ticket
+        self._unresolved[ticket] = pending
+        session = self._session
+        # The session's test, inlined: the call is needed only for an idle writer or a full batch.
+        if session is not None and (
+            queued >= session.notify_at_count or queue.data_bytes >= session.notify_at_bytes
+        ):
             session.appends_queued()
         return True
 
@@ -596,20 +649,35 @@ class StorePartition:
             raise InvariantViolation(f"partition {self.partition_id}: batch up to {hwm} commits out of order")
         del inflight[:n]
         unresolved = self._unresolved
+        listener: AppendListener | None = None
+        heard: list[PendingAppend] = []
         for pending in appends:
-            # pending.succeed(pending.transaction_id), inlined: this runs once per append.
-            first = not pending.resolved
+            del unresolved[pending.ticket]
+            if pending.resolved:
+                continue
             pending.resolved = True
+            if pending.listener is not None:
+                # Told below, with the rest of the batch.
+                listener = pending.listener
+                heard.append(pending)
+                continue
+            # pending.succeed(pending.transaction_id), inlined: this runs once per append.
             future = pending.future
             if future is not None and not future.done():
                 future.set_result(pending.transaction_id)
-            if first and pending.on_resolved is not None:
+            if pending.on_resolved is not None:
                 # notify_resolution, inlined: a failing listener is logged, and the commit goes on.
                 try:
                     pending.on_resolved(pending.transaction_id, None)
                 except Exception:
                     log.exception("an append's resolution listener failed")
-            del unresolved[pending.ticket]
+        if listener is not None:
+            # One call for the batch (the server's partition is the only listener of its store), with the
+            # appends resolved now: each is told exactly once.
+            try:
+                listener.appends_committed(heard)
+            except Exception:
+                log.exception("an append's resolution listener failed")
         self._resolutions.set()
 
     def _forget(self, resolved: Iterable[PendingAppend]) -> None:

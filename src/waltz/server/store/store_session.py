@@ -49,6 +49,7 @@ from waltz.server.store.support import InvariantViolation, RepairStatistics, Sto
 from waltz.server.store.voting import Voting, quorum_of
 
 __all__ = [
+    "AppendListener",
     "AppendQueue",
     "EndReason",
     "PendingAppend",
@@ -113,8 +114,16 @@ class PendingAppend:
     """The store decided its fate (it succeeded or failed), whether or not its caller still waits."""
     on_resolved: Callable[[int, BaseException | None], None] | None = None
     """Called once, synchronously, when the append is resolved: ``(transaction id, None)`` or ``(-1, error)``.
-    The server's partition uses it instead of a callback on :attr:`future`, which would run one event-loop
-    iteration later, for every append."""
+    Used instead of a callback on :attr:`future`, which would run one event-loop iteration later."""
+    listener: AppendListener | None = None
+    """For an append submitted with :meth:`StorePartition.submit_tagged`: told of its resolution together
+    with the other appends of its batch (one call per batch, the server's hot path), instead of
+    ``on_resolved``."""
+    tag: object = None
+    """What the submitter attached (the server's partition: the append's lock request); the store never
+    looks at it."""
+    received_s: float = 0.0
+    """When the submitter received the append (``time.monotonic()``), for its latency metric."""
 
     def record(self) -> Record:
         # Record(...) without its generated __new__: one per append on the write path.
@@ -126,8 +135,11 @@ class PendingAppend:
         future = self.future
         if future is not None and not future.done():
             future.set_result(transaction_id)
-        if first and self.on_resolved is not None:
-            _notify(self.on_resolved, transaction_id, None)
+        if first:
+            if self.on_resolved is not None:
+                _notify(self.on_resolved, transaction_id, None)
+            elif self.listener is not None:
+                _notify_committed(self.listener, (self,))
 
     def fail(self, error: BaseException) -> None:
         first = not self.resolved
@@ -137,8 +149,36 @@ class PendingAppend:
             future.set_exception(error)
             # The caller may have stopped waiting (cancelled); do not let asyncio warn about the exception.
             future.exception()
-        if first and self.on_resolved is not None:
-            _notify(self.on_resolved, -1, error)
+        if first:
+            if self.on_resolved is not None:
+                _notify(self.on_resolved, -1, error)
+            elif self.listener is not None:
+                try:
+                    self.listener.append_failed(self, error)
+                except Exception:
+                    log.exception("an append's resolution listener failed")
+
+
+class AppendListener(Protocol):
+    """Hears how appends submitted with :meth:`StorePartition.submit_tagged` end, synchronously, in id order.
+
+    Each append is reported exactly once: committed (its ``transaction_id`` set) or failed."""
+
+    def appends_committed(self, appends: Sequence[PendingAppend]) -> None:
+        """``appends`` committed (consecutive ids, oldest first): usually a whole batch in one call."""
+        ...
+
+    def append_failed(self, append: PendingAppend, error: BaseException) -> None:
+        """``append`` did not commit, and never will."""
+        ...
+
+
+def _notify_committed(listener: AppendListener, appends: Sequence[PendingAppend]) -> None:
+    # As _notify: a failing listener is logged, and the store's bookkeeping goes on.
+    try:
+        listener.appends_committed(appends)
+    except Exception:
+        log.exception("an append's resolution listener failed")
 
 
 def _notify(
@@ -217,6 +257,20 @@ class AppendQueue:
     def peek(self) -> PendingAppend | None:
         """The oldest queued append, left in the queue (None if empty)."""
         return self._items[0] if self._items else None
+
+    def offer(self, append: PendingAppend) -> int:
+        """Queue ``append`` if there is room: how many appends are queued now, 0 if none was (full). One
+        call where :meth:`full` and :meth:`put_nowait` are two (the server's hot path)."""
+        items = self._items
+        n = len(items)
+        if n >= self.capacity:
+            return 0
+        items.append(append)
+        self.data_bytes += len(append.data)
+        if not n:
+            # As put_nowait: the append that ends the emptiness wakes a getter.
+            self._arrived.set()
+        return n + 1
 
     def get_nowait(self) -> PendingAppend:
         append = self._items.popleft()
@@ -342,6 +396,13 @@ class StoreSession:
         self._writer_idle = False
         self._batches: deque[tuple[Batch, list[PendingAppend]]] = deque()
         """Batches sent and not yet committed, oldest first."""
+        self._full_count = min(config.max_batch_size, host.queue.capacity)
+        self.notify_at_count = 1
+        """How many queued appends (or :attr:`notify_at_bytes` of data) need :meth:`appends_queued`: one
+        while no batch is in flight (an idle writer sends it at once), a full batch otherwise (the only
+        thing a writer with batches in flight acts on). A host may skip the call below both; calling it more
+        often does no harm."""
+        self.notify_at_bytes = config.max_batch_bytes
         self._wake = asyncio.Event()
         """Wakes the writer while batches are in flight: one was decided, or a full batch is queued."""
         self._was_opened = False
@@ -718,6 +779,7 @@ class StoreSession:
         voting = Voting(self.quorum, len(self.participants), self._batch_decided)
         batch = Batch(start, tuple(records), voting)
         batches.append((batch, appends))
+        self.notify_at_count = self._full_count
         for participant in list(self.participants):
             participant.deliver(batch, len(batches))
 
@@ -735,6 +797,8 @@ class StoreSession:
         while batches and batches[0][0].voting.outcome:
             batch, appends = batches.popleft()
             self.high_water_mark = batch.last
+            if not batches:
+                self.notify_at_count = 1
             self._host.batch_committed(self, appends)
         self._wake.set()
         if not batches and self._end_requested is not None:
