@@ -362,6 +362,11 @@ class FramedConnection:
         """The payloads :meth:`_data_received` decoded from one read, handed to the handler in order."""
         self._ahead = 0
         """Payloads :meth:`_data_received` decoded after the one its handler is handling (for read_ahead)."""
+        self._sink: Callable[[list[bytes]], None] | None = None
+        """The receiver of :meth:`deliver_payloads` (a connecting side's RpcClient): each read's payloads go
+        to it from the transport's callback, with no task in between."""
+        self._on_end: Callable[[BaseException], None] | None = None
+        """Told once, with the reason, when the connection ends while :attr:`_sink` receives."""
         self._left: collections.deque[bytes] = collections.deque()
         """Payloads decoded but not yet handed over when the callback stopped (a handler had to wait, our
         frames piled up): the serving task hands them over first, before any still in the decoder. At most
@@ -611,8 +616,87 @@ class FramedConnection:
         finally:
             self._receiving = False
 
+    def deliver_payloads(
+        self, on_payloads: Callable[[list[bytes]], None], on_end: Callable[[BaseException], None]
+    ) -> None:
+        """From now on hand every payload the peer sends to ``on_payloads``, from the transport's data
+        callback: one call per socket read with that read's whole payloads, in order (the list is reused:
+        take what you need before returning). No task wakes up and no coroutine resumes per read: a storage
+        node's answers reach the server's waiting replica sessions in the pass of the loop that read them.
+        Only on a connection of ``open_connection(..., callback_reads=True)``.
+
+        ``on_payloads`` must not block and should not raise (an exception is logged and ends the connection).
+        ``on_end(reason)`` is called once when the connection ends: BrokenResourceError when the peer left
+        or the network broke it, RemoteProtocolError on garbage (logged and aborted as :meth:`receive`
+        does), ClosedResourceError after :meth:`aclose`; nothing is delivered after it. Payloads that came
+        with the peer's hello are delivered before this returns."""
+        if self._reader is not None:
+            raise RuntimeError(
+                "deliver_payloads() needs a connection of open_connection(..., callback_reads=True)"
+            )
+        if self._receiving or self._sink is not None:
+            raise RuntimeError("another receiver already takes this connection's payloads")
+        self._receiving = True  # for good: receive() and serve_payloads() are refused from now on
+        self._sink = on_payloads
+        self._on_end = on_end
+        self._deliver_read(None)
+        if self._sink is not None:  # (None if it ended while delivering what came with the hello)
+            if self._error is not None or self._closed:
+                self._end_delivery()
+            else:
+                self._resume_reading()
+
+    def _deliver_read(self, data: bytes | None) -> None:
+        """:meth:`deliver_payloads`' share of the data callback: decode this read, hand its payloads over."""
+        proto = self._proto
+        if data is not None:
+            proto.receive_data(data)
+        if self._idle_task is not None:
+            self._read_started_s = self._loop.time()  # always waiting for the peer: every read restarts it
+        taken = self._taken
+        error: RemoteProtocolError | None = None
+        try:
+            proto.take_payloads(taken)
+        except RemoteProtocolError as e:
+            error = e  # after the payloads before it, as if they had been decoded one by one
+        sink = self._sink
+        try:
+            if taken and sink is not None:
+                sink(taken)
+        except Exception as e:  # the receiver's bug: logged, and the connection ends
+            log.exception("receiver of the payloads from %s failed", self.peername)
+            self._abort(BrokenResourceError(f"connection with {self.peername} ended: receiver failed: {e}"))
+            return
+        finally:
+            taken.clear()
+        if error is not None and self._sink is not None:
+            self._protocol_failure(error)
+            self._end_delivery()
+
+    def _end_delivery(self) -> None:
+        """Tell :meth:`deliver_payloads`' receiver, once, why the connection ended."""
+        on_end = self._on_end
+        self._sink = self._on_end = None
+        if on_end is not None:
+            on_end(self._error if self._error is not None else ClosedResourceError("connection closed"))
+
+    def _abort(self, error: ConnectionError_ | RemoteProtocolError) -> None:
+        """End the connection now, from a callback (no await): unsent frames are dropped, the keep-alive and
+        idle tasks cancelled, a :meth:`deliver_payloads` receiver told; :meth:`aclose` still releases it."""
+        if self._error is None and not self._closed:
+            self._error = error
+        self._out = None
+        self._transport.abort()
+        for task in (self._keep_alive_task, self._idle_task):
+            if task is not None:
+                task.cancel()
+        self._end_delivery()
+
     def _data_received(self, data: bytes) -> None:
         """The transport's data callback on a ``callback_reads`` connection (see :meth:`serve_payloads`)."""
+        if self._sink is not None:
+            self._deliver_read(data)
+            return
         proto = self._proto
         proto.receive_data(data)
         handle = self._handle
@@ -686,6 +770,8 @@ class FramedConnection:
             self._hand_over(
                 self._error if self._error is not None else ClosedResourceError("connection closed")
             )
+        if self._sink is not None:
+            self._end_delivery()
 
     def _write_backlogged(self) -> bool:
         """More of our frames unsent than the accepting side's high-water mark (never on connecting sides)."""
@@ -966,6 +1052,7 @@ async def open_connection(
     read_bytes: int = DEFAULT_READ_BYTES,
     write_buffer_high_bytes: int = DEFAULT_WRITE_BUFFER_HIGH_BYTES,
     ssl: ssl_.SSLContext | None = None,
+    callback_reads: bool = False,
 ) -> FramedConnection:
     """Connect and exchange hellos, all within ``connect_timeout_ms``.
 
@@ -976,16 +1063,37 @@ async def open_connection(
     With ``ssl`` the TLS handshake is part of the connect (and of its time limit); the peer's certificate is
     checked against ``host`` when the context checks hostnames. A failed handshake (untrusted certificate, a
     plain peer) is a BrokenResourceError whose message says so.
+
+    With ``callback_reads`` the bytes the peer sends go straight from the transport's callback to the frame
+    decoder (no StreamReader), and the payloads to the receiver given to
+    :meth:`FramedConnection.deliver_payloads` (``receive`` and its kin are not available): for a reader that
+    must not cost a task wake-up per read, such as :class:`RpcClient` on the server's storage connections.
+    The hello exchange, its errors and the time limit are the same.
     """
     proto = ProtocolConnection(magic, versions, hello_text, max_frame_bytes)
     writer: asyncio.StreamWriter | None = None
+    reader: asyncio.StreamReader | None = None
+    pushed: _CallbackStreamProtocol | None = None
     hello_refused = False
     try:
         async with asyncio.timeout(connect_timeout_ms / 1000):
-            reader, writer = await asyncio.open_connection(host, port, limit=read_bytes, ssl=ssl)
+            if callback_reads:
+                loop = asyncio.get_running_loop()
+                _, pushed = await loop.create_connection(
+                    lambda: _CallbackStreamProtocol(None, proto, loop), host, port, ssl=ssl
+                )
+                writer = pushed.writer
+                assert writer is not None  # set by connection_made, before create_connection returns
+            else:
+                reader, writer = await asyncio.open_connection(host, port, limit=read_bytes, ssl=ssl)
             _configure_socket(writer, write_buffer_high_bytes)
             try:
-                await _exchange_hellos(reader, writer, proto, read_bytes)
+                if pushed is None:
+                    assert reader is not None
+                    await _exchange_hellos(reader, writer, proto, read_bytes)
+                else:
+                    writer.write(proto.send_hello())
+                    await asyncio.shield(pushed.hello)
             except BrokenResourceError:
                 hello_refused = True
                 raise
@@ -1013,9 +1121,16 @@ async def open_connection(
         if isinstance(e, OSError):
             raise BrokenResourceError(f"cannot connect to {host}:{port}: {e}") from None
         raise
-    return FramedConnection(
+    conn = FramedConnection(
         reader, writer, proto, read_bytes=read_bytes, keep_alive_interval_s=keep_alive_interval_s
     )
+    if pushed is not None:
+        # The protocol paused reading at the hello; deliver_payloads resumes it.
+        conn._reading_paused = True
+        pushed.conn = conn
+        if pushed.ended is not None:
+            conn._connection_ended(pushed.ended[0])
+    return conn
 
 
 TLS_PROBE_TIMEOUT_S = 2.0
@@ -1044,16 +1159,17 @@ async def _speaks_tls(host: str, port: int) -> bool:
 
 
 class _CallbackStreamProtocol(asyncio.StreamReaderProtocol):
-    """The protocol of a connection accepted by ``serve(..., callback_reads=True)``: what it receives goes
-    straight to the connection's frame decoder, in the transport's callback, instead of through a StreamReader
-    and a task woken per read: the peer's hello first (:attr:`hello` resolves), then the payloads, handed to
-    :meth:`FramedConnection.serve_payloads`. Writing, write flow control and closing are the stream protocol's
-    own, so the connection's StreamWriter (``drain``, ``wait_closed``) works as on any other.
+    """The protocol of a ``callback_reads`` connection (accepted by :func:`serve` or opened by
+    :func:`open_connection`): what it receives goes straight to the connection's frame decoder, in the
+    transport's callback, instead of through a StreamReader and a task woken per read: the peer's hello first
+    (:attr:`hello` resolves), then the payloads, handed to :meth:`FramedConnection.serve_payloads` or
+    :meth:`FramedConnection.deliver_payloads`. Writing, write flow control and closing are the stream
+    protocol's own, so the connection's StreamWriter (``drain``, ``wait_closed``) works as on any other.
     """
 
     def __init__(
         self,
-        on_connect: Callable[[_CallbackStreamProtocol, asyncio.StreamWriter], None],
+        on_connect: Callable[[_CallbackStreamProtocol, asyncio.StreamWriter], None] | None,
         proto: ProtocolConnection,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
@@ -1066,6 +1182,7 @@ class _CallbackStreamProtocol(asyncio.StreamReaderProtocol):
         self.hello.add_done_callback(_retrieve)
         self.conn: FramedConnection | None = None
         """Receives the payloads once the serving task built it (after the hello)."""
+        self.writer: asyncio.StreamWriter | None = None
         self._tls = False
         self._first = True
         self._transport_: asyncio.BaseTransport | None = None
@@ -1076,8 +1193,9 @@ class _CallbackStreamProtocol(asyncio.StreamReaderProtocol):
         super().connection_made(transport)
         self._transport_ = transport
         self._tls = transport.get_extra_info("sslcontext") is not None
-        writer = asyncio.StreamWriter(transport, self, None, self._event_loop)  # type: ignore[arg-type]
-        self._on_connect(self, writer)
+        writer = self.writer = asyncio.StreamWriter(transport, self, None, self._event_loop)  # type: ignore[arg-type]
+        if self._on_connect is not None:
+            self._on_connect(self, writer)
 
     def data_received(self, data: bytes) -> None:
         conn = self.conn
@@ -1133,6 +1251,11 @@ class _CallbackStreamProtocol(asyncio.StreamReaderProtocol):
                     f"TLS error during the hello exchange: {_ssl_reason(exc)} (is this side's certificate "
                     "one the peer trusts?)"
                 )
+            )
+        elif isinstance(exc, ConnectionResetError):
+            # A listener that refuses the TLS handshake (or a plain connection) may reset rather than close.
+            self._hello_failed(
+                BrokenResourceError(f"connection broken during the hello exchange: {exc}{_hint(self._tls)}")
             )
         else:
             self._hello_failed(BrokenResourceError(f"connection broken during the hello exchange: {exc}"))
@@ -1468,8 +1591,12 @@ class RpcClient(Generic[ReqT, RespT]):
     * Every call ends: with its response, with :class:`~waltz.errors.ClientTimeoutError` after
       ``timeout_ms`` (a late response is then dropped), with the error ``error_of(response)`` returns, or with
       :class:`~waltz.errors.BrokenResourceError` for every pending and later call once the connection dies.
-    * The reader task belongs to the client: it is created in the constructor (which therefore must run in
-      the event loop) and cancelled by :meth:`aclose`, which also closes the connection.
+    * Responses are read by the client from its construction on (which therefore must run in the event
+      loop): on a connection of ``open_connection(..., callback_reads=True)`` from the transport's data
+      callback (:meth:`FramedConnection.deliver_payloads`), each response resolving its caller's future in
+      the loop pass that read it; on any other connection by a reader task of the client's. A response that
+      cannot be decoded fails every pending and later call and closes the connection (logged at WARNING);
+      :meth:`aclose` stops the reading and closes the connection.
 
     The caller chooses sequence numbers (see :meth:`next_seq`); two requests with the same number may not be
     in flight at once.
@@ -1502,7 +1629,15 @@ class RpcClient(Generic[ReqT, RespT]):
         self._seq = 0
         self._closed = False
         self._broken: str | None = None
-        self._reader_task = self._loop.create_task(self._read_loop(), name=f"{name} reader {conn.peername}")
+        self._reader_task: asyncio.Task[None] | None = None
+        if conn._reader is None:
+            # Responses delivered from the transport's callback: no task wakes up per read (a storage node's
+            # every answer to the server used to cost one wake-up of the reader task and its loop passes).
+            conn.deliver_payloads(self._on_payloads, self._on_end)
+        else:
+            self._reader_task = self._loop.create_task(
+                self._read_loop(), name=f"{name} reader {conn.peername}"
+            )
 
     @property
     def connection(self) -> FramedConnection:
@@ -1608,6 +1743,34 @@ class RpcClient(Generic[ReqT, RespT]):
             self._fail_pending(lambda: BrokenResourceError(self._broken))
             await self._conn.aclose()
 
+    def _on_payloads(self, payloads: list[bytes]) -> None:
+        """The responses of one socket read, from the transport's callback (see the constructor)."""
+        decode = self._decode
+        deliver = self._deliver
+        try:
+            for payload in payloads:
+                deliver(decode(payload))
+        except RemoteProtocolError as e:
+            # Garbage inside a well-formed frame: the peer's fault, logged (rate-limited) like bad framing.
+            self._conn._protocol_failure(e)
+            self._lost(e)
+        except Exception as e:
+            log.exception("%s: reading a response from %s failed", self._name, self._conn.peername)
+            self._lost(e)
+
+    def _on_end(self, reason: BaseException) -> None:
+        """The connection ended (told once, from a callback: see FramedConnection.deliver_payloads)."""
+        self._lost(reason)
+
+    def _lost(self, reason: BaseException) -> None:
+        """Fail every pending and later call with ``reason`` and end the connection at once (no await: from
+        a callback); :meth:`aclose` still releases it. Nothing to do after our own :meth:`aclose`."""
+        if self._closed or self._broken is not None:
+            return
+        self._broken = f"{self._name}: connection with {self._conn.peername} lost: {reason}"
+        self._fail_pending(lambda: BrokenResourceError(self._broken))
+        self._conn._abort(BrokenResourceError(self._broken))
+
     def _deliver(self, response: RespT) -> None:
         seq = self._response_seq(response)
         # Popped here, so a start_call request is forgotten once answered (a call's own cleanup finds it
@@ -1635,8 +1798,9 @@ class RpcClient(Generic[ReqT, RespT]):
         if self._closed:
             return
         self._closed = True
-        self._reader_task.cancel()
-        await asyncio.wait([self._reader_task])
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            await asyncio.wait([self._reader_task])
         self._fail_pending(lambda: ClosedResourceError(f"{self._name} client closed"))
         await self._conn.aclose()
 

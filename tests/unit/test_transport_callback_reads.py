@@ -1,6 +1,7 @@
 """``serve(..., callback_reads=True)`` and ``FramedConnection.serve_payloads``: payloads handed to a handler
-from the transport's data callback (the storage node's data port), over real loopback sockets, on the
-standard event loop and on uvloop (which the nodes run on)."""
+from the transport's data callback (the storage node's data port); ``open_connection(...,
+callback_reads=True)`` with ``RpcClient``: responses delivered from the callback (the server's storage
+connections). Over real loopback sockets, on the standard event loop and on uvloop (the nodes run it)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,17 @@ from typing import Any, TypeVar
 import pytest
 import uvloop
 
-from waltz.errors import BrokenResourceError, RemoteProtocolError
-from waltz.protocol.framing import MAGIC_STORAGE, ProtocolConnection, encode_frame
-from waltz.transport import FramedConnection, open_connection, serve
+from waltz.errors import BrokenResourceError, ClosedResourceError, RemoteProtocolError
+from waltz.protocol import storage as s
+from waltz.protocol.framing import (
+    MAGIC_STORAGE,
+    NEED_DATA,
+    KeepAlive,
+    Payload,
+    ProtocolConnection,
+    encode_frame,
+)
+from waltz.transport import FramedConnection, RpcClient, open_connection, serve
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -437,5 +446,261 @@ def test_read_ahead_says_more_payloads_of_the_same_read_follow(run: Any) -> None
             assert await read_frames(reader, 4) == [b"\x01", b"\x02", b"\x03", b"\x04"]
             writer.close()
         assert ahead == [True, True, True, False]
+
+    run(main)
+
+
+# ------------------------------------------------- the connecting side: RpcClient answered from the callback
+
+Play = Callable[[asyncio.StreamReader, asyncio.StreamWriter, ProtocolConnection], Awaitable[None]]
+
+
+@asynccontextmanager
+async def storage_peer(play: Play) -> AsyncIterator[int]:
+    """A plain asyncio server that exchanges hellos, then lets ``play`` act as the storage node: to answer
+    in pieces, in bursts, with garbage, or not at all."""
+    tasks: list[asyncio.Task[Any]] = []
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        tasks.append(task)
+        writer.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        proto = ProtocolConnection(MAGIC_STORAGE, [0], "raw storage")
+        writer.write(proto.send_hello())
+        try:
+            while proto.negotiated_version is None:
+                data = await reader.read(65536)
+                if not data:
+                    return
+                proto.receive_data(data)
+                proto.next_event()
+            await play(reader, writer, proto)
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(on_connect, HOST, 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        await server.wait_closed()
+
+
+async def requests(reader: asyncio.StreamReader, proto: ProtocolConnection, n: int) -> list[s.StorageMessage]:
+    """The next ``n`` requests the client sent."""
+    payloads: list[bytes] = []
+    proto.take_payloads(payloads)
+    while len(payloads) < n:
+        data = await reader.read(65536)
+        assert data, "the client hung up"
+        proto.receive_data(data)
+        proto.take_payloads(payloads)
+    assert len(payloads) == n
+    return [s.decode(p) for p in payloads]
+
+
+def success(req: s.StorageMessage) -> bytes:
+    return frame(s.encode(s.SuccessResponse(req.session_id, req.seq_num, req.partition_id)))
+
+
+async def rpc_to(port: int, **kwargs: Any) -> RpcClient[s.StorageMessage, s.StorageMessage]:
+    conn = await connect(port, callback_reads=True, **kwargs)
+    return RpcClient(
+        conn, encode=s.encode, decode=s.decode, request_seq=s.seq_num_of, response_seq=s.seq_num_of
+    )
+
+
+def request(seq: int) -> s.StorageMessage:
+    return s.MaxTransactionIdRequest(1, seq, seq % 4, False)
+
+
+def test_rpc_responses_are_delivered_from_the_callback_without_a_reader_task(run: Any) -> None:
+    async def main() -> None:
+        async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, proto: Any) -> None:
+            while True:
+                (req,) = await requests(reader, proto, 1)
+                if req.partition_id != 3:  # partition 3's requests stay unanswered
+                    writer.write(success(req))
+
+        async with storage_peer(answer_each) as port:
+            conn = await connect(port, callback_reads=True)
+            tasks_before = asyncio.all_tasks()
+            rpc = RpcClient(
+                conn, encode=s.encode, decode=s.decode, request_seq=s.seq_num_of, response_seq=s.seq_num_of
+            )
+            assert asyncio.all_tasks() == tasks_before  # no reader task
+            assert await rpc.start_call(request(0)) == s.SuccessResponse(1, 0, 0)
+            assert await rpc.call(request(1), timeout_ms=2000) == s.SuccessResponse(1, 1, 1)
+            assert rpc.in_flight == 0
+            with pytest.raises(RuntimeError, match="no reader"):
+                await conn.receive()  # the callback takes the payloads; nothing else may
+            unanswered = rpc.start_call(request(3))
+            await asyncio.sleep(0.05)
+            await rpc.aclose()
+            with pytest.raises(ClosedResourceError):
+                await unanswered
+            assert conn.is_closed
+
+    run(main)
+
+
+def test_many_responses_in_one_read_resolve_their_calls_out_of_order(run: Any) -> None:
+    async def main() -> None:
+        async def answer_all_at_once(
+            reader: asyncio.StreamReader, writer: asyncio.StreamWriter, proto: Any
+        ) -> None:
+            reqs = await requests(reader, proto, 50)
+            writer.write(b"".join(success(req) for req in reversed(reqs)))  # one write, last request first
+            await reader.read()
+
+        async with storage_peer(answer_all_at_once) as port, await rpc_to(port) as rpc:
+            reads: list[int] = []
+            deliver = rpc.connection._sink
+            assert deliver is not None
+
+            def counting(payloads: list[bytes]) -> None:
+                reads.append(len(payloads))
+                deliver(payloads)
+
+            rpc.connection._sink = counting
+            futures = [rpc.start_call(request(seq)) for seq in range(50)]
+            results = await asyncio.gather(*futures)
+            assert results == [s.SuccessResponse(1, seq, seq % 4) for seq in range(50)]
+            assert sum(reads) == 50
+            assert max(reads) > 1, reads  # several responses handed over from one socket read
+            assert rpc.in_flight == 0
+
+    run(main)
+
+
+def test_a_response_split_across_reads_resolves_once_whole(run: Any) -> None:
+    async def main() -> None:
+        futures: list[asyncio.Future[s.StorageMessage]] = []
+        done_before_whole: list[bool] = []
+
+        async def answer_in_pieces(
+            reader: asyncio.StreamReader, writer: asyncio.StreamWriter, proto: Any
+        ) -> None:
+            first, second, third = await requests(reader, proto, 3)
+            data = success(first) + success(second) + success(third)
+            cut = len(success(first)) + 9  # inside the second frame's payload
+            for piece in (data[:1], data[1:5], data[5:12], data[12:cut]):
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.02)  # separate socket reads
+                done_before_whole.append(futures[0].done())
+            done_before_whole.append(futures[1].done())  # its last bytes are still to come
+            writer.write(data[cut:])
+            await reader.read()
+
+        async with storage_peer(answer_in_pieces) as port, await rpc_to(port) as rpc:
+            futures.extend(rpc.start_call(request(seq)) for seq in range(3))
+            assert await asyncio.gather(*futures) == [s.SuccessResponse(1, seq, seq % 4) for seq in range(3)]
+            assert done_before_whole == [False, False, False, True, False]
+
+    run(main)
+
+
+@pytest.mark.parametrize(
+    ("garbage", "reason"),
+    [
+        (frame(b"\x7f" * 21), "unknown storage message type 127"),
+        (encode_frame(MAGIC_STORAGE + 1, 0, b"x"), "magic"),
+        (frame(bytes(2048)), "2048 bytes exceeds the limit of 1024"),
+    ],
+    ids=["undecodable-response", "bad-frame", "oversized-frame"],
+)
+def test_garbage_fails_every_pending_call_closes_the_connection_and_is_logged(
+    run: Any, caplog: pytest.LogCaptureFixture, garbage: bytes, reason: str
+) -> None:
+    async def main() -> None:
+        peer_saw_eof: list[bool] = []
+
+        async def answer_garbage(
+            reader: asyncio.StreamReader, writer: asyncio.StreamWriter, proto: Any
+        ) -> None:
+            await requests(reader, proto, 3)
+            writer.write(garbage)
+            peer_saw_eof.append(await reader.read() == b"")  # the client closes its end
+
+        async with storage_peer(answer_garbage) as port, await rpc_to(port, max_frame_bytes=1024) as rpc:
+            started = [rpc.start_call(request(0)), rpc.start_call(request(1))]
+            called = asyncio.ensure_future(rpc.call(request(2), timeout_ms=5000))
+            results = await asyncio.gather(*started, called, return_exceptions=True)
+            for result in results:
+                assert isinstance(result, BrokenResourceError), results
+                assert reason in str(result), result
+            assert not rpc.is_usable
+            assert rpc.connection.is_closed
+            with pytest.raises(BrokenResourceError, match="lost"):
+                rpc.start_call(request(3))
+            for _ in range(100):
+                if peer_saw_eof:
+                    break
+                await asyncio.sleep(0.01)
+            assert peer_saw_eof == [True]
+
+    with caplog.at_level(logging.WARNING, logger="waltz.transport"):
+        run(main)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "waltz.transport"]
+    assert any("closing connection with" in m and reason in m for m in warnings), warnings
+
+
+def test_the_peer_closing_fails_every_pending_call(run: Any) -> None:
+    async def main() -> None:
+        async def take_two_then_hang_up(
+            reader: asyncio.StreamReader, writer: asyncio.StreamWriter, proto: Any
+        ) -> None:
+            first, _second = await requests(reader, proto, 2)
+            writer.write(success(first))
+            await writer.drain()
+
+        async with storage_peer(take_two_then_hang_up) as port, await rpc_to(port) as rpc:
+            answered = rpc.start_call(request(0))
+            pending = rpc.start_call(request(1))
+            assert await answered == s.SuccessResponse(1, 0, 0)
+            with pytest.raises(BrokenResourceError, match="closed the connection"):
+                await pending
+            assert not rpc.is_usable
+            assert rpc.connection.is_closed
+            with pytest.raises(BrokenResourceError, match="lost"):
+                await rpc.call(request(2), timeout_ms=2000)
+
+    run(main)
+
+
+def test_an_idle_rpc_connection_sends_keep_alives_and_still_answers(run: Any) -> None:
+    async def main() -> None:
+        keep_alives = 0
+
+        async def count_keep_alives(
+            reader: asyncio.StreamReader, writer: asyncio.StreamWriter, proto: Any
+        ) -> None:
+            nonlocal keep_alives
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    return
+                proto.receive_data(data)
+                while (event := proto.next_event()) is not NEED_DATA:
+                    if isinstance(event, KeepAlive):
+                        keep_alives += 1
+                    elif isinstance(event, Payload):
+                        writer.write(success(s.decode(event.data)))
+
+        async with (
+            storage_peer(count_keep_alives) as port,
+            await rpc_to(port, keep_alive_interval_s=0.02) as rpc,
+        ):
+            await asyncio.sleep(0.2)  # about ten keep-alives
+            assert keep_alives >= 3
+            assert await rpc.call(request(0), timeout_ms=2000) == s.SuccessResponse(1, 0, 0)
 
     run(main)
