@@ -28,7 +28,7 @@ from waltz.protocol.framing import MAGIC_STORAGE
 from waltz.server.config import ServerConfig
 from waltz.storage.config import StorageConfig
 from waltz.tls import TlsConfig
-from waltz.transport import FramedConnection, open_connection, serve
+from waltz.transport import FramedConnection, RpcClient, open_connection, serve
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -393,3 +393,31 @@ def test_connect_timeout_covers_a_peer_that_never_completes_the_handshake(tls_pk
                 await writer.wait_closed()
 
     run(main())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_rpc_over_a_callback_reads_connection_with_mutual_tls(tls_pki: LocalPki, loop: str) -> None:
+    """The server's storage connections (``open_connection(..., callback_reads=True)`` under an RpcClient):
+    responses read from the TLS transport's callback, on both loops; a refusal reads as on the other path."""
+    import uvloop
+
+    def seq_of(payload: bytes) -> int:
+        return payload[0]
+
+    async def main() -> None:
+        async with asyncio.timeout(10), serving(server_ctx(tls_pki)) as port:
+            conn = await connect(port, client_ctx(tls_pki), callback_reads=True)
+            async with RpcClient(
+                conn, encode=bytes, decode=bytes, request_seq=seq_of, response_seq=seq_of
+            ) as rpc:
+                payloads = [bytes([i]) * (1 + i * 997) for i in range(100)]
+                assert await asyncio.gather(*(rpc.call(p, timeout_ms=5000) for p in payloads)) == payloads
+            with pytest.raises(BrokenResourceError, match=r"does the peer require a client certificate"):
+                await connect(port, client_ctx(tls_pki, None), callback_reads=True)
+            with pytest.raises(ConfigError, match=r"wants TLS and this side has no TLS settings"):
+                await connect(port, None, callback_reads=True)
+
+    if loop == "uvloop":
+        uvloop.run(main())
+    else:
+        run(main())
