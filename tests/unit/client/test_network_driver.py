@@ -4,6 +4,7 @@ stale replies, feed windows, NOT_READY retries, gaps, reconnects with a new inca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
@@ -120,6 +121,29 @@ class Recorder:
 
 def append_id(seq: int) -> ReqId:
     return ReqId.of(7, 1, 0, seq)
+
+
+@contextlib.asynccontextmanager
+async def _ready_driver(
+    listener: Recorder,
+) -> AsyncIterator[tuple[FakeServer, NetworkDriver, FramedConnection]]:
+    """A driver opened with ``listener``, partition 0 mounted READY on a fake server: yields the server, the
+    driver and the server's side of the connection, and closes both on exit."""
+    server = FakeServer()
+    endpoint = await server.start()
+    discovery = StaticDiscovery()
+    driver = NetworkDriver(ClientConfig(), discovery=discovery)
+    await driver.open(listener)
+    try:
+        await driver.mount(0, -1)
+        discovery.publish({0: (endpoint, 1)})
+        conn, mount = await server.expect(cs.MountRequest)
+        server.send(conn, cs.MountResponse(mount.req_id, cs.PartitionState.READY))
+        await listener.wait_for("state", MountState.READY)
+        yield server, driver, conn
+    finally:
+        await driver.close()
+        await server.aclose()
 
 
 @pytest.mark.timeout(60)
@@ -338,18 +362,8 @@ class NowaitRecorder(Recorder):
 @pytest.mark.timeout(60)
 def test_feed_entries_go_straight_to_a_listener_with_room_and_keep_their_order_without() -> None:
     async def main() -> None:
-        server = FakeServer()
-        endpoint = await server.start()
-        discovery = StaticDiscovery()
-        driver = NetworkDriver(ClientConfig(), discovery=discovery)
         listener = NowaitRecorder()
-        await driver.open(listener)
-        try:
-            await driver.mount(0, -1)
-            discovery.publish({0: (endpoint, 1)})
-            conn, mount = await server.expect(cs.MountRequest)
-            server.send(conn, cs.MountResponse(mount.req_id, cs.PartitionState.READY))
-            await listener.wait_for("state", MountState.READY)
+        async with _ready_driver(listener) as (server, _driver, conn):
             for t in range(3):
                 server.send(conn, cs.FeedData(append_id(t + 1), t, 0))
             await listener.wait_for("feed", 2)
@@ -377,9 +391,6 @@ def test_feed_entries_go_straight_to_a_listener_with_room_and_keep_their_order_w
             await listener.wait_for("feed", 5)
             assert listener.direct == [0, 1, 2, 5]
             assert [e[1] for e in listener.events if e[0] == "feed"] == [0, 1, 2, 3, 4, 5]
-        finally:
-            await driver.close()
-            await server.aclose()
 
     asyncio.run(main())
 
@@ -406,18 +417,8 @@ def test_the_feed_entries_of_one_read_reach_a_run_listener_in_one_call_and_the_r
     None
 ):
     async def main() -> None:
-        server = FakeServer()
-        endpoint = await server.start()
-        discovery = StaticDiscovery()
-        driver = NetworkDriver(ClientConfig(), discovery=discovery)
         listener = RunRecorder()
-        await driver.open(listener)
-        try:
-            await driver.mount(0, -1)
-            discovery.publish({0: (endpoint, 1)})
-            conn, mount = await server.expect(cs.MountRequest)
-            server.send(conn, cs.MountResponse(mount.req_id, cs.PartitionState.READY))
-            await listener.wait_for("state", MountState.READY)
+        async with _ready_driver(listener) as (server, _driver, conn):
             for t in range(5):  # One loop iteration: one write, so one read on the client.
                 server.send(conn, cs.FeedData(append_id(t + 1), t, 0))
             await listener.wait_for("feed", 4)
@@ -438,9 +439,6 @@ def test_the_feed_entries_of_one_read_reach_a_run_listener_in_one_call_and_the_r
             await listener.wait_for("feed", 10)
             assert listener.runs[2:] == [[9, 10]]
             assert [e[1] for e in listener.events if e[0] == "feed"] == list(range(11))
-        finally:
-            await driver.close()
-            await server.aclose()
 
     asyncio.run(main())
 
@@ -448,18 +446,8 @@ def test_the_feed_entries_of_one_read_reach_a_run_listener_in_one_call_and_the_r
 @pytest.mark.timeout(60)
 def test_the_appends_of_one_loop_iteration_leave_in_one_write_before_anything_sent_after_them() -> None:
     async def main() -> None:
-        server = FakeServer()
-        endpoint = await server.start()
-        discovery = StaticDiscovery()
-        driver = NetworkDriver(ClientConfig(), discovery=discovery)
         listener = Recorder()
-        await driver.open(listener)
-        try:
-            await driver.mount(0, -1)
-            discovery.publish({0: (endpoint, 1)})
-            conn, mount = await server.expect(cs.MountRequest)
-            server.send(conn, cs.MountResponse(mount.req_id, cs.PartitionState.READY))
-            await listener.wait_for("state", MountState.READY)
+        async with _ready_driver(listener) as (server, driver, _conn):
             link = driver.mounts[0].link
             assert link is not None
             assert link.conn is not None
@@ -499,8 +487,5 @@ def test_the_appends_of_one_loop_iteration_leave_in_one_write_before_anything_se
             link.flush_appends()
             link.conn = client_conn
             assert calls[-1] == ("send_many", 1)
-        finally:
-            await driver.close()
-            await server.aclose()
 
     asyncio.run(main())
