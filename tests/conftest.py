@@ -141,7 +141,13 @@ def expire_session(zookeeper: ZooKeeperServer) -> Callable[..., None]:
     and closes it; the server then ends the session, and ``client`` sees LOST on its next contact."""
 
     def expire(client: KazooClient, timeout_s: float = 15.0) -> None:
-        session_id, password = client.client_id
+        # A client still reconnecting (after a dropped connection) has no live session id to borrow yet.
+        deadline = time.monotonic() + timeout_s
+        while (client_id := client.client_id) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"client had no live session to expire within {timeout_s} s")
+            time.sleep(0.02)
+        session_id, password = client_id
 
         def kill_session() -> None:
             twin = KazooClient(hosts=zookeeper.connect_string, client_id=(session_id, password), timeout=4.0)
