@@ -7,7 +7,8 @@ in batches the test chooses, as the real store does.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 from waltz.protocol import client_server as cs
@@ -109,20 +110,29 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
+@contextlib.asynccontextmanager
+async def _mounted(store: _Store) -> AsyncIterator[tuple[Partition, Any]]:
+    """Partition 0 on ``store``, started, with one client (session ``ReqId.of(7, 1, 0, -1)``) mounted; closed
+    on exit."""
+    part = Partition(
+        0,
+        cast(StorePartition, store),
+        feed_cache=FeedCache(1 << 20, 1),
+        transaction_cache=TransactionCache(1 << 20),
+    )
+    await part.start()
+    peer = cast(Any, _Peer())
+    await part.mount(peer, cs.MountRequest(ReqId.of(7, 1, 0, -1), -1, 1))
+    try:
+        yield part, peer
+    finally:
+        await part.close()
+
+
 def test_a_collision_wait_ends_when_the_holder_resolves_while_a_later_batch_is_in_flight() -> None:
     async def main() -> None:
         store = _Store()
-        part = Partition(
-            0,
-            cast(StorePartition, store),
-            feed_cache=FeedCache(1 << 20, 1),
-            transaction_cache=TransactionCache(1 << 20),
-        )
-        await part.start()
-        peer = cast(Any, _Peer())
-        session = ReqId.of(7, 1, 0, -1)
-        await part.mount(peer, cs.MountRequest(session, -1, 1))
-        try:
+        async with _mounted(store) as (part, peer):
 
             def append(seq: int, lock: int, client_hwm: int) -> cs.AppendRequest:
                 return cs.AppendRequest.build(
@@ -145,8 +155,6 @@ def test_a_collision_wait_ends_when_the_holder_resolves_while_a_later_batch_is_i
             await _settle()
             assert store.high_water_mark == 3
             assert not [m for m in peer.sent if isinstance(m, cs.LockFailure)]
-        finally:
-            await part.close()
 
     asyncio.run(main())
 
@@ -154,16 +162,7 @@ def test_a_collision_wait_ends_when_the_holder_resolves_while_a_later_batch_is_i
 def test_lock_slots_busy_with_nothing_pending_are_reset_with_a_warning(caplog: Any) -> None:
     async def main() -> None:
         store = _Store()
-        part = Partition(
-            0,
-            cast(StorePartition, store),
-            feed_cache=FeedCache(1 << 20, 1),
-            transaction_cache=TransactionCache(1 << 20),
-        )
-        await part.start()
-        peer = cast(Any, _Peer())
-        await part.mount(peer, cs.MountRequest(ReqId.of(7, 1, 0, -1), -1, 1))
-        try:
+        async with _mounted(store) as (part, peer):
             # A leaked busy mark: taken, and no append in the store will ever release it.
             locks = part._locks
             assert locks is not None
@@ -172,8 +171,6 @@ def test_lock_slots_busy_with_nothing_pending_are_reset_with_a_warning(caplog: A
             assert await part.append(peer, req)
             await _settle()
             assert [m.req_id.seq_num for m in store.submitted] == [0]
-        finally:
-            await part.close()
 
     asyncio.run(main())
     assert "lock slots busy with nothing pending; resetting" in caplog.text
