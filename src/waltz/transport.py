@@ -450,10 +450,7 @@ class FramedConnection:
         try:
             proto = self._proto
             while True:
-                if self._error is not None:
-                    raise self._error
-                if self._closed:
-                    raise ClosedResourceError("connection closed")
+                self._check_open()
                 try:
                     # The payload alone (keep-alives skipped), without a Frame and a Payload event around it.
                     payload = proto.next_payload()
@@ -483,10 +480,7 @@ class FramedConnection:
             proto = self._proto
             start = len(out)
             while True:
-                if self._error is not None:
-                    raise self._error
-                if self._closed:
-                    raise ClosedResourceError("connection closed")
+                self._check_open()
                 try:
                     proto.take_payloads(out)
                 except RemoteProtocolError as e:
@@ -532,6 +526,10 @@ class FramedConnection:
         """Raise why a buffered read (:meth:`receive_nowait`, :meth:`receive_buffered`) cannot be made."""
         if self._receiving:
             raise RuntimeError("another task is already receiving on this connection")
+        self._check_open()
+
+    def _check_open(self) -> None:
+        """Raise why nothing more can be received: the connection failed (its error) or was closed."""
         if self._error is not None:
             raise self._error
         if self._closed:
@@ -567,10 +565,7 @@ class FramedConnection:
         left = self._left
         try:
             while True:
-                if self._error is not None:
-                    raise self._error
-                if self._closed:
-                    raise ClosedResourceError("connection closed")
+                self._check_open()
                 # Payloads that arrived while this task was busy (or with the peer's hello) are handed over
                 # here, in order, before the callback takes over again: those the callback decoded already
                 # first, then those still in the decoder.
@@ -954,14 +949,10 @@ class FramedConnection:
 
     @property
     def drain_needed(self) -> bool:
-        """True unless more is unsent than the accepting side's high-water mark (see :func:`serve`), i.e.
-        unless :meth:`drain` may have to wait; always True on a connecting side. A handler answering many
-        small requests skips the drain coroutine per request with it."""
-        high = self._pause_reading_above_bytes
-        if high is None:
-            return True
-        out = self._out
-        return self._transport.get_write_buffer_size() + (len(out) if out is not None else 0) > high
+        """True if more is unsent than the accepting side's high-water mark (see :func:`serve`), i.e. if
+        :meth:`drain` may have to wait; always True on a connecting side. A handler answering many small
+        requests skips the drain coroutine per request with it."""
+        return self._pause_reading_above_bytes is None or self._write_backlogged()
 
     async def drain(self) -> None:
         """Wait until the write buffer is below its high-water mark (back pressure)."""
