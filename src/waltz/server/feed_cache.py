@@ -253,12 +253,6 @@ class FeedCache:
 
     def _block_for(self, partition: int, base: int) -> _Block:
         """The block of ``base`` in ``partition``, found or allocated (the newest block, usually local)."""
-        local = self._local.get(partition)
-        if local is not None:
-            block = local.get(base)
-            if block is not None:
-                local.move_to_end(base)
-                return block
         block = self._find(partition, base)
         if block is None:
             block = self._allocate(partition, base)
