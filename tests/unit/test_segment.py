@@ -97,6 +97,12 @@ def test_append_layout_and_index() -> None:
     assert seg.append(batch) == 3
     data = fs.open(seg.data_path).pread(10_000, 0)
     assert data[SEGMENT_HEADER_BYTES:] == b"".join(encode_record(r) for r in batch)
+    # The index entries wait for the next checkpoint (or close, truncation, sync): nothing waits for them.
+    assert fs.open(seg.index_path).pread(10_000, SEGMENT_HEADER_BYTES) == b""
+    assert seg.record_offset(2) == 228
+    seg.flush()
+    assert fs.open(seg.index_path).pread(10_000, SEGMENT_HEADER_BYTES) == b""
+    seg.sync()
     index = fs.open(seg.index_path).pread(10_000, SEGMENT_HEADER_BYTES)
     assert struct.unpack(">3q", index) == (128, 178, 228)
     assert seg.max_transaction_id == 2
@@ -157,7 +163,7 @@ def test_checkpoint_fsyncs_before_the_checkpoint_id() -> None:
     # A batch crossing id 1000: the part below is written, both files fsynced, then the rest written.
     assert seg.append(recs(995, 20)) == 20
     assert fs.fsync_count == syncs + 2
-    assert fs.ops == writes_before + 6  # 2 writes, 2 fsyncs, 2 writes
+    assert fs.ops == writes_before + 5  # the data below, the index entries waiting, 2 fsyncs, the data above
     assert seg.read_records(990, 100) == recs(990, 25)
     # Starting a segment exactly at a checkpoint needs no checkpoint.
     seg2 = new_segment(fs, 2000)
@@ -179,6 +185,7 @@ def test_corrupt_record_detected_on_read() -> None:
         seg.read_records(0, 5)
     assert seg.read_records(0, 2) == recs(0, 2)
     assert any("record 2" in p for p in seg.verify())
+    seg.sync()  # the index entries wait in memory until then
     fs.corrupt(seg.index_path, SEGMENT_HEADER_BYTES + 8 * 4, struct.pack(">q", 10**9))
     with pytest.raises(CorruptionError, match="bad index entry"):
         seg.read_record(4)

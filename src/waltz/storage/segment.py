@@ -27,15 +27,19 @@ The data file then holds records back to back, each ``40 + n`` bytes (so consecu
       36+n     4  u32 record checksum: CRC-32 of bytes 0 .. 36+n-1 (the 36-byte record header and the data)
 
 The index file holds, after its header, one i64 per record: entry ``i`` at ``128 + 8·i`` is the data-file
-offset of transaction ``first + i``; the index length gives the max id (``first + (size - 128) // 8 - 1``).
+offset of transaction ``first + i``; the index length gives the max id (``first + (size - 128) // 8 - 1``) of
+a closed segment. The writable segment's newest entries (at most 1000, those after the last checkpoint)
+live in memory only, until the next checkpoint, close, truncation or :meth:`Segment.sync`.
 
 Durability protocol (what recovery relies on):
 
-* an append batch is written with one ``pwrite`` to the data file and one to the index; nothing is fsynced;
+* an append batch is written with one ``pwrite`` to the data file; nothing is fsynced; its index entries wait
+  in memory (recovery trusts no entry after the last checkpoint, so writing them per batch bought nothing but
+  a syscall and the kernel's work for it on every append);
   :meth:`Segment.flush` fsyncs the data file (the caller's group commit);
-* **checkpoint**: before the record whose id is a multiple of ``CHECKPOINT_INTERVAL`` (1000) is written, both
-  files are fsynced (unless that record is the segment's first). So if the index covers an id
-  ``c = k·1000 > first``, every record and index entry below ``c`` is durable;
+* **checkpoint**: before the record whose id is a multiple of ``CHECKPOINT_INTERVAL`` (1000) is written, the
+  index entries waiting are written and both files fsynced (unless that record is the segment's first). So if
+  the index covers an id ``c = k·1000 > first``, every record and index entry below ``c`` is durable;
 * :meth:`Segment.truncate` cuts and fsyncs the data file first, then the index, so a crash in between never
   resurrects truncated records;
 * a new segment's headers are fsynced before its first append; a full segment is fsynced before the next one
@@ -49,7 +53,8 @@ records are re-verified one by one (id sequence, length inside the file, record 
 rewritten, until the first bad or partial record; the data file is truncated after the last good record, the
 index trimmed to match, and both fsynced. The original Waltz restarts from ``localLowWaterMark`` when it is
 higher; we do not, because index entries after the last checkpoint were never fsynced and may be garbage even
-when the records are durable. Rescanning from the checkpoint costs at most 1000 records more.
+when the records are durable. Rescanning from the checkpoint costs at most 2000 records (the index file
+reaches a checkpoint's id only when the next checkpoint writes the entries waiting).
 """
 
 from __future__ import annotations
@@ -344,6 +349,9 @@ class Segment:
         self.writable = writable
         self._data_dirty = False
         self._index_dirty = False
+        self._index_tail = bytearray()
+        """Index entries of the newest records, not yet written to the index file (at most
+        ``CHECKPOINT_INTERVAL``): written by :meth:`sync` (every checkpoint, close, truncation)."""
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -500,7 +508,7 @@ class Segment:
         the data file past ``size_threshold_bytes``. Each stretch of records is one ``pwrite`` to each file; a
         run is split only at a checkpoint id (a multiple of 1000), before which both files are fsynced.
         """
-        data_file, index_file = self._files()
+        data_file, _ = self._files()
         if not self.writable:
             raise StorageError(f"{self.data_path}: segment is read-only")
         threshold = size_threshold_bytes if size_threshold_bytes is not None else 1 << 62
@@ -518,15 +526,16 @@ class Segment:
                 base = self._data_size
                 if base + ends[j - 1] - run_base > threshold:
                     j = bisect.bisect_right(ends, threshold - base + run_base, i, j) + 1
-                starts = [base]
-                starts += [base + e - run_base for e in ends[i : j - 1]]
                 data_file.pwrite(view[run_base : ends[j - 1]], base)
-                index_file.pwrite(
-                    struct.pack(f">{j - i}q", *starts), SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * self._count
+                # The index entries wait in memory for the next checkpoint (see _index_tail): recovery never
+                # trusts entries after the last checkpoint anyway, and a pwrite per append was a sixth of the
+                # kernel work of an append request.
+                self._index_tail += struct.pack(
+                    f">{j - i}q", base, *map((base - run_base).__add__, ends[i : j - 1])
                 )
                 self._data_size = base + ends[j - 1] - run_base
                 self._count += j - i
-                self._data_dirty = self._index_dirty = True
+                self._data_dirty = True
                 i = j
         finally:
             view.release()
@@ -547,6 +556,7 @@ class Segment:
     def sync(self) -> None:
         """Make the data file and the index durable."""
         data_file, index_file = self._files()
+        self._write_index_tail()
         if self._data_dirty:
             data_file.fsync(data_only=True)
             self._data_dirty = False
@@ -554,11 +564,21 @@ class Segment:
             index_file.fsync(data_only=True)
             self._index_dirty = False
 
+    def _write_index_tail(self) -> None:
+        tail = self._index_tail
+        if tail:
+            _, index_file = self._files()
+            written = self._count - len(tail) // INDEX_ENTRY_BYTES
+            index_file.pwrite(tail, SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * written)
+            self._index_tail = bytearray()
+            self._index_dirty = True
+
     def truncate(self, transaction_id: int) -> None:
         """Keep the records ``<= transaction_id``; durable when this returns."""
         data_file, index_file = self._files()
         if not self.writable:
             raise StorageError(f"{self.data_path}: segment is read-only")
+        self._write_index_tail()
         if transaction_id < self.first_transaction_id - 1:
             raise StorageError(
                 f"{self.data_path}: cannot truncate to {transaction_id}, before the segment's first id"
@@ -580,19 +600,32 @@ class Segment:
 
     # -------------------------------------------------------------------------------------------- reads
 
-    def _offset_of(self, entry: int) -> int:
+    def _index_entries(self, entry: int, n: int) -> bytes | bytearray:
+        """Index entries ``entry .. entry+n-1`` as stored (shorter if the index file is), from the file and
+        the entries not yet written to it: the newest records' offsets need no pread."""
+        tail = self._index_tail
+        written = self._count - len(tail) // INDEX_ENTRY_BYTES
+        if entry >= written:
+            lo = (entry - written) * INDEX_ENTRY_BYTES
+            return tail[lo : lo + INDEX_ENTRY_BYTES * n]
         _, index_file = self._files()
-        raw = index_file.pread(INDEX_ENTRY_BYTES, SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * entry)
+        in_file = min(n, written - entry)
+        raw = index_file.pread(INDEX_ENTRY_BYTES * in_file, SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * entry)
+        if in_file < n and len(raw) == INDEX_ENTRY_BYTES * in_file:
+            raw += tail[: INDEX_ENTRY_BYTES * (n - in_file)]
+        return raw
+
+    def _offset_of(self, entry: int) -> int:
+        raw = self._index_entries(entry, 1)
         if len(raw) != INDEX_ENTRY_BYTES:
             raise CorruptionError(f"{self.index_path}: index entry {entry} is missing")
         return int(_I64.unpack(raw)[0])
 
     def _offsets(self, entry: int, count: int) -> list[int]:
         """Offsets of records ``entry .. entry+count-1`` plus the end of the last one (count + 1 values)."""
-        _, index_file = self._files()
         with_next = entry + count < self._count
         n = count + 1 if with_next else count
-        raw = index_file.pread(INDEX_ENTRY_BYTES * n, SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * entry)
+        raw = self._index_entries(entry, n)
         if len(raw) != INDEX_ENTRY_BYTES * n:
             raise CorruptionError(f"{self.index_path}: index is shorter than {self._count} entries")
         offsets = list(struct.unpack(f">{n}q", raw))
@@ -856,14 +889,11 @@ class Segment:
             ids = range(transaction_id, transaction_id + 1)
         else:
             ids = range(first, self.max_transaction_id + 1)
-        _, index_file = self._files()
         chunk = 4096
         expected_offset = SEGMENT_HEADER_BYTES if transaction_id is None else None
         for lo in range(ids.start, ids.stop, chunk):
             hi = min(ids.stop, lo + chunk)
-            raw = index_file.pread(
-                INDEX_ENTRY_BYTES * (hi - lo), SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * (lo - first)
-            )
+            raw = self._index_entries(lo - first, hi - lo)
             for txn in range(lo, hi):
                 j = (txn - lo) * INDEX_ENTRY_BYTES
                 if j + INDEX_ENTRY_BYTES > len(raw):
