@@ -769,6 +769,19 @@ class Segment:
             raise StorageError(f"{self.data_path}: transaction {transaction_id} is not in this segment")
         return offsets[0], raw
 
+    def scanned_max_transaction_id(self) -> int:
+        """The last id of the records that verify in sequence from the index's last entry to the end of the
+        data file, read-only (for tools on a stopped node: a node that was killed never wrote the index
+        entries after its last checkpoint, which its own recovery finds by the same scan)."""
+        if self._count:
+            start = self._verify_at(self.max_transaction_id, self._data_size)
+            if start is None:
+                return self.max_transaction_id
+        else:
+            start = SEGMENT_HEADER_BYTES
+        offsets, _ = self._scan(self.max_transaction_id + 1, start, self._data_size)
+        return self.max_transaction_id + len(offsets)
+
     def record_offset(self, transaction_id: int) -> int:
         """Data-file offset of a held transaction (for tools)."""
         if self._range(transaction_id, 1) == 0:
