@@ -403,7 +403,7 @@ def test_wire_run_is_the_stored_layout() -> None:
     assert seg.read_records(5, 10) == first + second
 
 
-@pytest.mark.parametrize("count", [3, 30])
+@pytest.mark.parametrize("count", [3, 30, 300])
 @pytest.mark.parametrize("size", [0, 16, 512])
 def test_wire_run_of_records_of_one_size_is_the_stored_layout(count: int, size: int) -> None:
     """Requests of records of one size (checked and converted in bulk from 4 records on) give the bytes and
@@ -419,7 +419,7 @@ def test_wire_run_of_records_of_one_size_is_the_stored_layout(count: int, size: 
     assert ends == [47, 94] + [94 + (40 + size) * (k + 1) for k in range(count)]
 
 
-@pytest.mark.parametrize("count", [3, 30])
+@pytest.mark.parametrize("count", [3, 30, 300])
 @pytest.mark.parametrize("where", [0, 1, -1])
 @pytest.mark.parametrize("bad", ["gap", "checksum", "torn"])
 def test_wire_run_refuses_a_bad_request_and_keeps_the_group(count: int, where: int, bad: str) -> None:
