@@ -277,9 +277,9 @@ class _UniformWireLayout(NamedTuple):
 
 @functools.lru_cache(maxsize=256)
 def _uniform_wire_layout(count: int, data_bytes: int) -> _UniformWireLayout:
-    """Cached: building one (parsing its formats) costs ~6 us for 30 records, half of what the bulk path saves
-    on them, and a server's batches of one record size come in at most ``_BULK_MAX_RECORDS`` counts. Each holds 11 codes of
-    32 bytes per record: at most ~45 KB, ~11 MB for a full cache."""
+    """Cached: building one (parsing its formats) costs ~6 us for 30 records, half of what the bulk path
+    saves on them, and a server's batches of one record size come in at most ``_BULK_MAX_RECORDS`` counts.
+    Each holds 11 codes of 32 bytes per record: at most ~45 KB, ~11 MB for a full cache."""
     return _UniformWireLayout(
         struct.Struct(">" + f"q{_WIRE_PREFIX_BYTES - 8 + data_bytes + 4}x" * count),
         struct.Struct(">" + f"{_WIRE_PREFIX_BYTES + data_bytes}xI" * count),
@@ -523,9 +523,9 @@ class Segment:
 
         The run was checked by whoever built it (:func:`append_wire_run`, :func:`verify_client_checksums`):
         ids dense, data checksums right, record checksums computed. Writing stops after the record that takes
-        the data file past ``size_threshold_bytes``. Each stretch of records is one ``pwrite`` to the data file
-        (the index entries wait in memory); a run is split only at a checkpoint id (a multiple of 1000), before
-        which the index entries waiting are written and both files fsynced.
+        the data file past ``size_threshold_bytes``. Each stretch of records is one ``pwrite`` to the data
+        file (the index entries wait in memory); a run is split only at a checkpoint id (a multiple of 1000),
+        before which the index entries waiting are written and both files fsynced.
         """
         data_file, _ = self._files()
         if not self.writable:
