@@ -195,3 +195,27 @@ def test_offline_max_transaction_id_counts_records_after_the_index(tmp_path: Pat
         f.write(b"\x00" * 30)  # a torn record after them
     assert offline_max_transaction_id(tmp_path, 0) == 1009
     log.close()
+
+
+def test_tools_see_a_running_nodes_records_after_the_index(tmp_path: Path) -> None:
+    """The writable segment's index entries after the last checkpoint live in the node's memory: verify, stats
+    and dump of a running (or killed) node's segment still see those records, verified, and do not call them
+    stray bytes after the index."""
+    log = PartitionLog.open(str(tmp_path), KEY, 0)
+    log.append(_records(1010))
+    log.flush()  # no close: the entries after the checkpoint at 1000 stay in memory
+    path = str(tmp_path / "0" / data_file_name(0))
+    try:
+        assert verify_segment(path) == []
+        assert verify_segment(path, 1005) == []
+        assert segment_stats(path).rows == 1010
+        lines = dump_segment(path, records=True)
+        assert len(lines) == 1010 and lines[-1].startswith("transaction 1009:")
+        assert "max transaction id: 1009" in dump_segment(path, metadata=True)
+        assert dump_segment(path, transaction_id=1009)[0].startswith("offset ")
+        with open(path, "ab") as f:
+            f.write(b"\x00" * 30)  # a torn record after them: the node would cut it, verify says so
+        assert verify_segment(path) == ["30 bytes after the last indexed record"]
+        assert segment_stats(path).rows == 1010
+    finally:
+        log.close()
