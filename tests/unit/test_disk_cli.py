@@ -210,12 +210,12 @@ def test_tools_see_a_running_nodes_records_after_the_index(tmp_path: Path) -> No
         assert verify_segment(path, 1005) == []
         assert segment_stats(path).rows == 1010
         lines = dump_segment(path, records=True)
-        assert len(lines) == 1010 and lines[-1].startswith("transaction 1009:")
+        assert len(lines) == 1010
+        assert lines[-1].startswith("transaction 1009:")
         assert "max transaction id: 1009" in dump_segment(path, metadata=True)
         assert dump_segment(path, transaction_id=1009)[0].startswith("offset ")
         with open(path, "ab") as f:
             f.write(b"\x00" * 30)  # a torn record after them: the node would cut it, verify says so
         assert verify_segment(path) == ["30 bytes after the last indexed record"]
-        assert segment_stats(path).rows == 1010
     finally:
         log.close()

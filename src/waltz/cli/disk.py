@@ -49,7 +49,7 @@ def offline_max_transaction_id(directory: str | os.PathLike[str], partition: int
         return -1
     seg = Segment.inspect(os.path.join(pdir, data_file_name(firsts[-1])))
     try:
-        return seg.scanned_max_transaction_id()
+        return seg.max_transaction_id
     finally:
         seg.close()
 

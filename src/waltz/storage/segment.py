@@ -444,13 +444,20 @@ class Segment:
 
     @classmethod
     def inspect(cls, data_path: str, *, fs: FileSystem = OS_FS) -> Segment:
-        """Open a segment read-only from its ``.seg`` path, for tools: no key check, no recovery."""
+        """Open a segment read-only from its ``.seg`` path, for tools: no key check, no recovery; the records
+        that verify after the index's end count (see :meth:`_adopt_unindexed_records`)."""
         parsed = parse_segment_name(os.path.basename(data_path))
         if parsed is None or parsed[1] != ".seg":
             raise StorageError(
                 f"{data_path}: not a segment data file name (expected NNNNNNNNNNNNNNNNNNN.seg)"
             )
-        return cls.open(fs, os.path.dirname(data_path) or ".", parsed[0], key=None, partition_id=None)
+        seg = cls.open(fs, os.path.dirname(data_path) or ".", parsed[0], key=None, partition_id=None)
+        try:
+            seg._adopt_unindexed_records()
+        except BaseException:
+            seg.close()
+            raise
+        return seg
 
     def close(self) -> None:
         """Close both files; a writable segment is fsynced first. Idempotent."""
@@ -788,18 +795,21 @@ class Segment:
             raise StorageError(f"{self.data_path}: transaction {transaction_id} is not in this segment")
         return offsets[0], raw
 
-    def scanned_max_transaction_id(self) -> int:
-        """The last id of the records that verify in sequence from the index's last entry to the end of the
-        data file, read-only (for tools on a stopped node: a node that was killed never wrote the index
-        entries after its last checkpoint, which its own recovery finds by the same scan)."""
+    def _adopt_unindexed_records(self) -> None:
+        """Count, read-only, the records that verify in sequence after the index's last entry, their offsets
+        kept in memory as a running node keeps them: the writable segment's index entries after its last
+        checkpoint wait in the node's memory (a killed node never wrote them), so tools see what the node
+        holds and its recovery keeps. A torn tail after them is left out, as recovery cuts it."""
         if self._count:
             start = self._verify_at(self.max_transaction_id, self._data_size)
             if start is None:
-                return self.max_transaction_id
+                return
         else:
             start = SEGMENT_HEADER_BYTES
-        offsets, _ = self._scan(self.max_transaction_id + 1, start, self._data_size)
-        return self.max_transaction_id + len(offsets)
+        offsets, _ = self._scan(self.next_transaction_id, start, self._data_size)
+        if offsets:
+            self._index_tail = bytearray(struct.pack(f">{len(offsets)}q", *offsets))
+            self._count += len(offsets)
 
     def record_offset(self, transaction_id: int) -> int:
         """Data-file offset of a held transaction (for tools)."""
