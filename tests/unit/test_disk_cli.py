@@ -20,7 +20,7 @@ from waltz.errors import ConfigError, StorageError
 from waltz.protocol.records import Record, ReqId
 from waltz.storage.controlfile import CONTROL_FILE_NAME, FLAG_ASSIGNED, FLAG_AVAILABLE, ControlFile
 from waltz.storage.partition import PartitionLog
-from waltz.storage.segment import data_file_name, index_file_name
+from waltz.storage.segment import SegmentHeader, data_file_name, index_file_name
 
 KEY = uuid.UUID("12345678-1234-5678-1234-567812345678")
 
@@ -219,3 +219,25 @@ def test_tools_see_a_running_nodes_records_after_the_index(tmp_path: Path) -> No
         assert verify_segment(path) == ["30 bytes after the last indexed record"]
     finally:
         log.close()
+
+
+@pytest.mark.parametrize("leftover", ["torn_index_header", "headerless_data_file"])
+def test_offline_max_transaction_id_skips_a_segment_left_half_created(tmp_path: Path, leftover: str) -> None:
+    """A crash during a roll-over can leave the new segment half-created (its index header torn, or only a
+    header-less data file): the node removes it when it opens the partition and serves the previous segment's
+    records, and the offline max id says the same instead of failing on it."""
+    log = PartitionLog.open(str(tmp_path), KEY, 0, segment_size_threshold_bytes=4096)
+    log.append(_records(200))
+    log.flush()
+    last = log.max_transaction_id
+    log.close()
+    pdir = tmp_path / "0"
+    header = SegmentHeader(0, 1, KEY, 0, last + 1).encode()
+    if leftover == "torn_index_header":
+        (pdir / data_file_name(last + 1)).write_bytes(header)
+        (pdir / index_file_name(last + 1)).write_bytes(header[:8] + bytes(range(120)))
+    else:
+        (pdir / data_file_name(last + 1)).write_bytes(b"\x00" * 40)
+    assert offline_max_transaction_id(tmp_path, 0) == last
+    with PartitionLog.open(str(tmp_path), KEY, 0, segment_size_threshold_bytes=4096) as log:
+        assert log.max_transaction_id == last
