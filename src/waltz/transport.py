@@ -941,6 +941,23 @@ class FramedConnection:
             self._flush_out()
         self._last_write_s = self._loop.time()
 
+    def send_framed(self, frames: bytes) -> None:
+        """Write ``frames``: whole frames the caller framed itself, with this connection's magic and
+        negotiated version and each within ``max_frame_bytes`` (unchecked here), after the frames queued
+        before them. For a sender that encodes its frames' headers and payloads in one pass (the client's
+        appends): :meth:`send_many` would frame and copy them once more. Handed to the transport at once
+        unless frames of this iteration are queued (then they join them). Raises as :meth:`send`."""
+        if self._closed or self._error is not None or self._transport.is_closing():
+            self._check_writable()  # Raises the error that says why.
+        out = self._out
+        if out is None:
+            self._transport.write(frames)
+        else:
+            out += frames
+            if len(out) >= _COALESCE_MAX_BYTES:
+                self._flush_out()
+        self._last_write_s = self._loop.time()
+
     def _flush_out(self) -> None:
         """Hand the frames queued in this loop iteration to the transport, in order."""
         out, self._out = self._out, None

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from ssl import SSLContext
 from typing import Final, Protocol
 
+from waltz.client.builder import TransactionBuilder
 from waltz.client.driver import MountState
 from waltz.client.rpc import connect_server
 from waltz.errors import (
@@ -49,6 +50,7 @@ from waltz.errors import (
     RemoteProtocolError,
 )
 from waltz.protocol import client_server as cs
+from waltz.protocol.framing import FRAME_HEADER, MAGIC_CLIENT
 from waltz.protocol.records import ReqId
 from waltz.transport import FramedConnection
 
@@ -224,8 +226,9 @@ class StreamLink:
         self.version = 0
         self.incarnation = -1
         self.max_frame_bytes = 0  # The connection's limit (read once per connection, not per append).
-        # Appends encoded in this loop iteration, written to _appends_conn in one send_many at its end (see
-        # queue_append); every other write on the link writes them first, so the link's order holds.
+        # Appends framed in this loop iteration (pieces of frames, in order), written to _appends_conn in one
+        # write at its end (see queue_built); every other write on the link writes them first, so the link's
+        # order holds.
         self._appends: list[bytes] = []
         self._appends_conn: FramedConnection | None = None
         self._loop = asyncio.get_running_loop()
@@ -269,16 +272,10 @@ class StreamLink:
 
     def queue_append(self, conn: FramedConnection, payload: bytes) -> None:
         """Queue an encoded AppendRequest for ``conn`` (the link's connection): the appends of one loop
-        iteration are framed and handed to the connection in one ``send_many`` when its callbacks run,
-        instead of one ``send`` (a frame, a check and a copy) each. An append the connection cannot take
-        then (it broke meanwhile) is dropped, as the driver contract allows: the flush after the next READY
-        resolves it. One over the frame limit is refused here, at once, as ``send`` refuses it."""
-        appends = self._appends
-        if not appends:
-            if conn.is_closed:
-                raise BrokenResourceError(f"connection to {self.endpoint} lost")
-            self._appends_conn = conn
-            self._loop.call_soon(self.flush_appends)
+        iteration are framed into one buffer and handed to the connection in one write when its callbacks
+        run (see :meth:`queue_built`). An append the connection cannot take then (it broke meanwhile) is
+        dropped, as the driver contract allows: the flush after the next READY resolves it. One over the
+        frame limit is refused here, at once, as ``send`` refuses it."""
         if len(payload) > self.max_frame_bytes:
             self.flush_appends()  # Those before it keep their place.
             try:
@@ -286,7 +283,26 @@ class StreamLink:
             except ConnectionError_ as e:
                 raise BrokenResourceError(f"connection to {self.endpoint} lost: {e}") from None
             return
-        appends.append(payload)
+        pieces = self._pieces(conn)
+        pieces.append(FRAME_HEADER.pack(MAGIC_CLIENT, self.version, len(payload)))
+        pieces.append(payload)
+
+    def queue_built(self, conn: FramedConnection, req_id: ReqId, builder: TransactionBuilder) -> None:
+        """:meth:`queue_append` of ``builder.build(req_id)``, framed straight from the builder's fields
+        (``cs.frame_append``: no AppendRequest, no payload copied before the frame's): the hot path, once per
+        pipelined append. What the shortcut does not cover takes the general path."""
+        if not builder.frame_append(self._pieces(conn), MAGIC_CLIENT, self.version, self.max_frame_bytes, req_id):
+            self.queue_append(conn, cs.append_payload(builder.build(req_id), self.version))
+
+    def _pieces(self, conn: FramedConnection) -> list[bytes]:
+        """The framed bytes queued for this loop iteration's write on ``conn`` (a write scheduled with the
+        first of them)."""
+        if not self._appends:
+            if conn.is_closed:
+                raise BrokenResourceError(f"connection to {self.endpoint} lost")
+            self._appends_conn = conn
+            self._loop.call_soon(self.flush_appends)
+        return self._appends
 
     def flush_appends(self) -> None:
         """Hand the queued appends to the connection they were queued for (nothing if it is gone)."""
@@ -298,9 +314,9 @@ class StreamLink:
         if conn is None or conn is not self.conn:
             return  # Lost with their connection: the READY after the reconnect resolves them.
         try:
-            conn.send_many(appends)
+            conn.send_framed(b"".join(appends))
         except ConnectionError_ as e:
-            log.debug("%d appends to %s not sent: %s", len(appends), self.endpoint, e)
+            log.debug("appends to %s not sent: %s", self.endpoint, e)
 
     async def aclose(self) -> None:
         self._closed = True

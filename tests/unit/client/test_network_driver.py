@@ -9,12 +9,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.driver import AppendRequest, MountState
 from waltz.client.network import Endpoints, NetworkDriver
 from waltz.errors import BrokenResourceError, PartitionNotReadyError
 from waltz.protocol import client_server as cs
-from waltz.protocol.framing import MAGIC_CLIENT
+from waltz.protocol.framing import FRAME_HEADER_BYTES, MAGIC_CLIENT
 from waltz.protocol.records import ReqId, crc32
 from waltz.transport import FramedConnection, FramedServer, serve
 
@@ -453,22 +454,27 @@ def test_the_appends_of_one_loop_iteration_leave_in_one_write_before_anything_se
             assert link.conn is not None
             calls: list[tuple[str, int]] = []
             client_conn = link.conn
-            send_many, send = client_conn.send_many, client_conn.send
-            client_conn.send_many = lambda payloads: (  # type: ignore[method-assign]
-                calls.append(("send_many", len(list(payloads)))),
-                send_many(payloads),
-            )[1]
-            client_conn.send = lambda payload: (calls.append(("send", 1)), send(payload))[1]  # type: ignore[method-assign]
 
             def append(seq: int) -> AppendRequest:
                 return AppendRequest(append_id(seq), -1, (), (), (), 0, b"x", crc32(b"x"))
 
-            for seq in (1, 2, 3):
-                driver.send_append(0, append(seq))
+            frame_bytes = FRAME_HEADER_BYTES + len(cs.encode(append(1), client_conn.negotiated_version))
+            send_framed, send = client_conn.send_framed, client_conn.send
+            client_conn.send_framed = lambda frames: (  # type: ignore[method-assign]
+                calls.append(("send_framed", len(frames) // frame_bytes)),
+                send_framed(frames),
+            )[1]
+            client_conn.send = lambda payload: (calls.append(("send", 1)), send(payload))[1]  # type: ignore[method-assign]
+
+            builder = TransactionBuilder(0, -1)
+            builder.set_transaction_data(b"x")
+            driver.send_append(0, append(1))
+            driver.send_built(0, append_id(2), builder)  # The core's path: the same frame, queued alike.
+            driver.send_append(0, append(3))
             driver.send_flush(0, append_id(3))  # Writes the three appends first.
             driver.send_append(0, append(4))
             await asyncio.sleep(0)  # The loop's callbacks: the fourth append's write.
-            assert calls == [("send_many", 3), ("send", 1), ("send_many", 1)]
+            assert calls == [("send_framed", 3), ("send", 1), ("send_framed", 1)]
             received = []
             while len(received) < 5:
                 _, msg = await server.expect(cs.Message)
@@ -486,6 +492,6 @@ def test_the_appends_of_one_loop_iteration_leave_in_one_write_before_anything_se
             link.conn = None
             link.flush_appends()
             link.conn = client_conn
-            assert calls[-1] == ("send_many", 1)
+            assert calls[-1] == ("send_framed", 1)
 
     asyncio.run(main())
