@@ -291,7 +291,8 @@ class StreamLink:
         """:meth:`queue_append` of ``builder.build(req_id)``, framed straight from the builder's fields
         (``cs.frame_append``: no AppendRequest, no payload copied before the frame's): the hot path, once per
         pipelined append. What the shortcut does not cover takes the general path."""
-        if not builder.frame_append(self._pieces(conn), MAGIC_CLIENT, self.version, self.max_frame_bytes, req_id):
+        pieces = self._pieces(conn)
+        if not builder.frame_append(pieces, MAGIC_CLIENT, self.version, self.max_frame_bytes, req_id):
             self.queue_append(conn, cs.append_payload(builder.build(req_id), self.version))
 
     def _pieces(self, conn: FramedConnection) -> list[bytes]:
