@@ -641,6 +641,27 @@ class FramedConnection:
             else:
                 self._resume_reading()
 
+    def pause_delivery(self) -> None:
+        """For :meth:`deliver_payloads`' receiver that has no room for more (e.g. from ``on_payloads``):
+        read nothing more from the peer (TCP then pushes back) until :meth:`resume_delivery`. The payloads of
+        the read being delivered are all handed over first."""
+        if self._sink is not None:
+            self._pause_reading()
+
+    def resume_delivery(self) -> None:
+        """Read and deliver again after :meth:`pause_delivery` (nothing if the connection ended)."""
+        if self._sink is not None and not self.is_closed:
+            self._resume_reading()
+
+    def reject(self, error: RemoteProtocolError) -> None:
+        """For :meth:`deliver_payloads`' receiver: the peer sent a payload it cannot decode (garbage in a
+        well-formed frame). Logged and aborted as bad framing is, and ``on_end(error)`` told at once; nothing
+        more is delivered."""
+        if self._sink is None:
+            return
+        self._protocol_failure(error)
+        self._end_delivery()
+
     def _deliver_read(self, data: bytes | None) -> None:
         """:meth:`deliver_payloads`' share of the data callback: decode this read, hand its payloads over."""
         proto = self._proto

@@ -232,6 +232,8 @@ class StreamLink:
         self._appends: list[bytes] = []
         self._appends_conn: FramedConnection | None = None
         self._loop = asyncio.get_running_loop()
+        # Resumes reading once every partition's inbox has room again (see _wait_for_room).
+        self._room_task: asyncio.Task[None] | None = None
         self._wanted = asyncio.Event()
         self._closed = False
         self._task = self._loop.create_task(self._run(), name=f"waltz-link {endpoint}")
@@ -335,7 +337,7 @@ class StreamLink:
                 await self._wanted.wait()
                 continue
             try:
-                conn = await connect_server(self.endpoint, self.owner.ssl)
+                conn = await connect_server(self.endpoint, self.owner.ssl, callback_reads=True)
             except ConfigError as e:
                 # Such as a plain client meeting a TLS server: retrying will not help, but the assignment may
                 # move the partitions to a server that takes us, so keep the link (slowly).
@@ -366,48 +368,84 @@ class StreamLink:
                 self.owner.abandon(mount)
 
     async def _read(self, conn: FramedConnection) -> None:
-        owner = self.owner
+        """Route what ``conn`` receives until it ends (raises why): each socket read's payloads are routed
+        from the transport's data callback (``FramedConnection.deliver_payloads``), in the loop pass that
+        read them: no reader task woken per read, no StreamReader."""
+        ended: asyncio.Future[BaseException] = self._loop.create_future()
+
+        def on_end(reason: BaseException) -> None:
+            if not ended.done():
+                ended.set_result(reason)
+
         version = conn.negotiated_version
         decode = cs.decode
         decode_feed_run = cs.decode_feed_run
-        mounts = owner.mounts
-        listener = owner.listener
+        mounts = self.owner.mounts
+        listener = self.owner.listener
         # A listener that takes feed entries without a coroutine (the core does) gets them straight from here
         # when nothing of their partition is queued before them: no event object, no inbox, no task hop; one
         # that takes a whole run of them gets each run of one partition's entries in a read in one call.
         nowait: FeedNowait | None = getattr(listener, "feed_data_nowait", None)
         run_nowait: FeedRunNowait | None = getattr(listener, "feed_run_nowait", None)
-        burst: list[bytes] = []
-        while True:
-            burst.append(await conn.receive())
-            # Then every message already buffered, in one call (a burst of feed entries).
-            error: Exception | None = None
-            try:
-                conn.receive_buffered(burst)
-            except (ConnectionError_, ProtocolError) as e:
-                error = e  # Raised once the messages before it were handled, as if read one by one.
+
+        def on_payloads(burst: list[bytes]) -> None:
+            """The payloads of one socket read, in order (from the transport's data callback)."""
             i, n = 0, len(burst)
-            while i < n:
-                # The feed entries of one partition at burst[i:], decoded in one pass (most of a read).
-                partition_id, entries, end = decode_feed_run(burst, i)
-                if not entries:
-                    self._on_message(decode(burst[i], version))
-                    i += 1
-                    continue
-                i = end
-                mount = mounts.get(partition_id)
-                if (
-                    mount is not None
-                    and mount.link is self
-                    and not mount.closed
-                    and _on_feed_run(run_nowait, nowait, mount, entries)
-                ):
+            full = False
+            try:
+                while i < n:
+                    # The feed entries of one partition at burst[i:], decoded in one pass (most of a read).
+                    partition_id, entries, end = decode_feed_run(burst, i)
+                    if not entries:
+                        self._on_message(decode(burst[i], version))
+                        i += 1
+                        continue
+                    i = end
+                    mount = mounts.get(partition_id)
+                    if (
+                        mount is not None
+                        and mount.link is self
+                        and not mount.closed
+                        and _on_feed_run(run_nowait, nowait, mount, entries)
+                    ):
+                        full = True
+            except RemoteProtocolError as e:
+                # Garbage in a well-formed frame: the connection ends (logged as bad framing is), the link
+                # reconnects; the messages before it were handled, as if read one by one.
+                conn.reject(e)
+                return
+            if full:
+                self._wait_for_room(conn)
+
+        try:
+            conn.deliver_payloads(on_payloads, on_end)
+            raise await ended
+        finally:
+            room_task, self._room_task = self._room_task, None
+            if room_task is not None:
+                room_task.cancel()
+
+    def _wait_for_room(self, conn: FramedConnection) -> None:
+        """A partition's inbox is full: read nothing more from ``conn`` until every partition of the link has
+        room again (TCP pushes back on the server meanwhile)."""
+        conn.pause_delivery()
+        if self._room_task is None:
+            self._room_task = self._loop.create_task(
+                self._resume_with_room(conn), name=f"waltz-room {self.endpoint}"
+            )
+
+    async def _resume_with_room(self, conn: FramedConnection) -> None:
+        try:
+            while True:
+                full = [m for m in self.attached.values() if m.feed_queued >= INBOX_FEED_LIMIT]
+                if not full:
+                    break
+                for mount in full:
                     await mount.wait_room(self)
-                    if conn.is_closed:
-                        conn.receive_nowait()  # Raises why, as the next read would have.
-            burst.clear()
-            if error is not None:
-                raise error
+        finally:
+            if self._room_task is asyncio.current_task():
+                self._room_task = None
+        conn.resume_delivery()
 
     def _on_message(self, msg: cs.Message) -> None:
         """Queue a message other than FeedData for its partition's delivery task."""
