@@ -293,7 +293,12 @@ class StreamLink:
         """:meth:`queue_append` of ``builder.build(req_id)``, framed straight from the builder's fields
         (``cs.frame_append``: no AppendRequest, no payload copied before the frame's): the hot path, once per
         pipelined append. What the shortcut does not cover takes the general path."""
-        pieces = self._pieces(conn)
+        pieces = self._appends
+        if not pieces:  # self._pieces(conn), inline (once per append)
+            if conn.is_closed:
+                raise BrokenResourceError(f"connection to {self.endpoint} lost")
+            self._appends_conn = conn
+            self._loop.call_soon(self.flush_appends)
         if not builder.frame_append(pieces, MAGIC_CLIENT, self.version, self.max_frame_bytes, req_id):
             self.queue_append(conn, cs.append_payload(builder.build(req_id), self.version))
 
