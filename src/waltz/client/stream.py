@@ -12,8 +12,14 @@ partition from the last transaction id it delivered.
 
 A mounted partition (:class:`Mount`) has an inbox of :data:`MountEvent` and a delivery task (the driver's)
 that awaits the listener for one event at a time, in arrival order, so partitions never wait on one
-another's application. The inbox holds at most :data:`INBOX_FEED_LIMIT` feed entries; beyond that the
-connection's reader waits (TCP back pressure towards the server).
+another's application. The inbox holds at most :data:`INBOX_FEED_LIMIT` feed entries (plus what the socket
+read that filled it carried); beyond that the connection reads nothing more until every partition on it has
+room again (TCP back pressure towards the server).
+
+The connection's payloads are routed from the transport's data callback (``open_connection(...,
+callback_reads=True)``, ``FramedConnection.deliver_payloads``), in the loop pass that read them: no reader
+task woken per read, no StreamReader. A payload that cannot be decoded ends the connection
+(``FramedConnection.reject``), as bad framing does; the link then reconnects as after any loss.
 
 The common case skips the inbox: the feed entries of one partition in one read are decoded in one pass, and
 those that follow the partition's position, with nothing of the partition queued before them (nor held by
@@ -22,8 +28,9 @@ its delivery task), go from the reader straight to the listener in one call (``f
 (other messages, gaps, repeats, what a full listener did not take) goes through the inbox, so the order of a
 partition's events never changes.
 
-Appends (the bulk of what a client writes) are queued per loop iteration and written in one ``send_many``
-(:meth:`StreamLink.queue_append`); every other write on the link writes them first.
+Appends (the bulk of what a client writes) are framed per loop iteration into one buffer, straight from the
+:class:`~waltz.client.builder.TransactionBuilder` (:meth:`StreamLink.queue_built`), and written in one
+``send_framed``; every other write on the link writes them first.
 
 Everything runs on the client's event loop.
 """
@@ -74,7 +81,7 @@ RECONNECT_INITIAL_DELAY_S: Final = 0.2
 RECONNECT_MAX_DELAY_S: Final = 1.0
 """Back-off between failed connects to one endpoint (a lost connection is re-opened at once)."""
 INBOX_FEED_LIMIT: Final = 1024
-"""Feed entries queued per partition before the connection's reader waits for the application."""
+"""Feed entries queued per partition before the connection stops reading until the application took some."""
 
 FeedNowait = Callable[[int, int, ReqId, int], bool]
 """``feed_data_nowait`` of a :class:`~waltz.client.driver.DriverListener` that offers it."""
@@ -480,8 +487,8 @@ def _on_feed_run(
     """Feed entries for ``mount`` (attached to the link they came on), in arrival order: the leading ones
     that follow the partition's position are delivered at once when nothing of the partition is queued
     before them and the listener has room (repeats after a re-mount are dropped), the rest queued for the
-    delivery task, which decides (repeats, gaps, waits for room). True if the reader must now wait for room
-    in the inbox."""
+    delivery task, which decides (repeats, gaps, waits for room). True if the link must stop reading until
+    the inbox has room again."""
     session = mount.session
     if session is None:
         return False  # No feed session open: from an abandoned one.
