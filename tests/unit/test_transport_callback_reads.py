@@ -712,7 +712,7 @@ def test_an_idle_rpc_connection_sends_keep_alives_and_still_answers(run: Any) ->
     run(main)
 
 
-def test_a_deliver_payloads_receiver_may_pause_resume_and_reject(run: Callable[..., None]) -> None:
+def test_a_deliver_payloads_receiver_may_pause_resume_and_reject(run: Any) -> None:
     """``pause_delivery`` stops reading (nothing delivered) until ``resume_delivery``; ``reject`` ends the
     connection at once with the receiver's RemoteProtocolError, told through ``on_end``, and nothing more
     is delivered."""
