@@ -241,3 +241,21 @@ def test_offline_max_transaction_id_skips_a_segment_left_half_created(tmp_path: 
     assert offline_max_transaction_id(tmp_path, 0) == last
     with PartitionLog.open(str(tmp_path), KEY, 0, segment_size_threshold_bytes=4096) as log:
         assert log.max_transaction_id == last
+
+
+def test_offline_max_transaction_id_of_a_node_killed_part_way_through_a_truncate(tmp_path: Path) -> None:
+    """A truncate cuts the data file (fsynced) before the index: a node killed in between leaves index
+    entries past the data's end, which its recovery drops. The offline max id is the node's, not the
+    stale index length."""
+    log = PartitionLog.open(str(tmp_path), KEY, 0)
+    log.append(_records(1500))
+    log.flush()
+    seg = log.segment_for(0)
+    assert seg is not None
+    cut = seg.record_offset(1200)
+    log.close()
+    with open(tmp_path / "0" / data_file_name(0), "r+b") as f:
+        f.truncate(cut)  # truncate(1199) was killed after its first step
+    assert offline_max_transaction_id(tmp_path, 0) == 1199
+    with PartitionLog.open(str(tmp_path), KEY, 0) as log:
+        assert log.max_transaction_id == 1199
