@@ -37,10 +37,10 @@ PAYLOAD_FORMATS = ("hex", "utf8", "json")
 
 def offline_max_transaction_id(directory: str | os.PathLike[str], partition: int) -> int:
     """A partition's max transaction id read from the segment files under ``directory/partition`` (the
-    storage node may be stopped): the last segment's, -1 when there is none. The files are opened read-only;
-    records after the index's end are counted if they verify (a node killed leaves its newest index entries
-    unwritten), a crash tail the node would cut on its next start is not, nor a newest segment left
-    half-created (the node removes it)."""
+    storage node may be stopped): the last segment's, -1 when there is none. The files are opened read-only
+    and the answer is what the node's recovery will keep: records after the index's end are counted if they
+    verify (a node killed leaves its newest index entries unwritten), index entries past the data's end (a
+    truncate killed part-way) and a crash tail are not, nor a newest segment left half-created."""
     pdir = os.path.join(os.fspath(directory), str(partition))
     try:
         names = os.listdir(pdir)
@@ -57,7 +57,7 @@ def offline_max_transaction_id(directory: str | os.PathLike[str], partition: int
         return -1
     seg = Segment.inspect(os.path.join(pdir, data_file_name(firsts[-1])))
     try:
-        return seg.max_transaction_id
+        return seg.recovered_max_transaction_id()
     finally:
         seg.close()
 

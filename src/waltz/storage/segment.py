@@ -819,8 +819,10 @@ class Segment:
 
     # ---------------------------------------------------------------------------------------- recovery
 
-    def _recover(self, local_low_water_mark: int) -> None:
-        data_file, index_file = self._files()
+    def _recovery_plan(self, *, quiet: bool = False) -> tuple[int, list[int], int]:
+        """What recovery keeps, read-only: the restart point (the last checkpoint the index covers whose
+        record verifies, else ``first - 1``), the offsets of the records that verify in sequence after it,
+        and the end of the last of them."""
         first = self.first_transaction_id
         index_max = first + self._count - 1
         data_size = self._data_size
@@ -837,8 +839,25 @@ class Segment:
             if end is not None:
                 restart, scan_from = r, end
                 break
-            log.warning("%s: checkpoint record %d does not verify; trying an earlier one", self.data_path, r)
+            if not quiet:
+                log.warning(
+                    "%s: checkpoint record %d does not verify; trying an earlier one", self.data_path, r
+                )
         new_offsets, end = self._scan(restart + 1, scan_from, data_size)
+        return restart, new_offsets, end
+
+    def recovered_max_transaction_id(self) -> int:
+        """The max id the node's index recovery will keep, read-only (for tools on a stopped node: the index
+        of one killed may end before its records, or past them part-way through a truncate)."""
+        restart, new_offsets, _ = self._recovery_plan(quiet=True)
+        return restart + len(new_offsets)
+
+    def _recover(self, local_low_water_mark: int) -> None:
+        data_file, index_file = self._files()
+        first = self.first_transaction_id
+        index_max = first + self._count - 1
+        data_size = self._data_size
+        restart, new_offsets, end = self._recovery_plan()
         last = restart + len(new_offsets)
         keep = last - first + 1
         if new_offsets:
