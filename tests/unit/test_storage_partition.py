@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from waltz.cli.disk import offline_max_transaction_id
 from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
 from waltz.protocol.record_run import RecordRun
 from waltz.protocol.records import Record, ReqId
@@ -527,3 +528,21 @@ def test_crash_with_index_entries_in_memory_loses_nothing_acknowledged(seed: int
                 seg = log.segment_for(first)
                 if seg is not None:
                     assert seg.verify() == [], (seed, crash_at, first)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_offline_max_id_after_a_kill_at_every_operation_is_what_the_node_keeps(seed: int) -> None:
+    """A process killed at any operation (every write reached the page cache, as at kill -9: index entries
+    in memory lost, a truncate or roll-over cut part-way): ``waltz storage max-transaction-id --offline``
+    on its files says what the node's recovery then keeps."""
+    probe = CrashFS(seed)
+    _long_workload(probe, seed, [], [0])
+    for crash_at in range(probe.ops):
+        fs = CrashFS(seed * 100_003 + crash_at)
+        fs.arm(crash_at)
+        with contextlib.suppress(SimulatedCrash):
+            _long_workload(fs, seed, [], [0])
+        fs.crash("apply")
+        offline = offline_max_transaction_id(ROOT, PID, fs=fs)
+        with open_log(fs, threshold=LONG_THRESHOLD_BYTES) as log:
+            assert offline == log.max_transaction_id, (seed, crash_at)
