@@ -259,3 +259,21 @@ def test_offline_max_transaction_id_of_a_node_killed_part_way_through_a_truncate
     assert offline_max_transaction_id(tmp_path, 0) == 1199
     with PartitionLog.open(str(tmp_path), KEY, 0) as log:
         assert log.max_transaction_id == 1199
+
+
+def test_tools_read_the_records_before_a_torn_tail(tmp_path: Path) -> None:
+    """A node killed (or still writing) leaves a partial record after its last whole one, which its recovery
+    cuts: stats and dump read every whole record before it, and verify names the stray bytes."""
+    log = PartitionLog.open(str(tmp_path), KEY, 0)
+    log.append(_records(1010))
+    log.flush()
+    path = str(tmp_path / "0" / data_file_name(0))
+    try:
+        with open(path, "ab") as f:
+            f.write(b"\x00" * 30)
+        assert segment_stats(path).rows == 1010
+        assert len(dump_segment(path, records=True)) == 1010
+        assert dump_segment(path, transaction_id=1009)[0].startswith("offset ")
+        assert verify_segment(path) == ["30 bytes after the last indexed record"]
+    finally:
+        log.close()
