@@ -370,6 +370,9 @@ class Segment:
         self._index_tail = bytearray()
         """Index entries of the newest records, not yet written to the index file (at most
         ``CHECKPOINT_INTERVAL``): written by :meth:`sync` (every checkpoint, close, truncation)."""
+        self._records_end: int | None = None
+        """Where the last record ends when bytes that are no record follow it (a tool's view of a torn tail:
+        :meth:`_adopt_unindexed_records`); None when the data file ends with it."""
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -656,7 +659,7 @@ class Segment:
             raise CorruptionError(f"{self.index_path}: index is shorter than {self._count} entries")
         offsets = list(struct.unpack(f">{n}q", raw))
         if not with_next:
-            offsets.append(self._data_size)
+            offsets.append(self._data_size if self._records_end is None else self._records_end)
         prev = SEGMENT_HEADER_BYTES
         for o in offsets:
             if o < prev or o > self._data_size:
@@ -806,10 +809,12 @@ class Segment:
                 return
         else:
             start = SEGMENT_HEADER_BYTES
-        offsets, _ = self._scan(self.next_transaction_id, start, self._data_size)
+        offsets, end = self._scan(self.next_transaction_id, start, self._data_size)
         if offsets:
             self._index_tail = bytearray(struct.pack(f">{len(offsets)}q", *offsets))
             self._count += len(offsets)
+        if end != self._data_size:
+            self._records_end = end
 
     def record_offset(self, transaction_id: int) -> int:
         """Data-file offset of a held transaction (for tools)."""
