@@ -86,7 +86,8 @@ class _Replica:
         if records is not bodies.records:
             bodies.body = st.append_request_body(records)
             bodies.records = records
-        st.encode_append_request(1, 0, 0, bodies.body)
+        # The request's prefix; the body goes to the socket as it is (``storage_client._encode_storage``).
+        st.encode_append_request(1, 0, 0, b"")
         self._max_id = records[-1].transaction_id
         future: asyncio.Future[object] = self._loop.create_future()
         self._loop.call_later(self._bodies.ack_s, future.set_result, None)

@@ -1590,14 +1590,16 @@ class RpcClient(Generic[ReqT, RespT]):
       :meth:`aclose` stops the reading and closes the connection.
 
     The caller chooses sequence numbers (see :meth:`next_seq`); two requests with the same number may not be
-    in flight at once.
+    in flight at once. ``encode`` returns a request's payload, or its ``(head, body)`` parts: one frame whose
+    body is written after the head without being joined to it (:meth:`FramedConnection.send_parts`), for a
+    large body sent as it is (a server's batch of records, the same bytes for every replica).
     """
 
     def __init__(
         self,
         conn: FramedConnection,
         *,
-        encode: Callable[[ReqT], bytes],
+        encode: Callable[[ReqT], bytes | tuple[bytes, bytes]],
         decode: Callable[[bytes], RespT],
         request_seq: Callable[[ReqT], int],
         response_seq: Callable[[RespT], int],
@@ -1685,7 +1687,10 @@ class RpcClient(Generic[ReqT, RespT]):
         payload = self._encode(request)
         future: asyncio.Future[RespT] = self._loop.create_future()
         pending = self._pending
-        if pending:
+        if isinstance(payload, tuple):
+            # A large body (a batch of records, the same bytes for every replica) written from where it is.
+            self._conn.send_parts(*payload)
+        elif pending:
             self._conn.send(payload)  # Joins this iteration's write (requests pipelined on a busy peer).
         else:
             # Nothing in flight to this peer (a lone append's replica request): written now rather than one
@@ -1702,7 +1707,10 @@ class RpcClient(Generic[ReqT, RespT]):
         future: asyncio.Future[RespT] = self._loop.create_future()
         self._pending[seq] = future
         try:
-            self._conn.send(payload)
+            if isinstance(payload, tuple):
+                self._conn.send_parts(*payload)
+            else:
+                self._conn.send(payload)
             await self._conn.drain()
             response = await future
         finally:

@@ -710,3 +710,57 @@ def test_an_idle_rpc_connection_sends_keep_alives_and_still_answers(run: Any) ->
             assert await rpc.call(request(0), timeout_ms=2000) == s.SuccessResponse(1, 0, 0)
 
     run(main)
+
+
+def test_a_request_encoded_as_parts_is_one_frame_in_order_with_the_others(run: Any) -> None:
+    """An encoder may return ``(head, body)``: the body is written after the head, not joined to it, and the
+    peer reads one frame, in order with the requests sent before and after it, by start_call and call."""
+
+    async def main() -> None:
+        async def answer_all(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, proto: Any) -> None:
+            payloads: list[bytes] = []
+            while data := await reader.read(65536):
+                proto.receive_data(data)
+                proto.take_payloads(payloads)
+                for payload in payloads:
+                    req = s.decode(payload)
+                    seen.append(req)
+                    writer.write(success(req))
+                payloads.clear()
+
+        seen: list[s.StorageMessage] = []
+        written: list[object] = []
+
+        def encode(msg: s.StorageMessage) -> bytes | tuple[bytes, bytes]:
+            payload = s.encode(msg)
+            if msg.seq_num % 2:
+                return payload
+            body = payload[9:]
+            bodies.append(body)
+            return payload[:9], body
+
+        bodies: list[bytes] = []
+        async with storage_peer(answer_all) as port:
+            conn = await connect(port, callback_reads=True)
+            writelines = conn._writer.writelines
+
+            def recording(parts: Any) -> None:
+                parts = list(parts)
+                written.extend(parts)
+                writelines(parts)
+
+            conn._writer.writelines = recording  # type: ignore[method-assign]
+            async with RpcClient(
+                conn, encode=encode, decode=s.decode, request_seq=s.seq_num_of, response_seq=s.seq_num_of
+            ) as rpc:
+                # Several in one loop pass (the later ones join a pending write), then one by one.
+                futures = [rpc.start_call(request(seq)) for seq in range(5)]
+                assert await asyncio.gather(*futures) == [s.SuccessResponse(1, q, q % 4) for q in range(5)]
+                assert await rpc.call(request(6), timeout_ms=2000) == s.SuccessResponse(1, 6, 2)
+                assert await rpc.call(request(7), timeout_ms=2000) == s.SuccessResponse(1, 7, 3)
+        assert seen == [request(seq) for seq in (0, 1, 2, 3, 4, 6, 7)]
+        assert len(bodies) == 4
+        for body in bodies:
+            assert any(part is body for part in written)  # handed to the transport as it is
+
+    run(main)
