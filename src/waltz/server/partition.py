@@ -219,6 +219,9 @@ class Partition:
         self.on_failure: Callable[[Partition], None] | None = None
         """Called on the loop when the append task fails: the owner decides what becomes of the partition."""
         self.pending_appends = 0
+        self._locked_pending = 0
+        """Appends submitted by :meth:`_submit_now` with a lock request, not resolved yet: a committed batch
+        looks for lock requests to commit only while there are some (plain appends skip that loop)."""
         self.lock_failures = 0
         self._committed = 0
         self._committed_bytes = 0
@@ -538,6 +541,8 @@ class Partition:
             self.pending_appends -= 1
             self._release(req)
             return False
+        if req is not None:
+            self._locked_pending += 1
         return True
 
     async def _process_append(self, item: _Append) -> None:
@@ -664,17 +669,17 @@ class Partition:
         if not n:
             return
         self.pending_appends -= n
-        locks = self._locks
-        data_bytes = 0
-        for pending in appends:
-            req = pending.tag
-            if req is not None:
-                assert locks is not None  # a lock request was begun in it
-                locks.commit_and_release(req, pending.transaction_id)  # type: ignore[arg-type]
-            data_bytes += len(pending.data)
+        if self._locked_pending:
+            locks = self._locks
+            for pending in appends:
+                req = pending.tag
+                if req is not None:
+                    assert locks is not None  # a lock request was begun in it
+                    locks.commit_and_release(req, pending.transaction_id)  # type: ignore[arg-type]
+                    self._locked_pending -= 1
         pid = self.partition_id
         self._feed_cache.add_run(pid, appends)
-        self._txn_cache.put_run(pid, appends)
+        data_bytes = self._txn_cache.put_run(pid, appends)
         self._committed += n
         self._committed_bytes += data_bytes
         if not self._notify_scheduled:
@@ -689,7 +694,9 @@ class Partition:
         """AppendListener: an append submitted by :meth:`_submit_now` will not commit (the client learns it
         from the feed or a flush: nothing is sent)."""
         self.pending_appends -= 1
-        self._release(append.tag)  # type: ignore[arg-type]
+        if append.tag is not None:
+            self._locked_pending -= 1
+            self._release(append.tag)  # type: ignore[arg-type]
         self.metrics.failed()
 
     def _report_commits(self) -> None:
