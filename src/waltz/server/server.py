@@ -821,6 +821,7 @@ class WaltzServer:
         decode_append = cs.decode_append_fields
         append_type = _APPEND_REQUEST_TYPE
         append_cls = cs.AppendFields
+        feed_request_cls = cs.FeedRequest
         dispatch = self._dispatch
 
         def on_payload(payload: bytes) -> Awaitable[None] | None:
@@ -853,6 +854,13 @@ class WaltzServer:
                             )
                         return None
                     # None: it has to wait for room in the append queue: the general path does.
+            elif type(msg) is feed_request_cls and not self._suspended:
+                # The next feed window (one per window of ~a hundred commits under load), answered here as
+                # _dispatch would: its coroutine made the read hand over to the serving task and pause.
+                part = partitions.get(msg.req_id.partition_id)
+                if part is None or not part.feed_request(peer, msg):
+                    peer.send(cs.MountResponse(msg.req_id, cs.PartitionState.NOT_READY))
+                return None
             return dispatch(peer, msg)
 
         try:
