@@ -116,6 +116,7 @@ class _Peer:
 
     def __init__(self) -> None:
         self.closed = False
+        self.drain_needed = False
         self._proto = ProtocolConnection(MAGIC_CLIENT, cs.SUPPORTED_VERSIONS, "bench")
         self._proto.send_hello()
         self._proto.negotiated_version = VERSION

@@ -166,6 +166,10 @@ class _Connection:
         except ConnectionError_:
             pass
 
+    @property
+    def drain_needed(self) -> bool:
+        return self._conn.drain_needed
+
     async def drain(self) -> None:
         conn = self._conn
         # The feed drains after every batch it sends: with little unsent (nearly always) the drain could not
