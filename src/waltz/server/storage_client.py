@@ -232,11 +232,22 @@ class StorageClient(_Endpoint[st.StorageMessage]):
         request = cast(st.StorageMessage, EncodedAppend(session_id, self._seq(), partition_id, body))
         await self._call(request, st.SuccessResponse)
 
-    def start_append_encoded(self, session_id: int, partition_id: int, body: bytes) -> asyncio.Future[object]:
-        """:meth:`append_encoded` sent now, without a timeout of its own (see ``RpcClient.start_call``): the
-        future's result is the node's SuccessResponse once it fsynced the records."""
+    def start_append_encoded(
+        self,
+        session_id: int,
+        partition_id: int,
+        body: bytes,
+        on_answer: Callable[[asyncio.Future[object]], None] | None = None,
+    ) -> asyncio.Future[object]:
+        """:meth:`append_encoded` sent now, without a timeout of its own (see ``RpcClient.start_call``, also
+        for ``on_answer``): the future's result is the node's SuccessResponse once it fsynced the records."""
         request = cast(st.StorageMessage, EncodedAppend(session_id, self._seq(), partition_id, body))
-        future: asyncio.Future[object] = cast("asyncio.Future[object]", self._rpc.start_call(request))
+        future: asyncio.Future[object] = cast(
+            "asyncio.Future[object]",
+            self._rpc.start_call(
+                request, cast("Callable[[asyncio.Future[st.StorageMessage]], None] | None", on_answer)
+            ),
+        )
         return future
 
     async def read_header(
