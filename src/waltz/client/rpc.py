@@ -70,9 +70,12 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def connect_server(endpoint: str, ssl: SSLContext | None = None) -> FramedConnection:
+async def connect_server(
+    endpoint: str, ssl: SSLContext | None = None, *, callback_reads: bool = False
+) -> FramedConnection:
     """A client-protocol connection to the server at ``endpoint`` (BrokenResourceError if unreachable),
-    over TLS with ``ssl`` (from ``client.ssl.*``)."""
+    over TLS with ``ssl`` (from ``client.ssl.*``); with ``callback_reads`` its payloads are delivered from the
+    transport's callback (``FramedConnection.deliver_payloads``) instead of read by a task."""
     host, port = split_endpoint(endpoint)
     return await open_connection(
         host,
@@ -82,6 +85,7 @@ async def connect_server(endpoint: str, ssl: SSLContext | None = None) -> Framed
         hello_text=CLIENT_HELLO,
         connect_timeout_ms=CONNECT_TIMEOUT_MS,
         ssl=ssl,
+        callback_reads=callback_reads,
     )
 
 
