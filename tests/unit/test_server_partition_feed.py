@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, cast
 
 from waltz.protocol import client_server as cs
@@ -31,6 +31,7 @@ class _Store:
         self.generation = 1
         self.high_water_mark = -1
         self.is_healthy = True
+        self.refuse_tagged = False
         self._pending: list[PendingAppend] = []
 
     async def start(self) -> None:
@@ -42,10 +43,19 @@ class _Store:
     def submit_tagged(
         self, request: cs.AppendFields, listener: AppendListener, tag: object, received_s: float
     ) -> bool:
+        if self.refuse_tagged:
+            return False  # as a full store queue: the partition's append task submits it with submit()
         pending = PendingAppend(request.req_id, request.header, request.data, request.checksum, None, 0)
         pending.listener, pending.tag, pending.received_s = listener, tag, received_s
         self._pending.append(pending)
         return True
+
+    async def submit(
+        self, request: cs.AppendFields, on_resolved: Callable[[int, BaseException | None], None]
+    ) -> None:
+        pending = PendingAppend(request.req_id, request.header, request.data, request.checksum, None, 0)
+        pending.on_resolved = on_resolved
+        self._pending.append(pending)
 
     def commit(self, count: int, *, skip: int | None = None) -> None:
         """Commit the ``count`` oldest appends as one batch; ``skip`` (an index in it) is told apart, before
@@ -54,6 +64,13 @@ class _Store:
         for pending in batch:
             self.high_water_mark += 1
             pending.transaction_id = self.high_water_mark
+        # As the real store: an append with its own callback is told first, the rest in one call.
+        for pending in [p for p in batch if p.on_resolved is not None]:
+            assert pending.on_resolved is not None
+            pending.on_resolved(pending.transaction_id, None)
+            batch.remove(pending)
+        if not batch:
+            return
         listener = batch[0].listener
         assert listener is not None
         if skip is not None:
@@ -213,5 +230,25 @@ def test_a_batch_with_an_append_resolved_on_its_own_goes_through_the_task_in_ord
             assert peer.fed() == before  # id 7 alone does not continue the feed; the rest has a gap
             await _settle()
             assert peer.fed() == list(range(10))
+
+    asyncio.run(main())
+
+
+def test_an_append_resolved_on_its_own_right_after_a_batch_sent_from_the_commit_reaches_the_feed() -> None:
+    async def main() -> None:
+        async with _live() as (part, store, peer):
+            _append(part, peer, 2)
+            # The next append goes through the append task (the store's queue refuses it as full), which
+            # submits it with its own resolution callback.
+            store.refuse_tagged = True
+            _append(part, peer, 1, first_seq=2)
+            await _settle()
+            # Both batches commit in one loop iteration (e.g. two answers read in one data callback): the
+            # first goes to the feed from the commit, the second (id 2) must wake the feed task.
+            store.commit(2)
+            store.commit(1)
+            assert peer.fed() == [0, 1]
+            await _settle()
+            assert peer.fed() == [0, 1, 2]
 
     asyncio.run(main())
