@@ -215,6 +215,8 @@ class Partition:
         self._locks: LockTable | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._notify_scheduled = False
+        # The feeds were woken by _append_done since the last _report_commits (see there).
+        self._feeds_woken = False
         self._loop_idle = False
         """True while the append task waits for an item with nothing queued (see :meth:`append`)."""
         self._ready = asyncio.Event()
@@ -655,15 +657,19 @@ class Partition:
         self._txn_cache.put(self.partition_id, txn, data, msg.checksum)
         self._committed += 1
         self._committed_bytes += len(data)
-        if not self._notify_scheduled:
-            # One wake-up per loop iteration, however many appends a batch committed; its first append's
-            # latency stands for the batch. The feeds are woken now: the other appends of the batch were
-            # resolved together with this one, so their callbacks run before the feed tasks do (an extra
-            # call_soon here cost every commit a loop iteration before its FeedData left).
-            self.metrics.latency(time.monotonic() - item.received_s)
-            self._notify_scheduled = True
+        if not self._feeds_woken:
+            # One wake-up per loop iteration, however many appends a batch committed. The feeds are woken
+            # now: the other appends of the batch were resolved together with this one, so their callbacks
+            # run before the feed tasks do (an extra call_soon here cost every commit a loop iteration before
+            # its FeedData left). Its own flag, not _notify_scheduled: a batch sent to a feed from the commit
+            # (appends_committed) schedules the report but wakes no task, which must still send this id.
+            self._feeds_woken = True
             for ctx in self._feeds.values():
                 ctx.wake.set()
+        if not self._notify_scheduled:
+            # Its first append's latency stands for the batch.
+            self.metrics.latency(time.monotonic() - item.received_s)
+            self._notify_scheduled = True
             asyncio.get_running_loop().call_soon(self._report_commits)
 
     def appends_committed(self, appends: Sequence[PendingAppend]) -> None:
@@ -741,6 +747,7 @@ class Partition:
 
     def _report_commits(self) -> None:
         self._notify_scheduled = False
+        self._feeds_woken = False
         self.metrics.appended(self._committed, self._committed_bytes)
         self._committed = self._committed_bytes = 0
 
