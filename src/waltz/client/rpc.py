@@ -70,9 +70,12 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def connect_server(endpoint: str, ssl: SSLContext | None = None) -> FramedConnection:
+async def connect_server(
+    endpoint: str, ssl: SSLContext | None = None, *, callback_reads: bool = False
+) -> FramedConnection:
     """A client-protocol connection to the server at ``endpoint`` (BrokenResourceError if unreachable),
-    over TLS with ``ssl`` (from ``client.ssl.*``)."""
+    over TLS with ``ssl`` (from ``client.ssl.*``); with ``callback_reads`` for an :class:`RpcClient` (see
+    :func:`~waltz.transport.open_connection`)."""
     host, port = split_endpoint(endpoint)
     return await open_connection(
         host,
@@ -82,6 +85,7 @@ async def connect_server(endpoint: str, ssl: SSLContext | None = None) -> Framed
         hello_text=CLIENT_HELLO,
         connect_timeout_ms=CONNECT_TIMEOUT_MS,
         ssl=ssl,
+        callback_reads=callback_reads,
     )
 
 
@@ -109,7 +113,9 @@ class RpcPool:
                 return rpc
             if rpc is not None:
                 await rpc.aclose()
-            conn = await connect_server(endpoint, self._ssl)
+            # Responses decoded in the transport's callback: a range read's multi-megabyte runs no longer pass
+            # through a StreamReader (two more copies of every run, and a task woken per socket read).
+            conn = await connect_server(endpoint, self._ssl, callback_reads=True)
             version = conn.negotiated_version
 
             def encode(msg: cs.Message) -> bytes:
