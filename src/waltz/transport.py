@@ -641,6 +641,27 @@ class FramedConnection:
             else:
                 self._resume_reading()
 
+    def pause_delivery(self) -> None:
+        """For :meth:`deliver_payloads`' receiver that has no room for more (e.g. from ``on_payloads``):
+        read nothing more from the peer (TCP then pushes back) until :meth:`resume_delivery`. The payloads of
+        the read being delivered are all handed over first."""
+        if self._sink is not None:
+            self._pause_reading()
+
+    def resume_delivery(self) -> None:
+        """Read and deliver again after :meth:`pause_delivery` (nothing if the connection ended)."""
+        if self._sink is not None and not self.is_closed:
+            self._resume_reading()
+
+    def reject(self, error: RemoteProtocolError) -> None:
+        """For :meth:`deliver_payloads`' receiver: the peer sent a payload it cannot decode (garbage in a
+        well-formed frame). Logged and aborted as bad framing is, and ``on_end(error)`` told at once; nothing
+        more is delivered."""
+        if self._sink is None:
+            return
+        self._protocol_failure(error)
+        self._end_delivery()
+
     def _deliver_read(self, data: bytes | None) -> None:
         """:meth:`deliver_payloads`' share of the data callback: decode this read, hand its payloads over."""
         proto = self._proto
@@ -939,6 +960,23 @@ class FramedConnection:
         out += frames
         if len(out) >= _COALESCE_MAX_BYTES:
             self._flush_out()
+        self._last_write_s = self._loop.time()
+
+    def send_framed(self, frames: bytes) -> None:
+        """Write ``frames``: whole frames the caller framed itself, with this connection's magic and
+        negotiated version and each within ``max_frame_bytes`` (unchecked here), after the frames queued
+        before them. For a sender that encodes its frames' headers and payloads in one pass (the client's
+        appends): :meth:`send_many` would frame and copy them once more. Handed to the transport at once
+        unless frames of this iteration are queued (then they join them). Raises as :meth:`send`."""
+        if self._closed or self._error is not None or self._transport.is_closing():
+            self._check_writable()  # Raises the error that says why.
+        out = self._out
+        if out is None:
+            self._transport.write(frames)
+        else:
+            out += frames
+            if len(out) >= _COALESCE_MAX_BYTES:
+                self._flush_out()
         self._last_write_s = self._loop.time()
 
     def _flush_out(self) -> None:

@@ -190,6 +190,16 @@ def test_bad_appends_fail_alone_and_the_log_stays_dense(node: StorageProcess) ->
             gap = [*records(5, 1), *records(7, 1)]  # not dense inside the request
             with pytest.raises(TransactionOutOfOrderError):
                 await client.append(1, 0, gap)
+            # Requests of records of one size are checked in bulk: a bad record deep in one is still refused
+            # with its own error, naming it, and nothing of the request is written.
+            bulk = records(5, 30)
+            bulk[17] = bulk[17]._replace(checksum=bulk[17].checksum ^ 0x100)
+            with pytest.raises(CorruptionError, match="transaction 22: data does not match"):
+                await client.append(1, 0, bulk)
+            bulk = [*records(5, 20), *records(26, 10)]
+            with pytest.raises(TransactionOutOfOrderError, match="expected 25, got 26"):
+                await client.append(1, 0, bulk)
+            assert await client.max_transaction_id(1, 0) == 4
             # Many concurrent appends, one of them bad, form groups: only the bad one fails.
             good = [client.append(1, 0, records(5 + i, 1)) for i in range(20)]
             results = await asyncio.gather(

@@ -44,6 +44,7 @@ from waltz.protocol.client_server import (
     decode,
     encode,
 )
+from waltz.protocol.framing import FRAME_HEADER, MAGIC_CLIENT
 from waltz.protocol.record_run import encode_run
 from waltz.protocol.records import Record, RecordHeader, ReqId, crc32
 
@@ -771,3 +772,41 @@ def test_a_decoded_range_response_run_is_a_view_of_the_payload_not_a_copy() -> N
     mutable[-1] ^= 0xFF  # the caller reuses its buffer: the decoded run keeps what was received
     assert copied.records() == recs
     assert copied == msg
+
+
+@given(
+    version=versions,
+    msb=st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    lsb=st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    hwm=st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    locks=st.lists(i32s, max_size=2).map(tuple),
+    header=i32s,
+    data=st.binary(max_size=40),
+)
+def test_frame_append_writes_the_frame_of_the_encoded_append_or_nothing(
+    version: int, msb: int, lsb: int, hwm: int, locks: tuple[int, ...], header: int, data: bytes
+) -> None:
+    """The client's one-pass append frame is the frame of ``encode(AppendRequest(...))``, byte for byte; what
+    it does not cover (codecs before V2, two write locks, a ReqId half above 2**63) appends nothing."""
+    req_id = ReqId(msb, lsb)
+    out: list[bytes] = [b"before"]
+    framed = cs.frame_append(out, MAGIC_CLIENT, version, 1 << 20, req_id, hwm, locks, header, data)
+    assert framed == (version >= 2 and len(locks) <= 1 and msb < 2**63 and lsb < 2**63)
+    if not framed:
+        assert out == [b"before"]
+        return
+    payload = encode(AppendRequest(req_id, hwm, locks, (), (), header, data, crc32(data)), version)
+    assert b"".join(out) == b"before" + FRAME_HEADER.pack(MAGIC_CLIENT, version, len(payload)) + payload
+    assert out[2] is data  # Not copied before the write.
+
+
+def test_frame_append_leaves_a_payload_over_the_frame_limit_to_the_general_path() -> None:
+    """A payload over ``max_frame_bytes`` appends nothing (the connection refuses it on the general path,
+    as it refuses any message too large); one exactly at the limit is framed."""
+    data = bytes(100)
+    size = len(encode(AppendRequest(ReqId(1, 2), -1, (), (), (), 0, data, crc32(data)), 5))
+    out: list[bytes] = []
+    assert not cs.frame_append(out, MAGIC_CLIENT, 5, size - 1, ReqId(1, 2), -1, (), 0, data)
+    assert out == []
+    assert cs.frame_append(out, MAGIC_CLIENT, 5, size, ReqId(1, 2), -1, (), 0, data)
+    assert len(b"".join(out)) == FRAME_HEADER.size + size

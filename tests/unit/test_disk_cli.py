@@ -181,3 +181,17 @@ def test_offline_max_transaction_id_spans_segments(tmp_path: Path) -> None:
     assert len(log.segment_first_ids) > 1
     log.close()
     assert offline_max_transaction_id(tmp_path, 0) == 399
+
+
+def test_offline_max_transaction_id_counts_records_after_the_index(tmp_path: Path) -> None:
+    """A node killed after an fsync leaves its records durable but its newest index entries unwritten (they
+    wait for a checkpoint): the offline max id counts the records that verify after the index's end, as the
+    node's recovery will, and not a torn one after them."""
+    log = PartitionLog.open(str(tmp_path), KEY, 0)
+    log.append(_records(1200)[:1010])
+    log.flush()  # no close: the entries after the checkpoint at 1000 stay in memory, as at a kill -9
+    assert offline_max_transaction_id(tmp_path, 0) == 1009
+    with open(tmp_path / "0" / data_file_name(0), "ab") as f:
+        f.write(b"\x00" * 30)  # a torn record after them
+    assert offline_max_transaction_id(tmp_path, 0) == 1009
+    log.close()

@@ -494,3 +494,44 @@ def test_frames_of_any_sizes_cut_anywhere_are_decoded_whole_and_in_order(
     d.take_payloads(got)
     assert got == [p for p in payloads if p]
     assert d.buffered_bytes == 0
+
+
+@given(
+    size=st.integers(min_value=0, max_value=40),
+    count=st.integers(min_value=0, max_value=40),
+    tail=st.sampled_from(["none", "partial", "other size", "keep-alive"]),
+    data=st.data(),
+)
+def test_take_payloads_of_a_read_of_same_size_frames_is_the_frame_by_frame_result(
+    size: int, count: int, tail: str, data: st.DataObject
+) -> None:
+    """A read of many frames of one size (which ``take_payloads`` slices out in one pass) gives the payloads
+    and leaves the bytes that ``next_payload`` one by one would, whatever follows them."""
+    a, _ = pair(max_frame_bytes=4096)
+    payloads = [data.draw(st.binary(min_size=size, max_size=size)) for _ in range(count)]
+    stream = b"".join(a.frame(p) if p else a.keep_alive() for p in payloads)
+    if tail == "partial":
+        stream += a.frame(b"z" * (size + 3))[:-1]
+    elif tail == "other size":
+        stream += a.frame(b"z" * (size + 3))
+    elif tail == "keep-alive":
+        stream += a.keep_alive()
+    fast, slow = pair(max_frame_bytes=4096)[1], pair(max_frame_bytes=4096)[1]
+    fast.receive_data(stream)
+    slow.receive_data(stream)
+    got: list[bytes] = []
+    fast.take_payloads(got)
+    want = []
+    while (payload := slow.next_payload()) is not None:
+        if payload:
+            want.append(payload)
+    assert got == want
+    assert fast.buffered_bytes == slow.buffered_bytes
+
+
+def test_take_payloads_of_same_size_frames_of_another_codec_raises_as_one_by_one() -> None:
+    """Frames of one size and a header the connection did not negotiate are refused, not sliced out."""
+    _, b = pair()
+    b.receive_data(encode_frame(MAGIC_CLIENT, 0, b"abc") * 20)
+    with pytest.raises(RemoteProtocolError):
+        b.take_payloads([])

@@ -97,6 +97,12 @@ def test_append_layout_and_index() -> None:
     assert seg.append(batch) == 3
     data = fs.open(seg.data_path).pread(10_000, 0)
     assert data[SEGMENT_HEADER_BYTES:] == b"".join(encode_record(r) for r in batch)
+    # The index entries wait for the next checkpoint (or close, truncation, sync): nothing waits for them.
+    assert fs.open(seg.index_path).pread(10_000, SEGMENT_HEADER_BYTES) == b""
+    assert seg.record_offset(2) == 228
+    seg.flush()
+    assert fs.open(seg.index_path).pread(10_000, SEGMENT_HEADER_BYTES) == b""
+    seg.sync()
     index = fs.open(seg.index_path).pread(10_000, SEGMENT_HEADER_BYTES)
     assert struct.unpack(">3q", index) == (128, 178, 228)
     assert seg.max_transaction_id == 2
@@ -157,7 +163,7 @@ def test_checkpoint_fsyncs_before_the_checkpoint_id() -> None:
     # A batch crossing id 1000: the part below is written, both files fsynced, then the rest written.
     assert seg.append(recs(995, 20)) == 20
     assert fs.fsync_count == syncs + 2
-    assert fs.ops == writes_before + 6  # 2 writes, 2 fsyncs, 2 writes
+    assert fs.ops == writes_before + 5  # the data below, the index entries waiting, 2 fsyncs, the data above
     assert seg.read_records(990, 100) == recs(990, 25)
     # Starting a segment exactly at a checkpoint needs no checkpoint.
     seg2 = new_segment(fs, 2000)
@@ -179,6 +185,7 @@ def test_corrupt_record_detected_on_read() -> None:
         seg.read_records(0, 5)
     assert seg.read_records(0, 2) == recs(0, 2)
     assert any("record 2" in p for p in seg.verify())
+    seg.sync()  # the index entries wait in memory until then
     fs.corrupt(seg.index_path, SEGMENT_HEADER_BYTES + 8 * 4, struct.pack(">q", 10**9))
     with pytest.raises(CorruptionError, match="bad index entry"):
         seg.read_record(4)
@@ -396,20 +403,49 @@ def test_wire_run_is_the_stored_layout() -> None:
     assert seg.read_records(5, 10) == first + second
 
 
-@pytest.mark.parametrize("bad", ["gap", "checksum"])
-def test_wire_run_refuses_a_bad_request_and_keeps_the_group(bad: str) -> None:
+@pytest.mark.parametrize("count", [3, 30, 300])
+@pytest.mark.parametrize("size", [0, 16, 512])
+def test_wire_run_of_records_of_one_size_is_the_stored_layout(count: int, size: int) -> None:
+    """Requests of records of one size (checked and converted in bulk from 4 records on) give the bytes and
+    ends the per-record loop gives, after records of another size in the same group."""
+    lead, batch = recs(0, 2, size=7), recs(2, count, size=size)
+    wire = wire_list(batch)
+    assert wire.record_bytes == (36 + size if count >= 4 else 0)
+    parts: list[bytes | memoryview] = []
+    ends: list[int] = []
+    append_wire_run(parts, ends, wire_list(lead), 0)
+    append_wire_run(parts, ends, wire, 2)
+    assert b"".join(parts) == b"".join(encode_record(r) for r in lead + batch)
+    assert ends == [47, 94] + [94 + (40 + size) * (k + 1) for k in range(count)]
+
+
+@pytest.mark.parametrize("count", [3, 30, 300])
+@pytest.mark.parametrize("where", [0, 1, -1])
+@pytest.mark.parametrize("bad", ["gap", "checksum", "torn"])
+def test_wire_run_refuses_a_bad_request_and_keeps_the_group(count: int, where: int, bad: str) -> None:
+    """A record out of sequence, whose data does not match its checksum, or torn (its data cut short,
+    the checksum being the next bytes) is refused with the error of the per-record loop, naming it, and
+    nothing of its request joins the group: for requests checked record by record and in bulk alike."""
     parts: list[bytes | memoryview] = []
     ends: list[int] = []
     append_wire_run(parts, ends, wire_list(recs(0, 2)), 0)
     kept = (b"".join(parts), list(ends))
-    wrong = recs(2, 3)
+    wrong = recs(2, count)
+    txn = wrong[where].transaction_id
+    error: type[Exception] = CorruptionError
     if bad == "gap":
-        wrong[1] = rec(9)
-        error: type[Exception] = TransactionOutOfOrderError
+        wrong[where] = rec(txn + 7)
+        error, message = TransactionOutOfOrderError, f"expected {txn}, got {txn + 7}"
+    elif bad == "checksum":
+        wrong[where] = wrong[where]._replace(checksum=wrong[where].checksum ^ 1)
+        message = f"transaction {txn}: data does not match its checksum"
     else:
-        wrong[2] = wrong[2]._replace(checksum=wrong[2].checksum ^ 1)
-        error = CorruptionError
-    with pytest.raises(error):
+        data = wrong[where].data
+        wrong[where] = wrong[where]._replace(
+            data=data[:12] + data[16:] + wrong[where].checksum.to_bytes(4, "big")
+        )
+        message = f"transaction {txn}: data does not match its checksum"
+    with pytest.raises(error, match=message):
         append_wire_run(parts, ends, wire_list(wrong), 2)
     assert (b"".join(parts), ends) == kept
 

@@ -334,6 +334,43 @@ def test_append_records_decode_as_a_wire_record_list() -> None:
     assert s.encode(msg) == payload  # relayed as it came
 
 
+def _records(sizes: list[int]) -> list[Record]:
+    return [Record.build(i, ReqId.of(1, 2, 3, i), i, bytes(range(n))) for i, n in enumerate(sizes)]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "record_bytes"),
+    [
+        ([5] * 4, 41),
+        ([0] * 9, 36),
+        ([5] * 3, 0),
+        ([5] * 8 + [6], 0),
+        ([6] + [5] * 8, 0),
+        ([5, 5, 6, 5, 5], 0),
+    ],
+)
+def test_a_record_list_of_one_size_is_decoded_in_bulk(sizes: list[int], record_bytes: int) -> None:
+    """From 4 records of one size the lengths are checked in bulk and the list says its record size (what
+    the storage node's bulk append needs); any other list is decoded record by record, to the same starts."""
+    records = _records(sizes)
+    payload = s.encode(s.AppendRequest(1, 2, 3, records, True))
+    msg = s.decode(payload)
+    assert isinstance(msg, s.AppendRequest)
+    assert isinstance(msg.records, s.WireRecordList)
+    assert msg.records.record_bytes == record_bytes
+    assert msg.records == records
+    assert msg.offline  # the field after the list is read where the list ends
+    assert msg.records.starts[-1] - msg.records.starts[0] == sum(36 + n for n in sizes)
+    assert s.encode(msg) == payload
+
+
+@pytest.mark.parametrize("cut", [1, 4, 41, 200])
+def test_a_record_list_of_one_size_cut_short_is_refused(cut: int) -> None:
+    payload = s.encode(s.AppendRequest(1, 2, 3, _records([5] * 6), False))
+    with pytest.raises(RemoteProtocolError):
+        s.decode(payload[: len(payload) - 1 - cut])  # the offline flag and ``cut`` bytes of the records
+
+
 @given(st.binary(max_size=300))
 def test_a_decoded_append_always_yields_its_records(body: bytes) -> None:
     """The shape is checked on decoding, so reading the records later cannot fail."""

@@ -14,7 +14,13 @@ from waltz.protocol.record_run import RecordRun
 from waltz.protocol.records import Record, ReqId
 from waltz.storage.fileio import CrashFS, SimulatedCrash
 from waltz.storage.partition import PartitionLog
-from waltz.storage.segment import RecordCorruptionError, Segment, data_file_name, index_file_name
+from waltz.storage.segment import (
+    RecordCorruptionError,
+    Segment,
+    SegmentHeader,
+    data_file_name,
+    index_file_name,
+)
 
 KEY = uuid.UUID("0e0e0e0e-1111-2222-3333-444455556666")
 PID = 0
@@ -213,6 +219,26 @@ def test_crash_leftovers_are_cleaned_at_open() -> None:
         assert log.max_transaction_id == last
         check_all(log)
     assert index_file_name(5000) not in fs.listdir(PDIR)
+    assert data_file_name(last + 1) not in fs.listdir(PDIR)
+
+
+def test_a_segment_whose_index_header_was_torn_at_creation_is_cleaned_at_open() -> None:
+    """A crash while a new segment's index header was being written can leave it torn: its version field
+    written, the rest garbled. Its data file holds no record and its header is fsynced before the index is
+    created, so the segment was never used: it is removed as half-created, not reported as another
+    cluster's."""
+    fs = CrashFS()
+    with open_log(fs, threshold=500) as log:
+        fill(log, 100)
+        last = log.max_transaction_id
+        firsts = log.segment_first_ids
+    header = SegmentHeader(0, 1, KEY, PID, last + 1).encode()
+    fs.open(f"{PDIR}/{data_file_name(last + 1)}", create=True).pwrite(header, 0)
+    fs.open(f"{PDIR}/{index_file_name(last + 1)}", create=True).pwrite(header[:8] + bytes(range(120)), 0)
+    with open_log(fs, threshold=500) as log:
+        assert log.max_transaction_id == last
+        assert log.segment_first_ids == firsts
+        check_all(log)
     assert data_file_name(last + 1) not in fs.listdir(PDIR)
 
 

@@ -21,7 +21,14 @@ from waltz.errors import (
     RemoteProtocolError,
 )
 from waltz.protocol import storage as s
-from waltz.protocol.framing import MAGIC_STORAGE, NEED_DATA, KeepAlive, ProtocolConnection, encode_frame
+from waltz.protocol.framing import (
+    FRAME_HEADER,
+    MAGIC_STORAGE,
+    NEED_DATA,
+    KeepAlive,
+    ProtocolConnection,
+    encode_frame,
+)
 from waltz.transport import (
     GC_THRESHOLDS,
     FramedConnection,
@@ -268,6 +275,41 @@ def test_send_now_writes_at_once_after_the_frames_queued_before_it() -> None:
                     conn.send_now(b"")
             with pytest.raises(ClosedResourceError):
                 conn.send_now(b"x")
+
+    run(main)
+
+
+def test_send_framed_writes_frames_framed_by_the_caller_in_order() -> None:
+    async def main() -> None:
+        async with serving(echo) as port:
+            conn = await connect(port)
+            async with conn:
+                writes: list[bytes] = []
+                transport = conn._transport
+                plain_write = transport.write
+
+                def recording_write(data: bytes | bytearray | memoryview) -> None:
+                    writes.append(bytes(data))
+                    plain_write(data)
+
+                transport.write = recording_write  # type: ignore[method-assign]
+                version = conn.negotiated_version
+
+                def framed(*payloads: bytes) -> bytes:
+                    return b"".join(FRAME_HEADER.pack(MAGIC_STORAGE, version, len(p)) + p for p in payloads)
+
+                conn.send_framed(framed(b"alone"))
+                assert len(writes) == 1  # nothing queued before it: handed over at once
+                conn.send(b"queued")
+                conn.send_framed(framed(b"a", b"bb"))
+                assert len(writes) == 1  # joins the frame queued before it, in that iteration's write
+                conn.send(b"last")
+                await conn.drain()
+                assert len(writes) == 2
+                for expected in (b"alone", b"queued", b"a", b"bb", b"last"):
+                    assert await conn.receive() == expected
+            with pytest.raises(ClosedResourceError):
+                conn.send_framed(framed(b"x"))
 
     run(main)
 

@@ -710,3 +710,53 @@ def test_an_idle_rpc_connection_sends_keep_alives_and_still_answers(run: Any) ->
             assert await rpc.call(request(0), timeout_ms=2000) == s.SuccessResponse(1, 0, 0)
 
     run(main)
+
+
+def test_a_deliver_payloads_receiver_may_pause_resume_and_reject(run: Any) -> None:
+    """``pause_delivery`` stops reading (nothing delivered) until ``resume_delivery``; ``reject`` ends the
+    connection at once with the receiver's RemoteProtocolError, told through ``on_end``, and nothing more
+    is delivered."""
+
+    async def main() -> None:
+        async with serving(echo) as port:
+            conn = await connect(port, callback_reads=True)
+            got: list[bytes] = []
+            ended: list[BaseException] = []
+
+            def on_payloads(payloads: list[bytes]) -> None:
+                for payload in payloads:
+                    got.append(payload)
+                    if payload == b"pause":
+                        conn.pause_delivery()
+                    elif payload == b"garbage":
+                        conn.reject(RemoteProtocolError("a payload the receiver cannot decode"))
+                        return
+
+            async def until(check: Callable[[], bool]) -> None:
+                for _ in range(500):
+                    if check():
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError("timed out")
+
+            conn.deliver_payloads(on_payloads, ended.append)
+            conn.send(b"pause")
+            await until(lambda: got == [b"pause"])
+            conn.send(b"after")
+            await asyncio.sleep(0.1)
+            assert got == [b"pause"]  # The echo is in the socket, unread.
+            conn.resume_delivery()
+            await until(lambda: got == [b"pause", b"after"])
+            conn.send(b"garbage")
+            conn.send(b"never")
+            await until(lambda: bool(ended))
+            assert len(ended) == 1
+            assert isinstance(ended[0], RemoteProtocolError)
+            assert conn.is_closed
+            await asyncio.sleep(0.05)
+            assert got == [b"pause", b"after", b"garbage"]
+            conn.resume_delivery()  # Nothing once ended.
+            await conn.aclose()
+            assert len(ended) == 1
+
+    run(main)

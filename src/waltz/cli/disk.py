@@ -37,7 +37,8 @@ PAYLOAD_FORMATS = ("hex", "utf8", "json")
 def offline_max_transaction_id(directory: str | os.PathLike[str], partition: int) -> int:
     """A partition's max transaction id read from the segment files under ``directory/partition`` (the
     storage node may be stopped): the last segment's, -1 when there is none. The files are opened read-only;
-    a crash tail the node would cut on its next start is not counted (the segment verifies its records)."""
+    records after the index's end are counted if they verify (a node killed leaves its newest index entries
+    unwritten), a crash tail the node would cut on its next start is not."""
     pdir = os.path.join(os.fspath(directory), str(partition))
     try:
         names = os.listdir(pdir)
@@ -48,7 +49,7 @@ def offline_max_transaction_id(directory: str | os.PathLike[str], partition: int
         return -1
     seg = Segment.inspect(os.path.join(pdir, data_file_name(firsts[-1])))
     try:
-        return seg.max_transaction_id
+        return seg.scanned_max_transaction_id()
     finally:
         seg.close()
 

@@ -9,7 +9,7 @@ from waltz.client.driver import AppendRequest
 from waltz.client.locks import PartitionLocalLock, java_string_hash, lock_hash
 from waltz.client.serializer import Serializer
 from waltz.protocol.checksum import crc32 as _crc32
-from waltz.protocol.client_server import new_append_request
+from waltz.protocol.client_server import frame_append, new_append_request
 from waltz.protocol.records import ReqId
 from waltz.protocol.wire import I32_MAX, I32_MIN
 
@@ -124,6 +124,26 @@ class TransactionBuilder:
     @property
     def append_locks(self) -> tuple[PartitionLocalLock, ...]:
         return self._append_locks
+
+    def frame_append(
+        self, out: list[bytes], magic: int, version: int, max_frame_bytes: int, req_id: ReqId
+    ) -> bool:
+        """The frame of ``build(req_id)`` appended to ``out`` in one pass (see
+        :func:`waltz.protocol.client_server.frame_append`, whose result this is): False, having appended
+        nothing, where that shortcut does not apply (read or append locks among them)."""
+        if self._read_locks or self._append_locks:
+            return False
+        return frame_append(
+            out,
+            magic,
+            version,
+            max_frame_bytes,
+            req_id,
+            self.client_high_water_mark,
+            self.write_lock_hashes,
+            self._header,
+            self._data,
+        )
 
     def build(self, req_id: ReqId) -> AppendRequest:
         """The append request for this transaction (the client assigns ``req_id`` when it sends it)."""

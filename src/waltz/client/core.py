@@ -204,6 +204,8 @@ class AsyncWaltzClient:
         self._config = config
         self._driver_arg = driver if driver is not None else config.mock_driver
         self._driver: ClientDriver | None = None
+        # The driver's optional send_built (see driver.py), looked up once: the pipelined appends' path.
+        self._send_built: Callable[[int, ReqId, TransactionBuilder], None] | None = None
         self._client_id = -1
         self._client_msb = 0
         self._num_partitions = 0
@@ -256,6 +258,7 @@ class AsyncWaltzClient:
             await asyncio.to_thread(self._pool.shutdown)
             raise
         self._driver = self._driver_arg
+        self._send_built = getattr(self._driver, "send_built", None)
         # Constant once the driver is open.
         self._client_id = self._driver.client_id
         self._client_msb = (self._client_id & _MASK32) << 32  # The client's half of every ReqId.msb.
@@ -1452,16 +1455,18 @@ class AsyncWaltzClient:
             ReqId,
             (self._client_msb | (partition.generation & _MASK32), ((p & _MASK32) << 32) | (seq & _MASK32)),
         )
-        request = builder.build(req_id)
-        partition.outcomes[req_id] = waiter
+        outcomes = partition.outcomes
+        outcomes[req_id] = waiter
         monitor.register(req_id, seq, self._clock())
         try:
-            if len(partition.outcomes) == 1:
+            if len(outcomes) == 1:
                 # Alone in flight (one append at a time): nothing would join it in this iteration's write,
                 # so it leaves now instead of one loop pass later. Pipelined appends share one write.
-                driver.send_append_now(p, request)
+                driver.send_append_now(p, builder.build(req_id))
+            elif self._send_built is not None:
+                self._send_built(p, req_id, builder)  # No AppendRequest made (see driver.py).
             else:
-                driver.send_append(p, request)
+                driver.send_append(p, builder.build(req_id))
         except WaltzError as e:
             log.warning("partition %d: append %r not sent: %s", partition.id, req_id, e)
             self._resolve(partition, monitor.fail(req_id))

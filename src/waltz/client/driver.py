@@ -145,6 +145,12 @@ class DriverListener(Protocol):
 # many of the leading ones it took (0 when it has no room); the driver delivers the rest as above. The
 # network driver hands it each socket read's entries of a partition.
 
+# A driver may offer ``send_built(partition_id, req_id, builder) -> None``: ``send_append(partition_id,
+# builder.build(req_id))`` (same order, errors and guarantees) without the AppendRequest, for a driver that
+# encodes the append straight from the TransactionBuilder. The core then sends its pipelined appends through
+# it (the network driver frames them into its write buffer in one pass); lone appends still go through
+# ``send_append_now``.
+
 
 class ClientDriver(ABC):
     """Carries the core's requests to a Waltz cluster and its events back. See the module docstring."""

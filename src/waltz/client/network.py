@@ -44,6 +44,7 @@ from collections.abc import Awaitable, Mapping
 from ssl import SSLContext
 from typing import Final
 
+from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.discovery import Discovery, Endpoints, ZkDiscovery
 from waltz.client.driver import AppendRequest, ClientDriver, DriverListener, MountState
@@ -270,6 +271,17 @@ class NetworkDriver(ClientDriver):
         conn = link.conn
         assert conn is not None  # Checked above.
         link.queue_append(conn, cs.append_payload(request, link.version))
+
+    def send_built(self, partition_id: int, req_id: ReqId, builder: TransactionBuilder) -> None:
+        """``send_append(partition_id, builder.build(req_id))``, framed straight from the builder
+        (``StreamLink.queue_built``): the core's hot path, once per pipelined append (see driver.py)."""
+        mount = self._mounts.get(partition_id)
+        link = mount.link if mount is not None else None
+        if self._closed or link is None or link.conn is None or not mount.ready:  # type: ignore[union-attr]
+            link = self._ready_link(partition_id)  # Raises the error that says why.
+        conn = link.conn
+        assert conn is not None  # Checked above.
+        link.queue_built(conn, req_id, builder)
 
     def send_append_now(self, partition_id: int, request: AppendRequest) -> None:
         """:meth:`send_append`, written now (``FramedConnection.send_now``), not with the loop iteration's

@@ -74,8 +74,8 @@ async def connect_server(
     endpoint: str, ssl: SSLContext | None = None, *, callback_reads: bool = False
 ) -> FramedConnection:
     """A client-protocol connection to the server at ``endpoint`` (BrokenResourceError if unreachable),
-    over TLS with ``ssl`` (from ``client.ssl.*``); with ``callback_reads`` for an :class:`RpcClient` (see
-    :func:`~waltz.transport.open_connection`)."""
+    over TLS with ``ssl`` (from ``client.ssl.*``); with ``callback_reads`` its payloads are delivered from the
+    transport's callback (``FramedConnection.deliver_payloads``) instead of read by a task."""
     host, port = split_endpoint(endpoint)
     return await open_connection(
         host,

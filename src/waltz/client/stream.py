@@ -12,8 +12,14 @@ partition from the last transaction id it delivered.
 
 A mounted partition (:class:`Mount`) has an inbox of :data:`MountEvent` and a delivery task (the driver's)
 that awaits the listener for one event at a time, in arrival order, so partitions never wait on one
-another's application. The inbox holds at most :data:`INBOX_FEED_LIMIT` feed entries; beyond that the
-connection's reader waits (TCP back pressure towards the server).
+another's application. The inbox holds at most :data:`INBOX_FEED_LIMIT` feed entries (plus what the socket
+read that filled it carried); beyond that the connection reads nothing more until every partition on it has
+room again (TCP back pressure towards the server).
+
+The connection's payloads are routed from the transport's data callback (``open_connection(...,
+callback_reads=True)``, ``FramedConnection.deliver_payloads``), in the loop pass that read them: no reader
+task woken per read, no StreamReader. A payload that cannot be decoded ends the connection
+(``FramedConnection.reject``), as bad framing does; the link then reconnects as after any loss.
 
 The common case skips the inbox: the feed entries of one partition in one read are decoded in one pass, and
 those that follow the partition's position, with nothing of the partition queued before them (nor held by
@@ -22,8 +28,9 @@ its delivery task), go from the reader straight to the listener in one call (``f
 (other messages, gaps, repeats, what a full listener did not take) goes through the inbox, so the order of a
 partition's events never changes.
 
-Appends (the bulk of what a client writes) are queued per loop iteration and written in one ``send_many``
-(:meth:`StreamLink.queue_append`); every other write on the link writes them first.
+Appends (the bulk of what a client writes) are framed per loop iteration into one buffer, straight from the
+:class:`~waltz.client.builder.TransactionBuilder` (:meth:`StreamLink.queue_built`), and written in one
+``send_framed``; every other write on the link writes them first.
 
 Everything runs on the client's event loop.
 """
@@ -39,6 +46,7 @@ from dataclasses import dataclass
 from ssl import SSLContext
 from typing import Final, Protocol
 
+from waltz.client.builder import TransactionBuilder
 from waltz.client.driver import MountState
 from waltz.client.rpc import connect_server
 from waltz.errors import (
@@ -49,6 +57,7 @@ from waltz.errors import (
     RemoteProtocolError,
 )
 from waltz.protocol import client_server as cs
+from waltz.protocol.framing import FRAME_HEADER, MAGIC_CLIENT
 from waltz.protocol.records import ReqId
 from waltz.transport import FramedConnection
 
@@ -72,7 +81,7 @@ RECONNECT_INITIAL_DELAY_S: Final = 0.2
 RECONNECT_MAX_DELAY_S: Final = 1.0
 """Back-off between failed connects to one endpoint (a lost connection is re-opened at once)."""
 INBOX_FEED_LIMIT: Final = 1024
-"""Feed entries queued per partition before the connection's reader waits for the application."""
+"""Feed entries queued per partition before the connection stops reading until the application took some."""
 
 FeedNowait = Callable[[int, int, ReqId, int], bool]
 """``feed_data_nowait`` of a :class:`~waltz.client.driver.DriverListener` that offers it."""
@@ -224,11 +233,14 @@ class StreamLink:
         self.version = 0
         self.incarnation = -1
         self.max_frame_bytes = 0  # The connection's limit (read once per connection, not per append).
-        # Appends encoded in this loop iteration, written to _appends_conn in one send_many at its end (see
-        # queue_append); every other write on the link writes them first, so the link's order holds.
+        # Appends framed in this loop iteration (pieces of frames, in order), written to _appends_conn in one
+        # write at its end (see queue_built); every other write on the link writes them first, so the link's
+        # order holds.
         self._appends: list[bytes] = []
         self._appends_conn: FramedConnection | None = None
         self._loop = asyncio.get_running_loop()
+        # Resumes reading once every partition's inbox has room again (see _wait_for_room).
+        self._room_task: asyncio.Task[None] | None = None
         self._wanted = asyncio.Event()
         self._closed = False
         self._task = self._loop.create_task(self._run(), name=f"waltz-link {endpoint}")
@@ -269,16 +281,10 @@ class StreamLink:
 
     def queue_append(self, conn: FramedConnection, payload: bytes) -> None:
         """Queue an encoded AppendRequest for ``conn`` (the link's connection): the appends of one loop
-        iteration are framed and handed to the connection in one ``send_many`` when its callbacks run,
-        instead of one ``send`` (a frame, a check and a copy) each. An append the connection cannot take
-        then (it broke meanwhile) is dropped, as the driver contract allows: the flush after the next READY
-        resolves it. One over the frame limit is refused here, at once, as ``send`` refuses it."""
-        appends = self._appends
-        if not appends:
-            if conn.is_closed:
-                raise BrokenResourceError(f"connection to {self.endpoint} lost")
-            self._appends_conn = conn
-            self._loop.call_soon(self.flush_appends)
+        iteration are framed into one buffer and handed to the connection in one write when its callbacks
+        run (see :meth:`queue_built`). An append the connection cannot take then (it broke meanwhile) is
+        dropped, as the driver contract allows: the flush after the next READY resolves it. One over the
+        frame limit is refused here, at once, as ``send`` refuses it."""
         if len(payload) > self.max_frame_bytes:
             self.flush_appends()  # Those before it keep their place.
             try:
@@ -286,7 +292,32 @@ class StreamLink:
             except ConnectionError_ as e:
                 raise BrokenResourceError(f"connection to {self.endpoint} lost: {e}") from None
             return
-        appends.append(payload)
+        pieces = self._pieces(conn)
+        pieces.append(FRAME_HEADER.pack(MAGIC_CLIENT, self.version, len(payload)))
+        pieces.append(payload)
+
+    def queue_built(self, conn: FramedConnection, req_id: ReqId, builder: TransactionBuilder) -> None:
+        """:meth:`queue_append` of ``builder.build(req_id)``, framed straight from the builder's fields
+        (``cs.frame_append``: no AppendRequest, no payload copied before the frame's): the hot path, once per
+        pipelined append. What the shortcut does not cover takes the general path."""
+        pieces = self._appends
+        if not pieces:  # self._pieces(conn), inline (once per append)
+            if conn.is_closed:
+                raise BrokenResourceError(f"connection to {self.endpoint} lost")
+            self._appends_conn = conn
+            self._loop.call_soon(self.flush_appends)
+        if not builder.frame_append(pieces, MAGIC_CLIENT, self.version, self.max_frame_bytes, req_id):
+            self.queue_append(conn, cs.append_payload(builder.build(req_id), self.version))
+
+    def _pieces(self, conn: FramedConnection) -> list[bytes]:
+        """The framed bytes queued for this loop iteration's write on ``conn`` (a write scheduled with the
+        first of them)."""
+        if not self._appends:
+            if conn.is_closed:
+                raise BrokenResourceError(f"connection to {self.endpoint} lost")
+            self._appends_conn = conn
+            self._loop.call_soon(self.flush_appends)
+        return self._appends
 
     def flush_appends(self) -> None:
         """Hand the queued appends to the connection they were queued for (nothing if it is gone)."""
@@ -298,9 +329,9 @@ class StreamLink:
         if conn is None or conn is not self.conn:
             return  # Lost with their connection: the READY after the reconnect resolves them.
         try:
-            conn.send_many(appends)
+            conn.send_framed(b"".join(appends))
         except ConnectionError_ as e:
-            log.debug("%d appends to %s not sent: %s", len(appends), self.endpoint, e)
+            log.debug("appends to %s not sent: %s", self.endpoint, e)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -318,7 +349,7 @@ class StreamLink:
                 await self._wanted.wait()
                 continue
             try:
-                conn = await connect_server(self.endpoint, self.owner.ssl)
+                conn = await connect_server(self.endpoint, self.owner.ssl, callback_reads=True)
             except ConfigError as e:
                 # Such as a plain client meeting a TLS server: retrying will not help, but the assignment may
                 # move the partitions to a server that takes us, so keep the link (slowly).
@@ -349,48 +380,84 @@ class StreamLink:
                 self.owner.abandon(mount)
 
     async def _read(self, conn: FramedConnection) -> None:
-        owner = self.owner
+        """Route what ``conn`` receives until it ends (raises why): each socket read's payloads are routed
+        from the transport's data callback (``FramedConnection.deliver_payloads``), in the loop pass that
+        read them: no reader task woken per read, no StreamReader."""
+        ended: asyncio.Future[BaseException] = self._loop.create_future()
+
+        def on_end(reason: BaseException) -> None:
+            if not ended.done():
+                ended.set_result(reason)
+
         version = conn.negotiated_version
         decode = cs.decode
         decode_feed_run = cs.decode_feed_run
-        mounts = owner.mounts
-        listener = owner.listener
+        mounts = self.owner.mounts
+        listener = self.owner.listener
         # A listener that takes feed entries without a coroutine (the core does) gets them straight from here
         # when nothing of their partition is queued before them: no event object, no inbox, no task hop; one
         # that takes a whole run of them gets each run of one partition's entries in a read in one call.
         nowait: FeedNowait | None = getattr(listener, "feed_data_nowait", None)
         run_nowait: FeedRunNowait | None = getattr(listener, "feed_run_nowait", None)
-        burst: list[bytes] = []
-        while True:
-            burst.append(await conn.receive())
-            # Then every message already buffered, in one call (a burst of feed entries).
-            error: Exception | None = None
-            try:
-                conn.receive_buffered(burst)
-            except (ConnectionError_, ProtocolError) as e:
-                error = e  # Raised once the messages before it were handled, as if read one by one.
+
+        def on_payloads(burst: list[bytes]) -> None:
+            """The payloads of one socket read, in order (from the transport's data callback)."""
             i, n = 0, len(burst)
-            while i < n:
-                # The feed entries of one partition at burst[i:], decoded in one pass (most of a read).
-                partition_id, entries, end = decode_feed_run(burst, i)
-                if not entries:
-                    self._on_message(decode(burst[i], version))
-                    i += 1
-                    continue
-                i = end
-                mount = mounts.get(partition_id)
-                if (
-                    mount is not None
-                    and mount.link is self
-                    and not mount.closed
-                    and _on_feed_run(run_nowait, nowait, mount, entries)
-                ):
+            full = False
+            try:
+                while i < n:
+                    # The feed entries of one partition at burst[i:], decoded in one pass (most of a read).
+                    partition_id, entries, end = decode_feed_run(burst, i)
+                    if not entries:
+                        self._on_message(decode(burst[i], version))
+                        i += 1
+                        continue
+                    i = end
+                    mount = mounts.get(partition_id)
+                    if (
+                        mount is not None
+                        and mount.link is self
+                        and not mount.closed
+                        and _on_feed_run(run_nowait, nowait, mount, entries)
+                    ):
+                        full = True
+            except RemoteProtocolError as e:
+                # Garbage in a well-formed frame: the connection ends (logged as bad framing is), the link
+                # reconnects; the messages before it were handled, as if read one by one.
+                conn.reject(e)
+                return
+            if full:
+                self._wait_for_room(conn)
+
+        try:
+            conn.deliver_payloads(on_payloads, on_end)
+            raise await ended
+        finally:
+            room_task, self._room_task = self._room_task, None
+            if room_task is not None:
+                room_task.cancel()
+
+    def _wait_for_room(self, conn: FramedConnection) -> None:
+        """A partition's inbox is full: read nothing more from ``conn`` until every partition of the link has
+        room again (TCP pushes back on the server meanwhile)."""
+        conn.pause_delivery()
+        if self._room_task is None:
+            self._room_task = self._loop.create_task(
+                self._resume_with_room(conn), name=f"waltz-room {self.endpoint}"
+            )
+
+    async def _resume_with_room(self, conn: FramedConnection) -> None:
+        try:
+            while True:
+                full = [m for m in self.attached.values() if m.feed_queued >= INBOX_FEED_LIMIT]
+                if not full:
+                    break
+                for mount in full:
                     await mount.wait_room(self)
-                    if conn.is_closed:
-                        conn.receive_nowait()  # Raises why, as the next read would have.
-            burst.clear()
-            if error is not None:
-                raise error
+        finally:
+            if self._room_task is asyncio.current_task():
+                self._room_task = None
+        conn.resume_delivery()
 
     def _on_message(self, msg: cs.Message) -> None:
         """Queue a message other than FeedData for its partition's delivery task."""
@@ -420,8 +487,8 @@ def _on_feed_run(
     """Feed entries for ``mount`` (attached to the link they came on), in arrival order: the leading ones
     that follow the partition's position are delivered at once when nothing of the partition is queued
     before them and the listener has room (repeats after a re-mount are dropped), the rest queued for the
-    delivery task, which decides (repeats, gaps, waits for room). True if the reader must now wait for room
-    in the inbox."""
+    delivery task, which decides (repeats, gaps, waits for room). True if the link must stop reading until
+    the inbox has room again."""
     session = mount.session
     if session is None:
         return False  # No feed session open: from an abandoned one.

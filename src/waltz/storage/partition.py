@@ -493,6 +493,7 @@ def _is_half_created(fs: FileSystem, directory: str, first: int, has_index: bool
             return False
         if not has_index:
             return True
+        raws: list[bytes] = []
         for f_path in (data.path, os.path.join(directory, index_file_name(first))):
             f = fs.open(f_path, read_only=True)
             try:
@@ -505,6 +506,9 @@ def _is_half_created(fs: FileSystem, directory: str, first: int, has_index: bool
                 # A short or unreadable header on a file with no record: its creation never completed. A
                 # readable header of another key or partition is not ours to delete: Segment.open reports it.
                 return True
-        return False
+            raws.append(raw)
+        # Both headers are written with the same bytes, the data file's fsynced before the index is created:
+        # an index header that differs (a torn write that kept the version field) was cut short too.
+        return raws[0] != raws[1]
     finally:
         data.close()

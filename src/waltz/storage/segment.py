@@ -27,15 +27,19 @@ The data file then holds records back to back, each ``40 + n`` bytes (so consecu
       36+n     4  u32 record checksum: CRC-32 of bytes 0 .. 36+n-1 (the 36-byte record header and the data)
 
 The index file holds, after its header, one i64 per record: entry ``i`` at ``128 + 8·i`` is the data-file
-offset of transaction ``first + i``; the index length gives the max id (``first + (size - 128) // 8 - 1``).
+offset of transaction ``first + i``; the index length gives the max id (``first + (size - 128) // 8 - 1``) of
+a closed segment. The writable segment's newest entries (at most 1000, those after the last checkpoint)
+live in memory only, until the next checkpoint, close, truncation or :meth:`Segment.sync`.
 
 Durability protocol (what recovery relies on):
 
-* an append batch is written with one ``pwrite`` to the data file and one to the index; nothing is fsynced;
+* an append batch is written with one ``pwrite`` to the data file; nothing is fsynced; its index entries wait
+  in memory (recovery trusts no entry after the last checkpoint, so writing them per batch bought nothing but
+  a syscall and the kernel's work for it on every append);
   :meth:`Segment.flush` fsyncs the data file (the caller's group commit);
-* **checkpoint**: before the record whose id is a multiple of ``CHECKPOINT_INTERVAL`` (1000) is written, both
-  files are fsynced (unless that record is the segment's first). So if the index covers an id
-  ``c = k·1000 > first``, every record and index entry below ``c`` is durable;
+* **checkpoint**: before the record whose id is a multiple of ``CHECKPOINT_INTERVAL`` (1000) is written, the
+  index entries waiting are written and both files fsynced (unless that record is the segment's first). So if
+  the index covers an id ``c = k·1000 > first``, every record and index entry below ``c`` is durable;
 * :meth:`Segment.truncate` cuts and fsyncs the data file first, then the index, so a crash in between never
   resurrects truncated records;
 * a new segment's headers are fsynced before its first append; a full segment is fsynced before the next one
@@ -49,12 +53,14 @@ records are re-verified one by one (id sequence, length inside the file, record 
 rewritten, until the first bad or partial record; the data file is truncated after the last good record, the
 index trimmed to match, and both fsynced. The original Waltz restarts from ``localLowWaterMark`` when it is
 higher; we do not, because index entries after the last checkpoint were never fsynced and may be garbage even
-when the records are durable. Rescanning from the checkpoint costs at most 1000 records more.
+when the records are durable. Rescanning from the checkpoint costs at most 2000 records (the index file
+reaches a checkpoint's id only when the next checkpoint writes the entries waiting).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import logging
 import os
@@ -63,7 +69,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import Literal, NamedTuple, overload
 
 from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
 from waltz.protocol.checksum import crc32
@@ -95,6 +101,8 @@ _U32 = struct.Struct(">I")
 _I64 = struct.Struct(">q")
 _MASK32 = 0xFFFFFFFF
 _WIRE_PREFIX_BYTES = 32
+_BULK_MAX_RECORDS = 128  # records checked and converted by one set of structs (see _append_uniform_wire_run)
+_BULK_MIN_RECORDS = 4  # appends of fewer records go through the per-record loop (the bulk path's set-up)
 _FAST_CHECK_MIN_RECORDS = 16  # below this a run is checked by the per-record loop (the fast check's set-up)
 """Bytes a wire record and a stored record share at their start: id, ReqId, header, data length."""
 
@@ -207,6 +215,15 @@ def append_wire_run(
     """
     buf = records.buffer
     starts = records.starts
+    if (
+        records.record_bytes
+        and len(starts) > _BULK_MIN_RECORDS
+        and _append_uniform_wire_run(
+            parts, ends, buf, starts[0], len(starts) - 1, records.record_bytes, first_transaction_id
+        )
+    ):
+        return
+    # Not of one size, or something does not verify: the loop finds the first record that does not, says why.
     mark = len(parts)
     marked_ends = len(ends)
     pos = ends[-1] if ends else 0
@@ -249,6 +266,78 @@ def append_wire_run(
         raise
 
 
+class _UniformWireLayout(NamedTuple):
+    """Structs that cut ``count`` wire records of ``data_bytes`` data each, and build their stored run."""
+
+    ids: struct.Struct  # each record's id
+    data_checksums: struct.Struct  # each record's data checksum, as an int
+    pieces: struct.Struct  # each record's 32-byte prefix, data and data checksum, as bytes
+    stored: struct.Struct  # the stored run, from each record's prefix, data checksum, data, record checksum
+
+
+@functools.lru_cache(maxsize=256)
+def _uniform_wire_layout(count: int, data_bytes: int) -> _UniformWireLayout:
+    """Cached: building one (parsing its formats) costs ~6 us for 30 records, half of what the bulk path
+    saves on them, and a server's batches of one record size come in at most ``_BULK_MAX_RECORDS`` counts.
+    Each holds 11 codes of 32 bytes per record: at most ~45 KB, ~11 MB for a full cache."""
+    return _UniformWireLayout(
+        struct.Struct(">" + f"q{_WIRE_PREFIX_BYTES - 8 + data_bytes + 4}x" * count),
+        struct.Struct(">" + f"{_WIRE_PREFIX_BYTES + data_bytes}xI" * count),
+        struct.Struct(">" + f"{_WIRE_PREFIX_BYTES}s{data_bytes}s4s" * count),
+        struct.Struct(">" + f"{_WIRE_PREFIX_BYTES}s4s{data_bytes}sI" * count),
+    )
+
+
+def _append_uniform_wire_run(
+    parts: list[bytes | memoryview],
+    ends: list[int],
+    buf: bytes,
+    start: int,
+    count: int,
+    wire_bytes: int,
+    first_transaction_id: int,
+) -> bool:
+    """:func:`append_wire_run` of ``count`` wire records of ``wire_bytes`` each from ``buf[start:]``, without
+    a Python loop over the records: unpacks cut them all at once, the checks (ids dense from
+    ``first_transaction_id``, every data checksum) and the record checksums run as ``map``s in C, and one
+    pack builds the stored run. The same checks as the loop, record for record; False (``parts`` and
+    ``ends`` untouched) if any fails. A third less CPU than the loop for 30 records of 512 bytes.
+
+    Taken ``_BULK_MAX_RECORDS`` at a time, so the cached structs stay small (their size grows with the count)
+    and few (the chunk's count and the remainder's, per record size)."""
+    data_bytes = wire_bytes - RECORD_HEADER_BYTES
+    stored_bytes = wire_bytes + 4
+    pos = ends[-1] if ends else 0
+    built: list[bytes] = []
+    crc = crc32
+    done = 0
+    while done < count:
+        n = min(_BULK_MAX_RECORDS, count - done)
+        first = first_transaction_id + done
+        at = start + done * wire_bytes
+        layout = _uniform_wire_layout(n, data_bytes)
+        if layout.ids.unpack_from(buf, at) != tuple(range(first, first + n)):
+            return False
+        pieces = layout.pieces.unpack_from(buf, at)
+        datas = pieces[1::3]
+        if tuple(map(crc, datas)) != layout.data_checksums.unpack_from(buf, at):
+            return False
+        prefixes = pieces[0::3]
+        checksums = pieces[2::3]
+        fields: list[bytes | int] = [b""] * (4 * n)
+        fields[0::4] = prefixes
+        fields[1::4] = checksums
+        fields[2::4] = datas
+        # The record checksums: CRC-32 of the prefix, then the data checksum, then the data (no 36-byte
+        # header is built for it: a concatenation per record cost more than a third CRC call).
+        fields[3::4] = list(map(crc, datas, map(crc, checksums, map(crc, prefixes))))
+        built.append(layout.stored.pack(*fields))
+        done += n
+    parts += built
+    ends += range(pos + stored_bytes, pos + stored_bytes * count + 1, stored_bytes)
+    return True
+
+
 class Segment:
     """One open segment. Not thread-safe: its partition's single owner calls it.
 
@@ -278,6 +367,9 @@ class Segment:
         self.writable = writable
         self._data_dirty = False
         self._index_dirty = False
+        self._index_tail = bytearray()
+        """Index entries of the newest records, not yet written to the index file (at most
+        ``CHECKPOINT_INTERVAL``): written by :meth:`sync` (every checkpoint, close, truncation)."""
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -431,10 +523,11 @@ class Segment:
 
         The run was checked by whoever built it (:func:`append_wire_run`, :func:`verify_client_checksums`):
         ids dense, data checksums right, record checksums computed. Writing stops after the record that takes
-        the data file past ``size_threshold_bytes``. Each stretch of records is one ``pwrite`` to each file; a
-        run is split only at a checkpoint id (a multiple of 1000), before which both files are fsynced.
+        the data file past ``size_threshold_bytes``. Each stretch of records is one ``pwrite`` to the data
+        file (the index entries wait in memory); a run is split only at a checkpoint id (a multiple of 1000),
+        before which the index entries waiting are written and both files fsynced.
         """
-        data_file, index_file = self._files()
+        data_file, _ = self._files()
         if not self.writable:
             raise StorageError(f"{self.data_path}: segment is read-only")
         threshold = size_threshold_bytes if size_threshold_bytes is not None else 1 << 62
@@ -452,15 +545,16 @@ class Segment:
                 base = self._data_size
                 if base + ends[j - 1] - run_base > threshold:
                     j = bisect.bisect_right(ends, threshold - base + run_base, i, j) + 1
-                starts = [base]
-                starts += [base + e - run_base for e in ends[i : j - 1]]
                 data_file.pwrite(view[run_base : ends[j - 1]], base)
-                index_file.pwrite(
-                    struct.pack(f">{j - i}q", *starts), SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * self._count
+                # The index entries wait in memory for the next checkpoint (see _index_tail): recovery never
+                # trusts entries after the last checkpoint anyway, and their pwrite cost a syscall per append
+                # request (~2 us of CPU here).
+                self._index_tail += struct.pack(
+                    f">{j - i}q", base, *map((base - run_base).__add__, ends[i : j - 1])
                 )
                 self._data_size = base + ends[j - 1] - run_base
                 self._count += j - i
-                self._data_dirty = self._index_dirty = True
+                self._data_dirty = True
                 i = j
         finally:
             view.release()
@@ -481,6 +575,7 @@ class Segment:
     def sync(self) -> None:
         """Make the data file and the index durable."""
         data_file, index_file = self._files()
+        self._write_index_tail()
         if self._data_dirty:
             data_file.fsync(data_only=True)
             self._data_dirty = False
@@ -488,11 +583,21 @@ class Segment:
             index_file.fsync(data_only=True)
             self._index_dirty = False
 
+    def _write_index_tail(self) -> None:
+        tail = self._index_tail
+        if tail:
+            _, index_file = self._files()
+            written = self._count - len(tail) // INDEX_ENTRY_BYTES
+            index_file.pwrite(tail, SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * written)
+            self._index_tail = bytearray()
+            self._index_dirty = True
+
     def truncate(self, transaction_id: int) -> None:
         """Keep the records ``<= transaction_id``; durable when this returns."""
         data_file, index_file = self._files()
         if not self.writable:
             raise StorageError(f"{self.data_path}: segment is read-only")
+        self._write_index_tail()
         if transaction_id < self.first_transaction_id - 1:
             raise StorageError(
                 f"{self.data_path}: cannot truncate to {transaction_id}, before the segment's first id"
@@ -514,19 +619,32 @@ class Segment:
 
     # -------------------------------------------------------------------------------------------- reads
 
-    def _offset_of(self, entry: int) -> int:
+    def _index_entries(self, entry: int, n: int) -> bytes | bytearray:
+        """Index entries ``entry .. entry+n-1`` as stored (shorter if the index file is), from the file and
+        the entries not yet written to it: the newest records' offsets need no pread."""
+        tail = self._index_tail
+        written = self._count - len(tail) // INDEX_ENTRY_BYTES
+        if entry >= written:
+            lo = (entry - written) * INDEX_ENTRY_BYTES
+            return tail[lo : lo + INDEX_ENTRY_BYTES * n]
         _, index_file = self._files()
-        raw = index_file.pread(INDEX_ENTRY_BYTES, SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * entry)
+        in_file = min(n, written - entry)
+        raw = index_file.pread(INDEX_ENTRY_BYTES * in_file, SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * entry)
+        if in_file < n and len(raw) == INDEX_ENTRY_BYTES * in_file:
+            raw += tail[: INDEX_ENTRY_BYTES * (n - in_file)]
+        return raw
+
+    def _offset_of(self, entry: int) -> int:
+        raw = self._index_entries(entry, 1)
         if len(raw) != INDEX_ENTRY_BYTES:
             raise CorruptionError(f"{self.index_path}: index entry {entry} is missing")
         return int(_I64.unpack(raw)[0])
 
     def _offsets(self, entry: int, count: int) -> list[int]:
         """Offsets of records ``entry .. entry+count-1`` plus the end of the last one (count + 1 values)."""
-        _, index_file = self._files()
         with_next = entry + count < self._count
         n = count + 1 if with_next else count
-        raw = index_file.pread(INDEX_ENTRY_BYTES * n, SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * entry)
+        raw = self._index_entries(entry, n)
         if len(raw) != INDEX_ENTRY_BYTES * n:
             raise CorruptionError(f"{self.index_path}: index is shorter than {self._count} entries")
         offsets = list(struct.unpack(f">{n}q", raw))
@@ -670,6 +788,19 @@ class Segment:
             raise StorageError(f"{self.data_path}: transaction {transaction_id} is not in this segment")
         return offsets[0], raw
 
+    def scanned_max_transaction_id(self) -> int:
+        """The last id of the records that verify in sequence from the index's last entry to the end of the
+        data file, read-only (for tools on a stopped node: a node that was killed never wrote the index
+        entries after its last checkpoint, which its own recovery finds by the same scan)."""
+        if self._count:
+            start = self._verify_at(self.max_transaction_id, self._data_size)
+            if start is None:
+                return self.max_transaction_id
+        else:
+            start = SEGMENT_HEADER_BYTES
+        offsets, _ = self._scan(self.max_transaction_id + 1, start, self._data_size)
+        return self.max_transaction_id + len(offsets)
+
     def record_offset(self, transaction_id: int) -> int:
         """Data-file offset of a held transaction (for tools)."""
         if self._range(transaction_id, 1) == 0:
@@ -790,14 +921,11 @@ class Segment:
             ids = range(transaction_id, transaction_id + 1)
         else:
             ids = range(first, self.max_transaction_id + 1)
-        _, index_file = self._files()
         chunk = 4096
         expected_offset = SEGMENT_HEADER_BYTES if transaction_id is None else None
         for lo in range(ids.start, ids.stop, chunk):
             hi = min(ids.stop, lo + chunk)
-            raw = index_file.pread(
-                INDEX_ENTRY_BYTES * (hi - lo), SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * (lo - first)
-            )
+            raw = self._index_entries(lo - first, hi - lo)
             for txn in range(lo, hi):
                 j = (txn - lo) * INDEX_ENTRY_BYTES
                 if j + INDEX_ENTRY_BYTES > len(raw):

@@ -9,6 +9,8 @@ import pytest
 from waltz import PartitionLocalLock, TransactionBuilder
 from waltz.client.locks import lock_hash
 from waltz.client.serializer import JsonSerializer, Utf8Serializer
+from waltz.protocol.client_server import encode
+from waltz.protocol.framing import FRAME_HEADER, MAGIC_CLIENT
 from waltz.protocol.records import ReqId
 
 REQ = ReqId.of(3, 1, 0, 42)
@@ -104,3 +106,23 @@ def test_a_new_write_lock_list_replaces_the_hashes() -> None:
 def test_locks_must_be_partition_local_locks() -> None:
     with pytest.raises(TypeError, match="PartitionLocalLock"):
         TransactionBuilder(0, -1).set_write_locks([("account", 1)])  # type: ignore[list-item]
+
+
+def test_frame_append_is_the_frame_of_build_and_leaves_other_locks_to_the_general_path() -> None:
+    """``frame_append`` (the network driver's one-pass path) frames exactly ``build(req_id)``; with read or
+    append locks it appends nothing, and the driver encodes ``build(req_id)`` instead."""
+    req_id = ReqId(7 << 32, 1)
+    builder = TransactionBuilder(0, 41)
+    builder.set_header(5)
+    builder.set_transaction_data(b"payload")
+    builder.set_write_locks([PartitionLocalLock("k", 3)])
+    out: list[bytes] = []
+    assert builder.frame_append(out, MAGIC_CLIENT, 5, 1 << 20, req_id)
+    payload = encode(builder.build(req_id), 5)
+    assert b"".join(out) == FRAME_HEADER.pack(MAGIC_CLIENT, 5, len(payload)) + payload
+    for kind in ("set_read_locks", "set_append_locks"):
+        other = TransactionBuilder(0, 41)
+        getattr(other, kind)([PartitionLocalLock("k", 4)])
+        out = []
+        assert not other.frame_append(out, MAGIC_CLIENT, 5, 1 << 20, req_id)
+        assert out == []

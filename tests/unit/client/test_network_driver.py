@@ -9,12 +9,14 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.driver import AppendRequest, MountState
 from waltz.client.network import Endpoints, NetworkDriver
+from waltz.client.stream import INBOX_FEED_LIMIT
 from waltz.errors import BrokenResourceError, PartitionNotReadyError
 from waltz.protocol import client_server as cs
-from waltz.protocol.framing import MAGIC_CLIENT
+from waltz.protocol.framing import FRAME_HEADER, FRAME_HEADER_BYTES, MAGIC_CLIENT
 from waltz.protocol.records import ReqId, crc32
 from waltz.transport import FramedConnection, FramedServer, serve
 
@@ -453,22 +455,27 @@ def test_the_appends_of_one_loop_iteration_leave_in_one_write_before_anything_se
             assert link.conn is not None
             calls: list[tuple[str, int]] = []
             client_conn = link.conn
-            send_many, send = client_conn.send_many, client_conn.send
-            client_conn.send_many = lambda payloads: (  # type: ignore[method-assign]
-                calls.append(("send_many", len(list(payloads)))),
-                send_many(payloads),
-            )[1]
-            client_conn.send = lambda payload: (calls.append(("send", 1)), send(payload))[1]  # type: ignore[method-assign]
 
             def append(seq: int) -> AppendRequest:
                 return AppendRequest(append_id(seq), -1, (), (), (), 0, b"x", crc32(b"x"))
 
-            for seq in (1, 2, 3):
-                driver.send_append(0, append(seq))
+            frame_bytes = FRAME_HEADER_BYTES + len(cs.encode(append(1), client_conn.negotiated_version))
+            send_framed, send = client_conn.send_framed, client_conn.send
+            client_conn.send_framed = lambda frames: (  # type: ignore[method-assign]
+                calls.append(("send_framed", len(frames) // frame_bytes)),
+                send_framed(frames),
+            )[1]
+            client_conn.send = lambda payload: (calls.append(("send", 1)), send(payload))[1]  # type: ignore[method-assign]
+
+            builder = TransactionBuilder(0, -1)
+            builder.set_transaction_data(b"x")
+            driver.send_append(0, append(1))
+            driver.send_built(0, append_id(2), builder)  # The core's path: the same frame, queued alike.
+            driver.send_append(0, append(3))
             driver.send_flush(0, append_id(3))  # Writes the three appends first.
             driver.send_append(0, append(4))
             await asyncio.sleep(0)  # The loop's callbacks: the fourth append's write.
-            assert calls == [("send_many", 3), ("send", 1), ("send_many", 1)]
+            assert calls == [("send_framed", 3), ("send", 1), ("send_framed", 1)]
             received = []
             while len(received) < 5:
                 _, msg = await server.expect(cs.Message)
@@ -486,6 +493,84 @@ def test_the_appends_of_one_loop_iteration_leave_in_one_write_before_anything_se
             link.conn = None
             link.flush_appends()
             link.conn = client_conn
-            assert calls[-1] == ("send_many", 1)
+            assert calls[-1] == ("send_framed", 1)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("garbage", ["message", "frame"])
+def test_garbage_from_the_server_ends_the_stream_connection_and_the_partition_mounts_again(
+    garbage: str,
+) -> None:
+    """The stream connection's payloads come from the transport's callback: a message that cannot be
+    decoded (or a frame that breaks the framing) after good ones ends the connection once those were
+    delivered, NOT_READY is reported, and a new connection mounts again from the last id delivered."""
+
+    async def main() -> None:
+        listener = Recorder()
+        async with _ready_driver(listener) as (server, _driver, conn):
+            server.send(conn, cs.FeedData(append_id(1), 0, 0))
+            await listener.wait_for("feed", 0)
+            server.send(conn, cs.FeedData(append_id(2), 1, 0))
+            if garbage == "message":
+                conn.send(b"\xfe not a message")  # No such message type.
+            else:
+                conn.send_framed(FRAME_HEADER.pack(0x20, conn.negotiated_version, 1) + b"x")  # Wrong magic.
+            server.send(conn, cs.FeedData(append_id(3), 2, 0))  # After the garbage: never delivered.
+            await listener.wait_for("state", MountState.NOT_READY)
+            conn2, remount = await server.expect(cs.MountRequest)
+            assert conn2 is not conn
+            assert remount.client_high_water_mark == 1
+            server.send(conn2, cs.MountResponse(remount.req_id, cs.PartitionState.READY))
+            server.send(conn2, cs.FeedData(append_id(3), 2, 0))
+            await listener.wait_for("feed", 2)
+            assert [e[1] for e in listener.events if e[0] == "feed"] == [0, 1, 2]
+
+    asyncio.run(main())
+
+
+class BlockedRecorder(Recorder):
+    """A listener whose ``on_feed_data`` waits until ``open`` is set (an application that applies slowly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open = asyncio.Event()
+
+    async def on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
+        await self.open.wait()
+        await super().on_feed_data(partition_id, transaction_id, req_id, header)
+
+
+@pytest.mark.timeout(60)
+def test_a_full_inbox_stops_reading_from_the_server_until_it_has_room_again() -> None:
+    """Back pressure on the callback-read stream connection: once a partition's inbox holds
+    INBOX_FEED_LIMIT entries the link reads nothing more (TCP pushes back on the server), and reading
+    resumes once the listener took enough of them; every entry arrives, in order."""
+
+    async def main() -> None:
+        listener = BlockedRecorder()
+        async with _ready_driver(listener) as (_server, driver, conn):
+            link = driver.mounts[0].link
+            assert link is not None
+            assert link.conn is not None
+            client_conn = link.conn
+            total = INBOX_FEED_LIMIT * 3
+            payloads = [
+                cs.encode(cs.FeedData(append_id(t + 1), t, 0), conn.negotiated_version) for t in range(total)
+            ]
+            conn.send_many(payloads)
+            for _ in range(int(STEP_S / 0.01)):  # The inbox fills up (bounded wait).
+                if driver.mounts[0].feed_queued >= INBOX_FEED_LIMIT:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            assert client_conn._reading_paused  # Paused with the inbox full...
+            queued = driver.mounts[0].feed_queued
+            assert queued < total  # ...before the whole feed was read.
+            listener.open.set()
+            await listener.wait_for("feed", total - 1)
+            assert [e[1] for e in listener.events if e[0] == "feed"] == list(range(total))
+            assert not client_conn._reading_paused
 
     asyncio.run(main())
