@@ -575,7 +575,15 @@ def decode_append_fields(payload: bytes | bytearray | memoryview, version: int) 
         _, msb, lsb, hwm, nw, nr, na, header, length = _APPEND_HEAD_NO_LOCKS.unpack_from(payload, 0)
         locks: tuple[int, ...] = ()
         head_bytes = _APPEND_HEAD_NO_LOCKS.size
-        if 0 < nw < len(_WRITE_LOCKS_HEADS) and end >= _WRITE_LOCKS_HEADS[nw].size + 4:
+        if nw == 1 and end >= _APPEND_HEAD_ONE_WRITE.size + 4:
+            # One write lock (a conditional append on one key): the head read above holds every field of
+            # this layout but the length, each one place later than it read them: no second whole unpack.
+            locks = (nr,)
+            nr, na, header = na, header, length
+            length = _I32.unpack_from(payload, _APPEND_HEAD_NO_LOCKS.size)[0]
+            head_bytes = _APPEND_HEAD_ONE_WRITE.size
+            nw = 0  # read: the test below is of the other counts
+        elif 0 < nw < len(_WRITE_LOCKS_HEADS) and end >= _WRITE_LOCKS_HEADS[nw].size + 4:
             head = _WRITE_LOCKS_HEADS[nw]
             head_bytes = head.size
             fields = head.unpack_from(payload, 0)

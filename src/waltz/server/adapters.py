@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from ssl import SSLContext
 
 from kazoo.client import KazooClient
@@ -92,9 +92,11 @@ class TcpReplicaConnection:
         client = self._live()
         await client.append_encoded(self._session_id, self._partition_id, self._bodies.body_of(records))
 
-    def start_append(self, records: Sequence[Record]) -> asyncio.Future[object]:
+    def start_append(
+        self, records: Sequence[Record], on_answer: Callable[[asyncio.Future[object]], None]
+    ) -> asyncio.Future[object]:
         body = self._bodies.body_of(records)
-        return self._live().start_append_encoded(self._session_id, self._partition_id, body)
+        return self._live().start_append_encoded(self._session_id, self._partition_id, body, on_answer)
 
     async def read_records(self, transaction_id: int, max_count: int) -> list[Record]:
         return await self._live().read_records(

@@ -38,7 +38,7 @@ What an implementation must guarantee
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -101,9 +101,12 @@ class ReplicaConnection(Protocol):
         """Append records whose ids continue the log densely; return once they are fsynced."""
         ...
 
-    def start_append(self, records: Sequence[Record]) -> asyncio.Future[object]:
+    def start_append(
+        self, records: Sequence[Record], on_answer: Callable[[asyncio.Future[object]], None]
+    ) -> asyncio.Future[object]:
         """:meth:`append` sent now: a future done once the records are fsynced (failed as ``append`` would
-        raise), with no timeout of its own (the caller bounds the time)."""
+        raise), with no timeout of its own (the caller bounds the time). ``on_answer(future)`` is called
+        once it is done, unless the caller cancelled it: at the latest as a done callback would be."""
         ...
 
     async def read_records(self, transaction_id: int, max_count: int) -> list[Record]:

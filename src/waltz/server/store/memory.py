@@ -487,14 +487,18 @@ class MemoryConnection:
     async def append(self, records: Sequence[Record]) -> None:
         await self._call("append", tuple(records))
 
-    def start_append(self, records: Sequence[Record]) -> asyncio.Future[object]:
+    def start_append(
+        self, records: Sequence[Record], on_answer: Callable[[asyncio.Future[object]], None]
+    ) -> asyncio.Future[object]:
         # As the TCP adapter does: a connection already known broken or closed refuses at once, not in the
         # future, so the simulator exercises the caller's handling of both.
         if self._closed:
             raise ClosedResourceError(f"connection to {self.storage} is closed")
         if self._broken:
             raise BrokenResourceError(f"connection to {self.storage} is broken")
-        return asyncio.ensure_future(self.append(records))
+        future: asyncio.Future[object] = asyncio.ensure_future(self.append(records))
+        future.add_done_callback(on_answer)
+        return future
 
     async def read_records(self, transaction_id: int, max_count: int) -> list[Record]:
         result: list[Record] = await self._call("read_records", transaction_id, max_count)
