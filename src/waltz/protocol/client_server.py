@@ -90,7 +90,7 @@ from typing import ClassVar, Final, NamedTuple, Self, TypeAlias
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
 from waltz.protocol.checksum import crc32 as _crc32
-from waltz.protocol.record_run import STORED_OVERHEAD_BYTES, encode_run, run_records
+from waltz.protocol.record_run import STORED_OVERHEAD_BYTES, RunBytes, encode_run, run_records
 from waltz.protocol.records import Record, RecordHeader, ReqId, crc32
 from waltz.protocol.wire import Reader, Writer
 
@@ -977,7 +977,8 @@ class TransactionRangeResponse(_Message):
     req_id: ReqId
     transaction_id: int
     count: int
-    run: bytes
+    run: RunBytes
+    """A view of the received payload when decoded (see :data:`~waltz.protocol.record_run.RunBytes`)."""
 
     @classmethod
     def of(cls, req_id: ReqId, transaction_id: int, records: tuple[Record, ...] | list[Record]) -> Self:
@@ -1007,7 +1008,7 @@ class TransactionRangeResponse(_Message):
         req_id = _read_req_id(payload)
         transaction_id = r.i64()
         count = r.i32()
-        run = r.bytes_required()
+        run = r.bytes_view_required()  # the run's megabytes are not copied out of the payload
         r.expect_end()
         if count < 0 or count * STORED_OVERHEAD_BYTES > len(run):
             raise RemoteProtocolError(
@@ -1101,7 +1102,7 @@ def encode(msg: Message, version: int) -> bytes:
     return msg._encode(version)
 
 
-def encode_range_response_parts(msg: TransactionRangeResponse, version: int) -> tuple[bytes, bytes]:
+def encode_range_response_parts(msg: TransactionRangeResponse, version: int) -> tuple[bytes, RunBytes]:
     """``encode(msg, version)`` as ``(head, run)``, the run not copied: a server relays a storage node's run
     after the head (``FramedConnection.send_parts``) instead of joining megabytes into one payload. Raises
     as :func:`encode`."""

@@ -21,6 +21,7 @@ from waltz.cluster.partition_metadata import PartitionMetadata
 from waltz.cluster.store_metadata import read_partition_metadata, write_partition_metadata
 from waltz.config import host_port
 from waltz.errors import BrokenResourceError, ClosedResourceError, ConfigError, WaltzError
+from waltz.protocol.record_run import RunBytes
 from waltz.protocol.records import Record, RecordHeader
 from waltz.protocol.storage import append_request_body
 from waltz.server.storage_client import StorageClient
@@ -107,7 +108,7 @@ class TcpReplicaConnection:
             self._session_id, self._partition_id, transaction_id, max_count
         )
 
-    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, bytes]:
+    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, RunBytes]:
         return await self._live().read_run(
             self._session_id, self._partition_id, transaction_id, max_count, max_bytes
         )

@@ -66,6 +66,7 @@ from waltz.errors import ConnectionError_, PartitionNotReadyError, RemoteProtoco
 from waltz.http import HttpEndpoint, build_info, listen, new_registry
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
+from waltz.protocol.record_run import RunBytes
 from waltz.protocol.records import ReqId
 from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
 from waltz.server.config import ServerConfig
@@ -1069,7 +1070,8 @@ class WaltzServer:
             # ask for the high-water mark next, which says HWM_NOT_SERVED. A partition that never opened
             # answers at once (the mark request does the waiting); one that was served waits here too, so a
             # new session (the checkpoint interval) does not read as the end of the log.
-            got, run = 0, b""
+            got = 0
+            run: RunBytes = b""
             if count and part.is_ready and await self._wait_serving(part):
                 try:
                     got, run = await part.store.read_run(msg.transaction_id, count, budget)

@@ -19,6 +19,7 @@ from waltz.errors import LocalProtocolError, RemoteProtocolError, StorageRpcErro
 from waltz.protocol import admin as adm
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
+from waltz.protocol.record_run import RunBytes
 from waltz.protocol.records import Record, RecordHeader
 from waltz.transport import RpcClient, open_connection
 
@@ -285,7 +286,7 @@ class StorageClient(_Endpoint[st.StorageMessage]):
 
     async def read_run(
         self, session_id: int, partition_id: int, transaction_id: int, max_records: int, max_bytes: int
-    ) -> tuple[int, bytes]:
+    ) -> tuple[int, RunBytes]:
         """Up to ``max_records`` records from ``transaction_id`` as stored (a record run, relayed: only its
         size against ``count`` and its first id are checked here, the rest by the reader):
         ``(count, run)``."""

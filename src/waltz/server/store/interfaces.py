@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from waltz.cluster.partition_metadata import PartitionMetadata
+from waltz.protocol.record_run import RunBytes
 from waltz.protocol.records import Record, RecordHeader, ReqId
 
 __all__ = [
@@ -116,7 +117,7 @@ class ReplicaConnection(Protocol):
         """Like :meth:`read_records`, headers only."""
         ...
 
-    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, bytes]:
+    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, RunBytes]:
         """Like :meth:`read_records`, but the records as stored (a record run, its shape checked here, each
         record checksum by the node; :mod:`waltz.protocol.record_run`) and at most ``max_bytes`` beyond the
         first: ``(count, run)``. A damaged stored copy raises CorruptionError."""

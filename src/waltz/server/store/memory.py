@@ -44,7 +44,7 @@ from waltz.errors import (
     TransactionOutOfOrderError,
     WaltzError,
 )
-from waltz.protocol.record_run import encode_run, stored_size
+from waltz.protocol.record_run import RunBytes, encode_run, stored_size
 from waltz.protocol.records import Record, RecordHeader
 from waltz.server.store.interfaces import SessionInfo
 
@@ -508,8 +508,8 @@ class MemoryConnection:
         result: list[RecordHeader] = await self._call("read_headers", transaction_id, max_count)
         return result
 
-    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, bytes]:
-        result: tuple[int, bytes] = await self._call("read_run", transaction_id, max_count, max_bytes)
+    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, RunBytes]:
+        result: tuple[int, RunBytes] = await self._call("read_run", transaction_id, max_count, max_bytes)
         return result
 
     async def read_record(self, transaction_id: int) -> Record | None:
