@@ -29,7 +29,7 @@ import asyncio
 import cProfile
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from waltz.protocol import client_server as cs
 from waltz.protocol import storage as st
@@ -80,17 +80,27 @@ class _Replica:
     async def append(self, records: Sequence[Record]) -> None:
         self._max_id = records[-1].transaction_id
 
-    def start_append(self, records: Sequence[Record]) -> asyncio.Future[object]:
+    def start_append(
+        self, records: Sequence[Record], on_answer: Callable[[asyncio.Future[object]], None]
+    ) -> asyncio.Future[object]:
         bodies = self._bodies
         bodies.requests += 1
         if records is not bodies.records:
             bodies.body = st.append_request_body(records)
             bodies.records = records
-        st.encode_append_request(1, 0, 0, bodies.body)
+        # The request's prefix; the body goes to the socket as it is (``storage_client._encode_storage``).
+        st.encode_append_request(1, 0, 0, b"")
         self._max_id = records[-1].transaction_id
         future: asyncio.Future[object] = self._loop.create_future()
-        self._loop.call_later(self._bodies.ack_s, future.set_result, None)
+        self._loop.call_later(self._bodies.ack_s, self._ack, future, on_answer)
         return future
+
+    @staticmethod
+    def _ack(future: asyncio.Future[object], on_answer: Callable[[asyncio.Future[object]], None]) -> None:
+        # As RpcClient does: the answer callback runs where the response resolved the future.
+        if not future.done():
+            future.set_result(None)
+            on_answer(future)
 
     async def read_headers(self, transaction_id: int, max_count: int) -> list[RecordHeader]:
         return []
@@ -115,6 +125,7 @@ class _Peer:
 
     def __init__(self) -> None:
         self.closed = False
+        self.drain_needed = False
         self._proto = ProtocolConnection(MAGIC_CLIENT, cs.SUPPORTED_VERSIONS, "bench")
         self._proto.send_hello()
         self._proto.negotiated_version = VERSION

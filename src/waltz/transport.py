@@ -1633,14 +1633,16 @@ class RpcClient(Generic[ReqT, RespT]):
       :meth:`aclose` stops the reading and closes the connection.
 
     The caller chooses sequence numbers (see :meth:`next_seq`); two requests with the same number may not be
-    in flight at once.
+    in flight at once. ``encode`` returns a request's payload, or its ``(head, body)`` parts: one frame whose
+    body is written after the head without being joined to it (:meth:`FramedConnection.send_parts`), for a
+    large body sent as it is (a server's batch of records, the same bytes for every replica).
     """
 
     def __init__(
         self,
         conn: FramedConnection,
         *,
-        encode: Callable[[ReqT], bytes],
+        encode: Callable[[ReqT], bytes | tuple[bytes, bytes]],
         decode: Callable[[bytes], RespT],
         request_seq: Callable[[ReqT], int],
         response_seq: Callable[[RespT], int],
@@ -1660,6 +1662,8 @@ class RpcClient(Generic[ReqT, RespT]):
         self._loop = asyncio.get_running_loop()
         self._slots = asyncio.Semaphore(max_in_flight)
         self._pending: dict[int, asyncio.Future[RespT]] = {}
+        self._on_answer: dict[int, Callable[[asyncio.Future[RespT]], None]] = {}
+        """The ``on_answer`` of the start_call requests in :attr:`_pending` that have one."""
         self._seq = 0
         self._closed = False
         self._broken: str | None = None
@@ -1712,7 +1716,9 @@ class RpcClient(Generic[ReqT, RespT]):
                 f" to {type(request).__name__}"
             ) from None
 
-    def start_call(self, request: ReqT) -> asyncio.Future[RespT]:
+    def start_call(
+        self, request: ReqT, on_answer: Callable[[asyncio.Future[RespT]], None] | None = None
+    ) -> asyncio.Future[RespT]:
         """Send ``request`` now and return the future of its response, for a caller that bounds its requests
         in flight and their time itself (no slot, no timeout, no task): the replica sessions of the server,
         whose requests then leave in the iteration that formed them instead of one task start later. With
@@ -1720,7 +1726,10 @@ class RpcClient(Generic[ReqT, RespT]):
         (:meth:`FramedConnection.send_now`); otherwise it joins the iteration's write.
 
         The future fails with the response's error (``error_of``) or as :meth:`call` would on a lost
-        connection; cancelling it forgets the request (a late response is dropped)."""
+        connection; cancelling it forgets the request (a late response is dropped). ``on_answer``, if given,
+        is called with the future once the response or the connection's end resolved it, in the callback
+        that did (a done callback runs a loop pass later: one more pass per answer of a replica), and not
+        if the caller cancelled it first; an exception from it is logged."""
         self._check_usable()
         seq = self._request_seq(request)
         if seq in self._pending:
@@ -1728,13 +1737,18 @@ class RpcClient(Generic[ReqT, RespT]):
         payload = self._encode(request)
         future: asyncio.Future[RespT] = self._loop.create_future()
         pending = self._pending
-        if pending:
+        if isinstance(payload, tuple):
+            # A large body (a batch of records, the same bytes for every replica) written from where it is.
+            self._conn.send_parts(*payload)
+        elif pending:
             self._conn.send(payload)  # Joins this iteration's write (requests pipelined on a busy peer).
         else:
             # Nothing in flight to this peer (a lone append's replica request): written now rather than one
             # loop iteration later, with nothing to coalesce it with yet.
             self._conn.send_now(payload)
         pending[seq] = future
+        if on_answer is not None:
+            self._on_answer[seq] = on_answer
         return future
 
     async def _call_with_slot(self, request: ReqT) -> RespT:
@@ -1745,7 +1759,10 @@ class RpcClient(Generic[ReqT, RespT]):
         future: asyncio.Future[RespT] = self._loop.create_future()
         self._pending[seq] = future
         try:
-            self._conn.send(payload)
+            if isinstance(payload, tuple):
+                self._conn.send_parts(*payload)
+            else:
+                self._conn.send(payload)
             await self._conn.drain()
             response = await future
         finally:
@@ -1810,6 +1827,7 @@ class RpcClient(Generic[ReqT, RespT]):
         # Popped here, so a start_call request is forgotten once answered (a call's own cleanup finds it
         # gone, which it allows for).
         future = self._pending.pop(seq, None)
+        on_answer = self._on_answer.pop(seq, None) if self._on_answer else None
         if future is None or future.done():
             # Normal after a caller timed out or was cancelled.
             log.debug(
@@ -1821,11 +1839,28 @@ class RpcClient(Generic[ReqT, RespT]):
             future.set_result(response)
         else:
             future.set_exception(error)
+        if on_answer is not None:
+            self._answered(on_answer, future)
+
+    def _answered(
+        self, on_answer: Callable[[asyncio.Future[RespT]], None], future: asyncio.Future[RespT]
+    ) -> None:
+        try:
+            on_answer(future)
+        except Exception:
+            log.exception(
+                "%s: the answer callback of a request to %s failed", self._name, self._conn.peername
+            )
 
     def _fail_pending(self, make_error: Callable[[], BaseException]) -> None:
-        for future in self._pending.values():
+        # A list: an answer callback may start another call (which fails at once: the client is unusable).
+        for seq, future in list(self._pending.items()):
             if not future.done():
                 future.set_exception(make_error())
+                on_answer = self._on_answer.pop(seq, None)
+                if on_answer is not None:
+                    self._answered(on_answer, future)
+        self._on_answer.clear()
 
     async def aclose(self) -> None:
         """Stop the reader, fail pending calls with ClosedResourceError, close the connection. Idempotent."""

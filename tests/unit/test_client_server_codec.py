@@ -754,6 +754,26 @@ def test_an_append_with_one_write_lock_encodes_as_the_general_layout(
     assert decode(want, version) == msg
 
 
+def test_a_decoded_range_response_run_is_a_view_of_the_payload_not_a_copy() -> None:
+    """A range read's run is megabytes: decoding takes it as a read-only view of the received payload
+    (immutable bytes, so it can never change under the reader) rather than copying it out; a payload in a
+    buffer that can change (bytearray) is copied as before."""
+    recs = [Record.build(7 + i, REQ, i, bytes(range(i, i + 40))) for i in range(20)]
+    payload = encode(TransactionRangeResponse.of(REQ, 7, recs), 5)
+    msg = decode(payload, 5)
+    assert isinstance(msg, TransactionRangeResponse)
+    assert isinstance(msg.run, memoryview)
+    assert msg.run.obj is payload
+    assert msg.run.readonly
+    assert msg.records() == recs
+    mutable = bytearray(payload)
+    copied = decode(mutable, 5)
+    assert isinstance(copied, TransactionRangeResponse)
+    mutable[-1] ^= 0xFF  # the caller reuses its buffer: the decoded run keeps what was received
+    assert copied.records() == recs
+    assert copied == msg
+
+
 @given(
     version=versions,
     msb=st.integers(min_value=-(2**63), max_value=2**64 - 1),

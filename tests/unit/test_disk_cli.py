@@ -20,7 +20,7 @@ from waltz.errors import ConfigError, StorageError
 from waltz.protocol.records import Record, ReqId
 from waltz.storage.controlfile import CONTROL_FILE_NAME, FLAG_ASSIGNED, FLAG_AVAILABLE, ControlFile
 from waltz.storage.partition import PartitionLog
-from waltz.storage.segment import data_file_name, index_file_name
+from waltz.storage.segment import SegmentHeader, data_file_name, index_file_name
 
 KEY = uuid.UUID("12345678-1234-5678-1234-567812345678")
 
@@ -195,3 +195,85 @@ def test_offline_max_transaction_id_counts_records_after_the_index(tmp_path: Pat
         f.write(b"\x00" * 30)  # a torn record after them
     assert offline_max_transaction_id(tmp_path, 0) == 1009
     log.close()
+
+
+def test_tools_see_a_running_nodes_records_after_the_index(tmp_path: Path) -> None:
+    """The writable segment's index entries after the last checkpoint live in the node's memory: verify, stats
+    and dump of a running (or killed) node's segment still see those records, verified, and do not call them
+    stray bytes after the index."""
+    log = PartitionLog.open(str(tmp_path), KEY, 0)
+    log.append(_records(1010))
+    log.flush()  # no close: the entries after the checkpoint at 1000 stay in memory
+    path = str(tmp_path / "0" / data_file_name(0))
+    try:
+        assert verify_segment(path) == []
+        assert verify_segment(path, 1005) == []
+        assert segment_stats(path).rows == 1010
+        lines = dump_segment(path, records=True)
+        assert len(lines) == 1010
+        assert lines[-1].startswith("transaction 1009:")
+        assert "max transaction id: 1009" in dump_segment(path, metadata=True)
+        assert dump_segment(path, transaction_id=1009)[0].startswith("offset ")
+        with open(path, "ab") as f:
+            f.write(b"\x00" * 30)  # a torn record after them: the node would cut it, verify says so
+        assert verify_segment(path) == ["30 bytes after the last indexed record"]
+    finally:
+        log.close()
+
+
+@pytest.mark.parametrize("leftover", ["torn_index_header", "headerless_data_file"])
+def test_offline_max_transaction_id_skips_a_segment_left_half_created(tmp_path: Path, leftover: str) -> None:
+    """A crash during a roll-over can leave the new segment half-created (its index header torn, or only a
+    header-less data file): the node removes it when it opens the partition and serves the previous segment's
+    records, and the offline max id says the same instead of failing on it."""
+    log = PartitionLog.open(str(tmp_path), KEY, 0, segment_size_threshold_bytes=4096)
+    log.append(_records(200))
+    log.flush()
+    last = log.max_transaction_id
+    log.close()
+    pdir = tmp_path / "0"
+    header = SegmentHeader(0, 1, KEY, 0, last + 1).encode()
+    if leftover == "torn_index_header":
+        (pdir / data_file_name(last + 1)).write_bytes(header)
+        (pdir / index_file_name(last + 1)).write_bytes(header[:8] + bytes(range(120)))
+    else:
+        (pdir / data_file_name(last + 1)).write_bytes(b"\x00" * 40)
+    assert offline_max_transaction_id(tmp_path, 0) == last
+    with PartitionLog.open(str(tmp_path), KEY, 0, segment_size_threshold_bytes=4096) as log:
+        assert log.max_transaction_id == last
+
+
+def test_offline_max_transaction_id_of_a_node_killed_part_way_through_a_truncate(tmp_path: Path) -> None:
+    """A truncate cuts the data file (fsynced) before the index: a node killed in between leaves index
+    entries past the data's end, which its recovery drops. The offline max id is the node's, not the
+    stale index length."""
+    log = PartitionLog.open(str(tmp_path), KEY, 0)
+    log.append(_records(1500))
+    log.flush()
+    seg = log.segment_for(0)
+    assert seg is not None
+    cut = seg.record_offset(1200)
+    log.close()
+    with open(tmp_path / "0" / data_file_name(0), "r+b") as f:
+        f.truncate(cut)  # truncate(1199) was killed after its first step
+    assert offline_max_transaction_id(tmp_path, 0) == 1199
+    with PartitionLog.open(str(tmp_path), KEY, 0) as log:
+        assert log.max_transaction_id == 1199
+
+
+def test_tools_read_the_records_before_a_torn_tail(tmp_path: Path) -> None:
+    """A node killed (or still writing) leaves a partial record after its last whole one, which its recovery
+    cuts: stats and dump read every whole record before it, and verify names the stray bytes."""
+    log = PartitionLog.open(str(tmp_path), KEY, 0)
+    log.append(_records(1010))
+    log.flush()
+    path = str(tmp_path / "0" / data_file_name(0))
+    try:
+        with open(path, "ab") as f:
+            f.write(b"\x00" * 30)
+        assert segment_stats(path).rows == 1010
+        assert len(dump_segment(path, records=True)) == 1010
+        assert dump_segment(path, transaction_id=1009)[0].startswith("offset ")
+        assert verify_segment(path) == ["30 bytes after the last indexed record"]
+    finally:
+        log.close()

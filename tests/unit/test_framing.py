@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from waltz.errors import FrameTooLargeError, LocalProtocolError, RemoteProtocolError
 from waltz.protocol.framing import (
     FRAME_HEADER,
+    FRAME_HEADER_BYTES,
     MAGIC_ADMIN,
     MAGIC_CLIENT,
     MAGIC_HELLO,
@@ -429,6 +432,69 @@ def test_payloads_never_alias_a_buffer_the_reader_overwrites() -> None:
                 scratch[:] = b"\xee" * read_bytes  # The caller reuses its read buffer.
             assert got == payloads, (read_bytes, kind)
             assert all(type(p) is bytes for p in got)
+
+
+def test_a_large_frame_across_reads_is_collected_then_handed_out_before_what_follows_it() -> None:
+    """A frame of 16 KiB or more that straddles reads is collected read by read and joined once: what it has
+    received counts as buffered all along, and the frames after it in its last read come right after it."""
+    big = bytes(range(256)) * 1200  # 307,200 bytes
+    data = b"".join(encode_frame(MAGIC_STORAGE, 0, p) for p in (b"a", big, b"bc", b"", b"d"))
+    for take in ("next_frame", "next_payload", "take_payloads"):
+        d = FrameDecoder(1 << 20)
+        d.expected = (MAGIC_STORAGE, 0)
+        got: list[bytes] = []
+        fed = taken = 0
+        for i in range(0, len(data), 65_536):
+            chunk = data[i : i + 65_536]
+            d.receive_data(chunk)
+            fed += len(chunk)
+            if take == "take_payloads":
+                d.take_payloads(got)
+            elif take == "next_payload":
+                while (p := d.next_payload()) is not None:
+                    got.append(p)
+            else:
+                while (f := d.next_frame()) is not None:
+                    assert (f.magic, f.version) == (MAGIC_STORAGE, 0)
+                    got.append(f.payload)
+            taken = sum(FRAME_HEADER_BYTES + len(p) for p in got)
+            if take == "take_payloads" and len(got) == 4:
+                taken += FRAME_HEADER_BYTES  # the keep-alive it skipped
+            assert d.buffered_bytes == fed - taken, (take, i)
+        expected = [b"a", big, b"bc", b"d"] if take == "take_payloads" else [b"a", big, b"bc", b"", b"d"]
+        assert got == expected, take
+        assert type(got[1]) is bytes
+        assert d.buffered_bytes == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([0, 1, 100, 16_383, 16_384, 20_000, 70_000]), min_size=1, max_size=6),
+    cuts=st.lists(st.integers(min_value=1, max_value=50_000), min_size=1, max_size=12),
+)
+def test_frames_of_any_sizes_cut_anywhere_are_decoded_whole_and_in_order(
+    sizes: list[int], cuts: list[int]
+) -> None:
+    payloads = [bytes([i + 1]) * n for i, n in enumerate(sizes)]
+    data = b"".join(encode_frame(MAGIC_STORAGE, 0, p) for p in payloads)
+    reads = []
+    pos = 0
+    for n in itertools.cycle(cuts):
+        if pos >= len(data):
+            break
+        reads.append(data[pos : pos + n])
+        pos += n
+    d = FrameDecoder(1 << 20)
+    d.expected = (MAGIC_STORAGE, 0)
+    got: list[bytes] = []
+    for i, chunk in enumerate(reads):
+        d.receive_data(bytearray(chunk) if i % 2 else chunk)
+        if i % 3 == 0:
+            continue  # not drained after every read: several frames may wait in the buffer
+        d.take_payloads(got)
+    d.take_payloads(got)
+    assert got == [p for p in payloads if p]
+    assert d.buffered_bytes == 0
 
 
 @given(

@@ -410,3 +410,20 @@ def test_begin_checked_is_begin_then_check_then_release_on_conflict(
                 two.release(second)
         for lock in [*write, *read, *append, 0, 1]:
             assert one.lock_high_water_mark(lock) == two.lock_high_water_mark(lock)
+
+
+def test_one_write_lock_requests_take_the_slots_of_their_lock_remembered_or_not() -> None:
+    # begin_checked remembers the slots of recent lock values (bounded): whether remembered, computed
+    # again after the memory was cleared, or new, a request holds exactly lock_slots(lock, size).
+    from waltz.server import locks as locks_module
+
+    table = LockTable(1000, -1)
+    limit = locks_module._SLOTS_CACHE_ENTRIES
+    values = [7, -7, 2**31 - 1, -(2**31), 7, *range(100, 100 + limit + 10), 7, -7]
+    for lock in values:
+        request = table.begin_checked((lock,), (), (), 5)
+        assert isinstance(request, LockRequest)
+        assert request.updated == lock_slots(lock, 1000)
+        assert request.checked == (lock_slots(lock, 1000),)
+        table.commit_and_release(request, 5)
+        assert len(table._slots_of) <= limit

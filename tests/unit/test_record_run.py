@@ -11,9 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from waltz.errors import DataChecksumError, LocalProtocolError, RemoteProtocolError
+from waltz.protocol import record_run
 from waltz.protocol.record_run import (
     RecordRun,
     _id_lane,
+    _run_bounds_loop,
     encode_run,
     run_bounds,
     run_columns,
@@ -158,14 +160,18 @@ def test_a_run_of_one_record_size_is_verified_whole_and_any_damage_is_caught(
     count: int, size: int, data: st.DataObject
 ) -> None:
     """Runs of records of one size are checked without a loop over the records (CRC-32 linearity, see
-    record_run); they must accept exactly what the per-record loop accepts (run_bounds on a memoryview
-    takes the loop) and refuse one damaged byte anywhere, with the loop's error."""
+    record_run); they must accept exactly what the per-record loop accepts and refuse one damaged byte
+    anywhere, with the loop's error; a run received as a view of a payload (a memoryview) takes the same
+    fast check."""
     first = data.draw(st.integers(min_value=0, max_value=2**40))
     run = encode_run(uniform(first, count, size))
     stride = size + 40
     assert uniform_run_verifies(run, first, stride, count)
     assert run_bounds(run, first, count) == list(range(0, len(run) + 1, stride))
-    assert run_bounds(run, first, count) == run_bounds(memoryview(run), first, count)
+    assert run_bounds(run, first, count) == _run_bounds_loop(run, first, count)
+    payload = b"head" + run
+    assert run_bounds(memoryview(payload)[4:], first, count) == run_bounds(run, first, count)
+    assert uniform_run_verifies(memoryview(payload)[4:], first, stride, count)
     damaged = bytearray(run)
     position = data.draw(st.integers(min_value=0, max_value=len(run) - 1))
     damaged[position] ^= data.draw(st.integers(min_value=1, max_value=255))
@@ -175,8 +181,12 @@ def test_a_run_of_one_record_size_is_verified_whole_and_any_damage_is_caught(
     with pytest.raises((RemoteProtocolError, DataChecksumError)) as fast:
         run_bounds(bytes(damaged), first, count)
     with pytest.raises((RemoteProtocolError, DataChecksumError)) as loop:
-        run_bounds(memoryview(damaged), first, count)
+        _run_bounds_loop(damaged, first, count)
     assert str(fast.value) == str(loop.value)
+    assert not uniform_run_verifies(memoryview(damaged), first, stride, count)
+    with pytest.raises((RemoteProtocolError, DataChecksumError)) as view:
+        run_bounds(memoryview(damaged), first, count)
+    assert str(view.value) == str(loop.value)
 
 
 def test_a_run_of_one_size_with_two_damaged_records_is_refused() -> None:
@@ -260,7 +270,7 @@ def test_the_fast_check_leaves_ids_past_the_i64_range_to_the_loop() -> None:
 
 def _loop_accepts(run: bytes, first: int, count: int) -> bool:
     try:
-        run_bounds(memoryview(run), first, count)  # a memoryview always takes the per-record loop
+        _run_bounds_loop(run, first, count)
     except (RemoteProtocolError, DataChecksumError):
         return False
     return True
@@ -326,6 +336,7 @@ def test_the_fast_check_agrees_with_the_loop_on_multi_record_damage(
     damaged = bytes(run)
     loop = _loop_accepts(damaged, first, count)
     assert uniform_run_verifies(damaged, first, stride, count) == loop
+    assert uniform_run_verifies(memoryview(b"head" + damaged)[4:], first, stride, count) == loop
     # Without data checksums (the storage node's check after its pread): ids, lengths and record checksums.
     shape_and_record_crcs = all(
         struct.unpack_from(">q20xi", damaged, k * stride) == (first + k, size)
@@ -338,3 +349,16 @@ def test_the_fast_check_agrees_with_the_loop_on_multi_record_damage(
     if not loop:
         with pytest.raises((RemoteProtocolError, DataChecksumError)):
             run_bounds(damaged, first, count)
+
+
+def test_a_run_received_as_a_view_takes_the_fast_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoders hand runs out as views of the payload (no copy of the megabytes): they must not fall back to
+    the per-record loop, which costs several times the fast check."""
+    recs = uniform(100, 32, 30)
+    payload = b"head" + encode_run(recs)
+
+    def no_loop(*args: object) -> list[int]:
+        raise AssertionError("the per-record loop ran")
+
+    monkeypatch.setattr(record_run, "_run_bounds_loop", no_loop)
+    assert run_bounds(memoryview(payload)[4:], 100, 32) == list(range(0, len(payload) - 4 + 1, 70))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from waltz.protocol import storage as st
 from waltz.protocol.records import Record, ReqId, crc32
 from waltz.server.adapters import _AppendBodies
+from waltz.server.storage_client import EncodedAppend, _encode_storage
 
 
 def _records(first: int, n: int) -> tuple[Record, ...]:
@@ -28,3 +29,14 @@ def test_the_same_records_object_is_encoded_once_and_others_again() -> None:
     assert st.decode(st.encode_append_request(5, 6, 0, bodies.body_of(later))) == st.AppendRequest(
         5, 6, 0, later, False
     )
+
+
+def test_an_encoded_append_goes_as_its_prefix_and_the_shared_body_unjoined() -> None:
+    records = _records(7, 4)
+    body = st.append_request_body(records)
+    head, sent_body = _encode_storage(EncodedAppend(5, 6, 0, body))
+    assert sent_body is body  # every replica's request carries the one body object, not a copy
+    assert st.decode(head + sent_body) == st.AppendRequest(5, 6, 0, records, False)
+    # Any other storage message is one payload, as before.
+    request = st.MaxTransactionIdRequest(5, 7, 0, False)
+    assert _encode_storage(request) == st.encode(request)

@@ -394,7 +394,7 @@ def test_a_batch_added_to_the_caches_in_one_call_caches_what_one_call_per_append
             feed_one.add_entry(0, c.transaction_id, c.req_id, c.header)
             data_one.put(0, c.transaction_id, c.data, c.checksum)
         feed_run.add_run(0, batch)
-        data_run.put_run(0, batch)
+        assert data_run.put_run(0, batch) == data_bytes * count  # every item's data, cached or not
         assert feed_run.statistics() == feed_one.statistics()
         assert feed_run.get_entries(0, start, txn - start) == feed_one.get_entries(0, start, txn - start)
         assert data_run.statistics() == data_one.statistics()

@@ -94,6 +94,7 @@ class _Peer:
     def __init__(self) -> None:
         self.sent: list[cs.Message] = []
         self.closed = False
+        self.drain_needed = False
 
     def send(self, msg: cs.Message) -> None:
         self.sent.append(msg)

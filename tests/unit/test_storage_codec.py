@@ -292,6 +292,25 @@ def test_record_run_response_is_relayed_unwalked_and_its_reader_refuses_a_bad_sh
             run_bounds(msg.run, msg.first, msg.count)
 
 
+def test_a_decoded_record_run_response_run_is_a_view_of_the_payload_not_a_copy() -> None:
+    """The server relays a storage node's run (megabytes) as it decoded it: a view of the received payload,
+    not a copy; a payload in a buffer that can change is copied."""
+    run = bytes.fromhex(STORED_REC_HEX)
+    payload = bytes.fromhex(p(20)) + bytes.fromhex("00000001") + len(run).to_bytes(4, "big") + run
+    msg = s.decode(payload)
+    assert isinstance(msg, s.RecordRunResponse)
+    assert isinstance(msg.run, memoryview)
+    assert msg.run.obj is payload
+    assert msg.run.readonly
+    assert (msg.count, msg.run, msg.first) == (1, run, 5)
+    assert run_bounds(msg.run, msg.first, msg.count) == [0, len(run)]
+    mutable = bytearray(payload)
+    copied = s.decode(mutable)
+    mutable[-1] ^= 0xFF
+    assert isinstance(copied, s.RecordRunResponse)
+    assert copied.run == run
+
+
 def test_append_records_decode_as_a_wire_record_list() -> None:
     """An AppendRequest keeps its records in the bytes they arrived in; they behave as a tuple of Records."""
     records = (REC, REC_EMPTY, REC._replace(transaction_id=7))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import uuid
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from waltz.cli.disk import offline_max_transaction_id
 from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
 from waltz.protocol.record_run import RecordRun
 from waltz.protocol.records import Record, ReqId
@@ -454,3 +456,93 @@ def test_read_wire_refuses_a_damaged_record_and_names_it() -> None:
             log.read_wire(0, 10)
         assert caught.value.transaction_id == 4
         assert list(log.read_wire(0, 4)) == batch(0, 4)
+
+
+# ------------------------------------- crash with index entries in memory: long segments, truncates, reads
+
+LONG_RECORDS = 4500  # crosses several checkpoints in one segment
+LONG_THRESHOLD_BYTES = 120_000  # ~2300 records a segment: a roll-over or two, checkpoints inside each
+
+
+def _generation_record(txn: int, generation: int) -> Record:
+    """A record of ``txn`` that differs after each truncate, so a truncated record coming back shows."""
+    size = (txn * 13 + generation) % 23
+    data = bytes((txn + generation + i) & 0xFF for i in range(size))
+    return Record.build(txn, ReqId.of(7, generation, PID, txn), txn & 0xFFFF, data)
+
+
+def _long_workload(fs: CrashFS, seed: int, written: list[Record], acked: list[int]) -> None:
+    """Append, flush, truncate and read back at random; ``written`` is what was handed to the log (a record
+    joins it before its append starts), ``acked[0]`` how many of its records were acknowledged durable."""
+    rng = random.Random(seed)
+    generation = seed * 1000
+    log = open_log(fs, threshold=LONG_THRESHOLD_BYTES)
+    while len(written) < LONG_RECORDS:
+        txn = len(written)
+        batch_ = [_generation_record(t, generation) for t in range(txn, txn + rng.randint(1, 120))]
+        written += batch_
+        log.append(batch_)
+        # Reads of the newest records (their index entries in memory) and of older ones.
+        for t in (len(written) - 1, rng.randrange(len(written))):
+            assert log.read_record(t) == written[t]
+        roll = rng.random()
+        if roll < 0.3:
+            log.flush()
+            acked[0] = len(written)
+        elif roll < 0.34 and len(written) > 10:
+            target = max(-1, len(written) - 1 - rng.randint(0, 1500))
+            # The caller gives up the records after the target as it asks: a crash part-way may cut them.
+            acked[0] = min(acked[0], target + 1)
+            assert log.truncate(target) == target
+            del written[target + 1 :]
+            generation += 1
+    log.close()  # not after a crash: the process is gone
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_crash_with_index_entries_in_memory_loses_nothing_acknowledged(seed: int) -> None:
+    """A crash at a random operation of a workload of long segments (checkpoints inside them, index entries
+    after the last one in memory), truncates and reads: recovery keeps every acknowledged record, brings back
+    no truncated one, and every segment verifies."""
+    rng = random.Random(seed)
+    probe = CrashFS(seed)
+    _long_workload(probe, seed, [], [0])
+    for crash_at in rng.sample(range(probe.ops), 4):
+        fs = CrashFS(seed * 100_003 + crash_at)
+        written: list[Record] = []
+        acked = [0]
+        fs.arm(crash_at)
+        with contextlib.suppress(SimulatedCrash):
+            _long_workload(fs, seed, written, acked)
+        fs.crash()
+        with open_log(fs, threshold=LONG_THRESHOLD_BYTES) as log:
+            top = log.max_transaction_id
+            assert acked[0] - 1 <= top < len(written), (seed, crash_at, top, acked[0])
+            got: list[Record] = []
+            while len(got) <= top:
+                more = log.read_records(len(got), 500)
+                assert more, (seed, crash_at, len(got))
+                got += more
+            assert got == written[: top + 1], (seed, crash_at)
+            for first in log.segment_first_ids:
+                seg = log.segment_for(first)
+                if seg is not None:
+                    assert seg.verify() == [], (seed, crash_at, first)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_offline_max_id_after_a_kill_at_every_operation_is_what_the_node_keeps(seed: int) -> None:
+    """A process killed at any operation (every write reached the page cache, as at kill -9: index entries
+    in memory lost, a truncate or roll-over cut part-way): ``waltz storage max-transaction-id --offline``
+    on its files says what the node's recovery then keeps."""
+    probe = CrashFS(seed)
+    _long_workload(probe, seed, [], [0])
+    for crash_at in range(probe.ops):
+        fs = CrashFS(seed * 100_003 + crash_at)
+        fs.arm(crash_at)
+        with contextlib.suppress(SimulatedCrash):
+            _long_workload(fs, seed, [], [0])
+        fs.crash("apply")
+        offline = offline_max_transaction_id(ROOT, PID, fs=fs)
+        with open_log(fs, threshold=LONG_THRESHOLD_BYTES) as log:
+            assert offline == log.max_transaction_id, (seed, crash_at)

@@ -712,6 +712,106 @@ def test_an_idle_rpc_connection_sends_keep_alives_and_still_answers(run: Any) ->
     run(main)
 
 
+def test_a_request_encoded_as_parts_is_one_frame_in_order_with_the_others(run: Any) -> None:
+    """An encoder may return ``(head, body)``: the body is written after the head, not joined to it, and the
+    peer reads one frame, in order with the requests sent before and after it, by start_call and call."""
+
+    async def main() -> None:
+        async def answer_all(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, proto: Any) -> None:
+            payloads: list[bytes] = []
+            while data := await reader.read(65536):
+                proto.receive_data(data)
+                proto.take_payloads(payloads)
+                for payload in payloads:
+                    req = s.decode(payload)
+                    seen.append(req)
+                    writer.write(success(req))
+                payloads.clear()
+
+        seen: list[s.StorageMessage] = []
+        written: list[object] = []
+
+        def encode(msg: s.StorageMessage) -> bytes | tuple[bytes, bytes]:
+            payload = s.encode(msg)
+            if msg.seq_num % 2:
+                return payload
+            body = payload[9:]
+            bodies.append(body)
+            return payload[:9], body
+
+        bodies: list[bytes] = []
+        async with storage_peer(answer_all) as port:
+            conn = await connect(port, callback_reads=True)
+            writelines = conn._writer.writelines
+
+            def recording(parts: Any) -> None:
+                parts = list(parts)
+                written.extend(parts)
+                writelines(parts)
+
+            conn._writer.writelines = recording  # type: ignore[method-assign]
+            async with RpcClient(
+                conn, encode=encode, decode=s.decode, request_seq=s.seq_num_of, response_seq=s.seq_num_of
+            ) as rpc:
+                # Several in one loop pass (the later ones join a pending write), then one by one.
+                futures = [rpc.start_call(request(seq)) for seq in range(5)]
+                assert await asyncio.gather(*futures) == [s.SuccessResponse(1, q, q % 4) for q in range(5)]
+                assert await rpc.call(request(6), timeout_ms=2000) == s.SuccessResponse(1, 6, 2)
+                assert await rpc.call(request(7), timeout_ms=2000) == s.SuccessResponse(1, 7, 3)
+        assert seen == [request(seq) for seq in (0, 1, 2, 3, 4, 6, 7)]
+        assert len(bodies) == 4
+        for body in bodies:
+            assert any(part is body for part in written)  # handed to the transport as it is
+
+    run(main)
+
+
+def test_on_answer_runs_where_the_response_resolves_the_call_and_on_the_connection_loss(
+    run: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``start_call(..., on_answer)``: called in the data callback that resolved the future (before any done
+    callback, which runs a loop pass later), with the future; not for a call cancelled before its response;
+    for every call still pending when the connection ends; an exception from it is logged, and the
+    connection goes on."""
+
+    async def main() -> None:
+        async def answer_three_then_hang_up(
+            reader: asyncio.StreamReader, writer: asyncio.StreamWriter, proto: Any
+        ) -> None:
+            reqs = await requests(reader, proto, 4)
+            writer.write(b"".join(success(req) for req in reqs[:3]))  # one read: three answers
+            await writer.drain()
+            await requests(reader, proto, 1)  # the fifth request: then the peer hangs up
+
+        seen: list[tuple[int, bool, bool]] = []
+        done_callbacks: set[int] = set()  # the futures whose done callbacks ran
+
+        def on_answer(future: asyncio.Future[s.StorageMessage]) -> None:
+            failed = future.exception() is not None
+            seen.append((len(seen), failed, id(future) in done_callbacks))
+            if len(seen) == 2:
+                raise RuntimeError("a failing answer callback")
+
+        async with storage_peer(answer_three_then_hang_up) as port, await rpc_to(port) as rpc:
+            calls = [rpc.start_call(request(seq), on_answer) for seq in range(4)]
+            calls[1].cancel()  # before its answer: on_answer is not called for it
+            for call in (calls[0], calls[2], calls[3]):
+                call.add_done_callback(lambda f: done_callbacks.add(id(f)))
+            assert await calls[0] == s.SuccessResponse(1, 0, 0)
+            assert await calls[2] == s.SuccessResponse(1, 2, 2)
+            # Each told before its done callback ran; the second callback raised, and that was logged.
+            assert seen == [(0, False, False), (1, False, False)]
+            assert "answer callback of a request" in caplog.text
+            assert rpc.is_usable
+            last = rpc.start_call(request(4), on_answer)
+            with pytest.raises(BrokenResourceError):
+                await last
+            with pytest.raises(BrokenResourceError):
+                await calls[3]
+            # Calls 3 and 4 failed with the connection, each told once.
+            assert seen[2:] == [(2, True, False), (3, True, False)]
+
+
 def test_a_deliver_payloads_receiver_may_pause_resume_and_reject(run: Any) -> None:
     """``pause_delivery`` stops reading (nothing delivered) until ``resume_delivery``; ``reject`` ends the
     connection at once with the receiver's RemoteProtocolError, told through ``on_end``, and nothing more

@@ -60,6 +60,32 @@ def test_reader_rejects_short_bad_bool_and_trailing() -> None:
         Reader(bytes.fromhex("fffffffe")).bytes_()
 
 
+@given(st.binary(max_size=40), st.sampled_from([bytes, bytearray, memoryview]))
+def test_bytes_view_required_reads_what_bytes_required_reads(data: bytes, kind: type) -> None:
+    """The same value (a view of immutable bytes, a copy of anything else) and the same errors."""
+    buf = kind(data)
+    try:
+        expected = Reader(buf).bytes_required()
+    except RemoteProtocolError as e:
+        refused = str(e)
+    else:
+        refused = None
+    if refused is not None:
+        with pytest.raises(RemoteProtocolError) as got:
+            Reader(buf).bytes_view_required()
+        assert str(got.value) == refused
+        return
+    r = Reader(buf)
+    value = r.bytes_view_required()
+    assert value == expected
+    assert r.pos == 4 + len(expected)
+    if kind is bytes:
+        assert isinstance(value, memoryview)
+        assert value.obj is buf
+    else:
+        assert type(value) is bytes
+
+
 def test_writer_rejects_out_of_range() -> None:
     with pytest.raises(LocalProtocolError):
         Writer().i32(2**31)

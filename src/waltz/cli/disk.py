@@ -28,28 +28,37 @@ from waltz.errors import ConfigError
 from waltz.protocol.records import Record
 from waltz.storage.controlfile import read_control_file
 from waltz.storage.fileio import OS_FS, FileSystem
+from waltz.storage.partition import is_half_created
 from waltz.storage.segment import Segment, data_file_name, parse_segment_name
 
 READ_BATCH_RECORDS = 1000
 PAYLOAD_FORMATS = ("hex", "utf8", "json")
 
 
-def offline_max_transaction_id(directory: str | os.PathLike[str], partition: int) -> int:
+def offline_max_transaction_id(
+    directory: str | os.PathLike[str], partition: int, *, fs: FileSystem = OS_FS
+) -> int:
     """A partition's max transaction id read from the segment files under ``directory/partition`` (the
-    storage node may be stopped): the last segment's, -1 when there is none. The files are opened read-only;
-    records after the index's end are counted if they verify (a node killed leaves its newest index entries
-    unwritten), a crash tail the node would cut on its next start is not."""
+    storage node may be stopped): the last segment's, -1 when there is none. The files are opened read-only
+    and the answer is what the node's recovery will keep: records after the index's end are counted if they
+    verify (a node killed leaves its newest index entries unwritten), index entries past the data's end (a
+    truncate killed part-way) and a crash tail are not, nor a newest segment left half-created."""
     pdir = os.path.join(os.fspath(directory), str(partition))
-    try:
-        names = os.listdir(pdir)
-    except FileNotFoundError:
-        raise ConfigError(f"{pdir}: no such partition directory") from None
-    firsts = sorted(p[0] for p in map(parse_segment_name, names) if p is not None and p[1] == ".seg")
+    if not fs.exists(pdir):
+        raise ConfigError(f"{pdir}: no such partition directory")
+    names = fs.listdir(pdir)
+    parsed = [p for p in map(parse_segment_name, names) if p is not None]
+    firsts = sorted(first for first, ext in parsed if ext == ".seg")
+    indexed = {first for first, ext in parsed if ext != ".seg"}
+    # A newest segment a crash left half-created is removed by the node when it opens the partition (its
+    # predecessor then is the last): skip it as the node will, rather than fail on its header.
+    while firsts and is_half_created(fs, pdir, firsts[-1], firsts[-1] in indexed):
+        firsts.pop()
     if not firsts:
         return -1
-    seg = Segment.inspect(os.path.join(pdir, data_file_name(firsts[-1])))
+    seg = Segment.inspect(os.path.join(pdir, data_file_name(firsts[-1])), fs=fs)
     try:
-        return seg.scanned_max_transaction_id()
+        return seg.recovered_max_transaction_id()
     finally:
         seg.close()
 

@@ -30,7 +30,7 @@ from waltz.errors import (
 )
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
-from waltz.protocol.record_run import run_records
+from waltz.protocol.record_run import RunBytes, run_records
 from waltz.protocol.records import Record, ReqId
 from waltz.transport import FramedConnection, RpcClient, open_connection
 
@@ -113,7 +113,9 @@ class RpcPool:
                 return rpc
             if rpc is not None:
                 await rpc.aclose()
-            conn = await connect_server(endpoint, self._ssl)
+            # Responses decoded in the transport's callback: a range read's multi-megabyte runs no longer pass
+            # through a StreamReader (two more copies of every run, and a task woken per socket read).
+            conn = await connect_server(endpoint, self._ssl, callback_reads=True)
             version = conn.negotiated_version
 
             def encode(msg: cs.Message) -> bytes:
@@ -238,7 +240,7 @@ async def rpc_read_run(
     start: int,
     max_count: int,
     timeout_ms: int,
-) -> tuple[int, bytes]:
+) -> tuple[int, RunBytes]:
     """One TransactionRangeRequest attempt: ``(count, run)``, the records from ``start`` as a record run, not
     yet checked: unpack it with :func:`run_records`, :func:`run_columns` or :func:`run_bounds`, which check
     its shape and verify every checksum."""
@@ -261,7 +263,7 @@ async def rpc_read_run(
     return response.count, response.run
 
 
-def verified_records(partition_id: int, start: int, count: int, run: bytes) -> list[Record]:
+def verified_records(partition_id: int, start: int, count: int, run: RunBytes) -> list[Record]:
     """The records of a run, every checksum verified; a mismatch raises a retriable DataChecksumError (the
     copy may have been damaged on its way, so reading it again may succeed)."""
     try:

@@ -90,7 +90,7 @@ from typing import ClassVar, Final, NamedTuple, Self, TypeAlias
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
 from waltz.protocol.checksum import crc32 as _crc32
-from waltz.protocol.record_run import STORED_OVERHEAD_BYTES, encode_run, run_records
+from waltz.protocol.record_run import STORED_OVERHEAD_BYTES, RunBytes, encode_run, run_records
 from waltz.protocol.records import Record, RecordHeader, ReqId, crc32
 from waltz.protocol.wire import Reader, Writer
 
@@ -575,7 +575,15 @@ def decode_append_fields(payload: bytes | bytearray | memoryview, version: int) 
         _, msb, lsb, hwm, nw, nr, na, header, length = _APPEND_HEAD_NO_LOCKS.unpack_from(payload, 0)
         locks: tuple[int, ...] = ()
         head_bytes = _APPEND_HEAD_NO_LOCKS.size
-        if 0 < nw < len(_WRITE_LOCKS_HEADS) and end >= _WRITE_LOCKS_HEADS[nw].size + 4:
+        if nw == 1 and end >= _APPEND_HEAD_ONE_WRITE.size + 4:
+            # One write lock (a conditional append on one key): the head read above holds every field of
+            # this layout but the length, each one place later than it read them: no second whole unpack.
+            locks = (nr,)
+            nr, na, header = na, header, length
+            length = _I32.unpack_from(payload, _APPEND_HEAD_NO_LOCKS.size)[0]
+            head_bytes = _APPEND_HEAD_ONE_WRITE.size
+            nw = 0  # read: the test below is of the other counts
+        elif 0 < nw < len(_WRITE_LOCKS_HEADS) and end >= _WRITE_LOCKS_HEADS[nw].size + 4:
             head = _WRITE_LOCKS_HEADS[nw]
             head_bytes = head.size
             fields = head.unpack_from(payload, 0)
@@ -969,7 +977,8 @@ class TransactionRangeResponse(_Message):
     req_id: ReqId
     transaction_id: int
     count: int
-    run: bytes
+    run: RunBytes
+    """A view of the received payload when decoded (see :data:`~waltz.protocol.record_run.RunBytes`)."""
 
     @classmethod
     def of(cls, req_id: ReqId, transaction_id: int, records: tuple[Record, ...] | list[Record]) -> Self:
@@ -999,7 +1008,7 @@ class TransactionRangeResponse(_Message):
         req_id = _read_req_id(payload)
         transaction_id = r.i64()
         count = r.i32()
-        run = r.bytes_required()
+        run = r.bytes_view_required()  # the run's megabytes are not copied out of the payload
         r.expect_end()
         if count < 0 or count * STORED_OVERHEAD_BYTES > len(run):
             raise RemoteProtocolError(
@@ -1093,7 +1102,7 @@ def encode(msg: Message, version: int) -> bytes:
     return msg._encode(version)
 
 
-def encode_range_response_parts(msg: TransactionRangeResponse, version: int) -> tuple[bytes, bytes]:
+def encode_range_response_parts(msg: TransactionRangeResponse, version: int) -> tuple[bytes, RunBytes]:
     """``encode(msg, version)`` as ``(head, run)``, the run not copied: a server relays a storage node's run
     after the head (``FramedConnection.send_parts``) instead of joining megabytes into one payload. Raises
     as :func:`encode`."""

@@ -184,7 +184,18 @@ class FrameDecoder:
     bytes are then bounded by one frame plus one read.
     """
 
-    __slots__ = ("_buf", "_error", "_pos", "expected", "max_frame_bytes")
+    __slots__ = (
+        "_buf",
+        "_error",
+        "_header",
+        "_length",
+        "_need",
+        "_parts",
+        "_pos",
+        "_ready",
+        "expected",
+        "max_frame_bytes",
+    )
 
     def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         if not 0 < max_frame_bytes <= I32_MAX:
@@ -196,11 +207,26 @@ class FrameDecoder:
         bytearray while a frame straddles reads."""
         self._pos = 0
         self._error: RemoteProtocolError | None = None
+        self._parts: list[bytes | memoryview] | None = None
+        """The payload received so far of a large frame that straddles reads (see :meth:`_collect`)."""
+        self._need = 0
+        """Bytes of that payload still to come."""
+        self._length = 0
+        """That payload's length."""
+        self._header = (0, 0)
+        """(magic, version) of that frame."""
+        self._ready: bytes | None = None
+        """The payload of a large frame completed by a read, handed out before the bytes after it."""
 
     @property
     def buffered_bytes(self) -> int:
         """Bytes received but not yet returned as a frame."""
-        return len(self._buf) - self._pos
+        n = len(self._buf) - self._pos
+        if self._parts is not None:
+            n += FRAME_HEADER_BYTES + self._length - self._need
+        if self._ready is not None:
+            n += FRAME_HEADER_BYTES + len(self._ready)
+        return n
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Append bytes read from the stream.
@@ -208,7 +234,27 @@ class FrameDecoder:
         When nothing is pending (reads end on frame boundaries, the common case) the read itself becomes the
         buffer, without a copy, and each payload is then sliced out of it in one copy: bytes are immutable, so
         a payload can never see bytes a later read wrote. Only a large frame that straddles reads is assembled
-        in a bytearray, until the buffer is empty again."""
+        in a bytearray, until the buffer is empty again; a frame of at least 16 KiB that straddles reads is
+        collected read by read and joined once when its last byte arrives (see :meth:`_collect`)."""
+        parts = self._parts
+        if parts is not None:
+            need = self._need
+            n = len(data)
+            if type(data) is not bytes:
+                data = bytes(data)  # the caller may reuse its buffer: keep our own bytes
+            if n < need:
+                parts.append(data)
+                self._need = need - n
+                return
+            parts.append(data if n == need else memoryview(data)[:need])
+            # The frame's one copy: into a bytes object of exactly its size (no growing, no slicing out).
+            self._ready = b"".join(parts)
+            self._parts = None
+            self._need = 0
+            # What follows the frame in this read is the buffer, read in place as any read is.
+            self._buf = data if n > need else b""
+            self._pos = need if n > need else 0
+            return
         buf = self._buf
         pos = self._pos
         pending = len(buf) - pos
@@ -241,6 +287,10 @@ class FrameDecoder:
         """The next complete frame, or None if more bytes are needed."""
         if self._error is not None:
             raise self._error
+        ready = self._ready
+        if ready is not None:
+            self._ready = None
+            return Frame(*self._header, ready)
         buf = self._buf
         pos = self._pos
         if len(buf) - pos < FRAME_HEADER_BYTES:
@@ -250,6 +300,7 @@ class FrameDecoder:
         start = pos + FRAME_HEADER_BYTES
         end = start + length
         if end > len(buf):
+            self._collect(start, end, magic, version)
             return None
         payload = _extract(buf, start, end)
         if end == len(buf):
@@ -265,6 +316,10 @@ class FrameDecoder:
         Checks and errors as :meth:`next_frame`."""
         if self._error is not None:
             raise self._error
+        ready = self._ready
+        if ready is not None:
+            self._ready = None
+            return ready
         buf = self._buf
         pos = self._pos
         n = len(buf)
@@ -276,6 +331,7 @@ class FrameDecoder:
         start = pos + FRAME_HEADER_BYTES
         end = start + length
         if end > n:
+            self._collect(start, end, magic, version)
             return None
         payload = _extract(buf, start, end)
         if end == n:
@@ -291,6 +347,10 @@ class FrameDecoder:
         before it are in ``out`` already."""
         if self._error is not None:
             raise self._error
+        ready = self._ready
+        if ready is not None:
+            self._ready = None
+            out.append(ready)  # (a large frame: never a keep-alive)
         buf = self._buf
         pos = self._pos
         n = len(buf)
@@ -321,6 +381,8 @@ class FrameDecoder:
                 start = pos + FRAME_HEADER_BYTES
                 end = start + length
                 if end > n:
+                    if self._collect(start, end, magic, version):
+                        pos = n  # all of it taken: the buffer restarts below
                     break
                 if length:
                     # Slicing bytes (the read itself) copies the payload once; see _extract for a bytearray.
@@ -331,6 +393,27 @@ class FrameDecoder:
                 self._restart()  # Ended on a frame boundary (the common case): start the buffer over.
             else:
                 self._pos = pos
+
+    def _collect(self, start: int, end: int, magic: int, version: int) -> bool:
+        """The frame whose payload is ``[start, end)`` of the buffer is at its head and incomplete: if it is
+        large, take what there is of it out of the buffer and collect the rest read by read
+        (:meth:`receive_data`), to join its payload once, when its last byte arrives. Returns whether it did
+        (the buffer is then empty).
+
+        A range read's record run (megabytes, arriving in reads of 64-256 KiB) used to be assembled in a
+        bytearray grown read by read and then copied out into the payload: two copies of every byte and the
+        reallocations; joining the reads is one copy into a buffer of the right size."""
+        if end - start < _ASSEMBLY_BYTES:
+            return False
+        buf = self._buf
+        # The head of the payload: a view of the read itself (bytes) or of our own assembly bytearray, which
+        # nothing writes once the buffer restarts.
+        self._parts = [memoryview(buf)[start:]]
+        self._need = end - len(buf)
+        self._length = end - start
+        self._header = (magic, version)
+        self._restart()
+        return True
 
     def _restart(self) -> None:
         """Empty the buffer once every byte in it was taken. An assembly bytearray is dropped rather than

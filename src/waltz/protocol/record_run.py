@@ -47,6 +47,7 @@ __all__ = [
     "STORED_HEADER_BYTES",
     "STORED_OVERHEAD_BYTES",
     "RecordRun",
+    "RunBytes",
     "RunColumns",
     "encode_run",
     "run_bounds",
@@ -65,6 +66,11 @@ _U32 = struct.Struct(">I")
 _I64 = struct.Struct(">q")
 _I32 = struct.Struct(">i")
 _I32_MAX = 2**31 - 1
+
+
+RunBytes = bytes | memoryview
+"""A received run: decoders hand out a read-only view of the frame's payload (immutable bytes) rather than a
+copy of its megabytes (``Reader.bytes_view_required``); runs built locally are bytes."""
 
 
 def stored_size(record: Record) -> int:
@@ -134,7 +140,7 @@ class RecordRun:
 
     first: int
     count: int
-    run: bytes
+    run: RunBytes
 
     @property
     def end(self) -> int:
@@ -200,7 +206,7 @@ _SCRATCH_MAX_BYTES = 16 * 1024 * 1024
 _scratch = threading.local()
 
 
-def _scratch_copy(run: bytes | bytearray) -> bytearray:
+def _scratch_copy(run: bytes | bytearray | memoryview) -> bytearray:
     """A writable copy of ``run``, in this thread's scratch buffer when the last run had the same length (the
     usual case: runs of a fetch size of records of one size) and it is at most :data:`_SCRATCH_MAX_BYTES`.
     A fresh buffer per run cost a third of a storage node's CPU in a bulk read (megabytes of new pages
@@ -251,7 +257,7 @@ def _canonical_crc(size: int, count: int, covered: int) -> int:
 
 
 def uniform_run_verifies(
-    run: bytes | bytearray, first: int, size: int, count: int, *, data_checksums: bool = True
+    run: bytes | bytearray | memoryview, first: int, size: int, count: int, *, data_checksums: bool = True
 ) -> bool:
     """Whether ``run`` is ``count`` records of ``size`` bytes each, with the ids ``first, first + 1, ...``,
     each length field saying ``size``, and each record checksum (and, with ``data_checksums``, each data
@@ -262,14 +268,18 @@ def uniform_run_verifies(
     if first < 0 or first + count > _ID_LIMIT:
         return False  # ids no record can carry: the loop says so
     length = (size - STORED_OVERHEAD_BYTES).to_bytes(4, "big")
-    # One byte lane at a time: run[j::size] is byte j of every record (the ids are big-endian i64s).
-    if any(run[j::size] != _id_lane(first, count, 8 * (7 - j)) for j in range(8)):
-        return False
-    if any(run[28 + j :: size] != length[j : j + 1] * count for j in range(4)):
-        return False
+    # Every lane is read from the copy, a bytearray whatever the run is (a memoryview's extended slices are
+    # views, and comparing them goes element by element), before the copy is changed.
     copy = _scratch_copy(run)
+    # One byte lane at a time: copy[j::size] is byte j of every record (the ids are big-endian i64s).
+    if any(copy[j::size] != _id_lane(first, count, 8 * (7 - j)) for j in range(8)):
+        return False
+    if any(copy[28 + j :: size] != length[j : j + 1] * count for j in range(4)):
+        return False
+    record_checksum = [copy[size - 4 + j :: size] for j in range(4)]
+    data_checksum = [copy[32 + j :: size] for j in range(4)] if data_checksums else []
     for j in range(4):
-        copy[size - 4 + j :: size] = run[size - 1 - j :: size]
+        copy[size - 4 + j :: size] = record_checksum[3 - j]
     if crc32(copy) != _canonical_crc(size, count, size - 4):
         return False
     if not data_checksums:
@@ -278,7 +288,7 @@ def uniform_run_verifies(
     for j in range(STORED_HEADER_BYTES):
         copy[j::size] = zeros
     for j in range(4):
-        copy[size - 4 + j :: size] = run[35 - j :: size]  # the data checksum (bytes 32-35), reversed
+        copy[size - 4 + j :: size] = data_checksum[3 - j]  # the data checksum (bytes 32-35), reversed
     return bool(crc32(copy) == _canonical_crc(size, count, size - STORED_OVERHEAD_BYTES))
 
 
@@ -293,10 +303,17 @@ def run_bounds(run: bytes | bytearray | memoryview, first: int, count: int) -> l
     """
     if count < 0 or count * STORED_OVERHEAD_BYTES > len(run):
         raise RemoteProtocolError(f"a run of {len(run)} bytes cannot hold {count} records")
-    if count >= _FAST_MIN_RECORDS and isinstance(run, bytes | bytearray):
+    if count >= _FAST_MIN_RECORDS and (
+        isinstance(run, bytes | bytearray) or (run.ndim == 1 and run.format == "B" and run.c_contiguous)
+    ):
         size = STORED_OVERHEAD_BYTES + int.from_bytes(run[28:32], "big", signed=True)
         if size * count == len(run) and uniform_run_verifies(run, first, size, count):
             return list(range(0, len(run) + 1, size))
+    return _run_bounds_loop(run, first, count)
+
+
+def _run_bounds_loop(run: bytes | bytearray | memoryview, first: int, count: int) -> list[int]:
+    """:func:`run_bounds` record by record: any run, and the one that names a damaged record."""
     view = memoryview(run)
     unpack = _PREFIX_CHECKED.unpack_from
     crc = crc32

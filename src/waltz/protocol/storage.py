@@ -79,7 +79,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Final, NamedTuple, Self, overload
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError, WaltzError, error_from_wire, wire_name
-from waltz.protocol.record_run import STORED_OVERHEAD_BYTES, run_first_id
+from waltz.protocol.record_run import STORED_OVERHEAD_BYTES, RunBytes, run_first_id
 from waltz.protocol.records import (
     HEADER_STRUCT,
     RECORD_HEADER_BYTES,
@@ -756,7 +756,8 @@ class RecordRunResponse(StorageMessage):
     TYPE: ClassVar[int] = 20
 
     count: int
-    run: bytes
+    run: RunBytes
+    """A view of the received payload when decoded (see :data:`~waltz.protocol.record_run.RunBytes`)."""
 
     @property
     def first(self) -> int:
@@ -768,7 +769,7 @@ class RecordRunResponse(StorageMessage):
     @classmethod
     def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
         count = r.i32()
-        run = r.bytes_required()
+        run = r.bytes_view_required()  # relayed by the server as it is: not copied out of the payload
         if count:
             if count < 0 or count * STORED_OVERHEAD_BYTES > len(run):
                 raise RemoteProtocolError(f"a run of {len(run)} bytes cannot hold {count} records")

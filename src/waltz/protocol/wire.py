@@ -178,6 +178,21 @@ class Reader:
             raise RemoteProtocolError("unexpected null byte array")
         return value
 
+    def bytes_view_required(self) -> bytes | memoryview:
+        """:meth:`bytes_required` without the copy where that is safe: a read-only view of the bytes when the
+        buffer is ``bytes`` (immutable, so the view can never change), a copy otherwise. For the megabytes of
+        a range read's record run, which a copy would cost a memcpy into freshly faulted pages."""
+        data = self.data
+        if type(data) is not bytes:
+            return self.bytes_required()
+        n = self.i32()
+        if n < 0:
+            raise RemoteProtocolError(
+                "unexpected null byte array" if n == -1 else f"negative byte array length {n}"
+            )
+        start = self._take(n)
+        return memoryview(data)[start : start + n]
+
     def string(self) -> str | None:
         raw = self.bytes_()
         if raw is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from ssl import SSLContext
 
 from kazoo.client import KazooClient
@@ -21,6 +21,7 @@ from waltz.cluster.partition_metadata import PartitionMetadata
 from waltz.cluster.store_metadata import read_partition_metadata, write_partition_metadata
 from waltz.config import host_port
 from waltz.errors import BrokenResourceError, ClosedResourceError, ConfigError, WaltzError
+from waltz.protocol.record_run import RunBytes
 from waltz.protocol.records import Record, RecordHeader
 from waltz.protocol.storage import append_request_body
 from waltz.server.storage_client import StorageClient
@@ -91,9 +92,11 @@ class TcpReplicaConnection:
         client = self._live()
         await client.append_encoded(self._session_id, self._partition_id, self._bodies.body_of(records))
 
-    def start_append(self, records: Sequence[Record]) -> asyncio.Future[object]:
+    def start_append(
+        self, records: Sequence[Record], on_answer: Callable[[asyncio.Future[object]], None]
+    ) -> asyncio.Future[object]:
         body = self._bodies.body_of(records)
-        return self._live().start_append_encoded(self._session_id, self._partition_id, body)
+        return self._live().start_append_encoded(self._session_id, self._partition_id, body, on_answer)
 
     async def read_records(self, transaction_id: int, max_count: int) -> list[Record]:
         return await self._live().read_records(
@@ -105,7 +108,7 @@ class TcpReplicaConnection:
             self._session_id, self._partition_id, transaction_id, max_count
         )
 
-    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, bytes]:
+    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, RunBytes]:
         return await self._live().read_run(
             self._session_id, self._partition_id, transaction_id, max_count, max_bytes
         )

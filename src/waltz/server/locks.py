@@ -43,6 +43,8 @@ NUM_HASHES = 3
 
 _MASK32 = 0xFFFFFFFF
 _object_new = object.__new__
+_SLOTS_CACHE_ENTRIES = 4096
+"""Lock values whose slots a table remembers (under 1 MB of tuples and ints)."""
 _LCG_MULTIPLIER = 1103515245
 _LCG_INCREMENT = 12345
 
@@ -91,12 +93,16 @@ class LockRequest:
 class LockTable:
     """The lock table of one partition; see the module docstring for the exact semantics."""
 
-    __slots__ = ("_busy", "_epoch", "_hwms", "size")
+    __slots__ = ("_busy", "_epoch", "_hwms", "_slots_of", "size")
 
     def __init__(self, size: int = DEFAULT_LOCK_TABLE_SIZE, initial_high_water_mark: int = -1) -> None:
         if size < 1:
             raise ValueError(f"lock table size must be positive, got {size}")
         self.size = size
+        self._slots_of: dict[int, tuple[int, int, int]] = {}
+        """:func:`lock_slots` of the one-write-lock appends' recent lock values (at most
+        :data:`_SLOTS_CACHE_ENTRIES`, then cleared): a lock used again (a key updated again, the reason to
+        lock it) costs a lookup instead of six multiplications and divisions on Python ints."""
         self._hwms = array("q", [initial_high_water_mark]) * size
         # One byte per slot: 1 while an in-flight append holds a write or append lock on it.
         self._busy = bytearray(size)
@@ -166,7 +172,22 @@ class LockTable:
             return request
         # The common locked append, one write lock: the busy test and the estimate inlined, and nothing
         # marked busy unless the request will be taken.
-        slots = lock_slots(write_locks[0], self.size)
+        lock = write_locks[0]
+        slots_of = self._slots_of
+        slots = slots_of.get(lock)
+        if slots is None:
+            if len(slots_of) >= _SLOTS_CACHE_ENTRIES:
+                slots_of.clear()
+            # lock_slots(lock, size), inlined: a lock seen for the first time pays no call on top of it.
+            size = self.size
+            h1 = (lock * _LCG_MULTIPLIER + _LCG_INCREMENT) & _MASK32
+            h2 = (h1 * _LCG_MULTIPLIER + _LCG_INCREMENT) & _MASK32
+            h3 = (h2 * _LCG_MULTIPLIER + _LCG_INCREMENT) & _MASK32
+            slots = slots_of[lock] = (
+                (h1 & 0x3FFFFFFF) % size,
+                (h2 & 0x3FFFFFFF) % size,
+                (h3 & 0x3FFFFFFF) % size,
+            )
         a, b, c = slots
         busy = self._busy
         if busy[a] or busy[b] or busy[c]:

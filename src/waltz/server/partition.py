@@ -76,6 +76,12 @@ class Peer(Protocol):
 
     async def drain(self) -> None: ...
 
+    @property
+    def drain_needed(self) -> bool:
+        """True if :meth:`drain` may have to wait (more of our frames unsent than the connection allows):
+        a committed batch is then not sent from the commit, but by the feed task, which drains."""
+        ...
+
 
 @dataclass
 class _Registration:
@@ -219,6 +225,9 @@ class Partition:
         self.on_failure: Callable[[Partition], None] | None = None
         """Called on the loop when the append task fails: the owner decides what becomes of the partition."""
         self.pending_appends = 0
+        self._locked_pending = 0
+        """Appends submitted by :meth:`_submit_now` with a lock request, not resolved yet: a committed batch
+        looks for lock requests to commit only while there are some (plain appends skip that loop)."""
         self.lock_failures = 0
         self._committed = 0
         self._committed_bytes = 0
@@ -538,6 +547,8 @@ class Partition:
             self.pending_appends -= 1
             self._release(req)
             return False
+        if req is not None:
+            self._locked_pending += 1
         return True
 
     async def _process_append(self, item: _Append) -> None:
@@ -664,32 +675,68 @@ class Partition:
         if not n:
             return
         self.pending_appends -= n
-        locks = self._locks
-        data_bytes = 0
-        for pending in appends:
-            req = pending.tag
-            if req is not None:
-                assert locks is not None  # a lock request was begun in it
-                locks.commit_and_release(req, pending.transaction_id)  # type: ignore[arg-type]
-            data_bytes += len(pending.data)
+        if self._locked_pending:
+            locks = self._locks
+            for pending in appends:
+                req = pending.tag
+                if req is not None:
+                    assert locks is not None  # a lock request was begun in it
+                    locks.commit_and_release(req, pending.transaction_id)  # type: ignore[arg-type]
+                    self._locked_pending -= 1
         pid = self.partition_id
         self._feed_cache.add_run(pid, appends)
-        self._txn_cache.put_run(pid, appends)
+        data_bytes = self._txn_cache.put_run(pid, appends)
         self._committed += n
         self._committed_bytes += data_bytes
+        if self._feeds:
+            self._feed_batch(appends)
         if not self._notify_scheduled:
-            # As in _append_done: one wake-up and one latency sample per loop iteration.
+            # As in _append_done: one latency sample and one report per loop iteration.
             self.metrics.latency(_monotonic() - appends[0].received_s)
             self._notify_scheduled = True
-            for ctx in self._feeds.values():
-                ctx.wake.set()
             asyncio.get_running_loop().call_soon(self._report_commits)
+
+    def _feed_batch(self, appends: Sequence[PendingAppend]) -> None:
+        """A committed batch for every feed: sent here, from the commit, to each feed that is live at its
+        first id (every earlier id sent, the batch within its window, nothing backlogged on its
+        connection); the others' tasks are woken to send from the cache as before. The feed task stays the
+        one that catches up, waits for windows and drains: this only saves it a wake-up, a cache lookup and
+        a loop iteration per batch while it would have sent exactly these entries next (ids in order, each
+        once: ``next_id`` says what was sent, whoever sent it)."""
+        n = len(appends)
+        first = appends[0].transaction_id
+        # Dense ids only: a batch whose other appends were resolved on their own (submitted by the append
+        # task, each with its own listener) reaches here with gaps, which only the feed task fills.
+        dense = appends[-1].transaction_id == first + n - 1
+        entries: list[FeedEntry] | None = None
+        for ctx in self._feeds.values():
+            peer = ctx.peer
+            if (
+                not dense
+                or ctx.next_id != first
+                or ctx.mount_target is not None
+                or n > ctx.remaining
+                or n > FEED_BATCH
+                or peer.closed
+                or peer.drain_needed
+            ):
+                ctx.wake.set()
+                continue
+            if entries is None:
+                entries = [(p.transaction_id, p.req_id[0], p.req_id[1], p.header) for p in appends]
+            peer.send_feed(entries)
+            ctx.next_id = first + n
+            ctx.remaining -= n
+            if ctx.remaining <= 0:
+                peer.send(cs.FeedSuspended(ctx.session))
 
     def append_failed(self, append: PendingAppend, error: BaseException) -> None:
         """AppendListener: an append submitted by :meth:`_submit_now` will not commit (the client learns it
         from the feed or a flush: nothing is sent)."""
         self.pending_appends -= 1
-        self._release(append.tag)  # type: ignore[arg-type]
+        if append.tag is not None:
+            self._locked_pending -= 1
+            self._release(append.tag)  # type: ignore[arg-type]
         self.metrics.failed()
 
     def _report_commits(self) -> None:

@@ -35,7 +35,9 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -44,8 +46,15 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 from kazoo.client import KazooClient
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector
 
 from waltz.cluster import zk
 from waltz.cluster.membership import ClusterMember
@@ -57,6 +66,7 @@ from waltz.errors import ConnectionError_, PartitionNotReadyError, RemoteProtoco
 from waltz.http import HttpEndpoint, build_info, listen, new_registry
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
+from waltz.protocol.record_run import RunBytes
 from waltz.protocol.records import ReqId
 from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
 from waltz.server.config import ServerConfig
@@ -157,16 +167,91 @@ class _Connection:
         except ConnectionError_:
             pass
 
+    @property
+    def drain_needed(self) -> bool:
+        return self._conn.drain_needed
+
     async def drain(self) -> None:
-        await self._conn.drain()
+        conn = self._conn
+        # The feed drains after every batch it sends: with little unsent (nearly always) the drain could not
+        # wait, and skipping it saves two coroutines per batch. The frames leave with the iteration's flush.
+        if conn.drain_needed:
+            await conn.drain()
 
     async def aclose(self) -> None:
         await self._conn.aclose()
 
 
+class _PartitionCommits:
+    """One partition's committed appends, data bytes and commit latencies, counted in plain Python (the
+    partition reports them once per loop iteration) and exported by :class:`_CommitMetrics` when scraped."""
+
+    __slots__ = ("appends", "bounds", "data_bytes", "latency_counts", "latency_sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.appends = 0
+        self.data_bytes = 0
+        self.latency_counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
+        self.latency_sum = 0.0
+
+    def appended(self, count: int, data_bytes: int) -> None:
+        self.appends += count
+        self.data_bytes += data_bytes
+
+    def latency(self, seconds: float) -> None:
+        # bisect_left: a value equal to a bound counts in that bound's bucket (le), as a Histogram's does.
+        self.latency_counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.latency_sum += seconds
+
+
+class _CommitMetrics(Collector):
+    """``waltz_server_appends_total``, ``waltz_server_appended_bytes_total`` and the
+    ``waltz_server_append_seconds`` histogram, per partition, read from plain counts when scraped. Prometheus
+    Counters and a Histogram cost a lock and several Python calls per update (two counters and a bucket loop
+    per batch: a few tenths of a µs per append). The same names, labels and buckets as those were; a
+    partition's counts outlive its Partition object (a generation change), so they only grow."""
+
+    _BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0)
+
+    def __init__(self) -> None:
+        self._partitions: dict[str, _PartitionCommits] = {}
+
+    def for_partition(self, label: str) -> _PartitionCommits:
+        commits = self._partitions.get(label)
+        if commits is None:
+            commits = self._partitions[label] = _PartitionCommits(self._BUCKETS)
+        return commits
+
+    def collect(self) -> Iterator[Metric]:
+        appends = CounterMetricFamily("waltz_server_appends", "Committed appends", labels=["partition"])
+        data = CounterMetricFamily(
+            "waltz_server_appended_bytes", "Data bytes of committed appends", labels=["partition"]
+        )
+        latency = HistogramMetricFamily(
+            "waltz_server_append_seconds", "Time from an append's arrival to its commit", labels=["partition"]
+        )
+        for label, commits in sorted(self._partitions.items()):
+            appends.add_metric([label], commits.appends)
+            data.add_metric([label], commits.data_bytes)
+            cumulative = list(itertools.accumulate(commits.latency_counts))
+            buckets = [(_bucket_label(b), c) for b, c in zip(commits.bounds, cumulative, strict=False)]
+            buckets.append(("+Inf", cumulative[-1]))
+            latency.add_metric([label], buckets, commits.latency_sum)
+        yield appends
+        yield data
+        yield latency
+
+
+def _bucket_label(bound: float) -> str:
+    # As prometheus_client writes a Histogram's bounds (floatToGoString): 0.0005, 1.0, 5.0.
+    return repr(float(bound))
+
+
 class _Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.appends = Counter("waltz_server_appends", "Committed appends", ["partition"], registry=registry)
+        self.commits = _CommitMetrics()
+        registry.register(self.commits)
         self.lock_failures = Counter(
             "waltz_server_lock_failures",
             "Appends rejected by a lock conflict",
@@ -175,13 +260,6 @@ class _Metrics:
         )
         self.failed = Counter(
             "waltz_server_failed_appends", "Appends that failed", ["partition"], registry=registry
-        )
-        self.latency = Histogram(
-            "waltz_server_append_seconds",
-            "Time from an append's arrival to its commit",
-            ["partition"],
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0),
-            registry=registry,
         )
         self.hwm = Gauge(
             "waltz_server_high_water_mark", "Committed high-water mark", ["partition"], registry=registry
@@ -200,9 +278,6 @@ class _Metrics:
             "waltz_server_cache_hit_ratio", "Cache hits / lookups", ["cache"], registry=registry
         )
         self.partitions = Gauge("waltz_server_partitions", "Partitions owned", registry=registry)
-        self.appended_bytes = Counter(
-            "waltz_server_appended_bytes", "Data bytes of committed appends", ["partition"], registry=registry
-        )
         self.read_bytes = Counter(
             "waltz_server_read_bytes",
             "Data bytes sent to clients by transaction data and range reads",
@@ -245,20 +320,12 @@ class _Metrics:
 
     def for_partition(self, pid: int) -> PartitionMetrics:
         p = str(pid)
-        appends, appended_bytes, lock_failures, failed, latency = (
-            self.appends.labels(p),
-            self.appended_bytes.labels(p),
-            self.lock_failures.labels(p),
-            self.failed.labels(p),
-            self.latency.labels(p),
-        )
-
-        def appended(count: int, data_bytes: int) -> None:
-            appends.inc(count)
-            appended_bytes.inc(data_bytes)
-
+        commits = self.commits.for_partition(p)
         return PartitionMetrics(
-            appended=appended, lock_failed=lock_failures.inc, failed=failed.inc, latency=latency.observe
+            appended=commits.appended,
+            lock_failed=self.lock_failures.labels(p).inc,
+            failed=self.failed.labels(p).inc,
+            latency=commits.latency,
         )
 
 
@@ -759,6 +826,7 @@ class WaltzServer:
         decode_append = cs.decode_append_fields
         append_type = _APPEND_REQUEST_TYPE
         append_cls = cs.AppendFields
+        feed_request_cls = cs.FeedRequest
         dispatch = self._dispatch
 
         def on_payload(payload: bytes) -> Awaitable[None] | None:
@@ -791,6 +859,13 @@ class WaltzServer:
                             )
                         return None
                     # None: it has to wait for room in the append queue: the general path does.
+            elif type(msg) is feed_request_cls and not self._suspended:
+                # The next feed window (one per window of ~a hundred commits under load), answered here as
+                # _dispatch would: its coroutine made the read hand over to the serving task and pause.
+                part = partitions.get(msg.req_id.partition_id)
+                if part is None or not part.feed_request(peer, msg):
+                    peer.send(cs.MountResponse(msg.req_id, cs.PartitionState.NOT_READY))
+                return None
             return dispatch(peer, msg)
 
         try:
@@ -995,7 +1070,8 @@ class WaltzServer:
             # ask for the high-water mark next, which says HWM_NOT_SERVED. A partition that never opened
             # answers at once (the mark request does the waiting); one that was served waits here too, so a
             # new session (the checkpoint interval) does not read as the end of the log.
-            got, run = 0, b""
+            got = 0
+            run: RunBytes = b""
             if count and part.is_ready and await self._wait_serving(part):
                 try:
                     got, run = await part.store.read_run(msg.transaction_id, count, budget)

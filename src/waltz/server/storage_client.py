@@ -19,6 +19,7 @@ from waltz.errors import LocalProtocolError, RemoteProtocolError, StorageRpcErro
 from waltz.protocol import admin as adm
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
+from waltz.protocol.record_run import RunBytes
 from waltz.protocol.records import Record, RecordHeader
 from waltz.transport import RpcClient, open_connection
 
@@ -37,10 +38,12 @@ class EncodedAppend(NamedTuple):
     body: bytes
 
 
-def _encode_storage(msg: object) -> bytes:
-    """The connection's encoder: storage messages, and appends whose records are encoded already."""
+def _encode_storage(msg: object) -> bytes | tuple[bytes, bytes]:
+    """The connection's encoder: storage messages, and appends whose records are encoded already. An
+    append's records go as their own part after the request's prefix (see ``RpcClient``): joining them to
+    it, then to the frame header, copied a batch twice per replica on its way to the socket."""
     if type(msg) is EncodedAppend:
-        return st.encode_append_request(msg.session_id, msg.seq_num, msg.partition_id, msg.body)
+        return st.encode_append_request(msg.session_id, msg.seq_num, msg.partition_id, b""), msg.body
     if not isinstance(msg, st.StorageMessage):
         raise LocalProtocolError(f"not a storage message: {type(msg).__name__}")
     return st.encode(msg)
@@ -65,7 +68,7 @@ async def _open_rpc(
     magic: int,
     versions: Sequence[int],
     hello_text: str,
-    encode: Callable[[M], bytes],
+    encode: Callable[[M], bytes | tuple[bytes, bytes]],
     decode: Callable[[bytes], M],
     seq_of: Callable[[M], int],
     error_of: Callable[[M], BaseException | None],
@@ -230,11 +233,22 @@ class StorageClient(_Endpoint[st.StorageMessage]):
         request = cast(st.StorageMessage, EncodedAppend(session_id, self._seq(), partition_id, body))
         await self._call(request, st.SuccessResponse)
 
-    def start_append_encoded(self, session_id: int, partition_id: int, body: bytes) -> asyncio.Future[object]:
-        """:meth:`append_encoded` sent now, without a timeout of its own (see ``RpcClient.start_call``): the
-        future's result is the node's SuccessResponse once it fsynced the records."""
+    def start_append_encoded(
+        self,
+        session_id: int,
+        partition_id: int,
+        body: bytes,
+        on_answer: Callable[[asyncio.Future[object]], None] | None = None,
+    ) -> asyncio.Future[object]:
+        """:meth:`append_encoded` sent now, without a timeout of its own (see ``RpcClient.start_call``, also
+        for ``on_answer``): the future's result is the node's SuccessResponse once it fsynced the records."""
         request = cast(st.StorageMessage, EncodedAppend(session_id, self._seq(), partition_id, body))
-        future: asyncio.Future[object] = cast("asyncio.Future[object]", self._rpc.start_call(request))
+        future: asyncio.Future[object] = cast(
+            "asyncio.Future[object]",
+            self._rpc.start_call(
+                request, cast("Callable[[asyncio.Future[st.StorageMessage]], None] | None", on_answer)
+            ),
+        )
         return future
 
     async def read_header(
@@ -272,7 +286,7 @@ class StorageClient(_Endpoint[st.StorageMessage]):
 
     async def read_run(
         self, session_id: int, partition_id: int, transaction_id: int, max_records: int, max_bytes: int
-    ) -> tuple[int, bytes]:
+    ) -> tuple[int, RunBytes]:
         """Up to ``max_records`` records from ``transaction_id`` as stored (a record run, relayed: only its
         size against ``count`` and its first id are checked here, the rest by the reader):
         ``(count, run)``."""

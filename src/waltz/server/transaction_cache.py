@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -149,18 +149,21 @@ class TransactionCache:
         self._size_bytes += cost
         return True
 
-    def put_run(self, partition: int, items: Iterable[DataLike]) -> None:
+    def put_run(self, partition: int, items: Sequence[DataLike]) -> int:
         """:meth:`put` of each of ``items`` (a committed batch), in order, in one call: the server caches
-        every commit, and a call per transaction was a good part of the cost."""
+        every commit, and a call per transaction was a good part of the cost. Returns the data bytes of all
+        of ``items``, cached or not (the server counts them: one loop over the batch less)."""
         entries = self._entries
         max_item = self.max_item_bytes
         max_bytes = self.max_bytes
         size = self._size_bytes
         new = _tuple_new
+        data_bytes = 0
         try:
             for item in items:
                 data = item.data
                 cost = len(data) + ENTRY_OVERHEAD_BYTES
+                data_bytes += cost
                 if cost > max_item:
                     self.rejected_too_large += 1
                     continue
@@ -176,6 +179,8 @@ class TransactionCache:
                 size += cost
         finally:
             self._size_bytes = size
+        # The overheads added per item come off in one subtraction.
+        return data_bytes - ENTRY_OVERHEAD_BYTES * len(items)
 
     def evict_partition(self, partition: int) -> None:
         """Drop every entry of ``partition`` (the server no longer owns it)."""

@@ -123,7 +123,7 @@ class PartitionLog:
         current: Segment | None = None
         while first_ids and current is None:
             first = first_ids[-1]
-            if _is_half_created(fs, directory, first, first in idxs):
+            if is_half_created(fs, directory, first, first in idxs):
                 log.warning("%s: removing segment %d left half-created by a crash", directory, first)
                 fs.remove(os.path.join(directory, data_file_name(first)))
                 fs.remove(os.path.join(directory, index_file_name(first)))
@@ -485,7 +485,7 @@ def delete_log_files(fs: FileSystem, directory: str) -> None:
         log.warning("%s: directory left in place: %s", directory, e)
 
 
-def _is_half_created(fs: FileSystem, directory: str, first: int, has_index: bool) -> bool:
+def is_half_created(fs: FileSystem, directory: str, first: int, has_index: bool) -> bool:
     """True for a segment whose creation a crash interrupted: no record, and a header or index missing."""
     data = fs.open(os.path.join(directory, data_file_name(first)), read_only=True)
     try:

@@ -370,6 +370,9 @@ class Segment:
         self._index_tail = bytearray()
         """Index entries of the newest records, not yet written to the index file (at most
         ``CHECKPOINT_INTERVAL``): written by :meth:`sync` (every checkpoint, close, truncation)."""
+        self._records_end: int | None = None
+        """Where the last record ends when bytes that are no record follow it (a tool's view of a torn tail:
+        :meth:`_adopt_unindexed_records`); None when the data file ends with it."""
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -444,13 +447,20 @@ class Segment:
 
     @classmethod
     def inspect(cls, data_path: str, *, fs: FileSystem = OS_FS) -> Segment:
-        """Open a segment read-only from its ``.seg`` path, for tools: no key check, no recovery."""
+        """Open a segment read-only from its ``.seg`` path, for tools: no key check, no recovery; the records
+        that verify after the index's end count (see :meth:`_adopt_unindexed_records`)."""
         parsed = parse_segment_name(os.path.basename(data_path))
         if parsed is None or parsed[1] != ".seg":
             raise StorageError(
                 f"{data_path}: not a segment data file name (expected NNNNNNNNNNNNNNNNNNN.seg)"
             )
-        return cls.open(fs, os.path.dirname(data_path) or ".", parsed[0], key=None, partition_id=None)
+        seg = cls.open(fs, os.path.dirname(data_path) or ".", parsed[0], key=None, partition_id=None)
+        try:
+            seg._adopt_unindexed_records()
+        except BaseException:
+            seg.close()
+            raise
+        return seg
 
     def close(self) -> None:
         """Close both files; a writable segment is fsynced first. Idempotent."""
@@ -649,7 +659,7 @@ class Segment:
             raise CorruptionError(f"{self.index_path}: index is shorter than {self._count} entries")
         offsets = list(struct.unpack(f">{n}q", raw))
         if not with_next:
-            offsets.append(self._data_size)
+            offsets.append(self._data_size if self._records_end is None else self._records_end)
         prev = SEGMENT_HEADER_BYTES
         for o in offsets:
             if o < prev or o > self._data_size:
@@ -788,18 +798,23 @@ class Segment:
             raise StorageError(f"{self.data_path}: transaction {transaction_id} is not in this segment")
         return offsets[0], raw
 
-    def scanned_max_transaction_id(self) -> int:
-        """The last id of the records that verify in sequence from the index's last entry to the end of the
-        data file, read-only (for tools on a stopped node: a node that was killed never wrote the index
-        entries after its last checkpoint, which its own recovery finds by the same scan)."""
+    def _adopt_unindexed_records(self) -> None:
+        """Count, read-only, the records that verify in sequence after the index's last entry, their offsets
+        kept in memory as a running node keeps them: the writable segment's index entries after its last
+        checkpoint wait in the node's memory (a killed node never wrote them), so tools see what the node
+        holds and its recovery keeps. A torn tail after them is left out, as recovery cuts it."""
         if self._count:
             start = self._verify_at(self.max_transaction_id, self._data_size)
             if start is None:
-                return self.max_transaction_id
+                return
         else:
             start = SEGMENT_HEADER_BYTES
-        offsets, _ = self._scan(self.max_transaction_id + 1, start, self._data_size)
-        return self.max_transaction_id + len(offsets)
+        offsets, end = self._scan(self.next_transaction_id, start, self._data_size)
+        if offsets:
+            self._index_tail = bytearray(struct.pack(f">{len(offsets)}q", *offsets))
+            self._count += len(offsets)
+        if end != self._data_size:
+            self._records_end = end
 
     def record_offset(self, transaction_id: int) -> int:
         """Data-file offset of a held transaction (for tools)."""
@@ -809,8 +824,10 @@ class Segment:
 
     # ---------------------------------------------------------------------------------------- recovery
 
-    def _recover(self, local_low_water_mark: int) -> None:
-        data_file, index_file = self._files()
+    def _recovery_plan(self, *, quiet: bool = False) -> tuple[int, list[int], int]:
+        """What recovery keeps, read-only: the restart point (the last checkpoint the index covers whose
+        record verifies, else ``first - 1``), the offsets of the records that verify in sequence after it,
+        and the end of the last of them."""
         first = self.first_transaction_id
         index_max = first + self._count - 1
         data_size = self._data_size
@@ -827,8 +844,25 @@ class Segment:
             if end is not None:
                 restart, scan_from = r, end
                 break
-            log.warning("%s: checkpoint record %d does not verify; trying an earlier one", self.data_path, r)
+            if not quiet:
+                log.warning(
+                    "%s: checkpoint record %d does not verify; trying an earlier one", self.data_path, r
+                )
         new_offsets, end = self._scan(restart + 1, scan_from, data_size)
+        return restart, new_offsets, end
+
+    def recovered_max_transaction_id(self) -> int:
+        """The max id the node's index recovery will keep, read-only (for tools on a stopped node: the index
+        of one killed may end before its records, or past them part-way through a truncate)."""
+        restart, new_offsets, _ = self._recovery_plan(quiet=True)
+        return restart + len(new_offsets)
+
+    def _recover(self, local_low_water_mark: int) -> None:
+        data_file, index_file = self._files()
+        first = self.first_transaction_id
+        index_max = first + self._count - 1
+        data_size = self._data_size
+        restart, new_offsets, end = self._recovery_plan()
         last = restart + len(new_offsets)
         keep = last - first + 1
         if new_offsets:

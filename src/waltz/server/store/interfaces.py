@@ -38,11 +38,12 @@ What an implementation must guarantee
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from waltz.cluster.partition_metadata import PartitionMetadata
+from waltz.protocol.record_run import RunBytes
 from waltz.protocol.records import Record, RecordHeader, ReqId
 
 __all__ = [
@@ -100,9 +101,12 @@ class ReplicaConnection(Protocol):
         """Append records whose ids continue the log densely; return once they are fsynced."""
         ...
 
-    def start_append(self, records: Sequence[Record]) -> asyncio.Future[object]:
+    def start_append(
+        self, records: Sequence[Record], on_answer: Callable[[asyncio.Future[object]], None]
+    ) -> asyncio.Future[object]:
         """:meth:`append` sent now: a future done once the records are fsynced (failed as ``append`` would
-        raise), with no timeout of its own (the caller bounds the time)."""
+        raise), with no timeout of its own (the caller bounds the time). ``on_answer(future)`` is called
+        once it is done, unless the caller cancelled it: at the latest as a done callback would be."""
         ...
 
     async def read_records(self, transaction_id: int, max_count: int) -> list[Record]:
@@ -113,7 +117,7 @@ class ReplicaConnection(Protocol):
         """Like :meth:`read_records`, headers only."""
         ...
 
-    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, bytes]:
+    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, RunBytes]:
         """Like :meth:`read_records`, but the records as stored (a record run, its shape checked here, each
         record checksum by the node; :mod:`waltz.protocol.record_run`) and at most ``max_bytes`` beyond the
         first: ``(count, run)``. A damaged stored copy raises CorruptionError."""

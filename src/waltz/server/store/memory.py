@@ -44,7 +44,7 @@ from waltz.errors import (
     TransactionOutOfOrderError,
     WaltzError,
 )
-from waltz.protocol.record_run import encode_run, stored_size
+from waltz.protocol.record_run import RunBytes, encode_run, stored_size
 from waltz.protocol.records import Record, RecordHeader
 from waltz.server.store.interfaces import SessionInfo
 
@@ -487,14 +487,18 @@ class MemoryConnection:
     async def append(self, records: Sequence[Record]) -> None:
         await self._call("append", tuple(records))
 
-    def start_append(self, records: Sequence[Record]) -> asyncio.Future[object]:
+    def start_append(
+        self, records: Sequence[Record], on_answer: Callable[[asyncio.Future[object]], None]
+    ) -> asyncio.Future[object]:
         # As the TCP adapter does: a connection already known broken or closed refuses at once, not in the
         # future, so the simulator exercises the caller's handling of both.
         if self._closed:
             raise ClosedResourceError(f"connection to {self.storage} is closed")
         if self._broken:
             raise BrokenResourceError(f"connection to {self.storage} is broken")
-        return asyncio.ensure_future(self.append(records))
+        future: asyncio.Future[object] = asyncio.ensure_future(self.append(records))
+        future.add_done_callback(on_answer)
+        return future
 
     async def read_records(self, transaction_id: int, max_count: int) -> list[Record]:
         result: list[Record] = await self._call("read_records", transaction_id, max_count)
@@ -504,8 +508,8 @@ class MemoryConnection:
         result: list[RecordHeader] = await self._call("read_headers", transaction_id, max_count)
         return result
 
-    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, bytes]:
-        result: tuple[int, bytes] = await self._call("read_run", transaction_id, max_count, max_bytes)
+    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, RunBytes]:
+        result: tuple[int, RunBytes] = await self._call("read_run", transaction_id, max_count, max_bytes)
         return result
 
     async def read_record(self, transaction_id: int) -> Record | None:

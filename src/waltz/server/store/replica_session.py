@@ -189,7 +189,7 @@ class ReplicaSession:
             # in the iteration that formed it, the three writes back to back (a task per request cost a
             # loop iteration and ~40 us of the server's CPU each, and spaced the replicas' writes apart).
             try:
-                future = conn.start_append(records)
+                future = conn.start_append(records, partial(self._answered, batch.first, end - first))
             except (WaltzError, OSError) as e:
                 # The connection broke before the request could leave: this replica fails (its task raises
                 # and retries it), not the writer that delivered the batch, which would end the session.
@@ -197,7 +197,6 @@ class ReplicaSession:
                     self._failure = e
                     self._mail.set()
                 return False
-            future.add_done_callback(partial(self._answered, batch.first, end - first))
             requests.append(future)
             deadline = loop.time() + self.session.config.rpc_timeout_ms / 1000
             self._deadlines.append(deadline)

@@ -42,6 +42,7 @@ from waltz.errors import (
     QuorumLostError,
     WaltzError,
 )
+from waltz.protocol.record_run import RunBytes
 from waltz.protocol.records import Record, RecordHeader, crc32
 from waltz.server.store.interfaces import (
     AppendLike,
@@ -450,7 +451,7 @@ class StorePartition:
             return []
         return await self._read(lambda s: s.read_headers(transaction_id, max_count))
 
-    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, bytes]:
+    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, RunBytes]:
         """Up to ``max_count`` committed records from ``transaction_id`` as stored (a record run, see
         :meth:`StoreSession.read_run`): ``(count, run)``, ``(0, b"")`` at or past the high-water mark."""
         if transaction_id < 0 or transaction_id > self._hwm or max_count <= 0:

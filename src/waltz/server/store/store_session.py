@@ -41,6 +41,7 @@ from waltz.errors import (
     SessionFencedError,
     WaltzError,
 )
+from waltz.protocol.record_run import RunBytes
 from waltz.protocol.records import Record, RecordHeader, ReqId
 from waltz.server.store.interfaces import PartitionMetadataStore, ReplicaConnection, ReplicaConnector
 from waltz.server.store.recovery import RecoveryState, metadata_after_recovery, metadata_with_clean_replica
@@ -824,7 +825,7 @@ class StoreSession:
             lambda records: _check_records(records, transaction_id, count),
         )
 
-    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, bytes]:
+    async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, RunBytes]:
         """Committed records from ``transaction_id`` as stored, ``(count, run)`` (see
         :mod:`waltz.protocol.record_run`). The run is relayed, not decoded: its size and first id are checked
         on arrival, its shape and checksums by the reader, so corruption found there is not pinned on the

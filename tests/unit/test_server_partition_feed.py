@@ -1,0 +1,217 @@
+"""A committed batch reaches a live feed from the commit itself, and every other feed from its task, in id
+order, each id once.
+
+The store under the partition is a small fake (this tests the partition alone) that commits the appends it
+was given in batches the test chooses, as the real store does (one ``appends_committed`` call per batch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, cast
+
+from waltz.protocol import client_server as cs
+from waltz.protocol.records import ReqId
+from waltz.server.feed_cache import FeedCache, FeedEntry
+from waltz.server.partition import Partition
+from waltz.server.store.store_partition import StorePartition
+from waltz.server.store.store_session import AppendListener, PendingAppend
+from waltz.server.transaction_cache import TransactionCache
+
+CLIENT = 7
+SESSION = ReqId.of(CLIENT, 1, 0, -1)
+
+
+class _Store:
+    """Submitted appends stay pending until :meth:`commit` commits the oldest ones as one batch."""
+
+    def __init__(self) -> None:
+        self.generation = 1
+        self.high_water_mark = -1
+        self.is_healthy = True
+        self._pending: list[PendingAppend] = []
+
+    async def start(self) -> None:
+        pass
+
+    async def wait_open(self) -> int:
+        return self.high_water_mark
+
+    def submit_tagged(
+        self, request: cs.AppendFields, listener: AppendListener, tag: object, received_s: float
+    ) -> bool:
+        pending = PendingAppend(request.req_id, request.header, request.data, request.checksum, None, 0)
+        pending.listener, pending.tag, pending.received_s = listener, tag, received_s
+        self._pending.append(pending)
+        return True
+
+    def commit(self, count: int, *, skip: int | None = None) -> None:
+        """Commit the ``count`` oldest appends as one batch; ``skip`` (an index in it) is told apart, before
+        the rest, as an append the store resolved on its own (the rest then has a gap)."""
+        batch, self._pending = self._pending[:count], self._pending[count:]
+        for pending in batch:
+            self.high_water_mark += 1
+            pending.transaction_id = self.high_water_mark
+        listener = batch[0].listener
+        assert listener is not None
+        if skip is not None:
+            listener.appends_committed([batch[skip]])
+            del batch[skip]
+        listener.appends_committed(batch)
+
+    async def flush(self) -> int:
+        return self.high_water_mark
+
+    async def read_headers(self, transaction_id: int, max_count: int) -> list[Any]:
+        raise AssertionError("every committed header is in the feed cache")
+
+    async def close(self) -> None:
+        self.is_healthy = False
+
+
+class _Peer:
+    """Records the FeedData ids and the other messages sent, in order."""
+
+    def __init__(self) -> None:
+        self.sent: list[cs.Message | int] = []
+        self.closed = False
+        self.drain_needed = False
+        self.drains = 0
+
+    def send(self, msg: cs.Message) -> None:
+        self.sent.append(msg)
+
+    def send_feed(self, entries: Sequence[FeedEntry]) -> None:
+        self.sent.extend(txn for txn, *_ in entries)
+
+    async def drain(self) -> None:
+        self.drains += 1
+        self.drain_needed = False
+
+    def fed(self) -> list[int]:
+        return [m for m in self.sent if isinstance(m, int)]
+
+
+async def _settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+@contextlib.asynccontextmanager
+async def _live(min_fetch_size: int = 100) -> AsyncIterator[tuple[Partition, _Store, _Peer]]:
+    """A started partition with one client mounted (READY) and a feed window open from id 0."""
+    store = _Store()
+    part = Partition(
+        0,
+        cast(StorePartition, store),
+        feed_cache=FeedCache(1 << 20, 1),
+        transaction_cache=TransactionCache(1 << 20),
+        min_fetch_size=min_fetch_size,
+    )
+    await part.start()
+    peer = _Peer()
+    try:
+        await part.mount(cast(Any, peer), cs.MountRequest(SESSION, -1, 1))
+        await _settle()
+        assert peer.sent == [cs.MountResponse(SESSION, cs.PartitionState.READY)]
+        peer.sent.clear()
+        assert part.feed_request(cast(Any, peer), cs.FeedRequest(SESSION, -1))
+        await _settle()
+        yield part, store, peer
+    finally:
+        await part.close()
+
+
+def _append(part: Partition, peer: _Peer, count: int, first_seq: int = 0) -> None:
+    for seq in range(first_seq, first_seq + count):
+        msg = cs.decode_append_fields(
+            cs.encode(cs.AppendRequest.build(ReqId.of(CLIENT, 1, 0, seq), -1, 0, b"x"), 2), 2
+        )
+        assert part.append_nowait(cast(Any, peer), msg)
+
+
+def test_a_live_feed_gets_a_committed_batch_from_the_commit_without_its_task() -> None:
+    async def main() -> None:
+        async with _live() as (part, store, peer):
+            _append(part, peer, 5)
+            store.commit(5)
+            # Sent inside the commit: no loop pass ran since.
+            assert peer.fed() == [0, 1, 2, 3, 4]
+            _append(part, peer, 3, first_seq=5)
+            store.commit(2)
+            store.commit(1)
+            assert peer.fed() == list(range(8))
+            await _settle()
+            assert peer.fed() == list(range(8))  # the task sends nothing a second time
+
+    asyncio.run(main())
+
+
+def test_a_window_too_small_for_the_batch_leaves_it_to_the_task_which_suspends_the_feed() -> None:
+    async def main() -> None:
+        async with _live(min_fetch_size=4) as (part, store, peer):
+            _append(part, peer, 6)
+            store.commit(3)
+            assert peer.fed() == [0, 1, 2]  # within the window of 4: from the commit
+            store.commit(3)
+            assert peer.fed() == [0, 1, 2]  # 3 more do not fit in the one id left
+            await _settle()
+            assert peer.sent == [0, 1, 2, 3, cs.FeedSuspended(SESSION)]
+            # The client opens the next window from what it has: the rest comes, then live again.
+            assert part.feed_request(cast(Any, peer), cs.FeedRequest(SESSION, 3))
+            await _settle()
+            assert peer.fed() == list(range(6))
+            _append(part, peer, 2, first_seq=6)
+            store.commit(2)
+            assert peer.fed() == list(range(8))
+
+    asyncio.run(main())
+
+
+def test_a_batch_that_fills_the_window_is_followed_by_feed_suspended() -> None:
+    async def main() -> None:
+        async with _live(min_fetch_size=4) as (part, store, peer):
+            _append(part, peer, 4)
+            store.commit(4)
+            assert peer.sent == [0, 1, 2, 3, cs.FeedSuspended(SESSION)]
+            await _settle()
+            assert peer.sent == [0, 1, 2, 3, cs.FeedSuspended(SESSION)]
+
+    asyncio.run(main())
+
+
+def test_a_backlogged_connection_gets_the_batch_from_the_task_after_a_drain() -> None:
+    async def main() -> None:
+        async with _live() as (part, store, peer):
+            _append(part, peer, 6)
+            store.commit(2)
+            peer.drain_needed = True
+            drains = peer.drains
+            store.commit(2)
+            assert peer.fed() == [0, 1]  # not written while the connection is backlogged
+            await _settle()
+            assert peer.fed() == [0, 1, 2, 3]
+            assert peer.drains > drains  # the task drained after sending them
+            store.commit(2)
+            assert peer.fed() == list(range(6))
+
+    asyncio.run(main())
+
+
+def test_a_batch_with_an_append_resolved_on_its_own_goes_through_the_task_in_order() -> None:
+    async def main() -> None:
+        async with _live() as (part, store, peer):
+            _append(part, peer, 5)
+            store.commit(5, skip=0)
+            # Id 0 alone, then 1..4: each part is dense and continues the feed.
+            assert peer.fed() == [0, 1, 2, 3, 4]
+            _append(part, peer, 5, first_seq=5)
+            before = list(peer.fed())
+            store.commit(5, skip=2)  # ids 5, 6, 8, 9 with a gap at 7 (its own call came first)
+            assert peer.fed() == before  # id 7 alone does not continue the feed; the rest has a gap
+            await _settle()
+            assert peer.fed() == list(range(10))
+
+    asyncio.run(main())
