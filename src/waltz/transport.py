@@ -367,6 +367,9 @@ class FramedConnection:
         to it from the transport's callback, with no task in between."""
         self._on_end: Callable[[BaseException], None] | None = None
         """Told once, with the reason, when the connection ends while :attr:`_sink` receives."""
+        self._delivery_paused = False
+        """:meth:`pause_delivery` in force (kept apart from _reading_paused, which is also True before
+        :meth:`deliver_payloads` starts reading: a pause asked for then must outlive that start)."""
         self._left: collections.deque[bytes] = collections.deque()
         """Payloads decoded but not yet handed over when the callback stopped (a handler had to wait, our
         frames piled up): the serving task hands them over first, before any still in the decoder. At most
@@ -638,7 +641,7 @@ class FramedConnection:
         if self._sink is not None:  # (None if it ended while delivering what came with the hello)
             if self._error is not None or self._closed:
                 self._end_delivery()
-            else:
+            elif not self._delivery_paused:  # The receiver may have paused on what came with the hello.
                 self._resume_reading()
 
     def pause_delivery(self) -> None:
@@ -646,11 +649,13 @@ class FramedConnection:
         read nothing more from the peer (TCP then pushes back) until :meth:`resume_delivery`. The payloads of
         the read being delivered are all handed over first."""
         if self._sink is not None:
+            self._delivery_paused = True
             self._pause_reading()
 
     def resume_delivery(self) -> None:
         """Read and deliver again after :meth:`pause_delivery` (nothing if the connection ended)."""
         if self._sink is not None and not self.is_closed:
+            self._delivery_paused = False
             self._resume_reading()
 
     def reject(self, error: RemoteProtocolError) -> None:

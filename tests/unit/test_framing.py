@@ -5,11 +5,12 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from waltz.errors import FrameTooLargeError, LocalProtocolError, RemoteProtocolError
 from waltz.protocol.framing import (
+    FRAME_HEADER,
     FRAME_HEADER_BYTES,
     MAGIC_ADMIN,
     MAGIC_CLIENT,
@@ -535,3 +536,86 @@ def test_take_payloads_of_same_size_frames_of_another_codec_raises_as_one_by_one
     b.receive_data(encode_frame(MAGIC_CLIENT, 0, b"abc") * 20)
     with pytest.raises(RemoteProtocolError):
         b.take_payloads([])
+
+
+_LIMIT = 64
+_GOOD = (MAGIC_CLIENT, 3)
+
+
+def _frame_of(kind: str, size: int, body: bytes) -> bytes:
+    magic, version, length = MAGIC_CLIENT, 3, size
+    if kind == "magic":
+        magic = MAGIC_STORAGE
+    elif kind == "version":
+        version = 2
+    elif kind == "neg":
+        length = -size - 1
+    return FRAME_HEADER.pack(magic, version, length) + body
+
+
+@st.composite
+def _runs_with_faults(draw: st.DrawFn) -> tuple[bytes, list[int]]:
+    """Runs of frames of one header (what ``take_payloads`` slices out at once: of a size at, over or under
+    the limit, keep-alives among them) and single odd frames between them (another size, a bad magic or
+    version, a negative length), the stream cut into reads at frame boundaries or anywhere."""
+    frames: list[bytes] = []
+    segments = [0]  # Where each run and each odd frame after it ends: reads cut there end on a run.
+    for _ in range(draw(st.integers(min_value=0, max_value=4))):
+        size = draw(st.sampled_from([0, 1, 5, 12, _LIMIT, _LIMIT + 1]))
+        count = draw(st.integers(min_value=0, max_value=12))
+        frames.extend(
+            _frame_of("same", size, draw(st.binary(min_size=size, max_size=size))) for _ in range(count)
+        )
+        segments.append(sum(map(len, frames)))
+        kind = draw(st.sampled_from(["none", "other", "magic", "version", "neg"]))
+        if kind == "other":
+            other = draw(st.integers(min_value=0, max_value=_LIMIT + 1))
+            frames.append(_frame_of(kind, other, bytes(other)))
+        elif kind != "none":
+            frames.append(_frame_of(kind, size, bytes(size)))
+        segments.append(sum(map(len, frames)))
+    stream = b"".join(frames)
+    bounds = [0]
+    for f in frames:
+        bounds.append(bounds[-1] + len(f))
+    anywhere = st.integers(min_value=0, max_value=len(stream))
+    cuts = sorted(draw(st.lists(st.sampled_from(segments) | st.sampled_from(bounds) | anywhere, max_size=5)))
+    return stream, cuts
+
+
+@example((b"".join(_frame_of("same", 5, b"abcde") for _ in range(8)) + _frame_of("magic", 5, bytes(5)), []))
+@example((_frame_of("same", _LIMIT + 1, bytes(_LIMIT + 1)) * 8, []))
+@given(_runs_with_faults())
+def test_take_payloads_over_any_reads_of_runs_and_faults_is_next_payload_one_by_one(
+    case: tuple[bytes, list[int]],
+) -> None:
+    """Whatever the reads and wherever a bad header sits (inside a same-size run, at its end, in the next
+    read), ``take_payloads`` gives the payloads, the error and the leftover bytes that ``next_payload``
+    called one frame at a time gives."""
+    stream, cuts = case
+    reads = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+    fast, slow = FrameDecoder(_LIMIT), FrameDecoder(_LIMIT)
+    fast.expected = slow.expected = _GOOD
+    got: list[bytes] = []
+    want: list[bytes] = []
+    fast_error: type[Exception] | None = None
+    slow_error: type[Exception] | None = None
+    for data in reads:
+        if fast_error is None:
+            fast.receive_data(data)
+            try:
+                fast.take_payloads(got)
+            except RemoteProtocolError as e:
+                fast_error = type(e)
+        if slow_error is None:
+            slow.receive_data(data)
+            try:
+                while (payload := slow.next_payload()) is not None:
+                    if payload:
+                        want.append(payload)
+            except RemoteProtocolError as e:
+                slow_error = type(e)
+    assert got == want
+    assert fast_error == slow_error
+    if fast_error is None:
+        assert fast.buffered_bytes == slow.buffered_bytes

@@ -860,3 +860,47 @@ def test_a_deliver_payloads_receiver_may_pause_resume_and_reject(run: Any) -> No
             assert len(ended) == 1
 
     run(main)
+
+
+def test_a_pause_asked_for_while_the_payloads_that_came_with_the_hello_are_delivered_holds(run: Any) -> None:
+    """``deliver_payloads`` hands over what came in the same read as the peer's hello before it returns; a
+    receiver that pauses then (its inbox full already) reads nothing more until it resumes: the pause is not
+    undone by ``deliver_payloads`` starting to read."""
+
+    async def main() -> None:
+        writers: list[asyncio.StreamWriter] = []
+
+        def hello_and_a_frame_at_once(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writers.append(writer)
+            proto = ProtocolConnection(MAGIC_STORAGE, [0], "raw storage")
+            writer.write(proto.send_hello() + frame(b"pause"))  # one write: read with the hello
+
+        server = await asyncio.start_server(hello_and_a_frame_at_once, HOST, 0)
+        try:
+            conn = await connect(server.sockets[0].getsockname()[1], callback_reads=True)
+            async with conn:
+                got: list[bytes] = []
+
+                def on_payloads(payloads: list[bytes]) -> None:
+                    got.extend(payloads)
+                    if b"pause" in payloads:
+                        conn.pause_delivery()
+
+                conn.deliver_payloads(on_payloads, lambda reason: None)
+                assert got == [b"pause"]
+                writers[0].write(frame(b"after"))
+                await asyncio.sleep(0.2)
+                assert got == [b"pause"]  # "after" waits in the socket, unread
+                conn.resume_delivery()
+                for _ in range(200):
+                    if len(got) == 2:
+                        break
+                    await asyncio.sleep(0.01)
+                assert got == [b"pause", b"after"]
+        finally:
+            for writer in writers:
+                writer.close()
+            server.close()
+            await server.wait_closed()
+
+    run(main)

@@ -66,6 +66,7 @@ from waltz.errors import (
     ClientError,
     ClientTimeoutError,
     DataChecksumError,
+    LocalProtocolError,
     PartitionStuckError,
     WaltzError,
 )
@@ -1467,6 +1468,16 @@ class AsyncWaltzClient:
                 self._send_built(p, req_id, builder)  # No AppendRequest made (see driver.py).
             else:
                 driver.send_append(p, builder.build(req_id))
+        except LocalProtocolError as e:
+            # It can never be sent (over the connection's frame limit, or a field the format cannot carry):
+            # retrying would execute the context again for ever. The context ends with this error instead.
+            log.warning("partition %d: append %r cannot be sent: %s", partition.id, req_id, e)
+            monitor.fail(req_id)
+            waiter = outcomes.pop(req_id)  # Registered above, in this same synchronous call.
+            if isinstance(waiter, Run):
+                self._on_first_outcome(waiter, e)
+            else:
+                _settle(waiter, e)
         except WaltzError as e:
             log.warning("partition %d: append %r not sent: %s", partition.id, req_id, e)
             self._resolve(partition, monitor.fail(req_id))

@@ -574,3 +574,46 @@ def test_a_full_inbox_stops_reading_from_the_server_until_it_has_room_again() ->
             assert not client_conn._reading_paused
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_lost_while_reading_is_paused_for_a_full_inbox_reconnects_and_delivers_each_once() -> (
+    None
+):
+    """The server goes away while the link reads nothing (an inbox full): once the listener takes the
+    entries, the link reads on, sees the loss, mounts again on a new connection from the last id delivered,
+    and every entry reaches the listener once, in order (a server that feeds again from the start of the log
+    repeats nothing)."""
+
+    async def main() -> None:
+        listener = BlockedRecorder()
+        async with _ready_driver(listener) as (server, driver, conn):
+            link = driver.mounts[0].link
+            assert link is not None
+            first = link.conn
+            assert first is not None
+            total = INBOX_FEED_LIMIT * 3
+            feed = [
+                cs.encode(cs.FeedData(append_id(t + 1), t, 0), conn.negotiated_version) for t in range(total)
+            ]
+            conn.send_many(feed)
+            for _ in range(int(STEP_S / 0.01)):  # The inbox fills up (bounded wait).
+                if driver.mounts[0].feed_queued >= INBOX_FEED_LIMIT and first._reading_paused:
+                    break
+                await asyncio.sleep(0.01)
+            assert first._reading_paused
+            await conn.aclose()  # The server leaves while the client reads nothing.
+            await asyncio.sleep(0.1)
+            assert link.conn is first  # Not noticed yet: nothing is read.
+            listener.open.set()
+            conn2, remount = await server.expect(cs.MountRequest)
+            assert conn2 is not conn
+            assert link.conn is not first
+            assert remount.client_high_water_mark == total - 1  # What the first connection still carried.
+            server.send(conn2, cs.MountResponse(remount.req_id, cs.PartitionState.READY))
+            conn2.send_many(feed)
+            conn2.send(cs.encode(cs.FeedData(append_id(total + 1), total, 0), conn2.negotiated_version))
+            await listener.wait_for("feed", total)
+            assert [e[1] for e in listener.events if e[0] == "feed"] == list(range(total + 1))
+
+    asyncio.run(main())
