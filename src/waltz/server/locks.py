@@ -178,16 +178,7 @@ class LockTable:
         if slots is None:
             if len(slots_of) >= _SLOTS_CACHE_ENTRIES:
                 slots_of.clear()
-            # lock_slots(lock, size), inlined: a lock seen for the first time pays no call on top of it.
-            size = self.size
-            h1 = (lock * _LCG_MULTIPLIER + _LCG_INCREMENT) & _MASK32
-            h2 = (h1 * _LCG_MULTIPLIER + _LCG_INCREMENT) & _MASK32
-            h3 = (h2 * _LCG_MULTIPLIER + _LCG_INCREMENT) & _MASK32
-            slots = slots_of[lock] = (
-                (h1 & 0x3FFFFFFF) % size,
-                (h2 & 0x3FFFFFFF) % size,
-                (h3 & 0x3FFFFFFF) % size,
-            )
+            slots = slots_of[lock] = lock_slots(lock, self.size)
         a, b, c = slots
         busy = self._busy
         if busy[a] or busy[b] or busy[c]:
