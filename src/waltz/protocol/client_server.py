@@ -90,6 +90,7 @@ from typing import ClassVar, Final, NamedTuple, Self, TypeAlias
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
 from waltz.protocol.checksum import crc32 as _crc32
+from waltz.protocol.framing import FRAME_HEADER_BYTES
 from waltz.protocol.record_run import STORED_OVERHEAD_BYTES, RunBytes, encode_run, run_records
 from waltz.protocol.records import Record, RecordHeader, ReqId, crc32
 from waltz.protocol.wire import Reader, Writer
@@ -1131,7 +1132,6 @@ _FRAMED_APPEND_HEADS: Final = (
     struct.Struct(">BhiBqqqiiiii"),
     struct.Struct(">BhiBqqqiiiiii"),
 )
-_FRAME_HEADER_BYTES: Final = 7
 
 
 def frame_append(
@@ -1158,42 +1158,27 @@ def frame_append(
         return False
     n = len(data)
     head = _FRAMED_APPEND_HEADS[len(write_locks)]
-    size = head.size - _FRAME_HEADER_BYTES + n + 4
+    size = head.size - FRAME_HEADER_BYTES + n + 4
     if size > max_frame_bytes:
         return False
     msb, lsb = req_id
     try:
-        if write_locks:
-            prefix = head.pack(
-                magic,
-                version,
-                size,
-                2,
-                msb,
-                lsb,
-                client_high_water_mark,
-                1,
-                write_locks[0],
-                0,
-                0,
-                header,
-                n,
-            )
-        else:
-            prefix = head.pack(
-                magic,
-                version,
-                size,
-                2,
-                msb,
-                lsb,
-                client_high_water_mark,
-                0,
-                0,
-                0,
-                header,
-                n,
-            )
+        # nw and its write locks (none or one), then nr = na = 0: the layout's counts, each before its locks.
+        prefix = head.pack(
+            magic,
+            version,
+            size,
+            2,
+            msb,
+            lsb,
+            client_high_water_mark,
+            len(write_locks),
+            *write_locks,
+            0,
+            0,
+            header,
+            n,
+        )
         tail = _U32.pack(_crc32(data))
     except struct.error:
         return False  # Out of range (an unsigned ReqId half above 2**63 among them): the general path.
