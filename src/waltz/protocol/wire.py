@@ -173,25 +173,26 @@ class Reader:
         return bytes(self.data[start : start + n])
 
     def bytes_required(self) -> bytes:
-        value = self.bytes_()
-        if value is None:
-            raise RemoteProtocolError("unexpected null byte array")
-        return value
+        start, end = self._required_span()
+        return bytes(self.data[start:end])
 
     def bytes_view_required(self) -> bytes | memoryview:
         """:meth:`bytes_required` without the copy where that is safe: a read-only view of the bytes when the
         buffer is ``bytes`` (immutable, so the view can never change), a copy otherwise. For the megabytes of
         a range read's record run, which a copy would cost a memcpy into freshly faulted pages."""
+        start, end = self._required_span()
         data = self.data
-        if type(data) is not bytes:
-            return self.bytes_required()
+        return memoryview(data)[start:end] if type(data) is bytes else bytes(data[start:end])
+
+    def _required_span(self) -> tuple[int, int]:
+        """Where the next byte array (not null) is: ``(start, end)`` in :attr:`data`, consumed."""
         n = self.i32()
         if n < 0:
             raise RemoteProtocolError(
                 "unexpected null byte array" if n == -1 else f"negative byte array length {n}"
             )
         start = self._take(n)
-        return memoryview(data)[start : start + n]
+        return start, start + n
 
     def string(self) -> str | None:
         raw = self.bytes_()
