@@ -55,6 +55,7 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from waltz.cluster import zk
 from waltz.cluster.membership import ClusterMember
@@ -235,7 +236,11 @@ class _CommitMetrics(Collector):
             appends.add_metric([label], commits.appends)
             data.add_metric([label], commits.data_bytes)
             cumulative = list(itertools.accumulate(commits.latency_counts))
-            buckets = [(_bucket_label(b), c) for b, c in zip(commits.bounds, cumulative, strict=False)]
+            # The "le" labels as prometheus_client's own Histogram writes them (its helper is untyped).
+            buckets = [
+                (floatToGoString(b), c)  # type: ignore[no-untyped-call]
+                for b, c in zip(commits.bounds, cumulative, strict=False)
+            ]
             buckets.append(("+Inf", cumulative[-1]))
             latency.add_metric([label], buckets, commits.latency_sum)
         yield appends
