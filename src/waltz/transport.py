@@ -1892,6 +1892,18 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     return result
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A private event loop for a thread of its own (the sync client's, the Spark source's I/O loop): uvloop
+    when it is installed (its socket reads, futures and ``call_soon_threadsafe``, which every request from
+    another thread crosses, cost less than asyncio's), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - Windows
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
 GC_THRESHOLDS = (50_000, 20, 100)
 """Collector thresholds of long-running nodes (CPython's defaults are ``(700, 10, 10)``)."""
 

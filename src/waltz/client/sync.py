@@ -24,6 +24,7 @@ from waltz.client.context import TransactionContext
 from waltz.client.core import AsyncWaltzClient
 from waltz.client.driver import ClientDriver
 from waltz.errors import ClientClosedError, ClientError, ClientTimeoutError
+from waltz.transport import new_event_loop
 
 __all__ = ["WaltzClient"]
 
@@ -49,7 +50,7 @@ class WaltzClient:
         *,
         driver: ClientDriver | None = None,
     ) -> None:
-        self._loop = _new_event_loop()
+        self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="waltz-client-loop", daemon=True)
         self._thread.start()
         self._closed = False
@@ -205,17 +206,6 @@ class WaltzClient:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-def _new_event_loop() -> asyncio.AbstractEventLoop:
-    """The private loop: uvloop when it is installed (its call_soon_threadsafe, futures and socket I/O cost
-    less per append, and every submit from an application thread crosses onto this loop), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
 
 
 async def _value(fn: Callable[[], T]) -> T:

@@ -45,6 +45,7 @@ from waltz.client.reader import LogReader
 from waltz.errors import ClientError, WaltzError
 from waltz.protocol.record_run import RecordRun
 from waltz.spark.options import SourceOptions
+from waltz.transport import new_event_loop
 
 __all__ = ["ClusterLogSource", "close_all", "open_source"]
 
@@ -53,23 +54,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def _new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when it is installed (a dependency of waltz on every platform but Windows): its socket reads,
-    futures and ``call_soon_threadsafe`` (every request a task submits crosses onto this loop) cost less
-    than asyncio's own."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - Windows
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
-
-
 class _Loop:
     """One daemon thread running an asyncio loop for this process's Waltz I/O."""
 
     def __init__(self) -> None:
-        self.loop = _new_event_loop()
+        self.loop = new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="waltz-spark-io", daemon=True)
         self.thread.start()
 
