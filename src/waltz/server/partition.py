@@ -420,7 +420,14 @@ class Partition:
             self._end_feed(old)
         await self._ready.wait()
         hwm = await self.flush()
-        if not self._is_current(peer, rid):
+        reg = self._registrations.get(rid.client_id)
+        if reg is None or reg.peer is not peer:
+            return
+        if reg.session != rid:
+            # A later MountRequest of this connection registered while this one waited: that one is the
+            # client's mount now and starts the feed. Starting ours too would leave one of the two feed
+            # tasks parked with nothing that ends it.
+            peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
             return
         if msg.client_high_water_mark > hwm:
             peer.send(cs.MountResponse(rid, cs.PartitionState.CLIENT_AHEAD))
@@ -754,6 +761,10 @@ class Partition:
     # -- feeds -----------------------------------------------------------------------------------------------
 
     def _start_feed(self, ctx: _FeedContext) -> None:
+        # One feed task per client: one it replaces would otherwise wait for a wake-up nobody sends.
+        old = self._feeds.get(ctx.client_id)
+        if old is not None:
+            self._end_feed(old)
         self._feeds[ctx.client_id] = ctx
         ctx.task = asyncio.create_task(
             self._feed_loop(ctx), name=f"feed-{self.partition_id}-client-{ctx.client_id}"
