@@ -15,7 +15,7 @@ from typing import Any, cast
 
 from tests.unit.test_server_partition_feed import CLIENT, _append, _Peer, _settle, _Store
 from waltz.protocol import client_server as cs
-from waltz.protocol.records import ReqId
+from waltz.protocol.records import RecordHeader, ReqId
 from waltz.server.feed_cache import FeedCache
 from waltz.server.partition import Partition
 from waltz.server.store.store_partition import StorePartition
@@ -74,5 +74,102 @@ def test_a_second_mount_on_one_connection_racing_the_first_leaves_one_feed_task(
             assert peer.sent == []  # appended, not committed yet
         # Closing the partition ended every feed task: none was left parked.
         assert _feed_tasks() == []
+
+    asyncio.run(main())
+
+
+class _SlowStore(_Store):
+    """Keeps the committed headers and serves ``read_headers`` from them, but only once the test opens
+    ``gate`` (``reading`` says a read waits there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.headers: list[RecordHeader] = []  # index = transaction id
+        self.gate = asyncio.Event()
+        self.reading = asyncio.Event()
+
+    def commit(self, count: int, *, skip: int | None = None) -> None:
+        for i, pending in enumerate(self._pending[:count]):
+            self.headers.append(RecordHeader(self.high_water_mark + 1 + i, pending.req_id, pending.header))
+        super().commit(count, skip=skip)
+
+    async def read_headers(self, transaction_id: int, max_count: int) -> list[Any]:
+        self.reading.set()
+        await self.gate.wait()
+        return self.headers[transaction_id : transaction_id + max_count]
+
+
+SESSION = _session(1)
+
+
+@contextlib.asynccontextmanager
+async def _reading_from_the_store() -> AsyncIterator[tuple[Partition, _SlowStore, _Peer]]:
+    """Ten commits, ids 0..3 fed in a first window of 4, the feed cache emptied, and the client's next
+    window (from 3) open: the feed task now waits in a store read of ids 4..9."""
+    store = _SlowStore()
+    cache = FeedCache(1 << 20, 1)
+    part = Partition(
+        0,
+        cast(StorePartition, store),
+        feed_cache=cache,
+        transaction_cache=TransactionCache(1 << 20),
+        min_fetch_size=4,
+    )
+    await part.start()
+    peer = _Peer()
+    try:
+        await part.mount(cast(Any, peer), cs.MountRequest(SESSION, -1, 1))
+        await _settle()
+        assert part.feed_request(cast(Any, peer), cs.FeedRequest(SESSION, -1))
+        _append(part, peer, 10)
+        store.commit(10)
+        await _settle()
+        assert peer.fed() == [0, 1, 2, 3]
+        assert peer.sent[-1] == cs.FeedSuspended(SESSION)
+        cache.evict_partition(0)
+        assert part.feed_request(cast(Any, peer), cs.FeedRequest(SESSION, 3))
+        async with asyncio.timeout(5):
+            await store.reading.wait()
+        yield part, store, peer
+    finally:
+        await part.close()
+
+
+def test_a_feed_request_during_a_store_read_restarts_the_feed_where_it_asks() -> None:
+    async def main() -> None:
+        async with _reading_from_the_store() as (part, store, peer):
+            # The client (re)opens its window from 5 while the read of 4..9 is under way.
+            assert part.feed_request(cast(Any, peer), cs.FeedRequest(SESSION, 5))
+            sent = len(peer.fed())
+            store.gate.set()
+            await _settle()
+            assert peer.fed()[sent:] == [6, 7, 8, 9]
+            assert peer.sent[-1] == cs.FeedSuspended(SESSION)  # that window (4) is used up
+            assert part.feed_request(cast(Any, peer), cs.FeedRequest(SESSION, 9))
+            _append(part, peer, 2, first_seq=10)
+            store.commit(2)
+            await _settle()
+            assert peer.fed()[sent:] == [6, 7, 8, 9, 10, 11]
+
+    asyncio.run(main())
+
+
+def test_a_store_read_overtaken_by_commits_sent_live_is_not_sent_after_them() -> None:
+    async def main() -> None:
+        async with _reading_from_the_store() as (part, store, peer):
+            # The client has everything (it says so), and new commits go to it from the commit itself
+            # while the old read still waits: the read's entries must not follow them.
+            assert part.feed_request(cast(Any, peer), cs.FeedRequest(SESSION, 9))
+            sent = len(peer.fed())
+            _append(part, peer, 2, first_seq=10)
+            store.commit(2)
+            assert peer.fed()[sent:] == [10, 11]
+            store.gate.set()
+            await _settle()
+            assert peer.fed()[sent:] == [10, 11]
+            _append(part, peer, 2, first_seq=12)
+            store.commit(2)
+            await _settle()
+            assert peer.fed()[sent:] == [10, 11, 12, 13]
 
     asyncio.run(main())

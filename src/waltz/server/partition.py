@@ -806,11 +806,16 @@ class Partition:
                     if ctx.next_id > self.high_water_mark:
                         await ctx.wake.wait()  # long poll: wait for a commit
                     continue
-                count = min(limit - ctx.next_id + 1, FEED_BATCH)
-                headers = self._feed_cache.get_entries(self.partition_id, ctx.next_id, count)
+                start = ctx.next_id
+                count = min(limit - start + 1, FEED_BATCH)
+                headers = self._feed_cache.get_entries(self.partition_id, start, count)
                 if len(headers) < count:
                     # Not all in the cache (a reader behind it): the rest comes from the store.
-                    headers = await self._headers(ctx.next_id, count, headers)
+                    headers = await self._headers(start, count, headers)
+                    if ctx.next_id != start:
+                        # Moved while we read: a FeedRequest restarted the window elsewhere, or a commit was
+                        # sent live (_feed_batch). What we read no longer follows what was sent: read again.
+                        continue
                 if not headers:
                     await asyncio.sleep(0.01)  # the store cannot serve it right now; try again shortly
                     continue
