@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any, cast
 
 from tests.unit.test_server_partition_feed import CLIENT, _append, _Peer, _settle, _Store
+from waltz.client.stream import INBOX_FEED_LIMIT
 from waltz.protocol import client_server as cs
 from waltz.protocol.records import RecordHeader, ReqId
 from waltz.server.feed_cache import FeedCache
@@ -173,3 +174,30 @@ def test_a_store_read_overtaken_by_commits_sent_live_is_not_sent_after_them() ->
             assert peer.fed()[sent:] == [10, 11, 12, 13]
 
     asyncio.run(main())
+
+
+def test_a_window_is_at_most_feed_window_max_however_far_behind_the_client_is() -> None:
+    async def main() -> None:
+        store = _Store()
+        async with _partition(store, min_fetch_size=4) as part:
+            peer = _Peer()
+            await part.mount(cast(Any, peer), cs.MountRequest(SESSION, -1, 1))
+            await _settle()
+            total = cs.FEED_WINDOW_MAX + 500
+            _append(part, peer, total)
+            store.commit(total)
+            # The client is `total` behind: one window brings FEED_WINDOW_MAX of them, then it must ask again
+            # (its inbox holds one window; beyond that its connection, and every partition on it, would stop).
+            assert part.feed_request(cast(Any, peer), cs.FeedRequest(SESSION, -1))
+            await _settle()
+            assert peer.fed() == list(range(cs.FEED_WINDOW_MAX))
+            assert peer.sent[-1] == cs.FeedSuspended(SESSION)
+            assert part.feed_request(cast(Any, peer), cs.FeedRequest(SESSION, cs.FEED_WINDOW_MAX - 1))
+            await _settle()
+            assert peer.fed() == list(range(total))
+
+    asyncio.run(main())
+
+
+def test_the_client_buffers_a_whole_window_without_stopping_its_connection() -> None:
+    assert INBOX_FEED_LIMIT > cs.FEED_WINDOW_MAX

@@ -451,7 +451,10 @@ class Partition:
         if ctx.mount_target is not None:
             return True  # still catching up for the mount; the client asks again after READY
         ctx.next_id = msg.client_high_water_mark + 1
-        ctx.remaining = max(self._min_fetch_size, self.high_water_mark - msg.client_high_water_mark)
+        # Capped: a window is what the client buffers for the partition without pausing its connection (see
+        # FEED_WINDOW_MAX), so a client behind by more than that gets its backlog a window per round trip.
+        lag = self.high_water_mark - msg.client_high_water_mark
+        ctx.remaining = max(self._min_fetch_size, min(lag, cs.FEED_WINDOW_MAX))
         ctx.wake.set()
         return True
 
