@@ -86,14 +86,17 @@ def test_a_lagging_partition_does_not_stop_the_feed_of_another_partition_on_its_
                 WaltzClient, writer_app, cluster.client_config(max_concurrent_transactions=64)
             )
             try:
-                # Both partitions mounted and READY on the reader (its partition 0 applies nothing yet).
-                await asyncio.to_thread(reader.wait_applied, 0, -1, 30)
-                await asyncio.to_thread(reader.wait_applied, 1, -1, 30)
+                # Both partitions READY on the reader, fed and applied (one append each, of its own); the
+                # first feed window of partition 0 then holds ids 0..FIRST_WINDOW-1, and its application
+                # stops at id 1.
+                app.open(1)
+                await asyncio.to_thread(reader.submit_many, [Tagged(b"r", 0), Tagged(b"r", 1)])
+                await asyncio.to_thread(reader.flush_transactions, 30)
                 await asyncio.to_thread(writer.submit_many, [Tagged(b"p0", 0) for _ in range(BACKLOG)])
                 await asyncio.to_thread(writer.flush_transactions, 60)
-                # The reader applies its first window, asks for the next one (BACKLOG - FIRST_WINDOW behind,
-                # so a full window comes) and stalls again at FIRST_WINDOW + 50: the window waits in the
-                # reader, at most FEED_WINDOW_MAX of it.
+                # The reader applies its first window, asks for the next one (about BACKLOG - FIRST_WINDOW
+                # behind, so a full window comes) and stalls again at FIRST_WINDOW + 50: the window waits in
+                # the reader, at most FEED_WINDOW_MAX of it.
                 stall_at = FIRST_WINDOW + 50
                 app.open(stall_at)
                 await wait_until(lambda: app.hwm[0] == stall_at - 1, 30, "partition 0 to reach the gate")
@@ -101,17 +104,17 @@ def test_a_lagging_partition_does_not_stop_the_feed_of_another_partition_on_its_
                 # Partition 1 is fed and applied while partition 0's application is stalled.
                 await asyncio.to_thread(writer.submit_many, [Tagged(b"p1", 1) for _ in range(20)])
                 await asyncio.to_thread(writer.flush_transactions, 30)
-                await asyncio.to_thread(reader.wait_applied, 1, 19, 15)
+                await asyncio.to_thread(reader.wait_applied, 1, 20, 15)
                 assert app.hwm[0] == stall_at - 1  # still stalled
                 # Partition 0 catches up once its application moves again, window by window.
-                app.open(BACKLOG)
-                await asyncio.to_thread(reader.wait_applied, 0, BACKLOG - 1, 60)
+                app.open(BACKLOG + 1)
+                await asyncio.to_thread(reader.wait_applied, 0, BACKLOG, 60)
             finally:
-                app.open(BACKLOG)  # A failed run must not leave close waiting at the gate.
+                app.open(BACKLOG + 1)  # A failed run must not leave close waiting at the gate.
                 await asyncio.to_thread(reader.close)
                 await asyncio.to_thread(writer.close)
-            assert app.data(0) == [b"p0"] * BACKLOG
-            assert app.data(1) == [b"p1"] * 20
+            assert app.data(0) == [b"r"] + [b"p0"] * BACKLOG
+            assert app.data(1) == [b"r"] + [b"p1"] * 20
             assert not app.errors
 
     asyncio.run(main())
