@@ -784,7 +784,8 @@ class AsyncWaltzClient:
 
         ``timeout`` in seconds (None: no limit) raises :class:`~waltz.errors.ClientTimeoutError`; a
         partition released by :meth:`set_partitions` (or the client closed) meanwhile raises the error that
-        ended it.
+        ended it, and a mount that found the client ahead of the server (``CLIENT_AHEAD``, terminal for the
+        mount) :class:`~waltz.errors.ClientAheadError` for a transaction past the application's own mark.
         """
         self._check_open()
         partition = self._partitions.get(partition_id)
@@ -792,7 +793,18 @@ class AsyncWaltzClient:
             raise ClientError(f"partition {partition_id} is not mounted by this client")
         try:
             async with asyncio.timeout(timeout):
-                await self._wait_applied(partition, transaction_id)
+                # _wait_applied, plus CLIENT_AHEAD: terminal for the mount, so nothing past the application's
+                # own mark is ever fed and the wait would only end in its timeout (or never). Not in
+                # _wait_applied itself: a run awaits that once per append.
+                while partition.monitor is None or partition.monitor.applied_high_water_mark < transaction_id:
+                    if partition.error is not None:
+                        raise partition.error
+                    if partition.state is MountState.CLIENT_AHEAD:
+                        raise ClientAheadError(
+                            f"partition {partition_id}: the application's high-water mark is ahead of the "
+                            f"server's, transaction {transaction_id} will not be fed"
+                        )
+                    await partition.changed()
         except TimeoutError:
             raise ClientTimeoutError(
                 f"partition {partition_id}: transaction {transaction_id} not applied within {timeout} s "
