@@ -761,7 +761,8 @@ class AsyncWaltzClient:
         """The id of the last transaction of ``partition_id`` this client knows the application applied:
         ``client_high_water_mark`` at the mount, then the last ``apply_transaction`` that returned (or a
         transaction skipped, see :class:`~waltz.client.api.ApplyAction`); -1 before the mount asked the
-        application. Only grows. No I/O, and safe to call from any thread.
+        application. Only grows while the partition stays mounted (released by :meth:`set_partitions` and
+        mounted again, it starts over from -1). No I/O, and safe to call from any thread.
 
         This is the high-water mark the next ``execute`` on the partition gets in its builder, so the locks
         of that append are checked against it. An application that reads its own state (which
