@@ -14,6 +14,10 @@ Rollover: once the writable segment's data file passes ``segment_size_threshold_
 middle of a batch), it is fsynced and closed, and the next record opens a new segment whose first id is that
 record's id.
 
+Preallocation: :meth:`PartitionLog.prefill` keeps the writable segment's data file zero-filled ahead of its
+last record (see :meth:`waltz.storage.segment.Segment.prefill`); sizes here are logical (the end of the last
+record), so the zeros change neither the roll-over point nor what is read.
+
 List reads (:meth:`PartitionLog.read_records`, :meth:`PartitionLog.read_headers`) continue across segment
 boundaries until ``max_count`` items, ``max_bytes`` of records or the end of the log, whichever comes first.
 
@@ -47,6 +51,7 @@ from waltz.storage.segment import (
     SEGMENT_HEADER_BYTES,
     Segment,
     SegmentHeader,
+    ZeroFill,
     data_file_name,
     encode_stored_run,
     index_file_name,
@@ -244,6 +249,20 @@ class PartitionLog:
     def flush(self) -> None:
         """Make every appended record durable (fsync of the writable segment's data file)."""
         self._writable().flush()
+
+    def prefill(self, ahead_bytes: int) -> ZeroFill | None:
+        """Write the next chunk of zeros ahead of the writable segment's last record, if one is missing (not
+        past the roll-over threshold); the caller syncs the returned zeros in the background. See
+        :meth:`Segment.prefill`."""
+        current = self._writable()
+        if current.size_bytes > self.segment_size_threshold_bytes:
+            return None  # the next append rolls over
+        return current.prefill(ahead_bytes, self.segment_size_threshold_bytes)
+
+    @property
+    def prefilled_bytes(self) -> int:
+        """Fsynced zeros after the writable segment's last record (see :attr:`Segment.prefilled_bytes`)."""
+        return self._writable().prefilled_bytes
 
     def truncate(self, transaction_id: int) -> int:
         """Keep only the records ``<= transaction_id``; durable on return. Returns the new max id."""
