@@ -91,6 +91,8 @@ class PartitionLog:
         self.segment_cache_capacity = segment_cache_capacity
         self._cache: OrderedDict[int, Segment] = OrderedDict()
         self._clock_ms = clock_ms
+        self._extending_writes_before = 0
+        """``extending_writes`` of the segments that were writable before the current one."""
 
     @classmethod
     def open(
@@ -237,6 +239,7 @@ class PartitionLog:
         # The full segment becomes durable (data and index) before its successor exists, so recovery only
         # ever has to repair the last segment.
         old.close()
+        self._extending_writes_before += old.extending_writes
         self._current = None
         new = Segment.create(
             self._fs, self.directory, self.key, self.partition_id, next_id, clock_ms=self._clock_ms
@@ -258,6 +261,13 @@ class PartitionLog:
         if current.size_bytes > self.segment_size_threshold_bytes:
             return None  # the next append rolls over
         return current.prefill(ahead_bytes, self.segment_size_threshold_bytes)
+
+    @property
+    def extending_writes(self) -> int:
+        """Data-file writes of this log that reached past the fsynced zeros (every write when nothing is
+        preallocated): see :attr:`Segment.extending_writes`."""
+        current = self._current
+        return self._extending_writes_before + (current.extending_writes if current is not None else 0)
 
     @property
     def prefilled_bytes(self) -> int:
@@ -287,7 +297,8 @@ class PartitionLog:
                 self._fs.remove(os.path.join(self.directory, data_file_name(first)))
                 self._fs.remove(os.path.join(self.directory, index_file_name(first)))
                 self._fs.fsync_dir(self.directory)
-            if self._current is seg:
+            if seg is not None and self._current is seg:
+                self._extending_writes_before += seg.extending_writes
                 self._current = None
             self._first_ids.pop()
         last_first = self._first_ids[-1]

@@ -361,8 +361,9 @@ class ZeroFill:
     thread: it uses a descriptor of its own), then call :meth:`done` where the segment is used."""
 
     segment: Segment
+    start: int
     end: int
-    """Where the zeros end in the data file."""
+    """The zeros are ``[start, end)`` of the data file."""
     epoch: int
     handle: File
 
@@ -417,6 +418,9 @@ class Segment:
         """The data file holds fsynced zeros up to here past the last record (see :meth:`prefill`)."""
         self._zero_epoch = 0
         """Bumped when a truncation cuts the file: a :class:`ZeroFill` of before then counts for nothing."""
+        self.extending_writes = 0
+        """Data-file writes that reached past the fsynced zeros (see :meth:`prefill`): they extended the file
+        (or overwrote zeros whose fsync had not returned yet) and so cost their fsync a journal commit."""
         self.zero_tail_bytes = 0
         """For tools: the bytes of zeros after the last record (and after any torn bytes) that
         :meth:`inspect` found and left out of :attr:`size_bytes`."""
@@ -613,6 +617,8 @@ class Segment:
                 if base + ends[j - 1] - run_base > threshold:
                     j = bisect.bisect_right(ends, threshold - base + run_base, i, j) + 1
                 data_file.pwrite(view[run_base : ends[j - 1]], base)
+                if base + ends[j - 1] - run_base > self._zeros_durable_end:
+                    self.extending_writes += 1
                 # The index entries wait in memory for the next checkpoint (see _index_tail): recovery never
                 # trusts entries after the last checkpoint anyway, and their pwrite cost a syscall per append
                 # request (~2 us of CPU here).
@@ -651,7 +657,7 @@ class Segment:
             return None
         with memoryview(_ZEROS) as zeros:
             data_file.pwrite(zeros[: end - size], size)
-        return ZeroFill(self, end, self._zero_epoch, data_file.duplicate())
+        return ZeroFill(self, size, end, self._zero_epoch, data_file.duplicate())
 
     def _zeros_synced(self, end: int, epoch: int) -> None:
         if epoch == self._zero_epoch:
