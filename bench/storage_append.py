@@ -424,6 +424,13 @@ async def bench(args: argparse.Namespace, port: int, admin_port: int, node_pid: 
                 if not rec.verify():
                     raise SystemExit(f"record {rec.transaction_id} does not verify")
         print(f"verified: max transaction id {max_id} = records acknowledged - 1; sampled records verify")
+        part = json.loads(await admin.metrics_json())["partitions"][str(PARTITION)]
+        if "extendingWrites" in part:  # older trees do not count them
+            print(
+                f"data-file writes past the fsynced zeros (extending the file): {part['extendingWrites']} of "
+                f"{part['fsyncs']} group commits ({part['threadedFsyncs']} fsynced in a thread); zeros "
+                f"written: {part['preallocatedBytes']} bytes"
+            )
     finally:
         await raw_conn.aclose()
         await client.aclose()

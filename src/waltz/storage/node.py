@@ -1688,6 +1688,9 @@ class StorageNode:
                 "maxTransactionId": p.log.max_transaction_id if p.log is not None else -1,
                 "queueSize": len(p.queue),
                 "fsyncs": p.fsync_count,
+                "threadedFsyncs": p.threaded_fsync_count,
+                "extendingWrites": p.extending_writes,
+                "preallocatedBytes": p.preallocated_bytes,
                 "damagedTransactions": transactions.get(str(p.partition_id), []),
             }
         return json.dumps(
