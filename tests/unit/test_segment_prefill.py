@@ -303,3 +303,33 @@ def test_a_crash_at_any_byte_recovers_the_same_records_with_and_without_prefill(
         outcomes.append(got)
     assert outcomes[0] == outcomes[1]
     assert outcomes[0][:txn] == recs(0, txn, sizes)
+
+
+def test_a_node_killed_right_after_a_roll_over_leaves_a_segment_of_zeros_only(tmp_path: Path) -> None:
+    """The new segment got its headers and its first zeros, no record: the tools and the node's recovery
+    see an empty segment after the full one, not a half-created one nor damage."""
+    log = PartitionLog.open(str(tmp_path), KEY, PID, segment_size_threshold_bytes=2048)
+    while len(log.segment_first_ids) < 2:
+        log.append(recs(log.max_transaction_id + 1, 7))
+    log.truncate(log.segment_first_ids[-1] - 1)  # back to an empty newest segment, as right after the roll
+    log.flush()
+    last = log.max_transaction_id
+    job = log.prefill(AHEAD)
+    assert job is not None
+    job.sync()
+    newest = tmp_path / str(PID) / data_file_name(last + 1)
+    assert newest.stat().st_size == 2048  # headers and zeros up to the roll-over threshold, no record
+    assert verify_segment(str(newest)) == []
+    assert offline_max_transaction_id(tmp_path, PID) == last
+    killed = log._writable()  # killed: its descriptors go, nothing is cut
+    assert killed._data is not None
+    assert killed._index is not None
+    killed._data.close()
+    killed._index.close()
+    killed._data = killed._index = None
+    log.close()
+    with PartitionLog.open(str(tmp_path), KEY, PID, segment_size_threshold_bytes=2048) as again:
+        assert again.max_transaction_id == last
+        assert again.segment_first_ids[-1] == last + 1
+        assert again.read_records(0, 1000) == recs(0, last + 1)
+    assert newest.stat().st_size == SEGMENT_HEADER_BYTES
