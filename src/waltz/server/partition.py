@@ -424,7 +424,14 @@ class Partition:
             self._end_feed(old)
         await self._ready.wait()
         hwm = await self.flush()
-        if not self._is_current(peer, rid):
+        reg = self._registrations.get(rid.client_id)
+        if reg is None or reg.peer is not peer:
+            return
+        if reg.session != rid:
+            # A later MountRequest of this connection registered while this one waited: that one is the
+            # client's mount now and starts the feed. Starting ours too would leave one of the two feed
+            # tasks parked with nothing that ends it.
+            peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
             return
         if msg.client_high_water_mark > hwm:
             peer.send(cs.MountResponse(rid, cs.PartitionState.CLIENT_AHEAD))
@@ -448,7 +455,10 @@ class Partition:
         if ctx.mount_target is not None:
             return True  # still catching up for the mount; the client asks again after READY
         ctx.next_id = msg.client_high_water_mark + 1
-        ctx.remaining = max(self._min_fetch_size, self.high_water_mark - msg.client_high_water_mark)
+        # Capped: a window is what the client buffers for the partition without pausing its connection (see
+        # FEED_WINDOW_MAX), so a client behind by more than that gets its backlog a window per round trip.
+        lag = self.high_water_mark - msg.client_high_water_mark
+        ctx.remaining = max(self._min_fetch_size, min(lag, cs.FEED_WINDOW_MAX))
         ctx.wake.set()
         return True
 
@@ -760,6 +770,10 @@ class Partition:
     # -- feeds -----------------------------------------------------------------------------------------------
 
     def _start_feed(self, ctx: _FeedContext) -> None:
+        # One feed task per client: one it replaces would otherwise wait for a wake-up nobody sends.
+        old = self._feeds.get(ctx.client_id)
+        if old is not None:
+            self._end_feed(old)
         self._feeds[ctx.client_id] = ctx
         ctx.task = asyncio.create_task(
             self._feed_loop(ctx), name=f"feed-{self.partition_id}-client-{ctx.client_id}"
@@ -801,11 +815,16 @@ class Partition:
                     if ctx.next_id > self.high_water_mark:
                         await ctx.wake.wait()  # long poll: wait for a commit
                     continue
-                count = min(limit - ctx.next_id + 1, FEED_BATCH)
-                headers = self._feed_cache.get_entries(self.partition_id, ctx.next_id, count)
+                start = ctx.next_id
+                count = min(limit - start + 1, FEED_BATCH)
+                headers = self._feed_cache.get_entries(self.partition_id, start, count)
                 if len(headers) < count:
                     # Not all in the cache (a reader behind it): the rest comes from the store.
-                    headers = await self._headers(ctx.next_id, count, headers)
+                    headers = await self._headers(start, count, headers)
+                    if ctx.next_id != start:
+                        # Moved while we read: a FeedRequest restarted the window elsewhere, or a commit was
+                        # sent live (_feed_batch). What we read no longer follows what was sent: read again.
+                        continue
                 if not headers:
                     await asyncio.sleep(0.01)  # the store cannot serve it right now; try again shortly
                     continue
