@@ -22,7 +22,7 @@ Each phase stops after ``--count`` operations or ``--seconds``, whichever comes 
 Per phase it prints ops/s, p50/p99 latency, client CPU per op (this process: ``time.process_time``; its
 system share in brackets), server CPU per op (server + storage processes, from ``/proc/<pid>/stat``) and
 the appends per committed batch (from the server's ``waltz_server_store_batch_appends`` histogram: each batch
-costs every storage node a request and an fsync).
+is a request to every storage node), and the storage nodes' append requests and group-commit fsyncs per op.
 The load average is printed at the start and the end. ``--mode`` picks ``client.callbackMode`` (``inline``
 or ``threads``), ``--loop`` the application's event loop (uvloop, the default, or the standard asyncio loop).
 
@@ -81,6 +81,20 @@ def batch_histogram(http_port: int | None) -> dict[str, float]:
         elif line.startswith("waltz_server_store_batch_appends_sum{"):
             out["sum"] = out.get("sum", 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+def storage_counts(http_ports: list[int]) -> tuple[float, float]:
+    """Group-commit fsyncs and append requests of every storage node (``waltz_storage_fsyncs_total``,
+    ``waltz_storage_requests_total`` of append types), summed."""
+    fsyncs = requests = 0.0
+    for port in http_ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        for line in text.splitlines():
+            if line.startswith("waltz_storage_fsyncs_total "):
+                fsyncs += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("waltz_storage_requests_total{") and "append" in line.lower():
+                requests += float(line.rsplit(" ", 1)[1])
+    return fsyncs, requests
 
 
 def batch_note(before: dict[str, float], after: dict[str, float]) -> str:
@@ -209,12 +223,18 @@ class Result:
 
 class Bench:
     def __init__(
-        self, args: argparse.Namespace, client: AsyncWaltzClient, pids: list[int], http_port: int | None
+        self,
+        args: argparse.Namespace,
+        client: AsyncWaltzClient,
+        pids: list[int],
+        http_port: int | None,
+        storage_http_ports: list[int],
     ) -> None:
         self.args = args
         self.client = client
         self.pids = pids
         self.http_port = http_port
+        self.storage_http_ports = storage_http_ports
         self.inline = args.mode == "inline"
         self.loop = asyncio.get_running_loop()
 
@@ -255,6 +275,7 @@ class Bench:
         await asyncio.sleep(WARMUP_S)
         measuring = True
         h0 = batch_histogram(self.http_port)
+        f0, r0 = storage_counts(self.storage_http_ports)
         c0, k0, s0, t0 = time.process_time(), os.times().system, proc_cpu_s(self.pids), time.perf_counter()
         while not stop and not all(t.done() for t in tasks):
             await asyncio.sleep(0.05)
@@ -263,8 +284,12 @@ class Bench:
         elapsed = time.perf_counter() - t0
         c1, k1, s1 = time.process_time(), os.times().system, proc_cpu_s(self.pids)
         h1 = batch_histogram(self.http_port)
+        f1, r1 = storage_counts(self.storage_http_ports)
+        note = batch_note(h0, h1)
+        if count:
+            note += f"; storage append requests/op {(r1 - r0) / count:.3f}, fsyncs/op {(f1 - f0) / count:.3f}"
         await asyncio.wait(tasks, timeout=30)
-        return Result(phase, count, elapsed, latencies, c1 - c0, k1 - k0, s1 - s0, batch_note(h0, h1))
+        return Result(phase, count, elapsed, latencies, c1 - c0, k1 - k0, s1 - s0, note)
 
     async def run(self, phase: str) -> Result:
         if phase == "seq":
@@ -354,11 +379,15 @@ def sync8(args: argparse.Namespace, config: ClientConfig, pids: list[int]) -> Re
 
 
 async def main_async(
-    args: argparse.Namespace, config: ClientConfig, pids: list[int], http_port: int | None
+    args: argparse.Namespace,
+    config: ClientConfig,
+    pids: list[int],
+    http_port: int | None,
+    storage_http_ports: list[int],
 ) -> list[Result]:
     results: list[Result] = []
     async with AsyncWaltzClient(Callbacks(), config) as client:
-        bench = Bench(args, client, pids, http_port)
+        bench = Bench(args, client, pids, http_port, storage_http_ports)
         for phase in args.phase:
             if phase == "sync8":
                 continue
@@ -391,6 +420,7 @@ def main() -> None:
         try:
             pids = [r.pid for r in [*cluster.servers, *cluster.storages] if r.pid is not None]
             http_port = cluster.servers[0].http_port
+            storage_http_ports = [r.http_port for r in cluster.storages]
             config = ClientConfig.from_yaml(
                 Path(cluster.directory) / "client.yaml",
                 {
@@ -408,9 +438,9 @@ def main() -> None:
             if args.loop == "uvloop":
                 import uvloop
 
-                uvloop.run(main_async(args, config, pids, http_port))
+                uvloop.run(main_async(args, config, pids, http_port, storage_http_ports))
             else:
-                asyncio.run(main_async(args, config, pids, http_port))
+                asyncio.run(main_async(args, config, pids, http_port, storage_http_ports))
             if args.profile:
                 profiler.disable()
                 profiler.dump_stats(args.profile)
