@@ -338,3 +338,33 @@ def test_a_group_fsync_overlapping_a_failed_fsync_of_zeros_is_not_acknowledged(t
     assert partition.broken is not None
     assert node.fsyncs_in_flight == 0
     partition.close_log()
+
+
+def test_zeros_whose_fsync_cannot_be_handed_to_a_thread_pause_preallocation(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The zeros are often the first job of the fsync threads, which start on first use: a thread that
+    cannot start (out of memory or processes) must not escape to the caller (it would answer the group a
+    second time, after its Success) nor leave the fsync counted in flight forever (no fsync would run on
+    the loop again)."""
+    node, partition = _assigned(tmp_path)
+    handle = _Handle()
+    plog = partition.log
+    assert plog is not None
+    segment = plog._writable()
+    plog.prefill = lambda ahead: ZeroFill(segment, 128, 4096, 0, handle)  # type: ignore[assignment,method-assign,arg-type]
+
+    def no_thread(fn: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    node.fsync_threads.run = no_thread  # type: ignore[assignment,method-assign]
+    with caplog.at_level(logging.WARNING):
+        partition._preallocate()
+    assert (node.fsyncs_in_flight, partition.preallocating, partition.preallocate_failures) == (0, False, 1)
+    assert handle.closed
+    assert partition.broken is None
+    assert partition.failed is None
+    assert partition.may_commit_now
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "can't start new thread" in line
+    partition.close_log()

@@ -1135,15 +1135,7 @@ class StoragePartition:
         except WaltzError as e:
             # The zeros go past the last record: whatever part of them was written is free space, and the
             # records are untouched. Appends extend the file meanwhile, as without preallocation.
-            self.preallocate_failures += 1
-            self.preallocate_off_until = time.monotonic() + PREALLOCATE_RETRY_S
-            log.warning(
-                "partition %d: cannot write preallocated zeros (%s); appends extend the data file for the "
-                "next %.0f s",
-                self.partition_id,
-                e,
-                PREALLOCATE_RETRY_S,
-            )
+            self._preallocation_failed("cannot write preallocated zeros", e)
             return
         except Exception as e:  # noqa: BLE001 - a bug: the partition fails, as in run(); heard, not raised
             # Raising would reach the caller's handler, which answers the group's requests a second time.
@@ -1151,12 +1143,30 @@ class StoragePartition:
             return
         if job is None:
             return
+        try:
+            # The fsync threads start on first use, often for these zeros: a thread that cannot start must
+            # not reach the caller either, nor leave an fsync counted in flight that never ends.
+            done = node.fsync_threads.run(job.sync)
+        except Exception as e:  # noqa: BLE001 - the zeros stay unsynced free space; the records are untouched
+            job.handle.close()
+            self._preallocation_failed("cannot fsync preallocated zeros", e)
+            return
         self.preallocated_bytes += job.end - job.start
         self.preallocating = True
         node.fsyncs_in_flight += 1  # a group fsync meanwhile goes to a thread, not stalls the loop behind it
-        done = node.fsync_threads.run(job.sync)
         self._zero_sync = done
         done.add_done_callback(functools.partial(self._preallocated, job))
+
+    def _preallocation_failed(self, what: str, e: Exception) -> None:
+        self.preallocate_failures += 1
+        self.preallocate_off_until = time.monotonic() + PREALLOCATE_RETRY_S
+        log.warning(
+            "partition %d: %s (%s); appends extend the data file for the next %.0f s",
+            self.partition_id,
+            what,
+            e,
+            PREALLOCATE_RETRY_S,
+        )
 
     def _preallocated(self, job: ZeroFill, done: asyncio.Future[None]) -> None:
         self.node.fsyncs_in_flight -= 1
