@@ -59,7 +59,7 @@ from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
 from waltz.client.pool import Call, CallbackPool, report_hook_failure
 from waltz.client.retry import APPLY_RETRY, FETCH_RETRY, MAX_CHECKSUM_ATTEMPTS, RetryPolicy
 from waltz.client.state import PartitionState, Run, Stuck, Waiter
-from waltz.client.transaction import Transaction
+from waltz.client.transaction import Transaction, new_transactions
 from waltz.errors import (
     ClientAheadError,
     ClientClosedError,
@@ -910,9 +910,7 @@ class AsyncWaltzClient:
         # queued if a resolution raised, so the driver may deliver the same entries again.
         source = self._source
         assert source is not None
-        partition.push_feed_run(
-            [Transaction(partition_id, tid, header, req_id, source) for tid, req_id, header in entries]
-        )
+        partition.push_feed_run(new_transactions(partition_id, entries, source))
         return len(entries)
 
     async def _on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
@@ -1229,12 +1227,16 @@ class AsyncWaltzClient:
         """Transactions up to ``transaction_id`` are applied: on_application for the runs that wait for it."""
         waiting = partition.awaiting_apply
         queue = partition.lock_queue
+        # Nothing held (no context of this partition takes write locks): no release to make per run. Releases
+        # only pass locks on, so nothing becomes held during this loop either.
+        locked = queue.holds_any
         while waiting and waiting[0].transaction_id <= transaction_id:
             run = waiting.popleft()
             run.applied = True
-            wake = queue.release(run)
-            if wake:
-                self._wake(wake)
+            if locked:
+                wake = queue.release(run)
+                if wake:
+                    self._wake(wake)
             if not run.completed:
                 continue  # on_completion has not run yet: _hook_done queues on_application after it.
             if self._inline and not self._hook_runs and run.state is _STATE_COMMITTED:

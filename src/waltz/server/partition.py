@@ -355,18 +355,22 @@ class Partition:
         asks "resolve everything up to it"), so its generation is not checked."""
         return not self._closed and self._is_current(peer, req_id)
 
-    def append_nowait(self, peer: Peer, msg: cs.AppendMessage) -> bool | None:
+    def append_nowait(self, peer: Peer, msg: cs.AppendMessage, more: bool = False) -> bool | None:
         """:meth:`append` if that needs no wait: True if taken (handed to the store, queued for the append
         task, or answered with a LockFailure), False if this incarnation cannot take it (see :meth:`accepts`),
         None (nothing done) if it would have to wait for room in the append queue: then call :meth:`append`.
-        The connection's read loop calls this first: no coroutine per append."""
+        The connection's read loop calls this first: no coroutine per append.
+
+        ``more=True`` says more requests were read with this one and are handled next, in this same callback
+        (see ``StorePartition.submit_tagged``): an idle store writer then waits for the last of them and
+        sends them as one batch, instead of sending this one alone at once."""
         # accepts(), on the ReqId's raw msb (client id << 32 | generation): one dict lookup, no properties.
         msb = msg.req_id[0]
         if self._mounted.get(msb >> 32) is not peer or msb & _MASK32 != self._generation32 or self._closed:
             return False
         received_s = _monotonic()
         queue = self._queue
-        if self._loop_idle and not queue and self._submit_now(peer, msg, received_s):
+        if self._loop_idle and not queue and self._submit_now(peer, msg, received_s, more):
             return True
         # It has to wait (appends queued ahead of it, or a busy lock slot): queue it here, as append() would,
         # unless the queue is full (append() waits for room). After a busy slot, every append behind it comes
@@ -524,13 +528,15 @@ class Partition:
                 continue
             if item.peer.closed or not self._is_current(item.peer, item.msg.req_id):
                 continue
-            if not self._submit_now(item.peer, item.msg, item.received_s):
+            # More queued behind it: the store waits for them (up to the last this loop hands over without
+            # waiting) and sends them as one batch rather than this one alone.
+            if not self._submit_now(item.peer, item.msg, item.received_s, bool(queue)):
                 await self._process_append(item)
 
-    def _submit_now(self, peer: Peer, msg: cs.AppendMessage, received_s: float) -> bool:
+    def _submit_now(self, peer: Peer, msg: cs.AppendMessage, received_s: float, more: bool = False) -> bool:
         """Process an append as :meth:`_process_append` would, if that needs no wait; False (nothing done)
         if it would have to wait for a lock slot or for room in the store's queue. Its commit is heard in
-        :meth:`appends_committed`, with the rest of its batch."""
+        :meth:`appends_committed`, with the rest of its batch. ``more`` as in :meth:`append_nowait`."""
         req: LockRequest | None = None
         if msg.write_locks or msg.read_locks or msg.append_locks:
             locks = self._locks
@@ -550,7 +556,7 @@ class Partition:
         try:
             # The codec verified the data against its checksum as it decoded the request (see
             # cs.decode_append_request): the store need not compute it again.
-            queued = self.store.submit_tagged(msg, self, req, received_s)
+            queued = self.store.submit_tagged(msg, self, req, received_s, more)
         except WaltzError as e:
             self.pending_appends -= 1
             self._refused(req, msg, e)
