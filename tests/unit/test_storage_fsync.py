@@ -291,3 +291,80 @@ def test_a_failed_write_of_zeros_is_reported_and_pauses_preallocation(
     partition._preallocate()
     assert len(calls) == 2
     partition.close_log()
+
+
+class _LateFailingHandle(_Handle):
+    """A zero fill's descriptor whose fsync was running while a group's fsync ran, and failed after it: on
+    Linux a duplicate descriptor shares the open file description's error cursor, so the writeback error of
+    the group's pages that this fsync reports is reported to nobody else."""
+
+    def __init__(self, group_flushed: threading.Event) -> None:
+        super().__init__()
+        self.group_flushed = group_flushed
+
+    def fsync(self, *, data_only: bool = False) -> None:
+        assert self.group_flushed.wait(5.0)
+        super().fsync(data_only=data_only)
+
+
+def test_a_group_fsync_overlapping_a_failed_fsync_of_zeros_is_not_acknowledged(tmp_path: Path) -> None:
+    """The zeros' fsync may have consumed the only report of the group's lost pages: the group's own fsync
+    then returns success, so the group must wait for the zeros' fsync and fail with it (answered before the
+    partition broke, it would be an acknowledged record the disk lost)."""
+    node, partition = _assigned(tmp_path)
+    plog = partition.log
+    assert plog is not None
+    group_flushed = threading.Event()
+    handle = _LateFailingHandle(group_flushed)
+    segment = plog._writable()
+    plog.prefill = lambda ahead: ZeroFill(segment, 128, 4096, 0, handle)  # type: ignore[assignment,method-assign,arg-type]
+    real_flush = plog.flush
+
+    def flush() -> None:
+        real_flush()
+        group_flushed.set()  # the group's fsync returned clean; the zeros' fails right after
+
+    plog.flush = flush  # type: ignore[method-assign]
+
+    async def main() -> None:
+        partition._preallocate()
+        assert partition.preallocating
+        error = await partition._fsync(plog)
+        assert error is not None
+        assert "Input/output error" in str(error)
+        await _drain(node)
+
+    asyncio.run(main())
+    assert partition.broken is not None
+    assert node.fsyncs_in_flight == 0
+    partition.close_log()
+
+
+def test_zeros_whose_fsync_cannot_be_handed_to_a_thread_pause_preallocation(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The zeros are often the first job of the fsync threads, which start on first use: a thread that
+    cannot start (out of memory or processes) must not escape to the caller (it would answer the group a
+    second time, after its Success) nor leave the fsync counted in flight forever (no fsync would run on
+    the loop again)."""
+    node, partition = _assigned(tmp_path)
+    handle = _Handle()
+    plog = partition.log
+    assert plog is not None
+    segment = plog._writable()
+    plog.prefill = lambda ahead: ZeroFill(segment, 128, 4096, 0, handle)  # type: ignore[assignment,method-assign,arg-type]
+
+    def no_thread(fn: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    node.fsync_threads.run = no_thread  # type: ignore[assignment,method-assign]
+    with caplog.at_level(logging.WARNING):
+        partition._preallocate()
+    assert (node.fsyncs_in_flight, partition.preallocating, partition.preallocate_failures) == (0, False, 1)
+    assert handle.closed
+    assert partition.broken is None
+    assert partition.failed is None
+    assert partition.may_commit_now
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "can't start new thread" in line
+    partition.close_log()

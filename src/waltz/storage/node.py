@@ -46,7 +46,8 @@ Guarantees:
   size (see :mod:`waltz.storage.segment`). A failed zero write (a full disk) leaves the records alone: one
   WARNING line, a metric, and no preallocation for :data:`PREALLOCATE_RETRY_S`. A failed fsync of the zeros
   breaks the partition like a failed group fsync: it shares the data file's open file description with
-  the appends, so it may have consumed the only report of lost pages.
+  the appends, so it may have consumed the only report of lost pages; for the same reason a group whose
+  fsync ran while the zeros' fsync did waits for it, and is not acknowledged if it failed.
 * **Failures are heard.** A broken partition, or one whose worker hit a bug (``failed``: it refuses
   everything until the node restarts and answers each request with a failure instead of leaving it
   queued), is reported by ``/health`` (503, with the reason per partition). The node owns its workers: one
@@ -585,6 +586,8 @@ class StoragePartition:
         """Set when the worker hit a bug: the partition then refuses every request (see ``run``)."""
         self.preallocating = False
         """A chunk of zeros is being fsynced in a thread (see ``_preallocate``)."""
+        self._zero_sync: asyncio.Future[None] | None = None
+        """That fsync's outcome until ``_preallocated`` took it: a group fsync overlapping it waits for it."""
         self.preallocate_off_until = 0.0
         """No zeros are written before this monotonic time (a zero write failed)."""
         self.preallocated_bytes = 0
@@ -1132,15 +1135,7 @@ class StoragePartition:
         except WaltzError as e:
             # The zeros go past the last record: whatever part of them was written is free space, and the
             # records are untouched. Appends extend the file meanwhile, as without preallocation.
-            self.preallocate_failures += 1
-            self.preallocate_off_until = time.monotonic() + PREALLOCATE_RETRY_S
-            log.warning(
-                "partition %d: cannot write preallocated zeros (%s); appends extend the data file for the "
-                "next %.0f s",
-                self.partition_id,
-                e,
-                PREALLOCATE_RETRY_S,
-            )
+            self._preallocation_failed("cannot write preallocated zeros", e)
             return
         except Exception as e:  # noqa: BLE001 - a bug: the partition fails, as in run(); heard, not raised
             # Raising would reach the caller's handler, which answers the group's requests a second time.
@@ -1148,15 +1143,35 @@ class StoragePartition:
             return
         if job is None:
             return
+        try:
+            # The fsync threads start on first use, often for these zeros: a thread that cannot start must
+            # not reach the caller either, nor leave an fsync counted in flight that never ends.
+            done = node.fsync_threads.run(job.sync)
+        except Exception as e:  # noqa: BLE001 - the zeros stay unsynced free space; the records are untouched
+            job.handle.close()
+            self._preallocation_failed("cannot fsync preallocated zeros", e)
+            return
         self.preallocated_bytes += job.end - job.start
         self.preallocating = True
         node.fsyncs_in_flight += 1  # a group fsync meanwhile goes to a thread, not stalls the loop behind it
-        done = node.fsync_threads.run(job.sync)
+        self._zero_sync = done
         done.add_done_callback(functools.partial(self._preallocated, job))
+
+    def _preallocation_failed(self, what: str, e: Exception) -> None:
+        self.preallocate_failures += 1
+        self.preallocate_off_until = time.monotonic() + PREALLOCATE_RETRY_S
+        log.warning(
+            "partition %d: %s (%s); appends extend the data file for the next %.0f s",
+            self.partition_id,
+            what,
+            e,
+            PREALLOCATE_RETRY_S,
+        )
 
     def _preallocated(self, job: ZeroFill, done: asyncio.Future[None]) -> None:
         self.node.fsyncs_in_flight -= 1
         self.preallocating = False
+        self._zero_sync = None
         error = None if done.cancelled() else done.exception()
         if error is not None:
             self._break(f"fsync of preallocated zeros failed: {error}")
@@ -1182,10 +1197,24 @@ class StoragePartition:
             and time.monotonic() >= node.inline_fsync_off_until
         ):
             return self._fsync_inline(plog)
+        # A fsync of zeros still running (or whose outcome the loop has not taken yet) overlaps this group's
+        # writes: it fsyncs through a duplicate of the data file's descriptor, and Linux reports a writeback
+        # error once per open file description, so if it fails it may have consumed the only report of the
+        # group's lost pages, and the group's own fsync then returns success. The group waits for it and
+        # fails with it. (None can start meanwhile: only this worker, after answering, starts one; and with
+        # one in flight no fsync runs on the loop, see may_commit_now.)
+        zeros = self._zero_sync
         node.fsyncs_in_flight += 1
         self.threaded_fsync_count += 1
         try:
             await node.fsync_threads.run(plog.flush)
+            if zeros is not None:
+                await asyncio.wait([zeros])  # not cancelled with this worker: _preallocated still takes it
+                if zeros.cancelled():
+                    raise StorageError("fsync of preallocated zeros cancelled")
+                error = zeros.exception()
+                if error is not None:
+                    raise error
         except Exception as e:  # noqa: BLE001 - any fsync failure fails the whole group
             return self._fsync_failed(e)
         finally:
@@ -1196,6 +1225,7 @@ class StoragePartition:
     def _fsync_inline(self, plog: PartitionLog) -> WaltzError | None:
         """:meth:`_fsync` on the loop thread (the caller checked that it may)."""
         node = self.node
+        assert self._zero_sync is None  # it counts in fsyncs_in_flight: see _fsync
         try:
             started = time.monotonic()
             plog.flush()
