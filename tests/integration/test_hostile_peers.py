@@ -235,6 +235,54 @@ def test_server_peer_that_asks_for_ranges_and_never_reads_holds_bounded_memory(
     run(main())
 
 
+@pytest.mark.timeout(60)
+def test_a_feed_or_mount_from_below_minus_one_closes_that_connection_only(
+    cluster_factory: ClusterFactory,
+) -> None:
+    # Such a feed started at ids that never exist: the server polled the store for them every 10 ms for as
+    # long as the connection lived. The codec refuses the request now, like any malformed message.
+    cluster = cluster_factory()
+
+    def mount(rid: ReqId, hwm: int) -> bytes:
+        # Built by hand: the codec refuses to encode it.
+        return bytes([cs.MessageType.MOUNT_REQUEST]) + struct.pack(">QQqq", rid.msb, rid.lsb, hwm, 1)
+
+    async def main() -> None:
+        await cluster.start(storages=1, servers=1)
+        server = cluster.servers[0]
+        async with ClusterWatcher(cluster.zk, cluster.root) as watcher:
+            client = await RawClient(watcher, 1).start()
+            try:
+                await asyncio.wait_for(await client.append(b"before"), 30)
+                rid = ReqId.of(98, client.generation, 0, 0)
+                feeder = RawPeer(server.port)
+                mounter = RawPeer(server.port)
+                try:
+                    for peer in (feeder, mounter):
+                        await asyncio.to_thread(peer.hello, cs.SUPPORTED_VERSIONS)
+                    # A proper mount first, then a FeedRequest from far below the log.
+                    feeder.send(MAGIC_CLIENT, mount(rid, -1))
+                    bad_feed = bytes([cs.MessageType.FEED_REQUEST]) + struct.pack(
+                        ">QQq", rid.msb, rid.lsb, -(10**15)
+                    )
+                    feeder.send(MAGIC_CLIENT, bad_feed)
+                    mounter.send(MAGIC_CLIENT, mount(ReqId.of(97, client.generation, 0, 0), -(10**15)))
+                    assert await asyncio.to_thread(feeder.closed_by_peer, 5.0)
+                    assert await asyncio.to_thread(mounter.closed_by_peer, 5.0)
+                finally:
+                    feeder.close()
+                    mounter.close()
+                # The good client goes on, on its own connection.
+                await asyncio.wait_for(await client.append(b"after"), 30)
+            finally:
+                await client.aclose()
+        text = server.log_text()
+        assert log_lines(text, "client high-water mark -1000000000000000 is below -1") >= 1
+        assert "Traceback" not in text
+
+    run(main())
+
+
 @pytest.mark.timeout(120)
 def test_storage_peer_that_asks_for_runs_and_never_reads_holds_bounded_memory(tmp_path: Path) -> None:
     async def main(node: StorageProcess) -> None:

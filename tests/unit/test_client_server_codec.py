@@ -442,6 +442,24 @@ def test_negative_data_length_is_a_remote_error() -> None:
         decode(payload, 0)
 
 
+@pytest.mark.parametrize("version", ALL)
+@pytest.mark.parametrize("hwm", [-2, -(10**15), -(2**63)])
+def test_a_client_high_water_mark_below_minus_one_is_refused_on_both_sides(version: int, hwm: int) -> None:
+    # -1 means "holds nothing yet"; below it a feed would start at ids that never exist (the server's feed
+    # task polled for them every 10 ms for as long as the connection lived).
+    mark = struct.pack(">q", hwm).hex()
+    with pytest.raises(RemoteProtocolError, match=f"FeedRequest: client high-water mark {hwm} is below -1"):
+        decode(h("03", REQ_HEX, mark), version)
+    with pytest.raises(RemoteProtocolError, match=f"MountRequest: client high-water mark {hwm} is below -1"):
+        decode(h("00", REQ_HEX, mark, "0000000000000001"), version)
+    with pytest.raises(LocalProtocolError, match="below -1"):
+        encode(FeedRequest(REQ, hwm), version)
+    with pytest.raises(LocalProtocolError, match="below -1"):
+        encode(MountRequest(REQ, hwm, 1), version)
+    assert decode(encode(FeedRequest(REQ, -1), version), version) == FeedRequest(REQ, -1)
+    assert decode(encode(MountRequest(REQ, -1, 1), version), version) == MountRequest(REQ, -1, 1)
+
+
 # -- encoding errors
 
 
@@ -553,6 +571,7 @@ def test_fuzz_mutated_golden_payloads(case: tuple[Message, int, bytes], data: st
 u64 = st.integers(0, 2**64 - 1)
 i64 = st.integers(-(2**63), 2**63 - 1)
 i32 = st.integers(-(2**31), 2**31 - 1)
+hwms = st.integers(-1, 2**63 - 1)  # a client's high-water mark: -1 or a transaction id
 req_ids = st.builds(ReqId, u64, u64)
 int_tuples = st.lists(i32, max_size=6).map(tuple)
 
@@ -561,7 +580,7 @@ int_tuples = st.lists(i32, max_size=6).map(tuple)
 def messages(draw: st.DrawFn, version: int) -> Message:
     req = draw(req_ids)
     choices: list[st.SearchStrategy[Message]] = [
-        st.builds(MountRequest, st.just(req), i64, i64),
+        st.builds(MountRequest, st.just(req), hwms, i64),
         st.builds(
             MountResponse,
             st.just(req),
@@ -579,7 +598,7 @@ def messages(draw: st.DrawFn, version: int) -> Message:
             int_tuples if version >= 1 else st.just(()),
             int_tuples if version >= 2 else st.just(()),
         ),
-        st.builds(FeedRequest, st.just(req), i64),
+        st.builds(FeedRequest, st.just(req), hwms),
         st.builds(FeedData, st.just(req), i64, i32),
         st.just(FeedSuspended(req)),
         st.builds(TransactionDataRequest, st.just(req), i64),

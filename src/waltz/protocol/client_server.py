@@ -288,9 +288,13 @@ class _Message:
         w = Writer()
         w.buf += _prefix(self.TYPE, self.req_id)
         # Dataclass slots are the fields in declaration order; the first is req_id, written above.
+        self._check(LocalProtocolError)
         for name, kind in zip(self._FIELDS[1:], kinds, strict=True):
             _write_field(w, kind, getattr(self, name))
         return w.getvalue()
+
+    def _check(self, error: type[LocalProtocolError | RemoteProtocolError]) -> None:
+        """Raise ``error`` for field values the protocol has no meaning for (encode and decode alike)."""
 
     @classmethod
     def _decode(cls, payload: bytes | bytearray | memoryview, version: int) -> _Message:
@@ -302,7 +306,9 @@ class _Message:
         req_id = ReqId(r.u64(), r.u64())
         values = [_read_field(r, kind) for kind in kinds]
         r.expect_end()
-        return cls(req_id, *values)  # type: ignore[call-arg]
+        msg = cls(req_id, *values)  # type: ignore[call-arg]
+        msg._check(RemoteProtocolError)
+        return msg
 
 
 def _prefix(type_code: int, req_id: ReqId) -> bytes:
@@ -322,6 +328,15 @@ def _fields_layout(cls: type[_Message]) -> None:
 # wire order. ``_KINDS`` lists the kind of each of those fields.
 
 
+def _check_high_water_mark(
+    msg: _Message, hwm: int, error: type[LocalProtocolError | RemoteProtocolError]
+) -> None:
+    """A client's high-water mark is -1 (it holds nothing yet) or a transaction id. One below -1 would start a
+    feed at ids that never exist, which the server's feed task would poll for ever: the codec refuses it."""
+    if hwm < -1:
+        raise error(f"{type(msg).__name__}: client high-water mark {hwm} is below -1")
+
+
 @dataclass(frozen=True, slots=True)
 class MountRequest(_Message):
     """Mount a partition: stream every transaction after ``client_high_water_mark``, then answer READY.
@@ -335,6 +350,9 @@ class MountRequest(_Message):
     req_id: ReqId
     client_high_water_mark: int
     seq_num: int
+
+    def _check(self, error: type[LocalProtocolError | RemoteProtocolError]) -> None:
+        _check_high_water_mark(self, self.client_high_water_mark, error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -670,6 +688,9 @@ class FeedRequest(_Message):
 
     req_id: ReqId
     client_high_water_mark: int
+
+    def _check(self, error: type[LocalProtocolError | RemoteProtocolError]) -> None:
+        _check_high_water_mark(self, self.client_high_water_mark, error)
 
 
 @dataclass(frozen=True, slots=True)
