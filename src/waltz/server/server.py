@@ -248,11 +248,6 @@ class _CommitMetrics(Collector):
         yield latency
 
 
-def _bucket_label(bound: float) -> str:
-    # As prometheus_client writes a Histogram's bounds (floatToGoString): 0.0005, 1.0, 5.0.
-    return repr(float(bound))
-
-
 class _Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.commits = _CommitMetrics()
