@@ -681,7 +681,7 @@ own feed, never the other partitions on the connection. The mount's catch-up (be
 @dataclass(frozen=True, slots=True)
 class FeedRequest(_Message):
     """Open a feed window: stream transactions after ``client_high_water_mark`` (at most
-    :data:`FEED_WINDOW_MAX` of them, unless the server's minimum window is larger)."""
+    :data:`FEED_WINDOW_MAX` of them; the server's config refuses a larger minimum window)."""
 
     TYPE: ClassVar[MessageType] = MessageType.FEED_REQUEST
     _KINDS: ClassVar[tuple[str, ...] | None] = (_I64,)

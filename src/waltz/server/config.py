@@ -9,6 +9,7 @@ from typing import Any
 from waltz.cluster.zk import ZkAuth, zk_auth_keys
 from waltz.config import ConfigSchema, Key, distinct_ports, host_port, read_yaml
 from waltz.errors import ConfigError
+from waltz.protocol.client_server import FEED_WINDOW_MAX
 from waltz.server.store.support import StoreConfig
 from waltz.tls import TlsConfig, tls_keys
 
@@ -36,8 +37,25 @@ SERVER_SCHEMA = ConfigSchema(
         Key("server.http.port", int, 0, "HTTP port for /health and /metrics (0 = off)", 0, 65535),
         Key("server.optimisticLockTableSize", int, 30000, "lock table slots per partition", 16, 100_000_000),
         Key("server.feedCacheSize", int, 64 * 1024 * 1024, "feed cache bytes", 1024),
-        Key("server.minFetchSize", int, 100, "smallest feed window", 1),
-        Key("server.realtimeThreshold", int, 1000, "lag separating realtime from catch-up feeds", 2),
+        # A window above FEED_WINDOW_MAX is more than a client buffers per partition without pausing its
+        # connection's reads: a lagging partition would stall the client's other partitions again.
+        Key(
+            "server.minFetchSize",
+            int,
+            100,
+            f"smallest feed window (at most {FEED_WINDOW_MAX}, the window a client buffers per partition)",
+            1,
+            FEED_WINDOW_MAX,
+        ),
+        # The reference splits feeds into a realtime and a catch-up task by this lag; here every mounted
+        # client has its own feed task (a lagging one delays only itself): the key is kept for its configs.
+        Key(
+            "server.realtimeThreshold",
+            int,
+            1000,
+            "no effect on feeds (one task per client feed); server.minFetchSize must be below it",
+            2,
+        ),
         Key("server.transactionDataCacheSize", int, 128 * 1024 * 1024, "transaction data cache bytes", 0),
         Key("server.maxFrameBytes", int, 32 * 1024 * 1024, "largest frame accepted", 1024, 2**31 - 1),
         Key("server.appendQueueSize", int, 1000, "appends queued per partition", 1, 1_000_000),
