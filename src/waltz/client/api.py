@@ -38,8 +38,10 @@ class ClientCallbacks(ABC):
     * Callbacks run on the client's callback threads (``client.numConsumerThreads``), never on the event
       loop, so a slow callback does not stall networking. Different partitions may be applied concurrently
       on different threads: callbacks must be thread-safe across partitions.
-    * Do not wait on the client (``submit``, ``flush_transactions``) from inside a callback: the partition's
-      feed waits for the callback, so the wait could not finish before its timeout.
+    * Do not wait on the client (``submit``, ``flush_transactions``, ``wait_applied``, ``close``) from
+      inside a callback: the partition's feed waits for the callback, so the wait could not finish before
+      its timeout. ``WaltzClient`` refuses ``flush_transactions``, ``wait_applied`` and ``close`` there with a
+      ClientError (see docs/client.md, "Threads").
     """
 
     @abstractmethod

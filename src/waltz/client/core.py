@@ -435,6 +435,11 @@ class AsyncWaltzClient:
         )
         await asyncio.shield(run.first_send)
 
+    def on_callback_thread(self) -> bool:
+        """True when called on one of this client's callback threads (``threads`` mode; cheap)."""
+        pool = self._pool
+        return pool is not None and pool.is_pool_thread()
+
     def submit_from_thread(self, context: TransactionContext, wait_s: float = 0.0) -> bool:
         """The zero-wait submit of :class:`~waltz.client.sync.WaltzClient`, on an application thread (never
         the loop). When the partition is mounted and has a free slot, ``partition_id`` and ``execute`` run

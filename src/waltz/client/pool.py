@@ -64,6 +64,9 @@ class CallbackPool:
         self._lock = threading.Lock()
         self._idle = 0  # Threads that finished a job and no job has been queued for since (under _lock).
         self._results: list[tuple[_Job, BaseException | None, Any]] = []
+        # Marks this pool's threads (set once by each in _work): a blocking call of the client asks
+        # is_pool_thread, one attribute read, to refuse to wait for work that needs the thread it blocks.
+        self._members = threading.local()
         # A plain attribute, not a property: the client core reads it several times per append.
         self.is_shut_down = False
         """True once :meth:`shutdown` was called (no more work is accepted)."""
@@ -144,9 +147,14 @@ class CallbackPool:
         for thread in threads:
             thread.join()
 
+    def is_pool_thread(self) -> bool:
+        """True on one of this pool's threads (cheap: a thread-local read)."""
+        return getattr(self._members, "member", False)
+
     # -- thread side ---------------------------------------------------------------------------------------
 
     def _work(self) -> None:
+        self._members.member = True
         jobs = self._jobs
         while True:
             job = jobs.get()

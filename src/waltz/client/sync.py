@@ -68,12 +68,10 @@ class WaltzClient:
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self._loop:
+            self._refuse_on_own_loop()
+        except ClientError:
             coro.close()
-            raise ClientError("a blocking WaltzClient method was called on the client's own event loop")
+            raise
         if not self._thread.is_alive():
             coro.close()
             raise ClientClosedError("the client is closed")
@@ -83,6 +81,27 @@ class WaltzClient:
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise ClientTimeoutError(f"the client did not answer within {timeout} s") from None
+
+    def _refuse_on_own_loop(self) -> None:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if running is self._loop:
+            raise ClientError(
+                "a blocking WaltzClient method was called on the client's own event loop (an inline "
+                "callback?): it waits for that loop, which could never run it; call it from another thread"
+            )
+
+    def _refuse_on_callback_thread(self, method: str, waits_for: str) -> None:
+        """Raise ClientError on one of this client's callback threads, for a call that waits for
+        ``waits_for``: that can need the very thread the call blocks (without a timeout it would hang)."""
+        if self._client.on_callback_thread():
+            raise ClientError(
+                f"WaltzClient.{method} was called on one of the client's own callback threads: it waits for "
+                f"{waits_for}, which can need this very thread (the partition's feed waits for a callback to "
+                "return), so it might never return; call it from another thread"
+            )
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -153,7 +172,10 @@ class WaltzClient:
                 i += 1
 
     def flush_transactions(self, timeout: float | None = None) -> None:
-        """Block until every context submitted before the call has ended and been applied (seconds)."""
+        """Block until every context submitted before the call has ended and been applied (seconds). Not on
+        a callback thread of this client: that raises :class:`~waltz.errors.ClientError` (see
+        :meth:`wait_applied`)."""
+        self._refuse_on_callback_thread("flush_transactions", "contexts to be applied and their hooks to run")
         self._call(self._client.flush_transactions(timeout))
 
     def has_pending_transactions(self) -> bool:
@@ -170,7 +192,9 @@ class WaltzClient:
         """Block until :meth:`applied_high_water_mark` of ``partition_id`` reaches ``transaction_id``
         (``timeout`` in seconds, then :class:`~waltz.errors.ClientTimeoutError`). See
         :meth:`AsyncWaltzClient.wait_applied`. Not from inside a callback of this client: the feed waits for
-        that callback to return (see the module docstring), so the wait ends only in its timeout."""
+        that callback to return (see the module docstring), so the wait could end only in its timeout; on a
+        callback thread (or, inline, on the client's loop) it raises :class:`~waltz.errors.ClientError`."""
+        self._refuse_on_callback_thread("wait_applied", "transactions to be applied")
         self._call(self._client.wait_applied(partition_id, transaction_id, timeout))
 
     def high_water_mark(self, partition_id: int) -> int:
@@ -202,7 +226,10 @@ class WaltzClient:
         return self._client.config
 
     def close(self) -> None:
-        """Close the client (idempotent, thread-safe); contexts in flight end with ``ClientClosedError``."""
+        """Close the client (idempotent, thread-safe); contexts in flight end with ``ClientClosedError``. Not
+        on a callback thread of this client: closing waits for those threads to end (ClientError)."""
+        self._refuse_on_callback_thread("close", "the client's callback threads to end")
+        self._refuse_on_own_loop()  # Before anything: it would leave the client half closed.
         with self._close_lock:
             if self._closed:
                 return

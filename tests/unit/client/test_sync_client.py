@@ -229,3 +229,40 @@ def test_close_wakes_a_thread_waiting_for_room() -> None:
     assert not thread.is_alive()  # Not 30 s (client.submitTimeout): close woke it.
     assert len(errors) == 1
     assert isinstance(errors[0], ClientClosedError), errors
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["threads", "inline"])
+def test_blocking_calls_from_a_callback_of_the_same_client_are_refused_not_hung(mode: str) -> None:
+    # The feed waits for apply_transaction to return and close waits for the callback threads to end: each
+    # of these calls, made from the callback, waited for itself (close for good, the others until a timeout).
+    callbacks = RecordingCallbacks() if mode == "threads" else _NoFetch()
+    outcomes: list[str] = []
+    done = threading.Event()
+    with WaltzClient(callbacks, FAST.replace(callback_mode=mode), driver=MockDriver()) as client:
+        calls = {
+            "wait_applied": lambda: client.wait_applied(0, 0, timeout=1),
+            "flush_transactions": lambda: client.flush_transactions(timeout=1),
+            "close": client.close,
+        }
+
+        def on_apply(_transaction: object) -> None:
+            callbacks.on_apply = None
+            for name, call in calls.items():
+                try:
+                    call()
+                    outcomes.append(f"{name}: returned")
+                except ClientError as e:  # ClientTimeoutError is one too: told apart by its message
+                    outcomes.append(f"{name}: {type(e).__name__}: {e}")
+            done.set()
+
+        callbacks.on_apply = on_apply
+        client.submit(Ctx(b"x"))
+        assert done.wait(10), f"a call from the callback hung (so far: {outcomes})"
+        client.flush_transactions(timeout=5)  # The client still works: nothing was closed.
+        assert len(callbacks.data(0)) == 1  # Applied once (_NoFetch records no data).
+    expected = "on one of the client's own callback threads" if mode == "threads" else "own event loop"
+    assert [o.split(":")[0] for o in outcomes] == list(calls)
+    for outcome in outcomes:
+        assert ": ClientError: " in outcome, outcome
+        assert expected in outcome, outcome
