@@ -106,7 +106,7 @@ def _comm(pid: str, task: str | None = None) -> str:
 
 # JVM thread names (as /proc shows them: 15 characters) -> the group they are counted in.
 _JVM_THREAD_GROUPS = (
-    ("Executor task l", "jvm_tasks"),
+    ("Executor task", "jvm_tasks"),
     ("C2 CompilerThre", "jvm_jit"),
     ("C1 CompilerThre", "jvm_jit"),
 )
