@@ -67,21 +67,22 @@ FETCH_ROWS = 10_000  # rows per Arrow batch of the waltz source (one record run:
 # of its own in ``sys.modules``, because every task unpickles a fresh copy of this script's globals.
 
 
-def floor_batch(partition: int, rows: int, size: int) -> Any:
+def floor_batch(partition: int, rows: int, size: int, distinct: bool) -> Any:
     """A batch of ``rows`` rows with the waltz source's schema: ``size`` bytes of data and a 16-byte reqId
-    per row, built once per worker process and cached."""
+    per row (the same in every row, or ``distinct`` random bytes per row), built once per worker process
+    and cached."""
     cache_module = sys.modules.get("_waltz_bench_floor")
     if cache_module is None:
         cache_module = types.ModuleType("_waltz_bench_floor")
         cache_module.cache = {}  # type: ignore[attr-defined]
         sys.modules["_waltz_bench_floor"] = cache_module
-    cache: dict[tuple[int, int, int], Any] = cache_module.cache  # type: ignore[attr-defined]
-    key = (partition, rows, size)
+    cache: dict[tuple[int, int, int, bool], Any] = cache_module.cache  # type: ignore[attr-defined]
+    key = (partition, rows, size, distinct)
     if key not in cache:
 
         def binary(width: int) -> Any:
             offsets = array.array("i", range(0, (rows + 1) * width, width))
-            values = os.urandom(width) * rows
+            values = os.urandom(width * rows) if distinct else os.urandom(width) * rows
             return pa.Array.from_buffers(
                 pa.binary(), rows, [None, pa.py_buffer(offsets), pa.py_buffer(values)]
             )
@@ -100,15 +101,15 @@ def floor_batch(partition: int, rows: int, size: int) -> Any:
 
 
 class FloorReader(DataSourceReader):
-    def __init__(self, rows: int, partitions: int, size: int, names: list[str]) -> None:
-        self.rows, self.parts, self.size, self.names = rows, partitions, size, names
+    def __init__(self, rows: int, partitions: int, size: int, distinct: bool, names: list[str]) -> None:
+        self.rows, self.parts, self.size, self.distinct, self.names = rows, partitions, size, distinct, names
 
     def partitions(self) -> list[InputPartition]:
         return [InputPartition(p) for p in range(self.parts)]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         p = partition.value
-        batch = floor_batch(p, FETCH_ROWS, self.size).select(self.names)
+        batch = floor_batch(p, FETCH_ROWS, self.size, self.distinct).select(self.names)
         left = self.rows // self.parts
         while left > 0:
             yield batch if left >= FETCH_ROWS else batch.slice(0, left)
@@ -116,7 +117,8 @@ class FloorReader(DataSourceReader):
 
 
 class FloorDataSource(DataSource):
-    """``waltz_floor``: the rows of a waltz read (options ``rows``, ``partitions``, ``size``) without I/O."""
+    """``waltz_floor``: the rows of a waltz read (options ``rows``, ``partitions``, ``size``, ``distinct``)
+    without I/O."""
 
     @classmethod
     def name(cls) -> str:
@@ -128,16 +130,18 @@ class FloorDataSource(DataSource):
     def reader(self, schema: Any) -> FloorReader:
         opts = self.options
         names = [f.name for f in schema.fields]
-        return FloorReader(int(opts["rows"]), int(opts["partitions"]), int(opts["size"]), names)
+        distinct = opts["distinct"] == "true"
+        return FloorReader(int(opts["rows"]), int(opts["partitions"]), int(opts["size"]), distinct, names)
 
 
-def append(options: dict[str, str], count: int, size: int) -> None:
+def append(options: dict[str, str], count: int, size: int, distinct: bool) -> None:
     payload = os.urandom(size)
     writer = RowWriter(parse_options({**options, "waltz.client.maxConcurrentTransactions": "500"}))
     chunk = 50_000
     for first in range(0, count, chunk):
         rows = (
-            {"partition": i % PARTITIONS, "data": payload} for i in range(first, min(count, first + chunk))
+            {"partition": i % PARTITIONS, "data": os.urandom(size) if distinct else payload}
+            for i in range(first, min(count, first + chunk))
         )
         writer.append_rows(rows)
 
@@ -195,6 +199,65 @@ SCHEMA_ROW = f"waltz, user schema `{USER_SCHEMA}`"
 FLOOR_ROW = "floor: Python source without I/O"
 
 
+def floor_source_options(count: int, args: argparse.Namespace) -> dict[str, str]:
+    return {
+        "rows": str(count),
+        "partitions": str(PARTITIONS),
+        "size": str(args.size),
+        "distinct": "true" if args.distinct else "false",
+    }
+
+
+def measure(
+    cluster: BenchCluster, count: int, reads: dict[str, Any], args: argparse.Namespace
+) -> tuple[dict[str, list[float]], list[str]]:
+    """Runs ``reads`` interleaved (``--warmup`` untimed rounds, then ``--runs`` timed ones); the seconds of
+    each timed run and a result table row per read."""
+    seconds: dict[str, list[float]] = {name: [] for name in reads}
+    cpu: dict[str, list[dict[str, float]]] = {name: [] for name in reads}
+    for attempt in range(args.runs + args.warmup):
+        for name, read in reads.items():
+            before = cpu_seconds(cluster)
+            t0 = time.perf_counter()
+            rows, _ = read()
+            elapsed = time.perf_counter() - t0
+            after = cpu_seconds(cluster)
+            if rows != count:
+                raise SystemExit(f"{name} read {rows:,} rows, expected {count:,}")
+            if attempt >= args.warmup:  # the first runs of each warm up (JVM JIT, Python workers)
+                seconds[name].append(elapsed)
+                cpu[name].append({k: after[k] - before[k] for k in after})
+    out = []
+    for name in reads:
+        best, mid = min(seconds[name]), median(seconds[name])
+
+        def mid_cpu(key: str, name: str = name) -> float:
+            return median([c[key] for c in cpu[name]])
+
+        out.append(
+            f"| {name} | {count:,} | {best:.2f} / {mid:.2f} | {count / best:,.0f} / {count / mid:,.0f} | "
+            f"{mid_cpu('jvm'):.2f} ({mid_cpu('jvm_tasks'):.2f}, {mid_cpu('jvm_jit'):.2f}) | "
+            f"{mid_cpu('workers'):.2f} | {mid_cpu('cluster'):.2f} |"
+        )
+    return seconds, out
+
+
+def compare_floor(spark: Any, cluster: BenchCluster, count: int, args: argparse.Namespace) -> list[str]:
+    """The floor source against Parquet of its own rows (written once from it), for sizes beyond the log."""
+    floor_options = floor_source_options(count, args)
+    parquet_dir = cluster.directory / f"parquet-floor-{count}"
+    floor_df = spark.read.format(FLOOR_FORMAT).options(**floor_options).load()
+    floor_df.coalesce(PARTITIONS).write.parquet(str(parquet_dir))
+    reads = {
+        FLOOR_ROW: lambda: aggregate(spark.read.format(FLOOR_FORMAT).options(**floor_options).load()),
+        "parquet": lambda: aggregate(spark.read.parquet(str(parquet_dir))),
+    }
+    seconds, out = measure(cluster, count, reads, args)
+    ratio = median(seconds["parquet"]) / median(seconds[FLOOR_ROW])
+    out.append(f"| **floor / Parquet rate (medians)** | {count:,} | | **{ratio:.0%}** | | | |")
+    return out
+
+
 def compare(
     spark: Any,
     cluster: BenchCluster,
@@ -203,11 +266,10 @@ def compare(
 ) -> list[str]:
     """Interleaved waltz and Parquet reads (and the floor's) of the first ``count`` transactions; the rows
     of the result table."""
-    runs, warmup = args.runs, args.warmup
     options = {**cluster.options, "endingOffsets": ending(count)}
     parquet_dir = cluster.directory / f"parquet-{count}"
     spark.read.format("waltz").options(**options).load().coalesce(PARTITIONS).write.parquet(str(parquet_dir))
-    floor_options = {"rows": str(count), "partitions": str(PARTITIONS), "size": str(args.size)}
+    floor_options = floor_source_options(count, args)
 
     def waltz() -> tuple[int, int]:
         return aggregate(spark.read.format("waltz").options(**options).load())
@@ -228,32 +290,7 @@ def compare(
         reads[SCHEMA_ROW] = waltz_schema
     if args.floor:
         reads[FLOOR_ROW] = floor
-    seconds: dict[str, list[float]] = {name: [] for name in reads}
-    cpu: dict[str, list[dict[str, float]]] = {name: [] for name in reads}
-    for attempt in range(runs + warmup):
-        for name, read in reads.items():
-            before = cpu_seconds(cluster)
-            t0 = time.perf_counter()
-            rows, _ = read()
-            elapsed = time.perf_counter() - t0
-            after = cpu_seconds(cluster)
-            if rows != count:
-                raise SystemExit(f"{name} read {rows:,} rows, expected {count:,}")
-            if attempt >= warmup:  # the first runs of each warm up (JVM JIT, Python workers)
-                seconds[name].append(elapsed)
-                cpu[name].append({k: after[k] - before[k] for k in after})
-    out = []
-    for name in reads:
-        best, mid = min(seconds[name]), median(seconds[name])
-
-        def mid_cpu(key: str, name: str = name) -> float:
-            return median([c[key] for c in cpu[name]])
-
-        out.append(
-            f"| {name} | {count:,} | {best:.2f} / {mid:.2f} | {count / best:,.0f} / {count / mid:,.0f} | "
-            f"{mid_cpu('jvm'):.2f} ({mid_cpu('jvm_tasks'):.2f}, {mid_cpu('jvm_jit'):.2f}) | "
-            f"{mid_cpu('workers'):.2f} | {mid_cpu('cluster'):.2f} |"
-        )
+    seconds, out = measure(cluster, count, reads, args)
 
     def ratio(name: str) -> str:
         return f"{median(seconds['parquet']) / median(seconds[name]):.0%}"
@@ -294,12 +331,24 @@ def main() -> None:
         help=f"also time a minimal Python data source without I/O ({FLOOR_FORMAT!r}) reading rows of the "
         "same schema, sizes and batches: the floor of PySpark's Python data-source API",
     )
+    parser.add_argument(
+        "--floor-sizes",
+        default="",
+        help="comma-separated row counts beyond the log for which only the floor source and Parquet of its "
+        "own rows are timed (how the floor's ratio moves with size)",
+    )
+    parser.add_argument(
+        "--distinct",
+        action="store_true",
+        help="a random payload per transaction (default: one payload repeated, which Parquet's dictionary "
+        "encoding stores once: a 400,000-row file of ~25 KB instead of ~200 MB)",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     total = max(sizes)
     with waltz_cluster("waltz-spark-bench-") as cluster:
         t0 = time.perf_counter()
-        append(cluster.options, total, args.size)
+        append(cluster.options, total, args.size, args.distinct)
         print(f"appended {total:,} x {args.size} B in {time.perf_counter() - t0:.1f} s", flush=True)
         load = [os.getloadavg()[0]]
         plain = asyncio.run(plain_read(cluster.options))
@@ -311,6 +360,8 @@ def main() -> None:
         with spark_session() as spark:
             spark.dataSource.register(FloorDataSource)
             tables = [compare(spark, cluster, count, args) for count in sizes]
+            floor_sizes = [int(s) for s in args.floor_sizes.split(",") if s]
+            tables.extend(compare_floor(spark, cluster, count, args) for count in floor_sizes)
         load.append(os.getloadavg()[0])
     print(f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end")
     print("| reader | transactions | seconds | transactions/s | MB/s |")
