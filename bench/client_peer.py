@@ -20,7 +20,9 @@ sync8      :class:`~waltz.WaltzClient` driven from 8 threads (each submits; comp
 
 Each phase stops after ``--count`` operations or ``--seconds``, whichever comes first, after a short warm-up.
 Per phase it prints ops/s, p50/p99 latency, client CPU per op (this process: ``time.process_time``; its
-system share in brackets) and server CPU per op (server + storage processes, from ``/proc/<pid>/stat``).
+system share in brackets), server CPU per op (server + storage processes, from ``/proc/<pid>/stat``) and
+the appends per committed batch (from the server's ``waltz_server_store_batch_appends`` histogram: each batch
+is a request to every storage node), and the storage nodes' append requests and group-commit fsyncs per op.
 The load average is printed at the start and the end. ``--mode`` picks ``client.callbackMode`` (``inline``
 or ``threads``), ``--loop`` the application's event loop (uvloop, the default, or the standard asyncio loop).
 
@@ -38,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +65,56 @@ PAYLOAD = bytes(RECORD_BYTES)
 WARMUP_S = 1.0
 PHASES = ("seq", "conc", "occ1", "occ64", "hot64", "read1", "read64", "sync8")
 TICKS_S = os.sysconf("SC_CLK_TCK")
+
+
+def batch_histogram(http_port: int | None) -> dict[str, float]:
+    """The server's ``waltz_server_store_batch_appends`` histogram (appends per committed batch, every
+    partition): ``{le: cumulative count, "sum": appends}``; empty if it has none (an older server)."""
+    if http_port is None:
+        return {}
+    text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("waltz_server_store_batch_appends_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[le] = out.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("waltz_server_store_batch_appends_sum{"):
+            out["sum"] = out.get("sum", 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def storage_counts(http_ports: list[int]) -> tuple[float, float]:
+    """Group-commit fsyncs and append requests of every storage node (``waltz_storage_fsyncs_total``,
+    ``waltz_storage_requests_total`` of append types), summed."""
+    fsyncs = requests = 0.0
+    for port in http_ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        for line in text.splitlines():
+            if line.startswith("waltz_storage_fsyncs_total "):
+                fsyncs += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("waltz_storage_requests_total{") and "append" in line.lower():
+                requests += float(line.rsplit(" ", 1)[1])
+    return fsyncs, requests
+
+
+def batch_note(before: dict[str, float], after: dict[str, float]) -> str:
+    """Appends per committed batch over a phase, from two :func:`batch_histogram` readings: the mean and the
+    batches per bucket (``<=8: 12`` = 12 batches of 5 to 8 appends)."""
+    if not after:
+        return ""
+    batches = after["+Inf"] - before.get("+Inf", 0.0)
+    if not batches:
+        return ""
+    mean = (after["sum"] - before.get("sum", 0.0)) / batches
+    parts, below = [], 0.0
+    for le, count in after.items():
+        if le == "sum":
+            continue
+        n = count - before.get(le, 0.0) - below
+        below += n
+        if n:
+            parts.append(f"<={le.removesuffix('.0')}: {n:.0f}")
+    return f"appends/batch {mean:.1f} over {batches:.0f} batches ({', '.join(parts)})"
 
 
 def proc_cpu_s(pids: list[int]) -> float:
@@ -169,10 +222,19 @@ class Result:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, client: AsyncWaltzClient, pids: list[int]) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        client: AsyncWaltzClient,
+        pids: list[int],
+        http_port: int | None,
+        storage_http_ports: list[int],
+    ) -> None:
         self.args = args
         self.client = client
         self.pids = pids
+        self.http_port = http_port
+        self.storage_http_ports = storage_http_ports
         self.inline = args.mode == "inline"
         self.loop = asyncio.get_running_loop()
 
@@ -212,6 +274,8 @@ class Bench:
         tasks = [asyncio.create_task(worker(w)) for w in range(n)]
         await asyncio.sleep(WARMUP_S)
         measuring = True
+        h0 = batch_histogram(self.http_port)
+        f0, r0 = storage_counts(self.storage_http_ports)
         c0, k0, s0, t0 = time.process_time(), os.times().system, proc_cpu_s(self.pids), time.perf_counter()
         while not stop and not all(t.done() for t in tasks):
             await asyncio.sleep(0.05)
@@ -219,8 +283,13 @@ class Bench:
                 stop = True  # A stuck phase ends (and says so through its count).
         elapsed = time.perf_counter() - t0
         c1, k1, s1 = time.process_time(), os.times().system, proc_cpu_s(self.pids)
+        h1 = batch_histogram(self.http_port)
+        f1, r1 = storage_counts(self.storage_http_ports)
+        note = batch_note(h0, h1)
+        if count:
+            note += f"; storage append requests/op {(r1 - r0) / count:.3f}, fsyncs/op {(f1 - f0) / count:.3f}"
         await asyncio.wait(tasks, timeout=30)
-        return Result(phase, count, elapsed, latencies, c1 - c0, k1 - k0, s1 - s0)
+        return Result(phase, count, elapsed, latencies, c1 - c0, k1 - k0, s1 - s0, note)
 
     async def run(self, phase: str) -> Result:
         if phase == "seq":
@@ -236,7 +305,7 @@ class Bench:
             result = await self.workers(
                 phase, 64, lambda w: self.one(lock=1_000_000, wait_apply=True, header=1), per_worker
             )
-            result.note = f"fewest successes of one writer: {min(per_worker)}"
+            result.note = f"fewest successes of one writer: {min(per_worker)}; {result.note}"
             return result
         if phase in ("read1", "read64"):
 
@@ -309,10 +378,16 @@ def sync8(args: argparse.Namespace, config: ClientConfig, pids: list[int]) -> Re
     return Result("sync8", n, elapsed, lat, c1 - c0, k1 - k0, s1 - s0)
 
 
-async def main_async(args: argparse.Namespace, config: ClientConfig, pids: list[int]) -> list[Result]:
+async def main_async(
+    args: argparse.Namespace,
+    config: ClientConfig,
+    pids: list[int],
+    http_port: int | None,
+    storage_http_ports: list[int],
+) -> list[Result]:
     results: list[Result] = []
     async with AsyncWaltzClient(Callbacks(), config) as client:
-        bench = Bench(args, client, pids)
+        bench = Bench(args, client, pids, http_port, storage_http_ports)
         for phase in args.phase:
             if phase == "sync8":
                 continue
@@ -344,6 +419,8 @@ def main() -> None:
         cluster = local.up(opts)
         try:
             pids = [r.pid for r in [*cluster.servers, *cluster.storages] if r.pid is not None]
+            http_port = cluster.servers[0].http_port
+            storage_http_ports = [r.http_port for r in cluster.storages]
             config = ClientConfig.from_yaml(
                 Path(cluster.directory) / "client.yaml",
                 {
@@ -361,9 +438,9 @@ def main() -> None:
             if args.loop == "uvloop":
                 import uvloop
 
-                uvloop.run(main_async(args, config, pids))
+                uvloop.run(main_async(args, config, pids, http_port, storage_http_ports))
             else:
-                asyncio.run(main_async(args, config, pids))
+                asyncio.run(main_async(args, config, pids, http_port, storage_http_ports))
             if args.profile:
                 profiler.disable()
                 profiler.dump_stats(args.profile)

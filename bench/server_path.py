@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import inspect
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -190,6 +191,8 @@ async def _run(args: argparse.Namespace) -> float:
     # As server.py decodes them (a tree from before decode_append_fields decodes the message).
     decode = getattr(cs, "decode_append_fields", cs.decode_append_request)
     locks = args.locks
+    # As server.py tells it whether more requests of the read follow (a tree from before takes no such word).
+    tells_more = "more" in inspect.signature(part.append_nowait).parameters
     profile = cProfile.Profile() if args.profile else None
     sent = 0
     started = 0.0
@@ -207,13 +210,15 @@ async def _run(args: argparse.Namespace) -> float:
             room = min(room, warmup - sent)
         if room > 0:
             # One socket read's worth of appends, handled as server.py's connection loop does.
-            for payload in payloads[sent : sent + room]:
+            last = sent + room - 1
+            for i, payload in enumerate(payloads[sent : sent + room], sent):
                 if locks:
                     # The client's high-water mark goes with a locked append (its locks are checked
                     # against it): what the feed has delivered so far.
                     _HWM.pack_into(payload, 17, peer.last_id)
                 msg = decode(payload, VERSION)
-                if not part.append_nowait(peer, msg):
+                more = (i < last,) if tells_more else ()
+                if not part.append_nowait(peer, msg, *more):
                     raise SystemExit("append not taken")
             sent += room
             # The next read comes on a later loop iteration.

@@ -21,8 +21,15 @@ followed by ``fdatasync``, as the node does for one lone record.
     .venv/bin/python bench/storage_append.py --path-only --batch 31   # CPU of the append path alone
 
 Each mode also prints the node's CPU per record (user + system, all threads, from /proc/<pid>/stat): the
-steadier figure on a shared machine. ``--profile FILE`` runs the node under cProfile, ``--py-spy FILE``
-samples it with py-spy (a dev tool, installed separately).
+steadier figure on a shared machine, and per request: wall time (the run's time over its requests), the
+node's user and system CPU. ``--preallocate BYTES`` sets the node's ``storage.segment.preallocateBytes`` (0 =
+off; not given: the node's default, and nothing is written to its config, so older trees run too): run it
+with 0 and without, alternating, for the A/B of zero-filled segments.
+
+    .venv/bin/python bench/storage_append.py --modes single,raw-batched --preallocate 0
+
+``--profile FILE`` runs the node under cProfile, ``--py-spy FILE`` samples it with py-spy (a dev tool,
+installed separately).
 
 Every acknowledged append is checked at the end: the node's max transaction id must equal the number of
 records acknowledged minus one, and a sample of records is read back and verified.
@@ -66,6 +73,7 @@ class Result:
     fsyncs: int
     node_user_s: float
     node_system_s: float
+    requests: int
 
     @property
     def node_us_per_record(self) -> float:
@@ -81,6 +89,9 @@ class Result:
             f"ack p50 {p50:6.2f} ms  p99 {p99:6.2f} ms  fsyncs/s {self.fsyncs / self.seconds:>7,.0f}  "
             f"node CPU {self.node_us_per_record:6.1f} us/rec "
             f"(user {self.node_user_s / self.records * 1e6:.1f})  "
+            f"per request: wall {self.seconds / self.requests * 1e6:6.1f} us, node user "
+            f"{self.node_user_s / self.requests * 1e6:6.1f} us "
+            f"sys {self.node_system_s / self.requests * 1e6:6.1f} us  "
             f"({self.records} records in {self.seconds:.1f} s)"
         )
 
@@ -157,12 +168,13 @@ def process_cpu_s(pid: int) -> tuple[float, float]:
 
 
 def start_node(
-    directory: Path, event_loop: str, profile: str | None = None
+    directory: Path, event_loop: str, profile: str | None = None, preallocate: int | None = None
 ) -> tuple[subprocess.Popen[bytes], int, int]:
     config = directory / "storage.yaml"
+    extra = "" if preallocate is None else f"storage.segment.preallocateBytes: {preallocate}\n"
     config.write_text(
         f"storage.port: 0\nstorage.admin.port: 0\nstorage.directory: {directory / 'data'}\n"
-        f"storage.cluster.key: {KEY}\nstorage.cluster.numPartitions: 1\n",
+        f"storage.cluster.key: {KEY}\nstorage.cluster.numPartitions: 1\n{extra}",
         encoding="utf-8",
     )
     # Under cProfile the node writes its profile when it stops (SIGTERM ends it cleanly).
@@ -399,6 +411,7 @@ async def bench(args: argparse.Namespace, port: int, admin_port: int, node_pid: 
                     fsyncs,
                     cpu_after[0] - cpu_before[0],
                     cpu_after[1] - cpu_before[1],
+                    -(-total // batch),
                 )
             )
             print(results[-1].line(), flush=True)
@@ -411,6 +424,13 @@ async def bench(args: argparse.Namespace, port: int, admin_port: int, node_pid: 
                 if not rec.verify():
                     raise SystemExit(f"record {rec.transaction_id} does not verify")
         print(f"verified: max transaction id {max_id} = records acknowledged - 1; sampled records verify")
+        part = json.loads(await admin.metrics_json())["partitions"][str(PARTITION)]
+        if "extendingWrites" in part:  # older trees do not count them
+            print(
+                f"data-file writes past the fsynced zeros (extending the file): {part['extendingWrites']} of "
+                f"{part['fsyncs']} group commits ({part['threadedFsyncs']} fsynced in a thread); zeros "
+                f"written: {part['preallocatedBytes']} bytes"
+            )
     finally:
         await raw_conn.aclose()
         await client.aclose()
@@ -444,6 +464,12 @@ def main() -> int:
         "busy); collapsed stacks to FILE",
     )
     parser.add_argument(
+        "--preallocate",
+        type=int,
+        metavar="BYTES",
+        help="the node's storage.segment.preallocateBytes (0 = off; default: the node's own default)",
+    )
+    parser.add_argument(
         "--path-only",
         action="store_true",
         help="measure only the CPU of the node's append path in this process (no sockets, no fsync)",
@@ -463,7 +489,11 @@ def main() -> int:
             f"p99 {raw[int(len(raw) * 0.99)] * 1000:.3f} ms  ({1 / statistics.mean(raw):,.0f} fsyncs/s)"
         )
         print(f"node event loop: {args.event_loop}; client loop: {args.client_loop}; cpus: {os.cpu_count()}")
-        proc, port, admin_port = start_node(base, args.event_loop, args.profile)
+        print(
+            "node preallocation: "
+            + ("node default" if args.preallocate is None else f"{args.preallocate} bytes (0 = off)")
+        )
+        proc, port, admin_port = start_node(base, args.event_loop, args.profile, args.preallocate)
         spy = None
         if args.py_spy:
             spy = subprocess.Popen(

@@ -144,18 +144,14 @@ def test_read_write_and_append_locks_conflict_as_the_lock_table_defines(
                 for n, (victim_locks, intruder_locks, failures) in enumerate(LOCK_CASES):
                     # Both clients have applied everything so far, so only the intruder can conflict. The
                     # application's counter moves inside apply_transaction, before the client hears that it
-                    # returned: the next execute's high-water mark is the client's, so wait for that too (or
-                    # the intruder's append carries the previous id and fails its lock check against the
-                    # victim's last commit).
+                    # returned: the next execute's high-water mark is the client's, so wait for that
+                    # (wait_applied), or the intruder's append carries the previous id and fails its lock
+                    # check against the victim's last commit.
                     synced = 2 * n - 1
-                    await wait_until(
-                        lambda: (
-                            victim_app.hwm[0] == intruder_app.hwm[0] == synced  # noqa: B023 - awaited here
-                            and _applied(victim_client) == _applied(intruder_client) == synced  # noqa: B023
-                        ),
-                        30,
-                        "clients in sync",
-                    )
+                    for client in (victim_client, intruder_client):
+                        await asyncio.to_thread(client.wait_applied, 0, synced, 30)
+                        assert client.applied_high_water_mark(0) == synced
+                    assert victim_app.hwm[0] == intruder_app.hwm[0] == synced
                     victim = Gated(f"victim-{n}", **victim_locks)
                     submitted = asyncio.ensure_future(asyncio.to_thread(victim_client.submit, victim))
                     assert await asyncio.to_thread(victim.entered.wait, 30)
@@ -176,10 +172,3 @@ def test_read_write_and_append_locks_conflict_as_the_lock_table_defines(
                 await asyncio.to_thread(intruder_client.close)
 
     asyncio.run(main())
-
-
-def _applied(client: WaltzClient) -> int:
-    """The high-water mark partition 0's next ``execute`` gets: what the client knows the application
-    applied (read without the loop: one attribute, only growing)."""
-    monitor = client._client._partitions[0].monitor
-    return -1 if monitor is None else monitor.applied_high_water_mark

@@ -97,6 +97,44 @@ def test_health_follows_the_quorum_and_metrics_count_appends(cluster_factory: Cl
     asyncio.run(main())
 
 
+@pytest.mark.timeout(60)
+def test_a_burst_of_appends_read_in_one_go_leaves_as_one_batch(cluster_factory: ClusterFactory) -> None:
+    """Appends that arrive in one socket read while the store's writer is idle go to the storage nodes as
+    one batch (one request and one fsync per replica), not as a lone first append followed by the rest; a
+    lone append still leaves at once, a batch of its own. Counted by the batch-size histogram."""
+    cluster = cluster_factory()
+
+    def batches(text: str) -> tuple[float, float]:
+        metrics = _samples(text)
+        return (
+            metrics['waltz_server_store_batch_appends_count{partition="0"}'],
+            metrics['waltz_server_store_batch_appends_sum{partition="0"}'],
+        )
+
+    async def main() -> None:
+        await cluster.start(storages=3, servers=1)
+        server = cluster.servers[0]
+        async with ClusterWatcher(cluster.zk, cluster.root) as watcher:
+            client = await RawClient(watcher, 1).start()
+            try:
+                for _ in range(3):
+                    await client.append_and_wait(b"alone")
+                _, text = await asyncio.to_thread(_get, server.http_port, "/metrics")
+                assert batches(text) == (3, 3)  # each lone append a batch of its own
+                # Twenty appends sent in one write (no await yields in between), so read in one go.
+                futures = [await client.append(b"burst %d" % i) for i in range(20)]
+                for f in futures:
+                    await f
+            finally:
+                await client.aclose()
+        _, text = await asyncio.to_thread(_get, server.http_port, "/metrics")
+        assert batches(text) == (4, 23)
+        assert '{le="16.0",partition="0"} 3.0' in text
+        assert '{le="32.0",partition="0"} 4.0' in text
+
+    asyncio.run(main())
+
+
 async def _status_is(check: object, wanted: int) -> bool:
     assert callable(check)
     status, _ = await check()

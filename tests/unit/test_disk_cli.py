@@ -215,7 +215,7 @@ def test_tools_see_a_running_nodes_records_after_the_index(tmp_path: Path) -> No
         assert "max transaction id: 1009" in dump_segment(path, metadata=True)
         assert dump_segment(path, transaction_id=1009)[0].startswith("offset ")
         with open(path, "ab") as f:
-            f.write(b"\x00" * 30)  # a torn record after them: the node would cut it, verify says so
+            f.write(b"\x07" * 30)  # a torn record after them: the node would cut it, verify says so
         assert verify_segment(path) == ["30 bytes after the last indexed record"]
     finally:
         log.close()
@@ -270,7 +270,7 @@ def test_tools_read_the_records_before_a_torn_tail(tmp_path: Path) -> None:
     path = str(tmp_path / "0" / data_file_name(0))
     try:
         with open(path, "ab") as f:
-            f.write(b"\x00" * 30)
+            f.write(b"\x07" * 30)  # a torn record (zeros alone would be preallocated free space)
         assert segment_stats(path).rows == 1010
         assert len(dump_segment(path, records=True)) == 1010
         assert dump_segment(path, transaction_id=1009)[0].startswith("offset ")

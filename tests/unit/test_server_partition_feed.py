@@ -41,7 +41,12 @@ class _Store:
         return self.high_water_mark
 
     def submit_tagged(
-        self, request: cs.AppendFields, listener: AppendListener, tag: object, received_s: float
+        self,
+        request: cs.AppendFields,
+        listener: AppendListener,
+        tag: object,
+        received_s: float,
+        more: bool = False,
     ) -> bool:
         if self.refuse_tagged:
             return False  # as a full store queue: the partition's append task submits it with submit()

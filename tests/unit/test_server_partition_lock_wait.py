@@ -47,7 +47,12 @@ class _Store:
         return True
 
     def submit_tagged(
-        self, request: cs.AppendRequest, listener: AppendListener, tag: object, received_s: float
+        self,
+        request: cs.AppendRequest,
+        listener: AppendListener,
+        tag: object,
+        received_s: float,
+        more: bool = False,
     ) -> bool:
         pending = PendingAppend(
             request.req_id, request.header, request.data, request.checksum, None, len(self.submitted)

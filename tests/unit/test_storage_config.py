@@ -26,6 +26,9 @@ def test_defaults_follow_the_original() -> None:
     assert c.directory == Path("/data/waltz")
     assert c.segment_size_threshold_bytes == 1_000_000_000
     assert c.segment_cache_capacity == 5
+    assert c.segment_preallocate_bytes == 4 * 1024 * 1024
+    off = StorageConfig.from_mapping({**BASE, "storage.segment.preallocateBytes": 0})
+    assert off.segment_preallocate_bytes == 0
     assert c.cluster_key == uuid.UUID(KEY)
     assert c.num_partitions == 4
     assert c.zookeeper_connect == ""
@@ -63,6 +66,9 @@ def test_zookeeper_identity_needs_a_cluster_root() -> None:
         ({"storage.cluster.numPartitions": 0}, "storage.cluster.key and storage.cluster.numPartitions"),
         ({"storage.directory": None}, "storage.directory"),
         ({"storage.maxSessionIdStep": 0}, "must be at least 1"),
+        ({"storage.segment.preallocateBytes": 4096}, "must be 0 (off) or between 65536 and 1073741824"),
+        ({"storage.segment.preallocateBytes": -1}, "must be 0 (off) or between"),
+        ({"storage.segment.preallocateBytes": 1 << 31}, "must be 0 (off) or between"),
     ],
 )
 def test_bad_values(change: dict[str, object], message: str) -> None:

@@ -5,6 +5,7 @@ does not stall /health, keep-alives and the other partitions with it)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
@@ -12,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from waltz.errors import StorageError
 from waltz.storage import node as node_module
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import ControlFile
-from waltz.storage.node import StorageNode
+from waltz.storage.node import StorageNode, StoragePartition
+from waltz.storage.segment import PREFILL_CHUNK_BYTES, ZeroFill
 
 
 class _Log:
@@ -164,3 +167,204 @@ def test_a_lone_slow_fsync_sends_fsyncs_to_threads_for_a_second_and_repeated_one
         assert await slow_inline_fsync() <= node_module.INLINE_FSYNC_FIRST_BACKOFF_S
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------------------------ preallocated zeros (background)
+
+
+class _Handle:
+    """The duplicate descriptor a zero fill fsyncs through: fails as a dying disk's fsync would."""
+
+    path = "/data/0/0000000000000000000.seg"
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def fsync(self, *, data_only: bool = False) -> None:
+        raise StorageError(f"{self.path}: cannot fsync: Input/output error")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def _drain(node: StorageNode) -> None:
+    """Run the fsyncs handed to threads, and let their results reach the loop."""
+    await asyncio.to_thread(node.fsync_threads.close)
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def _assigned(tmp_path: Path) -> tuple[StorageNode, StoragePartition]:
+    node = _node(tmp_path)
+    partition = node.partitions[0]
+    partition.open_log()
+    return node, partition
+
+
+def test_zeros_are_written_ahead_and_fsynced_in_a_thread_one_chunk_at_a_time(tmp_path: Path) -> None:
+    node, partition = _assigned(tmp_path)
+    plog = partition.log
+    assert plog is not None
+    ahead = node.config.segment_preallocate_bytes
+    data_file = tmp_path / "0" / "0000000000000000000.seg"
+
+    chunk = min(PREFILL_CHUNK_BYTES, ahead // 2)
+
+    async def main() -> None:
+        partition._preallocate()
+        assert partition.preallocating
+        assert node.fsyncs_in_flight == 1  # a group fsync meanwhile goes to a thread
+        assert partition.may_commit_now is False
+        partition._preallocate()  # one chunk in flight at a time
+        assert partition.preallocated_bytes == chunk
+        assert plog.prefilled_bytes == 0  # written, not yet fsynced
+        await _drain(node)
+        assert (node.fsyncs_in_flight, partition.preallocating) == (0, False)
+        assert plog.prefilled_bytes == chunk
+        while partition.preallocated_bytes < ahead:
+            partition._preallocate()
+            assert partition.preallocating
+            await _drain(node)
+        partition._preallocate()
+        assert not partition.preallocating  # nothing missing
+        assert plog.prefilled_bytes == ahead
+
+    asyncio.run(main())
+    assert data_file.stat().st_size == 128 + ahead
+    assert partition.broken is None
+    partition.close_log()
+    assert data_file.stat().st_size == 128  # a closed segment ends with its last record
+
+
+def test_a_failed_fsync_of_preallocated_zeros_breaks_the_partition(tmp_path: Path) -> None:
+    """It shares the data file's open file description with the appends: the error it consumed may be the
+    only report of pages the disk lost, so the partition fail-stops as after a failed group fsync."""
+    node, partition = _assigned(tmp_path)
+    plog = partition.log
+    assert plog is not None
+    handle = _Handle()
+    segment = plog.segment_for(0) or plog._writable()
+    plog.prefill = lambda ahead: ZeroFill(segment, 128, 4096, 0, handle)  # type: ignore[assignment,method-assign,arg-type]
+
+    async def main() -> None:
+        partition._preallocate()
+        await _drain(node)
+        await asyncio.to_thread(node.fsync_threads.close)
+
+    asyncio.run(main())
+    assert handle.closed
+    assert partition.broken is not None
+    assert "fsync of preallocated zeros failed" in partition.broken
+    healthy, report = node.health()
+    assert not healthy
+    assert "fsync of preallocated zeros failed" in report["partitions"]["0"]
+    assert node.fsyncs_in_flight == 0
+    partition.close_log()
+
+
+def test_a_failed_write_of_zeros_is_reported_and_pauses_preallocation(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full disk, say: the records are untouched (the zeros go past them), so the partition serves on,
+    and says so once per pause."""
+    node, partition = _assigned(tmp_path)
+    plog = partition.log
+    assert plog is not None
+    calls: list[int] = []
+
+    def full(ahead: int) -> None:
+        calls.append(ahead)
+        raise StorageError("/data/0/x.seg: cannot write: No space left on device")
+
+    plog.prefill = full  # type: ignore[assignment,method-assign]
+    with caplog.at_level(logging.WARNING):
+        partition._preallocate()
+        partition._preallocate()  # paused: not tried again
+    assert len(calls) == 1
+    assert partition.preallocate_failures == 1
+    assert partition.broken is None
+    assert node.health()[0]
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "cannot write preallocated zeros" in line
+    assert "No space left on device" in line
+    partition.preallocate_off_until = time.monotonic() - 1  # the pause is over
+    partition._preallocate()
+    assert len(calls) == 2
+    partition.close_log()
+
+
+class _LateFailingHandle(_Handle):
+    """A zero fill's descriptor whose fsync was running while a group's fsync ran, and failed after it: on
+    Linux a duplicate descriptor shares the open file description's error cursor, so the writeback error of
+    the group's pages that this fsync reports is reported to nobody else."""
+
+    def __init__(self, group_flushed: threading.Event) -> None:
+        super().__init__()
+        self.group_flushed = group_flushed
+
+    def fsync(self, *, data_only: bool = False) -> None:
+        assert self.group_flushed.wait(5.0)
+        super().fsync(data_only=data_only)
+
+
+def test_a_group_fsync_overlapping_a_failed_fsync_of_zeros_is_not_acknowledged(tmp_path: Path) -> None:
+    """The zeros' fsync may have consumed the only report of the group's lost pages: the group's own fsync
+    then returns success, so the group must wait for the zeros' fsync and fail with it (answered before the
+    partition broke, it would be an acknowledged record the disk lost)."""
+    node, partition = _assigned(tmp_path)
+    plog = partition.log
+    assert plog is not None
+    group_flushed = threading.Event()
+    handle = _LateFailingHandle(group_flushed)
+    segment = plog._writable()
+    plog.prefill = lambda ahead: ZeroFill(segment, 128, 4096, 0, handle)  # type: ignore[assignment,method-assign,arg-type]
+    real_flush = plog.flush
+
+    def flush() -> None:
+        real_flush()
+        group_flushed.set()  # the group's fsync returned clean; the zeros' fails right after
+
+    plog.flush = flush  # type: ignore[method-assign]
+
+    async def main() -> None:
+        partition._preallocate()
+        assert partition.preallocating
+        error = await partition._fsync(plog)
+        assert error is not None
+        assert "Input/output error" in str(error)
+        await _drain(node)
+
+    asyncio.run(main())
+    assert partition.broken is not None
+    assert node.fsyncs_in_flight == 0
+    partition.close_log()
+
+
+def test_zeros_whose_fsync_cannot_be_handed_to_a_thread_pause_preallocation(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The zeros are often the first job of the fsync threads, which start on first use: a thread that
+    cannot start (out of memory or processes) must not escape to the caller (it would answer the group a
+    second time, after its Success) nor leave the fsync counted in flight forever (no fsync would run on
+    the loop again)."""
+    node, partition = _assigned(tmp_path)
+    handle = _Handle()
+    plog = partition.log
+    assert plog is not None
+    segment = plog._writable()
+    plog.prefill = lambda ahead: ZeroFill(segment, 128, 4096, 0, handle)  # type: ignore[assignment,method-assign,arg-type]
+
+    def no_thread(fn: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    node.fsync_threads.run = no_thread  # type: ignore[assignment,method-assign]
+    with caplog.at_level(logging.WARNING):
+        partition._preallocate()
+    assert (node.fsyncs_in_flight, partition.preallocating, partition.preallocate_failures) == (0, False, 1)
+    assert handle.closed
+    assert partition.broken is None
+    assert partition.failed is None
+    assert partition.may_commit_now
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "can't start new thread" in line
+    partition.close_log()

@@ -385,6 +385,58 @@ def test_submit_tagged_tells_its_listener_once_per_batch_in_order_and_each_appen
     run_virtual(main())
 
 
+def test_appends_submitted_with_more_to_follow_leave_with_the_last_of_them_as_one_batch() -> None:
+    async def main() -> None:
+        world = World(max_batch_size=4, max_queued_appends=8)
+        listener = _BatchListener()
+        async with world.partition() as partition:
+            await partition.wait_open()
+            session = partition.session
+            assert session is not None
+            await asyncio.sleep(0)  # the writer waits for appends
+            # A burst read in one go: the idle writer sends nothing while more follow, then all of it with
+            # the last one, in that call.
+            for i in range(3):
+                assert partition.submit_tagged(req(i), listener, i, 0.0, more=True)
+            assert session.batches_in_flight == ()
+            assert partition.submit_tagged(req(3), listener, 3, 0.0)
+            assert [(b.first, b.last) for b in session.batches_in_flight] == [(0, 3)]
+            assert await partition.flush() == 3
+            await asyncio.sleep(0)  # idle again
+            # A full batch leaves at once even while more follow.
+            for i in range(4, 8):
+                assert partition.submit_tagged(req(i), listener, i, 0.0, more=True)
+            assert [(b.first, b.last) for b in session.batches_in_flight] == [(4, 7)]
+            # A caller that promised more and sent none: the writer sends what it left one iteration later.
+            assert partition.submit_tagged(req(8), listener, 8, 0.0, more=True)
+            assert partition.queue.qsize() == 1
+            assert await partition.flush() == 8
+            assert listener.calls == [[(i, i) for i in range(4)], [(i, i) for i in range(4, 8)], [(8, 8)]]
+        assert not listener.failed
+
+    run_virtual(main())
+
+
+def test_committed_batches_are_counted_by_size() -> None:
+    async def main() -> None:
+        world = World()
+        listener = _BatchListener()
+        async with world.partition() as partition:
+            await partition.wait_open()
+            await asyncio.sleep(0)
+            for size in (1, 2, 3, 8, 9, 40):
+                for i in range(size):
+                    partition.submit_tagged(req(i), listener, i, 0.0, more=i < size - 1)
+                await partition.flush()
+                await asyncio.sleep(0)
+            stats = partition.stats
+            # Buckets: <= 1, 2, 4, 8, 16, 32, 64, 128, 256, above.
+            assert stats.batch_appends_counts == [1, 1, 1, 1, 1, 0, 1, 0, 0, 0]
+            assert stats.batch_appends_sum == 63
+
+    run_virtual(main())
+
+
 def test_replica_set_change_moves_the_log_to_the_new_set() -> None:
     async def main() -> None:
         world = World([*NAMES, "s3:1", "s4:1"])

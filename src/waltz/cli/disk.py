@@ -188,6 +188,9 @@ def dump_segment(
                 f"max transaction id: {seg.max_transaction_id}",
                 f"data bytes: {seg.size_bytes}",
             ]
+            if seg.zero_tail_bytes:
+                # A writable segment's free space: the node keeps it zero-filled ahead of its appends.
+                lines.append(f"preallocated zero bytes: {seg.zero_tail_bytes}")
         if transaction_id is not None:
             rec = seg.read_record(transaction_id)
             if rec is None:

@@ -59,7 +59,7 @@ from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
 from waltz.client.pool import Call, CallbackPool, report_hook_failure
 from waltz.client.retry import APPLY_RETRY, FETCH_RETRY, MAX_CHECKSUM_ATTEMPTS, RetryPolicy
 from waltz.client.state import PartitionState, Run, Stuck, Waiter
-from waltz.client.transaction import Transaction
+from waltz.client.transaction import Transaction, new_transactions
 from waltz.errors import (
     ClientAheadError,
     ClientClosedError,
@@ -757,6 +757,48 @@ class AsyncWaltzClient:
         """True while a submitted context has not ended (or its transaction has not been applied yet)."""
         return bool(self._runs)
 
+    def applied_high_water_mark(self, partition_id: int) -> int:
+        """The id of the last transaction of ``partition_id`` this client knows the application applied:
+        ``client_high_water_mark`` at the mount, then the last ``apply_transaction`` that returned (or a
+        transaction skipped, see :class:`~waltz.client.api.ApplyAction`); -1 before the mount asked the
+        application. Only grows. No I/O, and safe to call from any thread.
+
+        This is the high-water mark the next ``execute`` on the partition gets in its builder, so the locks
+        of that append are checked against it. An application that reads its own state (which
+        ``apply_transaction`` changes *before* it returns to the client) and then submits, can see a
+        transaction the client does not count as applied yet: the append would fail its lock check once
+        against that transaction (a false conflict, retried). :meth:`wait_applied` waits that gap out.
+
+        Raises :class:`~waltz.errors.ClientError` for a partition this client does not mount.
+        """
+        partition = self._partitions.get(partition_id)
+        if partition is None:
+            raise ClientError(f"partition {partition_id} is not mounted by this client")
+        monitor = partition.monitor
+        return -1 if monitor is None else monitor.applied_high_water_mark
+
+    async def wait_applied(
+        self, partition_id: int, transaction_id: int, timeout: float | None = None
+    ) -> None:
+        """Wait until :meth:`applied_high_water_mark` of ``partition_id`` reaches ``transaction_id``.
+
+        ``timeout`` in seconds (None: no limit) raises :class:`~waltz.errors.ClientTimeoutError`; a
+        partition released by :meth:`set_partitions` (or the client closed) meanwhile raises the error that
+        ended it.
+        """
+        self._check_open()
+        partition = self._partitions.get(partition_id)
+        if partition is None:
+            raise ClientError(f"partition {partition_id} is not mounted by this client")
+        try:
+            async with asyncio.timeout(timeout):
+                await self._wait_applied(partition, transaction_id)
+        except TimeoutError:
+            raise ClientTimeoutError(
+                f"partition {partition_id}: transaction {transaction_id} not applied within {timeout} s "
+                f"(applied up to {self.applied_high_water_mark(partition_id)})"
+            ) from None
+
     async def high_water_mark(self, partition_id: int) -> int:
         """The partition's high-water mark (an RPC, retried within ``client.requestTimeout``)."""
         self._check_open()
@@ -817,6 +859,7 @@ class AsyncWaltzClient:
                 await self._call_hook(self._callbacks.uncaught_exception, partition.id, -1, e)
                 await asyncio.sleep(APPLY_RETRY.delay_s(retry))
         partition.monitor = TransactionMonitor(hwm)
+        partition.notify()  # wait_applied may already be satisfied by the application's own mark.
         partition.tasks.append(self._spawn(self._apply_loop(partition), f"waltz-apply-p{partition.id}"))
         await self._require_driver().mount(partition.id, hwm)
 
@@ -867,9 +910,7 @@ class AsyncWaltzClient:
         # queued if a resolution raised, so the driver may deliver the same entries again.
         source = self._source
         assert source is not None
-        partition.push_feed_run(
-            [Transaction(partition_id, tid, header, req_id, source) for tid, req_id, header in entries]
-        )
+        partition.push_feed_run(new_transactions(partition_id, entries, source))
         return len(entries)
 
     async def _on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
@@ -1186,12 +1227,16 @@ class AsyncWaltzClient:
         """Transactions up to ``transaction_id`` are applied: on_application for the runs that wait for it."""
         waiting = partition.awaiting_apply
         queue = partition.lock_queue
+        # Nothing held (no context of this partition takes write locks): no release to make per run. Releases
+        # only pass locks on, so nothing becomes held during this loop either.
+        locked = queue.holds_any
         while waiting and waiting[0].transaction_id <= transaction_id:
             run = waiting.popleft()
             run.applied = True
-            wake = queue.release(run)
-            if wake:
-                self._wake(wake)
+            if locked:
+                wake = queue.release(run)
+                if wake:
+                    self._wake(wake)
             if not run.completed:
                 continue  # on_completion has not run yet: _hook_done queues on_application after it.
             if self._inline and not self._hook_runs and run.state is _STATE_COMMITTED:

@@ -144,6 +144,12 @@ class LockQueue:
         self._parked[context] = lock_hash
         return wake
 
+    @property
+    def holds_any(self) -> bool:
+        """True if some context holds or is reserved a lock: False means :meth:`release` of any context
+        returns [] and changes nothing (a client whose appends take no write locks)."""
+        return bool(self._held)
+
     def is_idle(self, context: Hashable) -> bool:
         """True if ``context`` holds and waits for nothing here: ``acquire(context, ())`` would do nothing."""
         return context not in self._held and context not in self._parked

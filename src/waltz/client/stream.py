@@ -12,9 +12,14 @@ partition from the last transaction id it delivered.
 
 A mounted partition (:class:`Mount`) has an inbox of :data:`MountEvent` and a delivery task (the driver's)
 that awaits the listener for one event at a time, in arrival order, so partitions never wait on one
-another's application. The inbox holds at most :data:`INBOX_FEED_LIMIT` feed entries (plus what the socket
-read that filled it carried); beyond that the connection reads nothing more until every partition on it has
-room again (TCP back pressure towards the server).
+another's application. A partition's own back pressure is its feed window: the next FeedRequest leaves only
+once the core took everything before the FeedSuspended, and a window
+(:data:`~waltz.protocol.client_server.FEED_WINDOW_MAX`) fits in the inbox, so a partition whose application
+lags stops its own feed, not the connection. The inbox still holds at most :data:`INBOX_FEED_LIMIT` feed
+entries (plus what the socket read that filled it carried), for what has no window (a mount's catch-up,
+before READY; a server with larger windows): beyond that the connection reads nothing more until every
+partition on it has room again (TCP back pressure towards the server, which stalls the connection's other
+partitions meanwhile).
 
 The connection's payloads are routed from the transport's data callback (``open_connection(...,
 callback_reads=True)``, ``FramedConnection.deliver_payloads``), in the loop pass that read them: no reader
@@ -81,7 +86,10 @@ RECONNECT_INITIAL_DELAY_S: Final = 0.2
 RECONNECT_MAX_DELAY_S: Final = 1.0
 """Back-off between failed connects to one endpoint (a lost connection is re-opened at once)."""
 INBOX_FEED_LIMIT: Final = 1024
-"""Feed entries queued per partition before the connection stops reading until the application took some."""
+"""Feed entries queued per partition before the connection stops reading until the application took some.
+Above :data:`~waltz.protocol.client_server.FEED_WINDOW_MAX`: a feed window always fits (a lagging
+partition's back pressure is its window: the next FeedRequest waits until the core took the window), so only
+an unwindowed mount catch-up (or a server with windows larger than that) stops the connection's reads."""
 
 FeedNowait = Callable[[int, int, ReqId, int], bool]
 """``feed_data_nowait`` of a :class:`~waltz.client.driver.DriverListener` that offers it."""

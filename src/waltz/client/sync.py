@@ -160,6 +160,18 @@ class WaltzClient:
         """True while a submitted context has not ended, or its transaction has not been applied yet."""
         return self._call(_value(self._client.has_pending_transactions))
 
+    def applied_high_water_mark(self, partition_id: int) -> int:
+        """The last transaction of ``partition_id`` this client knows the application applied (-1 before
+        the mount): what the next ``execute`` gets. Read without a hop to the loop (one value that only
+        grows). See :meth:`AsyncWaltzClient.applied_high_water_mark`."""
+        return self._client.applied_high_water_mark(partition_id)
+
+    def wait_applied(self, partition_id: int, transaction_id: int, timeout: float | None = None) -> None:
+        """Block until :meth:`applied_high_water_mark` of ``partition_id`` reaches ``transaction_id``
+        (``timeout`` in seconds, then :class:`~waltz.errors.ClientTimeoutError`). See
+        :meth:`AsyncWaltzClient.wait_applied`."""
+        self._call(self._client.wait_applied(partition_id, transaction_id, timeout))
+
     def high_water_mark(self, partition_id: int) -> int:
         """The partition's high-water mark on the server (an RPC)."""
         return self._call(self._client.high_water_mark(partition_id))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, TypeVar, overload
 
 from waltz.client.serializer import Serializer
@@ -71,3 +72,26 @@ class Transaction:
             f"Transaction(partition={self.partition_id}, id={self.transaction_id}, "
             f"header={self.header}, req_id={self.req_id!r})"
         )
+
+
+_object_new = object.__new__
+
+
+def new_transactions(
+    partition_id: int, entries: Sequence[tuple[int, ReqId, int]], source: TransactionDataSource
+) -> list[Transaction]:
+    """``[Transaction(partition_id, tid, header, req_id, source) for tid, req_id, header in entries]``
+    without a call of ``__init__`` per transaction (the feed makes one per committed append): the same
+    slots, set here."""
+    out: list[Transaction] = []
+    append = out.append
+    for tid, req_id, header in entries:
+        t = _object_new(Transaction)
+        t.partition_id = partition_id
+        t.transaction_id = tid
+        t.header = header
+        t.req_id = req_id
+        t._source = source
+        t._data = None
+        append(t)
+    return out

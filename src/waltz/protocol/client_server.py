@@ -96,6 +96,7 @@ from waltz.protocol.records import Record, RecordHeader, ReqId, crc32
 from waltz.protocol.wire import Reader, Writer
 
 __all__ = [
+    "FEED_WINDOW_MAX",
     "HWM_NOT_SERVED",
     "MAGIC",
     "SUPPORTED_VERSIONS",
@@ -651,9 +652,18 @@ def _checksum_mismatch(checksum: int, data: bytes) -> RemoteProtocolError:
     )
 
 
+FEED_WINDOW_MAX = 1000
+"""Most feed entries a server sends for one FeedRequest (a window: at least the server's
+``server.minFetchSize``, at most the client's lag, capped here), after which it sends FeedSuspended and waits
+for the next FeedRequest. A client buffers one window per partition without stopping its connection's reads
+(``waltz.client.stream.INBOX_FEED_LIMIT`` is above it), so a partition whose application lags stops only its
+own feed, never the other partitions on the connection. The mount's catch-up (before READY) has no window."""
+
+
 @dataclass(frozen=True, slots=True)
 class FeedRequest(_Message):
-    """Open a feed window: stream transactions after ``client_high_water_mark``."""
+    """Open a feed window: stream transactions after ``client_high_water_mark`` (at most
+    :data:`FEED_WINDOW_MAX` of them, unless the server's minimum window is larger)."""
 
     TYPE: ClassVar[MessageType] = MessageType.FEED_REQUEST
     _KINDS: ClassVar[tuple[str, ...] | None] = (_I64,)

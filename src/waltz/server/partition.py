@@ -355,18 +355,22 @@ class Partition:
         asks "resolve everything up to it"), so its generation is not checked."""
         return not self._closed and self._is_current(peer, req_id)
 
-    def append_nowait(self, peer: Peer, msg: cs.AppendMessage) -> bool | None:
+    def append_nowait(self, peer: Peer, msg: cs.AppendMessage, more: bool = False) -> bool | None:
         """:meth:`append` if that needs no wait: True if taken (handed to the store, queued for the append
         task, or answered with a LockFailure), False if this incarnation cannot take it (see :meth:`accepts`),
         None (nothing done) if it would have to wait for room in the append queue: then call :meth:`append`.
-        The connection's read loop calls this first: no coroutine per append."""
+        The connection's read loop calls this first: no coroutine per append.
+
+        ``more=True`` says more requests were read with this one and are handled next, in this same callback
+        (see ``StorePartition.submit_tagged``): an idle store writer then waits for the last of them and
+        sends them as one batch, instead of sending this one alone at once."""
         # accepts(), on the ReqId's raw msb (client id << 32 | generation): one dict lookup, no properties.
         msb = msg.req_id[0]
         if self._mounted.get(msb >> 32) is not peer or msb & _MASK32 != self._generation32 or self._closed:
             return False
         received_s = _monotonic()
         queue = self._queue
-        if self._loop_idle and not queue and self._submit_now(peer, msg, received_s):
+        if self._loop_idle and not queue and self._submit_now(peer, msg, received_s, more):
             return True
         # It has to wait (appends queued ahead of it, or a busy lock slot): queue it here, as append() would,
         # unless the queue is full (append() waits for room). After a busy slot, every append behind it comes
@@ -420,7 +424,14 @@ class Partition:
             self._end_feed(old)
         await self._ready.wait()
         hwm = await self.flush()
-        if not self._is_current(peer, rid):
+        reg = self._registrations.get(rid.client_id)
+        if reg is None or reg.peer is not peer:
+            return
+        if reg.session != rid:
+            # A later MountRequest of this connection registered while this one waited: that one is the
+            # client's mount now and starts the feed. Starting ours too would leave one of the two feed
+            # tasks parked with nothing that ends it.
+            peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
             return
         if msg.client_high_water_mark > hwm:
             peer.send(cs.MountResponse(rid, cs.PartitionState.CLIENT_AHEAD))
@@ -444,7 +455,10 @@ class Partition:
         if ctx.mount_target is not None:
             return True  # still catching up for the mount; the client asks again after READY
         ctx.next_id = msg.client_high_water_mark + 1
-        ctx.remaining = max(self._min_fetch_size, self.high_water_mark - msg.client_high_water_mark)
+        # Capped: a window is what the client buffers for the partition without pausing its connection (see
+        # FEED_WINDOW_MAX), so a client behind by more than that gets its backlog a window per round trip.
+        lag = self.high_water_mark - msg.client_high_water_mark
+        ctx.remaining = max(self._min_fetch_size, min(lag, cs.FEED_WINDOW_MAX))
         ctx.wake.set()
         return True
 
@@ -514,13 +528,15 @@ class Partition:
                 continue
             if item.peer.closed or not self._is_current(item.peer, item.msg.req_id):
                 continue
-            if not self._submit_now(item.peer, item.msg, item.received_s):
+            # More queued behind it: the store waits for them (up to the last this loop hands over without
+            # waiting) and sends them as one batch rather than this one alone.
+            if not self._submit_now(item.peer, item.msg, item.received_s, bool(queue)):
                 await self._process_append(item)
 
-    def _submit_now(self, peer: Peer, msg: cs.AppendMessage, received_s: float) -> bool:
+    def _submit_now(self, peer: Peer, msg: cs.AppendMessage, received_s: float, more: bool = False) -> bool:
         """Process an append as :meth:`_process_append` would, if that needs no wait; False (nothing done)
         if it would have to wait for a lock slot or for room in the store's queue. Its commit is heard in
-        :meth:`appends_committed`, with the rest of its batch."""
+        :meth:`appends_committed`, with the rest of its batch. ``more`` as in :meth:`append_nowait`."""
         req: LockRequest | None = None
         if msg.write_locks or msg.read_locks or msg.append_locks:
             locks = self._locks
@@ -540,7 +556,7 @@ class Partition:
         try:
             # The codec verified the data against its checksum as it decoded the request (see
             # cs.decode_append_request): the store need not compute it again.
-            queued = self.store.submit_tagged(msg, self, req, received_s)
+            queued = self.store.submit_tagged(msg, self, req, received_s, more)
         except WaltzError as e:
             self.pending_appends -= 1
             self._refused(req, msg, e)
@@ -754,6 +770,10 @@ class Partition:
     # -- feeds -----------------------------------------------------------------------------------------------
 
     def _start_feed(self, ctx: _FeedContext) -> None:
+        # One feed task per client: one it replaces would otherwise wait for a wake-up nobody sends.
+        old = self._feeds.get(ctx.client_id)
+        if old is not None:
+            self._end_feed(old)
         self._feeds[ctx.client_id] = ctx
         ctx.task = asyncio.create_task(
             self._feed_loop(ctx), name=f"feed-{self.partition_id}-client-{ctx.client_id}"
@@ -795,11 +815,16 @@ class Partition:
                     if ctx.next_id > self.high_water_mark:
                         await ctx.wake.wait()  # long poll: wait for a commit
                     continue
-                count = min(limit - ctx.next_id + 1, FEED_BATCH)
-                headers = self._feed_cache.get_entries(self.partition_id, ctx.next_id, count)
+                start = ctx.next_id
+                count = min(limit - start + 1, FEED_BATCH)
+                headers = self._feed_cache.get_entries(self.partition_id, start, count)
                 if len(headers) < count:
                     # Not all in the cache (a reader behind it): the rest comes from the store.
-                    headers = await self._headers(ctx.next_id, count, headers)
+                    headers = await self._headers(start, count, headers)
+                    if ctx.next_id != start:
+                        # Moved while we read: a FeedRequest restarted the window elsewhere, or a commit was
+                        # sent live (_feed_batch). What we read no longer follows what was sent: read again.
+                        continue
                 if not headers:
                     await asyncio.sleep(0.01)  # the store cannot serve it right now; try again shortly
                     continue

@@ -73,7 +73,7 @@ from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
 from waltz.server.config import ServerConfig
 from waltz.server.feed_cache import FeedCache, FeedEntry
 from waltz.server.partition import Partition, PartitionMetrics
-from waltz.server.store.store_partition import StorePartition
+from waltz.server.store.store_partition import BATCH_APPENDS_BOUNDS, StorePartition
 from waltz.server.transaction_cache import TransactionCache, TransactionData, TransactionFetcher
 from waltz.transport import (
     ByteBudget,
@@ -383,6 +383,11 @@ class _StoreCollector:
                 ("failed", "ended early (tried again later)"),
             )
         }
+        batches = HistogramMetricFamily(
+            "waltz_server_store_batch_appends",
+            "Appends per committed batch (each batch is one write request and one fsync on every replica)",
+            labels=["partition"],
+        )
         repaired = CounterMetricFamily(
             "waltz_server_scrub_repaired_records",
             "Records rewritten on a replica from a good copy after its scrub reported them damaged",
@@ -405,7 +410,14 @@ class _StoreCollector:
             for reason, count in sorted(stats.sessions_ended.items()):
                 ended.add_metric([p, reason], count)
             recovery.add_metric([p], stats.sessions_opened, stats.recovery_seconds_sum)
-        yield from (lag, state, opened, ended, recovery, *repairs.values(), repaired)
+            cumulative = list(itertools.accumulate(stats.batch_appends_counts))
+            buckets = [
+                (floatToGoString(b), c)  # type: ignore[no-untyped-call]
+                for b, c in zip(BATCH_APPENDS_BOUNDS, cumulative, strict=False)
+            ]
+            buckets.append(("+Inf", cumulative[-1]))
+            batches.add_metric([p], buckets, stats.batch_appends_sum)
+        yield from (lag, state, opened, ended, recovery, batches, *repairs.values(), repaired)
 
 
 def _hit_ratio(cache: FeedCache | TransactionCache) -> Callable[[], float]:
@@ -855,7 +867,10 @@ class WaltzServer:
                 pid = msg.req_id[1] >> 32
                 part = partitions.get(pid)
                 if part is not None:
-                    taken = part.append_nowait(peer, msg)
+                    # read_ahead: more requests of this read come next, in this callback. An idle store
+                    # writer then waits for the last of them, so a burst read in one go leaves as one batch
+                    # (one request and one fsync per replica) while a lone append still leaves at once.
+                    taken = part.append_nowait(peer, msg, conn.read_ahead)
                     if taken:
                         return None
                     if taken is False:

@@ -26,6 +26,21 @@ def _directory_check(value: Any) -> str | None:
     return None
 
 
+DEFAULT_SEGMENT_PREALLOCATE_BYTES = 4 * 1024 * 1024
+MIN_SEGMENT_PREALLOCATE_BYTES = 64 * 1024
+MAX_SEGMENT_PREALLOCATE_BYTES = 1 << 30
+
+
+def _preallocate_check(value: Any) -> str | None:
+    # Below 64 KiB the zeros would be written (and fsynced) every few appends: more work than they save.
+    if value != 0 and not MIN_SEGMENT_PREALLOCATE_BYTES <= value <= MAX_SEGMENT_PREALLOCATE_BYTES:
+        return (
+            f"must be 0 (off) or between {MIN_SEGMENT_PREALLOCATE_BYTES} and {MAX_SEGMENT_PREALLOCATE_BYTES} "
+            f"bytes, got {value}"
+        )
+    return None
+
+
 def _uuid_check(value: Any) -> str | None:
     if value == "":
         return None
@@ -50,6 +65,14 @@ STORAGE_SCHEMA = ConfigSchema(
         ),
         Key("storage.segment.size.threshold", int, 1_000_000_000, "roll a segment past this size", 1024),
         Key("storage.segment.cache.capacity", int, 5, "open read-only segments kept", 1, 10_000),
+        Key(
+            "storage.segment.preallocateBytes",
+            int,
+            DEFAULT_SEGMENT_PREALLOCATE_BYTES,
+            "keep the newest segment's data file zero-filled (written and fsynced in the background) this "
+            "far ahead of its last record, so appends overwrite instead of extending it (0 = off)",
+            check=_preallocate_check,
+        ),
         Key("storage.maxFrameBytes", int, 64 * 1024 * 1024, "largest frame accepted", 1024, 2**31 - 1),
         Key("storage.partition.queueSize", int, 1000, "requests queued per partition", 1, 1_000_000),
         Key("storage.connection.maxInFlight", int, 2000, "unanswered requests per connection", 1, 1_000_000),
@@ -135,6 +158,9 @@ class StorageConfig:
     """``zookeeper.authFile``/``aclReaders``/``ssl.*``: how the node reaches and logs in to ZooKeeper."""
     allowed_peers: tuple[str, ...] = ()
     max_session_id_step: int = 1_000_000
+    segment_preallocate_bytes: int = DEFAULT_SEGMENT_PREALLOCATE_BYTES
+    """``storage.segment.preallocateBytes``: zeros kept ahead of the writable segment's last record (see
+    :meth:`waltz.storage.segment.Segment.prefill`); 0 = off."""
     """Standalone nodes: the largest jump above the newest accepted session id of a partition (see
     :func:`waltz.storage.authority.step_refusal`)."""
     """``storage.ssl.allowedPeers``: the certificate common names (servers, operators) that may connect."""
@@ -180,6 +206,7 @@ class StorageConfig:
             zookeeper_auth=ZkAuth.from_config(c, source),
             allowed_peers=_allowed_peers(c, source),
             max_session_id_step=c["storage.maxSessionIdStep"],
+            segment_preallocate_bytes=c["storage.segment.preallocateBytes"],
         )
 
     @classmethod

@@ -69,6 +69,11 @@ class File(Protocol):
         """Take an exclusive, non-blocking lock on the file; StorageError if someone else holds it."""
         ...
 
+    def duplicate(self) -> File:
+        """A second handle on the same open file (``dup``), closed on its own: another thread may fsync
+        through it while this one is closed meanwhile, without ever touching a reused descriptor."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -188,6 +193,13 @@ class OsFile:
                     f"{self._path} is locked by another process: two storage nodes cannot share a directory"
                 ) from None
             raise _storage_error(self._path, "lock", e) from None
+
+    def duplicate(self) -> File:
+        fd = self._check()
+        try:
+            return OsFile(self._path, os.dup(fd))  # os.dup's descriptor is not inherited (close-on-exec)
+        except OSError as e:
+            raise _storage_error(self._path, "duplicate the descriptor of", e) from None
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -366,6 +378,10 @@ class CrashFile:
                 f"{self._path} is locked by another process: two storage nodes cannot share a directory"
             )
         inode.locked_by = self
+
+    def duplicate(self) -> File:
+        self._check()
+        return CrashFile(self._fs, self._path, self._inode, self._read_only)
 
     def close(self) -> None:
         if not self._closed:

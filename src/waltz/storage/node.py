@@ -38,6 +38,16 @@ Guarantees:
   data the disk lost, and a later fsync may report success: nothing above that id can be trusted, and
   none of it was acknowledged), fsync. On success one INFO line says so and the partition serves again;
   the server's recovery then brings it up to date.
+* **Preallocation.** With ``storage.segment.preallocateBytes`` > 0 each partition keeps its newest segment's
+  data file zero-filled that far ahead of its last record: after a group's answers left, the worker writes
+  the next chunk of zeros (on the loop: only this thread writes a partition's files, so zeros never land
+  where an append goes) and a thread fsyncs it, one chunk at a time, counted as an fsync in flight. Appends
+  then overwrite blocks already written and fsynced, and their fsync needs no journal commit of the file's
+  size (see :mod:`waltz.storage.segment`). A failed zero write (a full disk) leaves the records alone: one
+  WARNING line, a metric, and no preallocation for :data:`PREALLOCATE_RETRY_S`. A failed fsync of the zeros
+  breaks the partition like a failed group fsync: it shares the data file's open file description with
+  the appends, so it may have consumed the only report of lost pages; for the same reason a group whose
+  fsync ran while the zeros' fsync did waits for it, and is not acknowledged if it failed.
 * **Failures are heard.** A broken partition, or one whose worker hit a bug (``failed``: it refuses
   everything until the node restarts and answers each request with a failure instead of leaving it
   queued), is reported by ``/health`` (503, with the reason per partition). The node owns its workers: one
@@ -94,6 +104,7 @@ from waltz.storage.fileio import FAULTS, OS_FS
 from waltz.storage.partition import PartitionLog, delete_log_files
 from waltz.storage.segment import (
     RecordCorruptionError,
+    ZeroFill,
     append_wire_run,
     encode_stored_run,
     verify_client_checksums,
@@ -129,6 +140,8 @@ each slow one within that time doubles it, up to ``INLINE_FSYNC_BACKOFF_S``."""
 INLINE_FSYNC_RESET_S = 60.0
 FSYNC_THREADS = 4
 """Threads for the fsyncs not run on the loop (fsyncs of several partitions overlap on the disk)."""
+PREALLOCATE_RETRY_S = 60.0
+"""After a failed write of preallocated zeros (a full disk, say), how long a partition writes none."""
 FAULTS_ENV = "WALTZ_TEST_FAULTS"
 """Test-only: with this set to 1, SIGUSR1 makes the node's next data-file fsync fail (see run_node)."""
 
@@ -221,7 +234,8 @@ class _FsyncThreads:
     Cheaper per hand-off than ``asyncio.to_thread``, which was ~230 us of the loop thread's CPU per fsync in a
     profile (a context copy, an executor work item and a concurrent future chained to an asyncio one by
     callbacks both ways): here one ``SimpleQueue.put`` out and one ``call_soon_threadsafe`` back. Each
-    partition worker has at most one fsync in flight, so the queue holds at most one job per partition.
+    partition has at most one group fsync and one fsync of preallocated zeros in flight, so the queue holds
+    at most two jobs per partition.
     """
 
     def __init__(self, threads: int) -> None:
@@ -477,14 +491,34 @@ class _AppendCounters(Collector):
         data = CounterMetricFamily(
             "waltz_storage_appended_bytes", "Data bytes of records appended", labels=["partition"]
         )
-        fsyncs = threaded = 0
+        extending = CounterMetricFamily(
+            "waltz_storage_extending_writes",
+            "Group writes that reached past the data file's fsynced zeros (each of them with "
+            "storage.segment.preallocateBytes 0): their fsync also commits the file's new size",
+            labels=["partition"],
+        )
+        fsyncs = threaded = zero_bytes = zero_failures = 0
         for p in self._partitions():
             records.add_metric([str(p.partition_id)], p.appended_records)
             data.add_metric([str(p.partition_id)], p.appended_bytes)
+            extending.add_metric([str(p.partition_id)], p.extending_writes)
             fsyncs += p.fsync_count
             threaded += p.threaded_fsync_count
+            zero_bytes += p.preallocated_bytes
+            zero_failures += p.preallocate_failures
         yield records
         yield data
+        yield extending
+        yield CounterMetricFamily(
+            "waltz_storage_preallocated_bytes",
+            "Zeros written (and fsynced in the background) ahead of the newest segments' last records",
+            value=zero_bytes,
+        )
+        yield CounterMetricFamily(
+            "waltz_storage_preallocate_failures",
+            "Writes of preallocated zeros that failed (a full disk): records are not affected",
+            value=zero_failures,
+        )
         yield CounterMetricFamily("waltz_storage_fsyncs", "Group-commit fsyncs", value=fsyncs)
         yield CounterMetricFamily(
             "waltz_storage_fsyncs_in_thread",
@@ -551,6 +585,16 @@ class StoragePartition:
         self._next_heal_s = 0.0
         self.failed: str | None = None
         """Set when the worker hit a bug: the partition then refuses every request (see ``run``)."""
+        self.preallocating = False
+        """A chunk of zeros is being fsynced in a thread (see ``_preallocate``)."""
+        self._zero_sync: asyncio.Future[None] | None = None
+        """That fsync's outcome until ``_preallocated`` took it: a group fsync overlapping it waits for it."""
+        self.preallocate_off_until = 0.0
+        """No zeros are written before this monotonic time (a zero write failed)."""
+        self.preallocated_bytes = 0
+        self.preallocate_failures = 0
+        self._extending_writes_closed = 0
+        """``extending_writes`` of the logs closed before the open one (a heal, an unassignment)."""
         self.worker_gone = False
         self.current: _Item | None = None
         """The item the worker is on (answered by the node if the worker ends under it)."""
@@ -587,8 +631,15 @@ class StoragePartition:
 
     def close_log(self) -> None:
         if self.log is not None:
+            self._extending_writes_closed += self.log.extending_writes
             self.log.close()
             self.log = None
+
+    @property
+    def extending_writes(self) -> int:
+        """Group writes that went past the fsynced zeros (see ``PartitionLog.extending_writes``)."""
+        plog = self.log
+        return self._extending_writes_closed + (plog.extending_writes if plog is not None else 0)
 
     # -- checks -----------------------------------------------------------------------------------
 
@@ -1067,6 +1118,66 @@ class StoragePartition:
         for item, payload in zip(batch, results, strict=True):
             assert payload is not None
             send(item, payload)
+        if accepted and error is None and self.node.config.segment_preallocate_bytes:
+            self._preallocate()
+
+    def _preallocate(self) -> None:
+        """Keep the newest segment zero-filled ahead of its last record (see the module docstring): write the
+        next chunk of zeros now, if one is missing, and fsync it in a thread; one chunk in flight at a time.
+        Called after a group's answers left, so the zeros never delay an acknowledgement."""
+        plog = self.log
+        if self.preallocating or plog is None or self.broken is not None or self.failed is not None:
+            return
+        if self.preallocate_off_until and time.monotonic() < self.preallocate_off_until:
+            return
+        node = self.node
+        try:
+            job = plog.prefill(node.config.segment_preallocate_bytes)
+        except WaltzError as e:
+            # The zeros go past the last record: whatever part of them was written is free space, and the
+            # records are untouched. Appends extend the file meanwhile, as without preallocation.
+            self._preallocation_failed("cannot write preallocated zeros", e)
+            return
+        except Exception as e:  # noqa: BLE001 - a bug: the partition fails, as in run(); heard, not raised
+            # Raising would reach the caller's handler, which answers the group's requests a second time.
+            self.fail(f"preallocation: {e!r}", e)
+            return
+        if job is None:
+            return
+        try:
+            # The fsync threads start on first use, often for these zeros: a thread that cannot start must
+            # not reach the caller either, nor leave an fsync counted in flight that never ends.
+            done = node.fsync_threads.run(job.sync)
+        except Exception as e:  # noqa: BLE001 - the zeros stay unsynced free space; the records are untouched
+            job.handle.close()
+            self._preallocation_failed("cannot fsync preallocated zeros", e)
+            return
+        self.preallocated_bytes += job.end - job.start
+        self.preallocating = True
+        node.fsyncs_in_flight += 1  # a group fsync meanwhile goes to a thread, not stalls the loop behind it
+        self._zero_sync = done
+        done.add_done_callback(functools.partial(self._preallocated, job))
+
+    def _preallocation_failed(self, what: str, e: Exception) -> None:
+        self.preallocate_failures += 1
+        self.preallocate_off_until = time.monotonic() + PREALLOCATE_RETRY_S
+        log.warning(
+            "partition %d: %s (%s); appends extend the data file for the next %.0f s",
+            self.partition_id,
+            what,
+            e,
+            PREALLOCATE_RETRY_S,
+        )
+
+    def _preallocated(self, job: ZeroFill, done: asyncio.Future[None]) -> None:
+        self.node.fsyncs_in_flight -= 1
+        self.preallocating = False
+        self._zero_sync = None
+        error = None if done.cancelled() else done.exception()
+        if error is not None:
+            self._break(f"fsync of preallocated zeros failed: {error}")
+        elif not done.cancelled():
+            job.done()
 
     async def _fsync(self, plog: PartitionLog) -> WaltzError | None:
         """Make the data file durable; return None, or the error that fails the whole group.
@@ -1087,10 +1198,24 @@ class StoragePartition:
             and time.monotonic() >= node.inline_fsync_off_until
         ):
             return self._fsync_inline(plog)
+        # A fsync of zeros still running (or whose outcome the loop has not taken yet) overlaps this group's
+        # writes: it fsyncs through a duplicate of the data file's descriptor, and Linux reports a writeback
+        # error once per open file description, so if it fails it may have consumed the only report of the
+        # group's lost pages, and the group's own fsync then returns success. The group waits for it and
+        # fails with it. (None can start meanwhile: only this worker, after answering, starts one; and with
+        # one in flight no fsync runs on the loop, see may_commit_now.)
+        zeros = self._zero_sync
         node.fsyncs_in_flight += 1
         self.threaded_fsync_count += 1
         try:
             await node.fsync_threads.run(plog.flush)
+            if zeros is not None:
+                await asyncio.wait([zeros])  # not cancelled with this worker: _preallocated still takes it
+                if zeros.cancelled():
+                    raise StorageError("fsync of preallocated zeros cancelled")
+                error = zeros.exception()
+                if error is not None:
+                    raise error
         except Exception as e:  # noqa: BLE001 - any fsync failure fails the whole group
             return self._fsync_failed(e)
         finally:
@@ -1101,6 +1226,7 @@ class StoragePartition:
     def _fsync_inline(self, plog: PartitionLog) -> WaltzError | None:
         """:meth:`_fsync` on the loop thread (the caller checked that it may)."""
         node = self.node
+        assert self._zero_sync is None  # it counts in fsyncs_in_flight: see _fsync
         try:
             started = time.monotonic()
             plog.flush()
@@ -1593,6 +1719,9 @@ class StorageNode:
                 "maxTransactionId": p.log.max_transaction_id if p.log is not None else -1,
                 "queueSize": len(p.queue),
                 "fsyncs": p.fsync_count,
+                "threadedFsyncs": p.threaded_fsync_count,
+                "extendingWrites": p.extending_writes,
+                "preallocatedBytes": p.preallocated_bytes,
                 "damagedTransactions": transactions.get(str(p.partition_id), []),
             }
         return json.dumps(

@@ -14,6 +14,10 @@ Rollover: once the writable segment's data file passes ``segment_size_threshold_
 middle of a batch), it is fsynced and closed, and the next record opens a new segment whose first id is that
 record's id.
 
+Preallocation: :meth:`PartitionLog.prefill` keeps the writable segment's data file zero-filled ahead of its
+last record (see :meth:`waltz.storage.segment.Segment.prefill`); sizes here are logical (the end of the last
+record), so the zeros change neither the roll-over point nor what is read.
+
 List reads (:meth:`PartitionLog.read_records`, :meth:`PartitionLog.read_headers`) continue across segment
 boundaries until ``max_count`` items, ``max_bytes`` of records or the end of the log, whichever comes first.
 
@@ -47,6 +51,7 @@ from waltz.storage.segment import (
     SEGMENT_HEADER_BYTES,
     Segment,
     SegmentHeader,
+    ZeroFill,
     data_file_name,
     encode_stored_run,
     index_file_name,
@@ -86,6 +91,8 @@ class PartitionLog:
         self.segment_cache_capacity = segment_cache_capacity
         self._cache: OrderedDict[int, Segment] = OrderedDict()
         self._clock_ms = clock_ms
+        self._extending_writes_before = 0
+        """``extending_writes`` of the segments that were writable before the current one."""
 
     @classmethod
     def open(
@@ -232,6 +239,7 @@ class PartitionLog:
         # The full segment becomes durable (data and index) before its successor exists, so recovery only
         # ever has to repair the last segment.
         old.close()
+        self._extending_writes_before += old.extending_writes
         self._current = None
         new = Segment.create(
             self._fs, self.directory, self.key, self.partition_id, next_id, clock_ms=self._clock_ms
@@ -244,6 +252,27 @@ class PartitionLog:
     def flush(self) -> None:
         """Make every appended record durable (fsync of the writable segment's data file)."""
         self._writable().flush()
+
+    def prefill(self, ahead_bytes: int) -> ZeroFill | None:
+        """Write the next chunk of zeros ahead of the writable segment's last record, if one is missing (not
+        past the roll-over threshold); the caller syncs the returned zeros in the background. See
+        :meth:`Segment.prefill`."""
+        current = self._writable()
+        if current.size_bytes > self.segment_size_threshold_bytes:
+            return None  # the next append rolls over
+        return current.prefill(ahead_bytes, self.segment_size_threshold_bytes)
+
+    @property
+    def extending_writes(self) -> int:
+        """Data-file writes of this log that reached past the fsynced zeros (every write when nothing is
+        preallocated): see :attr:`Segment.extending_writes`."""
+        current = self._current
+        return self._extending_writes_before + (current.extending_writes if current is not None else 0)
+
+    @property
+    def prefilled_bytes(self) -> int:
+        """Fsynced zeros after the writable segment's last record (see :attr:`Segment.prefilled_bytes`)."""
+        return self._writable().prefilled_bytes
 
     def truncate(self, transaction_id: int) -> int:
         """Keep only the records ``<= transaction_id``; durable on return. Returns the new max id."""
@@ -268,7 +297,8 @@ class PartitionLog:
                 self._fs.remove(os.path.join(self.directory, data_file_name(first)))
                 self._fs.remove(os.path.join(self.directory, index_file_name(first)))
                 self._fs.fsync_dir(self.directory)
-            if self._current is seg:
+            if seg is not None and self._current is seg:
+                self._extending_writes_before += seg.extending_writes
                 self._current = None
             self._first_ids.pop()
         last_first = self._first_ids[-1]

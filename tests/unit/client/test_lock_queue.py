@@ -91,3 +91,17 @@ def test_take_agrees_with_blocker_and_acquire_on_random_histories() -> None:
             else:
                 assert fast.leave(context) == slow.leave(context), seed
             assert fast.statistics() == slow.statistics(), seed
+
+
+def test_holds_any_is_false_exactly_when_a_release_would_change_nothing() -> None:
+    q = LockQueue()
+    assert not q.holds_any
+    q.acquire("a", [K])
+    assert q.holds_any
+    q.park("b", K)
+    assert q.release("a") == ["b"]
+    assert q.holds_any  # b is reserved the lock
+    q.acquire("b", [K])
+    assert q.release("b") == []
+    assert not q.holds_any
+    assert q.release("c") == []

@@ -60,7 +60,7 @@ from waltz.server.store.store_session import (
 )
 from waltz.server.store.support import Backoff, InvariantViolation, RepairStatistics, StoreConfig, TaskList
 
-__all__ = ["StorePartition", "StoreStatistics"]
+__all__ = ["BATCH_APPENDS_BOUNDS", "StorePartition", "StoreStatistics"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,11 @@ R = TypeVar("R")
 _object_new = object.__new__
 
 _NO_BACKOFF = (EndReason.CHECKPOINT, EndReason.REPLICAS_CHANGED)
+
+BATCH_APPENDS_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+"""Upper bounds of :attr:`StoreStatistics.batch_appends_counts`' buckets: powers of two, so an append count's
+bucket is ``(count - 1).bit_length()`` (no search per batch)."""
+_LAST_BATCH_BUCKET = len(BATCH_APPENDS_BOUNDS)
 
 
 @dataclass
@@ -81,6 +86,13 @@ class StoreStatistics:
     recovery_seconds_sum: float = 0.0
     """Total recovery time of the sessions opened (start of a session to its opening)."""
     last_recovery_seconds: float = 0.0
+    batch_appends_counts: list[int] = field(default_factory=lambda: [0] * (len(BATCH_APPENDS_BOUNDS) + 1))
+    """Committed batches by how many appends they held, one count per :data:`BATCH_APPENDS_BOUNDS` bucket (a
+    batch of n appends counts in the first bucket whose bound is >= n), the last one above every bound. Each
+    batch cost every replica a write request and an fsync: many small batches under load mean storage work
+    that larger ones would have shared."""
+    batch_appends_sum: int = 0
+    """Appends of the committed batches counted in :attr:`batch_appends_counts`."""
 
 
 class StorePartition:
@@ -311,13 +323,25 @@ class StorePartition:
         return True
 
     def submit_tagged(
-        self, request: AppendLike, listener: AppendListener, tag: object, received_s: float
+        self,
+        request: AppendLike,
+        listener: AppendListener,
+        tag: object,
+        received_s: float,
+        more: bool = False,
     ) -> bool:
         """:meth:`submit_listened` for the server's hot path: ``listener`` hears of the append together
         with the rest of its batch (:class:`AppendListener`, one call per batch instead of one per append),
         and ``tag`` and ``received_s`` go with it (the append's lock request, its arrival). The caller
         verified ``request.data`` against its checksum (the client codec does as it decodes). False (nothing
-        queued) if the queue is full; raises as :meth:`submit` does if the append is refused up front."""
+        queued) if the queue is full; raises as :meth:`submit` does if the append is refused up front.
+
+        ``more=True`` is the caller's word that it submits more appends right after this one, in the same
+        call chain (the rest of one socket read): an idle writer does not send this one alone, but waits for
+        the append submitted without it (or for a full batch) and sends them all as one batch. Every batch
+        costs each replica a request and an fsync, so a burst leaves as one. Nothing depends on the word for
+        correctness: appends left queued by a caller that broke it go with the writer's next turn, one loop
+        iteration later."""
         if self._closed:
             raise ClosedResourceError(f"partition {self.partition_id} store is closed")
         if self._loop is None:
@@ -353,9 +377,11 @@ class StorePartition:
         pending.ticket = ticket
         self._unresolved[ticket] = pending
         session = self._session
-        # The session's test, inlined: the call is needed only for an idle writer or a full batch.
+        # The session's test, inlined: the call is needed only for an idle writer or a full batch (only the
+        # latter while more appends follow).
         if session is not None and (
-            queued >= session.notify_at_count or queue.data_bytes >= session.notify_at_bytes
+            queued >= (session.full_count if more else session.notify_at_count)
+            or queue.data_bytes >= session.notify_at_bytes
         ):
             session.appends_queued()
         return True
@@ -645,6 +671,10 @@ class StorePartition:
         # Batches commit in order and the appends of a failed session were resolved when this one opened, so
         # the committed appends are the oldest in flight.
         n = len(appends)
+        stats = self.stats
+        stats.batch_appends_sum += n
+        bucket = (n - 1).bit_length()
+        stats.batch_appends_counts[bucket if bucket < _LAST_BATCH_BUCKET else _LAST_BATCH_BUCKET] += 1
         inflight = self.inflight
         if len(inflight) < n or inflight[0] is not appends[0] or inflight[n - 1] is not appends[-1]:
             raise InvariantViolation(f"partition {self.partition_id}: batch up to {hwm} commits out of order")

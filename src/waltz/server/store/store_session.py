@@ -397,12 +397,14 @@ class StoreSession:
         self._writer_idle = False
         self._batches: deque[tuple[Batch, list[PendingAppend]]] = deque()
         """Batches sent and not yet committed, oldest first."""
-        self._full_count = min(config.max_batch_size, host.queue.capacity)
+        self.full_count = min(config.max_batch_size, host.queue.capacity)
+        """Queued appends that make a full batch."""
         self.notify_at_count = 1
         """How many queued appends (or :attr:`notify_at_bytes` of data) need :meth:`appends_queued`: one
         while no batch is in flight (an idle writer sends it at once), a full batch otherwise (the only
-        thing a writer with batches in flight acts on). A host may skip the call below both; calling it more
-        often does no harm."""
+        thing a writer with batches in flight acts on). A host may skip the call below both, and below a full
+        batch while it queues more appends in the same call chain (their last one makes the call: see
+        ``StorePartition.submit_tagged``); calling it more often does no harm."""
         self.notify_at_bytes = config.max_batch_bytes
         self._wake = asyncio.Event()
         """Wakes the writer while batches are in flight: one was decided, or a full batch is queued."""
@@ -780,7 +782,7 @@ class StoreSession:
         voting = Voting(self.quorum, len(self.participants), self._batch_decided)
         batch = Batch(start, tuple(records), voting)
         batches.append((batch, appends))
-        self.notify_at_count = self._full_count
+        self.notify_at_count = self.full_count
         for participant in list(self.participants):
             participant.deliver(batch, len(batches))
 
