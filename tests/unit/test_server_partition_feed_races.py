@@ -1,6 +1,6 @@
 """A partition's feed under requests that arrive while it waits: a second mount of one connection racing the
-first, and a FeedRequest arriving while the feed task reads headers from the store. Each id is sent in order,
-and exactly one feed task lives per mounted client.
+first, a FeedRequest arriving while the feed task reads headers from the store, and a store read that fails.
+Each id is sent in order, and exactly one feed task lives per mounted client.
 
 The store and the connection are the fakes of ``test_server_partition_feed`` (this tests the partition
 alone); the store here reads headers only when the test lets it.
@@ -15,10 +15,11 @@ from typing import Any, cast
 
 from tests.unit.test_server_partition_feed import CLIENT, _append, _Peer, _settle, _Store
 from waltz.client.stream import INBOX_FEED_LIMIT
+from waltz.errors import PartitionNotReadyError
 from waltz.protocol import client_server as cs
 from waltz.protocol.records import RecordHeader, ReqId
 from waltz.server.feed_cache import FeedCache
-from waltz.server.partition import Partition
+from waltz.server.partition import FEED_READ_RETRY_S, Partition
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.transaction_cache import TransactionCache
 
@@ -201,3 +202,60 @@ def test_a_window_is_at_most_feed_window_max_however_far_behind_the_client_is() 
 
 def test_the_client_buffers_a_whole_window_without_stopping_its_connection() -> None:
     assert INBOX_FEED_LIMIT > cs.FEED_WINDOW_MAX
+
+
+class _FailingStore(_SlowStore):
+    """:class:`_SlowStore` whose reads fail (the store's own retries exhausted: storage unreachable for a
+    while) until ``healthy`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate.set()
+        self.failed = asyncio.Event()
+        self.healthy = False
+
+    async def read_headers(self, transaction_id: int, max_count: int) -> list[Any]:
+        if not self.healthy:
+            self.failed.set()
+            raise PartitionNotReadyError("partition 0 has no open store session")
+        return await super().read_headers(transaction_id, max_count)
+
+
+def test_a_store_read_that_fails_is_tried_again_not_the_end_of_the_feed() -> None:
+    """Nothing else would restart the feed: the client waits for the rest of its window (or a FeedSuspended)
+    on a connection that stays open, and a reader that does not append never times out."""
+
+    async def main() -> None:
+        store = _FailingStore()
+        cache = FeedCache(1 << 20, 1)
+        part = Partition(
+            0,
+            cast(StorePartition, store),
+            feed_cache=cache,
+            transaction_cache=TransactionCache(1 << 20),
+            min_fetch_size=4,
+        )
+        await part.start()
+        peer = _Peer()
+        try:
+            await part.mount(cast(Any, peer), cs.MountRequest(SESSION, -1, 1))
+            await _settle()
+            _append(part, peer, 6)
+            store.commit(6)
+            cache.evict_partition(0)  # the reader is behind the feed cache: its window comes from the store
+            assert part.feed_request(cast(Any, peer), cs.FeedRequest(SESSION, -1))
+            async with asyncio.timeout(5):
+                await store.failed.wait()
+            await _settle()
+            assert peer.fed() == []
+            store.healthy = True
+            # The feed's pause began before this one, so it ends first (the loop's timers keep their order).
+            await asyncio.sleep(FEED_READ_RETRY_S + 0.05)
+            await _settle()
+            assert peer.fed() == [0, 1, 2, 3, 4, 5]  # the window: the client's lag
+            assert peer.sent[-1] == cs.FeedSuspended(SESSION)
+            assert part.feed_context_count == 1
+        finally:
+            await part.close()
+
+    asyncio.run(main())

@@ -20,7 +20,13 @@ from waltz.errors import (
 )
 from waltz.protocol.records import Record, ReqId, crc32
 from waltz.server.store import EndReason, StoreConfig, StoreSession
-from waltz.server.store.memory import MemoryConnector, MemoryMetadataStore, MemoryNetwork, MemoryStorage
+from waltz.server.store.memory import (
+    MemoryConnection,
+    MemoryConnector,
+    MemoryMetadataStore,
+    MemoryNetwork,
+    MemoryStorage,
+)
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.store.store_session import AppendQueue, PendingAppend
 from waltz.server.store.support import Backoff
@@ -898,5 +904,49 @@ def test_append_queue_offer_queues_while_there_is_room_and_says_how_many_are_que
         assert queue.data_bytes == len(appends[1].data) + len(appends[2].data)
         assert queue.offer(appends[0]) == 0  # full: nothing queued
         assert queue.qsize() == 2
+
+    run_virtual(main())
+
+
+def test_an_append_acknowledged_while_an_idle_probe_was_answered_is_not_an_invariant_violation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The idle probe asks a replica for its max id; a batch delivered while the probe is under way is sent at
+    once, and over TCP its acknowledgement can be handled (in the read callback, raising the replica session's
+    ``max_id``) before the probe's coroutine resumes with the answer of the same read. The replica answered
+    what it held when asked, which is neither a lost nor an extra record: the session must go on, not end with
+    "holds N, expected N+1"."""
+    answered = asyncio.Event()
+    acknowledged = asyncio.Event()
+    armed = False
+    probe = MemoryConnection.max_transaction_id
+
+    async def probe_overtaken_by_an_acknowledgement(self: MemoryConnection) -> int:
+        result = await probe(self)
+        if armed and self.storage == "s0:1":
+            answered.set()
+            await acknowledged.wait()  # the append's acknowledgement is handled first, as in one TCP read
+        return result
+
+    monkeypatch.setattr(MemoryConnection, "max_transaction_id", probe_overtaken_by_an_acknowledgement)
+
+    async def main() -> None:
+        nonlocal armed
+        world = World(idle_probe_interval_ms=20)
+        async with world.partition() as partition:
+            session = await _open_session(partition)
+            assert await partition.append(req(0)) == 0
+            replica = session.replica_sessions["s0:1"]
+            await _wait(lambda: replica.max_id == 0)
+            armed = True
+            await answered.wait()  # s0 answered the probe with 0
+            armed = False
+            assert await partition.append(req(1)) == 1
+            await _wait(lambda: replica.max_id == 1)
+            acknowledged.set()
+            await asyncio.sleep(0.1)  # the probe resumes, and later probes run
+            assert not session.ended, partition.outcomes
+            assert partition.outcomes == []
+            assert await partition.append(req(2)) == 2
 
     run_virtual(main())

@@ -761,7 +761,8 @@ class AsyncWaltzClient:
         """The id of the last transaction of ``partition_id`` this client knows the application applied:
         ``client_high_water_mark`` at the mount, then the last ``apply_transaction`` that returned (or a
         transaction skipped, see :class:`~waltz.client.api.ApplyAction`); -1 before the mount asked the
-        application. Only grows. No I/O, and safe to call from any thread.
+        application. Only grows while the partition stays mounted (released by :meth:`set_partitions` and
+        mounted again, it starts over from -1). No I/O, and safe to call from any thread.
 
         This is the high-water mark the next ``execute`` on the partition gets in its builder, so the locks
         of that append are checked against it. An application that reads its own state (which
@@ -784,7 +785,8 @@ class AsyncWaltzClient:
 
         ``timeout`` in seconds (None: no limit) raises :class:`~waltz.errors.ClientTimeoutError`; a
         partition released by :meth:`set_partitions` (or the client closed) meanwhile raises the error that
-        ended it.
+        ended it, and a mount that found the client ahead of the server (``CLIENT_AHEAD``, terminal for the
+        mount) :class:`~waltz.errors.ClientAheadError` for a transaction past the application's own mark.
         """
         self._check_open()
         partition = self._partitions.get(partition_id)
@@ -792,7 +794,18 @@ class AsyncWaltzClient:
             raise ClientError(f"partition {partition_id} is not mounted by this client")
         try:
             async with asyncio.timeout(timeout):
-                await self._wait_applied(partition, transaction_id)
+                # _wait_applied, plus CLIENT_AHEAD: terminal for the mount, so nothing past the application's
+                # own mark is ever fed and the wait would only end in its timeout (or never). Not in
+                # _wait_applied itself: a run awaits that once per append.
+                while partition.monitor is None or partition.monitor.applied_high_water_mark < transaction_id:
+                    if partition.error is not None:
+                        raise partition.error
+                    if partition.state is MountState.CLIENT_AHEAD:
+                        raise ClientAheadError(
+                            f"partition {partition_id}: the application's high-water mark is ahead of the "
+                            f"server's, transaction {transaction_id} will not be fed"
+                        )
+                    await partition.changed()
         except TimeoutError:
             raise ClientTimeoutError(
                 f"partition {partition_id}: transaction {transaction_id} not applied within {timeout} s "

@@ -169,7 +169,8 @@ class WaltzClient:
     def wait_applied(self, partition_id: int, transaction_id: int, timeout: float | None = None) -> None:
         """Block until :meth:`applied_high_water_mark` of ``partition_id`` reaches ``transaction_id``
         (``timeout`` in seconds, then :class:`~waltz.errors.ClientTimeoutError`). See
-        :meth:`AsyncWaltzClient.wait_applied`."""
+        :meth:`AsyncWaltzClient.wait_applied`. Not from inside a callback of this client: the feed waits for
+        that callback to return (see the module docstring), so the wait ends only in its timeout."""
         self._call(self._client.wait_applied(partition_id, transaction_id, timeout))
 
     def high_water_mark(self, partition_id: int) -> int:

@@ -60,6 +60,8 @@ class _NoSuchTransaction(Exception):
 
 FEED_BATCH = 64
 """Feed entries read from the cache or the store at a time (one feed-cache block)."""
+FEED_READ_RETRY_S = 0.5
+"""Pause before a feed reads again from a store whose read failed (after the store's own retries)."""
 
 
 class Peer(Protocol):
@@ -794,6 +796,7 @@ class Partition:
 
     async def _feed_loop(self, ctx: _FeedContext) -> None:
         peer = ctx.peer
+        read_failed = False  # The last store read failed (logged once until one succeeds).
         try:
             while not peer.closed:
                 hwm = self.high_water_mark
@@ -820,7 +823,32 @@ class Partition:
                 headers = self._feed_cache.get_entries(self.partition_id, start, count)
                 if len(headers) < count:
                     # Not all in the cache (a reader behind it): the rest comes from the store.
-                    headers = await self._headers(start, count, headers)
+                    try:
+                        headers = await self._headers(start, count, headers)
+                    except WaltzError as e:
+                        # The store gave up for now (storage unreachable for seconds, its session reopening):
+                        # read again. Ending the feed here would stall the client for good: it waits on an
+                        # open connection for the rest of its window, and a reader that appends nothing
+                        # never times out.
+                        if not read_failed:
+                            log.warning(
+                                "partition %d: feed of client %d cannot read transaction %d from the store "
+                                "(trying again): %s",
+                                self.partition_id,
+                                ctx.client_id,
+                                start,
+                                e,
+                            )
+                        read_failed = True
+                        await asyncio.sleep(FEED_READ_RETRY_S)
+                        continue
+                    if read_failed:
+                        read_failed = False
+                        log.info(
+                            "partition %d: feed of client %d reads from the store again",
+                            self.partition_id,
+                            ctx.client_id,
+                        )
                     if ctx.next_id != start:
                         # Moved while we read: a FeedRequest restarted the window elsewhere, or a commit was
                         # sent live (_feed_batch). What we read no longer follows what was sent: read again.

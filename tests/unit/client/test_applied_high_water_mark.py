@@ -10,10 +10,10 @@ import threading
 import pytest
 
 from waltz import AsyncWaltzClient, ClientCallbacks, Transaction, WaltzClient
-from waltz.errors import ClientClosedError, ClientError, ClientTimeoutError
+from waltz.errors import ClientAheadError, ClientClosedError, ClientError, ClientTimeoutError
 from waltz.testing import MockDriver
 
-from .helpers import FAST, Ctx
+from .helpers import FAST, Ctx, RecordingCallbacks
 
 
 class GatedCounter(ClientCallbacks):
@@ -102,6 +102,26 @@ def test_a_wait_for_a_transaction_that_never_comes_ends_with_the_client() -> Non
             await waiter
         with pytest.raises(ClientClosedError):
             await client.wait_applied(0, 5)
+
+    asyncio.run(main())
+
+
+def test_a_wait_past_the_mark_of_a_partition_whose_client_is_ahead_ends_with_client_ahead() -> None:
+    """CLIENT_AHEAD is terminal for the mount: nothing past the application's own mark will be fed, so a wait
+    for more ends with the partition's error (as a submit does), not with a timeout, nor never."""
+
+    async def main() -> None:
+        client = AsyncWaltzClient(RecordingCallbacks({0: 5}), FAST, driver=MockDriver())
+        async with client:
+            waiter = asyncio.ensure_future(client.wait_applied(0, 6))  # waits from before the mount
+            async with asyncio.timeout(5):
+                with pytest.raises(ClientAheadError, match="partition 0"):
+                    await waiter
+                with pytest.raises(ClientAheadError, match="partition 0"):
+                    await client.wait_applied(0, 6, timeout=5)
+            # What the application's own mark covers is applied, ahead or not.
+            await client.wait_applied(0, 5, timeout=0)
+            assert client.applied_high_water_mark(0) == 5
 
     asyncio.run(main())
 
