@@ -90,17 +90,54 @@ def median(values: list[float]) -> float:
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
-def _stat(pid: str) -> tuple[int, float]:
-    """(parent pid, user + system CPU seconds) of a process, from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
+def _stat(pid: str, task: str | None = None) -> tuple[int, float]:
+    """(parent pid, user + system CPU seconds) of a process (or of one of its threads), from /proc."""
+    path = f"/proc/{pid}/stat" if task is None else f"/proc/{pid}/task/{task}/stat"
+    with open(path) as f:
         fields = f.read().rpartition(")")[2].split()
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+
+
+def _comm(pid: str, task: str | None = None) -> str:
+    path = f"/proc/{pid}/comm" if task is None else f"/proc/{pid}/task/{task}/comm"
+    with open(path) as f:
+        return f.read().strip()
+
+
+# JVM thread names (as /proc shows them: 15 characters) -> the group they are counted in.
+_JVM_THREAD_GROUPS = (
+    ("Executor task", "jvm_tasks"),
+    ("C2 CompilerThre", "jvm_jit"),
+    ("C1 CompilerThre", "jvm_jit"),
+)
+
+
+def _jvm_threads(pid: str, out: dict[str, float]) -> None:
+    """Add a JVM's executor task threads (they read the Python workers' Arrow streams, make rows, aggregate)
+    and its JIT compiler threads to ``out``. Threads that ended between two readings take their CPU with
+    them (JDK 17 starts and stops compiler threads on demand), so these are lower bounds."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for task in tasks:
+        try:
+            name = _comm(pid, task)
+            cpu = _stat(pid, task)[1]
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile
+        for prefix, group in _JVM_THREAD_GROUPS:
+            if name.startswith(prefix):
+                out[group] += cpu
+                break
 
 
 def cpu_seconds(cluster: BenchCluster) -> dict[str, float]:
     """CPU seconds used so far by each side of a bench, from /proc (the machine is shared, so CPU per row is
     a steadier figure than a rate): ``cluster`` (the storage node and the server), ``spark`` (every process
-    this one started: the JVM, its Python workers) and ``bench`` (this process)."""
+    this one started: the JVM, its Python workers), split into ``jvm`` and ``workers`` (the Python worker
+    processes: executors, planners), with the JVM's ``jvm_tasks`` and ``jvm_jit`` threads (see
+    :func:`_jvm_threads`), and ``bench`` (this process)."""
     record = json.loads((cluster.directory / "cluster.json").read_text())
     cluster_pids = {str(p["pid"]) for p in (*record["storages"], *record["servers"]) if p.get("pid")}
     stats: dict[str, tuple[int, float]] = {}
@@ -111,7 +148,15 @@ def cpu_seconds(cluster: BenchCluster) -> dict[str, float]:
             except (OSError, ValueError, IndexError):
                 pass  # exited meanwhile
     me = os.getpid()
-    out = {"cluster": 0.0, "spark": 0.0, "bench": sum(os.times()[:2])}
+    out = {
+        "cluster": 0.0,
+        "spark": 0.0,
+        "jvm": 0.0,
+        "workers": 0.0,
+        "jvm_tasks": 0.0,
+        "jvm_jit": 0.0,
+        "bench": sum(os.times()[:2]),
+    }
     for pid, (_, cpu) in stats.items():
         if pid in cluster_pids:
             out["cluster"] += cpu
@@ -121,4 +166,13 @@ def cpu_seconds(cluster: BenchCluster) -> dict[str, float]:
             parent, depth = str(stats[parent][0]), depth + 1
         if int(parent) == me and int(pid) != me:
             out["spark"] += cpu
+            try:
+                java = _comm(pid) == "java"
+            except OSError:
+                java = False
+            if java:
+                out["jvm"] += cpu
+                _jvm_threads(pid, out)
+            else:
+                out["workers"] += cpu
     return out

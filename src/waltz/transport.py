@@ -1924,6 +1924,37 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+"""glibc's largest mmap threshold on 64-bit: a record run (at most one frame, ~5.5 MB for 10,000 records of
+512 bytes) and the buffers it is received into come from the heap below it."""
+TRIM_THRESHOLD_BYTES = 128 * 1024 * 1024
+"""Free heap a process keeps mapped for its next large buffers instead of giving it back to the system."""
+
+
+def tune_malloc() -> bool:
+    """For processes that move record runs (servers, storage nodes, reused Spark workers), once started: keep
+    large buffers in memory that stays mapped. Returns whether the allocator is glibc's and was tuned.
+
+    With glibc's defaults a buffer of a few megabytes (a range read's record run, received, joined, sent) is
+    mapped afresh and unmapped when freed, so every page of every run is faulted in and zeroed by the kernel:
+    one fault per 4 KiB moved, 0.1-0.2 faults per 512-byte record on the server and on the storage node.
+    Blocks up to 32 MiB now come from the heap, and up to 128 MiB of free heap stay mapped for the next runs:
+    the process keeps what its largest burst of reads needed (a few runs per reader) instead of returning it
+    between runs. Elsewhere (not glibc) nothing changes."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        return False
+    mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    return True
+
+
 async def wait_for_stop_signal() -> None:
     """Return on SIGTERM or SIGINT (the way ``waltz storage run`` and ``waltz server run`` are stopped)."""
     import signal

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 from collections.abc import Iterator
 
@@ -30,7 +31,7 @@ CALLS: list[list[tuple[int, int]]] = []
 def worker(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     gc.unfreeze()
     CALLS.clear()
-    monkeypatch.setattr(cluster.ctypes, "CDLL", FakeLibc)
+    monkeypatch.setattr(ctypes, "CDLL", FakeLibc)
     yield
     gc.unfreeze()
 

@@ -37,6 +37,7 @@ from waltz.transport import (
     open_connection,
     serve,
     tune_gc,
+    tune_malloc,
 )
 from waltz.transport import run as transport_run
 
@@ -743,3 +744,23 @@ def test_tune_gc_freezes_start_up_objects_and_raises_the_thresholds() -> None:
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_tune_malloc_keeps_run_sized_buffers_on_the_heap(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Servers and storage nodes call it at start-up: record runs of megabytes must come from memory that
+    # stays mapped (M_MMAP_THRESHOLD -3 at 32 MiB, M_TRIM_THRESHOLD -1 at 128 MiB), not be faulted in afresh.
+    import ctypes
+
+    calls: list[tuple[int, int]] = []
+
+    class FakeLibc:
+        def __init__(self, name: str) -> None:
+            assert name == "libc.so.6"
+
+        def mallopt(self, param: int, value: int) -> int:
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(ctypes, "CDLL", FakeLibc)
+    assert tune_malloc()
+    assert calls == [(-3, 32 * 1024 * 1024), (-1, 128 * 1024 * 1024)]

@@ -83,6 +83,7 @@ from waltz.transport import (
     reason_kind,
     serve,
     tune_gc,
+    tune_malloc,
     wait_for_stop_signal,
 )
 
@@ -1135,6 +1136,7 @@ async def run_server(config: ServerConfig, *, ready: Callable[[WaltzServer], Non
     )
     server = await WaltzServer.start(config)
     tune_gc()
+    tune_malloc()
     try:
         if ready is not None:
             ready(server)

@@ -32,7 +32,6 @@ import asyncio
 import atexit
 import collections
 import concurrent.futures
-import ctypes
 import gc
 import logging
 import os
@@ -45,7 +44,7 @@ from waltz.client.reader import LogReader
 from waltz.errors import ClientError, WaltzError
 from waltz.protocol.record_run import RecordRun
 from waltz.spark.options import SourceOptions
-from waltz.transport import new_event_loop
+from waltz.transport import new_event_loop, tune_malloc
 
 __all__ = ["ClusterLogSource", "close_all", "open_source"]
 
@@ -193,13 +192,6 @@ def open_source(options: SourceOptions) -> ClusterLogSource:
         return source
 
 
-# glibc's mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's maximum on 64-bit; runs are at most 16 MiB
-_TRIM_THRESHOLD_BYTES = 128 * 1024 * 1024
-
-
 def _tune_reused_worker() -> bool:
     """In a PySpark worker that Spark reuses between tasks (``SPARK_REUSE_WORKER`` set; elsewhere -- a
     driver, tests, a plain process -- nothing changes), tune the process for bulk reads; returns whether it
@@ -210,21 +202,15 @@ def _tune_reused_worker() -> bool:
       the client's), each took 50-200 ms of CPU and found nothing: two per query, as much as the rest of a
       100,000-row task. Frozen objects are still freed by reference counting; only a cycle among them would
       never be collected, and they are the process's long-lived state.
-    * glibc's ``mallopt``: every record run (~5 MB) is received into a new buffer; with glibc's defaults
-      such buffers are mapped afresh and given back to the system each time, so every page of every run
-      was faulted in (one fault per 4 KiB received, ~0.2 us of the task's ~1 us of CPU per row). Blocks up
-      to 32 MiB now come from the heap, and up to 128 MiB of free heap stay mapped for the next runs: the
-      worker keeps what its largest read needed (a few runs) instead of returning it between runs.
+    * :func:`~waltz.transport.tune_malloc`: every record run (~5 MB) is received into a new buffer; with
+      glibc's defaults such buffers are mapped afresh and given back to the system each time, so every page
+      of every run was faulted in (one fault per 4 KiB received, ~0.2 us of the task's ~1 us of CPU per
+      row). The worker now keeps what its largest read needed (a few runs) mapped between runs.
     """
     if not os.environ.get("SPARK_REUSE_WORKER"):
         return False
     gc.freeze()
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # pragma: no cover - not glibc
-        return True
-    mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
-    mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)
+    tune_malloc()
     return True
 
 

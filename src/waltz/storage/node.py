@@ -118,6 +118,7 @@ from waltz.transport import (
     reason_kind,
     serve,
     tune_gc,
+    tune_malloc,
     wait_for_stop_signal,
 )
 
@@ -1996,6 +1997,7 @@ async def run_node(config: StorageConfig, *, ready: Callable[[StorageNode], None
     try:
         node = await StorageNode.start(config, key, num_partitions, authority)
         tune_gc()
+        tune_malloc()
         if os.environ.get(FAULTS_ENV) == "1":
             import signal
 
