@@ -950,3 +950,32 @@ def test_an_append_acknowledged_while_an_idle_probe_was_answered_is_not_an_invar
             assert await partition.append(req(2)) == 2
 
     run_virtual(main())
+
+
+@pytest.mark.parametrize("change", ["lost", "extra"])
+def test_the_idle_probe_still_fails_a_replica_that_lost_or_gained_a_record(change: str) -> None:
+    """The other side of the tolerance above: with nothing delivered meanwhile, the range the probe accepts
+    is one id, so a replica that lost its last record (or holds one the session never sent it) behind the
+    session's back is caught at the next probe, not left counting as a healthy participant."""
+
+    async def main() -> None:
+        world = World(idle_probe_interval_ms=20)
+        async with world.partition() as partition:
+            session = await _open_session(partition)
+            assert await partition.append(req(0)) == 0
+            assert await partition.append(req(1)) == 1
+            replica = session.replica_sessions["s0:1"]
+            await _wait(lambda: replica.max_id == 1)
+            records = world.storages["s0:1"].partitions[0].records
+            if change == "lost":
+                records.pop()
+            else:
+                records.append(records[-1])
+            # An invariant broken is a bug or lost storage: the session fails (counted, logged) and a new one
+            # starts from what the replicas really hold.
+            await _wait(lambda: bool(partition.internal_errors))
+            assert session.ended
+            held = 0 if change == "lost" else 2
+            assert [str(e) for e in partition.internal_errors] == [f"s0:1 holds {held}, expected 1"]
+
+    run_virtual(main())
