@@ -764,3 +764,20 @@ def test_tune_malloc_keeps_run_sized_buffers_on_the_heap(monkeypatch: pytest.Mon
     monkeypatch.setattr(ctypes, "CDLL", FakeLibc)
     assert tune_malloc()
     assert calls == [(-3, 32 * 1024 * 1024), (-1, 128 * 1024 * 1024)]
+
+
+@pytest.mark.parametrize("missing", ["library", "function"])
+def test_tune_malloc_changes_nothing_where_the_allocator_is_not_glibc(
+    monkeypatch: pytest.MonkeyPatch, missing: str
+) -> None:
+    # musl (no libc.so.6) and macOS (no such library either) must start a server or a node as before, and a
+    # libc.so.6 without mallopt (a compatibility shim) too: tune_malloc says False instead of raising.
+    import ctypes
+
+    class NoMallopt:
+        def __init__(self, name: str) -> None:
+            if missing == "library":
+                raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+
+    monkeypatch.setattr(ctypes, "CDLL", NoMallopt)
+    assert tune_malloc() is False
