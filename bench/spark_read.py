@@ -1,7 +1,9 @@
 """Batch read throughput of the Spark ``waltz`` source beside Parquet of the same rows and the plain client.
 
 Starts a local cluster (``spark_bench.waltz_cluster``: ZooKeeper, one storage node, one server, two
-partitions), appends ``--transactions`` transactions of ``--size`` bytes through the client, then times:
+partitions), appends ``--transactions`` transactions of ``--size`` bytes through the client (each its own
+random payload, as a real log holds; ``--repeated`` puts one payload in all of them, the bench's data before
+session 8, which Parquet's dictionary encoding stores once), then times:
 
 * ``LogReader.read_range``: one process reading both partitions with range requests of 10,000, one at a time,
   into ``Record`` objects (checksums verified);
@@ -31,7 +33,7 @@ Parquet reads only the ``data`` column (column pruning, a vectorised reader in t
 ships every column through a Python worker and Arrow (PySpark 4.3 has no column pruning for Python sources).
 
 Usage: ``.venv/bin/python bench/spark_read.py [--sizes 100000,400000] [--size 512] [--runs 5] [--schema-row]
-[--floor]``
+[--floor] [--repeated]``
 """
 
 from __future__ import annotations
@@ -337,13 +339,20 @@ def main() -> None:
         help="comma-separated row counts beyond the log for which only the floor source and Parquet of its "
         "own rows are timed (how the floor's ratio moves with size)",
     )
-    parser.add_argument(
+    payload = parser.add_mutually_exclusive_group()
+    payload.add_argument(
         "--distinct",
         action="store_true",
-        help="a random payload per transaction (default: one payload repeated, which Parquet's dictionary "
-        "encoding stores once: a 400,000-row file of ~25 KB instead of ~200 MB)",
+        help="a random payload per transaction, as a real log holds (the default since session 8)",
+    )
+    payload.add_argument(
+        "--repeated",
+        action="store_true",
+        help="one payload repeated in every transaction (the default before session 8), which Parquet's "
+        "dictionary encoding stores once: a 400,000-row file of ~25 KB instead of ~200 MB",
     )
     args = parser.parse_args()
+    args.distinct = not args.repeated
     sizes = [int(s) for s in args.sizes.split(",")]
     total = max(sizes)
     with waltz_cluster("waltz-spark-bench-") as cluster:
