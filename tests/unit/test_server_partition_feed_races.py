@@ -34,11 +34,13 @@ def _feed_tasks() -> list[asyncio.Task[Any]]:
 
 
 @contextlib.asynccontextmanager
-async def _partition(store: _Store, min_fetch_size: int = 100) -> AsyncIterator[Partition]:
+async def _partition(
+    store: _Store, min_fetch_size: int = 100, cache: FeedCache | None = None
+) -> AsyncIterator[Partition]:
     part = Partition(
         0,
         cast(StorePartition, store),
-        feed_cache=FeedCache(1 << 20, 1),
+        feed_cache=cache if cache is not None else FeedCache(1 << 20, 1),
         transaction_cache=TransactionCache(1 << 20),
         min_fetch_size=min_fetch_size,
     )
@@ -110,16 +112,8 @@ async def _reading_from_the_store() -> AsyncIterator[tuple[Partition, _SlowStore
     window (from 3) open: the feed task now waits in a store read of ids 4..9."""
     store = _SlowStore()
     cache = FeedCache(1 << 20, 1)
-    part = Partition(
-        0,
-        cast(StorePartition, store),
-        feed_cache=cache,
-        transaction_cache=TransactionCache(1 << 20),
-        min_fetch_size=4,
-    )
-    await part.start()
-    peer = _Peer()
-    try:
+    async with _partition(store, min_fetch_size=4, cache=cache) as part:
+        peer = _Peer()
         await part.mount(cast(Any, peer), cs.MountRequest(SESSION, -1, 1))
         await _settle()
         assert part.feed_request(cast(Any, peer), cs.FeedRequest(SESSION, -1))
@@ -133,8 +127,6 @@ async def _reading_from_the_store() -> AsyncIterator[tuple[Partition, _SlowStore
         async with asyncio.timeout(5):
             await store.reading.wait()
         yield part, store, peer
-    finally:
-        await part.close()
 
 
 def test_a_feed_request_during_a_store_read_restarts_the_feed_where_it_asks() -> None:
@@ -228,16 +220,8 @@ def test_a_store_read_that_fails_is_tried_again_not_the_end_of_the_feed() -> Non
     async def main() -> None:
         store = _FailingStore()
         cache = FeedCache(1 << 20, 1)
-        part = Partition(
-            0,
-            cast(StorePartition, store),
-            feed_cache=cache,
-            transaction_cache=TransactionCache(1 << 20),
-            min_fetch_size=4,
-        )
-        await part.start()
-        peer = _Peer()
-        try:
+        async with _partition(store, min_fetch_size=4, cache=cache) as part:
+            peer = _Peer()
             await part.mount(cast(Any, peer), cs.MountRequest(SESSION, -1, 1))
             await _settle()
             _append(part, peer, 6)
@@ -255,7 +239,5 @@ def test_a_store_read_that_fails_is_tried_again_not_the_end_of_the_feed() -> Non
             assert peer.fed() == [0, 1, 2, 3, 4, 5]  # the window: the client's lag
             assert peer.sent[-1] == cs.FeedSuspended(SESSION)
             assert part.feed_context_count == 1
-        finally:
-            await part.close()
 
     asyncio.run(main())
