@@ -585,10 +585,9 @@ class StoragePartition:
         self._next_heal_s = 0.0
         self.failed: str | None = None
         """Set when the worker hit a bug: the partition then refuses every request (see ``run``)."""
-        self.preallocating = False
-        """A chunk of zeros is being fsynced in a thread (see ``_preallocate``)."""
         self._zero_sync: asyncio.Future[None] | None = None
-        """That fsync's outcome until ``_preallocated`` took it: a group fsync overlapping it waits for it."""
+        """The outcome of the fsync of a chunk of zeros running in a thread (see ``_preallocate``), until
+        ``_preallocated`` took it: a group fsync overlapping it waits for it."""
         self.preallocate_off_until = 0.0
         """No zeros are written before this monotonic time (a zero write failed)."""
         self.preallocated_bytes = 0
@@ -628,6 +627,11 @@ class StoragePartition:
                 # had: its page cache may hold records the disk lost (see ``_heal``).
                 self.durable_max = self.log.max_transaction_id
         return self.log
+
+    @property
+    def preallocating(self) -> bool:
+        """A chunk of zeros is being fsynced in a thread (see ``_preallocate``)."""
+        return self._zero_sync is not None
 
     def close_log(self) -> None:
         if self.log is not None:
@@ -1153,7 +1157,6 @@ class StoragePartition:
             self._preallocation_failed("cannot fsync preallocated zeros", e)
             return
         self.preallocated_bytes += job.end - job.start
-        self.preallocating = True
         node.fsyncs_in_flight += 1  # a group fsync meanwhile goes to a thread, not stalls the loop behind it
         self._zero_sync = done
         done.add_done_callback(functools.partial(self._preallocated, job))
@@ -1171,7 +1174,6 @@ class StoragePartition:
 
     def _preallocated(self, job: ZeroFill, done: asyncio.Future[None]) -> None:
         self.node.fsyncs_in_flight -= 1
-        self.preallocating = False
         self._zero_sync = None
         error = None if done.cancelled() else done.exception()
         if error is not None:
