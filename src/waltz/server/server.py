@@ -236,17 +236,25 @@ class _CommitMetrics(Collector):
         for label, commits in sorted(self._partitions.items()):
             appends.add_metric([label], commits.appends)
             data.add_metric([label], commits.data_bytes)
-            cumulative = list(itertools.accumulate(commits.latency_counts))
-            # The "le" labels as prometheus_client's own Histogram writes them (its helper is untyped).
-            buckets = [
-                (floatToGoString(b), c)  # type: ignore[no-untyped-call]
-                for b, c in zip(commits.bounds, cumulative, strict=False)
-            ]
-            buckets.append(("+Inf", cumulative[-1]))
-            latency.add_metric([label], buckets, commits.latency_sum)
+            latency.add_metric(
+                [label], _histogram_buckets(commits.bounds, commits.latency_counts), commits.latency_sum
+            )
         yield appends
         yield data
         yield latency
+
+
+def _histogram_buckets(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[str, float]]:
+    """A histogram's ``(le, cumulative count)`` buckets from per-bucket ``counts`` (one per bound, then one
+    above every bound), the "le" labels as prometheus_client's own Histogram writes them (its helper is
+    untyped)."""
+    cumulative = list(itertools.accumulate(counts))
+    buckets: list[tuple[str, float]] = [
+        (floatToGoString(b), c)  # type: ignore[no-untyped-call]
+        for b, c in zip(bounds, cumulative, strict=False)
+    ]
+    buckets.append(("+Inf", cumulative[-1]))
+    return buckets
 
 
 class _Metrics:
@@ -405,13 +413,11 @@ class _StoreCollector:
             for reason, count in sorted(stats.sessions_ended.items()):
                 ended.add_metric([p, reason], count)
             recovery.add_metric([p], stats.sessions_opened, stats.recovery_seconds_sum)
-            cumulative = list(itertools.accumulate(stats.batch_appends_counts))
-            buckets = [
-                (floatToGoString(b), c)  # type: ignore[no-untyped-call]
-                for b, c in zip(BATCH_APPENDS_BOUNDS, cumulative, strict=False)
-            ]
-            buckets.append(("+Inf", cumulative[-1]))
-            batches.add_metric([p], buckets, stats.batch_appends_sum)
+            batches.add_metric(
+                [p],
+                _histogram_buckets(BATCH_APPENDS_BOUNDS, stats.batch_appends_counts),
+                stats.batch_appends_sum,
+            )
         yield from (lag, state, opened, ended, recovery, batches, *repairs.values(), repaired)
 
 
