@@ -618,10 +618,7 @@ class AsyncWaltzClient:
                 raise ClientError(f"partition_id() returned {partition_id}, outside 0..{num_partitions - 1}")
         partition = self._partitions.get(partition_id)
         if partition is None:
-            raise ClientError(
-                f"partition {partition_id} is not mounted by this client "
-                f"(mounted: {sorted(self._partitions)}; see set_partitions)"
-            )
+            raise self._not_mounted(partition_id)
         run.partition = partition
         stuck = partition.stuck
         if stuck is not None and stuck.failures >= STUCK_SUBMIT_AFTER:
@@ -762,6 +759,12 @@ class AsyncWaltzClient:
         """True while a submitted context has not ended (or its transaction has not been applied yet)."""
         return bool(self._runs)
 
+    def _not_mounted(self, partition_id: int) -> ClientError:
+        return ClientError(
+            f"partition {partition_id} is not mounted by this client "
+            f"(mounted: {sorted(self._partitions)}; see set_partitions)"
+        )
+
     def applied_high_water_mark(self, partition_id: int) -> int:
         """The id of the last transaction of ``partition_id`` this client knows the application applied:
         ``client_high_water_mark`` at the mount, then the last ``apply_transaction`` that returned (or a
@@ -779,7 +782,7 @@ class AsyncWaltzClient:
         """
         partition = self._partitions.get(partition_id)
         if partition is None:
-            raise ClientError(f"partition {partition_id} is not mounted by this client")
+            raise self._not_mounted(partition_id)
         monitor = partition.monitor
         return -1 if monitor is None else monitor.applied_high_water_mark
 
@@ -796,7 +799,7 @@ class AsyncWaltzClient:
         self._check_open()
         partition = self._partitions.get(partition_id)
         if partition is None:
-            raise ClientError(f"partition {partition_id} is not mounted by this client")
+            raise self._not_mounted(partition_id)
         try:
             async with asyncio.timeout(timeout):
                 # _wait_applied, plus CLIENT_AHEAD: terminal for the mount, so nothing past the application's
