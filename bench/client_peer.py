@@ -40,7 +40,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +58,7 @@ from waltz import (  # noqa: E402
     WaltzClient,
 )
 from waltz.local import cluster as local  # noqa: E402
+from waltz.local.probe import http_get  # noqa: E402
 
 RECORD_BYTES = 512
 PAYLOAD = bytes(RECORD_BYTES)
@@ -67,12 +67,17 @@ PHASES = ("seq", "conc", "occ1", "occ64", "hot64", "read1", "read64", "sync8")
 TICKS_S = os.sysconf("SC_CLK_TCK")
 
 
+def _metrics(http_port: int) -> str:
+    """A node's Prometheus text (``GET /metrics`` on its HTTP port)."""
+    return http_get(http_port, "/metrics")[1].decode()
+
+
 def batch_histogram(http_port: int | None) -> dict[str, float]:
     """The server's ``waltz_server_store_batch_appends`` histogram (appends per committed batch, every
     partition): ``{le: cumulative count, "sum": appends}``; empty if it has none (an older server)."""
     if http_port is None:
         return {}
-    text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5).read().decode()
+    text = _metrics(http_port)
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("waltz_server_store_batch_appends_bucket{"):
@@ -88,7 +93,7 @@ def storage_counts(http_ports: list[int]) -> tuple[float, float]:
     ``waltz_storage_requests_total`` of append types), summed."""
     fsyncs = requests = 0.0
     for port in http_ports:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        text = _metrics(port)
         for line in text.splitlines():
             if line.startswith("waltz_storage_fsyncs_total "):
                 fsyncs += float(line.rsplit(" ", 1)[1])
