@@ -54,7 +54,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from spark_bench import PARTITIONS, BenchCluster, cpu_seconds, median, spark_session, waltz_cluster
 from waltz.client.reader import LogReader
-from waltz.spark.arrow import READ_SCHEMA_DDL, to_arrow
+from waltz.spark.arrow import READ_SCHEMA_DDL, arrow_schema, to_arrow
 from waltz.spark.cluster import close_all, open_source
 from waltz.spark.options import parse_options
 from waltz.spark.writer import RowWriter
@@ -97,7 +97,7 @@ def floor_batch(partition: int, rows: int, size: int, distinct: bool) -> Any:
                 binary(REQ_ID_BYTES),
                 binary(size),
             ],
-            names=["partition", "transactionId", "header", "reqId", "data"],
+            schema=arrow_schema(True),
         )
     return cache[key]
 
