@@ -11,11 +11,15 @@ Always stop it: use it as a context manager or call :meth:`stop` in a ``finally`
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tests.integration.waltz_process import READY_TIMEOUT_S, STOP_TIMEOUT_S, WaltzProcess, WaltzProcessError
+from waltz.protocol.records import Record
 from waltz.server.storage_client import AdminClient, StorageClient
 
 DEFAULT_KEY = uuid.UUID("6f1f0f7e-1d2c-4b3a-9e8d-7c6b5a493827")
@@ -86,3 +90,45 @@ class StorageProcess(WaltzProcess):
 
     def __repr__(self) -> str:
         return f"StorageProcess({self.name}, {self._state()}, port {self.port}, admin {self.admin_port})"
+
+
+async def append_until_killed(
+    client: StorageClient,
+    node: StorageProcess,
+    next_id: int,
+    make: Callable[[int, int], list[Record]],
+    *,
+    in_flight: int,
+    max_batch: int,
+    kill_after_s: float,
+    acked: set[int],
+) -> None:
+    """Stream appends to partition 0 (session 7), ``in_flight`` at a time, batches of ``1 + id % max_batch``
+    records made by ``make(first_id, count)``, from ``next_id`` on, and SIGKILL the node ``kill_after_s`` into
+    the stream with appends in flight; every acknowledged id goes into ``acked``. Returns once every append
+    sent has ended (the ones the kill caught fail: they were not acknowledged)."""
+    sem = asyncio.Semaphore(in_flight)
+    tasks: set[asyncio.Task[None]] = set()
+    kill_at = time.monotonic() + kill_after_s
+
+    async def one(batch: list[Record]) -> None:
+        try:
+            await client.append(7, 0, batch)
+            acked.update(r.transaction_id for r in batch)
+        except Exception:  # the node dies mid-stream: unacknowledged appends may fail
+            pass
+        finally:
+            sem.release()
+
+    while True:
+        await sem.acquire()
+        if not client.is_usable:
+            break
+        n = 1 + next_id % max_batch
+        task = asyncio.create_task(one(make(next_id, n)))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        next_id += n
+        if time.monotonic() > kill_at and node.is_running:
+            node.kill()  # SIGKILL with appends in flight
+    await asyncio.gather(*tasks, return_exceptions=True)

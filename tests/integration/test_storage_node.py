@@ -12,7 +12,6 @@ import json
 import os
 import socket
 import struct
-import time
 import uuid
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -33,7 +32,7 @@ from waltz.protocol.record_run import RecordRun
 from waltz.protocol.records import Record, ReqId
 from waltz.server.storage_client import AdminClient, StorageClient
 
-from .storage_process import DEFAULT_KEY, StorageProcess
+from .storage_process import DEFAULT_KEY, StorageProcess, append_until_killed
 
 pytestmark = pytest.mark.integration
 
@@ -435,33 +434,17 @@ def test_kill_9_during_appends_loses_nothing_acknowledged(node: StorageProcess) 
         client, admin = await connect(node)
         async with admin:
             await admin.set_assigned([0], True)
-        next_id = 0
-        sem = asyncio.Semaphore(64)
-        tasks: set[asyncio.Task[None]] = set()
-        killed_at = time.monotonic() + 1.5
-
-        async def one(batch: list[Record]) -> None:
-            try:
-                await client.append(7, 0, batch)
-                acked.update(r.transaction_id for r in batch)
-            except Exception:  # the node dies mid-stream: unacknowledged appends may fail
-                pass
-            finally:
-                sem.release()
-
         try:
-            while True:
-                await sem.acquire()
-                if not client.is_usable:
-                    break
-                n = 1 + next_id % 4
-                t = asyncio.create_task(one(records(next_id, n, size=200, tag=7)))
-                tasks.add(t)
-                t.add_done_callback(tasks.discard)
-                next_id += n
-                if time.monotonic() > killed_at and node.is_running:
-                    node.kill()  # SIGKILL with appends in flight
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await append_until_killed(
+                client,
+                node,
+                0,
+                lambda first, n: records(first, n, size=200, tag=7),
+                in_flight=64,
+                max_batch=4,
+                kill_after_s=1.5,
+                acked=acked,
+            )
         finally:
             await client.aclose()
 

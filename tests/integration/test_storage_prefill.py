@@ -5,12 +5,11 @@ nothing acknowledged, and the restarted node serves every record, older segments
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.storage_process import DEFAULT_KEY, StorageProcess
+from tests.integration.storage_process import DEFAULT_KEY, StorageProcess, append_until_killed
 from waltz.cli.disk import dump_segment, offline_max_transaction_id, verify_segment
 from waltz.protocol.records import Record, ReqId
 from waltz.server.storage_client import AdminClient, StorageClient
@@ -73,31 +72,10 @@ def test_zero_filled_segments_survive_kill_9_and_restart(tmp_path: Path) -> None
                 assert verify_segment(str(newest)) == []
                 assert offline_max_transaction_id(node.directory, 0) == next_id - 1
                 # Then a stream with 32 appends in flight, killed in mid-stream.
-                sem = asyncio.Semaphore(32)
-                tasks: set[asyncio.Task[None]] = set()
-                kill_at = time.monotonic() + 2.0
-
-                async def one(batch: list[Record]) -> None:
-                    try:
-                        await client.append(7, 0, batch)
-                        acked.update(r.transaction_id for r in batch)
-                    except Exception:  # the node dies mid-stream: unacknowledged appends may fail
-                        pass
-                    finally:
-                        sem.release()
-
-                while True:
-                    await sem.acquire()
-                    if not client.is_usable:
-                        break
-                    n = 1 + next_id % 9
-                    task = asyncio.create_task(one(records(next_id, n)))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                    next_id += n
-                    if time.monotonic() > kill_at and node.is_running:
-                        node.kill()  # SIGKILL with appends in flight and zeros being written
-                await asyncio.gather(*tasks, return_exceptions=True)
+                # (SIGKILL with appends in flight and zeros being written.)
+                await append_until_killed(
+                    client, node, next_id, records, in_flight=32, max_batch=9, kill_after_s=2.0, acked=acked
+                )
             finally:
                 await client.aclose()
 
