@@ -73,10 +73,16 @@ def test_every_metric_the_dashboard_queries_is_exposed(cluster_factory: ClusterF
                 await client.append_and_wait(b"one more")
             finally:
                 await client.aclose()
+        # And the next one opened: between the two, no session has replicas, so the lag series (per replica
+        # of the open session) has no sample, and a scrape in that gap missed it.
         await wait_until(
-            lambda: "waltz_server_store_sessions_ended_total{" in get(server.http_port, "/metrics"),
+            lambda: all(
+                series in text
+                for text in [get(server.http_port, "/metrics")]
+                for series in ("waltz_server_store_sessions_ended_total{", "waltz_server_replica_lag{")
+            ),
             20,
-            "a session ended",
+            "a session ended and the next one opened",
         )
         names: dict[str, int] = {}
         for port in [server.http_port, *(sp.http_port for sp in cluster.storages[:2])]:
