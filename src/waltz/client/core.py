@@ -983,13 +983,67 @@ class AsyncWaltzClient:
             self._resolve(partition, event(partition.monitor))
 
     def _resolve(self, partition: PartitionState, resolutions: list[Resolution]) -> None:
+        """Hand each resolution to what waits for it: a committed first attempt is finished here (its slot,
+        its lifecycle, ``on_completion``), anything else through :meth:`_on_first_outcome` or the slow
+        path's future. Once per feed run, not per append: the slots of the committed runs are given back
+        in one ``Slots.release`` (one lock round) after the loop."""
         outcomes = partition.outcomes
-        for resolution in resolutions:
-            waiter = outcomes.pop(resolution.req_id, None)
-            if isinstance(waiter, Run):
-                self._on_first_outcome(waiter, resolution)
-            elif waiter is not None:
-                _settle(waiter, resolution)
+        released = 0
+        try:
+            for resolution in resolutions:
+                run = outcomes.pop(resolution.req_id, None)
+                if type(run) is not Run:
+                    if run is not None:
+                        _settle(run, resolution)
+                    continue
+                if resolution.outcome is not _COMMITTED:
+                    self._on_first_outcome(run, resolution)
+                    continue
+                # A committed first attempt (once per append): written out here, not a call per run.
+                if run.holds_slot:
+                    run.holds_slot = False
+                    released += 1
+                try:
+                    run.state = _COMMIT_ROW[run.state][0]  # run.handle(_COMMIT): owes on_completion(True)
+                except KeyError:
+                    run.handle(_COMMIT)  # Raises LifecycleError.
+                    raise
+                run.transaction_id = resolution.transaction_id
+                partition.awaiting_apply.append(run)
+                if self._hook_runs or not self._inline:
+                    # Behind a coroutine hook of this iteration, or on the callback threads: in the batch.
+                    if not self._hook_runs:
+                        self._call_soon(self._flush_hooks)
+                    self._hooks.append((run.context.on_completion, _TRUE_ARGS))
+                    self._hook_runs.append((run, True))
+                    continue
+                # Inline, nothing queued before it: _hook_now(run, True) and then _hook_done(run, True),
+                # written out.
+                pool = self._pool
+                if pool is None or pool.is_shut_down:
+                    continue  # As _flush_hooks: no hooks once the client is shut down.
+                fn = run.context.on_completion
+                hook_result: Any  # Typed as returning None; an inline hook may return a coroutine.
+                try:
+                    hook_result = fn(True)
+                except (SystemExit, KeyboardInterrupt):
+                    raise
+                except BaseException as e:  # noqa: BLE001 - reported to the application, as in _hook_now
+                    report_hook_failure(asyncio.get_running_loop(), fn, e)
+                    hook_result = None
+                if hook_result is not None and inspect.isawaitable(hook_result):
+                    self._lead_awaitables = [(fn, hook_result)]
+                    self._hook_runs.append((run, True))
+                    self._call_soon(self._flush_hooks)
+                    continue
+                run.completed = True
+                if run.applied and not self._closed:
+                    self._queue_application(run)
+                elif self._closed or partition.error is not None:
+                    self._finish(run)  # No on_application will follow.
+        finally:
+            if released:
+                partition.slots.release(released)
 
     def _fail_outcomes(self, partition: PartitionState, error: ClientError) -> None:
         outcomes, partition.outcomes = partition.outcomes, {}
@@ -1139,52 +1193,10 @@ class AsyncWaltzClient:
     # -- contexts ----------------------------------------------------------------------------------------
 
     def _on_first_outcome(self, run: Run, result: Resolution | BaseException) -> None:
-        """The fate of a first attempt sent by ``submit`` (no task so far): commits are finished with batched
-        hooks; anything else continues in a task, as the slow path."""
+        """The fate of a first attempt sent by ``submit`` (no task so far) when it did not commit (a commit
+        is finished by :meth:`_resolve`): it continues in a task, as the slow path."""
         partition = run.partition
         assert partition is not None
-        if type(result) is Resolution and result.outcome is _COMMITTED:
-            if run.holds_slot:  # _release_slot, inline (once per append)
-                run.holds_slot = False
-                partition.slots.release()
-            try:
-                run.state = _COMMIT_ROW[run.state][0]  # run.handle(_COMMIT): owes on_completion(True)
-            except KeyError:
-                run.handle(_COMMIT)  # Raises LifecycleError.
-                raise
-            run.transaction_id = result.transaction_id
-            partition.awaiting_apply.append(run)
-            if not self._hook_runs:
-                if self._inline:
-                    # _hook_now(run, True) and then _hook_done(run, True), written out (once per append).
-                    pool = self._pool
-                    if pool is None or pool.is_shut_down:
-                        return  # As _flush_hooks: no hooks once the client is shut down.
-                    fn = run.context.on_completion
-                    hook_result: Any  # Typed as returning None; an inline hook may return a coroutine.
-                    try:
-                        hook_result = fn(True)
-                    except (SystemExit, KeyboardInterrupt):
-                        raise
-                    except BaseException as e:  # noqa: BLE001 - reported to the application, as in _hook_now
-                        report_hook_failure(asyncio.get_running_loop(), fn, e)
-                        hook_result = None
-                    if hook_result is not None and inspect.isawaitable(hook_result):
-                        self._lead_awaitables = [(fn, hook_result)]
-                        self._hook_runs.append((run, True))
-                        self._call_soon(self._flush_hooks)
-                        return
-                    run.completed = True
-                    if run.applied and not self._closed:
-                        self._queue_application(run)
-                    elif self._closed or partition.error is not None:
-                        self._finish(run)  # No on_application will follow.
-                    return
-                self._call_soon(self._flush_hooks)
-            # _queue_hook(run, True, on_completion, True), inline (once per append)
-            self._hooks.append((run.context.on_completion, _TRUE_ARGS))
-            self._hook_runs.append((run, True))
-            return
         if isinstance(result, Resolution):
             run.handle(_FAILURE_EVENTS[result.outcome])
         wake = partition.lock_queue.release(run)

@@ -119,9 +119,10 @@ class Slots:
                             self._room.notify()
             raise
 
-    def release(self) -> None:
+    def release(self, count: int = 1) -> None:
+        """Give back ``count`` slots (a feed run's committed appends give theirs back in one call)."""
         with self._lock:
-            self.used -= 1
+            self.used -= count
             if not self._waiters:
                 # The common case (once per append): nobody to wake on the loop, no list made; a thread of
                 # the sync client may wait for this slot (woken unless one woken before has not run yet).
