@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -72,3 +73,25 @@ def test_wake_threads_ends_every_wait_at_once() -> None:
         t.join(5)
     assert time.monotonic() - started < 5
     assert results == [False, False, False]  # Woken, and still no room.
+
+
+def test_release_of_several_slots_grants_loop_waiters_and_reaches_waiting_threads() -> None:
+    # A feed run's committed appends give their slots back in one release(count): each slot must still go
+    # to a waiter on the loop first (FIFO), and what is left to a waiting thread.
+    async def main() -> None:
+        slots = Slots(3)
+        for _ in range(3):
+            assert slots.try_acquire()
+        waiters = [asyncio.ensure_future(slots.acquire(5)) for _ in range(2)]
+        await asyncio.sleep(0)
+        taken: list[int] = []
+        threads = _takers(slots, 1, taken)
+        assert await asyncio.to_thread(_wait_for, lambda: slots._thread_waiters == 1)
+        slots.release(3)
+        await asyncio.gather(*waiters)  # Both loop waiters got a slot.
+        assert await asyncio.to_thread(_wait_for, lambda: taken == [0])  # And the third slot the thread.
+        for t in threads:
+            t.join(5)
+        assert slots.used == 3
+
+    asyncio.run(main())
