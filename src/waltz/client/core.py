@@ -120,6 +120,8 @@ _EXECUTE_ROW, _SEND_ROW, _COMMIT_ROW, _APPLY_ROW = (
     STEPS[_COMMIT],
     STEPS[_APPLY],
 )
+_APPLIED_STATE = _APPLY_ROW[State.COMMITTED][0]
+"""Where APPLY takes a committed run (ENDED, owing on_application): the table's row, read at import."""
 _READY = MountState.READY
 _COMMITTED = Outcome.COMMITTED
 _STATE_COMMITTED = State.COMMITTED
@@ -958,8 +960,10 @@ class AsyncWaltzClient:
         partition.state = state
         partition.notify()
         if state is _READY:
-            # Appends carry the generation of this mount (see "Request ids" in driver.py): read once here.
-            partition.generation = self._require_driver().generation(partition_id)
+            # Appends carry the generation of this mount (see "Request ids" in driver.py): read once here,
+            # into the high half of their request ids (the client id and the generation, the same for all).
+            generation = self._require_driver().generation(partition_id)
+            partition.req_msb = self._client_msb | (generation & _MASK32)
             # Appends sent on an earlier connection may be lost; a flush resolves them (see driver.py).
             req_id = partition.monitor.flush_request(self._clock())
             if req_id is not None:
@@ -988,11 +992,15 @@ class AsyncWaltzClient:
         path's future. Once per feed run, not per append: the slots of the committed runs are given back
         in one ``Slots.release`` (one lock round) after the loop."""
         outcomes = partition.outcomes
+        awaiting_apply = partition.awaiting_apply
+        inline = self._inline
+        pool = self._pool
+        hooks_off = pool is None or pool.is_shut_down  # Read once, as in _on_applied.
         released = 0
         try:
             for resolution in resolutions:
                 run = outcomes.pop(resolution.req_id, None)
-                if type(run) is not Run:
+                if not isinstance(run, Run):
                     if run is not None:
                         _settle(run, resolution)
                     continue
@@ -1009,8 +1017,8 @@ class AsyncWaltzClient:
                     run.handle(_COMMIT)  # Raises LifecycleError.
                     raise
                 run.transaction_id = resolution.transaction_id
-                partition.awaiting_apply.append(run)
-                if self._hook_runs or not self._inline:
+                awaiting_apply.append(run)
+                if self._hook_runs or not inline:
                     # Behind a coroutine hook of this iteration, or on the callback threads: in the batch.
                     if not self._hook_runs:
                         self._call_soon(self._flush_hooks)
@@ -1019,8 +1027,7 @@ class AsyncWaltzClient:
                     continue
                 # Inline, nothing queued before it: _hook_now(run, True) and then _hook_done(run, True),
                 # written out.
-                pool = self._pool
-                if pool is None or pool.is_shut_down:
+                if hooks_off:
                     continue  # As _flush_hooks: no hooks once the client is shut down.
                 fn = run.context.on_completion
                 hook_result: Any  # Typed as returning None; an inline hook may return a coroutine.
@@ -1263,6 +1270,11 @@ class AsyncWaltzClient:
         # Nothing held (no context of this partition takes write locks): no release to make per run. Releases
         # only pass locks on, so nothing becomes held during this loop either.
         locked = queue.holds_any
+        inline = self._inline
+        # As _flush_hooks: no hooks once the client is shut down. Read once: nothing this loop calls can shut
+        # the pool down (close() is a coroutine, and WaltzClient.close() refuses to run on the loop).
+        pool = self._pool
+        hooks_off = pool is None or pool.is_shut_down
         while waiting and waiting[0].transaction_id <= transaction_id:
             run = waiting.popleft()
             run.applied = True
@@ -1272,13 +1284,12 @@ class AsyncWaltzClient:
                     self._wake(wake)
             if not run.completed:
                 continue  # on_completion has not run yet: _hook_done queues on_application after it.
-            if self._inline and not self._hook_runs and run.state is _STATE_COMMITTED:
+            if inline and not self._hook_runs and run.state is _STATE_COMMITTED:
                 # _queue_application(run), then _hook_now(run, False) and _hook_done(run, False), written out
                 # (once per append): COMMITTED + APPLY owes on_application, then the run is finished.
-                run.state = _APPLY_ROW[_STATE_COMMITTED][0]
-                pool = self._pool
-                if pool is None or pool.is_shut_down:
-                    continue  # As _flush_hooks: no hooks once the client is shut down.
+                run.state = _APPLIED_STATE
+                if hooks_off:
+                    continue
                 fn = run.context.on_application
                 result: Any  # Typed as returning None; an inline hook may return a coroutine.
                 try:
@@ -1529,11 +1540,9 @@ class AsyncWaltzClient:
         p = partition.id
         seq = self._next_seq.get(p, 0) + 1
         self._next_seq[p] = seq
-        # ReqId.of(client id, generation, p, seq) without its two Python calls (classmethod, tuple __new__).
-        req_id = _new_tuple(
-            ReqId,
-            (self._client_msb | (partition.generation & _MASK32), ((p & _MASK32) << 32) | (seq & _MASK32)),
-        )
+        # ReqId.of(client id, generation, p, seq) without its two Python calls (classmethod, tuple __new__),
+        # from the halves the partition keeps.
+        req_id = _new_tuple(ReqId, (partition.req_msb, partition.req_lsb_base | (seq & _MASK32)))
         outcomes = partition.outcomes
         outcomes[req_id] = waiter
         monitor.register(req_id, seq, self._clock())

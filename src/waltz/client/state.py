@@ -154,7 +154,11 @@ class PartitionState:
         self.feed_limit = config.feed_queue_size
         self.monitor: TransactionMonitor | None = None  # Set once the application's HWM is known.
         self.state: MountState | None = None
-        self.generation = 0  # The driver's generation of the partition when it last became READY.
+        # The request ids of this partition's appends: the high half (the client id and the driver's
+        # generation of the partition when it last became READY) and the partition's share of the low half
+        # (its id; the append's sequence number fills the rest).
+        self.req_msb = 0
+        self.req_lsb_base = (partition_id & 0xFFFFFFFF) << 32
         self.error: ClientError | None = None  # Set when the partition is released or the client closes.
         self.outcomes: dict[ReqId, Waiter] = {}
         # Runs appended on their first attempt whose transaction is not applied yet, in transaction-id order.
@@ -163,7 +167,9 @@ class PartitionState:
         self.lock_queue = LockQueue()  # This client's contexts take turns on a write lock.
         self.stuck: Stuck | None = None  # Set while apply_transaction keeps failing on one transaction.
         self.resynced_at: float | None = None  # When the core last asked the driver to resync (its clock).
-        self._changed = asyncio.Event()
+        # Made by the first waiter after a notify (see changed): notify, once per applied batch, then costs
+        # nothing when nobody waits (no Event set and made each time).
+        self._changed: asyncio.Event | None = None
         self._feed_waiter: asyncio.Future[None] | None = None  # The applier, waiting for the feed.
         self._loop: asyncio.AbstractEventLoop | None = None  # The applier's, once it waited.
         self._room_waiter: asyncio.Future[None] | None = None  # The driver, waiting for room in the feed.
@@ -209,11 +215,16 @@ class PartitionState:
 
     def notify(self) -> None:
         """Wake everything waiting for a state or high-water-mark change."""
-        self._changed.set()
-        self._changed = asyncio.Event()
+        event, self._changed = self._changed, None
+        if event is not None:
+            event.set()
 
     async def changed(self) -> None:
-        await self._changed.wait()
+        """Return at the next :meth:`notify`."""
+        event = self._changed
+        if event is None:
+            event = self._changed = asyncio.Event()
+        await event.wait()
 
 
 @dataclass(slots=True)
