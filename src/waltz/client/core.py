@@ -1533,8 +1533,8 @@ class AsyncWaltzClient:
         waiter: Waiter,
     ) -> None:
         """Register and send one append; synchronous, so registration order is send order. ``waiter`` learns
-        the append's fate (on the loop): a first attempt's run through ``_on_first_outcome``, a slow-path
-        future through its result."""
+        the append's fate (on the loop): a first attempt's run through ``_resolve`` (a commit) or
+        ``_on_first_outcome`` (anything else), a slow-path future through its result."""
         driver = self._driver
         assert driver is not None  # Sending follows a check of the partition's mount.
         p = partition.id
