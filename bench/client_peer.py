@@ -282,6 +282,8 @@ class Bench:
         measuring = True
         h0 = batch_histogram(self.http_port)
         f0, r0 = storage_counts(self.storage_http_ports)
+        # The server process alone too (the first pid; the rest are the storage nodes).
+        w0 = proc_cpu_s(self.pids[:1])
         c0, k0, s0, t0 = time.process_time(), os.times().system, proc_cpu_s(self.pids), time.perf_counter()
         while not stop and not all(t.done() for t in tasks):
             await asyncio.sleep(0.05)
@@ -289,10 +291,12 @@ class Bench:
                 stop = True  # A stuck phase ends (and says so through its count).
         elapsed = time.perf_counter() - t0
         c1, k1, s1 = time.process_time(), os.times().system, proc_cpu_s(self.pids)
+        w1 = proc_cpu_s(self.pids[:1])
         h1 = batch_histogram(self.http_port)
         f1, r1 = storage_counts(self.storage_http_ports)
         note = batch_note(h0, h1)
         if count:
+            note += f"; server process alone {(w1 - w0) * 1e6 / count:.1f} us/op"
             note += f"; storage append requests/op {(r1 - r0) / count:.3f}, fsyncs/op {(f1 - f0) / count:.3f}"
         await asyncio.wait(tasks, timeout=30)
         return Result(phase, count, elapsed, latencies, c1 - c0, k1 - k0, s1 - s0, note)

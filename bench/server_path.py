@@ -138,8 +138,11 @@ class _Peer:
 
     def send(self, msg: cs.Message) -> None:
         if isinstance(msg, cs.FeedSuspended) and self.partition is not None:
-            # Open the next window at once, as the client does.
-            self.partition.feed_request(self, cs.FeedRequest(msg.req_id, self.last_id))
+            # Open the next window as the client does: as soon as it can, which is after a round trip (a
+            # later loop pass here), never within the send.
+            asyncio.get_running_loop().call_soon(
+                self.partition.feed_request, self, cs.FeedRequest(msg.req_id, self.last_id)
+            )
         elif isinstance(msg, cs.MountResponse) and self.partition is not None:
             # Mounted: open the first feed window, as the client does.
             self.partition.feed_request(self, cs.FeedRequest(msg.req_id, self.last_id))

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.integration
 BACKLOG = 2 * FEED_WINDOW_MAX
 """Transactions appended to the lagging partition while its application is stalled: more than a window,
 so the window the client asks for next is a capped one."""
-FIRST_WINDOW = 100  # server.minFetchSize: the window the reader gets after READY, with nothing to catch up
+FIRST_WINDOW = 500  # server.minFetchSize: the window the reader gets after READY, with nothing to catch up
 GATE_WAIT_S = 60.0
 
 

@@ -14,7 +14,7 @@ BASE: dict[str, Any] = {"zookeeper.connectString": "127.0.0.1:2181", "cluster.ro
 
 
 def test_min_fetch_size_up_to_the_feed_window_is_accepted() -> None:
-    assert ServerConfig.from_mapping(BASE).min_fetch_size == 100
+    assert ServerConfig.from_mapping(BASE).min_fetch_size == 500
     config = {**BASE, "server.minFetchSize": FEED_WINDOW_MAX, "server.realtimeThreshold": FEED_WINDOW_MAX + 1}
     assert ServerConfig.from_mapping(config).min_fetch_size == FEED_WINDOW_MAX
 

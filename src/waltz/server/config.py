@@ -10,6 +10,7 @@ from waltz.cluster.zk import ZkAuth, zk_auth_keys
 from waltz.config import ConfigSchema, Key, distinct_ports, host_port, read_yaml
 from waltz.errors import ConfigError
 from waltz.protocol.client_server import FEED_WINDOW_MAX
+from waltz.server.partition import DEFAULT_MIN_FETCH_SIZE
 from waltz.server.store.support import StoreConfig
 from waltz.tls import TlsConfig, tls_keys
 
@@ -38,11 +39,12 @@ SERVER_SCHEMA = ConfigSchema(
         Key("server.optimisticLockTableSize", int, 30000, "lock table slots per partition", 16, 100_000_000),
         Key("server.feedCacheSize", int, 64 * 1024 * 1024, "feed cache bytes", 1024),
         # A window above FEED_WINDOW_MAX is more than a client buffers per partition without pausing its
-        # connection's reads: a lagging partition would stall the client's other partitions again.
+        # connection's reads: a lagging partition would stall the client's other partitions again. The
+        # default is not the reference's 100 (see DEFAULT_MIN_FETCH_SIZE).
         Key(
             "server.minFetchSize",
             int,
-            100,
+            DEFAULT_MIN_FETCH_SIZE,
             f"smallest feed window (at most {FEED_WINDOW_MAX}, the window a client buffers per partition)",
             1,
             FEED_WINDOW_MAX,

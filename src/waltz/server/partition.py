@@ -58,6 +58,12 @@ class _NoSuchTransaction(Exception):
     """A load found no such transaction (the fetcher does not cache it; transaction_data answers None)."""
 
 
+DEFAULT_MIN_FETCH_SIZE = 500
+"""The smallest feed window (``server.minFetchSize``). Not the reference's 100: a client that keeps up gets
+the smallest window every time, and each window costs a FeedSuspended, a FeedRequest and a feed task's
+wake-up on both sides (every ~3 committed batches under load at 100), while any window up to
+``FEED_WINDOW_MAX`` fits in what a client buffers per partition."""
+
 FEED_BATCH = 64
 """Feed entries read from the cache or the store at a time (one feed-cache block)."""
 FEED_READ_RETRY_S = 0.5
@@ -193,7 +199,7 @@ class Partition:
         feed_cache: FeedCache,
         transaction_cache: TransactionCache,
         lock_table_size: int = 30000,
-        min_fetch_size: int = 100,
+        min_fetch_size: int = DEFAULT_MIN_FETCH_SIZE,
         append_queue_size: int = 1000,
         metrics: PartitionMetrics | None = None,
         fetcher: TransactionFetcher | None = None,
