@@ -660,6 +660,7 @@ class Segment:
             return None
         with memoryview(_ZEROS) as zeros:
             data_file.pwrite(zeros[: end - size], size)
+        self._data_dirty = True  # the next flush syncs them too (a node leaves them to its next group fsync)
         return ZeroFill(self, size, end, self._zero_epoch, data_file.duplicate())
 
     def _zeros_synced(self, end: int, epoch: int) -> None:
