@@ -510,7 +510,7 @@ class _AppendCounters(Collector):
         yield extending
         yield CounterMetricFamily(
             "waltz_storage_preallocated_bytes",
-            "Zeros written (and fsynced in the background) ahead of the newest segments' last records",
+            "Zeros written ahead of the newest segments' last records (made durable by the next group fsync)",
             value=zero_bytes,
         )
         yield CounterMetricFamily(
