@@ -23,7 +23,8 @@ Per phase it prints ops/s, p50/p99 latency, client CPU per op (this process: ``t
 system share in brackets), server CPU per op (server + storage processes, from ``/proc/<pid>/stat``) and
 the appends per committed batch (from the server's ``waltz_server_store_batch_appends`` histogram: each batch
 is a request to every storage node), and the storage nodes' append requests and group-commit fsyncs per op.
-The load average is printed at the start and the end. ``--mode`` picks ``client.callbackMode`` (``inline``
+The load average and a CPU gauge (milliseconds for a fixed pure-Python workload, lower is a faster
+machine) are printed at the start and the end. ``--mode`` picks ``client.callbackMode`` (``inline``
 or ``threads``), ``--loop`` the application's event loop (uvloop, the default, or the standard asyncio loop).
 
     .venv/bin/python bench/client_peer.py                       # every phase, inline mode
@@ -403,6 +404,22 @@ async def main_async(
     return results
 
 
+def cpu_gauge_ms() -> float:
+    """Milliseconds for a fixed pure-Python workload (best of 3): the machine's own speed, independent of
+    Waltz. This VM's speed swings by ~1.6x within minutes with nothing else running; printed at the start
+    and the end of a run so that its figures can be read against it."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(1_000_000):
+            total += i
+        table = {i: i * 2 for i in range(100_000)}
+        total += len(table)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -418,7 +435,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.phase = args.phase or list(PHASES)
-    print(f"load average at start: {os.getloadavg()}", flush=True)
+    print(f"load average at start: {os.getloadavg()}; cpu gauge {cpu_gauge_ms():.0f} ms", flush=True)
     with tempfile.TemporaryDirectory(prefix="waltz-client-peer-") as tmp:
         opts = local.UpOptions(directory=Path(tmp) / "cluster", storages=3, servers=1, partitions=1)
         cluster = local.up(opts)
@@ -453,7 +470,7 @@ def main() -> None:
                 print(sync8(args, config, pids).line(), flush=True)
         finally:
             local.down(cluster.directory, purge=True)
-    print(f"load average at end: {os.getloadavg()}", flush=True)
+    print(f"load average at end: {os.getloadavg()}; cpu gauge {cpu_gauge_ms():.0f} ms", flush=True)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ _ZK_SERVER_KEY = pytest.StashKey[ZooKeeperServer]()
 def zookeeper(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ZooKeeperServer]:
-    server = ZooKeeperServer(tmp_path_factory.mktemp("zookeeper"))
+    server = ZooKeeperServer(tmp_path_factory.mktemp("zookeeper"), die_with_parent=True)
     server.start()
     request.config.stash[_ZK_SERVER_KEY] = server
     try:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +38,64 @@ def test_standalone_starts_answers_and_stops_by_pid(tmp_path: Path) -> None:
     server.stop()  # Idempotent.
 
 
+_OWNER_SCRIPT = """
+import sys, time
+from waltz.cluster.zkserver import ZooKeeperServer
+server = ZooKeeperServer(sys.argv[1], die_with_parent=sys.argv[2] == "1").start()
+print(server.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _zookeeper_of_killed_owner(tmp_path: Path, die_with_parent: bool) -> int:
+    """Start a ZooKeeper from a child Python process, kill that process with SIGKILL (no cleanup runs) and
+    return the ZooKeeper's pid."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER_SCRIPT, str(tmp_path / "zk"), "1" if die_with_parent else "0"],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        assert owner.stdout is not None
+        line = owner.stdout.readline()
+        assert line.strip().isdigit(), f"the owner printed {line!r}"
+        return int(line)
+    finally:
+        owner.kill()
+        owner.wait(10)
+        if owner.stdout is not None:
+            owner.stdout.close()
+
+
+def _gone_within(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_throwaway_server_dies_with_its_killed_owner(tmp_path: Path) -> None:
+    zk_pid = _zookeeper_of_killed_owner(tmp_path, die_with_parent=True)
+    try:
+        assert _gone_within(zk_pid, 10), "the ZooKeeper outlived the process that started it"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(zk_pid, signal.SIGKILL)
+
+
+def test_a_local_cluster_server_outlives_its_starter(tmp_path: Path) -> None:
+    # The default (``waltz local up``): the ZooKeeper must outlive the command that started it.
+    zk_pid = _zookeeper_of_killed_owner(tmp_path, die_with_parent=False)
+    try:
+        assert not _gone_within(zk_pid, 1.5), "the ZooKeeper died with the process that started it"
+    finally:
+        os.kill(zk_pid, signal.SIGKILL)
+
+
 def test_missing_zookeeper_gives_install_hint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(zkserver, "ZOOKEEPER_JAR", tmp_path / "nope.jar")
     with pytest.raises(ClusterError, match="apt-get install zookeeper"):
@@ -41,7 +103,7 @@ def test_missing_zookeeper_gives_install_hint(tmp_path: Path, monkeypatch: pytes
 
 
 def test_ensemble_survives_one_member_crash(tmp_path: Path) -> None:
-    with ZooKeeperEnsemble(tmp_path / "ens", 3) as ensemble:
+    with ZooKeeperEnsemble(tmp_path / "ens", 3, die_with_parent=True) as ensemble:
         modes = [four_letter_word(s.host, s.port, "srvr") for s in ensemble.servers]
         assert sum("Mode: leader" in m for m in modes) == 1
         client = zkutil.connect(ensemble.connect_string, session_timeout_ms=6000)

@@ -177,6 +177,16 @@ def four_letter_word(
         return ""
 
 
+def die_with_parent_prefix() -> list[str]:
+    """The command prefix that makes a child get SIGKILL when the thread that forked it ends: util-linux's
+    ``setpriv --pdeathsig KILL`` (the flag survives the exec). Empty where setpriv is missing (not Linux):
+    the child then outlives a killed parent, as any child does. ``prctl`` from a ``preexec_fn`` would do the
+    same without the extra exec, but ``preexec_fn`` is unsafe in a process with threads (kazoo's, pytest's).
+    """
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
+
+
 class ZooKeeperServer:
     """One ZooKeeper process on loopback, standalone or as a member of a :class:`ZooKeeperEnsemble`.
 
@@ -193,6 +203,7 @@ class ZooKeeperServer:
         server_id: int | None = None,
         peers: list[tuple[int, int, int]] | None = None,
         tls: ServerTls | None = None,
+        die_with_parent: bool = False,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.host = host
@@ -202,6 +213,10 @@ class ZooKeeperServer:
         self.server_id = server_id
         self.peers = peers
         self.tls = tls
+        self.die_with_parent = die_with_parent
+        """The JVM is killed when the thread that started it ends (Linux ``PR_SET_PDEATHSIG``, set through
+        util-linux's ``setpriv``), so a throwaway server of a test run killed with SIGKILL does not outlive
+        it. Off for ``waltz local``, whose ZooKeeper outlives the ``up`` command by design."""
         self.process: subprocess.Popen[bytes] | None = None
         self._probe_ssl: ssl.SSLContext | None = None
 
@@ -289,6 +304,8 @@ class ZooKeeperServer:
             MAIN_CLASS,
             str(self.config_path),
         ]
+        if self.die_with_parent:
+            cmd = [*die_with_parent_prefix(), *cmd]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -381,13 +398,21 @@ class ZooKeeperServer:
 class ZooKeeperEnsemble:
     """``size`` ZooKeeper servers forming one quorum on loopback (for tests of ZooKeeper failures)."""
 
-    def __init__(self, base_dir: str | Path, size: int = 3, *, tick_time_ms: int = 500) -> None:
+    def __init__(
+        self, base_dir: str | Path, size: int = 3, *, tick_time_ms: int = 500, die_with_parent: bool = False
+    ) -> None:
         if size < 1:
             raise ValueError("an ensemble needs at least one server")
         base = Path(base_dir)
         peers = [(i + 1, free_port(), free_port()) for i in range(size)]
         self.servers = [
-            ZooKeeperServer(base / f"zk{sid}", tick_time_ms=tick_time_ms, server_id=sid, peers=peers)
+            ZooKeeperServer(
+                base / f"zk{sid}",
+                tick_time_ms=tick_time_ms,
+                server_id=sid,
+                peers=peers,
+                die_with_parent=die_with_parent,
+            )
             for sid, _, _ in peers
         ]
 
