@@ -1132,7 +1132,7 @@ class StoragePartition:
         the write never delays an acknowledgement.
 
         The zeros are not fsynced on their own in a thread (as they were): that fsync overlapped the groups
-        that came meanwhile (~5-20% of them in ``bench/storage_append.py``, each then handed to the worker
+        that came meanwhile (6-30% of them in ``bench/storage_append.py``, each then handed to the worker
         and an fsync thread, a task wake-up, a thread hand-off and a loop wake-up more, and waiting for the
         zeros' writeback anyway); and a separate descriptor's fsync could consume the only report of a
         writeback error of the group's pages. The chunk is written 4 MiB (the default) ahead of the
