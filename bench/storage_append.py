@@ -29,7 +29,11 @@ with 0 and without, alternating, for the A/B of zero-filled segments.
     .venv/bin/python bench/storage_append.py --modes single,raw-batched --preallocate 0
 
 ``--profile FILE`` runs the node under cProfile, ``--py-spy FILE`` samples it with py-spy (a dev tool,
-installed separately).
+installed separately), ``--callgrind FILE`` runs it under valgrind's callgrind, counting the instructions of
+the measured modes only (what the server's replication costs a node per request, in a fixed count):
+
+    .venv/bin/python bench/storage_append.py --modes batched --batch 29 --batch-in-flight 1 \
+        --records 5800 --callgrind /tmp/node.cg     # then: callgrind_annotate /tmp/node.cg
 
 Every acknowledged append is checked at the end: the node's max transaction id must equal the number of
 records acknowledged minus one, and a sample of records is read back and verified.
@@ -168,7 +172,11 @@ def process_cpu_s(pid: int) -> tuple[float, float]:
 
 
 def start_node(
-    directory: Path, event_loop: str, profile: str | None = None, preallocate: int | None = None
+    directory: Path,
+    event_loop: str,
+    profile: str | None = None,
+    preallocate: int | None = None,
+    callgrind: str | None = None,
 ) -> tuple[subprocess.Popen[bytes], int, int]:
     config = directory / "storage.yaml"
     extra = "" if preallocate is None else f"storage.segment.preallocateBytes: {preallocate}\n"
@@ -179,7 +187,14 @@ def start_node(
     )
     # Under cProfile the node writes its profile when it stops (SIGTERM ends it cleanly).
     profiler = ["-m", "cProfile", "-o", profile] if profile else []
-    cmd = [sys.executable, *profiler, "-m", "waltz.cli.main", "storage", "run", "--config", str(config)]
+    # Under callgrind nothing is counted until a measured mode switches it on (see callgrind_toggle).
+    valgrind = (
+        ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={callgrind}"]
+        if callgrind
+        else []
+    )
+    cmd = [*valgrind, sys.executable, *profiler, "-m", "waltz.cli.main", "storage", "run"]
+    cmd += ["--config", str(config)]
     cmd += ["--event-loop", event_loop]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
     assert proc.stdout is not None
@@ -301,6 +316,16 @@ class RawPipeline:
         return time.perf_counter() - start, latencies
 
 
+def callgrind_toggle(args: argparse.Namespace, node_pid: int, on: bool) -> None:
+    """Switch the node's callgrind instrumentation on (before a measured mode) or off (after it)."""
+    if args.callgrind:
+        subprocess.run(
+            ["callgrind_control", "-i", "on" if on else "off", str(node_pid)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+
+
 async def fsync_count(admin: AdminClient) -> int:
     data = json.loads(await admin.metrics_json())
     return int(data["partitions"][str(PARTITION)]["fsyncs"])
@@ -397,9 +422,11 @@ async def bench(args: argparse.Namespace, port: int, admin_port: int, node_pid: 
             runner.next_id = acked
             runner.acked = acked
             before = await fsync_count(admin)
+            callgrind_toggle(args, node_pid, True)
             cpu_before = process_cpu_s(node_pid)
             elapsed, lat = await runner.run(total, batch, in_flight)
             cpu_after = process_cpu_s(node_pid)
+            callgrind_toggle(args, node_pid, False)
             fsyncs = await fsync_count(admin) - before
             acked = runner.acked
             results.append(
@@ -464,6 +491,13 @@ def main() -> int:
         "busy); collapsed stacks to FILE",
     )
     parser.add_argument(
+        "--callgrind",
+        metavar="FILE",
+        help="run the node under valgrind --tool=callgrind, counting only the measured modes (not the "
+        "warm-up); its output to FILE (callgrind_annotate FILE; instructions per request: the total over "
+        "the requests of the modes run, so run one mode)",
+    )
+    parser.add_argument(
         "--preallocate",
         type=int,
         metavar="BYTES",
@@ -493,7 +527,9 @@ def main() -> int:
             "node preallocation: "
             + ("node default" if args.preallocate is None else f"{args.preallocate} bytes (0 = off)")
         )
-        proc, port, admin_port = start_node(base, args.event_loop, args.profile, args.preallocate)
+        proc, port, admin_port = start_node(
+            base, args.event_loop, args.profile, args.preallocate, args.callgrind
+        )
         spy = None
         if args.py_spy:
             spy = subprocess.Popen(

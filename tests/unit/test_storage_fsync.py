@@ -169,11 +169,11 @@ def test_a_lone_slow_fsync_sends_fsyncs_to_threads_for_a_second_and_repeated_one
     asyncio.run(main())
 
 
-# ------------------------------------------------------------------------ preallocated zeros (background)
+# -------------------------------------------------------------------------------------- preallocated zeros
 
 
 class _Handle:
-    """The duplicate descriptor a zero fill fsyncs through: fails as a dying disk's fsync would."""
+    """A zero fill's duplicate descriptor: its fsync fails as a dying disk's would."""
 
     path = "/data/0/0000000000000000000.seg"
 
@@ -187,13 +187,6 @@ class _Handle:
         self.closed = True
 
 
-async def _drain(node: StorageNode) -> None:
-    """Run the fsyncs handed to threads, and let their results reach the loop."""
-    await asyncio.to_thread(node.fsync_threads.close)
-    for _ in range(3):
-        await asyncio.sleep(0)
-
-
 def _assigned(tmp_path: Path) -> tuple[StorageNode, StoragePartition]:
     node = _node(tmp_path)
     partition = node.partitions[0]
@@ -201,65 +194,90 @@ def _assigned(tmp_path: Path) -> tuple[StorageNode, StoragePartition]:
     return node, partition
 
 
-def test_zeros_are_written_ahead_and_fsynced_in_a_thread_one_chunk_at_a_time(tmp_path: Path) -> None:
+def test_zeros_are_written_ahead_and_made_durable_by_the_next_group_fsync_one_chunk_at_a_time(
+    tmp_path: Path,
+) -> None:
+    """No fsync of their own: the next group's fsync of the data file carries them (see _preallocate), so no
+    fsync in a thread overlaps the groups and group fsyncs stay on the loop."""
     node, partition = _assigned(tmp_path)
     plog = partition.log
     assert plog is not None
     ahead = node.config.segment_preallocate_bytes
     data_file = tmp_path / "0" / "0000000000000000000.seg"
-
     chunk = min(PREFILL_CHUNK_BYTES, ahead // 2)
 
     async def main() -> None:
         partition._preallocate()
         assert partition.preallocating
-        assert node.fsyncs_in_flight == 1  # a group fsync meanwhile goes to a thread
-        assert partition.may_commit_now is False
-        partition._preallocate()  # one chunk in flight at a time
+        assert node.fsyncs_in_flight == 0
+        assert partition.may_commit_now  # the next group's fsync runs on the loop
+        partition._preallocate()  # one chunk at a time
         assert partition.preallocated_bytes == chunk
         assert plog.prefilled_bytes == 0  # written, not yet fsynced
-        await _drain(node)
-        assert (node.fsyncs_in_flight, partition.preallocating) == (0, False)
+        assert partition._fsync_inline(plog) is None  # a group's fsync
+        assert not partition.preallocating
         assert plog.prefilled_bytes == chunk
         while partition.preallocated_bytes < ahead:
             partition._preallocate()
             assert partition.preallocating
-            await _drain(node)
+            assert await partition._fsync(plog) is None
         partition._preallocate()
         assert not partition.preallocating  # nothing missing
         assert plog.prefilled_bytes == ahead
 
     asyncio.run(main())
+    assert node.fsync_threads._threads == []  # no thread was ever needed
     assert data_file.stat().st_size == 128 + ahead
     assert partition.broken is None
     partition.close_log()
     assert data_file.stat().st_size == 128  # a closed segment ends with its last record
 
 
-def test_a_failed_fsync_of_preallocated_zeros_breaks_the_partition(tmp_path: Path) -> None:
-    """It shares the data file's open file description with the appends: the error it consumed may be the
-    only report of pages the disk lost, so the partition fail-stops as after a failed group fsync."""
+def test_zeros_are_never_fsynced_through_a_descriptor_of_their_own(tmp_path: Path) -> None:
+    """A second descriptor's fsync shares the data file's writeback-error cursor: failing, it may consume the
+    only report of pages of the groups' records the disk lost, and a group's own fsync then returns
+    success. The zero fill's descriptor is closed unused; the group fsync that carries the zeros is the one
+    that hears of an error, and no thread runs an fsync meanwhile."""
     node, partition = _assigned(tmp_path)
     plog = partition.log
     assert plog is not None
     handle = _Handle()
-    segment = plog.segment_for(0) or plog._writable()
+    segment = plog._writable()
     plog.prefill = lambda ahead: ZeroFill(segment, 128, 4096, 0, handle)  # type: ignore[assignment,method-assign,arg-type]
 
     async def main() -> None:
         partition._preallocate()
-        await _drain(node)
-        await asyncio.to_thread(node.fsync_threads.close)
+        for _ in range(3):
+            await asyncio.sleep(0)
 
     asyncio.run(main())
     assert handle.closed
-    assert partition.broken is not None
-    assert "fsync of preallocated zeros failed" in partition.broken
-    healthy, report = node.health()
-    assert not healthy
-    assert "fsync of preallocated zeros failed" in report["partitions"]["0"]
-    assert node.fsyncs_in_flight == 0
+    assert partition.broken is None
+    assert node.fsync_threads._threads == []
+    assert (node.fsyncs_in_flight, partition.may_commit_now) == (0, True)
     partition.close_log()
+
+
+def test_a_failed_group_fsync_that_carried_zeros_breaks_the_partition_and_the_zeros_never_count(
+    tmp_path: Path,
+) -> None:
+    node, partition = _assigned(tmp_path)
+    plog = partition.log
+    assert plog is not None
+
+    def failing() -> None:
+        raise StorageError("/data/0/x.seg: cannot fsync: Input/output error")
+
+    partition._preallocate()
+    plog.flush = failing  # type: ignore[method-assign]
+    error = partition._fsync_inline(plog)
+    assert error is not None
+    assert "Input/output error" in str(error)
+    assert partition.broken is not None
+    assert plog.prefilled_bytes == 0
+    assert not node.health()[0]
+    partition.close_log()
+    assert not partition.preallocating  # a heal reopens the log: the zeros were cut or are free space
 
 
 def test_a_failed_write_of_zeros_is_reported_and_pauses_preallocation(
@@ -290,81 +308,4 @@ def test_a_failed_write_of_zeros_is_reported_and_pauses_preallocation(
     partition.preallocate_off_until = time.monotonic() - 1  # the pause is over
     partition._preallocate()
     assert len(calls) == 2
-    partition.close_log()
-
-
-class _LateFailingHandle(_Handle):
-    """A zero fill's descriptor whose fsync was running while a group's fsync ran, and failed after it: on
-    Linux a duplicate descriptor shares the open file description's error cursor, so the writeback error of
-    the group's pages that this fsync reports is reported to nobody else."""
-
-    def __init__(self, group_flushed: threading.Event) -> None:
-        super().__init__()
-        self.group_flushed = group_flushed
-
-    def fsync(self, *, data_only: bool = False) -> None:
-        assert self.group_flushed.wait(5.0)
-        super().fsync(data_only=data_only)
-
-
-def test_a_group_fsync_overlapping_a_failed_fsync_of_zeros_is_not_acknowledged(tmp_path: Path) -> None:
-    """The zeros' fsync may have consumed the only report of the group's lost pages: the group's own fsync
-    then returns success, so the group must wait for the zeros' fsync and fail with it (answered before the
-    partition broke, it would be an acknowledged record the disk lost)."""
-    node, partition = _assigned(tmp_path)
-    plog = partition.log
-    assert plog is not None
-    group_flushed = threading.Event()
-    handle = _LateFailingHandle(group_flushed)
-    segment = plog._writable()
-    plog.prefill = lambda ahead: ZeroFill(segment, 128, 4096, 0, handle)  # type: ignore[assignment,method-assign,arg-type]
-    real_flush = plog.flush
-
-    def flush() -> None:
-        real_flush()
-        group_flushed.set()  # the group's fsync returned clean; the zeros' fails right after
-
-    plog.flush = flush  # type: ignore[method-assign]
-
-    async def main() -> None:
-        partition._preallocate()
-        assert partition.preallocating
-        error = await partition._fsync(plog)
-        assert error is not None
-        assert "Input/output error" in str(error)
-        await _drain(node)
-
-    asyncio.run(main())
-    assert partition.broken is not None
-    assert node.fsyncs_in_flight == 0
-    partition.close_log()
-
-
-def test_zeros_whose_fsync_cannot_be_handed_to_a_thread_pause_preallocation(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """The zeros are often the first job of the fsync threads, which start on first use: a thread that
-    cannot start (out of memory or processes) must not escape to the caller (it would answer the group a
-    second time, after its Success) nor leave the fsync counted in flight forever (no fsync would run on
-    the loop again)."""
-    node, partition = _assigned(tmp_path)
-    handle = _Handle()
-    plog = partition.log
-    assert plog is not None
-    segment = plog._writable()
-    plog.prefill = lambda ahead: ZeroFill(segment, 128, 4096, 0, handle)  # type: ignore[assignment,method-assign,arg-type]
-
-    def no_thread(fn: object) -> None:
-        raise RuntimeError("can't start new thread")
-
-    node.fsync_threads.run = no_thread  # type: ignore[assignment,method-assign]
-    with caplog.at_level(logging.WARNING):
-        partition._preallocate()
-    assert (node.fsyncs_in_flight, partition.preallocating, partition.preallocate_failures) == (0, False, 1)
-    assert handle.closed
-    assert partition.broken is None
-    assert partition.failed is None
-    assert partition.may_commit_now
-    (line,) = [r.getMessage() for r in caplog.records]
-    assert "can't start new thread" in line
     partition.close_log()

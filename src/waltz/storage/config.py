@@ -69,8 +69,8 @@ STORAGE_SCHEMA = ConfigSchema(
             "storage.segment.preallocateBytes",
             int,
             DEFAULT_SEGMENT_PREALLOCATE_BYTES,
-            "keep the newest segment's data file zero-filled (written and fsynced in the background) this "
-            "far ahead of its last record, so appends overwrite instead of extending it (0 = off)",
+            "keep the newest segment's data file zero-filled (written after a group commit, fsynced by the "
+            "next) this far ahead of its last record, so appends overwrite instead of extending it (0 = off)",
             check=_preallocate_check,
         ),
         Key("storage.maxFrameBytes", int, 64 * 1024 * 1024, "largest frame accepted", 1024, 2**31 - 1),

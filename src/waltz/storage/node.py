@@ -41,13 +41,13 @@ Guarantees:
 * **Preallocation.** With ``storage.segment.preallocateBytes`` > 0 each partition keeps its newest segment's
   data file zero-filled that far ahead of its last record: after a group's answers left, the worker writes
   the next chunk of zeros (on the loop: only this thread writes a partition's files, so zeros never land
-  where an append goes) and a thread fsyncs it, one chunk at a time, counted as an fsync in flight. Appends
-  then overwrite blocks already written and fsynced, and their fsync needs no journal commit of the file's
-  size (see :mod:`waltz.storage.segment`). A failed zero write (a full disk) leaves the records alone: one
-  WARNING line, a metric, and no preallocation for :data:`PREALLOCATE_RETRY_S`. A failed fsync of the zeros
-  breaks the partition like a failed group fsync: it shares the data file's open file description with
-  the appends, so it may have consumed the only report of lost pages; for the same reason a group whose
-  fsync ran while the zeros' fsync did waits for it, and is not acknowledged if it failed.
+  where an append goes), one chunk at a time, and the next group's fsync of the data file makes it
+  durable with that group's records (no fsync of its own, so no fsync in a thread overlaps the groups and
+  no second descriptor can consume the report of a writeback error). Appends then overwrite blocks already
+  written and fsynced, and their fsync needs no journal commit of the file's size (see
+  :mod:`waltz.storage.segment`). A failed zero write (a full disk) leaves the records alone: one WARNING
+  line, a metric, and no preallocation for :data:`PREALLOCATE_RETRY_S`. A failed fsync that carried zeros
+  breaks the partition as any failed group fsync does.
 * **Failures are heard.** A broken partition, or one whose worker hit a bug (``failed``: it refuses
   everything until the node restarts and answers each request with a failure instead of leaving it
   queued), is reported by ``/health`` (503, with the reason per partition). The node owns its workers: one
@@ -234,8 +234,7 @@ class _FsyncThreads:
     Cheaper per hand-off than ``asyncio.to_thread``, which was ~230 us of the loop thread's CPU per fsync in a
     profile (a context copy, an executor work item and a concurrent future chained to an asyncio one by
     callbacks both ways): here one ``SimpleQueue.put`` out and one ``call_soon_threadsafe`` back. Each
-    partition has at most one group fsync and one fsync of preallocated zeros in flight, so the queue holds
-    at most two jobs per partition.
+    partition has at most one group fsync in flight, so the queue holds at most one job per partition.
     """
 
     def __init__(self, threads: int) -> None:
@@ -511,7 +510,7 @@ class _AppendCounters(Collector):
         yield extending
         yield CounterMetricFamily(
             "waltz_storage_preallocated_bytes",
-            "Zeros written (and fsynced in the background) ahead of the newest segments' last records",
+            "Zeros written ahead of the newest segments' last records (made durable by the next group fsync)",
             value=zero_bytes,
         )
         yield CounterMetricFamily(
@@ -585,9 +584,9 @@ class StoragePartition:
         self._next_heal_s = 0.0
         self.failed: str | None = None
         """Set when the worker hit a bug: the partition then refuses every request (see ``run``)."""
-        self._zero_sync: asyncio.Future[None] | None = None
-        """The outcome of the fsync of a chunk of zeros running in a thread (see ``_preallocate``), until
-        ``_preallocated`` took it: a group fsync overlapping it waits for it."""
+        self._zeros: ZeroFill | None = None
+        """A chunk of zeros written ahead and not fsynced yet: the next group fsync makes it durable (see
+        ``_preallocate``)."""
         self.preallocate_off_until = 0.0
         """No zeros are written before this monotonic time (a zero write failed)."""
         self.preallocated_bytes = 0
@@ -630,10 +629,11 @@ class StoragePartition:
 
     @property
     def preallocating(self) -> bool:
-        """A chunk of zeros is being fsynced in a thread (see ``_preallocate``)."""
-        return self._zero_sync is not None
+        """A chunk of zeros was written and waits for the next group fsync (see ``_preallocate``)."""
+        return self._zeros is not None
 
     def close_log(self) -> None:
+        self._zeros = None  # closing fsyncs (or, healing, drops) what they were written to
         if self.log is not None:
             self._extending_writes_closed += self.log.extending_writes
             self.log.close()
@@ -1127,8 +1127,17 @@ class StoragePartition:
 
     def _preallocate(self) -> None:
         """Keep the newest segment zero-filled ahead of its last record (see the module docstring): write the
-        next chunk of zeros now, if one is missing, and fsync it in a thread; one chunk in flight at a time.
-        Called after a group's answers left, so the zeros never delay an acknowledgement."""
+        next chunk of zeros now, if one is missing; the next group's fsync (of the same data file) makes it
+        durable with that group's records, one chunk at a time. Called after a group's answers left, so
+        the write never delays an acknowledgement.
+
+        The zeros are not fsynced on their own in a thread (as they were): that fsync overlapped the groups
+        that came meanwhile (6-30% of them in ``bench/storage_append.py``, each then handed to the worker
+        and an fsync thread, a task wake-up, a thread hand-off and a loop wake-up more, and waiting for the
+        zeros' writeback anyway); and a separate descriptor's fsync could consume the only report of a
+        writeback error of the group's pages. The chunk is written 4 MiB (the default) ahead of the
+        records, so the groups in between overwrite zeros synced earlier and only the one fsync that
+        carries a chunk commits a new file size."""
         plog = self.log
         if self.preallocating or plog is None or self.broken is not None or self.failed is not None:
             return
@@ -1148,18 +1157,9 @@ class StoragePartition:
             return
         if job is None:
             return
-        try:
-            # The fsync threads start on first use, often for these zeros: a thread that cannot start must
-            # not reach the caller either, nor leave an fsync counted in flight that never ends.
-            done = node.fsync_threads.run(job.sync)
-        except Exception as e:  # noqa: BLE001 - the zeros stay unsynced free space; the records are untouched
-            job.handle.close()
-            self._preallocation_failed("cannot fsync preallocated zeros", e)
-            return
+        job.handle.close()  # its own descriptor, for a separate fsync: the group fsync is on the data file's
         self.preallocated_bytes += job.end - job.start
-        node.fsyncs_in_flight += 1  # a group fsync meanwhile goes to a thread, not stalls the loop behind it
-        self._zero_sync = done
-        done.add_done_callback(functools.partial(self._preallocated, job))
+        self._zeros = job
 
     def _preallocation_failed(self, what: str, e: Exception) -> None:
         self.preallocate_failures += 1
@@ -1171,15 +1171,6 @@ class StoragePartition:
             e,
             PREALLOCATE_RETRY_S,
         )
-
-    def _preallocated(self, job: ZeroFill, done: asyncio.Future[None]) -> None:
-        self.node.fsyncs_in_flight -= 1
-        self._zero_sync = None
-        error = None if done.cancelled() else done.exception()
-        if error is not None:
-            self._break(f"fsync of preallocated zeros failed: {error}")
-        elif not done.cancelled():
-            job.done()
 
     async def _fsync(self, plog: PartitionLog) -> WaltzError | None:
         """Make the data file durable; return None, or the error that fails the whole group.
@@ -1200,24 +1191,10 @@ class StoragePartition:
             and time.monotonic() >= node.inline_fsync_off_until
         ):
             return self._fsync_inline(plog)
-        # A fsync of zeros still running (or whose outcome the loop has not taken yet) overlaps this group's
-        # writes: it fsyncs through a duplicate of the data file's descriptor, and Linux reports a writeback
-        # error once per open file description, so if it fails it may have consumed the only report of the
-        # group's lost pages, and the group's own fsync then returns success. The group waits for it and
-        # fails with it. (None can start meanwhile: only this worker, after answering, starts one; and with
-        # one in flight no fsync runs on the loop, see may_commit_now.)
-        zeros = self._zero_sync
         node.fsyncs_in_flight += 1
         self.threaded_fsync_count += 1
         try:
             await node.fsync_threads.run(plog.flush)
-            if zeros is not None:
-                await asyncio.wait([zeros])  # not cancelled with this worker: _preallocated still takes it
-                if zeros.cancelled():
-                    raise StorageError("fsync of preallocated zeros cancelled")
-                error = zeros.exception()
-                if error is not None:
-                    raise error
         except Exception as e:  # noqa: BLE001 - any fsync failure fails the whole group
             return self._fsync_failed(e)
         finally:
@@ -1228,7 +1205,6 @@ class StoragePartition:
     def _fsync_inline(self, plog: PartitionLog) -> WaltzError | None:
         """:meth:`_fsync` on the loop thread (the caller checked that it may)."""
         node = self.node
-        assert self._zero_sync is None  # it counts in fsyncs_in_flight: see _fsync
         try:
             started = time.monotonic()
             plog.flush()
@@ -1258,6 +1234,12 @@ class StoragePartition:
         return e if isinstance(e, WaltzError) else StorageError(f"fsync failed: {e}")
 
     def _fsynced(self, plog: PartitionLog) -> None:
+        zeros = self._zeros
+        if zeros is not None:
+            # Written before this fsync began (after the previous group's answers; never during a group):
+            # the fdatasync of the data file made them durable with the file's size.
+            self._zeros = None
+            zeros.done()
         self.fsync_count += 1
         self.durable_max = plog.max_transaction_id
 

@@ -255,7 +255,7 @@ class PartitionLog:
 
     def prefill(self, ahead_bytes: int) -> ZeroFill | None:
         """Write the next chunk of zeros ahead of the writable segment's last record, if one is missing (not
-        past the roll-over threshold); the caller syncs the returned zeros in the background. See
+        past the roll-over threshold); the next :meth:`flush` makes the returned zeros durable. See
         :meth:`Segment.prefill`."""
         current = self._writable()
         if current.size_bytes > self.segment_size_threshold_bytes:

@@ -108,11 +108,11 @@ SCAN_CHUNK_BYTES = 1024 * 1024
 """Recovery and verification read the data file in chunks of this size."""
 MAX_RECORD_DATA_BYTES = 2**31 - 1
 PREFILL_CHUNK_BYTES = 256 * 1024
-"""Most zeros one :meth:`Segment.prefill` step writes (one write and one fsync of this much, in the
-background). Large enough that its fsync is rare (every ~16 group commits of 30 records of 512 bytes), small
-enough that its write barely holds the loop and that a group fsync running meanwhile, which must wait for
-the zeros' writeback too, is not held long: with 1 MiB chunks the append p99 of ``bench/storage_append.py``
-doubled (2.7-2.9 ms against 1.2-1.5 ms)."""
+"""Most zeros one :meth:`Segment.prefill` step writes (one write of this much; the storage node lets the
+next group fsync carry it). Large enough that it is rare (every ~16 group commits of 30 records of 512
+bytes), small enough that its write barely holds the loop and that the group fsync carrying it, which waits
+for the zeros' writeback too, is not held long: with 1 MiB chunks (then fsynced in a thread, overlapping the
+groups) the append p99 of ``bench/storage_append.py`` doubled (2.7-2.9 ms against 1.2-1.5 ms)."""
 _ZEROS = bytes(PREFILL_CHUNK_BYTES)
 
 _HEADER = struct.Struct(">iqqqiq")
@@ -639,8 +639,10 @@ class Segment:
     def prefill(self, ahead_bytes: int, limit_bytes: int) -> ZeroFill | None:
         """Keep the data file zero-filled ``ahead_bytes`` past the last record (never past ``limit_bytes``,
         where the segment rolls over): when a chunk (``min(PREFILL_CHUNK_BYTES, ahead_bytes // 2)``) is
-        missing, write one at the file's end, not fsynced, and return it to sync in the background; None
-        when nothing is missing.
+        missing, write one at the file's end, not fsynced, and return it; None when nothing is missing. The
+        next :meth:`flush` or :meth:`sync` makes it durable (then call :meth:`ZeroFill.done`), or
+        :meth:`ZeroFill.sync` through a descriptor of its own (which, failing, may consume the report of a
+        writeback error of the records' pages: the storage node leaves the zeros to its next group fsync).
 
         Zeros go only past the file's end, which is at or past the end of the last record, so they never
         land on a record; call it from the thread that appends. Appends that outrun the zeros still work
@@ -660,6 +662,7 @@ class Segment:
             return None
         with memoryview(_ZEROS) as zeros:
             data_file.pwrite(zeros[: end - size], size)
+        self._data_dirty = True  # the next flush syncs them too (a node leaves them to its next group fsync)
         return ZeroFill(self, size, end, self._zero_epoch, data_file.duplicate())
 
     def _zeros_synced(self, end: int, epoch: int) -> None:
