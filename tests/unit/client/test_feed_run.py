@@ -133,3 +133,39 @@ def test_the_reader_hands_a_partitions_feed_on_in_id_order_once_whatever_the_rea
         ok = _deliver_in_inbox_order(mount, delivered)
     assert ok == (not broken)
     assert delivered == expected
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["inline", "threads"])
+def test_a_runs_committed_appends_give_back_each_slot_once_and_a_waiting_submit_gets_one(mode: str) -> None:
+    # _resolve gives the slots of a run's committed first attempts back in one Slots.release(count): not one
+    # more (a slot freed twice lets the partition exceed client.maxConcurrentTransactions), not one less (a
+    # leaked slot ends every later submit in its timeout), and a submit waiting for one is woken.
+    async def main() -> None:
+        driver = MockDriver()
+        config = FAST.replace(callback_mode=mode, max_concurrent_transactions=3)
+        async with AsyncWaltzClient(ApplyOrderCallbacks([]), config, driver=driver) as client:
+            driver.suspend_feed()
+            contexts = [Ctx(b"x%d" % i) for i in range(5)]
+            for context in contexts[:3]:
+                await client.submit(context)
+            slots = client._partitions[0].slots
+            assert slots.used == 3
+            waiting = asyncio.ensure_future(client.submit(contexts[3]))
+            await asyncio.sleep(0.05)
+            assert not waiting.done()  # no slot free
+            await wait_until(lambda: driver.cluster.high_water_mark(0) == 2)
+            entries = [(r.transaction_id, r.req_id, r.header) for r in driver.cluster.records(0)]
+            assert driver.listener.feed_run_nowait(0, entries) == 3
+            await asyncio.wait_for(waiting, 5)  # woken by the run's release
+            assert slots.used == 1
+            await client.submit(contexts[4])
+            await wait_until(lambda: driver.cluster.high_water_mark(0) == 4)
+            entries = [(r.transaction_id, r.req_id, r.header) for r in driver.cluster.records(0)]
+            assert driver.listener.feed_run_nowait(0, entries[3:]) == 2
+            await client.flush_transactions(timeout=5)
+            assert slots.used == 0
+            for context in contexts:
+                assert context.events == ["completion:True", "application"]
+
+    asyncio.run(main())
