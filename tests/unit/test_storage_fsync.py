@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from waltz.errors import StorageError
+from waltz.protocol.records import Record, ReqId
 from waltz.storage import node as node_module
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import ControlFile
 from waltz.storage.node import StorageNode, StoragePartition
-from waltz.storage.segment import PREFILL_CHUNK_BYTES, ZeroFill
+from waltz.storage.segment import PREFILL_CHUNK_BYTES, ZeroFill, data_file_name
 
 
 class _Log:
@@ -308,4 +309,67 @@ def test_a_failed_write_of_zeros_is_reported_and_pauses_preallocation(
     partition.preallocate_off_until = time.monotonic() - 1  # the pause is over
     partition._preallocate()
     assert len(calls) == 2
+    partition.close_log()
+
+
+def test_zeros_pending_across_a_roll_over_or_a_truncation_never_count_and_do_not_stay_pending(
+    tmp_path: Path,
+) -> None:
+    """The group fsync that follows a roll-over fsyncs the new segment, and one that follows a truncation
+    fsyncs a file whose zeros were cut: neither may count the pending chunk as durable zeros of the segment
+    now written (its appends would skip the size's journal commit), and neither may leave the chunk pending
+    (no more preallocation)."""
+    key = uuid.uuid4()
+    config = StorageConfig.from_mapping(
+        {
+            "storage.directory": str(tmp_path),
+            "storage.port": 1,
+            "storage.admin.port": 2,
+            "storage.cluster.key": str(key),
+            "storage.cluster.numPartitions": 1,
+            "storage.segment.preallocateBytes": 64 * 1024,
+            "storage.segment.size.threshold": 8192,
+        }
+    )
+    node = StorageNode(config, ControlFile.open_or_create(str(tmp_path), key, 1))
+    partition = node.partitions[0]
+    plog = partition.open_log()
+    next_id = 0
+
+    def group(n: int) -> None:
+        """A group commit of ``n`` records of 1000 bytes: written, fsynced, then zeros (_answer_group)."""
+        nonlocal next_id
+        plog.append([Record.build(i, ReqId(1 << 32, i), 0, bytes(1000)) for i in range(next_id, next_id + n)])
+        next_id += n
+        assert partition._fsync_inline(plog) is None
+        partition._preallocate()
+
+    group(1)
+    assert partition.preallocating
+    first_segment = plog.segment_first_ids[-1]
+    pending = partition._zeros
+    assert pending is not None
+    assert pending.segment is plog._writable()
+    group(8)  # crosses the threshold: the group's last records go to a new segment, its fsync to that one
+    assert plog.segment_first_ids[-1] != first_segment
+    assert plog._writable() is not pending.segment
+    assert partition._zeros is not pending  # taken by the group fsync, and a chunk of the new segment written
+    assert partition.preallocating
+    assert plog.prefilled_bytes == 0  # written, not fsynced yet: nothing of the old chunk counts here
+    assert pending.segment.closed
+    assert (tmp_path / "0" / data_file_name(first_segment)).stat().st_size == pending.segment.size_bytes
+
+    cut = partition._zeros
+    assert cut is not None
+    assert plog.truncate(next_id - 2) == next_id - 2  # cuts a record and the zeros after it
+    next_id -= 1
+    assert plog.prefilled_bytes == 0
+    group(1)
+    assert plog.prefilled_bytes == 0  # the chunk cut by the truncation counts for nothing
+    assert partition._zeros is not None
+    assert partition._zeros is not cut
+    assert partition._fsync_inline(plog) is None
+    assert plog.prefilled_bytes > 0
+    assert partition.broken is None
+    assert partition.failed is None
     partition.close_log()
