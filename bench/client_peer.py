@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -439,6 +440,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.phase = args.phase or list(PHASES)
+    # Every process of the run (client, server, storage nodes) runs this interpreter, and its build matters as
+    # much as the code: an optimised build (Debian's python3.11) takes far less CPU per append than a default
+    # source build (pyenv's); see docs/operations.md.
+    print(f"python {platform.python_version()} ({sys.executable}; {platform.python_build()[1]})", flush=True)
     print(f"load average at start: {os.getloadavg()}; cpu gauge {cpu_gauge_ms():.0f} ms", flush=True)
     with tempfile.TemporaryDirectory(prefix="waltz-client-peer-") as tmp:
         opts = local.UpOptions(directory=Path(tmp) / "cluster", storages=3, servers=1, partitions=1)
