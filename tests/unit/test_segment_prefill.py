@@ -51,7 +51,8 @@ def reopen(fs: CrashFS) -> Segment:
 
 
 def prefilled(fs: CrashFS, seg: Segment, ahead: int = AHEAD) -> None:
-    """Prefill until nothing is missing, each chunk synced (as the node's background fsync does)."""
+    """Prefill until nothing is missing, each chunk synced (through its own descriptor; a node leaves the
+    chunk to its next group fsync instead)."""
     while (job := seg.prefill(ahead, 1 << 30)) is not None:
         job.sync()
         job.done()
