@@ -90,18 +90,21 @@ def batch_histogram(http_port: int | None) -> dict[str, float]:
     return out
 
 
-def storage_counts(http_ports: list[int]) -> tuple[float, float]:
-    """Group-commit fsyncs and append requests of every storage node (``waltz_storage_fsyncs_total``,
-    ``waltz_storage_requests_total`` of append types), summed."""
-    fsyncs = requests = 0.0
+def storage_counts(http_ports: list[int]) -> tuple[float, float, float]:
+    """Group-commit fsyncs, append requests and fsyncs run in a thread of every storage node
+    (``waltz_storage_fsyncs_total``, ``waltz_storage_requests_total`` of append types,
+    ``waltz_storage_fsyncs_in_thread_total``), summed."""
+    fsyncs = requests = threaded = 0.0
     for port in http_ports:
         text = _metrics(port)
         for line in text.splitlines():
             if line.startswith("waltz_storage_fsyncs_total "):
                 fsyncs += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("waltz_storage_fsyncs_in_thread_total "):
+                threaded += float(line.rsplit(" ", 1)[1])
             elif line.startswith("waltz_storage_requests_total{") and "append" in line.lower():
                 requests += float(line.rsplit(" ", 1)[1])
-    return fsyncs, requests
+    return fsyncs, requests, threaded
 
 
 def batch_note(before: dict[str, float], after: dict[str, float]) -> str:
@@ -282,7 +285,7 @@ class Bench:
         await asyncio.sleep(WARMUP_S)
         measuring = True
         h0 = batch_histogram(self.http_port)
-        f0, r0 = storage_counts(self.storage_http_ports)
+        f0, r0, x0 = storage_counts(self.storage_http_ports)
         # The server process alone too (the first pid; the rest are the storage nodes).
         w0 = proc_cpu_s(self.pids[:1])
         c0, k0, s0, t0 = time.process_time(), os.times().system, proc_cpu_s(self.pids), time.perf_counter()
@@ -294,11 +297,13 @@ class Bench:
         c1, k1, s1 = time.process_time(), os.times().system, proc_cpu_s(self.pids)
         w1 = proc_cpu_s(self.pids[:1])
         h1 = batch_histogram(self.http_port)
-        f1, r1 = storage_counts(self.storage_http_ports)
+        f1, r1, x1 = storage_counts(self.storage_http_ports)
         note = batch_note(h0, h1)
         if count:
             note += f"; server process alone {(w1 - w0) * 1e6 / count:.1f} us/op"
             note += f"; storage append requests/op {(r1 - r0) / count:.3f}, fsyncs/op {(f1 - f0) / count:.3f}"
+            if f1 > f0:
+                note += f" ({100 * (x1 - x0) / (f1 - f0):.0f}% in a thread)"
         await asyncio.wait(tasks, timeout=30)
         return Result(phase, count, elapsed, latencies, c1 - c0, k1 - k0, s1 - s0, note)
 
