@@ -35,7 +35,8 @@ class _Log:
         time.sleep(self.delay_s)
 
 
-def _node(tmp_path: Path) -> StorageNode:
+def _node(tmp_path: Path, **settings: object) -> StorageNode:
+    """A one-partition node on ``tmp_path`` (not serving), with ``settings`` (config keys) on top."""
     key = uuid.uuid4()
     config = StorageConfig.from_mapping(
         {
@@ -44,6 +45,7 @@ def _node(tmp_path: Path) -> StorageNode:
             "storage.admin.port": 2,
             "storage.cluster.key": str(key),
             "storage.cluster.numPartitions": 1,
+            **settings,
         }
     )
     return StorageNode(config, ControlFile.open_or_create(str(tmp_path), key, 1))
@@ -319,19 +321,9 @@ def test_zeros_pending_across_a_roll_over_or_a_truncation_never_count_and_do_not
     fsyncs a file whose zeros were cut: neither may count the pending chunk as durable zeros of the segment
     now written (its appends would skip the size's journal commit), and neither may leave the chunk pending
     (no more preallocation)."""
-    key = uuid.uuid4()
-    config = StorageConfig.from_mapping(
-        {
-            "storage.directory": str(tmp_path),
-            "storage.port": 1,
-            "storage.admin.port": 2,
-            "storage.cluster.key": str(key),
-            "storage.cluster.numPartitions": 1,
-            "storage.segment.preallocateBytes": 64 * 1024,
-            "storage.segment.size.threshold": 8192,
-        }
+    node = _node(
+        tmp_path, **{"storage.segment.preallocateBytes": 64 * 1024, "storage.segment.size.threshold": 8192}
     )
-    node = StorageNode(config, ControlFile.open_or_create(str(tmp_path), key, 1))
     partition = node.partitions[0]
     plog = partition.open_log()
     next_id = 0
