@@ -17,6 +17,7 @@ from waltz.cluster import zk as zkutil
 from waltz.cluster import zkserver
 from waltz.cluster.zkserver import ZooKeeperEnsemble, ZooKeeperServer, four_letter_word
 from waltz.errors import ClusterError
+from waltz.local import procs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -47,9 +48,9 @@ time.sleep(600)
 """
 
 
-def _zookeeper_of_killed_owner(tmp_path: Path, die_with_parent: bool) -> int:
+def _zookeeper_of_killed_owner(tmp_path: Path, die_with_parent: bool) -> procs.ProcessId:
     """Start a ZooKeeper from a child Python process, kill that process with SIGKILL (no cleanup runs) and
-    return the ZooKeeper's pid."""
+    return the ZooKeeper's process."""
     owner = subprocess.Popen(
         [sys.executable, "-c", _OWNER_SCRIPT, str(tmp_path / "zk"), "1" if die_with_parent else "0"],
         stdout=subprocess.PIPE,
@@ -59,7 +60,7 @@ def _zookeeper_of_killed_owner(tmp_path: Path, die_with_parent: bool) -> int:
         assert owner.stdout is not None
         line = owner.stdout.readline()
         assert line.strip().isdigit(), f"the owner printed {line!r}"
-        return int(line)
+        return procs.identify(int(line))  # while its owner still runs: it cannot have died yet
     finally:
         owner.kill()
         owner.wait(10)
@@ -67,33 +68,22 @@ def _zookeeper_of_killed_owner(tmp_path: Path, die_with_parent: bool) -> int:
             owner.stdout.close()
 
 
-def _gone_within(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_a_throwaway_server_dies_with_its_killed_owner(tmp_path: Path) -> None:
-    zk_pid = _zookeeper_of_killed_owner(tmp_path, die_with_parent=True)
+    zk = _zookeeper_of_killed_owner(tmp_path, die_with_parent=True)
     try:
-        assert _gone_within(zk_pid, 10), "the ZooKeeper outlived the process that started it"
+        assert procs.wait_gone(zk, 10), "the ZooKeeper outlived the process that started it"
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(zk_pid, signal.SIGKILL)
+            os.kill(zk.pid, signal.SIGKILL)
 
 
 def test_a_local_cluster_server_outlives_its_starter(tmp_path: Path) -> None:
     # The default (``waltz local up``): the ZooKeeper must outlive the command that started it.
-    zk_pid = _zookeeper_of_killed_owner(tmp_path, die_with_parent=False)
+    zk = _zookeeper_of_killed_owner(tmp_path, die_with_parent=False)
     try:
-        assert not _gone_within(zk_pid, 1.5), "the ZooKeeper died with the process that started it"
+        assert not procs.wait_gone(zk, 1.5), "the ZooKeeper died with the process that started it"
     finally:
-        os.kill(zk_pid, signal.SIGKILL)
+        os.kill(zk.pid, signal.SIGKILL)
 
 
 def test_missing_zookeeper_gives_install_hint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

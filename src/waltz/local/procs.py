@@ -95,7 +95,8 @@ def _reap(pid: int) -> None:
             child.wait(timeout=STOP_GRACE_S)
 
 
-def _wait_gone(proc: ProcessId, timeout_s: float) -> bool:
+def wait_gone(proc: ProcessId, timeout_s: float) -> bool:
+    """Whether the recorded process is gone (exited, a zombie, or its pid reused) within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not is_alive(proc):
@@ -113,10 +114,10 @@ def stop(proc: ProcessId | None, grace_s: float = STOP_GRACE_S) -> bool:
         return False
     with contextlib.suppress(ProcessLookupError):
         os.kill(proc.pid, signal.SIGTERM)
-    if not _wait_gone(proc, grace_s):
+    if not wait_gone(proc, grace_s):
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGKILL)
-        _wait_gone(proc, grace_s)
+        wait_gone(proc, grace_s)
     _reap(proc.pid)
     return True
 
@@ -127,7 +128,7 @@ def kill(proc: ProcessId | None) -> bool:
         return False
     with contextlib.suppress(ProcessLookupError):
         os.kill(proc.pid, signal.SIGKILL)
-    _wait_gone(proc, STOP_GRACE_S)
+    wait_gone(proc, STOP_GRACE_S)
     _reap(proc.pid)
     return True
 
