@@ -17,8 +17,10 @@ Per partition there is one **append task** and one **feed task per mounted clien
   reads slowly only stalls its own feed task (we wait for its socket to drain).
 * A mount first drains the append queue (so nothing of the client is pending here), then streams the
   transactions the client lacks and finishes with MountResponse(READY); a client whose high-water mark is
-  above ours gets CLIENT_AHEAD. A newer connection (generation, then connection sequence number) of the
-  same client replaces the older one.
+  above ours gets CLIENT_AHEAD, which the client takes as final, so only an incarnation that knows the log's
+  end may say it: the one of the generation the mount names, open, with its store session open. Any other
+  incarnation (older or newer than the mount's generation, closing, fenced) answers NOT_READY and the client
+  mounts again. A newer connection (connection sequence number) of the same client replaces the older one.
 
 A partition object is one *incarnation*: it lives for one generation on this server, and its registrations
 die with it. Nothing is dropped silently: :meth:`Partition.append`, :meth:`Partition.feed_request` and
@@ -413,9 +415,21 @@ class Partition:
         hwm = await self.flush()
         peer.send(cs.FlushResponse(msg.req_id, hwm))
 
+    def _answers_mount(self, generation: int) -> bool:
+        """Whether this incarnation may answer a mount that names ``generation``: only the incarnation of that
+        very generation, while it is open. An older one (fenced by the partition's new owner, being closed,
+        or not yet replaced while this server reopens its partitions one at a time) knows a high-water mark
+        that may be far below the log's end, and a client told CLIENT_AHEAD from it would be told wrong; a
+        newer one means the client still names a generation that is over. Either way the client mounts again
+        (NOT_READY) wherever the assignment then says."""
+        return generation == self.generation and not self._closed
+
     async def mount(self, peer: Peer, msg: cs.MountRequest) -> None:
+        """Answer a MountRequest: stream what the client lacks and end with READY; CLIENT_AHEAD only from the
+        incarnation of the generation the mount names, with its store session open (so its high-water mark
+        is the log's end); NOT_READY otherwise (see :meth:`_answers_mount`)."""
         rid = msg.req_id
-        if rid.generation < self.generation:
+        if not self._answers_mount(rid.generation):
             peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
             return
         reg = self._registrations.get(rid.client_id)
@@ -431,6 +445,8 @@ class Partition:
         if old is not None:
             self._end_feed(old)
         await self._ready.wait()
+        if self._closed:
+            return  # close() answered the registration (NOT_READY); a flush would wait for a task it ended.
         hwm = await self.flush()
         reg = self._registrations.get(rid.client_id)
         if reg is None or reg.peer is not peer:
@@ -442,6 +458,12 @@ class Partition:
             peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
             return
         if msg.client_high_water_mark > hwm:
+            if not (self._answers_mount(rid.generation) and self.store.is_healthy):
+                # Closed while we flushed, or no open store session (ended: quorum lost, or fenced by a new
+                # owner): the mark we know may not be the log's end, so the client may not be ahead at all.
+                # CLIENT_AHEAD is final for a client: only a mark read through an open session may send it.
+                peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
+                return
             peer.send(cs.MountResponse(rid, cs.PartitionState.CLIENT_AHEAD))
             log.warning(
                 "partition %d: client %d is ahead (%d > %d)",
