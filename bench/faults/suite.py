@@ -12,11 +12,15 @@ One run (:func:`run_seed`), bounded in time, stops everything it started:
    window after it.
 3. The seed picks the fault schedule (printed before the run; :func:`schedule`): kill -9 and SIGSTOP/SIGCONT
    of a storage node, a server or ZooKeeper, two storage nodes down at once, a cut of all links to one storage
-   node (server<->storage) or to one server (client<->server). Faults run one after the other, each healed
-   before the next, with a random gap.
+   node (server<->storage) or to one server (client<->server), and the owner faults of
+   :mod:`bench.faults.owner` (one server cut from ZooKeeper alone, or stopped, past its session). Faults run
+   one after the other, each healed before the next, with a random gap.
 4. Checks (:func:`verify`), after the last fault was healed:
 
    * no partition is stuck: every partition acknowledges a new append within ``stuck_bound_s`` of the heal;
+   * no client is stranded: through that quiet period (until every app has had an append acknowledged on every
+     partition, at most ``stuck_bound_s``), no app goes without acknowledgements on a partition that
+     acknowledges the other apps' appends (:func:`bench.faults.owner.check_stranded`);
    * every transaction an app saw acknowledged is in the log (read through the servers with
      :class:`~waltz.client.reader.LogReader`) exactly once, in the partition it was sent to, and no tag is in
      the log twice at all (nothing committed twice);
