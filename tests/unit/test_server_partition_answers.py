@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, cast
 
+from waltz.errors import ClosedResourceError
 from waltz.protocol import client_server as cs
 from waltz.protocol.records import ReqId
 from waltz.server.feed_cache import FeedCache
@@ -203,5 +204,66 @@ def test_a_closed_incarnation_answers_a_mount_not_ready_at_once() -> None:
         # mount was never answered.
         assert await _mount_answer(part, 3, 636) == cs.PartitionState.NOT_READY
         assert await _mount_answer(part, 3, 10) == cs.PartitionState.NOT_READY
+
+    asyncio.run(main())
+
+
+class _FencedStore(_Store):
+    """A store fenced by a new owner while a flush waits (once ``fence_on_flush``): the flush returns with the
+    appends it had in flight failed, and no session opens again until the store closes."""
+
+    def __init__(self, generation: int, high_water_mark: int) -> None:
+        super().__init__(generation, high_water_mark)
+        self.fence_on_flush = False
+        self.waiting_open = asyncio.Event()
+        self._closed = asyncio.Event()
+
+    async def flush(self) -> int:
+        if self.fence_on_flush:
+            self.is_healthy = False
+        return self.high_water_mark
+
+    async def wait_open(self) -> int:
+        if not self.is_healthy:
+            self.waiting_open.set()
+            await self._closed.wait()
+            raise ClosedResourceError("store closed")
+        return self.high_water_mark
+
+    async def close(self) -> None:
+        self.is_healthy = False
+        self._closed.set()
+
+
+def test_a_flush_is_answered_only_through_an_open_store_session() -> None:
+    # A fenced store fails the appends it had in flight (the new owner's recovery may have committed them) and
+    # knows a mark behind the log's end: a FlushResponse from it would make the client fail those appends for
+    # good. The flush waits instead, and closing the incarnation tells the client to mount again.
+    async def main() -> None:
+        store = _FencedStore(3, 457)
+        part = Partition(
+            3,
+            cast(StorePartition, store),
+            feed_cache=FeedCache(1 << 20, 4),
+            transaction_cache=TransactionCache(1 << 20),
+        )
+        await part.start()
+        peer = _Peer()
+        session = ReqId.of(7, 3, 3, -1)
+        await part.mount(cast(Any, peer), cs.MountRequest(session, 457, 1))
+        flush = cs.FlushRequest(ReqId.of(7, 3, 3, 12))
+        async with asyncio.timeout(5):
+            await part.flush_request(cast(Any, peer), flush)  # an open session: answered at once
+        assert peer.sent[-1] == cs.FlushResponse(flush.req_id, 457)
+        store.fence_on_flush = True
+        task = asyncio.create_task(part.flush_request(cast(Any, peer), flush))
+        async with asyncio.timeout(5):
+            await store.waiting_open.wait()
+        assert peer.sent[-1] == cs.FlushResponse(flush.req_id, 457)  # the first answer; nothing since
+        await part.close()
+        async with asyncio.timeout(5):
+            await asyncio.gather(task, return_exceptions=True)
+        assert peer.sent.count(cs.FlushResponse(flush.req_id, 457)) == 1
+        assert peer.sent[-1] == cs.MountResponse(session, cs.PartitionState.NOT_READY)
 
     asyncio.run(main())

@@ -411,9 +411,22 @@ class Partition:
         return await fut
 
     async def flush_request(self, peer: Peer, msg: cs.FlushRequest) -> None:
-        """Answer a flush accepted by :meth:`accepts` once every append before it is resolved."""
-        hwm = await self.flush()
-        peer.send(cs.FlushResponse(msg.req_id, hwm))
+        """Answer a flush accepted by :meth:`accepts` once every append before it is resolved, with the
+        high-water mark of an open store session.
+
+        The client takes the answer as final: every append of it not in the log up to that mark failed. A
+        store without an open session cannot say so: one fenced by a new owner (its generation is over)
+        fails the appends it had in flight although the new owner's recovery may have committed them, and
+        its mark is behind the log's end. Such a flush waits for a session to open (the store's next one,
+        whose recovery resolved what was in flight); a store that is over never opens one, and the flush is
+        left to :meth:`close`, which tells the client to mount again (on the current owner, whose log
+        decides)."""
+        while not self._closed:  # once closed, close() has told the client to mount again
+            await self.store.wait_open()  # raises ClosedResourceError once the store is closed
+            hwm = await self.flush()
+            if self.store.is_healthy and not self._closed:
+                peer.send(cs.FlushResponse(msg.req_id, hwm))
+                return
 
     def _answers_mount(self, generation: int) -> bool:
         """Whether this incarnation may answer a mount that names ``generation``: only the incarnation of that
