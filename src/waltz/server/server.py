@@ -26,7 +26,8 @@
   ends leaves the partition table before any of them is closed; a mount is answered only by the incarnation
   of the generation it names (else NOT_READY), and a high-water mark or range request naming a newer
   generation than ours gets ``HWM_NOT_SERVED`` or no records: the mark of an incarnation whose generation is
-  over (fenced by the new owner) may be far below the log's end.
+  over (fenced by the new owner) may be far below the log's end. A flush is answered through an open store
+  session only (see ``Partition.flush_request``).
 * **Bounds per connection** (``server.connection.*``, docs/operations.md "Limits"): at most ``maxInFlight``
   mounts, reads and flushes unanswered (the connection is not read meanwhile); read responses reserve their
   bytes from a ``maxResponseBytes`` budget until they left our write buffer, so a peer that asks and never
