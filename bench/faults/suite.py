@@ -90,7 +90,8 @@ class Options:
     fault_phase_s: float = 40.0
     """Faults start within this many seconds of the apps' start (the last one may end a little later)."""
     max_fault_s: float = 6.0
-    """Longest single fault (a process down or stopped, a link cut)."""
+    """Longest single fault (a process down or stopped, a link cut), except the faults that must outlast the
+    ZooKeeper session: long ZooKeeper pauses and the owner faults (``bench.faults.owner.owner_fault_s``)."""
     long_zk_pauses: bool = True
     """Allow SIGSTOP of ZooKeeper longer than the session timeout (sessions expire together): half of the
     pauses drawn, and the one pause of an ``each_kind_once`` run. False keeps every pause below it."""
