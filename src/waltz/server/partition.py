@@ -17,10 +17,9 @@ Per partition there is one **append task** and one **feed task per mounted clien
   reads slowly only stalls its own feed task (we wait for its socket to drain).
 * A mount first drains the append queue (so nothing of the client is pending here), then streams the
   transactions the client lacks and finishes with MountResponse(READY); a client whose high-water mark is
-  above ours gets CLIENT_AHEAD, which the client takes as final, so only an incarnation that knows the log's
-  end may say it: the one of the generation the mount names, open, with its store session open. Any other
-  incarnation (older or newer than the mount's generation, closing, fenced) answers NOT_READY and the client
-  mounts again. A newer connection (connection sequence number) of the same client replaces the older one.
+  above ours gets CLIENT_AHEAD (final for the client, so only from the incarnation of the generation the mount
+  names, open, its store session open; any other answers NOT_READY and the client mounts again). A newer
+  connection (connection sequence number) of the same client replaces the older one.
 
 A partition object is one *incarnation*: it lives for one generation on this server, and its registrations
 die with it. Nothing is dropped silently: :meth:`Partition.append`, :meth:`Partition.feed_request` and
@@ -411,16 +410,10 @@ class Partition:
         return await fut
 
     async def flush_request(self, peer: Peer, msg: cs.FlushRequest) -> None:
-        """Answer a flush accepted by :meth:`accepts` once every append before it is resolved, with the
-        high-water mark of an open store session.
-
-        The client takes the answer as final: every append of it not in the log up to that mark failed. A
-        store without an open session cannot say so: one fenced by a new owner (its generation is over)
-        fails the appends it had in flight although the new owner's recovery may have committed them, and
-        its mark is behind the log's end. Such a flush waits for a session to open (the store's next one,
-        whose recovery resolved what was in flight); a store that is over never opens one, and the flush is
-        left to :meth:`close`, which tells the client to mount again (on the current owner, whose log
-        decides)."""
+        """Answer a flush accepted by :meth:`accepts_flush` once every append before it is resolved, through
+        an open store session: the client takes the answer as final, and a store fenced by a new owner fails
+        the appends it had in flight though that owner's recovery may have committed them. Such a flush waits
+        for a session that never opens, until :meth:`close` tells the client to mount again."""
         while not self._closed:  # once closed, close() has told the client to mount again
             await self.store.wait_open()  # raises ClosedResourceError once the store is closed
             hwm = await self.flush()
@@ -429,18 +422,13 @@ class Partition:
                 return
 
     def _answers_mount(self, generation: int) -> bool:
-        """Whether this incarnation may answer a mount that names ``generation``: only the incarnation of that
-        very generation, while it is open. An older one (fenced by the partition's new owner, being closed,
-        or not yet replaced while this server reopens its partitions one at a time) knows a high-water mark
-        that may be far below the log's end, and a client told CLIENT_AHEAD from it would be told wrong; a
-        newer one means the client still names a generation that is over. Either way the client mounts again
-        (NOT_READY) wherever the assignment then says."""
+        """Whether a mount naming ``generation`` is ours to answer: only while open, in that generation (an
+        older incarnation, fenced or not yet replaced, may know a mark far below the log's end)."""
         return generation == self.generation and not self._closed
 
     async def mount(self, peer: Peer, msg: cs.MountRequest) -> None:
-        """Answer a MountRequest: stream what the client lacks and end with READY; CLIENT_AHEAD only from the
-        incarnation of the generation the mount names, with its store session open (so its high-water mark
-        is the log's end); NOT_READY otherwise (see :meth:`_answers_mount`)."""
+        """Stream what the client lacks, then READY; CLIENT_AHEAD only with the store session open (the mark
+        is the log's end); NOT_READY if not ours to answer (:meth:`_answers_mount`)."""
         rid = msg.req_id
         if not self._answers_mount(rid.generation):
             peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
@@ -459,7 +447,7 @@ class Partition:
             self._end_feed(old)
         await self._ready.wait()
         if self._closed:
-            return  # close() answered the registration (NOT_READY); a flush would wait for a task it ended.
+            return  # close() answered NOT_READY; a flush would wait for the append task it ended
         hwm = await self.flush()
         reg = self._registrations.get(rid.client_id)
         if reg is None or reg.peer is not peer:
@@ -472,9 +460,8 @@ class Partition:
             return
         if msg.client_high_water_mark > hwm:
             if not (self._answers_mount(rid.generation) and self.store.is_healthy):
-                # Closed while we flushed, or no open store session (ended: quorum lost, or fenced by a new
-                # owner): the mark we know may not be the log's end, so the client may not be ahead at all.
-                # CLIENT_AHEAD is final for a client: only a mark read through an open session may send it.
+                # Closed meanwhile, or no open store session (quorum lost, fenced by a new owner): our mark
+                # may not be the log's end, and CLIENT_AHEAD is final for a client.
                 peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
                 return
             peer.send(cs.MountResponse(rid, cs.PartitionState.CLIENT_AHEAD))
