@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from waltz.errors import BackupError, ProtocolError
+from waltz.errors import BackupError, DataChecksumError, ProtocolError
 from waltz.protocol.checksum import crc32
 from waltz.protocol.record_run import run_bounds
 
@@ -287,7 +287,7 @@ class PartitionFileWriter:
             raise BackupError(f"{self.path}: a run of {count} from {first} does not continue at {self._next}")
         try:
             run_bounds(run, first, count)
-        except ProtocolError as e:
+        except (ProtocolError, DataChecksumError) as e:
             raise BackupError(
                 f"partition {self.header.partition}: a run read from {first} fails: {e}"
             ) from None
@@ -362,7 +362,7 @@ def iter_blocks(
             run = _read_exactly(f, length, path, f"the block at transaction {position}")
             try:
                 run_bounds(run, position, count)
-            except ProtocolError as e:
+            except (ProtocolError, DataChecksumError) as e:
                 raise BackupError(f"{path}: the block at transaction {position} is damaged: {e}") from None
             yield header, position, count, run
             position += count
