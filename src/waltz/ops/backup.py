@@ -33,9 +33,10 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from waltz.client.config import ClientConfig
 from waltz.client.reader import LogReader
@@ -54,7 +55,9 @@ from waltz.ops.backup_format import (
 )
 from waltz.protocol.record_run import RecordRun
 
-__all__ = ["BackupProgress", "BackupResult", "backup"]
+__all__ = ["BackupProgress", "BackupResult", "backup", "run_all"]
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +162,7 @@ async def backup(
                         reader, PartitionFileWriter(path, header), fetch_depth, counter
                     )
 
-            entries = await asyncio.gather(*(one(p) for p in range(n)))
+            entries = await run_all(one(p) for p in range(n))
             manifest = BackupManifest(
                 uuid.uuid4(),
                 created_ms,
@@ -178,6 +181,20 @@ async def backup(
     size = sum(e.bytes for e in manifest.partitions)
     log.info("backup %s complete: %d records, %d bytes in %.1f s", directory, counter.copied, size, elapsed)
     return BackupResult(directory, manifest, counter.copied, size, elapsed)
+
+
+async def run_all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run ``coros`` as tasks of one group and return their results in order; if one fails, the others are
+    cancelled and awaited, and its exception (not a group of one) is raised."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(c) for c in coros]
+    except BaseExceptionGroup as eg:
+        first = eg.exceptions[0]
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+    return [t.result() for t in tasks]
 
 
 def _check_same_cluster(since: Path, previous: BackupManifest, key: uuid.UUID, n: int) -> None:

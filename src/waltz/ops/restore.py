@@ -51,6 +51,7 @@ from kazoo.client import KazooClient
 from waltz.cluster import store_metadata as sm
 from waltz.cluster.partition_metadata import PartitionMetadata, ReplicaState
 from waltz.errors import BackupError, WaltzError
+from waltz.ops.backup import run_all
 from waltz.ops.backup_format import BackupManifest, check_chain, iter_blocks, verify_backup
 from waltz.ops.view import ClusterView
 from waltz.protocol import storage as st
@@ -63,6 +64,8 @@ log = logging.getLogger(__name__)
 
 MAX_INFLIGHT_BATCHES = 4
 """Appends in flight per replica (each is one block of the backup, at most 10,000 records)."""
+DEFAULT_CONCURRENCY = 4
+"""Partitions restored at once."""
 VERIFY_RECORDS = 10_000
 VERIFY_BYTES = 16 * 1024 * 1024
 
@@ -158,6 +161,7 @@ async def restore(
     view: ClusterView,
     plan: RestorePlan,
     *,
+    concurrency: int = DEFAULT_CONCURRENCY,
     progress: Progress | None = None,
 ) -> RestoreResult:
     """Restore ``plan`` (from :func:`plan_restore`) into the empty cluster of ``view``; see the module doc."""
@@ -171,9 +175,13 @@ async def restore(
         if progress is not None:
             progress(RestoreProgress(done, plan.total, time.monotonic() - started))
 
-    for p, target in enumerate(plan.targets):
-        if target >= 0:
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(p: int, target: int) -> None:
+        async with limit:
             await _restore_partition(client, view, plan, p, target, advanced)
+
+    await run_all(one(p, t) for p, t in enumerate(plan.targets) if t >= 0)
     elapsed = time.monotonic() - started
     log.info("restored %d records into %s in %.1f s", done, view.info.root, elapsed)
     return RestoreResult(plan.targets, done, elapsed)
