@@ -127,6 +127,15 @@ def test_backup_while_appending_then_restore_keeps_every_record(
     async def body() -> None:
         await src.start(storages=2, servers=1)
         src_yaml = _cli_yaml(src)
+        # `waltz cluster create --cluster-key` (restore runbook step 2) creates a cluster with a given key.
+        keyed = src.base.parent / "keyed.yaml"
+        keyed.write_text(src_yaml.read_text().replace(src.root, "/keyed"))
+        assert (
+            await _waltz(
+                "cluster", "create", "-c", str(keyed), "-n", "k", "-p", "2", "--cluster-key", str(SOURCE_KEY)
+            )
+        )[0] == 0
+        assert (await _waltz("cluster", "show-cluster-key", "-c", str(keyed)))[1].strip() == str(SOURCE_KEY)
         stop, counts = asyncio.Event(), [0] * PARTITIONS
         writers = asyncio.create_task(_writers(src, stop, counts))
         await wait_until(lambda: min(counts) >= 2000, 60, "2000 appends per partition")
@@ -181,9 +190,11 @@ def test_backup_while_appending_then_restore_keeps_every_record(
 
         # A server started afterwards serves exactly the restored high-water mark, and appends go on from it.
         await dst.add_server()
+        rc, out, err = await _waltz("client", "high-water-mark", "-c", str(dst_yaml))
+        assert rc == 0, err
+        assert out.splitlines() == [f"partition {p}: {cut[p]}" for p in range(PARTITIONS)]
         config = ClientConfig(zookeeper_connect_string=dst.zk_connect, cluster_root=dst.root)
         async with LogReader(config) as reader:
-            assert [await reader.high_water_mark(p) for p in range(PARTITIONS)] == cut
             served = [r async for r in reader.read(1, 0, cut[1])]
             assert served == source[1][0]
         async with ClusterWatcher(dst.zk, dst.root) as watcher:
@@ -192,6 +203,11 @@ def test_backup_while_appending_then_restore_keeps_every_record(
                 assert await client.append_and_wait(b"after the restore") == cut[0] + 1
             finally:
                 await client.aclose()
+
+        async def verified() -> bool:
+            return (await _waltz("cluster", "verify", "-c", str(dst_yaml)))[0] == 0
+
+        await wait_until(verified, 30, "waltz cluster verify to print OK")
 
         # Point in time: a third cluster restored up to chosen ids.
         pit = _target(cluster_factory, "/point-in-time")
