@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from waltz.errors import BackupError
+from waltz.cli.backup import parse_to_transaction
+from waltz.errors import BackupError, ConfigError
 from waltz.ops.backup_format import (
     MANIFEST_NAME,
     BackupManifest,
@@ -145,3 +146,19 @@ def test_chains_must_continue_one_cluster(tmp_path: Path) -> None:
     shutil.copy(tmp_path / "incr" / MANIFEST_NAME, tmp_path / "full" / MANIFEST_NAME)
     with pytest.raises(BackupError, match="was changed after"):
         check_chain(dirs, [full, incr])
+
+
+def test_an_empty_range_is_a_file_of_no_blocks(tmp_path: Path) -> None:
+    path = tmp_path / "partition-0.wbk"
+    entry = PartitionFileWriter(path, FileHeader(0, KEY, 4, 3)).finish()
+    assert entry.records == 0
+    assert list(iter_blocks(path, entry)) == []
+    assert path.stat().st_size == 52 + 16
+
+
+def test_to_transaction_takes_one_id_or_one_per_partition() -> None:
+    assert parse_to_transaction(None, 3) is None
+    assert parse_to_transaction("7", 3) == {0: 7, 1: 7, 2: 7}
+    assert parse_to_transaction("0=5,2=-1", 3) == {0: 5, 2: -1}
+    with pytest.raises(ConfigError, match="--to-transaction"):
+        parse_to_transaction("0=x", 3)
