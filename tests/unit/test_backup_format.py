@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from waltz.cli.backup import parse_to_transaction
+from waltz.cli.backup import parse_to_transaction, reader_config
 from waltz.errors import BackupError, ConfigError
 from waltz.ops.backup_format import (
     MANIFEST_NAME,
@@ -162,3 +162,17 @@ def test_to_transaction_takes_one_id_or_one_per_partition() -> None:
     assert parse_to_transaction("0=5,2=-1", 3) == {0: 5, 2: -1}
     with pytest.raises(ConfigError, match="--to-transaction"):
         parse_to_transaction("0=x", 3)
+
+
+def test_backup_reads_a_cli_config_or_a_client_config(tmp_path: Path) -> None:
+    cli = tmp_path / "cli.yaml"
+    cli.write_text("zookeeper.connectString: h:1\nzookeeper.connectTimeout: 5000\ncluster.root: /c\n")
+    config = reader_config(str(cli), 1234)
+    assert (config.zookeeper_connect_string, config.cluster_root) == ("h:1", "/c")
+    assert config.request_timeout_ms == 1234
+    client = tmp_path / "client.yaml"
+    client.write_text("zookeeper.connectString: h:2\nzookeeper.sessionTimeout: 9000\ncluster.root: /d\n")
+    assert reader_config(str(client), 5).zookeeper_session_timeout_ms == 9000
+    client.write_text("zookeeper.connectString: h:2\ncluster.root: /d\nclient.nonsense: 1\n")
+    with pytest.raises(ConfigError, match=r"client\.nonsense"):
+        reader_config(str(client), 5)

@@ -19,11 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from waltz.cli.common import add_cli_config_arg, load_cli_config, load_cli_tls
+from waltz.cli.common import CLI_CONFIG_SCHEMA, add_cli_config_arg, load_cli_config, load_cli_tls
 from waltz.cli.perf import run_on_fast_loop
 from waltz.client.config import ClientConfig
 from waltz.cluster import store_metadata as sm
 from waltz.cluster.zk import session
+from waltz.config import read_yaml
 from waltz.errors import BackupError, ConfigError
 from waltz.ops.backup import DEFAULT_CONCURRENCY, BackupProgress, backup
 from waltz.ops.backup_format import MANIFEST_NAME, check_chain, verify_backup
@@ -94,7 +95,7 @@ def cmd_backup(args: argparse.Namespace) -> int:
         raise ConfigError("give one directory to back up into")
     if args.cli_config_path is None:
         raise ConfigError("-c/--cli-config-path is required to back up")
-    config = ClientConfig.from_yaml(args.cli_config_path, {"client.requestTimeout": args.request_timeout_ms})
+    config = reader_config(args.cli_config_path, args.request_timeout_ms)
     result = run_on_fast_loop(
         backup(
             config,
@@ -116,6 +117,21 @@ def cmd_backup(args: argparse.Namespace) -> int:
     for e in m.partitions:
         print(f"  partition {e.partition}: {e.first}..{e.last} ({e.records:,} records)")
     return 0
+
+
+def reader_config(path: str, request_timeout_ms: int) -> ClientConfig:
+    """The reader's settings from a ``-c`` file: a CLI configuration (its ``ssl.*`` keys are the client's TLS
+    settings; ``zookeeper.connectTimeout`` is not the reader's) or a client YAML."""
+    values = read_yaml(path)
+    if not any(k.startswith("client.") for k in values):
+        CLI_CONFIG_SCHEMA.parse(values, path)
+        values = {
+            ("client." + k if k.startswith("ssl.") else k): v
+            for k, v in values.items()
+            if k != "zookeeper.connectTimeout"
+        }
+        values.setdefault("zookeeper.sessionTimeout", 30_000)
+    return ClientConfig.from_dict({**values, "client.requestTimeout": request_timeout_ms}, path)
 
 
 def _verify(args: argparse.Namespace) -> int:

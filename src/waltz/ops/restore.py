@@ -152,7 +152,8 @@ async def check_target(view: ClusterView, plan: RestorePlan) -> None:
                 max_id = await admin.max_transaction_id(p)
             if max_id >= 0 or info.low_water_mark >= 0:
                 raise BackupError(
-                    f"the cluster at {root} already holds data: {storage} holds partition {p} up to {max_id}"
+                    f"the cluster at {root} already holds data: {storage} holds partition {p} up to {max_id} "
+                    "(after a restore that stopped part way, start again from a new, empty cluster)"
                 )
 
 
