@@ -289,12 +289,14 @@ def test_bad_backups_are_refused_naming_the_file(cluster_factory: ClusterFactory
 
         # An unreadable record in the source (damaged on disk under the running node, which finds it when it
         # reads it): the backup fails naming the partition and leaves nothing behind.
-        _flip_byte(sorted((src.storages[0].directory / "1").glob("*.seg"))[0], 200)
+        segment = sorted((src.storages[0].directory / "1").glob("*.seg"))[0]
+        _flip_byte(segment, 200)
         rc, _, err = await _waltz(
             "backup", "-c", str(src_yaml), "--request-timeout-ms", "5000", str(tmp_path / "bad-source")
         )
         assert rc == 1, err
-        assert "partition 1" in err, err
+        assert "partition 1: reading transactions 0..299 failed" in err, err
+        assert f"{segment}: record 1 at offset 168: record checksum mismatch" in err, err
         assert not (tmp_path / "bad-source").exists()
 
     asyncio.run(body())

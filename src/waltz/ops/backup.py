@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 
 from waltz.client.config import ClientConfig
 from waltz.client.reader import LogReader
+from waltz.cluster import zk
 from waltz.errors import BackupError, WaltzError
 from waltz.ops.backup_format import (
     MANIFEST_NAME,
@@ -53,6 +54,7 @@ from waltz.ops.backup_format import (
     verify_backup,
     write_manifest,
 )
+from waltz.ops.view import ClusterView, read_view
 from waltz.protocol.record_run import RecordRun
 
 __all__ = ["BackupProgress", "BackupResult", "backup", "run_all"]
@@ -65,6 +67,9 @@ FETCH_RECORDS = 10_000
 """Records asked for per range read (the server's maximum)."""
 DEFAULT_CONCURRENCY = 4
 DEFAULT_FETCH_DEPTH = 4
+DIAGNOSE_TIMEOUT_S = 10.0
+"""Time allowed to ask one replica why a range cannot be read."""
+DIAGNOSE_BATCH = 1000
 
 
 @dataclass(frozen=True)
@@ -159,7 +164,7 @@ async def backup(
                     path = directory / partition_file_name(p)
                     written.append(path)
                     return await _copy_partition(
-                        reader, PartitionFileWriter(path, header), fetch_depth, counter
+                        config, reader, PartitionFileWriter(path, header), fetch_depth, counter
                     )
 
             entries = await run_all(one(p) for p in range(n))
@@ -223,7 +228,7 @@ class _Counter:
 
 
 async def _copy_partition(
-    reader: LogReader, writer: PartitionFileWriter, depth: int, counter: _Counter
+    config: ClientConfig, reader: LogReader, writer: PartitionFileWriter, depth: int, counter: _Counter
 ) -> PartitionEntry:
     """Copy ``writer.header``'s range, ``depth`` range reads in flight; a response the server trimmed (a size
     limit, a segment's end) is followed by a read of what it left out, ahead of the ones already in flight."""
@@ -242,10 +247,14 @@ async def _copy_partition(
             try:
                 run = await task
             except (WaltzError, OSError) as e:
+                found = await diagnose(config, p, first, count)
                 raise BackupError(
-                    f"partition {p}: reading transactions {first}..{first + count - 1} failed ({e}); a "
-                    "damaged record in the source? the owning server's log names the replica and its file, "
-                    "and 'waltz cluster verify' the replicas' state"
+                    f"partition {p}: reading transactions {first}..{first + count - 1} failed ({e}); "
+                    + (
+                        f"the replicas say: {found}"
+                        if found
+                        else "every replica reads them (a server failure?)"
+                    )
                 ) from e
             if run.count == 0 or run.first != first:
                 raise BackupError(
@@ -268,6 +277,42 @@ async def _copy_partition(
             with contextlib.suppress(BaseException):
                 await task
         raise
+
+
+async def diagnose(config: ClientConfig, partition: int, first: int, count: int) -> str:
+    """Why ``first .. first + count - 1`` of ``partition`` cannot be read: each replica is asked for them
+    through its admin port, and what each that fails says (a damaged record names its segment file and
+    offset) is returned, "" if every replica reads them. Asking cannot fail: a replica that cannot be asked is
+    named as such."""
+    try:
+        view = await asyncio.to_thread(_view, config)
+    except WaltzError as e:
+        return f"ZooKeeper could not be read to ask the replicas ({e})"
+    problems = []
+    for storage in view.replicas_of(partition):
+        try:
+            async with asyncio.timeout(DIAGNOSE_TIMEOUT_S), view.admin(storage) as admin:
+                position, end = first, first + count
+                while position < end:
+                    got = await admin.read_records(partition, position, min(DIAGNOSE_BATCH, end - position))
+                    if not got:
+                        break
+                    position += len(got)
+        except (WaltzError, OSError, TimeoutError) as e:
+            problems.append(f"{storage}: {e or type(e).__name__}")
+    return "; ".join(problems)
+
+
+def _view(config: ClientConfig) -> ClusterView:
+    client = zk.connect(
+        config.zookeeper_connect_string,
+        session_timeout_ms=config.zookeeper_session_timeout_ms,
+        auth=config.zookeeper_auth(),
+    )
+    try:
+        return read_view(client, config.cluster_root, config.tls.client_context("client config"))
+    finally:
+        zk.close(client)
 
 
 def _remove(paths: list[Path], directory: Path | None) -> None:
