@@ -287,6 +287,15 @@ def test_bad_backups_are_refused_naming_the_file(cluster_factory: ClusterFactory
         assert f"{partial / MANIFEST_NAME} does not exist: a partial or interrupted backup" in err
         assert await _empty(target)
 
+        # A target whose storage node does not hold a partition ZooKeeper assigns it.
+        async with await target.admin(target.storages[0]) as admin:
+            await admin.set_assigned([1], False)
+            rc, _, err = await _waltz("restore", "-c", target_yaml, str(full))
+            assert rc == 1
+            assert "does not hold partition 1 although ZooKeeper assigns it there" in err
+            await admin.set_assigned([1], True)
+        assert await _empty(target)
+
         # An unreadable record in the source (damaged on disk under the running node, which finds it when it
         # reads it): the backup fails naming the partition and leaves nothing behind.
         segment = sorted((src.storages[0].directory / "1").glob("*.seg"))[0]

@@ -138,23 +138,43 @@ async def check_target(view: ClusterView, plan: RestorePlan) -> None:
             "stop them before restoring"
         )
     for p in range(n):
-        replicas = view.replicas_of(p)
-        if not replicas:
+        if not view.replicas_of(p):
             raise BackupError(f"partition {p} has no storage node assigned in the cluster at {root}")
         metadata = view.metadata(p)
         if metadata is None or metadata.replicas:
             raise BackupError(
                 f"the cluster at {root} already holds data: partition {p} has had a store session"
             )
-        for storage in replicas:
-            async with view.admin(storage) as admin:
+    for storage in sorted({s for p in range(n) for s in view.replicas_of(p)}):
+        await _check_storage(view, storage, [p for p in range(n) if storage in view.replicas_of(p)])
+
+
+async def _check_storage(view: ClusterView, storage: str, partitions: list[int]) -> None:
+    """``storage`` holds each of ``partitions`` online and empty."""
+    root = view.info.root
+    try:
+        async with view.admin(storage) as admin:
+            statuses = {s.partition_id: s.available for s in await admin.partition_statuses()}
+            for p in partitions:
+                if p not in statuses:
+                    raise BackupError(
+                        f"{storage} does not hold partition {p} although ZooKeeper assigns it there: run "
+                        "waltz storage sync-partitions first"
+                    )
+                if not statuses[p]:
+                    raise BackupError(f"partition {p} is offline on {storage}")
                 info = await admin.last_session_info(p)
                 max_id = await admin.max_transaction_id(p)
-            if max_id >= 0 or info.low_water_mark >= 0:
-                raise BackupError(
-                    f"the cluster at {root} already holds data: {storage} holds partition {p} up to {max_id} "
-                    "(after a restore that stopped part way, start again from a new, empty cluster)"
-                )
+                if max_id >= 0 or info.low_water_mark >= 0:
+                    raise BackupError(
+                        f"the cluster at {root} already holds data: {storage} holds partition {p} up to "
+                        f"{max_id} (after a restore that stopped part way, start again from a new, empty "
+                        "cluster)"
+                    )
+    except BackupError:
+        raise
+    except (WaltzError, OSError) as e:
+        raise BackupError(f"storage node {storage} of the cluster at {root} cannot be asked: {e}") from e
 
 
 async def restore(
