@@ -145,6 +145,7 @@ def test_backup_while_appending_then_restore_keeps_every_record(
         rc, out, err = await _waltz("backup", "-c", str(src_yaml), str(full))
         assert rc == 0, err
         assert "full backup" in out
+        assert "records (100%)" in err  # the progress line (stderr is not a terminal here: its last one)
         first_cut = [e.last for e in read_manifest(full).partitions]
         assert min(first_cut) >= 1999
         before = list(counts)
