@@ -33,7 +33,8 @@ Waltz: its ``max-transaction-id`` tool opened a data connection instead; we answ
 CLI needs no store session. Codes 17/18 are ours too: the node's control-file identity (the cluster key and
 partition count it was made for) and its data port, answered *before* the connection is opened (every other
 request needs the open), so ``waltz cluster rebuild-metadata`` can learn the key from the nodes when
-ZooKeeper's copy is lost. ``uuid`` is two i64, most significant first. Replies are AdminSuccess or AdminFailure unless a response type is listed.
+ZooKeeper's copy is lost. ``uuid`` is two i64, most significant first. Replies are AdminSuccess or
+AdminFailure unless a response type is listed.
 
 Decoders return a whole message or raise :class:`~waltz.errors.RemoteProtocolError`; encoders raise
 :class:`~waltz.errors.LocalProtocolError` for values a field cannot carry. Sequences decode as tuples.
