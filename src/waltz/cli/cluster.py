@@ -23,7 +23,7 @@ from waltz.cluster.partition_metadata import UNRESOLVED
 from waltz.cluster.zk import session
 from waltz.config import host_port, parse_partition_ranges
 from waltz.errors import ConfigError
-from waltz.ops import checks, generation, rebuild
+from waltz.ops import accept_loss, checks, generation, rebuild
 from waltz.ops.view import ClusterView, read_view
 
 Command = Callable[[KazooClient, str, argparse.Namespace, TextIO], int | None]
@@ -252,6 +252,21 @@ def cmd_rebuild_metadata(client: KazooClient, root: str, args: argparse.Namespac
     return 0
 
 
+def cmd_accept_loss(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    view = _ops_view(client, root, args)
+    plan = asyncio.run(
+        accept_loss.plan_accept_loss(client, view, args.partition, args.keep_through, args.timeout)
+    )
+    for line in plan.describe():
+        print(line, file=out)
+    if not args.yes:
+        print("nothing written: run again with --yes to accept this loss", file=out)
+        return 0
+    asyncio.run(accept_loss.apply_accept_loss(client, view, plan))
+    print(f"written: partition {plan.partition} holds 0..{plan.keep_through} on every replica", file=out)
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- registration
 
 
@@ -329,6 +344,24 @@ def register(groups: Any) -> None:
     p.add_argument(
         "--replace", action="store_true", help="delete cluster.root first if it exists (default: refuse)"
     )
+    p.set_defaults(default_log_level="INFO")
+
+    p = command(
+        "accept-loss",
+        cmd_accept_loss,
+        "when every replica is older than ZooKeeper's record (disks restored from snapshots), keep "
+        "0..--keep-through and lose the rest (shows what is lost; does it with --yes)",
+    )
+    p.add_argument("-p", "--partition", required=True, type=_non_negative, help="the partition")
+    p.add_argument(
+        "--keep-through",
+        required=True,
+        type=int,
+        metavar="TXN",
+        help="the last transaction id to keep (-1: none)",
+    )
+    p.add_argument("--yes", action="store_true", help="accept the loss (without it, only show it)")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit per node (10 s)")
     p.set_defaults(default_log_level="INFO")
 
     p = command(
