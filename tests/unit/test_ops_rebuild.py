@@ -1,4 +1,5 @@
-"""``waltz cluster rebuild-metadata``'s plan (pure part): what it records and what it refuses."""
+"""The plans of ``waltz cluster rebuild-metadata`` and ``accept-loss`` (pure parts): what they record and
+what they refuse."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import uuid
 
 import pytest
 
-from waltz.cluster.partition_metadata import UNRESOLVED
+from waltz.cluster.partition_metadata import UNRESOLVED, PartitionMetadata, ReplicaState
 from waltz.errors import ConfigError
+from waltz.ops.accept_loss import LossPlan, ReplicaHeld, _refuse_if_recoverable
 from waltz.ops.rebuild import PHANTOM_SERVER_ID, NodeSeen, ReplicaSeen, parse_storage_arg, plan_rebuild
 from waltz.server.store.recovery import ReplicaClass
 
@@ -83,3 +85,34 @@ def test_storage_arguments() -> None:
     for bad in ("h", "h:x", "h:1=x", "h:1=-1"):
         with pytest.raises(ConfigError):
             parse_storage_arg(bad)
+
+
+# -- accept-loss (pure parts) --------------------------------------------------------------------------
+
+
+def held(storage: str, session: int, lwm: int, max_id: int) -> ReplicaHeld:
+    return ReplicaHeld(storage, session, session, lwm, lwm, max_id)
+
+
+def recorded(session: int, *storages: str, closing: int = UNRESOLVED) -> PartitionMetadata:
+    return PartitionMetadata(2, session, {s: ReplicaState(s, session, closing) for s in storages})
+
+
+def test_accept_loss_is_refused_while_recovery_can_settle_alone() -> None:
+    meta = recorded(9, "a", "b", "c")
+    # Two replicas of the recorded session: recovery decides; nothing needs to be lost.
+    with pytest.raises(ConfigError, match="can recover without losing anything: recovery resolves 40"):
+        _refuse_if_recoverable(0, meta, (held("a", 9, 10, 40), held("b", 9, 10, 40), held("c", 3, 5, 80)))
+    with pytest.raises(ConfigError, match="records no replicas"):
+        _refuse_if_recoverable(0, PartitionMetadata(), (held("a", 3, 5, 8),))
+    # Every replica older than the record: the vote is never decided, so accepting a loss is the way out.
+    _refuse_if_recoverable(0, meta, (held("a", 3, 5, 40), held("b", 3, 5, 38), held("c", 2, 5, 12)))
+
+
+def test_accept_loss_target_records_every_replica_unresolved_at_one_session() -> None:
+    meta = recorded(9, "a", "b")
+    plan = LossPlan(0, 40, meta, 3, (held("a", 3, 5, 40), held("b", 3, 5, 45)), "a", 11)
+    assert plan.target == PartitionMetadata(2, 11, {s: ReplicaState(s, 11, UNRESOLVED) for s in ("a", "b")})
+    text = "\n".join(plan.describe())
+    assert "b: session 3, low-water mark 5, holds 0..45: loses 41..45 (5 records)" in text
+    assert "a: session 3, low-water mark 5, holds 0..40: loses nothing" in text
