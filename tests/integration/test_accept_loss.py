@@ -46,6 +46,10 @@ def test_disks_restored_from_snapshots_runbook_accepts_the_loss_and_the_partitio
             await asyncio.to_thread(proc.start)
         assert await _append(cluster, 3, 0, b"lost", 20) == list(range(30, 50))
         recorded, _ = sm.read_partition_metadata(cluster.zk, cluster.root, 0)
+        accept = ("cluster", "accept-loss", "-c", config, "-p", "0")
+        code, _, err = await waltz(*accept, "--keep-through", "29")
+        assert code == 2
+        assert "is live and owns partition 0: stop the servers first" in err
 
         # The disks come back from the copies. Runbook step 1: stop the servers first.
         for server in cluster.servers:
@@ -75,7 +79,6 @@ def test_disks_restored_from_snapshots_runbook_accepts_the_loss_and_the_partitio
         assert "--shorten-destination" in err
 
         # Step 3: accept-loss refuses what no replica holds, shows the loss without --yes, writes nothing.
-        accept = ("cluster", "accept-loss", "-c", config, "-p", "0")
         code, _, err = await waltz(*accept, "--keep-through", "49")
         assert code == 2
         assert "no replica of partition 0 holds transaction 49" in err

@@ -16,9 +16,10 @@ snapshots; the operator must accept losing it. This tool makes that an explicit,
   node has seen; writes ZooKeeper's partition metadata version-checked: session ``S``, every replica
   ``(S, UNRESOLVED)``; and brings the replicas back online.
 
-The next recovery then classifies every replica VOTING with max id ``K`` and resolves ``K``: the partition is
-served again from ``K + 1``. A running owner's recovery re-reads the replicas while it waits, and its
-ZooKeeper write fails on the changed version, so it starts a new session from the new record.
+It refuses while the partition's owner is a live server: a running recovery cuts restored replicas to their
+clean points and would race the repair (the runbook stops the servers before the restored nodes start).
+When the servers start again, the first recovery classifies every replica VOTING with max id ``K`` and
+resolves ``K``: the partition is served again from ``K + 1``.
 """
 
 from __future__ import annotations
@@ -124,6 +125,13 @@ async def plan_accept_loss(
     view.check_partition(partition)
     if keep_through < -1:
         raise ConfigError(f"--keep-through must be -1 or a transaction id, got {keep_through}")
+    owner = view.info.assignment.owner_of(partition)
+    live = {d.server_id: d for d in view.info.servers.values()}
+    if owner is not None and owner in live:
+        raise ConfigError(
+            f"server {owner} ({live[owner].host}:{live[owner].port}) is live and owns partition {partition}: "
+            "stop the servers first (their recovery cuts restored replicas and would race this repair)"
+        )
     metadata, version = await asyncio.to_thread(sm.read_partition_metadata, client, view.info.root, partition)
     storages = view.replicas_of(partition)
     if not storages:
