@@ -111,5 +111,10 @@ def test_zookeeper_lost_runbook_rebuilds_the_metadata_and_every_transaction_is_s
             assert all(r.req_id.generation > old_generation[p] for r in logs[0][30:])
         code, out, _ = await waltz("cluster", "verify", "-c", config, "--timeout", "5")
         assert code == 0, out
+        # Replacing a root while servers are registered under it is refused.
+        code, _, err = await waltz(*rebuild, "--yes", "--replace")
+        assert code != 0
+        assert "stop every server" in err
+        assert await _append(cluster, 3, 0, b"still", 1) == [35]
 
     asyncio.run(main())

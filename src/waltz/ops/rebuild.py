@@ -51,7 +51,7 @@ from waltz.cluster.partition_assignment import NOT_COMPUTED, PartitionAssignment
 from waltz.cluster.partition_metadata import UNRESOLVED, PartitionMetadata, ReplicaState
 from waltz.cluster.replica_assignments import ReplicaAssignments
 from waltz.cluster.store_params import StoreParams
-from waltz.cluster.zk import zk_errors
+from waltz.cluster.zk import ClusterPaths, zk_errors
 from waltz.config import host_port
 from waltz.errors import ConfigError, WaltzError
 from waltz.server.storage_client import AdminClient
@@ -343,6 +343,13 @@ def apply_rebuild(client: KazooClient, plan: RebuildPlan, *, replace: bool = Fal
                 "is the broken one and give --replace to delete it first"
             )
         if exists:
+            descriptors = ClusterPaths(plan.root).server_descriptors
+            servers = client.get_children(descriptors) if client.exists(descriptors) else []
+            if servers:
+                raise ConfigError(
+                    f"{len(servers)} server(s) are registered under {plan.root}: stop every server before "
+                    "replacing the cluster's metadata"
+                )
             client.delete(plan.root, recursive=True)
             log.info("deleted %s to rebuild it", plan.root)
     sm.write_cluster_tree(client, plan.root, plan.tree())
