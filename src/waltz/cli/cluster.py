@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import uuid
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -63,6 +64,13 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _uuid(text: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a UUID: {text!r}") from None
+
+
 def _positive(text: str) -> int:
     value = _non_negative(text)
     if value == 0:
@@ -74,7 +82,7 @@ def _positive(text: str) -> int:
 
 
 def cmd_create(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
-    store = sm.create_cluster(client, root, args.name, args.partitions)
+    store = sm.create_cluster(client, root, args.name, args.partitions, cluster_key=args.cluster_key)
     print(
         f"created cluster {args.name!r} at {root}: {args.partitions} partitions, key {store.cluster_key}",
         file=out,
@@ -283,6 +291,12 @@ def register(groups: Any) -> None:
     p = command("create", cmd_create, "create a cluster (random cluster key) at cluster.root")
     p.add_argument("-n", "--name", required=True, help="cluster name")
     p.add_argument("-p", "--partitions", required=True, type=_positive, help="number of partitions")
+    p.add_argument(
+        "--cluster-key",
+        type=_uuid,
+        metavar="UUID",
+        help="use this key instead of a random one (to restore a backup keeping its key: docs/operations.md)",
+    )
 
     p = command("delete", cmd_delete, "delete the cluster at cluster.root (recursively)")
     p.add_argument("-n", "--name", help="the cluster's name, which must match")
