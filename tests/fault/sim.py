@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 from waltz.errors import QuorumLostError, WaltzError
 from waltz.protocol.records import Record, ReqId, crc32
-from waltz.server.store.memory import (
+from waltz.testing.store import (
     MemoryConnector,
     MemoryMetadataStore,
     MemoryNetwork,

@@ -11,7 +11,7 @@ import pytest
 from waltz.cluster.partition_metadata import UNRESOLVED, PartitionMetadata, ReplicaState
 from waltz.protocol.records import Record, ReqId
 from waltz.server.store.interfaces import SessionInfo
-from waltz.server.store.memory import MemoryConnector, MemoryMetadataStore, MemoryNetwork, MemoryStorage
+from waltz.testing.store import MemoryConnector, MemoryMetadataStore, MemoryNetwork, MemoryStorage
 from waltz.server.store.recovery import (
     RecoveryState,
     ReplicaClass,

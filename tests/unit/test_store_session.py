@@ -20,7 +20,7 @@ from waltz.errors import (
 )
 from waltz.protocol.records import Record, ReqId, crc32
 from waltz.server.store import EndReason, StoreConfig, StoreSession
-from waltz.server.store.memory import (
+from waltz.testing.store import (
     MemoryConnection,
     MemoryConnector,
     MemoryMetadataStore,

@@ -1,7 +1,7 @@
 """The replication core of the Waltz server: store sessions, quorum writes, recovery.
 
 Written against abstract interfaces (``interfaces.py``) with time and randomness injected, so the same code
-runs in memory (``memory.py``, the fault simulator in ``tests/fault``) and against real storage nodes and
+runs in memory (``waltz.testing.store``, the fault simulator in ``tests/fault``) and against real storage nodes and
 ZooKeeper. See ``docs/replication.md``.
 """
 
