@@ -42,7 +42,8 @@ from waltz.errors import (
     WaltzError,
 )
 from waltz.protocol.record_run import RunBytes
-from waltz.protocol.records import Record, RecordHeader, ReqId
+from waltz.protocol.records import Record, RecordHeader
+from waltz.server.store.appends import AppendQueue, PendingAppend
 from waltz.server.store.interfaces import PartitionMetadataStore, ReplicaConnection, ReplicaConnector
 from waltz.server.store.recovery import RecoveryState, metadata_after_recovery, metadata_with_clean_replica
 from waltz.server.store.replica_session import Batch, ReplicaRole, ReplicaSession, SessionOver
@@ -50,10 +51,7 @@ from waltz.server.store.support import InvariantViolation, RepairStatistics, Sto
 from waltz.server.store.voting import Voting, quorum_of
 
 __all__ = [
-    "AppendListener",
-    "AppendQueue",
     "EndReason",
-    "PendingAppend",
     "SessionHost",
     "SessionOutcome",
     "StoreSession",
@@ -96,236 +94,15 @@ class SessionOutcome:
     opened: bool
 
 
-@dataclass(eq=False, slots=True)
-class PendingAppend:
-    """One append waiting for its transaction id. ``transaction_id`` is -1 until a batch assigns one."""
-
-    req_id: ReqId
-    header: int
-    data: bytes
-    checksum: int
-    future: asyncio.Future[int] | None
-    """What :meth:`StorePartition.submit` returns; None for a caller that learns the outcome from
-    ``on_resolved`` alone."""
-    ticket: int
-    """Its place in submission order (the host's bookkeeping)."""
-    transaction_id: int = -1
-    session_id: int = -1
-    resolved: bool = False
-    """The store decided its fate (it succeeded or failed), whether or not its caller still waits."""
-    on_resolved: Callable[[int, BaseException | None], None] | None = None
-    """Called once, synchronously, when the append is resolved: ``(transaction id, None)`` or ``(-1, error)``.
-    Used instead of a callback on :attr:`future`, which would run one event-loop iteration later."""
-    listener: AppendListener | None = None
-    """For an append submitted with :meth:`StorePartition.submit_tagged`: told of its resolution together
-    with the other appends of its batch (one call per batch, the server's hot path), instead of
-    ``on_resolved``."""
-    tag: object = None
-    """What the submitter attached (the server's partition: the append's lock request); the store never
-    looks at it."""
-    received_s: float = 0.0
-    """When the submitter received the append (``time.monotonic()``), for its latency metric."""
-
-    def record(self) -> Record:
-        # Record(...) without its generated __new__: one per append on the write path.
-        return _tuple_new(Record, (self.transaction_id, self.req_id, self.header, self.data, self.checksum))
-
-    def succeed(self, transaction_id: int) -> None:
-        first = not self.resolved
-        self.resolved = True
-        future = self.future
-        if future is not None and not future.done():
-            future.set_result(transaction_id)
-        if first:
-            if self.on_resolved is not None:
-                _notify(self.on_resolved, transaction_id, None)
-            elif self.listener is not None:
-                _notify_committed(self.listener, (self,))
-
-    def fail(self, error: BaseException) -> None:
-        first = not self.resolved
-        self.resolved = True
-        future = self.future
-        if future is not None and not future.done():
-            future.set_exception(error)
-            # The caller may have stopped waiting (cancelled); do not let asyncio warn about the exception.
-            future.exception()
-        if first:
-            if self.on_resolved is not None:
-                _notify(self.on_resolved, -1, error)
-            elif self.listener is not None:
-                try:
-                    self.listener.append_failed(self, error)
-                except Exception:
-                    log.exception("an append's resolution listener failed")
-
-
-class AppendListener(Protocol):
-    """Hears how appends submitted with :meth:`StorePartition.submit_tagged` end, synchronously, in id order.
-
-    Each append is reported exactly once: committed (its ``transaction_id`` set) or failed."""
-
-    def appends_committed(self, appends: Sequence[PendingAppend]) -> None:
-        """``appends`` committed (consecutive ids, oldest first): usually a whole batch in one call."""
-        ...
-
-    def append_failed(self, append: PendingAppend, error: BaseException) -> None:
-        """``append`` did not commit, and never will."""
-        ...
-
-
-def _notify_committed(listener: AppendListener, appends: Sequence[PendingAppend]) -> None:
-    # As _notify: a failing listener is logged, and the store's bookkeeping goes on.
-    try:
-        listener.appends_committed(appends)
-    except Exception:
-        log.exception("an append's resolution listener failed")
-
-
-def _notify(
-    on_resolved: Callable[[int, BaseException | None], None], transaction_id: int, error: BaseException | None
-) -> None:
-    # A failing listener must not break the store's bookkeeping (it runs inside a commit): log it, as the
-    # event loop logs a failing future callback.
-    try:
-        on_resolved(transaction_id, error)
-    except Exception:
-        log.exception("an append's resolution listener failed")
-
-
-class AppendQueue:
-    """The appends waiting for ids, oldest first, at most ``capacity`` of them.
-
-    Unlike :class:`asyncio.Queue`, a producer waiting for room gives up, without putting its append, once the
-    store has resolved it (failed it: the partition closed or moved), so a failed partition never leaves
-    producers stuck, and the writer never sees an append that already failed.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        if capacity <= 0:
-            raise ValueError(f"capacity must be positive, got {capacity}")
-        self.capacity = capacity
-        self._items: deque[PendingAppend] = deque()
-        self.data_bytes = 0
-        """Bytes of data queued (a batch is full by count or by bytes)."""
-        self._room = asyncio.Event()
-        self._room.set()
-        self._arrived = asyncio.Event()
-
-    def qsize(self) -> int:
-        return len(self._items)
-
-    def empty(self) -> bool:
-        return not self._items
-
-    def full(self) -> bool:
-        return len(self._items) >= self.capacity
-
-    async def put(self, append: PendingAppend) -> None:
-        """Queue ``append``, waiting for room unless (or until) it is resolved."""
-        while len(self._items) >= self.capacity:
-            self._room.clear()
-            await self._room.wait()
-            if append.resolved:
-                return
-        self.put_nowait(append)
-
-    def put_nowait(self, append: PendingAppend) -> None:
-        """Queue ``append`` now; the caller checked that the queue is not :meth:`full`."""
-        if len(self._items) >= self.capacity:
-            raise InvariantViolation(f"append queue full ({self.capacity})")
-        items = self._items
-        items.append(append)
-        self.data_bytes += len(append.data)
-        if len(items) == 1:
-            # Only a getter that found the queue empty waits (after clearing the event): the append that
-            # ends the emptiness wakes it, those after it need not (Event.set is a Python call per append).
-            self._arrived.set()
-
-    async def get(self) -> PendingAppend:
-        while not self._items:
-            self._arrived.clear()
-            await self._arrived.wait()
-        return self.get_nowait()
-
-    async def wait_arrived(self) -> None:
-        """Return at once if an append is queued, else once one was queued (it may have been taken since:
-        the store session's writer then checks again what to do)."""
-        if not self._items:
-            self._arrived.clear()
-            await self._arrived.wait()
-
-    def peek(self) -> PendingAppend | None:
-        """The oldest queued append, left in the queue (None if empty)."""
-        return self._items[0] if self._items else None
-
-    def offer(self, append: PendingAppend) -> int:
-        """Queue ``append`` if there is room: how many appends are queued now, 0 if none was (full). One
-        call where :meth:`full` and :meth:`put_nowait` are two (the server's hot path)."""
-        items = self._items
-        n = len(items)
-        if n >= self.capacity:
-            return 0
-        items.append(append)
-        self.data_bytes += len(append.data)
-        if not n:
-            # As put_nowait: the append that ends the emptiness wakes a getter.
-            self._arrived.set()
-        return n + 1
-
-    def get_nowait(self) -> PendingAppend:
-        append = self._items.popleft()
-        self.data_bytes -= len(append.data)
-        self._room.set()
-        return append
-
-    def take_more(self, batch: list[PendingAppend], size: int, max_count: int, max_bytes: int) -> int:
-        """Move the oldest queued appends onto ``batch`` (holding ``size`` data bytes) while it has fewer than
-        ``max_count`` and the next one fits in ``max_bytes``; return the batch's data bytes.
-
-        One call per batch rather than a :meth:`peek` and :meth:`get_nowait` per append: forming batches is
-        per-record work on the write path."""
-        items = self._items
-        room = max_count - len(batch)
-        if len(items) <= room and size + self.data_bytes <= max_bytes:
-            # Everything queued fits (the common case under a steady load): take it in one C call.
-            batch.extend(items)
-            items.clear()
-            size += self.data_bytes
-            self.data_bytes = 0
-            self._room.set()
-            return size
-        taken = 0
-        while room > 0 and items:
-            n = len(items[0].data)
-            if size + n > max_bytes:
-                break
-            batch.append(items.popleft())
-            size += n
-            taken += n
-            room -= 1
-        self.data_bytes -= taken
-        self._room.set()
-        return size
-
-    def clear(self) -> None:
-        """Drop every queued append and wake the producers waiting for room (to queue theirs, or give up if
-        it was resolved meanwhile)."""
-        self._items.clear()
-        self.data_bytes = 0
-        self._room.set()
-
-
 class SessionHost(Protocol):
     """What a session needs from its partition: the append queue and the appends of failed sessions."""
 
     queue: AppendQueue
     """Appends waiting for ids; the host calls :meth:`StoreSession.appends_queued` after queueing some."""
-    inflight: list[PendingAppend]
-    """Appends with ids assigned whose batch has not committed (from this or a failed earlier session)."""
 
     async def session_opened(self, session: StoreSession) -> None:
-        """Resolve ``inflight`` against the new session's low-water mark (may read through the session)."""
+        """Resolve the survivors of failed earlier sessions (:meth:`StoreSession.take_survivors`) against the
+        new session's low-water mark (may read through the session)."""
         ...
 
     def batch_committed(self, session: StoreSession, appends: Sequence[PendingAppend]) -> None:
@@ -409,6 +186,8 @@ class StoreSession:
         self._wake = asyncio.Event()
         """Wakes the writer while batches are in flight: one was decided, or a full batch is queued."""
         self._was_opened = False
+        self._stopped = False
+        """:meth:`run` returned: no task of the session runs (its batches are decided or survivors)."""
         self._tasks = TaskList(self._task_failed)
         self.started_ms = _loop_ms()
         self.recovery_ms = -1
@@ -433,6 +212,7 @@ class StoreSession:
         finally:
             self.is_open = False
             await self._tasks.aclose()
+            self._stopped = True
         if self._tasks.errors:
             raise self._tasks.errors[0]
         assert self._outcome is not None  # _ended is only set together with _outcome
@@ -504,6 +284,22 @@ class StoreSession:
     def batches_in_flight(self) -> tuple[Batch, ...]:
         """Batches sent and not yet committed, oldest first (for introspection and checks)."""
         return tuple(batch for batch, _ in self._batches)
+
+    @property
+    def appends_in_flight(self) -> int:
+        """Appends of the batches sent and not yet committed (for introspection)."""
+        return sum(len(appends) for _, appends in self._batches)
+
+    def take_survivors(self) -> list[PendingAppend]:
+        """Hand back the appends of every batch not committed, oldest first, once the session has ended.
+
+        The session is their only record until then; afterwards the next session's opening decides them
+        (an id at or below its low-water mark succeeded if the stored record is theirs)."""
+        if self._batches and not self._stopped:
+            raise InvariantViolation(f"{self!r}: survivors taken while the session runs")
+        survivors = [append for _, appends in self._batches for append in appends]
+        self._batches.clear()
+        return survivors
 
     def end_for(self, replica: ReplicaSession, detail: str) -> None:
         self.end(EndReason.REPLICA_FAILED, f"{replica.storage} {detail}")
@@ -777,7 +573,6 @@ class StoreSession:
             )
             txn += 1
         # From here on the appends' fate is decided by this batch, or by the next session's recovery.
-        self._host.inflight.extend(appends)
         self.next_id = txn
         voting = Voting(self.quorum, len(self.participants), self._batch_decided)
         batch = Batch(start, tuple(records), voting)
@@ -791,7 +586,7 @@ class StoreSession:
 
         Called by the append request whose acknowledgement decided it (or by the writer, when a replica
         abstains). A failed batch ends the session: later batches cannot commit before it, and the appends of
-        every batch not committed stay in ``host.inflight`` for the next session to resolve.
+        every batch not committed are handed back by :meth:`take_survivors` for the next session to resolve.
         """
         if not committed:
             self.end(EndReason.QUORUM_LOST, f"ids {self.high_water_mark + 1}..{self.next_id - 1} in flight")
