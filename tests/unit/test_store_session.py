@@ -333,7 +333,7 @@ class _BatchListener:
         self.failed.append((append.tag, error))
 
 
-def test_submit_tagged_tells_its_listener_once_per_batch_in_order_and_each_append_once() -> None:
+def test_submit_tells_its_listener_once_per_batch_in_order_and_each_append_once() -> None:
     async def main() -> None:
         world = World(max_queued_appends=7)
         listener = _BatchListener()

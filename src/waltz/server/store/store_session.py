@@ -46,7 +46,7 @@ from waltz.protocol.records import Record, RecordHeader
 from waltz.server.store.appends import AppendQueue, PendingAppend
 from waltz.server.store.interfaces import PartitionMetadataStore, ReplicaConnection, ReplicaConnector
 from waltz.server.store.recovery import RecoveryState, metadata_after_recovery, metadata_with_clean_replica
-from waltz.server.store.replica_session import Batch, ReplicaRole, ReplicaSession, SessionOver
+from waltz.server.store.replica_session import Batch, ReplicaContext, ReplicaRole, ReplicaSession, SessionOver
 from waltz.server.store.support import InvariantViolation, RepairStatistics, StoreConfig, TaskList
 from waltz.server.store.voting import Voting, quorum_of
 
@@ -155,9 +155,10 @@ class StoreSession:
         # (and serve as copy sources) until the session opens; without them, removing replicas could leave
         # fewer than a quorum of the previous set reachable and the vote undecidable forever.
         retiring = [s for s in sorted(previous.replicas) if s not in self.replicas]
-        self.replica_sessions = {storage: ReplicaSession(self, storage) for storage in self.replicas}
+        context = ReplicaContext(partition_id, session_id, config, rng, connector, self.recovery)
+        self.replica_sessions = {storage: ReplicaSession(self, context, storage) for storage in self.replicas}
         for storage in retiring:
-            self.replica_sessions[storage] = ReplicaSession(self, storage, retiring=True)
+            self.replica_sessions[storage] = ReplicaSession(self, context, storage, retiring=True)
         self.quorum = quorum_of(len(self.replicas))
         self.participants: list[ReplicaSession] = []
         self.is_open = False
@@ -181,7 +182,7 @@ class StoreSession:
         while no batch is in flight (an idle writer sends it at once), a full batch otherwise (the only
         thing a writer with batches in flight acts on). A host may skip the call below both, and below a full
         batch while it queues more appends in the same call chain (their last one makes the call: see
-        ``StorePartition.submit_tagged``); calling it more often does no harm."""
+        ``StorePartition.submit``); calling it more often does no harm."""
         self.notify_at_bytes = config.max_batch_bytes
         self._wake = asyncio.Event()
         """Wakes the writer while batches are in flight: one was decided, or a full batch is queued."""
@@ -301,10 +302,12 @@ class StoreSession:
         self._batches.clear()
         return survivors
 
-    def end_for(self, replica: ReplicaSession, detail: str) -> None:
+    def replica_failed(self, replica: ReplicaSession, detail: str) -> None:
+        """ReplicaHost: ``replica`` failed while load-bearing (or misbehaved): the session ends."""
         self.end(EndReason.REPLICA_FAILED, f"{replica.storage} {detail}")
 
-    def end_fenced(self, detail: str) -> None:
+    def fenced(self, detail: str) -> None:
+        """ReplicaHost: a newer session fenced this one on a replica: the session ends."""
         self.end(EndReason.FENCED, detail)
 
     def _task_failed(self, error: BaseException) -> None:
@@ -324,14 +327,6 @@ class StoreSession:
             raise BrokenResourceError(
                 f"storage request timed out after {self.config.rpc_timeout_ms} ms"
             ) from None
-
-    def replica_recovered(self, replica: ReplicaSession) -> None:
-        self.recovery.mark_recovered(replica.storage)
-
-    def recovery_forget(self, replica: ReplicaSession) -> None:
-        """A replica that is not load-bearing failed: it is no longer recovered, nor a copy source."""
-        if replica.storage in self.recovery.recovered:
-            self.recovery.recovered.remove(replica.storage)
 
     async def copy_records(
         self, requester: ReplicaSession, start: int, end: int, source: str | None = None
@@ -368,29 +363,29 @@ class StoreSession:
             src = candidates[0] if len(candidates) == 1 else self.rng.choice(candidates)
             conn = src.connection
             if conn is None or src.readable_max < start:
-                self.end_for(src, "left while being copied from")
+                self.replica_failed(src, "left while being copied from")
                 raise SessionOver
             wanted = min(count, src.readable_max - start + 1)
             try:
                 records = await self.call(conn.read_records(start, wanted))
             except SessionFencedError as e:
-                self.end_fenced(f"{src.storage}: {e}")
+                self.fenced(f"{src.storage}: {e}")
                 raise SessionOver from None
             except CorruptionError as e:
                 self._host.replica_damaged(src.storage, str(e))
                 candidates = [c for c in candidates if c is not src]
                 if candidates:
                     continue
-                self.end_for(src, f"failed a catch-up read: {e!r}")
+                self.replica_failed(src, f"failed a catch-up read: {e!r}")
                 raise SessionOver from None
             except WaltzError as e:
-                self.end_for(src, f"failed a catch-up read: {e!r}")
+                self.replica_failed(src, f"failed a catch-up read: {e!r}")
                 raise SessionOver from None
             count = wanted
             break
         problem = _check_records(records, start, count)
         if problem is not None:
-            self.end_for(src, f"returned bad records for {start}..: {problem}")
+            self.replica_failed(src, f"returned bad records for {start}..: {problem}")
             raise SessionOver
         return records
 
@@ -423,7 +418,6 @@ class StoreSession:
             return False
         if self.high_water_mark - replica.max_id > self.config.join_max_lag:
             return False
-        replica.role = ReplicaRole.PARTICIPANT
         self.participants.append(replica)
         in_flight = self.batches_in_flight
         for batch in in_flight:
@@ -469,7 +463,7 @@ class StoreSession:
             if s in recovered and self.replica_sessions[s].role is ReplicaRole.RECOVERED
         ]
         for replica in self.participants:
-            replica.role = ReplicaRole.PARTICIPANT
+            replica.become_participant()
         if len(self.participants) < self.quorum:
             # A recovered replica that was not load-bearing failed while the metadata was written.
             self.end(EndReason.QUORUM_LOST, f"only {len(self.participants)} participants")
@@ -688,12 +682,12 @@ class StoreSession:
                 src = other
                 continue
             except WaltzError as e:
-                self.end_for(src, f"failed a read: {e!r}")
+                self.replica_failed(src, f"failed a read: {e!r}")
                 raise
             break
         problem = problem_of(answer)
         if problem is not None:
-            self.end_for(src, f"returned bad records: {problem}")
+            self.replica_failed(src, f"returned bad records: {problem}")
             raise CorruptionError(f"{src.storage} returned bad records for {transaction_id}: {problem}")
         for bad in damaged:
             if bad.storage not in self._repairing:
