@@ -187,8 +187,7 @@ class StoreSession:
         self._wake = asyncio.Event()
         """Wakes the writer while batches are in flight: one was decided, or a full batch is queued."""
         self._was_opened = False
-        self._stopped = False
-        """:meth:`run` returned: no task of the session runs (its batches are decided or survivors)."""
+        self._stopped = False  # run() returned: no task of the session runs
         self._tasks = TaskList(self._task_failed)
         self.started_ms = _loop_ms()
         self.recovery_ms = -1
