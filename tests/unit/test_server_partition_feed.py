@@ -255,3 +255,34 @@ def test_an_append_that_waited_for_room_in_the_store_reaches_the_feed_from_its_c
             assert peer.fed() == [0, 1, 2]
 
     asyncio.run(main())
+
+
+def test_a_feed_task_that_fails_of_a_bug_fails_the_partition_and_its_owner_hears_of_it() -> None:
+    async def broken(_ctx: object) -> None:
+        raise RuntimeError("injected feed bug")
+
+    async def main() -> None:
+        part = Partition(
+            0,
+            cast(StorePartition, _Store()),
+            feed_cache=FeedCache(1 << 20, 1),
+            transaction_cache=TransactionCache(1 << 20),
+        )
+        heard: list[Partition] = []
+        part.on_failure = heard.append
+        part._feed_loop = broken  # type: ignore[method-assign,assignment]
+        await part.start()
+        peer = _Peer()
+        try:
+            await part.mount(cast(Any, peer), cs.MountRequest(SESSION, -1, 1))
+            await _settle()
+            assert part.feed_request(cast(Any, peer), cs.FeedRequest(SESSION, -1))
+            await _settle()
+            assert heard == [part]
+            assert part.problem is not None
+            assert "injected feed bug" in part.problem
+            assert not part.is_healthy
+        finally:
+            await part.close()
+
+    asyncio.run(main())

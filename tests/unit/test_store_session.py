@@ -15,6 +15,7 @@ from waltz.errors import (
     ClosedResourceError,
     CorruptionError,
     GenerationMismatchError,
+    PartitionNotReadyError,
     QuorumLostError,
     SessionFencedError,
 )
@@ -959,5 +960,37 @@ def test_the_idle_probe_still_fails_a_replica_that_lost_or_gained_a_record(chang
             assert session.ended
             held = 0 if change == "lost" else 2
             assert [str(e) for e in partition.internal_errors] == [f"s0:1 holds {held}, expected 1"]
+
+    run_virtual(main())
+
+
+def test_a_failed_supervisor_fails_what_it_holds_refuses_more_and_tells_its_owner() -> None:
+    async def main() -> None:
+        world = World(max_batch_size=1, max_queued_appends=4)
+        heard: list[BaseException] = []
+        async with world.partition() as partition:
+            partition.on_failure = heard.append
+            assert await partition.append(req(0)) == 0
+
+            async def broken() -> StoreSession:
+                raise RuntimeError("injected supervisor bug")
+
+            partition._new_session = broken  # type: ignore[method-assign]
+            for name in NAMES:
+                world.network.isolate(name)
+            in_flight = submit_now(partition, req(1))
+            queued = submit_now(partition, req(2))
+            partition.request_new_session()
+            await _wait(lambda: bool(heard))
+            assert "injected supervisor bug" in repr(heard[0])
+            assert partition.failure is heard[0]
+            assert not partition.is_healthy
+            for future in (in_flight, queued):
+                assert future is not None
+                with pytest.raises(PartitionNotReadyError):
+                    await future
+            with pytest.raises(PartitionNotReadyError):
+                partition.submit(req(3), FUTURES, None)
+            assert await partition.flush() == 0
 
     run_virtual(main())

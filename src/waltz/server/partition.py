@@ -757,6 +757,16 @@ class Partition:
         ctx.task = asyncio.create_task(
             self._feed_loop(ctx), name=f"feed-{self.partition_id}-client-{ctx.client_id}"
         )
+        ctx.task.add_done_callback(self._feed_done)
+
+    def _feed_done(self, task: asyncio.Task[None]) -> None:
+        # A feed ends by cancellation or on a WaltzError (handled in it); anything else is a bug, and the
+        # partition fails as for a failed append task (health reports it, the server reopens it).
+        if task.cancelled() or self._closed:
+            return
+        error = task.exception()
+        if error is not None:
+            self._failed(f"the feed task {task.get_name()}", error)
 
     def _end_feed(self, ctx: _FeedContext) -> None:
         if ctx.task is not None and ctx.task is not asyncio.current_task():

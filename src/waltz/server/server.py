@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -292,11 +293,16 @@ class WaltzServer:
         error = task.exception() or RuntimeError("the ZooKeeper followers returned")
         if isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
             error = error.exceptions[0]
-        # A server that no longer follows its ownership cannot be trusted to serve: it reports the failure
-        # on /health and run_server stops it, so its partitions move to a server that does.
-        self.failure = error
+        # A server that no longer follows its ownership cannot be trusted to serve.
+        self._fail(error, "stopped following ZooKeeper")
+
+    def _fail(self, error: BaseException, what: str) -> None:
+        """A background task of the server failed: report it on /health and let run_server stop the server,
+        so its partitions move to a server that works (the first failure is the one reported)."""
+        if self.failure is None:
+            self.failure = error
         self._failed.set()
-        log.error("server %d stopped following ZooKeeper; stopping", self.server_id, exc_info=error)
+        log.error("server %d: %s; stopping", self.server_id, what, exc_info=error)
 
     async def wait_failed(self) -> BaseException:
         """Wait until a background task of the server fails, and return its exception."""
@@ -651,21 +657,38 @@ class WaltzServer:
         except BaseException:
             coro.close()
             raise
-        task = self._spawn(coro, name)
+        task = self._spawn(coro, name, peer)
         task.add_done_callback(lambda _t: peer.slots.release())
 
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
+    def _spawn(self, coro: Any, name: str, peer: ClientConnection | None = None) -> asyncio.Task[None]:
+        """Run ``coro`` in a task the server owns (cancelled by :meth:`aclose`): a request of ``peer``, or
+        the server's own work (``peer`` None). See :meth:`_task_done` for who hears of its failure."""
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        task.add_done_callback(functools.partial(self._task_done, peer))
         return task
 
-    def _task_done(self, task: asyncio.Task[None]) -> None:
+    def _task_done(self, peer: ClientConnection | None, task: asyncio.Task[None]) -> None:
+        # A WaltzError is an answer the handler gave up on (the store or the connection failed), logged where
+        # it happened. Anything else is a bug, and its owner hears of it: a client's request closes that
+        # client's connection (it reconnects and asks again rather than wait for an answer that never
+        # comes); the server's own work (reopening a partition) fails the server, as its followers do.
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            exc = task.exception()
-            if not isinstance(exc, WaltzError):
-                log.error("request task %s failed", task.get_name(), exc_info=exc)
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is None or isinstance(error, WaltzError):
+            return
+        if peer is None:
+            self._fail(error, f"task {task.get_name()} failed")
+            return
+        log.error(
+            "request task %s failed; closing the connection of client %s",
+            task.get_name(),
+            peer.client_id,
+            exc_info=error,
+        )
+        self._spawn(peer.aclose(), f"close-client-{peer.client_id}")
 
     async def _transaction_data(
         self, peer: ClientConnection, part: Partition | None, msg: cs.TransactionDataRequest
