@@ -47,6 +47,7 @@ from waltz.server.store.appends import AppendQueue, PendingAppend
 from waltz.server.store.interfaces import PartitionMetadataStore, ReplicaConnection, ReplicaConnector
 from waltz.server.store.recovery import RecoveryState, metadata_after_recovery, metadata_with_clean_replica
 from waltz.server.store.replica_session import Batch, ReplicaContext, ReplicaRole, ReplicaSession, SessionOver
+from waltz.server.store.scrub_repair import DamageWatch, check_records
 from waltz.server.store.support import InvariantViolation, RepairStatistics, StoreConfig, TaskList
 from waltz.server.store.voting import Voting, quorum_of
 
@@ -65,11 +66,6 @@ T = TypeVar("T")
 
 REPAIR_MAX_RECORDS = 10_000
 """Records one background repair copies at most (one read's range; the node caps what one read returns)."""
-MAX_DAMAGED_IDS = 1000
-"""Damaged ids one poll asks a replica for (a storage node remembers at most this many per partition)."""
-REPAIR_RETRY_POLLS = 6
-"""After a failed repair of damage a replica reported, this many of its polls are skipped before the next try
-(so a record no participant holds a good copy of costs a warning a minute, not one per poll)."""
 
 
 class EndReason(enum.Enum):
@@ -114,7 +110,7 @@ class SessionHost(Protocol):
         ...
 
     repairs: RepairStatistics
-    """Counts repairs of damage that replicas reported on their own (``StoreSession._watch_damage``)."""
+    """Counts repairs of damage that replicas reported on their own (``scrub_repair.DamageWatch``)."""
 
 
 def _loop_ms() -> float:
@@ -192,7 +188,7 @@ class StoreSession:
         self.started_ms = _loop_ms()
         self.recovery_ms = -1
         """How long recovery took, from the session's start until it opened (-1 until it opens)."""
-        self._repairing: set[str] = set()
+        self.repairing: set[str] = set()
         """Replicas a background repair is running for (at most one at a time each)."""
 
     def __repr__(self) -> str:
@@ -337,7 +333,7 @@ class StoreSession:
         the usher while the vote is undecidable); after it, only participants serve, and only committed ids. A
         source whose stored copy is damaged (CorruptionError) is reported and another one is read: ending the
         session instead would end every next one the same way until the damage is repaired, and the repair
-        (``_watch_damage``) needs an open session. Any other failure of a source, or a misbehaving one, ends
+        (``DamageWatch``) needs an open session. Any other failure of a source, or a misbehaving one, ends
         the session (raises :class:`SessionOver`).
         """
         if self.is_open:
@@ -382,7 +378,7 @@ class StoreSession:
                 raise SessionOver from None
             count = wanted
             break
-        problem = _check_records(records, start, count)
+        problem = check_records(records, start, count)
         if problem is not None:
             self.replica_failed(src, f"returned bad records for {start}..: {problem}")
             raise SessionOver
@@ -489,7 +485,8 @@ class StoreSession:
         self._opened.set()
         if self.config.damage_poll_interval_ms > 0:
             self._tasks.spawn(
-                self._watch_damage(), name=f"damage-watch-{self.partition_id}-{self.session_id}"
+                DamageWatch(self, self._host).run(),
+                name=f"damage-watch-{self.partition_id}-{self.session_id}",
             )
         await self._write_loop()
 
@@ -612,7 +609,7 @@ class StoreSession:
         return await self._from_replica(
             transaction_id,
             lambda conn: conn.read_records(transaction_id, count),
-            lambda records: _check_records(records, transaction_id, count),
+            lambda records: check_records(records, transaction_id, count),
         )
 
     async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, RunBytes]:
@@ -689,8 +686,8 @@ class StoreSession:
             self.replica_failed(src, f"returned bad records: {problem}")
             raise CorruptionError(f"{src.storage} returned bad records for {transaction_id}: {problem}")
         for bad in damaged:
-            if bad.storage not in self._repairing:
-                self._repairing.add(bad.storage)
+            if bad.storage not in self.repairing:
+                self.repairing.add(bad.storage)
                 self._tasks.spawn(
                     self._repair(bad, src, transaction_id),
                     name=f"repair-{self.partition_id}-{bad.storage}-{transaction_id}",
@@ -717,7 +714,7 @@ class StoreSession:
             position, end = transaction_id, transaction_id + count
             while position < end:
                 records = await self.call(good.connection.read_records(position, end - position))
-                if _check_records(records, position, end - position) is not None:
+                if check_records(records, position, end - position) is not None:
                     return
                 await self.call(bad.connection.repair(records))
                 position += len(records)
@@ -732,163 +729,4 @@ class StoreSession:
         except WaltzError as e:
             log.warning("partition %d: repair of %s failed: %r", self.partition_id, bad.storage, e)
         finally:
-            self._repairing.discard(bad.storage)
-
-    # -- damage found by the storage nodes' scrub ------------------------------------------------------------
-
-    async def _watch_damage(self) -> None:
-        """Every ``damage_poll_interval_ms``, ask each participant which stored records it found damaged on
-        its own, and repair the committed ones from the other participants.
-
-        A storage node's background scrub finds damage that no read has met yet; only the owner knows which
-        replicas are clean and which ids are committed, so the owner asks. Polling on the session's existing
-        connection keeps the storage node passive (it never calls servers) and touches no message of the
-        write path; one small request per replica per interval is the whole cost. Best effort: a failed poll
-        is left to the replica's own requests, which notice a broken node; a failed repair is tried again
-        :data:`REPAIR_RETRY_POLLS` polls later.
-        """
-        interval_s = self.config.damage_poll_interval_ms / 1000
-        skip: dict[str, int] = {}
-        failing = self._host.repairs.failing
-        while True:
-            await asyncio.sleep(interval_s)
-            for gone in [s for s in failing if s not in self.replica_sessions]:
-                del failing[gone]  # no longer a replica: its damage is not this partition's to repair
-            for replica in list(self.participants):
-                storage, conn = replica.storage, replica.connection
-                if conn is None or storage in self._repairing:
-                    continue
-                if skip.get(storage, 0) > 0:
-                    skip[storage] -= 1
-                    continue
-                try:
-                    ids = await self.call(conn.damaged_records(MAX_DAMAGED_IDS))
-                except WaltzError as e:
-                    log.debug("partition %d: damage poll of %s failed: %r", self.partition_id, storage, e)
-                    continue
-                # Ids above the committed mark are not settled: recovery decides them, not a repair.
-                last = min(self.high_water_mark, replica.max_id)
-                committed = sorted(t for t in set(ids) if 0 <= t <= last)
-                if not committed:
-                    # Repaired meanwhile (by a read that met the damage) or truncated: nothing is failing.
-                    failing.pop(storage, None)
-                    continue
-                self._repairing.add(storage)
-                try:
-                    if not await self._repair_reported(replica, committed):
-                        skip[storage] = REPAIR_RETRY_POLLS
-                finally:
-                    self._repairing.discard(storage)
-
-    async def _repair_reported(self, bad: ReplicaSession, ids: Sequence[int]) -> bool:
-        """Rewrite ``bad``'s damaged copies of the committed ``ids`` (sorted) with verified copies read from
-        other participants; True if every one was rewritten."""
-        stats = self._host.repairs
-        stats.started += 1
-        what = _describe_ids(ids)
-        stats.in_progress[bad.storage] = what
-        try:
-            return await self._rewrite_reported(bad, ids, what, stats)
-        finally:
-            stats.in_progress.pop(bad.storage, None)
-
-    async def _rewrite_reported(
-        self, bad: ReplicaSession, ids: Sequence[int], what: str, stats: RepairStatistics
-    ) -> bool:
-        """The body of :meth:`_repair_reported`: rewrite, count and log."""
-        log.info(
-            "partition %d: repairing %d damaged record(s) %s reported by %s, from the other replicas",
-            self.partition_id,
-            len(ids),
-            what,
-            bad.storage,
-        )
-        rewritten = 0
-        try:
-            for start, count in _runs(ids):
-                position, end = start, start + count
-                while position < end:
-                    records = await self._good_copies(bad, position, end - position)
-                    conn = bad.connection
-                    if conn is None:
-                        raise BrokenResourceError(f"{bad.storage} left the session")
-                    await self.call(conn.repair(records))
-                    position += len(records)
-                    rewritten += len(records)
-        except WaltzError as e:
-            stats.failed += 1
-            stats.records += rewritten
-            stats.failing[bad.storage] = f"{what}: {e!r}"
-            log.warning(
-                "partition %d: repair of %s's damaged records %s failed after %d record(s); tried again "
-                "later: %r",
-                self.partition_id,
-                bad.storage,
-                what,
-                rewritten,
-                e,
-            )
-            return False
-        stats.finished += 1
-        stats.records += rewritten
-        stats.failing.pop(bad.storage, None)
-        log.info(
-            "partition %d: repaired %d damaged record(s) %s on %s",
-            self.partition_id,
-            rewritten,
-            what,
-            bad.storage,
-        )
-        return True
-
-    async def _good_copies(self, bad: ReplicaSession, start: int, count: int) -> list[Record]:
-        """Verified records ``start..`` (at most ``count``) from a participant other than ``bad``."""
-        error: WaltzError | None = None
-        for src in self.participants:
-            conn = src.connection
-            if src is bad or conn is None or src.max_id < start:
-                continue
-            try:
-                records = await self.call(conn.read_records(start, count))
-            except CorruptionError as e:
-                self._host.replica_damaged(src.storage, str(e))
-                error = e
-                continue
-            problem = _check_records(records, start, count)
-            if problem is None:
-                return records
-            error = CorruptionError(f"{src.storage} returned bad records for {start}: {problem}")
-        raise error or BrokenResourceError(f"no other participant holds transaction {start}")
-
-
-def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
-    """Sorted distinct ids as ``(first, count)`` runs of consecutive ids."""
-    runs: list[tuple[int, int]] = []
-    for txn in ids:
-        if runs and runs[-1][0] + runs[-1][1] == txn:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((txn, 1))
-    return runs
-
-
-def _describe_ids(ids: Sequence[int], max_runs: int = 5) -> str:
-    """``17, 30..32`` for a log line (the first ``max_runs`` runs, then how many more)."""
-    runs = _runs(ids)
-    text = ", ".join(f"{a}" if n == 1 else f"{a}..{a + n - 1}" for a, n in runs[:max_runs])
-    return text + (f" and {len(runs) - max_runs} more runs" if len(runs) > max_runs else "")
-
-
-def _check_records(records: Sequence[Record], start: int, max_count: int) -> str | None:
-    """Why a read answer is unusable (None if it is fine): empty, too long, not dense from ``start``,
-    corrupt."""
-    if not records:
-        return "no records"
-    if len(records) > max_count:
-        return f"{len(records)} records, asked for {max_count}"
-    for i, rec in enumerate(records):
-        if rec.transaction_id != start + i:
-            return f"id {rec.transaction_id} at position {i}"
-        if not rec.verify():
-            return f"record {rec.transaction_id} fails its checksum"
-    return None
+            self.repairing.discard(bad.storage)
