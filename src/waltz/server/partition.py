@@ -548,12 +548,23 @@ class Partition:
             if not self._submit_now(item.peer, item.msg, item.received_s, bool(queue)):
                 await self._process_append(item)
 
-    def _submit_now(self, peer: Peer, msg: cs.AppendMessage, received_s: float, more: bool = False) -> bool:
-        """Process an append as :meth:`_process_append` would, if that needs no wait; False (nothing done)
-        if it would have to wait for a lock slot or for room in the store's queue. ``more`` as in
-        :meth:`append_nowait`."""
-        req: LockRequest | None = None
-        if msg.write_locks or msg.read_locks or msg.append_locks:
+    def _submit_now(
+        self,
+        peer: Peer,
+        msg: cs.AppendMessage,
+        received_s: float,
+        more: bool = False,
+        held: LockRequest | None = None,
+    ) -> bool:
+        """Hand an append to the store if that needs no wait: True if queued, refused (its locks released) or
+        answered with a LockFailure; False (nothing done) if it would have to wait for a lock slot or for room
+        in the store's queue. Its end is heard in :meth:`appends_committed` (with the rest of its batch) or
+        :meth:`append_failed`. ``more`` as in :meth:`append_nowait`.
+
+        ``held``: its locks, begun and checked by the caller (:meth:`_process_append`, which waited for a
+        slot), and kept when the queue is full; without them the locks are begun and checked here."""
+        req = held
+        if held is None and (msg.write_locks or msg.read_locks or msg.append_locks):
             locks = self._locks
             if locks is None:
                 return False
@@ -567,29 +578,6 @@ class Partition:
                 self._lock_failed(peer, msg, begun)
                 return True
             req = begun
-        if self._to_store(msg, req, received_s, more):
-            return True
-        self._release(req)
-        return False
-
-    async def _process_append(self, item: _Append) -> None:
-        """:meth:`_submit_now`, waiting for a lock slot and for room in the store's queue where it must."""
-        msg = item.msg
-        req: LockRequest | None = None
-        # An append without locks can neither conflict nor invalidate another: it skips the lock table.
-        if msg.write_locks or msg.read_locks or msg.append_locks:
-            req = await self._take_locks(item)
-            if req is None:
-                return
-        while not self._to_store(msg, req, item.received_s):
-            await self.store.wait_room()
-
-    def _to_store(
-        self, msg: cs.AppendMessage, req: LockRequest | None, received_s: float, more: bool = False
-    ) -> bool:
-        """Hand an append whose locks are taken (``req``) to the store: True if queued, or refused (its locks
-        released), False (nothing done) if the store's queue is full. Its end is heard in
-        :meth:`appends_committed` (with the rest of its batch) or :meth:`append_failed`."""
         self.pending_appends += 1
         try:
             # The codec verified the data against its checksum as it decoded the request (see
@@ -601,10 +589,24 @@ class Partition:
             return True
         if not queued:
             self.pending_appends -= 1
+            if held is None:
+                self._release(req)
             return False
         if req is not None:
             self._locked_pending += 1
         return True
+
+    async def _process_append(self, item: _Append) -> None:
+        """:meth:`_submit_now`, waiting for a lock slot and for room in the store's queue where it must."""
+        msg = item.msg
+        req: LockRequest | None = None
+        # An append without locks can neither conflict nor invalidate another: it skips the lock table.
+        if msg.write_locks or msg.read_locks or msg.append_locks:
+            req = await self._take_locks(item)
+            if req is None:
+                return
+        while not self._submit_now(item.peer, msg, item.received_s, False, req):
+            await self.store.wait_room()
 
     def _refused(self, req: LockRequest | None, msg: cs.AppendMessage, error: WaltzError) -> None:
         self._release(req)
