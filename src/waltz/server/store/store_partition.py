@@ -9,12 +9,14 @@ A :class:`StorePartition` runs one supervisor task that keeps a store session go
 * **New sessions.** Any failure ends a session; the supervisor starts the next one, backing off exponentially
   (``initial_retry_interval_ms`` doubling to ``max_retry_interval_ms``, jittered, on the loop's clock)
   unless the last session had opened or ended on purpose (checkpoint interval, replica-set change).
-* **Appends.** :meth:`append` queues the request (at most ``max_queued_appends``; callers wait beyond, and
-  get the failure without queueing if the partition closes or moves meanwhile) and returns its transaction
-  id once committed. Queued appends survive a failed session untouched. Appends whose batch was in flight
-  when a session failed are resolved when the next session opens: an id at or below its low-water mark (the
-  resolved high-water mark) whose stored record carries the append's request id succeeded; every other one
-  failed with :class:`QuorumLostError` (it is not in the log and never will be).
+* **Appends.** :meth:`submit` queues the request (at most ``max_queued_appends``: beyond, it queues nothing
+  and the caller waits for :meth:`wait_room`) and tells the listener it was submitted with how it ended;
+  :meth:`append` does both and returns the transaction id once committed. An append is in one place at a
+  time: the queue, a batch of the session that gave it an id, or the survivors that session handed back.
+  Queued appends survive a failed session untouched. The survivors are resolved when the next session
+  opens: an id at or below its low-water mark (the resolved high-water mark) whose stored record carries the
+  append's request id succeeded; every other one failed with :class:`QuorumLostError` (it is not in the log
+  and never will be).
 * **Reads** go to a participant of the open session, only up to the committed high-water mark, with checksums
   verified after the read.
 
@@ -134,13 +136,13 @@ class StorePartition:
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop :meth:`start` ran on (asking asyncio for it costs a getpid system call each time)."""
         self.outcomes: list[SessionOutcome] = []
+        """How each session ended, oldest first (bounded to the last 100)."""
         self.metadata_conflict: str | None = None
         """Set while the partition metadata holds a generation no assignment explains (see
         :meth:`_wait_for_newer_generation`)."""
         self._stale_detail = ""
         self.damaged_replicas: dict[str, int] = {}
         """Reads that found a replica's stored copy damaged, by storage node (reported in /health)."""
-        """How each session ended, oldest first (bounded to the last 100)."""
         self.internal_errors: list[BaseException] = []
         """Bugs caught by the supervisor (it logs them and starts a new session)."""
         self.failure: BaseException | None = None
@@ -149,9 +151,9 @@ class StorePartition:
         self.on_failure: Callable[[BaseException], None] | None = None
         """Called once if the supervisor fails (the server's partition reports it and is reopened)."""
         self.stats = StoreStatistics()
+        """Running totals for metrics (plain numbers: the server reads them when scraped)."""
         self.repairs = RepairStatistics()
         """SessionHost: repairs of damage that replicas reported on their own (their scrub found it)."""
-        """Running totals for metrics (plain numbers: the server reads them when scraped)."""
 
     # -- life cycle ------------------------------------------------------------------------------------------
 
