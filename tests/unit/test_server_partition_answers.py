@@ -24,7 +24,7 @@ class _Store:
         self.is_healthy = True
         self.submitted: list[ReqId] = []
 
-    def submit_tagged(self, request: cs.AppendRequest, *_: object) -> bool:
+    def submit(self, request: cs.AppendRequest, *_: object) -> bool:
         self.submitted.append(request.req_id)
         return True
 
