@@ -795,8 +795,9 @@ class AsyncWaltzClient:
 
         ``timeout`` in seconds (None: no limit) raises :class:`~waltz.errors.ClientTimeoutError`; a
         partition released by :meth:`set_partitions` (or the client closed) meanwhile raises the error that
-        ended it, and a mount that found the client ahead of the server (``CLIENT_AHEAD``, terminal for the
-        mount) :class:`~waltz.errors.ClientAheadError` for a transaction past the application's own mark.
+        ended it, and a mount that found the client ahead of the server (``CLIENT_AHEAD``, final until the
+        partition's owner or generation changes) :class:`~waltz.errors.ClientAheadError` for a transaction
+        past the application's own mark.
         """
         self._check_open()
         partition = self._partitions.get(partition_id)
@@ -804,8 +805,8 @@ class AsyncWaltzClient:
             raise self._not_mounted(partition_id)
         try:
             async with asyncio.timeout(timeout):
-                # _wait_applied, plus CLIENT_AHEAD: terminal for the mount, so nothing past the application's
-                # own mark is ever fed and the wait would only end in its timeout (or never). Not in
+                # _wait_applied, plus CLIENT_AHEAD: final for the current owner, so nothing past the
+                # application's own mark is fed and the wait would only end in its timeout (or never). Not in
                 # _wait_applied itself: a run awaits that once per append.
                 while partition.monitor is None or partition.monitor.applied_high_water_mark < transaction_id:
                     if partition.error is not None:
@@ -974,7 +975,7 @@ class AsyncWaltzClient:
                 partition_id,
                 partition.monitor.applied_high_water_mark,
             )
-            # Terminal for this mount: appends still pending can no longer be resolved.
+            # Final for the current owner: appends still pending can no longer be resolved here.
             self._fail_outcomes(
                 partition, ClientAheadError(f"partition {partition_id}: client ahead of server")
             )

@@ -46,7 +46,10 @@ Mount states (the events :meth:`DriverListener.on_mount_state` carries)
   The driver keeps trying on its own (re-discover, reconnect, re-mount) and reports ``READY`` when it is back;
   meanwhile the core holds new appends.
 * ``CLIENT_AHEAD``: the application's high-water mark is past the server's (wrong cluster or lost data).
-  Terminal for this mount: submits to the partition fail with :class:`~waltz.errors.ClientAheadError`.
+  Final for the partition's current owner and generation: submits to the partition fail with
+  :class:`~waltz.errors.ClientAheadError`. When the partition's owner or generation changes, the driver
+  mounts it again (``NOT_READY``, then ``READY`` or ``CLIENT_AHEAD`` once more), since the answer may have
+  come from a stale incarnation that a newer one, holding the client's transactions, replaced.
 
 Appends and flushes
 -------------------

@@ -22,8 +22,10 @@ accepted everything before it: the feed window is the other half of the back pre
 
 State changes: MountResponse READY → feed request, ``READY``. NOT_READY → ``NOT_READY`` and a new mount after
 :data:`NOT_READY_RETRY_S`, wherever the latest assignment then places the partition. CLIENT_AHEAD →
-``CLIENT_AHEAD``, and the partition stays put until unmounted. A new assignment that moves a partition, or
-raises its generation, abandons its session (``NOT_READY``) and mounts it on the new endpoint. A
+``CLIENT_AHEAD``, and the partition stays put while the assignment names the same owner and generation:
+CLIENT_AHEAD is final only against the incarnation that answered it, so a new owner or generation mounts the
+partition again. A new assignment that moves a partition, or raises its generation, abandons its session
+(``NOT_READY``) and mounts it on the new endpoint. A
 MountRequest left unanswered for ``client.answerTimeout`` (and a :meth:`NetworkDriver.resync` from the core)
 drops the stream connection: every partition on it re-mounts, as after a lost connection.
 
@@ -389,11 +391,27 @@ class NetworkDriver(ClientDriver):
     def _on_assignment(self, endpoints: Endpoints) -> None:
         self._endpoints = dict(endpoints)
         for mount in list(self._mounts.values()):
-            if mount.ahead or mount.closed:
+            if mount.closed:
                 continue
             target = endpoints.get(mount.partition_id)
             current = (mount.link.endpoint, mount.generation) if mount.link is not None else None
-            if target != current or (mount.session is None and not mount.ready):
+            if mount.ahead:
+                if target is None or target == current:
+                    continue  # Still the incarnation that found the client ahead: the answer stands.
+                # CLIENT_AHEAD is final only against the incarnation that said it: a new owner or generation
+                # is asked again (the answer may have come from a fenced, stale incarnation).
+                log.info(
+                    "partition %d: owner now %s generation %d (was %s); checking again whether the client "
+                    "is ahead",
+                    mount.partition_id,
+                    target[0],
+                    target[1],
+                    f"{current[0]} generation {current[1]}" if current is not None else "none",
+                )
+                mount.ahead = False
+                mount.put(Unready())  # NOT_READY for the core while the new owner answers.
+                self._place(mount)
+            elif target != current or (mount.session is None and not mount.ready):
                 self._place(mount)
         # Links nobody uses any more (their server left, or holds none of our partitions) are closed.
         wanted = {endpoint for endpoint, _ in endpoints.values()}
@@ -544,7 +562,7 @@ class NetworkDriver(ClientDriver):
                     await listener.on_flush_response(p, event.req_id, event.transaction_id)
                 elif isinstance(event, Unready) and mount.reported is not MountState.NOT_READY:
                     if mount.ahead:
-                        continue  # CLIENT_AHEAD stays the partition's state until it is unmounted.
+                        continue  # CLIENT_AHEAD stays the partition's state until its owner changes.
                     mount.reported = MountState.NOT_READY
                     await listener.on_mount_state(p, MountState.NOT_READY)
             except asyncio.CancelledError:
