@@ -53,7 +53,7 @@ from waltz.client.api import ApplyAction, ClientCallbacks
 from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.context import TransactionContext
-from waltz.client.driver import ClientDriver, MountState, create_network_driver
+from waltz.client.driver import ClientDriver, MountState
 from waltz.client.lifecycle import STEPS, Event, Hook, State
 from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
 from waltz.client.pool import Call, CallbackPool, report_hook_failure
@@ -254,7 +254,10 @@ class AsyncWaltzClient:
         self._pool = CallbackPool(self._loop, self._config.num_consumer_threads, "waltz-callback")
         if self._driver_arg is None:
             self._config.require_cluster()
-            self._driver_arg = create_network_driver(self._config)
+            # Imported here: a client over the MockDriver never loads the network (nor ZooKeeper's) code.
+            from waltz.client.network import NetworkDriver
+
+            self._driver_arg = NetworkDriver(self._config)
         try:
             await self._driver_arg.open(_Listener(self))
         except BaseException:
