@@ -59,6 +59,7 @@ from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
 from waltz.client.pool import Call, CallbackPool, report_hook_failure
 from waltz.client.retry import APPLY_RETRY, FETCH_RETRY, MAX_CHECKSUM_ATTEMPTS, RetryPolicy
 from waltz.client.state import PartitionState, Run, Stuck, Waiter
+from waltz.client.tasks import TaskSet
 from waltz.client.transaction import Transaction, new_transactions
 from waltz.errors import (
     ClientAheadError,
@@ -222,7 +223,7 @@ class AsyncWaltzClient:
         self._partitions: dict[int, PartitionState] = {}
         self._next_seq: dict[int, int] = {}  # Survives set_partitions, so request ids are never reused.
         self._runs: set[Run] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = TaskSet(self._task_failed)  # Every task of the client; see waltz.client.tasks.
         self._pool: CallbackPool | None = None
         self._hooks: list[Call] = []  # Hooks queued during this loop iteration, run as one job.
         # Inline mode: a coroutine hook run at once (see _hook_now), awaited first by this
@@ -287,10 +288,7 @@ class AsyncWaltzClient:
             partition.error = closed
             partition.notify()
             partition.slots.wake_threads()  # A sync client's threads waiting for room find it closed.
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.aclose()
         for run in list(self._runs):
             await self._end_with_exception(run, closed, Event.CLOSE)
         if self._driver is not None:
@@ -853,23 +851,29 @@ class AsyncWaltzClient:
             raise ClientError(f"partitions {bad} outside 0..{driver.num_partitions - 1}")
         for partition_id in sorted(set(self._partitions) - wanted):
             partition = self._partitions.pop(partition_id)
-            partition.error = ClientError(f"partition {partition_id} was released by set_partitions")
-            self._fail_outcomes(partition, partition.error)
-            self._drop_awaiting_apply(partition)
-            partition.notify()
-            partition.slots.wake_threads()
+            self._stop_partition(
+                partition, ClientError(f"partition {partition_id} was released by set_partitions")
+            )
             for task in partition.tasks:
                 task.cancel()
             await driver.unmount(partition_id)
         for partition_id in sorted(wanted - set(self._partitions)):
             self._add_partition(partition_id)
 
+    def _stop_partition(self, partition: PartitionState, error: ClientError) -> None:
+        """End the partition's use: ``error`` for everything in flight on it and everything asked of it."""
+        partition.error = error
+        self._fail_outcomes(partition, error)
+        self._drop_awaiting_apply(partition)
+        partition.notify()
+        partition.slots.wake_threads()
+
     # -- partitions: mount, feed, apply --------------------------------------------------------------------
 
     def _add_partition(self, partition_id: int) -> None:
         partition = PartitionState(partition_id, self._config)
         self._partitions[partition_id] = partition
-        partition.tasks.append(self._spawn(self._mount(partition), f"waltz-mount-p{partition_id}"))
+        self._spawn_partition_task(partition, self._mount(partition), f"waltz-mount-p{partition_id}")
 
     async def _mount(self, partition: PartitionState) -> None:
         retry = 0
@@ -887,7 +891,7 @@ class AsyncWaltzClient:
                 await asyncio.sleep(APPLY_RETRY.delay_s(retry))
         partition.monitor = TransactionMonitor(hwm)
         partition.notify()  # wait_applied may already be satisfied by the application's own mark.
-        partition.tasks.append(self._spawn(self._apply_loop(partition), f"waltz-apply-p{partition.id}"))
+        self._spawn_partition_task(partition, self._apply_loop(partition), f"waltz-apply-p{partition.id}")
         await self._require_driver().mount(partition.id, hwm)
 
     def _active(self, partition_id: int) -> PartitionState | None:
@@ -1707,15 +1711,51 @@ class AsyncWaltzClient:
             report_hook_failure(asyncio.get_running_loop(), fn, e)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
+        return self._tasks.spawn(coro, name)
 
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("client task %s failed", task.get_name(), exc_info=task.exception())
+    def _task_failed(self, task: asyncio.Task[Any], error: BaseException) -> None:
+        """A task of the client's own failed (a context's run reports its failures to the context: this is
+        a bug in the client, which its contexts and partitions outlive)."""
+        log.error("client task %s failed", task.get_name(), exc_info=error)
+
+    def _spawn_partition_task(
+        self, partition: PartitionState, coro: Coroutine[Any, Any, None], name: str
+    ) -> None:
+        """Run a task the partition depends on (its mount, its applier): if it fails, the partition fails
+        with it (see :meth:`_partition_failed`), instead of stalling while submits time out."""
+        task = self._tasks.spawn(coro, name, functools.partial(self._partition_failed, partition))
+        partition.tasks.append(task)
+
+    def _partition_failed(
+        self, partition: PartitionState, task: asyncio.Task[Any], error: BaseException
+    ) -> None:
+        """The partition's mount or applier task failed: the partition stops, and the failure reaches the
+        application twice: ``uncaught_exception(partition, -1, error)``, and the error of every submit and
+        ``wait_applied`` on the partition (which names it), until :meth:`set_partitions` releases it or the
+        client closes."""
+        if self._partitions.get(partition.id) is not partition or partition.error is not None:
+            log.error("partition %d: task %s failed", partition.id, task.get_name(), exc_info=error)
+            return
+        log.error(
+            "partition %d stopped: its task %s failed; submits to it fail until it is mounted again",
+            partition.id,
+            task.get_name(),
+            exc_info=error,
+        )
+        failure = ClientError(
+            f"partition {partition.id} stopped: its task {task.get_name()} failed with "
+            f"{type(error).__name__}: {error} (see uncaught_exception; release it with set_partitions, "
+            "or restart the client)"
+        )
+        failure.__cause__ = error
+        self._stop_partition(partition, failure)
+        for other in partition.tasks:
+            other.cancel()
+        self._spawn(self._report_partition_failure(partition.id, error), "waltz-partition-failed")
+
+    async def _report_partition_failure(self, partition_id: int, error: BaseException) -> None:
+        await self._call_hook(self._callbacks.uncaught_exception, partition_id, -1, error)
+        await self._require_driver().unmount(partition_id)
 
     def _check_open(self) -> None:
         if self._closed:
