@@ -54,7 +54,7 @@ from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.context import TransactionContext
 from waltz.client.driver import ClientDriver, MountState
-from waltz.client.lifecycle import STEPS, Event, Hook, State
+from waltz.client.lifecycle import Event, Hook, State
 from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
 from waltz.client.pool import Call, CallbackPool, report_hook_failure
 from waltz.client.retry import APPLY_RETRY, FETCH_RETRY, MAX_CHECKSUM_ATTEMPTS, RetryPolicy
@@ -108,21 +108,6 @@ _Executed: TypeAlias = TransactionBuilder | Literal[False] | _Pending
 """A first attempt that ran ``execute`` without an exception (filled, gave up, or a coroutine to await)."""
 """What a submit's first callback-thread call returns (see ``AsyncWaltzClient._first_attempt``)."""
 
-# Enum members of the hot path as module constants: in Python 3.11 ``Event.SEND`` goes through the enum's
-# metaclass (~150 ns a time, a dozen times per append), a module global costs a dictionary lookup.
-_EXECUTE, _SEND, _COMMIT, _APPLY = Event.EXECUTE, Event.SEND, Event.COMMIT, Event.APPLY
-# The lifecycle table's rows of the four transitions every append makes: the hot path applies them with one
-# lookup (``row[run.state]``) instead of a call of ``run.handle`` each (none of them owes a hook the hot path
-# does not call); a state missing from the row is handed to ``run.handle``, which raises LifecycleError as for
-# any impossible transition.
-_EXECUTE_ROW, _SEND_ROW, _COMMIT_ROW, _APPLY_ROW = (
-    STEPS[_EXECUTE],
-    STEPS[_SEND],
-    STEPS[_COMMIT],
-    STEPS[_APPLY],
-)
-_APPLIED_STATE = _APPLY_ROW[State.COMMITTED][0]
-"""Where APPLY takes a committed run (ENDED, owing on_application): the table's row, read at import."""
 _READY = MountState.READY
 _COMMITTED = Outcome.COMMITTED
 _STATE_COMMITTED = State.COMMITTED
@@ -132,6 +117,14 @@ _MASK32 = 0xFFFFFFFF
 _TRUE_ARGS = (True,)
 _new_tuple = tuple.__new__
 """Builds a named tuple (ReqId) from a tuple in C, without its generated Python ``__new__``."""
+
+class _Expired(Exception):
+    """The error of a context past ``client.transactionTimeout`` (the lifecycle's EXPIRE, not FAIL)."""
+
+    def __init__(self, error: ClientTimeoutError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
 
 _FAILURE_EVENTS = {Outcome.LOCK_FAILED: Event.LOCK_FAIL, Outcome.FAILED: Event.LOST}
 """The lifecycle event of an append that did not commit."""
@@ -393,11 +386,7 @@ class AsyncWaltzClient:
             raise
         self._runs.add(run)
         if type(first) is TransactionBuilder:  # The common case: executed and filled.
-            try:
-                run.state = _EXECUTE_ROW[run.state][0]  # run.handle(_EXECUTE), see _EXECUTE_ROW
-            except KeyError:
-                run.handle(_EXECUTE)  # Raises LifecycleError.
-                raise
+            run.execute()
             # Checked again unless fresh: execute() may have changed the partition (set_partitions, close).
             monitor = partition.monitor if fresh else self._ready_monitor(partition)
             if monitor is not None:
@@ -412,16 +401,11 @@ class AsyncWaltzClient:
                         return
                     if wake:
                         self._wake(wake)
-                try:
-                    run.state = _SEND_ROW[run.state][0]  # run.handle(_SEND), see _EXECUTE_ROW
-                except KeyError:
-                    run.handle(_SEND)  # Raises LifecycleError.
-                    raise
-                run.attempts += 1  # As handle() counts a SEND.
+                run.send()
                 self._send(partition, monitor, first, run)
                 return
         elif first is not None:
-            run.handle(_EXECUTE)
+            run.execute()
             if isinstance(first, Exception):  # execute() raised
                 await self._end_with_exception(run, first)
                 raise first
@@ -434,7 +418,7 @@ class AsyncWaltzClient:
         # The slow path: a task executes (or sends what was executed) once the partition is mounted.
         run.first_send = asyncio.get_running_loop().create_future()
         self._spawn(
-            self._run_context(run, 1 if first is not None else 0, first), f"waltz-run-p{partition.id}"
+            self._run_context(run, first), f"waltz-run-p{partition.id}"
         )
         await asyncio.shield(run.first_send)
 
@@ -562,7 +546,7 @@ class AsyncWaltzClient:
     def _spawn_end(self, run: Run, error: Exception, executed: bool = False) -> None:
         self._runs.add(run)
         if executed:
-            run.handle(_EXECUTE)
+            run.execute()
         self._spawn(self._end_with_exception(run, error), "waltz-failed-submit")
 
     def _continue_first(self, run: Run, first: _Executed) -> None:
@@ -573,7 +557,7 @@ class AsyncWaltzClient:
         if isinstance(first, _Pending):
             self._spawn(self._continue_pending(run, first), f"waltz-run-p{partition.id}")
             return
-        run.handle(_EXECUTE)
+        run.execute()
         if first is False:
             self._release_slot(run)
             run.handle(Event.GIVE_UP)
@@ -589,12 +573,12 @@ class AsyncWaltzClient:
         if monitor is not None:
             self._start_first(partition, monitor, run, first)
             return
-        self._spawn(self._run_context(run, 1, first), f"waltz-run-p{partition.id}")
+        self._spawn(self._run_context(run, first), f"waltz-run-p{partition.id}")
 
     async def _continue_pending(self, run: Run, pending: _Pending) -> None:
         first = await self._finish_first(run, pending)
         if isinstance(first, Exception):
-            run.handle(_EXECUTE)
+            run.execute()
             await self._end_with_exception(run, first)
         else:
             self._continue_first(run, first)
@@ -716,13 +700,7 @@ class AsyncWaltzClient:
                 return
             if wake:
                 self._wake(wake)
-        # run.handle(_SEND) (before _send: a failed send resolves at once), as one lookup in the table.
-        try:
-            run.state = _SEND_ROW[run.state][0]
-        except KeyError:
-            run.handle(_SEND)  # Raises LifecycleError.
-            raise
-        run.attempts += 1  # As handle() counts a SEND.
+        run.send()  # Before _send: a failed send resolves at once.
         self._send(partition, monitor, first, run)
 
     def _ready_monitor(self, partition: PartitionState) -> TransactionMonitor | None:
@@ -1002,8 +980,6 @@ class AsyncWaltzClient:
         outcomes = partition.outcomes
         awaiting_apply = partition.awaiting_apply
         inline = self._inline
-        pool = self._pool
-        hooks_off = pool is None or pool.is_shut_down  # Read once, as in _on_applied.
         released = 0
         try:
             for resolution in resolutions:
@@ -1015,15 +991,11 @@ class AsyncWaltzClient:
                 if resolution.outcome is not _COMMITTED:
                     self._on_first_outcome(run, resolution)
                     continue
-                # A committed first attempt (once per append): written out here, not a call per run.
+                # A committed first attempt (once per append).
                 if run.holds_slot:
                     run.holds_slot = False
                     released += 1
-                try:
-                    run.state = _COMMIT_ROW[run.state][0]  # run.handle(_COMMIT): owes on_completion(True)
-                except KeyError:
-                    run.handle(_COMMIT)  # Raises LifecycleError.
-                    raise
+                run.commit()  # Owes on_completion(True).
                 run.transaction_id = resolution.transaction_id
                 awaiting_apply.append(run)
                 if self._hook_runs or not inline:
@@ -1032,30 +1004,8 @@ class AsyncWaltzClient:
                         self._call_soon(self._flush_hooks)
                     self._hooks.append((run.context.on_completion, _TRUE_ARGS))
                     self._hook_runs.append((run, True))
-                    continue
-                # Inline, nothing queued before it: _hook_now(run, True) and then _hook_done(run, True),
-                # written out.
-                if hooks_off:
-                    continue  # As _flush_hooks: no hooks once the client is shut down.
-                fn = run.context.on_completion
-                hook_result: Any  # Typed as returning None; an inline hook may return a coroutine.
-                try:
-                    hook_result = fn(True)
-                except (SystemExit, KeyboardInterrupt):
-                    raise
-                except BaseException as e:  # noqa: BLE001 - reported to the application, as in _hook_now
-                    report_hook_failure(asyncio.get_running_loop(), fn, e)
-                    hook_result = None
-                if hook_result is not None and inspect.isawaitable(hook_result):
-                    self._lead_awaitables = [(fn, hook_result)]
-                    self._hook_runs.append((run, True))
-                    self._call_soon(self._flush_hooks)
-                    continue
-                run.completed = True
-                if run.applied and not self._closed:
-                    self._queue_application(run)
-                elif self._closed or partition.error is not None:
-                    self._finish(run)  # No on_application will follow.
+                else:
+                    self._hook_now(run, True)
         finally:
             if released:
                 partition.slots.release(released)
@@ -1217,7 +1167,7 @@ class AsyncWaltzClient:
         wake = partition.lock_queue.release(run)
         if wake:
             self._wake(wake)
-        self._spawn(self._run_context(run, 1, None, result), f"waltz-run-p{partition.id}")
+        self._spawn(self._run_context(run, None, result), f"waltz-run-p{partition.id}")
 
     def _take_turn(self, partition: PartitionState, run: Run, builder: TransactionBuilder) -> bool:
         """True if ``run`` may send ``builder`` now (it then holds its write locks in the lock queue); False
@@ -1278,11 +1228,6 @@ class AsyncWaltzClient:
         # Nothing held (no context of this partition takes write locks): no release to make per run. Releases
         # only pass locks on, so nothing becomes held during this loop either.
         locked = queue.holds_any
-        inline = self._inline
-        # As _flush_hooks: no hooks once the client is shut down. Read once: nothing this loop calls can shut
-        # the pool down (close() is a coroutine, and WaltzClient.close() refuses to run on the loop).
-        pool = self._pool
-        hooks_off = pool is None or pool.is_shut_down
         while waiting and waiting[0].transaction_id <= transaction_id:
             run = waiting.popleft()
             run.applied = True
@@ -1292,32 +1237,7 @@ class AsyncWaltzClient:
                     self._wake(wake)
             if not run.completed:
                 continue  # on_completion has not run yet: _hook_done queues on_application after it.
-            if inline and not self._hook_runs and run.state is _STATE_COMMITTED:
-                # _queue_application(run), then _hook_now(run, False) and _hook_done(run, False), written out
-                # (once per append): COMMITTED + APPLY owes on_application, then the run is finished.
-                run.state = _APPLIED_STATE
-                if hooks_off:
-                    continue
-                fn = run.context.on_application
-                result: Any  # Typed as returning None; an inline hook may return a coroutine.
-                try:
-                    result = fn()
-                except (SystemExit, KeyboardInterrupt):
-                    raise
-                except BaseException as e:  # noqa: BLE001 - reported to the application, as in _hook_now
-                    report_hook_failure(asyncio.get_running_loop(), fn, e)
-                    result = None
-                if result is not None and inspect.isawaitable(result):
-                    self._lead_awaitables = [(fn, result)]
-                    self._hook_runs.append((run, False))
-                    self._call_soon(self._flush_hooks)
-                    continue
-                # _finish(run), written out: its locks were released above, and a committed run waits in no
-                # lock queue, so it has nothing to leave there; a first attempt has no first_send.
-                self._runs.discard(run)
-                run.set_finished()
-            else:
-                self._queue_application(run)
+            self._queue_application(run)
 
     def _drop_awaiting_apply(self, partition: PartitionState) -> None:
         """The partition is gone: its committed runs end without on_application (as with close)."""
@@ -1328,7 +1248,7 @@ class AsyncWaltzClient:
             # Otherwise _hooks_done finishes it once on_completion ran.
 
     def _queue_application(self, run: Run) -> None:
-        if run.state is _STATE_COMMITTED and run.handle(_APPLY) is _ON_APPLICATION:
+        if run.apply():  # Owes on_application, unless the run ended meanwhile (closed).
             # _queue_hook(run, False, on_application), inline (once per append)
             if not self._hook_runs:
                 if self._inline:
@@ -1438,90 +1358,100 @@ class AsyncWaltzClient:
     async def _run_context(
         self,
         run: Run,
-        attempts: int = 0,
         builder: TransactionBuilder | None = None,
         pending: Resolution | BaseException | None = None,
     ) -> None:
         """The slow path of a context: every attempt after the first, or a first one that had to wait.
 
-        ``attempts`` were made already; ``builder`` (if given) is the last one, executed but not sent yet;
-        ``pending`` (if given) is the fate of the last one, sent and not committed.
+        ``builder`` (if given) is the last attempt, executed but not sent yet; ``pending`` (if given) is the
+        fate of the last one, sent and not committed. The attempts made are the lifecycle's to count.
         """
-        partition = run.partition
-        assert partition is not None
-        context = run.context
-        expired = False
         try:
             await self._await_turn(run)  # Parked by submit.
             if pending is not None:
                 if isinstance(pending, BaseException):
                     raise pending
-                await self._after_failure(context, pending, attempts)
-            while True:
-                if builder is None:
-                    if attempts > 0 and self._retry.attempts_exhausted(attempts):
-                        raise ClientTimeoutError(
-                            f"transaction context gave up after {attempts} attempts "
-                            "(client.maxTransactionAttempts)"
-                        )
-                    if self._retry.expired(context.creation_time, time.time()):
-                        expired = True  # The lifecycle's EXPIRE event, not a FAIL.
-                        raise ClientTimeoutError(
-                            f"transaction context expired after {self._config.transaction_timeout_ms} ms "
-                            f"and {attempts} attempts (client.transactionTimeout)"
-                        )
-                    attempts += 1
-                    monitor = await self._wait_mounted(partition)
-                    builder = TransactionBuilder(partition.id, monitor.applied_high_water_mark)
-                    run.handle(_EXECUTE)
-                    if not await self._call_user(context.execute, builder):
-                        self._release_slot(run)
-                        run.handle(Event.GIVE_UP)
-                        await self._call_hook(context.on_completion, False)
-                        return
-                # The mount may have changed while execute ran; its high-water mark is still a safe one.
-                monitor = await self._wait_mounted(partition)
-                if not self._take_turn(partition, run, builder):
-                    # Not sent, so not counted: the attempt bound is about appends the server refused.
-                    attempts -= 1
-                    run.handle(Event.QUEUE)
-                    self._park(partition, run, builder)
-                    builder = None
-                    await self._await_turn(run)
-                    continue
-                outcome: asyncio.Future[Resolution] = asyncio.get_running_loop().create_future()
-                run.handle(_SEND)
-                self._send(partition, monitor, builder, outcome)
+                await self._after_failure(run, pending)
+            while not await self._attempt(run, builder):
                 builder = None
-                if run.first_send is not None and not run.first_send.done():
-                    run.first_send.set_result(None)
-                resolution = await outcome
-                if resolution.outcome is _COMMITTED:
-                    self._release_slot(run)
-                    run.handle(_COMMIT)
-                    await self._call_hook(context.on_completion, True)
-                    await self._wait_applied(partition, resolution.transaction_id)
-                    wake = partition.lock_queue.release(run)
-                    if wake:
-                        self._wake(wake)
-                    if run.handle(_APPLY) is _ON_APPLICATION:
-                        await self._call_hook(context.on_application)
-                    return
-                run.handle(_FAILURE_EVENTS[resolution.outcome])
-                wake = partition.lock_queue.release(run)
-                if wake:
-                    self._wake(wake)
-                await self._after_failure(context, resolution, attempts)
         except asyncio.CancelledError:
             raise  # close() reports ClientClosedError to the context.
+        except _Expired as e:
+            await self._end_with_exception(run, e.error, Event.EXPIRE)
         except Exception as e:  # noqa: BLE001 - every failure ends the context through on_exception
-            await self._end_with_exception(run, e, Event.EXPIRE if expired else Event.FAIL)
+            await self._end_with_exception(run, e, Event.FAIL)
         finally:
             self._release_slot(run)
             if run.ended or not self._closed:
                 self._finish(run)
 
-    async def _after_failure(self, context: TransactionContext, failure: Resolution, attempts: int) -> None:
+    def _check_may_retry(self, run: Run) -> None:
+        """Before another execution: raise if ``client.maxTransactionAttempts`` appends were refused, or
+        (:class:`_Expired`) if the context is past ``client.transactionTimeout``."""
+        attempts = run.attempts
+        if attempts > 0 and self._retry.attempts_exhausted(attempts):
+            raise ClientTimeoutError(
+                f"transaction context gave up after {attempts} attempts (client.maxTransactionAttempts)"
+            )
+        if self._retry.expired(run.context.creation_time, time.time()):
+            raise _Expired(
+                ClientTimeoutError(
+                    f"transaction context expired after {self._config.transaction_timeout_ms} ms "
+                    f"and {attempts} attempts (client.transactionTimeout)"
+                )
+            )
+
+    async def _attempt(self, run: Run, builder: TransactionBuilder | None) -> bool:
+        """One attempt of the slow path: execute (unless ``builder`` was), take a turn on its write locks,
+        send, and await the append's fate. True once the run is done (appended and applied, or gave up),
+        False for another attempt."""
+        partition = run.partition
+        assert partition is not None
+        context = run.context
+        if builder is None:
+            self._check_may_retry(run)
+            monitor = await self._wait_mounted(partition)
+            builder = TransactionBuilder(partition.id, monitor.applied_high_water_mark)
+            run.execute()
+            if not await self._call_user(context.execute, builder):
+                self._release_slot(run)
+                run.handle(Event.GIVE_UP)
+                await self._call_hook(context.on_completion, False)
+                return True
+        # The mount may have changed while execute ran; its high-water mark is still a safe one.
+        monitor = await self._wait_mounted(partition)
+        if not self._take_turn(partition, run, builder):
+            # Not sent, so not counted: the attempt bound is about appends the server refused.
+            run.handle(Event.QUEUE)
+            self._park(partition, run, builder)
+            await self._await_turn(run)
+            return False
+        outcome: asyncio.Future[Resolution] = asyncio.get_running_loop().create_future()
+        run.send()
+        self._send(partition, monitor, builder, outcome)
+        if run.first_send is not None and not run.first_send.done():
+            run.first_send.set_result(None)
+        resolution = await outcome
+        wake = None
+        if resolution.outcome is _COMMITTED:
+            self._release_slot(run)
+            run.commit()
+            await self._call_hook(context.on_completion, True)
+            await self._wait_applied(partition, resolution.transaction_id)
+            wake = partition.lock_queue.release(run)
+            if wake:
+                self._wake(wake)
+            if run.apply():
+                await self._call_hook(context.on_application)
+            return True
+        run.handle(_FAILURE_EVENTS[resolution.outcome])
+        wake = partition.lock_queue.release(run)
+        if wake:
+            self._wake(wake)
+        await self._after_failure(run, resolution)
+        return False
+
+    async def _after_failure(self, run: Run, failure: Resolution) -> None:
         """Between a failed attempt and the next execute: retry on knowledge, back off on ignorance.
 
         A lock failure names the transaction that took the lock, and the monitor releases it only once this
@@ -1529,9 +1459,9 @@ class AsyncWaltzClient:
         sleep. A lost append (or a send error) says nothing about when a retry could succeed: back off.
         """
         if failure.outcome is Outcome.LOCK_FAILED:
-            await self._call_hook(context.on_lock_failure)
+            await self._call_hook(run.context.on_lock_failure)
             return
-        await asyncio.sleep(self._retry.delay_s(attempts))
+        await asyncio.sleep(self._retry.delay_s(run.attempts))
 
     def _send(
         self,
