@@ -118,6 +118,7 @@ _TRUE_ARGS = (True,)
 _new_tuple = tuple.__new__
 """Builds a named tuple (ReqId) from a tuple in C, without its generated Python ``__new__``."""
 
+
 class _Expired(Exception):
     """The error of a context past ``client.transactionTimeout`` (the lifecycle's EXPIRE, not FAIL)."""
 
@@ -417,9 +418,7 @@ class AsyncWaltzClient:
                 return
         # The slow path: a task executes (or sends what was executed) once the partition is mounted.
         run.first_send = asyncio.get_running_loop().create_future()
-        self._spawn(
-            self._run_context(run, first), f"waltz-run-p{partition.id}"
-        )
+        self._spawn(self._run_context(run, first), f"waltz-run-p{partition.id}")
         await asyncio.shield(run.first_send)
 
     def on_callback_thread(self) -> bool:
