@@ -171,6 +171,16 @@ class Lifecycle:
             raise
         self.attempts += 1
 
+    def execute_send(self) -> None:
+        """``handle(EXECUTE)`` then ``handle(SEND)``: a first attempt, executed off the loop, is sent."""
+        try:
+            self.state = _SEND_ROW[_EXECUTE_ROW[self.state][0]][0]
+        except KeyError:
+            self.handle(Event.EXECUTE)  # Raises LifecycleError (or SEND below does).
+            self.handle(_SEND)
+            raise
+        self.attempts += 1
+
     def commit(self) -> None:
         """``handle(COMMIT)``: the append committed; ``on_completion(True)`` is owed."""
         try:

@@ -1,5 +1,5 @@
 """The client package's shape: no import cycle between its modules (imports under ``TYPE_CHECKING`` and
-inside functions count too)."""
+inside functions count too), no module of 900 lines or more, no function of 70 lines or more."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from pathlib import Path
 import waltz.client
 
 PACKAGE = Path(waltz.client.__file__).parent
+MAX_MODULE_LINES = 900
+MAX_FUNCTION_LINES = 70
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -61,3 +63,18 @@ def test_the_client_modules_import_each_other_without_a_cycle() -> None:
 def test_the_cycle_finder_finds_one() -> None:
     assert _cycle({"config": {"driver"}, "driver": {"config"}}) == ["config", "driver", "config"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_client_module_or_function_is_too_long() -> None:
+    too_long: list[str] = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines >= MAX_MODULE_LINES:
+            too_long.append(f"{path.name}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length >= MAX_FUNCTION_LINES:
+                    too_long.append(f"{path.name}: {node.name} {length} lines")
+    assert not too_long, too_long
