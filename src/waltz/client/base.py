@@ -186,6 +186,8 @@ class ClientBase:
                 turn.set_result(None)
 
     def _finish(self, run: Run) -> None:
+        """The one place a run finishes: it leaves the lock queue and the client's runs, and whoever waits
+        for it (``flush_transactions``, a ``submit`` waiting for its first send) hears."""
         partition = run.partition
         if partition is not None:
             queue = partition.lock_queue
@@ -194,7 +196,9 @@ class ClientBase:
                 if wake:
                     self._wake(wake)
         self._runs.discard(run)
-        run.set_finished()
+        waiter = run.finished_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
         if run.first_send is not None and not run.first_send.done():
             run.first_send.set_result(None)
 

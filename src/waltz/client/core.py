@@ -19,7 +19,11 @@ What it does, per partition:
 Split by role: a context's fate is the pure :class:`~waltz.client.lifecycle.Lifecycle`, turns on write locks
 the pure :class:`~waltz.client.lock_queue.LockQueue`, the fate of appends the pure
 :class:`~waltz.client.monitor.TransactionMonitor`; the records of partitions and contexts are in
-:mod:`waltz.client.state`; this module drives them.
+:mod:`waltz.client.state`. The code that drives them is split along its seams, one mixin of
+:class:`AsyncWaltzClient` per module: :mod:`~waltz.client.submission` (``submit`` and the first attempt),
+:mod:`~waltz.client.attempts` (an append sent, its fate, the retry path), :mod:`~waltz.client.hooks` (the
+context hooks), :mod:`~waltz.client.applier` (a partition's mount, feed and applier), over the state and
+helpers of :mod:`~waltz.client.base`; this module holds start, close and the public operations.
 
 Threading guarantee: all state here lives on the event loop. Application code (``execute``, the context hooks,
 ``ClientCallbacks``) runs on a :class:`~waltz.client.pool.CallbackPool` of ``client.numConsumerThreads``

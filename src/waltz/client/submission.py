@@ -18,7 +18,7 @@ from waltz.client.attempts import AttemptsMixin
 from waltz.client.builder import TransactionBuilder
 from waltz.client.context import TransactionContext
 from waltz.client.driver import MountState
-from waltz.client.lifecycle import Event, Hook
+from waltz.client.lifecycle import Event
 from waltz.client.monitor import TransactionMonitor
 from waltz.client.state import PartitionState, Run
 from waltz.errors import (
@@ -83,8 +83,7 @@ class SubmissionMixin(AttemptsMixin):
                 # Zero hops: partition_id() and execute() run right here, on the loop.
                 first = self._first_attempt(run, self._num_partitions)
             else:
-                # One callback-thread call: partition_id() and, when a slot is free on a ready partition, the
-                # first execute() too (the common case: no second hop, no task).
+                # One callback-thread call: partition_id() and, with a free slot and the mount, execute().
                 first = await pool.call(
                     self._first_attempt,
                     run,
@@ -97,9 +96,7 @@ class SubmissionMixin(AttemptsMixin):
             if self._closed:  # Closed while execute() ran (the driver, once set, stays).
                 self._check_open()
         except Exception as e:
-            self._release_slot(run)
-            if run.handle(Event.FAIL) is Hook.EXCEPTION:
-                await self._call_hook(context.on_exception, e)
+            await self._end_with_exception(run, e)  # on_exception, and raised here as well.
             raise
         except BaseException:
             self._release_slot(run)
@@ -111,7 +108,11 @@ class SubmissionMixin(AttemptsMixin):
             # Checked again unless fresh: execute() may have changed the partition (set_partitions, close).
             monitor = partition.monitor if fresh else self._ready_monitor(partition)
             if monitor is not None:
-                self._start_first(partition, monitor, run, first)
+                if first.write_lock_hashes:
+                    self._start_first(partition, monitor, run, first)  # It may have to wait its turn.
+                else:
+                    run.execute_send()  # Before _send: a failed send resolves at once.
+                    self._send(partition, monitor, first, run)
                 return
             run.execute()
         elif first is not None:
