@@ -89,34 +89,20 @@ class ApplierMixin(AttemptsMixin):
         return partition
 
     def _feed_nowait(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> bool:
-        """:meth:`_on_feed_data` without a coroutine, when the feed has room (the common case); False, having
-        done nothing, when it has none (the driver then awaits ``on_feed_data``)."""
-        partition = self._partitions.get(partition_id)
-        if partition is None or partition.error is not None:
-            return True  # Not ours (any more): dropped, as on_feed_data drops it.
-        monitor = partition.monitor
-        if monitor is None:
-            return True
-        if len(partition.feed) >= partition.feed_limit:
-            return False
-        source = self._source
-        assert source is not None
-        resolutions = monitor.on_feed(transaction_id, req_id)
-        if resolutions:
-            self._resolve(partition, resolutions)
-        # Queued for apply_transaction after the resolutions: the applier's wake-up then follows the
-        # application's (an inline on_completion that woke the task waiting for it), so that task's next
-        # append goes out first and the apply runs while the server works on it (one append at a time).
-        partition.push_feed(Transaction(partition_id, transaction_id, header, req_id, source))
-        return True
+        """One feed entry through :meth:`_feed_run_nowait`: False, having done nothing, when the feed has no
+        room (the driver then awaits ``on_feed_data``)."""
+        return self._feed_run_nowait(partition_id, [(transaction_id, req_id, header)]) == 1
 
     def _feed_run_nowait(self, partition_id: int, entries: list[FeedEntry]) -> int:
-        """:meth:`_feed_nowait` of consecutive feed entries (the next ids of the partition, in order) in one
-        pass: as many as the feed has room for are resolved and queued for ``apply_transaction``; returns how
-        many were taken (0: the feed is full; the driver then delivers the rest through ``on_feed_data``)."""
+        """The feed's one path: consecutive feed entries (the next ids of the partition, in order), as many as
+        the feed has room for, resolved and queued for ``apply_transaction``. Returns how many were taken (0:
+        the feed is full; the driver then delivers the rest through ``on_feed_data``).
+
+        The driver alone owns the feed position and its density (it re-mounts from it after a reconnect and
+        drops repeats, resets on a gap): every entry it delivers is the next one (see driver.py)."""
         partition = self._partitions.get(partition_id)
         if partition is None or partition.error is not None or partition.monitor is None:
-            return len(entries)  # Not ours (any more): dropped, as on_feed_data drops them.
+            return len(entries)  # Not ours (any more): dropped.
         room = partition.feed_limit - len(partition.feed)
         if room <= 0:
             return 0
@@ -125,29 +111,26 @@ class ApplierMixin(AttemptsMixin):
         resolutions = partition.monitor.on_feed_run(entries)
         if resolutions:
             self._resolve(partition, resolutions)
-        # Queued for apply_transaction after the resolutions (see _feed_nowait), all at once: nothing is
-        # queued if a resolution raised, so the driver may deliver the same entries again.
+        # Queued for apply_transaction after the resolutions, all at once: the applier's wake-up then follows
+        # the application's (an inline on_completion that woke the task waiting for it), so that task's next
+        # append goes out first and the apply runs while the server works on it; and nothing is queued if a
+        # resolution raised, so the driver may deliver the same entries again.
         source = self._source
         assert source is not None
         partition.push_feed_run(new_transactions(partition_id, entries, source))
         return len(entries)
 
     async def _on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
+        """One feed entry, waiting for room in the feed first (then through :meth:`_feed_run_nowait`). If the
+        driver is cancelled while it waits, nothing has changed, and it may deliver the same id again."""
         partition = self._active(partition_id)
-        if partition is None or partition.monitor is None:
+        if partition is None:
             return
-        monitor = partition.monitor
-        # The driver alone owns the feed position and its density (it re-mounts from it after a reconnect and
-        # drops repeats, resets on a gap): every entry it delivers is the next one (see driver.py).
-        assert self._source is not None
-        # Queue first: if the driver is cancelled while we wait for room, nothing has changed and it may
-        # deliver the same id again. After the put nothing awaits, so the monitor sees every queued record.
         if len(partition.feed) >= partition.feed_limit:
             await partition.wait_room()
             if self._active(partition_id) is not partition:
                 return
-        partition.push_feed(Transaction(partition_id, transaction_id, header, req_id, self._source))
-        self._resolve(partition, monitor.on_feed(transaction_id, req_id))
+        self._feed_run_nowait(partition_id, [(transaction_id, req_id, header)])
 
     def _on_mount_state(self, partition_id: int, state: MountState) -> None:
         partition = self._active(partition_id)

@@ -174,14 +174,8 @@ class PartitionState:
         self._loop: asyncio.AbstractEventLoop | None = None  # The applier's, once it waited.
         self._room_waiter: asyncio.Future[None] | None = None  # The driver, waiting for room in the feed.
 
-    def push_feed(self, transaction: Transaction) -> None:
-        self.feed.append(transaction)
-        waiter = self._feed_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
     def push_feed_run(self, transactions: list[Transaction]) -> None:
-        """:meth:`push_feed` of each of ``transactions``, in order, with one wake-up."""
+        """Queue ``transactions`` for the applier, in order, with one wake-up."""
         self.feed.extend(transactions)
         waiter = self._feed_waiter
         if waiter is not None and not waiter.done():
