@@ -69,6 +69,7 @@ from waltz.client.stream import (
     Suspended,
     Unready,
 )
+from waltz.client.tasks import TaskSet
 from waltz.errors import (
     BrokenResourceError,
     ClientClosedError,
@@ -116,7 +117,7 @@ class NetworkDriver(ClientDriver):
         self._mounts: dict[int, Mount] = {}
         self._links: dict[str, StreamLink] = {}
         self._rpc: RpcPool | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet(self._task_failed)  # The driver's own tasks (see waltz.client.tasks).
         self._incarnations = itertools.count()
         self._sessions = itertools.count(1)
         self._opened = False
@@ -220,10 +221,7 @@ class NetworkDriver(ClientDriver):
         self._closed = True
         for partition_id in list(self._mounts):
             await self.unmount(partition_id)
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.aclose()
         links, self._links = list(self._links.values()), {}
         for link in links:
             await link.aclose()
@@ -606,14 +604,12 @@ class NetworkDriver(ClientDriver):
     # -- tasks ---------------------------------------------------------------------------------------------
 
     def spawn(self, coro: Awaitable[None], name: str) -> None:
-        task = asyncio.get_running_loop().create_task(_awaited(coro), name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        self._tasks.spawn(_awaited(coro), name)
 
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("network driver task %s failed", task.get_name(), exc_info=task.exception())
+    def _task_failed(self, task: asyncio.Task[None], error: BaseException) -> None:
+        """One of the driver's housekeeping tasks failed (closing a link, following the assignment): what
+        it was for is retried by the links and the next assignment; the failure is a bug, said once."""
+        log.error("network driver task %s failed", task.get_name(), exc_info=error)
 
     def statistics(self) -> dict[str, object]:
         """A snapshot for logs and tests: links, and per partition its position and state."""
