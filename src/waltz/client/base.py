@@ -191,7 +191,7 @@ class ClientBase:
         partition = run.partition
         if partition is not None:
             queue = partition.lock_queue
-            if queue.held or queue.parked:  # Otherwise the run holds and waits for nothing there.
+            if run in queue.held or run in queue.parked:  # Otherwise it holds and waits for nothing there.
                 wake = queue.leave(run)
                 if wake:
                     self._wake(wake)
