@@ -55,7 +55,7 @@ class HooksMixin(ClientBase):
 
     def _queue_application(self, run: Run) -> None:
         if run.apply():  # Owes on_application, unless the run ended meanwhile (closed).
-            # _queue_hook(run, False, on_application), inline (once per append)
+            # In this iteration's batch; inline mode with nothing queued before it runs it now.
             if not self._hook_runs:
                 if self._inline:
                     self._hook_now(run, False)
@@ -65,13 +65,6 @@ class HooksMixin(ClientBase):
             self._hook_runs.append((run, False))
         else:
             self._finish(run)  # Ended meanwhile (closed): no on_application.
-
-    def _queue_hook(self, run: Run, completion: bool, fn: Callable[..., Any], *args: Any) -> None:
-        """Queue a fast-path hook; the hooks queued in one loop iteration run as one callback-thread job."""
-        if not self._hook_runs:
-            self._call_soon(self._flush_hooks)
-        self._hooks.append((fn, args))
-        self._hook_runs.append((run, completion))
 
     def _flush_hooks(self) -> None:
         if not self._hook_runs:
