@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 
 from waltz.errors import ClusterKeyMismatchError, CorruptionError, StorageError
 from waltz.protocol.records import crc32
-from waltz.storage.fileio import OS_FS, File, FileSystem
+from waltz.storage.fileio import OS_FS, File, FileSystem, make_dirs_durable
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ class ControlFile:
         """
         if not 0 < num_partitions <= MAX_PARTITIONS:
             raise StorageError(f"bad partition count {num_partitions}: must be 1..{MAX_PARTITIONS}")
-        fs.makedirs(directory)
+        make_dirs_durable(fs, directory)
         path = os.path.join(directory, CONTROL_FILE_NAME)
         if not fs.exists(path):
             cls._create(fs, path, key, num_partitions, clock_ms())
