@@ -250,10 +250,14 @@ class ControlFile:
         """
         if not 0 < num_partitions <= MAX_PARTITIONS:
             raise StorageError(f"bad partition count {num_partitions}: must be 1..{MAX_PARTITIONS}")
-        make_dirs_durable(fs, directory)
+        made = make_dirs_durable(fs, directory)
         path = os.path.join(directory, CONTROL_FILE_NAME)
         if not fs.exists(path):
             cls._create(fs, path, key, num_partitions, clock_ms())
+            if not made:
+                # Someone else made the directory (an installer, ``waltz local``): its own entry may not be
+                # durable yet, and every partition directory and segment will live under it.
+                fs.fsync_dir(os.path.dirname(os.path.normpath(directory)) or ".")
         f = fs.open(path)
         damaged: dict[int, str] = {}
         try:
