@@ -228,7 +228,7 @@ def test_bad_arguments() -> None:
         with pytest.raises(StorageError, match="out of range"):
             cf.partition_info(4)
         with pytest.raises(StorageError, match="unknown partition flags"):
-            cf.update(0, flags=8)
+            cf.update(0, flags=16)
         with pytest.raises(StorageError, match="out of range"):
             cf.update(0, session_id=2**63)
     with pytest.raises(StorageError, match="closed"):
