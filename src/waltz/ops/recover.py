@@ -165,9 +165,22 @@ async def recover_partition(
         current = dst_max
         if current > info.low_water_mark:
             # Anything above the destination's clean point may be a dirty tail: copy it again from the source.
-            current = await dst.truncate(session, partition, info.low_water_mark, offline=True)
-        if current > target:  # --force: cut it down to what the source gives
-            current = await dst.truncate(session, partition, target, offline=True)
+            current = await dst.truncate(
+                session,
+                partition,
+                info.low_water_mark,
+                offline=True,
+                reason=f"recover-partition from {source}: above the destination's clean point",
+            )
+        if current > target:  # --force: cut it down to what the source gives (below its low-water mark)
+            current = await dst.truncate(
+                session,
+                partition,
+                target,
+                offline=True,
+                operator_repair=True,
+                reason=f"recover-partition --force from {source}: cut to what the source gives",
+            )
         # A low-water mark never goes down: a destination behind its own mark advances it once past it.
         floor = max(info.low_water_mark, info.local_low_water_mark)
         first = current + 1
