@@ -28,7 +28,8 @@ retries with backoff, before the opening and after it alike: after it, it rejoin
 does (recorded clean in ZooKeeper, copies, joins), so a storage node that failed (a full disk, a failed
 fsync, a restart) is back in the session on its own once it serves again. (It used to sit the rest of the
 session out, which could be hours: sessions end only on failures, replica-set changes and checkpoints.) Its
-first failure is logged at WARNING, its return at INFO.
+first failure is logged at WARNING (at most one line per 10 s), its return, once it recovered again, at
+INFO; a replica that answers and is refused again in a loop is one outage, not a line per attempt.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class ReplicaSession:
         self.storage = storage
         self.retiring = retiring
         self._failures = 0
-        """Failures since this replica last answered (the first logged at WARNING, the return at INFO)."""
+        """Failures since this replica last recovered (the first logged at WARNING, the return at INFO)."""
         self._retry_log = RetryLog(log)
         """The retry loop's lines: one per 10 s at most (a refusal retried every 100 ms wrote thousands)."""
         """A replica of the previous set that is no longer assigned: it only votes and serves copies."""
@@ -276,6 +277,7 @@ class ReplicaSession:
                         await self._vote_only(conn, info)
                         return
                     await self._recover(conn, info)
+                    self._recovered_again()
                     await self._take_part(conn)
                 except SessionFencedError as e:
                     self.session.end_fenced(f"{self.storage}: {e}")
@@ -308,6 +310,14 @@ class ReplicaSession:
         self.counted = False
         self.role = ReplicaRole.CONNECTING
         return True
+
+    def _recovered_again(self) -> None:
+        """One INFO line when a replica that failed is back: only once it recovered, not on every answer, so
+        a replica that answers and is then refused again (a retry every 100 ms) stays one outage, one
+        WARNING line, until it really is back."""
+        if self._failures:
+            log.info("%r answers again after %d failed attempts and recovered", self, self._failures)
+            self._failures = 0
 
     def _note_failure(self, error: BaseException) -> None:
         self._failures += 1
@@ -342,14 +352,6 @@ class ReplicaSession:
                 self._note_failure(e)
                 await backoff.sleep()
                 continue
-            if self._failures:
-                self._retry_log.log(
-                    logging.INFO,
-                    "%r answers again after %d failed attempts; recovering it",
-                    self,
-                    self._failures,
-                )
-                self._failures = 0
             self.connection = conn
             self.role = ReplicaRole.RECOVERING
             return conn, info
