@@ -1511,7 +1511,8 @@ class StorageNode:
             part.answer_failed(part.queue.pop())
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        """Healthy when no partition failed or is fail-stopped; ``partitions`` says which are, and why.
+        """Healthy when no partition failed, is fail-stopped or holds a damaged replica; ``partitions`` says
+        which, and why.
 
         Damaged records not repaired yet, and partitions whose control-file entry is damaged, are listed
         too (for operators and ``waltz cluster verify``); a damaged control entry takes its partition down.
