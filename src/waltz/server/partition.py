@@ -17,8 +17,9 @@ Per partition there is one **append task** and one **feed task per mounted clien
   reads slowly only stalls its own feed task (we wait for its socket to drain).
 * A mount first drains the append queue (so nothing of the client is pending here), then streams the
   transactions the client lacks and finishes with MountResponse(READY); a client whose high-water mark is
-  above ours gets CLIENT_AHEAD. A newer connection (generation, then connection sequence number) of the
-  same client replaces the older one.
+  above ours gets CLIENT_AHEAD (final for the client, so only from the incarnation of the generation the mount
+  names, open, its store session open; any other answers NOT_READY and the client mounts again). A newer
+  connection (connection sequence number) of the same client replaces the older one.
 
 A partition object is one *incarnation*: it lives for one generation on this server, and its registrations
 die with it. Nothing is dropped silently: :meth:`Partition.append`, :meth:`Partition.feed_request` and
@@ -409,13 +410,27 @@ class Partition:
         return await fut
 
     async def flush_request(self, peer: Peer, msg: cs.FlushRequest) -> None:
-        """Answer a flush accepted by :meth:`accepts` once every append before it is resolved."""
-        hwm = await self.flush()
-        peer.send(cs.FlushResponse(msg.req_id, hwm))
+        """Answer a flush accepted by :meth:`accepts_flush` once every append before it is resolved, through
+        an open store session: the client takes the answer as final, and a store fenced by a new owner fails
+        the appends it had in flight though that owner's recovery may have committed them. Such a flush waits
+        for a session that never opens, until :meth:`close` tells the client to mount again."""
+        while not self._closed:  # once closed, close() has told the client to mount again
+            await self.store.wait_open()  # raises ClosedResourceError once the store is closed
+            hwm = await self.flush()
+            if self.store.is_healthy and not self._closed:
+                peer.send(cs.FlushResponse(msg.req_id, hwm))
+                return
+
+    def _answers_mount(self, generation: int) -> bool:
+        """Whether a mount naming ``generation`` is ours to answer: only while open, in that generation (an
+        older incarnation, fenced or not yet replaced, may know a mark far below the log's end)."""
+        return generation == self.generation and not self._closed
 
     async def mount(self, peer: Peer, msg: cs.MountRequest) -> None:
+        """Stream what the client lacks, then READY; CLIENT_AHEAD only with the store session open (the mark
+        is the log's end); NOT_READY if not ours to answer (:meth:`_answers_mount`)."""
         rid = msg.req_id
-        if rid.generation < self.generation:
+        if not self._answers_mount(rid.generation):
             peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
             return
         reg = self._registrations.get(rid.client_id)
@@ -431,6 +446,8 @@ class Partition:
         if old is not None:
             self._end_feed(old)
         await self._ready.wait()
+        if self._closed:
+            return  # close() answered NOT_READY; a flush would wait for the append task it ended
         hwm = await self.flush()
         reg = self._registrations.get(rid.client_id)
         if reg is None or reg.peer is not peer:
@@ -442,6 +459,11 @@ class Partition:
             peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
             return
         if msg.client_high_water_mark > hwm:
+            if not (self._answers_mount(rid.generation) and self.store.is_healthy):
+                # Closed meanwhile, or no open store session (quorum lost, fenced by a new owner): our mark
+                # may not be the log's end, and CLIENT_AHEAD is final for a client.
+                peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
+                return
             peer.send(cs.MountResponse(rid, cs.PartitionState.CLIENT_AHEAD))
             log.warning(
                 "partition %d: client %d is ahead (%d > %d)",

@@ -22,7 +22,12 @@
   ``HWM_NOT_SERVED`` and a range request no records (readers then ask for the mark); a high-water mark or
   range request for a partition we do not own closes the connection (its RPC fails at once and is retried
   on the owner), as does a stream request for a partition the connection never mounted (a protocol
-  violation).
+  violation). **Only the current incarnation answers as the owner**: an incarnation that a new assignment
+  ends leaves the partition table before any of them is closed; a mount is answered only by the incarnation
+  of the generation it names (else NOT_READY), and a high-water mark or range request naming a newer
+  generation than ours gets ``HWM_NOT_SERVED`` or no records: the mark of an incarnation whose generation is
+  over (fenced by the new owner) may be far below the log's end. A flush is answered through an open store
+  session only (see ``Partition.flush_request``).
 * **Bounds per connection** (``server.connection.*``, docs/operations.md "Limits"): at most ``maxInFlight``
   mounts, reads and flushes unanswered (the connection is not read meanwhile); read responses reserve their
   bytes from a ``maxResponseBytes`` budget until they left our write buffer, so a peer that asks and never
@@ -652,34 +657,38 @@ class WaltzServer:
         async for assignment in self.member.assignments():
             await self._reconcile(assignment)
 
-    async def _reconcile(self, assignment: dict[int, int]) -> None:
-        async with self._reconcile_lock:
-            for pid in [p for p in self.partitions if p not in assignment]:
-                leaving = self.partitions.pop(pid)
+    async def _close_ended(self, assignment: dict[int, int]) -> None:
+        """Close every incarnation that ``assignment`` ends (its partition moved away or to a new generation).
+
+        Each leaves :attr:`partitions` before the first of them is closed (a close waits for its tasks and its
+        store): one still listed would go on answering requests for a generation that is over meanwhile, e.g.
+        a mount with the stale high-water mark of a store fenced by the new owner. Not listed, its requests
+        are answered NOT_READY (Partition.mount also refuses every generation but its own)."""
+        over = sorted(pid for pid, p in self.partitions.items() if assignment.get(pid) != p.generation)
+        ending = [(pid, self.partitions.pop(pid)) for pid in over]
+        for pid, old in ending:
+            if pid not in assignment:
                 self.metrics.unexport_partition(pid)
-                await leaving.close()
+                await old.close()
                 log.info(
                     "partition %d closed: moved away (generation %d, high-water mark %d)",
                     pid,
-                    leaving.generation,
-                    leaving.high_water_mark,
+                    old.generation,
+                    old.high_water_mark,
                 )
+                continue
+            # It moved away and back (we missed the step between): another server may have committed
+            # meanwhile, so this incarnation's lock table and registrations are stale. Start afresh.
+            self.metrics.generation_changes.labels(str(pid)).inc()
+            log.info("partition %d: generation %d -> %d; reopening it", pid, old.generation, assignment[pid])
+            await old.close()
+
+    async def _reconcile(self, assignment: dict[int, int]) -> None:
+        async with self._reconcile_lock:
+            await self._close_ended(assignment)
             for pid, generation in sorted(assignment.items()):
-                existing = self.partitions.get(pid)
-                if existing is not None:
-                    if existing.generation == generation:
-                        continue
-                    # It moved away and back (we missed the step between): another server may have committed
-                    # meanwhile, so this incarnation's lock table and registrations are stale. Start afresh.
-                    self.metrics.generation_changes.labels(str(pid)).inc()
-                    del self.partitions[pid]
-                    log.info(
-                        "partition %d: generation %d -> %d; reopening it",
-                        pid,
-                        existing.generation,
-                        generation,
-                    )
-                    await existing.close()
+                if pid in self.partitions:
+                    continue  # the same generation: carries on as it was
                 replicas = self.replica_sets.get(pid, ())
                 if not replicas:
                     log.error("partition %d has no replicas assigned in ZooKeeper; not opening it", pid)
@@ -950,7 +959,15 @@ class WaltzServer:
                 raise _CloseConnection(
                     f"{type(msg).__name__} for partition {pid}, which this server does not own"
                 )
-            if isinstance(msg, cs.HighWaterMarkRequest):
+            if rid.generation > part.generation:
+                # The reader knows a newer owner than this incarnation (one being replaced here, or a store
+                # fenced by that owner): the mark this one knows may be far below the log's end, and a reader
+                # takes the mark for the end. Answered as for a partition not served: retriable.
+                if isinstance(msg, cs.HighWaterMarkRequest):
+                    peer.send(cs.HighWaterMarkResponse(rid, cs.HWM_NOT_SERVED))
+                else:
+                    peer.send_range(cs.TransactionRangeResponse(rid, msg.transaction_id, 0, b""))
+            elif isinstance(msg, cs.HighWaterMarkRequest):
                 if part.is_serving:
                     peer.send(cs.HighWaterMarkResponse(rid, part.high_water_mark))
                 else:
