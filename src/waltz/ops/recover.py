@@ -175,9 +175,21 @@ async def recover_partition(
         current = dst_max
         if current > info.low_water_mark:
             # Anything above the destination's clean point may be a dirty tail: copy it again from the source.
-            current = await dst.truncate(session, partition, info.low_water_mark, offline=True)
+            current = await dst.truncate(
+                session,
+                partition,
+                info.low_water_mark,
+                offline=True,
+                reason=f"recover-partition from {source}: above the destination's clean point",
+            )
         if current > target:  # --shorten-destination: cut it down to what the source gives
-            current = await repair_truncate(dst, session, partition, target)
+            current = await repair_truncate(
+                dst,
+                session,
+                partition,
+                target,
+                reason=f"recover-partition --shorten-destination from {source}",
+            )
         floor = max(info.low_water_mark, info.local_low_water_mark)
         first = current + 1
         total = max(0, target - current)
@@ -215,7 +227,9 @@ async def recover_partition(
     )
 
 
-async def repair_truncate(dst: StorageClient, session: int, partition: int, transaction_id: int) -> int:
+async def repair_truncate(
+    dst: StorageClient, session: int, partition: int, transaction_id: int, *, reason: str = "operator repair"
+) -> int:
     """Cut an offline replica to ``transaction_id``, possibly below its persisted low-water mark: the one
     place operator repairs send such a truncate (``--shorten-destination``, ``waltz cluster accept-loss``).
 
@@ -223,7 +237,9 @@ async def repair_truncate(dst: StorageClient, session: int, partition: int, tran
     mark unless the request says it is a repair gets that flag here and nowhere else.
     """
     log.info("partition %d on %s: repair truncate to %d", partition, dst.address, transaction_id)
-    return await dst.truncate(session, partition, transaction_id, offline=True)
+    return await dst.truncate(
+        session, partition, transaction_id, offline=True, operator_repair=True, reason=reason
+    )
 
 
 async def copy_records(

@@ -28,7 +28,8 @@ retries with backoff, before the opening and after it alike: after it, it rejoin
 does (recorded clean in ZooKeeper, copies, joins), so a storage node that failed (a full disk, a failed
 fsync, a restart) is back in the session on its own once it serves again. (It used to sit the rest of the
 session out, which could be hours: sessions end only on failures, replica-set changes and checkpoints.) Its
-first failure is logged at WARNING, its return at INFO.
+first failure is logged at WARNING (at most one line per 10 s), its return, once it recovered again, at
+INFO; a replica that answers and is refused again in a loop is one outage, not a line per attempt.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from waltz.errors import BrokenResourceError, SessionFencedError, WaltzError
 from waltz.protocol.records import Record
 from waltz.server.store.interfaces import ReplicaConnection, ReplicaConnector, SessionInfo
 from waltz.server.store.recovery import Classification, RecoveryState, classify_replica
-from waltz.server.store.support import Backoff, InvariantViolation, StoreConfig
+from waltz.server.store.support import Backoff, InvariantViolation, RetryLog, StoreConfig
 from waltz.server.store.voting import Voting
 
 __all__ = ["Batch", "ReplicaContext", "ReplicaHost", "ReplicaRole", "ReplicaSession", "SessionOver"]
@@ -158,7 +159,9 @@ class ReplicaSession:
         self.storage = storage
         self.retiring = retiring
         self._failures = 0
-        """Failures since this replica last answered (the first is logged at WARNING, the return at INFO)."""
+        """Failures since this replica last recovered (the first logged at WARNING, the return at INFO)."""
+        self._retry_log = RetryLog(log)
+        """The retry loop's lines: one per 10 s at most (a refusal retried every 100 ms wrote thousands)."""
         """A replica of the previous set that is no longer assigned: it only votes and serves copies."""
         self.role = ReplicaRole.CONNECTING
         self.connection: ReplicaConnection | None = None
@@ -340,6 +343,7 @@ class ReplicaSession:
                         await self._vote_only(conn, info)
                         return
                     await self._recover(conn, info)
+                    self._recovered_again()
                     await self._take_part(conn)
                 except SessionFencedError as e:
                     self._host.fenced(f"{self.storage}: {e}")
@@ -373,10 +377,19 @@ class ReplicaSession:
         self.role = ReplicaRole.CONNECTING
         return True
 
+    def _recovered_again(self) -> None:
+        """One INFO line when a replica that failed is back: only once it recovered, not on every answer, so
+        a replica that answers and is then refused again (a retry every 100 ms) stays one outage, one
+        WARNING line, until it really is back."""
+        if self._failures:
+            log.info("%r answers again after %d failed attempts and recovered", self, self._failures)
+            self._failures = 0
+
     def _note_failure(self, error: BaseException) -> None:
         self._failures += 1
         if self._failures == 1:
-            log.warning(
+            self._retry_log.log(
+                logging.WARNING,
                 "%r is out of the session (%r); retrying it every %d ms at most",
                 self,
                 error,
@@ -405,9 +418,6 @@ class ReplicaSession:
                 self._note_failure(e)
                 await backoff.sleep()
                 continue
-            if self._failures:
-                log.info("%r answers again after %d failed attempts; recovering it", self, self._failures)
-                self._failures = 0
             self.connection = conn
             self.role = ReplicaRole.RECOVERING
             return conn, info
@@ -419,7 +429,13 @@ class ReplicaSession:
         classification = classify_replica(recovery.previous, self.storage, info, max_id)
         self.classification = classification
         if classification.truncate_to is not None and max_id > classification.truncate_to:
-            max_id = await session.call(conn.truncate(classification.truncate_to))
+            max_id = await session.call(
+                conn.truncate(
+                    classification.truncate_to,
+                    reason=f"recovery of session {self._ctx.session_id}: replica classified "
+                    f"{classification.kind.value}",
+                )
+            )
         self.max_id = self.readable_max = max_id
         log.debug("%r classified %s, max id %d", self, classification.kind.value, max_id)
         if classification.counted:
@@ -447,7 +463,12 @@ class ReplicaSession:
 
         resolved = recovery.resolved
         if self.max_id > resolved:
-            self.max_id = await session.call(conn.truncate(resolved))
+            self.max_id = await session.call(
+                conn.truncate(
+                    resolved,
+                    reason=f"recovery of session {self._ctx.session_id}: above the resolved high-water mark",
+                )
+            )
             if self.max_id != resolved:
                 raise InvariantViolation(
                     f"{self.storage} truncated to {resolved} reports max id {self.max_id}"
