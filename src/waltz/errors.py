@@ -12,6 +12,10 @@ operation later can succeed (``retriable``); callers decide on that flag, never 
     ├── ConnectionError_               the transport is gone
     │   ├── ClosedResourceError        we closed it ourselves (not retriable on the same object)
     │   └── BrokenResourceError        the peer or the network broke it (retriable with a new connection)
+    ├── BusyResourceError              a second task asked for what one task at a time may use (a bug)
+    ├── InvariantViolation             something that must hold in production does not (a bug, or storage
+    │   │                              that breaks its contract); never retried
+    │   └── LifecycleError             an event that cannot happen in a client context's state
     ├── StorageError                   storage node and on-disk format
     │   ├── CorruptionError            a checksum or structure on disk does not verify
     │   ├── StorageRpcError            a storage node answered a request with a failure response
@@ -83,6 +87,21 @@ class BrokenResourceError(ConnectionError_):
     """The peer or the network broke the connection; a new connection may succeed."""
 
     retriable = True
+
+
+class BusyResourceError(WaltzError):
+    """A second task asked for a resource only one task may use at a time (such as receiving on one
+    connection): a bug in the caller, not a state of the resource."""
+
+
+class InvariantViolation(WaltzError):
+    """Something that must hold in production does not: a bug, or storage that breaks its contract. Raised
+    instead of ``assert`` (which ``-O`` removes); never retried."""
+
+
+class LifecycleError(InvariantViolation):
+    """An event that cannot happen in a client context's state (see ``waltz.client.lifecycle``): a bug in the
+    client core."""
 
 
 class StorageError(WaltzError):

@@ -9,13 +9,11 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from waltz.errors import InvariantViolation
+
 __all__ = ["Backoff", "InvariantViolation", "RepairStatistics", "StoreConfig", "TaskList"]
 
 log = logging.getLogger(__name__)
-
-
-class InvariantViolation(RuntimeError):
-    """A replication invariant does not hold: a bug (or storage that breaks its contract). Never retried."""
 
 
 @dataclass(frozen=True)
