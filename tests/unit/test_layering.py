@@ -16,11 +16,12 @@ import waltz
 SRC = Path(waltz.__file__).parent
 
 # Foundation modules: small, shared by every layer.
-_BASE = {"errors", "config", "tls", "http", "transport", "__version__"}
+_BASE = {"errors", "config", "tls", "http", "transport", "runtime", "__version__"}
 
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "__version__": set(),
+    "runtime": set(),
     "config": {"errors"},
     "tls": {"errors", "config"},
     "http": {"errors", "__version__"},

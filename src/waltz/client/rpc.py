@@ -70,12 +70,9 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def connect_server(
-    endpoint: str, ssl: SSLContext | None = None, *, callback_reads: bool = False
-) -> FramedConnection:
+async def connect_server(endpoint: str, ssl: SSLContext | None = None) -> FramedConnection:
     """A client-protocol connection to the server at ``endpoint`` (BrokenResourceError if unreachable),
-    over TLS with ``ssl`` (from ``client.ssl.*``); with ``callback_reads`` its payloads are delivered from the
-    transport's callback (``FramedConnection.deliver_payloads``) instead of read by a task."""
+    over TLS with ``ssl`` (from ``client.ssl.*``)."""
     host, port = split_endpoint(endpoint)
     return await open_connection(
         host,
@@ -85,7 +82,6 @@ async def connect_server(
         hello_text=CLIENT_HELLO,
         connect_timeout_ms=CONNECT_TIMEOUT_MS,
         ssl=ssl,
-        callback_reads=callback_reads,
     )
 
 
@@ -115,7 +111,7 @@ class RpcPool:
                 await rpc.aclose()
             # Responses decoded in the transport's callback: a range read's multi-megabyte runs no longer pass
             # through a StreamReader (two more copies of every run, and a task woken per socket read).
-            conn = await connect_server(endpoint, self._ssl, callback_reads=True)
+            conn = await connect_server(endpoint, self._ssl)
             version = conn.negotiated_version
 
             def encode(msg: cs.Message) -> bytes:

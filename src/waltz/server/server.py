@@ -69,6 +69,7 @@ from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
 from waltz.protocol.record_run import RunBytes
 from waltz.protocol.records import ReqId
+from waltz.runtime import tune_gc, tune_malloc, wait_for_stop_signal
 from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
 from waltz.server.config import ServerConfig
 from waltz.server.feed_cache import FeedCache, FeedEntry
@@ -82,9 +83,6 @@ from waltz.transport import (
     RateLimitedLog,
     reason_kind,
     serve,
-    tune_gc,
-    tune_malloc,
-    wait_for_stop_signal,
 )
 
 log = logging.getLogger(__name__)
@@ -158,14 +156,14 @@ class _Connection:
             self.send(msg)
             return
         try:
-            self._conn.send_parts(*cs.encode_range_response_parts(msg, self._version))
+            self._conn.send(*cs.encode_range_response_parts(msg, self._version))
         except ConnectionError_:
             pass
 
     def send_feed(self, entries: Sequence[FeedEntry]) -> None:
         """A FeedData for each of ``entries``, in order (the feed's hot path: one call per batch)."""
         try:
-            self._conn.send_many(cs.encode_feed_entries(entries, self._version))
+            self._conn.send(cs.frame_feed_entries(entries, self._version), framed=True)
         except ConnectionError_:
             pass
 
@@ -520,8 +518,6 @@ class WaltzServer:
                 max_connections_per_source=self.config.max_connections_per_source,
                 idle_timeout_s=self.config.connection_idle_timeout_ms / 1000,
                 ssl=ssl,
-                # Client messages are handed to _serve_client's handler from the transport's data callback.
-                callback_reads=True,
             ),
         )
         self.port = self._listener.port
