@@ -650,3 +650,30 @@ def test_a_failing_handler_is_logged_and_the_server_keeps_serving(caplog: pytest
     failures = [r for r in caplog.records if "connection handler" in r.getMessage()]
     assert len(failures) == 1
     assert failures[0].exc_info is not None
+
+
+def test_a_failing_background_task_ends_the_connection_and_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The connection owns its keep-alive and idle-watch tasks: a bug in one must reach the receiver (the
+    # connection ends) and the log, not leave the connection running without it.
+    async def main() -> None:
+        async with serving(echo) as port:
+            conn = await connect(port, keep_alive_interval_s=0.05)
+            async with conn:
+
+                def broken_write(data: bytes | bytearray | memoryview) -> None:
+                    raise ValueError("a bug in the keep-alive")
+
+                conn._transport.write = broken_write  # type: ignore[method-assign]  # only keep-alives write
+                ended: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+                conn.deliver_payloads(lambda payloads: None, ended.set_result)
+                reason = await ended
+                assert isinstance(reason, BrokenResourceError)
+                assert "keep-alive" in str(reason)
+                assert "a bug in the keep-alive" in str(reason)
+                assert conn.is_closed
+
+    with caplog.at_level(logging.ERROR, logger="waltz.transport"):
+        run(main)
+    assert any("keep-alive" in r.getMessage() and r.exc_info for r in caplog.records)

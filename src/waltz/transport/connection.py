@@ -27,7 +27,7 @@ import asyncio
 import collections
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any, Self
 
@@ -103,14 +103,26 @@ class FramedConnection:
         self._idle_timeout_s = idle_timeout_s
         self._keep_alive_task: asyncio.Task[None] | None = None
         if keep_alive_interval_s is not None:
-            self._keep_alive_task = self._loop.create_task(
-                self._keep_alive_loop(keep_alive_interval_s), name=f"keep-alive {self.peername}"
-            )
+            self._keep_alive_task = self._own(self._keep_alive_loop(keep_alive_interval_s), "keep-alive")
         self._idle_task: asyncio.Task[None] | None = None
         if idle_timeout_s is not None:
-            self._idle_task = self._loop.create_task(
-                self._idle_watch(idle_timeout_s), name=f"idle-watch {self.peername}"
-            )
+            self._idle_task = self._own(self._idle_watch(idle_timeout_s), "idle-watch")
+
+    def _own(self, coro: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
+        """A background task of this connection: cancelled by :meth:`aclose`; its failure (a bug) is logged
+        and ends the connection, so the receiver hears of it instead of the connection living on without."""
+        task = self._loop.create_task(coro, name=f"{what} {self.peername}")
+        task.add_done_callback(self._background_ended)
+        return task
+
+    def _background_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        log.error("%s failed", task.get_name(), exc_info=error)
+        self._abort(
+            BrokenResourceError(f"connection with {self.peername} ended: {task.get_name()} failed: {error}")
+        )
 
     def _init_reading(self) -> None:
         self._receiving = False
