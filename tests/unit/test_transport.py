@@ -677,3 +677,22 @@ def test_a_failing_background_task_ends_the_connection_and_is_logged(
     with caplog.at_level(logging.ERROR, logger="waltz.transport"):
         run(main)
     assert any("keep-alive" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_what_the_peer_sent_before_it_left_is_received_before_its_end() -> None:
+    # The transport may report a read and the end of file in one go (TLS records, uvloop): the payloads of
+    # that read are still received, and the end is raised after them.
+    async def main() -> None:
+        async with serving(echo) as port:
+            conn = await connect(port)
+            async with conn:
+                last = FRAME_HEADER.pack(MAGIC_STORAGE, conn.negotiated_version, 4) + b"last"
+                conn._data_received(last + last[:5])  # a whole frame, then part of one
+                conn._connection_ended(None)
+                assert await conn.receive() == b"last"
+                with pytest.raises(BrokenResourceError, match="closed the connection"):
+                    await conn.receive()
+                with pytest.raises(BrokenResourceError):
+                    await conn.receive()
+
+    run(main)

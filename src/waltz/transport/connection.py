@@ -294,16 +294,20 @@ class FramedConnection:
         payloads in the callback (serve_payloads), or, without one, the read wakes this task (receive)."""
         left = self._left
         while True:
-            self._check_open()
+            if self._closed:
+                raise ClosedResourceError("connection closed")
+            # What the peer sent before it left is still taken: the end is raised once nothing is buffered.
             if left:
                 return left.popleft()
             try:
                 payload = self._proto.next_payload()
             except RemoteProtocolError as e:
-                self._protocol_failure(e)
+                if self._error is None:
+                    self._protocol_failure(e)
                 raise
             if payload is not None:
                 return payload
+            self._check_open()
             if self._write_backlogged():
                 await self.drain()  # our answers pile up unsent: read no more until they drain
                 continue
