@@ -1,7 +1,8 @@
 """The one exception tree of Waltz.
 
-Every error Waltz raises on purpose is a :class:`WaltzError`. Each class says whether retrying the same
-operation later can succeed (``retriable``); callers decide on that flag, never on message text::
+Every failure Waltz raises on purpose is a :class:`WaltzError` (bugs caught by a check have their own root,
+below). Each class says whether retrying the same operation later can succeed (``retriable``); callers
+decide on that flag, never on message text::
 
     WaltzError
     ├── ConfigError                    bad configuration file, key or CLI argument (not retriable)
@@ -12,10 +13,6 @@ operation later can succeed (``retriable``); callers decide on that flag, never 
     ├── ConnectionError_               the transport is gone
     │   ├── ClosedResourceError        we closed it ourselves (not retriable on the same object)
     │   └── BrokenResourceError        the peer or the network broke it (retriable with a new connection)
-    ├── BusyResourceError              a second task asked for what one task at a time may use (a bug)
-    ├── InvariantViolation             something that must hold in production does not (a bug, or storage
-    │   │                              that breaks its contract); never retried
-    │   └── LifecycleError             an event that cannot happen in a client context's state
     ├── StorageError                   storage node and on-disk format
     │   ├── CorruptionError            a checksum or structure on disk does not verify
     │   ├── StorageRpcError            a storage node answered a request with a failure response
@@ -39,6 +36,15 @@ operation later can succeed (``retriable``); callers decide on that flag, never 
         ├── LockFailureError           an optimistic-lock conflict rejected the transaction (retriable)
         ├── PartitionStuckError        apply_transaction keeps failing on one transaction (retriable)
         └── DataChecksumError          transaction data did not match its checksum after retries
+
+A bug is not a failure to handle, so its errors have a root of their own, deliberately outside
+:class:`WaltzError`: no ``except WaltzError`` that handles an expected failure (retrying, answering a
+peer) may swallow one. They derive from ``RuntimeError``::
+
+    InternalError                      a bug: something that must hold does not; never retried
+    ├── InvariantViolation             a replication invariant (or storage that breaks its contract)
+    ├── LifecycleError                 an event that cannot happen in a client context's state
+    └── BusyResourceError              a second task asked for what one task at a time may use
 
 Storage failure responses carry a class name (the first frame of the wire ``StorageRpcException``);
 :func:`error_from_wire` maps it back to the class here so a remote failure keeps its meaning.
@@ -89,19 +95,23 @@ class BrokenResourceError(ConnectionError_):
     retriable = True
 
 
-class BusyResourceError(WaltzError):
-    """A second task asked for a resource only one task may use at a time (such as receiving on one
-    connection): a bug in the caller, not a state of the resource."""
+class InternalError(RuntimeError):
+    """A bug: something that must hold in production does not. Raised instead of ``assert`` (which ``-O``
+    removes); never retried, and not a :class:`WaltzError`, so no handler of expected failures catches it."""
 
 
-class InvariantViolation(WaltzError):
-    """Something that must hold in production does not: a bug, or storage that breaks its contract. Raised
-    instead of ``assert`` (which ``-O`` removes); never retried."""
+class InvariantViolation(InternalError):
+    """A replication invariant does not hold: a bug, or storage that breaks its contract."""
 
 
-class LifecycleError(InvariantViolation):
+class LifecycleError(InternalError):
     """An event that cannot happen in a client context's state (see ``waltz.client.lifecycle``): a bug in the
     client core."""
+
+
+class BusyResourceError(InternalError):
+    """A second task asked for a resource only one task may use at a time (such as receiving on one
+    connection): a bug in the caller, not a state of the resource."""
 
 
 class StorageError(WaltzError):
