@@ -29,13 +29,15 @@ decide on that flag, never on message text::
     │   ├── GenerationMismatchError    a request carried another partition generation (retriable)
     │   ├── PartitionNotReadyError     this server does not (yet) own the partition (retriable)
     │   └── QuorumLostError            too few replicas are reachable to commit (retriable)
-    └── ClientError
-        ├── ClientClosedError          the client was closed
-        ├── ClientTimeoutError         an operation did not finish in its time limit (retriable)
-        ├── ClientAheadError           the application's high-water mark is past the server's
-        ├── LockFailureError           an optimistic-lock conflict rejected the transaction (retriable)
-        ├── PartitionStuckError        apply_transaction keeps failing on one transaction (retriable)
-        └── DataChecksumError          transaction data did not match its checksum after retries
+    ├── ClientError
+    │   ├── ClientClosedError          the client was closed
+    │   ├── ClientTimeoutError         an operation did not finish in its time limit (retriable)
+    │   ├── ClientAheadError           the application's high-water mark is past the server's
+    │   ├── LockFailureError           an optimistic-lock conflict rejected the transaction (retriable)
+    │   ├── PartitionStuckError        apply_transaction keeps failing on one transaction (retriable)
+    │   └── DataChecksumError          transaction data did not match its checksum after retries
+    └── BackupError                    a backup is unusable (partial, damaged, another cluster's), or a
+                                       restore's target is not an empty cluster; nothing was changed
 
 A bug is not a failure to handle, so its errors have a root of their own, deliberately outside
 :class:`WaltzError`: no ``except WaltzError`` that handles an expected failure (retrying, answering a
@@ -227,6 +229,12 @@ class PartitionStuckError(ClientError):
 
 class DataChecksumError(ClientError):
     """Transaction data did not match its CRC-32 after the allowed number of re-reads."""
+
+
+class BackupError(WaltzError):
+    """A backup cannot be used (partial, damaged, not matching its manifest, of another cluster), or a
+    restore's target is not an empty cluster. The message names the file or the partition; nothing was
+    changed."""
 
 
 _WIRE_CLASSES: dict[str, type[WaltzError]] = {

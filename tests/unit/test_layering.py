@@ -38,7 +38,7 @@ ALLOWED: dict[str, set[str]] = {
     "perf": _BASE | {"client", "protocol"},
     "spark": _BASE | {"client", "protocol"},
     "local": _BASE | {"cluster", "server", "protocol"},
-    "ops": _BASE | {"cluster", "server", "protocol"},
+    "ops": _BASE | {"cluster", "server", "protocol", "client"},
     "cli": _BASE | {"protocol", "cluster", "storage", "server", "client", "perf", "local", "testing", "ops"},
     "__init__": {"client", "errors", "version"},
     "__main__": {"cli"},

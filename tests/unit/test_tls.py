@@ -400,9 +400,9 @@ def test_connect_timeout_covers_a_peer_that_never_completes_the_handshake(tls_pk
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_rpc_over_a_callback_reads_connection_with_mutual_tls(tls_pki: LocalPki, loop: str) -> None:
-    """The server's storage connections (``open_connection(...)`` under an RpcClient):
-    responses read from the TLS transport's callback, on both loops; a refusal reads as on the other path."""
+def test_rpc_over_a_connection_with_mutual_tls(tls_pki: LocalPki, loop: str) -> None:
+    """The server's storage connections (an RpcClient over ``open_connection``): responses read from the
+    TLS transport's callback, on both loops; a refusal reads as a plain connection's does."""
     import uvloop
 
     def seq_of(payload: bytes) -> int:

@@ -1779,7 +1779,12 @@ class StorageNode:
                     return
                 resp: adm.AdminMessage
                 try:
-                    if isinstance(msg, adm.AdminOpenRequest):
+                    if isinstance(msg, adm.NodeIdentityRequest):
+                        # Before the open on purpose: a tool rebuilding lost metadata learns the key here.
+                        resp = adm.NodeIdentityResponse(
+                            msg.seq_num, self.control.key, self.control.num_partitions, self.port
+                        )
+                    elif isinstance(msg, adm.AdminOpenRequest):
                         self._check_identity(msg.cluster_key, msg.num_partitions)
                         opened = True
                         resp = adm.AdminSuccessResponse(msg.seq_num)
