@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 __all__ = [
     "GC_THRESHOLDS",
     "MMAP_THRESHOLD_BYTES",
+    "OwnedTasks",
     "TRIM_THRESHOLD_BYTES",
     "new_event_loop",
     "run",
@@ -115,3 +116,52 @@ async def wait_for_stop_signal() -> None:
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
+
+
+class OwnedTasks:
+    """The background tasks one owner runs for its lifetime, with TaskGroup semantics for failures: a task
+    that raises (anything but its cancellation), or returns although it was spawned to run until the owner
+    closes (``forever=True``), reaches the owner's ``on_failure(name, error)`` once (``error`` None for a
+    return), is kept in :attr:`failures` and sets :attr:`failed`. The owner decides what a failure means
+    (stop, or report itself unhealthy): nothing is only logged. Unlike :class:`asyncio.TaskGroup`, the other
+    tasks keep running, and :meth:`aclose` cancels every task and waits for all of them; failures after
+    :meth:`aclose` began are not reported (they are the cancellation's).
+    """
+
+    __slots__ = ("_closing", "_on_failure", "_tasks", "failed", "failures")
+
+    def __init__(self, on_failure: Callable[[str, BaseException | None], None]) -> None:
+        self._on_failure = on_failure
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._closing = False
+        self.failures: dict[str, BaseException | None] = {}
+        """Task name -> what ended it (None: it returned while it should have run on)."""
+        self.failed = asyncio.Event()
+        """Set on the first failure."""
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str, *, forever: bool = False) -> asyncio.Task[Any]:
+        """Run ``coro`` in a task owned here; ``forever``: returning is a failure too."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        task.add_done_callback(lambda t: self._done(t, forever))
+        self._tasks.append(task)
+        return task
+
+    def _done(self, task: asyncio.Task[Any], forever: bool) -> None:
+        if task in self._tasks:
+            self._tasks.remove(task)
+        if task.cancelled() or self._closing:
+            return
+        error = task.exception()
+        if error is None and not forever:
+            return
+        self.failures[task.get_name()] = error
+        self.failed.set()
+        self._on_failure(task.get_name(), error)
+
+    async def aclose(self) -> None:
+        """Cancel every task, then wait until all of them ended."""
+        self._closing = True
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
