@@ -327,7 +327,7 @@ def test_a_failed_scrub_shows_on_health_with_its_reason(
             admin = await AdminClient.connect("127.0.0.1", node.admin_port, DEFAULT_KEY, NUM_PARTITIONS)
             async with admin:
                 await admin.set_assigned([0], True)
-            await asyncio.wait_for(node.tasks.failed.wait(), 30)
+            await asyncio.wait_for(node.task_failed.wait(), 30)
             status, body = await asyncio.to_thread(_health, node.http_port)
             assert status == 503
             assert body["storage"] == "degraded"

@@ -72,7 +72,7 @@ from waltz.http import HttpEndpoint, listen, new_registry
 from waltz.protocol import admin as adm
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
-from waltz.runtime import OwnedTasks
+from waltz.runtime import TaskSet
 from waltz.storage.admin_port import serve_admin
 from waltz.storage.authority import SessionAuthority
 from waltz.storage.config import StorageConfig
@@ -120,8 +120,12 @@ class StorageNode:
         """Requests queued in all partitions (see ``StoragePartition._fsync``)."""
         self.partitions = [StoragePartition(self, pid) for pid in range(control.num_partitions)]
         self._register_gauges()
-        self.tasks = OwnedTasks(self._task_failed)
+        self.tasks = TaskSet(self._task_failed)
         """The node's background tasks: the partition workers and the scrub."""
+        self.task_failures: dict[str, str] = {}
+        """Background tasks other than workers that failed -> why (on /health until the node restarts)."""
+        self.task_failed = asyncio.Event()
+        """Set when a background task failed (a worker or another)."""
         self._data_server: FramedServer | None = None
         self._admin_server: FramedServer | None = None
         self._http: HttpEndpoint | None = None
@@ -162,9 +166,10 @@ class StorageNode:
                 if p.info.assigned:
                     await asyncio.to_thread(p.open_log)
             for p in node.partitions:
-                node.tasks.spawn(p.run(), f"storage-partition-{p.partition_id}", forever=True)
+                worker_failed = functools.partial(node._worker_failed, p)
+                node.tasks.spawn(p.run(), f"storage-partition-{p.partition_id}", worker_failed)
             if config.scrub_bytes_per_second > 0:
-                node.tasks.spawn(scrub_forever(node), "storage-scrub", forever=True)
+                node.tasks.spawn(scrub_forever(node), "storage-scrub")
             await node._listen(server_ssl)
         except BaseException:
             await node.aclose()
@@ -216,23 +221,24 @@ class StorageNode:
             self._http = HttpEndpoint(self.registry, self.health)
             self.http_port = await self._http.start(config.host, config.http_port, "storage.http.port")
 
-    def _task_failed(self, name: str, error: BaseException | None) -> None:
-        """A background task ended (see :class:`~waltz.runtime.OwnedTasks`): a worker's partition fails and
-        answers what it holds; any other task's failure is one ERROR line and keeps /health unhealthy."""
+    def _task_failed(self, task: asyncio.Task[Any], error: BaseException) -> None:
+        """A background task other than a worker (the scrub) failed: one ERROR line, and /health reports
+        it until the node restarts."""
         if self._closing:
             return
-        for part in self.partitions:
-            if name == f"storage-partition-{part.partition_id}":
-                self._worker_done(part, error)
-                return
+        self.task_failures[task.get_name()] = f"failed: {error!r}"
+        self.task_failed.set()
         log.error(
-            "storage node: background task %s %s; /health reports it until the node restarts",
-            name,
-            f"failed: {error!r}" if error is not None else "ended",
+            "storage node: background task %s failed; /health reports it until the node restarts",
+            task.get_name(),
             exc_info=error,
         )
 
-    def _worker_done(self, part: StoragePartition, error: BaseException | None) -> None:
+    def _worker_failed(self, part: StoragePartition, task: asyncio.Task[Any], error: BaseException) -> None:
+        """A partition's worker ended: the partition fails and answers what it holds."""
+        if self._closing:
+            return
+        self.task_failed.set()
         part.worker_gone = True
         part.fail(f"worker ended: {error!r}", error)
         # Nobody takes from this queue any more: answer what it was on and what is queued now; ``enqueue``
@@ -253,11 +259,7 @@ class StorageNode:
         transactions, entries = self.damage_report()
         for pid, why in entries.items():
             problems[pid] = f"control file entry damaged: {why}"
-        tasks = {
-            name: f"failed: {error!r}" if error is not None else "ended"
-            for name, error in self.tasks.failures.items()
-            if not name.startswith("storage-partition-")  # reported as its partition's failure
-        }
+        tasks = dict(self.task_failures)
         healthy = not problems and not tasks
         return healthy, {
             "storage": "ok" if healthy else "degraded",
@@ -283,7 +285,7 @@ class StorageNode:
                 await server.aclose()
         if self._http is not None:
             await self._http.aclose()
-        await self.tasks.aclose()  # a worker that died was reported by _task_failed already
+        await self.tasks.aclose()  # a worker that died was reported by _worker_failed already
         # An fsync a cancelled worker handed off may still run: it finishes before its file is closed.
         await asyncio.to_thread(self.fsync.close)
         for p in self.partitions:
