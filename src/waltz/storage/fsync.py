@@ -97,9 +97,9 @@ class FsyncThreads:
     """A few long-lived threads running the fsyncs handed to them from the event loop (see
     ``StoragePartition._fsync``), started on first use and stopped by :meth:`close`.
 
-    Cheaper per hand-off than ``asyncio.to_thread``, which was ~230 us of the loop thread's CPU per fsync in a
-    profile (a context copy, an executor work item and a concurrent future chained to an asyncio one by
-    callbacks both ways): here one ``SimpleQueue.put`` out and one ``call_soon_threadsafe`` back. Each
+    Cheaper per hand-off than ``asyncio.to_thread`` (a context copy, an executor work item and a concurrent
+    future chained to an asyncio one by callbacks both ways): here one ``SimpleQueue.put`` out and one
+    ``call_soon_threadsafe`` back. Each
     partition has at most one group fsync in flight, so the queue holds at most one job per partition.
     """
 

@@ -32,12 +32,12 @@ Guarantees:
 * **Disk faults fail-stop the partition, which heals itself.** A failed write or fsync (an I/O error, a full
   disk) *breaks* the partition: one ERROR line says why, nothing of the failed group is acknowledged, and
   every later request is refused, so the server writes through the other replicas and keeps retrying this
-  one. At most every :data:`HEAL_INTERVAL_S`, a request to a broken partition first tries to heal it, if the
-  disk has :data:`HEAL_MIN_FREE_BYTES` free: reopen the log (which repairs a torn tail, as a restart
-  would), truncate it to the last id an fsync made durable (after a failed fsync the page cache may hold
-  data the disk lost, and a later fsync may report success: nothing above that id can be trusted, and
-  none of it was acknowledged), fsync. On success one INFO line says so and the partition serves again;
-  the server's recovery then brings it up to date.
+  one. At most every ``HEAL_INTERVAL_S`` (:mod:`waltz.storage.worker`), a request to a broken partition
+  first tries to heal it, if the disk has ``HEAL_MIN_FREE_BYTES`` free: reopen the log (which repairs a torn
+  tail, as a restart would), truncate it to the last id an fsync made durable (after a failed fsync the
+  page cache may hold data the disk lost, and a later fsync may report success: nothing above that id can
+  be trusted, and none of it was acknowledged), fsync. On success one INFO line says so and the partition
+  serves again; the server's recovery then brings it up to date.
 * **Preallocation.** With ``storage.segment.preallocateBytes`` > 0 each partition keeps its newest segment's
   data file zero-filled that far ahead of its last record: after a group's answers left, the worker writes
   the next chunk of zeros (on the loop: only this thread writes a partition's files, so zeros never land
@@ -46,15 +46,24 @@ Guarantees:
   no second descriptor can consume the report of a writeback error). Appends then overwrite blocks already
   written and fsynced, and their fsync needs no journal commit of the file's size (see
   :mod:`waltz.storage.segment`). A failed zero write (a full disk) leaves the records alone: one WARNING
-  line, a metric, and no preallocation for :data:`PREALLOCATE_RETRY_S`. A failed fsync that carried zeros
-  breaks the partition as any failed group fsync does.
+  line, a metric, and no preallocation for ``PREALLOCATE_RETRY_S``. A failed fsync that carried zeros breaks
+  the partition as any failed group fsync does.
 * **Failures are heard.** A broken partition, or one whose worker hit a bug (``failed``: it refuses
   everything until the node restarts and answers each request with a failure instead of leaving it
-  queued), is reported by ``/health`` (503, with the reason per partition). The node owns its workers: one
-  that ends for any reason but the node's close marks its partition failed and answers what was queued.
+  queued), is reported by ``/health`` (503, with the reason per partition). The node owns its background
+  tasks (a :class:`~waltz.runtime.TaskSet`): a worker that ends for any reason but the node's close marks its
+  partition failed and answers what was queued; a failed scrub is reported by ``/health`` under ``tasks``.
 
 The admin port mutates partitions (assign, unassign, availability) through the same partition queues, so an
 admin change is ordered with respect to data requests.
+
+Where it lives: this module holds the node (its parts, start, health, close, responses);
+:mod:`~waltz.storage.worker` a partition and its worker (checks, health state, group commit, healing),
+:mod:`~waltz.storage.handlers` the worker's answer to each request other than an append,
+:mod:`~waltz.storage.work` the queued items and queues, :mod:`~waltz.storage.fsync` where fsyncs run,
+:mod:`~waltz.storage.data_port` and :mod:`~waltz.storage.admin_port` the two ports,
+:mod:`~waltz.storage.scrub` the background verification, :mod:`~waltz.storage.metrics` the metrics, and
+:mod:`~waltz.storage.startup` the process's start (cluster identity, ZooKeeper, the stop signal).
 """
 
 from __future__ import annotations

@@ -599,11 +599,10 @@ class StoragePartition:
         durable with that group's records, one chunk at a time. Called after a group's answers left, so
         the write never delays an acknowledgement.
 
-        The zeros are not fsynced on their own in a thread (as they were): that fsync overlapped the groups
-        that came meanwhile (6-30% of them in ``bench/storage_append.py``, each then handed to the worker
-        and an fsync thread, a task wake-up, a thread hand-off and a loop wake-up more, and waiting for the
-        zeros' writeback anyway); and a separate descriptor's fsync could consume the only report of a
-        writeback error of the group's pages. The chunk is written 4 MiB (the default) ahead of the
+        The zeros are not fsynced on their own in a thread: that fsync would overlap the groups that come
+        meanwhile (each then handed to the worker and an fsync thread, and waiting for the zeros' writeback
+        anyway); and a separate descriptor's fsync could consume the only report of a writeback error of the
+        group's pages. The chunk is written 4 MiB (the default) ahead of the
         records, so the groups in between overwrite zeros synced earlier and only the one fsync that
         carries a chunk commits a new file size."""
         plog = self.log
