@@ -17,6 +17,9 @@ Semantics (what survives a cut):
   over the same backing directory (:class:`PowerMount`).
 * ``--no-fsync`` makes fsync a no-op (it still succeeds): the negative control, where a cut drops everything
   written since the mount.
+* ``--journal`` is the weaker model of ext4 and XFS in their default modes, for a program known not to fsync
+  directories (ZooKeeper): an fsync of a file also makes every directory entry changed so far durable (it
+  commits the filesystem's journal). Without it, the strict model above.
 
 Not supported (``ENOTSUP``): hard links, symbolic links, special files, extended attributes. ``flock`` and
 ``fcntl`` locks are the kernel's (local to the mount, dropped with it).
@@ -92,9 +95,12 @@ class PowerFs:
 
     use_ns = True
 
-    def __init__(self, backing: Path, *, fsync_enabled: bool = True) -> None:
+    def __init__(self, backing: Path, *, fsync_enabled: bool = True, journal: bool = False) -> None:
         self.backing = backing
         self.fsync_enabled = fsync_enabled
+        self.journal = journal
+        self.durable_entries: dict[int, dict[str, list[int]]] = {}
+        """Each directory's entries as last written to ``dirs/`` (``--journal`` writes only changed ones)."""
         self._mutex = threading.Lock()
         (backing / "dirs").mkdir(parents=True, exist_ok=True)
         (backing / "data").mkdir(parents=True, exist_ok=True)
@@ -115,7 +121,9 @@ class PowerFs:
             path = self.backing / "dirs" / f"{parent.ino}.json"
             if not path.exists():
                 continue
-            for name, (ino, mode) in json.loads(path.read_text(encoding="utf-8"))["entries"].items():
+            entries = json.loads(path.read_text(encoding="utf-8"))["entries"]
+            self.durable_entries[parent.ino] = entries
+            for name, (ino, mode) in entries.items():
                 node = seen.get(ino)
                 if node is None:
                     node = seen[ino] = Node(ino, mode)
@@ -150,8 +158,18 @@ class PowerFs:
         node.pages.clear()
         node.durable_size = node.cut_to = node.size
 
+    def _sync_all_dirs(self) -> None:
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            self._sync_dir(node)
+            stack += [child for child in node.entries.values() if child.is_dir]
+
     def _sync_dir(self, node: Node) -> None:
         entries = {name: [child.ino, child.mode] for name, child in node.entries.items()}
+        if self.durable_entries.get(node.ino) == entries:
+            return
+        self.durable_entries[node.ino] = entries
         path = self.backing / "dirs" / f"{node.ino}.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"entries": entries}), encoding="utf-8")
@@ -326,6 +344,8 @@ class PowerFs:
             self._write(node, data, offset)
             if self.handles.get(fh, (node, False))[1] and self.fsync_enabled:
                 self._sync_file(node)
+                if self.journal:
+                    self._sync_all_dirs()
             return len(data)
 
     def truncate(self, path: str | None, length: int, fh: int | None = None) -> int:
@@ -341,6 +361,8 @@ class PowerFs:
             node = self._node(path, fh)
             if self.fsync_enabled and not node.is_dir:
                 self._sync_file(node)
+            if self.fsync_enabled and self.journal:
+                self._sync_all_dirs()
             return 0
 
     def fsyncdir(self, path: str | None, datasync: int, fh: int) -> int:
@@ -462,11 +484,11 @@ def import_tree(source: Path, backing: Path) -> None:
     walk(source, ROOT_INO)
 
 
-def serve(backing: Path, mountpoint: Path, *, fsync_enabled: bool = True) -> None:
+def serve(backing: Path, mountpoint: Path, *, fsync_enabled: bool = True, journal: bool = False) -> None:
     """Mount and serve in the foreground until unmounted (imports mfusepy only here: it needs libfuse)."""
     import mfusepy  # type: ignore[import-untyped]  # here: importing it loads libfuse
 
-    fs = PowerFs(backing, fsync_enabled=fsync_enabled)
+    fs = PowerFs(backing, fsync_enabled=fsync_enabled, journal=journal)
     mfusepy.FUSE(fs, str(mountpoint), foreground=True, nothreads=True, fsname="powerfs", auto_unmount=True)
 
 
@@ -485,11 +507,14 @@ class PowerMount:
     """A :mod:`powerfs` mount served by a child process: :meth:`start`, :meth:`cut` (drop what is not durable
     and mount again), :meth:`stop`."""
 
-    def __init__(self, backing: Path, mountpoint: Path, log: Path, *, fsync_enabled: bool = True) -> None:
+    def __init__(
+        self, backing: Path, mountpoint: Path, log: Path, *, fsync_enabled: bool = True, journal: bool = False
+    ) -> None:
         self.backing = backing
         self.mountpoint = mountpoint
         self.log = log
         self.fsync_enabled = fsync_enabled
+        self.journal = journal
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 20.0) -> None:
@@ -497,6 +522,8 @@ class PowerMount:
         cmd = [sys.executable, "-m", "bench.faults.powerfs", str(self.backing), str(self.mountpoint)]
         if not self.fsync_enabled:
             cmd.append("--no-fsync")
+        if self.journal:
+            cmd.append("--journal")
         env = dict(os.environ)
         repo = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH", "")) if p)
@@ -542,13 +569,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("backing", type=Path)
     parser.add_argument("mountpoint", type=Path)
     parser.add_argument("--no-fsync", action="store_true", help="fsync does nothing (the negative control)")
+    parser.add_argument("--journal", action="store_true", help="a file's fsync also commits every entry")
     parser.add_argument(
         "--import", dest="source", type=Path, help="fill an empty BACKING from this tree first"
     )
     args = parser.parse_args(argv)
     if args.source is not None:
         import_tree(args.source, args.backing)
-    serve(args.backing, args.mountpoint, fsync_enabled=not args.no_fsync)
+    serve(args.backing, args.mountpoint, fsync_enabled=not args.no_fsync, journal=args.journal)
     return 0
 
 

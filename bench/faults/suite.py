@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from bench.faults.power import POWER_KINDS, PowerCuts
 from bench.faults.proxy import LinkProxy
 
 from waltz import local
@@ -64,6 +65,8 @@ STORAGE_KINDS = ("kill9-storage", "sigstop-storage", "two-storages-down", "cut-s
 SERVER_KINDS = ("kill9-server", "sigstop-server", "cut-client-server")
 ZK_KINDS = ("kill9-zookeeper", "sigstop-zookeeper")
 ALL_KINDS = STORAGE_KINDS + SERVER_KINDS + ZK_KINDS
+KNOWN_KINDS = ALL_KINDS + POWER_KINDS
+"""Every kind ``--kinds`` accepts; the power cuts (:mod:`bench.faults.power`) are drawn only when named."""
 READ_CHUNK_RECORDS = 500
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,6 +97,10 @@ class Options:
     start_timeout_s: float = 90.0
     run_bound_s: float = 600.0
     """Hard limit on the whole run, set-up and checks included."""
+    fsync_noop: bool = False
+    """With a power kind: fsync does nothing on the storage nodes' mounts (the negative control)."""
+    zk_strict_posix: bool = False
+    """With a power kind: ZooKeeper's mount keeps the strict model (see :mod:`bench.faults.power`)."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,8 @@ def schedule(seed: int, opts: Options) -> list[Fault]:
             targets = (rng.randrange(opts.storages),)
         elif kind in SERVER_KINDS:
             targets = (rng.randrange(opts.servers),)
+        elif kind == "power-storage":
+            targets = (rng.randrange(opts.storages),)
         else:
             targets = (0,)
         if kind == "sigstop-zookeeper":
@@ -189,6 +198,17 @@ class Harness:
         self.failed_tags: dict[str, str] = {}
         """Contexts whose client gave up with an error (the outcome of their last append may be unknown)."""
         self.notes: list[str] = []
+        self.power = (
+            PowerCuts(
+                directory,
+                fsync_noop=opts.fsync_noop,
+                zk_strict_posix=opts.zk_strict_posix,
+                start_timeout_s=opts.start_timeout_s,
+            )
+            if set(opts.kinds) & set(POWER_KINDS)
+            else None
+        )
+        """The powerfs mounts, when the run cuts power."""
         self.pending_tags: list[str] = []
         """Contexts an app still waited for when it gave up: neither committed nor failed long after the
         cluster healed (a request dropped without an answer, or a commit the client missed)."""
@@ -222,11 +242,15 @@ class Harness:
                 if "Address already in use" not in str(e) or attempt == 2:
                     raise
                 self.log("a port was taken during start-up; starting the cluster again")
+        if self.power is not None:
+            await asyncio.to_thread(self.power.mount_zookeeper)
         cluster = self.cluster()
         # Move every listener behind a proxy on the address the rest of the cluster already knows.
         for rec in cluster.storages:
             real = procs.free_ports(1)[0]
             await asyncio.to_thread(procs.stop, rec.process)
+            if self.power is not None:
+                await asyncio.to_thread(self.power.mount_storage, rec)
             _edit_yaml(Path(rec.config), {"storage.port": real})
             self.storage_proxies.append(await LinkProxy.start(rec.name, rec.port, real))
             await asyncio.to_thread(local.start, self.directory, "storage", rec.index, opts.start_timeout_s)
@@ -308,6 +332,8 @@ class Harness:
             await self._cut_for(self.storage_proxies[targets[0]], duration)
         elif kind == "cut-client-server":
             await self._cut_for(self.server_proxies[targets[0]], duration)
+        elif kind in POWER_KINDS:
+            await self._power_cut(kind, targets, duration)
         else:
             raise ValueError(f"unknown fault {kind}")
         self.log(f"healed {kind}{list(targets)}")
@@ -326,6 +352,17 @@ class Harness:
         await asyncio.sleep(duration_s)
         for index in targets:
             await asyncio.to_thread(local.start, self.directory, kind, index, self.opts.start_timeout_s)
+
+    async def _power_cut(self, kind: str, targets: tuple[int, ...], duration_s: float) -> None:
+        assert self.power is not None
+        if kind == "power-storage":
+            await asyncio.to_thread(self.power.cut_storage, targets[0])
+            await asyncio.sleep(duration_s)
+            await asyncio.to_thread(self.power.restore_storage, targets[0])
+        else:
+            await asyncio.to_thread(self.power.cut_cluster)
+            await asyncio.sleep(duration_s)
+            await asyncio.to_thread(self.power.restore_cluster)
 
     @staticmethod
     async def _cut_for(proxy: LinkProxy, duration_s: float) -> None:
@@ -503,6 +540,8 @@ class Harness:
                         self.log(f"could not stop the cluster: {e!r}; see {self.directory}/cluster.json")
                         break
                     await asyncio.sleep(1.0)
+        if self.power is not None:
+            await asyncio.to_thread(self.power.unmount_all)
         for proxy in [*self.storage_proxies, *self.server_proxies]:
             await proxy.aclose()
 

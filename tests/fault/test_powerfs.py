@@ -163,3 +163,18 @@ def test_an_imported_tree_is_durable_and_unreachable_inodes_are_collected(tmp_pa
         assert len(list((tmp_path / "backing" / "data").iterdir())) == 1
     finally:
         mount.stop()
+
+
+def test_in_journal_mode_a_file_fsync_also_commits_every_directory_entry(tmp_path: Path) -> None:
+    mount = PowerMount(tmp_path / "backing", tmp_path / "mnt", tmp_path / "log", journal=True)
+    mount.start()
+    try:
+        m = mount.mountpoint
+        (m / "version-2").mkdir()
+        _write(m / "version-2" / "log.1", b"entry", sync=True)  # no directory is fsynced
+        (m / "version-2" / "log.2").touch()  # created after the last fsync: lost
+        mount.cut()
+        assert [p.name for p in (m / "version-2").iterdir()] == ["log.1"]
+        assert (m / "version-2" / "log.1").read_bytes() == b"entry"
+    finally:
+        mount.stop()
