@@ -2,11 +2,11 @@
 
 :class:`PowerCuts` puts each storage node's ``storage.directory`` and ZooKeeper's ``dataDir`` (``D/zookeeper/
 data``) on a :mod:`bench.faults.powerfs` mount (backing directories in ``D/power/``, the mounts' own output in
-``D/logs/powerfs-*.log``), after ``waltz local up`` and before the apps start: each process is stopped, the
-mount put over its directory, and the process started again. A storage node starts on an empty mount, as a
-new node (``up`` assigns its partitions again), so that everything it ever writes, the partition directories
-included, is subject to the model; ZooKeeper's data (the cluster's metadata ``up`` wrote) is imported as
-durable. Logs, configs and ``zoo.cfg`` stay on the host's filesystem.
+``D/logs/powerfs-*.log``). A storage node's mount is made by ``waltz local up`` itself, just before the node
+first starts (``UpOptions.before_storage_start``), so everything the node ever writes, its control file and
+partition directories included, is under the model. ZooKeeper is restarted on its mount after ``up``, with
+its data (the cluster's metadata ``up`` wrote) imported as durable. Logs, configs and ``zoo.cfg`` stay on the
+host's filesystem.
 
 ZooKeeper (3.8) never fsyncs its data directory: a transaction log or snapshot file it creates (a new
 ``log.<zxid>`` at every start and roll-over) is fsynced, its directory entry never. Under the strict model a
@@ -67,6 +67,7 @@ class PowerCuts:
     ) -> None:
         """Mount a new backing store over a stopped process's ``data_dir``, with its contents if ``keep``."""
         backing = self.directory / "power" / name
+        shutil.rmtree(backing, ignore_errors=True)  # from a failed `up` the suite tries again
         if keep:
             import_tree(data_dir, backing)
         for child in data_dir.iterdir():
@@ -89,7 +90,7 @@ class PowerCuts:
         local.start(self.directory, "zookeeper", 0, self.start_timeout_s)
 
     def mount_storage(self, rec: ProcessRecord) -> None:
-        """Put a stopped storage node's directory on an empty powerfs mount."""
+        """Put a storage node's directory on an empty powerfs mount (before the node first starts)."""
         self._mount(f"storage-{rec.index}", Path(rec.data_dir), keep=False, honest=not self.fsync_noop)
 
     def cut_storage(self, index: int) -> None:

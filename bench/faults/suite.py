@@ -230,6 +230,7 @@ class Harness:
             partitions=opts.partitions,
             zk_session_timeout_ms=ZK_SESSION_TIMEOUT_MS,
             start_timeout_s=opts.start_timeout_s,
+            before_storage_start=None if self.power is None else self.power.mount_storage,
         )
         self.cluster_up = True
         for attempt in range(3):
@@ -241,6 +242,8 @@ class Harness:
                 # machine is shared): `up` cleaned up after itself, so try again with new ports.
                 if "Address already in use" not in str(e) or attempt == 2:
                     raise
+                if self.power is not None:
+                    await asyncio.to_thread(self.power.unmount_all)
                 self.log("a port was taken during start-up; starting the cluster again")
         if self.power is not None:
             await asyncio.to_thread(self.power.mount_zookeeper)
@@ -249,8 +252,6 @@ class Harness:
         for rec in cluster.storages:
             real = procs.free_ports(1)[0]
             await asyncio.to_thread(procs.stop, rec.process)
-            if self.power is not None:
-                await asyncio.to_thread(self.power.mount_storage, rec)
             _edit_yaml(Path(rec.config), {"storage.port": real})
             self.storage_proxies.append(await LinkProxy.start(rec.name, rec.port, real))
             await asyncio.to_thread(local.start, self.directory, "storage", rec.index, opts.start_timeout_s)
