@@ -22,7 +22,7 @@ from waltz.storage.controlfile import (
     fresh_partition_info_bytes,
     read_control_file,
 )
-from waltz.storage.fileio import CrashFS, SimulatedCrash
+from waltz.testing.crashfs import CrashFS, SimulatedCrash
 
 KEY = uuid.UUID("00112233-4455-6677-8899-aabbccddeeff")
 CLOCK_MS = 1_600_000_000_000  # 0x174876E8000
@@ -228,7 +228,7 @@ def test_bad_arguments() -> None:
         with pytest.raises(StorageError, match="out of range"):
             cf.partition_info(4)
         with pytest.raises(StorageError, match="unknown partition flags"):
-            cf.update(0, flags=8)
+            cf.update(0, flags=16)
         with pytest.raises(StorageError, match="out of range"):
             cf.update(0, session_id=2**63)
     with pytest.raises(StorageError, match="closed"):

@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "storage": _BASE | {"protocol", "cluster"},
     "server": _BASE | {"protocol", "cluster"},
     "client": _BASE | {"protocol", "cluster"},
-    "testing": _BASE | {"protocol", "client", "server"},
+    "testing": _BASE | {"protocol", "client", "server", "storage"},
     "perf": _BASE | {"client", "protocol"},
     "spark": _BASE | {"client", "protocol"},
     "local": _BASE | {"cluster", "server", "protocol"},

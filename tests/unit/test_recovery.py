@@ -61,6 +61,24 @@ class TestClassify:
         assert (voting.kind, voting.truncate_to, voting.counted) == (ReplicaClass.VOTING, None, True)
         assert (behind.kind, behind.truncate_to, behind.counted) == (ReplicaClass.BEHIND, None, True)
 
+    def test_a_damaged_replica_is_unknown_in_the_vote_and_keeps_what_it_holds(self) -> None:
+        # Its node found records missing that its control file says it held (a wiped directory): its max id
+        # says nothing about what it acknowledged, whatever ZooKeeper records for it.
+        for md in (
+            _md(5, a=(4, UNRESOLVED)),
+            _md(5, a=(3, 40)),
+            _md(5, a=(-1, 40)),
+            _md(5, b=(4, UNRESOLVED)),
+        ):
+            c = classify_replica(md, A, SessionInfo(4, 10, 10, damaged=True), -1)
+            assert (c.kind, c.truncate_to, c.counted) == (ReplicaClass.DAMAGED, None, False)
+
+    def test_a_closed_replica_is_never_cut_below_its_own_low_water_mark(self) -> None:
+        # A later session recovered it (its low-water mark 24) but ended before recording it clean: its
+        # records up to 24 are committed, and its node refuses to cut them.
+        c = classify_replica(_md(4, a=(0, -1)), A, SessionInfo(3, 24, -1), 19)
+        assert (c.kind, c.truncate_to, c.counted) == (ReplicaClass.CLOSED, 24, True)
+
     def test_a_later_storage_session_still_votes(self) -> None:
         # The replica set its low-water mark in a recovery that never wrote ZooKeeper.
         c = classify_replica(_md(7, a=(4, UNRESOLVED)), A, SessionInfo(6, 10, 10), 10)

@@ -13,7 +13,7 @@ from waltz.protocol import storage as st
 from waltz.protocol.record_run import RecordRun
 from waltz.protocol.records import Record, ReqId
 from waltz.protocol.storage import WireRecordList
-from waltz.storage.fileio import CrashFS
+from waltz.storage.fileio import make_dirs_durable
 from waltz.storage.segment import (
     CHECKPOINT_INTERVAL,
     SEGMENT_HEADER_BYTES,
@@ -26,6 +26,7 @@ from waltz.storage.segment import (
     index_file_name,
     parse_segment_name,
 )
+from waltz.testing.crashfs import CrashFS
 
 KEY = uuid.UUID("00112233-4455-6677-8899-aabbccddeeff")
 PID = 3
@@ -42,7 +43,7 @@ def recs(first: int, n: int, size: int = 16) -> list[Record]:
 
 
 def new_segment(fs: CrashFS, first: int = 0) -> Segment:
-    fs.makedirs(DIR)
+    make_dirs_durable(fs, DIR)
     return Segment.create(fs, DIR, KEY, PID, first, clock_ms=lambda: 1_600_000_000_000)
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as hs
 from waltz.cli.disk import dump_segment, offline_max_transaction_id, segment_stats, verify_segment
 from waltz.errors import CorruptionError
 from waltz.protocol.records import Record, ReqId
-from waltz.storage.fileio import CrashFS
+from waltz.storage.fileio import make_dirs_durable
 from waltz.storage.partition import PartitionLog
 from waltz.storage.segment import (
     PREFILL_CHUNK_BYTES,
@@ -25,6 +25,7 @@ from waltz.storage.segment import (
     data_file_name,
     encode_stored_run,
 )
+from waltz.testing.crashfs import CrashFS
 
 KEY = uuid.UUID("00112233-4455-6677-8899-aabbccddeeff")
 PID = 3
@@ -42,7 +43,7 @@ def recs(first: int, n: int, size: int = 16) -> list[Record]:
 
 
 def new_segment(fs: CrashFS) -> Segment:
-    fs.makedirs(DIR)
+    make_dirs_durable(fs, DIR)
     return Segment.create(fs, DIR, KEY, PID, 0, clock_ms=lambda: 1_600_000_000_000)
 
 

@@ -62,8 +62,20 @@ CASES: list[tuple[s.StorageMessage, str]] = [
         s.LastSessionInfoResponse(1, 2, 3, s.SessionInfo(9, 10, -1)),
         p(3) + "0000000000000009 000000000000000a ffffffffffffffff",
     ),
+    (
+        s.LastSessionInfoResponse(1, 2, 3, s.SessionInfo(9, 10, 8, damaged=True)),
+        p(3) + "0000000000000009 000000000000000a 0000000000000008 01",
+    ),
     (s.SetLowWaterMarkRequest(1, 2, 3, 100, False), p(4) + "0000000000000064 00"),
     (s.TruncateRequest(1, 2, 3, 99, True), p(5) + "0000000000000063 01"),
+    (
+        s.TruncateRequest(1, 2, 3, 99, False, operator_repair=True, reason="x"),
+        p(5) + "0000000000000063 00 01 00000001 78",
+    ),
+    (
+        s.TruncateRequest(1, 2, 3, -1, False, reason="recovery: closed"),
+        p(5) + "ffffffffffffffff 00 00 00000010 " + b"recovery: closed".hex(),
+    ),
     (s.AppendRequest(1, 2, 3, (REC, REC_EMPTY), False), p(6) + f"00000002 {REC_HEX} {REC_EMPTY_HEX} 00"),
     (s.AppendRequest(1, 2, 3, (), True), p(6) + "00000000 01"),
     (s.SuccessResponse(1, 2, 3), p(7)),
@@ -126,8 +138,14 @@ def test_trailing_and_truncated_payloads_are_refused(msg: s.StorageMessage, hex_
     with pytest.raises(RemoteProtocolError, match="trailing"):
         s.decode(raw + b"\x00")
     for n in range(len(raw)):
-        with pytest.raises(RemoteProtocolError):
-            s.decode(raw[:n])
+        try:
+            got = s.decode(raw[:n])
+        except RemoteProtocolError:
+            continue
+        # Only an optional trailer (ours, see the module docstring) may be cut off, and only whole: what is
+        # left is the message without it. A frame carries its length, so a payload never arrives cut.
+        assert isinstance(got, (s.LastSessionInfoResponse, s.TruncateRequest)), n
+        assert s.encode(got) == raw[:n], n
 
 
 def test_unknown_type_and_bad_fields_are_refused() -> None:
@@ -389,3 +407,28 @@ def test_a_record_run_response_in_parts_is_its_encoding_with_the_run_not_copied(
     assert head + body == s.encode(s.RecordRunResponse(1, 2, 3, 1, run))
     with pytest.raises(LocalProtocolError, match="out of range"):
         s.record_run_response_parts(2**63, 2, 3, 1, run)
+
+
+def test_the_truncate_and_replica_trailers_are_canonical_and_bounded() -> None:
+    """A trailer is sent only when it says something; unknown flag bits, a null or oversized reason and an
+    empty trailer are refused; an encoder refuses a reason the wire may not carry."""
+    lsi = p(3) + "0000000000000009 000000000000000a 0000000000000008 "
+    with pytest.raises(RemoteProtocolError, match="unknown replica flags"):
+        s.decode(bytes.fromhex(lsi + "02"))
+    with pytest.raises(RemoteProtocolError, match="trailing"):
+        s.decode(bytes.fromhex(lsi + "00"))
+    trunc = p(5) + "0000000000000063 00 "
+    with pytest.raises(RemoteProtocolError, match="unknown truncate flags"):
+        s.decode(bytes.fromhex(trunc + "02 00000000"))
+    with pytest.raises(RemoteProtocolError, match="trailing"):
+        s.decode(bytes.fromhex(trunc + "00 00000000"))
+    with pytest.raises(RemoteProtocolError, match="0..256 bytes, not null"):
+        s.decode(bytes.fromhex(trunc + "01 ffffffff"))
+    long_reason = bytes(257).hex()
+    with pytest.raises(RemoteProtocolError, match="not 257"):
+        s.decode(bytes.fromhex(trunc + "01 00000101 " + long_reason))
+    with pytest.raises(RemoteProtocolError, match="UTF-8"):
+        s.decode(bytes.fromhex(trunc + "01 00000001 ff"))
+    with pytest.raises(LocalProtocolError, match="at most 256"):
+        s.encode(s.TruncateRequest(1, 2, 3, 5, False, reason="é" * 129))
+    assert s.encode(s.TruncateRequest(1, 2, 3, 5, False, reason="é" * 128))

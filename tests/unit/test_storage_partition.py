@@ -14,7 +14,7 @@ from waltz.cli.disk import offline_max_transaction_id
 from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
 from waltz.protocol.record_run import RecordRun
 from waltz.protocol.records import Record, ReqId
-from waltz.storage.fileio import CrashFS, SimulatedCrash
+from waltz.storage.fileio import make_dirs_durable
 from waltz.storage.partition import PartitionLog
 from waltz.storage.segment import (
     RecordCorruptionError,
@@ -23,6 +23,7 @@ from waltz.storage.segment import (
     data_file_name,
     index_file_name,
 )
+from waltz.testing.crashfs import CrashFS, SimulatedCrash
 
 KEY = uuid.UUID("0e0e0e0e-1111-2222-3333-444455556666")
 PID = 0
@@ -569,6 +570,62 @@ def test_offline_max_id_after_a_kill_at_every_operation_is_what_the_node_keeps(
         with contextlib.suppress(SimulatedCrash):
             _long_workload(fs, seed, [], [0], prefill)
         fs.crash("apply")
+        if not fs.exists(PDIR):  # killed before the partition directory was made: nothing to read
+            with open_log(fs, threshold=LONG_THRESHOLD_BYTES) as log:
+                assert log.max_transaction_id == -1, (seed, crash_at)
+            continue
         offline = offline_max_transaction_id(ROOT, PID, fs=fs)
         with open_log(fs, threshold=LONG_THRESHOLD_BYTES) as log:
             assert offline == log.max_transaction_id, (seed, crash_at)
+
+
+# ------------------------------------------- directory entries: durable only at an fsync of their directory
+
+
+def test_a_power_cut_keeps_the_partition_directory_of_acknowledged_records() -> None:
+    """A new partition's directory (and the storage directory above it) is created durably: a power cut that
+    drops every directory operation not fsynced loses none of the flushed records (it lost all of them when
+    ``PartitionLog.open`` made the directory with a plain makedirs)."""
+    fs = CrashFS()
+    log = open_log(fs, threshold=500)
+    fill(log, 100)
+    acked = log.max_transaction_id
+    fs.crash("drop")  # the process is gone: its log is never closed
+    with open_log(fs, threshold=500) as log:
+        assert log.max_transaction_id == acked
+        check_all(log)
+
+
+def test_a_power_cut_does_not_bring_back_segments_a_truncation_removed() -> None:
+    fs = CrashFS()
+    log = open_log(fs, threshold=300)
+    fill(log, 100)
+    firsts = log.segment_first_ids
+    assert len(firsts) > 3
+    assert log.truncate(firsts[1]) == firsts[1]
+    fs.crash("drop")
+    with open_log(fs, threshold=300) as log:
+        assert log.max_transaction_id == firsts[1]
+        assert log.segment_first_ids == firsts[:2]
+        check_all(log)
+
+
+def test_a_deleted_partition_stays_deleted_after_a_power_cut() -> None:
+    fs = CrashFS()
+    log = open_log(fs, threshold=300)
+    fill(log, 100)
+    log.delete_files()
+    fs.crash("drop")
+    assert not fs.exists(PDIR)
+
+
+def test_every_directory_operation_of_a_workload_is_a_crash_point() -> None:
+    """The crash-at-every-operation workloads crash at directory operations too: creating the directories,
+    each segment's files, the directory fsyncs."""
+    fs = CrashFS(11)
+    _workload(fs, 11, [-1])
+    dir_ops = fs.dir_fsync_count
+    assert dir_ops >= 4  # the root and the storage directory, then one per segment created
+    before = fs.ops
+    make_dirs_durable(fs, "/other/x")
+    assert fs.ops - before == 4  # two mkdirs, two directory fsyncs

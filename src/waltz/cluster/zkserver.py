@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from waltz.cluster.files import mkdir_durable, write_durable
 from waltz.config import read_bounded
 from waltz.errors import ClusterError, ConfigError
 
@@ -241,8 +242,11 @@ class ZooKeeperServer:
         return self.process.pid if self.process is not None else None
 
     def write_config(self) -> None:
+        # Every directory and file laid out here is durable before ZooKeeper starts on it (see
+        # waltz.cluster.files): a power cut must not take the data directory's entry, and with it the
+        # transactions ZooKeeper fsynced inside, nor leave a torn zoo.cfg or myid.
         data = self.data_dir / "data"
-        data.mkdir(parents=True, exist_ok=True)
+        mkdir_durable(data)
         lines = [
             f"tickTime={self.tick_time_ms}",
             f"dataDir={data}",
@@ -258,17 +262,15 @@ class ZooKeeperServer:
         ]
         if self.peers:
             assert self.server_id is not None
-            (data / "myid").write_text(f"{self.server_id}\n", encoding="ascii")
+            write_durable(data / "myid", f"{self.server_id}\n".encode("ascii"))
             for sid, quorum_port, election_port in self.peers:
                 lines.append(f"server.{sid}={self.host}:{quorum_port}:{election_port}")
-        self.config_path.write_text("\n".join(lines) + "\n", encoding="ascii")
+        write_durable(self.config_path, ("\n".join(lines) + "\n").encode("ascii"))
 
     def _port_lines(self) -> list[str]:
         if self.tls is None:
             return [f"clientPort={self.port}", f"clientPortAddress={self.host}"]
-        self.keystore_path.touch(mode=0o600)
-        self.keystore_path.chmod(0o600)  # touch keeps the mode of a file that already exists
-        self.keystore_path.write_bytes(self.tls.keystore_pem())
+        write_durable(self.keystore_path, self.tls.keystore_pem(), mode=0o600)
         lines = []
         if self.tls.plain_port is not None:
             lines += [f"clientPort={self.tls.plain_port}", f"clientPortAddress={self.host}"]
@@ -290,7 +292,7 @@ class ZooKeeperServer:
         """Start the JVM without waiting for it to answer."""
         if self.process is not None and self.process.poll() is None:
             return
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        mkdir_durable(self.data_dir)
         self.write_config()
         cmd = [
             find_java(),

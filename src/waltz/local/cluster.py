@@ -58,6 +58,7 @@ import yaml
 from waltz.cluster import store_metadata as sm
 from waltz.cluster import zk as zkutil
 from waltz.cluster import zkserver
+from waltz.cluster.files import mkdir_durable, write_durable
 from waltz.cluster.partition_metadata import UNRESOLVED
 from waltz.cluster.zkserver import ServerTls
 from waltz.errors import ClusterError, ConfigError, WaltzError
@@ -130,7 +131,7 @@ class UpOptions:
 @contextlib.contextmanager
 def _locked(directory: Path) -> Iterator[None]:
     """Hold ``D/.lock`` exclusively; a second orchestrator fails at once instead of interleaving."""
-    directory.mkdir(parents=True, exist_ok=True)
+    mkdir_durable(directory)
     with (directory / LOCK_FILE).open("a") as f:
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -363,7 +364,7 @@ def _admin_config(cluster: LocalCluster) -> dict[str, Any]:
 
 
 def _write_yaml(path: Path, values: dict[str, Any]) -> None:
-    path.write_text(yaml.safe_dump(values, sort_keys=True), encoding="utf-8")
+    write_durable(path, yaml.safe_dump(values, sort_keys=True).encode("utf-8"))
 
 
 async def _assign_on_nodes(
@@ -554,7 +555,7 @@ def _bring_up(cluster: LocalCluster, opts: UpOptions, report: Report) -> None:
     cluster.save()
 
     for rec in cluster.storages:
-        Path(rec.data_dir).mkdir(parents=True, exist_ok=True)
+        mkdir_durable(rec.data_dir)  # its entry durable before the node writes its control file inside
         _write_yaml(Path(rec.config), _storage_config(cluster, rec, opts.segment_size_bytes))
     for rec in cluster.servers:
         _write_yaml(Path(rec.config), _server_config(cluster, rec))

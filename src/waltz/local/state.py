@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from waltz.cluster.files import write_durable
 from waltz.errors import ConfigError
 from waltz.local.procs import ProcessId
 
@@ -148,10 +148,7 @@ class LocalCluster:
         }
 
     def save(self) -> None:
-        path = self.directory / STATE_FILE
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        write_durable(self.directory / STATE_FILE, (json.dumps(self.to_json(), indent=2) + "\n").encode())
 
     @classmethod
     def load(cls, directory: str | Path) -> LocalCluster:

@@ -48,10 +48,14 @@ class ReplicaReport:
     low_water_mark: int = -1
     local_low_water_mark: int = -1
     max_transaction_id: int = -1
+    damaged: str | None = None
+    """Why the node found this replica damaged (it lost records it held), or None."""
 
     @property
     def info(self) -> SessionInfo:
-        return SessionInfo(self.session_id, self.low_water_mark, self.local_low_water_mark)
+        return SessionInfo(
+            self.session_id, self.low_water_mark, self.local_low_water_mark, self.damaged is not None
+        )
 
 
 @dataclass
@@ -91,6 +95,7 @@ async def storage_report(
                     int(p["lowWaterMark"]),
                     int(p["localLowWaterMark"]),
                     int(p["maxTransactionId"]),
+                    p.get("replicaDamaged"),
                 )
             return StorageReport(storage, None, out)
 
@@ -126,7 +131,11 @@ def is_good_copy(view: ClusterView, partition: int, storage: str, report: Storag
     replica = report.partitions.get(partition)
     if replica is None:
         return False
-    return replica_class(view, partition, storage, replica) not in (ReplicaClass.RESTORED, ReplicaClass.NEW)
+    return replica_class(view, partition, storage, replica) not in (
+        ReplicaClass.RESTORED,
+        ReplicaClass.NEW,
+        ReplicaClass.DAMAGED,
+    )
 
 
 # ---------------------------------------------------------------------------------- remove-partition -d guard
@@ -376,7 +385,16 @@ async def verify(
                 continue
             online.append(storage)
             kind = replica_class(view, p, storage, replica)
-            if kind is ReplicaClass.RESTORED:
+            if replica.damaged is not None:
+                add(
+                    Problem(
+                        p,
+                        f"the replica on {storage} is damaged ({replica.damaged}); it does not vote until "
+                        "repaired: the owning server's recovery catches it up, or copy it back with "
+                        "`waltz storage recover-partition`",
+                    )
+                )
+            elif kind is ReplicaClass.RESTORED:
                 add(
                     Problem(
                         p,

@@ -13,8 +13,10 @@ code  message                    fields after the prefix
 1     OpenRequest                uuid cluster_key · i32 num_partitions  (prefix -1, -1, -1)
 2     LastSessionInfoRequest     bool used_by_offline_recovery
 3     LastSessionInfoResponse    i64 session_id · i64 low_water_mark · i64 local_low_water_mark
+                                 · [u8 replica_flags]   (the bracketed trailer is ours, see below)
 4     SetLowWaterMarkRequest     i64 low_water_mark · bool offline
 5     TruncateRequest            i64 transaction_id (keep ids <= this) · bool offline
+                                 · [u8 truncate_flags · string reason]   (trailer ours, see below)
                                  (answered by MaxTransactionIdResponse with the new max id)
 6     AppendRequest              i32 n · n x Record · bool offline
 7     SuccessResponse            -
@@ -35,6 +37,24 @@ code  message                    fields after the prefix
 22    DamagedRecordsRequest      i32 max_ids   (ours)
 23    DamagedRecordsResponse     i32 n · n x i64 transaction_id   (ours)
 ====  =========================  ===================================================================
+
+The bracketed trailers of 3 and 5 are not the original's. Each is sent only when it says something (a
+flag set or a reason given) and a message without it decodes as if it were all zero, so the original's
+messages and ours without a trailer are byte for byte the same. A decoder older than the trailer refuses a
+message that carries one (trailing bytes), which fails safe: that peer treats the replica as failed.
+
+* LastSessionInfoResponse ``replica_flags``: bit 0 (:data:`REPLICA_DAMAGED`, 0x01) says the replica lost
+  records its control file says it held (a partition directory or segments missing, its max id below its
+  local low-water mark: after a power cut, say). Recovery does not count it in a vote until the node
+  reports it repaired (see ``docs/replication.md``). Other bits are 0; a decoder refuses unknown bits.
+* TruncateRequest ``truncate_flags``: bit 0 (:data:`TRUNCATE_OPERATOR_REPAIR`, 0x01) lets the truncation go
+  below the replica's persisted low-water mark, which the node otherwise refuses (those records were
+  committed); only the operator's repair tools (``waltz.ops``) set it. Other bits are 0; a decoder refuses
+  unknown bits. ``reason`` (UTF-8, at most :data:`MAX_TRUNCATE_REASON_BYTES` bytes, not null) says why, for
+  the node's INFO line about the truncation.
+
+Golden bytes: ``TruncateRequest(5, 6, 7, 99, False, operator_repair=True, reason="x")`` is
+``05 0000000000000005 0000000000000006 00000007 0000000000000063 00 01 00000001 78``.
 
 21 is not the original's either: good copies of records a replica reported damaged (a read failed there with
 CorruptionError). The node overwrites a stored record only if it does not verify and the copy does, with the
@@ -98,6 +118,9 @@ from waltz.protocol.wire import I32, I32_MAX, I64, U32, Reader, Writer
 
 __all__ = [
     "MAX_FAILURE_FRAMES",
+    "MAX_TRUNCATE_REASON_BYTES",
+    "REPLICA_DAMAGED",
+    "TRUNCATE_OPERATOR_REPAIR",
     "STORAGE_CLIENT_HELLO",
     "STORAGE_SERVER_HELLO",
     "STORAGE_VERSIONS",
@@ -160,12 +183,22 @@ _MASK32: Final = 0xFFFFFFFF
 _MIN_STACK_FRAME_BYTES: Final = 4 + 4 + 4 + 4
 
 
+REPLICA_DAMAGED: Final = 0x01
+"""LastSessionInfoResponse replica flag: the replica lost records it held; it must not vote (see above)."""
+TRUNCATE_OPERATOR_REPAIR: Final = 0x01
+"""TruncateRequest flag: an operator's repair may truncate below the persisted low-water mark."""
+MAX_TRUNCATE_REASON_BYTES: Final = 256
+"""Longest reason a TruncateRequest may carry (UTF-8 bytes)."""
+
+
 class SessionInfo(NamedTuple):
-    """What a storage partition's control file says about the newest store session that wrote it."""
+    """What a storage partition's control file says about the newest store session that wrote it, and whether
+    the node found the replica damaged (it lost records it held; see the module docstring)."""
 
     session_id: int
     low_water_mark: int
     local_low_water_mark: int
+    damaged: bool = False
 
 
 class StackFrame(NamedTuple):
@@ -492,10 +525,21 @@ class LastSessionInfoResponse(StorageMessage):
 
     def _write(self, w: Writer) -> None:
         w.i64(self.info.session_id).i64(self.info.low_water_mark).i64(self.info.local_low_water_mark)
+        if self.info.damaged:
+            w.u8(REPLICA_DAMAGED)
 
     @classmethod
     def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
-        return cls(session_id, seq_num, partition_id, SessionInfo(r.i64(), r.i64(), r.i64()))
+        sid, lwm, llwm = r.i64(), r.i64(), r.i64()
+        flags = 0
+        if r.remaining():
+            flags = r.u8()
+            if flags == 0:
+                raise RemoteProtocolError("1 trailing byte: an empty replica-flags trailer is never sent")
+            if flags & ~REPLICA_DAMAGED:
+                raise RemoteProtocolError(f"unknown replica flags {flags:#x}")
+        info = SessionInfo(sid, lwm, llwm, bool(flags & REPLICA_DAMAGED))
+        return cls(session_id, seq_num, partition_id, info)
 
 
 @dataclass(frozen=True, slots=True)
@@ -517,19 +561,54 @@ class SetLowWaterMarkRequest(StorageMessage):
 
 @dataclass(frozen=True, slots=True)
 class TruncateRequest(StorageMessage):
-    """Drop every record after ``transaction_id``; answered by MaxTransactionIdResponse (the new max id)."""
+    """Drop every record after ``transaction_id``; answered by MaxTransactionIdResponse (the new max id).
+
+    The node refuses to go below the replica's persisted low-water mark unless ``operator_repair`` is set
+    (only the operator's repair tools set it); ``reason`` says why, for the node's log (see the module
+    docstring)."""
 
     TYPE: ClassVar[int] = 5
 
     transaction_id: int
     offline: bool
+    operator_repair: bool = False
+    reason: str = ""
 
     def _write(self, w: Writer) -> None:
         w.i64(self.transaction_id).bool(self.offline)
+        if self.operator_repair or self.reason:
+            raw = self.reason.encode("utf-8")
+            if len(raw) > MAX_TRUNCATE_REASON_BYTES:
+                raise LocalProtocolError(
+                    f"truncate reason is {len(raw)} bytes, at most {MAX_TRUNCATE_REASON_BYTES} allowed"
+                )
+            w.u8(TRUNCATE_OPERATOR_REPAIR if self.operator_repair else 0).bytes_(raw)
 
     @classmethod
     def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
-        return cls(session_id, seq_num, partition_id, r.i64(), r.bool())
+        txn, offline = r.i64(), r.bool()
+        if not r.remaining():
+            return cls(session_id, seq_num, partition_id, txn, offline)
+        if r.remaining() < 5:
+            raise RemoteProtocolError(f"{r.remaining()} trailing bytes: too short for the truncate trailer")
+        flags = r.u8()
+        if flags & ~TRUNCATE_OPERATOR_REPAIR:
+            raise RemoteProtocolError(f"unknown truncate flags {flags:#x}")
+        raw = r.bytes_()
+        if raw is None or len(raw) > MAX_TRUNCATE_REASON_BYTES:
+            raise RemoteProtocolError(
+                f"truncate reason must be 0..{MAX_TRUNCATE_REASON_BYTES} bytes, not "
+                + ("null" if raw is None else f"{len(raw)}")
+            )
+        try:
+            reason = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RemoteProtocolError("truncate reason is not UTF-8") from None
+        if not flags and not reason:
+            raise RemoteProtocolError("5 trailing bytes: an empty truncate trailer is never sent")
+        return cls(
+            session_id, seq_num, partition_id, txn, offline, bool(flags & TRUNCATE_OPERATOR_REPAIR), reason
+        )
 
 
 @dataclass(frozen=True, slots=True)

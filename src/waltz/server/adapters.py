@@ -77,13 +77,14 @@ class TcpReplicaConnection:
 
     async def last_session_info(self) -> SessionInfo:
         info = await self._live().last_session_info(self._session_id, self._partition_id)
-        return SessionInfo(info.session_id, info.low_water_mark, info.local_low_water_mark)
+        return SessionInfo(info.session_id, info.low_water_mark, info.local_low_water_mark, info.damaged)
 
     async def max_transaction_id(self) -> int:
         return await self._live().max_transaction_id(self._session_id, self._partition_id)
 
-    async def truncate(self, transaction_id: int) -> int:
-        return await self._live().truncate(self._session_id, self._partition_id, transaction_id)
+    async def truncate(self, transaction_id: int, *, reason: str = "") -> int:
+        client = self._live()
+        return await client.truncate(self._session_id, self._partition_id, transaction_id, reason=reason)
 
     async def set_low_water_mark(self, low_water_mark: int) -> None:
         await self._live().set_low_water_mark(self._session_id, self._partition_id, low_water_mark)

@@ -202,10 +202,29 @@ class StorageClient(_Endpoint[st.StorageMessage]):
         return resp.transaction_id
 
     async def truncate(
-        self, session_id: int, partition_id: int, transaction_id: int, *, offline: bool = False
+        self,
+        session_id: int,
+        partition_id: int,
+        transaction_id: int,
+        *,
+        offline: bool = False,
+        operator_repair: bool = False,
+        reason: str = "",
     ) -> int:
+        """Truncate the replica to ``transaction_id``; the node refuses to go below its persisted low-water
+        mark unless ``operator_repair`` (only the operator's repair tools set it). ``reason`` is logged by the
+        node (at most ``MAX_TRUNCATE_REASON_BYTES``, cut to fit here)."""
+        raw = reason.encode("utf-8")[: st.MAX_TRUNCATE_REASON_BYTES]
         resp = await self._call(
-            st.TruncateRequest(session_id, self._seq(), partition_id, transaction_id, offline),
+            st.TruncateRequest(
+                session_id,
+                self._seq(),
+                partition_id,
+                transaction_id,
+                offline,
+                operator_repair,
+                raw.decode("utf-8", errors="ignore"),
+            ),
             st.MaxTransactionIdResponse,
         )
         return resp.transaction_id

@@ -21,7 +21,7 @@ Each struct (36 bytes)::
          0     8  i64 session id
          8     8  i64 low-water mark        (cluster high-water mark when that session started)
         16     8  i64 local low-water mark  (this replica's max transaction id at that moment)
-        24     4  i32 flags                 (1 = AVAILABLE, 4 = ASSIGNED)
+        24     4  i32 flags                 (1 = AVAILABLE, 4 = ASSIGNED, 8 = DAMAGED)
         28     4  i32 sequence number
         32     4  u32 checksum              CRC-32 of bytes 0..31 of the struct
 
@@ -30,6 +30,9 @@ A new file holds, for every partition, struct A = (-1, -1, -1, AVAILABLE, seq -1
 number is current; equal numbers or no valid struct raise :class:`~waltz.errors.CorruptionError`. An update
 writes the *other* struct with sequence + 1 and fsyncs before returning, so a write torn by a crash fails its
 checksum and the partition rolls back exactly one update.
+
+DAMAGED (ours): the node found that this replica lost records it held (see
+:mod:`waltz.storage.replica_check`); it stays set, across restarts, until the replica is repaired.
 
 A storage node opens the file even when some partitions' entries do not verify (both structs bad, equal
 sequence numbers, a wrong partition id): only those partitions are down (:attr:`ControlFile.damaged`; their
@@ -54,7 +57,7 @@ from dataclasses import dataclass, replace
 
 from waltz.errors import ClusterKeyMismatchError, CorruptionError, StorageError
 from waltz.protocol.records import crc32
-from waltz.storage.fileio import OS_FS, File, FileSystem
+from waltz.storage.fileio import OS_FS, File, FileSystem, make_dirs_durable
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +71,9 @@ MAX_PARTITIONS = 1 << 16
 
 FLAG_AVAILABLE = 1
 FLAG_ASSIGNED = 4
-_KNOWN_FLAGS = FLAG_AVAILABLE | FLAG_ASSIGNED
+FLAG_DAMAGED = 8
+"""The replica lost records it held and does not vote until repaired (see waltz.storage.replica_check)."""
+_KNOWN_FLAGS = FLAG_AVAILABLE | FLAG_ASSIGNED | FLAG_DAMAGED
 _I32_MAX = 2**31 - 1
 
 _HEADER = struct.Struct(">iqqqi")
@@ -119,6 +124,10 @@ class PartitionInfo:
     @property
     def assigned(self) -> bool:
         return bool(self.flags & FLAG_ASSIGNED)
+
+    @property
+    def replica_damaged(self) -> bool:
+        return bool(self.flags & FLAG_DAMAGED)
 
 
 def encode_struct(info: PartitionInfo, sequence_number: int) -> bytes:
@@ -250,10 +259,14 @@ class ControlFile:
         """
         if not 0 < num_partitions <= MAX_PARTITIONS:
             raise StorageError(f"bad partition count {num_partitions}: must be 1..{MAX_PARTITIONS}")
-        fs.makedirs(directory)
+        made = make_dirs_durable(fs, directory)
         path = os.path.join(directory, CONTROL_FILE_NAME)
         if not fs.exists(path):
             cls._create(fs, path, key, num_partitions, clock_ms())
+            if not made:
+                # Someone else made the directory (an installer, ``waltz local``): its own entry may not be
+                # durable yet, and every partition directory and segment will live under it.
+                fs.fsync_dir(os.path.dirname(os.path.normpath(directory)) or ".")
         f = fs.open(path)
         damaged: dict[int, str] = {}
         try:

@@ -99,9 +99,10 @@ from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
 from waltz.storage.authority import SessionAuthority, ZkSessionAuthority, step_refusal
 from waltz.storage.config import StorageConfig
-from waltz.storage.controlfile import FLAG_AVAILABLE, ControlFile, PartitionInfo
+from waltz.storage.controlfile import FLAG_AVAILABLE, FLAG_DAMAGED, ControlFile, PartitionInfo
 from waltz.storage.fileio import FAULTS, OS_FS
 from waltz.storage.partition import PartitionLog, delete_log_files
+from waltz.storage.replica_check import lost_below_mark, missing_log, truncation_refusal
 from waltz.storage.segment import (
     RecordCorruptionError,
     ZeroFill,
@@ -155,7 +156,8 @@ SESSION_RECHECK_INTERVAL_S = 0.2
 """After a refusal, higher ids are refused without asking ZooKeeper again for this long (bounds the reads a
 peer sending forged ids can cause; a real new session retries after its back-off and passes)."""
 REFUSAL_LOG_INTERVAL_S = 10.0
-"""At most one warning per partition per this many seconds about refused session ids."""
+"""At most one warning per partition per this many seconds about refused session ids (and one ERROR line
+about refused truncations)."""
 SCRUB_CHUNK_BYTES = 256 * 1024
 """Bytes one scrub step reads (in the partition's worker, between its requests: small, so writes barely
 wait)."""
@@ -567,6 +569,12 @@ class StoragePartition:
         """The highest session id the cluster's metadata is known to have handed out (see authority.py)."""
         self.damaged: dict[int, str] = {}
         """Transaction ids whose stored copy failed verification here and was not repaired yet -> reason."""
+        self.lost: str | None = None
+        """Why this replica is damaged (it lost records it held; see waltz.storage.replica_check), or None.
+        Set together with the control file's DAMAGED flag, cleared by ``_check_repaired``."""
+        self._marked_since_lost = False
+        """A low-water mark was set since the damage was found (the repair's target; see replica_check)."""
+        self._last_truncate_refusal_log_s = -1e9
         self.session_check = asyncio.Lock()
         self.last_refusal_s = -1e9
         self.last_refusal_log_s = -1e9
@@ -613,6 +621,17 @@ class StoragePartition:
     def open_log(self) -> PartitionLog:
         if self.log is None:
             cfg = self.node.config
+            info = self.info
+            if info.assigned and self.lost is None:
+                # Before PartitionLog.open, which would make a missing directory anew: an empty log must never
+                # pass for the replica the control file describes.
+                why = (
+                    "it was found damaged before and is not repaired yet"
+                    if info.replica_damaged
+                    else missing_log(OS_FS, str(cfg.directory), self.partition_id)
+                )
+                if why is not None:
+                    self._mark_lost(why)
             self.log = PartitionLog.open(
                 str(cfg.directory),
                 self.node.control.key,
@@ -625,7 +644,47 @@ class StoragePartition:
                 # What a (re)start finds on disk is what the disk holds. A broken partition keeps the mark it
                 # had: its page cache may hold records the disk lost (see ``_heal``).
                 self.durable_max = self.log.max_transaction_id
+            if info.assigned and self.lost is None:
+                why = lost_below_mark(self.log.max_transaction_id, info)
+                if why is not None:
+                    self._mark_lost(why)
         return self.log
+
+    def _mark_lost(self, why: str) -> None:
+        """Record that this replica lost records it held: durably (the DAMAGED flag), one ERROR line."""
+        info = self.info
+        if not info.replica_damaged:
+            self.node.control.update(self.partition_id, flags=info.flags | FLAG_DAMAGED)
+        self.lost = why
+        self._marked_since_lost = False
+        log.error(
+            "partition %d: this replica is damaged: %s (low-water mark %d, local low-water mark %d); it does "
+            "not vote in recovery until it is repaired (caught up to a low-water mark set after this, by the "
+            "owning server's recovery or by `waltz storage recover-partition`)",
+            self.partition_id,
+            why,
+            info.low_water_mark,
+            info.local_low_water_mark,
+        )
+
+    def _check_repaired(self) -> None:
+        """Clear the damage once the replica holds a low-water mark set after it was found (see
+        waltz.storage.replica_check): durably, one INFO line."""
+        info = self.info
+        if not self._marked_since_lost or self.durable_max < info.low_water_mark:
+            return
+        self.node.control.update(self.partition_id, flags=info.flags & ~FLAG_DAMAGED)
+        log.info(
+            "partition %d: the damaged replica is repaired: it holds 0..%d, at least its low-water mark %d "
+            "(set by session %d after the damage was found: %s); it votes again",
+            self.partition_id,
+            self.durable_max,
+            info.low_water_mark,
+            info.session_id,
+            self.lost,
+        )
+        self.lost = None
+        self._marked_since_lost = False
 
     @property
     def preallocating(self) -> bool:
@@ -789,6 +848,8 @@ class StoragePartition:
             return f"failed: {self.failed}"
         if self.broken is not None:
             return f"fail-stopped: {self.broken}"
+        if self.lost is not None:
+            return f"replica damaged: {self.lost}; it does not vote until repaired"
         return None
 
     async def _run_op(self, item: _Item) -> None:
@@ -818,17 +879,16 @@ class StoragePartition:
                     sid,
                     seq,
                     pid,
-                    st.SessionInfo(info.session_id, info.low_water_mark, info.local_low_water_mark),
+                    st.SessionInfo(
+                        info.session_id, info.low_water_mark, info.local_low_water_mark, self.lost is not None
+                    ),
                 )
             if isinstance(msg, st.MaxTransactionIdRequest):
                 plog = self._check(msg, msg.offline)
                 return st.MaxTransactionIdResponse(sid, seq, pid, plog.max_transaction_id)
             if isinstance(msg, st.TruncateRequest):
                 plog = self._check(msg, msg.offline)
-                new_max = plog.truncate(msg.transaction_id)
-                self.durable_max = min(self.durable_max, new_max)
-                self._forget_damage_above(new_max)
-                return st.MaxTransactionIdResponse(sid, seq, pid, new_max)
+                return st.MaxTransactionIdResponse(sid, seq, pid, self._truncate(plog, msg, item))
             if isinstance(msg, st.SetLowWaterMarkRequest):
                 return self._set_low_water_mark(msg)
             if isinstance(msg, st.RecordHeaderRequest):
@@ -874,6 +934,48 @@ class StoragePartition:
             return self._failure(msg, CorruptionError(str(e)))
         except WaltzError as e:
             return self._failure(msg, e)
+
+    def _truncate(self, plog: PartitionLog, msg: st.TruncateRequest, item: _Item) -> int:
+        """A TruncateRequest: refused below the persisted low-water mark unless an operator's repair asks (one
+        ERROR line per 10 s); every truncation that cuts records is one INFO line (from, to, why, who)."""
+        info = self.info
+        before = plog.max_transaction_id
+        target = msg.transaction_id
+        who = (
+            f"{'an offline tool' if msg.offline else 'store session'} {msg.session_id} from "
+            f"{item.conn.peername if item.conn is not None else 'this node'}"
+        )
+        refusal = truncation_refusal(self.partition_id, info, before, target)
+        if refusal is not None and not msg.operator_repair:
+            now = time.monotonic()
+            if now - self._last_truncate_refusal_log_s >= REFUSAL_LOG_INTERVAL_S:
+                self._last_truncate_refusal_log_s = now
+                log.error("%s (asked by %s: %s)", refusal, who, msg.reason or "no reason given")
+            raise StorageError(refusal)
+        if refusal is not None:
+            # The operator accepts the loss: the marks follow the log down, or the replica would be reported
+            # damaged (its log below its local mark) and every later low-water mark refused.
+            self.node.control.update(
+                self.partition_id,
+                low_water_mark=min(info.low_water_mark, target),
+                local_low_water_mark=min(info.local_low_water_mark, target),
+            )
+        new_max = plog.truncate(target)
+        self.durable_max = min(self.durable_max, new_max)
+        self._forget_damage_above(new_max)
+        if new_max < before:
+            log.info(
+                "partition %d truncated from %d to %d (%s), asked by %s%s",
+                self.partition_id,
+                before,
+                new_max,
+                msg.reason or "no reason given",
+                who,
+                f"; an operator's repair below the low-water mark {info.low_water_mark}, lowered with it"
+                if refusal is not None
+                else "",
+            )
+        return new_max
 
     def scrub_step(self, after: int) -> tuple[int, int] | None:
         """Verify the records stored after ``after`` (a bounded run); ``(last id checked, bytes read)``, or
@@ -963,6 +1065,9 @@ class StoragePartition:
         # The fencing id never trails the persisted one (a restart initialises it from there): after an
         # offline adoption, sessions older than the adopted one stay fenced.
         self.session_id = max(self.session_id, msg.session_id)
+        if self.lost is not None:
+            self._marked_since_lost = True
+            self._check_repaired()
         if msg.offline and msg.session_id != info.session_id:
             log.info(
                 "partition %d: offline recovery set low-water mark %d and adopted session %d (was %d)",
@@ -1242,6 +1347,8 @@ class StoragePartition:
             zeros.done()
         self.fsync_count += 1
         self.durable_max = plog.max_transaction_id
+        if self.lost is not None:
+            self._check_repaired()
 
     def _break(self, reason: str) -> None:
         if self.broken is None:
@@ -1624,6 +1731,7 @@ class StorageNode:
                     pid, session_id=-1, low_water_mark=-1, local_low_water_mark=-1, flags=FLAG_AVAILABLE
                 )
                 part.session_id = -1
+                part.lost = None  # the entry no longer describes anything this node held
                 part.damaged.clear()  # The records it named are gone or no longer this node's business.
                 part.close_log()
                 if delete_files:
@@ -1700,6 +1808,7 @@ class StorageNode:
                 "localLowWaterMark": info.local_low_water_mark,
                 "flags": info.flags,
                 "available": info.available,
+                "replicaDamaged": p.lost,
                 "maxTransactionId": p.log.max_transaction_id if p.log is not None else -1,
                 "queueSize": len(p.queue),
                 "fsyncs": p.fsync_count,

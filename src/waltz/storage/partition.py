@@ -44,7 +44,7 @@ from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderErr
 from waltz.protocol.record_run import encode_run
 from waltz.protocol.records import Record, RecordHeader
 from waltz.protocol.storage import WireRecordList
-from waltz.storage.fileio import OS_FS, FileSystem
+from waltz.storage.fileio import OS_FS, FileSystem, make_dirs_durable
 from waltz.storage.segment import (
     DEFAULT_MAX_READ_BYTES,
     MAX_READ_RECORDS,
@@ -116,7 +116,9 @@ class PartitionLog:
         if segment_cache_capacity < 1:
             raise StorageError(f"segment_cache_capacity must be at least 1, got {segment_cache_capacity}")
         directory = os.path.join(storage_directory, str(partition_id))
-        fs.makedirs(directory)
+        # The partition directory's entry is durable (an fsync of the storage directory) before anything is
+        # written into it: segments fsynced inside a directory a power cut drops are lost with it.
+        make_dirs_durable(fs, directory)
         segs: set[int] = set()
         idxs: set[int] = set()
         for name in fs.listdir(directory):
@@ -126,6 +128,8 @@ class PartitionLog:
         for orphan in sorted(idxs - segs):
             log.warning("%s: removing index %s without a data file", directory, index_file_name(orphan))
             fs.remove(os.path.join(directory, index_file_name(orphan)))
+        if idxs - segs:
+            fs.fsync_dir(directory)
         first_ids = sorted(segs)
         current: Segment | None = None
         while first_ids and current is None:
@@ -513,6 +517,8 @@ def delete_log_files(fs: FileSystem, directory: str) -> None:
         fs.rmdir(directory)
     except StorageError as e:
         log.warning("%s: directory left in place: %s", directory, e)
+        return
+    fs.fsync_dir(os.path.dirname(os.path.normpath(directory)) or ".")
 
 
 def is_half_created(fs: FileSystem, directory: str, first: int, has_index: bool) -> bool:

@@ -62,11 +62,14 @@ class SessionInfo:
     ``session_id`` is the store session that last set the low-water mark (-1 if none); ``low_water_mark`` is
     the cluster high-water mark resolved when that session started; ``local_low_water_mark`` is the replica's
     own max transaction id at that moment (it is below ``low_water_mark`` when the replica was behind).
+    ``damaged``: the node found that the replica lost records it held (a power cut wiped its directory, say);
+    recovery does not count it in a vote until the node reports it repaired.
     """
 
     session_id: int
     low_water_mark: int
     local_low_water_mark: int
+    damaged: bool = False
 
 
 @runtime_checkable
@@ -86,8 +89,11 @@ class ReplicaConnection(Protocol):
         """The highest transaction id stored (-1 if the partition is empty)."""
         ...
 
-    async def truncate(self, transaction_id: int) -> int:
-        """Delete every record above ``transaction_id`` (durably); return the resulting max transaction id."""
+    async def truncate(self, transaction_id: int, *, reason: str = "") -> int:
+        """Delete every record above ``transaction_id`` (durably); return the resulting max transaction id.
+
+        ``reason`` (short) goes into the node's log line about the truncation. The node refuses to go below
+        the replica's persisted low-water mark (committed records): recovery never asks for that."""
         ...
 
     async def set_low_water_mark(self, low_water_mark: int) -> None:

@@ -316,6 +316,11 @@ class MemoryStorage:
             return part.max_transaction_id
         if kind == "truncate":
             (txn,) = args
+            if txn < part.low_water_mark and txn < part.max_transaction_id:
+                # As a storage node: committed records (at or below the low-water mark) are never cut.
+                raise StorageRpcError(
+                    f"refusing to truncate to {txn}, below the low-water mark {part.low_water_mark}"
+                )
             del part.records[max(txn + 1, 0) :]
             part.damaged = {t for t in part.damaged if t <= txn}
             part.rewrites += 1
@@ -477,7 +482,7 @@ class MemoryConnection:
         result: int = await self._call("max_transaction_id")
         return result
 
-    async def truncate(self, transaction_id: int) -> int:
+    async def truncate(self, transaction_id: int, *, reason: str = "") -> int:
         result: int = await self._call("truncate", transaction_id)
         return result
 

@@ -12,10 +12,11 @@ and the storage's persisted control info:
 class     condition                                      action                              in the vote
 ======== ============================================== =================================== ===============
 EMPTY     ZooKeeper lists no replica at all              (new partition: resolved HWM = -1)  no vote held
+DAMAGED   its node reports it lost records it held       none                                unknown
 NEW       not in ZooKeeper's replica set                 truncate to its storage LWM         not counted
 UNTRUSTED ZooKeeper state has session id -1              truncate to its storage LWM         its max id
 RESTORED  storage session id < ZooKeeper's for it        truncate to its storage LWM         unknown
-CLOSED    ZooKeeper has its closing high-water mark      truncate to that mark               its max id
+CLOSED    ZooKeeper has its closing high-water mark      truncate to that mark (or its LWM)  its max id
 BEHIND    max id < storage low-water mark                none                                its max id
 VOTING    otherwise                                      none                                its max id
 ======== ============================================== =================================== ===============
@@ -27,6 +28,16 @@ VOTING    otherwise                                      none                   
   that had not recovered when the session opened) like CLOSED and truncates to the closing mark; but such a
   replica may hold a dirty tail from long ago below that mark (it was never cleaned), so we cut it at its own
   clean point.
+* DAMAGED replicas (the storage node found records missing that its control file says it held: a power cut
+  wiped its partition directory, say; see ``docs/replication.md``) count as *unknown*, as RESTORED ones do,
+  for the same reason: their max id says nothing about what they acknowledged. Nothing is truncated (what
+  they still hold is at or below their clean point). Once the vote is resolved they are caught up like any
+  laggard, and the node clears the damage once they hold its new low-water mark.
+* Nothing is ever truncated below the replica's own storage low-water mark: the records at or below it are
+  committed, and the storage node refuses such a truncation (only an operator's repair may). A CLOSED
+  replica's mark can be above its closing mark when a later session recovered it (set its low-water mark) but
+  ended before it was recorded clean in ZooKeeper; it is then cut at its own mark, and counted with what it
+  holds, all of it committed.
 * RESTORED replicas count as *unknown* in the vote, not as holders of their (rolled-back) max id: before the
   restore they may have been part of a write quorum, and counting them as "does not hold it" could settle on a
   high-water mark below an acknowledged transaction. As unknown, they make such a mark undecidable until a
@@ -74,6 +85,7 @@ __all__ = [
 
 class ReplicaClass(enum.Enum):
     EMPTY = "empty"
+    DAMAGED = "damaged"
     NEW = "new"
     UNTRUSTED = "untrusted"
     RESTORED = "restored"
@@ -99,6 +111,8 @@ def classify_replica(
     """Classify one replica (see the module docstring's table)."""
     if not previous.replicas:
         return Classification(ReplicaClass.EMPTY, None, False)
+    if info.damaged:
+        return Classification(ReplicaClass.DAMAGED, None, False)
     state = previous.replicas.get(storage)
     if state is None:
         return Classification(ReplicaClass.NEW, info.low_water_mark, False)
@@ -107,7 +121,9 @@ def classify_replica(
     if state.session_id < 0:
         return Classification(ReplicaClass.UNTRUSTED, info.low_water_mark, True)
     if state.closing_high_water_mark != UNRESOLVED:
-        return Classification(ReplicaClass.CLOSED, state.closing_high_water_mark, True)
+        return Classification(
+            ReplicaClass.CLOSED, max(state.closing_high_water_mark, info.low_water_mark), True
+        )
     if max_transaction_id < info.low_water_mark:
         return Classification(ReplicaClass.BEHIND, None, True)
     return Classification(ReplicaClass.VOTING, None, True)

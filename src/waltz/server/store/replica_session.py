@@ -47,7 +47,7 @@ from waltz.errors import BrokenResourceError, SessionFencedError, WaltzError
 from waltz.protocol.records import Record
 from waltz.server.store.interfaces import ReplicaConnection, SessionInfo
 from waltz.server.store.recovery import Classification, classify_replica
-from waltz.server.store.support import Backoff, InvariantViolation
+from waltz.server.store.support import Backoff, InvariantViolation, RetryLog
 from waltz.server.store.voting import Voting
 
 if TYPE_CHECKING:
@@ -99,7 +99,9 @@ class ReplicaSession:
         self.storage = storage
         self.retiring = retiring
         self._failures = 0
-        """Failures since this replica last answered (the first is logged at WARNING, the return at INFO)."""
+        """Failures since this replica last answered (the first logged at WARNING, the return at INFO)."""
+        self._retry_log = RetryLog(log)
+        """The retry loop's lines: one per 10 s at most (a refusal retried every 100 ms wrote thousands)."""
         """A replica of the previous set that is no longer assigned: it only votes and serves copies."""
         self.role = ReplicaRole.CONNECTING
         self.connection: ReplicaConnection | None = None
@@ -310,7 +312,8 @@ class ReplicaSession:
     def _note_failure(self, error: BaseException) -> None:
         self._failures += 1
         if self._failures == 1:
-            log.warning(
+            self._retry_log.log(
+                logging.WARNING,
                 "%r is out of the session (%r); retrying it every %d ms at most",
                 self,
                 error,
@@ -340,7 +343,12 @@ class ReplicaSession:
                 await backoff.sleep()
                 continue
             if self._failures:
-                log.info("%r answers again after %d failed attempts; recovering it", self, self._failures)
+                self._retry_log.log(
+                    logging.INFO,
+                    "%r answers again after %d failed attempts; recovering it",
+                    self,
+                    self._failures,
+                )
                 self._failures = 0
             self.connection = conn
             self.role = ReplicaRole.RECOVERING
@@ -353,7 +361,13 @@ class ReplicaSession:
         classification = classify_replica(recovery.previous, self.storage, info, max_id)
         self.classification = classification
         if classification.truncate_to is not None and max_id > classification.truncate_to:
-            max_id = await session.call(conn.truncate(classification.truncate_to))
+            max_id = await session.call(
+                conn.truncate(
+                    classification.truncate_to,
+                    reason=f"recovery of session {session.session_id}: replica classified "
+                    f"{classification.kind.value}",
+                )
+            )
         self.max_id = self.readable_max = max_id
         log.debug("%r classified %s, max id %d", self, classification.kind.value, max_id)
         if classification.counted:
@@ -381,7 +395,12 @@ class ReplicaSession:
 
         resolved = recovery.resolved
         if self.max_id > resolved:
-            self.max_id = await session.call(conn.truncate(resolved))
+            self.max_id = await session.call(
+                conn.truncate(
+                    resolved,
+                    reason=f"recovery of session {session.session_id}: above the resolved high-water mark",
+                )
+            )
             if self.max_id != resolved:
                 raise InvariantViolation(
                     f"{self.storage} truncated to {resolved} reports max id {self.max_id}"

@@ -58,7 +58,14 @@ from waltz.server.store.store_session import (
     SessionOutcome,
     StoreSession,
 )
-from waltz.server.store.support import Backoff, InvariantViolation, RepairStatistics, StoreConfig, TaskList
+from waltz.server.store.support import (
+    Backoff,
+    InvariantViolation,
+    RepairStatistics,
+    RetryLog,
+    StoreConfig,
+    TaskList,
+)
 
 __all__ = ["BATCH_APPENDS_BOUNDS", "StorePartition", "StoreStatistics"]
 
@@ -504,6 +511,7 @@ class StorePartition:
 
     async def _supervise(self) -> None:
         backoff = self._backoff()
+        retry_log = RetryLog(log)
         while True:
             if self._stale:
                 self._fail_everything(
@@ -520,7 +528,9 @@ class StorePartition:
                 self._stale_detail = str(e)
                 continue
             except WaltzError as e:
-                log.warning("partition %d: cannot start a store session: %r", self.partition_id, e)
+                retry_log.log(
+                    logging.WARNING, "partition %d: cannot start a store session: %r", self.partition_id, e
+                )
                 await backoff.sleep()
                 continue
             self._session = session

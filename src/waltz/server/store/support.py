@@ -1,4 +1,5 @@
-"""Small pieces the store layer shares: its configuration, bounded retry backoff, owned task lists."""
+"""Small pieces the store layer shares: its configuration, bounded retry backoff, rate-limited retry logging,
+owned task lists."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Backoff", "InvariantViolation", "RepairStatistics", "StoreConfig", "TaskList"]
+__all__ = [
+    "RETRY_LOG_INTERVAL_S",
+    "Backoff",
+    "InvariantViolation",
+    "RepairStatistics",
+    "RetryLog",
+    "StoreConfig",
+    "TaskList",
+]
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +142,38 @@ class Backoff:
 
     def reset(self) -> None:
         self._next_ms = self._initial_ms
+
+
+RETRY_LOG_INTERVAL_S = 10.0
+"""A retry loop logs at most one line per this many seconds (the others go to DEBUG, and are counted)."""
+
+
+class RetryLog:
+    """The log lines of one retry loop, at most one per ``interval_s`` (on the running loop's clock, so
+    virtual in the simulator). A refusal that a loop retries every 100 ms must not write thousands of lines a
+    minute: the first line is logged at once; lines within the interval go to DEBUG and are counted, and the
+    next line logged says how many were left out."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = RETRY_LOG_INTERVAL_S) -> None:
+        self._logger = logger
+        self._interval_s = interval_s
+        self._last_s: float | None = None
+        self._left_out = 0
+
+    def log(self, level: int, msg: str, *args: object) -> bool:
+        """Log ``msg % args`` at ``level`` unless this loop logged within the interval; True if logged."""
+        now = asyncio.get_running_loop().time()
+        if self._last_s is not None and now - self._last_s < self._interval_s:
+            self._left_out += 1
+            self._logger.debug(msg, *args)
+            return False
+        if self._left_out:
+            msg += " (%d more line(s) of this retry loop in the last %g s not logged)"
+            args = (*args, self._left_out, self._interval_s)
+        self._last_s = now
+        self._left_out = 0
+        self._logger.log(level, msg, *args)
+        return True
 
 
 class TaskList:
