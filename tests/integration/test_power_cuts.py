@@ -60,7 +60,8 @@ def test_the_negative_control_with_fsync_a_no_op_loses_acknowledged_transactions
         each_kind_once=True,
         max_fault_s=2.0,
         stuck_bound_s=20.0,
-        catch_up_bound_s=10.0,
+        catch_up_bound_s=5.0,
+        apps_grace_s=30.0,
         run_bound_s=280.0,
         fsync_noop=True,
     )
