@@ -39,9 +39,9 @@ from waltz.protocol.records import Record, RecordHeader, ReqId
 from waltz.server.feed_cache import FeedCache, FeedEntry
 from waltz.server.partition import Partition
 from waltz.server.store.interfaces import SessionInfo
-from waltz.server.store.memory import MemoryMetadataStore
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.transaction_cache import TransactionCache
+from waltz.testing.store import MemoryMetadataStore
 
 VERSION = max(cs.SUPPORTED_VERSIONS)
 GENERATION = 1

@@ -12,11 +12,15 @@ One run (:func:`run_seed`), bounded in time, stops everything it started:
    window after it.
 3. The seed picks the fault schedule (printed before the run; :func:`schedule`): kill -9 and SIGSTOP/SIGCONT
    of a storage node, a server or ZooKeeper, two storage nodes down at once, a cut of all links to one storage
-   node (server<->storage) or to one server (client<->server). Faults run one after the other, each healed
-   before the next, with a random gap.
+   node (server<->storage) or to one server (client<->server), and the owner faults of
+   :mod:`bench.faults.owner` (one server cut from ZooKeeper alone, or stopped, past its session). Faults run
+   one after the other, each healed before the next, with a random gap.
 4. Checks (:func:`verify`), after the last fault was healed:
 
    * no partition is stuck: every partition acknowledges a new append within ``stuck_bound_s`` of the heal;
+   * no client is stranded: through that quiet period (until every app has had an append acknowledged on every
+     partition, at most ``stuck_bound_s``), no app goes without acknowledgements on a partition that
+     acknowledges the other apps' appends (:func:`bench.faults.owner.check_stranded`);
    * every transaction an app saw acknowledged is in the log (read through the servers with
      :class:`~waltz.client.reader.LogReader`) exactly once, in the partition it was sent to, and no tag is in
      the log twice at all (nothing committed twice);
@@ -48,6 +52,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from bench.faults.owner import (
+    OWNER_KINDS,
+    check_stranded,
+    owner_fault_s,
+    start_zookeeper_link,
+    stranded_pairs,
+)
 from bench.faults.power import POWER_KINDS, PowerCuts
 from bench.faults.proxy import LinkProxy
 
@@ -65,7 +76,7 @@ ZK_SESSION_TIMEOUT_MS = 6000
 STORAGE_KINDS = ("kill9-storage", "sigstop-storage", "two-storages-down", "cut-server-storage")
 SERVER_KINDS = ("kill9-server", "sigstop-server", "cut-client-server")
 ZK_KINDS = ("kill9-zookeeper", "sigstop-zookeeper")
-ALL_KINDS = STORAGE_KINDS + SERVER_KINDS + ZK_KINDS
+ALL_KINDS = STORAGE_KINDS + SERVER_KINDS + ZK_KINDS + OWNER_KINDS
 KNOWN_KINDS = ALL_KINDS + POWER_KINDS
 """Every kind ``--kinds`` accepts; the power cuts (:mod:`bench.faults.power`) are drawn only when named."""
 READ_CHUNK_RECORDS = 500
@@ -83,7 +94,8 @@ class Options:
     fault_phase_s: float = 40.0
     """Faults start within this many seconds of the apps' start (the last one may end a little later)."""
     max_fault_s: float = 6.0
-    """Longest single fault (a process down or stopped, a link cut)."""
+    """Longest single fault (a process down or stopped, a link cut), except the faults that must outlast the
+    ZooKeeper session: long ZooKeeper pauses and the owner faults (``bench.faults.owner.owner_fault_s``)."""
     long_zk_pauses: bool = True
     """Allow SIGSTOP of ZooKeeper longer than the session timeout (sessions expire together): half of the
     pauses drawn, and the one pause of an ``each_kind_once`` run. False keeps every pause below it."""
@@ -132,7 +144,7 @@ def schedule(seed: int, opts: Options) -> list[Fault]:
             targets = tuple(sorted(rng.sample(range(opts.storages), 2)))
         elif kind in STORAGE_KINDS:
             targets = (rng.randrange(opts.storages),)
-        elif kind in SERVER_KINDS:
+        elif kind in SERVER_KINDS or kind in OWNER_KINDS:
             targets = (rng.randrange(opts.servers),)
         elif kind == "power-storage":
             targets = (rng.randrange(opts.storages),)
@@ -144,6 +156,8 @@ def schedule(seed: int, opts: Options) -> list[Fault]:
             else:
                 # Shorter than the session timeout: no session may expire.
                 duration = rng.uniform(1.0, min(opts.max_fault_s, 0.7 * session_s))
+        elif kind in OWNER_KINDS:
+            duration = owner_fault_s(rng, session_s)
         faults.append(Fault(round(t, 2), kind, targets, round(duration, 2)))
         t += duration + rng.uniform(*opts.gap_s)
     return faults
@@ -193,6 +207,8 @@ class Harness:
         self.report = report
         self.storage_proxies: list[LinkProxy] = []
         self.server_proxies: list[LinkProxy] = []
+        self.zookeeper_links: list[LinkProxy] = []
+        """Each server's own link to ZooKeeper (see bench.faults.owner)."""
         self.apps: list[subprocess.Popen[bytes]] = []
         self.stopped_pids: set[int] = set()
         self.cluster_up = False
@@ -261,9 +277,15 @@ class Harness:
         for rec in cluster.servers:
             real = procs.free_ports(1)[0]
             await asyncio.to_thread(procs.stop, rec.process)
+            zookeeper_link = await start_zookeeper_link(rec.name, cluster.zookeeper.port)
+            self.zookeeper_links.append(zookeeper_link)
             _edit_yaml(
                 Path(rec.config),
-                {"server.port": real, "server.advertisedAddress": f"{procs.LOOPBACK}:{rec.port}"},
+                {
+                    "server.port": real,
+                    "server.advertisedAddress": f"{procs.LOOPBACK}:{rec.port}",
+                    "zookeeper.connectString": zookeeper_link.endpoint,
+                },
             )
             self.server_proxies.append(await LinkProxy.start(rec.name, rec.port, real))
             await asyncio.to_thread(local.start, self.directory, "server", rec.index, opts.start_timeout_s)
@@ -324,12 +346,9 @@ class Harness:
                 if kind == "sigstop-zookeeper"
                 else cluster.member(kind.removeprefix("sigstop-"), targets[0])
             )
-            assert rec.pid is not None
-            self._signal(rec.pid, signal.SIGSTOP)
-            try:
-                await asyncio.sleep(duration)
-            finally:
-                self._signal(rec.pid, signal.SIGCONT)
+            await self._pause_for(rec.pid, duration)
+        elif kind == "zombie-server":
+            await self._pause_for(self.cluster().member("server", targets[0]).pid, duration)
         elif kind == "kill9-zookeeper":
             await self._kill_for("zookeeper", targets, duration)
         elif kind == "cut-server-storage":
@@ -338,9 +357,19 @@ class Harness:
             await self._cut_for(self.server_proxies[targets[0]], duration)
         elif kind in POWER_KINDS:
             await self._power_cut(kind, targets, duration)
+        elif kind == "cut-server-zookeeper":
+            await self._cut_for(self.zookeeper_links[targets[0]], duration)
         else:
             raise ValueError(f"unknown fault {kind}")
         self.log(f"healed {kind}{list(targets)}")
+
+    async def _pause_for(self, pid: int | None, duration_s: float) -> None:
+        assert pid is not None
+        self._signal(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(duration_s)
+        finally:
+            self._signal(pid, signal.SIGCONT)
 
     def _signal(self, pid: int, sig: signal.Signals) -> None:
         if sig == signal.SIGSTOP:
@@ -426,23 +455,31 @@ class Harness:
             await asyncio.sleep(0.2)
 
     async def wait_progress(self, healed_at: float) -> tuple[float | None, list[str]]:
-        """Seconds after ``healed_at`` (wall clock) until every partition acknowledged an append."""
-        deadline = time.monotonic() + self.opts.stuck_bound_s
+        """Seconds after ``healed_at`` (wall clock) until every partition acknowledged an append, and the
+        problems of the quiet period after it: a partition that acknowledged nothing (stuck), an app that got
+        nothing on a partition that acknowledged others' appends (stranded). The quiet period lasts until
+        every app has had an append acknowledged on every partition, at most ``stuck_bound_s``."""
+        opts = self.opts
+        deadline = time.monotonic() + opts.stuck_bound_s
         while True:
             acks, _, _ = self.read_acks()
             first: dict[int, float] = {}
             for partition, t in acks.values():
                 if t > healed_at and (partition not in first or t < first[partition]):
                     first[partition] = t
-            if len(first) == self.opts.partitions:
-                return max(first.values()) - healed_at, []
-            if time.monotonic() > deadline or all(app.poll() is not None for app in self.apps):
-                stuck = sorted(set(range(self.opts.partitions)) - set(first))
-                return None, [
-                    f"stuck: partitions {stuck} acknowledged no append within {self.opts.stuck_bound_s:g}s "
-                    "of the last heal"
-                ]
+            resume_s = max(first.values()) - healed_at if len(first) == opts.partitions else None
+            done = stranded_pairs(acks, healed_at, opts.apps, opts.partitions) == 0
+            if done or time.monotonic() > deadline or all(app.poll() is not None for app in self.apps):
+                break
             await asyncio.sleep(0.5)
+        problems = check_stranded(acks, healed_at, opts.apps, opts.partitions)
+        stuck = sorted(set(range(opts.partitions)) - set(first))
+        if stuck:
+            bound = f"{opts.stuck_bound_s:g}s"
+            problems.insert(
+                0, f"stuck: partitions {stuck} acknowledged no append within {bound} of the last heal"
+            )
+        return resume_s, problems
 
     async def wait_apps(self, timeout_s: float) -> list[str]:
         problems = []
@@ -586,7 +623,7 @@ class Harness:
                     await asyncio.sleep(1.0)
         if self.power is not None:
             await asyncio.to_thread(self.power.unmount_all)
-        for proxy in [*self.storage_proxies, *self.server_proxies]:
+        for proxy in [*self.storage_proxies, *self.server_proxies, *self.zookeeper_links]:
             await proxy.aclose()
 
 

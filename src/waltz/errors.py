@@ -28,13 +28,15 @@ operation later can succeed (``retriable``); callers decide on that flag, never 
     │   ├── GenerationMismatchError    a request carried another partition generation (retriable)
     │   ├── PartitionNotReadyError     this server does not (yet) own the partition (retriable)
     │   └── QuorumLostError            too few replicas are reachable to commit (retriable)
-    └── ClientError
-        ├── ClientClosedError          the client was closed
-        ├── ClientTimeoutError         an operation did not finish in its time limit (retriable)
-        ├── ClientAheadError           the application's high-water mark is past the server's
-        ├── LockFailureError           an optimistic-lock conflict rejected the transaction (retriable)
-        ├── PartitionStuckError        apply_transaction keeps failing on one transaction (retriable)
-        └── DataChecksumError          transaction data did not match its checksum after retries
+    ├── ClientError
+    │   ├── ClientClosedError          the client was closed
+    │   ├── ClientTimeoutError         an operation did not finish in its time limit (retriable)
+    │   ├── ClientAheadError           the application's high-water mark is past the server's
+    │   ├── LockFailureError           an optimistic-lock conflict rejected the transaction (retriable)
+    │   ├── PartitionStuckError        apply_transaction keeps failing on one transaction (retriable)
+    │   └── DataChecksumError          transaction data did not match its checksum after retries
+    └── BackupError                    a backup is unusable (partial, damaged, another cluster's), or a
+                                       restore's target is not an empty cluster; nothing was changed
 
 Storage failure responses carry a class name (the first frame of the wire ``StorageRpcException``);
 :func:`error_from_wire` maps it back to the class here so a remote failure keeps its meaning.
@@ -198,6 +200,12 @@ class PartitionStuckError(ClientError):
 
 class DataChecksumError(ClientError):
     """Transaction data did not match its CRC-32 after the allowed number of re-reads."""
+
+
+class BackupError(WaltzError):
+    """A backup cannot be used (partial, damaged, not matching its manifest, of another cluster), or a
+    restore's target is not an empty cluster. The message names the file or the partition; nothing was
+    changed."""
 
 
 _WIRE_CLASSES: dict[str, type[WaltzError]] = {

@@ -45,16 +45,16 @@ from dataclasses import dataclass, field
 
 from waltz.errors import QuorumLostError, WaltzError
 from waltz.protocol.records import Record, ReqId, crc32
-from waltz.server.store.memory import (
+from waltz.server.store.store_partition import StorePartition
+from waltz.server.store.support import StoreConfig
+from waltz.testing import run_virtual
+from waltz.testing.store import (
     MemoryConnector,
     MemoryMetadataStore,
     MemoryNetwork,
     MemoryStorage,
     StorageSnapshot,
 )
-from waltz.server.store.store_partition import StorePartition
-from waltz.server.store.support import StoreConfig
-from waltz.testing import run_virtual
 
 PARTITION = 0
 MAX_EVENTS = 60

@@ -1,4 +1,5 @@
-"""The fault suite's own parts (bench/faults): the log checker, the schedule and the cuttable proxy."""
+"""The fault suite's own parts (bench/faults): the log checker, the stranded-client rule, the schedule and the
+cuttable proxy."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 import itertools
 
 import pytest
+from bench.faults.owner import OWNER_KINDS, check_stranded, stranded_pairs
 from bench.faults.proxy import LinkProxy
 from bench.faults.suite import ALL_KINDS, KNOWN_KINDS, ZK_SESSION_TIMEOUT_MS, Options, check_log, schedule
 
@@ -104,3 +106,43 @@ def test_the_proxy_relays_cuts_refuses_and_restores() -> None:
             await server.wait_closed()
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def _acks(*history: tuple[int, int, float]) -> dict[str, tuple[int, float]]:
+    """``{tag: (partition, time)}`` from ``(app, partition, time)`` acknowledgements, tagged as apps do."""
+    return {f"fault:{app}:{n}": (partition, t) for n, (app, partition, t) in enumerate(history)}
+
+
+def test_the_stranded_rule_fails_a_client_left_without_acknowledgements_on_a_partition_others_use() -> None:
+    # Healed at t=100. App 1 had partition 2 acknowledged before the heal only (then CLIENT_AHEAD, say, and
+    # every submit refused), while apps 0 and 2 went on there: the partition is not stuck, the client is.
+    healed = 100.0
+    before = [(app, p, 90.0) for app in range(3) for p in range(3)]
+    after = [(app, p, 101.0 + app) for app in range(3) for p in range(3) if (app, p) != (1, 2)]
+    acks = _acks(*before, *after, (0, 2, 110.0))
+    assert check_stranded(acks, healed, apps=3, partitions=3) == [
+        "stranded: app 1 got no acknowledgement on partition 2 after the last heal, while others did "
+        "(app 0: 2, app 2: 1)"
+    ]
+    assert stranded_pairs(acks, healed, apps=3, partitions=3) == 1
+    # Once app 1 is acknowledged there too, nothing is wrong.
+    acks = _acks(*before, *after, (1, 2, 130.0))
+    assert check_stranded(acks, healed, apps=3, partitions=3) == []
+    assert stranded_pairs(acks, healed, apps=3, partitions=3) == 0
+
+
+def test_the_stranded_rule_leaves_a_partition_nobody_is_acknowledged_on_to_the_stuck_rule() -> None:
+    acks = _acks((0, 0, 101.0), (1, 0, 101.0), (0, 1, 99.0), (1, 1, 99.0))
+    assert check_stranded(acks, 100.0, apps=2, partitions=2) == []
+    assert stranded_pairs(acks, 100.0, apps=2, partitions=2) == 2
+
+
+def test_owner_faults_outlast_the_session_and_hit_a_server() -> None:
+    session_s = ZK_SESSION_TIMEOUT_MS / 1000
+    opts = Options(fault_phase_s=120, kinds=OWNER_KINDS)
+    faults = [f for s in range(20) for f in schedule(s, opts)]
+    assert {f.kind for f in faults} == set(OWNER_KINDS)
+    assert all(session_s + 1 <= f.duration_s <= session_s + 4 for f in faults)
+    assert {f.targets for f in faults} == {(0,), (1,)}
+    ci = Options(each_kind_once=True)
+    assert set(OWNER_KINDS) <= {f.kind for f in schedule(1, ci)}

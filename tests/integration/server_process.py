@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import socket
+import uuid
 from pathlib import Path
 from typing import Any, Self
 
@@ -119,13 +120,14 @@ class Cluster:
         server_config: dict[str, Any] | None = None,
         storage_config: dict[str, Any] | None = None,
         verbose: bool = False,
+        cluster_key: uuid.UUID = DEFAULT_KEY,
     ) -> None:
         self.base = Path(base)
         self.zk = zk
         self.zk_connect = zk_connect
         self.num_partitions = num_partitions
         self.root = root
-        self.cluster_key = DEFAULT_KEY
+        self.cluster_key = cluster_key
         self.server_config = dict(server_config or {})
         self.storage_config = dict(storage_config or {})
         self.verbose = verbose

@@ -209,6 +209,68 @@ def test_a_failed_append_task_is_reported_and_the_partition_reopened(
     asyncio.run(main())
 
 
+def test_a_failed_store_supervisor_is_reported_and_the_partition_reopened(
+    tmp_path: Path, zk: KazooClient, zk_connect_string: str
+) -> None:
+    async def broken() -> None:
+        raise RuntimeError("injected supervisor bug")
+
+    async def main() -> None:
+        config, root = await _server(tmp_path, zk, zk_connect_string)
+        storage = await _add_storage(tmp_path, zk, root)
+        server = await WaltzServer.start(config)
+        try:
+            assert server.member is not None
+            await server.member.wait_for_partitions(lambda p: len(p) == NUM_PARTITIONS, 30)
+            await wait_until(lambda: len(server.partitions) == NUM_PARTITIONS, 30, "partitions opened")
+            victim = server.partitions[0]
+            await victim.store.wait_open()
+            seen: list[str | None] = []
+
+            def spy(part: Partition) -> None:
+                seen.append(part.problem)
+                server._partition_failed(part)
+
+            victim.on_failure = spy
+            # The store's supervisor dies of a bug as it starts the next session.
+            victim.store._new_session = broken  # type: ignore[method-assign,assignment]
+            victim.store.request_new_session()
+            await wait_until(lambda: bool(seen), 10, "the failure to be reported")
+            assert seen[0] is not None
+            assert "the store failed" in seen[0]
+            assert "injected supervisor bug" in seen[0]
+            await wait_until(
+                lambda: server.partitions.get(0) not in (None, victim), 15, "the partition to be reopened"
+            )
+        finally:
+            await server.aclose()
+            await storage.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_failed_task_of_the_server_stops_it_and_health_says_why(
+    tmp_path: Path, zk: KazooClient, zk_connect_string: str
+) -> None:
+    async def broken() -> None:
+        raise RuntimeError("injected task bug")
+
+    async def main() -> None:
+        config, _root = await _server(tmp_path, zk, zk_connect_string)
+        server = await WaltzServer.start(config)
+        try:
+            server._spawn(broken(), "reopen-0")
+            failure = await asyncio.wait_for(server.wait_failed(), 15)
+            assert "injected task bug" in repr(failure)
+            status, body = await asyncio.to_thread(_health, config.http_port)
+            assert status == 503, body
+            assert any("injected task bug" in p for p in body["problems"]), body
+        finally:
+            await server.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_fail_stopped_partition_shows_on_health_until_it_heals(tmp_path: Path) -> None:
     async def main() -> None:
         node = await _storage_node(tmp_path)

@@ -1,12 +1,13 @@
 """The black-box fault suite (bench/faults) in CI size: every fault kind once, on a real local cluster.
 
 Each kind (kill -9 and SIGSTOP of a storage node, a server and ZooKeeper, two storage nodes down at once, a
-cut of every link to one storage node and to one server) is injected once, in the order the seed picks,
-while three application processes append tagged transactions under contended locks; then the suite checks
-that every acknowledged transaction is in the log exactly once, ids are dense, every replica is identical
-below the high-water mark and appends resumed on every partition. ZooKeeper is paused past the session
-timeout (8.8 s for seed 1: every session expires at once; issue 14 section 1). More seeds and longer runs:
-``make faults`` (docs/faults.md).
+cut of every link to one storage node and to one server, one server cut from ZooKeeper alone and one server
+stopped, each past its session) is injected once, in the order the seed picks, while three application
+processes append tagged transactions under contended locks; then the suite checks that every acknowledged
+transaction is in the log exactly once, ids are dense, every replica is identical below the high-water mark,
+appends resumed on every partition and no app was left without acknowledgements on a partition that served
+the others. ZooKeeper is paused past the session timeout (every session expires at once; issue 14 section
+1). More seeds and longer runs: ``make faults`` (docs/faults.md).
 
 ``WALTZ_FAULT_SEED=n`` replays another seed.
 """

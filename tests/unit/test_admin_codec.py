@@ -55,6 +55,11 @@ CASES: list[tuple[a.AdminMessage, str]] = [
     ),
     (a.MaxTransactionIdRequest(7, 3), p(15) + "00000003"),
     (a.MaxTransactionIdResponse(7, 3, 99), p(16) + "00000003 0000000000000063"),
+    (a.NodeIdentityRequest(7), p(17)),
+    (
+        a.NodeIdentityResponse(7, KEY, 4, 6000),
+        p(18) + "00112233445566778899aabbccddeeff 00000004 00001770",
+    ),
 ]
 
 
@@ -63,7 +68,7 @@ def case_id(value: object) -> str:
 
 
 def test_every_message_type_has_a_golden_case() -> None:
-    assert {type(msg).TYPE for msg, _ in CASES} == set(range(1, 17)) - {5}
+    assert {type(msg).TYPE for msg, _ in CASES} == set(range(1, 19)) - {5}
 
 
 @pytest.mark.parametrize(("msg", "hex_"), CASES, ids=case_id)
@@ -97,7 +102,7 @@ def test_trailing_and_truncated_payloads_are_refused(msg: a.AdminMessage, hex_: 
 
 
 def test_unknown_type_null_lists_and_impossible_counts_are_refused() -> None:
-    for code in (0, 5, 17, 255):
+    for code in (0, 5, 19, 255):
         with pytest.raises(RemoteProtocolError, match="unknown"):
             a.decode(bytes.fromhex(p(code)))
     with pytest.raises(RemoteProtocolError, match="null"):

@@ -14,7 +14,15 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tests.unit.test_store_session import NAMES, World, _open_session, _recording_partition, _slow_fsyncs, req
+from tests.unit.test_store_session import (
+    NAMES,
+    World,
+    _open_session,
+    _recording_partition,
+    _slow_fsyncs,
+    req,
+    submit,
+)
 from waltz.config import MAX_CONFIG_FILE_BYTES, read_bounded, read_yaml
 from waltz.errors import BrokenResourceError, ConfigError
 from waltz.protocol.framing import MAGIC_HELLO, MAGIC_STORAGE, encode_frame, encode_hello
@@ -342,7 +350,7 @@ def test_replication_batches_are_capped_by_bytes_and_a_larger_append_goes_alone(
             session = await _open_session(partition)
             _slow_fsyncs(world, 50)
             sizes = [1000] * 7 + [6000] + [1000] * 3
-            futures = [await partition.submit(req(i, data=bytes([i]) * n)) for i, n in enumerate(sizes)]
+            futures = [await submit(partition, req(i, data=bytes([i]) * n)) for i, n in enumerate(sizes)]
             assert [await f for f in futures] == list(range(len(sizes)))
             bounds = [-1, *partition.commits]
             batches = [sizes[a + 1 : b + 1] for a, b in itertools.pairwise(bounds)]
@@ -375,7 +383,7 @@ def test_transaction_data_reads_go_through_the_fetcher_one_load_per_transaction(
         await part.start()
         try:
             for i in range(5):
-                assert await (await store.submit(req(i))) == i
+                assert await store.append(req(i)) == i
             # Nothing was cached through the append path here: every read misses, and concurrent reads of one
             # transaction share a single store read.
             results = await asyncio.gather(*(part.transaction_data(i % 3) for i in range(12)))

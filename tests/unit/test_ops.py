@@ -42,11 +42,13 @@ def test_an_untrusted_source_is_copied_up_to_its_clean_point() -> None:
         ("h:9", SessionInfo(7, 100, 100), "new"),  # not a replica ZooKeeper knows
     ],
 )
-def test_a_source_that_lost_data_is_refused_unless_forced(source: str, info: SessionInfo, why: str) -> None:
+def test_a_source_that_lost_data_is_refused_without_untrusted_source(
+    source: str, info: SessionInfo, why: str
+) -> None:
     m = meta(a=ReplicaState(A, 7, UNRESOLVED), b=ReplicaState(B, 7, UNRESOLVED))
     with pytest.raises(ConfigError, match=f"classifies it {why}"):
         copy_target(m, source, info, 300)
-    assert copy_target(m, source, info, 300, force=True)[0] == 300
+    assert copy_target(m, source, info, 300, untrusted_source=True)[0] == 300
 
 
 def test_without_replica_states_the_whole_source_is_copied() -> None:

@@ -11,7 +11,6 @@ import pytest
 from waltz.cluster.partition_metadata import UNRESOLVED, PartitionMetadata, ReplicaState
 from waltz.protocol.records import Record, ReqId
 from waltz.server.store.interfaces import SessionInfo
-from waltz.server.store.memory import MemoryConnector, MemoryMetadataStore, MemoryNetwork, MemoryStorage
 from waltz.server.store.recovery import (
     RecoveryState,
     ReplicaClass,
@@ -21,6 +20,7 @@ from waltz.server.store.recovery import (
 )
 from waltz.server.store.store_partition import StorePartition
 from waltz.testing import run_virtual
+from waltz.testing.store import MemoryConnector, MemoryMetadataStore, MemoryNetwork, MemoryStorage
 
 A, B, C, D = "a:1", "b:1", "c:1", "d:1"
 

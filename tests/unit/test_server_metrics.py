@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from waltz.server.server import _CommitMetrics, _Metrics
+from waltz.server.metrics import CommitMetrics, ServerMetrics
 
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0)
 
@@ -28,7 +28,7 @@ def test_commit_metrics_export_what_prometheus_counters_and_a_histogram_would() 
         buckets=BUCKETS,
         registry=reference,
     )
-    commits = _CommitMetrics()
+    commits = CommitMetrics()
     ours.register(commits)
     seconds = (0.0001, 0.0005, 0.0007, 0.001, 0.3, 0.5, 2.0, 1.0, 0.02, 0.0, 5.0, 7.5)
     for i, s in enumerate(seconds):
@@ -44,7 +44,7 @@ def test_commit_metrics_export_what_prometheus_counters_and_a_histogram_would() 
 
 def test_a_partition_reopened_here_keeps_counting_from_where_it_was() -> None:
     registry = CollectorRegistry()
-    metrics = _Metrics(registry)
+    metrics = ServerMetrics(registry)
     first = metrics.for_partition(4)
     first.appended(10, 5120)
     first.latency(0.003)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, cast
 
+from waltz.errors import ClosedResourceError
 from waltz.protocol import client_server as cs
 from waltz.protocol.records import ReqId
 from waltz.server.feed_cache import FeedCache
@@ -17,13 +18,13 @@ from waltz.server.transaction_cache import TransactionCache
 
 
 class _Store:
-    def __init__(self, generation: int) -> None:
+    def __init__(self, generation: int, high_water_mark: int = -1) -> None:
         self.generation = generation
-        self.high_water_mark = -1
+        self.high_water_mark = high_water_mark
         self.is_healthy = True
         self.submitted: list[ReqId] = []
 
-    def submit_tagged(self, request: cs.AppendRequest, *_: object) -> bool:
+    def submit(self, request: cs.AppendRequest, *_: object) -> bool:
         self.submitted.append(request.req_id)
         return True
 
@@ -132,5 +133,137 @@ def test_append_nowait_takes_only_appends_of_the_current_mount_in_this_generatio
             finally:
                 await part.close()
             assert part.append_nowait(cast(Any, peer), append(3, 9)) is False
+
+    asyncio.run(main())
+
+
+async def _incarnation(generation: int, high_water_mark: int) -> Partition:
+    part = Partition(
+        3,
+        cast(StorePartition, _Store(generation, high_water_mark)),
+        feed_cache=FeedCache(1 << 20, 4),
+        transaction_cache=TransactionCache(1 << 20),
+    )
+    await part.start()
+    await part.wait_ready()
+    return part
+
+
+async def _mount_answer(part: Partition, generation: int, client_high_water_mark: int) -> cs.PartitionState:
+    """The answer to one mount (every answer but READY is sent before mount() returns)."""
+    peer = _Peer()
+    session = ReqId.of(7, generation, 3, -1)
+    async with asyncio.timeout(5):
+        await part.mount(cast(Any, peer), cs.MountRequest(session, client_high_water_mark, 1))
+    answers = [m for m in peer.sent if isinstance(m, cs.MountResponse)]
+    assert len(answers) == 1, peer.sent
+    assert answers[0].req_id == session
+    return answers[0].state
+
+
+def test_an_incarnation_of_an_older_generation_never_answers_a_newer_mount_client_ahead() -> None:
+    # Issue 24: a returning owner reopened its partitions one at a time; meanwhile the old, fenced incarnation
+    # of partition 3 (generation 3, at 457) answered a generation-5 mount of a client at 636 (applied under
+    # the other owner) with CLIENT_AHEAD, which the client takes as final: it was stranded. Only the
+    # incarnation of the generation a mount names may answer it.
+    async def main() -> None:
+        part = await _incarnation(generation=3, high_water_mark=457)
+        try:
+            assert await _mount_answer(part, 5, 636) == cs.PartitionState.NOT_READY
+            assert await _mount_answer(part, 5, 100) == cs.PartitionState.NOT_READY  # not READY either
+            assert await _mount_answer(part, 2, 100) == cs.PartitionState.NOT_READY
+            # Its own generation is answered, and a client really ahead of it is told so.
+            assert await _mount_answer(part, 3, 636) == cs.PartitionState.CLIENT_AHEAD
+        finally:
+            await part.close()
+
+    asyncio.run(main())
+
+
+def test_client_ahead_needs_an_open_store_session() -> None:
+    # A session that ended (quorum lost, or fenced by a new owner) leaves the last mark this server knew,
+    # which need not be the log's end: no CLIENT_AHEAD from it, only NOT_READY (the client mounts again).
+    async def main() -> None:
+        part = await _incarnation(generation=3, high_water_mark=457)
+        try:
+            cast(_Store, part.store).is_healthy = False
+            assert await _mount_answer(part, 3, 636) == cs.PartitionState.NOT_READY
+            cast(_Store, part.store).is_healthy = True
+            assert await _mount_answer(part, 3, 636) == cs.PartitionState.CLIENT_AHEAD
+        finally:
+            await part.close()
+
+    asyncio.run(main())
+
+
+def test_a_closed_incarnation_answers_a_mount_not_ready_at_once() -> None:
+    async def main() -> None:
+        part = await _incarnation(generation=3, high_water_mark=457)
+        await part.close()
+        # Before, it registered the mount and flushed through the append task that close() had ended: the
+        # mount was never answered.
+        assert await _mount_answer(part, 3, 636) == cs.PartitionState.NOT_READY
+        assert await _mount_answer(part, 3, 10) == cs.PartitionState.NOT_READY
+
+    asyncio.run(main())
+
+
+class _FencedStore(_Store):
+    """A store fenced by a new owner while a flush waits (once ``fence_on_flush``): the flush returns with the
+    appends it had in flight failed, and no session opens again until the store closes."""
+
+    def __init__(self, generation: int, high_water_mark: int) -> None:
+        super().__init__(generation, high_water_mark)
+        self.fence_on_flush = False
+        self.waiting_open = asyncio.Event()
+        self._closed = asyncio.Event()
+
+    async def flush(self) -> int:
+        if self.fence_on_flush:
+            self.is_healthy = False
+        return self.high_water_mark
+
+    async def wait_open(self) -> int:
+        if not self.is_healthy:
+            self.waiting_open.set()
+            await self._closed.wait()
+            raise ClosedResourceError("store closed")
+        return self.high_water_mark
+
+    async def close(self) -> None:
+        self.is_healthy = False
+        self._closed.set()
+
+
+def test_a_flush_is_answered_only_through_an_open_store_session() -> None:
+    # A fenced store fails the appends it had in flight (the new owner's recovery may have committed them) and
+    # knows a mark behind the log's end: a FlushResponse from it would make the client fail those appends for
+    # good. The flush waits instead, and closing the incarnation tells the client to mount again.
+    async def main() -> None:
+        store = _FencedStore(3, 457)
+        part = Partition(
+            3,
+            cast(StorePartition, store),
+            feed_cache=FeedCache(1 << 20, 4),
+            transaction_cache=TransactionCache(1 << 20),
+        )
+        await part.start()
+        peer = _Peer()
+        session = ReqId.of(7, 3, 3, -1)
+        await part.mount(cast(Any, peer), cs.MountRequest(session, 457, 1))
+        flush = cs.FlushRequest(ReqId.of(7, 3, 3, 12))
+        async with asyncio.timeout(5):
+            await part.flush_request(cast(Any, peer), flush)  # an open session: answered at once
+        assert peer.sent[-1] == cs.FlushResponse(flush.req_id, 457)
+        store.fence_on_flush = True
+        task = asyncio.create_task(part.flush_request(cast(Any, peer), flush))
+        async with asyncio.timeout(5):
+            await store.waiting_open.wait()
+        assert peer.sent[-1] == cs.FlushResponse(flush.req_id, 457)  # the first answer; nothing since
+        await part.close()
+        async with asyncio.timeout(5):
+            await asyncio.gather(task, return_exceptions=True)
+        assert peer.sent.count(cs.FlushResponse(flush.req_id, 457)) == 1
+        assert peer.sent[-1] == cs.MountResponse(session, cs.PartitionState.NOT_READY)
 
     asyncio.run(main())

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
 from waltz.protocol import client_server as cs
 from waltz.protocol.records import ReqId
 from waltz.server.feed_cache import FeedCache, FeedEntry
 from waltz.server.partition import Partition
+from waltz.server.store.appends import AppendListener, PendingAppend
 from waltz.server.store.store_partition import StorePartition
-from waltz.server.store.store_session import AppendListener, PendingAppend
 from waltz.server.transaction_cache import TransactionCache
 
 CLIENT = 7
@@ -31,7 +31,9 @@ class _Store:
         self.generation = 1
         self.high_water_mark = -1
         self.is_healthy = True
-        self.refuse_tagged = False
+        self.full = False
+        """Refuse submissions as a full store queue would, until :meth:`make_room`."""
+        self._room = asyncio.Event()
         self._pending: list[PendingAppend] = []
 
     async def start(self) -> None:
@@ -40,27 +42,29 @@ class _Store:
     async def wait_open(self) -> int:
         return self.high_water_mark
 
-    def submit_tagged(
+    def submit(
         self,
         request: cs.AppendFields,
         listener: AppendListener,
-        tag: object,
-        received_s: float,
+        tag: object = None,
+        received_s: float = 0.0,
         more: bool = False,
     ) -> bool:
-        if self.refuse_tagged:
-            return False  # as a full store queue: the partition's append task submits it with submit()
-        pending = PendingAppend(request.req_id, request.header, request.data, request.checksum, None, 0)
-        pending.listener, pending.tag, pending.received_s = listener, tag, received_s
+        if self.full:
+            return False
+        pending = PendingAppend(request.req_id, request.header, request.data, request.checksum, listener, tag)
+        pending.received_s = received_s
         self._pending.append(pending)
         return True
 
-    async def submit(
-        self, request: cs.AppendFields, on_resolved: Callable[[int, BaseException | None], None]
-    ) -> None:
-        pending = PendingAppend(request.req_id, request.header, request.data, request.checksum, None, 0)
-        pending.on_resolved = on_resolved
-        self._pending.append(pending)
+    async def wait_room(self) -> None:
+        while self.full:
+            self._room.clear()
+            await self._room.wait()
+
+    def make_room(self) -> None:
+        self.full = False
+        self._room.set()
 
     def commit(self, count: int, *, skip: int | None = None) -> None:
         """Commit the ``count`` oldest appends as one batch; ``skip`` (an index in it) is told apart, before
@@ -69,15 +73,7 @@ class _Store:
         for pending in batch:
             self.high_water_mark += 1
             pending.transaction_id = self.high_water_mark
-        # As the real store: an append with its own callback is told first, the rest in one call.
-        for pending in [p for p in batch if p.on_resolved is not None]:
-            assert pending.on_resolved is not None
-            pending.on_resolved(pending.transaction_id, None)
-            batch.remove(pending)
-        if not batch:
-            return
         listener = batch[0].listener
-        assert listener is not None
         if skip is not None:
             listener.appends_committed([batch[skip]])
             del batch[skip]
@@ -239,21 +235,54 @@ def test_a_batch_with_an_append_resolved_on_its_own_goes_through_the_task_in_ord
     asyncio.run(main())
 
 
-def test_an_append_resolved_on_its_own_right_after_a_batch_sent_from_the_commit_reaches_the_feed() -> None:
+def test_an_append_that_waited_for_room_in_the_store_reaches_the_feed_from_its_commit() -> None:
     async def main() -> None:
         async with _live() as (part, store, peer):
             _append(part, peer, 2)
             # The next append goes through the append task (the store's queue refuses it as full), which
-            # submits it with its own resolution callback.
-            store.refuse_tagged = True
+            # offers it again once there is room: one path to the store, one way to hear of its commit.
+            store.full = True
             _append(part, peer, 1, first_seq=2)
             await _settle()
-            # Both batches commit in one loop iteration (e.g. two answers read in one data callback): the
-            # first goes to the feed from the commit, the second (id 2) must wake the feed task.
+            assert len(store._pending) == 2
+            store.make_room()
+            await _settle()
+            assert len(store._pending) == 3
+            # Both batches commit in one loop iteration (e.g. two answers read in one data callback): each
+            # goes to the feed from its commit.
             store.commit(2)
             store.commit(1)
-            assert peer.fed() == [0, 1]
-            await _settle()
             assert peer.fed() == [0, 1, 2]
+
+    asyncio.run(main())
+
+
+def test_a_feed_task_that_fails_of_a_bug_fails_the_partition_and_its_owner_hears_of_it() -> None:
+    async def broken(_ctx: object) -> None:
+        raise RuntimeError("injected feed bug")
+
+    async def main() -> None:
+        part = Partition(
+            0,
+            cast(StorePartition, _Store()),
+            feed_cache=FeedCache(1 << 20, 1),
+            transaction_cache=TransactionCache(1 << 20),
+        )
+        heard: list[Partition] = []
+        part.on_failure = heard.append
+        part._feed_loop = broken  # type: ignore[method-assign,assignment]
+        await part.start()
+        peer = _Peer()
+        try:
+            await part.mount(cast(Any, peer), cs.MountRequest(SESSION, -1, 1))
+            await _settle()
+            assert part.feed_request(cast(Any, peer), cs.FeedRequest(SESSION, -1))
+            await _settle()
+            assert heard == [part]
+            assert part.problem is not None
+            assert "injected feed bug" in part.problem
+            assert not part.is_healthy
+        finally:
+            await part.close()
 
     asyncio.run(main())

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 from waltz.protocol import client_server as cs
 from waltz.protocol.records import ReqId
 from waltz.server.feed_cache import FeedCache
 from waltz.server.partition import Partition
+from waltz.server.store.appends import AppendListener, PendingAppend
 from waltz.server.store.store_partition import StorePartition
-from waltz.server.store.store_session import AppendListener, PendingAppend
 from waltz.server.transaction_cache import TransactionCache
-
-Listener = Callable[[int, BaseException | None], None]
 
 
 class _Store:
@@ -30,7 +28,7 @@ class _Store:
         self.high_water_mark = -1
         self.is_healthy = True
         self.submitted: list[cs.AppendRequest] = []
-        self._unresolved: list[Listener | PendingAppend] = []
+        self._unresolved: list[PendingAppend] = []
         self._resolutions = asyncio.Event()
 
     async def start(self) -> None:
@@ -39,43 +37,27 @@ class _Store:
     async def wait_open(self) -> int:
         return self.high_water_mark
 
-    def submit_listened(
-        self, request: cs.AppendRequest, on_resolved: Listener, *, checksum_verified: bool = False
-    ) -> bool:
-        self.submitted.append(request)
-        self._unresolved.append(on_resolved)
-        return True
-
-    def submit_tagged(
+    def submit(
         self,
         request: cs.AppendRequest,
         listener: AppendListener,
-        tag: object,
-        received_s: float,
+        tag: object = None,
+        received_s: float = 0.0,
         more: bool = False,
     ) -> bool:
-        pending = PendingAppend(
-            request.req_id, request.header, request.data, request.checksum, None, len(self.submitted)
-        )
-        pending.listener, pending.tag, pending.received_s = listener, tag, received_s
+        pending = PendingAppend(request.req_id, request.header, request.data, request.checksum, listener, tag)
+        pending.received_s = received_s
         self.submitted.append(request)
         self._unresolved.append(pending)
         return True
-
-    async def submit(self, request: cs.AppendRequest, on_resolved: Listener) -> None:
-        self.submit_listened(request, on_resolved)
 
     def commit(self, count: int) -> None:
         """Commit the ``count`` oldest unresolved appends (their listeners run synchronously, in order)."""
         batch, self._unresolved = self._unresolved[:count], self._unresolved[count:]
         for item in batch:
             self.high_water_mark += 1
-            if isinstance(item, PendingAppend):
-                assert item.listener is not None
-                item.transaction_id = self.high_water_mark
-                item.listener.appends_committed([item])
-            else:
-                item(self.high_water_mark, None)
+            item.transaction_id = self.high_water_mark
+            item.listener.appends_committed([item])
         self._resolutions.set()
 
     async def wait_resolution(self) -> bool:

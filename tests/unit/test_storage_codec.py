@@ -422,7 +422,7 @@ def test_the_truncate_and_replica_trailers_are_canonical_and_bounded() -> None:
         s.decode(bytes.fromhex(trunc + "02 00000000"))
     with pytest.raises(RemoteProtocolError, match="trailing"):
         s.decode(bytes.fromhex(trunc + "00 00000000"))
-    with pytest.raises(RemoteProtocolError, match="0..256 bytes, not null"):
+    with pytest.raises(RemoteProtocolError, match=r"0\.\.256 bytes, not null"):
         s.decode(bytes.fromhex(trunc + "01 ffffffff"))
     long_reason = bytes(257).hex()
     with pytest.raises(RemoteProtocolError, match="not 257"):

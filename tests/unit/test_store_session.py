@@ -15,22 +15,23 @@ from waltz.errors import (
     ClosedResourceError,
     CorruptionError,
     GenerationMismatchError,
+    PartitionNotReadyError,
     QuorumLostError,
     SessionFencedError,
 )
 from waltz.protocol.records import Record, ReqId, crc32
 from waltz.server.store import EndReason, StoreConfig, StoreSession
-from waltz.server.store.memory import (
+from waltz.server.store.appends import FUTURES, AppendQueue, PendingAppend
+from waltz.server.store.store_partition import StorePartition
+from waltz.server.store.support import Backoff
+from waltz.testing import run_virtual
+from waltz.testing.store import (
     MemoryConnection,
     MemoryConnector,
     MemoryMetadataStore,
     MemoryNetwork,
     MemoryStorage,
 )
-from waltz.server.store.store_partition import StorePartition
-from waltz.server.store.store_session import AppendQueue, PendingAppend
-from waltz.server.store.support import Backoff
-from waltz.testing import run_virtual
 
 NAMES = ["s0:1", "s1:1", "s2:1"]
 
@@ -71,6 +72,21 @@ class World:
 
     def log(self, name: str) -> list[Record]:
         return self.storages[name].durable_records(0)
+
+
+def submit_now(partition: StorePartition, request: Req) -> asyncio.Future[int] | None:
+    """Submit ``request`` without waiting: the future of its id, or None (nothing queued) if the queue is
+    full."""
+    future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    return future if partition.submit(request, FUTURES, future) else None
+
+
+async def submit(partition: StorePartition, request: Req) -> asyncio.Future[int]:
+    """Submit ``request``, waiting for room in the queue: the future of its id."""
+    future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    while not partition.submit(request, FUTURES, future):
+        await partition.wait_room()
+    return future
 
 
 async def _wait(predicate: object, timeout_s: float = 60) -> None:
@@ -241,21 +257,21 @@ def test_a_lone_append_is_batched_in_the_call_that_queued_it_and_its_burst_follo
             session = partition.session
             assert session is not None
             await asyncio.sleep(0)  # the writer waits for appends
-            first = partition.submit_nowait(req(0))
+            first = submit_now(partition, req(0))
             # No loop iteration in between: the idle writer's batch was formed and delivered by the call.
             assert [b.first for b in session.batches_in_flight] == [0]
             assert partition.queue.qsize() == 0
             # Queued with it, in the same iteration (a burst read in one go): the writer, woken by the
             # first arrival, sends them one iteration later as the next batch, without waiting for the
             # commit of the first (as it sent a whole burst before the lone append's shortcut).
-            burst = [partition.submit_nowait(req(i)) for i in (1, 2)]
+            burst = [submit_now(partition, req(i)) for i in (1, 2)]
             assert [b.first for b in session.batches_in_flight] == [0]
             assert partition.queue.qsize() == 2
             await asyncio.sleep(0)
             assert [b.first for b in session.batches_in_flight] == [0, 1]
             assert partition.queue.qsize() == 0
             # Later arrivals while batches are in flight wait for a commit (not a full batch: no 3rd batch).
-            later = [partition.submit_nowait(req(i)) for i in (3, 4)]
+            later = [submit_now(partition, req(i)) for i in (3, 4)]
             await asyncio.sleep(0)
             assert [b.first for b in session.batches_in_flight] == [0, 1]
             assert first is not None
@@ -266,75 +282,40 @@ def test_a_lone_append_is_batched_in_the_call_that_queued_it_and_its_burst_follo
     run_virtual(main())
 
 
-def test_submit_nowait_calls_the_listener_once_in_the_commit_and_refuses_when_the_queue_is_full() -> None:
+def test_submit_refuses_when_the_queue_is_full_and_append_checks_the_checksum_that_submit_trusts() -> None:
     async def main() -> None:
         world = World(max_queued_appends=3)
-        heard: list[tuple[int, BaseException | None]] = []
-
-        def listener(txn: int, error: BaseException | None) -> None:
-            # Synchronous: the future is already resolved, and nothing else was scheduled in between.
-            heard.append((txn, error))
-
-        def failing_listener(txn: int, error: BaseException | None) -> None:
-            raise RuntimeError("a bug in the listener")
-
+        listener = _BatchListener()
         async with world.partition() as partition:
             await partition.wait_open()
+            await asyncio.sleep(0)  # the writer waits for appends
             # The first leaves at once in a batch of its own (the writer was idle); the next three wait in
             # the queue for that batch to be decided, and fill it.
-            futures = [partition.submit_nowait(req(i), listener) for i in range(4)]
+            futures = [submit_now(partition, req(i)) for i in range(4)]
             assert all(f is not None for f in futures)
-            assert partition.submit_nowait(req(4), listener) is None  # full: nothing queued
-            ids = [await f for f in futures if f is not None]
-            assert ids == [0, 1, 2, 3]
-            assert heard == [(0, None), (1, None), (2, None), (3, None)]
-            # A listener that raises is logged; the store carries on.
-            future = partition.submit_nowait(req(4), failing_listener)
-            assert future is not None
-            assert await future == 4
-            assert await partition.append(req(5)) == 5
+            assert submit_now(partition, req(4)) is None  # full: nothing queued
+            assert [await f for f in futures if f is not None] == [0, 1, 2, 3]
+            # submit trusts the caller's checksum check (the server's codec verifies as it decodes); append
+            # checks it itself.
+            bad = Req(ReqId.of(7, 1, 0, 9), 0, b"data", crc32(b"other"))
+            with pytest.raises(CorruptionError):
+                await partition.append(bad)
+            # A listener that raises is logged; the store carries on, and the appends after it are heard.
+            failing = _BatchListener()
+            failing.appends_committed = lambda _appends: 1 / 0  # type: ignore[assignment,method-assign]
+            assert partition.submit(req(4), failing, "lost")
+            assert partition.submit(req(5), listener, "heard")
+            assert await partition.flush() == 5
+            assert listener.calls == [[(5, "heard")]]
+            assert await partition.append(req(6)) == 6
             # A failed append is heard once, with its error.
             for name in NAMES[1:]:
                 world.storages[name].crash()
-            doomed = partition.submit_nowait(req(6), listener)
+            doomed = submit_now(partition, req(7))
             assert doomed is not None
             await asyncio.sleep(0.5)
         assert doomed.done()
         assert isinstance(doomed.exception(), ClosedResourceError)
-        assert heard[4:] == [(-1, doomed.exception())]
-
-    run_virtual(main())
-
-
-def test_submit_listened_queues_without_a_future_and_checks_the_checksum_unless_told_it_was() -> None:
-    async def main() -> None:
-        world = World(max_queued_appends=2)
-        heard: list[tuple[int, BaseException | None]] = []
-
-        def listener(txn: int, error: BaseException | None) -> None:
-            heard.append((txn, error))
-
-        async with world.partition() as partition:
-            await partition.wait_open()
-            bad = Req(ReqId.of(7, 1, 0, 9), 0, b"data", crc32(b"other"))
-            with pytest.raises(CorruptionError):
-                partition.submit_listened(bad, listener)
-            with pytest.raises(GenerationMismatchError):
-                partition.submit_listened(req(0, generation=2), listener, checksum_verified=True)
-            await asyncio.sleep(0)  # the writer waits for appends: the first leaves at once, in a batch
-            assert partition.submit_listened(req(0), listener)
-            assert partition.submit_listened(req(1), listener, checksum_verified=True)
-            assert partition.submit_listened(req(2), listener)
-            assert not partition.submit_listened(req(3), listener)  # full: nothing queued
-            assert await partition.flush() == 2
-            assert heard == [(0, None), (1, None), (2, None)]
-            # Failing listeners are logged; the appends after them are still heard, in order.
-            assert partition.submit_listened(req(3), lambda _t, _e: 1 / 0)  # type: ignore[func-returns-value]
-            assert partition.submit_listened(req(4), listener)
-            assert await partition.flush() == 4
-            assert heard[3:] == [(4, None)]
-        for name in NAMES:
-            assert [r.req_id.seq_num for r in world.log(name)] == [0, 1, 2, 3, 4]
 
     run_virtual(main())
 
@@ -353,40 +334,42 @@ class _BatchListener:
         self.failed.append((append.tag, error))
 
 
-def test_submit_tagged_tells_its_listener_once_per_batch_in_order_and_each_append_once() -> None:
+def test_submit_tells_its_listener_once_per_batch_in_order_and_each_append_once() -> None:
     async def main() -> None:
         world = World(max_queued_appends=7)
         listener = _BatchListener()
-        heard: list[int] = []
+        other = _BatchListener()
         async with world.partition() as partition:
             with pytest.raises(GenerationMismatchError):
-                partition.submit_tagged(req(0, generation=2), listener, "refused", 0.0)
+                partition.submit(req(0, generation=2), listener, "refused", 0.0)
             await partition.wait_open()
             await asyncio.sleep(0)  # the writer waits for appends: the first leaves at once, in a batch
             # A lone append is a batch of its own; the seven behind it wait for its commit and form one more
-            # batch, with an append submitted another way among them (heard by its own listener only).
-            assert partition.submit_tagged(req(0), listener, "a0", 1.5)
+            # batch, with an append of another listener among them: each listener hears its runs of the batch,
+            # in id order.
+            assert partition.submit(req(0), listener, "a0", 1.5)
             for i in range(1, 7):
                 if i == 4:
-                    partition.submit_listened(req(i), lambda txn, _e: heard.append(txn))
+                    assert partition.submit(req(i), other, "b4")
                 else:
-                    assert partition.submit_tagged(req(i), listener, f"a{i}", 0.0)
-            assert partition.submit_tagged(req(7), listener, "a7", 0.0)
-            assert not partition.submit_tagged(req(8), listener, "full", 0.0)  # full: nothing queued
+                    assert partition.submit(req(i), listener, f"a{i}", 0.0)
+            assert partition.submit(req(7), listener, "a7", 0.0)
+            assert not partition.submit(req(8), listener, "full", 0.0)  # full: nothing queued
             assert await partition.flush() == 7
             assert listener.calls == [
                 [(0, "a0")],
-                [(1, "a1"), (2, "a2"), (3, "a3"), (5, "a5"), (6, "a6"), (7, "a7")],
+                [(1, "a1"), (2, "a2"), (3, "a3")],
+                [(5, "a5"), (6, "a6"), (7, "a7")],
             ]
-            assert heard == [4]
+            assert other.calls == [[(4, "b4")]]
             assert not listener.failed
             # An append that will never commit is told to append_failed, once, with its tag.
             for name in NAMES[1:]:
                 world.storages[name].crash()
-            assert partition.submit_tagged(req(8), listener, "doomed", 0.0)
+            assert partition.submit(req(8), listener, "doomed", 0.0)
             await asyncio.sleep(0.5)
         assert [(tag, type(error)) for tag, error in listener.failed] == [("doomed", ClosedResourceError)]
-        assert len(listener.calls) == 2
+        assert len(listener.calls) == 3
 
     run_virtual(main())
 
@@ -403,18 +386,18 @@ def test_appends_submitted_with_more_to_follow_leave_with_the_last_of_them_as_on
             # A burst read in one go: the idle writer sends nothing while more follow, then all of it with
             # the last one, in that call.
             for i in range(3):
-                assert partition.submit_tagged(req(i), listener, i, 0.0, more=True)
+                assert partition.submit(req(i), listener, i, 0.0, more=True)
             assert session.batches_in_flight == ()
-            assert partition.submit_tagged(req(3), listener, 3, 0.0)
+            assert partition.submit(req(3), listener, 3, 0.0)
             assert [(b.first, b.last) for b in session.batches_in_flight] == [(0, 3)]
             assert await partition.flush() == 3
             await asyncio.sleep(0)  # idle again
             # A full batch leaves at once even while more follow.
             for i in range(4, 8):
-                assert partition.submit_tagged(req(i), listener, i, 0.0, more=True)
+                assert partition.submit(req(i), listener, i, 0.0, more=True)
             assert [(b.first, b.last) for b in session.batches_in_flight] == [(4, 7)]
             # A caller that promised more and sent none: the writer sends what it left one iteration later.
-            assert partition.submit_tagged(req(8), listener, 8, 0.0, more=True)
+            assert partition.submit(req(8), listener, 8, 0.0, more=True)
             assert partition.queue.qsize() == 1
             assert await partition.flush() == 8
             assert listener.calls == [[(i, i) for i in range(4)], [(i, i) for i in range(4, 8)], [(8, 8)]]
@@ -432,7 +415,7 @@ def test_committed_batches_are_counted_by_size() -> None:
             await asyncio.sleep(0)
             for size in (1, 2, 3, 8, 9, 40):
                 for i in range(size):
-                    partition.submit_tagged(req(i), listener, i, 0.0, more=i < size - 1)
+                    partition.submit(req(i), listener, i, 0.0, more=i < size - 1)
                 await partition.flush()
                 await asyncio.sleep(0)
             stats = partition.stats
@@ -545,8 +528,8 @@ def test_a_later_batch_with_its_quorum_waits_for_the_earlier_ones() -> None:
         async with _recording_partition(world) as partition:
             session = await _open_session(partition)
             _slow_fsyncs(world, 500)
-            first = await partition.submit(req(0))
-            second = await partition.submit(req(1))
+            first = await submit(partition, req(0))
+            second = await submit(partition, req(1))
             await _wait(lambda: len(session.batches_in_flight) == 2)
             later = session.batches_in_flight[1]
             # Batch 2 reaches its quorum (2 of 3) while batch 1 has no vote yet.
@@ -574,7 +557,7 @@ def test_at_most_max_inflight_batches_are_sent(max_inflight: int) -> None:
         async with _recording_partition(world) as partition:
             session = await _open_session(partition)
             _slow_fsyncs(world, 200)
-            futures = [await partition.submit(req(i)) for i in range(10)]
+            futures = [await submit(partition, req(i)) for i in range(10)]
             await _wait(lambda: len(session.batches_in_flight) == max_inflight)
             await asyncio.sleep(0.1)  # half an fsync: nothing is acknowledged, nothing more may be sent
             assert [b.first for b in session.batches_in_flight] == list(range(max_inflight))
@@ -592,13 +575,13 @@ def test_with_a_batch_in_flight_only_a_full_batch_is_sent_before_the_next_commit
         async with _recording_partition(world) as partition:
             session = await _open_session(partition)
             _slow_fsyncs(world, 200)
-            futures = [await partition.submit(req(0))]
+            futures = [await submit(partition, req(0))]
             await _wait(lambda: len(session.batches_in_flight) == 1)
             await asyncio.sleep(0.01)  # later than req(0): not in its burst (which would follow it at once)
-            futures += [await partition.submit(req(i)) for i in (1, 2)]
+            futures += [await submit(partition, req(i)) for i in (1, 2)]
             await asyncio.sleep(0.1)  # half an fsync: two queued appends are not a full batch
             assert len(session.batches_in_flight) == 1
-            futures.append(await partition.submit(req(3)))
+            futures.append(await submit(partition, req(3)))
             await _wait(lambda: len(session.batches_in_flight) == 2)
             assert [(b.first, b.last) for b in session.batches_in_flight] == [(0, 0), (1, 3)]
             assert [await f for f in futures] == [0, 1, 2, 3]
@@ -613,10 +596,10 @@ def test_request_end_waits_for_every_batch_in_flight_and_sends_no_more() -> None
         async with _recording_partition(world) as partition:
             session = await _open_session(partition)
             _slow_fsyncs(world, 100)
-            futures = [await partition.submit(req(i)) for i in range(3)]
+            futures = [await submit(partition, req(i)) for i in range(3)]
             await _wait(lambda: len(session.batches_in_flight) == 3)
             partition.request_new_session()
-            late = await partition.submit(req(3))
+            late = await submit(partition, req(3))
             assert not session.ended
             # Every batch in flight commits in this session; the late append waits for the next one.
             assert [await f for f in futures] == [0, 1, 2]
@@ -637,7 +620,7 @@ def test_a_failed_session_leaves_several_batches_to_the_next_recovery() -> None:
             _slow_fsyncs(world, 100)
             futures = []
             for i in range(6):
-                futures.append(await partition.submit(req(i)))
+                futures.append(await submit(partition, req(i)))
                 # Sent before the next is queued, so each is a request of its own (one fsync each).
                 await _wait(lambda n=i + 1: len(session.batches_in_flight) == n)
             await _wait(lambda: partition.high_water_mark == 1)
@@ -675,7 +658,7 @@ def test_a_late_replica_joins_with_the_batches_in_flight_and_votes_on_them() -> 
 
             async def load() -> None:
                 for i in range(200):
-                    await partition.submit(req(i))
+                    await submit(partition, req(i))
                     await asyncio.sleep(0.002)
 
             loader = asyncio.ensure_future(load())
@@ -704,7 +687,7 @@ def test_an_append_failed_while_its_producer_waited_for_room_is_never_written() 
         for name in NAMES:
             world.network.isolate(name)
         in_flight = asyncio.ensure_future(old.append(req(1)))
-        await _wait(lambda: old.queue.empty() and len(old.inflight) == 1)
+        await _wait(lambda: old.queue.empty() and old.statistics()["inflight_appends"] == 1)
         queued = asyncio.ensure_future(old.append(req(2)))
         waiting = asyncio.ensure_future(old.append(req(3)))  # the queue is full: waits for room
         await asyncio.sleep(0.01)
@@ -712,8 +695,8 @@ def test_an_append_failed_while_its_producer_waited_for_room_is_never_written() 
         assert not waiting.done()
         for name in NAMES:
             world.network.heal(name)
-        # A newer owner takes the partition: the old one fails everything it holds, including the producer
-        # still waiting for room, which then puts its (failed) append into the emptied queue.
+        # A newer owner takes the partition: the old one fails everything it holds, and the producer still
+        # waiting for room is refused when it offers its append again.
         async with world.partition(generation=2) as new:
             assert await new.append(req(4, generation=2)) == 1
             for future in (in_flight, queued, waiting):
@@ -892,7 +875,7 @@ def test_append_queue_offer_queues_while_there_is_room_and_says_how_many_are_que
     async def main() -> None:
         queue = AppendQueue(2)
         appends = [
-            PendingAppend(r.req_id, r.header, r.data, r.checksum, None, i)
+            PendingAppend(r.req_id, r.header, r.data, r.checksum, FUTURES, i)
             for i, r in enumerate(map(req, range(3)))
         ]
         getter = asyncio.ensure_future(queue.get())
@@ -977,5 +960,37 @@ def test_the_idle_probe_still_fails_a_replica_that_lost_or_gained_a_record(chang
             assert session.ended
             held = 0 if change == "lost" else 2
             assert [str(e) for e in partition.internal_errors] == [f"s0:1 holds {held}, expected 1"]
+
+    run_virtual(main())
+
+
+def test_a_failed_supervisor_fails_what_it_holds_refuses_more_and_tells_its_owner() -> None:
+    async def main() -> None:
+        world = World(max_batch_size=1, max_queued_appends=4)
+        heard: list[BaseException] = []
+        async with world.partition() as partition:
+            partition.on_failure = heard.append
+            assert await partition.append(req(0)) == 0
+
+            async def broken() -> StoreSession:
+                raise RuntimeError("injected supervisor bug")
+
+            partition._new_session = broken  # type: ignore[method-assign]
+            for name in NAMES:
+                world.network.isolate(name)
+            in_flight = submit_now(partition, req(1))
+            queued = submit_now(partition, req(2))
+            partition.request_new_session()
+            await _wait(lambda: bool(heard))
+            assert "injected supervisor bug" in repr(heard[0])
+            assert partition.failure is heard[0]
+            assert not partition.is_healthy
+            for future in (in_flight, queued):
+                assert future is not None
+                with pytest.raises(PartitionNotReadyError):
+                    await future
+            with pytest.raises(PartitionNotReadyError):
+                partition.submit(req(3), FUTURES, None)
+            assert await partition.flush() == 0
 
     run_virtual(main())

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import uuid
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -23,7 +24,7 @@ from waltz.cluster.partition_metadata import UNRESOLVED
 from waltz.cluster.zk import session
 from waltz.config import host_port, parse_partition_ranges
 from waltz.errors import ConfigError
-from waltz.ops import checks, generation
+from waltz.ops import accept_loss, checks, generation, rebuild
 from waltz.ops.view import ClusterView, read_view
 
 Command = Callable[[KazooClient, str, argparse.Namespace, TextIO], int | None]
@@ -63,6 +64,13 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _uuid(text: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a UUID: {text!r}") from None
+
+
 def _positive(text: str) -> int:
     value = _non_negative(text)
     if value == 0:
@@ -74,7 +82,7 @@ def _positive(text: str) -> int:
 
 
 def cmd_create(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
-    store = sm.create_cluster(client, root, args.name, args.partitions)
+    store = sm.create_cluster(client, root, args.name, args.partitions, cluster_key=args.cluster_key)
     print(
         f"created cluster {args.name!r} at {root}: {args.partitions} partitions, key {store.cluster_key}",
         file=out,
@@ -231,6 +239,42 @@ def cmd_fix_generation(client: KazooClient, root: str, args: argparse.Namespace,
     return 0
 
 
+def _storage_admin(text: str) -> tuple[str, int]:
+    try:
+        return rebuild.parse_storage_arg(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def cmd_rebuild_metadata(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    ssl = load_cli_tls(args.cli_config_path).client_context(args.cli_config_path)
+    nodes = asyncio.run(rebuild.read_nodes(args.storage, ssl))
+    plan = rebuild.plan_rebuild(root, args.name, nodes)
+    for line in plan.describe():
+        print(line, file=out)
+    if not args.yes:
+        print("nothing written: run again with --yes to write this metadata", file=out)
+        return 0
+    rebuild.apply_rebuild(client, plan, replace=args.replace)
+    print(f"written: {root} rebuilt; start (or restart) the servers", file=out)
+    return 0
+
+
+def cmd_accept_loss(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    view = _ops_view(client, root, args)
+    plan = asyncio.run(
+        accept_loss.plan_accept_loss(client, view, args.partition, args.keep_through, args.timeout)
+    )
+    for line in plan.describe():
+        print(line, file=out)
+    if not args.yes:
+        print("nothing written: run again with --yes to accept this loss", file=out)
+        return 0
+    asyncio.run(accept_loss.apply_accept_loss(client, view, plan))
+    print(f"written: partition {plan.partition} holds 0..{plan.keep_through} on every replica", file=out)
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- registration
 
 
@@ -247,6 +291,12 @@ def register(groups: Any) -> None:
     p = command("create", cmd_create, "create a cluster (random cluster key) at cluster.root")
     p.add_argument("-n", "--name", required=True, help="cluster name")
     p.add_argument("-p", "--partitions", required=True, type=_positive, help="number of partitions")
+    p.add_argument(
+        "--cluster-key",
+        type=_uuid,
+        metavar="UUID",
+        help="use this key instead of a random one (to restore a backup keeping its key: docs/operations.md)",
+    )
 
     p = command("delete", cmd_delete, "delete the cluster at cluster.root (recursively)")
     p.add_argument("-n", "--name", help="the cluster's name, which must match")
@@ -288,6 +338,45 @@ def register(groups: Any) -> None:
         "-p", "--partition", metavar="RANGES", help="only these partitions (node checks still run)"
     )
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit per node (10 s)")
+
+    p = command(
+        "rebuild-metadata",
+        cmd_rebuild_metadata,
+        "rebuild lost ZooKeeper metadata from the storage nodes (shows the plan; writes it with --yes)",
+    )
+    p.add_argument(
+        "-s",
+        "--storage",
+        required=True,
+        action="append",
+        type=_storage_admin,
+        metavar="HOST:ADMINPORT[=GROUP]",
+        help="every storage node of the cluster, by admin address (repeat); its replica group (default 0)",
+    )
+    p.add_argument("-n", "--name", required=True, help="the cluster name to record")
+    p.add_argument("--yes", action="store_true", help="write the metadata (without it, only show the plan)")
+    p.add_argument(
+        "--replace", action="store_true", help="delete cluster.root first if it exists (default: refuse)"
+    )
+    p.set_defaults(default_log_level="INFO")
+
+    p = command(
+        "accept-loss",
+        cmd_accept_loss,
+        "when every replica is older than ZooKeeper's record (disks restored from snapshots), keep "
+        "0..--keep-through and lose the rest (shows what is lost; does it with --yes)",
+    )
+    p.add_argument("-p", "--partition", required=True, type=_non_negative, help="the partition")
+    p.add_argument(
+        "--keep-through",
+        required=True,
+        type=int,
+        metavar="TXN",
+        help="the last transaction id to keep (-1: none)",
+    )
+    p.add_argument("--yes", action="store_true", help="accept the loss (without it, only show it)")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit per node (10 s)")
+    p.set_defaults(default_log_level="INFO")
 
     p = command(
         "fix-generation",

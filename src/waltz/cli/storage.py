@@ -118,8 +118,16 @@ def register(groups: Any) -> None:
     )
     rc.add_argument("--leave-offline", action="store_true", help="do not bring the destination back online")
     rc.add_argument(
-        "--force", action="store_true", help="copy from an untrusted source, or over a longer destination"
+        "--untrusted-source",
+        action="store_true",
+        help="copy from a source recovery would not trust (restored, or not a replica in ZooKeeper)",
     )
+    rc.add_argument(
+        "--shorten-destination",
+        action="store_true",
+        help="cut a destination that holds more than the source gives (loses its extra records)",
+    )
+    rc.add_argument("--force", action="store_true", help=argparse.SUPPRESS)
     rc.set_defaults(handler=cmd_recover_partition)
 
     sp = zk_parser("sync-partitions", "make each storage node's assigned partitions equal ZooKeeper's")
@@ -306,6 +314,11 @@ def cmd_recover_partition(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    if args.force:
+        raise ConfigError(
+            "recover-partition has no --force: say which risk to take, --untrusted-source (copy from a "
+            "replica recovery would not trust) and/or --shorten-destination (cut a longer destination)"
+        )
     view = _view(args)
     with Progress(
         TextColumn("partition {task.fields[partition]}"),
@@ -328,7 +341,8 @@ def cmd_recover_partition(args: argparse.Namespace) -> int:
                 args.source,
                 args.destination,
                 batch_records=args.batch_size,
-                force=args.force,
+                untrusted_source=args.untrusted_source,
+                shorten_destination=args.shorten_destination,
                 leave_offline=args.leave_offline,
                 progress=progress,
             )

@@ -46,7 +46,10 @@ Mount states (the events :meth:`DriverListener.on_mount_state` carries)
   The driver keeps trying on its own (re-discover, reconnect, re-mount) and reports ``READY`` when it is back;
   meanwhile the core holds new appends.
 * ``CLIENT_AHEAD``: the application's high-water mark is past the server's (wrong cluster or lost data).
-  Terminal for this mount: submits to the partition fail with :class:`~waltz.errors.ClientAheadError`.
+  Final for the partition's current owner and generation: submits to the partition fail with
+  :class:`~waltz.errors.ClientAheadError`. When the partition's owner or generation changes, the driver
+  mounts it again (``NOT_READY``, then ``READY`` or ``CLIENT_AHEAD`` once more), since the answer may have
+  come from a stale incarnation that a newer one, holding the client's transactions, replaced.
 
 Appends and flushes
 -------------------
@@ -83,24 +86,17 @@ flush response).
 from __future__ import annotations
 
 import enum
-import importlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from waltz.errors import ConfigError
 from waltz.protocol.client_server import AppendRequest
 from waltz.protocol.records import ReqId
-
-if TYPE_CHECKING:
-    from waltz.client.config import ClientConfig
-
 
 __all__ = [
     "AppendRequest",
     "ClientDriver",
     "DriverListener",
     "MountState",
-    "create_network_driver",
 ]
 
 # An append travels as the wire message itself (waltz.protocol.client_server.AppendRequest): the core
@@ -221,24 +217,3 @@ class ClientDriver(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Close connections and cancel the driver's own tasks; no events after this returns."""
-
-
-NETWORK_DRIVER_MODULE = "waltz.client.network"
-"""Where the network driver lives: a module exposing ``NetworkDriver(config: ClientConfig)``."""
-
-
-def create_network_driver(config: ClientConfig) -> ClientDriver:
-    """Build the network driver for ``config`` (ZooKeeper discovery + TCP to the servers)."""
-    try:
-        module = importlib.import_module(NETWORK_DRIVER_MODULE)
-    except ModuleNotFoundError as e:
-        if e.name != NETWORK_DRIVER_MODULE:
-            raise
-        raise ConfigError(
-            "the network client driver is not available in this build; "
-            "pass driver=MockDriver() (waltz.testing) or set ClientConfig.mock_driver"
-        ) from None
-    driver = module.NetworkDriver(config)
-    if not isinstance(driver, ClientDriver):
-        raise ConfigError(f"{NETWORK_DRIVER_MODULE}.NetworkDriver is not a ClientDriver")
-    return driver

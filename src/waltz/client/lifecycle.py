@@ -125,6 +125,9 @@ which applies a transition it knows by one lookup in the event's row instead of 
 
 # Module constants for what handle() compares on every call (an enum member lookup costs far more in 3.11).
 _SEND, _COMMITTED, _ENDED = Event.SEND, State.COMMITTED, State.ENDED
+# The rows of the four transitions every append makes, for the methods of the same names below.
+_EXECUTE_ROW, _SEND_ROW, _COMMIT_ROW = STEPS[Event.EXECUTE], STEPS[Event.SEND], STEPS[Event.COMMIT]
+_APPLIED = STEPS[Event.APPLY][State.COMMITTED][0]
 
 
 class Lifecycle:
@@ -147,6 +150,55 @@ class Lifecycle:
             self.attempts += 1
         self.state = state
         return hook
+
+    # The four transitions every append makes, for the client core's hot path: each is handle(event) made
+    # with one lookup in the event's row of the table (none owes a hook but the one its name says).
+
+    def execute(self) -> None:
+        """``handle(EXECUTE)``: an attempt executes (no hook)."""
+        try:
+            self.state = _EXECUTE_ROW[self.state][0]
+        except KeyError:
+            self.handle(Event.EXECUTE)  # Raises LifecycleError.
+            raise
+
+    def send(self) -> None:
+        """``handle(SEND)``: the attempt's append is sent (no hook); counted in :attr:`attempts`."""
+        try:
+            self.state = _SEND_ROW[self.state][0]
+        except KeyError:
+            self.handle(_SEND)  # Raises LifecycleError.
+            raise
+        self.attempts += 1
+
+    def execute_send(self) -> None:
+        """``handle(EXECUTE)`` then ``handle(SEND)``: a first attempt, executed off the loop, is sent."""
+        try:
+            self.state = _SEND_ROW[_EXECUTE_ROW[self.state][0]][0]
+        except KeyError:
+            self.handle(Event.EXECUTE)  # Raises LifecycleError (or SEND below does).
+            self.handle(_SEND)
+            raise
+        self.attempts += 1
+
+    def commit(self) -> None:
+        """``handle(COMMIT)``: the append committed; ``on_completion(True)`` is owed."""
+        try:
+            self.state = _COMMIT_ROW[self.state][0]
+        except KeyError:
+            self.handle(Event.COMMIT)  # Raises LifecycleError.
+            raise
+
+    def apply(self) -> bool:
+        """``handle(APPLY)`` if the context is committed: True then (``on_application`` is owed); False if it
+        ended meanwhile (the client closed, the partition was released: nothing is owed)."""
+        state = self.state
+        if state is _COMMITTED:
+            self.state = _APPLIED
+            return True
+        if state is not _ENDED:
+            self.handle(Event.APPLY)  # Raises LifecycleError.
+        return False
 
     @property
     def ended(self) -> bool:

@@ -44,8 +44,9 @@ class LockQueue:
 
     def __init__(self) -> None:
         self._locks: dict[int, _Lock] = {}
-        self._held: dict[Hashable, set[int]] = {}  # context -> hashes it owns or is reserved
-        self._parked: dict[Hashable, int] = {}  # context -> the hash it waits for
+        # Read-only outside this class (a caller may test them for emptiness: nothing held, nobody parked).
+        self.held: dict[Hashable, set[int]] = {}  # context -> hashes it owns or is reserved
+        self.parked: dict[Hashable, int] = {}  # context -> the hash it waits for
 
     def blocker(self, context: Hashable, locks: Iterable[int]) -> int | None:
         """The first of ``locks`` that ``context`` may not take now (owned by, reserved for or waited for
@@ -69,7 +70,7 @@ class LockQueue:
         One pass for the common case (once per append with write locks): a context new here, which owns,
         reserves and waits for nothing, so any lock in the table that is owned, reserved or waited for is
         another's."""
-        if context in self._held or context in self._parked:
+        if context in self.held or context in self.parked:
             if self.blocker(context, locks) is not None:
                 return None
             return self.acquire(context, locks)
@@ -88,7 +89,7 @@ class LockQueue:
                 return None
             else:
                 lock.owner = context
-            self._held[context] = {h}
+            self.held[context] = {h}
             return []
         for h in locks:
             lock = lock_table.get(h)
@@ -101,14 +102,14 @@ class LockQueue:
                     lock_table[h] = _Lock(context)
                 else:
                     lock.owner = context
-            self._held[context] = set(locks)
+            self.held[context] = set(locks)
         return []
 
     def acquire(self, context: Hashable, locks: Iterable[int]) -> list[Hashable]:
         """``context`` sends an append holding ``locks`` (check :meth:`blocker` first). Returns contexts to
         wake: those next in line for the locks it was reserved but no longer wants."""
         wanted = set(locks)
-        if context not in self._held and context not in self._parked:
+        if context not in self.held and context not in self.parked:
             # The common cases: a context that holds, reserves and waits for nothing yet, so it has no
             # reservation to pass on; without write locks it has nothing to do at all.
             if wanted:
@@ -118,7 +119,7 @@ class LockQueue:
                     if lock is None:
                         lock = lock_table[h] = _Lock()
                     lock.owner = context
-                self._held[context] = wanted
+                self.held[context] = wanted
             return []
         for h in wanted:
             lock = self._locks.get(h)
@@ -127,8 +128,8 @@ class LockQueue:
             lock.owner = context
             if lock.reserved is context:
                 lock.reserved = None
-        self._held.setdefault(context, set()).update(wanted)
-        self._parked.pop(context, None)
+        self.held.setdefault(context, set()).update(wanted)
+        self.parked.pop(context, None)
         return self._pass_reservations(context, keep=wanted)
 
     def park(self, context: Hashable, lock_hash: int) -> list[Hashable]:
@@ -141,23 +142,23 @@ class LockQueue:
         if lock.queue is None:
             lock.queue = deque()
         lock.queue.append(context)
-        self._parked[context] = lock_hash
+        self.parked[context] = lock_hash
         return wake
 
     @property
     def holds_any(self) -> bool:
         """True if some context holds or is reserved a lock: False means :meth:`release` of any context
         returns [] and changes nothing (a client whose appends take no write locks)."""
-        return bool(self._held)
+        return bool(self.held)
 
     def is_idle(self, context: Hashable) -> bool:
         """True if ``context`` holds and waits for nothing here: ``acquire(context, ())`` would do nothing."""
-        return context not in self._held and context not in self._parked
+        return context not in self.held and context not in self.parked
 
     def release(self, context: Hashable) -> list[Hashable]:
         """``context``'s append failed, or its transaction is applied: its locks pass on. Returns contexts
         to wake (each now holds a reservation)."""
-        held = self._held.pop(context, None)
+        held = self.held.pop(context, None)
         if held is None:
             return []  # The common case, a context without write locks (no set made for it).
         wake: list[Hashable] = []
@@ -180,25 +181,25 @@ class LockQueue:
     def leave(self, context: Hashable) -> list[Hashable]:
         """``context`` ended (or executes again without needing its turn): drop everything it holds or waits
         for. Returns contexts to wake."""
-        if context not in self._held and context not in self._parked:
+        if context not in self.held and context not in self.parked:
             return []
         self._unpark(context)
         return self.release(context)
 
     def is_parked(self, context: Hashable) -> bool:
-        return context in self._parked
+        return context in self.parked
 
     def statistics(self) -> dict[str, int]:
         return {
             "locks": len(self._locks),
             "owned": sum(1 for lock in self._locks.values() if lock.owner is not None),
-            "waiting": len(self._parked),
+            "waiting": len(self.parked),
         }
 
     # -- internals ---------------------------------------------------------------------------------------
 
     def _unpark(self, context: Hashable) -> None:
-        h = self._parked.pop(context, None)
+        h = self.parked.pop(context, None)
         if h is None:
             return
         lock = self._locks.get(h)
@@ -212,7 +213,7 @@ class LockQueue:
 
     def _pass_reservations(self, context: Hashable, keep: set[int]) -> list[Hashable]:
         """Give up the reservations ``context`` holds on locks outside ``keep``."""
-        held = self._held.get(context)
+        held = self.held.get(context)
         if not held:
             return []
         wake: list[Hashable] = []
@@ -223,7 +224,7 @@ class LockQueue:
                 held.discard(h)
                 wake.extend(self._next(h, lock))
         if not held:
-            del self._held[context]
+            del self.held[context]
         return wake
 
     def _next(self, h: int, lock: _Lock) -> list[Hashable]:
@@ -232,10 +233,10 @@ class LockQueue:
             return []
         while lock.queue:
             context = lock.queue.popleft()
-            if self._parked.get(context) == h:
-                del self._parked[context]
+            if self.parked.get(context) == h:
+                del self.parked[context]
                 lock.reserved = context
-                self._held.setdefault(context, set()).add(h)
+                self.held.setdefault(context, set()).add(h)
                 return [context]
         self._forget_if_idle(h, lock)
         return []

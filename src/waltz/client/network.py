@@ -22,8 +22,10 @@ accepted everything before it: the feed window is the other half of the back pre
 
 State changes: MountResponse READY → feed request, ``READY``. NOT_READY → ``NOT_READY`` and a new mount after
 :data:`NOT_READY_RETRY_S`, wherever the latest assignment then places the partition. CLIENT_AHEAD →
-``CLIENT_AHEAD``, and the partition stays put until unmounted. A new assignment that moves a partition, or
-raises its generation, abandons its session (``NOT_READY``) and mounts it on the new endpoint. A
+``CLIENT_AHEAD``, and the partition stays put while the assignment names the same owner and generation:
+CLIENT_AHEAD is final only against the incarnation that answered it, so a new owner or generation mounts the
+partition again. A new assignment that moves a partition, or raises its generation, abandons its session
+(``NOT_READY``) and mounts it on the new endpoint. A
 MountRequest left unanswered for ``client.answerTimeout`` (and a :meth:`NetworkDriver.resync` from the core)
 drops the stream connection: every partition on it re-mounts, as after a lost connection.
 
@@ -67,6 +69,7 @@ from waltz.client.stream import (
     Suspended,
     Unready,
 )
+from waltz.client.tasks import TaskSet
 from waltz.errors import (
     BrokenResourceError,
     ClientClosedError,
@@ -114,7 +117,7 @@ class NetworkDriver(ClientDriver):
         self._mounts: dict[int, Mount] = {}
         self._links: dict[str, StreamLink] = {}
         self._rpc: RpcPool | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet(self._task_failed)  # The driver's own tasks (see waltz.client.tasks).
         self._incarnations = itertools.count()
         self._sessions = itertools.count(1)
         self._opened = False
@@ -218,10 +221,7 @@ class NetworkDriver(ClientDriver):
         self._closed = True
         for partition_id in list(self._mounts):
             await self.unmount(partition_id)
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.aclose()
         links, self._links = list(self._links.values()), {}
         for link in links:
             await link.aclose()
@@ -389,11 +389,27 @@ class NetworkDriver(ClientDriver):
     def _on_assignment(self, endpoints: Endpoints) -> None:
         self._endpoints = dict(endpoints)
         for mount in list(self._mounts.values()):
-            if mount.ahead or mount.closed:
+            if mount.closed:
                 continue
             target = endpoints.get(mount.partition_id)
             current = (mount.link.endpoint, mount.generation) if mount.link is not None else None
-            if target != current or (mount.session is None and not mount.ready):
+            if mount.ahead:
+                if target is None or target == current:
+                    continue  # Still the incarnation that found the client ahead: the answer stands.
+                # CLIENT_AHEAD is final only against the incarnation that said it: a new owner or generation
+                # is asked again (the answer may have come from a fenced, stale incarnation).
+                log.info(
+                    "partition %d: owner now %s generation %d (was %s); checking again whether the client "
+                    "is ahead",
+                    mount.partition_id,
+                    target[0],
+                    target[1],
+                    f"{current[0]} generation {current[1]}" if current is not None else "none",
+                )
+                mount.ahead = False
+                mount.put(Unready())  # NOT_READY for the core while the new owner answers.
+                self._place(mount)
+            elif target != current or (mount.session is None and not mount.ready):
                 self._place(mount)
         # Links nobody uses any more (their server left, or holds none of our partitions) are closed.
         wanted = {endpoint for endpoint, _ in endpoints.values()}
@@ -544,7 +560,7 @@ class NetworkDriver(ClientDriver):
                     await listener.on_flush_response(p, event.req_id, event.transaction_id)
                 elif isinstance(event, Unready) and mount.reported is not MountState.NOT_READY:
                     if mount.ahead:
-                        continue  # CLIENT_AHEAD stays the partition's state until it is unmounted.
+                        continue  # CLIENT_AHEAD stays the partition's state until its owner changes.
                     mount.reported = MountState.NOT_READY
                     await listener.on_mount_state(p, MountState.NOT_READY)
             except asyncio.CancelledError:
@@ -588,14 +604,12 @@ class NetworkDriver(ClientDriver):
     # -- tasks ---------------------------------------------------------------------------------------------
 
     def spawn(self, coro: Awaitable[None], name: str) -> None:
-        task = asyncio.get_running_loop().create_task(_awaited(coro), name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        self._tasks.spawn(_awaited(coro), name)
 
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("network driver task %s failed", task.get_name(), exc_info=task.exception())
+    def _task_failed(self, task: asyncio.Task[None], error: BaseException) -> None:
+        """One of the driver's housekeeping tasks failed (closing a link, following the assignment): what
+        it was for is retried by the links and the next assignment; the failure is a bug, said once."""
+        log.error("network driver task %s failed", task.get_name(), exc_info=error)
 
     def statistics(self) -> dict[str, object]:
         """A snapshot for logs and tests: links, and per partition its position and state."""

@@ -174,14 +174,8 @@ class PartitionState:
         self._loop: asyncio.AbstractEventLoop | None = None  # The applier's, once it waited.
         self._room_waiter: asyncio.Future[None] | None = None  # The driver, waiting for room in the feed.
 
-    def push_feed(self, transaction: Transaction) -> None:
-        self.feed.append(transaction)
-        waiter = self._feed_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
     def push_feed_run(self, transactions: list[Transaction]) -> None:
-        """:meth:`push_feed` of each of ``transactions``, in order, with one wake-up."""
+        """Queue ``transactions`` for the applier, in order, with one wake-up."""
         self.feed.extend(transactions)
         waiter = self._feed_waiter
         if waiter is not None and not waiter.done():
@@ -252,11 +246,10 @@ class Run(Lifecycle):
     the context's fate): one object per append instead of two, and one attribute hop less per transition."""
 
     __slots__ = (
-        "_done",
         "applied",
         "completed",
         "context",
-        "finished",
+        "finished_waiter",
         "first_send",
         "holds_slot",
         "partition",
@@ -272,9 +265,10 @@ class Run(Lifecycle):
         self.partition: PartitionState | None = None  # Known once partition_id() returned.
         # Slow path only: resolved when the first append is sent (or the context ended).
         self.first_send: asyncio.Future[None] | None = None
-        self._done: asyncio.Future[None] | None = None  # Made on demand, for flush_transactions.
+        # Made on demand by done() (flush_transactions, for a run not finished yet), resolved by the core
+        # when the run finishes.
+        self.finished_waiter: asyncio.Future[None] | None = None
         self.holds_slot = False
-        self.finished = False
         # Fast path, once committed: the transaction id, and whether on_completion ran and it was applied.
         self.transaction_id = -1
         self.completed = False
@@ -282,14 +276,8 @@ class Run(Lifecycle):
         self.turn: asyncio.Future[None] | None = None  # Set while waiting in a lock queue.
 
     def done(self) -> asyncio.Future[None]:
-        """A future resolved when the run is finished."""
-        if self._done is None:
-            self._done = asyncio.get_running_loop().create_future()
-            if self.finished:
-                self._done.set_result(None)
-        return self._done
-
-    def set_finished(self) -> None:
-        self.finished = True
-        if self._done is not None and not self._done.done():
-            self._done.set_result(None)
+        """A future resolved when the run is finished; only for a run that is not finished yet (one of the
+        client's runs in flight)."""
+        if self.finished_waiter is None:
+            self.finished_waiter = asyncio.get_running_loop().create_future()
+        return self.finished_waiter

@@ -176,7 +176,7 @@ class Mount:
         self.generation = 0
         self.session: ReqId | None = None  # The current feed session (the latest MountRequest's ReqId).
         self.ready = False  # READY seen for the current session: appends may be sent.
-        self.ahead = False  # CLIENT_AHEAD: terminal until unmounted.
+        self.ahead = False  # CLIENT_AHEAD: final until unmounted or the owner or generation changes.
         self.closed = False
         self.reported: MountState | None = None
         self.inbox: deque[MountEvent] = deque()

@@ -42,7 +42,7 @@ def mkdir_durable(path: str | os.PathLike[str]) -> bool:
 
 
 def write_durable(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644) -> None:
-    """Replace ``path`` by ``data`` atomically and durably: write aside, fsync, rename, fsync the directory."""
+    """Replace ``path`` by ``data`` atomically, durably: write aside, fsync, rename, fsync the directory."""
     target = Path(path)
     tmp = target.with_name(target.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)

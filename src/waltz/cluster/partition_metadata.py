@@ -1,7 +1,8 @@
 """Per-partition store metadata, kept in ZooKeeper at ``<root>/store/partition/<id>``.
 
-Written by the owning server (version-checked) whenever it starts a new store session; read by recovery to
-classify each replica. Encoding (Java ``DataOutput`` style, big-endian; ``utf`` = u16 length + UTF-8)::
+Written by the owning server (version-checked) whenever it starts a new store session, and by ``waltz
+restore`` (:mod:`waltz.ops.restore`) as a store session of its own; read by recovery to classify each replica.
+Encoding (Java ``DataOutput`` style, big-endian; ``utf`` = u16 length + UTF-8)::
 
     u8   format version (1)
     i32  generation

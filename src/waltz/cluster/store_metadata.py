@@ -49,7 +49,6 @@ def create_cluster(
     client: KazooClient, root: str, name: str, num_partitions: int, cluster_key: uuid.UUID | None = None
 ) -> StoreParams:
     """Create a cluster at ``root`` with a random cluster key; refuses if ``root`` already exists."""
-    paths = ClusterPaths(root)
     if not name:
         raise MetadataError("the cluster name must not be empty")
     if not 0 < num_partitions <= MAX_PARTITIONS:
@@ -57,31 +56,59 @@ def create_cluster(
             f"number of partitions must be between 1 and {MAX_PARTITIONS}, got {num_partitions}"
         )
     store = StoreParams(cluster_key or uuid.uuid4(), num_partitions)
+    write_cluster_tree(client, root, ClusterTree(ClusterParams(name, num_partitions), store))
+    return store
+
+
+@dataclass(frozen=True)
+class ClusterTree:
+    """Every value of a new cluster's tree. The defaults are a fresh cluster's; ``waltz cluster
+    rebuild-metadata`` fills them from what the storage nodes hold."""
+
+    params: ClusterParams
+    store: StoreParams
+    partitions: dict[int, PartitionMetadata] = field(default_factory=dict)
+    """Per partition; a partition left out gets a fresh value (generation 0, session -1, no replicas)."""
+    assignment: PartitionAssignment | None = None
+    """None: not computed yet (no server ever owned a partition)."""
+    replicas: ReplicaAssignments = field(default_factory=ReplicaAssignments)
+    groups: GroupDescriptor = field(default_factory=GroupDescriptor)
+    connections: ConnectionMetadata = field(default_factory=ConnectionMetadata)
+    last_client_id: int = 0
+    """The client-id counter's value: the next client takes ``last_client_id + 1``."""
+
+
+def write_cluster_tree(client: KazooClient, root: str, tree: ClusterTree) -> None:
+    """Create ``root`` with every value of ``tree`` in one transaction; refuses if ``root`` exists."""
+    paths = ClusterPaths(root)
+    n = tree.params.num_partitions
+    if not 0 < n <= MAX_PARTITIONS:
+        raise MetadataError(f"number of partitions must be between 1 and {MAX_PARTITIONS}, got {n}")
     with zk_errors(f"create cluster at {root}"):
         if client.exists(root) is not None:
             raise ClusterError(f"{root} already exists; delete it first or choose another root")
         parent = root.rsplit("/", 1)[0]
         if parent:
             client.ensure_path(parent)
+    assignment = tree.assignment or PartitionAssignment(NOT_COMPUTED, n, {})
     t = client.transaction()
-    t.create(root, ClusterParams(name, num_partitions).encode())
-    t.create(paths.server_descriptors, PartitionAssignment(NOT_COMPUTED, num_partitions, {}).encode())
+    t.create(root, tree.params.encode())
+    t.create(paths.server_descriptors, assignment.encode())
     t.create(paths.ids, b"")
-    t.create(paths.client_ids, encode_counter(0), acl=_client_ids_acl(client))
+    t.create(paths.client_ids, encode_counter(tree.last_client_id), acl=_client_ids_acl(client))
     t.create(paths.server_ids, encode_counter(0))
-    t.create(paths.store, store.encode())
+    t.create(paths.store, tree.store.encode())
     t.create(paths.partitions, b"")
-    for p in range(num_partitions):
-        t.create(paths.partition(p), PartitionMetadata().encode(p))
-    t.create(paths.replica_assignments, ReplicaAssignments({}).encode())
-    t.create(paths.groups, GroupDescriptor({}).encode())
-    t.create(paths.connections, ConnectionMetadata({}).encode())
+    for p in range(n):
+        t.create(paths.partition(p), tree.partitions.get(p, PartitionMetadata()).encode(p))
+    t.create(paths.replica_assignments, tree.replicas.encode())
+    t.create(paths.groups, tree.groups.encode())
+    t.create(paths.connections, tree.connections.encode())
     t.create(paths.admin_lock, b"")
     try:
         commit(t, f"create cluster at {root}")
     except ConcurrentUpdateError:
         raise ClusterError(f"{root} was created concurrently by someone else") from None
-    return store
 
 
 def _client_ids_acl(client: KazooClient) -> list[ACL] | None:

@@ -378,6 +378,7 @@ async def verify(
             continue
         metadata = view.metadata(p)
         online = []
+        restored: list[str] = []
         for storage in replicas:
             node = storages.get(storage)
             replica = None if node is None else node.partitions.get(p)
@@ -395,11 +396,13 @@ async def verify(
                     )
                 )
             elif kind is ReplicaClass.RESTORED:
+                restored.append(f"{storage} holds up to {replica.max_transaction_id}")
                 add(
                     Problem(
                         p,
-                        f"the replica on {storage} lost its data (session {replica.session_id} is older than "
-                        "ZooKeeper's record of it: wiped or restored); it cannot vote until copied back with "
+                        f"the replica on {storage} lost its data (session {replica.session_id}, max "
+                        f"transaction id {replica.max_transaction_id}, is older than ZooKeeper's record of "
+                        "it: wiped or restored); it cannot vote until copied back with "
                         "`waltz storage recover-partition`",
                     )
                 )
@@ -417,6 +420,14 @@ async def verify(
                             f"(closed at {state.closing_high_water_mark})",
                         )
                     )
+        if restored and len(restored) == len(replicas):
+            add(
+                Problem(
+                    p,
+                    f"every replica is older than ZooKeeper's record ({'; '.join(restored)}): nothing to "
+                    "copy back; `waltz cluster accept-loss` keeps the best copy and loses what is above it",
+                )
+            )
         need = quorum_of(len(replicas))
         if len(online) < need:
             add(

@@ -19,8 +19,13 @@ the original's ``StorageRecoveryRunnable`` with the changes noted:
    copy like its source. The destination is then brought back online (unless asked not to), and the owning
    server's waiting recovery looks at it again within about a second (the store's idle probe interval).
 
-It refuses (without ``force``) to shorten the destination: if the destination holds more records than the
-copy would give it, it is the better copy.
+Two separate overrides, each for one risk the operator accepts by name:
+
+* ``untrusted_source`` (``--untrusted-source``): copy from a source recovery would not trust (restored, or not
+  listed in ZooKeeper), when no trustworthy replica is left;
+* ``shorten_destination`` (``--shorten-destination``): cut a destination that holds more records than the copy
+  gives it (without it, such a destination is the better copy and the tool refuses). Cutting below a replica's
+  persisted low-water mark is a repair the storage node must be told about (:func:`repair_truncate`).
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ from dataclasses import dataclass
 from waltz.cluster.partition_metadata import PartitionMetadata
 from waltz.errors import ConfigError, CorruptionError, StorageError
 from waltz.ops.view import ClusterView
+from waltz.protocol.records import Record
 from waltz.protocol.storage import SessionInfo as WireSessionInfo
+from waltz.server.storage_client import AdminClient, StorageClient
 from waltz.server.store.interfaces import SessionInfo
 from waltz.server.store.recovery import ReplicaClass, classify_replica
 
@@ -89,13 +96,13 @@ def copy_target(
     info: WireSessionInfo,
     max_id: int,
     *,
-    force: bool = False,
+    untrusted_source: bool = False,
 ) -> tuple[int, ReplicaClass | None]:
     """How far the source may be copied, from ZooKeeper's record of the last session (see the module doc)."""
     if metadata is None or not metadata.replicas:
         return max_id, None
     c = classify_replica(metadata, source, _store_info(info), max_id)
-    if c.kind in (ReplicaClass.RESTORED, ReplicaClass.NEW) and not force:
+    if c.kind in (ReplicaClass.RESTORED, ReplicaClass.NEW) and not untrusted_source:
         raise ConfigError(
             f"source {source} is not a trustworthy copy of the partition (recovery classifies it "
             f"{c.kind.value}: "
@@ -104,10 +111,10 @@ def copy_target(
                 if c.kind is ReplicaClass.RESTORED
                 else "ZooKeeper does not list it as a replica"
             )
-            + "); pick another source, or give --force"
+            + "); pick another source, or give --untrusted-source"
         )
     if c.kind in (ReplicaClass.RESTORED, ReplicaClass.NEW):
-        return max_id, c.kind  # --force: no trustworthy replica is left, copy everything this one holds
+        return max_id, c.kind  # no trustworthy replica is left: copy everything this one holds
     target = max_id if c.truncate_to is None else min(max_id, c.truncate_to)
     return target, c.kind
 
@@ -119,7 +126,8 @@ async def recover_partition(
     destination: str,
     *,
     batch_records: int = DEFAULT_BATCH_RECORDS,
-    force: bool = False,
+    untrusted_source: bool = False,
+    shorten_destination: bool = False,
     leave_offline: bool = False,
     progress: Progress | None = None,
 ) -> RecoveryResult:
@@ -144,7 +152,9 @@ async def recover_partition(
     ):
         src_info = await src.last_session_info(partition)
         src_max = await src.max_transaction_id(partition)
-        target, src_class = copy_target(metadata, source, src_info, src_max, force=force)
+        target, src_class = copy_target(
+            metadata, source, src_info, src_max, untrusted_source=untrusted_source
+        )
 
         statuses = {s.partition_id: s.available for s in await dst_admin.partition_statuses()}
         if partition not in statuses:
@@ -155,45 +165,43 @@ async def recover_partition(
 
         info = await dst_admin.last_session_info(partition)
         dst_max = await dst_admin.max_transaction_id(partition)
-        if dst_max > target and not force:
+        if dst_max > target and not shorten_destination:
             raise ConfigError(
                 f"{destination} holds partition {partition} up to {dst_max}, beyond what {source} can give "
-                f"({target}): it is the better copy; nothing was changed but its availability (give --force "
-                "to overwrite it anyway)"
+                f"({target}): it is the better copy; nothing was changed but its availability (give "
+                "--shorten-destination to cut it to the source's copy anyway)"
             )
         session = info.session_id
         current = dst_max
         if current > info.low_water_mark:
             # Anything above the destination's clean point may be a dirty tail: copy it again from the source.
-            current = await dst.truncate(session, partition, info.low_water_mark, offline=True)
-        if current > target:  # --force: cut it down to what the source gives
-            current = await dst.truncate(session, partition, target, offline=True)
-        # A low-water mark never goes down: a destination behind its own mark advances it once past it.
+            current = await dst.truncate(
+                session,
+                partition,
+                info.low_water_mark,
+                offline=True,
+                reason=f"recover-partition from {source}: above the destination's clean point",
+            )
+        if current > target:  # --shorten-destination: cut it down to what the source gives
+            current = await repair_truncate(
+                dst,
+                session,
+                partition,
+                target,
+                reason=f"recover-partition --shorten-destination from {source}",
+            )
         floor = max(info.low_water_mark, info.local_low_water_mark)
         first = current + 1
         total = max(0, target - current)
-        while current < target:
-            want = min(batch_records, target - current)
-            records = await src.read_records(partition, current + 1, want)
-            if not records:
-                raise StorageError(f"{source} returned no records at {current + 1} (below its max {src_max})")
-            for i, r in enumerate(records):
-                if r.transaction_id != current + 1 + i:
-                    raise CorruptionError(
-                        f"{source} returned transaction {r.transaction_id}, expected {current + 1 + i}"
-                    )
-                if not r.verify():
-                    raise CorruptionError(f"{source}: transaction {r.transaction_id} fails its checksum")
-            await dst.append(session, partition, records, offline=True)
-            current += len(records)
-            if current >= floor:
-                await dst.set_low_water_mark(session, partition, current, offline=True)
+
+        def on_batch(current: int) -> None:
             if progress is not None:
-                progress(
-                    CopyProgress(
-                        partition, current + 1, target, current - first + 1, total, time.monotonic() - started
-                    )
-                )
+                elapsed_s = time.monotonic() - started
+                progress(CopyProgress(partition, current + 1, target, current - first + 1, total, elapsed_s))
+
+        current = await copy_records(
+            src, dst, session, partition, current, target, floor, batch_records, on_batch
+        )
         # Carry the source's session id, so the copy is classified like its source (see node.py).
         adopted = max(session, src_info.session_id)
         if adopted != session and current >= floor:
@@ -217,3 +225,55 @@ async def recover_partition(
         online=not leave_offline,
         elapsed_s=time.monotonic() - started,
     )
+
+
+async def repair_truncate(
+    dst: StorageClient, session: int, partition: int, transaction_id: int, *, reason: str = "operator repair"
+) -> int:
+    """Cut an offline replica to ``transaction_id``, possibly below its persisted low-water mark: the one
+    place operator repairs send such a truncate (``--shorten-destination``, ``waltz cluster accept-loss``).
+
+    The seam for the storage node's operator-repair flag: a node that refuses a truncate below its low-water
+    mark unless the request says it is a repair gets that flag here and nowhere else.
+    """
+    log.info("partition %d on %s: repair truncate to %d", partition, dst.address, transaction_id)
+    return await dst.truncate(
+        session, partition, transaction_id, offline=True, operator_repair=True, reason=reason
+    )
+
+
+async def copy_records(
+    src: AdminClient,
+    dst: StorageClient,
+    session: int,
+    partition: int,
+    current: int,
+    target: int,
+    floor: int,
+    batch_records: int,
+    on_batch: Callable[[int], None] | None = None,
+) -> int:
+    """Copy ``current + 1 .. target`` from ``src`` (admin reads, checked: dense ids, checksums) into the
+    offline ``dst`` batch by batch, fsynced, advancing the destination's low-water mark once it passes
+    ``floor`` (a low-water mark never goes down), so an interrupted copy resumes. Returns the new max id."""
+    while current < target:
+        want = min(batch_records, target - current)
+        records = await src.read_records(partition, current + 1, want)
+        if not records:
+            raise StorageError(f"{src.address} returned no records at {current + 1} (below {target})")
+        _check_batch(src.address, records, current + 1)
+        await dst.append(session, partition, records, offline=True)
+        current += len(records)
+        if current >= floor:
+            await dst.set_low_water_mark(session, partition, current, offline=True)
+        if on_batch is not None:
+            on_batch(current)
+    return current
+
+
+def _check_batch(source: str, records: list[Record], first: int) -> None:
+    for i, r in enumerate(records):
+        if r.transaction_id != first + i:
+            raise CorruptionError(f"{source} returned transaction {r.transaction_id}, expected {first + i}")
+        if not r.verify():
+            raise CorruptionError(f"{source}: transaction {r.transaction_id} fails its checksum")

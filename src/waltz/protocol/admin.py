@@ -23,12 +23,18 @@ code  message                          fields after the prefix
 14    AssignedPartitionStatusResponse  i32 n · n x (i32 partition_id · bool assigned and available)
 15    MaxTransactionIdRequest          i32 partition_id                      (our addition, see below)
 16    MaxTransactionIdResponse         i32 partition_id · i64 transaction_id (our addition)
+17    NodeIdentityRequest              -                                     (our addition, see below)
+18    NodeIdentityResponse             uuid cluster_key · i32 num_partitions · i32 data_port (our addition)
 ====  ===============================  ===================================================================
 
 Code 5 is unused (the original design's separate read/write requests became the availability request).
 ``int list`` is ``i32 n · n x i32``; a null list (n = -1) is refused. Codes 15/16 are not in the original Java
 Waltz: its ``max-transaction-id`` tool opened a data connection instead; we answer it on the admin port so the
-CLI needs no store session. Replies are AdminSuccess or AdminFailure unless a response type is listed.
+CLI needs no store session. Codes 17/18 are ours too: the node's control-file identity (the cluster key and
+partition count it was made for) and its data port, answered *before* the connection is opened (every other
+request needs the open), so ``waltz cluster rebuild-metadata`` can learn the key from the nodes when
+ZooKeeper's copy is lost. ``uuid`` is two i64, most significant first. Replies are AdminSuccess or
+AdminFailure unless a response type is listed.
 
 Decoders return a whole message or raise :class:`~waltz.errors.RemoteProtocolError`; encoders raise
 :class:`~waltz.errors.LocalProtocolError` for values a field cannot carry. Sequences decode as tuples.
@@ -71,6 +77,8 @@ __all__ = [
     "MaxTransactionIdResponse",
     "MetricsRequest",
     "MetricsResponse",
+    "NodeIdentityRequest",
+    "NodeIdentityResponse",
     "PartitionAssignmentRequest",
     "PartitionAvailableRequest",
     "PartitionStatus",
@@ -344,6 +352,31 @@ class MaxTransactionIdResponse(AdminMessage):
         return cls(seq_num, r.i32(), r.i64())
 
 
+@dataclass(frozen=True, slots=True)
+class NodeIdentityRequest(AdminMessage):
+    """Our addition (code 17): what cluster this node was made for. Answered before the open."""
+
+    TYPE: ClassVar[int] = 17
+
+
+@dataclass(frozen=True, slots=True)
+class NodeIdentityResponse(AdminMessage):
+    """Our addition (code 18): the control file's cluster key and partition count, and the data port."""
+
+    TYPE: ClassVar[int] = 18
+
+    cluster_key: uuid.UUID
+    num_partitions: int
+    data_port: int
+
+    def _write(self, w: Writer) -> None:
+        w.uuid(self.cluster_key).i32(self.num_partitions).i32(self.data_port)
+
+    @classmethod
+    def _read(cls, r: Reader, seq_num: int) -> Self:
+        return cls(seq_num, r.uuid(), r.i32(), r.i32())
+
+
 _BY_TYPE: Final[dict[int, type[AdminMessage]]] = {
     cls.TYPE: cls
     for cls in (
@@ -362,6 +395,8 @@ _BY_TYPE: Final[dict[int, type[AdminMessage]]] = {
         AssignedPartitionStatusResponse,
         MaxTransactionIdRequest,
         MaxTransactionIdResponse,
+        NodeIdentityRequest,
+        NodeIdentityResponse,
     )
 }
 

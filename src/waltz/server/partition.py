@@ -17,8 +17,9 @@ Per partition there is one **append task** and one **feed task per mounted clien
   reads slowly only stalls its own feed task (we wait for its socket to drain).
 * A mount first drains the append queue (so nothing of the client is pending here), then streams the
   transactions the client lacks and finishes with MountResponse(READY); a client whose high-water mark is
-  above ours gets CLIENT_AHEAD. A newer connection (generation, then connection sequence number) of the
-  same client replaces the older one.
+  above ours gets CLIENT_AHEAD (final for the client, so only from the incarnation of the generation the mount
+  names, open, its store session open; any other answers NOT_READY and the client mounts again). A newer
+  connection (connection sequence number) of the same client replaces the older one.
 
 A partition object is one *incarnation*: it lives for one generation on this server, and its registrations
 die with it. Nothing is dropped silently: :meth:`Partition.append`, :meth:`Partition.feed_request` and
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections import deque
@@ -44,8 +44,8 @@ from waltz.protocol import client_server as cs
 from waltz.protocol.records import ReqId
 from waltz.server.feed_cache import FeedCache, FeedEntry
 from waltz.server.locks import LockRequest, LockTable
+from waltz.server.store.appends import PendingAppend
 from waltz.server.store.store_partition import StorePartition
-from waltz.server.store.store_session import PendingAppend
 from waltz.server.transaction_cache import TransactionCache, TransactionData, TransactionFetcher
 
 log = logging.getLogger(__name__)
@@ -141,11 +141,15 @@ class _AppendQueue(deque[_Append | _Flush]):
             # Only a getter that found the queue empty waits: the item that ends the emptiness wakes it.
             self._arrived.set()
 
-    async def put(self, item: _Append | _Flush) -> None:
-        """Queue ``item``, waiting for room."""
+    async def wait_room(self) -> None:
+        """Return once the queue has room (at once if it has)."""
         while len(self) >= self.capacity:
             self._room.clear()
             await self._room.wait()
+
+    async def put(self, item: _Append | _Flush) -> None:
+        """Queue ``item``, waiting for room."""
+        await self.wait_room()
         self.put_nowait(item)
 
     async def get(self) -> _Append | _Flush:
@@ -223,14 +227,14 @@ class Partition:
         self._locks: LockTable | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._notify_scheduled = False
-        # The feeds were woken by _append_done since the last _report_commits (see there).
-        self._feeds_woken = False
         self._loop_idle = False
         """True while the append task waits for an item with nothing queued (see :meth:`append`)."""
         self._ready = asyncio.Event()
         self._closed = False
         self.failure: BaseException | None = None
-        """Why the append task died (a bug): the partition then takes no appends, and health says so."""
+        """Why the append task or the store's supervisor died (a bug): the partition then takes no appends,
+        and health says so."""
+        self._failed_what = ""
         self.metrics = metrics or PartitionMetrics()
         self.on_failure: Callable[[Partition], None] | None = None
         """Called on the loop when the append task fails: the owner decides what becomes of the partition."""
@@ -264,7 +268,7 @@ class Partition:
         if self._closed:
             return "closed"
         if self.failure is not None:
-            return f"append task failed: {self.failure!r}"
+            return f"{self._failed_what} failed: {self.failure!r}"
         if not self.store.is_healthy:
             return "no open store session (recovering, or too few replicas reachable)"
         return None
@@ -295,6 +299,7 @@ class Partition:
         return len(self._feeds)
 
     async def start(self) -> None:
+        self.store.on_failure = self._store_failed
         await self.store.start()
         task = asyncio.create_task(self._append_loop(), name=f"append-{self.partition_id}")
         task.add_done_callback(self._append_loop_done)
@@ -305,12 +310,20 @@ class Partition:
         # unable to append. Say so once, loudly, and let health report it (the server reopens the partition).
         if task.cancelled() or self._closed:
             return
-        error = task.exception() or RuntimeError("the append task returned")
+        self._failed("the append task", task.exception() or RuntimeError("the append task returned"))
+
+    def _store_failed(self, error: BaseException) -> None:
+        # The store partition's supervisor died (a bug): as for the append task, the owner hears of it.
+        if not self._closed:
+            self._failed("the store", error)
+
+    def _failed(self, what: str, error: BaseException) -> None:
+        if self.failure is not None:
+            return
         self.failure = error
+        self._failed_what = what
         log.error(
-            "partition %d: the append task failed; the partition takes no appends",
-            self.partition_id,
-            exc_info=error,
+            "partition %d: %s failed; the partition takes no appends", self.partition_id, what, exc_info=error
         )
         if self.on_failure is not None:
             self.on_failure(self)
@@ -370,7 +383,7 @@ class Partition:
         The connection's read loop calls this first: no coroutine per append.
 
         ``more=True`` says more requests were read with this one and are handled next, in this same callback
-        (see ``StorePartition.submit_tagged``): an idle store writer then waits for the last of them and
+        (see ``StorePartition.submit``): an idle store writer then waits for the last of them and
         sends them as one batch, instead of sending this one alone at once."""
         # accepts(), on the ReqId's raw msb (client id << 32 | generation): one dict lookup, no properties.
         msb = msg.req_id[0]
@@ -389,18 +402,13 @@ class Partition:
         return True
 
     async def append(self, peer: Peer, msg: cs.AppendMessage) -> bool:
-        """Queue an append (waits while the queue is full: back pressure on that connection); False if this
-        incarnation cannot take it (see :meth:`accepts`)."""
-        if not self.accepts(peer, msg.req_id):
-            return False
-        received_s = _monotonic()
-        # The append task is idle and nothing is queued ahead of this append: hand it to the store here, as
-        # the task would at once, unless that has to wait (a busy lock slot, a full store queue). It saves a
-        # queue hand-off and a task switch per append, and a loop iteration on the way to the storage nodes.
-        if self._loop_idle and not self._queue and self._submit_now(peer, msg, received_s):
-            return True
-        await self._queue.put(_Append(peer, msg, received_s))
-        return True
+        """:meth:`append_nowait`, waiting for room in the append queue while it is full (back pressure on that
+        connection); False if this incarnation cannot take it (see :meth:`accepts`)."""
+        while True:
+            taken = self.append_nowait(peer, msg)
+            if taken is not None:
+                return taken
+            await self._queue.wait_room()
 
     async def flush(self) -> int:
         """Wait until every append queued before this call is resolved; return the high-water mark."""
@@ -409,13 +417,27 @@ class Partition:
         return await fut
 
     async def flush_request(self, peer: Peer, msg: cs.FlushRequest) -> None:
-        """Answer a flush accepted by :meth:`accepts` once every append before it is resolved."""
-        hwm = await self.flush()
-        peer.send(cs.FlushResponse(msg.req_id, hwm))
+        """Answer a flush accepted by :meth:`accepts_flush` once every append before it is resolved, through
+        an open store session: the client takes the answer as final, and a store fenced by a new owner fails
+        the appends it had in flight though that owner's recovery may have committed them. Such a flush waits
+        for a session that never opens, until :meth:`close` tells the client to mount again."""
+        while not self._closed:  # once closed, close() has told the client to mount again
+            await self.store.wait_open()  # raises ClosedResourceError once the store is closed
+            hwm = await self.flush()
+            if self.store.is_healthy and not self._closed:
+                peer.send(cs.FlushResponse(msg.req_id, hwm))
+                return
+
+    def _answers_mount(self, generation: int) -> bool:
+        """Whether a mount naming ``generation`` is ours to answer: only while open, in that generation (an
+        older incarnation, fenced or not yet replaced, may know a mark far below the log's end)."""
+        return generation == self.generation and not self._closed
 
     async def mount(self, peer: Peer, msg: cs.MountRequest) -> None:
+        """Stream what the client lacks, then READY; CLIENT_AHEAD only with the store session open (the mark
+        is the log's end); NOT_READY if not ours to answer (:meth:`_answers_mount`)."""
         rid = msg.req_id
-        if rid.generation < self.generation:
+        if not self._answers_mount(rid.generation):
             peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
             return
         reg = self._registrations.get(rid.client_id)
@@ -431,6 +453,8 @@ class Partition:
         if old is not None:
             self._end_feed(old)
         await self._ready.wait()
+        if self._closed:
+            return  # close() answered NOT_READY; a flush would wait for the append task it ended
         hwm = await self.flush()
         reg = self._registrations.get(rid.client_id)
         if reg is None or reg.peer is not peer:
@@ -442,6 +466,11 @@ class Partition:
             peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
             return
         if msg.client_high_water_mark > hwm:
+            if not (self._answers_mount(rid.generation) and self.store.is_healthy):
+                # Closed meanwhile, or no open store session (quorum lost, fenced by a new owner): our mark
+                # may not be the log's end, and CLIENT_AHEAD is final for a client.
+                peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
+                return
             peer.send(cs.MountResponse(rid, cs.PartitionState.CLIENT_AHEAD))
             log.warning(
                 "partition %d: client %d is ahead (%d > %d)",
@@ -541,12 +570,23 @@ class Partition:
             if not self._submit_now(item.peer, item.msg, item.received_s, bool(queue)):
                 await self._process_append(item)
 
-    def _submit_now(self, peer: Peer, msg: cs.AppendMessage, received_s: float, more: bool = False) -> bool:
-        """Process an append as :meth:`_process_append` would, if that needs no wait; False (nothing done)
-        if it would have to wait for a lock slot or for room in the store's queue. Its commit is heard in
-        :meth:`appends_committed`, with the rest of its batch. ``more`` as in :meth:`append_nowait`."""
-        req: LockRequest | None = None
-        if msg.write_locks or msg.read_locks or msg.append_locks:
+    def _submit_now(
+        self,
+        peer: Peer,
+        msg: cs.AppendMessage,
+        received_s: float,
+        more: bool = False,
+        held: LockRequest | None = None,
+    ) -> bool:
+        """Hand an append to the store if that needs no wait: True if queued, refused (its locks released) or
+        answered with a LockFailure; False (nothing done) if it would have to wait for a lock slot or for room
+        in the store's queue. Its end is heard in :meth:`appends_committed` (with the rest of its batch) or
+        :meth:`append_failed`. ``more`` as in :meth:`append_nowait`.
+
+        ``held``: its locks, begun and checked by the caller (:meth:`_process_append`, which waited for a
+        slot), and kept when the queue is full; without them the locks are begun and checked here."""
+        req = held
+        if held is None and (msg.write_locks or msg.read_locks or msg.append_locks):
             locks = self._locks
             if locks is None:
                 return False
@@ -564,20 +604,22 @@ class Partition:
         try:
             # The codec verified the data against its checksum as it decoded the request (see
             # cs.decode_append_request): the store need not compute it again.
-            queued = self.store.submit_tagged(msg, self, req, received_s, more)
+            queued = self.store.submit(msg, self, req, received_s, more)
         except WaltzError as e:
             self.pending_appends -= 1
             self._refused(req, msg, e)
             return True
         if not queued:
             self.pending_appends -= 1
-            self._release(req)
+            if held is None:
+                self._release(req)
             return False
         if req is not None:
             self._locked_pending += 1
         return True
 
     async def _process_append(self, item: _Append) -> None:
+        """:meth:`_submit_now`, waiting for a lock slot and for room in the store's queue where it must."""
         msg = item.msg
         req: LockRequest | None = None
         # An append without locks can neither conflict nor invalidate another: it skips the lock table.
@@ -585,26 +627,13 @@ class Partition:
             req = await self._take_locks(item)
             if req is None:
                 return
-        listener = self._resolution_listener(req, item)
-        try:
-            await self.store.submit(msg, listener)
-        except WaltzError as e:
-            self.pending_appends -= 1
-            self._refused(req, msg, e)
+        while not self._submit_now(item.peer, msg, item.received_s, False, req):
+            await self.store.wait_room()
 
     def _refused(self, req: LockRequest | None, msg: cs.AppendMessage, error: WaltzError) -> None:
         self._release(req)
         self.metrics.failed()
         log.debug("partition %d: append %r refused: %s", self.partition_id, msg.req_id, error)
-
-    def _resolution_listener(
-        self, req: LockRequest | None, item: _Append
-    ) -> Callable[[int, BaseException | None], None]:
-        """What the store calls when ``item`` is resolved (synchronously, in the commit: see
-        ``PendingAppend.on_resolved``)."""
-        self.pending_appends += 1
-        # A partial is called in C: one Python frame per resolution less than a lambda.
-        return functools.partial(self._append_done, req, item)
 
     async def _take_locks(self, item: _Append) -> LockRequest | None:
         """Begin the append's locks and check them; None (with a LockFailure sent) if they conflict."""
@@ -614,10 +643,11 @@ class Partition:
         req = locks.begin(msg.write_locks, msg.read_locks, msg.append_locks)
         if req is None:
             # A slot is held by an in-flight append: retry after each resolution of the store, so the wait
-            # ends as soon as that append is resolved (_append_done releases its slots synchronously, inside
-            # the resolution), not when everything in flight is (a full replication round trip later, with
-            # the whole append queue stalled behind it). Nothing is submitted while we wait (this task is
-            # the only submitter while it is busy), so the unresolved appends only decrease: the loop ends.
+            # ends as soon as that append is resolved (append_failed and appends_committed release its
+            # slots synchronously, inside the resolution), not when everything in flight is (a full
+            # replication round trip later, with the whole append queue stalled behind it). Nothing is
+            # submitted while we wait (this task is the only submitter while it is busy), so the unresolved
+            # appends only decrease: the loop ends.
             # The order of appends is kept: this append is still the next one submitted.
             store = self.store
             while await store.wait_resolution():
@@ -663,44 +693,10 @@ class Partition:
             assert locks is not None
             locks.release(req)
 
-    def _append_done(
-        self, req: LockRequest | None, item: _Append, txn: int, error: BaseException | None
-    ) -> None:
-        self.pending_appends -= 1
-        if error is not None:
-            self._release(req)
-            self.metrics.failed()
-            return
-        msg = item.msg
-        if req is not None:
-            locks = self._locks
-            assert locks is not None
-            locks.commit_and_release(req, txn)
-        data = msg.data
-        self._feed_cache.add_entry(self.partition_id, txn, msg.req_id, msg.header)
-        self._txn_cache.put(self.partition_id, txn, data, msg.checksum)
-        self._committed += 1
-        self._committed_bytes += len(data)
-        if not self._feeds_woken:
-            # One wake-up per loop iteration, however many appends a batch committed. The feeds are woken
-            # now: the other appends of the batch were resolved together with this one, so their callbacks
-            # run before the feed tasks do (an extra call_soon here cost every commit a loop iteration before
-            # its FeedData left). Its own flag, not _notify_scheduled: a batch sent to a feed from the commit
-            # (appends_committed) schedules the report but wakes no task, which must still send this id.
-            self._feeds_woken = True
-            for ctx in self._feeds.values():
-                ctx.wake.set()
-        if not self._notify_scheduled:
-            # Its first append's latency stands for the batch.
-            self.metrics.latency(time.monotonic() - item.received_s)
-            self._notify_scheduled = True
-            asyncio.get_running_loop().call_soon(self._report_commits)
-
     def appends_committed(self, appends: Sequence[PendingAppend]) -> None:
-        """AppendListener: appends submitted by :meth:`_submit_now` committed (a batch, in id order, inside
-        the store's commit). What :meth:`_append_done` does for one, done for the batch: locks advance to
-        each id, headers go to the feed cache and data to the transaction cache a batch at a time, the
-        feeds wake once."""
+        """AppendListener: appends this partition submitted committed (a batch, in id order, inside the
+        store's commit): locks advance to each id, headers go to the feed cache and data to the transaction
+        cache a batch at a time, the feeds wake once."""
         n = len(appends)
         if not n:
             return
@@ -721,7 +717,7 @@ class Partition:
         if self._feeds:
             self._feed_batch(appends)
         if not self._notify_scheduled:
-            # As in _append_done: one latency sample and one report per loop iteration.
+            # One latency sample (its first append's stands for the batch) and one report per loop iteration.
             self.metrics.latency(_monotonic() - appends[0].received_s)
             self._notify_scheduled = True
             asyncio.get_running_loop().call_soon(self._report_commits)
@@ -735,8 +731,8 @@ class Partition:
         once: ``next_id`` says what was sent, whoever sent it)."""
         n = len(appends)
         first = appends[0].transaction_id
-        # Dense ids only: a batch whose other appends were resolved on their own (submitted by the append
-        # task, each with its own listener) reaches here with gaps, which only the feed task fills.
+        # Dense ids only: a batch the store shared with appends of another listener reaches here with gaps,
+        # which only the feed task fills.
         dense = appends[-1].transaction_id == first + n - 1
         entries: list[FeedEntry] | None = None
         for ctx in self._feeds.values():
@@ -761,7 +757,7 @@ class Partition:
                 peer.send(cs.FeedSuspended(ctx.session))
 
     def append_failed(self, append: PendingAppend, error: BaseException) -> None:
-        """AppendListener: an append submitted by :meth:`_submit_now` will not commit (the client learns it
+        """AppendListener: an append this partition submitted will not commit (the client learns it
         from the feed or a flush: nothing is sent)."""
         self.pending_appends -= 1
         if append.tag is not None:
@@ -771,7 +767,6 @@ class Partition:
 
     def _report_commits(self) -> None:
         self._notify_scheduled = False
-        self._feeds_woken = False
         self.metrics.appended(self._committed, self._committed_bytes)
         self._committed = self._committed_bytes = 0
 
@@ -786,6 +781,16 @@ class Partition:
         ctx.task = asyncio.create_task(
             self._feed_loop(ctx), name=f"feed-{self.partition_id}-client-{ctx.client_id}"
         )
+        ctx.task.add_done_callback(self._feed_done)
+
+    def _feed_done(self, task: asyncio.Task[None]) -> None:
+        # A feed ends by cancellation or on a WaltzError (handled in it); anything else is a bug, and the
+        # partition fails as for a failed append task (health reports it, the server reopens it).
+        if task.cancelled() or self._closed:
+            return
+        error = task.exception()
+        if error is not None:
+            self._failed(f"the feed task {task.get_name()}", error)
 
     def _end_feed(self, ctx: _FeedContext) -> None:
         if ctx.task is not None and ctx.task is not asyncio.current_task():

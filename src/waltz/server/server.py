@@ -22,7 +22,12 @@
   ``HWM_NOT_SERVED`` and a range request no records (readers then ask for the mark); a high-water mark or
   range request for a partition we do not own closes the connection (its RPC fails at once and is retried
   on the owner), as does a stream request for a partition the connection never mounted (a protocol
-  violation).
+  violation). **Only the current incarnation answers as the owner**: an incarnation that a new assignment
+  ends leaves the partition table before any of them is closed; a mount is answered only by the incarnation
+  of the generation it names (else NOT_READY), and a high-water mark or range request naming a newer
+  generation than ours gets ``HWM_NOT_SERVED`` or no records: the mark of an incarnation whose generation is
+  over (fenced by the new owner) may be far below the log's end. A flush is answered through an open store
+  session only (see ``Partition.flush_request``).
 * **Bounds per connection** (``server.connection.*``, docs/operations.md "Limits"): at most ``maxInFlight``
   mounts, reads and flushes unanswered (the connection is not read meanwhile); read responses reserve their
   bytes from a ``maxResponseBytes`` budget until they left our write buffer, so a peer that asks and never
@@ -35,27 +40,16 @@
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
-import itertools
+import functools
 import logging
 import time
 import uuid
 import weakref
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kazoo.client import KazooClient
-from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-    SummaryMetricFamily,
-)
-from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from waltz.cluster import zk
 from waltz.cluster.membership import ClusterMember
@@ -63,20 +57,20 @@ from waltz.cluster.replica_assignments import ReplicaAssignments
 from waltz.cluster.store_metadata import read_store_params
 from waltz.cluster.zk import ClusterPaths
 from waltz.config import parse_partition_ranges
-from waltz.errors import ConnectionError_, PartitionNotReadyError, RemoteProtocolError, WaltzError
+from waltz.errors import PartitionNotReadyError, RemoteProtocolError, WaltzError
 from waltz.http import HttpEndpoint, build_info, listen, new_registry
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
 from waltz.protocol.record_run import RunBytes
-from waltz.protocol.records import ReqId
 from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
 from waltz.server.config import ServerConfig
-from waltz.server.feed_cache import FeedCache, FeedEntry
-from waltz.server.partition import Partition, PartitionMetrics
-from waltz.server.store.store_partition import BATCH_APPENDS_BOUNDS, StorePartition
+from waltz.server.connection import BadMessage, ClientConnection, CloseConnection
+from waltz.server.feed_cache import FeedCache
+from waltz.server.metrics import ServerMetrics, StoreCollector
+from waltz.server.partition import Partition
+from waltz.server.store.store_partition import StorePartition
 from waltz.server.transaction_cache import TransactionCache, TransactionData, TransactionFetcher
 from waltz.transport import (
-    ByteBudget,
     FramedConnection,
     FramedServer,
     RateLimitedLog,
@@ -99,337 +93,6 @@ HWM_RECOVERY_WAIT_S = 1.0
 ``HWM_NOT_SERVED``: long enough for a normal start, short against a client's request timeout."""
 
 
-class _CloseConnection(Exception):
-    """Raised by a request handler when the only honest answer is to close the connection."""
-
-
-class _BadMessage(Exception):
-    """A client message did not decode (``error``): the connection is closed, with a rate-limited warning."""
-
-    def __init__(self, error: RemoteProtocolError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-class _Connection:
-    """A client connection as partitions see it (implements :class:`waltz.server.partition.Peer`), with its
-    bounds: ``slots`` for unanswered spawned requests and ``budget`` for the bytes of read responses."""
-
-    __slots__ = ("_conn", "_version", "budget", "client_id", "mounts", "slots")
-
-    def __init__(self, conn: FramedConnection, max_in_flight: int, max_response_bytes: int) -> None:
-        self._conn = conn
-        self._version = conn.negotiated_version
-        self.client_id: int | None = None
-        self.mounts: dict[int, ReqId | None] = {}
-        """Per partition, the ReqId of the latest MountRequest on this connection; None once we ended it."""
-        self.slots = asyncio.Semaphore(max_in_flight)
-        self.budget = ByteBudget(max_response_bytes)
-
-    def end_mount(self, partition_id: int) -> bool:
-        """Tell the client its mount of ``partition_id`` on this connection is over (MountResponse NOT_READY),
-        once per mount. False if the connection never mounted the partition: nothing to answer on."""
-        if partition_id not in self.mounts:
-            return False
-        session = self.mounts[partition_id]
-        if session is not None:
-            self.mounts[partition_id] = None
-            self.send(cs.MountResponse(session, cs.PartitionState.NOT_READY))
-        return True
-
-    @property
-    def closed(self) -> bool:
-        return self._conn.is_closed
-
-    @property
-    def source(self) -> str:
-        return self._conn.source
-
-    def send(self, msg: cs.Message) -> None:
-        try:
-            self._conn.send(cs.encode(msg, self._version))
-        except ConnectionError_:
-            pass  # the connection is gone: its read loop ends and cleans up
-
-    def send_range(self, msg: cs.TransactionRangeResponse) -> None:
-        """:meth:`send` of a range response, its run (megabytes, as the storage node sent it) written after
-        the head rather than joined into a payload and then into a frame."""
-        if not msg.run:
-            self.send(msg)
-            return
-        try:
-            self._conn.send_parts(*cs.encode_range_response_parts(msg, self._version))
-        except ConnectionError_:
-            pass
-
-    def send_feed(self, entries: Sequence[FeedEntry]) -> None:
-        """A FeedData for each of ``entries``, in order (the feed's hot path: one call per batch)."""
-        try:
-            self._conn.send_many(cs.encode_feed_entries(entries, self._version))
-        except ConnectionError_:
-            pass
-
-    @property
-    def drain_needed(self) -> bool:
-        return self._conn.drain_needed
-
-    async def drain(self) -> None:
-        conn = self._conn
-        # The feed drains after every batch it sends: with little unsent (nearly always) the drain could not
-        # wait, and skipping it saves two coroutines per batch. The frames leave with the iteration's flush.
-        if conn.drain_needed:
-            await conn.drain()
-
-    async def aclose(self) -> None:
-        await self._conn.aclose()
-
-
-class _PartitionCommits:
-    """One partition's committed appends, data bytes and commit latencies, counted in plain Python (the
-    partition reports them once per loop iteration) and exported by :class:`_CommitMetrics` when scraped."""
-
-    __slots__ = ("appends", "bounds", "data_bytes", "latency_counts", "latency_sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.appends = 0
-        self.data_bytes = 0
-        self.latency_counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
-        self.latency_sum = 0.0
-
-    def appended(self, count: int, data_bytes: int) -> None:
-        self.appends += count
-        self.data_bytes += data_bytes
-
-    def latency(self, seconds: float) -> None:
-        # bisect_left: a value equal to a bound counts in that bound's bucket (le), as a Histogram's does.
-        self.latency_counts[bisect.bisect_left(self.bounds, seconds)] += 1
-        self.latency_sum += seconds
-
-
-class _CommitMetrics(Collector):
-    """``waltz_server_appends_total``, ``waltz_server_appended_bytes_total`` and the
-    ``waltz_server_append_seconds`` histogram, per partition, read from plain counts when scraped. Prometheus
-    Counters and a Histogram cost a lock and several Python calls per update (two counters and a bucket loop
-    per batch: a few tenths of a µs per append). The same names, labels and buckets as those were; a
-    partition's counts outlive its Partition object (a generation change), so they only grow."""
-
-    _BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0)
-
-    def __init__(self) -> None:
-        self._partitions: dict[str, _PartitionCommits] = {}
-
-    def for_partition(self, label: str) -> _PartitionCommits:
-        commits = self._partitions.get(label)
-        if commits is None:
-            commits = self._partitions[label] = _PartitionCommits(self._BUCKETS)
-        return commits
-
-    def collect(self) -> Iterator[Metric]:
-        appends = CounterMetricFamily("waltz_server_appends", "Committed appends", labels=["partition"])
-        data = CounterMetricFamily(
-            "waltz_server_appended_bytes", "Data bytes of committed appends", labels=["partition"]
-        )
-        latency = HistogramMetricFamily(
-            "waltz_server_append_seconds", "Time from an append's arrival to its commit", labels=["partition"]
-        )
-        for label, commits in sorted(self._partitions.items()):
-            appends.add_metric([label], commits.appends)
-            data.add_metric([label], commits.data_bytes)
-            latency.add_metric(
-                [label], _histogram_buckets(commits.bounds, commits.latency_counts), commits.latency_sum
-            )
-        yield appends
-        yield data
-        yield latency
-
-
-def _histogram_buckets(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[str, float]]:
-    """A histogram's ``(le, cumulative count)`` buckets from per-bucket ``counts`` (one per bound, then one
-    above every bound), the "le" labels as prometheus_client's own Histogram writes them (its helper is
-    untyped)."""
-    cumulative = list(itertools.accumulate(counts))
-    buckets: list[tuple[str, float]] = [
-        (floatToGoString(b), c)  # type: ignore[no-untyped-call]
-        for b, c in zip(bounds, cumulative, strict=False)
-    ]
-    buckets.append(("+Inf", cumulative[-1]))
-    return buckets
-
-
-class _Metrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.commits = _CommitMetrics()
-        registry.register(self.commits)
-        self.lock_failures = Counter(
-            "waltz_server_lock_failures",
-            "Appends rejected by a lock conflict",
-            ["partition"],
-            registry=registry,
-        )
-        self.failed = Counter(
-            "waltz_server_failed_appends", "Appends that failed", ["partition"], registry=registry
-        )
-        self.hwm = Gauge(
-            "waltz_server_high_water_mark", "Committed high-water mark", ["partition"], registry=registry
-        )
-        self.pending = Gauge(
-            "waltz_server_pending_appends", "Appends in flight", ["partition"], registry=registry
-        )
-        self.feeds = Gauge("waltz_server_feed_contexts", "Mounted clients", ["partition"], registry=registry)
-        self.generation = Gauge(
-            "waltz_server_generation", "Partition generation", ["partition"], registry=registry
-        )
-        self.healthy = Gauge(
-            "waltz_server_partition_healthy", "1 if a store session is open", ["partition"], registry=registry
-        )
-        self.cache_hit_rate = Gauge(
-            "waltz_server_cache_hit_ratio", "Cache hits / lookups", ["cache"], registry=registry
-        )
-        self.partitions = Gauge("waltz_server_partitions", "Partitions owned", registry=registry)
-        self.read_bytes = Counter(
-            "waltz_server_read_bytes",
-            "Data bytes sent to clients by transaction data and range reads",
-            ["partition"],
-            registry=registry,
-        )
-        self.generation_changes = Counter(
-            "waltz_server_generation_changes",
-            "Generations this server took a partition at (opened, or raised while owned)",
-            ["partition"],
-            registry=registry,
-        )
-        self.damaged_reads = Gauge(
-            "waltz_server_damaged_replica_reads",
-            "Reads that found a replica's stored copy damaged and went to another replica",
-            ["partition"],
-            registry=registry,
-        )
-
-    # Gauges of live state are read when scraped (set_function), not copied now and then: a scrape of
-    # /metrics alone must see the current high-water mark.
-
-    def export_partition(self, pid: int, part: Partition) -> None:
-        label = str(pid)
-        self.hwm.labels(label).set_function(lambda: part.high_water_mark)
-        self.pending.labels(label).set_function(lambda: part.pending_appends)
-        self.feeds.labels(label).set_function(lambda: part.feed_context_count)
-        self.healthy.labels(label).set_function(lambda: 1 if part.is_healthy else 0)
-        self.damaged_reads.labels(label).set_function(lambda: sum(part.store.damaged_replicas.values()))
-
-    def unexport_partition(self, pid: int) -> None:
-        label = str(pid)
-        for gauge in (self.hwm, self.pending, self.feeds, self.healthy, self.generation, self.damaged_reads):
-            with contextlib.suppress(KeyError):
-                gauge.remove(label)
-
-    def export_caches(self, feed: FeedCache, transactions: TransactionCache) -> None:
-        for name, cache in (("feed", feed), ("transaction", transactions)):
-            self.cache_hit_rate.labels(name).set_function(_hit_ratio(cache))
-
-    def for_partition(self, pid: int) -> PartitionMetrics:
-        p = str(pid)
-        commits = self.commits.for_partition(p)
-        return PartitionMetrics(
-            appended=commits.appended,
-            lock_failed=self.lock_failures.labels(p).inc,
-            failed=self.failed.labels(p).inc,
-            latency=commits.latency,
-        )
-
-
-class _StoreCollector:
-    """Store state read when scraped: replica lag and role per replica, store sessions, recovery time.
-
-    A collector rather than labelled gauges: the replica set of a partition changes with every session, and
-    the numbers live in the store already (:meth:`StorePartition.replica_positions`, ``stats``)."""
-
-    def __init__(self, partitions: Callable[[], dict[int, Partition]]) -> None:
-        self._partitions = partitions
-
-    def describe(self) -> list[Any]:
-        return []  # no eager collection at registration: the server has no partitions yet
-
-    def collect(self) -> Iterator[Any]:
-        lag = GaugeMetricFamily(
-            "waltz_server_replica_lag",
-            "Committed transactions a replica of the open store session does not hold yet",
-            labels=["partition", "replica"],
-        )
-        state = GaugeMetricFamily(
-            "waltz_server_replica_participant",
-            "1 if the replica takes part in the open store session's writes, 0 if it is recovering or out",
-            labels=["partition", "replica", "role"],
-        )
-        opened = CounterMetricFamily(
-            "waltz_server_store_sessions_opened", "Store sessions opened", labels=["partition"]
-        )
-        ended = CounterMetricFamily(
-            "waltz_server_store_sessions_ended",
-            "Store sessions ended, by reason",
-            labels=["partition", "reason"],
-        )
-        recovery = SummaryMetricFamily(
-            "waltz_server_recovery_seconds",
-            "Time from a store session's start to its opening (replica recovery and the vote)",
-            labels=["partition"],
-        )
-        repairs = {
-            outcome: CounterMetricFamily(
-                f"waltz_server_scrub_repairs_{outcome}",
-                f"Repairs of records a storage node's scrub reported damaged: {what}",
-                labels=["partition"],
-            )
-            for outcome, what in (
-                ("started", "started"),
-                ("finished", "every reported record rewritten from a good copy"),
-                ("failed", "ended early (tried again later)"),
-            )
-        }
-        batches = HistogramMetricFamily(
-            "waltz_server_store_batch_appends",
-            "Appends per committed batch (each batch is one write request and one fsync on every replica)",
-            labels=["partition"],
-        )
-        repaired = CounterMetricFamily(
-            "waltz_server_scrub_repaired_records",
-            "Records rewritten on a replica from a good copy after its scrub reported them damaged",
-            labels=["partition"],
-        )
-        for pid, part in sorted(self._partitions().items()):
-            p = str(pid)
-            store = part.store
-            counts = store.repairs
-            repairs["started"].add_metric([p], counts.started)
-            repairs["finished"].add_metric([p], counts.finished)
-            repairs["failed"].add_metric([p], counts.failed)
-            repaired.add_metric([p], counts.records)
-            hwm = store.high_water_mark
-            for replica, (role, max_id) in sorted(store.replica_positions().items()):
-                lag.add_metric([p, replica], max(0, hwm - max_id))
-                state.add_metric([p, replica, role], 1 if role == "participant" else 0)
-            stats = store.stats
-            opened.add_metric([p], stats.sessions_opened)
-            for reason, count in sorted(stats.sessions_ended.items()):
-                ended.add_metric([p, reason], count)
-            recovery.add_metric([p], stats.sessions_opened, stats.recovery_seconds_sum)
-            batches.add_metric(
-                [p],
-                _histogram_buckets(BATCH_APPENDS_BOUNDS, stats.batch_appends_counts),
-                stats.batch_appends_sum,
-            )
-        yield from (lag, state, opened, ended, recovery, batches, *repairs.values(), repaired)
-
-
-def _hit_ratio(cache: FeedCache | TransactionCache) -> Callable[[], float]:
-    def ratio() -> float:
-        stats = cache.statistics()
-        lookups = stats.hits + stats.misses
-        return stats.hits / lookups if lookups else 0.0
-
-    return ratio
-
-
 class WaltzServer:
     """A running Waltz server. Use :meth:`start`; :meth:`aclose` stops everything it started."""
 
@@ -441,7 +104,7 @@ class WaltzServer:
         self.cluster_key = cluster_key
         self.num_partitions = num_partitions
         self.registry = new_registry()
-        self.metrics = _Metrics(self.registry)
+        self.metrics = ServerMetrics(self.registry)
         # server.ssl.* also secures the links to storage nodes (REFERENCE §7.4).
         self.connector = TcpReplicaConnector(
             cluster_key, num_partitions, ssl=config.tls.client_context("server config")
@@ -453,7 +116,7 @@ class WaltzServer:
             self.transaction_cache, self._load_transaction, max_in_flight=config.max_fetches_in_flight
         )
         self.metrics.export_caches(self.feed_cache, self.transaction_cache)
-        self.registry.register(_StoreCollector(lambda: self.partitions))
+        self.registry.register(StoreCollector(lambda: self.partitions))
         self.partitions: dict[int, Partition] = {}
         self.replica_sets: dict[int, tuple[str, ...]] = {}
         self.member: ClusterMember | None = None
@@ -635,11 +298,16 @@ class WaltzServer:
         error = task.exception() or RuntimeError("the ZooKeeper followers returned")
         if isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
             error = error.exceptions[0]
-        # A server that no longer follows its ownership cannot be trusted to serve: it reports the failure
-        # on /health and run_server stops it, so its partitions move to a server that does.
-        self.failure = error
+        # A server that no longer follows its ownership cannot be trusted to serve.
+        self._fail(error, "stopped following ZooKeeper")
+
+    def _fail(self, error: BaseException, what: str) -> None:
+        """A background task of the server failed: report it on /health and let run_server stop the server,
+        so its partitions move to a server that works (the first failure is the one reported)."""
+        if self.failure is None:
+            self.failure = error
         self._failed.set()
-        log.error("server %d stopped following ZooKeeper; stopping", self.server_id, exc_info=error)
+        log.error("server %d: %s; stopping", self.server_id, what, exc_info=error)
 
     async def wait_failed(self) -> BaseException:
         """Wait until a background task of the server fails, and return its exception."""
@@ -652,34 +320,38 @@ class WaltzServer:
         async for assignment in self.member.assignments():
             await self._reconcile(assignment)
 
-    async def _reconcile(self, assignment: dict[int, int]) -> None:
-        async with self._reconcile_lock:
-            for pid in [p for p in self.partitions if p not in assignment]:
-                leaving = self.partitions.pop(pid)
+    async def _close_ended(self, assignment: dict[int, int]) -> None:
+        """Close every incarnation that ``assignment`` ends (its partition moved away or to a new generation).
+
+        Each leaves :attr:`partitions` before the first of them is closed (a close waits for its tasks and its
+        store): one still listed would go on answering requests for a generation that is over meanwhile, e.g.
+        a mount with the stale high-water mark of a store fenced by the new owner. Not listed, its requests
+        are answered NOT_READY (Partition.mount also refuses every generation but its own)."""
+        over = sorted(pid for pid, p in self.partitions.items() if assignment.get(pid) != p.generation)
+        ending = [(pid, self.partitions.pop(pid)) for pid in over]
+        for pid, old in ending:
+            if pid not in assignment:
                 self.metrics.unexport_partition(pid)
-                await leaving.close()
+                await old.close()
                 log.info(
                     "partition %d closed: moved away (generation %d, high-water mark %d)",
                     pid,
-                    leaving.generation,
-                    leaving.high_water_mark,
+                    old.generation,
+                    old.high_water_mark,
                 )
+                continue
+            # It moved away and back (we missed the step between): another server may have committed
+            # meanwhile, so this incarnation's lock table and registrations are stale. Start afresh.
+            self.metrics.generation_changes.labels(str(pid)).inc()
+            log.info("partition %d: generation %d -> %d; reopening it", pid, old.generation, assignment[pid])
+            await old.close()
+
+    async def _reconcile(self, assignment: dict[int, int]) -> None:
+        async with self._reconcile_lock:
+            await self._close_ended(assignment)
             for pid, generation in sorted(assignment.items()):
-                existing = self.partitions.get(pid)
-                if existing is not None:
-                    if existing.generation == generation:
-                        continue
-                    # It moved away and back (we missed the step between): another server may have committed
-                    # meanwhile, so this incarnation's lock table and registrations are stale. Start afresh.
-                    self.metrics.generation_changes.labels(str(pid)).inc()
-                    del self.partitions[pid]
-                    log.info(
-                        "partition %d: generation %d -> %d; reopening it",
-                        pid,
-                        existing.generation,
-                        generation,
-                    )
-                    await existing.close()
+                if pid in self.partitions:
+                    continue  # the same generation: carries on as it was
                 replicas = self.replica_sets.get(pid, ())
                 if not replicas:
                     log.error("partition %d has no replicas assigned in ZooKeeper; not opening it", pid)
@@ -834,7 +506,7 @@ class WaltzServer:
         return await part.load_transaction(transaction_id)
 
     async def _serve_client(self, conn: FramedConnection) -> None:
-        peer = _Connection(
+        peer = ClientConnection(
             conn, self.config.connection_max_in_flight, self.config.connection_max_response_bytes
         )
         version = conn.negotiated_version
@@ -857,7 +529,7 @@ class WaltzServer:
                     decode_append(payload, version) if payload[0] == append_type else decode(payload, version)
                 )
             except RemoteProtocolError as e:
-                raise _BadMessage(e) from None
+                raise BadMessage(e) from None
             if peer.client_id is None:
                 peer.client_id = msg.req_id.client_id
             if type(msg) is append_cls and not self._suspended:
@@ -876,7 +548,7 @@ class WaltzServer:
                         return None
                     if taken is False:
                         if not peer.end_mount(pid):
-                            raise _CloseConnection(
+                            raise CloseConnection(
                                 f"AppendRequest for partition {pid}, never mounted on this connection"
                             )
                         return None
@@ -892,52 +564,24 @@ class WaltzServer:
 
         try:
             await conn.serve_payloads(on_payload)
-        except _BadMessage as e:
-            _peer_warnings.warning(
-                conn.source,
-                reason_kind("decode", e.error),
-                "closing client connection from %s: %s",
-                conn.peername,
-                e.error,
-            )
-        except _CloseConnection as e:
-            log.info("closing the connection of client %s (%s): %s", peer.client_id, conn.peername, e)
+        except (BadMessage, CloseConnection) as e:
+            _log_closing(conn, peer, e)
         finally:
             log.debug("client connection from %s (client %s) closed", conn.peername, peer.client_id)
             for part in self.partitions.values():
                 part.disconnect(peer)
 
-    async def _dispatch(self, peer: _Connection, msg: cs.Message | cs.AppendFields) -> None:
+    async def _dispatch(self, peer: ClientConnection, msg: cs.Message | cs.AppendFields) -> None:
         rid = msg.req_id
         if isinstance(msg, cs.AppendFields | cs.AppendRequest):
             # Appends first: nearly every message under load is one.
             pid = rid.partition_id
             part = self.partitions.get(pid) if not self._suspended else await self._owned(pid)
             if not (part is not None and await part.append(peer, msg)) and not peer.end_mount(pid):
-                raise _CloseConnection(f"AppendRequest for partition {pid}, never mounted on this connection")
+                raise CloseConnection(f"AppendRequest for partition {pid}, never mounted on this connection")
             return
         # Cluster-level queries first: they name no partition.
-        if isinstance(msg, cs.CheckStorageConnectivityRequest):
-            # Every storage node of the cluster, not only those this server has talked to (as the original).
-            storages = {s for replicas in self.replica_sets.values() for s in replicas}
-            reachable = await self.connector.probe(storages)
-            peer.send(cs.CheckStorageConnectivityResponse(rid, tuple(reachable.items())))
-            return
-        if isinstance(msg, cs.ServerPartitionsAssignmentRequest):
-            peer.send(cs.ServerPartitionsAssignmentResponse(rid, tuple(sorted(self.partitions))))
-            return
-        if isinstance(msg, cs.AddPreferredPartitionRequest | cs.RemovePreferredPartitionRequest):
-            ok = await self._change_preferred(msg)
-            resp_cls = (
-                cs.AddPreferredPartitionResponse
-                if isinstance(msg, cs.AddPreferredPartitionRequest)
-                else cs.RemovePreferredPartitionResponse
-            )
-            peer.send(resp_cls(rid, ok))
-            return
-        if isinstance(msg, cs.ServerPartitionsHealthStatRequest):
-            health = tuple((pid, p.is_healthy) for pid, p in sorted(self.partitions.items()))
-            peer.send(cs.ServerPartitionsHealthStatResponse(rid, health))
+        if await self._cluster_request(peer, msg):
             return
         pid = rid.partition_id
         part = self.partitions.get(pid)
@@ -947,10 +591,18 @@ class WaltzServer:
             return
         if isinstance(msg, cs.TransactionRangeRequest | cs.HighWaterMarkRequest):
             if part is None:
-                raise _CloseConnection(
+                raise CloseConnection(
                     f"{type(msg).__name__} for partition {pid}, which this server does not own"
                 )
-            if isinstance(msg, cs.HighWaterMarkRequest):
+            if rid.generation > part.generation:
+                # The reader knows a newer owner than this incarnation (one being replaced here, or a store
+                # fenced by that owner): the mark this one knows may be far below the log's end, and a reader
+                # takes the mark for the end. Answered as for a partition not served: retriable.
+                if isinstance(msg, cs.HighWaterMarkRequest):
+                    peer.send(cs.HighWaterMarkResponse(rid, cs.HWM_NOT_SERVED))
+                else:
+                    peer.send_range(cs.TransactionRangeResponse(rid, msg.transaction_id, 0, b""))
+            elif isinstance(msg, cs.HighWaterMarkRequest):
                 if part.is_serving:
                     peer.send(cs.HighWaterMarkResponse(rid, part.high_water_mark))
                 else:
@@ -969,7 +621,7 @@ class WaltzServer:
             await self._spawn_for(peer, part.mount(peer, msg), f"mount-{pid}")
             return
         if not isinstance(msg, cs.FeedRequest | cs.FlushRequest):
-            raise _CloseConnection(f"unexpected {type(msg).__name__} from a client")
+            raise CloseConnection(f"unexpected {type(msg).__name__} from a client")
         part = await self._owned(pid)
         if isinstance(msg, cs.FeedRequest):
             # A FeedRequest names its own mount session: answer on that one, which the client ignores if it
@@ -982,11 +634,36 @@ class WaltzServer:
         if part is not None and accepted:
             await self._spawn_for(peer, part.flush_request(peer, msg), f"flush-{pid}")
         if not accepted and not peer.end_mount(pid):
-            raise _CloseConnection(
+            raise CloseConnection(
                 f"{type(msg).__name__} for partition {pid}, never mounted on this connection"
             )
 
-    async def _spawn_for(self, peer: _Connection, coro: Any, name: str) -> None:
+    async def _cluster_request(self, peer: ClientConnection, msg: cs.Message) -> bool:
+        """Answer ``msg`` if it is a cluster-level query (it names no partition); False if it is not one."""
+        rid = msg.req_id
+        if isinstance(msg, cs.CheckStorageConnectivityRequest):
+            # Every storage node of the cluster, not only those this server has talked to (as the original).
+            storages = {s for replicas in self.replica_sets.values() for s in replicas}
+            reachable = await self.connector.probe(storages)
+            peer.send(cs.CheckStorageConnectivityResponse(rid, tuple(reachable.items())))
+        elif isinstance(msg, cs.ServerPartitionsAssignmentRequest):
+            peer.send(cs.ServerPartitionsAssignmentResponse(rid, tuple(sorted(self.partitions))))
+        elif isinstance(msg, cs.AddPreferredPartitionRequest | cs.RemovePreferredPartitionRequest):
+            ok = await self._change_preferred(msg)
+            resp_cls = (
+                cs.AddPreferredPartitionResponse
+                if isinstance(msg, cs.AddPreferredPartitionRequest)
+                else cs.RemovePreferredPartitionResponse
+            )
+            peer.send(resp_cls(rid, ok))
+        elif isinstance(msg, cs.ServerPartitionsHealthStatRequest):
+            health = tuple((pid, p.is_healthy) for pid, p in sorted(self.partitions.items()))
+            peer.send(cs.ServerPartitionsHealthStatResponse(rid, health))
+        else:
+            return False
+        return True
+
+    async def _spawn_for(self, peer: ClientConnection, coro: Any, name: str) -> None:
         """Run a request of ``peer`` in its own task, once one of its in-flight slots is free.
 
         Waiting for a slot holds up this connection's read loop: a peer with ``maxInFlight`` requests
@@ -997,24 +674,41 @@ class WaltzServer:
         except BaseException:
             coro.close()
             raise
-        task = self._spawn(coro, name)
+        task = self._spawn(coro, name, peer)
         task.add_done_callback(lambda _t: peer.slots.release())
 
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
+    def _spawn(self, coro: Any, name: str, peer: ClientConnection | None = None) -> asyncio.Task[None]:
+        """Run ``coro`` in a task the server owns (cancelled by :meth:`aclose`): a request of ``peer``, or
+        the server's own work (``peer`` None). See :meth:`_task_done` for who hears of its failure."""
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        task.add_done_callback(functools.partial(self._task_done, peer))
         return task
 
-    def _task_done(self, task: asyncio.Task[None]) -> None:
+    def _task_done(self, peer: ClientConnection | None, task: asyncio.Task[None]) -> None:
+        # A WaltzError is an answer the handler gave up on (the store or the connection failed), logged where
+        # it happened. Anything else is a bug, and its owner hears of it: a client's request closes that
+        # client's connection (it reconnects and asks again rather than wait for an answer that never
+        # comes); the server's own work (reopening a partition) fails the server, as its followers do.
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            exc = task.exception()
-            if not isinstance(exc, WaltzError):
-                log.error("request task %s failed", task.get_name(), exc_info=exc)
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is None or isinstance(error, WaltzError):
+            return
+        if peer is None:
+            self._fail(error, f"task {task.get_name()} failed")
+            return
+        log.error(
+            "request task %s failed; closing the connection of client %s",
+            task.get_name(),
+            peer.client_id,
+            exc_info=error,
+        )
+        self._spawn(peer.aclose(), f"close-client-{peer.client_id}")
 
     async def _transaction_data(
-        self, peer: _Connection, part: Partition | None, msg: cs.TransactionDataRequest
+        self, peer: ClientConnection, part: Partition | None, msg: cs.TransactionDataRequest
     ) -> None:
         rid = msg.req_id
         if part is None:
@@ -1062,7 +756,7 @@ class WaltzServer:
         return True
 
     async def _high_water_mark(
-        self, peer: _Connection, part: Partition, msg: cs.HighWaterMarkRequest
+        self, peer: ClientConnection, part: Partition, msg: cs.HighWaterMarkRequest
     ) -> None:
         """Answer once the partition serves: before its first session, its mark (-1) is not the log's, and
         after its session ended (quorum lost) the last mark it knew may not be either. If it does not serve
@@ -1073,7 +767,7 @@ class WaltzServer:
         peer.send(cs.HighWaterMarkResponse(msg.req_id, part.high_water_mark if served else cs.HWM_NOT_SERVED))
 
     async def _transaction_range(
-        self, peer: _Connection, part: Partition, msg: cs.TransactionRangeRequest
+        self, peer: ClientConnection, part: Partition, msg: cs.TransactionRangeRequest
     ) -> None:
         count = max(0, min(msg.max_count, MAX_RANGE_RECORDS))
         # The run is relayed as the storage node sent it; the budget keeps the response well inside the frame
@@ -1123,6 +817,21 @@ class WaltzServer:
         new = current | ids if isinstance(msg, cs.AddPreferredPartitionRequest) else current - ids
         await self.member.set_preferred_partitions(new)
         return True
+
+
+def _log_closing(conn: FramedConnection, peer: ClientConnection, error: BadMessage | CloseConnection) -> None:
+    """Say why the server closes a client connection: a message that did not decode (rate-limited per source)
+    or a request whose only honest answer is to close."""
+    if isinstance(error, BadMessage):
+        _peer_warnings.warning(
+            conn.source,
+            reason_kind("decode", error.error),
+            "closing client connection from %s: %s",
+            conn.peername,
+            error.error,
+        )
+    else:
+        log.info("closing the connection of client %s (%s): %s", peer.client_id, conn.peername, error)
 
 
 async def run_server(config: ServerConfig, *, ready: Callable[[WaltzServer], None] | None = None) -> None:

@@ -367,6 +367,31 @@ class AdminClient(_Endpoint[adm.AdminMessage]):
             adm.AdminOpenRequest(rpc.next_seq(), cluster_key, num_partitions), adm.AdminSuccessResponse
         )
 
+    @classmethod
+    async def identify(
+        cls, host: str, port: int, *, connect_timeout_ms: int = 5_000, ssl: SSLContext | None = None
+    ) -> adm.NodeIdentityResponse:
+        """The cluster key and partition count the node's control file was made for, and its data port,
+        asked without opening (no cluster key needed); the connection is closed afterwards."""
+        rpc = await _open_rpc(
+            host,
+            port,
+            magic=MAGIC_ADMIN,
+            versions=adm.ADMIN_VERSIONS,
+            hello_text=adm.ADMIN_CLIENT_HELLO,
+            encode=adm.encode,
+            decode=adm.decode,
+            seq_of=adm.seq_num_of,
+            error_of=_admin_error,
+            max_in_flight=1,
+            max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
+            connect_timeout_ms=connect_timeout_ms,
+            ssl=ssl,
+            name=f"storage admin {host}:{port}",
+        )
+        async with cls(rpc, f"{host}:{port}") as client:
+            return await client._call(adm.NodeIdentityRequest(rpc.next_seq()), adm.NodeIdentityResponse)
+
     async def set_assigned(
         self, partition_ids: Sequence[int], assigned: bool, *, delete_files: bool = False
     ) -> None:

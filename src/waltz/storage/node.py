@@ -1511,7 +1511,8 @@ class StorageNode:
             part.answer_failed(part.queue.pop())
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        """Healthy when no partition failed or is fail-stopped; ``partitions`` says which are, and why.
+        """Healthy when no partition failed, is fail-stopped or holds a damaged replica; ``partitions`` says
+        which, and why.
 
         Damaged records not repaired yet, and partitions whose control-file entry is damaged, are listed
         too (for operators and ``waltz cluster verify``); a damaged control entry takes its partition down.
@@ -1891,7 +1892,12 @@ class StorageNode:
                     return
                 resp: adm.AdminMessage
                 try:
-                    if isinstance(msg, adm.AdminOpenRequest):
+                    if isinstance(msg, adm.NodeIdentityRequest):
+                        # Before the open on purpose: a tool rebuilding lost metadata learns the key here.
+                        resp = adm.NodeIdentityResponse(
+                            msg.seq_num, self.control.key, self.control.num_partitions, self.port
+                        )
+                    elif isinstance(msg, adm.AdminOpenRequest):
                         self._check_identity(msg.cluster_key, msg.num_partitions)
                         opened = True
                         resp = adm.AdminSuccessResponse(msg.seq_num)

@@ -18,7 +18,7 @@ Several clients share one :class:`MockCluster` (``MockDriver(cluster=cluster)`` 
 
 For Waltz's own deterministic tests: :class:`VirtualTimeLoop` / :func:`run_virtual` (asyncio on virtual
 time, see :mod:`waltz.testing.simloop`); the in-memory storage nodes and metadata store the fault simulator
-drives live in :mod:`waltz.server.store.memory`.
+drives live in :mod:`waltz.testing.store`.
 """
 
 from waltz.client.mock import MockCluster, MockDriver

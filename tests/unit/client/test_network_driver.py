@@ -120,6 +120,13 @@ class Recorder:
                 self.changed.clear()
                 await self.changed.wait()
 
+    async def wait_for_count(self, *event_and_count: object) -> None:
+        *event, count = event_and_count
+        async with asyncio.timeout(STEP_S):
+            while self.events.count(tuple(event)) < count:  # type: ignore[arg-type]
+                self.changed.clear()
+                await self.changed.wait()
+
 
 def append_id(seq: int) -> ReqId:
     return ReqId.of(7, 1, 0, seq)
@@ -615,5 +622,65 @@ def test_a_connection_lost_while_reading_is_paused_for_a_full_inbox_reconnects_a
             conn2.send(cs.encode(cs.FeedData(append_id(total + 1), total, 0), conn2.negotiated_version))
             await listener.wait_for("feed", total)
             assert [e[1] for e in listener.events if e[0] == "feed"] == list(range(total + 1))
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_client_ahead_is_asked_again_when_the_owner_or_the_generation_changes() -> None:
+    """CLIENT_AHEAD is final only against the incarnation that answered it: a fenced, stale incarnation may
+    answer a newer generation's mount, so a new owner or generation mounts the partition again."""
+
+    async def main() -> None:
+        first, second = FakeServer(), FakeServer()
+        endpoint_a, endpoint_b = await first.start(), await second.start()
+        discovery = StaticDiscovery()
+        driver = NetworkDriver(ClientConfig(), discovery=discovery)
+        listener = Recorder()
+        await driver.open(listener)
+        try:
+            await driver.mount(0, 10)
+            discovery.publish({0: (endpoint_a, 3)})
+            conn_a, mount = await first.expect(cs.MountRequest)
+            first.send(conn_a, cs.MountResponse(mount.req_id, cs.PartitionState.CLIENT_AHEAD))
+            await listener.wait_for("state", MountState.CLIENT_AHEAD)
+
+            # The same owner and generation published again: the answer stands (no mount). The next mount
+            # the server sees is the one for the new generation, so none was sent in between.
+            discovery.publish({0: (endpoint_a, 3)})
+            await asyncio.sleep(0)
+            discovery.publish({0: (endpoint_a, 4)})
+            _, again = await first.expect(cs.MountRequest)
+            assert again.req_id.generation == 4
+            assert again.client_high_water_mark == 10
+            await listener.wait_for("state", MountState.NOT_READY)
+            first.send(conn_a, cs.MountResponse(again.req_id, cs.PartitionState.CLIENT_AHEAD))
+            await listener.wait_for_count("state", MountState.CLIENT_AHEAD, 2)
+
+            # Another owner: asked again, and its READY gives the partition back.
+            discovery.publish({0: (endpoint_b, 5)})
+            conn_b, moved = await second.expect(cs.MountRequest)
+            assert moved.req_id.generation == 5
+            assert moved.client_high_water_mark == 10
+            second.send(conn_b, cs.FeedData(append_id(1), 11, 0))
+            second.send(conn_b, cs.MountResponse(moved.req_id, cs.PartitionState.READY))
+            await listener.wait_for("state", MountState.READY)
+            assert listener.events == [
+                ("state", MountState.NOT_READY),
+                ("state", MountState.CLIENT_AHEAD),
+                ("state", MountState.NOT_READY),
+                ("state", MountState.CLIENT_AHEAD),
+                ("state", MountState.NOT_READY),
+                ("feed", 11),
+                ("state", MountState.READY),
+            ]
+            data = b"x"
+            driver.send_append(0, AppendRequest(append_id(2), 11, (1,), (), (), 0, data, crc32(data)))
+            _, append = await second.expect(cs.AppendRequest)
+            assert append.req_id == append_id(2)
+        finally:
+            await driver.close()
+            await first.aclose()
+            await second.aclose()
 
     asyncio.run(main())

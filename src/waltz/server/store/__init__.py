@@ -1,8 +1,8 @@
 """The replication core of the Waltz server: store sessions, quorum writes, recovery.
 
 Written against abstract interfaces (``interfaces.py``) with time and randomness injected, so the same code
-runs in memory (``memory.py``, the fault simulator in ``tests/fault``) and against real storage nodes and
-ZooKeeper. See ``docs/replication.md``.
+runs in memory (``waltz.testing.store``, the fault simulator in ``tests/fault``) and against real storage
+nodes and ZooKeeper. See ``docs/replication.md``.
 """
 
 from waltz.server.store.interfaces import (

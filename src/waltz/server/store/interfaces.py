@@ -1,8 +1,8 @@
 """What the replication core needs from the outside world, as abstract interfaces.
 
 The store layer (store sessions, recovery, quorum writes) is written only against these protocols, so it runs
-unchanged against in-memory storage nodes and a simulated clock (``memory.py``, ``tests/fault/``) and against
-real storage nodes over TCP and a real ZooKeeper.
+unchanged against in-memory storage nodes and a simulated clock (``waltz.testing.store``, ``tests/fault/``)
+and against real storage nodes over TCP and a real ZooKeeper.
 
 What an implementation must guarantee
 -------------------------------------

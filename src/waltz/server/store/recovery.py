@@ -210,6 +210,11 @@ class RecoveryState:
             self.recovered.append(storage)
             self._notify()
 
+    def forget_recovered(self, storage: str) -> None:
+        """A recovered replica that is not load-bearing failed: no longer recovered, nor a copy source."""
+        if storage in self.recovered:
+            self.recovered.remove(storage)
+
     async def wait_for_change(self) -> None:
         """Wait until the next registration, update or recovery."""
         await self._changed.wait()

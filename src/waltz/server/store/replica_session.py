@@ -28,7 +28,8 @@ retries with backoff, before the opening and after it alike: after it, it rejoin
 does (recorded clean in ZooKeeper, copies, joins), so a storage node that failed (a full disk, a failed
 fsync, a restart) is back in the session on its own once it serves again. (It used to sit the rest of the
 session out, which could be hours: sessions end only on failures, replica-set changes and checkpoints.) Its
-first failure is logged at WARNING, its return at INFO.
+first failure is logged at WARNING (at most one line per 10 s), its return, once it recovered again, at
+INFO; a replica that answers and is refused again in a loop is one outage, not a line per attempt.
 """
 
 from __future__ import annotations
@@ -36,24 +37,24 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import random
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import islice
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from waltz.errors import BrokenResourceError, SessionFencedError, WaltzError
 from waltz.protocol.records import Record
-from waltz.server.store.interfaces import ReplicaConnection, SessionInfo
-from waltz.server.store.recovery import Classification, classify_replica
-from waltz.server.store.support import Backoff, InvariantViolation, RetryLog
+from waltz.server.store.interfaces import ReplicaConnection, ReplicaConnector, SessionInfo
+from waltz.server.store.recovery import Classification, RecoveryState, classify_replica
+from waltz.server.store.support import Backoff, InvariantViolation, RetryLog, StoreConfig
 from waltz.server.store.voting import Voting
 
-if TYPE_CHECKING:
-    from waltz.server.store.store_session import StoreSession
+__all__ = ["Batch", "ReplicaContext", "ReplicaHost", "ReplicaRole", "ReplicaSession", "SessionOver"]
 
-__all__ = ["Batch", "ReplicaRole", "ReplicaSession", "SessionOver"]
+T = TypeVar("T")
 
 _NOT_WRITING = -2
 """``_sent_max`` while the replica task is not writing: no batch continues it, so nothing is sent."""
@@ -91,15 +92,74 @@ class Batch:
         return self.first + len(self.records) - 1
 
 
-class ReplicaSession:
-    """The task of one replica in one store session (see the module docstring)."""
+@dataclass(frozen=True)
+class ReplicaContext:
+    """What every replica of one store session shares and never changes."""
 
-    def __init__(self, session: StoreSession, storage: str, *, retiring: bool = False) -> None:
-        self.session = session
+    partition_id: int
+    session_id: int
+    config: StoreConfig
+    rng: random.Random
+    connector: ReplicaConnector
+    recovery: RecoveryState
+    """The session's recovery vote: a replica registers its high-water mark and its recovery there."""
+
+
+class ReplicaHost(Protocol):
+    """What a replica may ask of its store session, and nothing more (the session is the implementation)."""
+
+    is_open: bool
+    """The session opened (recovered, writing) and has not ended."""
+    high_water_mark: int
+    """The session's committed high-water mark."""
+
+    async def call(self, request: Awaitable[T]) -> T:
+        """Await a storage request, bounded by ``rpc_timeout_ms`` (a timeout raises BrokenResourceError)."""
+        ...
+
+    def replica_failed(self, replica: ReplicaSession, detail: str) -> None:
+        """``replica`` failed while load-bearing: the session ends."""
+        ...
+
+    def fenced(self, detail: str) -> None:
+        """A newer session fenced this one on some replica: the session ends."""
+        ...
+
+    async def copy_records(
+        self, requester: ReplicaSession, start: int, end: int, source: str | None = None
+    ) -> list[Record]:
+        """Records ``start..`` (at most ``end``) read from another replica (raises SessionOver)."""
+        ...
+
+    async def wait_open(self) -> None:
+        """Return once the session opened."""
+        ...
+
+    async def mark_clean(self, replica: ReplicaSession) -> None:
+        """Record ``replica``, recovered after the opening, as clean in ZooKeeper (raises SessionOver)."""
+        ...
+
+    def try_join(self, replica: ReplicaSession) -> bool:
+        """Take ``replica`` in as a participant if it is close enough to the writer (it is sent the batches
+        in flight with :meth:`ReplicaSession.join_writes`); False if not yet."""
+        ...
+
+
+class ReplicaSession:
+    """The task of one replica in one store session (see the module docstring).
+
+    Only the replica changes its own state (its role included): the session asks through
+    :meth:`deliver`, :meth:`join_writes` and :meth:`become_participant`."""
+
+    def __init__(
+        self, host: ReplicaHost, context: ReplicaContext, storage: str, *, retiring: bool = False
+    ) -> None:
+        self._host = host
+        self._ctx = context
         self.storage = storage
         self.retiring = retiring
         self._failures = 0
-        """Failures since this replica last answered (the first logged at WARNING, the return at INFO)."""
+        """Failures since this replica last recovered (the first logged at WARNING, the return at INFO)."""
         self._retry_log = RetryLog(log)
         """The retry loop's lines: one per 10 s at most (a refusal retried every 100 ms wrote thousands)."""
         """A replica of the previous set that is no longer assigned: it only votes and serves copies."""
@@ -131,7 +191,7 @@ class ReplicaSession:
         """Wakes the replica task: a batch it has to send itself was delivered, or a request failed."""
 
     def __repr__(self) -> str:
-        return f"ReplicaSession({self.storage}, session={self.session.session_id}, {self.role.value})"
+        return f"ReplicaSession({self.storage}, session={self._ctx.session_id}, {self.role.value})"
 
     # -- called by the store session -------------------------------------------------------------------------
 
@@ -141,9 +201,9 @@ class ReplicaSession:
         # The mailbox holds the session's other batches in flight (unless this replica already acknowledged
         # them) and before them the committed batches this replica still owes: how far behind it is.
         behind = len(self._mailbox) - (in_flight - 1)
-        if behind >= self.session.config.max_pending_batches:
+        if behind >= self._ctx.config.max_pending_batches:
             batch.voting.abstain()
-            self.session.end_for(self, "cannot keep up with the writes")
+            self._host.replica_failed(self, "cannot keep up with the writes")
             return
         self._mailbox.append(batch)
         if not self._send() and not self._requests:
@@ -151,8 +211,15 @@ class ReplicaSession:
 
     def join_writes(self, in_flight: Iterable[Batch]) -> None:
         """Start taking part with the session's batches in flight (the replica just joined)."""
+        self.role = ReplicaRole.PARTICIPANT
         self._mailbox.extend(in_flight)
         self._mail.set()
+
+    def become_participant(self) -> None:
+        """The session opened with this recovered replica as a participant."""
+        if self.role is not ReplicaRole.RECOVERED:
+            raise InvariantViolation(f"{self!r} made a participant")
+        self.role = ReplicaRole.PARTICIPANT
 
     def _send(self) -> bool:
         """Send the batches not sent yet, in order, while fewer than ``max_inflight_batches`` requests are
@@ -164,7 +231,7 @@ class ReplicaSession:
         """
         mailbox = self._mailbox
         requests = self._requests
-        limit = self.session.config.max_inflight_batches
+        limit = self._ctx.config.max_inflight_batches
         while self._unsent < len(mailbox):
             if len(requests) >= limit:
                 return False
@@ -200,7 +267,7 @@ class ReplicaSession:
                     self._mail.set()
                 return False
             requests.append(future)
-            deadline = loop.time() + self.session.config.rpc_timeout_ms / 1000
+            deadline = loop.time() + self._ctx.config.rpc_timeout_ms / 1000
             self._deadlines.append(deadline)
             if self._timer is None:
                 self._timer = loop.call_at(deadline, self._check_deadline)
@@ -240,7 +307,7 @@ class ReplicaSession:
             self._timer = loop.call_at(deadlines[0], self._check_deadline)
             return
         if self._failure is None:
-            ms = self.session.config.rpc_timeout_ms
+            ms = self._ctx.config.rpc_timeout_ms
             self._failure = BrokenResourceError(f"storage request timed out after {ms} ms")
             self._mail.set()
 
@@ -262,9 +329,9 @@ class ReplicaSession:
     # -- the task --------------------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        config = self.session.config
+        config = self._ctx.config
         backoff = Backoff(
-            self.session.rng,
+            self._ctx.rng,
             config.initial_retry_interval_ms,
             config.max_retry_interval_ms,
         )
@@ -276,13 +343,14 @@ class ReplicaSession:
                         await self._vote_only(conn, info)
                         return
                     await self._recover(conn, info)
+                    self._recovered_again()
                     await self._take_part(conn)
                 except SessionFencedError as e:
-                    self.session.end_fenced(f"{self.storage}: {e}")
+                    self._host.fenced(f"{self.storage}: {e}")
                     return
                 except _Reexamine as e:
                     log.info("%r is classified again: %s", self, e)
-                    self.session.recovery_forget(self)
+                    self._ctx.recovery.forget_recovered(self.storage)
                     self.readable_max = -1
                     self.role = ReplicaRole.CONNECTING
                 except (WaltzError, TimeoutError) as e:
@@ -298,16 +366,24 @@ class ReplicaSession:
 
     def _may_retry(self, error: BaseException) -> bool:
         """After a failure of this replica: end the session, or sit out / retry (see the module docstring)."""
-        load_bearing = self.role is ReplicaRole.PARTICIPANT or (not self.session.is_open and self.counted)
+        load_bearing = self.role is ReplicaRole.PARTICIPANT or (not self._host.is_open and self.counted)
         if load_bearing:
-            self.session.end_for(self, f"failed: {error!r}")
+            self._host.replica_failed(self, f"failed: {error!r}")
             return False
         self._note_failure(error)
-        self.session.recovery_forget(self)
+        self._ctx.recovery.forget_recovered(self.storage)
         self.readable_max = -1
         self.counted = False
         self.role = ReplicaRole.CONNECTING
         return True
+
+    def _recovered_again(self) -> None:
+        """One INFO line when a replica that failed is back: only once it recovered, not on every answer, so
+        a replica that answers and is then refused again (a retry every 100 ms) stays one outage, one
+        WARNING line, until it really is back."""
+        if self._failures:
+            log.info("%r answers again after %d failed attempts and recovered", self, self._failures)
+            self._failures = 0
 
     def _note_failure(self, error: BaseException) -> None:
         self._failures += 1
@@ -317,24 +393,24 @@ class ReplicaSession:
                 "%r is out of the session (%r); retrying it every %d ms at most",
                 self,
                 error,
-                self.session.config.max_retry_interval_ms,
+                self._ctx.config.max_retry_interval_ms,
             )
         else:
             log.debug("%r still failing: %r", self, error)
 
     async def _connect(self, backoff: Backoff) -> tuple[ReplicaConnection, SessionInfo]:
-        session = self.session
+        host, ctx = self._host, self._ctx
         while True:
-            if self.retiring and session.is_open:
+            if self.retiring and host.is_open:
                 raise SessionOver  # its vote is no longer needed
             conn: ReplicaConnection | None = None
             try:
-                conn = await session.connector.connect(self.storage, session.partition_id, session.session_id)
-                info = await session.call(conn.last_session_info())
+                conn = await ctx.connector.connect(self.storage, ctx.partition_id, ctx.session_id)
+                info = await host.call(conn.last_session_info())
             except SessionFencedError as e:
                 if conn is not None:
                     await conn.aclose()
-                session.end_fenced(f"{self.storage}: {e}")
+                host.fenced(f"{self.storage}: {e}")
                 raise SessionOver from None
             except (WaltzError, TimeoutError) as e:
                 if conn is not None:
@@ -342,21 +418,13 @@ class ReplicaSession:
                 self._note_failure(e)
                 await backoff.sleep()
                 continue
-            if self._failures:
-                self._retry_log.log(
-                    logging.INFO,
-                    "%r answers again after %d failed attempts; recovering it",
-                    self,
-                    self._failures,
-                )
-                self._failures = 0
             self.connection = conn
             self.role = ReplicaRole.RECOVERING
             return conn, info
 
     async def _recover(self, conn: ReplicaConnection, info: SessionInfo) -> None:
-        session = self.session
-        recovery = session.recovery
+        session = self._host
+        recovery = self._ctx.recovery
         max_id = await session.call(conn.max_transaction_id())
         classification = classify_replica(recovery.previous, self.storage, info, max_id)
         self.classification = classification
@@ -364,7 +432,7 @@ class ReplicaSession:
             max_id = await session.call(
                 conn.truncate(
                     classification.truncate_to,
-                    reason=f"recovery of session {session.session_id}: replica classified "
+                    reason=f"recovery of session {self._ctx.session_id}: replica classified "
                     f"{classification.kind.value}",
                 )
             )
@@ -398,7 +466,7 @@ class ReplicaSession:
             self.max_id = await session.call(
                 conn.truncate(
                     resolved,
-                    reason=f"recovery of session {session.session_id}: above the resolved high-water mark",
+                    reason=f"recovery of session {self._ctx.session_id}: above the resolved high-water mark",
                 )
             )
             if self.max_id != resolved:
@@ -409,7 +477,7 @@ class ReplicaSession:
         await session.call(conn.set_low_water_mark(resolved))
         await self._copy_until(conn, resolved)
         self.role = ReplicaRole.RECOVERED
-        session.replica_recovered(self)
+        recovery.mark_recovered(self.storage)
 
     async def _wait_uncounted(self, conn: ReplicaConnection, info: SessionInfo) -> None:
         """Wait for a change of the vote; every ``idle_probe_interval_ms``, look at the replica again.
@@ -420,14 +488,13 @@ class ReplicaSession:
         starts. A changed control info raises :class:`_Reexamine`; a failed probe (the replica went offline)
         takes the ordinary retry path, which reconnects and classifies it afresh.
         """
-        session = self.session
         try:
-            async with asyncio.timeout(session.config.idle_probe_interval_ms / 1000):
-                await session.recovery.wait_for_change()
+            async with asyncio.timeout(self._ctx.config.idle_probe_interval_ms / 1000):
+                await self._ctx.recovery.wait_for_change()
             return
         except TimeoutError:
             pass
-        now = await session.call(conn.last_session_info())
+        now = await self._host.call(conn.last_session_info())
         if now != info:
             raise _Reexamine(f"control info changed from {info} to {now}")
 
@@ -436,22 +503,22 @@ class ReplicaSession:
 
         Nothing is truncated: the high-water mark it counts with is cut where truncation would have cut it.
         """
-        session = self.session
+        session, recovery = self._host, self._ctx.recovery
         max_id = await session.call(conn.max_transaction_id())
-        classification = classify_replica(session.recovery.previous, self.storage, info, max_id)
+        classification = classify_replica(recovery.previous, self.storage, info, max_id)
         self.classification = classification
         if classification.truncate_to is not None:
             max_id = min(max_id, classification.truncate_to)
         self.max_id = self.readable_max = max_id
         if classification.counted:
             self.counted = True
-            session.recovery.update(self.storage, max_id)
+            recovery.update(self.storage, max_id)
         await session.wait_open()
 
     async def _copy_until(self, conn: ReplicaConnection, last: int) -> None:
         """Copy committed records from the others until this replica holds ``last``."""
         while self.max_id < last:
-            records = await self.session.copy_records(self, self.max_id + 1, last)
+            records = await self._host.copy_records(self, self.max_id + 1, last)
             if not records:
                 raise InvariantViolation(f"{self.storage} at {self.max_id} cannot copy up to {last}")
             await self._append_copies(conn, records)
@@ -463,11 +530,11 @@ class ReplicaSession:
             raise InvariantViolation(
                 f"copy to {self.storage} starts at {records[0].transaction_id}, its max id is {self.max_id}"
             )
-        await self.session.call(conn.append(records))
+        await self._host.call(conn.append(records))
         self.max_id = self.readable_max = records[-1].transaction_id
 
     async def _take_part(self, conn: ReplicaConnection) -> None:
-        session = self.session
+        session = self._host
         await session.wait_open()
         if self.role is not ReplicaRole.PARTICIPANT:
             # Recovered after the session opened: be recorded clean before counting in any write vote.
@@ -480,8 +547,8 @@ class ReplicaSession:
         await self._write(conn)
 
     async def _write(self, conn: ReplicaConnection) -> None:
-        session = self.session
-        probe_s = session.config.idle_probe_interval_ms / 1000
+        session = self._host
+        probe_s = self._ctx.config.idle_probe_interval_ms / 1000
         mailbox = self._mailbox
         self._loop = asyncio.get_running_loop()
         self._sent_max = self.max_id

@@ -9,12 +9,14 @@ A :class:`StorePartition` runs one supervisor task that keeps a store session go
 * **New sessions.** Any failure ends a session; the supervisor starts the next one, backing off exponentially
   (``initial_retry_interval_ms`` doubling to ``max_retry_interval_ms``, jittered, on the loop's clock)
   unless the last session had opened or ended on purpose (checkpoint interval, replica-set change).
-* **Appends.** :meth:`append` queues the request (at most ``max_queued_appends``; callers wait beyond, and
-  get the failure without queueing if the partition closes or moves meanwhile) and returns its transaction
-  id once committed. Queued appends survive a failed session untouched. Appends whose batch was in flight
-  when a session failed are resolved when the next session opens: an id at or below its low-water mark (the
-  resolved high-water mark) whose stored record carries the append's request id succeeded; every other one
-  failed with :class:`QuorumLostError` (it is not in the log and never will be).
+* **Appends.** :meth:`submit` queues the request (at most ``max_queued_appends``: beyond, it queues nothing
+  and the caller waits for :meth:`wait_room`) and tells the listener it was submitted with how it ended;
+  :meth:`append` does both and returns the transaction id once committed. An append is in one place at a
+  time: the queue, a batch of the session that gave it an id, or the survivors that session handed back.
+  Queued appends survive a failed session untouched. The survivors are resolved when the next session
+  opens: an id at or below its low-water mark (the resolved high-water mark) whose stored record carries the
+  append's request id succeeded; every other one failed with :class:`QuorumLostError` (it is not in the log
+  and never will be).
 * **Reads** go to a participant of the open session, only up to the committed high-water mark, with checksums
   verified after the read.
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -44,20 +46,14 @@ from waltz.errors import (
 )
 from waltz.protocol.record_run import RunBytes
 from waltz.protocol.records import Record, RecordHeader, crc32
+from waltz.server.store.appends import FUTURES, AppendListener, AppendQueue, PendingAppend
 from waltz.server.store.interfaces import (
     AppendLike,
     PartitionMetadataStore,
     ReplicaConnector,
 )
 from waltz.server.store.replica_session import SessionOver
-from waltz.server.store.store_session import (
-    AppendListener,
-    AppendQueue,
-    EndReason,
-    PendingAppend,
-    SessionOutcome,
-    StoreSession,
-)
+from waltz.server.store.store_session import EndReason, SessionOutcome, StoreSession
 from waltz.server.store.support import (
     Backoff,
     InvariantViolation,
@@ -129,12 +125,14 @@ class StorePartition:
         self._rng = rng if rng is not None else random.Random()
         self.config = config if config is not None else StoreConfig()
         self.queue = AppendQueue(self.config.max_queued_appends)
-        self.inflight: list[PendingAppend] = []
-        self._unresolved: dict[int, PendingAppend] = {}
-        """Appends submitted and not resolved yet, by ticket (so oldest first)."""
+        self._survivors: list[PendingAppend] = []
+        """Appends a failed session left in flight (:meth:`StoreSession.take_survivors`), oldest first: the
+        next session to open decides them. Every other append is in the queue or in the session's batches."""
+        self._submitted = 0
+        self._resolved = 0
+        """Appends queued and appends resolved so far (resolved in queue order: see :meth:`flush`)."""
         self._resolutions = asyncio.Event()
         """Set whenever appends are resolved (for flush)."""
-        self._next_ticket = 0
         self._hwm = -1
         self._session: StoreSession | None = None
         self._session_changed = asyncio.Event()
@@ -145,19 +143,24 @@ class StorePartition:
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop :meth:`start` ran on (asking asyncio for it costs a getpid system call each time)."""
         self.outcomes: list[SessionOutcome] = []
+        """How each session ended, oldest first (bounded to the last 100)."""
         self.metadata_conflict: str | None = None
         """Set while the partition metadata holds a generation no assignment explains (see
         :meth:`_wait_for_newer_generation`)."""
         self._stale_detail = ""
         self.damaged_replicas: dict[str, int] = {}
         """Reads that found a replica's stored copy damaged, by storage node (reported in /health)."""
-        """How each session ended, oldest first (bounded to the last 100)."""
         self.internal_errors: list[BaseException] = []
         """Bugs caught by the supervisor (it logs them and starts a new session)."""
+        self.failure: BaseException | None = None
+        """What ended the supervisor (a bug): the partition takes no appends, and its owner hears of it
+        through :attr:`on_failure`."""
+        self.on_failure: Callable[[BaseException], None] | None = None
+        """Called once if the supervisor fails (the server's partition reports it and is reopened)."""
         self.stats = StoreStatistics()
+        """Running totals for metrics (plain numbers: the server reads them when scraped)."""
         self.repairs = RepairStatistics()
         """SessionHost: repairs of damage that replicas reported on their own (their scrub found it)."""
-        """Running totals for metrics (plain numbers: the server reads them when scraped)."""
 
     # -- life cycle ------------------------------------------------------------------------------------------
 
@@ -190,9 +193,12 @@ class StorePartition:
         self._fail_everything(ClosedResourceError(f"partition {self.partition_id} store was closed"))
 
     def _supervisor_failed(self, error: BaseException) -> None:
+        self.failure = error
         self._fail_everything(
             PartitionNotReadyError(f"partition {self.partition_id} store failed: {error!r}")
         )
+        if self.on_failure is not None:
+            self.on_failure(error)
 
     # -- state -----------------------------------------------------------------------------------------------
 
@@ -263,85 +269,43 @@ class StorePartition:
     # -- appends ---------------------------------------------------------------------------------------------
 
     async def append(self, request: AppendLike) -> int:
-        """Append one transaction; return its id once committed.
+        """Append one transaction; return its id once committed (waits while the queue is full).
 
         Raises GenerationMismatchError if the request's generation is not the partition's (or the partition
         moved away), QuorumLostError if it definitely did not commit, CorruptionError if its data does not
         match its checksum, ClosedResourceError if the partition is closed.
         """
-        return await (await self.submit(request))
+        if crc32(request.data) != request.checksum:
+            raise CorruptionError(f"append {request.req_id!r}: data does not match its checksum")
+        loop = self._loop
+        if loop is None:
+            raise PartitionNotReadyError(f"partition {self.partition_id} store is not started")
+        future: asyncio.Future[int] = loop.create_future()
+        while not self.submit(request, FUTURES, future):
+            await self.queue.wait_room()
+        return await future
 
-    async def submit(
-        self,
-        request: AppendLike,
-        on_resolved: Callable[[int, BaseException | None], None] | None = None,
-    ) -> asyncio.Future[int]:
-        """Queue one transaction and return the future of its id, without waiting for the commit.
+    async def wait_room(self) -> None:
+        """Return once the append queue has room (or the partition failed every queued append)."""
+        await self.queue.wait_room()
 
-        Transactions get ids in the order their ``submit`` calls returned, so a caller that awaits each
-        ``submit`` before the next keeps its order (the server relies on this: a client's appends must commit
-        in the order it sent them). Waits while the queue is full. Raises as :meth:`append` does, either here
-        (refused up front) or from the future. ``on_resolved`` as in :meth:`submit_nowait`.
-        """
-        pending = self._pending(request, on_resolved)
-        await self.queue.put(pending)  # returns without queueing it if the partition failed it meanwhile
-        session = self._session
-        if session is not None:
-            session.appends_queued()
-        assert pending.future is not None  # made when asked for
-        return pending.future
-
-    def submit_nowait(
-        self,
-        request: AppendLike,
-        on_resolved: Callable[[int, BaseException | None], None] | None = None,
-    ) -> asyncio.Future[int] | None:
-        """:meth:`submit` if the queue has room now; None (nothing queued) if it would have to wait.
-
-        ``on_resolved``, if given, is called once, synchronously, when the append is resolved, with
-        ``(transaction id, None)`` or ``(-1, error)``, whether or not the future is still awaited."""
-        if self.queue.full():
-            return None
-        pending = self._pending(request, on_resolved, True)
-        self._queue_now(pending)
-        assert pending.future is not None  # made when asked for
-        return pending.future
-
-    def submit_listened(
-        self,
-        request: AppendLike,
-        on_resolved: Callable[[int, BaseException | None], None],
-        *,
-        checksum_verified: bool = False,
-    ) -> bool:
-        """:meth:`submit_nowait` for a caller that learns the outcome from ``on_resolved`` alone: no future
-        is made (the server's hot path, one per append). False (nothing queued) if the queue is full.
-
-        ``checksum_verified=True`` says the caller checked ``request.data`` against its checksum itself (the
-        client codec does, as it decodes an AppendRequest into immutable bytes), so it is not computed a
-        second time here; the storage nodes verify it again right before writing."""
-        queue = self.queue
-        if queue.full():
-            return False
-        queue.put_nowait(self._pending(request, on_resolved, False, checksum_verified))
-        session = self._session
-        if session is not None:
-            session.appends_queued()
-        return True
-
-    def submit_tagged(
+    def submit(
         self,
         request: AppendLike,
         listener: AppendListener,
-        tag: object,
-        received_s: float,
+        tag: object = None,
+        received_s: float = 0.0,
         more: bool = False,
     ) -> bool:
-        """:meth:`submit_listened` for the server's hot path: ``listener`` hears of the append together
-        with the rest of its batch (:class:`AppendListener`, one call per batch instead of one per append),
-        and ``tag`` and ``received_s`` go with it (the append's lock request, its arrival). The caller
-        verified ``request.data`` against its checksum (the client codec does as it decodes). False (nothing
-        queued) if the queue is full; raises as :meth:`submit` does if the append is refused up front.
+        """Queue one transaction without waiting; False (nothing queued) if the queue is full (then wait for
+        :meth:`wait_room` and submit it again). ``listener`` hears how it ends, exactly once, together with
+        the other appends of its batch (:class:`AppendListener`); ``tag`` and ``received_s`` go with it (the
+        server's partition: the append's lock request, its arrival).
+
+        Transactions get ids in the order they were queued. The caller verified ``request.data`` against its
+        checksum (the client codec does as it decodes; :meth:`append` does); the storage nodes verify it again
+        right before writing. Raises GenerationMismatchError, ClosedResourceError or PartitionNotReadyError
+        if the append is refused up front.
 
         ``more=True`` is the caller's word that it submits more appends right after this one, in the same
         call chain (the rest of one socket read): an idle writer does not send this one alone, but waits for
@@ -351,8 +315,8 @@ class StorePartition:
         iteration later."""
         if self._closed:
             raise ClosedResourceError(f"partition {self.partition_id} store is closed")
-        if self._loop is None:
-            raise PartitionNotReadyError(f"partition {self.partition_id} store is not started")
+        if self._loop is None or self.failure is not None:
+            raise PartitionNotReadyError(f"partition {self.partition_id} store is not running")
         req_id = request.req_id
         # The ReqId's generation, decoded inline (its property is a Python call): the low 32 bits of msb.
         generation = req_id[0] & 0xFFFFFFFF
@@ -367,22 +331,17 @@ class StorePartition:
         pending.header = request.header
         pending.data = request.data
         pending.checksum = request.checksum
-        pending.future = None
-        pending.transaction_id = -1
-        pending.session_id = -1
-        pending.resolved = False
-        pending.on_resolved = None
         pending.listener = listener
         pending.tag = tag
         pending.received_s = received_s
+        pending.transaction_id = -1
+        pending.session_id = -1
+        pending.resolved = False
         queue = self.queue
         queued = queue.offer(pending)
         if not queued:
             return False  # full
-        ticket = self._next_ticket
-        self._next_ticket = ticket + 1
-        pending.ticket = ticket
-        self._unresolved[ticket] = pending
+        self._submitted += 1
         session = self._session
         # The session's test, inlined: the call is needed only for an idle writer or a full batch (only the
         # latter while more appends follow).
@@ -392,49 +351,6 @@ class StorePartition:
         ):
             session.appends_queued()
         return True
-
-    def _queue_now(self, pending: PendingAppend) -> None:
-        self.queue.put_nowait(pending)
-        session = self._session
-        if session is not None:
-            session.appends_queued()
-
-    def _pending(
-        self,
-        request: AppendLike,
-        on_resolved: Callable[[int, BaseException | None], None] | None = None,
-        with_future: bool = True,
-        checksum_verified: bool = False,
-    ) -> PendingAppend:
-        """Check ``request`` and give it the next ticket (the caller queues it at once)."""
-        if self._closed:
-            raise ClosedResourceError(f"partition {self.partition_id} store is closed")
-        loop = self._loop
-        if loop is None:
-            raise PartitionNotReadyError(f"partition {self.partition_id} store is not started")
-        req_id = request.req_id
-        generation = req_id.generation
-        if generation != self._generation or self._stale:
-            raise GenerationMismatchError(
-                f"request generation {generation}, partition generation {self._generation}"
-            )
-        data = request.data
-        checksum = request.checksum
-        if not checksum_verified and crc32(data) != checksum:
-            raise CorruptionError(f"append {req_id!r}: data does not match its checksum")
-        ticket = self._next_ticket
-        self._next_ticket += 1
-        pending = PendingAppend(
-            req_id,
-            request.header,
-            data,
-            checksum,
-            loop.create_future() if with_future else None,
-            ticket,
-            on_resolved=on_resolved,
-        )
-        self._unresolved[ticket] = pending
-        return pending
 
     async def wait_open(self) -> int:
         """Wait until a store session is open (recovered) and return the committed high-water mark."""
@@ -447,10 +363,13 @@ class StorePartition:
         return self._hwm
 
     async def flush(self) -> int:
-        """Wait until every append submitted before this call is resolved; return the high-water mark."""
-        last = self._next_ticket - 1
-        unresolved = self._unresolved
-        while unresolved and next(iter(unresolved)) <= last:
+        """Wait until every append submitted before this call is resolved; return the high-water mark.
+
+        Appends are resolved in the order they were queued (ids are given in queue order, batches commit in
+        id order, a failed session's survivors are decided before the next one commits anything), so a count
+        is enough."""
+        last = self._submitted
+        while self._resolved < last:
             self._resolutions.clear()
             await self._resolutions.wait()
         return self._hwm
@@ -459,7 +378,7 @@ class StorePartition:
         """Wait until the store next resolves appends (a batch commits, or a session's appends fail); False
         at once, without waiting, if no append is unresolved. Each resolution's listeners have run by the
         time this returns (they are called synchronously, before the waiters wake)."""
-        if not self._unresolved:
+        if self._resolved == self._submitted:
             return False
         self._resolutions.clear()
         await self._resolutions.wait()
@@ -543,6 +462,8 @@ class StorePartition:
                 self.internal_errors.append(e)
             finally:
                 self._session = None
+                # The session's batches not committed come back, to be decided by the next session to open.
+                self._survivors.extend(session.take_survivors())
             if outcome is not None:
                 ended = self.stats.sessions_ended
                 ended[outcome.reason.value] = ended.get(outcome.reason.value, 0) + 1
@@ -645,7 +566,7 @@ class StorePartition:
                 f"below the committed high-water mark {self._hwm}"
             )
         committed: dict[int, RecordHeader] = {}
-        candidates = [p for p in self.inflight if 0 <= p.transaction_id <= lwm]
+        candidates = [p for p in self._survivors if 0 <= p.transaction_id <= lwm]
         if candidates:
             next_id = min(p.transaction_id for p in candidates)
             last = max(p.transaction_id for p in candidates)
@@ -659,82 +580,62 @@ class StorePartition:
                 next_id = headers[-1].transaction_id + 1
         self._hwm = lwm
         self._session_changed.set()
-        inflight, self.inflight = self.inflight, []
-        for pending in inflight:
+        survivors, self._survivors = self._survivors, []
+        resolved = 0
+        for pending in survivors:
             found = committed.get(pending.transaction_id)
             if found is not None and found.req_id == pending.req_id:
-                pending.succeed(pending.transaction_id)
+                resolved += pending.succeed()
             else:
-                pending.fail(
+                resolved += pending.fail(
                     QuorumLostError(
                         f"append {pending.req_id!r} (id {pending.transaction_id} in session "
                         f"{pending.session_id}) did not commit; session {session.session_id} opened at {lwm}"
                     )
                 )
-        self._forget(inflight)
+        self._resolved += resolved
+        self._resolutions.set()
 
     def batch_committed(self, session: StoreSession, appends: Sequence[PendingAppend]) -> None:
         hwm = session.high_water_mark
         if hwm <= self._hwm:
             raise InvariantViolation(f"partition {self.partition_id}: commit at {hwm} after {self._hwm}")
         self._hwm = hwm
-        # Batches commit in order and the appends of a failed session were resolved when this one opened, so
-        # the committed appends are the oldest in flight.
         n = len(appends)
         stats = self.stats
         stats.batch_appends_sum += n
         bucket = (n - 1).bit_length()
         stats.batch_appends_counts[bucket if bucket < _LAST_BATCH_BUCKET else _LAST_BATCH_BUCKET] += 1
-        inflight = self.inflight
-        if len(inflight) < n or inflight[0] is not appends[0] or inflight[n - 1] is not appends[-1]:
-            raise InvariantViolation(f"partition {self.partition_id}: batch up to {hwm} commits out of order")
-        del inflight[:n]
-        unresolved = self._unresolved
         listener: AppendListener | None = None
         heard: list[PendingAppend] = []
+        skipped = 0
         for pending in appends:
-            del unresolved[pending.ticket]
             if pending.resolved:
+                skipped += 1
                 continue
             pending.resolved = True
-            if pending.listener is not None:
-                # Told below, with the rest of the batch.
+            if pending.listener is not listener:
+                # Appends of one listener are told together (the server's partition is the only listener of
+                # its store: one call per batch); a batch that mixes listeners tells each its run in order.
+                if heard:
+                    _tell_committed(listener, heard)  # type: ignore[arg-type]
+                    heard = []
                 listener = pending.listener
-                heard.append(pending)
-                continue
-            # pending.succeed(pending.transaction_id), inlined: this runs once per append.
-            future = pending.future
-            if future is not None and not future.done():
-                future.set_result(pending.transaction_id)
-            if pending.on_resolved is not None:
-                # notify_resolution, inlined: a failing listener is logged, and the commit goes on.
-                try:
-                    pending.on_resolved(pending.transaction_id, None)
-                except Exception:
-                    log.exception("an append's resolution listener failed")
-        if listener is not None:
-            # One call for the batch (the server's partition is the only listener of its store), with the
-            # appends resolved now: each is told exactly once.
-            try:
-                listener.appends_committed(heard)
-            except Exception:
-                log.exception("an append's resolution listener failed")
-        self._resolutions.set()
-
-    def _forget(self, resolved: Iterable[PendingAppend]) -> None:
-        unresolved = self._unresolved
-        for pending in resolved:
-            del unresolved[pending.ticket]
+            heard.append(pending)
+        self._resolved += n - skipped
+        if heard:
+            _tell_committed(listener, heard)  # type: ignore[arg-type]
         self._resolutions.set()
 
     def _fail_everything(self, error: WaltzError) -> None:
-        """Fail every append not resolved yet (in flight, queued, or a producer waiting for room in the
-        queue): the partition stops writing."""
-        self.inflight = []
-        unresolved, self._unresolved = self._unresolved, {}
-        for pending in unresolved.values():
-            pending.fail(error)
-        self.queue.clear()
+        """Fail every append not resolved yet (survivors of failed sessions and queued appends; a session's
+        batches came back as survivors when it stopped) and wake the producers waiting for room: the
+        partition stops writing."""
+        survivors, self._survivors = self._survivors, []
+        resolved = 0
+        for pending in survivors + self.queue.clear():
+            resolved += pending.fail(error)
+        self._resolved += resolved
         self._resolutions.set()
 
     def replica_damaged(self, storage: str, detail: str) -> None:
@@ -764,8 +665,17 @@ class StorePartition:
             "session_id": session.session_id if session is not None else None,
             "participants": [p.storage for p in session.participants] if session is not None else [],
             "queued_appends": self.queue.qsize(),
-            "inflight_appends": len(self.inflight),
+            "inflight_appends": len(self._survivors)
+            + (session.appends_in_flight if session is not None else 0),
             "sessions_ended": len(self.outcomes),
             "damaged_replica_reads": dict(self.damaged_replicas),
             "metadata_conflict": self.metadata_conflict,
         }
+
+
+def _tell_committed(listener: AppendListener, appends: Sequence[PendingAppend]) -> None:
+    # A failing listener is logged, and the commit goes on (as the event loop logs a failing callback).
+    try:
+        listener.appends_committed(appends)
+    except Exception:
+        log.exception("an append's resolution listener failed")

@@ -42,18 +42,17 @@ from waltz.errors import (
     WaltzError,
 )
 from waltz.protocol.record_run import RunBytes
-from waltz.protocol.records import Record, RecordHeader, ReqId
+from waltz.protocol.records import Record, RecordHeader
+from waltz.server.store.appends import AppendQueue, PendingAppend
 from waltz.server.store.interfaces import PartitionMetadataStore, ReplicaConnection, ReplicaConnector
 from waltz.server.store.recovery import RecoveryState, metadata_after_recovery, metadata_with_clean_replica
-from waltz.server.store.replica_session import Batch, ReplicaRole, ReplicaSession, SessionOver
+from waltz.server.store.replica_session import Batch, ReplicaContext, ReplicaRole, ReplicaSession, SessionOver
+from waltz.server.store.scrub_repair import DamageWatch, check_records
 from waltz.server.store.support import InvariantViolation, RepairStatistics, StoreConfig, TaskList
 from waltz.server.store.voting import Voting, quorum_of
 
 __all__ = [
-    "AppendListener",
-    "AppendQueue",
     "EndReason",
-    "PendingAppend",
     "SessionHost",
     "SessionOutcome",
     "StoreSession",
@@ -67,11 +66,6 @@ T = TypeVar("T")
 
 REPAIR_MAX_RECORDS = 10_000
 """Records one background repair copies at most (one read's range; the node caps what one read returns)."""
-MAX_DAMAGED_IDS = 1000
-"""Damaged ids one poll asks a replica for (a storage node remembers at most this many per partition)."""
-REPAIR_RETRY_POLLS = 6
-"""After a failed repair of damage a replica reported, this many of its polls are skipped before the next try
-(so a record no participant holds a good copy of costs a warning a minute, not one per poll)."""
 
 
 class EndReason(enum.Enum):
@@ -96,236 +90,15 @@ class SessionOutcome:
     opened: bool
 
 
-@dataclass(eq=False, slots=True)
-class PendingAppend:
-    """One append waiting for its transaction id. ``transaction_id`` is -1 until a batch assigns one."""
-
-    req_id: ReqId
-    header: int
-    data: bytes
-    checksum: int
-    future: asyncio.Future[int] | None
-    """What :meth:`StorePartition.submit` returns; None for a caller that learns the outcome from
-    ``on_resolved`` alone."""
-    ticket: int
-    """Its place in submission order (the host's bookkeeping)."""
-    transaction_id: int = -1
-    session_id: int = -1
-    resolved: bool = False
-    """The store decided its fate (it succeeded or failed), whether or not its caller still waits."""
-    on_resolved: Callable[[int, BaseException | None], None] | None = None
-    """Called once, synchronously, when the append is resolved: ``(transaction id, None)`` or ``(-1, error)``.
-    Used instead of a callback on :attr:`future`, which would run one event-loop iteration later."""
-    listener: AppendListener | None = None
-    """For an append submitted with :meth:`StorePartition.submit_tagged`: told of its resolution together
-    with the other appends of its batch (one call per batch, the server's hot path), instead of
-    ``on_resolved``."""
-    tag: object = None
-    """What the submitter attached (the server's partition: the append's lock request); the store never
-    looks at it."""
-    received_s: float = 0.0
-    """When the submitter received the append (``time.monotonic()``), for its latency metric."""
-
-    def record(self) -> Record:
-        # Record(...) without its generated __new__: one per append on the write path.
-        return _tuple_new(Record, (self.transaction_id, self.req_id, self.header, self.data, self.checksum))
-
-    def succeed(self, transaction_id: int) -> None:
-        first = not self.resolved
-        self.resolved = True
-        future = self.future
-        if future is not None and not future.done():
-            future.set_result(transaction_id)
-        if first:
-            if self.on_resolved is not None:
-                _notify(self.on_resolved, transaction_id, None)
-            elif self.listener is not None:
-                _notify_committed(self.listener, (self,))
-
-    def fail(self, error: BaseException) -> None:
-        first = not self.resolved
-        self.resolved = True
-        future = self.future
-        if future is not None and not future.done():
-            future.set_exception(error)
-            # The caller may have stopped waiting (cancelled); do not let asyncio warn about the exception.
-            future.exception()
-        if first:
-            if self.on_resolved is not None:
-                _notify(self.on_resolved, -1, error)
-            elif self.listener is not None:
-                try:
-                    self.listener.append_failed(self, error)
-                except Exception:
-                    log.exception("an append's resolution listener failed")
-
-
-class AppendListener(Protocol):
-    """Hears how appends submitted with :meth:`StorePartition.submit_tagged` end, synchronously, in id order.
-
-    Each append is reported exactly once: committed (its ``transaction_id`` set) or failed."""
-
-    def appends_committed(self, appends: Sequence[PendingAppend]) -> None:
-        """``appends`` committed (consecutive ids, oldest first): usually a whole batch in one call."""
-        ...
-
-    def append_failed(self, append: PendingAppend, error: BaseException) -> None:
-        """``append`` did not commit, and never will."""
-        ...
-
-
-def _notify_committed(listener: AppendListener, appends: Sequence[PendingAppend]) -> None:
-    # As _notify: a failing listener is logged, and the store's bookkeeping goes on.
-    try:
-        listener.appends_committed(appends)
-    except Exception:
-        log.exception("an append's resolution listener failed")
-
-
-def _notify(
-    on_resolved: Callable[[int, BaseException | None], None], transaction_id: int, error: BaseException | None
-) -> None:
-    # A failing listener must not break the store's bookkeeping (it runs inside a commit): log it, as the
-    # event loop logs a failing future callback.
-    try:
-        on_resolved(transaction_id, error)
-    except Exception:
-        log.exception("an append's resolution listener failed")
-
-
-class AppendQueue:
-    """The appends waiting for ids, oldest first, at most ``capacity`` of them.
-
-    Unlike :class:`asyncio.Queue`, a producer waiting for room gives up, without putting its append, once the
-    store has resolved it (failed it: the partition closed or moved), so a failed partition never leaves
-    producers stuck, and the writer never sees an append that already failed.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        if capacity <= 0:
-            raise ValueError(f"capacity must be positive, got {capacity}")
-        self.capacity = capacity
-        self._items: deque[PendingAppend] = deque()
-        self.data_bytes = 0
-        """Bytes of data queued (a batch is full by count or by bytes)."""
-        self._room = asyncio.Event()
-        self._room.set()
-        self._arrived = asyncio.Event()
-
-    def qsize(self) -> int:
-        return len(self._items)
-
-    def empty(self) -> bool:
-        return not self._items
-
-    def full(self) -> bool:
-        return len(self._items) >= self.capacity
-
-    async def put(self, append: PendingAppend) -> None:
-        """Queue ``append``, waiting for room unless (or until) it is resolved."""
-        while len(self._items) >= self.capacity:
-            self._room.clear()
-            await self._room.wait()
-            if append.resolved:
-                return
-        self.put_nowait(append)
-
-    def put_nowait(self, append: PendingAppend) -> None:
-        """Queue ``append`` now; the caller checked that the queue is not :meth:`full`."""
-        if len(self._items) >= self.capacity:
-            raise InvariantViolation(f"append queue full ({self.capacity})")
-        items = self._items
-        items.append(append)
-        self.data_bytes += len(append.data)
-        if len(items) == 1:
-            # Only a getter that found the queue empty waits (after clearing the event): the append that
-            # ends the emptiness wakes it, those after it need not (Event.set is a Python call per append).
-            self._arrived.set()
-
-    async def get(self) -> PendingAppend:
-        while not self._items:
-            self._arrived.clear()
-            await self._arrived.wait()
-        return self.get_nowait()
-
-    async def wait_arrived(self) -> None:
-        """Return at once if an append is queued, else once one was queued (it may have been taken since:
-        the store session's writer then checks again what to do)."""
-        if not self._items:
-            self._arrived.clear()
-            await self._arrived.wait()
-
-    def peek(self) -> PendingAppend | None:
-        """The oldest queued append, left in the queue (None if empty)."""
-        return self._items[0] if self._items else None
-
-    def offer(self, append: PendingAppend) -> int:
-        """Queue ``append`` if there is room: how many appends are queued now, 0 if none was (full). One
-        call where :meth:`full` and :meth:`put_nowait` are two (the server's hot path)."""
-        items = self._items
-        n = len(items)
-        if n >= self.capacity:
-            return 0
-        items.append(append)
-        self.data_bytes += len(append.data)
-        if not n:
-            # As put_nowait: the append that ends the emptiness wakes a getter.
-            self._arrived.set()
-        return n + 1
-
-    def get_nowait(self) -> PendingAppend:
-        append = self._items.popleft()
-        self.data_bytes -= len(append.data)
-        self._room.set()
-        return append
-
-    def take_more(self, batch: list[PendingAppend], size: int, max_count: int, max_bytes: int) -> int:
-        """Move the oldest queued appends onto ``batch`` (holding ``size`` data bytes) while it has fewer than
-        ``max_count`` and the next one fits in ``max_bytes``; return the batch's data bytes.
-
-        One call per batch rather than a :meth:`peek` and :meth:`get_nowait` per append: forming batches is
-        per-record work on the write path."""
-        items = self._items
-        room = max_count - len(batch)
-        if len(items) <= room and size + self.data_bytes <= max_bytes:
-            # Everything queued fits (the common case under a steady load): take it in one C call.
-            batch.extend(items)
-            items.clear()
-            size += self.data_bytes
-            self.data_bytes = 0
-            self._room.set()
-            return size
-        taken = 0
-        while room > 0 and items:
-            n = len(items[0].data)
-            if size + n > max_bytes:
-                break
-            batch.append(items.popleft())
-            size += n
-            taken += n
-            room -= 1
-        self.data_bytes -= taken
-        self._room.set()
-        return size
-
-    def clear(self) -> None:
-        """Drop every queued append and wake the producers waiting for room (to queue theirs, or give up if
-        it was resolved meanwhile)."""
-        self._items.clear()
-        self.data_bytes = 0
-        self._room.set()
-
-
 class SessionHost(Protocol):
     """What a session needs from its partition: the append queue and the appends of failed sessions."""
 
     queue: AppendQueue
     """Appends waiting for ids; the host calls :meth:`StoreSession.appends_queued` after queueing some."""
-    inflight: list[PendingAppend]
-    """Appends with ids assigned whose batch has not committed (from this or a failed earlier session)."""
 
     async def session_opened(self, session: StoreSession) -> None:
-        """Resolve ``inflight`` against the new session's low-water mark (may read through the session)."""
+        """Resolve the survivors of failed earlier sessions (:meth:`StoreSession.take_survivors`) against the
+        new session's low-water mark (may read through the session)."""
         ...
 
     def batch_committed(self, session: StoreSession, appends: Sequence[PendingAppend]) -> None:
@@ -337,7 +110,7 @@ class SessionHost(Protocol):
         ...
 
     repairs: RepairStatistics
-    """Counts repairs of damage that replicas reported on their own (``StoreSession._watch_damage``)."""
+    """Counts repairs of damage that replicas reported on their own (``scrub_repair.DamageWatch``)."""
 
 
 def _loop_ms() -> float:
@@ -378,9 +151,10 @@ class StoreSession:
         # (and serve as copy sources) until the session opens; without them, removing replicas could leave
         # fewer than a quorum of the previous set reachable and the vote undecidable forever.
         retiring = [s for s in sorted(previous.replicas) if s not in self.replicas]
-        self.replica_sessions = {storage: ReplicaSession(self, storage) for storage in self.replicas}
+        context = ReplicaContext(partition_id, session_id, config, rng, connector, self.recovery)
+        self.replica_sessions = {storage: ReplicaSession(self, context, storage) for storage in self.replicas}
         for storage in retiring:
-            self.replica_sessions[storage] = ReplicaSession(self, storage, retiring=True)
+            self.replica_sessions[storage] = ReplicaSession(self, context, storage, retiring=True)
         self.quorum = quorum_of(len(self.replicas))
         self.participants: list[ReplicaSession] = []
         self.is_open = False
@@ -404,16 +178,17 @@ class StoreSession:
         while no batch is in flight (an idle writer sends it at once), a full batch otherwise (the only
         thing a writer with batches in flight acts on). A host may skip the call below both, and below a full
         batch while it queues more appends in the same call chain (their last one makes the call: see
-        ``StorePartition.submit_tagged``); calling it more often does no harm."""
+        ``StorePartition.submit``); calling it more often does no harm."""
         self.notify_at_bytes = config.max_batch_bytes
         self._wake = asyncio.Event()
         """Wakes the writer while batches are in flight: one was decided, or a full batch is queued."""
         self._was_opened = False
+        self._stopped = False  # run() returned: no task of the session runs
         self._tasks = TaskList(self._task_failed)
         self.started_ms = _loop_ms()
         self.recovery_ms = -1
         """How long recovery took, from the session's start until it opened (-1 until it opens)."""
-        self._repairing: set[str] = set()
+        self.repairing: set[str] = set()
         """Replicas a background repair is running for (at most one at a time each)."""
 
     def __repr__(self) -> str:
@@ -433,6 +208,7 @@ class StoreSession:
         finally:
             self.is_open = False
             await self._tasks.aclose()
+            self._stopped = True
         if self._tasks.errors:
             raise self._tasks.errors[0]
         assert self._outcome is not None  # _ended is only set together with _outcome
@@ -505,10 +281,28 @@ class StoreSession:
         """Batches sent and not yet committed, oldest first (for introspection and checks)."""
         return tuple(batch for batch, _ in self._batches)
 
-    def end_for(self, replica: ReplicaSession, detail: str) -> None:
+    @property
+    def appends_in_flight(self) -> int:
+        """Appends of the batches sent and not yet committed (for introspection)."""
+        return sum(len(appends) for _, appends in self._batches)
+
+    def take_survivors(self) -> list[PendingAppend]:
+        """Hand back the appends of every batch not committed, oldest first, once the session has ended.
+
+        The session is their only record until then; afterwards the next session's opening decides them
+        (an id at or below its low-water mark succeeded if the stored record is theirs)."""
+        if self._batches and not self._stopped:
+            raise InvariantViolation(f"{self!r}: survivors taken while the session runs")
+        survivors = [append for _, appends in self._batches for append in appends]
+        self._batches.clear()
+        return survivors
+
+    def replica_failed(self, replica: ReplicaSession, detail: str) -> None:
+        """ReplicaHost: ``replica`` failed while load-bearing (or misbehaved): the session ends."""
         self.end(EndReason.REPLICA_FAILED, f"{replica.storage} {detail}")
 
-    def end_fenced(self, detail: str) -> None:
+    def fenced(self, detail: str) -> None:
+        """ReplicaHost: a newer session fenced this one on a replica: the session ends."""
         self.end(EndReason.FENCED, detail)
 
     def _task_failed(self, error: BaseException) -> None:
@@ -529,14 +323,6 @@ class StoreSession:
                 f"storage request timed out after {self.config.rpc_timeout_ms} ms"
             ) from None
 
-    def replica_recovered(self, replica: ReplicaSession) -> None:
-        self.recovery.mark_recovered(replica.storage)
-
-    def recovery_forget(self, replica: ReplicaSession) -> None:
-        """A replica that is not load-bearing failed: it is no longer recovered, nor a copy source."""
-        if replica.storage in self.recovery.recovered:
-            self.recovery.recovered.remove(replica.storage)
-
     async def copy_records(
         self, requester: ReplicaSession, start: int, end: int, source: str | None = None
     ) -> list[Record]:
@@ -547,7 +333,7 @@ class StoreSession:
         the usher while the vote is undecidable); after it, only participants serve, and only committed ids. A
         source whose stored copy is damaged (CorruptionError) is reported and another one is read: ending the
         session instead would end every next one the same way until the damage is repaired, and the repair
-        (``_watch_damage``) needs an open session. Any other failure of a source, or a misbehaving one, ends
+        (``DamageWatch``) needs an open session. Any other failure of a source, or a misbehaving one, ends
         the session (raises :class:`SessionOver`).
         """
         if self.is_open:
@@ -572,29 +358,29 @@ class StoreSession:
             src = candidates[0] if len(candidates) == 1 else self.rng.choice(candidates)
             conn = src.connection
             if conn is None or src.readable_max < start:
-                self.end_for(src, "left while being copied from")
+                self.replica_failed(src, "left while being copied from")
                 raise SessionOver
             wanted = min(count, src.readable_max - start + 1)
             try:
                 records = await self.call(conn.read_records(start, wanted))
             except SessionFencedError as e:
-                self.end_fenced(f"{src.storage}: {e}")
+                self.fenced(f"{src.storage}: {e}")
                 raise SessionOver from None
             except CorruptionError as e:
                 self._host.replica_damaged(src.storage, str(e))
                 candidates = [c for c in candidates if c is not src]
                 if candidates:
                     continue
-                self.end_for(src, f"failed a catch-up read: {e!r}")
+                self.replica_failed(src, f"failed a catch-up read: {e!r}")
                 raise SessionOver from None
             except WaltzError as e:
-                self.end_for(src, f"failed a catch-up read: {e!r}")
+                self.replica_failed(src, f"failed a catch-up read: {e!r}")
                 raise SessionOver from None
             count = wanted
             break
-        problem = _check_records(records, start, count)
+        problem = check_records(records, start, count)
         if problem is not None:
-            self.end_for(src, f"returned bad records for {start}..: {problem}")
+            self.replica_failed(src, f"returned bad records for {start}..: {problem}")
             raise SessionOver
         return records
 
@@ -627,7 +413,6 @@ class StoreSession:
             return False
         if self.high_water_mark - replica.max_id > self.config.join_max_lag:
             return False
-        replica.role = ReplicaRole.PARTICIPANT
         self.participants.append(replica)
         in_flight = self.batches_in_flight
         for batch in in_flight:
@@ -673,7 +458,7 @@ class StoreSession:
             if s in recovered and self.replica_sessions[s].role is ReplicaRole.RECOVERED
         ]
         for replica in self.participants:
-            replica.role = ReplicaRole.PARTICIPANT
+            replica.become_participant()
         if len(self.participants) < self.quorum:
             # A recovered replica that was not load-bearing failed while the metadata was written.
             self.end(EndReason.QUORUM_LOST, f"only {len(self.participants)} participants")
@@ -700,7 +485,8 @@ class StoreSession:
         self._opened.set()
         if self.config.damage_poll_interval_ms > 0:
             self._tasks.spawn(
-                self._watch_damage(), name=f"damage-watch-{self.partition_id}-{self.session_id}"
+                DamageWatch(self, self._host).run(),
+                name=f"damage-watch-{self.partition_id}-{self.session_id}",
             )
         await self._write_loop()
 
@@ -777,7 +563,6 @@ class StoreSession:
             )
             txn += 1
         # From here on the appends' fate is decided by this batch, or by the next session's recovery.
-        self._host.inflight.extend(appends)
         self.next_id = txn
         voting = Voting(self.quorum, len(self.participants), self._batch_decided)
         batch = Batch(start, tuple(records), voting)
@@ -791,7 +576,7 @@ class StoreSession:
 
         Called by the append request whose acknowledgement decided it (or by the writer, when a replica
         abstains). A failed batch ends the session: later batches cannot commit before it, and the appends of
-        every batch not committed stay in ``host.inflight`` for the next session to resolve.
+        every batch not committed are handed back by :meth:`take_survivors` for the next session to resolve.
         """
         if not committed:
             self.end(EndReason.QUORUM_LOST, f"ids {self.high_water_mark + 1}..{self.next_id - 1} in flight")
@@ -824,7 +609,7 @@ class StoreSession:
         return await self._from_replica(
             transaction_id,
             lambda conn: conn.read_records(transaction_id, count),
-            lambda records: _check_records(records, transaction_id, count),
+            lambda records: check_records(records, transaction_id, count),
         )
 
     async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, RunBytes]:
@@ -893,16 +678,16 @@ class StoreSession:
                 src = other
                 continue
             except WaltzError as e:
-                self.end_for(src, f"failed a read: {e!r}")
+                self.replica_failed(src, f"failed a read: {e!r}")
                 raise
             break
         problem = problem_of(answer)
         if problem is not None:
-            self.end_for(src, f"returned bad records: {problem}")
+            self.replica_failed(src, f"returned bad records: {problem}")
             raise CorruptionError(f"{src.storage} returned bad records for {transaction_id}: {problem}")
         for bad in damaged:
-            if bad.storage not in self._repairing:
-                self._repairing.add(bad.storage)
+            if bad.storage not in self.repairing:
+                self.repairing.add(bad.storage)
                 self._tasks.spawn(
                     self._repair(bad, src, transaction_id),
                     name=f"repair-{self.partition_id}-{bad.storage}-{transaction_id}",
@@ -929,7 +714,7 @@ class StoreSession:
             position, end = transaction_id, transaction_id + count
             while position < end:
                 records = await self.call(good.connection.read_records(position, end - position))
-                if _check_records(records, position, end - position) is not None:
+                if check_records(records, position, end - position) is not None:
                     return
                 await self.call(bad.connection.repair(records))
                 position += len(records)
@@ -944,163 +729,4 @@ class StoreSession:
         except WaltzError as e:
             log.warning("partition %d: repair of %s failed: %r", self.partition_id, bad.storage, e)
         finally:
-            self._repairing.discard(bad.storage)
-
-    # -- damage found by the storage nodes' scrub ------------------------------------------------------------
-
-    async def _watch_damage(self) -> None:
-        """Every ``damage_poll_interval_ms``, ask each participant which stored records it found damaged on
-        its own, and repair the committed ones from the other participants.
-
-        A storage node's background scrub finds damage that no read has met yet; only the owner knows which
-        replicas are clean and which ids are committed, so the owner asks. Polling on the session's existing
-        connection keeps the storage node passive (it never calls servers) and touches no message of the
-        write path; one small request per replica per interval is the whole cost. Best effort: a failed poll
-        is left to the replica's own requests, which notice a broken node; a failed repair is tried again
-        :data:`REPAIR_RETRY_POLLS` polls later.
-        """
-        interval_s = self.config.damage_poll_interval_ms / 1000
-        skip: dict[str, int] = {}
-        failing = self._host.repairs.failing
-        while True:
-            await asyncio.sleep(interval_s)
-            for gone in [s for s in failing if s not in self.replica_sessions]:
-                del failing[gone]  # no longer a replica: its damage is not this partition's to repair
-            for replica in list(self.participants):
-                storage, conn = replica.storage, replica.connection
-                if conn is None or storage in self._repairing:
-                    continue
-                if skip.get(storage, 0) > 0:
-                    skip[storage] -= 1
-                    continue
-                try:
-                    ids = await self.call(conn.damaged_records(MAX_DAMAGED_IDS))
-                except WaltzError as e:
-                    log.debug("partition %d: damage poll of %s failed: %r", self.partition_id, storage, e)
-                    continue
-                # Ids above the committed mark are not settled: recovery decides them, not a repair.
-                last = min(self.high_water_mark, replica.max_id)
-                committed = sorted(t for t in set(ids) if 0 <= t <= last)
-                if not committed:
-                    # Repaired meanwhile (by a read that met the damage) or truncated: nothing is failing.
-                    failing.pop(storage, None)
-                    continue
-                self._repairing.add(storage)
-                try:
-                    if not await self._repair_reported(replica, committed):
-                        skip[storage] = REPAIR_RETRY_POLLS
-                finally:
-                    self._repairing.discard(storage)
-
-    async def _repair_reported(self, bad: ReplicaSession, ids: Sequence[int]) -> bool:
-        """Rewrite ``bad``'s damaged copies of the committed ``ids`` (sorted) with verified copies read from
-        other participants; True if every one was rewritten."""
-        stats = self._host.repairs
-        stats.started += 1
-        what = _describe_ids(ids)
-        stats.in_progress[bad.storage] = what
-        try:
-            return await self._rewrite_reported(bad, ids, what, stats)
-        finally:
-            stats.in_progress.pop(bad.storage, None)
-
-    async def _rewrite_reported(
-        self, bad: ReplicaSession, ids: Sequence[int], what: str, stats: RepairStatistics
-    ) -> bool:
-        """The body of :meth:`_repair_reported`: rewrite, count and log."""
-        log.info(
-            "partition %d: repairing %d damaged record(s) %s reported by %s, from the other replicas",
-            self.partition_id,
-            len(ids),
-            what,
-            bad.storage,
-        )
-        rewritten = 0
-        try:
-            for start, count in _runs(ids):
-                position, end = start, start + count
-                while position < end:
-                    records = await self._good_copies(bad, position, end - position)
-                    conn = bad.connection
-                    if conn is None:
-                        raise BrokenResourceError(f"{bad.storage} left the session")
-                    await self.call(conn.repair(records))
-                    position += len(records)
-                    rewritten += len(records)
-        except WaltzError as e:
-            stats.failed += 1
-            stats.records += rewritten
-            stats.failing[bad.storage] = f"{what}: {e!r}"
-            log.warning(
-                "partition %d: repair of %s's damaged records %s failed after %d record(s); tried again "
-                "later: %r",
-                self.partition_id,
-                bad.storage,
-                what,
-                rewritten,
-                e,
-            )
-            return False
-        stats.finished += 1
-        stats.records += rewritten
-        stats.failing.pop(bad.storage, None)
-        log.info(
-            "partition %d: repaired %d damaged record(s) %s on %s",
-            self.partition_id,
-            rewritten,
-            what,
-            bad.storage,
-        )
-        return True
-
-    async def _good_copies(self, bad: ReplicaSession, start: int, count: int) -> list[Record]:
-        """Verified records ``start..`` (at most ``count``) from a participant other than ``bad``."""
-        error: WaltzError | None = None
-        for src in self.participants:
-            conn = src.connection
-            if src is bad or conn is None or src.max_id < start:
-                continue
-            try:
-                records = await self.call(conn.read_records(start, count))
-            except CorruptionError as e:
-                self._host.replica_damaged(src.storage, str(e))
-                error = e
-                continue
-            problem = _check_records(records, start, count)
-            if problem is None:
-                return records
-            error = CorruptionError(f"{src.storage} returned bad records for {start}: {problem}")
-        raise error or BrokenResourceError(f"no other participant holds transaction {start}")
-
-
-def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
-    """Sorted distinct ids as ``(first, count)`` runs of consecutive ids."""
-    runs: list[tuple[int, int]] = []
-    for txn in ids:
-        if runs and runs[-1][0] + runs[-1][1] == txn:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((txn, 1))
-    return runs
-
-
-def _describe_ids(ids: Sequence[int], max_runs: int = 5) -> str:
-    """``17, 30..32`` for a log line (the first ``max_runs`` runs, then how many more)."""
-    runs = _runs(ids)
-    text = ", ".join(f"{a}" if n == 1 else f"{a}..{a + n - 1}" for a, n in runs[:max_runs])
-    return text + (f" and {len(runs) - max_runs} more runs" if len(runs) > max_runs else "")
-
-
-def _check_records(records: Sequence[Record], start: int, max_count: int) -> str | None:
-    """Why a read answer is unusable (None if it is fine): empty, too long, not dense from ``start``,
-    corrupt."""
-    if not records:
-        return "no records"
-    if len(records) > max_count:
-        return f"{len(records)} records, asked for {max_count}"
-    for i, rec in enumerate(records):
-        if rec.transaction_id != start + i:
-            return f"id {rec.transaction_id} at position {i}"
-        if not rec.verify():
-            return f"record {rec.transaction_id} fails its checksum"
-    return None
+            self.repairing.discard(bad.storage)

@@ -1,0 +1,354 @@
+"""An append's journey: registered and sent (:meth:`AttemptsMixin._send`), its fate heard
+(:meth:`AttemptsMixin._resolve`: a commit finishes a first attempt here), and the retry path: a context whose
+first attempt did not commit (or had to wait) continues in a task (:meth:`AttemptsMixin._run_context`) that
+executes it again, after a backoff or, for a lock failure, once the winning transaction is applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from waltz.client.builder import TransactionBuilder
+from waltz.client.driver import MountState
+from waltz.client.hooks import HooksMixin
+from waltz.client.lifecycle import Event
+from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
+from waltz.client.state import PartitionState, Run, Waiter
+from waltz.errors import (
+    ClientAheadError,
+    ClientError,
+    ClientTimeoutError,
+    LocalProtocolError,
+    PartitionStuckError,
+    WaltzError,
+)
+from waltz.protocol.records import ReqId
+
+__all__ = ["AttemptsMixin"]
+
+log = logging.getLogger("waltz.client.core")  # The core's one logger (docs/client.md names it).
+
+
+_COMMITTED = Outcome.COMMITTED
+_MASK32 = 0xFFFFFFFF
+_READY = MountState.READY
+_TRUE_ARGS = (True,)
+_new_tuple = tuple.__new__
+"""Builds a named tuple (ReqId) from a tuple in C, without its generated Python ``__new__``."""
+
+_FAILURE_EVENTS = {Outcome.LOCK_FAILED: Event.LOCK_FAIL, Outcome.FAILED: Event.LOST}
+"""The lifecycle event of an append that did not commit."""
+
+
+class _Expired(Exception):
+    """The error of a context past ``client.transactionTimeout`` (the lifecycle's EXPIRE, not FAIL)."""
+
+    def __init__(self, error: ClientTimeoutError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class AttemptsMixin(HooksMixin):
+    """Sending appends, hearing their fate, and the retry path (see the module docstring)."""
+
+    def _send(
+        self,
+        partition: PartitionState,
+        monitor: TransactionMonitor,
+        builder: TransactionBuilder,
+        waiter: Waiter,
+    ) -> None:
+        """Register and send one append; synchronous, so registration order is send order. ``waiter`` learns
+        the append's fate (on the loop): a first attempt's run through ``_resolve`` (a commit) or
+        ``_on_first_outcome`` (anything else), a slow-path future through its result."""
+        driver = self._driver
+        assert driver is not None  # Sending follows a check of the partition's mount.
+        p = partition.id
+        seq = self._next_seq.get(p, 0) + 1
+        self._next_seq[p] = seq
+        # ReqId.of(client id, generation, p, seq) without its two Python calls (classmethod, tuple __new__),
+        # from the halves the partition keeps.
+        req_id = _new_tuple(ReqId, (partition.req_msb, partition.req_lsb_base | (seq & _MASK32)))
+        outcomes = partition.outcomes
+        outcomes[req_id] = waiter
+        monitor.register(req_id, seq, self._clock())
+        try:
+            if len(outcomes) == 1:
+                # Alone in flight (one append at a time): nothing would join it in this iteration's write,
+                # so it leaves now instead of one loop pass later. Pipelined appends share one write.
+                driver.send_append_now(p, builder.build(req_id))
+            elif self._send_built is not None:
+                self._send_built(p, req_id, builder)  # No AppendRequest made (see driver.py).
+            else:
+                driver.send_append(p, builder.build(req_id))
+        except LocalProtocolError as e:
+            # It can never be sent (over the connection's frame limit, or a field the format cannot carry):
+            # retrying would execute the context again for ever. The context ends with this error instead.
+            log.warning("partition %d: append %r cannot be sent: %s", partition.id, req_id, e)
+            monitor.fail(req_id)
+            waiter = outcomes.pop(req_id)  # Registered above, in this same synchronous call.
+            if isinstance(waiter, Run):
+                self._on_first_outcome(waiter, e)
+            else:
+                _settle(waiter, e)
+        except WaltzError as e:
+            log.warning("partition %d: append %r not sent: %s", partition.id, req_id, e)
+            self._resolve(partition, monitor.fail(req_id))
+
+    def _send_flush(self, partition_id: int, req_id: ReqId) -> None:
+        try:
+            self._require_driver().send_flush(partition_id, req_id)
+        except WaltzError as e:
+            # Not fatal: the next nudge or READY sends another flush.
+            log.warning("partition %d: flush not sent: %s", partition_id, e)
+
+    def _resolve(self, partition: PartitionState, resolutions: list[Resolution]) -> None:
+        """Hand each resolution to what waits for it: a committed first attempt is finished here (its slot,
+        its lifecycle, ``on_completion``), anything else through :meth:`_on_first_outcome` or the slow
+        path's future. Once per feed run, not per append: the slots of the committed runs are given back
+        in one ``Slots.release`` (one lock round) after the loop."""
+        outcomes = partition.outcomes
+        awaiting_apply = partition.awaiting_apply
+        inline = self._inline
+        released = 0
+        try:
+            for resolution in resolutions:
+                run = outcomes.pop(resolution.req_id, None)
+                if not isinstance(run, Run):
+                    if run is not None:
+                        _settle(run, resolution)
+                    continue
+                if resolution.outcome is not _COMMITTED:
+                    self._on_first_outcome(run, resolution)
+                    continue
+                # A committed first attempt (once per append).
+                if run.holds_slot:
+                    run.holds_slot = False
+                    released += 1
+                run.commit()  # Owes on_completion(True).
+                run.transaction_id = resolution.transaction_id
+                awaiting_apply.append(run)
+                if self._hook_runs or not inline:
+                    # Behind a coroutine hook of this iteration, or on the callback threads: in the batch.
+                    if not self._hook_runs:
+                        self._call_soon(self._flush_hooks)
+                    self._hooks.append((run.context.on_completion, _TRUE_ARGS))
+                    self._hook_runs.append((run, True))
+                else:
+                    self._hook_now(run, True)
+        finally:
+            if released:
+                partition.slots.release(released)
+
+    def _fail_outcomes(self, partition: PartitionState, error: ClientError) -> None:
+        outcomes, partition.outcomes = partition.outcomes, {}
+        for waiter in outcomes.values():
+            if isinstance(waiter, Run):
+                self._on_first_outcome(waiter, error)
+            else:
+                _settle(waiter, error)
+
+    def _on_first_outcome(self, run: Run, result: Resolution | BaseException) -> None:
+        """The fate of a first attempt sent by ``submit`` (no task so far) when it did not commit (a commit
+        is finished by :meth:`_resolve`): it continues in a task, as the slow path."""
+        partition = run.partition
+        assert partition is not None
+        if isinstance(result, Resolution):
+            run.handle(_FAILURE_EVENTS[result.outcome])
+        wake = partition.lock_queue.release(run)
+        if wake:
+            self._wake(wake)
+        self._spawn(self._run_context(run, None, result), f"waltz-run-p{partition.id}")
+
+    def _take_turn(self, partition: PartitionState, run: Run, builder: TransactionBuilder) -> bool:
+        """True if ``run`` may send ``builder`` now (it then holds its write locks in the lock queue); False
+        if another context of this client holds one of them (then ``run`` must wait for its turn)."""
+        queue = partition.lock_queue
+        locks = builder.write_lock_hashes
+        if not locks and queue.is_idle(run):
+            return True  # The common case, no write locks: nothing to hold, nobody to wake.
+        wake = queue.take(run, locks)
+        if wake is None:
+            return False
+        if wake:
+            self._wake(wake)
+        return True
+
+    def _park(self, partition: PartitionState, run: Run, builder: TransactionBuilder) -> None:
+        """Queue ``run`` behind the context holding one of ``builder``'s write locks (see _await_turn)."""
+        blocker = partition.lock_queue.blocker(run, builder.write_lock_hashes)
+        if blocker is None:
+            raise ClientError("internal error: parking a context that is not blocked")
+        run.turn = asyncio.get_running_loop().create_future()
+        wake = partition.lock_queue.park(run, blocker)
+        if wake:
+            self._wake(wake)
+        if run.first_send is not None and not run.first_send.done():
+            run.first_send.set_result(None)  # Queued counts as accepted: submit returns.
+
+    async def _await_turn(self, run: Run) -> None:
+        """Return when it is the parked ``run``'s turn to execute again (the transaction of the context
+        before it applied, or its append failed), or once the context expired."""
+        if run.turn is None:
+            return
+        timeout_ms = self._config.transaction_timeout_ms
+        try:
+            if timeout_ms > 0:
+                remaining_s = timeout_ms / 1000 - (time.time() - run.context.creation_time)
+                # Past the deadline the caller's expiry check ends the context.
+                await asyncio.wait_for(asyncio.shield(run.turn), max(remaining_s, 0))
+            else:
+                await run.turn
+        except TimeoutError:
+            pass  # Still QUEUED: the caller's expiry check ends the context.
+        else:
+            run.handle(Event.TURN)
+        finally:
+            run.turn = None
+
+    async def _run_context(
+        self,
+        run: Run,
+        builder: TransactionBuilder | None = None,
+        pending: Resolution | BaseException | None = None,
+    ) -> None:
+        """The slow path of a context: every attempt after the first, or a first one that had to wait.
+
+        ``builder`` (if given) is the last attempt, executed but not sent yet; ``pending`` (if given) is the
+        fate of the last one, sent and not committed. The attempts made are the lifecycle's to count.
+        """
+        try:
+            await self._await_turn(run)  # Parked by submit.
+            if pending is not None:
+                if isinstance(pending, BaseException):
+                    raise pending
+                await self._after_failure(run, pending)
+            while not await self._attempt(run, builder):
+                builder = None
+        except asyncio.CancelledError:
+            raise  # close() reports ClientClosedError to the context.
+        except _Expired as e:
+            await self._end_with_exception(run, e.error, Event.EXPIRE)
+        except Exception as e:  # noqa: BLE001 - every failure ends the context through on_exception
+            await self._end_with_exception(run, e, Event.FAIL)
+        finally:
+            self._release_slot(run)
+            if run.ended or not self._closed:
+                self._finish(run)
+
+    def _check_may_retry(self, run: Run) -> None:
+        """Before another execution: raise if ``client.maxTransactionAttempts`` appends were refused, or
+        (:class:`_Expired`) if the context is past ``client.transactionTimeout``."""
+        attempts = run.attempts
+        if attempts > 0 and self._retry.attempts_exhausted(attempts):
+            raise ClientTimeoutError(
+                f"transaction context gave up after {attempts} attempts (client.maxTransactionAttempts)"
+            )
+        if self._retry.expired(run.context.creation_time, time.time()):
+            raise _Expired(
+                ClientTimeoutError(
+                    f"transaction context expired after {self._config.transaction_timeout_ms} ms "
+                    f"and {attempts} attempts (client.transactionTimeout)"
+                )
+            )
+
+    async def _attempt(self, run: Run, builder: TransactionBuilder | None) -> bool:
+        """One attempt of the slow path: execute (unless ``builder`` was), take a turn on its write locks,
+        send, and await the append's fate. True once the run is done (appended and applied, or gave up),
+        False for another attempt."""
+        partition = run.partition
+        assert partition is not None
+        context = run.context
+        if builder is None:
+            self._check_may_retry(run)
+            monitor = await self._wait_mounted(partition)
+            builder = TransactionBuilder(partition.id, monitor.applied_high_water_mark)
+            run.execute()
+            if not await self._call_user(context.execute, builder):
+                self._release_slot(run)
+                run.handle(Event.GIVE_UP)
+                await self._call_hook(context.on_completion, False)
+                return True
+        # The mount may have changed while execute ran; its high-water mark is still a safe one.
+        monitor = await self._wait_mounted(partition)
+        if not self._take_turn(partition, run, builder):
+            # Not sent, so not counted: the attempt bound is about appends the server refused.
+            run.handle(Event.QUEUE)
+            self._park(partition, run, builder)
+            await self._await_turn(run)
+            return False
+        outcome: asyncio.Future[Resolution] = asyncio.get_running_loop().create_future()
+        run.send()
+        self._send(partition, monitor, builder, outcome)
+        if run.first_send is not None and not run.first_send.done():
+            run.first_send.set_result(None)
+        resolution = await outcome
+        wake = None
+        if resolution.outcome is _COMMITTED:
+            self._release_slot(run)
+            run.commit()
+            await self._call_hook(context.on_completion, True)
+            await self._wait_applied(partition, resolution.transaction_id)
+            wake = partition.lock_queue.release(run)
+            if wake:
+                self._wake(wake)
+            if run.apply():
+                await self._call_hook(context.on_application)
+            return True
+        run.handle(_FAILURE_EVENTS[resolution.outcome])
+        wake = partition.lock_queue.release(run)
+        if wake:
+            self._wake(wake)
+        await self._after_failure(run, resolution)
+        return False
+
+    async def _after_failure(self, run: Run, failure: Resolution) -> None:
+        """Between a failed attempt and the next execute: retry on knowledge, back off on ignorance.
+
+        A lock failure names the transaction that took the lock, and the monitor releases it only once this
+        client has applied that transaction, so executing again right away reads the state that won: no
+        sleep. A lost append (or a send error) says nothing about when a retry could succeed: back off.
+        """
+        if failure.outcome is Outcome.LOCK_FAILED:
+            await self._call_hook(run.context.on_lock_failure)
+            return
+        await asyncio.sleep(self._retry.delay_s(run.attempts))
+
+    async def _wait_mounted(self, partition: PartitionState) -> TransactionMonitor:
+        timeout_ms = self._config.mount_timeout_ms
+        try:
+            async with asyncio.timeout(timeout_ms / 1000):
+                while True:
+                    if partition.error is not None:
+                        raise partition.error
+                    if partition.state is MountState.CLIENT_AHEAD:
+                        raise ClientAheadError(
+                            f"partition {partition.id}: the application's high-water mark is ahead of the "
+                            "server's (wrong cluster, or the log lost data)"
+                        )
+                    if partition.state is _READY and partition.monitor is not None:
+                        return partition.monitor
+                    await partition.changed()
+        except TimeoutError:
+            if partition.stuck is not None:
+                raise PartitionStuckError(partition.stuck.describe(partition.id, self._clock())) from None
+            raise ClientTimeoutError(
+                f"partition {partition.id} was not mounted within {timeout_ms} ms (client.mountTimeout)"
+            ) from None
+
+    async def _wait_applied(self, partition: PartitionState, transaction_id: int) -> None:
+        while partition.monitor is None or partition.monitor.applied_high_water_mark < transaction_id:
+            if partition.error is not None:
+                raise partition.error
+            await partition.changed()
+
+
+def _settle(future: asyncio.Future[Resolution], result: Resolution | BaseException) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

@@ -1,0 +1,186 @@
+"""The application's context hooks (``on_completion``, ``on_application``): queued per loop iteration and run
+as one job, on a callback thread or (inline mode) on the loop, in the order the lifecycle owes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from waltz.client.base import ClientBase
+from waltz.client.lifecycle import Event, Hook
+from waltz.client.pool import Call, report_hook_failure
+from waltz.client.state import PartitionState, Run
+
+__all__ = ["HooksMixin"]
+
+log = logging.getLogger("waltz.client.core")  # The core's one logger (docs/client.md names it).
+
+
+class HooksMixin(ClientBase):
+    """Hook dispatch of the client core (see the module docstring)."""
+
+    def _on_applied(self, partition: PartitionState, transaction_id: int) -> None:
+        """Transactions up to ``transaction_id`` are applied: on_application for the runs that wait for it."""
+        waiting = partition.awaiting_apply
+        queue = partition.lock_queue
+        # Nothing held (no context of this partition takes write locks): no release to make per run. Releases
+        # only pass locks on, so nothing becomes held during this loop either.
+        locked = queue.holds_any
+        while waiting and waiting[0].transaction_id <= transaction_id:
+            run = waiting.popleft()
+            run.applied = True
+            if locked:
+                wake = queue.release(run)
+                if wake:
+                    self._wake(wake)
+            if not run.completed:
+                continue  # on_completion has not run yet: _hook_done queues on_application after it.
+            if self._inline and not self._hook_runs and run.apply():
+                self._hook_now(run, False)  # _queue_application(run), written out (once per append).
+            else:
+                self._queue_application(run)
+
+    def _drop_awaiting_apply(self, partition: PartitionState) -> None:
+        """The partition is gone: its committed runs end without on_application (as with close)."""
+        waiting, partition.awaiting_apply = partition.awaiting_apply, deque()
+        for run in waiting:
+            if run.completed:
+                self._finish(run)
+
+    def _queue_application(self, run: Run) -> None:
+        if run.apply():  # Owes on_application, unless the run ended meanwhile (closed).
+            # In this iteration's batch; inline mode with nothing queued before it runs it now.
+            if not self._hook_runs:
+                if self._inline:
+                    self._hook_now(run, False)
+                    return
+                self._call_soon(self._flush_hooks)
+            self._hooks.append((run.context.on_application, ()))
+            self._hook_runs.append((run, False))
+        else:
+            self._finish(run)  # Ended meanwhile (closed): no on_application.
+
+    def _flush_hooks(self) -> None:
+        if not self._hook_runs:
+            return
+        hooks, self._hooks = self._hooks, []
+        runs, self._hook_runs = self._hook_runs, []
+        lead, self._lead_awaitables = self._lead_awaitables, []
+        pool = self._pool
+        if pool is None or pool.is_shut_down:
+            for _fn, awaitable in lead:
+                if inspect.iscoroutine(awaitable):
+                    awaitable.close()  # Dropped with its batch, as the hooks never called.
+            return
+        if self._inline:
+            awaitables = _run_hooks_inline(hooks)
+            if lead:
+                awaitables = lead + awaitables
+            if awaitables:
+                self._spawn(self._await_hooks(awaitables, runs), "waltz-hooks")
+            else:
+                self._hooks_done(runs)
+            return
+        pool.post(hooks, then=functools.partial(self._hooks_done, runs))
+
+    def _hook_now(self, run: Run, completion: bool) -> None:
+        """Inline mode, no hook queued in this loop iteration: ``on_completion(True)`` (``completion``) or
+        ``on_application()`` now, where the append was resolved (the socket reader) or its transaction
+        applied (the applier), instead of in the next iteration through _flush_hooks: a lone append's
+        application hears of it one loop pass sooner. What the hook would have been in its batch, it still
+        is: the first; a coroutine it returns is awaited first by this iteration's batch, before the hooks
+        queued after it, which therefore run in order as before."""
+        pool = self._pool
+        if pool is None or pool.is_shut_down:
+            return  # As _flush_hooks: no hooks once the client is shut down.
+        # _run_hooks_inline([hook]) then _hooks_done([(run, completion)]), written out for one hook (twice per
+        # append): no lists, no tuples, no loops.
+        context = run.context
+        fn: Callable[..., Any] = context.on_completion if completion else context.on_application
+        result: Any  # The hooks are typed as returning None; an inline hook may return a coroutine.
+        try:
+            result = fn(True) if completion else fn()
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as e:  # noqa: BLE001 - reported to the application, as in _run_hooks_inline
+            report_hook_failure(asyncio.get_running_loop(), fn, e)
+            result = None
+        if result is not None and inspect.isawaitable(result):
+            self._lead_awaitables = [(fn, result)]
+            self._hook_runs.append((run, completion))
+            self._call_soon(self._flush_hooks)
+        elif not completion:
+            self._finish(run)  # on_application ran: the last hook.
+        else:
+            # _hook_done(run, True), written out (once per append).
+            run.completed = True
+            if run.applied and not self._closed:
+                self._queue_application(run)
+            elif self._closed or (run.partition is not None and run.partition.error is not None):
+                self._finish(run)  # No on_application will follow.
+
+    async def _await_hooks(
+        self, awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]], runs: list[tuple[Run, bool]]
+    ) -> None:
+        """Coroutine hooks (inline mode), one after the other, then the runs' next step."""
+        loop = asyncio.get_running_loop()
+        for fn, awaitable in awaitables:
+            try:
+                await awaitable
+            except Exception as e:  # noqa: BLE001 - reported to the application, not swallowed
+                report_hook_failure(loop, fn, e)
+        self._hooks_done(runs)
+
+    def _hooks_done(self, runs: list[tuple[Run, bool]]) -> None:
+        for run, completion in runs:
+            self._hook_done(run, completion)
+
+    def _hook_done(self, run: Run, completion: bool) -> None:
+        """``run``'s on_completion(True) (``completion``) or on_application ran: its next step."""
+        if not completion:
+            self._finish(run)  # on_application ran: the last hook.
+            return
+        run.completed = True
+        partition = run.partition
+        assert partition is not None
+        if run.applied and not self._closed:
+            self._queue_application(run)
+        elif self._closed or partition.error is not None:
+            self._finish(run)  # No on_application will follow.
+
+    async def _end_with_exception(self, run: Run, error: BaseException, event: Event = Event.FAIL) -> None:
+        """End ``run`` with ``on_exception(error)`` if its lifecycle owes it (once); a first attempt also
+        raises it from submit."""
+        self._release_slot(run)
+        if run.handle(event) is Hook.EXCEPTION:
+            await self._call_hook(run.context.on_exception, error)
+        if run.first_send is not None and not run.first_send.done():
+            run.first_send.set_exception(error)
+            run.first_send.exception()  # submit() retrieves it; never log "exception was never retrieved".
+        self._finish(run)
+
+
+def _run_hooks_inline(hooks: list[Call]) -> list[tuple[Callable[..., Any], Awaitable[Any]]]:
+    """Run context hooks on the loop (inline mode), reporting their exceptions to the loop's exception
+    handler; returns the awaitables that coroutine hooks returned, in order, for the caller to await."""
+    awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]] = []
+    for fn, args in hooks:
+        try:
+            result = fn(*args)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as e:  # noqa: BLE001 - reported to the application, not swallowed
+            # BaseException too: a hook may now run inside the socket reader (on_completion), which a
+            # CancelledError from application code must not end. (The loop is looked up here only: each
+            # asyncio.get_running_loop() is a getpid() system call, twice per append on this path.)
+            report_hook_failure(asyncio.get_running_loop(), fn, e)
+            continue
+        if result is not None and inspect.isawaitable(result):
+            awaitables.append((fn, result))
+    return awaitables

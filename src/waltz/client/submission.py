@@ -1,0 +1,431 @@
+"""``submit`` and its first attempt: the fast path of an append. ``partition_id`` and, with a free slot on a
+ready partition, ``execute`` run in one callback-thread call (or on the loop, inline; or on the application's
+thread, for :class:`~waltz.client.sync.WaltzClient`), and the append is sent without a task. Anything else
+(no free slot, the partition not mounted) continues in the retry path (:mod:`waltz.client.attempts`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal, TypeAlias
+
+from waltz.client.attempts import AttemptsMixin
+from waltz.client.builder import TransactionBuilder
+from waltz.client.context import TransactionContext
+from waltz.client.driver import MountState
+from waltz.client.lifecycle import Event
+from waltz.client.monitor import TransactionMonitor
+from waltz.client.state import PartitionState, Run
+from waltz.errors import (
+    ClientClosedError,
+    ClientError,
+    ClientTimeoutError,
+    PartitionStuckError,
+)
+
+__all__ = ["SubmissionMixin"]
+
+log = logging.getLogger("waltz.client.core")  # The core's one logger (docs/client.md names it).
+
+
+STUCK_SUBMIT_AFTER = 3
+"""Failed deliveries of one transaction after which ``submit`` to its partition fails with
+:class:`~waltz.errors.PartitionStuckError` (the feed cannot advance, so nothing appended would be applied)."""
+
+_READY = MountState.READY
+
+
+class _Pending:
+    """A first attempt whose ``execute`` returned an awaitable (a coroutine, in inline mode)."""
+
+    __slots__ = ("awaitable", "builder")
+
+    def __init__(self, builder: TransactionBuilder, awaitable: Awaitable[Any]) -> None:
+        self.builder = builder
+        self.awaitable = awaitable
+
+
+_First: TypeAlias = TransactionBuilder | Literal[False] | Exception | _Pending | None
+"""What a submit's first callback-thread call returns (see ``SubmissionMixin._first_attempt``)."""
+_Executed: TypeAlias = TransactionBuilder | Literal[False] | _Pending
+"""A first attempt that ran ``execute`` without an exception (filled, gave up, or a coroutine to await)."""
+
+
+class SubmissionMixin(AttemptsMixin):
+    """``submit`` and the first attempt of a context (see the module docstring)."""
+
+    async def submit(self, context: TransactionContext) -> None:
+        """Execute ``context`` and append its transaction; return once the first append is sent.
+
+        Waits (up to ``client.submitTimeout``) while the partition already has
+        ``client.maxConcurrentTransactions`` contexts in flight, and (up to ``client.mountTimeout``) for
+        the partition to be mounted. Failures after the return are retried in the background and reported
+        through the context's hooks. If the first attempt fails with an exception (``execute`` raised, a
+        timeout, ``CLIENT_AHEAD``, a closed client), ``on_exception`` is called and the exception is raised
+        here as well.
+        """
+        pool = self._pool
+        if self._closed or self._driver is None or pool is None or pool.is_shut_down:
+            self._check_open()  # Raises the error that says why.
+            pool = self._require_pool()
+        run = Run(context)
+        # Executed here, on the loop, without an await since the partition was found ready: nothing can
+        # have changed it (set_partitions and close are coroutines), so it need not be checked again.
+        fresh = self._inline
+        try:
+            first: _First
+            if self._inline:
+                # Zero hops: partition_id() and execute() run right here, on the loop.
+                first = self._first_attempt(run, self._num_partitions)
+            else:
+                # One callback-thread call: partition_id() and, with a free slot and the mount, execute().
+                first = await pool.call(
+                    self._first_attempt,
+                    run,
+                    self._num_partitions,
+                    orphan=functools.partial(self._orphaned, run),
+                )
+            if first is None or isinstance(first, _Pending):
+                fresh = False
+                first = await self._first_after_wait(run, first)
+            if self._closed:  # Closed while execute() ran (the driver, once set, stays).
+                self._check_open()
+        except Exception as e:
+            await self._end_with_exception(run, e)  # on_exception, and raised here as well.
+            raise
+        except BaseException:
+            self._release_slot(run)
+            raise
+        self._runs.add(run)
+        partition = run.partition
+        assert partition is not None
+        if type(first) is TransactionBuilder:  # The common case: executed and filled.
+            # Checked again unless fresh: execute() may have changed the partition (set_partitions, close).
+            monitor = partition.monitor if fresh else self._ready_monitor(partition)
+            if monitor is not None:
+                if first.write_lock_hashes:
+                    self._start_first(partition, monitor, run, first)  # It may have to wait its turn.
+                else:
+                    run.execute_send()  # Before _send: a failed send resolves at once.
+                    self._send(partition, monitor, first, run)
+                return
+            run.execute()
+        elif first is not None:
+            run.execute()
+            if isinstance(first, Exception):  # execute() raised
+                await self._end_with_exception(run, first)
+                raise first
+            self._release_slot(run)  # execute() gave up
+            run.handle(Event.GIVE_UP)
+            await self._gave_up(run)
+            return
+        # The slow path: a task executes (or sends what was executed) once the partition is mounted.
+        run.first_send = asyncio.get_running_loop().create_future()
+        self._spawn(self._run_context(run, first), f"waltz-run-p{partition.id}")
+        await asyncio.shield(run.first_send)
+
+    async def _first_after_wait(
+        self, run: Run, first: _Pending | None
+    ) -> TransactionBuilder | Literal[False] | Exception | None:
+        """A first attempt that did not finish in its first call: a coroutine ``execute`` to await (inline
+        mode), or no free slot (or no ready partition) when it was made. Returns what the first attempt
+        returns, None if it still did not execute (the retry path then decides)."""
+        if first is not None:
+            return await self._finish_first(run, first)
+        partition = run.partition
+        assert partition is not None
+        await self._acquire_slot(partition)
+        run.holds_slot = True
+        self._check_open()
+        # A slot after a wait (the common case of a loaded sync client): execute now, as the first attempt
+        # does when it finds a free slot, instead of a slow-path task that waits for the mount under a
+        # timeout to do the same.
+        return await self._execute_after_wait(run, partition)
+
+    def on_callback_thread(self) -> bool:
+        """True when called on one of this client's callback threads (``threads`` mode; cheap)."""
+        pool = self._pool
+        return pool is not None and pool.is_pool_thread()
+
+    def submit_from_thread(self, context: TransactionContext, wait_s: float = 0.0) -> bool:
+        """The zero-wait submit of :class:`~waltz.client.sync.WaltzClient`, on an application thread (never
+        the loop). When the partition is mounted and has a free slot, ``partition_id`` and ``execute`` run
+        right here (as on a callback thread) and the outcome goes to the loop through :meth:`_hand_over`
+        (one wake-up for a burst of submits), without waiting for it: the append is sent in order before
+        anything the thread asks the client afterwards. When the partition is mounted but has no free slot,
+        this waits on this thread, up to ``wait_s`` seconds, for one to be released (a loaded sync client's
+        common case: no coroutine, task or future per submit), and raises the ``submit`` timeout error past
+        it. Returns False, having done nothing, when that is not possible (the partition not ready, the
+        client not started or closed, or ``wait_s`` 0 and no free slot): the caller then uses
+        :meth:`submit`, which waits on the loop. As with :meth:`submit`, an exception of the first attempt
+        is raised here and reported through ``on_exception``.
+        """
+        loop = self._loop
+        if loop is None or self._closed or self._driver is None:
+            return False
+        run = Run(context)
+        num_partitions = self._driver.num_partitions
+        deadline: float | None = None
+        while True:
+            try:
+                first = self._first_attempt(run, num_partitions)
+            except Exception as e:
+                self._hand_over(loop, self._spawn_end, run, e)
+                raise
+            if first is not None:
+                break
+            partition = run.partition
+            if wait_s <= 0 or partition is None or self._closed or not partition.slots.is_full:
+                return False
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + wait_s
+            elif now >= deadline:
+                error = self._slot_timeout_error(partition)
+                self._hand_over(loop, self._spawn_end, run, error)
+                raise error
+            partition.slots.wait_from_thread(deadline - now)
+        if isinstance(first, Exception):
+            self._hand_over(loop, self._spawn_end, run, first, True)
+            raise first
+        self._hand_over(loop, self._continue_first, run, first)
+        return True
+
+    def submit_batch_from_thread(self, contexts: Sequence[TransactionContext]) -> int:
+        """:meth:`submit_from_thread` for a run of contexts: executes the leading ones that find a free slot
+        on a mounted partition, on this thread, in order, and hands them all to the loop at once (they are
+        sent in this order). Returns how many were taken; the caller submits the next one with
+        :meth:`submit` (which waits for room) and continues after it. An exception of a first attempt is
+        raised (the contexts before it are taken; see ``submit``).
+        """
+        loop = self._loop
+        if loop is None or self._closed or self._driver is None:
+            return 0
+        num_partitions = self._driver.num_partitions
+        taken: list[tuple[Run, _Executed]] = []
+        try:
+            for context in contexts:
+                run = Run(context)
+                try:
+                    first = self._first_attempt(run, num_partitions)
+                except Exception as e:
+                    if taken:
+                        self._hand_over(loop, self._continue_batch, taken)
+                        taken = []
+                    self._hand_over(loop, self._spawn_end, run, e)
+                    raise
+                if first is None:
+                    break
+                if isinstance(first, Exception):
+                    if taken:
+                        self._hand_over(loop, self._continue_batch, taken)
+                        taken = []
+                    self._hand_over(loop, self._spawn_end, run, first, True)
+                    raise first
+                taken.append((run, first))
+        finally:
+            if taken:
+                self._hand_over(loop, self._continue_batch, taken)
+        return len(taken)
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+        """From an application thread: run ``fn(*args)`` on the loop, after everything handed over before.
+
+        One ``call_soon_threadsafe`` (a handle and a wake-up of the loop) per burst instead of one per submit:
+        only the first hand-over after the loop last took them schedules :meth:`_take_handed_over`. The call
+        is made under the lock, so a thread that handed something over and then asks the loop anything else
+        (another ``call_soon_threadsafe``) finds the first one ahead of it in the loop's queue."""
+        with self._handoff_lock:
+            self._handoff.append((fn, args))
+            if self._handoff_scheduled:
+                return
+            try:
+                loop.call_soon_threadsafe(self._take_handed_over)
+            except BaseException:
+                self._handoff.pop()
+                raise
+            self._handoff_scheduled = True
+
+    def _take_handed_over(self) -> None:
+        with self._handoff_lock:
+            calls, self._handoff = self._handoff, []
+            self._handoff_scheduled = False
+        for fn, args in calls:
+            try:
+                fn(*args)
+            except Exception:
+                # Internal code only (no application code runs directly here): keep the others going.
+                log.exception("handing a submit over to the client loop failed")
+
+    def _continue_batch(
+        self, taken: list[tuple[Run, TransactionBuilder | Literal[False] | _Pending]]
+    ) -> None:
+        for run, first in taken:
+            self._continue_first(run, first)
+
+    def _spawn_end(self, run: Run, error: Exception, executed: bool = False) -> None:
+        self._runs.add(run)
+        if executed:
+            run.execute()
+        self._spawn(self._end_with_exception(run, error), "waltz-failed-submit")
+
+    def _continue_first(self, run: Run, first: _Executed) -> None:
+        """On the loop: what ``submit`` does after a first attempt made by :meth:`submit_from_thread`."""
+        partition = run.partition
+        assert partition is not None
+        self._runs.add(run)
+        if isinstance(first, _Pending):
+            self._spawn(self._continue_pending(run, first), f"waltz-run-p{partition.id}")
+            return
+        if first is False:
+            run.execute()
+            self._release_slot(run)
+            run.handle(Event.GIVE_UP)
+            self._spawn(self._gave_up(run), "waltz-gave-up")
+            return
+        if self._closed:
+            self._spawn(
+                self._end_with_exception(run, ClientClosedError("the client was closed"), Event.CLOSE),
+                "waltz-closed-run",
+            )
+            return
+        monitor = self._ready_monitor(partition)
+        if monitor is not None:
+            self._start_first(partition, monitor, run, first)
+            return
+        run.execute()
+        self._spawn(self._run_context(run, first), f"waltz-run-p{partition.id}")
+
+    async def _continue_pending(self, run: Run, pending: _Pending) -> None:
+        first = await self._finish_first(run, pending)
+        if isinstance(first, Exception):
+            run.execute()
+            await self._end_with_exception(run, first)
+        else:
+            self._continue_first(run, first)
+
+    async def _gave_up(self, run: Run) -> None:
+        await self._call_hook(run.context.on_completion, False)
+        self._finish(run)
+
+    def _first_attempt(self, run: Run, num_partitions: int) -> _First:
+        """On a callback thread: call ``partition_id`` and, if a slot is free at once on a ready partition,
+        take it and call ``execute``. Returns the filled builder, False (execute gave up), the exception
+        execute raised, or None (not executed: the caller waits for a slot and the mount on the loop).
+
+        Reads loop state without the loop: each read is atomic, and what may change under it is re-checked
+        on the loop (the mount is checked again before sending). The applied high-water mark only grows and
+        only after ``apply_transaction`` returned, so the value read is a safe one for the builder.
+        """
+        context = run.context
+        partition_id = context.partition_id(num_partitions)
+        if type(partition_id) is not int or not 0 <= partition_id < num_partitions:
+            if isinstance(partition_id, bool) or not isinstance(partition_id, int):
+                raise ClientError(f"partition_id() returned {partition_id!r}, not an int")
+            if not 0 <= partition_id < num_partitions:
+                raise ClientError(f"partition_id() returned {partition_id}, outside 0..{num_partitions - 1}")
+        partition = self._partitions.get(partition_id)
+        if partition is None:
+            raise self._not_mounted(partition_id)
+        run.partition = partition
+        stuck = partition.stuck
+        if stuck is not None and stuck.failures >= STUCK_SUBMIT_AFTER:
+            raise PartitionStuckError(stuck.describe(partition_id, self._clock()))
+        monitor = partition.monitor
+        if (
+            monitor is None
+            or partition.error is not None
+            or partition.state is not _READY
+            or self._closed
+            or (self._retry.timeout_ms > 0 and self._retry.expired(context.creation_time, time.time()))
+            or not partition.slots.try_acquire()
+        ):
+            return None
+        run.holds_slot = True
+        builder = TransactionBuilder(partition_id, monitor.applied_high_water_mark)
+        try:
+            result: Any = context.execute(builder)
+        except Exception as e:  # noqa: BLE001 - reported through on_exception by submit
+            return e
+        if result is True:
+            return builder
+        if result is not None and inspect.isawaitable(result):
+            return _Pending(builder, result)  # A coroutine execute (inline mode): submit awaits it.
+        return builder if result else False
+
+    async def _execute_after_wait(
+        self, run: Run, partition: PartitionState
+    ) -> TransactionBuilder | Literal[False] | Exception | None:
+        """``execute`` for a first attempt that waited for its slot (which it holds), if the partition is
+        ready and the context not expired; None (not executed: the slow path decides) otherwise. Like
+        :meth:`_first_attempt`, an exception of ``execute`` is returned, not raised."""
+        monitor = self._ready_monitor(partition)
+        if monitor is None or (
+            self._retry.timeout_ms > 0 and self._retry.expired(run.context.creation_time, time.time())
+        ):
+            return None
+        builder = TransactionBuilder(partition.id, monitor.applied_high_water_mark)
+        try:
+            result = await self._call_user(run.context.execute, builder)
+        except Exception as e:  # noqa: BLE001 - reported through on_exception by submit
+            return e
+        return builder if result else False
+
+    async def _finish_first(
+        self, run: Run, pending: _Pending
+    ) -> TransactionBuilder | Literal[False] | Exception:
+        """Await a coroutine ``execute`` of a first attempt (inline mode)."""
+        try:
+            result = await pending.awaitable
+        except asyncio.CancelledError:
+            self._release_slot(run)
+            raise
+        except Exception as e:  # noqa: BLE001 - reported through on_exception by submit
+            return e
+        return pending.builder if result else False
+
+    def _orphaned(self, run: Run, first: _First) -> None:
+        """``submit`` was cancelled while its first attempt ran: give back the slot it may have taken (the
+        context is dropped, as when ``submit`` is cancelled while it waits for a slot)."""
+        self._release_slot(run)
+
+    async def _acquire_slot(self, partition: PartitionState) -> None:
+        try:
+            await partition.slots.acquire(self._config.submit_timeout_ms / 1000)
+        except TimeoutError:
+            raise self._slot_timeout_error(partition) from None
+
+    def _slot_timeout_error(self, partition: PartitionState) -> ClientError:
+        """Why a submit found no free slot within ``client.submitTimeout``."""
+        if partition.stuck is not None:
+            return PartitionStuckError(partition.stuck.describe(partition.id, self._clock()))
+        return ClientTimeoutError(
+            f"submit timed out after {self._config.submit_timeout_ms} ms: partition {partition.id} "
+            f"already has {partition.slots.limit} transactions in flight "
+            "(client.maxConcurrentTransactions); is the feed stalled or the application overloaded?"
+        )
+
+    def _start_first(
+        self, partition: PartitionState, monitor: TransactionMonitor, run: Run, first: TransactionBuilder
+    ) -> None:
+        """Send a run's first attempt (executed, not yet told to the lifecycle) to a ready partition, or park
+        it behind this client's own append on one of its write locks (it then executes again on its turn)."""
+        # A new run is unknown to the lock queue: without write locks it has nothing to take there.
+        locks = first.write_lock_hashes
+        if locks:
+            wake = partition.lock_queue.take(run, locks)
+            if wake is None:
+                run.execute()
+                run.handle(Event.QUEUE)
+                self._park(partition, run, first)
+                self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
+                return
+            if wake:
+                self._wake(wake)
+        run.execute_send()  # Before _send: a failed send resolves at once.
+        self._send(partition, monitor, first, run)
