@@ -13,8 +13,9 @@ One run (:func:`run_seed`), bounded in time, stops everything it started:
 3. The seed picks the fault schedule (printed before the run; :func:`schedule`): kill -9 and SIGSTOP/SIGCONT
    of a storage node, a server or ZooKeeper, two storage nodes down at once, a cut of all links to one storage
    node (server<->storage) or to one server (client<->server), and the owner faults of
-   :mod:`bench.faults.owner` (one server cut from ZooKeeper alone, or stopped, past its session). Faults run
-   one after the other, each healed before the next, with a random gap.
+   :mod:`bench.faults.owner` (one server cut from ZooKeeper alone, or stopped, past its session); only when
+   named in ``kinds``, the power cuts of :mod:`bench.faults.power` (one storage node, or the whole cluster, on
+   powerfs mounts). Faults run one after the other, each healed before the next, with a random gap.
 4. Checks (:func:`verify`), after the last fault was healed:
 
    * no partition is stuck: every partition acknowledges a new append within ``stuck_bound_s`` of the heal;
@@ -22,8 +23,9 @@ One run (:func:`run_seed`), bounded in time, stops everything it started:
      partition, at most ``stuck_bound_s``), no app goes without acknowledgements on a partition that
      acknowledges the other apps' appends (:func:`bench.faults.owner.check_stranded`);
    * every transaction an app saw acknowledged is in the log (read through the servers with
-     :class:`~waltz.client.reader.LogReader`) exactly once, in the partition it was sent to, and no tag is in
-     the log twice at all (nothing committed twice);
+     :class:`~waltz.client.reader.LogReader`; if they do not serve it, each partition's longest replica, read
+     through the storage nodes' admin ports, and that is a problem too) exactly once, in the partition it was
+     sent to, and no tag is in the log twice at all (nothing committed twice);
    * ids are dense: every partition's log is ``0..hwm`` with no gap;
    * every replica (read through each storage node's admin port) holds, below the committed high-water mark,
      byte for byte the records the servers serve; replicas get ``catch_up_bound_s`` to catch up first.
