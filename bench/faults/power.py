@@ -8,8 +8,8 @@ partition directories included, is under the model. ZooKeeper is restarted on it
 its data (the cluster's metadata ``up`` wrote) imported as durable. Logs, configs and ``zoo.cfg`` stay on the
 host's filesystem.
 
-ZooKeeper (3.8) never fsyncs its data directory: a transaction log or snapshot file it creates (a new
-``log.<zxid>`` at every start and roll-over) is fsynced, its directory entry never. Under the strict model a
+ZooKeeper (3.8) never fsyncs its data directory: a transaction log it creates (a new ``log.<zxid>`` after
+every start and at roll-over) is fsynced, its directory entry never. Under the strict model a
 whole-cluster cut rolls ZooKeeper back to the files whose entries were durable before (sequential znode
 counters and partition generations go backwards). So ZooKeeper's mount uses powerfs's ``--journal`` model
 (a file's fsync commits every directory entry, as ext4 and XFS do in their default modes) unless
