@@ -55,22 +55,21 @@ def fake_server(port_out: multiprocessing.connection.Connection) -> None:  # typ
         version = conn.negotiated_version
         next_id = 0
         append_type = int(cs.MessageType.APPEND_REQUEST)
-        while True:
-            burst = [await conn.receive()]
-            conn.receive_buffered(burst)
-            out: list[bytes] = []
-            for payload in burst:
-                if payload[0] == append_type:
-                    request = cs.decode_append_request(payload, version)
-                    out.append(cs.encode(cs.FeedData(request.req_id, next_id, request.header), version))
-                    next_id += 1
-                    continue
-                msg = cs.decode(payload, version)
-                if isinstance(msg, cs.MountRequest):
-                    next_id = msg.client_high_water_mark + 1
-                    out.append(cs.encode(cs.MountResponse(msg.req_id, cs.PartitionState.READY), version))
-            if out:
-                conn.send_many(out)
+
+        def on_payload(payload: bytes) -> None:
+            # From the data callback: the answers to one read leave in one write when it returns.
+            nonlocal next_id
+            if payload[0] == append_type:
+                request = cs.decode_append_request(payload, version)
+                conn.send(cs.encode(cs.FeedData(request.req_id, next_id, request.header), version))
+                next_id += 1
+                return
+            msg = cs.decode(payload, version)
+            if isinstance(msg, cs.MountRequest):
+                next_id = msg.client_high_water_mark + 1
+                conn.send(cs.encode(cs.MountResponse(msg.req_id, cs.PartitionState.READY), version))
+
+        await conn.serve_payloads(on_payload)
 
     async def main() -> None:
         server = await serve(

@@ -153,7 +153,7 @@ class _Peer:
         self._proto.frame(cs.encode(msg, VERSION))
 
     def send_feed(self, entries: Sequence[FeedEntry]) -> None:
-        self._proto.frame_many(cs.encode_feed_entries(entries, VERSION))
+        cs.frame_feed_entries(entries, VERSION)
         self.fed += len(entries)
         self.last_id = entries[-1][0]
         self.wake.set()
@@ -254,7 +254,7 @@ def main() -> None:
     args = parser.parse_args()
     import uvloop
 
-    from waltz.transport import tune_gc
+    from waltz.runtime import tune_gc
 
     tune_gc()  # as `waltz server run` does
 

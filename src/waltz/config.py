@@ -235,15 +235,35 @@ def parse_partition_ranges(text: str, num_partitions: int | None = None) -> list
     return sorted(ids)
 
 
-def host_port(text: str) -> tuple[str, int]:
-    """Parse ``host:port`` with a clear error."""
-    host, sep, port_s = text.rpartition(":")
-    if not sep or not host:
-        raise ConfigError(f"expected host:port, got {text!r}")
-    try:
-        port = int(port_s)
-    except ValueError:
-        raise ConfigError(f"bad port in {text!r}") from None
-    if not 0 < port < 65536:
-        raise ConfigError(f"port out of range in {text!r}")
-    return host, port
+def host_port(text: str, *, default_port: int | None = None, what: str = "address") -> tuple[str, int]:
+    """``(host, port)`` of ``host:port``: the one parser of addresses (configuration, CLI arguments, the
+    endpoints servers publish, ZooKeeper connect strings).
+
+    The host is a name, an IPv4 address or an IPv6 address in brackets (``[::1]:9000``; returned without
+    them); the port is decimal digits, 1 to 65535. Without a port, ``default_port`` if given. Anything else
+    raises ConfigError naming ``what`` and the text.
+    """
+    raw = text
+    text = text.strip()
+    if text.startswith("["):
+        end = text.find("]")
+        host, rest = (text[1:end], text[end + 1 :]) if end > 0 else ("", "")
+        if not host:
+            raise ConfigError(f"bad {what} {raw!r}: expected [IPv6 address]:port")
+        if rest and not rest.startswith(":"):
+            raise ConfigError(f"bad {what} {raw!r}: expected ':port' after the bracketed address")
+        port_s: str | None = rest[1:] if rest else None
+    elif text.count(":") > 1:
+        raise ConfigError(f"bad {what} {raw!r}: an IPv6 address needs brackets, as in [::1]:9000")
+    else:
+        host, sep, port_text = text.partition(":")
+        port_s = port_text if sep else None
+    if not host:
+        raise ConfigError(f"bad {what} {raw!r}: expected host:port")
+    if port_s is None:
+        if default_port is None:
+            raise ConfigError(f"bad {what} {raw!r}: expected host:port (no port given)")
+        return host, default_port
+    if not (port_s.isascii() and port_s.isdigit()) or not 0 < int(port_s) < 65536:
+        raise ConfigError(f"bad {what} {raw!r}: the port must be a number from 1 to 65535")
+    return host, int(port_s)

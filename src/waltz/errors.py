@@ -1,7 +1,8 @@
 """The one exception tree of Waltz.
 
-Every error Waltz raises on purpose is a :class:`WaltzError`. Each class says whether retrying the same
-operation later can succeed (``retriable``); callers decide on that flag, never on message text::
+Every failure Waltz raises on purpose is a :class:`WaltzError` (bugs caught by a check have their own root,
+below). Each class says whether retrying the same operation later can succeed (``retriable``); callers
+decide on that flag, never on message text::
 
     WaltzError
     ├── ConfigError                    bad configuration file, key or CLI argument (not retriable)
@@ -37,6 +38,15 @@ operation later can succeed (``retriable``); callers decide on that flag, never 
     │   └── DataChecksumError          transaction data did not match its checksum after retries
     └── BackupError                    a backup is unusable (partial, damaged, another cluster's), or a
                                        restore's target is not an empty cluster; nothing was changed
+
+A bug is not a failure to handle, so its errors have a root of their own, deliberately outside
+:class:`WaltzError`: no ``except WaltzError`` that handles an expected failure (retrying, answering a
+peer) may swallow one. They derive from ``RuntimeError``::
+
+    InternalError                      a bug: something that must hold does not; never retried
+    ├── InvariantViolation             a replication invariant (or storage that breaks its contract)
+    ├── LifecycleError                 an event that cannot happen in a client context's state
+    └── BusyResourceError              a second task asked for what one task at a time may use
 
 Storage failure responses carry a class name (the first frame of the wire ``StorageRpcException``);
 :func:`error_from_wire` maps it back to the class here so a remote failure keeps its meaning.
@@ -85,6 +95,25 @@ class BrokenResourceError(ConnectionError_):
     """The peer or the network broke the connection; a new connection may succeed."""
 
     retriable = True
+
+
+class InternalError(RuntimeError):
+    """A bug: something that must hold in production does not. Raised instead of ``assert`` (which ``-O``
+    removes); never retried, and not a :class:`WaltzError`, so no handler of expected failures catches it."""
+
+
+class InvariantViolation(InternalError):
+    """A replication invariant does not hold: a bug, or storage that breaks its contract."""
+
+
+class LifecycleError(InternalError):
+    """An event that cannot happen in a client context's state (see ``waltz.client.lifecycle``): a bug in the
+    client core."""
+
+
+class BusyResourceError(InternalError):
+    """A second task asked for a resource only one task may use at a time (such as receiving on one
+    connection): a bug in the caller, not a state of the resource."""
 
 
 class StorageError(WaltzError):

@@ -28,8 +28,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from waltz import __version__
 from waltz.errors import ConfigError
+from waltz.version import __version__
 
 log = logging.getLogger(__name__)
 

@@ -513,6 +513,18 @@ def test_encode_feed_entries_is_encode_feed_data_of_the_flat_headers(version: in
         cs.encode_feed_entries(flat, 99)
 
 
+@pytest.mark.parametrize("version", ALL)
+def test_frame_feed_entries_frames_each_feed_data_for_the_client_protocol(version: int) -> None:
+    flat = [(0, 1, 2, 3), (2**63 - 1, 2**64 - 1, 0, -(2**31)), (7, 5, 6, 2**31 - 1)]
+    payloads = cs.encode_feed_entries(flat, version)
+    assert cs.frame_feed_entries(flat, version) == b"".join(
+        FRAME_HEADER.pack(MAGIC_CLIENT, version, len(p)) + p for p in payloads
+    )
+    assert cs.frame_feed_entries([], version) == b""
+    with pytest.raises(LocalProtocolError):
+        cs.frame_feed_entries([(0, 0, 0, 2**31)], version)
+
+
 def test_encode_feed_data_refuses_what_encode_refuses() -> None:
     with pytest.raises(LocalProtocolError):
         cs.encode_feed_data([RecordHeader(0, REQ, 2**31)], 4)

@@ -1,5 +1,6 @@
 """The dotted-key YAML config loader."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -71,8 +72,49 @@ def test_partition_ranges() -> None:
         parse_partition_ranges("0-8", num_partitions=8)
 
 
-def test_host_port() -> None:
-    assert host_port("127.0.0.1:80") == ("127.0.0.1", 80)
-    for bad in ["x", ":1", "h:0", "h:p", "h:70000"]:
-        with pytest.raises(ConfigError):
-            host_port(bad)
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("127.0.0.1:80", ("127.0.0.1", 80)),
+        ("storage-1.example.com:65535", ("storage-1.example.com", 65535)),
+        ("  host:1 ", ("host", 1)),
+        ("[::1]:9000", ("::1", 9000)),
+        ("[fe80::1%eth0]:2181", ("fe80::1%eth0", 2181)),
+    ],
+)
+def test_host_port_takes_names_ipv4_and_bracketed_ipv6(text: str, expected: tuple[str, int]) -> None:
+    assert host_port(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("", "expected host:port"),
+        ("x", "no port given"),
+        (":1", "expected host:port"),
+        ("h:", "from 1 to 65535"),
+        ("h:0", "from 1 to 65535"),
+        ("h:65536", "from 1 to 65535"),
+        ("h:p", "from 1 to 65535"),
+        ("h:-1", "from 1 to 65535"),
+        ("h:+80", "from 1 to 65535"),
+        ("h:8_0", "from 1 to 65535"),
+        ("h:\u0668\u0660", "from 1 to 65535"),  # Arabic-Indic digits: isdigit() but not a port
+        ("::1:9000", "needs brackets"),
+        ("[::1]9000", "':port' after the bracketed address"),
+        ("[::1:9000", "expected \\[IPv6 address\\]:port"),
+        ("[]:9000", "expected \\[IPv6 address\\]:port"),
+        ("[::1]:", "from 1 to 65535"),
+    ],
+)
+def test_host_port_refuses_bad_input_naming_what_and_why(text: str, reason: str) -> None:
+    with pytest.raises(ConfigError, match=f"bad storage address {re.escape(repr(text))}: .*{reason}"):
+        host_port(text, what="storage address")
+
+
+def test_host_port_default_port_is_only_for_a_text_without_one() -> None:
+    assert host_port("zk1", default_port=2181) == ("zk1", 2181)
+    assert host_port("[::1]", default_port=2181) == ("::1", 2181)
+    assert host_port("zk1:2182", default_port=2181) == ("zk1", 2182)
+    with pytest.raises(ConfigError):
+        host_port("zk1:0", default_port=2181)

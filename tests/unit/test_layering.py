@@ -7,6 +7,9 @@ the architecture document on purpose, never by accident. Imports inside function
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,14 +19,15 @@ import waltz
 SRC = Path(waltz.__file__).parent
 
 # Foundation modules: small, shared by every layer.
-_BASE = {"errors", "config", "tls", "http", "transport", "__version__"}
+_BASE = {"errors", "config", "tls", "http", "transport", "runtime", "version"}
 
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
-    "__version__": set(),
+    "version": set(),
+    "runtime": set(),
     "config": {"errors"},
     "tls": {"errors", "config"},
-    "http": {"errors", "__version__"},
+    "http": {"errors", "version"},
     "protocol": {"errors"},
     "transport": {"errors", "protocol"},
     "cluster": {"errors", "config", "tls"},
@@ -36,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "local": _BASE | {"cluster", "server", "protocol"},
     "ops": _BASE | {"cluster", "server", "protocol", "client"},
     "cli": _BASE | {"protocol", "cluster", "storage", "server", "client", "perf", "local", "testing", "ops"},
-    "__init__": {"client", "errors", "__version__"},
+    "__init__": {"client", "errors", "version"},
     "__main__": {"cli"},
 }
 
@@ -161,3 +165,24 @@ def test_no_import_cycle_between_the_modules_of(package: str) -> None:
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_storage_nodes_and_servers_do_not_load_the_client_library() -> None:
+    # Importing any module of the package runs waltz/__init__.py first: the client API there must stay lazy
+    # (and the version must come from waltz.version), or every storage node and server loads the client.
+    code = (
+        "import sys, waltz.cli.main, waltz.cli.storage, waltz.cli.server, waltz.storage.node, "
+        "waltz.server.server, waltz.http\n"
+        "print(sorted(m for m in sys.modules if m == 'waltz.client' or m.startswith('waltz.client.')))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC.parent)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_package_root_still_offers_the_client_api() -> None:
+    assert {name: getattr(waltz, name).__name__ for name in waltz.__all__ if name != "__version__"} == {
+        name: name for name in waltz.__all__ if name != "__version__"
+    }
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        _ = waltz.nothing

@@ -256,7 +256,8 @@ def test_mutual_tls_round_trip_on_uvloop(tls_pki: LocalPki) -> None:
         assert "uvloop" in type(asyncio.get_running_loop()).__module__
         async with asyncio.timeout(10):
             async with serving(server_ctx(tls_pki)) as port, await connect(port, client_ctx(tls_pki)) as conn:
-                await conn.send_and_drain(b"over uvloop")
+                conn.send(b"over uvloop")
+                await conn.drain()
                 assert await conn.receive() == b"over uvloop"
 
     uvloop.run(main())
@@ -268,7 +269,8 @@ def test_keep_alives_flow_over_tls(tls_pki: LocalPki) -> None:
             conn = await connect(port, client_ctx(tls_pki), keep_alive_interval_s=0.02)
             async with conn:
                 await asyncio.sleep(0.2)  # About ten keep-alives, which the server skips.
-                await conn.send_and_drain(b"after keep-alives")
+                conn.send(b"after keep-alives")
+                await conn.drain()
                 assert await conn.receive() == b"after keep-alives"
 
     run(main())
@@ -283,14 +285,16 @@ def test_hostname_is_checked_unless_disabled(tls_pki: LocalPki) -> None:
                 await connect(port, client_ctx(tls_pki), host="127.0.0.2")
             relaxed = client_ctx(tls_pki, check_hostname=False)
             async with await connect(port, relaxed, host="127.0.0.2") as conn:
-                await conn.send_and_drain(b"ok")
+                conn.send(b"ok")
+                await conn.drain()
                 assert await conn.receive() == b"ok"
         ctx = client_ctx(tls_pki)
         async with (
             serving(server_ctx(tls_pki, mutual=False)) as port,
             await connect(port, ctx, host="localhost") as conn,
         ):
-            await conn.send_and_drain(b"by name")
+            conn.send(b"by name")
+            await conn.drain()
             assert await conn.receive() == b"by name"
 
     run(main())
@@ -396,9 +400,9 @@ def test_connect_timeout_covers_a_peer_that_never_completes_the_handshake(tls_pk
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_rpc_over_a_callback_reads_connection_with_mutual_tls(tls_pki: LocalPki, loop: str) -> None:
-    """The server's storage connections (``open_connection(..., callback_reads=True)`` under an RpcClient):
-    responses read from the TLS transport's callback, on both loops; a refusal reads as on the other path."""
+def test_rpc_over_a_connection_with_mutual_tls(tls_pki: LocalPki, loop: str) -> None:
+    """The server's storage connections (an RpcClient over ``open_connection``): responses read from the
+    TLS transport's callback, on both loops; a refusal reads as a plain connection's does."""
     import uvloop
 
     def seq_of(payload: bytes) -> int:
@@ -406,16 +410,16 @@ def test_rpc_over_a_callback_reads_connection_with_mutual_tls(tls_pki: LocalPki,
 
     async def main() -> None:
         async with asyncio.timeout(10), serving(server_ctx(tls_pki)) as port:
-            conn = await connect(port, client_ctx(tls_pki), callback_reads=True)
+            conn = await connect(port, client_ctx(tls_pki))
             async with RpcClient(
                 conn, encode=bytes, decode=bytes, request_seq=seq_of, response_seq=seq_of
             ) as rpc:
                 payloads = [bytes([i]) * (1 + i * 997) for i in range(100)]
                 assert await asyncio.gather(*(rpc.call(p, timeout_ms=5000) for p in payloads)) == payloads
             with pytest.raises(BrokenResourceError, match=r"does the peer require a client certificate"):
-                await connect(port, client_ctx(tls_pki, None), callback_reads=True)
+                await connect(port, client_ctx(tls_pki, None))
             with pytest.raises(ConfigError, match=r"wants TLS and this side has no TLS settings"):
-                await connect(port, None, callback_reads=True)
+                await connect(port, None)
 
     if loop == "uvloop":
         uvloop.run(main())

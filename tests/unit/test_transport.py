@@ -14,6 +14,7 @@ import pytest
 
 from waltz.errors import (
     BrokenResourceError,
+    BusyResourceError,
     ClientTimeoutError,
     ClosedResourceError,
     LocalProtocolError,
@@ -29,17 +30,7 @@ from waltz.protocol.framing import (
     ProtocolConnection,
     encode_frame,
 )
-from waltz.transport import (
-    GC_THRESHOLDS,
-    FramedConnection,
-    FramedServer,
-    RpcClient,
-    open_connection,
-    serve,
-    tune_gc,
-    tune_malloc,
-)
-from waltz.transport import run as transport_run
+from waltz.transport import FramedConnection, FramedServer, RpcClient, open_connection, serve
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -56,6 +47,11 @@ def run(main: Callable[[], Coroutine[Any, Any, T]], timeout_s: float = 10.0) -> 
             return await main()
 
     return asyncio.run(bounded())
+
+
+async def send_and_drain(conn: FramedConnection, payload: bytes) -> None:
+    conn.send(payload)
+    await conn.drain()
 
 
 async def echo(conn: FramedConnection) -> None:
@@ -134,74 +130,7 @@ def test_echo_round_trip_negotiates_the_highest_common_version() -> None:
     run(main)
 
 
-def test_receive_nowait_drains_the_buffered_payloads_in_order_then_says_none() -> None:
-    async def main() -> None:
-        async with serving(echo) as port:
-            conn = await connect(port)
-            async with conn:
-                assert conn.receive_nowait() is None  # Nothing read yet: no socket read is made.
-                payloads = [bytes([i]) * (1 + i) for i in range(50)]
-                for payload in payloads:
-                    conn.send(payload)
-                await conn.drain()
-                received = [await conn.receive()]
-                while len(received) < len(payloads):
-                    payload = conn.receive_nowait()
-                    if payload is None:
-                        payload = await conn.receive()
-                    received.append(payload)
-                assert received == payloads
-                assert conn.receive_nowait() is None
-            with pytest.raises(ClosedResourceError):
-                conn.receive_nowait()
-
-    run(main)
-
-
-def test_receive_buffered_appends_every_buffered_payload_in_order() -> None:
-    async def main() -> None:
-        async with serving(echo) as port:
-            conn = await connect(port)
-            async with conn:
-                out: list[bytes] = []
-                conn.receive_buffered(out)
-                assert out == []  # Nothing read yet: no socket read is made.
-                payloads = [bytes([i]) * (1 + i) for i in range(50)]
-                for payload in payloads:
-                    conn.send(payload)
-                await conn.drain()
-                while len(out) < len(payloads):
-                    out.append(await conn.receive())
-                    conn.receive_buffered(out)
-                assert out == payloads
-            with pytest.raises(ClosedResourceError):
-                conn.receive_buffered(out)
-
-    run(main)
-
-
-def test_receive_many_waits_for_a_payload_then_takes_every_buffered_one_in_order() -> None:
-    async def main() -> None:
-        async with serving(echo) as port:
-            conn = await connect(port)
-            async with conn:
-                payloads = [bytes([i]) * (1 + i) for i in range(50)]
-                for payload in payloads:
-                    conn.send(payload)
-                await conn.drain()
-                out: list[bytes] = []
-                while len(out) < len(payloads):
-                    before = len(out)
-                    await conn.receive_many(out)
-                    assert len(out) > before  # returns with at least one payload, never empty-handed
-                assert out == payloads
-            with pytest.raises(ClosedResourceError):
-                await conn.receive_many(out)
-
-    run(main)
-
-
-def test_receive_many_returns_the_payloads_before_a_broken_frame_then_raises() -> None:
+def test_receive_takes_the_payloads_before_a_broken_frame_then_raises() -> None:
     async def sender(conn: FramedConnection) -> None:
         conn.send(b"a")
         conn.send(b"bb")
@@ -213,36 +142,31 @@ def test_receive_many_returns_the_payloads_before_a_broken_frame_then_raises() -
         async with serving(sender) as port:
             conn = await connect(port, max_frame_bytes=1024)
             async with conn:
-                out: list[bytes] = []
-                broken: RemoteProtocolError | None = None
-                while broken is None:
-                    try:
-                        await conn.receive_many(out)
-                    except RemoteProtocolError as e:
-                        broken = e
-                assert out == [b"a", b"bb"]
+                assert await conn.receive() == b"a"
+                assert await conn.receive() == b"bb"
                 with pytest.raises(RemoteProtocolError):
-                    await conn.receive_many(out)  # the connection stays failed
+                    await conn.receive()
+                with pytest.raises(RemoteProtocolError):
+                    await conn.receive()  # the connection stays failed
 
     run(main)
 
 
-def test_send_many_frames_each_payload_in_order_after_what_was_sent_before() -> None:
+def test_a_second_receiver_is_a_busy_resource_error() -> None:
     async def main() -> None:
         async with serving(echo) as port:
             conn = await connect(port)
             async with conn:
-                conn.send(b"first")
-                conn.send_many([b"a", b"bb" * 1000, b"ccc"])
-                conn.send_many([])
-                conn.send(b"last")
-                await conn.drain()
-                for expected in (b"first", b"a", b"bb" * 1000, b"ccc", b"last"):
-                    assert await conn.receive() == expected
-                with pytest.raises(LocalProtocolError):
-                    conn.send_many([b"ok", b""])  # an empty payload would read as a keep-alive
-            with pytest.raises(ClosedResourceError):
-                conn.send_many([b"x"])
+                first = asyncio.create_task(conn.receive())
+                await asyncio.sleep(0)
+                with pytest.raises(BusyResourceError, match="already receiving"):
+                    await conn.receive()
+                with pytest.raises(BusyResourceError):
+                    conn.deliver_payloads(lambda payloads: None, lambda reason: None)
+                conn.send(b"one")
+                assert await first == b"one"
+                conn.send(b"two")
+                assert await conn.receive() == b"two"  # the first receiver is done: the next one may come
 
     run(main)
 
@@ -263,9 +187,9 @@ def test_send_now_writes_at_once_after_the_frames_queued_before_it() -> None:
                 transport.write = recording_write  # type: ignore[method-assign]
                 conn.send(b"queued")
                 assert writes == []  # send() waits for the end of the loop iteration
-                conn.send_now(b"now")
+                conn.send(b"now", now=True)
                 assert len(writes) == 1  # at once, with what was queued before it, in one write
-                conn.send_now(b"alone")
+                conn.send(b"alone", now=True)
                 assert len(writes) == 2
                 await asyncio.sleep(0)
                 await asyncio.sleep(0)
@@ -273,14 +197,14 @@ def test_send_now_writes_at_once_after_the_frames_queued_before_it() -> None:
                 for expected in (b"queued", b"now", b"alone"):
                     assert await conn.receive() == expected
                 with pytest.raises(LocalProtocolError):
-                    conn.send_now(b"")
+                    conn.send(b"", now=True)
             with pytest.raises(ClosedResourceError):
-                conn.send_now(b"x")
+                conn.send(b"x", now=True)
 
     run(main)
 
 
-def test_send_framed_writes_frames_framed_by_the_caller_in_order() -> None:
+def test_send_framed_takes_frames_framed_by_the_caller_in_order() -> None:
     async def main() -> None:
         async with serving(echo) as port:
             conn = await connect(port)
@@ -299,23 +223,26 @@ def test_send_framed_writes_frames_framed_by_the_caller_in_order() -> None:
                 def framed(*payloads: bytes) -> bytes:
                     return b"".join(FRAME_HEADER.pack(MAGIC_STORAGE, version, len(p)) + p for p in payloads)
 
-                conn.send_framed(framed(b"alone"))
-                assert len(writes) == 1  # nothing queued before it: handed over at once
+                conn.send(framed(b"alone"), framed=True, now=True)
+                assert len(writes) == 1  # handed over at once
                 conn.send(b"queued")
-                conn.send_framed(framed(b"a", b"bb"))
+                conn.send(framed(b"a", b"bb"), framed=True)
                 assert len(writes) == 1  # joins the frame queued before it, in that iteration's write
                 conn.send(b"last")
                 await conn.drain()
                 assert len(writes) == 2
-                for expected in (b"alone", b"queued", b"a", b"bb", b"last"):
+                conn.send(b"queued")
+                conn.send(framed(b"c"), framed=True, now=True)
+                assert len(writes) == 3  # now: with the frame queued before it, in one write
+                for expected in (b"alone", b"queued", b"a", b"bb", b"last", b"queued", b"c"):
                     assert await conn.receive() == expected
             with pytest.raises(ClosedResourceError):
-                conn.send_framed(framed(b"x"))
+                conn.send(framed(b"x"), framed=True)
 
     run(main)
 
 
-def test_send_parts_frames_head_and_body_as_one_payload_without_joining_the_body() -> None:
+def test_send_with_a_body_frames_head_and_body_as_one_payload_without_joining_the_body() -> None:
     async def main() -> None:
         async with serving(echo) as port:
             conn = await connect(port)
@@ -332,7 +259,7 @@ def test_send_parts_frames_head_and_body_as_one_payload_without_joining_the_body
                 writer.writelines = recording_writelines  # type: ignore[method-assign]
                 body = bytes(range(256)) * 8192  # 2 MiB: a range read's run
                 conn.send(b"queued")
-                conn.send_parts(b"head", body)
+                conn.send(b"head", body)
                 conn.send(b"after")
                 await conn.drain()
                 # The body is handed to the transport as the object it is: not copied into a payload or frame.
@@ -340,9 +267,9 @@ def test_send_parts_frames_head_and_body_as_one_payload_without_joining_the_body
                 for expected in (b"queued", b"head" + body, b"after"):
                     assert await conn.receive() == expected
                 with pytest.raises(LocalProtocolError):
-                    conn.send_parts(b"", b"")  # an empty payload would read as a keep-alive
+                    conn.send(b"", b"")  # an empty payload would read as a keep-alive
             with pytest.raises(ClosedResourceError):
-                conn.send_parts(b"x", b"y")
+                conn.send(b"x", b"y")
 
     run(main)
 
@@ -374,13 +301,13 @@ def test_oversized_frame_closes_that_connection_with_a_logged_reason(
             good = await connect(port, max_frame_bytes=1024)
             bad = await connect(port, max_frame_bytes=1 << 20)
             async with good, bad:
-                await good.send_and_drain(b"before")
+                await send_and_drain(good, b"before")
                 assert await good.receive() == b"before"
-                await bad.send_and_drain(bytes(2048))
+                await send_and_drain(bad, bytes(2048))
                 with pytest.raises(BrokenResourceError):
                     await bad.receive()
                 # The server keeps serving the other connection.
-                await good.send_and_drain(bytes(1024))
+                await send_and_drain(good, bytes(1024))
                 assert await good.receive() == bytes(1024)
                 with pytest.raises(LocalProtocolError):
                     good.send(bytes(1025))
@@ -487,7 +414,7 @@ def test_closing_the_server_closes_its_connections_and_limits_connections(
     async def main() -> None:
         server: FramedServer = await serve(HOST, 0, echo, hello_text="s", max_connections=1, **STORAGE)
         conn = await connect(server.port)
-        await conn.send_and_drain(b"ping")
+        await send_and_drain(conn, b"ping")
         assert await conn.receive() == b"ping"
         assert server.connection_count == 1
         with pytest.raises(BrokenResourceError):
@@ -706,16 +633,16 @@ def test_a_failing_handler_is_logged_and_the_server_keeps_serving(caplog: pytest
         payload = await conn.receive()
         if payload == b"bad":
             raise ValueError("handler bug")
-        await conn.send_and_drain(payload)
+        await send_and_drain(conn, payload)
 
     async def main() -> None:
         async with serving(picky) as port:
             async with await connect(port) as first:
-                await first.send_and_drain(b"bad")
+                await send_and_drain(first, b"bad")
                 with pytest.raises(BrokenResourceError):
                     await first.receive()
             async with await connect(port) as second:
-                await second.send_and_drain(b"good")
+                await send_and_drain(second, b"good")
                 assert await second.receive() == b"good"
 
     with caplog.at_level(logging.WARNING, logger="waltz.transport"):
@@ -725,59 +652,47 @@ def test_a_failing_handler_is_logged_and_the_server_keeps_serving(caplog: pytest
     assert failures[0].exc_info is not None
 
 
-def test_run_helper_returns_the_result() -> None:
-    async def answer() -> int:
-        await asyncio.sleep(0)
-        return 42
-
-    assert transport_run(answer()) == 42
-
-
-def test_tune_gc_freezes_start_up_objects_and_raises_the_thresholds() -> None:
-    import gc
-
-    before = gc.get_threshold()
-    try:
-        tune_gc()
-        assert gc.get_threshold() == GC_THRESHOLDS
-        assert gc.get_freeze_count() > 0
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*before)
-
-
-def test_tune_malloc_keeps_run_sized_buffers_on_the_heap(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Servers and storage nodes call it at start-up: record runs of megabytes must come from memory that
-    # stays mapped (M_MMAP_THRESHOLD -3 at 32 MiB, M_TRIM_THRESHOLD -1 at 128 MiB), not be faulted in afresh.
-    import ctypes
-
-    calls: list[tuple[int, int]] = []
-
-    class FakeLibc:
-        def __init__(self, name: str) -> None:
-            assert name == "libc.so.6"
-
-        def mallopt(self, param: int, value: int) -> int:
-            calls.append((param, value))
-            return 1
-
-    monkeypatch.setattr(ctypes, "CDLL", FakeLibc)
-    assert tune_malloc()
-    assert calls == [(-3, 32 * 1024 * 1024), (-1, 128 * 1024 * 1024)]
-
-
-@pytest.mark.parametrize("missing", ["library", "function"])
-def test_tune_malloc_changes_nothing_where_the_allocator_is_not_glibc(
-    monkeypatch: pytest.MonkeyPatch, missing: str
+def test_a_failing_background_task_ends_the_connection_and_is_logged(
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # musl (no libc.so.6) and macOS (no such library either) must start a server or a node as before, and a
-    # libc.so.6 without mallopt (a compatibility shim) too: tune_malloc says False instead of raising.
-    import ctypes
+    # The connection owns its keep-alive and idle-watch tasks: a bug in one must reach the receiver (the
+    # connection ends) and the log, not leave the connection running without it.
+    async def main() -> None:
+        async with serving(echo) as port:
+            conn = await connect(port, keep_alive_interval_s=0.05)
+            async with conn:
 
-    class NoMallopt:
-        def __init__(self, name: str) -> None:
-            if missing == "library":
-                raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+                def broken_write(data: bytes | bytearray | memoryview) -> None:
+                    raise ValueError("a bug in the keep-alive")
 
-    monkeypatch.setattr(ctypes, "CDLL", NoMallopt)
-    assert tune_malloc() is False
+                conn._transport.write = broken_write  # type: ignore[method-assign]  # only keep-alives write
+                ended: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+                conn.deliver_payloads(lambda payloads: None, ended.set_result)
+                reason = await ended
+                assert isinstance(reason, BrokenResourceError)
+                assert "keep-alive" in str(reason)
+                assert "a bug in the keep-alive" in str(reason)
+                assert conn.is_closed
+
+    with caplog.at_level(logging.ERROR, logger="waltz.transport"):
+        run(main)
+    assert any("keep-alive" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_what_the_peer_sent_before_it_left_is_received_before_its_end() -> None:
+    # The transport may report a read and the end of file in one go (TLS records, uvloop): the payloads of
+    # that read are still received, and the end is raised after them.
+    async def main() -> None:
+        async with serving(echo) as port:
+            conn = await connect(port)
+            async with conn:
+                last = FRAME_HEADER.pack(MAGIC_STORAGE, conn.negotiated_version, 4) + b"last"
+                conn._data_received(last + last[:5])  # a whole frame, then part of one
+                conn._connection_ended(None)
+                assert await conn.receive() == b"last"
+                with pytest.raises(BrokenResourceError, match="closed the connection"):
+                    await conn.receive()
+                with pytest.raises(BrokenResourceError):
+                    await conn.receive()
+
+    run(main)

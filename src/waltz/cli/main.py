@@ -15,9 +15,9 @@ import sys
 from collections.abc import Sequence
 
 import waltz.cli
-from waltz import __version__
 from waltz.cli import logsetup
 from waltz.errors import ConfigError, WaltzError
+from waltz.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:

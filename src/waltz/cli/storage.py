@@ -139,9 +139,9 @@ def register(groups: Any) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from waltz.runtime import run
     from waltz.storage.config import StorageConfig
     from waltz.storage.node import run_node
-    from waltz.transport import run
 
     config = StorageConfig.load(args.config)
 

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import enum
 
+from waltz.errors import LifecycleError
+
 __all__ = ["STEPS", "TRANSITIONS", "Event", "Hook", "Lifecycle", "LifecycleError", "State"]
 
 
@@ -86,10 +88,6 @@ class Hook(enum.Enum):
     LOCK_FAILURE = "on_lock_failure"
     APPLICATION = "on_application"
     EXCEPTION = "on_exception"
-
-
-class LifecycleError(RuntimeError):
-    """An event that cannot happen in the context's state: a bug in the client core."""
 
 
 S, E, H = State, Event, Hook

@@ -284,8 +284,8 @@ class NetworkDriver(ClientDriver):
         link.queue_built(conn, req_id, builder)
 
     def send_append_now(self, partition_id: int, request: AppendRequest) -> None:
-        """:meth:`send_append`, written now (``FramedConnection.send_now``), not with the loop iteration's
-        frames: for a lone append, which nothing would join."""
+        """:meth:`send_append`, written now (``FramedConnection.send(..., now=True)``), not with the loop
+        iteration's frames: for a lone append, which nothing would join."""
         mount = self._mounts.get(partition_id)
         link = mount.link if mount is not None else None
         if self._closed or link is None or link.conn is None or not mount.ready:  # type: ignore[union-attr]
@@ -294,7 +294,7 @@ class NetworkDriver(ClientDriver):
         assert conn is not None  # Checked above.
         link.flush_appends()  # Queued appends of other partitions of the link go first.
         try:
-            conn.send_now(cs.append_payload(request, link.version))
+            conn.send(cs.append_payload(request, link.version), now=True)
         except ConnectionError_ as e:
             raise BrokenResourceError(f"connection to {link.endpoint} lost: {e}") from None
 

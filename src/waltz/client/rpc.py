@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from ssl import SSLContext
 from typing import Final, TypeVar
 
+from waltz.config import host_port
 from waltz.errors import (
     BrokenResourceError,
     ClientClosedError,
@@ -42,7 +43,6 @@ __all__ = [
     "rpc_high_water_mark",
     "rpc_read_range",
     "rpc_read_run",
-    "split_endpoint",
     "verified_records",
 ]
 
@@ -62,21 +62,10 @@ RPC_RETRY_MAX_S: Final = 1.0
 _MASK32: Final = 0xFFFFFFFF
 
 
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """``"host:port"`` → ``(host, port)`` (the host may be a bracketed IPv6 address)."""
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ClientError(f"bad server endpoint {endpoint!r}: expected host:port")
-    return host.strip("[]"), int(port)
-
-
-async def connect_server(
-    endpoint: str, ssl: SSLContext | None = None, *, callback_reads: bool = False
-) -> FramedConnection:
+async def connect_server(endpoint: str, ssl: SSLContext | None = None) -> FramedConnection:
     """A client-protocol connection to the server at ``endpoint`` (BrokenResourceError if unreachable),
-    over TLS with ``ssl`` (from ``client.ssl.*``); with ``callback_reads`` its payloads are delivered from the
-    transport's callback (``FramedConnection.deliver_payloads``) instead of read by a task."""
-    host, port = split_endpoint(endpoint)
+    over TLS with ``ssl`` (from ``client.ssl.*``)."""
+    host, port = host_port(endpoint, what="server endpoint")
     return await open_connection(
         host,
         port,
@@ -85,7 +74,6 @@ async def connect_server(
         hello_text=CLIENT_HELLO,
         connect_timeout_ms=CONNECT_TIMEOUT_MS,
         ssl=ssl,
-        callback_reads=callback_reads,
     )
 
 
@@ -115,7 +103,7 @@ class RpcPool:
                 await rpc.aclose()
             # Responses decoded in the transport's callback: a range read's multi-megabyte runs no longer pass
             # through a StreamReader (two more copies of every run, and a task woken per socket read).
-            conn = await connect_server(endpoint, self._ssl, callback_reads=True)
+            conn = await connect_server(endpoint, self._ssl)
             version = conn.negotiated_version
 
             def encode(msg: cs.Message) -> bytes:

@@ -21,8 +21,8 @@ before READY; a server with larger windows): beyond that the connection reads no
 partition on it has room again (TCP back pressure towards the server, which stalls the connection's other
 partitions meanwhile).
 
-The connection's payloads are routed from the transport's data callback (``open_connection(...,
-callback_reads=True)``, ``FramedConnection.deliver_payloads``), in the loop pass that read them: no reader
+The connection's payloads are routed from the transport's data callback
+(``FramedConnection.deliver_payloads``), in the loop pass that read them: no reader
 task woken per read, no StreamReader. A payload that cannot be decoded ends the connection
 (``FramedConnection.reject``), as bad framing does; the link then reconnects as after any loss.
 
@@ -35,7 +35,7 @@ partition's events never changes.
 
 Appends (the bulk of what a client writes) are framed per loop iteration into one buffer, straight from the
 :class:`~waltz.client.builder.TransactionBuilder` (:meth:`StreamLink.queue_built`), and written in one
-``send_framed``; every other write on the link writes them first.
+``send(..., framed=True)``; every other write on the link writes them first.
 
 Everything runs on the client's event loop.
 """
@@ -338,7 +338,7 @@ class StreamLink:
         if conn is None or conn is not self.conn:
             return  # Lost with their connection: the READY after the reconnect resolves them.
         try:
-            conn.send_framed(b"".join(appends))
+            conn.send(b"".join(appends), framed=True, now=True)
         except ConnectionError_ as e:
             log.debug("appends to %s not sent: %s", self.endpoint, e)
 
@@ -358,7 +358,7 @@ class StreamLink:
                 await self._wanted.wait()
                 continue
             try:
-                conn = await connect_server(self.endpoint, self.owner.ssl, callback_reads=True)
+                conn = await connect_server(self.endpoint, self.owner.ssl)
             except ConfigError as e:
                 # Such as a plain client meeting a TLS server: retrying will not help, but the assignment may
                 # move the partitions to a server that takes us, so keep the link (slowly).

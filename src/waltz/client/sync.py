@@ -24,7 +24,7 @@ from waltz.client.context import TransactionContext
 from waltz.client.core import AsyncWaltzClient
 from waltz.client.driver import ClientDriver
 from waltz.errors import ClientClosedError, ClientError, ClientTimeoutError
-from waltz.transport import new_event_loop
+from waltz.runtime import new_event_loop
 
 __all__ = ["WaltzClient"]
 

@@ -57,7 +57,7 @@ from kazoo.handlers.threading import KazooTimeoutError, SequentialThreadingHandl
 from kazoo.retry import KazooRetry
 from kazoo.security import ACL, Id, Permissions
 
-from waltz.config import Key
+from waltz.config import Key, host_port
 from waltz.errors import (
     ClusterError,
     ConcurrentUpdateError,
@@ -380,13 +380,10 @@ def _hosts(connect_string: str) -> list[tuple[str, int]]:
     """``(host, port)`` of each server in a connect string (chroot dropped, default port 2181)."""
     found: list[tuple[str, int]] = []
     for part in connect_string.split("/", 1)[0].split(","):
-        host, sep, port = part.strip().rpartition(":")
-        if not sep:
-            host, port = part.strip(), "2181"
         try:
-            found.append((host.strip("[]"), int(port)))
-        except ValueError:
-            continue
+            found.append(host_port(part, default_port=2181, what="ZooKeeper server"))
+        except ConfigError:
+            continue  # Not probed: the connect itself says what is wrong with it.
     return found
 
 

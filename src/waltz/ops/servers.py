@@ -35,7 +35,8 @@ async def query(
     try:
         answers = []
         for req in requests:
-            await conn.send_and_drain(cs.encode(req, conn.negotiated_version))
+            conn.send(cs.encode(req, conn.negotiated_version))
+            await conn.drain()
             try:
                 async with asyncio.timeout(timeout_ms / 1000):
                     answers.append(cs.decode(await conn.receive(), conn.negotiated_version))

@@ -90,7 +90,7 @@ from typing import ClassVar, Final, NamedTuple, Self, TypeAlias
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
 from waltz.protocol.checksum import crc32 as _crc32
-from waltz.protocol.framing import FRAME_HEADER_BYTES
+from waltz.protocol.framing import FRAME_HEADER, FRAME_HEADER_BYTES, MAGIC_CLIENT
 from waltz.protocol.record_run import STORED_OVERHEAD_BYTES, RunBytes, encode_run, run_records
 from waltz.protocol.records import Record, RecordHeader, ReqId, crc32
 from waltz.protocol.wire import Reader, Writer
@@ -1136,8 +1136,8 @@ def encode(msg: Message, version: int) -> bytes:
 
 def encode_range_response_parts(msg: TransactionRangeResponse, version: int) -> tuple[bytes, RunBytes]:
     """``encode(msg, version)`` as ``(head, run)``, the run not copied: a server relays a storage node's run
-    after the head (``FramedConnection.send_parts``) instead of joining megabytes into one payload. Raises
-    as :func:`encode`."""
+    after the head (``FramedConnection.send(head, body)``) instead of joining megabytes into one payload.
+    Raises as :func:`encode`."""
     _check_carries(msg, version)
     return msg._head(), msg.run
 
@@ -1328,6 +1328,17 @@ def encode_feed_entries(entries: Iterable[tuple[int, int, int, int]], version: i
         return [pack(code, msb, lsb, txn, header) for txn, msb, lsb, header in entries]
     except struct.error as e:
         raise LocalProtocolError(f"FeedData field out of range: {e}") from None
+
+
+def frame_feed_entries(entries: Sequence[tuple[int, int, int, int]], version: int) -> bytes:
+    """:func:`encode_feed_entries` as whole frames of the client protocol (``MAGIC_CLIENT``, ``version``), in
+    one buffer: what the server's feed hands to ``FramedConnection.send(..., framed=True)``. Every FeedData
+    has one size, so the frames share one header, joined in C."""
+    payloads = encode_feed_entries(entries, version)
+    if not payloads:
+        return b""
+    header = FRAME_HEADER.pack(MAGIC_CLIENT, version, _FEED_DATA.size)
+    return header + header.join(payloads)
 
 
 def decode(payload: bytes | bytearray | memoryview, version: int) -> Message:

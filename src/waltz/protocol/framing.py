@@ -622,7 +622,7 @@ class ProtocolConnection:
 
     def frame_header(self, n: int) -> bytes:
         """The frame header of a payload of ``n`` bytes, for a caller that writes the payload after it
-        without joining them (``FramedConnection.send``, ``send_parts``). Raises as :meth:`frame`."""
+        without joining them (``FramedConnection.send``). Raises as :meth:`frame`."""
         version = self.negotiated_version
         if version is None or not self._hello_sent:
             raise LocalProtocolError("cannot send a payload before the hello exchange completed")

@@ -1005,7 +1005,7 @@ def record_run_response_parts(
     session_id: int, seq_num: int, partition_id: int, count: int, run: bytes | bytearray | memoryview
 ) -> tuple[bytes, bytes | bytearray | memoryview]:
     """``encode(RecordRunResponse(...))`` as ``(head, run)``, the run not copied: a storage node writes the
-    two after each other (``FramedConnection.send_parts``)."""
+    two after each other (``FramedConnection.send(head, body)``)."""
     if len(run) > I32_MAX:
         raise LocalProtocolError(f"byte array too long: {len(run)}")
     try:

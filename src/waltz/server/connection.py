@@ -73,14 +73,14 @@ class ClientConnection:
             self.send(msg)
             return
         try:
-            self._conn.send_parts(*cs.encode_range_response_parts(msg, self._version))
+            self._conn.send(*cs.encode_range_response_parts(msg, self._version))
         except ConnectionError_:
             pass
 
     def send_feed(self, entries: Sequence[FeedEntry]) -> None:
         """A FeedData for each of ``entries``, in order (the feed's hot path: one call per batch)."""
         try:
-            self._conn.send_many(cs.encode_feed_entries(entries, self._version))
+            self._conn.send(cs.frame_feed_entries(entries, self._version), framed=True)
         except ConnectionError_:
             pass
 

@@ -62,6 +62,7 @@ from waltz.http import HttpEndpoint, build_info, listen, new_registry
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
 from waltz.protocol.record_run import RunBytes
+from waltz.runtime import tune_gc, tune_malloc, wait_for_stop_signal
 from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
 from waltz.server.config import ServerConfig
 from waltz.server.connection import BadMessage, ClientConnection, CloseConnection
@@ -76,9 +77,6 @@ from waltz.transport import (
     RateLimitedLog,
     reason_kind,
     serve,
-    tune_gc,
-    tune_malloc,
-    wait_for_stop_signal,
 )
 
 log = logging.getLogger(__name__)
@@ -183,8 +181,6 @@ class WaltzServer:
                 max_connections_per_source=self.config.max_connections_per_source,
                 idle_timeout_s=self.config.connection_idle_timeout_ms / 1000,
                 ssl=ssl,
-                # Client messages are handed to _serve_client's handler from the transport's data callback.
-                callback_reads=True,
             ),
         )
         self.port = self._listener.port

@@ -87,8 +87,6 @@ async def _open_rpc(
         max_frame_bytes=max_frame_bytes,
         connect_timeout_ms=connect_timeout_ms,
         ssl=ssl,
-        # Responses resolve their callers from the transport's callback, without a reader task woken per read.
-        callback_reads=True,
     )
     return RpcClient(
         conn,

@@ -43,8 +43,8 @@ from typing import Any, TypeVar
 from waltz.client.reader import LogReader
 from waltz.errors import ClientError, WaltzError
 from waltz.protocol.record_run import RecordRun
+from waltz.runtime import new_event_loop, tune_malloc
 from waltz.spark.options import SourceOptions
-from waltz.transport import new_event_loop, tune_malloc
 
 __all__ = ["ClusterLogSource", "close_all", "open_source"]
 
@@ -202,7 +202,7 @@ def _tune_reused_worker() -> bool:
       the client's), each took 50-200 ms of CPU and found nothing: two per query, as much as the rest of a
       100,000-row task. Frozen objects are still freed by reference counting; only a cycle among them would
       never be collected, and they are the process's long-lived state.
-    * :func:`~waltz.transport.tune_malloc`: every record run (~5 MB) is received into a new buffer; with
+    * :func:`~waltz.runtime.tune_malloc`: every record run (~5 MB) is received into a new buffer; with
       glibc's defaults such buffers are mapped afresh and given back to the system each time, so every page
       of every run was faulted in (one fault per 4 KiB received, ~0.2 us of the task's ~1 us of CPU per
       row). The worker now keeps what its largest read needed (a few runs) mapped between runs.

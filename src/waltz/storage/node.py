@@ -97,6 +97,7 @@ from waltz.http import HttpEndpoint, build_info, listen, new_registry
 from waltz.protocol import admin as adm
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
+from waltz.runtime import tune_gc, tune_malloc, wait_for_stop_signal
 from waltz.storage.authority import SessionAuthority, ZkSessionAuthority, step_refusal
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import FLAG_AVAILABLE, FLAG_DAMAGED, ControlFile, PartitionInfo
@@ -118,9 +119,6 @@ from waltz.transport import (
     RateLimitedLog,
     reason_kind,
     serve,
-    tune_gc,
-    tune_malloc,
-    wait_for_stop_signal,
 )
 
 log = logging.getLogger(__name__)
@@ -1458,7 +1456,6 @@ class StorageNode:
                     max_connections_per_source=config.max_connections_per_source,
                     idle_timeout_s=config.connection_idle_timeout_ms / 1000,
                     ssl=server_ssl,
-                    callback_reads=True,
                 ),
             )
             node.port = node._data_server.port
@@ -1584,7 +1581,7 @@ class StorageNode:
             return
         try:
             if isinstance(payload, tuple):
-                conn.send_parts(*payload)
+                conn.send(*payload)
             else:
                 conn.send(payload)
         except ConnectionError_:
@@ -1906,7 +1903,8 @@ class StorageNode:
                 except WaltzError as e:
                     resp = adm.failure_from_error(msg.seq_num, e)
                 try:
-                    await conn.send_and_drain(adm.encode(resp))
+                    conn.send(adm.encode(resp))
+                    await conn.drain()
                 except ClosedResourceError:
                     return
 

@@ -467,12 +467,15 @@ def test_the_appends_of_one_loop_iteration_leave_in_one_write_before_anything_se
                 return AppendRequest(append_id(seq), -1, (), (), (), 0, b"x", crc32(b"x"))
 
             frame_bytes = FRAME_HEADER_BYTES + len(cs.encode(append(1), client_conn.negotiated_version))
-            send_framed, send = client_conn.send_framed, client_conn.send
-            client_conn.send_framed = lambda frames: (  # type: ignore[method-assign]
-                calls.append(("send_framed", len(frames) // frame_bytes)),
-                send_framed(frames),
-            )[1]
-            client_conn.send = lambda payload: (calls.append(("send", 1)), send(payload))[1]  # type: ignore[method-assign]
+            send = client_conn.send
+
+            def recording_send(payload: bytes, body: bytes | None = None, **options: bool) -> None:
+                calls.append(
+                    ("send_framed", len(payload) // frame_bytes) if options.get("framed") else ("send", 1)
+                )
+                send(payload, body, **options)
+
+            client_conn.send = recording_send  # type: ignore[method-assign,assignment]
 
             builder = TransactionBuilder(0, -1)
             builder.set_transaction_data(b"x")
@@ -523,7 +526,9 @@ def test_garbage_from_the_server_ends_the_stream_connection_and_the_partition_mo
             if garbage == "message":
                 conn.send(b"\xfe not a message")  # No such message type.
             else:
-                conn.send_framed(FRAME_HEADER.pack(0x20, conn.negotiated_version, 1) + b"x")  # Wrong magic.
+                conn.send(
+                    FRAME_HEADER.pack(0x20, conn.negotiated_version, 1) + b"x", framed=True
+                )  # Wrong magic.
             server.send(conn, cs.FeedData(append_id(3), 2, 0))  # After the garbage: never delivered.
             await listener.wait_for("state", MountState.NOT_READY)
             conn2, remount = await server.expect(cs.MountRequest)
@@ -566,7 +571,8 @@ def test_a_full_inbox_stops_reading_from_the_server_until_it_has_room_again() ->
             payloads = [
                 cs.encode(cs.FeedData(append_id(t + 1), t, 0), conn.negotiated_version) for t in range(total)
             ]
-            conn.send_many(payloads)
+            for payload in payloads:
+                conn.send(payload)
             for _ in range(int(STEP_S / 0.01)):  # The inbox fills up (bounded wait).
                 if driver.mounts[0].feed_queued >= INBOX_FEED_LIMIT:
                     break
@@ -603,7 +609,8 @@ def test_a_connection_lost_while_reading_is_paused_for_a_full_inbox_reconnects_a
             feed = [
                 cs.encode(cs.FeedData(append_id(t + 1), t, 0), conn.negotiated_version) for t in range(total)
             ]
-            conn.send_many(feed)
+            for payload in feed:
+                conn.send(payload)
             for _ in range(int(STEP_S / 0.01)):  # The inbox fills up (bounded wait).
                 if driver.mounts[0].feed_queued >= INBOX_FEED_LIMIT and first._reading_paused:
                     break
@@ -618,7 +625,8 @@ def test_a_connection_lost_while_reading_is_paused_for_a_full_inbox_reconnects_a
             assert link.conn is not first
             assert remount.client_high_water_mark == total - 1  # What the first connection still carried.
             server.send(conn2, cs.MountResponse(remount.req_id, cs.PartitionState.READY))
-            conn2.send_many(feed)
+            for payload in feed:
+                conn2.send(payload)
             conn2.send(cs.encode(cs.FeedData(append_id(total + 1), total, 0), conn2.negotiated_version))
             await listener.wait_for("feed", total)
             assert [e[1] for e in listener.events if e[0] == "feed"] == list(range(total + 1))

@@ -10,6 +10,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from waltz.errors import InvariantViolation
+
 __all__ = [
     "RETRY_LOG_INTERVAL_S",
     "Backoff",
@@ -21,10 +23,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class InvariantViolation(RuntimeError):
-    """A replication invariant does not hold: a bug (or storage that breaks its contract). Never retried."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""``serve(..., callback_reads=True)`` and ``FramedConnection.serve_payloads``: payloads handed to a handler
-from the transport's data callback (the storage node's data port); ``open_connection(...,
-callback_reads=True)`` with ``RpcClient``: responses delivered from the callback (the server's storage
-connections). Over real loopback sockets, on the standard event loop and on uvloop (the nodes run it)."""
+"""``FramedConnection.serve_payloads``: payloads handed to a handler from the transport's data callback (the
+storage node's data port, the server's client port); ``FramedConnection.deliver_payloads`` under
+``RpcClient``: responses delivered from the callback (the server's storage connections). Over real loopback
+sockets, on the standard event loop and on uvloop (the nodes run it)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from typing import Any, TypeVar
 import pytest
 import uvloop
 
-from waltz import transport
-from waltz.errors import BrokenResourceError, ClosedResourceError, RemoteProtocolError
+from waltz.errors import BrokenResourceError, BusyResourceError, ClosedResourceError, RemoteProtocolError
 from waltz.protocol import storage as s
 from waltz.protocol.framing import (
     MAGIC_STORAGE,
@@ -27,7 +26,8 @@ from waltz.protocol.framing import (
     ProtocolConnection,
     encode_frame,
 )
-from waltz.transport import FramedConnection, RpcClient, open_connection, serve
+from waltz.transport import FramedConnection, RateLimitedLog, RpcClient, open_connection, serve
+from waltz.transport import connection as transport_connection
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -62,7 +62,7 @@ async def serving(
     ended: list[BaseException] | None = None,
     **kwargs: Any,
 ) -> AsyncIterator[int]:
-    """A callback_reads server whose connections serve ``make_handler(conn)``; how serving ended (the
+    """A server whose connections serve ``make_handler(conn)``; how serving ended (the
     exception serve_payloads raised) is appended to ``ended``."""
 
     async def handler(conn: FramedConnection) -> None:
@@ -73,7 +73,7 @@ async def serving(
                 ended.append(e)
             raise
 
-    options = {**STORAGE, "hello_text": "Waltz Storage Server", "callback_reads": True, **kwargs}
+    options = {**STORAGE, "hello_text": "Waltz Storage Server", **kwargs}
     async with await serve(HOST, 0, handler, **options) as server:
         yield server.port
 
@@ -97,6 +97,11 @@ async def raw_connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWr
     writer.write(ProtocolConnection(MAGIC_STORAGE, [0], "raw").send_hello())
     await writer.drain()
     return reader, writer
+
+
+async def send_and_drain(conn: FramedConnection, payload: bytes) -> None:
+    conn.send(payload)
+    await conn.drain()
 
 
 def frame(payload: bytes) -> bytes:
@@ -166,10 +171,10 @@ def test_an_oversized_frame_is_refused_with_a_logged_reason_and_others_are_serve
             good = await connect(port, max_frame_bytes=1024)
             bad = await connect(port, max_frame_bytes=1 << 20)
             async with good, bad:
-                await bad.send_and_drain(bytes(2048))
+                await send_and_drain(bad, bytes(2048))
                 with pytest.raises(BrokenResourceError):
                     await bad.receive()
-                await good.send_and_drain(bytes(1024))
+                await send_and_drain(good, bytes(1024))
                 assert await good.receive() == bytes(1024)
         assert any(isinstance(e, RemoteProtocolError) for e in ended), ended
 
@@ -284,7 +289,7 @@ def test_a_silent_peer_is_closed_after_the_idle_timeout(run: Any, caplog: pytest
     async def main() -> None:
         ended: list[BaseException] = []
         async with serving(echo, ended, idle_timeout_s=0.2) as port, await connect(port) as conn:
-            await conn.send_and_drain(b"hi")
+            await send_and_drain(conn, b"hi")
             assert await conn.receive() == b"hi"
             with pytest.raises(BrokenResourceError):
                 await conn.receive()  # the server closes us, idle
@@ -320,26 +325,30 @@ def test_garbage_instead_of_a_hello_is_refused_with_a_logged_reason(
     assert sum("hello exchange failed" in m for m in reasons) == 2, reasons
 
 
-def test_receive_on_a_callback_connection_and_serve_payloads_elsewhere_are_refused(run: Any) -> None:
+def test_a_second_receiver_is_refused_with_a_busy_resource_error(run: Any) -> None:
     async def main() -> None:
         errors: list[BaseException] = []
 
         async def handler(conn: FramedConnection) -> None:
+            serving = asyncio.create_task(conn.serve_payloads(lambda payload: None))
+            await asyncio.sleep(0)
             try:
                 await conn.receive()
-            except RuntimeError as e:
+            except BusyResourceError as e:
                 errors.append(e)
+            serving.cancel()
 
-        options = {**STORAGE, "hello_text": "Waltz Storage Server", "callback_reads": True}
+        options = {**STORAGE, "hello_text": "Waltz Storage Server"}
         async with await serve(HOST, 0, handler, **options) as server, await connect(server.port) as conn:
-            with pytest.raises(RuntimeError, match="callback_reads"):
+            conn.deliver_payloads(lambda payloads: None, lambda reason: None)
+            with pytest.raises(BusyResourceError, match="already receiving"):
                 await conn.serve_payloads(lambda payload: None)
             for _ in range(100):
                 if errors:
                     break
                 await asyncio.sleep(0.01)
         assert errors
-        assert "serve_payloads" in str(errors[0])
+        assert "already receiving" in str(errors[0])
 
     run(main)
 
@@ -410,7 +419,7 @@ def test_an_awaitable_handed_over_is_closed_if_serving_is_cancelled_before_it_ru
             return handle
 
         async with serving(cancelled_meanwhile, ended) as port, await connect(port) as conn:
-            await conn.send_and_drain(b"wait")
+            await send_and_drain(conn, b"wait")
             for _ in range(200):
                 if ended:
                     break
@@ -514,7 +523,7 @@ def success(req: s.StorageMessage) -> bytes:
 
 
 async def rpc_to(port: int, **kwargs: Any) -> RpcClient[s.StorageMessage, s.StorageMessage]:
-    conn = await connect(port, callback_reads=True, **kwargs)
+    conn = await connect(port, **kwargs)
     return RpcClient(
         conn, encode=s.encode, decode=s.decode, request_seq=s.seq_num_of, response_seq=s.seq_num_of
     )
@@ -533,7 +542,7 @@ def test_rpc_responses_are_delivered_from_the_callback_without_a_reader_task(run
                     writer.write(success(req))
 
         async with storage_peer(answer_each) as port:
-            conn = await connect(port, callback_reads=True)
+            conn = await connect(port)
             tasks_before = asyncio.all_tasks()
             rpc = RpcClient(
                 conn, encode=s.encode, decode=s.decode, request_seq=s.seq_num_of, response_seq=s.seq_num_of
@@ -542,7 +551,7 @@ def test_rpc_responses_are_delivered_from_the_callback_without_a_reader_task(run
             assert await rpc.start_call(request(0)) == s.SuccessResponse(1, 0, 0)
             assert await rpc.call(request(1), timeout_ms=2000) == s.SuccessResponse(1, 1, 1)
             assert rpc.in_flight == 0
-            with pytest.raises(RuntimeError, match="already receiving"):
+            with pytest.raises(BusyResourceError, match="already receiving"):
                 await conn.receive()  # the callback takes the payloads; nothing else may
             unanswered = rpc.start_call(request(3))
             await asyncio.sleep(0.05)
@@ -624,7 +633,8 @@ def test_garbage_fails_every_pending_call_closes_the_connection_and_is_logged(
     run: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, garbage: bytes, reason: str
 ) -> None:
     # A connecting side's warnings share one rate limiter per process: a fresh one, so this run logs.
-    monkeypatch.setattr(transport, "_peer_warnings", transport.RateLimitedLog(transport.log))
+    fresh = RateLimitedLog(logging.getLogger("waltz.transport"))
+    monkeypatch.setattr(transport_connection, "peer_warnings", fresh)
 
     async def main() -> None:
         peer_saw_eof: list[bool] = []
@@ -741,7 +751,7 @@ def test_a_request_encoded_as_parts_is_one_frame_in_order_with_the_others(run: A
 
         bodies: list[bytes] = []
         async with storage_peer(answer_all) as port:
-            conn = await connect(port, callback_reads=True)
+            conn = await connect(port)
             writelines = conn._writer.writelines
 
             def recording(parts: Any) -> None:
@@ -819,7 +829,7 @@ def test_a_deliver_payloads_receiver_may_pause_resume_and_reject(run: Any) -> No
 
     async def main() -> None:
         async with serving(echo) as port:
-            conn = await connect(port, callback_reads=True)
+            conn = await connect(port)
             got: list[bytes] = []
             ended: list[BaseException] = []
 
@@ -877,7 +887,7 @@ def test_a_pause_asked_for_while_the_payloads_that_came_with_the_hello_are_deliv
 
         server = await asyncio.start_server(hello_and_a_frame_at_once, HOST, 0)
         try:
-            conn = await connect(server.sockets[0].getsockname()[1], callback_reads=True)
+            conn = await connect(server.sockets[0].getsockname()[1])
             async with conn:
                 got: list[bytes] = []
 

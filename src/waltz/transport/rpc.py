@@ -1,0 +1,254 @@
+"""Concurrent request/response calls over one framed connection, matched by sequence number."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from types import TracebackType
+from typing import Generic, Self, TypeVar
+
+from waltz.errors import (
+    BrokenResourceError,
+    ClientTimeoutError,
+    ClosedResourceError,
+    LocalProtocolError,
+    RemoteProtocolError,
+)
+from waltz.transport.connection import FramedConnection
+from waltz.transport.limits import DEFAULT_MAX_IN_FLIGHT
+
+__all__ = ["RpcClient"]
+
+log = logging.getLogger("waltz.transport")
+
+ReqT = TypeVar("ReqT")
+RespT = TypeVar("RespT")
+
+
+class RpcClient(Generic[ReqT, RespT]):
+    """Concurrent request/response calls over one :class:`FramedConnection`, matched by sequence number.
+
+    Guarantees:
+
+    * At most ``max_in_flight`` requests are outstanding; further callers wait (within their timeout).
+    * Every call ends: with its response, with :class:`~waltz.errors.ClientTimeoutError` after
+      ``timeout_ms`` (a late response is then dropped), with the error ``error_of(response)`` returns, or with
+      :class:`~waltz.errors.BrokenResourceError` for every pending and later call once the connection dies.
+    * Responses are read from the client's construction on (which therefore must run in the event loop),
+      from the transport's data callback (:meth:`FramedConnection.deliver_payloads`): each response
+      resolves its caller's future in the loop pass that read it, with no task woken. A response that
+      cannot be decoded fails every pending and later call and closes the connection (logged at WARNING);
+      :meth:`aclose` stops the reading and closes the connection.
+
+    The caller chooses sequence numbers (see :meth:`next_seq`); two requests with the same number may not be
+    in flight at once. ``encode`` returns a request's payload, or its ``(head, body)`` parts: one frame whose
+    body is written after the head without being joined to it (``FramedConnection.send(head, body)``), for a
+    large body sent as it is (a server's batch of records, the same bytes for every replica).
+    """
+
+    def __init__(
+        self,
+        conn: FramedConnection,
+        *,
+        encode: Callable[[ReqT], bytes | tuple[bytes, bytes]],
+        decode: Callable[[bytes], RespT],
+        request_seq: Callable[[ReqT], int],
+        response_seq: Callable[[RespT], int],
+        error_of: Callable[[RespT], BaseException | None] | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        name: str = "rpc",
+    ) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        self._conn = conn
+        self._encode = encode
+        self._decode = decode
+        self._request_seq = request_seq
+        self._response_seq = response_seq
+        self._error_of = error_of
+        self._name = name
+        self._loop = asyncio.get_running_loop()
+        self._slots = asyncio.Semaphore(max_in_flight)
+        self._pending: dict[int, asyncio.Future[RespT]] = {}
+        self._on_answer: dict[int, Callable[[asyncio.Future[RespT]], None]] = {}
+        """The ``on_answer`` of the start_call requests in :attr:`_pending` that have one."""
+        self._seq = 0
+        self._closed = False
+        self._broken: str | None = None
+        conn.deliver_payloads(self._on_payloads, self._lost)
+
+    @property
+    def connection(self) -> FramedConnection:
+        return self._conn
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent (or being sent) and not yet answered."""
+        return len(self._pending)
+
+    @property
+    def is_usable(self) -> bool:
+        """False once the client was closed or its connection died."""
+        return not self._closed and self._broken is None
+
+    def next_seq(self) -> int:
+        """A fresh per-client sequence number (0, 1, 2, ...)."""
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ClosedResourceError(f"{self._name} client closed")
+        if self._broken is not None:
+            raise BrokenResourceError(self._broken)
+
+    async def call(self, request: ReqT, timeout_ms: int) -> RespT:
+        """Send ``request`` and return its response (see the class docstring for how a call can end)."""
+        self._check_usable()
+        try:
+            async with asyncio.timeout(timeout_ms / 1000), self._slots:
+                self._check_usable()
+                return await self._call_with_slot(request)
+        except TimeoutError:
+            raise ClientTimeoutError(
+                f"{self._name}: no response from {self._conn.peername} within {timeout_ms} ms"
+                f" to {type(request).__name__}"
+            ) from None
+
+    def start_call(
+        self, request: ReqT, on_answer: Callable[[asyncio.Future[RespT]], None] | None = None
+    ) -> asyncio.Future[RespT]:
+        """Send ``request`` now and return the future of its response, for a caller that bounds its requests
+        in flight and their time itself (no slot, no timeout, no task): the replica sessions of the server,
+        whose requests then leave in the iteration that formed them instead of one task start later. With
+        nothing else in flight on the connection the request is handed to the transport at once
+        (``send(..., now=True)``); otherwise it joins the iteration's write.
+
+        The future fails with the response's error (``error_of``) or as :meth:`call` would on a lost
+        connection; cancelling it forgets the request (a late response is dropped). ``on_answer``, if given,
+        is called with the future once the response or the connection's end resolved it, in the callback
+        that did (a done callback runs a loop pass later: one more pass per answer of a replica), and not
+        if the caller cancelled it first; an exception from it is logged."""
+        self._check_usable()
+        seq = self._request_seq(request)
+        if seq in self._pending:
+            raise LocalProtocolError(f"{self._name}: sequence number {seq} is already in flight")
+        payload = self._encode(request)
+        future: asyncio.Future[RespT] = self._loop.create_future()
+        pending = self._pending
+        if isinstance(payload, tuple):
+            # A large body (a batch of records, the same bytes for every replica) written from where it is.
+            self._conn.send(*payload)
+        elif pending:
+            self._conn.send(payload)  # Joins this iteration's write (requests pipelined on a busy peer).
+        else:
+            # Nothing in flight to this peer (a lone append's replica request): written now rather than one
+            # loop iteration later, with nothing to coalesce it with yet.
+            self._conn.send(payload, now=True)
+        pending[seq] = future
+        if on_answer is not None:
+            self._on_answer[seq] = on_answer
+        return future
+
+    async def _call_with_slot(self, request: ReqT) -> RespT:
+        seq = self._request_seq(request)
+        if seq in self._pending:
+            raise LocalProtocolError(f"{self._name}: sequence number {seq} is already in flight")
+        payload = self._encode(request)
+        future: asyncio.Future[RespT] = self._loop.create_future()
+        self._pending[seq] = future
+        try:
+            if isinstance(payload, tuple):
+                self._conn.send(*payload)
+            else:
+                self._conn.send(payload)
+            await self._conn.drain()
+            response = await future
+        finally:
+            if self._pending.get(seq) is future:
+                del self._pending[seq]
+            if future.done() and not future.cancelled():
+                # Mark a failure set while we were being cancelled as seen, so it is not logged at GC.
+                future.exception()
+        return response  # a failure response raised above: the reader makes it the future's exception
+
+    def _on_payloads(self, payloads: list[bytes]) -> None:
+        """The responses of one socket read, from the transport's callback (see the constructor)."""
+        decode = self._decode
+        deliver = self._deliver
+        try:
+            for payload in payloads:
+                deliver(decode(payload))
+        except RemoteProtocolError as e:
+            # Garbage inside a well-formed frame: the peer's fault, logged (rate-limited) like bad framing.
+            self._conn.reject(e)  # tells _lost
+        except Exception as e:
+            log.exception("%s: reading a response from %s failed", self._name, self._conn.peername)
+            self._lost(e)
+
+    def _lost(self, reason: BaseException) -> None:
+        """Fail every pending and later call with ``reason`` and end the connection at once (no await: from
+        a callback); :meth:`aclose` still releases it. Nothing to do after our own :meth:`aclose`."""
+        if self._closed or self._broken is not None:
+            return
+        self._broken = f"{self._name}: connection with {self._conn.peername} lost: {reason}"
+        self._fail_pending(lambda: BrokenResourceError(self._broken))
+        self._conn._abort(BrokenResourceError(self._broken))
+
+    def _deliver(self, response: RespT) -> None:
+        seq = self._response_seq(response)
+        # Popped here, so a start_call request is forgotten once answered (a call's own cleanup finds it
+        # gone, which it allows for).
+        future = self._pending.pop(seq, None)
+        on_answer = self._on_answer.pop(seq, None) if self._on_answer else None
+        if future is None or future.done():
+            # Normal after a caller timed out or was cancelled.
+            log.debug(
+                "%s: dropping response %d from %s: no caller waits", self._name, seq, self._conn.peername
+            )
+            return
+        error = self._error_of(response) if self._error_of is not None else None
+        if error is None:
+            future.set_result(response)
+        else:
+            future.set_exception(error)
+        if on_answer is not None:
+            self._answered(on_answer, future)
+
+    def _answered(
+        self, on_answer: Callable[[asyncio.Future[RespT]], None], future: asyncio.Future[RespT]
+    ) -> None:
+        try:
+            on_answer(future)
+        except Exception:
+            log.exception(
+                "%s: the answer callback of a request to %s failed", self._name, self._conn.peername
+            )
+
+    def _fail_pending(self, make_error: Callable[[], BaseException]) -> None:
+        # A list: an answer callback may start another call (which fails at once: the client is unusable).
+        for seq, future in list(self._pending.items()):
+            if not future.done():
+                future.set_exception(make_error())
+                on_answer = self._on_answer.pop(seq, None)
+                if on_answer is not None:
+                    self._answered(on_answer, future)
+        self._on_answer.clear()
+
+    async def aclose(self) -> None:
+        """Stop reading, fail pending calls with ClosedResourceError, close the connection. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._fail_pending(lambda: ClosedResourceError(f"{self._name} client closed"))
+        await self._conn.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
