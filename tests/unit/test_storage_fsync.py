@@ -216,7 +216,9 @@ class _Handle:
 
 
 def _assigned(tmp_path: Path) -> tuple[StorageNode, StoragePartition]:
-    node = _node(tmp_path)
+    """A node with partition 0 assigned; its fsync policy's clock stands still, so no real fsync counts as
+    slow (on a loaded host one could, and send the next ones to threads)."""
+    node = _node(tmp_path, _Clock())
     partition = node.partitions[0]
     partition.open_log()
     return node, partition
@@ -347,7 +349,9 @@ def test_zeros_pending_across_a_roll_over_or_a_truncation_never_count_and_do_not
     now written (its appends would skip the size's journal commit), and neither may leave the chunk pending
     (no more preallocation)."""
     node = _node(
-        tmp_path, **{"storage.segment.preallocateBytes": 64 * 1024, "storage.segment.size.threshold": 8192}
+        tmp_path,
+        _Clock(),
+        **{"storage.segment.preallocateBytes": 64 * 1024, "storage.segment.size.threshold": 8192},
     )
     partition = node.partitions[0]
     plog = partition.open_log()
