@@ -150,8 +150,8 @@ async def _endpoints(cluster: Cluster, zk: Any, partitions: int) -> list[str]:
         assignment, _ = read_partition_assignment(zk, cluster.root)
         gens = assignment.generations()
         owners = [assignment.owner_of(p) for p in range(partitions)]
-        if all(p in gens for p in range(partitions)) and all(o in by_id for o in owners):
-            return [f"127.0.0.1:{by_id[o].port}:{gens[p]}" for p, o in enumerate(owners)]
+        if all(p in gens for p in range(partitions)) and all(o is not None and o in by_id for o in owners):
+            return [f"127.0.0.1:{by_id[o].port}:{gens[p]}" for p, o in enumerate(owners) if o is not None]
         await asyncio.sleep(0.2)
     raise SystemExit("partitions were never assigned")
 

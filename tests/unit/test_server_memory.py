@@ -21,7 +21,7 @@ from waltz.protocol import client_server as cs
 from waltz.protocol.records import Record, RecordHeader, ReqId
 from waltz.server.feed_cache import FeedCache, FeedEntry
 from waltz.server.partition import Partition
-from waltz.server.store.interfaces import SessionInfo
+from waltz.server.store.interfaces import ReplicaConnector, SessionInfo
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.transaction_cache import TransactionCache
 from waltz.testing.store import MemoryMetadataStore
@@ -142,7 +142,11 @@ def _retained() -> int:
 async def _measure(counts: Sequence[int]) -> list[int]:
     """What the partition holds, beyond what it held once mounted, after each of ``counts`` transactions."""
     store = StorePartition(
-        0, 1, ["s1", "s2", "s3"], connector=_Connector(), metadata_store=MemoryMetadataStore()
+        0,
+        1,
+        ["s1", "s2", "s3"],
+        connector=cast(ReplicaConnector, _Connector()),
+        metadata_store=MemoryMetadataStore(),
     )
     part = Partition(
         0,
