@@ -104,6 +104,7 @@ from waltz.storage.controlfile import FLAG_AVAILABLE, FLAG_DAMAGED, ControlFile,
 from waltz.storage.fileio import FAULTS, OS_FS
 from waltz.storage.partition import PartitionLog, delete_log_files
 from waltz.storage.replica_check import lost_below_mark, missing_log, truncation_refusal
+from waltz.storage.retention import DetachedSegments, check_readable, delete_detached, trim_refusal
 from waltz.storage.segment import (
     RecordCorruptionError,
     ZeroFill,
@@ -178,6 +179,15 @@ def _response_estimate(msg: st.StorageMessage) -> int:
     if isinstance(msg, st.RecordHeaderListRequest):
         return max(0, min(msg.max_records, MAX_LIST_RECORDS)) * HEADER_ESTIMATE_BYTES
     return 0
+
+
+_READS = (
+    st.RecordHeaderRequest,
+    st.RecordRequest,
+    st.RecordHeaderListRequest,
+    st.RecordListRequest,
+    st.RecordRunRequest,
+)
 
 
 class _InFlight:
@@ -638,6 +648,9 @@ class StoragePartition:
                 segment_cache_capacity=cfg.segment_cache_capacity,
                 local_low_water_mark=self.info.local_low_water_mark,
             )
+            trim_point = self.node.control.trim_point(self.partition_id)
+            if trim_point > 0:  # segments a crash kept from being deleted after the trim
+                self.node.delete_in_background(self.partition_id, self.log.detach_below(trim_point))
             if self.broken is None:
                 # What a (re)start finds on disk is what the disk holds. A broken partition keeps the mark it
                 # had: its page cache may hold records the disk lost (see ``_heal``).
@@ -889,6 +902,11 @@ class StoragePartition:
                 return st.MaxTransactionIdResponse(sid, seq, pid, self._truncate(plog, msg, item))
             if isinstance(msg, st.SetLowWaterMarkRequest):
                 return self._set_low_water_mark(msg)
+            if isinstance(msg, st.TrimRequest):
+                in_force = self.trim(self._check(msg, msg.offline), msg.trim_point)
+                return st.TrimResponse(sid, seq, pid, in_force)
+            if isinstance(msg, _READS):  # no read starts below the trim point
+                check_readable(pid, msg.transaction_id, self.node.control.trim_point(pid))
             if isinstance(msg, st.RecordHeaderRequest):
                 plog = self._check(msg, False)
                 return st.RecordHeaderResponse(sid, seq, pid, plog.read_header(msg.transaction_id))
@@ -974,6 +992,19 @@ class StoragePartition:
                 else "",
             )
         return new_max
+
+    def trim(self, plog: PartitionLog, trim_point: int) -> int:
+        """Raise the trim point (see :mod:`waltz.storage.retention`); returns the one in force."""
+        current = self.node.control.trim_point(self.partition_id)
+        if trim_point <= current:
+            return current
+        refusal = trim_refusal(self.partition_id, trim_point, self.durable_max, self.info.low_water_mark)
+        if refusal is not None:
+            raise StorageError(refusal)
+        self.node.control.set_trim_point(self.partition_id, trim_point)
+        log.info("partition %d: trim point raised from %d to %d", self.partition_id, current, trim_point)
+        self.node.delete_in_background(self.partition_id, plog.detach_below(trim_point))
+        return trim_point
 
     def scrub_step(self, after: int) -> tuple[int, int] | None:
         """Verify the records stored after ``after`` (a bounded run); ``(last id checked, bytes read)``, or
@@ -1402,6 +1433,7 @@ class StorageNode:
             lambda: sum(1 for p in self.partitions if p.info.assigned and p.info.available)
         )
         self._tasks: list[asyncio.Task[None]] = []
+        self._deletions: set[asyncio.Task[None]] = set()
         self._data_server: FramedServer | None = None
         self._admin_server: FramedServer | None = None
         self._http: HttpEndpoint | None = None
@@ -1533,6 +1565,27 @@ class StorageNode:
         entries = {str(pid): why for pid, why in sorted(self.control.damaged.items())}
         return transactions, entries
 
+    def delete_in_background(self, partition_id: int, detached: DetachedSegments | None) -> None:
+        """Delete trimmed segments' files in a thread (see :mod:`waltz.storage.retention`)."""
+        if detached is not None:
+            task = asyncio.get_running_loop().create_task(self._delete(partition_id, detached))
+            self._deletions.add(task)
+            task.add_done_callback(self._deletions.discard)
+
+    async def _delete(self, partition_id: int, detached: DetachedSegments) -> None:
+        try:
+            freed = await asyncio.to_thread(delete_detached, OS_FS, detached)
+        except Exception as e:  # noqa: BLE001 - reported; the next open of the log deletes them again
+            log.error("partition %d: deleting trimmed segments %s failed: %r", partition_id, detached, e)
+            return
+        log.info(
+            "partition %d: deleted %d trimmed segment(s) below transaction %d (%d bytes)",
+            partition_id,
+            len(detached.first_ids),
+            detached.end_transaction_id,
+            freed,
+        )
+
     async def aclose(self) -> None:
         """Stop serving and close every file; idempotent."""
         self._closing = True
@@ -1541,6 +1594,7 @@ class StorageNode:
                 await server.aclose()
         if self._http is not None:
             await self._http.aclose()
+        await asyncio.gather(*self._deletions, return_exceptions=True)
         for t in self._tasks:
             t.cancel()
         # A worker that died was reported by _worker_done already.

@@ -45,6 +45,7 @@ from waltz.protocol.record_run import encode_run
 from waltz.protocol.records import Record, RecordHeader
 from waltz.protocol.storage import WireRecordList
 from waltz.storage.fileio import OS_FS, FileSystem, make_dirs_durable
+from waltz.storage.retention import DetachedSegments
 from waltz.storage.segment import (
     DEFAULT_MAX_READ_BYTES,
     MAX_READ_RECORDS,
@@ -320,6 +321,25 @@ class PartitionLog:
             )
         self._current.truncate(max(transaction_id, last_first - 1))
         return self._current.max_transaction_id
+
+    def detach_below(self, trim_point: int) -> DetachedSegments | None:
+        """Take the segments wholly below ``trim_point`` out of the log (closing their cached files) and say
+        which they were; None if there are none. Never the writable segment. Their files are deleted by the
+        caller, off this task (:func:`waltz.storage.retention.delete_detached`)."""
+        current = self._writable()
+        n = 0
+        while n + 1 < len(self._first_ids) and self._first_ids[n + 1] <= trim_point:
+            n += 1
+        if n == 0:
+            return None
+        firsts = self._first_ids[:n]
+        assert current.first_transaction_id not in firsts
+        for first in firsts:
+            seg = self._cache.pop(first, None)
+            if seg is not None:
+                seg.close()
+        del self._first_ids[:n]
+        return DetachedSegments(self.directory, tuple(firsts), self._first_ids[0])
 
     # ------------------------------------------------------------------------------------------- reads
 
