@@ -30,7 +30,8 @@ def test_detach_takes_only_whole_segments_below_the_trim_point_and_never_the_wri
     assert log.read_records(firsts[3], 10) == batch(firsts[3], 10)
     # Everything below the last segment goes; the last (writable) one never does.
     everything = log.detach_below(10_000)
-    assert everything is not None and log.segment_first_ids == firsts[-1:]
+    assert everything is not None
+    assert log.segment_first_ids == firsts[-1:]
     delete_detached(fs, everything)
     fill(log, 5)
     assert log.max_transaction_id == 204
