@@ -70,11 +70,10 @@ def test_a_crash_while_deleting_leaves_whole_segments_that_a_later_deletion_remo
 
 
 def test_refusals_and_reads() -> None:
-    assert trim_refusal(0, 10, durable_max=20, low_water_mark=20) is None
-    assert trim_refusal(0, 21, durable_max=20, low_water_mark=20) is None  # everything held may go
-    assert "durable log" in (trim_refusal(0, 22, durable_max=20, low_water_mark=30) or "")
-    assert "low-water mark" in (trim_refusal(0, 15, durable_max=20, low_water_mark=10) or "")
-    assert "negative" in (trim_refusal(0, -1, durable_max=20, low_water_mark=20) or "")
+    assert trim_refusal(0, 10, durable_max=20) is None
+    assert trim_refusal(0, 21, durable_max=20) is None  # everything held may go
+    assert "durable log" in (trim_refusal(0, 22, durable_max=20) or "")
+    assert "negative" in (trim_refusal(0, -1, durable_max=20) or "")
     check_readable(3, 10, 10)
     check_readable(3, -1, 10)  # "from the start" is not a read of a trimmed id
     with pytest.raises(TrimmedError, match="partition 3: transaction 9 is below the trim point 10"):

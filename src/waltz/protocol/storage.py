@@ -66,12 +66,13 @@ same id and stored length; see ``PartitionLog.repair``.
 background scrub) and not repaired yet, lowest first, at most ``max_ids``. The owner server asks each
 participant now and then, so damage nobody read is repaired too (see ``StoreSession``).
 
-24/25 are not the original's either (storage nodes of this version and later understand them; an older
-node answers 24 with a failure, "unknown storage message type", and its replicas simply keep everything).
-The trim point is the lowest transaction id the replica must still hold. The node persists it in its control
-file before answering (only upwards: a lower one is answered with the one in force), refuses one above its
-durable max id + 1 or its low-water mark + 1, deletes the segments wholly below it in the background and
-fails every read below it with ``TrimmedError`` (see :mod:`waltz.storage.retention`). Golden bytes:
+24/25 are not the original's either. Only storage nodes of this version and later understand them: an older
+node refuses type 24 as unknown and closes the connection, which fails that replica in the store session, so
+upgrade every storage node before the first trim. The trim point is the lowest transaction id the replica must
+still hold. The node persists it in its control file before answering (only upwards: a lower one is answered
+with the one in force), refuses one above its durable max id + 1, deletes the segments wholly below it in
+the background and fails every read below it with ``TrimmedError`` (see :mod:`waltz.storage.retention`).
+Golden bytes:
 ``TrimRequest(5, 6, 7, 100, False)`` is ``18 0000000000000005 0000000000000006 00000007 0000000000000064 00``.
 
 19/20 are not the original's: a bulk read that returns consecutive records exactly as the data file holds

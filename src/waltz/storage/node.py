@@ -998,7 +998,7 @@ class StoragePartition:
         current = self.node.control.trim_point(self.partition_id)
         if trim_point <= current:
             return current
-        refusal = trim_refusal(self.partition_id, trim_point, self.durable_max, self.info.low_water_mark)
+        refusal = trim_refusal(self.partition_id, trim_point, self.durable_max)
         if refusal is not None:
             raise StorageError(refusal)
         self.node.control.set_trim_point(self.partition_id, trim_point)
@@ -1894,6 +1894,7 @@ class StorageNode:
                 plog = self.partitions[pid].log
                 if plog is None:
                     raise PartitionNotAssignedError(f"Partition:{pid} is not assigned.")
+                check_readable(pid, msg.transaction_id, self.control.trim_point(pid))
                 n = max(0, min(msg.max_records, MAX_LIST_RECORDS))
                 return plog.read_records(msg.transaction_id, n, max_bytes=MAX_LIST_BYTES) if n else []
 

@@ -5,8 +5,10 @@ was deleted on purpose (``docs/operations.md``, "Retention"). The owning server 
 (storage message ``TrimRequest``, :mod:`waltz.protocol.storage`); the node:
 
 1. checks it (:func:`trim_refusal`): never above the replica's durable max id + 1 (a replica cannot be told
-   to drop what it has not stored) and never above its persisted low-water mark + 1 (only committed
-   transactions are trimmed); a trim point at or below the current one changes nothing;
+   to drop what it has not stored); a trim point at or below the current one changes nothing. That only
+   committed transactions are trimmed is the sender's rule (the owning server sends at most its high-water
+   mark + 1, and committed records are never truncated); the request is session-checked like a write, so
+   only the partition's current owner (or an offline tool on an offline replica) can send it;
 2. persists it in the control file (fsynced) before answering, so reads below it fail from then on, across
    restarts (:func:`check_readable`);
 3. detaches, on the partition's worker, the segments wholly below it (:meth:`PartitionLog.detach_below`: a
@@ -53,7 +55,7 @@ class DetachedSegments:
         return out
 
 
-def trim_refusal(partition_id: int, trim_point: int, durable_max: int, low_water_mark: int) -> str | None:
+def trim_refusal(partition_id: int, trim_point: int, durable_max: int) -> str | None:
     """Why a replica refuses to raise its trim point to ``trim_point``, or None."""
     if trim_point < 0:
         return f"partition {partition_id}: trim point {trim_point} is negative"
@@ -61,11 +63,6 @@ def trim_refusal(partition_id: int, trim_point: int, durable_max: int, low_water
         return (
             f"partition {partition_id}: trim point {trim_point} is above this replica's durable log, which "
             f"ends at transaction {durable_max}"
-        )
-    if trim_point > low_water_mark + 1:
-        return (
-            f"partition {partition_id}: trim point {trim_point} is above the replica's low-water mark "
-            f"{low_water_mark} + 1: only committed transactions are trimmed"
         )
     return None
 

@@ -1,0 +1,49 @@
+"""Passing a partition's trim point to its replicas (see ``docs/replication.md``, "Trim points").
+
+The owning server learns trim points from ZooKeeper (``<root>/store/trim``, watched by the server) and tells
+every participant of the open store session with a storage ``TrimRequest``; it tells them again each time a
+session opens, so a replica that was down, lagging (it refuses a trim point above its log) or newly added
+learns it then. Sending never blocks appends: it runs as a task of its own, one request per replica.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from waltz.errors import WaltzError
+
+if TYPE_CHECKING:
+    from waltz.server.store.store_session import StoreSession
+
+log = logging.getLogger(__name__)
+
+
+async def tell_replicas(session: StoreSession, trim_point: int) -> dict[str, int]:
+    """Send ``trim_point`` to each participant of ``session``; returns storage -> the trim point in force
+    there, for the replicas that answered. A replica that fails or refuses is logged (WARNING, once per
+    session) and told again when the next session opens."""
+    told: dict[str, int] = {}
+    for replica in list(session.participants):
+        conn = replica.connection
+        if conn is None:
+            continue
+        try:
+            told[replica.storage] = await session.call(conn.trim(trim_point))
+        except WaltzError as e:
+            log.warning(
+                "partition %d: replica %s did not take trim point %d (told again at the next session): %s",
+                session.partition_id,
+                replica.storage,
+                trim_point,
+                e,
+            )
+    if told:
+        log.info(
+            "partition %d: trim point %d sent to replicas %s (session %d)",
+            session.partition_id,
+            trim_point,
+            sorted(told),
+            session.session_id,
+        )
+    return told
