@@ -82,8 +82,8 @@ def test_trim_persists_fails_reads_below_and_reclaims_the_disk(node: StorageProc
     async def trim() -> None:
         async with await node.data_client() as client:
             # Bad input: above what the replica holds; nothing changes.
-            with pytest.raises(StorageError, match="above this replica's durable log"):
-                await client.trim(SESSION, 0, 201)
+            with pytest.raises(StorageError, match="trim point -1 is negative"):
+                await client.trim(SESSION, 0, -1)
             assert await client.trim(SESSION, 0, 100) == 100
             assert await client.trim(SESSION, 0, 50) == 100  # lower: a no-op, answered with the one in force
             with pytest.raises(TrimmedError) as e:
@@ -118,5 +118,23 @@ def test_trim_persists_fails_reads_below_and_reclaims_the_disk(node: StorageProc
                 await client.read_record(SESSION + 1, 0, 0)
             assert await client.read_record(SESSION + 1, 0, 150) == batch[150]
             assert await client.trim(SESSION + 1, 0, 0) == 100
+            # A trim point above the replica's log (a lagging replica): the log restarts empty there.
+            assert await client.trim(SESSION + 1, 0, 300) == 300
+            assert await client.max_transaction_id(SESSION + 1, 0) == 299
+            await client.append(SESSION + 1, 0, records(300, 3))
+            assert await client.read_record(SESSION + 1, 0, 301) == records(300, 3)[1]
+            with pytest.raises(TrimmedError):
+                await client.read_record(SESSION + 1, 0, 204)
+            await wait_for(lambda: segment_first_ids(node, 0) == [300], "the old segments to go")
 
     asyncio.run(after_restart())
+    node.stop()
+    node.start()  # the restarted log opens (its first segment is not at 0)
+
+    async def after_second_restart() -> None:
+        async with await node.data_client() as client:
+            await client.last_session_info(SESSION + 2, 0)
+            assert await client.max_transaction_id(SESSION + 2, 0) == 302
+            assert await client.read_records(SESSION + 2, 0, 300, 10) == records(300, 3)
+
+    asyncio.run(after_second_restart())

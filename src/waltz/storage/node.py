@@ -647,10 +647,8 @@ class StoragePartition:
                 segment_size_threshold_bytes=cfg.segment_size_threshold_bytes,
                 segment_cache_capacity=cfg.segment_cache_capacity,
                 local_low_water_mark=self.info.local_low_water_mark,
+                trim_point=self.node.control.trim_point(self.partition_id),
             )
-            trim_point = self.node.control.trim_point(self.partition_id)
-            if trim_point > 0:  # segments a crash kept from being deleted after the trim
-                self.node.delete_in_background(self.partition_id, self.log.detach_below(trim_point))
             if self.broken is None:
                 # What a (re)start finds on disk is what the disk holds. A broken partition keeps the mark it
                 # had: its page cache may hold records the disk lost (see ``_heal``).
@@ -995,15 +993,28 @@ class StoragePartition:
 
     def trim(self, plog: PartitionLog, trim_point: int) -> int:
         """Raise the trim point (see :mod:`waltz.storage.retention`); returns the one in force."""
+        refusal = trim_refusal(self.partition_id, trim_point)
+        if refusal is not None:
+            raise StorageError(refusal)
         current = self.node.control.trim_point(self.partition_id)
         if trim_point <= current:
             return current
-        refusal = trim_refusal(self.partition_id, trim_point, self.durable_max)
-        if refusal is not None:
-            raise StorageError(refusal)
         self.node.control.set_trim_point(self.partition_id, trim_point)
         log.info("partition %d: trim point raised from %d to %d", self.partition_id, current, trim_point)
-        self.node.delete_in_background(self.partition_id, plog.detach_below(trim_point))
+        detached: DetachedSegments | None
+        if trim_point > self.durable_max + 1:
+            # A lagging replica: everything it holds is below the trim point; it starts again there.
+            plog.flush()
+            detached = plog.restart_at(trim_point)
+            self.durable_max = plog.max_transaction_id
+            log.info(
+                "partition %d: the log restarts empty at the trim point %d", self.partition_id, trim_point
+            )
+        else:
+            detached = plog.detach_below(trim_point)
+        for txn in [t for t in self.damaged if t < trim_point]:
+            del self.damaged[txn]  # no longer held, so no longer reported
+        self.node.delete_in_background(self.partition_id, detached)
         return trim_point
 
     def scrub_step(self, after: int) -> tuple[int, int] | None:

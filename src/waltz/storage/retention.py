@@ -4,8 +4,10 @@ The **trim point** of a partition is the lowest transaction id a replica must st
 was deleted on purpose (``docs/operations.md``, "Retention"). The owning server sends it to each replica
 (storage message ``TrimRequest``, :mod:`waltz.protocol.storage`); the node:
 
-1. checks it (:func:`trim_refusal`): never above the replica's durable max id + 1 (a replica cannot be told
-   to drop what it has not stored); a trim point at or below the current one changes nothing. That only
+1. checks it (:func:`trim_refusal`: not negative); a trim point at or below the current one changes
+   nothing. A replica that lags below the trim point (its durable log ends before ``trim point - 1``) starts
+   its log again, empty, at the trim point (:meth:`PartitionLog.restart_at`): what it lacks was trimmed on
+   every replica, so catch-up continues from there. That only
    committed transactions are trimmed is the sender's rule (the owning server sends at most its high-water
    mark + 1, and committed records are never truncated); the request is session-checked like a write, so
    only the partition's current owner (or an offline tool on an offline replica) can send it;
@@ -55,15 +57,11 @@ class DetachedSegments:
         return out
 
 
-def trim_refusal(partition_id: int, trim_point: int, durable_max: int) -> str | None:
-    """Why a replica refuses to raise its trim point to ``trim_point``, or None."""
+def trim_refusal(partition_id: int, trim_point: int) -> str | None:
+    """Why a replica refuses to raise its trim point to ``trim_point``, or None. The replica's log is not a
+    bound: a replica below the trim point restarts there (see the module docstring)."""
     if trim_point < 0:
         return f"partition {partition_id}: trim point {trim_point} is negative"
-    if trim_point > durable_max + 1:
-        return (
-            f"partition {partition_id}: trim point {trim_point} is above this replica's durable log, which "
-            f"ends at transaction {durable_max}"
-        )
     return None
 
 

@@ -47,7 +47,7 @@ from waltz.errors import (
     WaltzError,
 )
 from waltz.protocol.record_run import RunBytes, encode_run, stored_size
-from waltz.protocol.records import Record, RecordHeader
+from waltz.protocol.records import Record, RecordHeader, ReqId
 from waltz.server.store.interfaces import SessionInfo
 
 __all__ = [
@@ -391,8 +391,14 @@ class MemoryStorage:
             return sorted(part.damaged)[: max(0, max_ids)]
         if kind == "trim":
             (trim_point,) = args
+            if trim_point < 0:
+                raise StorageError(f"trim point {trim_point} is negative")
             if trim_point > part.max_transaction_id + 1:
-                raise StorageError(f"trim point {trim_point} is above this replica's durable log")
+                # A lagging replica restarts at the trim point: ids below it are never read, so fillers do.
+                filler = [Record.build(i, ReqId(0, i), 0, b"") for i in range(len(part.records), trim_point)]
+                part.records.extend(filler)
+                part.synced = len(part.records)
+                part.rewrites += 1
             part.trim_point = max(part.trim_point, trim_point)
             return part.trim_point
         raise StorageRpcError(f"unknown request {kind}")

@@ -11,12 +11,38 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from waltz.errors import WaltzError
+from waltz.errors import BrokenResourceError, WaltzError
+from waltz.server.store.replica_session import SessionOver
 
 if TYPE_CHECKING:
+    from waltz.server.store.replica_session import ReplicaSession
     from waltz.server.store.store_session import StoreSession
 
 log = logging.getLogger(__name__)
+
+
+async def restart_at_trim_point(session: StoreSession, replica: ReplicaSession, trim_point: int) -> None:
+    """A catch-up source trimmed what ``replica`` lacks: tell ``replica`` the trim point, so it starts its log
+    again, empty, there (it need not hold what is below it), and carry on from its new max id. A replica that
+    fails to is failed in the session (raises SessionOver), as for any failed catch-up."""
+    conn = replica.connection
+    try:
+        if conn is None:
+            raise BrokenResourceError(f"{replica.storage} has no connection")
+        await session.call(conn.trim(trim_point))
+        max_id = await session.call(conn.max_transaction_id())
+    except WaltzError as e:
+        session.replica_failed(replica, f"could not restart at trim point {trim_point}: {e!r}")
+        raise SessionOver from None
+    log.info(
+        "partition %d: replica %s lagged below the trim point %d (max id %d); it restarts there (max id %d)",
+        session.partition_id,
+        replica.storage,
+        trim_point,
+        replica.max_id,
+        max_id,
+    )
+    replica.max_id = replica.readable_max = max_id
 
 
 async def tell_replicas(session: StoreSession, trim_point: int) -> dict[str, int]:
