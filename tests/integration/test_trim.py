@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 
 import pytest
 
 from tests.integration.conftest import ClusterFactory
 from tests.integration.raw_client import RawClient
 from tests.integration.server_process import wait_until
+from waltz.cli.main import main as waltz_main
 from waltz.cluster.membership import ClusterWatcher
 from waltz.cluster.trim_points import read_trim_points
 from waltz.errors import MetadataError, TrimmedError
@@ -31,8 +33,17 @@ def first_segment(directory: object) -> int:
 
 
 @pytest.mark.timeout(180)
-def test_trim_reaches_every_replica_and_reads_below_fail(cluster_factory: ClusterFactory) -> None:
+def test_trim_reaches_every_replica_and_reads_below_fail(
+    cluster_factory: ClusterFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cluster = cluster_factory(storage_config={"storage.segment.size.threshold": 4096})
+    cli_yaml = tmp_path / "cli.yaml"
+    cli_yaml.write_text(f"zookeeper.connectString: {cluster.zk_connect}\ncluster.root: {cluster.root}\n")
+
+    async def cli(*argv: str) -> tuple[int, str, str]:
+        code = await asyncio.to_thread(waltz_main, ["cluster", "trim", "-c", str(cli_yaml), *argv])
+        out, err = capsys.readouterr()
+        return code, out, err
 
     async def main() -> None:
         await cluster.start(storages=3, servers=1)
@@ -46,11 +57,11 @@ def test_trim_reaches_every_replica_and_reads_below_fail(cluster_factory: Cluste
                     trim_partition, cluster.zk, cluster.root, 0, to=300, min_kept_transactions=100
                 )
                 assert (outcome.before, outcome.after) == (0, 300)
-                again = await asyncio.to_thread(
-                    trim_partition, cluster.zk, cluster.root, 0, to=200, min_kept_transactions=100
-                )
-                assert again.after == 300
-                assert "already trimmed to 300; nothing to do for 200" in again.message
+                code, out, _ = await cli("-p", "0", "--to", "200", "--min-kept", "100")
+                assert (code, out) == (0, "partition 0: already trimmed to 300; nothing to do for 200\n")
+                code, _, err = await cli("-p", "0", "--keep-last", "10")  # the default grace keeps 1000
+                assert code == 1
+                assert "would keep fewer than the 1000 most recent transactions" in err
                 assert read_trim_points(cluster.zk, cluster.root).of(0) == 300
 
                 for sp in cluster.storages:
