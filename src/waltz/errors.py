@@ -176,8 +176,19 @@ class TrimmedError(StorageError):
             trim_point=trim_point,
         )
 
+    @classmethod
+    def from_message(cls, message: str) -> TrimmedError | None:
+        """The error a peer described in ``message`` (as :meth:`below` words it), or None if the message is
+        not one. For answers whose wire format carries an error as text only (a client's transaction data
+        read, ``docs/operations.md`` "Retention")."""
+        m = _TRIM_NUMBERS.search(message)
+        if m is None:
+            return None
+        pid, txn, trim = (int(g) for g in m.groups())
+        return cls(message, partition_id=pid, transaction_id=txn, trim_point=trim)
 
-_TRIM_NUMBERS = re.compile(r"^partition (-?\d+): transaction (-?\d+) is below the trim point (-?\d+)")
+
+_TRIM_NUMBERS = re.compile(r"partition (-?\d+): transaction (-?\d+) is below the trim point (-?\d+)")
 
 
 class ClusterError(WaltzError):
@@ -291,11 +302,7 @@ def error_from_wire(class_name: str, message: str) -> WaltzError:
     cls = _WIRE_CLASSES.get(class_name, StorageRpcError)
     if cls is TrimmedError:
         # The numbers travel in the message only (the failure format has no fields for them).
-        m = _TRIM_NUMBERS.match(message)
-        if m is None:
-            return TrimmedError(message)
-        pid, txn, trim = (int(g) for g in m.groups())
-        return TrimmedError(message, partition_id=pid, transaction_id=txn, trim_point=trim)
+        return TrimmedError.from_message(message) or TrimmedError(message)
     return cls(message)
 
 

@@ -18,7 +18,10 @@ from waltz.cli.main import main as waltz_main
 from waltz.cluster.membership import ClusterWatcher
 from waltz.cluster.trim_points import read_trim_points
 from waltz.errors import MetadataError, TrimmedError
+from waltz.ops.servers import ADMIN_CLIENT_ID, query
 from waltz.ops.trim import trim_partition
+from waltz.protocol import client_server as cs
+from waltz.protocol.records import ReqId
 from waltz.storage.controlfile import CONTROL_FILE_NAME, read_control_file_with_trims
 from waltz.storage.segment import parse_segment_name
 
@@ -67,12 +70,12 @@ def test_trim_reaches_every_replica_and_reads_below_fail(
                 for sp in cluster.storages:
                     path = os.path.join(sp.directory, CONTROL_FILE_NAME)
                     await wait_until(
-                        lambda p=path: read_control_file_with_trims(p)[2][0] == 300,  # type: ignore[misc]
+                        lambda p=path: read_control_file_with_trims(p)[2][0] == 300,
                         30,
                         f"{sp.name} to record the trim point",
                     )
                     await wait_until(
-                        lambda d=sp.directory: 0 < first_segment(d) <= 300,  # type: ignore[misc]
+                        lambda d=sp.directory: 0 < first_segment(d) <= 300,
                         30,
                         f"{sp.name} to delete the segments below 300",
                     )
@@ -80,6 +83,8 @@ def test_trim_reaches_every_replica_and_reads_below_fail(
                         with pytest.raises(TrimmedError, match="transaction 5 is below the trim point 300"):
                             await admin.read_records(0, 5, 10)
                         assert (await admin.read_records(0, 300, 1))[0].data.startswith(b"record-0300")
+                # Through the server: a data read below the trim point fails naming it; one above works.
+                await check_data_reads()
                 # Appends go on; reads at and above the trim point work through the server.
                 assert await writer.append_and_wait(b"after the trim") == RECORDS
                 assert await writer.high_water_mark() == RECORDS
@@ -89,6 +94,23 @@ def test_trim_reaches_every_replica_and_reads_below_fail(
         for sp in cluster.storages:
             assert "trim point raised from 0 to 300" in sp.log_text()
             assert "trimmed segment(s) below transaction" in sp.log_text()
+
+    async def check_data_reads() -> None:
+        server = cluster.servers[0]
+        below, above = await query(
+            f"127.0.0.1:{server.port}",
+            [
+                cs.TransactionDataRequest(ReqId.of(ADMIN_CLIENT_ID, 1, 0, 1), 5),
+                cs.TransactionDataRequest(ReqId.of(ADMIN_CLIENT_ID, 1, 0, 2), 300),
+            ],
+        )
+        assert isinstance(below, cs.TransactionDataResponse)
+        assert below.data is None
+        trimmed = TrimmedError.from_message(below.error or "")
+        assert trimmed is not None
+        assert (trimmed.partition_id, trimmed.transaction_id, trimmed.trim_point) == (0, 5, 300)
+        assert isinstance(above, cs.TransactionDataResponse)
+        assert (above.data or b"").startswith(b"record-0300")
 
     async def check_bad_input() -> None:
         def trim(**kw: object) -> object:

@@ -217,6 +217,11 @@ def test_trimmed_error_keeps_its_numbers_across_the_wire() -> None:
     assert (error.partition_id, error.transaction_id, error.trim_point) == (3, 10, 500)
     assert not error.retriable
     assert "partition 3: transaction 10 is below the trim point 500" in str(error)
+    # A client reads it back out of a server's text-only answer (a transaction data response).
+    quoted = TrimmedError.from_message(f"could not read transaction 10: {error}")
+    assert quoted is not None
+    assert (quoted.partition_id, quoted.transaction_id, quoted.trim_point) == (3, 10, 500)
+    assert TrimmedError.from_message("transaction not found") is None
 
 
 def test_foreign_errors_become_storage_rpc_errors() -> None:
