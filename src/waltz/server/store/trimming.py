@@ -9,16 +9,30 @@ learns it then. Sending never blocks appends: it runs as a task of its own, one 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Sequence
+from typing import Protocol, TypeVar
 
 from waltz.errors import BrokenResourceError, WaltzError
-from waltz.server.store.replica_session import SessionOver
-
-if TYPE_CHECKING:
-    from waltz.server.store.replica_session import ReplicaSession
-    from waltz.server.store.store_session import StoreSession
+from waltz.server.store.replica_session import ReplicaSession, SessionOver
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class StoreSession(Protocol):
+    """What this module uses of :class:`waltz.server.store.store_session.StoreSession` (which imports this
+    module, so it is not imported here)."""
+
+    partition_id: int
+    session_id: int
+
+    @property
+    def participants(self) -> Sequence[ReplicaSession]: ...
+
+    async def call(self, request: Awaitable[T]) -> T: ...
+
+    def replica_failed(self, replica: ReplicaSession, detail: str) -> None: ...
 
 
 async def restart_at_trim_point(session: StoreSession, replica: ReplicaSession, trim_point: int) -> None:
