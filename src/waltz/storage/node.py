@@ -638,6 +638,8 @@ class StoragePartition:
                 segment_cache_capacity=cfg.segment_cache_capacity,
                 local_low_water_mark=self.info.local_low_water_mark,
             )
+            for txn in self.log.damaged_at_open:  # kept by recovery, not cut (see waltz.storage.resync)
+                self.note_damage(txn, "durable but does not verify at open")
             if self.broken is None:
                 # What a (re)start finds on disk is what the disk holds. A broken partition keeps the mark it
                 # had: its page cache may hold records the disk lost (see ``_heal``).

@@ -93,6 +93,9 @@ class PartitionLog:
         self._clock_ms = clock_ms
         self._extending_writes_before = 0
         """``extending_writes`` of the segments that were writable before the current one."""
+        self.damaged_at_open: list[int] = []
+        """Ids recovery found durable but not verifying and kept as damaged records (not cut): the caller
+        reports them (see :mod:`waltz.storage.resync`)."""
 
     @classmethod
     def open(
@@ -156,6 +159,7 @@ class PartitionLog:
         if current is None:
             current = Segment.create(fs, directory, key, partition_id, 0, clock_ms=clock_ms)
             first_ids = [0]
+        damaged = list(current.damaged_at_open)
         part = cls(
             fs,
             directory,
@@ -167,6 +171,7 @@ class PartitionLog:
             segment_cache_capacity,
             clock_ms,
         )
+        part.damaged_at_open = damaged
         try:
             if len(first_ids) > 1:
                 # The segment before the last must end right where the last begins.

@@ -90,6 +90,7 @@ from waltz.protocol.record_run import encode_run, uniform_run_verifies
 from waltz.protocol.records import Record, RecordHeader, ReqId, make_req_id
 from waltz.protocol.storage import WireRecordList
 from waltz.storage.fileio import OS_FS, File, FileSystem
+from waltz.storage.resync import damaged_extents, find_next_good, last_end
 
 log = logging.getLogger(__name__)
 _tuple_new = tuple.__new__  # builds Records without the generated __new__ on the read hot path
@@ -101,6 +102,8 @@ RECORD_OVERHEAD_BYTES = 40
 INDEX_ENTRY_BYTES = 8
 CHECKPOINT_INTERVAL = 1000
 MAX_READ_RECORDS = 10_000
+MAX_DAMAGED_AT_OPEN = 1000
+"""Most damaged ids recovery lists in :attr:`Segment.damaged_at_open` (it logs every range)."""
 """Upper bound on the records one read call returns."""
 DEFAULT_MAX_READ_BYTES = 16 * 1024 * 1024
 """Default bound on the bytes one list read loads (at least one record is always returned)."""
@@ -427,6 +430,9 @@ class Segment:
         self.zero_tail_bytes = 0
         """For tools: the bytes of zeros after the last record (and after any torn bytes) that
         :meth:`inspect` found and left out of :attr:`size_bytes`."""
+        self.damaged_at_open: list[int] = []
+        """Ids index recovery kept as damaged records (durable, not verifying; see
+        :mod:`waltz.storage.resync`), at most ``MAX_DAMAGED_AT_OPEN``: the node reports them."""
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -693,10 +699,12 @@ class Segment:
     def sync(self) -> None:
         """Make the data file and the index durable."""
         data_file, index_file = self._files()
-        self._write_index_tail()
+        # The data file first: an index entry on disk must only ever name a durable record, so that recovery
+        # can tell damage from a torn tail (see waltz.storage.resync).
         if self._data_dirty:
             data_file.fsync(data_only=True)
             self._data_dirty = False
+        self._write_index_tail()
         if self._index_dirty:
             index_file.fsync(data_only=True)
             self._index_dirty = False
@@ -715,7 +723,6 @@ class Segment:
         data_file, index_file = self._files()
         if not self.writable:
             raise StorageError(f"{self.data_path}: segment is read-only")
-        self._write_index_tail()
         if transaction_id < self.first_transaction_id - 1:
             raise StorageError(
                 f"{self.data_path}: cannot truncate to {transaction_id}, before the segment's first id"
@@ -729,6 +736,8 @@ class Segment:
         # data, which recovery detects; the other order could resurrect truncated records.
         data_file.truncate(cut)
         data_file.fsync()
+        # Only now the index entries waiting in memory: those it keeps name records the fsync made durable.
+        self._write_index_tail()
         index_file.truncate(SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * keep)
         index_file.fsync()
         self._count = keep
@@ -953,10 +962,11 @@ class Segment:
 
     # ---------------------------------------------------------------------------------------- recovery
 
-    def _recovery_plan(self, *, quiet: bool = False) -> tuple[int, list[int], int]:
+    def _recovery_plan(self, *, quiet: bool = False, local_low_water_mark: int = -1) -> _RecoveryPlan:
         """What recovery keeps, read-only: the restart point (the last checkpoint the index covers whose
-        record verifies, else ``first - 1``), the offsets of the records that verify in sequence after it,
-        and the end of the last of them."""
+        record verifies, else ``first - 1``), the offsets of the records after it (those that verify in
+        sequence, and the durable ones that do not, kept as damaged: see :mod:`waltz.storage.resync`), the end
+        of the last of them, and the damaged ids."""
         first = self.first_transaction_id
         index_max = first + self._count - 1
         data_size = self._data_size
@@ -978,27 +988,73 @@ class Segment:
                     "%s: checkpoint record %d does not verify; trying an earlier one", self.data_path, r
                 )
         new_offsets, end = self._scan(restart + 1, scan_from, data_size)
-        return restart, new_offsets, end
+        damaged: list[range] = []
+        durable_max = max(index_max, local_low_water_mark)
+        txn = restart + 1 + len(new_offsets)
+        while txn <= durable_max and end + RECORD_OVERHEAD_BYTES <= data_size:
+            kept = self._keep_damage(txn, end, durable_max)
+            if kept is None:
+                break  # Only zeros from here: nothing to keep (the node checks the log against its marks).
+            offsets, end = kept
+            damaged.append(range(txn, txn + len(offsets)))
+            txn += len(offsets)
+            more, end = self._scan(txn, end, data_size)
+            new_offsets += offsets
+            new_offsets += more
+            txn += len(more)
+        return _RecoveryPlan(restart, new_offsets, end, damaged)
+
+    def _keep_damage(self, txn: int, offset: int, durable_max: int) -> tuple[list[int], int] | None:
+        """The offsets of the durable records from ``txn`` (at ``offset``, not verifying) up to the next
+        record that verifies, and where that one begins; or, when none does, of the damaged records up to
+        the last byte that is not zero and where they end. None when only zeros follow."""
+        data_file, _ = self._files()
+        first = self.first_transaction_id
+        data_size = self._data_size
+        verify = _verify_whole
+        found = find_next_good(
+            data_file, self._index_entries, first, self._count, txn, offset, data_size, self.data_path, verify
+        )
+        if found is not None:
+            nxt, limit = found
+            ids = range(txn, nxt)
+        else:
+            limit = self._nonzero_end(offset, data_size)
+            if limit == offset:
+                return None
+            room = max(1, (limit - offset) // RECORD_OVERHEAD_BYTES)
+            ids = range(txn, min(durable_max, txn + room - 1) + 1)
+        in_index = ids.stop - first <= self._count
+        offsets = damaged_extents(
+            data_file, self._index_entries if in_index else _no_entries, first, ids, offset, limit
+        )
+        end = limit if found is not None else last_end(data_file, offsets[-1], limit)
+        return offsets, end
 
     def recovered_max_transaction_id(self) -> int:
         """The max id the node's index recovery will keep, read-only (for tools on a stopped node: the index
         of one killed may end before its records, or past them part-way through a truncate)."""
-        restart, new_offsets, _ = self._recovery_plan(quiet=True)
-        return restart + len(new_offsets)
+        plan = self._recovery_plan(quiet=True)
+        return plan.restart + len(plan.offsets)
 
     def _recover(self, local_low_water_mark: int) -> None:
         data_file, index_file = self._files()
         first = self.first_transaction_id
         index_max = first + self._count - 1
         data_size = self._data_size
-        restart, new_offsets, end = self._recovery_plan()
+        restart, new_offsets, end, damaged = self._recovery_plan(local_low_water_mark=local_low_water_mark)
         last = restart + len(new_offsets)
         keep = last - first + 1
-        if new_offsets:
-            index_file.pwrite(
-                struct.pack(f">{len(new_offsets)}q", *new_offsets),
-                SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * (restart + 1 - first),
+        for ids in damaged:
+            log.error(
+                "%s: transaction(s) %d..%d do not verify but were durable (%s); kept as damaged records, "
+                "not cut: the node reports them and repairs them from another replica",
+                self.data_path,
+                ids.start,
+                ids.stop - 1,
+                f"indexed, or at or below the local low-water mark {local_low_water_mark}",
             )
+            self.damaged_at_open += itertools.islice(ids, MAX_DAMAGED_AT_OPEN - len(self.damaged_at_open))
         if end != data_size:
             torn_end = self._nonzero_end(end, data_size)
             if torn_end != end:
@@ -1021,10 +1077,16 @@ class Segment:
                 last,
                 local_low_water_mark,
             )
+        # The data file first, durably: an index entry on disk must only ever name a durable record (see
+        # waltz.storage.resync), and what we read may have come from an unsynced page cache.
         data_file.truncate(end)
-        index_file.truncate(SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * keep)
-        # Fsync even when nothing changed: what we read may have come from an unsynced page cache.
         data_file.fsync()
+        if new_offsets:
+            index_file.pwrite(
+                struct.pack(f">{len(new_offsets)}q", *new_offsets),
+                SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * (restart + 1 - first),
+            )
+        index_file.truncate(SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * keep)
         index_file.fsync()
         self._count = keep
         self._data_size = self._zeros_durable_end = end
@@ -1173,6 +1235,21 @@ def _decode_verified(
     finally:
         view.release()
     return txn, make_req_id(msb, lsb), header, data_crc
+
+
+class _RecoveryPlan(NamedTuple):
+    restart: int
+    offsets: list[int]
+    end: int
+    damaged: list[range]
+
+
+def _verify_whole(raw: bytes, transaction_id: int, path: str, offset: int) -> object:
+    return _decode_verified(raw, 0, len(raw), transaction_id, path, offset)
+
+
+def _no_entries(entry: int, n: int) -> bytes:
+    return b""
 
 
 def _check_run(raw: bytes, offsets: list[int], first: int, path: str) -> None:
