@@ -175,3 +175,26 @@ def test_an_index_entry_names_only_a_durable_record() -> None:
         seg.sync()
     fs.crash("apply")  # even every issued write applied: the index write was not issued yet
     assert fs.open(f"{DIR}/{index_file_name(0)}").size() == SEGMENT_HEADER_BYTES
+
+
+def test_a_killed_node_keeps_damage_in_records_it_flushed() -> None:
+    """After a flush the node writes the index entries of the flushed records (not fsynced): a process kill
+    keeps them, so bit rot in a record that was acknowledged is kept as damage even with no checkpoint and
+    no low-water mark above it. Records appended after the last flush are still a torn tail."""
+    fs = CrashFS()
+    make_dirs_durable(fs, "/s")
+    plog = PartitionLog.open("/s", KEY, PID, fs=fs)
+    for i in range(0, 300, 30):
+        plog.append(recs(i, 30))
+        plog.flush()
+        plog.write_flushed_index()
+    plog.append(recs(300, 5))  # not flushed: never acknowledged
+    seg = plog.segment_for(0)
+    assert seg is not None
+    offset = seg.record_offset(1)
+    fs.crash("apply")  # a kill: the page cache survives, the process does not
+    fs.corrupt(seg.data_path, offset + 50, b"\xee")
+    with PartitionLog.open("/s", KEY, PID, fs=fs) as plog:
+        assert plog.max_transaction_id == 304
+        assert plog.damaged_at_open == [1]
+        assert plog.read_records(2, 500) == recs(2, 303)

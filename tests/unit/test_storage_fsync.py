@@ -23,7 +23,7 @@ from waltz.storage.segment import PREFILL_CHUNK_BYTES, ZeroFill, data_file_name
 
 
 class _Log:
-    """The one method ``_fsync`` calls on a partition log, recording the thread and taking ``delay_s``."""
+    """The methods ``_fsync`` calls on a partition log, recording the thread and taking ``delay_s``."""
 
     def __init__(self, delay_s: float) -> None:
         self.delay_s = delay_s
@@ -33,6 +33,11 @@ class _Log:
     def flush(self) -> None:
         self.threads.append(threading.current_thread() is threading.main_thread())
         time.sleep(self.delay_s)
+
+    def write_flushed_index(self) -> None:
+        # After every fsync, on the loop thread whichever ran the fsync: it touches what appends touch.
+        if threading.current_thread() is not threading.main_thread():
+            raise AssertionError("the index entries of flushed records were written off the loop thread")
 
 
 def _node(tmp_path: Path, **settings: object) -> StorageNode:

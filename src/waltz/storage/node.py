@@ -1339,6 +1339,7 @@ class StoragePartition:
         return e if isinstance(e, WaltzError) else StorageError(f"fsync failed: {e}")
 
     def _fsynced(self, plog: PartitionLog) -> None:
+        plog.write_flushed_index()  # lets recovery after a kill tell damage from a torn tail
         zeros = self._zeros
         if zeros is not None:
             # Written before this fsync began (after the previous group's answers; never during a group):

@@ -40,7 +40,10 @@ segment's zeros with its torn records (the zeros are written again afterwards).
 The index file holds, after its header, one i64 per record: entry ``i`` at ``128 + 8·i`` is the data-file
 offset of transaction ``first + i``; the index length gives the max id (``first + (size - 128) // 8 - 1``) of
 a closed segment. The writable segment's newest entries (at most 1000, those after the last checkpoint)
-live in memory only, until the next checkpoint, close, truncation or :meth:`Segment.sync`.
+live in memory until the next checkpoint, close, truncation or :meth:`Segment.sync`; the storage node also
+writes (without an fsync) those of the records each group fsync made durable
+(:meth:`Segment.write_flushed_index`). **An index entry reaches the file only after an fsync of the data
+file covered its record**, so an entry on disk proves its record was durable (recovery relies on it).
 
 Durability protocol (what recovery relies on):
 
@@ -51,8 +54,8 @@ Durability protocol (what recovery relies on):
 * **checkpoint**: before the record whose id is a multiple of ``CHECKPOINT_INTERVAL`` (1000) is written, the
   index entries waiting are written and both files fsynced (unless that record is the segment's first). So if
   the index covers an id ``c = k·1000 > first``, every record and index entry below ``c`` is durable;
-* :meth:`Segment.truncate` cuts and fsyncs the data file first, then the index, so a crash in between never
-  resurrects truncated records;
+* :meth:`Segment.truncate` cuts and fsyncs the data file first, then writes and cuts the index, so a crash
+  in between never resurrects truncated records (stale entries point past the end of the data file);
 * a new segment's headers are fsynced before its first append; a full segment is fsynced (its zero tail
   cut) before the next one is created;
 * zeros are written only past the data file's current end (never over a record, nor where an append is
@@ -63,11 +66,15 @@ restart point is the last checkpoint ``c - 1`` covered by the index (``c`` the l
 ``first < c <= index max``), whose entry and record are durable by the protocol above; its record must verify
 (id and checksum), or the previous checkpoint is tried, down to a rescan from the header. From there the
 records are re-verified one by one (id sequence, length inside the file, record checksum), their index entries
-rewritten, until the first bad or partial record; the data file is truncated after the last good record, the
-index trimmed to match, and both fsynced. The original Waltz restarts from ``localLowWaterMark`` when it is
-higher; we do not, because index entries after the last checkpoint were never fsynced and may be garbage even
-when the records are durable. Rescanning from the checkpoint costs at most 2000 records (the index file
-reaches a checkpoint's id only when the next checkpoint writes the entries waiting).
+rewritten, until the first bad or partial record. A bad record that was durable (its index entry on disk, or
+its id at or below the local low-water mark) is damage, not a torn tail: it is kept as a damaged record with
+the records after it, one ERROR line, and listed in :attr:`Segment.damaged_at_open` for the node to report
+and repair (see :mod:`waltz.storage.resync`). At the first bad record that was not, the data file is
+truncated after the last record kept, then fsynced, the index trimmed to match and fsynced. The original
+Waltz restarts from ``localLowWaterMark`` when it is higher; we do not, because index entries after the last
+checkpoint were never fsynced and may be garbage even when the records are durable (they still prove their
+records durable: only their values are not trusted). Rescanning from the checkpoint costs the records from
+it to the end of the data file: about 1000 plus those written after the index's last entry.
 """
 
 from __future__ import annotations
@@ -414,6 +421,8 @@ class Segment:
         self.writable = writable
         self._data_dirty = False
         self._index_dirty = False
+        self._flushed_count = count
+        """Records the last fsync of the data file covered (see :meth:`write_flushed_index`)."""
         self._index_tail = bytearray()
         """Index entries of the newest records, not yet written to the index file (at most
         ``CHECKPOINT_INTERVAL``): written by :meth:`sync` (every checkpoint, close, truncation)."""
@@ -690,11 +699,28 @@ class Segment:
         self.sync()
 
     def flush(self) -> None:
-        """Make every appended record durable (fsync of the data file; the index waits for a checkpoint)."""
+        """Make every appended record durable (fsync of the data file; the index waits for a checkpoint, or
+        for :meth:`write_flushed_index`)."""
         data_file, _ = self._files()
+        covered = self._count
         if self._data_dirty:
             data_file.fsync(data_only=True)
             self._data_dirty = False
+        self._flushed_count = covered
+
+    def write_flushed_index(self) -> None:
+        """Write the index entries waiting in memory of the records the last :meth:`flush` made durable, not
+        fsynced: one ``pwrite`` that lets recovery after a process kill know those records were durable (and
+        so keep one that does not verify as damage, not cut it as a torn tail: see waltz.storage.resync)."""
+        tail = self._index_tail
+        written = self._count - len(tail) // INDEX_ENTRY_BYTES
+        n = min(len(tail) // INDEX_ENTRY_BYTES, self._flushed_count - written)
+        if n <= 0:
+            return
+        _, index_file = self._files()
+        index_file.pwrite(tail[: INDEX_ENTRY_BYTES * n], SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * written)
+        del tail[: INDEX_ENTRY_BYTES * n]
+        self._index_dirty = True
 
     def sync(self) -> None:
         """Make the data file and the index durable."""
@@ -704,6 +730,7 @@ class Segment:
         if self._data_dirty:
             data_file.fsync(data_only=True)
             self._data_dirty = False
+        self._flushed_count = self._count
         self._write_index_tail()
         if self._index_dirty:
             index_file.fsync(data_only=True)
@@ -740,7 +767,7 @@ class Segment:
         self._write_index_tail()
         index_file.truncate(SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * keep)
         index_file.fsync()
-        self._count = keep
+        self._count = self._flushed_count = keep
         self._data_size = self._zeros_durable_end = cut
         self._zero_epoch += 1  # the zeros went with the records; the next prefill writes them again
         self._data_dirty = self._index_dirty = False
@@ -1088,7 +1115,7 @@ class Segment:
             )
         index_file.truncate(SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * keep)
         index_file.fsync()
-        self._count = keep
+        self._count = self._flushed_count = keep
         self._data_size = self._zeros_durable_end = end
         self._data_dirty = self._index_dirty = False
 
