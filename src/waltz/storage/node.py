@@ -1853,8 +1853,11 @@ class StorageNode:
             if not 0 <= pid < len(self.partitions):
                 raise PartitionNotAssignedError(f"Partition:{pid} does not exist.")
             info = self.partitions[pid].info
+            damaged = self.partitions[pid].lost is not None
             return adm.LastSessionInfoResponse(
-                seq, pid, st.SessionInfo(info.session_id, info.low_water_mark, info.local_low_water_mark)
+                seq,
+                pid,
+                st.SessionInfo(info.session_id, info.low_water_mark, info.local_low_water_mark, damaged),
             )
         if isinstance(msg, adm.MaxTransactionIdRequest):
             pid = msg.partition_id
