@@ -83,8 +83,15 @@ def find_next_good(
     verify: Verify,
 ) -> tuple[int, int] | None:
     """``(id, offset)`` of the first record after the damaged ``transaction_id`` (at ``offset``) that
-    verifies where it is found, or None. Tried in turn: the index entries after it, the damaged record's own
-    length field, a search for the next id's 8 bytes in the data file."""
+    verifies where it is found, or None. Tried in turn: the damaged record's own length field (right when
+    only its data or checksum is damaged), the index entries after it, a search for the next id's 8 bytes in
+    the data file. A record found there carries the id expected at that place, so it is the real one."""
+    head = data_file.pread(_RECORD_HEADER_BYTES, offset)
+    if len(head) == _RECORD_HEADER_BYTES:
+        n: int = _LENGTH.unpack_from(head, 28)[0]
+        at = offset + _RECORD_OVERHEAD_BYTES + n
+        if n >= 0 and record_end(data_file, at, transaction_id + 1, data_end, path, verify) is not None:
+            return transaction_id + 1, at
     lo = transaction_id + 1 - first
     raw = entries(lo, min(RESYNC_MAX_RECORDS, max(0, index_count - lo)))
     for i in range(len(raw) // _INDEX_ENTRY_BYTES):
@@ -92,12 +99,6 @@ def find_next_good(
         txn = first + lo + i
         if at > offset and record_end(data_file, at, txn, data_end, path, verify) is not None:
             return txn, at
-    head = data_file.pread(_RECORD_HEADER_BYTES, offset)
-    if len(head) == _RECORD_HEADER_BYTES:
-        n: int = _LENGTH.unpack_from(head, 28)[0]
-        at = offset + _RECORD_OVERHEAD_BYTES + n
-        if n >= 0 and record_end(data_file, at, transaction_id + 1, data_end, path, verify) is not None:
-            return transaction_id + 1, at
     return _search_id(data_file, transaction_id + 1, offset + 1, data_end, path, verify)
 
 

@@ -97,7 +97,7 @@ from waltz.protocol.record_run import encode_run, uniform_run_verifies
 from waltz.protocol.records import Record, RecordHeader, ReqId, make_req_id
 from waltz.protocol.storage import WireRecordList
 from waltz.storage.fileio import OS_FS, File, FileSystem
-from waltz.storage.resync import damaged_extents, find_next_good, last_end
+from waltz.storage.resync import damaged_extents, find_next_good, last_end, record_end
 
 log = logging.getLogger(__name__)
 _tuple_new = tuple.__new__  # builds Records without the generated __new__ on the read hot path
@@ -1015,7 +1015,7 @@ class Segment:
                     "%s: checkpoint record %d does not verify; trying an earlier one", self.data_path, r
                 )
         new_offsets, end = self._scan(restart + 1, scan_from, data_size)
-        damaged: list[range] = []
+        damaged: list[tuple[int, list[int]]] = []
         durable_max = max(index_max, local_low_water_mark)
         txn = restart + 1 + len(new_offsets)
         while txn <= durable_max and end + RECORD_OVERHEAD_BYTES <= data_size:
@@ -1023,13 +1023,23 @@ class Segment:
             if kept is None:
                 break  # Only zeros from here: nothing to keep (the node checks the log against its marks).
             offsets, end = kept
-            damaged.append(range(txn, txn + len(offsets)))
+            damaged.append((txn, [*offsets, end]))
             txn += len(offsets)
             more, end = self._scan(txn, end, data_size)
             new_offsets += offsets
             new_offsets += more
             txn += len(more)
         return _RecoveryPlan(restart, new_offsets, end, damaged)
+
+    def _note_unverified(self, first_id: int, bounds: list[int]) -> None:
+        """Add to :attr:`damaged_at_open` the ids of a kept region whose records do not verify where the
+        region's offsets (``bounds``: each record's start, then the region's end) put them."""
+        data_file, _ = self._files()
+        for i, (start, stop) in enumerate(itertools.pairwise(bounds)):
+            if len(self.damaged_at_open) >= MAX_DAMAGED_AT_OPEN:
+                return
+            if record_end(data_file, start, first_id + i, stop, self.data_path, _verify_whole) != stop:
+                self.damaged_at_open.append(first_id + i)
 
     def _keep_damage(self, txn: int, offset: int, durable_max: int) -> tuple[list[int], int] | None:
         """The offsets of the durable records from ``txn`` (at ``offset``, not verifying) up to the next
@@ -1072,7 +1082,8 @@ class Segment:
         restart, new_offsets, end, damaged = self._recovery_plan(local_low_water_mark=local_low_water_mark)
         last = restart + len(new_offsets)
         keep = last - first + 1
-        for ids in damaged:
+        for region_first, bounds in damaged:
+            ids = range(region_first, region_first + len(bounds) - 1)
             log.error(
                 "%s: transaction(s) %d..%d do not verify but were durable (%s); kept as damaged records, "
                 "not cut: the node reports them and repairs them from another replica",
@@ -1081,7 +1092,7 @@ class Segment:
                 ids.stop - 1,
                 f"indexed, or at or below the local low-water mark {local_low_water_mark}",
             )
-            self.damaged_at_open += itertools.islice(ids, MAX_DAMAGED_AT_OPEN - len(self.damaged_at_open))
+            self._note_unverified(region_first, bounds)
         if end != data_size:
             torn_end = self._nonzero_end(end, data_size)
             if torn_end != end:
@@ -1268,7 +1279,9 @@ class _RecoveryPlan(NamedTuple):
     restart: int
     offsets: list[int]
     end: int
-    damaged: list[range]
+    damaged: list[tuple[int, list[int]]]
+    """The regions kept after a durable record that does not verify: ``(first id, offsets)``, the offsets
+    of each record then the region's end."""
 
 
 def _verify_whole(raw: bytes, transaction_id: int, path: str, offset: int) -> object:
