@@ -1083,14 +1083,15 @@ class Segment:
         last = restart + len(new_offsets)
         keep = last - first + 1
         for region_first, bounds in damaged:
-            ids = range(region_first, region_first + len(bounds) - 1)
             log.error(
                 "%s: transaction(s) %d..%d do not verify but were durable (%s); kept as damaged records, "
                 "not cut: the node reports them and repairs them from another replica",
                 self.data_path,
-                ids.start,
-                ids.stop - 1,
-                f"indexed, or at or below the local low-water mark {local_low_water_mark}",
+                region_first,
+                region_first + len(bounds) - 2,
+                "their index entries were written after an fsync"
+                if region_first <= index_max
+                else f"at or below the local low-water mark {local_low_water_mark}",
             )
             self._note_unverified(region_first, bounds)
         if end != data_size:
