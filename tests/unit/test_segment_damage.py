@@ -198,3 +198,33 @@ def test_a_killed_node_keeps_damage_in_records_it_flushed() -> None:
         assert plog.max_transaction_id == 304
         assert plog.damaged_at_open == [1]
         assert plog.read_records(2, 500) == recs(2, 303)
+
+
+def test_indexed_records_that_read_as_zeros_at_the_end_are_reported_lost(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A lost write of the last durable records (zeros where the index says records were, nothing after):
+    nothing to keep, but the loss is reported (an ERROR and ``lost_at_open``: the node marks the replica
+    damaged), never taken for a torn tail."""
+    fs = CrashFS()
+    seg = written(fs)
+    fs.corrupt(seg.data_path, SEGMENT_HEADER_BYTES + 290 * 64, bytes(10 * 64))
+    with caplog.at_level(logging.WARNING):
+        seg = reopen(fs)
+    assert seg.max_transaction_id == 289
+    assert seg.lost_at_open is not None
+    assert "transactions 290..299 were durable" in seg.lost_at_open
+    assert any(r.levelname == "ERROR" and "read as zeros: lost" in r.getMessage() for r in caplog.records)
+    seg.close()
+    # A torn tail of records never flushed (not indexed) is still no loss.
+    fs = CrashFS()
+    seg = written(fs, 10, close=False)
+    seg.sync()
+    seg.append(recs(10, 5))
+    offset = seg.record_offset(10)
+    fs.crash("apply")
+    fs.corrupt(seg.data_path, offset, bytes(5 * 64))
+    seg = reopen(fs)
+    assert seg.max_transaction_id == 9
+    assert seg.lost_at_open is None
+    seg.close()

@@ -97,6 +97,8 @@ class PartitionLog:
         self.damaged_at_open: list[int] = []
         """Ids recovery found durable but not verifying and kept as damaged records (not cut): the caller
         reports them (see :mod:`waltz.storage.resync`)."""
+        self.lost_at_open: str | None = None
+        """Why recovery found durable records lost (see :attr:`Segment.lost_at_open`), or None."""
 
     @classmethod
     def open(
@@ -161,6 +163,7 @@ class PartitionLog:
             current = Segment.create(fs, directory, key, partition_id, 0, clock_ms=clock_ms)
             first_ids = [0]
         damaged = list(current.damaged_at_open)
+        lost = current.lost_at_open
         part = cls(
             fs,
             directory,
@@ -173,6 +176,7 @@ class PartitionLog:
             clock_ms,
         )
         part.damaged_at_open = damaged
+        part.lost_at_open = lost
         try:
             if len(first_ids) > 1:
                 # The segment before the last must end right where the last begins.

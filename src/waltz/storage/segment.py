@@ -440,6 +440,9 @@ class Segment:
         """For tools: the bytes of zeros after the last record (and after any torn bytes) that
         :meth:`inspect` found and left out of :attr:`size_bytes`."""
         self.damaged_at_open: list[int] = []
+        self.lost_at_open: str | None = None
+        """Set by index recovery when durable records were lost, not merely damaged (they read as zeros up
+        to the end): the node then reports the replica damaged (see waltz.storage.replica_check)."""
         """Ids index recovery kept as damaged records (durable, not verifying; see
         :mod:`waltz.storage.resync`), at most ``MAX_DAMAGED_AT_OPEN``: the node reports them."""
 
@@ -1018,10 +1021,14 @@ class Segment:
         damaged: list[tuple[int, list[int]]] = []
         durable_max = max(index_max, local_low_water_mark)
         txn = restart + 1 + len(new_offsets)
+        zeroed: int | None = None
         while txn <= durable_max and end + RECORD_OVERHEAD_BYTES <= data_size:
             kept = self._keep_damage(txn, end, durable_max)
             if kept is None:
-                break  # Only zeros from here: nothing to keep (the node checks the log against its marks).
+                # Only zeros from here: nothing to keep. Indexed records read as zeros were lost (a lost
+                # write); below the local low-water mark alone the node finds the loss from its marks.
+                zeroed = txn if txn <= index_max else None
+                break
             offsets, end = kept
             damaged.append((txn, [*offsets, end]))
             txn += len(offsets)
@@ -1029,7 +1036,7 @@ class Segment:
             new_offsets += offsets
             new_offsets += more
             txn += len(more)
-        return _RecoveryPlan(restart, new_offsets, end, damaged)
+        return _RecoveryPlan(restart, new_offsets, end, damaged, zeroed)
 
     def _note_unverified(self, first_id: int, bounds: list[int]) -> None:
         """Add to :attr:`damaged_at_open` the ids of a kept region whose records do not verify where the
@@ -1079,7 +1086,15 @@ class Segment:
         first = self.first_transaction_id
         index_max = first + self._count - 1
         data_size = self._data_size
-        restart, new_offsets, end, damaged = self._recovery_plan(local_low_water_mark=local_low_water_mark)
+        restart, new_offsets, end, damaged, zeroed = self._recovery_plan(
+            local_low_water_mark=local_low_water_mark
+        )
+        if zeroed is not None:
+            self.lost_at_open = (
+                f"{self.data_path}: transactions {zeroed}..{index_max} were durable (their index entries "
+                "were written after an fsync) but read as zeros: lost"
+            )
+            log.error("%s; the log ends at %d", self.lost_at_open, zeroed - 1)
         last = restart + len(new_offsets)
         keep = last - first + 1
         for region_first, bounds in damaged:
@@ -1283,6 +1298,8 @@ class _RecoveryPlan(NamedTuple):
     damaged: list[tuple[int, list[int]]]
     """The regions kept after a durable record that does not verify: ``(first id, offsets)``, the offsets
     of each record then the region's end."""
+    zeroed: int | None
+    """The first of the durable (indexed) records found to read as zeros up to the end, or None."""
 
 
 def _verify_whole(raw: bytes, transaction_id: int, path: str, offset: int) -> object:

@@ -158,7 +158,7 @@ class StoragePartition:
                 # had: its page cache may hold records the disk lost (see ``_heal``).
                 self.durable_max = self.log.max_transaction_id
             if info.assigned and self.lost is None:
-                why = lost_below_mark(self.log.max_transaction_id, info)
+                why = lost_below_mark(self.log.max_transaction_id, info) or self.log.lost_at_open
                 if why is not None:
                     self._mark_lost(why)
         return self.log
