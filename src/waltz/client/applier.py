@@ -53,6 +53,9 @@ class ApplierMixin(AttemptsMixin):
     def _add_partition(self, partition_id: int) -> None:
         partition = PartitionState(partition_id, self._config)
         self._partitions[partition_id] = partition
+        if self._driver_error is not None:
+            partition.error = self._driver_error  # The driver serves no partition any more.
+            return
         self._spawn_partition_task(partition, self._mount(partition), f"waltz-mount-p{partition_id}")
 
     def _spawn_partition_task(
@@ -329,6 +332,25 @@ class ApplierMixin(AttemptsMixin):
             other.cancel()
         self._spawn(self._report_partition_failure(partition.id, error), "waltz-partition-failed")
 
+    def _driver_failed(self, error: ClientError) -> None:
+        """The driver can serve no partition any more (see ``DriverListener.on_driver_failure``): every
+        partition stops with ``error``, which each submit and wait then raises, and ``uncaught_exception``
+        hears it once per partition (transaction id -1, as for a failed partition task)."""
+        if self._closed or self._driver_error is not None:
+            return
+        self._driver_error = error
+        for partition in list(self._partitions.values()):
+            if partition.error is not None:
+                continue
+            self._stop_partition(partition, error)
+            for task in partition.tasks:
+                task.cancel()
+            cause = error.__cause__ if error.__cause__ is not None else error
+            self._spawn(
+                self._call_hook(self._callbacks.uncaught_exception, partition.id, -1, cause),
+                "waltz-driver-failed",
+            )
+
     async def _report_partition_failure(self, partition_id: int, error: BaseException) -> None:
         await self._call_hook(self._callbacks.uncaught_exception, partition_id, -1, error)
         await self._require_driver().unmount(partition_id)
@@ -396,3 +418,6 @@ class Listener:
 
     async def on_flush_response(self, partition_id: int, req_id: ReqId, transaction_id: int) -> None:
         self._client._on_monitor_event(partition_id, lambda m: m.on_flush_response(req_id, transaction_id))
+
+    def on_driver_failure(self, error: ClientError) -> None:
+        self._client._driver_failed(error)

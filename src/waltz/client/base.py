@@ -117,6 +117,7 @@ class ClientBase:
         self._source: DataSource | None = None
         self._started = False
         self._closed = False
+        self._driver_error: ClientError | None = None  # Set once the driver failed for good.
         # client.callbackMode: inline runs application code on the loop (no thread hop; see docs/client.md).
         self._inline = config.callback_mode == "inline"
 

@@ -89,6 +89,7 @@ import enum
 from abc import ABC, abstractmethod
 from typing import Protocol
 
+from waltz.errors import ClientError
 from waltz.protocol.client_server import AppendRequest
 from waltz.protocol.records import ReqId
 
@@ -130,6 +131,11 @@ class DriverListener(Protocol):
     async def on_flush_response(self, partition_id: int, req_id: ReqId, transaction_id: int) -> None:
         """Every append sent before the flush ``req_id`` is resolved; ``transaction_id`` is the partition's
         high-water mark at that point."""
+
+    def on_driver_failure(self, error: ClientError) -> None:
+        """A task the driver cannot serve without failed (following the partition assignment, say): the
+        driver can no longer serve any partition, and ``error`` says why. Called on the loop, at most once;
+        the core stops every partition with ``error`` and reports it to the application."""
 
 
 # A listener may also offer ``feed_data_nowait(partition_id, transaction_id, req_id, header) -> bool``: the

@@ -144,7 +144,7 @@ class NetworkDriver(ClientDriver):
             except BaseException:
                 await self._discovery.close()
                 raise
-        self.spawn(self._follow_assignments(), "waltz-assignments")
+        self._tasks.spawn(self._follow_assignments(), "waltz-assignments", self._assignments_failed)
         log.info(
             "client %d connected to cluster %s (%d partitions)",
             self._client_id,
@@ -385,6 +385,19 @@ class NetworkDriver(ClientDriver):
     async def _follow_assignments(self) -> None:
         async for endpoints in self._discovery.updates():
             self._on_assignment(endpoints)
+        raise ClientError("the partition assignment's updates ended")  # Only close() may end them.
+
+    def _assignments_failed(self, task: asyncio.Task[None], error: BaseException) -> None:
+        """Following the assignment failed: no mount can move to a new owner any more, so the driver no
+        longer serves; the client hears it (and stops its partitions with the reason) instead of stalling."""
+        failure = ClientError(
+            f"the client driver stopped: following the partition assignment failed with "
+            f"{type(error).__name__}: {error} (restart the client)"
+        )
+        failure.__cause__ = error
+        log.error("client %d: %s", self._client_id, failure, exc_info=error)
+        if self._listener is not None and not self._closed:
+            self._listener.on_driver_failure(failure)
 
     def _on_assignment(self, endpoints: Endpoints) -> None:
         self._endpoints = dict(endpoints)

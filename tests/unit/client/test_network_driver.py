@@ -14,7 +14,7 @@ from waltz.client.config import ClientConfig
 from waltz.client.driver import AppendRequest, MountState
 from waltz.client.network import Endpoints, NetworkDriver
 from waltz.client.stream import INBOX_FEED_LIMIT
-from waltz.errors import BrokenResourceError, PartitionNotReadyError
+from waltz.errors import BrokenResourceError, ClientError, PartitionNotReadyError
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import FRAME_HEADER, FRAME_HEADER_BYTES, MAGIC_CLIENT
 from waltz.protocol.records import ReqId, crc32
@@ -113,6 +113,10 @@ class Recorder:
 
     async def on_flush_response(self, partition_id: int, req_id: ReqId, transaction_id: int) -> None:
         await self._add("flush", req_id, transaction_id)
+
+    def on_driver_failure(self, error: ClientError) -> None:
+        self.events.append(("failed", str(error)))
+        self.changed.set()
 
     async def wait_for(self, *event: object) -> None:
         async with asyncio.timeout(STEP_S):
@@ -690,5 +694,35 @@ def test_client_ahead_is_asked_again_when_the_owner_or_the_generation_changes() 
             await driver.close()
             await first.aclose()
             await second.aclose()
+
+    asyncio.run(main())
+
+
+class BrokenDiscovery(StaticDiscovery):
+    """A StaticDiscovery whose updates fail at the first publish (ZooKeeper's watch broke, say)."""
+
+    async def updates(self) -> AsyncIterator[Endpoints]:
+        await self._changed.wait()
+        raise RuntimeError("watch exploded")
+        yield {}  # A generator.
+
+
+def test_a_failed_assignment_task_reaches_the_listener_not_only_the_log() -> None:
+    async def main() -> None:
+        listener = Recorder()
+        discovery = BrokenDiscovery()
+        driver = NetworkDriver(ClientConfig(), discovery=discovery)
+        await driver.open(listener)
+        try:
+            discovery.publish({})
+            async with asyncio.timeout(STEP_S):
+                while not listener.events:
+                    listener.changed.clear()
+                    await listener.changed.wait()
+            [(kind, message)] = listener.events
+            assert kind == "failed"
+            assert "following the partition assignment failed with RuntimeError: watch exploded" in message
+        finally:
+            await driver.close()
 
     asyncio.run(main())
