@@ -123,11 +123,9 @@ class AttemptsMixin(HooksMixin):
                 if resolution.outcome is not _COMMITTED:
                     self._on_first_outcome(run, resolution)
                     continue
-                # A committed first attempt (once per append).
-                if run.holds_slot:
-                    run.holds_slot = False
-                    released += 1
+                # A committed first attempt (once per append): it leaves APPENDING, so its slot is free.
                 run.commit()  # Owes on_completion(True).
+                released += 1
                 run.transaction_id = resolution.transaction_id
                 awaiting_apply.append(run)
                 if self._hook_runs or not inline:
@@ -234,7 +232,6 @@ class AttemptsMixin(HooksMixin):
         except Exception as e:  # noqa: BLE001 - every failure ends the context through on_exception
             await self._end_with_exception(run, e, Event.FAIL)
         finally:
-            self._release_slot(run)
             if run.ended or not self._closed:
                 self._finish(run)
 
@@ -267,8 +264,7 @@ class AttemptsMixin(HooksMixin):
             builder = TransactionBuilder(partition.id, monitor.applied_high_water_mark)
             run.execute()
             if not await self._call_user(context.execute, builder):
-                self._release_slot(run)
-                run.handle(Event.GIVE_UP)
+                self._step(run, Event.GIVE_UP)
                 await self._call_hook(context.on_completion, False)
                 return True
         # The mount may have changed while execute ran; its high-water mark is still a safe one.
@@ -287,9 +283,9 @@ class AttemptsMixin(HooksMixin):
         resolution = await outcome
         wake = None
         if resolution.outcome is _COMMITTED:
-            self._release_slot(run)
-            run.commit()
+            self._step(run, Event.COMMIT)
             await self._call_hook(context.on_completion, True)
+            run.complete()  # on_application waits for the apply.
             await self._wait_applied(partition, resolution.transaction_id)
             wake = partition.lock_queue.release(run)
             if wake:

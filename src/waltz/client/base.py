@@ -21,6 +21,7 @@ from waltz.client.api import ClientCallbacks
 from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.driver import ClientDriver, MountState
+from waltz.client.lifecycle import HOLDS_SLOT, Event, Hook
 from waltz.client.monitor import TransactionMonitor
 from waltz.client.pool import Call, CallbackPool, report_hook_failure
 from waltz.client.retry import FETCH_RETRY, MAX_CHECKSUM_ATTEMPTS, RetryPolicy
@@ -174,11 +175,16 @@ class ClientBase:
         assert loop is not None  # Set by start(), before anything queues a hook.
         loop.call_soon(callback)
 
-    def _release_slot(self, run: Run) -> None:
-        if run.holds_slot:
-            run.holds_slot = False
+    def _step(self, run: Run, event: Event) -> Hook | None:
+        """``run.handle(event)``, for an event that may end the run: a run that leaves the states holding a
+        slot (:data:`~waltz.client.lifecycle.HOLDS_SLOT`) gives its slot back here. (A committed first
+        attempt gives it back in ``_resolve``, one release per feed run.)"""
+        held = run.state in HOLDS_SLOT
+        hook = run.handle(event)
+        if held and run.state not in HOLDS_SLOT:
             assert run.partition is not None
             run.partition.slots.release()
+        return hook
 
     def _wake(self, runs: list[Any]) -> None:
         for run in runs:

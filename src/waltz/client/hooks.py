@@ -13,13 +13,15 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from waltz.client.base import ClientBase
-from waltz.client.lifecycle import Event, Hook
+from waltz.client.lifecycle import Event, Hook, State
 from waltz.client.pool import Call, report_hook_failure
 from waltz.client.state import PartitionState, Run
 
 __all__ = ["HooksMixin"]
 
 log = logging.getLogger("waltz.client.core")  # The core's one logger (docs/client.md names it).
+
+_COMPLETED, _ENDED = State.COMPLETED, State.ENDED
 
 
 class HooksMixin(ClientBase):
@@ -34,37 +36,33 @@ class HooksMixin(ClientBase):
         locked = queue.holds_any
         while waiting and waiting[0].transaction_id <= transaction_id:
             run = waiting.popleft()
-            run.applied = True
             if locked:
                 wake = queue.release(run)
                 if wake:
                     self._wake(wake)
-            if not run.completed:
-                continue  # on_completion has not run yet: _hook_done queues on_application after it.
-            if self._inline and not self._hook_runs and run.apply():
-                self._hook_now(run, False)  # _queue_application(run), written out (once per append).
-            else:
+            if run.apply():  # on_application is owed now (on_completion ran; otherwise it follows that).
                 self._queue_application(run)
 
     def _drop_awaiting_apply(self, partition: PartitionState) -> None:
-        """The partition is gone: its committed runs end without on_application (as with close)."""
+        """The partition is gone: its committed runs end without on_application (as with close); a run whose
+        on_completion has not run yet is over once it has (see _hook_done)."""
         waiting, partition.awaiting_apply = partition.awaiting_apply, deque()
         for run in waiting:
-            if run.completed:
+            over = run.state is _COMPLETED
+            run.handle(Event.FAIL)  # No hook: appended.
+            if over:
                 self._finish(run)
 
     def _queue_application(self, run: Run) -> None:
-        if run.apply():  # Owes on_application, unless the run ended meanwhile (closed).
-            # In this iteration's batch; inline mode with nothing queued before it runs it now.
-            if not self._hook_runs:
-                if self._inline:
-                    self._hook_now(run, False)
-                    return
-                self._call_soon(self._flush_hooks)
-            self._hooks.append((run.context.on_application, ()))
-            self._hook_runs.append((run, False))
-        else:
-            self._finish(run)  # Ended meanwhile (closed): no on_application.
+        """``on_application``, which ``run``'s lifecycle owes: in this iteration's batch (inline mode with
+        nothing queued before it runs it now)."""
+        if not self._hook_runs:
+            if self._inline:
+                self._hook_now(run, False)
+                return
+            self._call_soon(self._flush_hooks)
+        self._hooks.append((run.context.on_application, ()))
+        self._hook_runs.append((run, False))
 
     def _flush_hooks(self) -> None:
         if not self._hook_runs:
@@ -115,15 +113,8 @@ class HooksMixin(ClientBase):
             self._lead_awaitables = [(fn, result)]
             self._hook_runs.append((run, completion))
             self._call_soon(self._flush_hooks)
-        elif not completion:
-            self._finish(run)  # on_application ran: the last hook.
         else:
-            # _hook_done(run, True), written out (once per append).
-            run.completed = True
-            if run.applied and not self._closed:
-                self._queue_application(run)
-            elif self._closed or (run.partition is not None and run.partition.error is not None):
-                self._finish(run)  # No on_application will follow.
+            self._hook_done(run, completion)
 
     async def _await_hooks(
         self, awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]], runs: list[tuple[Run, bool]]
@@ -142,23 +133,19 @@ class HooksMixin(ClientBase):
             self._hook_done(run, completion)
 
     def _hook_done(self, run: Run, completion: bool) -> None:
-        """``run``'s on_completion(True) (``completion``) or on_application ran: its next step."""
+        """``run``'s on_completion(True) (``completion``) or on_application ran: its next step, as its
+        lifecycle says (on_application now, later once applied, or none: the run is over)."""
         if not completion:
             self._finish(run)  # on_application ran: the last hook.
-            return
-        run.completed = True
-        partition = run.partition
-        assert partition is not None
-        if run.applied and not self._closed:
+        elif run.complete() and not self._closed:
             self._queue_application(run)
-        elif self._closed or partition.error is not None:
-            self._finish(run)  # No on_application will follow.
+        elif run.state is _ENDED:
+            self._finish(run)  # Ended meanwhile (closed, the partition released): no on_application.
 
     async def _end_with_exception(self, run: Run, error: BaseException, event: Event = Event.FAIL) -> None:
         """End ``run`` with ``on_exception(error)`` if its lifecycle owes it (once); a first attempt also
         raises it from submit."""
-        self._release_slot(run)
-        if run.handle(event) is Hook.EXCEPTION:
+        if self._step(run, event) is Hook.EXCEPTION:
             await self._call_hook(run.context.on_exception, error)
         if run.first_send is not None and not run.first_send.done():
             run.first_send.set_exception(error)

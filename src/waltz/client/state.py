@@ -246,12 +246,9 @@ class Run(Lifecycle):
     the context's fate): one object per append instead of two, and one attribute hop less per transition."""
 
     __slots__ = (
-        "applied",
-        "completed",
         "context",
         "finished_waiter",
         "first_send",
-        "holds_slot",
         "partition",
         "transaction_id",
         "turn",
@@ -268,11 +265,7 @@ class Run(Lifecycle):
         # Made on demand by done() (flush_transactions, for a run not finished yet), resolved by the core
         # when the run finishes.
         self.finished_waiter: asyncio.Future[None] | None = None
-        self.holds_slot = False
-        # Fast path, once committed: the transaction id, and whether on_completion ran and it was applied.
-        self.transaction_id = -1
-        self.completed = False
-        self.applied = False
+        self.transaction_id = -1  # Fast path, once committed.
         self.turn: asyncio.Future[None] | None = None  # Set while waiting in a lock queue.
 
     def done(self) -> asyncio.Future[None]:

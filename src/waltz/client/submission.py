@@ -18,7 +18,7 @@ from waltz.client.attempts import AttemptsMixin
 from waltz.client.builder import TransactionBuilder
 from waltz.client.context import TransactionContext
 from waltz.client.driver import MountState
-from waltz.client.lifecycle import Event
+from waltz.client.lifecycle import HOLDS_SLOT, Event
 from waltz.client.monitor import TransactionMonitor
 from waltz.client.state import PartitionState, Run
 from waltz.errors import (
@@ -99,7 +99,8 @@ class SubmissionMixin(AttemptsMixin):
             await self._end_with_exception(run, e)  # on_exception, and raised here as well.
             raise
         except BaseException:
-            self._release_slot(run)
+            if run.state in HOLDS_SLOT:  # Cancelled: the context is dropped.
+                self._step(run, Event.DROP)
             raise
         self._runs.add(run)
         partition = run.partition
@@ -111,17 +112,14 @@ class SubmissionMixin(AttemptsMixin):
                 if first.write_lock_hashes:
                     self._start_first(partition, monitor, run, first)  # It may have to wait its turn.
                 else:
-                    run.execute_send()  # Before _send: a failed send resolves at once.
+                    run.send()  # Before _send: a failed send resolves at once.
                     self._send(partition, monitor, first, run)
                 return
-            run.execute()
         elif first is not None:
-            run.execute()
             if isinstance(first, Exception):  # execute() raised
                 await self._end_with_exception(run, first)
                 raise first
-            self._release_slot(run)  # execute() gave up
-            run.handle(Event.GIVE_UP)
+            self._step(run, Event.GIVE_UP)  # execute() gave up
             await self._gave_up(run)
             return
         # The slow path: a task executes (or sends what was executed) once the partition is mounted.
@@ -140,7 +138,7 @@ class SubmissionMixin(AttemptsMixin):
         partition = run.partition
         assert partition is not None
         await self._acquire_slot(partition)
-        run.holds_slot = True
+        run.handle(Event.ADMIT)
         self._check_open()
         # A slot after a wait (the common case of a loaded sync client): execute now, as the first attempt
         # does when it finds a free slot, instead of a slow-path task that waits for the mount under a
@@ -191,7 +189,7 @@ class SubmissionMixin(AttemptsMixin):
                 raise error
             partition.slots.wait_from_thread(deadline - now)
         if isinstance(first, Exception):
-            self._hand_over(loop, self._spawn_end, run, first, True)
+            self._hand_over(loop, self._spawn_end, run, first)
             raise first
         self._hand_over(loop, self._continue_first, run, first)
         return True
@@ -225,7 +223,7 @@ class SubmissionMixin(AttemptsMixin):
                     if taken:
                         self._hand_over(loop, self._continue_batch, taken)
                         taken = []
-                    self._hand_over(loop, self._spawn_end, run, first, True)
+                    self._hand_over(loop, self._spawn_end, run, first)
                     raise first
                 taken.append((run, first))
         finally:
@@ -268,10 +266,8 @@ class SubmissionMixin(AttemptsMixin):
         for run, first in taken:
             self._continue_first(run, first)
 
-    def _spawn_end(self, run: Run, error: Exception, executed: bool = False) -> None:
+    def _spawn_end(self, run: Run, error: Exception) -> None:
         self._runs.add(run)
-        if executed:
-            run.execute()
         self._spawn(self._end_with_exception(run, error), "waltz-failed-submit")
 
     def _continue_first(self, run: Run, first: _Executed) -> None:
@@ -283,9 +279,7 @@ class SubmissionMixin(AttemptsMixin):
             self._spawn(self._continue_pending(run, first), f"waltz-run-p{partition.id}")
             return
         if first is False:
-            run.execute()
-            self._release_slot(run)
-            run.handle(Event.GIVE_UP)
+            self._step(run, Event.GIVE_UP)
             self._spawn(self._gave_up(run), "waltz-gave-up")
             return
         if self._closed:
@@ -298,13 +292,11 @@ class SubmissionMixin(AttemptsMixin):
         if monitor is not None:
             self._start_first(partition, monitor, run, first)
             return
-        run.execute()
         self._spawn(self._run_context(run, first), f"waltz-run-p{partition.id}")
 
     async def _continue_pending(self, run: Run, pending: _Pending) -> None:
         first = await self._finish_first(run, pending)
         if isinstance(first, Exception):
-            run.execute()
             await self._end_with_exception(run, first)
         else:
             self._continue_first(run, first)
@@ -346,7 +338,7 @@ class SubmissionMixin(AttemptsMixin):
             or not partition.slots.try_acquire()
         ):
             return None
-        run.holds_slot = True
+        run.admit_execute()  # Holds the slot; executes now.
         builder = TransactionBuilder(partition_id, monitor.applied_high_water_mark)
         try:
             result: Any = context.execute(builder)
@@ -370,6 +362,7 @@ class SubmissionMixin(AttemptsMixin):
         ):
             return None
         builder = TransactionBuilder(partition.id, monitor.applied_high_water_mark)
+        run.execute()
         try:
             result = await self._call_user(run.context.execute, builder)
         except Exception as e:  # noqa: BLE001 - reported through on_exception by submit
@@ -382,9 +375,6 @@ class SubmissionMixin(AttemptsMixin):
         """Await a coroutine ``execute`` of a first attempt (inline mode)."""
         try:
             result = await pending.awaitable
-        except asyncio.CancelledError:
-            self._release_slot(run)
-            raise
         except Exception as e:  # noqa: BLE001 - reported through on_exception by submit
             return e
         return pending.builder if result else False
@@ -392,7 +382,8 @@ class SubmissionMixin(AttemptsMixin):
     def _orphaned(self, run: Run, first: _First) -> None:
         """``submit`` was cancelled while its first attempt ran: give back the slot it may have taken (the
         context is dropped, as when ``submit`` is cancelled while it waits for a slot)."""
-        self._release_slot(run)
+        if run.state in HOLDS_SLOT:
+            self._step(run, Event.DROP)
 
     async def _acquire_slot(self, partition: PartitionState) -> None:
         try:
@@ -420,12 +411,11 @@ class SubmissionMixin(AttemptsMixin):
         if locks:
             wake = partition.lock_queue.take(run, locks)
             if wake is None:
-                run.execute()
                 run.handle(Event.QUEUE)
                 self._park(partition, run, first)
                 self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
                 return
             if wake:
                 self._wake(wake)
-        run.execute_send()  # Before _send: a failed send resolves at once.
+        run.send()  # Before _send: a failed send resolves at once.
         self._send(partition, monitor, first, run)
