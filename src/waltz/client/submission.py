@@ -150,73 +150,40 @@ class SubmissionMixin(AttemptsMixin):
         pool = self._pool
         return pool is not None and pool.is_pool_thread()
 
-    def submit_from_thread(self, context: TransactionContext, wait_s: float = 0.0) -> bool:
-        """The zero-wait submit of :class:`~waltz.client.sync.WaltzClient`, on an application thread (never
-        the loop). When the partition is mounted and has a free slot, ``partition_id`` and ``execute`` run
-        right here (as on a callback thread) and the outcome goes to the loop through :meth:`_hand_over`
-        (one wake-up for a burst of submits), without waiting for it: the append is sent in order before
-        anything the thread asks the client afterwards. When the partition is mounted but has no free slot,
-        this waits on this thread, up to ``wait_s`` seconds, for one to be released (a loaded sync client's
-        common case: no coroutine, task or future per submit), and raises the ``submit`` timeout error past
-        it. Returns False, having done nothing, when that is not possible (the partition not ready, the
-        client not started or closed, or ``wait_s`` 0 and no free slot): the caller then uses
-        :meth:`submit`, which waits on the loop. As with :meth:`submit`, an exception of the first attempt
-        is raised here and reported through ``on_exception``.
-        """
-        loop = self._loop
-        if loop is None or self._closed or self._driver is None:
-            return False
-        run = Run(context)
-        num_partitions = self._driver.num_partitions
-        deadline: float | None = None
-        while True:
-            try:
-                first = self._first_attempt(run, num_partitions)
-            except Exception as e:
-                self._hand_over(loop, self._spawn_end, run, e)
-                raise
-            if first is not None:
-                break
-            partition = run.partition
-            if wait_s <= 0 or partition is None or self._closed or not partition.slots.is_full:
-                return False
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + wait_s
-            elif now >= deadline:
-                error = self._slot_timeout_error(partition)
-                self._hand_over(loop, self._spawn_end, run, error)
-                raise error
-            partition.slots.wait_from_thread(deadline - now)
-        if isinstance(first, Exception):
-            self._hand_over(loop, self._spawn_end, run, first)
-            raise first
-        self._hand_over(loop, self._continue_first, run, first)
-        return True
+    def submit_from_thread(self, contexts: Sequence[TransactionContext], wait_s: float = 0.0) -> int:
+        """The submits of :class:`~waltz.client.sync.WaltzClient`, on an application thread (never the loop).
 
-    def submit_batch_from_thread(self, contexts: Sequence[TransactionContext]) -> int:
-        """:meth:`submit_from_thread` for a run of contexts: executes the leading ones that find a free slot
-        on a mounted partition, on this thread, in order, and hands them all to the loop at once (they are
-        sent in this order). Returns how many were taken; the caller submits the next one with
-        :meth:`submit` (which waits for room) and continues after it. An exception of a first attempt is
-        raised (the contexts before it are taken; see ``submit``).
+        For each of ``contexts`` in order whose partition is mounted and has a free slot, ``partition_id``
+        and ``execute`` run right here (as on a callback thread); the executed ones go to the loop through
+        :meth:`_hand_over` at once (one wake-up for the lot, sent in this order), without waiting for them:
+        each append is sent in order before anything the thread asks the client afterwards. When the first
+        context's partition is mounted but has no free slot, this waits on this thread, up to ``wait_s``
+        seconds, for one to be released (a loaded sync client's common case: no coroutine, task or future
+        per submit), and raises the ``submit`` timeout error past it. Returns how many contexts were taken:
+        it stops at the first it cannot take (its partition not ready, no free slot after the first, the
+        client not started or closed), which the caller submits with :meth:`submit` (it waits on the loop).
+        As with :meth:`submit`, an exception of a first attempt is raised here (the contexts before it are
+        taken) and reported through ``on_exception``.
         """
         loop = self._loop
         if loop is None or self._closed or self._driver is None:
             return 0
         num_partitions = self._driver.num_partitions
         taken: list[tuple[Run, _Executed]] = []
+        deadline: float | None = None
         try:
             for context in contexts:
                 run = Run(context)
-                try:
-                    first = self._first_attempt(run, num_partitions)
-                except Exception as e:
-                    if taken:
-                        self._hand_over(loop, self._continue_batch, taken)
-                        taken = []
-                    self._hand_over(loop, self._spawn_end, run, e)
-                    raise
+                while True:
+                    try:
+                        first = self._first_attempt(run, num_partitions)
+                    except Exception as e:  # noqa: BLE001 - raised below, as an exception of execute
+                        first = e
+                    if first is not None or taken:
+                        break
+                    deadline = self._wait_for_slot(run, wait_s, deadline)
+                    if deadline is None:
+                        return 0
                 if first is None:
                     break
                 if isinstance(first, Exception):
@@ -230,6 +197,26 @@ class SubmissionMixin(AttemptsMixin):
             if taken:
                 self._hand_over(loop, self._continue_batch, taken)
         return len(taken)
+
+    def _wait_for_slot(self, run: Run, wait_s: float, deadline: float | None) -> float | None:
+        """On an application thread: wait until ``deadline`` (``wait_s`` from now if None) for a free slot of
+        ``run``'s partition, for :meth:`submit_from_thread`; returns the deadline, or None if waiting there
+        is of no use (the partition not mounted or not full, the client closed: the loop decides). Past the
+        deadline, raises the ``submit`` timeout error (``run`` ends with it, through ``on_exception``)."""
+        partition = run.partition
+        if wait_s <= 0 or partition is None or self._closed or not partition.slots.is_full:
+            return None
+        now = time.monotonic()
+        if deadline is None:
+            deadline = now + wait_s
+        elif now >= deadline:
+            error = self._slot_timeout_error(partition)
+            loop = self._loop
+            assert loop is not None
+            self._hand_over(loop, self._spawn_end, run, error)
+            raise error
+        partition.slots.wait_from_thread(deadline - now)
+        return deadline
 
     def _hand_over(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
         """From an application thread: run ``fn(*args)`` on the loop, after everything handed over before.
@@ -260,9 +247,7 @@ class SubmissionMixin(AttemptsMixin):
                 # Internal code only (no application code runs directly here): keep the others going.
                 log.exception("handing a submit over to the client loop failed")
 
-    def _continue_batch(
-        self, taken: list[tuple[Run, TransactionBuilder | Literal[False] | _Pending]]
-    ) -> None:
+    def _continue_batch(self, taken: list[tuple[Run, _Executed]]) -> None:
         for run, first in taken:
             self._continue_first(run, first)
 
