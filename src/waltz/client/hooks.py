@@ -113,8 +113,12 @@ class HooksMixin(ClientBase):
             self._lead_awaitables = [(fn, result)]
             self._hook_runs.append((run, completion))
             self._call_soon(self._flush_hooks)
-        else:
-            self._hook_done(run, completion)
+        elif not completion:
+            self._finish(run)  # on_application ran: the last hook.
+        elif run.complete() and not self._closed:  # _hook_done(run, True), without the call (per append).
+            self._queue_application(run)
+        elif run.state is _ENDED:
+            self._finish(run)  # Ended meanwhile (closed, the partition released): no on_application.
 
     async def _await_hooks(
         self, awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]], runs: list[tuple[Run, bool]]

@@ -187,13 +187,24 @@ class Lifecycle:
     # lookup in the event's row of the table (none owes a hook but the one its name or result says).
 
     def admit_execute(self) -> None:
-        """``handle(ADMIT)`` then ``handle(EXECUTE)``: a slot taken, the first attempt executes at once."""
+        """``handle(ADMIT)`` then ``handle(EXECUTE)``: a first attempt that took its slot and executed."""
         try:
             self.state = _EXECUTE_ROW[_ADMIT_ROW[self.state][0]][0]
         except KeyError:
             self.handle(Event.ADMIT)  # Raises LifecycleError (or EXECUTE below does).
             self.handle(Event.EXECUTE)
             raise
+
+    def admit_execute_send(self) -> None:
+        """``handle(ADMIT)``, ``handle(EXECUTE)`` then ``handle(SEND)``: a first attempt that took its slot
+        and executed off the loop (or on it, before this) is sent."""
+        try:
+            self.state = _SEND_ROW[_EXECUTE_ROW[_ADMIT_ROW[self.state][0]][0]][0]
+        except KeyError:
+            self.admit_execute()  # Raises LifecycleError (or SEND below does).
+            self.handle(_SEND)
+            raise
+        self.attempts += 1
 
     def execute(self) -> None:
         """``handle(EXECUTE)``: an attempt executes (no hook)."""

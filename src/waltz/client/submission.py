@@ -52,8 +52,8 @@ class _Pending:
 
 _First: TypeAlias = TransactionBuilder | Literal[False] | Exception | _Pending | None
 """What a submit's first callback-thread call returns (see ``SubmissionMixin._first_attempt``)."""
-_Executed: TypeAlias = TransactionBuilder | Literal[False] | _Pending
-"""A first attempt that ran ``execute`` without an exception (filled, gave up, or a coroutine to await)."""
+_Executed: TypeAlias = TransactionBuilder | Literal[False] | Exception | _Pending
+"""A first attempt that took a slot and ran ``execute`` (filled, gave up, raised, or a coroutine to await)."""
 
 
 class SubmissionMixin(AttemptsMixin):
@@ -93,8 +93,6 @@ class SubmissionMixin(AttemptsMixin):
             if first is None or isinstance(first, _Pending):
                 fresh = False
                 first = await self._first_after_wait(run, first)
-            if self._closed:  # Closed while execute() ran (the driver, once set, stays).
-                self._check_open()
         except Exception as e:
             await self._end_with_exception(run, e)  # on_exception, and raised here as well.
             raise
@@ -105,45 +103,34 @@ class SubmissionMixin(AttemptsMixin):
         self._runs.add(run)
         partition = run.partition
         assert partition is not None
-        if type(first) is TransactionBuilder:  # The common case: executed and filled.
-            # Checked again unless fresh: execute() may have changed the partition (set_partitions, close).
-            monitor = partition.monitor if fresh else self._ready_monitor(partition)
-            if monitor is not None:
-                if first.write_lock_hashes:
-                    self._start_first(partition, monitor, run, first)  # It may have to wait its turn.
-                else:
-                    run.send()  # Before _send: a failed send resolves at once.
-                    self._send(partition, monitor, first, run)
-                return
-        elif first is not None:
-            if isinstance(first, Exception):  # execute() raised
-                await self._end_with_exception(run, first)
-                raise first
-            self._step(run, Event.GIVE_UP)  # execute() gave up
-            await self._gave_up(run)
-            return
-        # The slow path: a task executes (or sends what was executed) once the partition is mounted.
-        run.first_send = asyncio.get_running_loop().create_future()
-        self._spawn(self._run_context(run, first), f"waltz-run-p{partition.id}")
-        await asyncio.shield(run.first_send)
+        # Checked again unless fresh: execute() may have changed the partition (set_partitions, close).
+        self._continue_first(run, first, partition.monitor if fresh else self._ready_monitor(partition))
+        if run.first_send is not None:
+            # Not sent yet (or gave up, or failed): wait for the first send, or the end (raising its error).
+            await asyncio.shield(run.first_send)
 
-    async def _first_after_wait(
-        self, run: Run, first: _Pending | None
-    ) -> TransactionBuilder | Literal[False] | Exception | None:
+    async def _first_after_wait(self, run: Run, first: _Pending | None) -> _Executed | None:
         """A first attempt that did not finish in its first call: a coroutine ``execute`` to await (inline
         mode), or no free slot (or no ready partition) when it was made. Returns what the first attempt
-        returns, None if it still did not execute (the retry path then decides)."""
+        returns; None if it took the slot but still did not execute (the run is ADMITTED: the retry path
+        decides)."""
         if first is not None:
             return await self._finish_first(run, first)
         partition = run.partition
         assert partition is not None
         await self._acquire_slot(partition)
-        run.handle(Event.ADMIT)
-        self._check_open()
         # A slot after a wait (the common case of a loaded sync client): execute now, as the first attempt
         # does when it finds a free slot, instead of a slow-path task that waits for the mount under a
         # timeout to do the same.
-        return await self._execute_after_wait(run, partition)
+        try:
+            self._check_open()
+            executed = await self._execute_after_wait(run, partition)
+        except BaseException:
+            run.handle(Event.ADMIT)  # The slot is the run's: its end gives it back.
+            raise
+        if executed is None:
+            run.handle(Event.ADMIT)
+        return executed
 
     def on_callback_thread(self) -> bool:
         """True when called on one of this client's callback threads (``threads`` mode; cheap)."""
@@ -174,25 +161,24 @@ class SubmissionMixin(AttemptsMixin):
         try:
             for context in contexts:
                 run = Run(context)
-                while True:
-                    try:
+                try:
+                    first = self._first_attempt(run, num_partitions)
+                    while first is None and not taken:
+                        deadline = self._wait_for_slot(run, wait_s, deadline)
+                        if deadline is None:
+                            return 0
                         first = self._first_attempt(run, num_partitions)
-                    except Exception as e:  # noqa: BLE001 - raised below, as an exception of execute
-                        first = e
-                    if first is not None or taken:
-                        break
-                    deadline = self._wait_for_slot(run, wait_s, deadline)
-                    if deadline is None:
-                        return 0
-                if first is None:
-                    break
-                if isinstance(first, Exception):
+                except Exception as e:
                     if taken:
                         self._hand_over(loop, self._continue_batch, taken)
                         taken = []
-                    self._hand_over(loop, self._spawn_end, run, first)
-                    raise first
+                    self._hand_over(loop, self._spawn_end, run, e)
+                    raise
+                if first is None:
+                    break
                 taken.append((run, first))
+                if isinstance(first, Exception):
+                    raise first  # The loop ends it (on_exception) with those before it handed over.
         finally:
             if taken:
                 self._hand_over(loop, self._continue_batch, taken)
@@ -202,7 +188,7 @@ class SubmissionMixin(AttemptsMixin):
         """On an application thread: wait until ``deadline`` (``wait_s`` from now if None) for a free slot of
         ``run``'s partition, for :meth:`submit_from_thread`; returns the deadline, or None if waiting there
         is of no use (the partition not mounted or not full, the client closed: the loop decides). Past the
-        deadline, raises the ``submit`` timeout error (``run`` ends with it, through ``on_exception``)."""
+        deadline, raises the ``submit`` timeout error."""
         partition = run.partition
         if wait_s <= 0 or partition is None or self._closed or not partition.slots.is_full:
             return None
@@ -210,11 +196,7 @@ class SubmissionMixin(AttemptsMixin):
         if deadline is None:
             deadline = now + wait_s
         elif now >= deadline:
-            error = self._slot_timeout_error(partition)
-            loop = self._loop
-            assert loop is not None
-            self._hand_over(loop, self._spawn_end, run, error)
-            raise error
+            raise self._slot_timeout_error(partition)
         partition.slots.wait_from_thread(deadline - now)
         return deadline
 
@@ -248,43 +230,64 @@ class SubmissionMixin(AttemptsMixin):
                 log.exception("handing a submit over to the client loop failed")
 
     def _continue_batch(self, taken: list[tuple[Run, _Executed]]) -> None:
+        """On the loop: the first attempts :meth:`submit_from_thread` made continue as in ``submit``."""
         for run, first in taken:
-            self._continue_first(run, first)
+            self._runs.add(run)
+            partition = run.partition
+            assert partition is not None
+            self._continue_first(run, first, self._ready_monitor(partition))
 
     def _spawn_end(self, run: Run, error: Exception) -> None:
         self._runs.add(run)
         self._spawn(self._end_with_exception(run, error), "waltz-failed-submit")
 
-    def _continue_first(self, run: Run, first: _Executed) -> None:
-        """On the loop: what ``submit`` does after a first attempt made by :meth:`submit_from_thread`."""
+    def _continue_first(self, run: Run, first: _Executed | None, monitor: TransactionMonitor | None) -> None:
+        """On the loop: the one path of a first attempt after ``execute``, for ``submit`` and
+        :meth:`submit_from_thread` alike. ``first`` is what :meth:`_first_attempt` returned (the run holds
+        its slot and is admitted here; None: admitted already, not executed), ``monitor`` the partition's if
+        it is ready. A filled builder is sent (the common case), or waits its turn on a write lock held by
+        this client; anything else continues in a task, and ``run.first_send`` (made here) is resolved when
+        the append is sent or the context ended: ``submit`` waits for it and raises its error."""
         partition = run.partition
         assert partition is not None
-        self._runs.add(run)
-        if isinstance(first, _Pending):
-            self._spawn(self._continue_pending(run, first), f"waltz-run-p{partition.id}")
+        if type(first) is TransactionBuilder and monitor is not None and not first.write_lock_hashes:
+            run.admit_execute_send()  # The common case. Before _send: a failed send resolves at once.
+            self._send(partition, monitor, first, run)
             return
-        if first is False:
+        name = f"waltz-run-p{partition.id}"
+        if isinstance(first, _Pending):  # From submit_from_thread (submit awaits it before).
+            self._spawn(self._continue_pending(run, first), name)
+            return
+        run.first_send = asyncio.get_running_loop().create_future()
+        if first is not None:
+            run.admit_execute()
+        if isinstance(first, Exception):  # execute() raised
+            self._spawn(self._end_with_exception(run, first), "waltz-failed-submit")
+        elif first is False:  # execute() gave up
             self._step(run, Event.GIVE_UP)
             self._spawn(self._gave_up(run), "waltz-gave-up")
-            return
-        if self._closed:
-            self._spawn(
-                self._end_with_exception(run, ClientClosedError("the client was closed"), Event.CLOSE),
-                "waltz-closed-run",
-            )
-            return
-        monitor = self._ready_monitor(partition)
-        if monitor is not None:
-            self._start_first(partition, monitor, run, first)
-            return
-        self._spawn(self._run_context(run, first), f"waltz-run-p{partition.id}")
+        elif self._closed:  # Closed while execute() ran.
+            self._spawn(self._end_with_exception(run, ClientClosedError("the client is closed")), name)
+        elif first is not None and monitor is not None:
+            wake = partition.lock_queue.take(run, first.write_lock_hashes)
+            if wake is None:  # Another context of ours holds one of its locks: it executes again on its turn.
+                run.handle(Event.QUEUE)
+                self._park(partition, run, first)
+                self._spawn(self._run_context(run), name)
+                return
+            if wake:
+                self._wake(wake)
+            run.send()  # Before _send: a failed send resolves at once.
+            self._send(partition, monitor, first, run)
+            run.first_send.set_result(None)
+        else:  # The partition is not ready: a task sends what was executed (or executes) once it is.
+            self._spawn(self._run_context(run, first), name)
 
     async def _continue_pending(self, run: Run, pending: _Pending) -> None:
         first = await self._finish_first(run, pending)
-        if isinstance(first, Exception):
-            await self._end_with_exception(run, first)
-        else:
-            self._continue_first(run, first)
+        partition = run.partition
+        assert partition is not None
+        self._continue_first(run, first, self._ready_monitor(partition))
 
     async def _gave_up(self, run: Run) -> None:
         await self._call_hook(run.context.on_completion, False)
@@ -323,7 +326,7 @@ class SubmissionMixin(AttemptsMixin):
             or not partition.slots.try_acquire()
         ):
             return None
-        run.admit_execute()  # Holds the slot; executes now.
+        # The slot is the run's now; the loop admits it (see _continue_first), which gives it back on its end.
         builder = TransactionBuilder(partition_id, monitor.applied_high_water_mark)
         try:
             result: Any = context.execute(builder)
@@ -347,7 +350,6 @@ class SubmissionMixin(AttemptsMixin):
         ):
             return None
         builder = TransactionBuilder(partition.id, monitor.applied_high_water_mark)
-        run.execute()
         try:
             result = await self._call_user(run.context.execute, builder)
         except Exception as e:  # noqa: BLE001 - reported through on_exception by submit
@@ -360,6 +362,9 @@ class SubmissionMixin(AttemptsMixin):
         """Await a coroutine ``execute`` of a first attempt (inline mode)."""
         try:
             result = await pending.awaitable
+        except asyncio.CancelledError:
+            run.handle(Event.ADMIT)  # The slot is the run's: its end gives it back.
+            raise
         except Exception as e:  # noqa: BLE001 - reported through on_exception by submit
             return e
         return pending.builder if result else False
@@ -367,7 +372,8 @@ class SubmissionMixin(AttemptsMixin):
     def _orphaned(self, run: Run, first: _First) -> None:
         """``submit`` was cancelled while its first attempt ran: give back the slot it may have taken (the
         context is dropped, as when ``submit`` is cancelled while it waits for a slot)."""
-        if run.state in HOLDS_SLOT:
+        if first is not None:  # It took a slot.
+            run.handle(Event.ADMIT)
             self._step(run, Event.DROP)
 
     async def _acquire_slot(self, partition: PartitionState) -> None:
@@ -385,22 +391,3 @@ class SubmissionMixin(AttemptsMixin):
             f"already has {partition.slots.limit} transactions in flight "
             "(client.maxConcurrentTransactions); is the feed stalled or the application overloaded?"
         )
-
-    def _start_first(
-        self, partition: PartitionState, monitor: TransactionMonitor, run: Run, first: TransactionBuilder
-    ) -> None:
-        """Send a run's first attempt (executed, not yet told to the lifecycle) to a ready partition, or park
-        it behind this client's own append on one of its write locks (it then executes again on its turn)."""
-        # A new run is unknown to the lock queue: without write locks it has nothing to take there.
-        locks = first.write_lock_hashes
-        if locks:
-            wake = partition.lock_queue.take(run, locks)
-            if wake is None:
-                run.handle(Event.QUEUE)
-                self._park(partition, run, first)
-                self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
-                return
-            if wake:
-                self._wake(wake)
-        run.send()  # Before _send: a failed send resolves at once.
-        self._send(partition, monitor, first, run)
