@@ -34,7 +34,6 @@ log = logging.getLogger("waltz.client.core")  # The core's one logger (docs/clie
 _COMMITTED = Outcome.COMMITTED
 _MASK32 = 0xFFFFFFFF
 _READY = MountState.READY
-_TRUE_ARGS = (True,)
 _new_tuple = tuple.__new__
 """Builds a named tuple (ReqId) from a tuple in C, without its generated Python ``__new__``."""
 
@@ -111,7 +110,6 @@ class AttemptsMixin(HooksMixin):
         in one ``Slots.release`` (one lock round) after the loop."""
         outcomes = partition.outcomes
         awaiting_apply = partition.awaiting_apply
-        inline = self._inline
         released = 0
         try:
             for resolution in resolutions:
@@ -123,19 +121,12 @@ class AttemptsMixin(HooksMixin):
                 if resolution.outcome is not _COMMITTED:
                     self._on_first_outcome(run, resolution)
                     continue
-                # A committed first attempt (once per append): it leaves APPENDING, so its slot is free.
-                run.commit()  # Owes on_completion(True).
+                # A committed first attempt (once per append): it leaves APPENDING (its COMMIT is made by
+                # _run_hook), so its slot is free.
                 released += 1
                 run.transaction_id = resolution.transaction_id
                 awaiting_apply.append(run)
-                if self._hook_runs or not inline:
-                    # Behind a coroutine hook of this iteration, or on the callback threads: in the batch.
-                    if not self._hook_runs:
-                        self._call_soon(self._flush_hooks)
-                    self._hooks.append((run.context.on_completion, _TRUE_ARGS))
-                    self._hook_runs.append((run, True))
-                else:
-                    self._hook_now(run, True)
+                self._run_hook(run, True)
         finally:
             if released:
                 partition.slots.release(released)

@@ -106,7 +106,7 @@ class ClientBase:
         self._tasks = TaskSet(self._task_failed)  # Every task of the client; see waltz.client.tasks.
         self._pool: CallbackPool | None = None
         self._hooks: list[Call] = []  # Hooks queued during this loop iteration, run as one job.
-        # Inline mode: a coroutine hook run at once (see _hook_now), awaited first by this
+        # Inline mode: a coroutine hook run at once (see _run_hook), awaited first by this
         # iteration's batch, with the hooks queued after it (its run leads _hook_runs).
         self._lead_awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]] = []
         self._hook_runs: list[tuple[Run, bool]] = []  # (run, True: on_completion / False: on_application)

@@ -231,6 +231,16 @@ class Lifecycle:
             self.handle(Event.COMMIT)  # Raises LifecycleError.
             raise
 
+    def commit_complete(self) -> None:
+        """``handle(COMMIT)`` then ``handle(COMPLETE)``: the append committed and the ``on_completion(True)``
+        that owes was run at once (inline mode); ``on_application`` follows the apply."""
+        try:
+            self.state = _COMPLETE_ROW[_COMMIT_ROW[self.state][0]][0]
+        except KeyError:
+            self.handle(Event.COMMIT)  # Raises LifecycleError (or COMPLETE below does).
+            self.handle(Event.COMPLETE)
+            raise
+
     def complete(self) -> bool:
         """``handle(COMPLETE)``: ``on_completion(True)`` ran. True if ``on_application`` is owed now (the
         transaction was applied meanwhile); False if that waits for the apply (COMPLETED), or the context

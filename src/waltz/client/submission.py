@@ -90,7 +90,7 @@ class SubmissionMixin(AttemptsMixin):
                     self._num_partitions,
                     orphan=functools.partial(self._orphaned, run),
                 )
-            if first is None or isinstance(first, _Pending):
+            if first is None or type(first) is _Pending:
                 fresh = False
                 first = await self._first_after_wait(run, first)
         except Exception as e:
