@@ -74,14 +74,9 @@ class AttemptsMixin(HooksMixin):
         outcomes[req_id] = waiter
         monitor.register(req_id, seq, self._clock())
         try:
-            if len(outcomes) == 1:
-                # Alone in flight (one append at a time): nothing would join it in this iteration's write,
-                # so it leaves now instead of one loop pass later. Pipelined appends share one write.
-                driver.send_append_now(p, builder.build(req_id))
-            elif self._send_built is not None:
-                self._send_built(p, req_id, builder)  # No AppendRequest made (see driver.py).
-            else:
-                driver.send_append(p, builder.build(req_id))
+            # Alone in flight (one append at a time): nothing would join it in this iteration's write, so it
+            # leaves now instead of one loop pass later. Pipelined appends share one write.
+            driver.send_append(p, req_id, builder, len(outcomes) == 1)
         except LocalProtocolError as e:
             # It can never be sent (over the connection's frame limit, or a field the format cannot carry):
             # retrying would execute the context again for ever. The context ends with this error instead.

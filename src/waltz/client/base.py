@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from waltz.client.api import ClientCallbacks
-from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.driver import ClientDriver, MountState
 from waltz.client.lifecycle import HOLDS_SLOT, Event, Hook
@@ -34,7 +33,7 @@ from waltz.errors import (
     DataChecksumError,
     WaltzError,
 )
-from waltz.protocol.records import ReqId, crc32
+from waltz.protocol.records import crc32
 
 __all__ = ["ClientBase", "DataSource"]
 
@@ -88,8 +87,6 @@ class ClientBase:
         self._config = config
         self._driver_arg = driver if driver is not None else config.mock_driver
         self._driver: ClientDriver | None = None
-        # The driver's optional send_built (see driver.py), looked up once: the pipelined appends' path.
-        self._send_built: Callable[[int, ReqId, TransactionBuilder], None] | None = None
         self._client_id = -1
         self._client_msb = 0
         self._num_partitions = 0

@@ -101,7 +101,6 @@ class AsyncWaltzClient(SubmissionMixin, ApplierMixin):
             await asyncio.to_thread(self._pool.shutdown)
             raise
         self._driver = self._driver_arg
-        self._send_built = getattr(self._driver, "send_built", None)
         # Constant once the driver is open.
         self._client_id = self._driver.client_id
         self._client_msb = (self._client_id & _MASK32) << 32  # The client's half of every ReqId.msb.

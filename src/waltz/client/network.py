@@ -49,7 +49,7 @@ from typing import Final
 from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.discovery import Discovery, Endpoints, ZkDiscovery
-from waltz.client.driver import AppendRequest, ClientDriver, DriverListener, MountState
+from waltz.client.driver import ClientDriver, DriverListener, MountState
 from waltz.client.rpc import (
     CLIENT_HELLO,
     RPC_ATTEMPT_TIMEOUT_MS,
@@ -75,7 +75,6 @@ from waltz.errors import (
     ClientClosedError,
     ClientError,
     ConfigError,
-    ConnectionError_,
     PartitionNotReadyError,
     RemoteProtocolError,
     WaltzError,
@@ -261,20 +260,10 @@ class NetworkDriver(ClientDriver):
 
     # -- contract: requests ----------------------------------------------------------------------------------
 
-    def send_append(self, partition_id: int, request: AppendRequest) -> None:
-        # The hot path (once per append): the AppendRequest encoded without the codec's version check (every
-        # version carries it) and queued for this loop iteration's write (StreamLink.queue_append).
-        mount = self._mounts.get(partition_id)
-        link = mount.link if mount is not None else None
-        if self._closed or link is None or link.conn is None or not mount.ready:  # type: ignore[union-attr]
-            link = self._ready_link(partition_id)  # Raises the error that says why.
-        conn = link.conn
-        assert conn is not None  # Checked above.
-        link.queue_append(conn, cs.append_payload(request, link.version))
-
-    def send_built(self, partition_id: int, req_id: ReqId, builder: TransactionBuilder) -> None:
-        """``send_append(partition_id, builder.build(req_id))``, framed straight from the builder
-        (``StreamLink.queue_built``): the core's hot path, once per pipelined append (see driver.py)."""
+    def send_append(self, partition_id: int, req_id: ReqId, builder: TransactionBuilder, now: bool) -> None:
+        """Frame the append straight from the builder into this loop iteration's write on the partition's
+        link (``StreamLink.queue_built``: no AppendRequest made), or with ``now``, write it and what was
+        queued before it at once: the core's hot path, once per append."""
         mount = self._mounts.get(partition_id)
         link = mount.link if mount is not None else None
         if self._closed or link is None or link.conn is None or not mount.ready:  # type: ignore[union-attr]
@@ -282,21 +271,8 @@ class NetworkDriver(ClientDriver):
         conn = link.conn
         assert conn is not None  # Checked above.
         link.queue_built(conn, req_id, builder)
-
-    def send_append_now(self, partition_id: int, request: AppendRequest) -> None:
-        """:meth:`send_append`, written now (``FramedConnection.send(..., now=True)``), not with the loop
-        iteration's frames: for a lone append, which nothing would join."""
-        mount = self._mounts.get(partition_id)
-        link = mount.link if mount is not None else None
-        if self._closed or link is None or link.conn is None or not mount.ready:  # type: ignore[union-attr]
-            link = self._ready_link(partition_id)  # Raises the error that says why.
-        conn = link.conn
-        assert conn is not None  # Checked above.
-        link.flush_appends()  # Queued appends of other partitions of the link go first.
-        try:
-            conn.send(cs.append_payload(request, link.version), now=True)
-        except ConnectionError_ as e:
-            raise BrokenResourceError(f"connection to {link.endpoint} lost: {e}") from None
+        if now:
+            link.flush_appends()
 
     def send_flush(self, partition_id: int, req_id: ReqId) -> None:
         self._ready_link(partition_id).send(cs.FlushRequest(req_id))

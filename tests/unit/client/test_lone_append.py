@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 
 from waltz import AsyncWaltzClient, Transaction
-from waltz.client.driver import AppendRequest, DriverListener
+from waltz.client.builder import TransactionBuilder
+from waltz.client.driver import DriverListener
+from waltz.protocol.records import ReqId
 from waltz.testing import MockDriver
 
 from .helpers import FAST, ApplyOrderCallbacks, Ctx
@@ -25,13 +27,9 @@ class SendRecordingDriver(MockDriver):
         super().__init__(**kwargs)
         self.sends: list[str] = []
 
-    def send_append(self, partition_id: int, request: AppendRequest) -> None:
-        self.sends.append("queued")
-        super().send_append(partition_id, request)
-
-    def send_append_now(self, partition_id: int, request: AppendRequest) -> None:
-        self.sends.append("now")
-        super().send_append(partition_id, request)
+    def send_append(self, partition_id: int, req_id: ReqId, builder: TransactionBuilder, now: bool) -> None:
+        self.sends.append("now" if now else "queued")
+        super().send_append(partition_id, req_id, builder, now)
 
 
 class _NowaitListener:

@@ -136,6 +136,13 @@ def append_id(seq: int) -> ReqId:
     return ReqId.of(7, 1, 0, seq)
 
 
+def x_builder(client_high_water_mark: int) -> TransactionBuilder:
+    """A builder of the append with data ``b"x"``, as ``execute`` would fill it."""
+    builder = TransactionBuilder(0, client_high_water_mark)
+    builder.set_transaction_data(b"x")
+    return builder
+
+
 @contextlib.asynccontextmanager
 async def _ready_driver(
     listener: Recorder,
@@ -196,9 +203,7 @@ def test_mount_feed_windows_stale_replies_gap_not_ready_and_reconnect() -> None:
             assert feed == cs.FeedRequest(session, 1)
 
             # Appends and flushes go out in call order on the stream connection.
-            data = b"x"
-            request = AppendRequest(append_id(3), 1, (1,), (), (), 0, data, crc32(data))
-            driver.send_append(0, request)
+            driver.send_append(0, append_id(3), x_builder(1), False)
             driver.send_flush(0, append_id(3))
             _, append = await server.expect(cs.AppendRequest)
             assert append.req_id == append_id(3)
@@ -222,7 +227,7 @@ def test_mount_feed_windows_stale_replies_gap_not_ready_and_reconnect() -> None:
             assert remount.req_id != session
             await listener.wait_for("state", MountState.NOT_READY)
             with pytest.raises(BrokenResourceError):
-                driver.send_append(0, request)
+                driver.send_append(0, append_id(3), x_builder(1), False)
 
             # NOT_READY: the driver mounts again by itself, shortly after.
             server.send(conn, cs.MountResponse(remount.req_id, cs.PartitionState.NOT_READY))
@@ -481,13 +486,10 @@ def test_the_appends_of_one_loop_iteration_leave_in_one_write_before_anything_se
 
             client_conn.send = recording_send  # type: ignore[method-assign,assignment]
 
-            builder = TransactionBuilder(0, -1)
-            builder.set_transaction_data(b"x")
-            driver.send_append(0, append(1))
-            driver.send_built(0, append_id(2), builder)  # The core's path: the same frame, queued alike.
-            driver.send_append(0, append(3))
+            for seq in (1, 2, 3):
+                driver.send_append(0, append_id(seq), x_builder(-1), False)
             driver.send_flush(0, append_id(3))  # Writes the three appends first.
-            driver.send_append(0, append(4))
+            driver.send_append(0, append_id(4), x_builder(-1), False)
             await asyncio.sleep(0)  # The loop's callbacks: the fourth append's write.
             assert calls == [("send_framed", 3), ("send", 1), ("send_framed", 1)]
             received = []
@@ -503,7 +505,7 @@ def test_the_appends_of_one_loop_iteration_leave_in_one_write_before_anything_se
                 ("AppendRequest", 4),
             ]
             # Appends queued for a connection that is gone by the write are dropped, not raised.
-            driver.send_append(0, append(5))
+            driver.send_append(0, append_id(5), x_builder(-1), False)
             link.conn = None
             link.flush_appends()
             link.conn = client_conn
@@ -686,8 +688,7 @@ def test_client_ahead_is_asked_again_when_the_owner_or_the_generation_changes() 
                 ("feed", 11),
                 ("state", MountState.READY),
             ]
-            data = b"x"
-            driver.send_append(0, AppendRequest(append_id(2), 11, (1,), (), (), 0, data, crc32(data)))
+            driver.send_append(0, append_id(2), x_builder(11), False)
             _, append = await second.expect(cs.AppendRequest)
             assert append.req_id == append_id(2)
         finally:
