@@ -246,8 +246,9 @@ class SubmissionMixin(AttemptsMixin):
         :meth:`submit_from_thread` alike. ``first`` is what :meth:`_first_attempt` returned (the run holds
         its slot and is admitted here; None: admitted already, not executed), ``monitor`` the partition's if
         it is ready. A filled builder is sent (the common case), or waits its turn on a write lock held by
-        this client; anything else continues in a task, and ``run.first_send`` (made here) is resolved when
-        the append is sent or the context ended: ``submit`` waits for it and raises its error."""
+        this client; anything else continues in a task, and ``run.first_send`` (made here only then) is
+        resolved when the append is sent or the context ended: ``submit`` waits for it and raises its
+        error."""
         partition = run.partition
         assert partition is not None
         if type(first) is TransactionBuilder and monitor is not None and not first.write_lock_hashes:
@@ -257,6 +258,21 @@ class SubmissionMixin(AttemptsMixin):
         name = f"waltz-run-p{partition.id}"
         if isinstance(first, _Pending):  # From submit_from_thread (submit awaits it before).
             self._spawn(self._continue_pending(run, first), name)
+            return
+        if type(first) is TransactionBuilder and monitor is not None:
+            # Write locks: take them and send, or wait for the turn behind the context of ours holding one
+            # (it executes again then). Either way submit returns now.
+            run.admit_execute()
+            wake = partition.lock_queue.take(run, first.write_lock_hashes)
+            if wake is None:
+                run.handle(Event.QUEUE)
+                self._park(partition, run, first)
+                self._spawn(self._run_context(run), name)
+                return
+            if wake:
+                self._wake(wake)
+            run.send()  # Before _send: a failed send resolves at once.
+            self._send(partition, monitor, first, run)
             return
         run.first_send = asyncio.get_running_loop().create_future()
         if first is not None:
@@ -268,18 +284,6 @@ class SubmissionMixin(AttemptsMixin):
             self._spawn(self._gave_up(run), "waltz-gave-up")
         elif self._closed:  # Closed while execute() ran.
             self._spawn(self._end_with_exception(run, ClientClosedError("the client is closed")), name)
-        elif first is not None and monitor is not None:
-            wake = partition.lock_queue.take(run, first.write_lock_hashes)
-            if wake is None:  # Another context of ours holds one of its locks: it executes again on its turn.
-                run.handle(Event.QUEUE)
-                self._park(partition, run, first)
-                self._spawn(self._run_context(run), name)
-                return
-            if wake:
-                self._wake(wake)
-            run.send()  # Before _send: a failed send resolves at once.
-            self._send(partition, monitor, first, run)
-            run.first_send.set_result(None)
         else:  # The partition is not ready: a task sends what was executed (or executes) once it is.
             self._spawn(self._run_context(run, first), name)
 
