@@ -91,11 +91,6 @@ class ApplierMixin(AttemptsMixin):
             return None
         return partition
 
-    def _feed_nowait(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> bool:
-        """One feed entry through :meth:`_feed_run_nowait`: False, having done nothing, when the feed has no
-        room (the driver then awaits ``on_feed_data``)."""
-        return self._feed_run_nowait(partition_id, [(transaction_id, req_id, header)]) == 1
-
     def _feed_run_nowait(self, partition_id: int, entries: list[FeedEntry]) -> int:
         """The feed's one path: consecutive feed entries (the next ids of the partition, in order), as many as
         the feed has room for, resolved and queued for ``apply_transaction``. Returns how many were taken (0:
@@ -402,9 +397,8 @@ class Listener:
 
     def __init__(self, client: ApplierMixin) -> None:
         self._client = client
-        # The client's own method, not a forwarding one: the network driver calls it once per feed entry.
-        self.feed_data_nowait: Callable[[int, int, ReqId, int], bool] = client._feed_nowait
-        # And a run of them (the network driver's reader hands each read's entries of a partition at once).
+        # The client's own method, not a forwarding one: the network driver's reader hands it each read's
+        # entries of a partition at once.
         self.feed_run_nowait: Callable[[int, list[FeedEntry]], int] = client._feed_run_nowait
 
     async def on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:

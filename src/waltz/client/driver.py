@@ -140,14 +140,11 @@ class DriverListener(Protocol):
         the core stops every partition with ``error`` and reports it to the application."""
 
 
-# A listener may also offer ``feed_data_nowait(partition_id, transaction_id, req_id, header) -> bool``: the
-# same as ``on_feed_data`` without a coroutine, returning False (having done nothing) when it would have to
-# wait for room. A driver may call it first and await ``on_feed_data`` only on False; the network driver
-# does (the core's listener offers it), the MockDriver does not need to.
-# And ``feed_run_nowait(partition_id, entries) -> int``: the same for a run of consecutive entries
-# ``[(transaction_id, req_id, header), ...]`` (the partition's next ids, in order) in one call, returning how
-# many of the leading ones it took (0 when it has no room); the driver delivers the rest as above. The
-# network driver hands it each socket read's entries of a partition.
+# A listener may also offer ``feed_run_nowait(partition_id, entries) -> int``: ``on_feed_data`` without a
+# coroutine for a run of consecutive entries ``[(transaction_id, req_id, header), ...]`` (the partition's next
+# ids, in order) in one call, returning how many of the leading ones it took (0 when it has no room, having
+# done nothing); the driver delivers the rest through ``on_feed_data``. The network driver hands it each
+# socket read's entries of a partition (the core's listener offers it); the MockDriver does not need to.
 
 
 class ClientDriver(ABC):

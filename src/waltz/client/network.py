@@ -515,9 +515,9 @@ class NetworkDriver(ClientDriver):
     async def _deliver(self, mount: Mount) -> None:
         listener = self._listener
         assert listener is not None  # mount() checked
-        # A listener may take a feed entry without a coroutine when it has room (the core does): one
+        # A listener may take feed entries without a coroutine when it has room (the core does): one
         # function call per entry instead of two coroutine frames.
-        nowait = getattr(listener, "feed_data_nowait", None)
+        nowait = getattr(listener, "feed_run_nowait", None)
         p = mount.partition_id
         while True:
             mount.busy = False
@@ -533,7 +533,8 @@ class NetworkDriver(ClientDriver):
                         raise RemoteProtocolError(
                             f"partition {p}: the feed jumped from {mount.position} to {event.transaction_id}"
                         )
-                    if nowait is None or not nowait(p, event.transaction_id, event.req_id, event.header):
+                    entry = (event.transaction_id, event.req_id, event.header)
+                    if nowait is None or nowait(p, [entry]) != 1:
                         await listener.on_feed_data(p, event.transaction_id, event.req_id, event.header)
                     mount.position = event.transaction_id
                 elif isinstance(event, MountReply):

@@ -33,14 +33,14 @@ class SendRecordingDriver(MockDriver):
 
 
 class _NowaitListener:
-    """The client's listener as the network driver uses it: a feed entry goes to ``feed_data_nowait``
+    """The client's listener as the network driver uses it: a feed entry goes to ``feed_run_nowait``
     first (from the socket reader, no coroutine), ``on_feed_data`` only when that has no room."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
 
     async def on_feed_data(self, partition_id: int, transaction_id: int, req_id: Any, header: int) -> None:
-        if not self._inner.feed_data_nowait(partition_id, transaction_id, req_id, header):
+        if self._inner.feed_run_nowait(partition_id, [(transaction_id, req_id, header)]) != 1:
             await self._inner.on_feed_data(partition_id, transaction_id, req_id, header)
 
     def __getattr__(self, name: str) -> Any:

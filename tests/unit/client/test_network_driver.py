@@ -368,13 +368,14 @@ class NowaitRecorder(Recorder):
         self.room = True
         self.direct: list[int] = []
 
-    def feed_data_nowait(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> bool:
+    def feed_run_nowait(self, partition_id: int, entries: list[tuple[int, ReqId, int]]) -> int:
         if not self.room:
-            return False
-        self.direct.append(transaction_id)
-        self.events.append(("feed", transaction_id))
+            return 0
+        for transaction_id, _, _ in entries:
+            self.direct.append(transaction_id)
+            self.events.append(("feed", transaction_id))
         self.changed.set()
-        return True
+        return len(entries)
 
 
 @pytest.mark.timeout(60)
@@ -441,21 +442,21 @@ def test_the_feed_entries_of_one_read_reach_a_run_listener_in_one_call_and_the_r
                 server.send(conn, cs.FeedData(append_id(t + 1), t, 0))
             await listener.wait_for("feed", 4)
             assert listener.runs == [[0, 1, 2, 3, 4]]
-            # Room for two: the rest of the read waits in the inbox for the delivery task (on_feed_data),
+            # Room for two: the rest of the read waits in the inbox for the delivery task (entry by entry),
             # in order, with the flush response behind it.
             listener.room = 2
             for t in range(5, 9):
                 server.send(conn, cs.FeedData(append_id(t + 1), t, 0))
             server.send(conn, cs.FlushResponse(append_id(9), 8))
             await listener.wait_for("flush", append_id(9), 8)
-            assert listener.runs[1:] == [[5, 6]]
+            assert listener.runs[1:] == [[5, 6], [7], [8]]  # The delivery task's, one entry each.
             assert [e[1] for e in listener.events if e[0] == "feed"] == list(range(9))
             # Repeats at the head of a read are dropped; what follows the position goes straight through.
             listener.room = 1000
             for t in (7, 8, 9, 10):
                 server.send(conn, cs.FeedData(append_id(t + 1), t, 0))
             await listener.wait_for("feed", 10)
-            assert listener.runs[2:] == [[9, 10]]
+            assert listener.runs[4:] == [[9, 10]]
             assert [e[1] for e in listener.events if e[0] == "feed"] == list(range(11))
 
     asyncio.run(main())
