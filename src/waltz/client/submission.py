@@ -255,24 +255,24 @@ class SubmissionMixin(AttemptsMixin):
             run.admit_execute_send()  # The common case. Before _send: a failed send resolves at once.
             self._send(partition, monitor, first, run)
             return
-        name = f"waltz-run-p{partition.id}"
-        if isinstance(first, _Pending):  # From submit_from_thread (submit awaits it before).
-            self._spawn(self._continue_pending(run, first), name)
-            return
         if type(first) is TransactionBuilder and monitor is not None:
             # Write locks: take them and send, or wait for the turn behind the context of ours holding one
             # (it executes again then). Either way submit returns now.
-            run.admit_execute()
             wake = partition.lock_queue.take(run, first.write_lock_hashes)
             if wake is None:
+                run.admit_execute()
                 run.handle(Event.QUEUE)
                 self._park(partition, run, first)
-                self._spawn(self._run_context(run), name)
+                self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
                 return
             if wake:
                 self._wake(wake)
-            run.send()  # Before _send: a failed send resolves at once.
+            run.admit_execute_send()  # Before _send: a failed send resolves at once.
             self._send(partition, monitor, first, run)
+            return
+        name = f"waltz-run-p{partition.id}"
+        if isinstance(first, _Pending):  # From submit_from_thread (submit awaits it before).
+            self._spawn(self._continue_pending(run, first), name)
             return
         run.first_send = asyncio.get_running_loop().create_future()
         if first is not None:
