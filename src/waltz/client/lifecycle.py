@@ -159,7 +159,6 @@ _SEND, _COMPLETED, _APPLIED = Event.SEND, State.COMPLETED, State.APPLIED
 # The rows of the transitions every append makes, for the methods of the same names below.
 _ADMIT_ROW, _EXECUTE_ROW, _SEND_ROW = STEPS[Event.ADMIT], STEPS[Event.EXECUTE], STEPS[Event.SEND]
 _COMMIT_ROW, _COMPLETE_ROW, _APPLY_ROW = STEPS[Event.COMMIT], STEPS[Event.COMPLETE], STEPS[Event.APPLY]
-_OVER = frozenset({State.COMMITTED, State.COMPLETED, State.APPLIED, State.ENDED})
 
 
 class Lifecycle:
@@ -264,11 +263,6 @@ class Lifecycle:
             self.handle(Event.APPLY)  # Raises LifecycleError.
             raise
         return before is _COMPLETED
-
-    @property
-    def ended(self) -> bool:
-        """True once no terminal hook remains to be decided (appended, or ended)."""
-        return self.state in _OVER
 
     def __repr__(self) -> str:
         return f"Lifecycle({self.state.value}, attempts={self.attempts})"
