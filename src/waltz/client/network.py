@@ -77,6 +77,7 @@ from waltz.errors import (
     ConfigError,
     PartitionNotReadyError,
     RemoteProtocolError,
+    TrimmedError,
     WaltzError,
 )
 from waltz.protocol import client_server as cs
@@ -300,6 +301,9 @@ class NetworkDriver(ClientDriver):
                 f"asked for transaction {transaction_id}, got {response.transaction_id}"
             )
         if response.data is None:
+            trimmed = TrimmedError.from_message(response.error or "")
+            if trimmed is not None:
+                raise trimmed  # not retriable: no replica holds it any more
             raise PartitionNotReadyError(
                 f"partition {partition_id}: {endpoint} could not read transaction {transaction_id}: "
                 f"{response.error}"
