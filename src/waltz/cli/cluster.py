@@ -24,7 +24,7 @@ from waltz.cluster.partition_metadata import UNRESOLVED
 from waltz.cluster.zk import session
 from waltz.config import host_port, parse_partition_ranges
 from waltz.errors import ConfigError
-from waltz.ops import accept_loss, checks, generation, rebuild
+from waltz.ops import accept_loss, checks, generation, rebuild, trim
 from waltz.ops.view import ClusterView, read_view
 
 Command = Callable[[KazooClient, str, argparse.Namespace, TextIO], int | None]
@@ -220,6 +220,22 @@ def cmd_verify(client: KazooClient, root: str, args: argparse.Namespace, out: Te
     return 1 if problems else 0
 
 
+def cmd_trim(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    ssl = load_cli_tls(args.cli_config_path).client_context(args.cli_config_path)
+    outcome = trim.trim_partition(
+        client,
+        root,
+        args.partition,
+        to=args.to,
+        keep_last=args.keep_last,
+        min_kept_transactions=args.min_kept,
+        ssl=ssl,
+        timeout_ms=int(args.timeout * 1000),
+    )
+    print(outcome.message, file=out)
+    return 0
+
+
 def cmd_fix_generation(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
     view = _ops_view(client, root, args)
     fix = asyncio.run(generation.plan_generation_fix(client, view, args.partition, args.to, args.timeout))
@@ -376,6 +392,26 @@ def register(groups: Any) -> None:
     )
     p.add_argument("--yes", action="store_true", help="accept the loss (without it, only show it)")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit per node (10 s)")
+    p.set_defaults(default_log_level="INFO")
+
+    p = command(
+        "trim",
+        cmd_trim,
+        "raise a partition's trim point: transactions below it are deleted on every replica and reads of "
+        "them fail (only committed transactions, never the last --min-kept)",
+    )
+    p.add_argument("-p", "--partition", required=True, type=_non_negative, help="the partition")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--to", type=_non_negative, metavar="TXN", help="the lowest transaction id to keep")
+    target.add_argument("--keep-last", type=int, metavar="N", help="keep only the last N transactions")
+    p.add_argument(
+        "--min-kept",
+        type=_non_negative,
+        default=trim.DEFAULT_MIN_KEPT_TRANSACTIONS,
+        metavar="N",
+        help=f"grace: never trim the last N transactions (default {trim.DEFAULT_MIN_KEPT_TRANSACTIONS})",
+    )
+    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit (10 s)")
     p.set_defaults(default_log_level="INFO")
 
     p = command(

@@ -257,6 +257,15 @@ class StorageClient(_Endpoint[st.StorageMessage]):
             st.SuccessResponse,
         )
 
+    async def trim(
+        self, session_id: int, partition_id: int, trim_point: int, *, offline: bool = False
+    ) -> int:
+        """Raise the replica's trim point (see :mod:`waltz.storage.retention`); returns the one in force."""
+        resp = await self._call(
+            st.TrimRequest(session_id, self._seq(), partition_id, trim_point, offline), st.TrimResponse
+        )
+        return resp.trim_point
+
     async def append(
         self, session_id: int, partition_id: int, records: Sequence[Record], *, offline: bool = False
     ) -> None:

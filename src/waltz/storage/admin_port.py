@@ -22,6 +22,7 @@ from waltz.protocol import storage as st
 from waltz.storage.controlfile import FLAG_AVAILABLE
 from waltz.storage.data_port import peer_refused
 from waltz.storage.partition import delete_log_files
+from waltz.storage.retention import check_readable
 from waltz.storage.work import MAX_LIST_BYTES, MAX_LIST_RECORDS
 from waltz.transport import (
     FramedConnection,
@@ -152,6 +153,7 @@ async def admin_request(node: StorageNode, msg: adm.AdminMessage, opened: bool) 
             plog = node.partitions[pid].log
             if plog is None:
                 raise PartitionNotAssignedError(f"Partition:{pid} is not assigned.")
+            check_readable(pid, msg.transaction_id, node.control.trim_point(pid))
             n = max(0, min(msg.max_records, MAX_LIST_RECORDS))
             return plog.read_records(msg.transaction_id, n, max_bytes=MAX_LIST_BYTES) if n else []
 

@@ -6,6 +6,7 @@ raises a :class:`~waltz.errors.WaltzError`, which the worker answers as a failur
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from waltz.errors import SessionFencedError, StorageError
 from waltz.protocol import storage as st
 from waltz.storage.partition import PartitionLog
 from waltz.storage.replica_check import truncation_refusal
+from waltz.storage.retention import DetachedSegments, check_readable, delete_detached, trim_refusal
 from waltz.storage.work import (
     MAX_DAMAGED_REPORTED,
     MAX_LIST_BYTES,
@@ -127,6 +129,66 @@ def _damaged_records(part: StoragePartition, item: Item) -> st.StorageMessage:
     return st.DamagedRecordsResponse(msg.session_id, msg.seq_num, msg.partition_id, damaged)
 
 
+def _trim_request(part: StoragePartition, item: Item) -> st.StorageMessage:
+    msg = item.msg
+    assert isinstance(msg, st.TrimRequest)
+    in_force = trim(part, part.check(msg, msg.offline), msg.trim_point)
+    return st.TrimResponse(msg.session_id, msg.seq_num, msg.partition_id, in_force)
+
+
+def trim(part: StoragePartition, plog: PartitionLog, trim_point: int) -> int:
+    """Raise the trim point (see :mod:`waltz.storage.retention`); returns the one in force."""
+    refusal = trim_refusal(part.partition_id, trim_point)
+    if refusal is not None:
+        raise StorageError(refusal)
+    control = part.node.control
+    current = control.trim_point(part.partition_id)
+    if trim_point <= current:
+        return current
+    control.set_trim_point(part.partition_id, trim_point)
+    log.info("partition %d: trim point raised from %d to %d", part.partition_id, current, trim_point)
+    detached: DetachedSegments | None
+    if trim_point > part.durable_max + 1:
+        # A lagging replica: everything it holds is below the trim point; it starts again there.
+        detached = plog.restart_at(trim_point)
+        part.durable_max = plog.max_transaction_id
+        log.info("partition %d: the log restarts empty at trim point %d", part.partition_id, trim_point)
+    else:
+        detached = plog.detach_below(trim_point)
+    for txn in [t for t in part.damaged if t < trim_point]:
+        del part.damaged[txn]  # no longer held, so no longer reported
+    if detached is not None:
+        part.node.tasks.spawn(_delete(part, detached), name=f"trim-delete-{part.partition_id}")
+    return trim_point
+
+
+async def _delete(part: StoragePartition, detached: DetachedSegments) -> None:
+    """Delete trimmed segments' files in a thread, so appends are not blocked (see retention.py)."""
+    try:
+        freed = await asyncio.to_thread(delete_detached, part.node.fs, detached)
+    except Exception as e:  # noqa: BLE001 - reported; the next open of the log deletes them again
+        log.error("partition %d: deleting trimmed segments %s failed: %r", part.partition_id, detached, e)
+        return
+    log.info(
+        "partition %d: deleted %d trimmed segment(s) below transaction %d (%d bytes)",
+        part.partition_id,
+        len(detached.first_ids),
+        detached.end_transaction_id,
+        freed,
+    )
+
+
+def _readable(handler: Handler) -> Handler:
+    """``handler`` (a read) refusing with TrimmedError a read that starts below the trim point."""
+
+    def checked(part: StoragePartition, item: Item) -> st.StorageMessage:
+        start: int = getattr(item.msg, "transaction_id")  # noqa: B009 - every read request has it
+        check_readable(part.partition_id, start, part.node.control.trim_point(part.partition_id))
+        return handler(part, item)
+
+    return checked
+
+
 def _truncate(part: StoragePartition, plog: PartitionLog, msg: st.TruncateRequest, item: Item) -> int:
     """A TruncateRequest: refused below the persisted low-water mark unless an operator's repair asks (one
     ERROR line per 10 s); every truncation that cuts records is one INFO line (from, to, why, who)."""
@@ -223,12 +285,13 @@ HANDLERS: dict[type[st.StorageMessage], Handler] = {
     st.MaxTransactionIdRequest: _max_transaction_id,
     st.TruncateRequest: _truncate_request,
     st.SetLowWaterMarkRequest: _set_low_water_mark,
-    st.RecordHeaderRequest: _record_header,
-    st.RecordRequest: _record,
-    st.RecordHeaderListRequest: _record_headers,
-    st.RecordListRequest: _record_list,
-    st.RecordRunRequest: _record_run,
+    st.RecordHeaderRequest: _readable(_record_header),
+    st.RecordRequest: _readable(_record),
+    st.RecordHeaderListRequest: _readable(_record_headers),
+    st.RecordListRequest: _readable(_record_list),
+    st.RecordRunRequest: _readable(_record_run),
     st.RepairRequest: _repair,
     st.DamagedRecordsRequest: _damaged_records,
+    st.TrimRequest: _trim_request,
 }
 """The handler of each request type a partition worker answers (appends are group-committed instead)."""

@@ -149,6 +149,7 @@ class StoragePartition:
                 segment_size_threshold_bytes=cfg.segment_size_threshold_bytes,
                 segment_cache_capacity=cfg.segment_cache_capacity,
                 local_low_water_mark=self.info.local_low_water_mark,
+                trim_point=self.node.control.trim_point(self.partition_id),
                 fs=self.node.fs,
             )
             for txn in self.log.damaged_at_open:  # kept by recovery, not cut (see waltz.storage.resync)
