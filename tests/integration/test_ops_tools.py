@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import shutil
 
 import pytest
 import yaml
@@ -231,5 +232,55 @@ def test_sync_partitions_makes_storage_nodes_hold_what_zookeeper_assigns(
             0,
             "every storage node holds exactly the partitions ZooKeeper assigns it",
         )
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(150)
+def test_recover_partition_refuses_a_damaged_source_and_repairs_a_damaged_destination(
+    cluster_factory: ClusterFactory,
+) -> None:
+    cluster = cluster_factory()
+
+    async def main() -> None:
+        await cluster.start(storages=3, servers=1)
+        config = cli_config(cluster)
+        a, b, c = cluster.storages
+        first = await served(cluster, 1, 50)
+        assert first.hwm == 49
+        # No server: its recovery would repair the damaged replica before the tools look at it.
+        await asyncio.to_thread(cluster.servers[0].terminate)
+        # What a power cut that dropped the partition directory's entry leaves: the node marks it damaged.
+        await asyncio.to_thread(b.terminate)
+        shutil.rmtree(b.directory / "0")
+        await asyncio.to_thread(b.start)
+        assert "partition 0: this replica is damaged" in b.log_text()
+
+        def recover(source: StorageProcess, destination: StorageProcess, *extra: str) -> list[str]:
+            return [
+                "storage",
+                "recover-partition",
+                "-c",
+                config,
+                "-p",
+                "0",
+                "--source",
+                Cluster.address(source),
+                "--destination",
+                Cluster.address(destination),
+                *extra,
+            ]
+
+        for extra in ((), ("--untrusted-source",)):
+            code, _, err = await waltz(*recover(b, c, *extra))
+            assert code == 2, err  # a refused request, as every ConfigError
+            assert f"source {Cluster.address(b)} holds a damaged replica" in err
+        assert await cluster.max_transaction_id(c) == 49  # nothing was changed
+        # A damaged destination is what the tool is for.
+        code, out, err = await waltz(*recover(a, b))
+        assert code == 0, err
+        assert "holds 0..49" in out
+        async with await cluster.admin(b) as admin:
+            assert not (await admin.last_session_info(0)).damaged
 
     asyncio.run(main())

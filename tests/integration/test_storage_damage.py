@@ -134,6 +134,8 @@ def test_a_wiped_partition_directory_is_reported_kept_damaged_and_repaired(node:
         async with client, admin:
             info = await client.last_session_info(6, 0)
             assert info.damaged  # recovery does not count it in a vote
+            # The admin port says so too: the operator tools refuse it as a copy source.
+            assert (await admin.last_session_info(0)).damaged
             assert (info.session_id, info.low_water_mark, info.local_low_water_mark) == (5, 19, 19)
             assert json.loads(await admin.metrics_json())["partitions"]["0"]["replicaDamaged"]
             assert await client.max_transaction_id(6, 0) == -1
@@ -144,6 +146,7 @@ def test_a_wiped_partition_directory_is_reported_kept_damaged_and_repaired(node:
             await client.append(6, 0, records(0, 20))
             info = await client.last_session_info(6, 0)
             assert not info.damaged
+            assert not (await admin.last_session_info(0)).damaged
             assert (info.session_id, info.low_water_mark) == (6, 19)
             assert await client.read_records(6, 0, 0, 100) == records(0, 20)
             assert (await client.last_session_info(6, 1)).damaged

@@ -46,6 +46,10 @@ CASES: list[tuple[a.AdminMessage, str]] = [
         a.LastSessionInfoResponse(7, 3, SessionInfo(9, 10, -1)),
         p(10) + "00000003 0000000000000009 000000000000000a ffffffffffffffff",
     ),
+    (  # A damaged replica: the data port's replica-flags trailer, so the operator tools can refuse it.
+        a.LastSessionInfoResponse(7, 3, SessionInfo(9, 10, 8, damaged=True)),
+        p(10) + "00000003 0000000000000009 000000000000000a 0000000000000008 01",
+    ),
     (a.MetricsRequest(7), p(11)),
     (a.MetricsResponse(7, '{"a":1}'), p(12) + "00000007 7b2261223a317d"),
     (a.AssignedPartitionStatusRequest(7), p(13)),
@@ -97,8 +101,19 @@ def test_trailing_and_truncated_payloads_are_refused(msg: a.AdminMessage, hex_: 
     with pytest.raises(RemoteProtocolError, match="trailing"):
         a.decode(raw + b"\x00")
     for n in range(len(raw)):
-        with pytest.raises(RemoteProtocolError):
-            a.decode(raw[:n])
+        try:
+            got = a.decode(raw[:n])
+        except RemoteProtocolError:
+            continue
+        # Only the optional replica-flags trailer may be cut off, and only whole (a frame carries its length,
+        # so a payload never arrives cut): what is left is the message without it.
+        assert isinstance(got, a.LastSessionInfoResponse), n
+        assert a.encode(got) == raw[:n], n
+
+
+def test_unknown_replica_flags_are_refused() -> None:
+    with pytest.raises(RemoteProtocolError, match="unknown replica flags 0x2"):
+        a.decode(bytes.fromhex(p(10) + "00000003 0000000000000009 000000000000000a 0000000000000008 02"))
 
 
 def test_unknown_type_null_lists_and_impossible_counts_are_refused() -> None:

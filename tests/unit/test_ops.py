@@ -60,3 +60,14 @@ def test_problem_lines_name_their_partition() -> None:
     assert str(Problem(3, "no quorum")) == "partition 3: no quorum"
     assert str(Problem(None, "storage h:1: unreachable")) == "storage h:1: unreachable"
     assert sorted([Problem(2, "b"), Problem(1, "a")]) == [Problem(1, "a"), Problem(2, "b")]
+
+
+def test_a_damaged_source_is_refused_whatever_the_flags() -> None:
+    """A replica its node found damaged (it lost records it held) is what needs the repair, never a source:
+    refused with or without ZooKeeper's record, and with --untrusted-source too."""
+    m = meta(a=ReplicaState(A, 7, UNRESOLVED))
+    damaged = SessionInfo(7, 100, 100, damaged=True)
+    for metadata in (m, None, PartitionMetadata()):
+        for untrusted in (False, True):
+            with pytest.raises(ConfigError, match=f"source {A} holds a damaged replica"):
+                copy_target(metadata, A, damaged, 250, untrusted_source=untrusted)

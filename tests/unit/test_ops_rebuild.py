@@ -3,13 +3,14 @@ what they refuse."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import pytest
 
 from waltz.cluster.partition_metadata import UNRESOLVED, PartitionMetadata, ReplicaState
 from waltz.errors import ConfigError
-from waltz.ops.accept_loss import LossPlan, ReplicaHeld, _refuse_if_recoverable
+from waltz.ops.accept_loss import LossPlan, ReplicaHeld, _refuse_if_recoverable, choose_source
 from waltz.ops.rebuild import PHANTOM_SERVER_ID, NodeSeen, ReplicaSeen, parse_storage_arg, plan_rebuild
 from waltz.server.store.recovery import ReplicaClass
 
@@ -90,8 +91,8 @@ def test_storage_arguments() -> None:
 # -- accept-loss (pure parts) --------------------------------------------------------------------------
 
 
-def held(storage: str, session: int, lwm: int, max_id: int) -> ReplicaHeld:
-    return ReplicaHeld(storage, session, session, lwm, lwm, max_id)
+def held(storage: str, session: int, lwm: int, max_id: int, *, damaged: bool = False) -> ReplicaHeld:
+    return ReplicaHeld(storage, session, session, lwm, lwm, max_id, damaged)
 
 
 def recorded(session: int, *storages: str, closing: int = UNRESOLVED) -> PartitionMetadata:
@@ -116,3 +117,29 @@ def test_accept_loss_target_records_every_replica_unresolved_at_one_session() ->
     text = "\n".join(plan.describe())
     assert "b: session 3, low-water mark 5, holds 0..45: loses 41..45 (5 records)" in text
     assert "a: session 3, low-water mark 5, holds 0..40: loses nothing" in text
+
+
+def test_a_damaged_replica_is_never_the_source_of_accept_loss() -> None:
+    seen = (held("a", 3, 5, 40), held("b", 4, 5, 45, damaged=True))
+    assert choose_source(0, seen, 40) == "a"  # b is of a newer session and holds more, but is damaged
+    with pytest.raises(ConfigError, match=r"only damaged replicas of partition 0 hold transaction 42 \(b:"):
+        choose_source(0, seen, 42)
+    with pytest.raises(ConfigError, match="no replica of partition 0 holds transaction 50"):
+        choose_source(0, seen, 50)
+    plan = LossPlan(0, 40, recorded(9, "a", "b"), 3, seen, "a", 11)
+    assert "b (damaged): session 4" in "\n".join(plan.describe())
+
+
+def test_a_damaged_replica_does_not_count_in_accept_loss_or_rebuild_votes() -> None:
+    meta = recorded(9, "a", "b", "c")
+    # Two replicas of the recorded session would decide the vote; one of them damaged, it cannot.
+    _refuse_if_recoverable(
+        0, meta, (held("a", 9, 10, 40), held("b", 9, 10, 40, damaged=True), held("c", 3, 5, 8))
+    )
+    nodes = three(((4, 10, 50), (4, 10, 50), (4, 10, 48)))
+    nodes[0].replicas[0] = dataclasses.replace(nodes[0].replicas[0], replica_damaged=True)
+    p0 = plan_rebuild("/c", "name", nodes).partitions[0]
+    assert p0.classes["h0:80"] is ReplicaClass.DAMAGED
+    assert "h0:80: replica damaged, session 4, max transaction id 50 -> recovery classifies it damaged" in (
+        "\n".join(p0.describe())
+    )

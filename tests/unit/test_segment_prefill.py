@@ -181,9 +181,14 @@ def test_damage_before_valid_records_is_still_found_with_a_zero_tail() -> None:
     (problem,) = verify_segment(path, fs=fs)
     assert "record 4" in problem
     fs.crash("apply")
-    # Recovery scans from the header (no checkpoint): it keeps what verifies in sequence, as it always did.
+    # Recovery scans from the header (no checkpoint) and stops at the damage, but the index names records
+    # 4..9 (entries reach the index file only after an fsync of their records): record 4 was durable, so it is
+    # kept as a damaged record with everything after it, and the zeros are still cut.
     seg = reopen(fs)
-    assert seg.max_transaction_id == 3
+    assert seg.max_transaction_id == 9
+    assert seg.damaged_at_open == [4]
+    assert seg.read_records(5, 10) == recs(5, 5)
+    assert seg.size_bytes == file_size(fs, seg.data_path) == SEGMENT_HEADER_BYTES + 10 * 56
     seg.close()
 
 

@@ -37,7 +37,7 @@ class _Clock:
 
 
 class _Log:
-    """The one method ``_fsync`` calls on a partition log, recording the thread and taking ``delay_s`` of
+    """The methods ``_fsync`` calls on a partition log, recording the thread and taking ``delay_s`` of
     ``clock``'s time."""
 
     def __init__(self, clock: _Clock, delay_s: float) -> None:
@@ -49,6 +49,11 @@ class _Log:
     def flush(self) -> None:
         self.threads.append(threading.current_thread() is threading.main_thread())
         self.clock.now_s += self.delay_s
+
+    def write_flushed_index(self) -> None:
+        # After every fsync, on the loop thread whichever ran the fsync: it touches what appends touch.
+        if threading.current_thread() is not threading.main_thread():
+            raise AssertionError("the index entries of flushed records were written off the loop thread")
 
 
 def _node(tmp_path: Path, clock: _Clock | None = None, **settings: object) -> StorageNode:

@@ -346,6 +346,8 @@ def _workload(fs: CrashFS, seed: int, durable: list[int], prefill: int = 0) -> N
         if rng.random() < 0.4:
             log.flush()
             durable[0] = txn - 1
+            if rng.random() < 0.5:
+                log.write_flushed_index()  # as the node does after every group fsync
         _prefill_now_and_then(log, rng, prefill)
     log.flush()
     durable[0] = txn - 1
@@ -512,6 +514,8 @@ def _long_workload(fs: CrashFS, seed: int, written: list[Record], acked: list[in
         if roll < 0.3:
             log.flush()
             acked[0] = len(written)
+            if rng.random() < 0.5:
+                log.write_flushed_index()  # as the node does after every group fsync
         elif roll < 0.34 and len(written) > 10:
             target = max(-1, len(written) - 1 - rng.randint(0, 1500))
             # The caller gives up the records after the target as it asks: a crash part-way may cut them.

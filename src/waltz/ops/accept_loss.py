@@ -55,6 +55,8 @@ class ReplicaHeld:
     low_water_mark: int
     local_low_water_mark: int
     max_transaction_id: int
+    damaged: bool = False
+    """Its node found it lost records it held (``replicaDamaged``): never the source, never counted."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,8 @@ class LossPlan:
         for r in self.replicas:
             lost = max(0, r.max_transaction_id - k)
             lines.append(
-                f"  {r.storage}: session {r.session_id}, low-water mark {r.low_water_mark}, holds "
+                f"  {r.storage}{' (damaged)' if r.damaged else ''}: session {r.session_id}, low-water mark "
+                f"{r.low_water_mark}, holds "
                 f"0..{r.max_transaction_id}: "
                 + (f"loses {k + 1}..{r.max_transaction_id} ({lost} records)" if lost else "loses nothing")
                 + ("" if r.max_transaction_id >= k or r.storage == self.source else f", copies up to {k}")
@@ -109,6 +112,7 @@ async def _read(view: ClusterView, storage: str, partition: int, timeout_s: floa
                 int(entry["lowWaterMark"]),
                 int(entry["localLowWaterMark"]),
                 int(entry["maxTransactionId"]),
+                bool(entry["replicaDamaged"]),
             )
     except (WaltzError, TimeoutError, OSError, KeyError, ValueError) as e:
         if isinstance(e, ConfigError):
@@ -138,13 +142,7 @@ async def plan_accept_loss(
         raise ConfigError(f"partition {partition} has no replicas in ZooKeeper")
     seen = tuple(await asyncio.gather(*(_read(view, s, partition, timeout_s) for s in storages)))
     _refuse_if_recoverable(partition, metadata, seen)
-    holders = [r for r in seen if r.max_transaction_id >= keep_through]
-    if not holders:
-        best = max(r.max_transaction_id for r in seen)
-        raise ConfigError(
-            f"no replica of partition {partition} holds transaction {keep_through} (the best holds up to "
-            f"{best}): nothing above {best} can be kept"
-        )
+    source = choose_source(partition, seen, keep_through)
     for r in seen:
         if keep_through < max(r.low_water_mark, r.local_low_water_mark):
             raise ConfigError(
@@ -152,9 +150,28 @@ async def plan_accept_loss(
                 f"{r.local_low_water_mark}): transactions up to them were committed; keeping only "
                 f"0..{keep_through} would cut them, which this tool does not do"
             )
-    source = max(holders, key=lambda r: (r.session_id, r.max_transaction_id)).storage
     session_id = max([metadata.session_id, *(max(r.session_id, r.fencing_session_id) for r in seen)])
     return LossPlan(partition, keep_through, metadata, version, seen, source, session_id)
+
+
+def choose_source(partition: int, seen: tuple[ReplicaHeld, ...], keep_through: int) -> str:
+    """The replica of the newest session that holds ``keep_through`` and is not damaged (a damaged one lost
+    records it held: copying it would spread the loss); ConfigError if there is none."""
+    holders = [r for r in seen if r.max_transaction_id >= keep_through and not r.damaged]
+    damaged = [r.storage for r in seen if r.damaged and r.max_transaction_id >= keep_through]
+    if not holders and damaged:
+        raise ConfigError(
+            f"only damaged replicas of partition {partition} hold transaction {keep_through} "
+            f"({', '.join(damaged)}: their nodes found they lost records they held): none can be the "
+            "source; keep less, or repair them first"
+        )
+    if not holders:
+        best = max(r.max_transaction_id for r in seen)
+        raise ConfigError(
+            f"no replica of partition {partition} holds transaction {keep_through} (the best holds up to "
+            f"{best}): nothing above {best} can be kept"
+        )
+    return max(holders, key=lambda r: (r.session_id, r.max_transaction_id)).storage
 
 
 def _refuse_if_recoverable(
@@ -165,7 +182,7 @@ def _refuse_if_recoverable(
         raise ConfigError(f"partition {partition}'s metadata records no replicas: recovery starts it empty")
     known = []
     for r in seen:
-        info = SessionInfo(r.session_id, r.low_water_mark, r.local_low_water_mark)
+        info = SessionInfo(r.session_id, r.low_water_mark, r.local_low_water_mark, r.damaged)
         c = classify_replica(metadata, r.storage, info, r.max_transaction_id)
         if c.counted:
             known.append(

@@ -94,6 +94,8 @@ class ReplicaSeen:
     newest_client_id: int
     damaged: bool = False
     """The control-file entry did not verify: the node held a replica but its state is unknown."""
+    replica_damaged: bool = False
+    """The node found the replica lost records it held (``replicaDamaged``): recovery does not count it."""
 
 
 @dataclass(frozen=True)
@@ -139,17 +141,25 @@ class PartitionPlan:
                 + (
                     "control entry damaged"
                     if r.damaged
+                    else f"replica damaged, session {r.session_id}, max transaction id {r.max_transaction_id}"
+                    if r.replica_damaged
                     else f"session {r.session_id} (fencing {r.fencing_session_id}), low-water mark "
                     f"{r.low_water_mark}, max transaction id {r.max_transaction_id}"
                 )
                 + (f" -> recovery classifies it {kind.value}" if kind is not None else "")
             )
-        if self.predicted is None:
-            best = max(self.replicas, key=lambda r: (r.session_id, r.max_transaction_id))
+        sources = [r for r in self.replicas if not r.damaged and not r.replica_damaged]
+        if self.predicted is None and sources:
+            best = max(sources, key=lambda r: (r.session_id, r.max_transaction_id))
             lines.append(
                 "  WARNING: the first recovery cannot decide the high-water mark: too few replicas of the "
                 "newest session. Repair the others from the best copy, e.g. `waltz storage "
                 f"recover-partition --partition {self.partition} --source {best.storage} --destination ...`"
+            )
+        elif self.predicted is None:
+            lines.append(
+                "  WARNING: the first recovery cannot decide the high-water mark, and every replica is "
+                "damaged: no copy can be a recover-partition source (see `waltz cluster accept-loss`)"
             )
         elif m.replicas:
             lines.append(f"  recovery will resolve the high-water mark {self.predicted}")
@@ -256,6 +266,7 @@ async def _replica(client: AdminClient, storage: str, partition: int, e: dict[st
         max_id,
         generation,
         client_id,
+        replica_damaged=bool(e.get("replicaDamaged")),
     )
 
 
@@ -288,7 +299,7 @@ def _plan_partition(p: int, replicas: list[ReplicaSeen]) -> PartitionPlan:
     classes: dict[str, ReplicaClass] = {}
     known: list[int] = []
     for r in replicas:
-        info = SessionInfo(r.session_id, r.low_water_mark, r.local_low_water_mark)
+        info = SessionInfo(r.session_id, r.low_water_mark, r.local_low_water_mark, r.replica_damaged)
         c = classify_replica(meta, r.storage, info, r.max_transaction_id)
         classes[r.storage] = c.kind
         if c.counted:

@@ -87,7 +87,7 @@ class RecoveryResult:
 
 
 def _store_info(info: WireSessionInfo) -> SessionInfo:
-    return SessionInfo(info.session_id, info.low_water_mark, info.local_low_water_mark)
+    return SessionInfo(info.session_id, info.low_water_mark, info.local_low_water_mark, info.damaged)
 
 
 def copy_target(
@@ -98,7 +98,15 @@ def copy_target(
     *,
     untrusted_source: bool = False,
 ) -> tuple[int, ReplicaClass | None]:
-    """How far the source may be copied, from ZooKeeper's record of the last session (see the module doc)."""
+    """How far the source may be copied, from ZooKeeper's record of the last session (see the module doc).
+    A damaged source (its node found it lost records it held) is refused whatever the flags: it is what
+    needs the repair. A damaged destination is fine."""
+    if info.damaged:
+        raise ConfigError(
+            f"source {source} holds a damaged replica (its node found it lost records it held: see its "
+            "ERROR line, /health or its metrics' replicaDamaged): copying it would spread the loss; pick "
+            "another source (this one is repaired by a copy into it)"
+        )
     if metadata is None or not metadata.replicas:
         return max_id, None
     c = classify_replica(metadata, source, _store_info(info), max_id)

@@ -16,7 +16,7 @@ code  message                          fields after the prefix
 8     RecordListResponse               i32 partition_id · i32 n · n x Record
 9     LastSessionInfoRequest           i32 partition_id
 10    LastSessionInfoResponse          i32 partition_id · i64 session_id · i64 low_water_mark
-                                       · i64 local_low_water_mark
+                                       · i64 local_low_water_mark · [u8 replica_flags]  (trailer ours)
 11    MetricsRequest                   -
 12    MetricsResponse                  string metrics_json
 13    AssignedPartitionStatusRequest   -
@@ -34,7 +34,9 @@ CLI needs no store session. Codes 17/18 are ours too: the node's control-file id
 partition count it was made for) and its data port, answered *before* the connection is opened (every other
 request needs the open), so ``waltz cluster rebuild-metadata`` can learn the key from the nodes when
 ZooKeeper's copy is lost. ``uuid`` is two i64, most significant first. Replies are AdminSuccess or
-AdminFailure unless a response type is listed.
+AdminFailure unless a response type is listed. The ``replica_flags`` trailer of 10 is the data port's
+LastSessionInfoResponse trailer (see :mod:`waltz.protocol.storage`), sent only when the replica is damaged
+(bit 0), so the operator tools can refuse a damaged replica as a copy source.
 
 Decoders return a whole message or raise :class:`~waltz.errors.RemoteProtocolError`; encoders raise
 :class:`~waltz.errors.LocalProtocolError` for values a field cannot carry. Sequences decode as tuples.
@@ -55,9 +57,11 @@ from waltz.protocol.storage import (
     StorageRpcFailure,
     read_failure,
     read_record_list,
+    read_session_info,
     rpc_failure_of,
     write_failure,
     write_record_list,
+    write_session_info,
 )
 from waltz.protocol.wire import I32, Reader, Writer
 
@@ -260,12 +264,11 @@ class LastSessionInfoResponse(AdminMessage):
     info: SessionInfo
 
     def _write(self, w: Writer) -> None:
-        info = self.info
-        w.i32(self.partition_id).i64(info.session_id).i64(info.low_water_mark).i64(info.local_low_water_mark)
+        write_session_info(w.i32(self.partition_id), self.info)
 
     @classmethod
     def _read(cls, r: Reader, seq_num: int) -> Self:
-        return cls(seq_num, r.i32(), SessionInfo(r.i64(), r.i64(), r.i64()))
+        return cls(seq_num, r.i32(), read_session_info(r))
 
 
 @dataclass(frozen=True, slots=True)

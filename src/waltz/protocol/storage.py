@@ -174,11 +174,13 @@ __all__ = [
     "failure_to_error",
     "read_failure",
     "read_record_list",
+    "read_session_info",
     "read_wire_record_list",
     "rpc_failure_of",
     "seq_num_of",
     "write_failure",
     "write_record_list",
+    "write_session_info",
 ]
 
 STORAGE_VERSIONS: Final = (0,)
@@ -537,22 +539,32 @@ class LastSessionInfoResponse(StorageMessage):
     info: SessionInfo
 
     def _write(self, w: Writer) -> None:
-        w.i64(self.info.session_id).i64(self.info.low_water_mark).i64(self.info.local_low_water_mark)
-        if self.info.damaged:
-            w.u8(REPLICA_DAMAGED)
+        write_session_info(w, self.info)
 
     @classmethod
     def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
-        sid, lwm, llwm = r.i64(), r.i64(), r.i64()
-        flags = 0
-        if r.remaining():
-            flags = r.u8()
-            if flags == 0:
-                raise RemoteProtocolError("1 trailing byte: an empty replica-flags trailer is never sent")
-            if flags & ~REPLICA_DAMAGED:
-                raise RemoteProtocolError(f"unknown replica flags {flags:#x}")
-        info = SessionInfo(sid, lwm, llwm, bool(flags & REPLICA_DAMAGED))
-        return cls(session_id, seq_num, partition_id, info)
+        return cls(session_id, seq_num, partition_id, read_session_info(r))
+
+
+def write_session_info(w: Writer, info: SessionInfo) -> None:
+    """``i64 session_id · i64 low_water_mark · i64 local_low_water_mark · [u8 replica_flags]``, the trailer
+    only when the replica is damaged (the data port's LastSessionInfoResponse, and the admin port's)."""
+    w.i64(info.session_id).i64(info.low_water_mark).i64(info.local_low_water_mark)
+    if info.damaged:
+        w.u8(REPLICA_DAMAGED)
+
+
+def read_session_info(r: Reader) -> SessionInfo:
+    """The inverse of :func:`write_session_info`; the trailer, if any, ends the message."""
+    sid, lwm, llwm = r.i64(), r.i64(), r.i64()
+    flags = 0
+    if r.remaining():
+        flags = r.u8()
+        if flags == 0:
+            raise RemoteProtocolError("1 trailing byte: an empty replica-flags trailer is never sent")
+        if flags & ~REPLICA_DAMAGED:
+            raise RemoteProtocolError(f"unknown replica flags {flags:#x}")
+    return SessionInfo(sid, lwm, llwm, bool(flags & REPLICA_DAMAGED))
 
 
 @dataclass(frozen=True, slots=True)

@@ -163,9 +163,13 @@ async def admin_request(node: StorageNode, msg: adm.AdminMessage, opened: bool) 
         pid = msg.partition_id
         if not 0 <= pid < len(node.partitions):
             raise PartitionNotAssignedError(f"Partition:{pid} does not exist.")
-        info = node.partitions[pid].info
+        part = node.partitions[pid]
+        info = part.info
+        damaged = part.lost is not None  # as the data port says it (see waltz.storage.handlers)
         return adm.LastSessionInfoResponse(
-            seq, pid, st.SessionInfo(info.session_id, info.low_water_mark, info.local_low_water_mark)
+            seq,
+            pid,
+            st.SessionInfo(info.session_id, info.low_water_mark, info.local_low_water_mark, damaged),
         )
     if isinstance(msg, adm.MaxTransactionIdRequest):
         pid = msg.partition_id

@@ -40,7 +40,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
+from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError, WaltzError
 from waltz.protocol.record_run import encode_run
 from waltz.protocol.records import Record, RecordHeader
 from waltz.protocol.storage import WireRecordList
@@ -94,6 +94,12 @@ class PartitionLog:
         self._clock_ms = clock_ms
         self._extending_writes_before = 0
         """``extending_writes`` of the segments that were writable before the current one."""
+        self._index_write_failure_log_s = -1e9
+        self.damaged_at_open: list[int] = []
+        """Ids recovery found durable but not verifying and kept as damaged records (not cut): the caller
+        reports them (see :mod:`waltz.storage.resync`)."""
+        self.lost_at_open: str | None = None
+        """Why recovery found durable records lost (see :attr:`Segment.lost_at_open`), or None."""
 
     @classmethod
     def open(
@@ -160,6 +166,8 @@ class PartitionLog:
         if current is None:
             current = Segment.create(fs, directory, key, partition_id, 0, clock_ms=clock_ms)
             first_ids = [0]
+        damaged = list(current.damaged_at_open)
+        lost = current.lost_at_open
         part = cls(
             fs,
             directory,
@@ -171,6 +179,8 @@ class PartitionLog:
             segment_cache_capacity,
             clock_ms,
         )
+        part.damaged_at_open = damaged
+        part.lost_at_open = lost
         try:
             if trim_point > 0:
                 below = part.detach_below(trim_point)
@@ -270,6 +280,18 @@ class PartitionLog:
     def flush(self) -> None:
         """Make every appended record durable (fsync of the writable segment's data file)."""
         self._writable().flush()
+
+    def write_flushed_index(self) -> None:
+        """After :meth:`flush`, on the thread that appends: write the index entries of the records it made
+        durable (not fsynced; see :meth:`Segment.write_flushed_index`). A failure is logged (at most once per
+        10 s) and changes nothing: the entries wait for the next checkpoint, as they did before."""
+        try:
+            self._writable().write_flushed_index()
+        except (WaltzError, OSError) as e:
+            now = time.monotonic()
+            if now - self._index_write_failure_log_s >= 10:
+                self._index_write_failure_log_s = now
+                log.warning("%s: could not write the index entries of flushed records: %s", self.directory, e)
 
     def prefill(self, ahead_bytes: int) -> ZeroFill | None:
         """Write the next chunk of zeros ahead of the writable segment's last record, if one is missing (not

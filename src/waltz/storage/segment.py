@@ -40,7 +40,10 @@ segment's zeros with its torn records (the zeros are written again afterwards).
 The index file holds, after its header, one i64 per record: entry ``i`` at ``128 + 8·i`` is the data-file
 offset of transaction ``first + i``; the index length gives the max id (``first + (size - 128) // 8 - 1``) of
 a closed segment. The writable segment's newest entries (at most 1000, those after the last checkpoint)
-live in memory only, until the next checkpoint, close, truncation or :meth:`Segment.sync`.
+live in memory until the next checkpoint, close, truncation or :meth:`Segment.sync`; the storage node also
+writes (without an fsync) those of the records each group fsync made durable
+(:meth:`Segment.write_flushed_index`). **An index entry reaches the file only after an fsync of the data
+file covered its record**, so an entry on disk proves its record was durable (recovery relies on it).
 
 Durability protocol (what recovery relies on):
 
@@ -51,8 +54,8 @@ Durability protocol (what recovery relies on):
 * **checkpoint**: before the record whose id is a multiple of ``CHECKPOINT_INTERVAL`` (1000) is written, the
   index entries waiting are written and both files fsynced (unless that record is the segment's first). So if
   the index covers an id ``c = k·1000 > first``, every record and index entry below ``c`` is durable;
-* :meth:`Segment.truncate` cuts and fsyncs the data file first, then the index, so a crash in between never
-  resurrects truncated records;
+* :meth:`Segment.truncate` cuts and fsyncs the data file first, then writes and cuts the index, so a crash
+  in between never resurrects truncated records (stale entries point past the end of the data file);
 * a new segment's headers are fsynced before its first append; a full segment is fsynced (its zero tail
   cut) before the next one is created;
 * zeros are written only past the data file's current end (never over a record, nor where an append is
@@ -63,11 +66,15 @@ restart point is the last checkpoint ``c - 1`` covered by the index (``c`` the l
 ``first < c <= index max``), whose entry and record are durable by the protocol above; its record must verify
 (id and checksum), or the previous checkpoint is tried, down to a rescan from the header. From there the
 records are re-verified one by one (id sequence, length inside the file, record checksum), their index entries
-rewritten, until the first bad or partial record; the data file is truncated after the last good record, the
-index trimmed to match, and both fsynced. The original Waltz restarts from ``localLowWaterMark`` when it is
-higher; we do not, because index entries after the last checkpoint were never fsynced and may be garbage even
-when the records are durable. Rescanning from the checkpoint costs at most 2000 records (the index file
-reaches a checkpoint's id only when the next checkpoint writes the entries waiting).
+rewritten, until the first bad or partial record. A bad record that was durable (its index entry on disk, or
+its id at or below the local low-water mark) is damage, not a torn tail: it is kept as a damaged record with
+the records after it, one ERROR line, and listed in :attr:`Segment.damaged_at_open` for the node to report
+and repair (see :mod:`waltz.storage.resync`). At the first bad record that was not, the data file is
+truncated after the last record kept, then fsynced, the index trimmed to match and fsynced. The original
+Waltz restarts from ``localLowWaterMark`` when it is higher; we do not, because index entries after the last
+checkpoint were never fsynced and may be garbage even when the records are durable (they still prove their
+records durable: only their values are not trusted). Rescanning from the checkpoint costs the records from
+it to the end of the data file: about 1000 plus those written after the index's last entry.
 """
 
 from __future__ import annotations
@@ -90,6 +97,7 @@ from waltz.protocol.record_run import encode_run, uniform_run_verifies
 from waltz.protocol.records import Record, RecordHeader, ReqId, make_req_id
 from waltz.protocol.storage import WireRecordList
 from waltz.storage.fileio import OS_FS, File, FileSystem
+from waltz.storage.resync import damaged_extents, find_next_good, last_end, record_end
 
 log = logging.getLogger(__name__)
 _tuple_new = tuple.__new__  # builds Records without the generated __new__ on the read hot path
@@ -101,6 +109,8 @@ RECORD_OVERHEAD_BYTES = 40
 INDEX_ENTRY_BYTES = 8
 CHECKPOINT_INTERVAL = 1000
 MAX_READ_RECORDS = 10_000
+MAX_DAMAGED_AT_OPEN = 1000
+"""Most damaged ids recovery lists in :attr:`Segment.damaged_at_open` (it logs every range)."""
 """Upper bound on the records one read call returns."""
 DEFAULT_MAX_READ_BYTES = 16 * 1024 * 1024
 """Default bound on the bytes one list read loads (at least one record is always returned)."""
@@ -411,6 +421,8 @@ class Segment:
         self.writable = writable
         self._data_dirty = False
         self._index_dirty = False
+        self._flushed_count = count
+        """Records the last fsync of the data file covered (see :meth:`write_flushed_index`)."""
         self._index_tail = bytearray()
         """Index entries of the newest records, not yet written to the index file (at most
         ``CHECKPOINT_INTERVAL``): written by :meth:`sync` (every checkpoint, close, truncation)."""
@@ -427,6 +439,12 @@ class Segment:
         self.zero_tail_bytes = 0
         """For tools: the bytes of zeros after the last record (and after any torn bytes) that
         :meth:`inspect` found and left out of :attr:`size_bytes`."""
+        self.damaged_at_open: list[int] = []
+        self.lost_at_open: str | None = None
+        """Set by index recovery when durable records were lost, not merely damaged (they read as zeros up
+        to the end): the node then reports the replica damaged (see waltz.storage.replica_check)."""
+        """Ids index recovery kept as damaged records (durable, not verifying; see
+        :mod:`waltz.storage.resync`), at most ``MAX_DAMAGED_AT_OPEN``: the node reports them."""
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -684,19 +702,39 @@ class Segment:
         self.sync()
 
     def flush(self) -> None:
-        """Make every appended record durable (fsync of the data file; the index waits for a checkpoint)."""
+        """Make every appended record durable (fsync of the data file; the index waits for a checkpoint, or
+        for :meth:`write_flushed_index`)."""
         data_file, _ = self._files()
+        covered = self._count
         if self._data_dirty:
             data_file.fsync(data_only=True)
             self._data_dirty = False
+        self._flushed_count = covered
+
+    def write_flushed_index(self) -> None:
+        """Write the index entries waiting in memory of the records the last :meth:`flush` made durable, not
+        fsynced: one ``pwrite`` that lets recovery after a process kill know those records were durable (and
+        so keep one that does not verify as damage, not cut it as a torn tail: see waltz.storage.resync)."""
+        tail = self._index_tail
+        written = self._count - len(tail) // INDEX_ENTRY_BYTES
+        n = min(len(tail) // INDEX_ENTRY_BYTES, self._flushed_count - written)
+        if n <= 0:
+            return
+        _, index_file = self._files()
+        index_file.pwrite(tail[: INDEX_ENTRY_BYTES * n], SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * written)
+        del tail[: INDEX_ENTRY_BYTES * n]
+        self._index_dirty = True
 
     def sync(self) -> None:
         """Make the data file and the index durable."""
         data_file, index_file = self._files()
-        self._write_index_tail()
+        # The data file first: an index entry on disk must only ever name a durable record, so that recovery
+        # can tell damage from a torn tail (see waltz.storage.resync).
         if self._data_dirty:
             data_file.fsync(data_only=True)
             self._data_dirty = False
+        self._flushed_count = self._count
+        self._write_index_tail()
         if self._index_dirty:
             index_file.fsync(data_only=True)
             self._index_dirty = False
@@ -715,7 +753,6 @@ class Segment:
         data_file, index_file = self._files()
         if not self.writable:
             raise StorageError(f"{self.data_path}: segment is read-only")
-        self._write_index_tail()
         if transaction_id < self.first_transaction_id - 1:
             raise StorageError(
                 f"{self.data_path}: cannot truncate to {transaction_id}, before the segment's first id"
@@ -729,9 +766,11 @@ class Segment:
         # data, which recovery detects; the other order could resurrect truncated records.
         data_file.truncate(cut)
         data_file.fsync()
+        # Only now the index entries waiting in memory: those it keeps name records the fsync made durable.
+        self._write_index_tail()
         index_file.truncate(SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * keep)
         index_file.fsync()
-        self._count = keep
+        self._count = self._flushed_count = keep
         self._data_size = self._zeros_durable_end = cut
         self._zero_epoch += 1  # the zeros went with the records; the next prefill writes them again
         self._data_dirty = self._index_dirty = False
@@ -953,10 +992,11 @@ class Segment:
 
     # ---------------------------------------------------------------------------------------- recovery
 
-    def _recovery_plan(self, *, quiet: bool = False) -> tuple[int, list[int], int]:
+    def _recovery_plan(self, *, quiet: bool = False, local_low_water_mark: int = -1) -> _RecoveryPlan:
         """What recovery keeps, read-only: the restart point (the last checkpoint the index covers whose
-        record verifies, else ``first - 1``), the offsets of the records that verify in sequence after it,
-        and the end of the last of them."""
+        record verifies, else ``first - 1``), the offsets of the records after it (those that verify in
+        sequence, and the durable ones that do not, kept as damaged: see :mod:`waltz.storage.resync`), the end
+        of the last of them, and the damaged ids."""
         first = self.first_transaction_id
         index_max = first + self._count - 1
         data_size = self._data_size
@@ -978,27 +1018,97 @@ class Segment:
                     "%s: checkpoint record %d does not verify; trying an earlier one", self.data_path, r
                 )
         new_offsets, end = self._scan(restart + 1, scan_from, data_size)
-        return restart, new_offsets, end
+        damaged: list[tuple[int, list[int]]] = []
+        durable_max = max(index_max, local_low_water_mark)
+        txn = restart + 1 + len(new_offsets)
+        zeroed: int | None = None
+        while txn <= durable_max and end + RECORD_OVERHEAD_BYTES <= data_size:
+            kept = self._keep_damage(txn, end, durable_max)
+            if kept is None:
+                # Only zeros from here: nothing to keep. Indexed records read as zeros were lost (a lost
+                # write); below the local low-water mark alone the node finds the loss from its marks.
+                zeroed = txn if txn <= index_max else None
+                break
+            offsets, end = kept
+            damaged.append((txn, [*offsets, end]))
+            txn += len(offsets)
+            more, end = self._scan(txn, end, data_size)
+            new_offsets += offsets
+            new_offsets += more
+            txn += len(more)
+        return _RecoveryPlan(restart, new_offsets, end, damaged, zeroed)
+
+    def _note_unverified(self, first_id: int, bounds: list[int]) -> None:
+        """Add to :attr:`damaged_at_open` the ids of a kept region whose records do not verify where the
+        region's offsets (``bounds``: each record's start, then the region's end) put them."""
+        data_file, _ = self._files()
+        for i, (start, stop) in enumerate(itertools.pairwise(bounds)):
+            if len(self.damaged_at_open) >= MAX_DAMAGED_AT_OPEN:
+                return
+            if record_end(data_file, start, first_id + i, stop, self.data_path, _verify_whole) != stop:
+                self.damaged_at_open.append(first_id + i)
+
+    def _keep_damage(self, txn: int, offset: int, durable_max: int) -> tuple[list[int], int] | None:
+        """The offsets of the durable records from ``txn`` (at ``offset``, not verifying) up to the next
+        record that verifies, and where that one begins; or, when none does, of the damaged records up to
+        the last byte that is not zero and where they end. None when only zeros follow."""
+        data_file, _ = self._files()
+        first = self.first_transaction_id
+        data_size = self._data_size
+        verify = _verify_whole
+        found = find_next_good(
+            data_file, self._index_entries, first, self._count, txn, offset, data_size, self.data_path, verify
+        )
+        if found is not None:
+            nxt, limit = found
+            ids = range(txn, nxt)
+        else:
+            limit = self._nonzero_end(offset, data_size)
+            if limit == offset:
+                return None
+            room = max(1, (limit - offset) // RECORD_OVERHEAD_BYTES)
+            ids = range(txn, min(durable_max, txn + room - 1) + 1)
+        in_index = ids.stop - first <= self._count
+        offsets = damaged_extents(
+            data_file, self._index_entries if in_index else _no_entries, first, ids, offset, limit
+        )
+        end = limit if found is not None else last_end(data_file, offsets[-1], limit)
+        return offsets, end
 
     def recovered_max_transaction_id(self) -> int:
         """The max id the node's index recovery will keep, read-only (for tools on a stopped node: the index
         of one killed may end before its records, or past them part-way through a truncate)."""
-        restart, new_offsets, _ = self._recovery_plan(quiet=True)
-        return restart + len(new_offsets)
+        plan = self._recovery_plan(quiet=True)
+        return plan.restart + len(plan.offsets)
 
     def _recover(self, local_low_water_mark: int) -> None:
         data_file, index_file = self._files()
         first = self.first_transaction_id
         index_max = first + self._count - 1
         data_size = self._data_size
-        restart, new_offsets, end = self._recovery_plan()
+        restart, new_offsets, end, damaged, zeroed = self._recovery_plan(
+            local_low_water_mark=local_low_water_mark
+        )
+        if zeroed is not None:
+            self.lost_at_open = (
+                f"{self.data_path}: transactions {zeroed}..{index_max} were durable (their index entries "
+                "were written after an fsync) but read as zeros: lost"
+            )
+            log.error("%s; the log ends at %d", self.lost_at_open, zeroed - 1)
         last = restart + len(new_offsets)
         keep = last - first + 1
-        if new_offsets:
-            index_file.pwrite(
-                struct.pack(f">{len(new_offsets)}q", *new_offsets),
-                SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * (restart + 1 - first),
+        for region_first, bounds in damaged:
+            log.error(
+                "%s: transaction(s) %d..%d do not verify but were durable (%s); kept as damaged records, "
+                "not cut: the node reports them and repairs them from another replica",
+                self.data_path,
+                region_first,
+                region_first + len(bounds) - 2,
+                "their index entries were written after an fsync"
+                if region_first <= index_max
+                else f"at or below the local low-water mark {local_low_water_mark}",
             )
+            self._note_unverified(region_first, bounds)
         if end != data_size:
             torn_end = self._nonzero_end(end, data_size)
             if torn_end != end:
@@ -1021,12 +1131,18 @@ class Segment:
                 last,
                 local_low_water_mark,
             )
+        # The data file first, durably: an index entry on disk must only ever name a durable record (see
+        # waltz.storage.resync), and what we read may have come from an unsynced page cache.
         data_file.truncate(end)
-        index_file.truncate(SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * keep)
-        # Fsync even when nothing changed: what we read may have come from an unsynced page cache.
         data_file.fsync()
+        if new_offsets:
+            index_file.pwrite(
+                struct.pack(f">{len(new_offsets)}q", *new_offsets),
+                SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * (restart + 1 - first),
+            )
+        index_file.truncate(SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * keep)
         index_file.fsync()
-        self._count = keep
+        self._count = self._flushed_count = keep
         self._data_size = self._zeros_durable_end = end
         self._data_dirty = self._index_dirty = False
 
@@ -1173,6 +1289,25 @@ def _decode_verified(
     finally:
         view.release()
     return txn, make_req_id(msb, lsb), header, data_crc
+
+
+class _RecoveryPlan(NamedTuple):
+    restart: int
+    offsets: list[int]
+    end: int
+    damaged: list[tuple[int, list[int]]]
+    """The regions kept after a durable record that does not verify: ``(first id, offsets)``, the offsets
+    of each record then the region's end."""
+    zeroed: int | None
+    """The first of the durable (indexed) records found to read as zeros up to the end, or None."""
+
+
+def _verify_whole(raw: bytes, transaction_id: int, path: str, offset: int) -> object:
+    return _decode_verified(raw, 0, len(raw), transaction_id, path, offset)
+
+
+def _no_entries(entry: int, n: int) -> bytes:
+    return b""
 
 
 def _check_run(raw: bytes, offsets: list[int], first: int, path: str) -> None:

@@ -152,12 +152,14 @@ class StoragePartition:
                 trim_point=self.node.control.trim_point(self.partition_id),
                 fs=self.node.fs,
             )
+            for txn in self.log.damaged_at_open:  # kept by recovery, not cut (see waltz.storage.resync)
+                self.note_damage(txn, "durable but does not verify at open")
             if self.broken is None:
                 # What a (re)start finds on disk is what the disk holds. A broken partition keeps the mark it
                 # had: its page cache may hold records the disk lost (see ``_heal``).
                 self.durable_max = self.log.max_transaction_id
             if info.assigned and self.lost is None:
-                why = lost_below_mark(self.log.max_transaction_id, info)
+                why = lost_below_mark(self.log.max_transaction_id, info) or self.log.lost_at_open
                 if why is not None:
                     self._mark_lost(why)
         return self.log
@@ -676,6 +678,7 @@ class StoragePartition:
         return e if isinstance(e, WaltzError) else StorageError(f"fsync failed: {e}")
 
     def _fsynced(self, plog: PartitionLog) -> None:
+        plog.write_flushed_index()  # lets recovery after a kill tell damage from a torn tail
         zeros = self._zeros
         if zeros is not None:
             # Written before this fsync began (after the previous group's answers; never during a group):
