@@ -28,6 +28,8 @@ from waltz.ops import accept_loss, checks, generation, rebuild
 from waltz.ops.view import ClusterView, read_view
 
 Command = Callable[[KazooClient, str, argparse.Namespace, TextIO], int | None]
+_AddCommand = Callable[[str, Command, str], argparse.ArgumentParser]
+"""``command(name, handler, help)``: adds a subcommand and returns its parser, for the options."""
 
 
 def _run(command: Command) -> Callable[[argparse.Namespace], int]:
@@ -288,6 +290,12 @@ def register(groups: Any) -> None:
         p.set_defaults(handler=_run(fn))
         return p
 
+    _add_metadata_commands(command)
+    _add_check_and_repair_commands(command)
+
+
+def _add_metadata_commands(command: _AddCommand) -> None:
+    """The commands that create, show and edit the cluster's metadata."""
     p = command("create", cmd_create, "create a cluster (random cluster key) at cluster.root")
     p.add_argument("-n", "--name", required=True, help="cluster name")
     p.add_argument("-p", "--partitions", required=True, type=_positive, help="number of partitions")
@@ -326,6 +334,9 @@ def register(groups: Any) -> None:
     p = command("auto-assign", cmd_auto_assign, "spread all partitions round-robin over a group's nodes")
     p.add_argument("-g", "--group", required=True, type=_non_negative, help="replica group id")
 
+
+def _add_check_and_repair_commands(command: _AddCommand) -> None:
+    """The commands that check the cluster and repair its metadata."""
     p = command("check-connectivity", cmd_check_connectivity, "each live server's view of each storage node")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit per node (10 s)")
 
