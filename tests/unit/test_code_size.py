@@ -18,7 +18,16 @@ SRC = Path(waltz.__file__).parent
 MAX_FUNCTION_LINES = 70
 MAX_MODULE_LINES = 900
 
-CHECKED: tuple[str, ...] = ("transport",)
+NOT_YET_CHECKED = frozenset({"client", "storage"})
+"""Packages still being split; each joins the check when its split lands (then ``CHECKED = ("",)``)."""
+
+CHECKED: tuple[str, ...] = tuple(
+    sorted(
+        p.name
+        for p in SRC.iterdir()
+        if p.name not in NOT_YET_CHECKED and (p.suffix == ".py" or (p / "__init__.py").exists())
+    )
+)
 """What is checked, relative to ``src/waltz``: ``""`` is all of it."""
 
 EXCEPTIONS: dict[str, str] = {}
