@@ -14,9 +14,7 @@ from typing import ClassVar, Final, NamedTuple
 from waltz.errors import LocalProtocolError, RemoteProtocolError
 from waltz.protocol.checksum import crc32 as _crc32
 from waltz.protocol.client_server.base import (
-    _I32,
     _MASK64,
-    _U32,
     MessageType,
     _Message,
     _truncated,
@@ -24,6 +22,11 @@ from waltz.protocol.client_server.base import (
 )
 from waltz.protocol.framing import FRAME_HEADER_BYTES
 from waltz.protocol.records import ReqId, crc32
+
+# Module constants, not imported: CPython compiles ``name.method(...)`` of an imported name without
+# LOAD_METHOD (it takes the name for a module), which builds a bound method on every call of the hot path.
+_I32 = struct.Struct(">i")
+_U32 = struct.Struct(">I")
 
 _APPEND_HEAD = struct.Struct(">BQQqi")  # type, ReqId, clientHighWaterMark, writeLocks count
 _APPEND_HEAD_NO_LOCKS = struct.Struct(">BQQqiiiii")  # V2+: type, ReqId, hwm, 0 locks x3, header, length

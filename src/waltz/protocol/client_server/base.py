@@ -25,9 +25,6 @@ _tuple_new = tuple.__new__
 _PREFIX = struct.Struct(">BQQ")  # type, ReqId msb, ReqId lsb
 _PREFIX_BYTES = _PREFIX.size  # 17
 
-_I32 = struct.Struct(">i")
-_U32 = struct.Struct(">I")
-
 
 class MessageType(IntEnum):
     """The ``type`` byte that starts every payload."""

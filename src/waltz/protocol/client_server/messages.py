@@ -9,11 +9,9 @@ from typing import ClassVar, Self
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
 from waltz.protocol.client_server.base import (
-    _I32,
     _I64,
     _INT,
     _PREFIX_BYTES,
-    _U32,
     MessageType,
     PartitionState,
     _check_high_water_mark,
@@ -24,6 +22,11 @@ from waltz.protocol.client_server.base import (
 from waltz.protocol.record_run import STORED_OVERHEAD_BYTES, RunBytes, encode_run, run_records
 from waltz.protocol.records import Record, ReqId, crc32
 from waltz.protocol.wire import Reader, Writer
+
+# Module constants, not imported: CPython compiles ``name.method(...)`` of an imported name without
+# LOAD_METHOD (it takes the name for a module), which builds a bound method on every call of the hot path.
+_I32 = struct.Struct(">i")
+_U32 = struct.Struct(">I")
 
 _RANGE_HEAD = struct.Struct(">qii")  # transactionId, n, run length
 
