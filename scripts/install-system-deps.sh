@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests and the demo run for real: ZooKeeper (which brings a JRE) and
-# PostgreSQL. Idempotent: does nothing when they are already there.
+# PostgreSQL, and FUSE 3 for the fault suite's power cuts. Idempotent: does nothing when they are already there.
 set -euo pipefail
 need=()
 [ -x /usr/share/zookeeper/bin/zkServer.sh ] || need+=(zookeeper)
@@ -9,6 +9,8 @@ need=()
 [ -f /usr/share/java/netty-codec.jar ] || need+=(libnetty-java)
 command -v java >/dev/null 2>&1 || need+=(default-jre-headless)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
+# The fault suite's power cuts (bench/faults/powerfs.py) run a FUSE filesystem: libfuse 3 and fusermount3.
+command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

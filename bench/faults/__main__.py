@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.faults.suite import ALL_KINDS, Options, result_json, run_seed
+from bench.faults.suite import ALL_KINDS, KNOWN_KINDS, Options, result_json, run_seed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,15 +32,29 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep every SIGSTOP of ZooKeeper below the session timeout (by default half go past it)",
     )
-    parser.add_argument("--kinds", default=",".join(ALL_KINDS), help="fault kinds to draw from")
+    parser.add_argument(
+        "--kinds",
+        default=",".join(ALL_KINDS),
+        help=f"fault kinds to draw from (default: all but the power cuts; known: {', '.join(KNOWN_KINDS)})",
+    )
+    parser.add_argument(
+        "--fsync-noop",
+        action="store_true",
+        help="with power cuts: fsync does nothing on the storage nodes (the negative control: must fail)",
+    )
+    parser.add_argument(
+        "--zk-strict-posix",
+        action="store_true",
+        help="with power cuts: ZooKeeper's directory keeps the strict model (it never fsyncs its directory)",
+    )
     parser.add_argument("--dir", type=Path, default=None, help="parent directory of the runs")
     parser.add_argument("--keep", action="store_true", help="keep the directory of passing runs")
     parser.add_argument("--results", type=Path, default=None, help="append one JSON line per run")
     args = parser.parse_args(argv)
     kinds = tuple(k for k in args.kinds.split(",") if k)
-    unknown = set(kinds) - set(ALL_KINDS)
+    unknown = set(kinds) - set(KNOWN_KINDS)
     if unknown:
-        parser.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(ALL_KINDS)}")
+        parser.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KNOWN_KINDS)}")
     opts = dataclasses.replace(
         Options(),
         fault_phase_s=args.fault_phase_s,
@@ -48,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         apps=args.apps,
         long_zk_pauses=not args.short_zk_pauses,
         kinds=kinds,
+        fsync_noop=args.fsync_noop,
+        zk_strict_posix=args.zk_strict_posix,
     )
     seeds = [args.seeds] if args.only else list(range(args.first, args.first + args.seeds))
     parent = args.dir if args.dir is not None else Path(tempfile.mkdtemp(prefix="waltz-faults-"))

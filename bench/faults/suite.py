@@ -13,8 +13,9 @@ One run (:func:`run_seed`), bounded in time, stops everything it started:
 3. The seed picks the fault schedule (printed before the run; :func:`schedule`): kill -9 and SIGSTOP/SIGCONT
    of a storage node, a server or ZooKeeper, two storage nodes down at once, a cut of all links to one storage
    node (server<->storage) or to one server (client<->server), and the owner faults of
-   :mod:`bench.faults.owner` (one server cut from ZooKeeper alone, or stopped, past its session). Faults run
-   one after the other, each healed before the next, with a random gap.
+   :mod:`bench.faults.owner` (one server cut from ZooKeeper alone, or stopped, past its session); only when
+   named in ``kinds``, the power cuts of :mod:`bench.faults.power` (one storage node, or the whole cluster, on
+   powerfs mounts). Faults run one after the other, each healed before the next, with a random gap.
 4. Checks (:func:`verify`), after the last fault was healed:
 
    * no partition is stuck: every partition acknowledges a new append within ``stuck_bound_s`` of the heal;
@@ -22,8 +23,9 @@ One run (:func:`run_seed`), bounded in time, stops everything it started:
      partition, at most ``stuck_bound_s``), no app goes without acknowledgements on a partition that
      acknowledges the other apps' appends (:func:`bench.faults.owner.check_stranded`);
    * every transaction an app saw acknowledged is in the log (read through the servers with
-     :class:`~waltz.client.reader.LogReader`) exactly once, in the partition it was sent to, and no tag is in
-     the log twice at all (nothing committed twice);
+     :class:`~waltz.client.reader.LogReader`; if they do not serve it, each partition's longest replica, read
+     through the storage nodes' admin ports, and that is a problem too) exactly once, in the partition it was
+     sent to, and no tag is in the log twice at all (nothing committed twice);
    * ids are dense: every partition's log is ``0..hwm`` with no gap;
    * every replica (read through each storage node's admin port) holds, below the committed high-water mark,
      byte for byte the records the servers serve; replicas get ``catch_up_bound_s`` to catch up first.
@@ -45,6 +47,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,6 +61,7 @@ from bench.faults.owner import (
     start_zookeeper_link,
     stranded_pairs,
 )
+from bench.faults.power import POWER_KINDS, PowerCuts
 from bench.faults.proxy import LinkProxy
 
 from waltz import local
@@ -75,6 +79,8 @@ STORAGE_KINDS = ("kill9-storage", "sigstop-storage", "two-storages-down", "cut-s
 SERVER_KINDS = ("kill9-server", "sigstop-server", "cut-client-server")
 ZK_KINDS = ("kill9-zookeeper", "sigstop-zookeeper")
 ALL_KINDS = STORAGE_KINDS + SERVER_KINDS + ZK_KINDS + OWNER_KINDS
+KNOWN_KINDS = ALL_KINDS + POWER_KINDS
+"""Every kind ``--kinds`` accepts; the power cuts (:mod:`bench.faults.power`) are drawn only when named."""
 READ_CHUNK_RECORDS = 500
 REPO = Path(__file__).resolve().parents[2]
 
@@ -106,6 +112,12 @@ class Options:
     start_timeout_s: float = 90.0
     run_bound_s: float = 600.0
     """Hard limit on the whole run, set-up and checks included."""
+    apps_grace_s: float = 120.0
+    """How long the apps get, after the stuck check, to see their last appends end and exit."""
+    fsync_noop: bool = False
+    """With a power kind: fsync does nothing on the storage nodes' mounts (the negative control)."""
+    zk_strict_posix: bool = False
+    """With a power kind: ZooKeeper's mount keeps the strict model (see :mod:`bench.faults.power`)."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +148,8 @@ def schedule(seed: int, opts: Options) -> list[Fault]:
             targets = (rng.randrange(opts.storages),)
         elif kind in SERVER_KINDS or kind in OWNER_KINDS:
             targets = (rng.randrange(opts.servers),)
+        elif kind == "power-storage":
+            targets = (rng.randrange(opts.storages),)
         else:
             targets = (0,)
         if kind == "sigstop-zookeeper":
@@ -205,6 +219,17 @@ class Harness:
         self.failed_tags: dict[str, str] = {}
         """Contexts whose client gave up with an error (the outcome of their last append may be unknown)."""
         self.notes: list[str] = []
+        self.power = (
+            PowerCuts(
+                directory,
+                fsync_noop=opts.fsync_noop,
+                zk_strict_posix=opts.zk_strict_posix,
+                start_timeout_s=opts.start_timeout_s,
+            )
+            if set(opts.kinds) & set(POWER_KINDS)
+            else None
+        )
+        """The powerfs mounts, when the run cuts power."""
         self.pending_tags: list[str] = []
         """Contexts an app still waited for when it gave up: neither committed nor failed long after the
         cluster healed (a request dropped without an answer, or a commit the client missed)."""
@@ -226,6 +251,7 @@ class Harness:
             partitions=opts.partitions,
             zk_session_timeout_ms=ZK_SESSION_TIMEOUT_MS,
             start_timeout_s=opts.start_timeout_s,
+            before_storage_start=None if self.power is None else self.power.mount_storage,
         )
         self.cluster_up = True
         for attempt in range(3):
@@ -237,7 +263,11 @@ class Harness:
                 # machine is shared): `up` cleaned up after itself, so try again with new ports.
                 if "Address already in use" not in str(e) or attempt == 2:
                     raise
+                if self.power is not None:
+                    await asyncio.to_thread(self.power.unmount_all)
                 self.log("a port was taken during start-up; starting the cluster again")
+        if self.power is not None:
+            await asyncio.to_thread(self.power.mount_zookeeper)
         cluster = self.cluster()
         # Move every listener behind a proxy on the address the rest of the cluster already knows.
         for rec in cluster.storages:
@@ -327,6 +357,8 @@ class Harness:
             await self._cut_for(self.storage_proxies[targets[0]], duration)
         elif kind == "cut-client-server":
             await self._cut_for(self.server_proxies[targets[0]], duration)
+        elif kind in POWER_KINDS:
+            await self._power_cut(kind, targets, duration)
         elif kind == "cut-server-zookeeper":
             await self._cut_for(self.zookeeper_links[targets[0]], duration)
         else:
@@ -355,6 +387,17 @@ class Harness:
         await asyncio.sleep(duration_s)
         for index in targets:
             await asyncio.to_thread(local.start, self.directory, kind, index, self.opts.start_timeout_s)
+
+    async def _power_cut(self, kind: str, targets: tuple[int, ...], duration_s: float) -> None:
+        assert self.power is not None
+        if kind == "power-storage":
+            await asyncio.to_thread(self.power.cut_storage, targets[0])
+            await asyncio.sleep(duration_s)
+            await asyncio.to_thread(self.power.restore_storage, targets[0])
+        else:
+            await asyncio.to_thread(self.power.cut_cluster)
+            await asyncio.sleep(duration_s)
+            await asyncio.to_thread(self.power.restore_cluster)
 
     @staticmethod
     async def _cut_for(proxy: LinkProxy, duration_s: float) -> None:
@@ -458,10 +501,16 @@ class Harness:
         problems: list[str] = []
         config = ClientConfig.from_yaml(self.directory / "client.yaml")
         logs: dict[int, list[Record]] = {}
-        async with asyncio.timeout(120), LogReader(config) as reader:
-            for p in range(self.opts.partitions):
-                hwm = await reader.high_water_mark(p)
-                logs[p] = [r async for r in reader.read(p, 0, hwm)]
+        try:
+            async with asyncio.timeout(120), LogReader(config) as reader:
+                for p in range(self.opts.partitions):
+                    hwm = await reader.high_water_mark(p)
+                    logs[p] = [r async for r in reader.read(p, 0, hwm)]
+        except Exception as e:  # noqa: BLE001 - reported; the replicas still tell what was kept
+            # A partition no server serves (every replica damaged, say) still has a verdict: what the
+            # longest replica holds is the most the cluster kept.
+            problems.append(f"the log could not be read through the servers ({e!r}); checked the replicas")
+            logs = await self.read_replicas()
         acked = {tag: partition for tag, (partition, _) in acks.items()}
         problems += check_log(logs, acked, self.pending_tags)
         committed = {r.data.decode("utf-8", "replace") for records in logs.values() for r in records}
@@ -471,13 +520,47 @@ class Harness:
         problems += await self.verify_replicas({p: len(r) - 1 for p, r in logs.items()}, logs)
         return {p: len(r) for p, r in logs.items()}, problems
 
-    async def verify_replicas(self, hwms: dict[int, int], logs: dict[int, list[Record]]) -> list[str]:
+    def _cluster_key(self) -> uuid.UUID:
         cluster = self.cluster()
         client = zkutil.connect(cluster.zk_connect, session_timeout_ms=10_000, connect_timeout_ms=10_000)
         try:
-            key = sm.read_store_params(client, cluster.cluster_root).cluster_key
+            return sm.read_store_params(client, cluster.cluster_root).cluster_key
         finally:
             zkutil.close(client)
+
+    async def read_replicas(self) -> dict[int, list[Record]]:
+        """Each partition's longest replica, read through the storage nodes' admin ports (a replica that
+        cannot be read counts as empty)."""
+        cluster = self.cluster()
+        key = self._cluster_key()
+        logs: dict[int, list[Record]] = {p: [] for p in range(self.opts.partitions)}
+        for rec in cluster.storages:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(60):
+                    admin = await AdminClient.connect(
+                        procs.LOOPBACK, rec.admin_port, key, self.opts.partitions
+                    )
+                    async with admin:
+                        for p in rec.partitions:
+                            records = await self._read_replica(admin, p)
+                            if len(records) > len(logs[p]):
+                                logs[p] = records
+        return logs
+
+    @staticmethod
+    async def _read_replica(admin: AdminClient, partition: int) -> list[Record]:
+        held = await admin.max_transaction_id(partition)
+        records: list[Record] = []
+        while len(records) <= held:
+            chunk = await admin.read_records(partition, len(records), READ_CHUNK_RECORDS)
+            if not chunk:
+                break
+            records += chunk
+        return records
+
+    async def verify_replicas(self, hwms: dict[int, int], logs: dict[int, list[Record]]) -> list[str]:
+        cluster = self.cluster()
+        key = self._cluster_key()
         problems: list[str] = []
         for rec in cluster.storages:
             async with asyncio.timeout(self.opts.catch_up_bound_s + 60):
@@ -540,6 +623,8 @@ class Harness:
                         self.log(f"could not stop the cluster: {e!r}; see {self.directory}/cluster.json")
                         break
                     await asyncio.sleep(1.0)
+        if self.power is not None:
+            await asyncio.to_thread(self.power.unmount_all)
         for proxy in [*self.storage_proxies, *self.server_proxies, *self.zookeeper_links]:
             await proxy.aclose()
 
@@ -606,7 +691,7 @@ async def _run(harness: Harness, faults: list[Fault], result: Result) -> None:
     result.resume_s, problems = await harness.wait_progress(healed_at)
     result.problems += problems
     harness.stop_file.touch()
-    result.problems += await harness.wait_apps(opts.stuck_bound_s + 5 + 120)
+    result.problems += await harness.wait_apps(opts.stuck_bound_s + 5 + opts.apps_grace_s)
     acks, result.app_counts, problems = harness.read_acks()
     result.problems += problems
     result.acked = len(acks)

@@ -19,7 +19,8 @@ decide on that flag, never on message text::
     │   ├── ClusterKeyMismatchError    the peer belongs to another cluster (wrong key or partition count)
     │   ├── SessionFencedError         a newer store session exists; this one may no longer write
     │   ├── PartitionNotAssignedError  the partition is not assigned (or not available) on that node
-    │   └── TransactionOutOfOrderError an append did not continue the log densely
+    │   ├── TransactionOutOfOrderError an append did not continue the log densely
+    │   └── TrimmedError               a read or mount asked for transactions below the trim point
     ├── ClusterError                   ZooKeeper metadata and membership
     │   ├── ClusterNotFoundError       no cluster at that root
     │   ├── ConcurrentUpdateError      a version-checked write lost a race (retriable)
@@ -54,6 +55,7 @@ Storage failure responses carry a class name (the first frame of the wire ``Stor
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 
@@ -146,6 +148,47 @@ class PartitionNotAssignedError(StorageError):
 
 class TransactionOutOfOrderError(StorageError):
     """An append did not continue the log densely (its first id is not max id + 1)."""
+
+
+class TrimmedError(StorageError):
+    """A read (or a client's mount) asked for a transaction below the partition's trim point: those
+    transactions were deleted on purpose (see ``docs/operations.md``, "Retention"). Not retriable: no replica
+    holds them any more; an application bootstraps from a snapshot instead. The message names the partition,
+    the requested id and the trim point; so do the attributes (-1 where a peer's message did not say)."""
+
+    def __init__(
+        self, message: str, *, partition_id: int = -1, transaction_id: int = -1, trim_point: int = -1
+    ):
+        super().__init__(message)
+        self.partition_id = partition_id
+        self.transaction_id = transaction_id
+        self.trim_point = trim_point
+
+    @classmethod
+    def below(cls, partition_id: int, transaction_id: int, trim_point: int) -> TrimmedError:
+        """The error for a read of ``transaction_id`` below ``trim_point``."""
+        return cls(
+            f"partition {partition_id}: transaction {transaction_id} is below the trim point {trim_point} "
+            f"(transactions 0..{trim_point - 1} were trimmed); bootstrap from a snapshot at or above "
+            f"{trim_point - 1}",
+            partition_id=partition_id,
+            transaction_id=transaction_id,
+            trim_point=trim_point,
+        )
+
+    @classmethod
+    def from_message(cls, message: str) -> TrimmedError | None:
+        """The error a peer described in ``message`` (as :meth:`below` words it), or None if the message is
+        not one. For answers whose wire format carries an error as text only (a client's transaction data
+        read, ``docs/operations.md`` "Retention")."""
+        m = _TRIM_NUMBERS.search(message)
+        if m is None:
+            return None
+        pid, txn, trim = (int(g) for g in m.groups())
+        return cls(message, partition_id=pid, transaction_id=txn, trim_point=trim)
+
+
+_TRIM_NUMBERS = re.compile(r"partition (-?\d+): transaction (-?\d+) is below the trim point (-?\d+)")
 
 
 class ClusterError(WaltzError):
@@ -247,6 +290,7 @@ _WIRE_CLASSES: dict[str, type[WaltzError]] = {
         SessionFencedError,
         PartitionNotAssignedError,
         TransactionOutOfOrderError,
+        TrimmedError,
         RemoteProtocolError,
         ConfigError,
     )
@@ -256,6 +300,9 @@ _WIRE_CLASSES: dict[str, type[WaltzError]] = {
 def error_from_wire(class_name: str, message: str) -> WaltzError:
     """Rebuild an error received from a peer; unknown class names become :class:`StorageRpcError`."""
     cls = _WIRE_CLASSES.get(class_name, StorageRpcError)
+    if cls is TrimmedError:
+        # The numbers travel in the message only (the failure format has no fields for them).
+        return TrimmedError.from_message(message) or TrimmedError(message)
     return cls(message)
 
 

@@ -10,7 +10,7 @@ import itertools
 import pytest
 from bench.faults.owner import OWNER_KINDS, check_stranded, stranded_pairs
 from bench.faults.proxy import LinkProxy
-from bench.faults.suite import ZK_SESSION_TIMEOUT_MS, Options, check_log, schedule
+from bench.faults.suite import ALL_KINDS, KNOWN_KINDS, ZK_SESSION_TIMEOUT_MS, Options, check_log, schedule
 
 from waltz.protocol.records import Record, ReqId
 
@@ -58,6 +58,15 @@ def test_the_seed_decides_the_schedule_and_short_zookeeper_pauses_stay_below_the
         for a, b in itertools.pairwise(faults):
             assert a.at_s + a.duration_s < b.at_s  # each fault is healed before the next
         assert all(len(set(f.targets)) == 2 for f in faults if f.kind == "two-storages-down")
+
+
+def test_power_cuts_are_drawn_only_when_named_and_target_a_storage_node() -> None:
+    assert not any(k.startswith("power-") for k in ALL_KINDS)
+    assert {"power-storage", "power-cluster"} <= set(KNOWN_KINDS)
+    opts = Options(fault_phase_s=120, kinds=("power-storage", "power-cluster"))
+    faults = [f for s in range(20) for f in schedule(s, opts)]
+    assert {f.kind for f in faults} == {"power-storage", "power-cluster"}
+    assert {f.targets for f in faults if f.kind == "power-storage"} == {(0,), (1,), (2,)}
 
 
 def test_the_proxy_relays_cuts_refuses_and_restores() -> None:

@@ -132,6 +132,8 @@ class Cluster:
         self.storage_config = dict(storage_config or {})
         self.verbose = verbose
         self.storages: list[StorageProcess] = []
+        self.faulty_storages: set[int] = set()
+        """Indexes of the storage nodes to start on the failing file layer (see ``StorageProcess.faulty``)."""
         self.servers: list[ServerProcess] = []
         sm.create_cluster(zk, root, "test", num_partitions, cluster_key=self.cluster_key)
 
@@ -151,6 +153,7 @@ class Cluster:
             config=self.storage_config,
             name=f"storage-{len(self.storages)}",
             verbose=self.verbose,
+            faulty=len(self.storages) in self.faulty_storages,
         )
         self.storages.append(sp)
         await asyncio.to_thread(sp.start)

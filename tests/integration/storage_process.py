@@ -12,6 +12,9 @@ Always stop it: use it as a context manager or call :meth:`stop` in a ``finally`
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -46,6 +49,7 @@ class StorageProcess(WaltzProcess):
         name: str = "storage",
         use_cluster_identity: bool = True,
         verbose: bool = False,
+        faulty: bool = False,
     ) -> None:
         self.directory = Path(base) / f"{name}-data"
         self.cluster_key = cluster_key
@@ -60,6 +64,9 @@ class StorageProcess(WaltzProcess):
             values["storage.cluster.numPartitions"] = num_partitions
         values.update(config or {})
         super().__init__(base, name, values, verbose=verbose)
+        self.faulty = faulty
+        """Run on the test-only failing file layer (``python -m waltz.testing.faultfs``): each
+        :meth:`fail_next_fsync` fails the node's next data fsync."""
         self.port = 0
         self.admin_port = 0
         self.http_port = 0
@@ -72,6 +79,17 @@ class StorageProcess(WaltzProcess):
             if self.http_port:
                 values["storage.http.port"] = self.http_port
         return values
+
+    def _command(self) -> list[str]:
+        if not self.faulty:
+            return super()._command()
+        return [sys.executable, "-m", "waltz.testing.faultfs", *(["-v"] if self.verbose else [])]
+
+    def fail_next_fsync(self) -> None:
+        """Make the node's next data fsync fail with EIO (only with ``faulty=True``)."""
+        if not self.faulty:
+            raise self.ERROR(f"{self.name} does not run on the failing file layer (faulty=False)")
+        os.kill(self.pid, signal.SIGUSR1)
 
     def _on_ready(self, ready: dict[str, Any]) -> None:
         self.port, self.admin_port, self.http_port = (

@@ -5,7 +5,8 @@ health tells the truth.
   answered (with a failure) instead of waiting forever, and ``/health`` is 503 naming it;
 * a server's ZooKeeper followers: a failure stops following, shows on ``/health`` and ends ``run_server``;
 * a server partition's append task: the partition reports it, and the server reopens it;
-* a storage partition fail-stopped by a failed fsync: ``/health`` is 503 until it heals.
+* a storage partition fail-stopped by a failed fsync: ``/health`` is 503 until it heals;
+* a storage node's scrub that hits a bug: ``/health`` is 503 naming it (it was once only a log line).
 
 These run the component in-process on loopback (a real storage node, a real server over real ZooKeeper) and
 inject the bug by replacing one method, which no request could otherwise reach.
@@ -32,9 +33,11 @@ from waltz.server.config import ServerConfig
 from waltz.server.partition import Partition
 from waltz.server.server import WaltzServer, run_server
 from waltz.server.storage_client import AdminClient, StorageClient
+from waltz.storage import scrub
 from waltz.storage.config import StorageConfig
-from waltz.storage.fileio import FAULTS
-from waltz.storage.node import HEAL_INTERVAL_S, StorageNode
+from waltz.storage.node import StorageNode
+from waltz.storage.worker import HEAL_INTERVAL_S
+from waltz.testing.faultfs import FaultyFileSystem
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -47,7 +50,9 @@ def _health(port: int) -> tuple[int, dict[str, Any]]:
     return status, value
 
 
-async def _storage_node(tmp_path: Path) -> StorageNode:
+async def _storage_node(
+    tmp_path: Path, fs: FaultyFileSystem | None = None, **settings: object
+) -> StorageNode:
     config = StorageConfig.from_mapping(
         {
             "storage.port": 0,
@@ -56,9 +61,12 @@ async def _storage_node(tmp_path: Path) -> StorageNode:
             "storage.directory": str(tmp_path / "storage"),
             "storage.cluster.key": str(DEFAULT_KEY),
             "storage.cluster.numPartitions": NUM_PARTITIONS,
+            **settings,
         }
     )
-    return await StorageNode.start(config, DEFAULT_KEY, NUM_PARTITIONS)
+    if fs is None:
+        return await StorageNode.start(config, DEFAULT_KEY, NUM_PARTITIONS)
+    return await StorageNode.start(config, DEFAULT_KEY, NUM_PARTITIONS, fs=fs)
 
 
 def _free_port() -> int:
@@ -273,7 +281,8 @@ def test_a_failed_task_of_the_server_stops_it_and_health_says_why(
 
 def test_a_fail_stopped_partition_shows_on_health_until_it_heals(tmp_path: Path) -> None:
     async def main() -> None:
-        node = await _storage_node(tmp_path)
+        fs = FaultyFileSystem()
+        node = await _storage_node(tmp_path, fs)
         try:
             admin = await AdminClient.connect("127.0.0.1", node.admin_port, DEFAULT_KEY, NUM_PARTITIONS)
             client = await StorageClient.connect("127.0.0.1", node.port, DEFAULT_KEY, NUM_PARTITIONS)
@@ -281,7 +290,7 @@ def test_a_fail_stopped_partition_shows_on_health_until_it_heals(tmp_path: Path)
                 await admin.set_assigned([0, 1], True)
                 await client.last_session_info(1, 0)
                 await client.append(1, 0, [_record(0)])
-                FAULTS.fail_next_fsync()
+                fs.fail_next_fsyncs()
                 with pytest.raises(StorageError, match="injected"):
                     await client.append(1, 0, [_record(1)])
                 status, body = await asyncio.to_thread(_health, node.http_port)
@@ -294,8 +303,42 @@ def test_a_fail_stopped_partition_shows_on_health_until_it_heals(tmp_path: Path)
                 await asyncio.sleep(HEAL_INTERVAL_S)
                 assert await client.max_transaction_id(1, 0) == 0
                 assert (await asyncio.to_thread(_health, node.http_port))[0] == 200
+                assert fs.failed_fsyncs == 1
         finally:
-            FAULTS.fsync_failures = 0
+            await node.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_failed_scrub_shows_on_health_with_its_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scrub is a background task of the node: a bug in it (not an I/O error of one partition, which it
+    reports and skips) reaches /health, which stays 503 naming it, instead of a log line nobody reads."""
+
+    def bug(part: Any, after: int) -> Any:
+        raise RuntimeError("injected scrub bug")
+
+    monkeypatch.setattr(scrub, "scrub_step", bug)
+
+    async def main() -> None:
+        node = await _storage_node(tmp_path, **{"storage.scrub.bytesPerSecond": 1 << 20})
+        try:
+            admin = await AdminClient.connect("127.0.0.1", node.admin_port, DEFAULT_KEY, NUM_PARTITIONS)
+            async with admin:
+                await admin.set_assigned([0], True)
+            await asyncio.wait_for(node.task_failed.wait(), 30)
+            status, body = await asyncio.to_thread(_health, node.http_port)
+            assert status == 503
+            assert body["storage"] == "degraded"
+            assert body["partitions"] == {}
+            assert list(body["tasks"]) == ["storage-scrub"]
+            assert "injected scrub bug" in body["tasks"]["storage-scrub"]
+            client = await StorageClient.connect("127.0.0.1", node.port, DEFAULT_KEY, NUM_PARTITIONS)
+            async with client:  # the partitions serve on: only the scrub is gone
+                await client.last_session_info(1, 0)
+                await client.append(1, 0, [_record(0)])
+        finally:
             await node.aclose()
 
     asyncio.run(main())

@@ -1,8 +1,8 @@
 """Disk faults on one of three real storage nodes while a client appends through a real server (issue 14).
 
 * **A full disk**: the node's data directory is a small tmpfs, filled up by a ballast file mid-stream.
-* **A failed fsync**: the node runs with ``WALTZ_TEST_FAULTS=1`` and gets SIGUSR1, which makes its next
-  data-file fsync fail with EIO (:class:`waltz.storage.fileio.FaultSwitch`).
+* **A failed fsync**: the node runs on the test-only failing file layer
+  (:class:`waltz.testing.faultfs.FaultyFileSystem`), told to fail its next data fsync with EIO.
 
 In both: the node says why in one ERROR line and fail-stops the partition; the cluster keeps committing
 through the two other replicas (the server logs a WARNING for the replica it lost); once the disk has room
@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import os
-import signal
 import subprocess
 from pathlib import Path
 
@@ -31,7 +29,6 @@ from tests.integration.server_process import Cluster, assert_identical, settled_
 from tests.integration.storage_process import StorageProcess
 from waltz.cluster.membership import ClusterWatcher
 from waltz.protocol.records import Record
-from waltz.storage.node import FAULTS_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -145,12 +142,12 @@ def test_a_full_disk_fail_stops_the_replica_which_rejoins_when_space_returns(
 
 
 def test_a_failed_fsync_fail_stops_the_replica_which_heals_and_rejoins(
-    cluster_factory: ClusterFactory, monkeypatch: pytest.MonkeyPatch
+    cluster_factory: ClusterFactory,
 ) -> None:
-    monkeypatch.setenv(FAULTS_ENV, "1")
     cluster = cluster_factory()
+    cluster.faulty_storages = {2}
 
     def fail_next_fsync() -> None:
-        os.kill(cluster.storages[2].pid, signal.SIGUSR1)
+        cluster.storages[2].fail_next_fsync()
 
     asyncio.run(_fault_and_recover(cluster, fail_next_fsync, lambda: None))

@@ -55,6 +55,17 @@ class WaltzProcess:
         """The config to start with (a restart overrides port 0 with the ports the first start got)."""
         return dict(self.config)
 
+    def _command(self) -> list[str]:
+        """The command line up to ``--config`` (a subclass may start another entry point)."""
+        return [
+            sys.executable,
+            "-m",
+            "waltz.cli.main",
+            *(["-v"] if self.verbose else []),
+            self.COMMAND,
+            "run",
+        ]
+
     def _on_ready(self, ready: dict[str, Any]) -> None:
         """Take the ports from the ready line; raise KeyError/ValueError/TypeError if it is malformed."""
 
@@ -76,10 +87,7 @@ class WaltzProcess:
             raise self.ERROR("already running")
         self.config_path.write_text(yaml.safe_dump(self._config_for_start()), encoding="utf-8")
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in _reap()
-        cmd = [sys.executable, "-m", "waltz.cli.main"]
-        if self.verbose:
-            cmd.append("-v")
-        cmd += [self.COMMAND, "run", "--config", str(self.config_path), *self.extra_args]
+        cmd = [*self._command(), "--config", str(self.config_path), *self.extra_args]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL)
         line = self._read_ready_line(timeout_s)
         try:

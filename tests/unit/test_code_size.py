@@ -18,19 +18,15 @@ SRC = Path(waltz.__file__).parent
 MAX_FUNCTION_LINES = 70
 MAX_MODULE_LINES = 900
 
-NOT_YET_CHECKED = frozenset({"client", "storage"})
-"""Packages still being split; each joins the check when its split lands (then ``CHECKED = ("",)``)."""
-
-CHECKED: tuple[str, ...] = tuple(
-    sorted(
-        p.name
-        for p in SRC.iterdir()
-        if p.name not in NOT_YET_CHECKED and (p.suffix == ".py" or (p / "__init__.py").exists())
-    )
-)
+CHECKED: tuple[str, ...] = ("",)
 """What is checked, relative to ``src/waltz``: ``""`` is all of it."""
 
-EXCEPTIONS: dict[str, str] = {}
+EXCEPTIONS: dict[str, str] = {
+    "storage/segment.py": "the on-disk segment format and its recovery; being changed by the work on "
+    "mid-segment damage versus a torn tail (issue 24 follow-up): split once that lands, not under it",
+    "storage/partition.py::PartitionLog.open": "the open-time recovery of a log's segments, changed by the "
+    "same work as storage/segment.py; split with it",
+}
 """``"path/of/module.py"`` or ``"path/of/module.py::Class.function"`` -> why it may be longer."""
 
 

@@ -15,12 +15,16 @@ from waltz.storage.controlfile import (
     FLAG_AVAILABLE,
     HEADER_BYTES,
     PARTITION_INFO_BYTES,
+    TRIM_INFO_BYTES,
     ControlFile,
     ControlHeader,
     PartitionInfo,
     encode_struct,
+    encode_trim_struct,
     fresh_partition_info_bytes,
+    fresh_trim_info_bytes,
     read_control_file,
+    read_control_file_with_trims,
 )
 from waltz.testing.crashfs import CrashFS, SimulatedCrash
 
@@ -255,7 +259,9 @@ def test_real_files_and_flock(tmp_path: Path) -> None:
         header, infos = read_control_file(os.path.join(d, CONTROL_FILE_NAME))
         assert header.num_partitions == 3
         assert infos[1].session_id == 4
-        assert os.path.getsize(os.path.join(d, CONTROL_FILE_NAME)) == HEADER_BYTES + 3 * PARTITION_INFO_BYTES
+        assert os.path.getsize(os.path.join(d, CONTROL_FILE_NAME)) == HEADER_BYTES + 3 * (
+            PARTITION_INFO_BYTES + TRIM_INFO_BYTES
+        )
     finally:
         cf.close()
     with ControlFile.open_or_create(d, KEY, 3) as cf2:
@@ -274,3 +280,104 @@ def test_crash_during_creation_leaves_no_control_file() -> None:
             assert not fs.exists("/store/" + CONTROL_FILE_NAME)
         with _open(fs) as cf:
             assert cf.partition_info(0) == PartitionInfo()
+
+
+def test_trim_struct_golden_bytes() -> None:
+    assert encode_trim_struct(5, 1).hex() == "000000000000000500000001c4327989"
+    assert fresh_trim_info_bytes() == encode_trim_struct(0, -1) + encode_trim_struct(0, 0)
+    assert len(fresh_trim_info_bytes()) == TRIM_INFO_BYTES
+
+
+def test_new_file_is_format_1_with_trim_points_0() -> None:
+    fs = CrashFS()
+    with _open(fs, n=2) as cf:
+        assert cf.header.version == 1
+        assert [cf.trim_point(p) for p in range(2)] == [0, 0]
+    raw = fs.open("/store/" + CONTROL_FILE_NAME, read_only=True).pread(1000, 0)
+    assert len(raw) == HEADER_BYTES + 2 * (PARTITION_INFO_BYTES + TRIM_INFO_BYTES)
+    assert raw[:4] == b"\x00\x00\x00\x01"
+    assert raw[HEADER_BYTES + 2 * PARTITION_INFO_BYTES :] == fresh_trim_info_bytes() * 2
+
+
+def test_trim_point_only_moves_up_and_survives_reopen() -> None:
+    fs = CrashFS()
+    with _open(fs) as cf:
+        cf.update(1, session_id=3)
+        assert cf.set_trim_point(1, 100) == 100
+        assert cf.set_trim_point(1, 50) == 100  # lower: a no-op
+        assert cf.set_trim_point(1, 200) == 200
+        assert cf.partition_info(1).session_id == 3  # the session fields are untouched
+    with _open(fs) as cf2:
+        assert [cf2.trim_point(p) for p in range(4)] == [0, 200, 0, 0]
+    _, infos, trims = read_control_file_with_trims("/store/" + CONTROL_FILE_NAME, fs)
+    assert trims == [0, 200, 0, 0]
+    assert infos[1].session_id == 3
+
+
+@pytest.mark.parametrize("mode", ["garble", "torn", "apply"])
+def test_torn_trim_update_rolls_back_at_most_one(mode: str) -> None:
+    fs = CrashFS(3)
+    cf = _open(fs)
+    cf.set_trim_point(2, 10)
+    fs.arm(1)
+    with pytest.raises(SimulatedCrash):
+        cf.set_trim_point(2, 20)
+    fs.crash(mode)  # type: ignore[arg-type]
+    with _open(fs) as cf2:
+        assert cf2.trim_point(2) in (10, 20)
+        if mode == "apply":
+            assert cf2.trim_point(2) == 20
+
+
+def test_reset_clears_the_trim_point() -> None:
+    fs = CrashFS()
+    with _open(fs) as cf:
+        cf.set_trim_point(0, 7)
+        cf.reset(0)
+        assert cf.trim_point(0) == 0
+    with _open(fs) as cf2:
+        assert cf2.trim_point(0) == 0
+
+
+def _write_format_0(fs: CrashFS, n: int) -> bytes:
+    body = b"".join(fresh_partition_info_bytes(p) for p in range(n))
+    raw = ControlHeader(0, CLOCK_MS, KEY, n).encode() + body
+    fs.makedirs("/store")
+    f = fs.open("/store/" + CONTROL_FILE_NAME, create=True)
+    f.pwrite(raw, 0)
+    f.fsync()
+    f.close()
+    fs.fsync_dir("/store")
+    fs.fsync_dir("/")
+    return raw
+
+
+def test_format_0_file_is_migrated_keeping_its_entries() -> None:
+    fs = CrashFS()
+    _write_format_0(fs, 3)
+    header, _ = read_control_file("/store/" + CONTROL_FILE_NAME, fs)  # tools read format 0 as it is
+    assert header.version == 0
+    with _open(fs, n=3) as cf:
+        assert cf.header.version == 1
+        assert cf.partition_info(1) == PartitionInfo()
+        cf.update(1, session_id=9)
+        cf.set_trim_point(1, 42)
+    fs.crash()
+    with _open(fs, n=3) as cf2:
+        assert (cf2.partition_info(1).session_id, cf2.trim_point(1)) == (9, 42)
+
+
+@pytest.mark.parametrize("ops", range(6))
+def test_crash_during_migration_leaves_old_or_new_file(ops: int) -> None:
+    fs = CrashFS(ops)
+    _write_format_0(fs, 2)
+    fs.arm(ops)
+    try:
+        _open(fs, n=2).close()
+    except SimulatedCrash:
+        fs.crash()
+    header, _ = read_control_file("/store/" + CONTROL_FILE_NAME, fs)
+    assert header.version in (0, 1)
+    with _open(fs, n=2) as cf:
+        assert cf.header.version == 1
+        assert cf.partition_info(0) == PartitionInfo()

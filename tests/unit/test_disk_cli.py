@@ -90,6 +90,10 @@ def test_dump_control_file(store: Path, capsys: pytest.CaptureFixture[str]) -> N
     ]
     one = dump_control_file(ctl, partition_id=1)
     assert one[-1].startswith("partition 1: session id -1")
+    assert "trim point" not in one[-1]  # said only once a partition was trimmed
+    with ControlFile.open_or_create(str(store), KEY, 3) as cf:
+        cf.set_trim_point(2, 4)
+    assert dump_control_file(ctl, partition_id=2)[-1].endswith("available True, trim point 4")
     with pytest.raises(ConfigError):
         dump_control_file(ctl, partition_id=3)
     assert main(["disk", "dump-control-file", ctl, "-a"]) == 0

@@ -185,7 +185,7 @@ def test_producer_stops_with_a_clear_error_when_nothing_commits(monkeypatch: pyt
     class Stuck(MockDriver):
         """A cluster that mounts but never commits: every append is dropped."""
 
-        def send_append(self, partition_id: int, request: object) -> None:  # type: ignore[override]
+        def send_append(self, partition_id: int, req_id: object, builder: object, now: bool) -> None:  # type: ignore[override]
             return None
 
     opts = ProducerOptions(txn_size_bytes=10, txns_per_client=5, clients=1, seed=1)

@@ -16,6 +16,7 @@ from waltz.errors import (
     SessionFencedError,
     StorageRpcError,
     TransactionOutOfOrderError,
+    TrimmedError,
 )
 from waltz.protocol import storage as s
 from waltz.protocol.framing import MAGIC_STORAGE, FrameDecoder, encode_frame
@@ -104,11 +105,14 @@ CASES: list[tuple[s.StorageMessage, str]] = [
     (s.DamagedRecordsRequest(1, 2, 3, 1000), p(22) + "000003e8"),
     (s.DamagedRecordsResponse(1, 2, 3, (17, 2000)), p(23) + "00000002 0000000000000011 00000000000007d0"),
     (s.DamagedRecordsResponse(1, 2, 3, ()), p(23) + "00000000"),
+    (s.TrimRequest(1, 2, 3, 100, False), p(24) + "0000000000000064 00"),
+    (s.TrimRequest(1, 2, 3, 0, True), p(24) + "0000000000000000 01"),
+    (s.TrimResponse(1, 2, 3, 100), p(25) + "0000000000000064"),
 ]
 
 
 def test_every_message_type_has_a_golden_case() -> None:
-    assert {type(msg).TYPE for msg, _ in CASES} == set(range(1, 24))
+    assert {type(msg).TYPE for msg, _ in CASES} == set(range(1, 26))
 
 
 @pytest.mark.parametrize(("msg", "hex_"), CASES, ids=case_id)
@@ -149,7 +153,7 @@ def test_trailing_and_truncated_payloads_are_refused(msg: s.StorageMessage, hex_
 
 
 def test_unknown_type_and_bad_fields_are_refused() -> None:
-    for code in (0, 24, 255):
+    for code in (0, 26, 255):
         with pytest.raises(RemoteProtocolError, match="unknown"):
             s.decode(bytes.fromhex(p(code)))
     with pytest.raises(RemoteProtocolError, match="boolean"):
@@ -204,6 +208,20 @@ def test_failure_round_trip_keeps_the_error_class() -> None:
     fresh = s.failure_from_error(0, 0, 0, TransactionOutOfOrderError("gap"))
     assert fresh.failure.frames == (s.StackFrame("TransactionOutOfOrderError", "", "", 0),)
     assert type(s.failure_to_error(fresh.failure)) is TransactionOutOfOrderError
+
+
+def test_trimmed_error_keeps_its_numbers_across_the_wire() -> None:
+    msg = s.failure_from_error(1, 2, 3, TrimmedError.below(3, 10, 500))
+    error = s.failure_to_error(s.decode(s.encode(msg)))  # type: ignore[arg-type]
+    assert type(error) is TrimmedError
+    assert (error.partition_id, error.transaction_id, error.trim_point) == (3, 10, 500)
+    assert not error.retriable
+    assert "partition 3: transaction 10 is below the trim point 500" in str(error)
+    # A client reads it back out of a server's text-only answer (a transaction data response).
+    quoted = TrimmedError.from_message(f"could not read transaction 10: {error}")
+    assert quoted is not None
+    assert (quoted.partition_id, quoted.transaction_id, quoted.trim_point) == (3, 10, 500)
+    assert TrimmedError.from_message("transaction not found") is None
 
 
 def test_foreign_errors_become_storage_rpc_errors() -> None:

@@ -1,6 +1,7 @@
 """Where a storage node runs its group-commit fsync: on the event loop while the disk is fast (a thread
 hand-off costs more CPU than the fsync), in a thread once one fsync on the loop was slow (so a stalling disk
-does not stall /health, keep-alives and the other partitions with it)."""
+does not stall /health, keep-alives and the other partitions with it). The fsync policy's clock is virtual
+here: a "slow" fsync advances it instead of sleeping."""
 
 from __future__ import annotations
 
@@ -15,28 +16,44 @@ import pytest
 
 from waltz.errors import StorageError
 from waltz.protocol.records import Record, ReqId
-from waltz.storage import node as node_module
+from waltz.storage import fsync as fsync_module
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import ControlFile
-from waltz.storage.node import StorageNode, StoragePartition
+from waltz.storage.fsync import FsyncPolicy
+from waltz.storage.metrics import Latency, RequestCounts
+from waltz.storage.node import StorageNode
 from waltz.storage.segment import PREFILL_CHUNK_BYTES, ZeroFill, data_file_name
+from waltz.storage.worker import StoragePartition
+
+
+class _Clock:
+    """Virtual monotonic seconds for the node's fsync policy."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
 
 
 class _Log:
-    """The one method ``_fsync`` calls on a partition log, recording the thread and taking ``delay_s``."""
+    """The one method ``_fsync`` calls on a partition log, recording the thread and taking ``delay_s`` of
+    ``clock``'s time."""
 
-    def __init__(self, delay_s: float) -> None:
+    def __init__(self, clock: _Clock, delay_s: float) -> None:
+        self.clock = clock
         self.delay_s = delay_s
         self.threads: list[bool] = []
         self.max_transaction_id = 7
 
     def flush(self) -> None:
         self.threads.append(threading.current_thread() is threading.main_thread())
-        time.sleep(self.delay_s)
+        self.clock.now_s += self.delay_s
 
 
-def _node(tmp_path: Path, **settings: object) -> StorageNode:
-    """A one-partition node on ``tmp_path`` (not serving), with ``settings`` (config keys) on top."""
+def _node(tmp_path: Path, clock: _Clock | None = None, **settings: object) -> StorageNode:
+    """A one-partition node on ``tmp_path`` (not serving), with ``settings`` (config keys) on top; its fsync
+    policy reads ``clock`` (virtual) if given."""
     key = uuid.uuid4()
     config = StorageConfig.from_mapping(
         {
@@ -48,20 +65,24 @@ def _node(tmp_path: Path, **settings: object) -> StorageNode:
             **settings,
         }
     )
-    return StorageNode(config, ControlFile.open_or_create(str(tmp_path), key, 1))
+    control = ControlFile.open_or_create(str(tmp_path), key, 1)
+    if clock is None:
+        return StorageNode(config, control)
+    return StorageNode(config, control, fsync=FsyncPolicy(clock=clock))
 
 
 def test_fsyncs_run_on_the_loop_until_one_is_slow_then_in_a_thread_for_a_while(tmp_path: Path) -> None:
-    node = _node(tmp_path)
+    clock = _Clock()
+    node = _node(tmp_path, clock)
     partition = node.partitions[0]
 
     async def main() -> None:
-        fast = _Log(0.0)
+        fast = _Log(clock, 0.0)
         assert await partition._fsync(fast) is None  # type: ignore[arg-type]
         assert await partition._fsync(fast) is None  # type: ignore[arg-type]
         assert fast.threads == [True, True]  # on the loop's (main) thread
 
-        slow = _Log(node_module.INLINE_FSYNC_LIMIT_S * 2)
+        slow = _Log(clock, fsync_module.INLINE_FSYNC_LIMIT_S * 2)
         assert await partition._fsync(slow) is None  # type: ignore[arg-type]
         assert slow.threads == [True]  # it could not know in advance
         assert await partition._fsync(fast) is None  # type: ignore[arg-type]
@@ -70,7 +91,7 @@ def test_fsyncs_run_on_the_loop_until_one_is_slow_then_in_a_thread_for_a_while(t
         assert (partition.fsync_count, partition.threaded_fsync_count) == (4, 1)
         assert partition.may_commit_now is False  # an append that arrives now is the worker's
 
-        node.inline_fsync_off_until = time.monotonic() - 1  # the back-off has passed
+        clock.now_s += fsync_module.INLINE_FSYNC_FIRST_BACKOFF_S  # the back-off has passed
         assert partition.may_commit_now is True  # the worker idles, nothing queued, fsyncs on the loop
         assert await partition._fsync(fast) is None  # type: ignore[arg-type]
         assert fast.threads[-1] is True
@@ -80,7 +101,7 @@ def test_fsyncs_run_on_the_loop_until_one_is_slow_then_in_a_thread_for_a_while(t
 
 
 def test_fsync_threads_return_results_and_errors_on_the_loop_and_stop_on_close() -> None:
-    threads = node_module._FsyncThreads(2)
+    threads = fsync_module.FsyncThreads(2)
     ran_in: list[str] = []
 
     def ok() -> None:
@@ -110,7 +131,7 @@ def test_the_append_latency_histogram_exports_what_a_prometheus_histogram_would(
     buckets = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0)
     reference, ours = CollectorRegistry(), CollectorRegistry()
     histogram = Histogram("waltz_storage_append_seconds", "doc", buckets=buckets, registry=reference)
-    latency = node_module._Latency("waltz_storage_append_seconds", "doc", buckets)
+    latency = Latency("waltz_storage_append_seconds", "doc", buckets)
     ours.register(latency)
     for seconds in (0.0001, 0.0005, 0.0007, 0.001, 0.3, 0.5, 2.0, 1.0, 0.02, 0.0):
         histogram.observe(seconds)
@@ -124,7 +145,7 @@ def test_the_request_counts_export_what_a_prometheus_counter_would() -> None:
 
     reference, ours = CollectorRegistry(), CollectorRegistry()
     counter = Counter("waltz_storage_requests", "Requests processed", ["type"], registry=reference)
-    counts = node_module._RequestCounts()
+    counts = RequestCounts()
     ours.register(counts)
     for kind, n in (("AppendRequest", 31), ("RecordRunRequest", 1), ("AppendRequest", 2), ("OpenRequest", 1)):
         counter.labels(kind).inc(n)
@@ -146,28 +167,32 @@ def test_a_fresh_node_exports_its_append_request_count_at_zero(tmp_path: Path) -
 def test_a_lone_slow_fsync_sends_fsyncs_to_threads_for_a_second_and_repeated_ones_for_longer(
     tmp_path: Path,
 ) -> None:
-    node = _node(tmp_path)
+    clock = _Clock()
+    node = _node(tmp_path, clock)
     partition = node.partitions[0]
-    slow = _Log(node_module.INLINE_FSYNC_LIMIT_S * 2)
+    slow = _Log(clock, fsync_module.INLINE_FSYNC_LIMIT_S * 2)
 
     async def slow_inline_fsync() -> float:
-        """Run a slow fsync on the loop (the back-off has passed); how long fsyncs now stay in threads."""
-        node.inline_fsync_off_until = time.monotonic() - 1
+        """Run a slow fsync on the loop (once the back-off has passed); how long fsyncs now stay in
+        threads."""
+        clock.now_s = max(clock.now_s, node.fsync.inline_off_until)
+        assert node.fsync.inline_allowed()
         before = len(slow.threads)
         assert await partition._fsync(slow) is None  # type: ignore[arg-type]
         assert slow.threads[before:] == [True]
-        return node.inline_fsync_off_until - time.monotonic()
+        assert not node.fsync.inline_allowed()
+        return node.fsync.inline_off_until - clock.now_s
 
     async def main() -> None:
-        first = await slow_inline_fsync()
-        assert 0.9 < first <= node_module.INLINE_FSYNC_FIRST_BACKOFF_S
-        assert 1.9 < await slow_inline_fsync() <= 2.0  # again within a minute: twice as long
-        assert 3.9 < await slow_inline_fsync() <= 4.0
-        for _ in range(3):
-            await slow_inline_fsync()
-        assert await slow_inline_fsync() <= node_module.INLINE_FSYNC_BACKOFF_S  # capped
-        node.last_slow_fsync_s -= node_module.INLINE_FSYNC_RESET_S + 1  # a quiet minute later
-        assert await slow_inline_fsync() <= node_module.INLINE_FSYNC_FIRST_BACKOFF_S
+        assert await slow_inline_fsync() == fsync_module.INLINE_FSYNC_FIRST_BACKOFF_S
+        assert await slow_inline_fsync() == 2.0  # again within a minute: twice as long
+        assert await slow_inline_fsync() == 4.0
+        assert await slow_inline_fsync() == 8.0
+        assert await slow_inline_fsync() == fsync_module.INLINE_FSYNC_BACKOFF_S  # capped
+        assert await slow_inline_fsync() == fsync_module.INLINE_FSYNC_BACKOFF_S
+        clock.now_s += fsync_module.INLINE_FSYNC_RESET_S + 1  # a quiet minute later
+        assert await slow_inline_fsync() == fsync_module.INLINE_FSYNC_FIRST_BACKOFF_S
+        assert slow.threads == [True] * 7  # every one of them ran on the loop (each after its back-off)
 
     asyncio.run(main())
 
@@ -191,7 +216,9 @@ class _Handle:
 
 
 def _assigned(tmp_path: Path) -> tuple[StorageNode, StoragePartition]:
-    node = _node(tmp_path)
+    """A node with partition 0 assigned; its fsync policy's clock stands still, so no real fsync counts as
+    slow (on a loaded host one could, and send the next ones to threads)."""
+    node = _node(tmp_path, _Clock())
     partition = node.partitions[0]
     partition.open_log()
     return node, partition
@@ -212,7 +239,7 @@ def test_zeros_are_written_ahead_and_made_durable_by_the_next_group_fsync_one_ch
     async def main() -> None:
         partition._preallocate()
         assert partition.preallocating
-        assert node.fsyncs_in_flight == 0
+        assert node.fsync.in_flight == 0
         assert partition.may_commit_now  # the next group's fsync runs on the loop
         partition._preallocate()  # one chunk at a time
         assert partition.preallocated_bytes == chunk
@@ -229,7 +256,7 @@ def test_zeros_are_written_ahead_and_made_durable_by_the_next_group_fsync_one_ch
         assert plog.prefilled_bytes == ahead
 
     asyncio.run(main())
-    assert node.fsync_threads._threads == []  # no thread was ever needed
+    assert node.fsync.threads._threads == []  # no thread was ever needed
     assert data_file.stat().st_size == 128 + ahead
     assert partition.broken is None
     partition.close_log()
@@ -256,8 +283,8 @@ def test_zeros_are_never_fsynced_through_a_descriptor_of_their_own(tmp_path: Pat
     asyncio.run(main())
     assert handle.closed
     assert partition.broken is None
-    assert node.fsync_threads._threads == []
-    assert (node.fsyncs_in_flight, partition.may_commit_now) == (0, True)
+    assert node.fsync.threads._threads == []
+    assert (node.fsync.in_flight, partition.may_commit_now) == (0, True)
     partition.close_log()
 
 
@@ -322,7 +349,9 @@ def test_zeros_pending_across_a_roll_over_or_a_truncation_never_count_and_do_not
     now written (its appends would skip the size's journal commit), and neither may leave the chunk pending
     (no more preallocation)."""
     node = _node(
-        tmp_path, **{"storage.segment.preallocateBytes": 64 * 1024, "storage.segment.size.threshold": 8192}
+        tmp_path,
+        _Clock(),
+        **{"storage.segment.preallocateBytes": 64 * 1024, "storage.segment.size.threshold": 8192},
     )
     partition = node.partitions[0]
     plog = partition.open_log()

@@ -7,16 +7,16 @@ import asyncio
 import pytest
 
 from waltz.protocol import storage as st
-from waltz.storage.node import _BoundedQueue, _Item, _Tally
+from waltz.storage.work import BoundedQueue, Item, Tally
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def item(seq: int) -> _Item:
-    return _Item(st.MaxTransactionIdRequest(0, seq, 0, False), None)
+def item(seq: int) -> Item:
+    return Item(st.MaxTransactionIdRequest(0, seq, 0, False), None)
 
 
-def seqs(items: list[_Item]) -> list[int]:
+def seqs(items: list[Item]) -> list[int]:
     return [i.msg.seq_num for i in items if i.msg is not None]
 
 
@@ -25,7 +25,7 @@ def test_a_flooding_producer_does_not_take_the_slot_another_waits_for() -> None:
     request ready took every freed slot before a waiting connection ran, which then waited forever."""
 
     async def go() -> list[int]:
-        queue = _BoundedQueue(1)
+        queue = BoundedQueue(1)
         await queue.put(item(0))
         order: list[int] = []
 
@@ -50,7 +50,7 @@ def test_a_flooding_producer_does_not_take_the_slot_another_waits_for() -> None:
 
 def test_put_nowait_only_when_there_is_room_and_nobody_waits() -> None:
     async def go() -> None:
-        queue = _BoundedQueue(2)
+        queue = BoundedQueue(2)
         assert queue.put_nowait(item(1))
         assert queue.put_nowait(item(2))
         assert not queue.put_nowait(item(3))  # full
@@ -67,7 +67,7 @@ def test_put_nowait_only_when_there_is_room_and_nobody_waits() -> None:
 
 def test_a_cancelled_producer_leaves_no_item_behind() -> None:
     async def go() -> None:
-        queue = _BoundedQueue(1)
+        queue = BoundedQueue(1)
         queue.put_nowait(item(1))
         cancelled = asyncio.create_task(queue.put(item(2)))
         kept = asyncio.create_task(queue.put(item(3)))
@@ -86,8 +86,8 @@ def test_queues_sharing_a_tally_count_every_queued_item() -> None:
     """The node's tally says whether another partition has work waiting (its fsync then leaves the loop)."""
 
     async def go() -> None:
-        tally = _Tally()
-        a, b = _BoundedQueue(1, tally), _BoundedQueue(4, tally)
+        tally = Tally()
+        a, b = BoundedQueue(1, tally), BoundedQueue(4, tally)
         a.put_nowait(item(1))
         waiting = asyncio.create_task(a.put(item(2)))
         await asyncio.sleep(0)

@@ -24,7 +24,7 @@ from waltz.cluster.partition_metadata import UNRESOLVED
 from waltz.cluster.zk import session
 from waltz.config import host_port, parse_partition_ranges
 from waltz.errors import ConfigError
-from waltz.ops import accept_loss, checks, generation, rebuild
+from waltz.ops import accept_loss, checks, generation, rebuild, trim
 from waltz.ops.view import ClusterView, read_view
 
 Command = Callable[[KazooClient, str, argparse.Namespace, TextIO], int | None]
@@ -222,6 +222,22 @@ def cmd_verify(client: KazooClient, root: str, args: argparse.Namespace, out: Te
     return 1 if problems else 0
 
 
+def cmd_trim(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    ssl = load_cli_tls(args.cli_config_path).client_context(args.cli_config_path)
+    outcome = trim.trim_partition(
+        client,
+        root,
+        args.partition,
+        to=args.to,
+        keep_last=args.keep_last,
+        min_kept_transactions=args.min_kept,
+        ssl=ssl,
+        timeout_ms=int(args.timeout * 1000),
+    )
+    print(outcome.message, file=out)
+    return 0
+
+
 def cmd_fix_generation(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
     view = _ops_view(client, root, args)
     fix = asyncio.run(generation.plan_generation_fix(client, view, args.partition, args.to, args.timeout))
@@ -291,7 +307,8 @@ def register(groups: Any) -> None:
         return p
 
     _add_metadata_commands(command)
-    _add_check_and_repair_commands(command)
+    _add_check_commands(command)
+    _add_repair_commands(command)
 
 
 def _add_metadata_commands(command: _AddCommand) -> None:
@@ -335,8 +352,8 @@ def _add_metadata_commands(command: _AddCommand) -> None:
     p.add_argument("-g", "--group", required=True, type=_non_negative, help="replica group id")
 
 
-def _add_check_and_repair_commands(command: _AddCommand) -> None:
-    """The commands that check the cluster and repair its metadata."""
+def _add_check_commands(command: _AddCommand) -> None:
+    """The commands that check the cluster against itself."""
     p = command("check-connectivity", cmd_check_connectivity, "each live server's view of each storage node")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit per node (10 s)")
 
@@ -350,6 +367,9 @@ def _add_check_and_repair_commands(command: _AddCommand) -> None:
     )
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit per node (10 s)")
 
+
+def _add_repair_commands(command: _AddCommand) -> None:
+    """The commands that repair the cluster's metadata or change what it keeps."""
     p = command(
         "rebuild-metadata",
         cmd_rebuild_metadata,
@@ -371,6 +391,26 @@ def _add_check_and_repair_commands(command: _AddCommand) -> None:
     )
     p.set_defaults(default_log_level="INFO")
 
+    _add_loss_commands(command)
+
+    p = command(
+        "fix-generation",
+        cmd_fix_generation,
+        "lower a partition's metadata generation that no assignment handed out back to the assigned one "
+        "(shows the change; writes it with --yes)",
+    )
+    p.add_argument("-p", "--partition", required=True, type=_non_negative, help="the partition")
+    p.add_argument(
+        "--to", type=_non_negative, metavar="G", help="the generation to set (default: the assignment's)"
+    )
+    p.add_argument("--yes", action="store_true", help="write the change (without it, only show it)")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit per node (10 s)")
+    # The one line that records the write goes to stderr like a server's (other commands log warnings only).
+    p.set_defaults(default_log_level="INFO")
+
+
+def _add_loss_commands(command: _AddCommand) -> None:
+    """The commands that give up transactions on purpose: accept a loss, trim a partition."""
     p = command(
         "accept-loss",
         cmd_accept_loss,
@@ -390,16 +430,21 @@ def _add_check_and_repair_commands(command: _AddCommand) -> None:
     p.set_defaults(default_log_level="INFO")
 
     p = command(
-        "fix-generation",
-        cmd_fix_generation,
-        "lower a partition's metadata generation that no assignment handed out back to the assigned one "
-        "(shows the change; writes it with --yes)",
+        "trim",
+        cmd_trim,
+        "raise a partition's trim point: transactions below it are deleted on every replica and reads of "
+        "them fail (only committed transactions, never the last --min-kept)",
     )
     p.add_argument("-p", "--partition", required=True, type=_non_negative, help="the partition")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--to", type=_non_negative, metavar="TXN", help="the lowest transaction id to keep")
+    target.add_argument("--keep-last", type=int, metavar="N", help="keep only the last N transactions")
     p.add_argument(
-        "--to", type=_non_negative, metavar="G", help="the generation to set (default: the assignment's)"
+        "--min-kept",
+        type=_non_negative,
+        default=trim.DEFAULT_MIN_KEPT_TRANSACTIONS,
+        metavar="N",
+        help=f"grace: never trim the last N transactions (default {trim.DEFAULT_MIN_KEPT_TRANSACTIONS})",
     )
-    p.add_argument("--yes", action="store_true", help="write the change (without it, only show it)")
-    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit per node (10 s)")
-    # The one line that records the write goes to stderr like a server's (other commands log warnings only).
+    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit (10 s)")
     p.set_defaults(default_log_level="INFO")

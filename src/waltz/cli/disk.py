@@ -26,7 +26,7 @@ from typing import Any
 
 from waltz.errors import ConfigError
 from waltz.protocol.records import Record
-from waltz.storage.controlfile import read_control_file
+from waltz.storage.controlfile import read_control_file_with_trims
 from waltz.storage.fileio import OS_FS, FileSystem
 from waltz.storage.partition import is_half_created
 from waltz.storage.segment import Segment, data_file_name, parse_segment_name
@@ -133,7 +133,7 @@ def dump_control_file(
     path: str, partition_id: int | None = None, assigned_only: bool = False, *, fs: FileSystem = OS_FS
 ) -> list[str]:
     """Lines describing a control file's header and partition infos."""
-    header, infos = read_control_file(path, fs)
+    header, infos, trims = read_control_file_with_trims(path, fs)
     lines = [
         f"version: {header.version}",
         f"creation time (ms): {header.creation_time_ms}",
@@ -142,7 +142,7 @@ def dump_control_file(
     ]
     if partition_id is not None and not 0 <= partition_id < header.num_partitions:
         raise ConfigError(f"partition {partition_id} out of range 0..{header.num_partitions - 1}")
-    for pid, info in enumerate(infos):
+    for pid, (info, trim) in enumerate(zip(infos, trims, strict=True)):
         if partition_id is not None and pid != partition_id:
             continue
         if assigned_only and not info.assigned:
@@ -150,7 +150,7 @@ def dump_control_file(
         lines.append(
             f"partition {pid}: session id {info.session_id}, low-water mark {info.low_water_mark}, "
             f"local low-water mark {info.local_low_water_mark}, assigned {info.assigned}, "
-            f"available {info.available}"
+            f"available {info.available}" + (f", trim point {trim}" if trim else "")
         )
     return lines
 

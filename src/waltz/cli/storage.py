@@ -156,7 +156,7 @@ def _add_repair_commands(sub: Any) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from waltz.runtime import run
     from waltz.storage.config import StorageConfig
-    from waltz.storage.node import run_node
+    from waltz.storage.startup import run_node
 
     config = StorageConfig.load(args.config)
 

@@ -53,6 +53,9 @@ class ApplierMixin(AttemptsMixin):
     def _add_partition(self, partition_id: int) -> None:
         partition = PartitionState(partition_id, self._config)
         self._partitions[partition_id] = partition
+        if self._driver_error is not None:
+            partition.error = self._driver_error  # The driver serves no partition any more.
+            return
         self._spawn_partition_task(partition, self._mount(partition), f"waltz-mount-p{partition_id}")
 
     def _spawn_partition_task(
@@ -87,11 +90,6 @@ class ApplierMixin(AttemptsMixin):
         if partition is None or partition.monitor is None or partition.error is not None:
             return None
         return partition
-
-    def _feed_nowait(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> bool:
-        """One feed entry through :meth:`_feed_run_nowait`: False, having done nothing, when the feed has no
-        room (the driver then awaits ``on_feed_data``)."""
-        return self._feed_run_nowait(partition_id, [(transaction_id, req_id, header)]) == 1
 
     def _feed_run_nowait(self, partition_id: int, entries: list[FeedEntry]) -> int:
         """The feed's one path: consecutive feed entries (the next ids of the partition, in order), as many as
@@ -329,6 +327,25 @@ class ApplierMixin(AttemptsMixin):
             other.cancel()
         self._spawn(self._report_partition_failure(partition.id, error), "waltz-partition-failed")
 
+    def _driver_failed(self, error: ClientError) -> None:
+        """The driver can serve no partition any more (see ``DriverListener.on_driver_failure``): every
+        partition stops with ``error``, which each submit and wait then raises, and ``uncaught_exception``
+        hears it once per partition (transaction id -1, as for a failed partition task)."""
+        if self._closed or self._driver_error is not None:
+            return
+        self._driver_error = error
+        for partition in list(self._partitions.values()):
+            if partition.error is not None:
+                continue
+            self._stop_partition(partition, error)
+            for task in partition.tasks:
+                task.cancel()
+            cause = error.__cause__ if error.__cause__ is not None else error
+            self._spawn(
+                self._call_hook(self._callbacks.uncaught_exception, partition.id, -1, cause),
+                "waltz-driver-failed",
+            )
+
     async def _report_partition_failure(self, partition_id: int, error: BaseException) -> None:
         await self._call_hook(self._callbacks.uncaught_exception, partition_id, -1, error)
         await self._require_driver().unmount(partition_id)
@@ -380,9 +397,8 @@ class Listener:
 
     def __init__(self, client: ApplierMixin) -> None:
         self._client = client
-        # The client's own method, not a forwarding one: the network driver calls it once per feed entry.
-        self.feed_data_nowait: Callable[[int, int, ReqId, int], bool] = client._feed_nowait
-        # And a run of them (the network driver's reader hands each read's entries of a partition at once).
+        # The client's own method, not a forwarding one: the network driver's reader hands it each read's
+        # entries of a partition at once.
         self.feed_run_nowait: Callable[[int, list[FeedEntry]], int] = client._feed_run_nowait
 
     async def on_feed_data(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> None:
@@ -396,3 +412,6 @@ class Listener:
 
     async def on_flush_response(self, partition_id: int, req_id: ReqId, transaction_id: int) -> None:
         self._client._on_monitor_event(partition_id, lambda m: m.on_flush_response(req_id, transaction_id))
+
+    def on_driver_failure(self, error: ClientError) -> None:
+        self._client._driver_failed(error)

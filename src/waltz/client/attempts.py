@@ -1,7 +1,8 @@
-"""An append's journey: registered and sent (:meth:`AttemptsMixin._send`), its fate heard
-(:meth:`AttemptsMixin._resolve`: a commit finishes a first attempt here), and the retry path: a context whose
-first attempt did not commit (or had to wait) continues in a task (:meth:`AttemptsMixin._run_context`) that
-executes it again, after a backoff or, for a lock failure, once the winning transaction is applied.
+"""An append's journey: registered and sent (:meth:`AttemptsMixin._send`), its fate heard, the same way for
+every attempt (:meth:`AttemptsMixin._resolve`: a commit is finished there), and the retry path: a context
+whose append did not commit (or whose first attempt had to wait) continues in a task
+(:meth:`AttemptsMixin._run_context`) that executes it again, after a backoff or, for a lock failure, once the
+winning transaction is applied, and sends it.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import time
 from waltz.client.builder import TransactionBuilder
 from waltz.client.driver import MountState
 from waltz.client.hooks import HooksMixin
-from waltz.client.lifecycle import Event
+from waltz.client.lifecycle import Event, State
 from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
-from waltz.client.state import PartitionState, Run, Waiter
+from waltz.client.state import PartitionState, Run
 from waltz.errors import (
     ClientAheadError,
     ClientError,
@@ -32,9 +33,9 @@ log = logging.getLogger("waltz.client.core")  # The core's one logger (docs/clie
 
 
 _COMMITTED = Outcome.COMMITTED
+_ENDED = State.ENDED
 _MASK32 = 0xFFFFFFFF
 _READY = MountState.READY
-_TRUE_ARGS = (True,)
 _new_tuple = tuple.__new__
 """Builds a named tuple (ReqId) from a tuple in C, without its generated Python ``__new__``."""
 
@@ -58,11 +59,11 @@ class AttemptsMixin(HooksMixin):
         partition: PartitionState,
         monitor: TransactionMonitor,
         builder: TransactionBuilder,
-        waiter: Waiter,
+        run: Run,
     ) -> None:
-        """Register and send one append; synchronous, so registration order is send order. ``waiter`` learns
-        the append's fate (on the loop): a first attempt's run through ``_resolve`` (a commit) or
-        ``_on_first_outcome`` (anything else), a slow-path future through its result."""
+        """Register and send one append of ``run`` (APPENDING); synchronous, so registration order is send
+        order. Its fate reaches the run on the loop, the same way for every attempt: a commit through
+        :meth:`_resolve`, anything else through :meth:`_on_attempt_failed`."""
         driver = self._driver
         assert driver is not None  # Sending follows a check of the partition's mount.
         p = partition.id
@@ -72,27 +73,19 @@ class AttemptsMixin(HooksMixin):
         # from the halves the partition keeps.
         req_id = _new_tuple(ReqId, (partition.req_msb, partition.req_lsb_base | (seq & _MASK32)))
         outcomes = partition.outcomes
-        outcomes[req_id] = waiter
+        outcomes[req_id] = run
         monitor.register(req_id, seq, self._clock())
         try:
-            if len(outcomes) == 1:
-                # Alone in flight (one append at a time): nothing would join it in this iteration's write,
-                # so it leaves now instead of one loop pass later. Pipelined appends share one write.
-                driver.send_append_now(p, builder.build(req_id))
-            elif self._send_built is not None:
-                self._send_built(p, req_id, builder)  # No AppendRequest made (see driver.py).
-            else:
-                driver.send_append(p, builder.build(req_id))
+            # Alone in flight (one append at a time): nothing would join it in this iteration's write, so it
+            # leaves now instead of one loop pass later. Pipelined appends share one write.
+            driver.send_append(p, req_id, builder, len(outcomes) == 1)
         except LocalProtocolError as e:
             # It can never be sent (over the connection's frame limit, or a field the format cannot carry):
             # retrying would execute the context again for ever. The context ends with this error instead.
             log.warning("partition %d: append %r cannot be sent: %s", partition.id, req_id, e)
             monitor.fail(req_id)
-            waiter = outcomes.pop(req_id)  # Registered above, in this same synchronous call.
-            if isinstance(waiter, Run):
-                self._on_first_outcome(waiter, e)
-            else:
-                _settle(waiter, e)
+            del outcomes[req_id]  # Registered above, in this same synchronous call.
+            self._on_attempt_failed(run, e)
         except WaltzError as e:
             log.warning("partition %d: append %r not sent: %s", partition.id, req_id, e)
             self._resolve(partition, monitor.fail(req_id))
@@ -105,54 +98,39 @@ class AttemptsMixin(HooksMixin):
             log.warning("partition %d: flush not sent: %s", partition_id, e)
 
     def _resolve(self, partition: PartitionState, resolutions: list[Resolution]) -> None:
-        """Hand each resolution to what waits for it: a committed first attempt is finished here (its slot,
-        its lifecycle, ``on_completion``), anything else through :meth:`_on_first_outcome` or the slow
-        path's future. Once per feed run, not per append: the slots of the committed runs are given back
-        in one ``Slots.release`` (one lock round) after the loop."""
+        """Hand each resolution to the run whose append it is: a commit is finished here (its slot, its
+        lifecycle, ``on_completion``), anything else through :meth:`_on_attempt_failed`. Once per feed run,
+        not per append: the slots of the committed runs are given back in one ``Slots.release`` (one lock
+        round) after the loop."""
         outcomes = partition.outcomes
         awaiting_apply = partition.awaiting_apply
-        inline = self._inline
         released = 0
         try:
             for resolution in resolutions:
                 run = outcomes.pop(resolution.req_id, None)
-                if not isinstance(run, Run):
-                    if run is not None:
-                        _settle(run, resolution)
+                if run is None:
                     continue
                 if resolution.outcome is not _COMMITTED:
-                    self._on_first_outcome(run, resolution)
+                    self._on_attempt_failed(run, resolution)
                     continue
-                # A committed first attempt (once per append).
-                if run.holds_slot:
-                    run.holds_slot = False
-                    released += 1
-                run.commit()  # Owes on_completion(True).
+                # Committed (once per append): it leaves APPENDING (its COMMIT is made by _run_hook), so its
+                # slot is free.
+                released += 1
                 run.transaction_id = resolution.transaction_id
                 awaiting_apply.append(run)
-                if self._hook_runs or not inline:
-                    # Behind a coroutine hook of this iteration, or on the callback threads: in the batch.
-                    if not self._hook_runs:
-                        self._call_soon(self._flush_hooks)
-                    self._hooks.append((run.context.on_completion, _TRUE_ARGS))
-                    self._hook_runs.append((run, True))
-                else:
-                    self._hook_now(run, True)
+                self._run_hook(run, True)
         finally:
             if released:
                 partition.slots.release(released)
 
     def _fail_outcomes(self, partition: PartitionState, error: ClientError) -> None:
         outcomes, partition.outcomes = partition.outcomes, {}
-        for waiter in outcomes.values():
-            if isinstance(waiter, Run):
-                self._on_first_outcome(waiter, error)
-            else:
-                _settle(waiter, error)
+        for run in outcomes.values():
+            self._on_attempt_failed(run, error)
 
-    def _on_first_outcome(self, run: Run, result: Resolution | BaseException) -> None:
-        """The fate of a first attempt sent by ``submit`` (no task so far) when it did not commit (a commit
-        is finished by :meth:`_resolve`): it continues in a task, as the slow path."""
+    def _on_attempt_failed(self, run: Run, result: Resolution | BaseException) -> None:
+        """An append of ``run`` did not commit (a lock failure, lost, or an error): it continues in a task,
+        the retry path, which ends it with ``result`` if that is an error."""
         partition = run.partition
         assert partition is not None
         if isinstance(result, Resolution):
@@ -214,7 +192,9 @@ class AttemptsMixin(HooksMixin):
         builder: TransactionBuilder | None = None,
         pending: Resolution | BaseException | None = None,
     ) -> None:
-        """The slow path of a context: every attempt after the first, or a first one that had to wait.
+        """The retry path of a context, up to its next send: every attempt after the first, or a first one
+        that had to wait. Each append's fate reaches the run the same way (:meth:`_resolve`): a commit ends
+        there, a failure starts this again.
 
         ``builder`` (if given) is the last attempt, executed but not sent yet; ``pending`` (if given) is the
         fate of the last one, sent and not committed. The attempts made are the lifecycle's to count.
@@ -234,9 +214,8 @@ class AttemptsMixin(HooksMixin):
         except Exception as e:  # noqa: BLE001 - every failure ends the context through on_exception
             await self._end_with_exception(run, e, Event.FAIL)
         finally:
-            self._release_slot(run)
-            if run.ended or not self._closed:
-                self._finish(run)
+            if run.state is _ENDED:
+                self._finish(run)  # Ended here (an append in flight reaches the run through _resolve).
 
     def _check_may_retry(self, run: Run) -> None:
         """Before another execution: raise if ``client.maxTransactionAttempts`` appends were refused, or
@@ -255,9 +234,9 @@ class AttemptsMixin(HooksMixin):
             )
 
     async def _attempt(self, run: Run, builder: TransactionBuilder | None) -> bool:
-        """One attempt of the slow path: execute (unless ``builder`` was), take a turn on its write locks,
-        send, and await the append's fate. True once the run is done (appended and applied, or gave up),
-        False for another attempt."""
+        """One attempt of the retry path: execute (unless ``builder`` was), take a turn on its write locks,
+        and send. True once this task is done with the run (sent: the append's fate reaches the run as a
+        first attempt's does; or gave up), False for another attempt (its turn came after a wait)."""
         partition = run.partition
         assert partition is not None
         context = run.context
@@ -267,8 +246,7 @@ class AttemptsMixin(HooksMixin):
             builder = TransactionBuilder(partition.id, monitor.applied_high_water_mark)
             run.execute()
             if not await self._call_user(context.execute, builder):
-                self._release_slot(run)
-                run.handle(Event.GIVE_UP)
+                self._step(run, Event.GIVE_UP)
                 await self._call_hook(context.on_completion, False)
                 return True
         # The mount may have changed while execute ran; its high-water mark is still a safe one.
@@ -279,30 +257,11 @@ class AttemptsMixin(HooksMixin):
             self._park(partition, run, builder)
             await self._await_turn(run)
             return False
-        outcome: asyncio.Future[Resolution] = asyncio.get_running_loop().create_future()
-        run.send()
-        self._send(partition, monitor, builder, outcome)
+        run.send()  # Before _send: a failed send reaches the run at once.
+        self._send(partition, monitor, builder, run)
         if run.first_send is not None and not run.first_send.done():
             run.first_send.set_result(None)
-        resolution = await outcome
-        wake = None
-        if resolution.outcome is _COMMITTED:
-            self._release_slot(run)
-            run.commit()
-            await self._call_hook(context.on_completion, True)
-            await self._wait_applied(partition, resolution.transaction_id)
-            wake = partition.lock_queue.release(run)
-            if wake:
-                self._wake(wake)
-            if run.apply():
-                await self._call_hook(context.on_application)
-            return True
-        run.handle(_FAILURE_EVENTS[resolution.outcome])
-        wake = partition.lock_queue.release(run)
-        if wake:
-            self._wake(wake)
-        await self._after_failure(run, resolution)
-        return False
+        return True  # Its fate reaches the run through _resolve (or _on_attempt_failed: another task).
 
     async def _after_failure(self, run: Run, failure: Resolution) -> None:
         """Between a failed attempt and the next execute: retry on knowledge, back off on ignorance.
@@ -337,18 +296,3 @@ class AttemptsMixin(HooksMixin):
             raise ClientTimeoutError(
                 f"partition {partition.id} was not mounted within {timeout_ms} ms (client.mountTimeout)"
             ) from None
-
-    async def _wait_applied(self, partition: PartitionState, transaction_id: int) -> None:
-        while partition.monitor is None or partition.monitor.applied_high_water_mark < transaction_id:
-            if partition.error is not None:
-                raise partition.error
-            await partition.changed()
-
-
-def _settle(future: asyncio.Future[Resolution], result: Resolution | BaseException) -> None:
-    if future.done():
-        return
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-    else:
-        future.set_result(result)

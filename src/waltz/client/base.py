@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from waltz.client.api import ClientCallbacks
-from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.driver import ClientDriver, MountState
+from waltz.client.lifecycle import HOLDS_SLOT, Event, Hook
 from waltz.client.monitor import TransactionMonitor
 from waltz.client.pool import Call, CallbackPool, report_hook_failure
 from waltz.client.retry import FETCH_RETRY, MAX_CHECKSUM_ATTEMPTS, RetryPolicy
@@ -33,7 +33,7 @@ from waltz.errors import (
     DataChecksumError,
     WaltzError,
 )
-from waltz.protocol.records import ReqId, crc32
+from waltz.protocol.records import crc32
 
 __all__ = ["ClientBase", "DataSource"]
 
@@ -87,8 +87,6 @@ class ClientBase:
         self._config = config
         self._driver_arg = driver if driver is not None else config.mock_driver
         self._driver: ClientDriver | None = None
-        # The driver's optional send_built (see driver.py), looked up once: the pipelined appends' path.
-        self._send_built: Callable[[int, ReqId, TransactionBuilder], None] | None = None
         self._client_id = -1
         self._client_msb = 0
         self._num_partitions = 0
@@ -105,7 +103,7 @@ class ClientBase:
         self._tasks = TaskSet(self._task_failed)  # Every task of the client; see waltz.client.tasks.
         self._pool: CallbackPool | None = None
         self._hooks: list[Call] = []  # Hooks queued during this loop iteration, run as one job.
-        # Inline mode: a coroutine hook run at once (see _hook_now), awaited first by this
+        # Inline mode: a coroutine hook run at once (see _run_hook), awaited first by this
         # iteration's batch, with the hooks queued after it (its run leads _hook_runs).
         self._lead_awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]] = []
         self._hook_runs: list[tuple[Run, bool]] = []  # (run, True: on_completion / False: on_application)
@@ -117,6 +115,7 @@ class ClientBase:
         self._source: DataSource | None = None
         self._started = False
         self._closed = False
+        self._driver_error: ClientError | None = None  # Set once the driver failed for good.
         # client.callbackMode: inline runs application code on the loop (no thread hop; see docs/client.md).
         self._inline = config.callback_mode == "inline"
 
@@ -173,11 +172,16 @@ class ClientBase:
         assert loop is not None  # Set by start(), before anything queues a hook.
         loop.call_soon(callback)
 
-    def _release_slot(self, run: Run) -> None:
-        if run.holds_slot:
-            run.holds_slot = False
+    def _step(self, run: Run, event: Event) -> Hook | None:
+        """``run.handle(event)``, for an event that may end the run: a run that leaves the states holding a
+        slot (:data:`~waltz.client.lifecycle.HOLDS_SLOT`) gives its slot back here. (A committed first
+        attempt gives it back in ``_resolve``, one release per feed run.)"""
+        held = run.state in HOLDS_SLOT
+        hook = run.handle(event)
+        if held and run.state not in HOLDS_SLOT:
             assert run.partition is not None
             run.partition.slots.release()
+        return hook
 
     def _wake(self, runs: list[Any]) -> None:
         for run in runs:

@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, TypeVar, overload
 
-from waltz.client.driver import AppendRequest
 from waltz.client.locks import PartitionLocalLock, java_string_hash, lock_hash
 from waltz.client.serializer import Serializer
 from waltz.protocol.checksum import crc32 as _crc32
-from waltz.protocol.client_server import frame_append, new_append_request
+from waltz.protocol.client_server import AppendRequest, frame_append, new_append_request
 from waltz.protocol.records import ReqId
 from waltz.protocol.wire import I32_MAX, I32_MIN
 

@@ -7,9 +7,10 @@ What it does, per partition:
 * **feed**: every committed transaction goes through the :class:`~waltz.client.monitor.TransactionMonitor`
   (which resolves our own appends) and into a bounded queue; one *applier* task per partition hands the
   transactions to ``apply_transaction`` one at a time, in id order, on a callback thread;
-* **contexts**: each submitted :class:`~waltz.client.context.TransactionContext` gets a *run* task that
-  executes it, appends, waits for the monitor's verdict and, on failure, executes it again after a backoff,
-  until it is appended, gives up, raises or expires;
+* **contexts**: each submitted :class:`~waltz.client.context.TransactionContext` is a *run* (its lifecycle,
+  :mod:`~waltz.client.lifecycle`): executed and appended by ``submit``, its append's verdict heard from the
+  monitor and, on failure, executed again by a retry task after a backoff, until it is appended, gives up,
+  raises or expires;
 * **back pressure**: a partition admits at most ``client.maxConcurrentTransactions`` runs at a time; a run
   holds its slot until its context is appended or ends, so the appends outstanding on the wire never exceed
   that number either. ``submit`` waits up to ``client.submitTimeout`` for a slot;
@@ -37,7 +38,7 @@ iteration leave in one write); the append's fate comes back through a callback (
 entries of a partition in one call, ``_feed_run_nowait``); ``on_completion``/``on_application`` are queued
 and run as one callback job per event-loop iteration; the applier hands runs of the feed to one job.
 Anything unusual (no free slot, the partition not mounted, an append not committed) continues in a
-per-context task, the slow path, which is the original retry loop.
+retry task up to the next send; every append's verdict reaches its run the same way.
 """
 
 from __future__ import annotations
@@ -101,7 +102,6 @@ class AsyncWaltzClient(SubmissionMixin, ApplierMixin):
             await asyncio.to_thread(self._pool.shutdown)
             raise
         self._driver = self._driver_arg
-        self._send_built = getattr(self._driver, "send_built", None)
         # Constant once the driver is open.
         self._client_id = self._driver.client_id
         self._client_msb = (self._client_id & _MASK32) << 32  # The client's half of every ReqId.msb.
@@ -232,9 +232,8 @@ class AsyncWaltzClient(SubmissionMixin, ApplierMixin):
             raise self._not_mounted(partition_id)
         try:
             async with asyncio.timeout(timeout):
-                # _wait_applied, plus CLIENT_AHEAD: final for the current owner, so nothing past the
-                # application's own mark is fed and the wait would only end in its timeout (or never). Not in
-                # _wait_applied itself: a run awaits that once per append.
+                # CLIENT_AHEAD is final for the current owner: nothing past the application's own mark is fed,
+                # and the wait would only end in its timeout (or never).
                 while partition.monitor is None or partition.monitor.applied_high_water_mark < transaction_id:
                     if partition.error is not None:
                         raise partition.error

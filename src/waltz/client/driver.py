@@ -54,10 +54,10 @@ Mount states (the events :meth:`DriverListener.on_mount_state` carries)
 Appends and flushes
 -------------------
 ``send_append`` and ``send_flush`` are **synchronous and non-blocking**: the driver queues the request and
-must transmit the requests of one partition **in call order** on the partition's stream
-(``send_append_now``, which the core uses for a lone append, is the same with the request handed to the
-network at once). The core depends on this: once it sees one of its own request ids in the feed it fails
-every older pending append, which is only correct if the server received them in the order they were
+must transmit the requests of one partition **in call order** on the partition's stream (``now``, which
+the core sets for a lone append, hands the append to the network at once, after what was queued before
+it). The core depends on this: once it sees one of its own request ids in the feed it fails every older
+pending append, which is only correct if the server received them in the order they were
 registered. The core never has more than ``client.maxConcurrentTransactions`` appends outstanding per
 partition, plus one flush per partition at a time (rarely two), so the driver's queue is bounded by that.
 If a request cannot be sent (no connection), the driver may drop it silently: after the next ``READY`` the
@@ -89,6 +89,8 @@ import enum
 from abc import ABC, abstractmethod
 from typing import Protocol
 
+from waltz.client.builder import TransactionBuilder
+from waltz.errors import ClientError
 from waltz.protocol.client_server import AppendRequest
 from waltz.protocol.records import ReqId
 
@@ -99,10 +101,11 @@ __all__ = [
     "MountState",
 ]
 
-# An append travels as the wire message itself (waltz.protocol.client_server.AppendRequest): the core
-# builds it once and the network driver encodes it as it is, with no twin copied field by field.
-# ``client_high_water_mark`` is the application's high-water mark captured just before ``execute`` ran;
-# lock values are the 32-bit hashes of :func:`waltz.client.locks.lock_hash`; ``checksum`` is the CRC-32 of
+# An append reaches the driver as the request id and the TransactionBuilder that ``execute`` filled: the
+# network driver frames it straight from the builder (``TransactionBuilder.frame_append``), others send
+# ``builder.build(req_id)``, the wire message itself (waltz.protocol.client_server.AppendRequest), whose
+# ``client_high_water_mark`` is the application's high-water mark captured just before ``execute`` ran; lock
+# values are the 32-bit hashes of :func:`waltz.client.locks.lock_hash`; ``checksum`` is the CRC-32 of
 # ``data``.
 
 
@@ -131,21 +134,17 @@ class DriverListener(Protocol):
         """Every append sent before the flush ``req_id`` is resolved; ``transaction_id`` is the partition's
         high-water mark at that point."""
 
+    def on_driver_failure(self, error: ClientError) -> None:
+        """A task the driver cannot serve without failed (following the partition assignment, say): the
+        driver can no longer serve any partition, and ``error`` says why. Called on the loop, at most once;
+        the core stops every partition with ``error`` and reports it to the application."""
 
-# A listener may also offer ``feed_data_nowait(partition_id, transaction_id, req_id, header) -> bool``: the
-# same as ``on_feed_data`` without a coroutine, returning False (having done nothing) when it would have to
-# wait for room. A driver may call it first and await ``on_feed_data`` only on False; the network driver
-# does (the core's listener offers it), the MockDriver does not need to.
-# And ``feed_run_nowait(partition_id, entries) -> int``: the same for a run of consecutive entries
-# ``[(transaction_id, req_id, header), ...]`` (the partition's next ids, in order) in one call, returning how
-# many of the leading ones it took (0 when it has no room); the driver delivers the rest as above. The
-# network driver hands it each socket read's entries of a partition.
 
-# A driver may offer ``send_built(partition_id, req_id, builder) -> None``: ``send_append(partition_id,
-# builder.build(req_id))`` (same order, errors and guarantees) without the AppendRequest, for a driver that
-# encodes the append straight from the TransactionBuilder. The core then sends its pipelined appends through
-# it (the network driver frames them into its write buffer in one pass); lone appends still go through
-# ``send_append_now``.
+# A listener may also offer ``feed_run_nowait(partition_id, entries) -> int``: ``on_feed_data`` without a
+# coroutine for a run of consecutive entries ``[(transaction_id, req_id, header), ...]`` (the partition's next
+# ids, in order) in one call, returning how many of the leading ones it took (0 when it has no room, having
+# done nothing); the driver delivers the rest through ``on_feed_data``. The network driver hands it each
+# socket read's entries of a partition (the core's listener offers it); the MockDriver does not need to.
 
 
 class ClientDriver(ABC):
@@ -184,15 +183,11 @@ class ClientDriver(ABC):
         """Stop the partition: no events for it after this returns."""
 
     @abstractmethod
-    def send_append(self, partition_id: int, request: AppendRequest) -> None:
-        """Queue an append; requests of one partition are transmitted in call order. Never blocks."""
-
-    def send_append_now(self, partition_id: int, request: AppendRequest) -> None:
-        """:meth:`send_append`, handed to the network at once rather than with the requests queued in the
-        same loop iteration (which it follows, in order). The core uses it for a lone append (nothing else in
-        flight on its partition), which no other request would join: it leaves one loop pass sooner. A
-        driver with nothing to batch need not override it."""
-        self.send_append(partition_id, request)
+    def send_append(self, partition_id: int, req_id: ReqId, builder: TransactionBuilder, now: bool) -> None:
+        """Queue the append ``builder.build(req_id)``; requests of one partition are transmitted in call
+        order. Never blocks. ``now``: hand it to the network at once (after what was queued before it) rather
+        than with the requests of this loop iteration; the core sets it for a lone append (nothing else in
+        flight on its partition), which no other request would join, so it leaves one loop pass sooner."""
 
     @abstractmethod
     def send_flush(self, partition_id: int, req_id: ReqId) -> None:

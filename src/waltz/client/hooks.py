@@ -13,13 +13,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from waltz.client.base import ClientBase
-from waltz.client.lifecycle import Event, Hook
+from waltz.client.lifecycle import Event, Hook, State
 from waltz.client.pool import Call, report_hook_failure
 from waltz.client.state import PartitionState, Run
 
 __all__ = ["HooksMixin"]
 
 log = logging.getLogger("waltz.client.core")  # The core's one logger (docs/client.md names it).
+
+_COMPLETED, _ENDED = State.COMPLETED, State.ENDED
+_TRUE_ARGS = (True,)
 
 
 class HooksMixin(ClientBase):
@@ -34,37 +37,22 @@ class HooksMixin(ClientBase):
         locked = queue.holds_any
         while waiting and waiting[0].transaction_id <= transaction_id:
             run = waiting.popleft()
-            run.applied = True
             if locked:
                 wake = queue.release(run)
                 if wake:
                     self._wake(wake)
-            if not run.completed:
-                continue  # on_completion has not run yet: _hook_done queues on_application after it.
-            if self._inline and not self._hook_runs and run.apply():
-                self._hook_now(run, False)  # _queue_application(run), written out (once per append).
-            else:
-                self._queue_application(run)
+            if run.apply():  # on_application is owed now (on_completion ran; otherwise it follows that).
+                self._run_hook(run, False)
 
     def _drop_awaiting_apply(self, partition: PartitionState) -> None:
-        """The partition is gone: its committed runs end without on_application (as with close)."""
+        """The partition is gone: its committed runs end without on_application (as with close); a run whose
+        on_completion has not run yet is over once it has (see _hook_done)."""
         waiting, partition.awaiting_apply = partition.awaiting_apply, deque()
         for run in waiting:
-            if run.completed:
+            over = run.state is _COMPLETED
+            run.handle(Event.FAIL)  # No hook: appended.
+            if over:
                 self._finish(run)
-
-    def _queue_application(self, run: Run) -> None:
-        if run.apply():  # Owes on_application, unless the run ended meanwhile (closed).
-            # In this iteration's batch; inline mode with nothing queued before it runs it now.
-            if not self._hook_runs:
-                if self._inline:
-                    self._hook_now(run, False)
-                    return
-                self._call_soon(self._flush_hooks)
-            self._hooks.append((run.context.on_application, ()))
-            self._hook_runs.append((run, False))
-        else:
-            self._finish(run)  # Ended meanwhile (closed): no on_application.
 
     def _flush_hooks(self) -> None:
         if not self._hook_runs:
@@ -89,41 +77,50 @@ class HooksMixin(ClientBase):
             return
         pool.post(hooks, then=functools.partial(self._hooks_done, runs))
 
-    def _hook_now(self, run: Run, completion: bool) -> None:
-        """Inline mode, no hook queued in this loop iteration: ``on_completion(True)`` (``completion``) or
-        ``on_application()`` now, where the append was resolved (the socket reader) or its transaction
-        applied (the applier), instead of in the next iteration through _flush_hooks: a lone append's
-        application hears of it one loop pass sooner. What the hook would have been in its batch, it still
-        is: the first; a coroutine it returns is awaited first by this iteration's batch, before the hooks
-        queued after it, which therefore run in order as before."""
-        pool = self._pool
-        if pool is None or pool.is_shut_down:
-            return  # As _flush_hooks: no hooks once the client is shut down.
-        # _run_hooks_inline([hook]) then _hooks_done([(run, completion)]), written out for one hook (twice per
-        # append): no lists, no tuples, no loops.
+    def _run_hook(self, run: Run, completion: bool) -> None:
+        """The one way ``on_completion(True)`` and ``on_application`` reach the application, once per append
+        each. ``completion``: ``run``'s first append committed (its COMMIT is made here) and
+        ``on_completion(True)`` is owed; otherwise ``on_application``, which its lifecycle owes.
+
+        Inline mode with no hook queued in this loop iteration runs the hook now, where the commit or the
+        apply was heard (the socket reader, the applier): a lone append's application hears of it one loop
+        pass sooner. Otherwise the hook joins this iteration's batch (:meth:`_flush_hooks`, one callback job
+        or one pass on the loop), in order. A coroutine a hook run now returns is awaited first by this
+        iteration's batch, before the hooks queued after it, which therefore still run in order."""
         context = run.context
-        fn: Callable[..., Any] = context.on_completion if completion else context.on_application
-        result: Any  # The hooks are typed as returning None; an inline hook may return a coroutine.
-        try:
-            result = fn(True) if completion else fn()
-        except (SystemExit, KeyboardInterrupt):
-            raise
-        except BaseException as e:  # noqa: BLE001 - reported to the application, as in _run_hooks_inline
-            report_hook_failure(asyncio.get_running_loop(), fn, e)
-            result = None
-        if result is not None and inspect.isawaitable(result):
-            self._lead_awaitables = [(fn, result)]
-            self._hook_runs.append((run, completion))
-            self._call_soon(self._flush_hooks)
-        elif not completion:
-            self._finish(run)  # on_application ran: the last hook.
+        if self._hook_runs or not self._inline:
+            if not self._hook_runs:
+                self._call_soon(self._flush_hooks)
+            if completion:
+                self._hooks.append((context.on_completion, _TRUE_ARGS))
+            else:
+                self._hooks.append((context.on_application, ()))
         else:
-            # _hook_done(run, True), written out (once per append).
-            run.completed = True
-            if run.applied and not self._closed:
-                self._queue_application(run)
-            elif self._closed or (run.partition is not None and run.partition.error is not None):
-                self._finish(run)  # No on_application will follow.
+            pool = self._pool
+            if pool is None or pool.is_shut_down:  # As _flush_hooks: no hooks once the client is shut down.
+                if completion:
+                    run.commit()
+                return
+            fn: Callable[..., Any] = context.on_completion if completion else context.on_application
+            result: Any  # The hooks are typed as returning None; an inline hook may return a coroutine.
+            try:
+                result = fn(True) if completion else fn()
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as e:  # noqa: BLE001 - reported to the application, as in _run_hooks_inline
+                report_hook_failure(asyncio.get_running_loop(), fn, e)
+                result = None
+            if result is None or not inspect.isawaitable(result):
+                if completion:
+                    run.commit_complete()  # Committed, and on_completion(True) ran (one transition call).
+                else:
+                    self._finish(run)  # on_application ran: the last hook.
+                return
+            self._lead_awaitables = [(fn, result)]
+            self._call_soon(self._flush_hooks)
+        if completion:
+            run.commit()  # Owes on_completion(True), queued above.
+        self._hook_runs.append((run, completion))
 
     async def _await_hooks(
         self, awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]], runs: list[tuple[Run, bool]]
@@ -142,23 +139,19 @@ class HooksMixin(ClientBase):
             self._hook_done(run, completion)
 
     def _hook_done(self, run: Run, completion: bool) -> None:
-        """``run``'s on_completion(True) (``completion``) or on_application ran: its next step."""
+        """``run``'s on_completion(True) (``completion``) or on_application ran: its next step, as its
+        lifecycle says (on_application now, later once applied, or none: the run is over)."""
         if not completion:
             self._finish(run)  # on_application ran: the last hook.
-            return
-        run.completed = True
-        partition = run.partition
-        assert partition is not None
-        if run.applied and not self._closed:
-            self._queue_application(run)
-        elif self._closed or partition.error is not None:
-            self._finish(run)  # No on_application will follow.
+        elif run.complete() and not self._closed:
+            self._run_hook(run, False)
+        elif run.state is _ENDED:
+            self._finish(run)  # Ended meanwhile (closed, the partition released): no on_application.
 
     async def _end_with_exception(self, run: Run, error: BaseException, event: Event = Event.FAIL) -> None:
         """End ``run`` with ``on_exception(error)`` if its lifecycle owes it (once); a first attempt also
         raises it from submit."""
-        self._release_slot(run)
-        if run.handle(event) is Hook.EXCEPTION:
+        if self._step(run, event) is Hook.EXCEPTION:
             await self._call_hook(run.context.on_exception, error)
         if run.first_send is not None and not run.first_send.done():
             run.first_send.set_exception(error)

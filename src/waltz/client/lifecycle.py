@@ -2,11 +2,15 @@
 
 The client core feeds every fact about a context in as an :class:`Event`; :meth:`Lifecycle.handle` moves it
 to its next :class:`State` and says which application hook that transition owes (:class:`Hook`). The core
-calls the hook; it never decides a context's fate with flags of its own. The whole table::
+calls the hook; it never decides a context's fate with flags of its own. The table also says which runs hold
+one of their partition's slots (:data:`HOLDS_SLOT`: from ADMITTED until the context is committed or ended;
+the core gives the slot back on the transition that leaves them) and when a run is over (ENDED: once the hook
+that transition owes has run, or at once if it owes none). The whole table::
 
     state       event       next        hook                      why
     ----------  ----------  ----------  ------------------------  ------------------------------------------
-    SUBMITTED   EXECUTE     EXECUTING   -                         first attempt (slot and mount obtained)
+    SUBMITTED   ADMIT       ADMITTED    -                         a slot of the partition taken
+    ADMITTED    EXECUTE     EXECUTING   -                         first attempt (and the mount obtained)
     EXECUTING   SEND        APPENDING   -                         execute() filled the builder; sent
     EXECUTING   QUEUE       QUEUED      -                         another context of ours holds a write lock
     EXECUTING   GIVE_UP     ENDED       on_completion(False)      execute() returned False
@@ -15,18 +19,30 @@ calls the hook; it never decides a context's fate with flags of its own. The who
     APPENDING   LOCK_FAIL   RETRY       on_lock_failure           released once the conflict is applied
     APPENDING   LOST        RETRY       -                         failed without a reason: back off
     RETRY       EXECUTE     EXECUTING   -                         the next attempt
-    COMMITTED   APPLY       ENDED       on_application           this client applied the transaction
+    COMMITTED   COMPLETE    COMPLETED   -                         on_completion(True) ran; not applied yet
+    COMMITTED   APPLY       APPLIED     -                         applied before on_completion(True) ran
+    COMPLETED   APPLY       ENDED       on_application           this client applied the transaction
+    APPLIED     COMPLETE    ENDED       on_application           on_completion(True) ran, after the apply
     any live    FAIL        ENDED       on_exception              execute raised, timeout, partition lost...
     any live    CLOSE       ENDED       on_exception              the client closed (ClientClosedError)
     SUBMITTED,  EXPIRE      ENDED       on_exception              client.transactionTimeout passed
+    ADMITTED,
     QUEUED,
     RETRY
-    COMMITTED   FAIL/CLOSE  ENDED       -                         committed: no exception; no on_application
+    SUBMITTED,  DROP        ENDED       -                         submit() was cancelled: the context dropped
+    ADMITTED,
+    EXECUTING
+    COMMITTED,  FAIL/CLOSE  ENDED       -                         committed: no exception; no on_application
+    COMPLETED,
+    APPLIED
     EXECUTING,  EXPIRE      (same)      -                         not now: execute() or the append in flight
     APPENDING,                                                    decides; expiry is checked again before
-    COMMITTED                                                     the next attempt
+    COMMITTED,                                                    the next attempt
+    COMPLETED,
+    APPLIED
     ENDED       FAIL/CLOSE/ (same)      -                         terminal: the hook was already owed once
-                EXPIRE
+                EXPIRE/DROP/                                      (COMPLETE: on_completion(True) ran for a
+                COMPLETE/APPLY                                    context ended meanwhile; the run is over)
 
 Any other (state, event) pair is a bug in the caller and raises :class:`LifecycleError`.
 """
@@ -37,7 +53,7 @@ import enum
 
 from waltz.errors import LifecycleError
 
-__all__ = ["STEPS", "TRANSITIONS", "Event", "Hook", "Lifecycle", "LifecycleError", "State"]
+__all__ = ["HOLDS_SLOT", "STEPS", "TRANSITIONS", "Event", "Hook", "Lifecycle", "LifecycleError", "State"]
 
 
 class State(enum.Enum):
@@ -46,7 +62,9 @@ class State(enum.Enum):
     __hash__ = object.__hash__
 
     SUBMITTED = "submitted"
-    """Accepted by ``submit``; not executed yet (waiting for a slot or the mount)."""
+    """Accepted by ``submit``; waiting for a slot of its partition."""
+    ADMITTED = "admitted"
+    """Holds a slot; not executed yet (waiting for the mount)."""
     EXECUTING = "executing"
     """``execute`` runs, or its builder waits to be sent."""
     QUEUED = "queued"
@@ -57,6 +75,10 @@ class State(enum.Enum):
     """An attempt failed (or a turn came); the context executes again after a backoff or at once."""
     COMMITTED = "committed"
     """Appended: ``on_completion(True)`` is owed, then ``on_application`` once this client applied it."""
+    COMPLETED = "completed"
+    """Appended, ``on_completion(True)`` ran; ``on_application`` is owed once this client applied it."""
+    APPLIED = "applied"
+    """Appended and applied; ``on_application`` is owed once ``on_completion(True)`` ran."""
     ENDED = "ended"
     """Terminal: no more attempts and no more hooks."""
 
@@ -66,6 +88,7 @@ class Event(enum.Enum):
     # Python code, and every transition looks up two of them).
     __hash__ = object.__hash__
 
+    ADMIT = "admit"
     EXECUTE = "execute"
     SEND = "send"
     QUEUE = "queue"
@@ -74,7 +97,9 @@ class Event(enum.Enum):
     COMMIT = "commit"
     LOCK_FAIL = "lock failure"
     LOST = "lost"
+    COMPLETE = "complete"
     APPLY = "apply"
+    DROP = "drop"
     FAIL = "fail"
     CLOSE = "close"
     EXPIRE = "expire"
@@ -91,10 +116,12 @@ class Hook(enum.Enum):
 
 
 S, E, H = State, Event, Hook
-_LIVE = (S.SUBMITTED, S.EXECUTING, S.QUEUED, S.APPENDING, S.RETRY)
+_LIVE = (S.SUBMITTED, S.ADMITTED, S.EXECUTING, S.QUEUED, S.APPENDING, S.RETRY)
+_APPENDED = (S.COMMITTED, S.COMPLETED, S.APPLIED)
 
 TRANSITIONS: dict[tuple[State, Event], tuple[State, Hook | None]] = {
-    (S.SUBMITTED, E.EXECUTE): (S.EXECUTING, None),
+    (S.SUBMITTED, E.ADMIT): (S.ADMITTED, None),
+    (S.ADMITTED, E.EXECUTE): (S.EXECUTING, None),
     (S.EXECUTING, E.SEND): (S.APPENDING, None),
     (S.EXECUTING, E.QUEUE): (S.QUEUED, None),
     (S.EXECUTING, E.GIVE_UP): (S.ENDED, H.GAVE_UP),
@@ -103,14 +130,17 @@ TRANSITIONS: dict[tuple[State, Event], tuple[State, Hook | None]] = {
     (S.APPENDING, E.LOCK_FAIL): (S.RETRY, H.LOCK_FAILURE),
     (S.APPENDING, E.LOST): (S.RETRY, None),
     (S.RETRY, E.EXECUTE): (S.EXECUTING, None),
-    (S.COMMITTED, E.APPLY): (S.ENDED, H.APPLICATION),
+    (S.COMMITTED, E.COMPLETE): (S.COMPLETED, None),
+    (S.COMMITTED, E.APPLY): (S.APPLIED, None),
+    (S.COMPLETED, E.APPLY): (S.ENDED, H.APPLICATION),
+    (S.APPLIED, E.COMPLETE): (S.ENDED, H.APPLICATION),
     **{(state, E.FAIL): (S.ENDED, H.EXCEPTION) for state in _LIVE},
     **{(state, E.CLOSE): (S.ENDED, H.EXCEPTION) for state in _LIVE},
-    **{(state, E.EXPIRE): (S.ENDED, H.EXCEPTION) for state in (S.SUBMITTED, S.QUEUED, S.RETRY)},
-    (S.COMMITTED, E.FAIL): (S.ENDED, None),
-    (S.COMMITTED, E.CLOSE): (S.ENDED, None),
-    **{(state, E.EXPIRE): (state, None) for state in (S.EXECUTING, S.APPENDING, S.COMMITTED)},
-    **{(S.ENDED, event): (S.ENDED, None) for event in (E.FAIL, E.CLOSE, E.EXPIRE)},
+    **{(state, E.EXPIRE): (S.ENDED, H.EXCEPTION) for state in (S.SUBMITTED, S.ADMITTED, S.QUEUED, S.RETRY)},
+    **{(state, E.DROP): (S.ENDED, None) for state in (S.SUBMITTED, S.ADMITTED, S.EXECUTING)},
+    **{(state, event): (S.ENDED, None) for state in _APPENDED for event in (E.FAIL, E.CLOSE)},
+    **{(state, E.EXPIRE): (state, None) for state in (S.EXECUTING, S.APPENDING, *_APPENDED)},
+    **{(S.ENDED, e): (S.ENDED, None) for e in (E.FAIL, E.CLOSE, E.EXPIRE, E.DROP, E.COMPLETE, E.APPLY)},
 }
 """``(state, event) -> (next state, hook owed)``; see the module docstring."""
 
@@ -121,11 +151,14 @@ STEPS: dict[Event, dict[State, tuple[State, Hook | None]]] = {
 which applies a transition it knows by one lookup in the event's row instead of a call of
 :meth:`Lifecycle.handle` (a missing state there is still handed to ``handle``, which raises)."""
 
+HOLDS_SLOT = frozenset({S.ADMITTED, S.EXECUTING, S.QUEUED, S.APPENDING, S.RETRY})
+"""The states of a run that holds one of its partition's slots (``client.maxConcurrentTransactions``)."""
+
 # Module constants for what handle() compares on every call (an enum member lookup costs far more in 3.11).
-_SEND, _COMMITTED, _ENDED = Event.SEND, State.COMMITTED, State.ENDED
-# The rows of the four transitions every append makes, for the methods of the same names below.
-_EXECUTE_ROW, _SEND_ROW, _COMMIT_ROW = STEPS[Event.EXECUTE], STEPS[Event.SEND], STEPS[Event.COMMIT]
-_APPLIED = STEPS[Event.APPLY][State.COMMITTED][0]
+_SEND, _COMPLETED, _APPLIED = Event.SEND, State.COMPLETED, State.APPLIED
+# The rows of the transitions every append makes, for the methods of the same names below.
+_ADMIT_ROW, _EXECUTE_ROW, _SEND_ROW = STEPS[Event.ADMIT], STEPS[Event.EXECUTE], STEPS[Event.SEND]
+_COMMIT_ROW, _COMPLETE_ROW, _APPLY_ROW = STEPS[Event.COMMIT], STEPS[Event.COMPLETE], STEPS[Event.APPLY]
 
 
 class Lifecycle:
@@ -149,8 +182,28 @@ class Lifecycle:
         self.state = state
         return hook
 
-    # The four transitions every append makes, for the client core's hot path: each is handle(event) made
-    # with one lookup in the event's row of the table (none owes a hook but the one its name says).
+    # The transitions every append makes, for the client core's hot path: each is handle() made with one
+    # lookup in the event's row of the table (none owes a hook but the one its name or result says).
+
+    def admit_execute(self) -> None:
+        """``handle(ADMIT)`` then ``handle(EXECUTE)``: a first attempt that took its slot and executed."""
+        try:
+            self.state = _EXECUTE_ROW[_ADMIT_ROW[self.state][0]][0]
+        except KeyError:
+            self.handle(Event.ADMIT)  # Raises LifecycleError (or EXECUTE below does).
+            self.handle(Event.EXECUTE)
+            raise
+
+    def admit_execute_send(self) -> None:
+        """``handle(ADMIT)``, ``handle(EXECUTE)`` then ``handle(SEND)``: a first attempt that took its slot
+        and executed off the loop (or on it, before this) is sent."""
+        try:
+            self.state = _SEND_ROW[_EXECUTE_ROW[_ADMIT_ROW[self.state][0]][0]][0]
+        except KeyError:
+            self.admit_execute()  # Raises LifecycleError (or SEND below does).
+            self.handle(_SEND)
+            raise
+        self.attempts += 1
 
     def execute(self) -> None:
         """``handle(EXECUTE)``: an attempt executes (no hook)."""
@@ -169,16 +222,6 @@ class Lifecycle:
             raise
         self.attempts += 1
 
-    def execute_send(self) -> None:
-        """``handle(EXECUTE)`` then ``handle(SEND)``: a first attempt, executed off the loop, is sent."""
-        try:
-            self.state = _SEND_ROW[_EXECUTE_ROW[self.state][0]][0]
-        except KeyError:
-            self.handle(Event.EXECUTE)  # Raises LifecycleError (or SEND below does).
-            self.handle(_SEND)
-            raise
-        self.attempts += 1
-
     def commit(self) -> None:
         """``handle(COMMIT)``: the append committed; ``on_completion(True)`` is owed."""
         try:
@@ -187,21 +230,39 @@ class Lifecycle:
             self.handle(Event.COMMIT)  # Raises LifecycleError.
             raise
 
-    def apply(self) -> bool:
-        """``handle(APPLY)`` if the context is committed: True then (``on_application`` is owed); False if it
-        ended meanwhile (the client closed, the partition was released: nothing is owed)."""
-        state = self.state
-        if state is _COMMITTED:
-            self.state = _APPLIED
-            return True
-        if state is not _ENDED:
-            self.handle(Event.APPLY)  # Raises LifecycleError.
-        return False
+    def commit_complete(self) -> None:
+        """``handle(COMMIT)`` then ``handle(COMPLETE)``: the append committed and the ``on_completion(True)``
+        that owes was run at once (inline mode); ``on_application`` follows the apply."""
+        try:
+            self.state = _COMPLETE_ROW[_COMMIT_ROW[self.state][0]][0]
+        except KeyError:
+            self.handle(Event.COMMIT)  # Raises LifecycleError (or COMPLETE below does).
+            self.handle(Event.COMPLETE)
+            raise
 
-    @property
-    def ended(self) -> bool:
-        """True once no terminal hook remains to be decided (committed, or ended)."""
-        return self.state is _COMMITTED or self.state is _ENDED
+    def complete(self) -> bool:
+        """``handle(COMPLETE)``: ``on_completion(True)`` ran. True if ``on_application`` is owed now (the
+        transaction was applied meanwhile); False if that waits for the apply (COMPLETED), or the context
+        ended meanwhile (ENDED: the run is over)."""
+        before = self.state
+        try:
+            self.state = _COMPLETE_ROW[before][0]
+        except KeyError:
+            self.handle(Event.COMPLETE)  # Raises LifecycleError.
+            raise
+        return before is _APPLIED
+
+    def apply(self) -> bool:
+        """``handle(APPLY)``: this client applied the transaction. True if ``on_application`` is owed now
+        (``on_completion(True)`` ran); False if that waits for ``on_completion``, or the context ended
+        meanwhile (the client closed, the partition was released: nothing is owed)."""
+        before = self.state
+        try:
+            self.state = _APPLY_ROW[before][0]
+        except KeyError:
+            self.handle(Event.APPLY)  # Raises LifecycleError.
+            raise
+        return before is _COMPLETED
 
     def __repr__(self) -> str:
         return f"Lifecycle({self.state.value}, attempts={self.attempts})"

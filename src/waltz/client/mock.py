@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from waltz.client.builder import TransactionBuilder
 from waltz.client.driver import AppendRequest, ClientDriver, DriverListener, MountState
 from waltz.errors import BrokenResourceError, ClientError, PartitionNotReadyError
 from waltz.protocol.records import Record, ReqId
@@ -392,8 +393,8 @@ class MockDriver(ClientDriver):
             self.cluster.unwatch(partition_id, stream.wake)
             await stream.stop()
 
-    def send_append(self, partition_id: int, request: AppendRequest) -> None:
-        self._outbox(partition_id).append(("append", request))
+    def send_append(self, partition_id: int, req_id: ReqId, builder: TransactionBuilder, now: bool) -> None:
+        self._outbox(partition_id).append(("append", builder.build(req_id)))
 
     def send_flush(self, partition_id: int, req_id: ReqId) -> None:
         self._outbox(partition_id).append(("flush", req_id))

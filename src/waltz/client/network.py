@@ -49,7 +49,7 @@ from typing import Final
 from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.discovery import Discovery, Endpoints, ZkDiscovery
-from waltz.client.driver import AppendRequest, ClientDriver, DriverListener, MountState
+from waltz.client.driver import ClientDriver, DriverListener, MountState
 from waltz.client.rpc import (
     CLIENT_HELLO,
     RPC_ATTEMPT_TIMEOUT_MS,
@@ -75,9 +75,9 @@ from waltz.errors import (
     ClientClosedError,
     ClientError,
     ConfigError,
-    ConnectionError_,
     PartitionNotReadyError,
     RemoteProtocolError,
+    TrimmedError,
     WaltzError,
 )
 from waltz.protocol import client_server as cs
@@ -144,7 +144,7 @@ class NetworkDriver(ClientDriver):
             except BaseException:
                 await self._discovery.close()
                 raise
-        self.spawn(self._follow_assignments(), "waltz-assignments")
+        self._tasks.spawn(self._follow_assignments(), "waltz-assignments", self._assignments_failed)
         log.info(
             "client %d connected to cluster %s (%d partitions)",
             self._client_id,
@@ -261,20 +261,10 @@ class NetworkDriver(ClientDriver):
 
     # -- contract: requests ----------------------------------------------------------------------------------
 
-    def send_append(self, partition_id: int, request: AppendRequest) -> None:
-        # The hot path (once per append): the AppendRequest encoded without the codec's version check (every
-        # version carries it) and queued for this loop iteration's write (StreamLink.queue_append).
-        mount = self._mounts.get(partition_id)
-        link = mount.link if mount is not None else None
-        if self._closed or link is None or link.conn is None or not mount.ready:  # type: ignore[union-attr]
-            link = self._ready_link(partition_id)  # Raises the error that says why.
-        conn = link.conn
-        assert conn is not None  # Checked above.
-        link.queue_append(conn, cs.append_payload(request, link.version))
-
-    def send_built(self, partition_id: int, req_id: ReqId, builder: TransactionBuilder) -> None:
-        """``send_append(partition_id, builder.build(req_id))``, framed straight from the builder
-        (``StreamLink.queue_built``): the core's hot path, once per pipelined append (see driver.py)."""
+    def send_append(self, partition_id: int, req_id: ReqId, builder: TransactionBuilder, now: bool) -> None:
+        """Frame the append straight from the builder into this loop iteration's write on the partition's
+        link (``StreamLink.queue_built``: no AppendRequest made), or with ``now``, write it and what was
+        queued before it at once: the core's hot path, once per append."""
         mount = self._mounts.get(partition_id)
         link = mount.link if mount is not None else None
         if self._closed or link is None or link.conn is None or not mount.ready:  # type: ignore[union-attr]
@@ -282,21 +272,8 @@ class NetworkDriver(ClientDriver):
         conn = link.conn
         assert conn is not None  # Checked above.
         link.queue_built(conn, req_id, builder)
-
-    def send_append_now(self, partition_id: int, request: AppendRequest) -> None:
-        """:meth:`send_append`, written now (``FramedConnection.send(..., now=True)``), not with the loop
-        iteration's frames: for a lone append, which nothing would join."""
-        mount = self._mounts.get(partition_id)
-        link = mount.link if mount is not None else None
-        if self._closed or link is None or link.conn is None or not mount.ready:  # type: ignore[union-attr]
-            link = self._ready_link(partition_id)  # Raises the error that says why.
-        conn = link.conn
-        assert conn is not None  # Checked above.
-        link.flush_appends()  # Queued appends of other partitions of the link go first.
-        try:
-            conn.send(cs.append_payload(request, link.version), now=True)
-        except ConnectionError_ as e:
-            raise BrokenResourceError(f"connection to {link.endpoint} lost: {e}") from None
+        if now:
+            link.flush_appends()
 
     def send_flush(self, partition_id: int, req_id: ReqId) -> None:
         self._ready_link(partition_id).send(cs.FlushRequest(req_id))
@@ -324,6 +301,9 @@ class NetworkDriver(ClientDriver):
                 f"asked for transaction {transaction_id}, got {response.transaction_id}"
             )
         if response.data is None:
+            trimmed = TrimmedError.from_message(response.error or "")
+            if trimmed is not None:
+                raise trimmed  # not retriable: no replica holds it any more
             raise PartitionNotReadyError(
                 f"partition {partition_id}: {endpoint} could not read transaction {transaction_id}: "
                 f"{response.error}"
@@ -385,6 +365,19 @@ class NetworkDriver(ClientDriver):
     async def _follow_assignments(self) -> None:
         async for endpoints in self._discovery.updates():
             self._on_assignment(endpoints)
+        raise ClientError("the partition assignment's updates ended")  # Only close() may end them.
+
+    def _assignments_failed(self, task: asyncio.Task[None], error: BaseException) -> None:
+        """Following the assignment failed: no mount can move to a new owner any more, so the driver no
+        longer serves; the client hears it (and stops its partitions with the reason) instead of stalling."""
+        failure = ClientError(
+            f"the client driver stopped: following the partition assignment failed with "
+            f"{type(error).__name__}: {error} (restart the client)"
+        )
+        failure.__cause__ = error
+        log.error("client %d: %s", self._client_id, failure, exc_info=error)
+        if self._listener is not None and not self._closed:
+            self._listener.on_driver_failure(failure)
 
     def _on_assignment(self, endpoints: Endpoints) -> None:
         self._endpoints = dict(endpoints)
@@ -526,9 +519,9 @@ class NetworkDriver(ClientDriver):
     async def _deliver(self, mount: Mount) -> None:
         listener = self._listener
         assert listener is not None  # mount() checked
-        # A listener may take a feed entry without a coroutine when it has room (the core does): one
+        # A listener may take feed entries without a coroutine when it has room (the core does): one
         # function call per entry instead of two coroutine frames.
-        nowait = getattr(listener, "feed_data_nowait", None)
+        nowait = getattr(listener, "feed_run_nowait", None)
         p = mount.partition_id
         while True:
             mount.busy = False
@@ -544,7 +537,8 @@ class NetworkDriver(ClientDriver):
                         raise RemoteProtocolError(
                             f"partition {p}: the feed jumped from {mount.position} to {event.transaction_id}"
                         )
-                    if nowait is None or not nowait(p, event.transaction_id, event.req_id, event.header):
+                    entry = (event.transaction_id, event.req_id, event.header)
+                    if nowait is None or nowait(p, [entry]) != 1:
                         await listener.on_feed_data(p, event.transaction_id, event.req_id, event.header)
                     mount.position = event.transaction_id
                 elif isinstance(event, MountReply):

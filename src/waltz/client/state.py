@@ -12,25 +12,21 @@ import asyncio
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any
 
 from waltz.client.config import ClientConfig
 from waltz.client.context import TransactionContext
 from waltz.client.driver import MountState
 from waltz.client.lifecycle import Lifecycle, State
 from waltz.client.lock_queue import LockQueue
-from waltz.client.monitor import Resolution, TransactionMonitor
+from waltz.client.monitor import TransactionMonitor
 from waltz.client.transaction import Transaction
 from waltz.errors import ClientError
 from waltz.protocol.records import ReqId
 
-__all__ = ["PartitionState", "Run", "Slots", "Stuck", "Waiter"]
+__all__ = ["PartitionState", "Run", "Slots", "Stuck"]
 
 SUBMITTED = State.SUBMITTED
-
-Waiter: TypeAlias = "Run | asyncio.Future[Resolution]"
-"""What learns an append's fate (a :class:`Resolution`, or the error that ended its partition's mount): the
-run of a first attempt (no closure made per append) or the future a slow-path attempt awaits."""
 
 
 class Slots:
@@ -160,7 +156,7 @@ class PartitionState:
         self.req_msb = 0
         self.req_lsb_base = (partition_id & 0xFFFFFFFF) << 32
         self.error: ClientError | None = None  # Set when the partition is released or the client closes.
-        self.outcomes: dict[ReqId, Waiter] = {}
+        self.outcomes: dict[ReqId, Run] = {}  # The appends in flight, by request id.
         # Runs appended on their first attempt whose transaction is not applied yet, in transaction-id order.
         self.awaiting_apply: deque[Run] = deque()
         self.tasks: list[asyncio.Task[Any]] = []  # Mount and applier tasks, cancelled on release.
@@ -246,12 +242,9 @@ class Run(Lifecycle):
     the context's fate): one object per append instead of two, and one attribute hop less per transition."""
 
     __slots__ = (
-        "applied",
-        "completed",
         "context",
         "finished_waiter",
         "first_send",
-        "holds_slot",
         "partition",
         "transaction_id",
         "turn",
@@ -268,11 +261,7 @@ class Run(Lifecycle):
         # Made on demand by done() (flush_transactions, for a run not finished yet), resolved by the core
         # when the run finishes.
         self.finished_waiter: asyncio.Future[None] | None = None
-        self.holds_slot = False
-        # Fast path, once committed: the transaction id, and whether on_completion ran and it was applied.
-        self.transaction_id = -1
-        self.completed = False
-        self.applied = False
+        self.transaction_id = -1  # Fast path, once committed.
         self.turn: asyncio.Future[None] | None = None  # Set while waiting in a lock queue.
 
     def done(self) -> asyncio.Future[None]:

@@ -28,8 +28,8 @@ task woken per read, no StreamReader. A payload that cannot be decoded ends the 
 
 The common case skips the inbox: the feed entries of one partition in one read are decoded in one pass, and
 those that follow the partition's position, with nothing of the partition queued before them (nor held by
-its delivery task), go from the reader straight to the listener in one call (``feed_run_nowait``, or
-``feed_data_nowait`` per entry) as far as it has room, without an event object or a task hop. Anything else
+its delivery task), go from the reader straight to the listener in one call (``feed_run_nowait``) as far as it
+has room, without an event object or a task hop. Anything else
 (other messages, gaps, repeats, what a full listener did not take) goes through the inbox, so the order of a
 partition's events never changes.
 
@@ -92,8 +92,6 @@ Above :data:`~waltz.protocol.client_server.FEED_WINDOW_MAX`: a feed window alway
 partition's back pressure is its window: the next FeedRequest waits until the core took the window), so only
 an unwindowed mount catch-up (or a server with windows larger than that) stops the connection's reads."""
 
-FeedNowait = Callable[[int, int, ReqId, int], bool]
-"""``feed_data_nowait`` of a :class:`~waltz.client.driver.DriverListener` that offers it."""
 FeedRunNowait = Callable[[int, list[cs.FeedEntry]], int]
 """``feed_run_nowait`` of a :class:`~waltz.client.driver.DriverListener` that offers it."""
 
@@ -111,7 +109,7 @@ class LinkOwner(Protocol):
 
     @property
     def listener(self) -> object:
-        """The driver's listener (its ``feed_data_nowait``, if any, takes feed entries directly)."""
+        """The driver's listener (its ``feed_run_nowait``, if any, takes feed entries directly)."""
         ...
 
     def next_incarnation(self) -> int: ...
@@ -406,7 +404,6 @@ class StreamLink:
         # A listener that takes feed entries without a coroutine (the core does) gets them straight from here
         # when nothing of their partition is queued before them: no event object, no inbox, no task hop; one
         # that takes a whole run of them gets each run of one partition's entries in a read in one call.
-        nowait: FeedNowait | None = getattr(listener, "feed_data_nowait", None)
         run_nowait: FeedRunNowait | None = getattr(listener, "feed_run_nowait", None)
 
         def on_payloads(burst: list[bytes]) -> None:
@@ -427,7 +424,7 @@ class StreamLink:
                         mount is not None
                         and mount.link is self
                         and not mount.closed
-                        and _on_feed_run(run_nowait, nowait, mount, entries)
+                        and _on_feed_run(run_nowait, mount, entries)
                     ):
                         full = True
             except RemoteProtocolError as e:
@@ -494,9 +491,7 @@ _ID: Final = operator.itemgetter(0)
 """A feed entry's transaction id."""
 
 
-def _on_feed_run(
-    run_nowait: FeedRunNowait | None, nowait: FeedNowait | None, mount: Mount, entries: list[cs.FeedEntry]
-) -> bool:
+def _on_feed_run(run_nowait: FeedRunNowait | None, mount: Mount, entries: list[cs.FeedEntry]) -> bool:
     """Feed entries for ``mount`` (attached to the link they came on), in arrival order: the leading ones
     that follow the partition's position are delivered at once when nothing of the partition is queued
     before them and the listener has room (repeats after a re-mount are dropped), the rest queued for the
@@ -506,7 +501,7 @@ def _on_feed_run(
     if session is None:
         return False  # No feed session open: from an abandoned one.
     k, n = 0, len(entries)
-    if (run_nowait is not None or nowait is not None) and not mount.inbox and not mount.busy:
+    if run_nowait is not None and not mount.inbox and not mount.busy:
         position = mount.position
         if entries[0][0] == position + 1 and list(map(_ID, entries)) == list(
             range(position + 1, position + n + 1)
@@ -523,7 +518,7 @@ def _on_feed_run(
                 position += 1
                 m += 1
         if m > k:
-            taken = _deliver_run(run_nowait, nowait, mount, entries if k == 0 and m == n else entries[k:m])
+            taken = _deliver_run(run_nowait, mount, entries if k == 0 and m == n else entries[k:m])
             if taken:
                 k += taken
                 mount.position = entries[k - 1][0]
@@ -534,22 +529,12 @@ def _on_feed_run(
     return mount.feed_queued >= INBOX_FEED_LIMIT
 
 
-def _deliver_run(
-    run_nowait: FeedRunNowait | None, nowait: FeedNowait | None, mount: Mount, entries: list[cs.FeedEntry]
-) -> int:
+def _deliver_run(run_nowait: FeedRunNowait, mount: Mount, entries: list[cs.FeedEntry]) -> int:
     """Hand ``entries`` (the next ids of the partition, in order) to the listener; how many it took."""
-    p = mount.partition_id
-    taken = 0
     try:
-        if run_nowait is not None:
-            return run_nowait(p, entries)
-        assert nowait is not None
-        for transaction_id, req_id, header in entries:
-            if not nowait(p, transaction_id, req_id, header):
-                break
-            taken += 1
+        return run_nowait(mount.partition_id, entries)
     except Exception:
-        # As the delivery task does: logged, and the position stays at the last entry taken, so the
-        # entries not taken are queued and the first of them delivered again by the delivery task.
-        log.exception("partition %d: delivering transaction %d failed", p, entries[taken][0])
-    return taken
+        # As the delivery task does: logged, and the position stays where it was, so the entries are queued
+        # and the first of them delivered again by the delivery task.
+        log.exception("partition %d: delivering transaction %d failed", mount.partition_id, entries[0][0])
+        return 0

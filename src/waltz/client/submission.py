@@ -18,7 +18,7 @@ from waltz.client.attempts import AttemptsMixin
 from waltz.client.builder import TransactionBuilder
 from waltz.client.context import TransactionContext
 from waltz.client.driver import MountState
-from waltz.client.lifecycle import Event
+from waltz.client.lifecycle import HOLDS_SLOT, Event
 from waltz.client.monitor import TransactionMonitor
 from waltz.client.state import PartitionState, Run
 from waltz.errors import (
@@ -52,8 +52,8 @@ class _Pending:
 
 _First: TypeAlias = TransactionBuilder | Literal[False] | Exception | _Pending | None
 """What a submit's first callback-thread call returns (see ``SubmissionMixin._first_attempt``)."""
-_Executed: TypeAlias = TransactionBuilder | Literal[False] | _Pending
-"""A first attempt that ran ``execute`` without an exception (filled, gave up, or a coroutine to await)."""
+_Executed: TypeAlias = TransactionBuilder | Literal[False] | Exception | _Pending
+"""A first attempt that took a slot and ran ``execute`` (filled, gave up, raised, or a coroutine to await)."""
 
 
 class SubmissionMixin(AttemptsMixin):
@@ -90,129 +90,84 @@ class SubmissionMixin(AttemptsMixin):
                     self._num_partitions,
                     orphan=functools.partial(self._orphaned, run),
                 )
-            if first is None or isinstance(first, _Pending):
+            if first is None or type(first) is _Pending:
                 fresh = False
                 first = await self._first_after_wait(run, first)
-            if self._closed:  # Closed while execute() ran (the driver, once set, stays).
-                self._check_open()
         except Exception as e:
             await self._end_with_exception(run, e)  # on_exception, and raised here as well.
             raise
         except BaseException:
-            self._release_slot(run)
+            if run.state in HOLDS_SLOT:  # Cancelled: the context is dropped.
+                self._step(run, Event.DROP)
             raise
         self._runs.add(run)
         partition = run.partition
         assert partition is not None
-        if type(first) is TransactionBuilder:  # The common case: executed and filled.
-            # Checked again unless fresh: execute() may have changed the partition (set_partitions, close).
-            monitor = partition.monitor if fresh else self._ready_monitor(partition)
-            if monitor is not None:
-                if first.write_lock_hashes:
-                    self._start_first(partition, monitor, run, first)  # It may have to wait its turn.
-                else:
-                    run.execute_send()  # Before _send: a failed send resolves at once.
-                    self._send(partition, monitor, first, run)
-                return
-            run.execute()
-        elif first is not None:
-            run.execute()
-            if isinstance(first, Exception):  # execute() raised
-                await self._end_with_exception(run, first)
-                raise first
-            self._release_slot(run)  # execute() gave up
-            run.handle(Event.GIVE_UP)
-            await self._gave_up(run)
-            return
-        # The slow path: a task executes (or sends what was executed) once the partition is mounted.
-        run.first_send = asyncio.get_running_loop().create_future()
-        self._spawn(self._run_context(run, first), f"waltz-run-p{partition.id}")
-        await asyncio.shield(run.first_send)
+        # Checked again unless fresh: execute() may have changed the partition (set_partitions, close).
+        self._continue_first(run, first, partition.monitor if fresh else self._ready_monitor(partition))
+        if run.first_send is not None:
+            # Not sent yet (or gave up, or failed): wait for the first send, or the end (raising its error).
+            await asyncio.shield(run.first_send)
 
-    async def _first_after_wait(
-        self, run: Run, first: _Pending | None
-    ) -> TransactionBuilder | Literal[False] | Exception | None:
+    async def _first_after_wait(self, run: Run, first: _Pending | None) -> _Executed | None:
         """A first attempt that did not finish in its first call: a coroutine ``execute`` to await (inline
         mode), or no free slot (or no ready partition) when it was made. Returns what the first attempt
-        returns, None if it still did not execute (the retry path then decides)."""
+        returns; None if it took the slot but still did not execute (the run is ADMITTED: the retry path
+        decides)."""
         if first is not None:
             return await self._finish_first(run, first)
         partition = run.partition
         assert partition is not None
         await self._acquire_slot(partition)
-        run.holds_slot = True
-        self._check_open()
         # A slot after a wait (the common case of a loaded sync client): execute now, as the first attempt
         # does when it finds a free slot, instead of a slow-path task that waits for the mount under a
         # timeout to do the same.
-        return await self._execute_after_wait(run, partition)
+        try:
+            self._check_open()
+            executed = await self._execute_after_wait(run, partition)
+        except BaseException:
+            run.handle(Event.ADMIT)  # The slot is the run's: its end gives it back.
+            raise
+        if executed is None:
+            run.handle(Event.ADMIT)
+        return executed
 
     def on_callback_thread(self) -> bool:
         """True when called on one of this client's callback threads (``threads`` mode; cheap)."""
         pool = self._pool
         return pool is not None and pool.is_pool_thread()
 
-    def submit_from_thread(self, context: TransactionContext, wait_s: float = 0.0) -> bool:
-        """The zero-wait submit of :class:`~waltz.client.sync.WaltzClient`, on an application thread (never
-        the loop). When the partition is mounted and has a free slot, ``partition_id`` and ``execute`` run
-        right here (as on a callback thread) and the outcome goes to the loop through :meth:`_hand_over`
-        (one wake-up for a burst of submits), without waiting for it: the append is sent in order before
-        anything the thread asks the client afterwards. When the partition is mounted but has no free slot,
-        this waits on this thread, up to ``wait_s`` seconds, for one to be released (a loaded sync client's
-        common case: no coroutine, task or future per submit), and raises the ``submit`` timeout error past
-        it. Returns False, having done nothing, when that is not possible (the partition not ready, the
-        client not started or closed, or ``wait_s`` 0 and no free slot): the caller then uses
-        :meth:`submit`, which waits on the loop. As with :meth:`submit`, an exception of the first attempt
-        is raised here and reported through ``on_exception``.
-        """
-        loop = self._loop
-        if loop is None or self._closed or self._driver is None:
-            return False
-        run = Run(context)
-        num_partitions = self._driver.num_partitions
-        deadline: float | None = None
-        while True:
-            try:
-                first = self._first_attempt(run, num_partitions)
-            except Exception as e:
-                self._hand_over(loop, self._spawn_end, run, e)
-                raise
-            if first is not None:
-                break
-            partition = run.partition
-            if wait_s <= 0 or partition is None or self._closed or not partition.slots.is_full:
-                return False
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + wait_s
-            elif now >= deadline:
-                error = self._slot_timeout_error(partition)
-                self._hand_over(loop, self._spawn_end, run, error)
-                raise error
-            partition.slots.wait_from_thread(deadline - now)
-        if isinstance(first, Exception):
-            self._hand_over(loop, self._spawn_end, run, first, True)
-            raise first
-        self._hand_over(loop, self._continue_first, run, first)
-        return True
+    def submit_from_thread(self, contexts: Sequence[TransactionContext], wait_s: float = 0.0) -> int:
+        """The submits of :class:`~waltz.client.sync.WaltzClient`, on an application thread (never the loop).
 
-    def submit_batch_from_thread(self, contexts: Sequence[TransactionContext]) -> int:
-        """:meth:`submit_from_thread` for a run of contexts: executes the leading ones that find a free slot
-        on a mounted partition, on this thread, in order, and hands them all to the loop at once (they are
-        sent in this order). Returns how many were taken; the caller submits the next one with
-        :meth:`submit` (which waits for room) and continues after it. An exception of a first attempt is
-        raised (the contexts before it are taken; see ``submit``).
+        For each of ``contexts`` in order whose partition is mounted and has a free slot, ``partition_id``
+        and ``execute`` run right here (as on a callback thread); the executed ones go to the loop through
+        :meth:`_hand_over` at once (one wake-up for the lot, sent in this order), without waiting for them:
+        each append is sent in order before anything the thread asks the client afterwards. When the first
+        context's partition is mounted but has no free slot, this waits on this thread, up to ``wait_s``
+        seconds, for one to be released (a loaded sync client's common case: no coroutine, task or future
+        per submit), and raises the ``submit`` timeout error past it. Returns how many contexts were taken:
+        it stops at the first it cannot take (its partition not ready, no free slot after the first, the
+        client not started or closed), which the caller submits with :meth:`submit` (it waits on the loop).
+        As with :meth:`submit`, an exception of a first attempt is raised here (the contexts before it are
+        taken) and reported through ``on_exception``.
         """
         loop = self._loop
         if loop is None or self._closed or self._driver is None:
             return 0
         num_partitions = self._driver.num_partitions
         taken: list[tuple[Run, _Executed]] = []
+        deadline: float | None = None
         try:
             for context in contexts:
                 run = Run(context)
                 try:
                     first = self._first_attempt(run, num_partitions)
+                    while first is None and not taken:
+                        deadline = self._wait_for_slot(run, wait_s, deadline)
+                        if deadline is None:
+                            return 0
+                        first = self._first_attempt(run, num_partitions)
                 except Exception as e:
                     if taken:
                         self._hand_over(loop, self._continue_batch, taken)
@@ -221,17 +176,29 @@ class SubmissionMixin(AttemptsMixin):
                     raise
                 if first is None:
                     break
-                if isinstance(first, Exception):
-                    if taken:
-                        self._hand_over(loop, self._continue_batch, taken)
-                        taken = []
-                    self._hand_over(loop, self._spawn_end, run, first, True)
-                    raise first
                 taken.append((run, first))
+                if isinstance(first, Exception):
+                    raise first  # The loop ends it (on_exception) with those before it handed over.
         finally:
             if taken:
                 self._hand_over(loop, self._continue_batch, taken)
         return len(taken)
+
+    def _wait_for_slot(self, run: Run, wait_s: float, deadline: float | None) -> float | None:
+        """On an application thread: wait until ``deadline`` (``wait_s`` from now if None) for a free slot of
+        ``run``'s partition, for :meth:`submit_from_thread`; returns the deadline, or None if waiting there
+        is of no use (the partition not mounted or not full, the client closed: the loop decides). Past the
+        deadline, raises the ``submit`` timeout error."""
+        partition = run.partition
+        if wait_s <= 0 or partition is None or self._closed or not partition.slots.is_full:
+            return None
+        now = time.monotonic()
+        if deadline is None:
+            deadline = now + wait_s
+        elif now >= deadline:
+            raise self._slot_timeout_error(partition)
+        partition.slots.wait_from_thread(deadline - now)
+        return deadline
 
     def _hand_over(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
         """From an application thread: run ``fn(*args)`` on the loop, after everything handed over before.
@@ -262,52 +229,69 @@ class SubmissionMixin(AttemptsMixin):
                 # Internal code only (no application code runs directly here): keep the others going.
                 log.exception("handing a submit over to the client loop failed")
 
-    def _continue_batch(
-        self, taken: list[tuple[Run, TransactionBuilder | Literal[False] | _Pending]]
-    ) -> None:
+    def _continue_batch(self, taken: list[tuple[Run, _Executed]]) -> None:
+        """On the loop: the first attempts :meth:`submit_from_thread` made continue as in ``submit``."""
         for run, first in taken:
-            self._continue_first(run, first)
+            self._runs.add(run)
+            partition = run.partition
+            assert partition is not None
+            self._continue_first(run, first, self._ready_monitor(partition))
 
-    def _spawn_end(self, run: Run, error: Exception, executed: bool = False) -> None:
+    def _spawn_end(self, run: Run, error: Exception) -> None:
         self._runs.add(run)
-        if executed:
-            run.execute()
         self._spawn(self._end_with_exception(run, error), "waltz-failed-submit")
 
-    def _continue_first(self, run: Run, first: _Executed) -> None:
-        """On the loop: what ``submit`` does after a first attempt made by :meth:`submit_from_thread`."""
+    def _continue_first(self, run: Run, first: _Executed | None, monitor: TransactionMonitor | None) -> None:
+        """On the loop: the one path of a first attempt after ``execute``, for ``submit`` and
+        :meth:`submit_from_thread` alike. ``first`` is what :meth:`_first_attempt` returned (the run holds
+        its slot and is admitted here; None: admitted already, not executed), ``monitor`` the partition's if
+        it is ready. A filled builder is sent (the common case), or waits its turn on a write lock held by
+        this client; anything else continues in a task, and ``run.first_send`` (made here only then) is
+        resolved when the append is sent or the context ended: ``submit`` waits for it and raises its
+        error."""
         partition = run.partition
         assert partition is not None
-        self._runs.add(run)
-        if isinstance(first, _Pending):
-            self._spawn(self._continue_pending(run, first), f"waltz-run-p{partition.id}")
+        if type(first) is TransactionBuilder and monitor is not None and not first.write_lock_hashes:
+            run.admit_execute_send()  # The common case. Before _send: a failed send resolves at once.
+            self._send(partition, monitor, first, run)
             return
-        if first is False:
-            run.execute()
-            self._release_slot(run)
-            run.handle(Event.GIVE_UP)
+        if type(first) is TransactionBuilder and monitor is not None:
+            # Write locks: take them and send, or wait for the turn behind the context of ours holding one
+            # (it executes again then). Either way submit returns now.
+            wake = partition.lock_queue.take(run, first.write_lock_hashes)
+            if wake is None:
+                run.admit_execute()
+                run.handle(Event.QUEUE)
+                self._park(partition, run, first)
+                self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
+                return
+            if wake:
+                self._wake(wake)
+            run.admit_execute_send()  # Before _send: a failed send resolves at once.
+            self._send(partition, monitor, first, run)
+            return
+        name = f"waltz-run-p{partition.id}"
+        if isinstance(first, _Pending):  # From submit_from_thread (submit awaits it before).
+            self._spawn(self._continue_pending(run, first), name)
+            return
+        run.first_send = asyncio.get_running_loop().create_future()
+        if first is not None:
+            run.admit_execute()
+        if isinstance(first, Exception):  # execute() raised
+            self._spawn(self._end_with_exception(run, first), "waltz-failed-submit")
+        elif first is False:  # execute() gave up
+            self._step(run, Event.GIVE_UP)
             self._spawn(self._gave_up(run), "waltz-gave-up")
-            return
-        if self._closed:
-            self._spawn(
-                self._end_with_exception(run, ClientClosedError("the client was closed"), Event.CLOSE),
-                "waltz-closed-run",
-            )
-            return
-        monitor = self._ready_monitor(partition)
-        if monitor is not None:
-            self._start_first(partition, monitor, run, first)
-            return
-        run.execute()
-        self._spawn(self._run_context(run, first), f"waltz-run-p{partition.id}")
+        elif self._closed:  # Closed while execute() ran.
+            self._spawn(self._end_with_exception(run, ClientClosedError("the client is closed")), name)
+        else:  # The partition is not ready: a task sends what was executed (or executes) once it is.
+            self._spawn(self._run_context(run, first), name)
 
     async def _continue_pending(self, run: Run, pending: _Pending) -> None:
         first = await self._finish_first(run, pending)
-        if isinstance(first, Exception):
-            run.execute()
-            await self._end_with_exception(run, first)
-        else:
-            self._continue_first(run, first)
+        partition = run.partition
+        assert partition is not None
+        self._continue_first(run, first, self._ready_monitor(partition))
 
     async def _gave_up(self, run: Run) -> None:
         await self._call_hook(run.context.on_completion, False)
@@ -346,7 +330,7 @@ class SubmissionMixin(AttemptsMixin):
             or not partition.slots.try_acquire()
         ):
             return None
-        run.holds_slot = True
+        # The slot is the run's now; the loop admits it (see _continue_first), which gives it back on its end.
         builder = TransactionBuilder(partition_id, monitor.applied_high_water_mark)
         try:
             result: Any = context.execute(builder)
@@ -383,7 +367,7 @@ class SubmissionMixin(AttemptsMixin):
         try:
             result = await pending.awaitable
         except asyncio.CancelledError:
-            self._release_slot(run)
+            run.handle(Event.ADMIT)  # The slot is the run's: its end gives it back.
             raise
         except Exception as e:  # noqa: BLE001 - reported through on_exception by submit
             return e
@@ -392,7 +376,9 @@ class SubmissionMixin(AttemptsMixin):
     def _orphaned(self, run: Run, first: _First) -> None:
         """``submit`` was cancelled while its first attempt ran: give back the slot it may have taken (the
         context is dropped, as when ``submit`` is cancelled while it waits for a slot)."""
-        self._release_slot(run)
+        if first is not None:  # It took a slot.
+            run.handle(Event.ADMIT)
+            self._step(run, Event.DROP)
 
     async def _acquire_slot(self, partition: PartitionState) -> None:
         try:
@@ -409,23 +395,3 @@ class SubmissionMixin(AttemptsMixin):
             f"already has {partition.slots.limit} transactions in flight "
             "(client.maxConcurrentTransactions); is the feed stalled or the application overloaded?"
         )
-
-    def _start_first(
-        self, partition: PartitionState, monitor: TransactionMonitor, run: Run, first: TransactionBuilder
-    ) -> None:
-        """Send a run's first attempt (executed, not yet told to the lifecycle) to a ready partition, or park
-        it behind this client's own append on one of its write locks (it then executes again on its turn)."""
-        # A new run is unknown to the lock queue: without write locks it has nothing to take there.
-        locks = first.write_lock_hashes
-        if locks:
-            wake = partition.lock_queue.take(run, locks)
-            if wake is None:
-                run.execute()
-                run.handle(Event.QUEUE)
-                self._park(partition, run, first)
-                self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
-                return
-            if wake:
-                self._wake(wake)
-        run.execute_send()  # Before _send: a failed send resolves at once.
-        self._send(partition, monitor, first, run)

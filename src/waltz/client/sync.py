@@ -135,7 +135,7 @@ class WaltzClient:
         if (
             not on_own_loop
             and self._thread.is_alive()
-            and self._client.submit_from_thread(context, self._submit_timeout_s)
+            and self._client.submit_from_thread((context,), self._submit_timeout_s)
         ):
             return
         self._call(self._client.submit(context))
@@ -158,17 +158,12 @@ class WaltzClient:
                 on_own_loop = False
             taken = 0
             if not on_own_loop and self._thread.is_alive():
-                taken = self._client.submit_batch_from_thread(pending[i : i + SUBMIT_BATCH_MAX])
+                # Waits on this thread for room if the first has none (then executes here).
+                batch = pending[i : i + SUBMIT_BATCH_MAX]
+                taken = self._client.submit_from_thread(batch, self._submit_timeout_s)
             i += taken
-            if taken == 0 and i < len(pending):
-                # No room right now: wait for it on this thread (then execute here), or on the loop if the
-                # partition is not ready.
-                if (
-                    on_own_loop
-                    or not self._thread.is_alive()
-                    or not self._client.submit_from_thread(pending[i], self._submit_timeout_s)
-                ):
-                    self._call(self._client.submit(pending[i]))
+            if taken == 0:
+                self._call(self._client.submit(pending[i]))  # Waits on the loop (the partition not ready).
                 i += 1
 
     def flush_transactions(self, timeout: float | None = None) -> None:

@@ -308,6 +308,10 @@ class ClusterPaths:
         return f"{self.root}/store/assignment"
 
     @property
+    def trim_points(self) -> str:
+        return f"{self.root}/store/trim"
+
+    @property
     def groups(self) -> str:
         return f"{self.root}/store/group"
 

@@ -91,6 +91,9 @@ class UpOptions:
     zk_session_timeout_ms: int = 6000
     segment_size_bytes: int = 64 * 1024 * 1024
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    before_storage_start: Callable[[ProcessRecord], None] | None = None
+    """Called with each storage node's record just before its first start, its data directory made and
+    empty (the fault suite mounts a filesystem there: bench/faults/power.py)."""
 
     def validate(self) -> None:
         if self.tls:
@@ -414,6 +417,8 @@ def _bring_up(cluster: LocalCluster, opts: UpOptions, report: Report) -> None:
 
     report(f"starting {len(cluster.storages)} storage nodes")
     for rec in cluster.storages:
+        if opts.before_storage_start is not None:
+            opts.before_storage_start(rec)
         _start_process(rec, timeout_s)
         cluster.save()
     asyncio.run(

@@ -36,6 +36,8 @@ code  message                    fields after the prefix
 21    RepairRequest              i32 n · n x Record   (ours; answered by Success)
 22    DamagedRecordsRequest      i32 max_ids   (ours)
 23    DamagedRecordsResponse     i32 n · n x i64 transaction_id   (ours)
+24    TrimRequest                i64 trim_point · bool offline   (ours)
+25    TrimResponse               i64 trim_point   (ours: the trim point now in force on the replica)
 ====  =========================  ===================================================================
 
 The bracketed trailers of 3 and 5 are not the original's. Each is sent only when it says something (a
@@ -63,6 +65,15 @@ same id and stored length; see ``PartitionLog.repair``.
 22/23 are not the original's either: the ids of stored records the node found damaged (by a read or by its
 background scrub) and not repaired yet, lowest first, at most ``max_ids``. The owner server asks each
 participant now and then, so damage nobody read is repaired too (see ``StoreSession``).
+
+24/25 are not the original's either. Only storage nodes of this version and later understand them: an older
+node refuses type 24 as unknown and closes the connection, which fails that replica in the store session, so
+upgrade every storage node before the first trim. The trim point is the lowest transaction id the replica must
+still hold. The node persists it in its control file before answering (only upwards: a lower one is answered
+with the one in force), refuses one above its durable max id + 1, deletes the segments wholly below it in
+the background and fails every read below it with ``TrimmedError`` (see :mod:`waltz.storage.retention`).
+Golden bytes:
+``TrimRequest(5, 6, 7, 100, False)`` is ``18 0000000000000005 0000000000000006 00000007 0000000000000064 00``.
 
 19/20 are not the original's: a bulk read that returns consecutive records exactly as the data file holds
 them (a *record run*, :mod:`waltz.protocol.record_run`), read with one ``pread`` and not decoded by the node;
@@ -151,6 +162,8 @@ __all__ = [
     "StorageMessage",
     "StorageRpcFailure",
     "SuccessResponse",
+    "TrimRequest",
+    "TrimResponse",
     "TruncateRequest",
     "WireRecordList",
     "decode",
@@ -651,6 +664,39 @@ class DamagedRecordsResponse(StorageMessage):
         return cls(session_id, seq_num, partition_id, tuple(r.i64() for _ in range(n)))
 
 
+@dataclass(frozen=True, slots=True)
+class TrimRequest(StorageMessage):
+    """Raise the replica's trim point (ours; see the module docstring); answered by TrimResponse."""
+
+    TYPE: ClassVar[int] = 24
+
+    trim_point: int
+    offline: bool = False
+
+    def _write(self, w: Writer) -> None:
+        w.i64(self.trim_point).bool(self.offline)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, r.i64(), r.bool())
+
+
+@dataclass(frozen=True, slots=True)
+class TrimResponse(StorageMessage):
+    """The trim point in force on the replica after a TrimRequest (ours)."""
+
+    TYPE: ClassVar[int] = 25
+
+    trim_point: int
+
+    def _write(self, w: Writer) -> None:
+        w.i64(self.trim_point)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, r.i64())
+
+
 _BY_TYPE: Final[dict[int, type[StorageMessage]]] = {
     cls.TYPE: cls
     for cls in (
@@ -677,6 +723,8 @@ _BY_TYPE: Final[dict[int, type[StorageMessage]]] = {
         RepairRequest,
         DamagedRecordsRequest,
         DamagedRecordsResponse,
+        TrimRequest,
+        TrimResponse,
     )
 }
 

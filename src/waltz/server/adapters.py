@@ -89,6 +89,9 @@ class TcpReplicaConnection:
     async def set_low_water_mark(self, low_water_mark: int) -> None:
         await self._live().set_low_water_mark(self._session_id, self._partition_id, low_water_mark)
 
+    async def trim(self, trim_point: int) -> int:
+        return await self._live().trim(self._session_id, self._partition_id, trim_point)
+
     async def append(self, records: Sequence[Record]) -> None:
         client = self._live()
         await client.append_encoded(self._session_id, self._partition_id, self._bodies.body_of(records))

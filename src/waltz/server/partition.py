@@ -511,7 +511,9 @@ class Partition:
                     self._end_feed(ctx)
 
     async def transaction_data(self, transaction_id: int) -> tuple[bytes, int] | None:
-        """The data and checksum of a committed transaction, or None if there is no such transaction."""
+        """The data and checksum of a committed transaction, or None if there is no such transaction; raises
+        TrimmedError below the trim point (even for a transaction still cached)."""
+        self.store.check_trim(transaction_id)
         cached = self._txn_cache.get(self.partition_id, transaction_id)
         if cached is not None:
             return cached.data, cached.checksum

@@ -55,6 +55,7 @@ from waltz.cluster import zk
 from waltz.cluster.membership import ClusterMember
 from waltz.cluster.replica_assignments import ReplicaAssignments
 from waltz.cluster.store_metadata import read_store_params
+from waltz.cluster.trim_points import TrimPoints
 from waltz.cluster.zk import ClusterPaths
 from waltz.config import parse_partition_ranges
 from waltz.errors import PartitionNotReadyError, RemoteProtocolError, WaltzError
@@ -117,6 +118,8 @@ class WaltzServer:
         self.registry.register(StoreCollector(lambda: self.partitions))
         self.partitions: dict[int, Partition] = {}
         self.replica_sets: dict[int, tuple[str, ...]] = {}
+        self.trim_points = TrimPoints()
+        """The cluster's trim points, as ZooKeeper last told (``<root>/store/trim``, watched)."""
         self.member: ClusterMember | None = None
         self._listener: FramedServer | None = None
         self._http: HttpEndpoint | None = None
@@ -191,6 +194,7 @@ class WaltzServer:
                 self.config.host, self.config.http_port, "server.http.port"
             )
         await self._watch_replica_assignments()
+        await self._watch_trim_points()
         preferred = (
             parse_partition_ranges(self.config.preferred_partitions, self.num_partitions)
             if self.config.preferred_partitions
@@ -372,6 +376,7 @@ class WaltzServer:
                     metrics=self.metrics.for_partition(pid),
                 )
                 part.on_failure = self._partition_failed
+                store.set_trim_point(self.trim_points.of(pid))
                 await part.start()
                 self.partitions[pid] = part
                 # Not served until its first session opens: reads wait for that from now, not from the first
@@ -415,6 +420,26 @@ class WaltzServer:
 
         await asyncio.to_thread(self.zk.DataWatch, path, on_data)
         await asyncio.wait_for(first.wait(), timeout=self.config.zookeeper_session_timeout_ms / 1000)
+
+    async def _watch_trim_points(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_data(data: bytes | None, _stat: Any, *_: Any) -> None:
+            loop.call_soon_threadsafe(self._trim_data, data)  # from a kazoo thread onto the loop
+
+        await asyncio.to_thread(
+            self.zk.DataWatch, ClusterPaths(self.config.cluster_root).trim_points, on_data
+        )
+
+    def _trim_data(self, data: bytes | None) -> None:
+        """New trim points from ZooKeeper: each owned partition raises its own (see waltz.server.store)."""
+        try:
+            self.trim_points = TrimPoints.decode(data) if data else TrimPoints()
+        except WaltzError as e:
+            log.error("unreadable trim points in ZooKeeper (keeping the ones known): %s", e)
+            return
+        for pid, part in self.partitions.items():
+            part.store.set_trim_point(self.trim_points.of(pid))
 
     def _replica_data(self, data: bytes | None, first: asyncio.Event) -> None:
         if data is None:

@@ -100,6 +100,28 @@ async def _open_rpc(
     )
 
 
+async def _open_admin_rpc(
+    host: str, port: int, max_in_flight: int, connect_timeout_ms: int, ssl: SSLContext | None
+) -> RpcClient[adm.AdminMessage, adm.AdminMessage]:
+    """An RPC connection to a storage node's admin port, hello done, not yet opened."""
+    return await _open_rpc(
+        host,
+        port,
+        magic=MAGIC_ADMIN,
+        versions=adm.ADMIN_VERSIONS,
+        hello_text=adm.ADMIN_CLIENT_HELLO,
+        encode=adm.encode,
+        decode=adm.decode,
+        seq_of=adm.seq_num_of,
+        error_of=_admin_error,
+        max_in_flight=max_in_flight,
+        max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
+        connect_timeout_ms=connect_timeout_ms,
+        ssl=ssl,
+        name=f"storage admin {host}:{port}",
+    )
+
+
 class _Endpoint(Generic[M]):
     """What both clients share: one multiplexed connection, typed calls, closing."""
 
@@ -235,6 +257,15 @@ class StorageClient(_Endpoint[st.StorageMessage]):
             st.SuccessResponse,
         )
 
+    async def trim(
+        self, session_id: int, partition_id: int, trim_point: int, *, offline: bool = False
+    ) -> int:
+        """Raise the replica's trim point (see :mod:`waltz.storage.retention`); returns the one in force."""
+        resp = await self._call(
+            st.TrimRequest(session_id, self._seq(), partition_id, trim_point, offline), st.TrimResponse
+        )
+        return resp.trim_point
+
     async def append(
         self, session_id: int, partition_id: int, records: Sequence[Record], *, offline: bool = False
     ) -> None:
@@ -345,22 +376,7 @@ class AdminClient(_Endpoint[adm.AdminMessage]):
         ssl: SSLContext | None = None,
     ) -> AdminClient:
         """Connect (over TLS with ``ssl``) and open with the cluster key."""
-        rpc = await _open_rpc(
-            host,
-            port,
-            magic=MAGIC_ADMIN,
-            versions=adm.ADMIN_VERSIONS,
-            hello_text=adm.ADMIN_CLIENT_HELLO,
-            encode=adm.encode,
-            decode=adm.decode,
-            seq_of=adm.seq_num_of,
-            error_of=_admin_error,
-            max_in_flight=16,
-            max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
-            connect_timeout_ms=connect_timeout_ms,
-            ssl=ssl,
-            name=f"storage admin {host}:{port}",
-        )
+        rpc = await _open_admin_rpc(host, port, 16, connect_timeout_ms, ssl)
         return await cls(rpc, f"{host}:{port}")._opened(
             adm.AdminOpenRequest(rpc.next_seq(), cluster_key, num_partitions), adm.AdminSuccessResponse
         )
@@ -371,22 +387,7 @@ class AdminClient(_Endpoint[adm.AdminMessage]):
     ) -> adm.NodeIdentityResponse:
         """The cluster key and partition count the node's control file was made for, and its data port,
         asked without opening (no cluster key needed); the connection is closed afterwards."""
-        rpc = await _open_rpc(
-            host,
-            port,
-            magic=MAGIC_ADMIN,
-            versions=adm.ADMIN_VERSIONS,
-            hello_text=adm.ADMIN_CLIENT_HELLO,
-            encode=adm.encode,
-            decode=adm.decode,
-            seq_of=adm.seq_num_of,
-            error_of=_admin_error,
-            max_in_flight=1,
-            max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
-            connect_timeout_ms=connect_timeout_ms,
-            ssl=ssl,
-            name=f"storage admin {host}:{port}",
-        )
+        rpc = await _open_admin_rpc(host, port, 1, connect_timeout_ms, ssl)
         async with cls(rpc, f"{host}:{port}") as client:
             return await client._call(adm.NodeIdentityRequest(rpc.next_seq()), adm.NodeIdentityResponse)
 

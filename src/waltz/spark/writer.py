@@ -240,8 +240,8 @@ WRITER_MAX_CONCURRENT_TRANSACTIONS = 800
 ``waltz.client.maxConcurrentTransactions`` is given (the task's window, and the client's limit per partition,
 so a partition never lacks room). Rows carry no locks and never conflict, so a deep pipeline is safe, and
 the client's default (5, sized for applications that read their own writes) makes a bulk write wait for a
-round trip every few rows. Measured with two tasks over two partitions (Spark ``local[2]``, 100k rows):
-200 in flight 6.2-6.5k rows/s, 400 12k, 800 11.7-14.9k at 41-44 µs of task CPU per row."""
+round trip every few rows. 800 is where a deeper window stops adding rows/s for a task on its own core
+(docs/BENCHMARKS.md, "Spark batch write")."""
 SUBMIT_CHUNKS_PER_WINDOW = 4
 """The in-flight window is refilled in chunks of a quarter of it: one hop onto the client's loop and one
 wake-up of the task per chunk, while three quarters of the window stay in flight."""

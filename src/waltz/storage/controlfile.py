@@ -3,7 +3,7 @@
 All integers big-endian. Header (128 bytes)::
 
     offset  size  field
-         0     4  i32 format version (0)
+         0     4  i32 format version (1; 0 is read and migrated, see below)
          4     8  i64 creation time, ms since the epoch
         12     8  i64 cluster key, most significant half of the UUID
         20     8  i64 cluster key, least significant half
@@ -24,6 +24,23 @@ Each struct (36 bytes)::
         24     4  i32 flags                 (1 = AVAILABLE, 4 = ASSIGNED, 8 = DAMAGED)
         28     4  i32 sequence number
         32     4  u32 checksum              CRC-32 of bytes 0..31 of the struct
+
+Format 1 adds, after the last PartitionInfo, a TrimInfo of 32 bytes per partition at
+``128 + 76·numPartitions + 32·p``: two structs (A at 0, B at 16) of 16 bytes each::
+
+         0     8  i64 trim point           (the lowest transaction id this replica must still hold; 0 = none)
+         8     4  i32 sequence number
+        12     4  u32 checksum              CRC-32 of bytes 0..11 of the struct
+
+A TrimInfo follows the PartitionInfo rules below (the verifying struct with the higher sequence number is
+current; an update writes the other one), independently of the PartitionInfo: the trim point changes
+without touching the session fields. A new TrimInfo is A = (0, seq -1), B = (0, seq 0). Golden bytes of
+a struct with trim point 5 and sequence number 1: ``0000000000000005 00000001 ee5c5e3c`` (see the tests).
+
+A format 0 file (the original's, no TrimInfo) is migrated when a node opens it: the whole file is written
+again as format 1 (every trim point 0) to ``waltz-storage.ctl.tmp``, fsynced, renamed over the old one and
+the directory fsynced, so a crash leaves either the old file or the new one, never a mix. One INFO line says
+so. A node of format 0 refuses a format 1 file (unsupported version): upgrades are one-way.
 
 A new file holds, for every partition, struct A = (-1, -1, -1, AVAILABLE, seq -1) and struct B =
 (-1, -1, -1, AVAILABLE, seq 0). Of the structs whose checksum verifies, the one with the higher sequence
@@ -62,10 +79,14 @@ from waltz.storage.fileio import OS_FS, File, FileSystem, make_dirs_durable
 log = logging.getLogger(__name__)
 
 CONTROL_FILE_NAME = "waltz-storage.ctl"
-FORMAT_VERSION = 0
+FORMAT_VERSION = 1
+LEGACY_FORMAT_VERSION = 0
+"""The original's format, without trim points: read, and migrated to :data:`FORMAT_VERSION` on open."""
 HEADER_BYTES = 128
 PARTITION_INFO_BYTES = 76
 STRUCT_BYTES = 36
+TRIM_INFO_BYTES = 32
+TRIM_STRUCT_BYTES = 16
 MAX_PARTITIONS = 1 << 16
 """Upper bound on the partition count a control file may hold (bounds the file to about 5 MB)."""
 
@@ -80,6 +101,7 @@ _HEADER = struct.Struct(">iqqqi")
 _STRUCT_BODY = struct.Struct(">qqqii")  # the 32 bytes covered by the checksum
 _U32 = struct.Struct(">I")
 _I32 = struct.Struct(">i")
+_TRIM_BODY = struct.Struct(">qi")  # the 12 bytes of a TrimInfo struct covered by its checksum
 
 
 @dataclass(frozen=True)
@@ -101,7 +123,7 @@ class ControlHeader:
         if len(raw) < HEADER_BYTES:
             raise CorruptionError(f"{path}: control file header is {len(raw)} bytes, expected {HEADER_BYTES}")
         version, created, msb, lsb, n = _HEADER.unpack_from(raw, 0)
-        if version != FORMAT_VERSION:
+        if version not in (FORMAT_VERSION, LEGACY_FORMAT_VERSION):
             raise CorruptionError(f"{path}: unsupported control file version {version}")
         if not 0 < n <= MAX_PARTITIONS:
             raise CorruptionError(f"{path}: bad partition count {n}")
@@ -183,45 +205,112 @@ def decode_partition_info(
     return b[0], b[1], 1
 
 
+def encode_trim_struct(trim_point: int, sequence_number: int) -> bytes:
+    """The 16 bytes of one TrimInfo struct, checksum included."""
+    try:
+        body = _TRIM_BODY.pack(trim_point, sequence_number)
+    except struct.error:
+        raise StorageError(f"trim point out of range: {trim_point} seq {sequence_number}") from None
+    return body + _U32.pack(crc32(body))
+
+
+def decode_trim_struct(raw: bytes | memoryview) -> tuple[int, int] | None:
+    """``(trim_point, sequence_number)``, or None if the checksum does not verify."""
+    if len(raw) != TRIM_STRUCT_BYTES or _U32.unpack_from(raw, 12)[0] != crc32(raw[:12]):
+        return None
+    trim, seq = _TRIM_BODY.unpack_from(raw, 0)
+    return trim, seq
+
+
+def fresh_trim_info_bytes() -> bytes:
+    """A new TrimInfo: both structs trim point 0, sequence numbers -1 (A) and 0 (B)."""
+    return encode_trim_struct(0, -1) + encode_trim_struct(0, 0)
+
+
+def decode_trim_info(raw: bytes | memoryview, partition_id: int, path: str) -> tuple[int, int, int]:
+    """``(current trim point, its sequence number, its slot 0|1)`` of one 32-byte TrimInfo."""
+    a = decode_trim_struct(raw[:TRIM_STRUCT_BYTES])
+    b = decode_trim_struct(raw[TRIM_STRUCT_BYTES:TRIM_INFO_BYTES])
+    if a is None and b is None:
+        raise CorruptionError(f"{path}: trim info {partition_id} corrupted: both structs fail their checksum")
+    if a is not None and b is not None:
+        if a[1] == b[1]:
+            raise CorruptionError(f"{path}: trim info {partition_id}: both structs have sequence {a[1]}")
+        return (a[0], a[1], 0) if a[1] > b[1] else (b[0], b[1], 1)
+    if a is None:
+        log.warning("%s: partition %d: trim struct A fails its checksum; using struct B", path, partition_id)
+    else:
+        log.warning("%s: partition %d: trim struct B fails its checksum; using struct A", path, partition_id)
+    current = a if a is not None else b
+    assert current is not None
+    return current[0], current[1], 0 if a is not None else 1
+
+
+def file_bytes(version: int, num_partitions: int) -> int:
+    """The size of a control file of this format and partition count."""
+    per_partition = PARTITION_INFO_BYTES + (TRIM_INFO_BYTES if version >= 1 else 0)
+    return HEADER_BYTES + num_partitions * per_partition
+
+
 def read_control_file(path: str, fs: FileSystem = OS_FS) -> tuple[ControlHeader, list[PartitionInfo]]:
     """Read and verify a control file without locking it (for tools; safe while a node runs)."""
+    header, infos, _ = read_control_file_with_trims(path, fs)
+    return header, infos
+
+
+def read_control_file_with_trims(
+    path: str, fs: FileSystem = OS_FS
+) -> tuple[ControlHeader, list[PartitionInfo], list[int]]:
+    """As :func:`read_control_file`, with each partition's trim point (0 in a format 0 file)."""
     f = fs.open(path, read_only=True)
     try:
-        header, slots = _load(f, path)
+        header, slots, trims = _load(f, path)
     finally:
         f.close()
-    return header, [s[0] for s in slots]
+    return header, [s[0] for s in slots], [t[0] for t in trims]
 
 
 DAMAGED_INFO = PartitionInfo(flags=0)
 """What a damaged entry reads as: not assigned, not available, no session."""
 
+_Slot = tuple[PartitionInfo, int, int]
+_TrimSlot = tuple[int, int, int]
+
 
 def _load(
     f: File, path: str, damaged: dict[int, str] | None = None
-) -> tuple[ControlHeader, list[tuple[PartitionInfo, int, int]]]:
-    """Header and current slots; with ``damaged`` given, an entry that does not verify is recorded there
-    (partition id -> reason) and read as :data:`DAMAGED_INFO` instead of failing the whole file."""
+) -> tuple[ControlHeader, list[_Slot], list[_TrimSlot]]:
+    """Header, current slots and trim slots; with ``damaged`` given, an entry that does not verify is
+    recorded there (partition id -> reason) and read as :data:`DAMAGED_INFO` instead of failing the file."""
     header = ControlHeader.decode(f.pread(HEADER_BYTES, 0), path)
-    body_bytes = header.num_partitions * PARTITION_INFO_BYTES
+    n = header.num_partitions
     size = f.size()
-    if size != HEADER_BYTES + body_bytes:
+    if size != file_bytes(header.version, n):
         raise CorruptionError(
-            f"{path}: control file is {size} bytes, expected {HEADER_BYTES + body_bytes} "
-            f"for {header.num_partitions} partitions"
+            f"{path}: control file is {size} bytes, expected {file_bytes(header.version, n)} "
+            f"for {n} partitions in format {header.version}"
         )
-    body = memoryview(f.pread(body_bytes, HEADER_BYTES))
-    slots: list[tuple[PartitionInfo, int, int]] = []
-    for p in range(header.num_partitions):
+    body = memoryview(f.pread(size - HEADER_BYTES, HEADER_BYTES))
+    trim_base = n * PARTITION_INFO_BYTES
+    slots: list[_Slot] = []
+    trims: list[_TrimSlot] = []
+    for p in range(n):
         raw = body[p * PARTITION_INFO_BYTES : (p + 1) * PARTITION_INFO_BYTES]
         try:
-            slots.append(decode_partition_info(raw, p, path))
+            slot = decode_partition_info(raw, p, path)
+            trim = (
+                decode_trim_info(body[trim_base + p * TRIM_INFO_BYTES :][:TRIM_INFO_BYTES], p, path)
+                if header.version >= 1
+                else (0, 0, 1)
+            )
         except CorruptionError as e:
             if damaged is None:
                 raise
             damaged[p] = str(e)
-            slots.append((DAMAGED_INFO, 0, 0))
-    return header, slots
+            slot, trim = (DAMAGED_INFO, 0, 0), (0, 0, 1)
+        slots.append(slot)
+        trims.append(trim)
+    return header, slots, trims
 
 
 class ControlFile:
@@ -232,13 +321,15 @@ class ControlFile:
         path: str,
         f: File,
         header: ControlHeader,
-        slots: list[tuple[PartitionInfo, int, int]],
+        slots: list[_Slot],
         damaged: dict[int, str] | None = None,
+        trims: list[_TrimSlot] | None = None,
     ):
         self.path = path
         self._file: File | None = f
         self.header = header
         self._slots = slots
+        self._trims: list[_TrimSlot] = trims if trims is not None else [(0, 0, 1)] * len(slots)
         self.damaged: dict[int, str] = dict(damaged or {})
         """Partitions whose entry did not verify at open -> why (see the module docstring)."""
 
@@ -271,7 +362,10 @@ class ControlFile:
         damaged: dict[int, str] = {}
         try:
             f.lock_exclusive()
-            header, slots = _load(f, path, damaged)
+            header, slots, trims = _load(f, path, damaged)
+            if header.version == LEGACY_FORMAT_VERSION and header.key == key:
+                f = cls._migrate(fs, path, f, header, slots)
+                header, slots, trims = _load(f, path, damaged)
             if header.key != key:
                 raise ClusterKeyMismatchError(f"{path}: cluster key {header.key} does not match {key}")
             if header.num_partitions != num_partitions:
@@ -283,7 +377,33 @@ class ControlFile:
             raise
         for pid, reason in sorted(damaged.items()):
             log.error("%s: partition %d is down on this node: %s", path, pid, reason)
-        return cls(path, f, header, slots, damaged)
+        return cls(path, f, header, slots, damaged, trims)
+
+    @staticmethod
+    def _migrate(fs: FileSystem, path: str, old: File, header: ControlHeader, slots: list[_Slot]) -> File:
+        """Rewrite a locked format 0 file as format 1 (aside, fsynced, renamed, directory fsynced); returns
+        the new file, locked. The PartitionInfo bytes are copied as they are, damaged entries included."""
+        n = header.num_partitions
+        raw = old.pread(HEADER_BYTES + n * PARTITION_INFO_BYTES, 0)
+        new_header = replace(header, version=FORMAT_VERSION).encode()
+        buf = bytearray(new_header) + raw[HEADER_BYTES:] + fresh_trim_info_bytes() * n
+        tmp = path + ".tmp"
+        f = fs.open(tmp, create=True)
+        try:
+            f.lock_exclusive()
+            f.truncate(0)
+            f.pwrite(buf, 0)
+            f.fsync()
+            fs.rename(tmp, path)
+            fs.fsync_dir(os.path.dirname(path) or ".")
+        except BaseException:
+            f.close()
+            raise
+        old.close()
+        log.info(
+            "%s: migrated from format %d to %d (trim points, all 0)", path, header.version, FORMAT_VERSION
+        )
+        return f
 
     @staticmethod
     def _create(fs: FileSystem, path: str, key: uuid.UUID, num_partitions: int, now_ms: int) -> None:
@@ -295,6 +415,7 @@ class ControlFile:
             buf = bytearray(ControlHeader(FORMAT_VERSION, now_ms, key, num_partitions).encode())
             for p in range(num_partitions):
                 buf += fresh_partition_info_bytes(p)
+            buf += fresh_trim_info_bytes() * num_partitions
             f.truncate(0)
             f.pwrite(buf, 0)
             f.fsync()
@@ -378,11 +499,45 @@ class ControlFile:
         replica whose files are being deleted: the entry no longer describes anything."""
         f = self._check(partition_id)
         f.pwrite(fresh_partition_info_bytes(partition_id), HEADER_BYTES + partition_id * PARTITION_INFO_BYTES)
+        f.pwrite(fresh_trim_info_bytes(), self._trim_offset(partition_id))
         f.fsync()
         self._slots[partition_id] = (PartitionInfo(), 0, 1)
+        self._trims[partition_id] = (0, 0, 1)
         if self.damaged.pop(partition_id, None) is not None:
             log.info("%s: partition %d's damaged entry was reset", self.path, partition_id)
         return PartitionInfo()
+
+    def _trim_offset(self, partition_id: int) -> int:
+        n = self.header.num_partitions
+        return HEADER_BYTES + n * PARTITION_INFO_BYTES + partition_id * TRIM_INFO_BYTES
+
+    def trim_point(self, partition_id: int) -> int:
+        """The lowest transaction id this replica must still hold (0: nothing trimmed)."""
+        self._check(partition_id)
+        return self._trims[partition_id][0]
+
+    def set_trim_point(self, partition_id: int, trim_point: int) -> int:
+        """Raise the partition's trim point; durable (fsynced) when this returns. A value at or below the
+        current one changes nothing (trim points only move up); returns the trim point now in force."""
+        f = self._check(partition_id)
+        if partition_id in self.damaged:
+            raise CorruptionError(
+                f"{self.path}: partition {partition_id}'s entry is damaged ({self.damaged[partition_id]}); "
+                "remove the replica with its files to reset it"
+            )
+        current, seq, slot = self._trims[partition_id]
+        if trim_point <= current:
+            return current
+        if seq >= _I32_MAX:
+            raise StorageError(f"{self.path}: partition {partition_id} trim sequence number exhausted")
+        raw = encode_trim_struct(trim_point, seq + 1)
+        if decode_trim_struct(raw) != (trim_point, seq + 1):
+            raise StorageError(f"trim info {partition_id} does not round-trip: {trim_point}")
+        other = 1 - slot
+        f.pwrite(raw, self._trim_offset(partition_id) + other * TRIM_STRUCT_BYTES)
+        f.fsync()
+        self._trims[partition_id] = (trim_point, seq + 1, other)
+        return trim_point
 
     def set_assigned(self, partition_id: int, assigned: bool) -> PartitionInfo:
         flags = self.partition_info(partition_id).flags

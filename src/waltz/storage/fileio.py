@@ -2,7 +2,7 @@
 
 The storage code (control file, segments, partitions) does all its I/O through :class:`FileSystem` and
 :class:`File`, never through ``open()`` or ``os`` directly, so that tests can swap in the crash-simulating
-:class:`waltz.testing.crashfs.CrashFS`.
+:class:`waltz.testing.crashfs.CrashFS` or the failing :class:`waltz.testing.faultfs.FaultyFileSystem`.
 
 :class:`OsFileSystem` is the real thing: ``os.open`` with ``O_CLOEXEC``, positional ``os.pread`` /
 ``os.pwrite`` (looping over short writes), ``os.fsync`` / ``os.fdatasync``, ``fcntl.flock`` for exclusive
@@ -158,9 +158,6 @@ class OsFile:
 
     def fsync(self, *, data_only: bool = False) -> None:
         fd = self._check()
-        if FAULTS.fsync_failures and data_only:
-            FAULTS.fsync_failures -= 1
-            raise _storage_error(self._path, "fsync", OSError(errno.EIO, "injected I/O error"))
         try:
             if data_only and _HAS_FDATASYNC:
                 os.fdatasync(fd)
@@ -195,22 +192,6 @@ class OsFile:
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)
-
-
-class FaultSwitch:
-    """Test-only fault injection into the real file layer, for tests that run real storage processes (the
-    node arms it on SIGUSR1 when started with ``WALTZ_TEST_FAULTS=1``). Unarmed it costs one attribute read
-    per fsync."""
-
-    def __init__(self) -> None:
-        self.fsync_failures = 0
-        """How many of the next data-file fsyncs (``data_only=True``) fail with EIO."""
-
-    def fail_next_fsync(self) -> None:
-        self.fsync_failures += 1
-
-
-FAULTS = FaultSwitch()
 
 
 class OsFileSystem:

@@ -45,6 +45,7 @@ from waltz.protocol.record_run import encode_run
 from waltz.protocol.records import Record, RecordHeader
 from waltz.protocol.storage import WireRecordList
 from waltz.storage.fileio import OS_FS, FileSystem, make_dirs_durable
+from waltz.storage.retention import DetachedSegments, delete_detached
 from waltz.storage.segment import (
     DEFAULT_MAX_READ_BYTES,
     MAX_READ_RECORDS,
@@ -105,9 +106,12 @@ class PartitionLog:
         segment_size_threshold_bytes: int = DEFAULT_SEGMENT_SIZE_THRESHOLD_BYTES,
         segment_cache_capacity: int = DEFAULT_SEGMENT_CACHE_CAPACITY,
         local_low_water_mark: int = -1,
+        trim_point: int = 0,
         clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
     ) -> PartitionLog:
-        """Open (creating if new) the partition's directory and recover its last segment."""
+        """Open (creating if new) the partition's directory and recover its last segment. Segments wholly
+        below ``trim_point`` (the replica's, see :mod:`waltz.storage.retention`) that a crash kept from being
+        deleted are deleted now, before the segments are checked to follow each other."""
         if segment_size_threshold_bytes < MIN_SEGMENT_SIZE_THRESHOLD_BYTES:
             raise StorageError(
                 f"segment_size_threshold_bytes must be at least {MIN_SEGMENT_SIZE_THRESHOLD_BYTES}, "
@@ -168,6 +172,16 @@ class PartitionLog:
             clock_ms,
         )
         try:
+            if trim_point > 0:
+                below = part.detach_below(trim_point)
+                if below is not None:
+                    delete_detached(fs, below)
+                    log.info(
+                        "%s: deleted %d segment(s) below the trim point %d",
+                        directory,
+                        len(below.first_ids),
+                        trim_point,
+                    )
             if len(first_ids) > 1:
                 # The segment before the last must end right where the last begins.
                 part._segment_at(len(first_ids) - 2)
@@ -320,6 +334,45 @@ class PartitionLog:
             )
         self._current.truncate(max(transaction_id, last_first - 1))
         return self._current.max_transaction_id
+
+    def detach_below(self, trim_point: int) -> DetachedSegments | None:
+        """Take the segments wholly below ``trim_point`` out of the log (closing their cached files) and say
+        which they were; None if there are none. Never the writable segment. Their files are deleted by the
+        caller, off this task (:func:`waltz.storage.retention.delete_detached`)."""
+        current = self._writable()
+        n = 0
+        while n + 1 < len(self._first_ids) and self._first_ids[n + 1] <= trim_point:
+            n += 1
+        if n == 0:
+            return None
+        firsts = self._first_ids[:n]
+        assert current.first_transaction_id not in firsts
+        for first in firsts:
+            seg = self._cache.pop(first, None)
+            if seg is not None:
+                seg.close()
+        del self._first_ids[:n]
+        return DetachedSegments(self.directory, tuple(firsts), self._first_ids[0])
+
+    def restart_at(self, first_id: int) -> DetachedSegments:
+        """Make the log start empty at ``first_id`` (above everything it holds): a new segment there becomes
+        the writable one, durably, and every older segment is detached for deletion. For a replica that
+        lags below the partition's trim point: what it lacks was trimmed everywhere, so it need not hold it.
+        A crash before the old segments are deleted leaves them below the trim point, which :meth:`open`
+        deletes."""
+        current = self._writable()
+        if first_id <= current.max_transaction_id + 1:
+            raise StorageError(f"{self.directory}: cannot restart at {first_id}, the log holds up to it")
+        new = Segment.create(
+            self._fs, self.directory, self.key, self.partition_id, first_id, clock_ms=self._clock_ms
+        )
+        self._extending_writes_before += current.extending_writes
+        current.close()
+        for seg in self._cache.values():
+            seg.close()
+        self._cache.clear()
+        old, self._first_ids, self._current = self._first_ids, [first_id], new
+        return DetachedSegments(self.directory, tuple(old), first_id)
 
     # ------------------------------------------------------------------------------------------- reads
 

@@ -40,12 +40,14 @@ from waltz.errors import (
     CorruptionError,
     PartitionNotAssignedError,
     SessionFencedError,
+    StorageError,
     StorageRpcError,
     TransactionOutOfOrderError,
+    TrimmedError,
     WaltzError,
 )
 from waltz.protocol.record_run import RunBytes, encode_run, stored_size
-from waltz.protocol.records import Record, RecordHeader
+from waltz.protocol.records import Record, RecordHeader, ReqId
 from waltz.server.store.interfaces import SessionInfo
 
 __all__ = [
@@ -142,6 +144,9 @@ class _PartitionState:
     prefix of ``records`` may keep trusting it while this is unchanged, since appends only add at the end."""
     damaged: set[int] = field(default_factory=set)
     """Ids whose stored copy is damaged (``MemoryStorage.damage``): reads of them fail; a repair heals."""
+    trim_point: int = 0
+    """Reads below it fail with TrimmedError, as on a storage node (the records stay: nothing here counts
+    bytes)."""
 
     @property
     def max_transaction_id(self) -> int:
@@ -156,7 +161,7 @@ class StorageSnapshot:
 
 
 _MUTATIONS = ("truncate", "append", "set_low_water_mark")
-_WRITES = (*_MUTATIONS, "repair")
+_WRITES = (*_MUTATIONS, "repair", "trim")
 """The requests that change a replica (the mutations are those a storage node syncs before it answers)."""
 
 
@@ -363,10 +368,24 @@ class MemoryStorage:
                     raise StorageRpcError(f"repair of transaction {rec.transaction_id} does not match")
                 part.damaged.discard(rec.transaction_id)
             return None
+        if kind == "trim":
+            (trim_point,) = args
+            if trim_point < 0:
+                raise StorageError(f"trim point {trim_point} is negative")
+            if trim_point > part.max_transaction_id + 1:
+                # A lagging replica restarts at the trim point: ids below it are never read, so fillers do.
+                filler = [Record.build(i, ReqId(0, i), 0, b"") for i in range(len(part.records), trim_point)]
+                part.records.extend(filler)
+                part.synced = len(part.records)
+                part.rewrites += 1
+            part.trim_point = max(part.trim_point, trim_point)
+            return part.trim_point
         raise StorageRpcError(f"unknown request {kind}")  # pragma: no cover - _WRITES names the kinds above
 
     def _answer(self, part: _PartitionState, kind: str, args: tuple[Any, ...]) -> Any:
         """Answer a request that reads ``part`` (or raise StorageRpcError for an unknown one)."""
+        if kind.startswith("read_") and 0 <= args[0] < part.trim_point:
+            raise TrimmedError.below(-1, args[0], part.trim_point)
         if kind == "last_session_info":
             return SessionInfo(part.persisted_session_id, part.low_water_mark, part.local_low_water_mark)
         if kind == "max_transaction_id":
@@ -538,6 +557,10 @@ class MemoryConnection:
 
     async def damaged_records(self, max_ids: int) -> list[int]:
         result: list[int] = await self._call("damaged_records", max_ids)
+        return result
+
+    async def trim(self, trim_point: int) -> int:
+        result: int = await self._call("trim", trim_point)
         return result
 
     async def aclose(self) -> None:

@@ -55,7 +55,7 @@ class RateLimitedLog:
     """WARNINGs about peers, at most one per ``(source, kind)`` per ``interval_s``.
 
     A peer that repeats a fault (reconnecting with garbage, flooding connections) would otherwise write a line
-    per attempt: ~500 KiB/s from one peer was measured. The first occurrence is logged at once; repeats within
+    per attempt, as fast as it can reconnect. The first occurrence is logged at once; repeats within
     the interval are counted and the next line logged for that key says how many were left out. At most
     ``max_keys`` keys are remembered (the oldest are forgotten), so the bookkeeping is bounded too.
     """

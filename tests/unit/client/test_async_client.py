@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from waltz import AsyncWaltzClient, ClientConfig, Transaction
-from waltz.client.driver import AppendRequest
+from waltz.client.builder import TransactionBuilder
 from waltz.errors import (
     ClientAheadError,
     ClientClosedError,
@@ -19,6 +19,7 @@ from waltz.errors import (
     ClusterError,
     DataChecksumError,
 )
+from waltz.protocol.records import ReqId
 from waltz.testing import MockCluster, MockDriver
 
 from .helpers import FAST, Ctx, RecordingCallbacks, UnreachableDriver, recording_callbacks
@@ -286,12 +287,12 @@ class CountingDriver(MockDriver):
         self._limit = limit
         self.max_outstanding = 0
 
-    def send_append(self, partition_id: int, request: AppendRequest) -> None:
+    def send_append(self, partition_id: int, req_id: ReqId, builder: TransactionBuilder, now: bool) -> None:
         monitor = self._client()._partitions[partition_id].monitor
         assert monitor is not None
         self.max_outstanding = max(self.max_outstanding, monitor.unresolved_count)
         assert monitor.unresolved_count <= self._limit
-        super().send_append(partition_id, request)
+        super().send_append(partition_id, req_id, builder, now)
 
 
 def test_back_pressure_bounds_outstanding_appends_and_submit_times_out() -> None:

@@ -78,7 +78,8 @@ def test_the_reader_hands_a_partitions_feed_on_in_id_order_once_whatever_the_rea
     start: int, reads: list[list[int]], rooms: list[int], drain: list[bool], per_entry: bool, data_lag: int
 ) -> None:
     """Reads of feed entries with repeats, gaps, entries out of order and more than the listener has room for
-    (taken by run or entry by entry, the inbox drained by the delivery task between reads or not): the ids
+    (taken by run, or, ``per_entry``, by a listener with no ``feed_run_nowait``, entry by entry from the
+    inbox; the inbox drained by the delivery task between reads or not): the ids
     that reach the listener are those the partition's feed has in order, each once, as when the entries
     arrived one at a time; a gap ends delivery there."""
     mount = Mount(0, start)
@@ -91,13 +92,6 @@ def test_the_reader_hands_a_partitions_feed_on_in_id_order_once_whatever_the_rea
         room[0] -= len(taken)
         delivered.extend(tid for tid, _, _ in taken)
         return len(taken)
-
-    def nowait(_p: int, tid: int, _r: ReqId, _h: int) -> bool:
-        if room[0] <= 0:
-            return False
-        room[0] -= 1
-        delivered.append(tid)
-        return True
 
     last = start - data_lag
     ids_of_reads: list[list[int]] = []
@@ -124,7 +118,7 @@ def test_the_reader_hands_a_partitions_feed_on_in_id_order_once_whatever_the_rea
         room[0] = rooms[i]
         entries = [(tid, ReqId.of(1, 1, 0, tid), 0) for tid in ids]
         if entries:
-            _on_feed_run(None if per_entry else run_nowait, nowait if per_entry else None, mount, entries)
+            _on_feed_run(None if per_entry else run_nowait, mount, entries)
         if drain[i]:
             ok = ok and _deliver_in_inbox_order(mount, delivered)
         if not ok:

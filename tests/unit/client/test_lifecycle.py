@@ -7,7 +7,16 @@ import itertools
 
 import pytest
 
-from waltz.client.lifecycle import STEPS, TRANSITIONS, Event, Hook, Lifecycle, LifecycleError, State
+from waltz.client.lifecycle import (
+    HOLDS_SLOT,
+    STEPS,
+    TRANSITIONS,
+    Event,
+    Hook,
+    Lifecycle,
+    LifecycleError,
+    State,
+)
 
 
 def at(state: State) -> Lifecycle:
@@ -37,21 +46,27 @@ def test_every_state_and_event_either_follows_the_table_or_is_refused(state: Sta
 
 CLOSE_IN_EVERY_STATE = {
     State.SUBMITTED: (State.ENDED, Hook.EXCEPTION),
+    State.ADMITTED: (State.ENDED, Hook.EXCEPTION),
     State.EXECUTING: (State.ENDED, Hook.EXCEPTION),
     State.QUEUED: (State.ENDED, Hook.EXCEPTION),
     State.APPENDING: (State.ENDED, Hook.EXCEPTION),
     State.RETRY: (State.ENDED, Hook.EXCEPTION),
     State.COMMITTED: (State.ENDED, None),  # Appended: no exception, and no on_application either.
+    State.COMPLETED: (State.ENDED, None),
+    State.APPLIED: (State.ENDED, None),
     State.ENDED: (State.ENDED, None),
 }
 
 EXPIRY_IN_EVERY_STATE = {
     State.SUBMITTED: (State.ENDED, Hook.EXCEPTION),
+    State.ADMITTED: (State.ENDED, Hook.EXCEPTION),
     State.EXECUTING: (State.EXECUTING, None),  # execute() decides; expiry is checked before the next one.
     State.QUEUED: (State.ENDED, Hook.EXCEPTION),
     State.APPENDING: (State.APPENDING, None),  # The append in flight may still commit.
     State.RETRY: (State.ENDED, Hook.EXCEPTION),
     State.COMMITTED: (State.COMMITTED, None),
+    State.COMPLETED: (State.COMPLETED, None),
+    State.APPLIED: (State.APPLIED, None),
     State.ENDED: (State.ENDED, None),
 }
 
@@ -79,7 +94,9 @@ def run_events(*events: Event) -> tuple[Lifecycle, list[Hook]]:
 
 
 def test_appended_at_the_first_attempt() -> None:
-    lifecycle, hooks = run_events(Event.EXECUTE, Event.SEND, Event.COMMIT, Event.APPLY)
+    lifecycle, hooks = run_events(
+        Event.ADMIT, Event.EXECUTE, Event.SEND, Event.COMMIT, Event.COMPLETE, Event.APPLY
+    )
     assert hooks == [Hook.COMPLETED, Hook.APPLICATION]
     assert lifecycle.state is State.ENDED
     assert lifecycle.attempts == 1
@@ -87,34 +104,93 @@ def test_appended_at_the_first_attempt() -> None:
 
 def test_lock_failure_then_lost_append_then_commit() -> None:
     lifecycle, hooks = run_events(
-        Event.EXECUTE, Event.SEND, Event.LOCK_FAIL,
+        Event.ADMIT, Event.EXECUTE, Event.SEND, Event.LOCK_FAIL,
         Event.EXECUTE, Event.SEND, Event.LOST,
         Event.EXECUTE, Event.SEND, Event.COMMIT,
     )  # fmt: skip
     assert hooks == [Hook.LOCK_FAILURE, Hook.COMPLETED]
     assert lifecycle.state is State.COMMITTED
-    assert lifecycle.ended  # No terminal hook left to decide, though on_application is still owed.
+    assert lifecycle.state not in HOLDS_SLOT  # Its slot is free, though on_application is still owed.
     assert lifecycle.attempts == 3
 
 
 def test_a_queued_execution_is_not_an_attempt() -> None:
     lifecycle, hooks = run_events(
-        Event.EXECUTE, Event.QUEUE, Event.TURN, Event.EXECUTE, Event.SEND, Event.COMMIT
+        Event.ADMIT, Event.EXECUTE, Event.QUEUE, Event.TURN, Event.EXECUTE, Event.SEND, Event.COMMIT
     )
     assert hooks == [Hook.COMPLETED]
     assert lifecycle.attempts == 1
 
 
 def test_giving_up_and_raising_end_the_context_once() -> None:
-    lifecycle, hooks = run_events(Event.EXECUTE, Event.GIVE_UP, Event.CLOSE, Event.FAIL)
+    lifecycle, hooks = run_events(Event.ADMIT, Event.EXECUTE, Event.GIVE_UP, Event.CLOSE, Event.FAIL)
     assert hooks == [Hook.GAVE_UP]
-    lifecycle, hooks = run_events(Event.EXECUTE, Event.FAIL, Event.CLOSE)
+    lifecycle, hooks = run_events(Event.ADMIT, Event.EXECUTE, Event.FAIL, Event.CLOSE)
     assert hooks == [Hook.EXCEPTION]
     assert lifecycle.state is State.ENDED
 
 
 def test_nothing_happens_to_an_ended_context() -> None:
-    lifecycle, _ = run_events(Event.EXECUTE, Event.GIVE_UP)
-    for event in (Event.EXECUTE, Event.SEND, Event.COMMIT, Event.APPLY, Event.TURN):
+    lifecycle, _ = run_events(Event.ADMIT, Event.EXECUTE, Event.GIVE_UP)
+    for event in (Event.ADMIT, Event.EXECUTE, Event.SEND, Event.COMMIT, Event.TURN):
         with pytest.raises(LifecycleError):
             lifecycle.handle(event)
+
+
+def test_on_application_follows_on_completion_whichever_comes_first() -> None:
+    # Applied before on_completion(True) ran: on_application is owed once it has.
+    lifecycle = at(State.COMMITTED)
+    assert lifecycle.apply() is False
+    assert lifecycle.state is State.APPLIED
+    assert lifecycle.complete() is True
+    assert lifecycle.state is State.ENDED
+    # on_completion(True) ran first: on_application is owed at the apply.
+    lifecycle = at(State.COMMITTED)
+    assert lifecycle.complete() is False
+    assert lifecycle.state is State.COMPLETED
+    assert lifecycle.apply() is True
+    assert lifecycle.state is State.ENDED
+
+
+def test_a_context_ended_while_on_completion_ran_owes_nothing_more() -> None:
+    lifecycle = at(State.COMMITTED)
+    assert lifecycle.handle(Event.FAIL) is None  # The partition was released.
+    assert lifecycle.complete() is False
+    assert lifecycle.apply() is False
+    assert lifecycle.state is State.ENDED
+
+
+def test_a_slot_is_held_from_admission_until_the_context_is_appended_or_ends() -> None:
+    lifecycle = Lifecycle()
+    held = []
+    for event in (
+        Event.ADMIT,
+        Event.EXECUTE,
+        Event.SEND,
+        Event.LOST,
+        Event.EXECUTE,
+        Event.SEND,
+        Event.COMMIT,
+    ):
+        held.append(lifecycle.state in HOLDS_SLOT)
+        lifecycle.handle(event)
+    held.append(lifecycle.state in HOLDS_SLOT)
+    assert held == [False, True, True, True, True, True, True, False]
+    for path in ((Event.DROP,), (Event.ADMIT, Event.DROP), (Event.ADMIT, Event.EXPIRE)):
+        lifecycle, _ = run_events(*path)
+        assert lifecycle.state is State.ENDED
+        assert lifecycle.state not in HOLDS_SLOT
+
+
+def test_the_fast_methods_are_the_table() -> None:
+    lifecycle = Lifecycle()
+    lifecycle.admit_execute()
+    assert lifecycle.state is State.EXECUTING
+    lifecycle.send()
+    assert (lifecycle.state, lifecycle.attempts) == (State.APPENDING, 1)
+    lifecycle.commit()
+    assert lifecycle.state is State.COMMITTED
+    with pytest.raises(LifecycleError):
+        lifecycle.send()
+    with pytest.raises(LifecycleError):
+        at(State.EXECUTING).admit_execute()

@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 
 from waltz import AsyncWaltzClient, Transaction
-from waltz.client.driver import AppendRequest, DriverListener
+from waltz.client.builder import TransactionBuilder
+from waltz.client.driver import DriverListener
+from waltz.protocol.records import ReqId
 from waltz.testing import MockDriver
 
 from .helpers import FAST, ApplyOrderCallbacks, Ctx
@@ -25,24 +27,20 @@ class SendRecordingDriver(MockDriver):
         super().__init__(**kwargs)
         self.sends: list[str] = []
 
-    def send_append(self, partition_id: int, request: AppendRequest) -> None:
-        self.sends.append("queued")
-        super().send_append(partition_id, request)
-
-    def send_append_now(self, partition_id: int, request: AppendRequest) -> None:
-        self.sends.append("now")
-        super().send_append(partition_id, request)
+    def send_append(self, partition_id: int, req_id: ReqId, builder: TransactionBuilder, now: bool) -> None:
+        self.sends.append("now" if now else "queued")
+        super().send_append(partition_id, req_id, builder, now)
 
 
 class _NowaitListener:
-    """The client's listener as the network driver uses it: a feed entry goes to ``feed_data_nowait``
+    """The client's listener as the network driver uses it: a feed entry goes to ``feed_run_nowait``
     first (from the socket reader, no coroutine), ``on_feed_data`` only when that has no room."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
 
     async def on_feed_data(self, partition_id: int, transaction_id: int, req_id: Any, header: int) -> None:
-        if not self._inner.feed_data_nowait(partition_id, transaction_id, req_id, header):
+        if self._inner.feed_run_nowait(partition_id, [(transaction_id, req_id, header)]) != 1:
             await self._inner.on_feed_data(partition_id, transaction_id, req_id, header)
 
     def __getattr__(self, name: str) -> Any:

@@ -20,6 +20,23 @@ from .helpers import FAST, Ctx, RecordingCallbacks
 L1, L2 = PartitionLocalLock("account", 1), PartitionLocalLock("account", 2)
 
 
+def built(
+    seq: int,
+    hwm: int,
+    *,
+    write: tuple[PartitionLocalLock, ...] = (),
+    read: tuple[PartitionLocalLock, ...] = (),
+    append: tuple[PartitionLocalLock, ...] = (),
+) -> tuple[ReqId, TransactionBuilder]:
+    """The request id and the filled builder of append ``seq`` (what the core hands a driver)."""
+    b = TransactionBuilder(0, hwm)
+    b.set_transaction_data(b"%d" % seq)
+    b.set_write_locks(write)
+    b.set_read_locks(read)
+    b.set_append_locks(append)
+    return ReqId.of(1, 0, 0, seq), b
+
+
 def request(
     seq: int,
     hwm: int,
@@ -28,12 +45,8 @@ def request(
     read: tuple[PartitionLocalLock, ...] = (),
     append: tuple[PartitionLocalLock, ...] = (),
 ) -> AppendRequest:
-    b = TransactionBuilder(0, hwm)
-    b.set_transaction_data(b"%d" % seq)
-    b.set_write_locks(write)
-    b.set_read_locks(read)
-    b.set_append_locks(append)
-    return b.build(ReqId.of(1, 0, 0, seq))
+    req_id, b = built(seq, hwm, write=write, read=read, append=append)
+    return b.build(req_id)
 
 
 def test_write_locks_conflict_with_later_writers_only() -> None:
@@ -120,10 +133,10 @@ def test_driver_streams_catch_up_then_ready_then_responses_in_order() -> None:
             driver.send_flush(0, ReqId.of(0, 0, 0, 1))
         await driver.mount(0, 0)
         driver.force_next_append_fail()  # Consumed by the next append processed: seq 10.
-        driver.send_append(0, request(10, 2, write=(L1,)))
+        driver.send_append(0, *built(10, 2, write=(L1,)), False)
         driver.force_next_lock_fail()  # Then seq 11.
-        driver.send_append(0, request(11, 2))
-        driver.send_append(0, request(12, 2))
+        driver.send_append(0, *built(11, 2), False)
+        driver.send_append(0, *built(12, 2), False)
         driver.send_flush(0, ReqId.of(1, 0, 0, 12))
         async with asyncio.timeout(5):
             while len(events.events) < 6:  # noqa: ASYNC110 - polling a plain list

@@ -14,7 +14,7 @@ from waltz.client.config import ClientConfig
 from waltz.client.driver import AppendRequest, MountState
 from waltz.client.network import Endpoints, NetworkDriver
 from waltz.client.stream import INBOX_FEED_LIMIT
-from waltz.errors import BrokenResourceError, PartitionNotReadyError
+from waltz.errors import BrokenResourceError, ClientError, PartitionNotReadyError
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import FRAME_HEADER, FRAME_HEADER_BYTES, MAGIC_CLIENT
 from waltz.protocol.records import ReqId, crc32
@@ -114,6 +114,10 @@ class Recorder:
     async def on_flush_response(self, partition_id: int, req_id: ReqId, transaction_id: int) -> None:
         await self._add("flush", req_id, transaction_id)
 
+    def on_driver_failure(self, error: ClientError) -> None:
+        self.events.append(("failed", str(error)))
+        self.changed.set()
+
     async def wait_for(self, *event: object) -> None:
         async with asyncio.timeout(STEP_S):
             while event not in self.events:
@@ -130,6 +134,13 @@ class Recorder:
 
 def append_id(seq: int) -> ReqId:
     return ReqId.of(7, 1, 0, seq)
+
+
+def x_builder(client_high_water_mark: int) -> TransactionBuilder:
+    """A builder of the append with data ``b"x"``, as ``execute`` would fill it."""
+    builder = TransactionBuilder(0, client_high_water_mark)
+    builder.set_transaction_data(b"x")
+    return builder
 
 
 @contextlib.asynccontextmanager
@@ -192,9 +203,7 @@ def test_mount_feed_windows_stale_replies_gap_not_ready_and_reconnect() -> None:
             assert feed == cs.FeedRequest(session, 1)
 
             # Appends and flushes go out in call order on the stream connection.
-            data = b"x"
-            request = AppendRequest(append_id(3), 1, (1,), (), (), 0, data, crc32(data))
-            driver.send_append(0, request)
+            driver.send_append(0, append_id(3), x_builder(1), False)
             driver.send_flush(0, append_id(3))
             _, append = await server.expect(cs.AppendRequest)
             assert append.req_id == append_id(3)
@@ -218,7 +227,7 @@ def test_mount_feed_windows_stale_replies_gap_not_ready_and_reconnect() -> None:
             assert remount.req_id != session
             await listener.wait_for("state", MountState.NOT_READY)
             with pytest.raises(BrokenResourceError):
-                driver.send_append(0, request)
+                driver.send_append(0, append_id(3), x_builder(1), False)
 
             # NOT_READY: the driver mounts again by itself, shortly after.
             server.send(conn, cs.MountResponse(remount.req_id, cs.PartitionState.NOT_READY))
@@ -359,13 +368,14 @@ class NowaitRecorder(Recorder):
         self.room = True
         self.direct: list[int] = []
 
-    def feed_data_nowait(self, partition_id: int, transaction_id: int, req_id: ReqId, header: int) -> bool:
+    def feed_run_nowait(self, partition_id: int, entries: list[tuple[int, ReqId, int]]) -> int:
         if not self.room:
-            return False
-        self.direct.append(transaction_id)
-        self.events.append(("feed", transaction_id))
+            return 0
+        for transaction_id, _, _ in entries:
+            self.direct.append(transaction_id)
+            self.events.append(("feed", transaction_id))
         self.changed.set()
-        return True
+        return len(entries)
 
 
 @pytest.mark.timeout(60)
@@ -432,21 +442,21 @@ def test_the_feed_entries_of_one_read_reach_a_run_listener_in_one_call_and_the_r
                 server.send(conn, cs.FeedData(append_id(t + 1), t, 0))
             await listener.wait_for("feed", 4)
             assert listener.runs == [[0, 1, 2, 3, 4]]
-            # Room for two: the rest of the read waits in the inbox for the delivery task (on_feed_data),
+            # Room for two: the rest of the read waits in the inbox for the delivery task (entry by entry),
             # in order, with the flush response behind it.
             listener.room = 2
             for t in range(5, 9):
                 server.send(conn, cs.FeedData(append_id(t + 1), t, 0))
             server.send(conn, cs.FlushResponse(append_id(9), 8))
             await listener.wait_for("flush", append_id(9), 8)
-            assert listener.runs[1:] == [[5, 6]]
+            assert listener.runs[1:] == [[5, 6], [7], [8]]  # The delivery task's, one entry each.
             assert [e[1] for e in listener.events if e[0] == "feed"] == list(range(9))
             # Repeats at the head of a read are dropped; what follows the position goes straight through.
             listener.room = 1000
             for t in (7, 8, 9, 10):
                 server.send(conn, cs.FeedData(append_id(t + 1), t, 0))
             await listener.wait_for("feed", 10)
-            assert listener.runs[2:] == [[9, 10]]
+            assert listener.runs[4:] == [[9, 10]]
             assert [e[1] for e in listener.events if e[0] == "feed"] == list(range(11))
 
     asyncio.run(main())
@@ -477,13 +487,10 @@ def test_the_appends_of_one_loop_iteration_leave_in_one_write_before_anything_se
 
             client_conn.send = recording_send  # type: ignore[method-assign,assignment]
 
-            builder = TransactionBuilder(0, -1)
-            builder.set_transaction_data(b"x")
-            driver.send_append(0, append(1))
-            driver.send_built(0, append_id(2), builder)  # The core's path: the same frame, queued alike.
-            driver.send_append(0, append(3))
+            for seq in (1, 2, 3):
+                driver.send_append(0, append_id(seq), x_builder(-1), False)
             driver.send_flush(0, append_id(3))  # Writes the three appends first.
-            driver.send_append(0, append(4))
+            driver.send_append(0, append_id(4), x_builder(-1), False)
             await asyncio.sleep(0)  # The loop's callbacks: the fourth append's write.
             assert calls == [("send_framed", 3), ("send", 1), ("send_framed", 1)]
             received = []
@@ -499,7 +506,7 @@ def test_the_appends_of_one_loop_iteration_leave_in_one_write_before_anything_se
                 ("AppendRequest", 4),
             ]
             # Appends queued for a connection that is gone by the write are dropped, not raised.
-            driver.send_append(0, append(5))
+            driver.send_append(0, append_id(5), x_builder(-1), False)
             link.conn = None
             link.flush_appends()
             link.conn = client_conn
@@ -682,13 +689,42 @@ def test_client_ahead_is_asked_again_when_the_owner_or_the_generation_changes() 
                 ("feed", 11),
                 ("state", MountState.READY),
             ]
-            data = b"x"
-            driver.send_append(0, AppendRequest(append_id(2), 11, (1,), (), (), 0, data, crc32(data)))
+            driver.send_append(0, append_id(2), x_builder(11), False)
             _, append = await second.expect(cs.AppendRequest)
             assert append.req_id == append_id(2)
         finally:
             await driver.close()
             await first.aclose()
             await second.aclose()
+
+    asyncio.run(main())
+
+
+class BrokenDiscovery(StaticDiscovery):
+    """A StaticDiscovery whose updates fail at the first publish (ZooKeeper's watch broke, say)."""
+
+    async def updates(self) -> AsyncIterator[Endpoints]:
+        await self._changed.wait()
+        raise RuntimeError("watch exploded")
+        yield {}  # A generator.
+
+
+def test_a_failed_assignment_task_reaches_the_listener_not_only_the_log() -> None:
+    async def main() -> None:
+        listener = Recorder()
+        discovery = BrokenDiscovery()
+        driver = NetworkDriver(ClientConfig(), discovery=discovery)
+        await driver.open(listener)
+        try:
+            discovery.publish({})
+            async with asyncio.timeout(STEP_S):
+                while not listener.events:
+                    listener.changed.clear()
+                    await listener.changed.wait()
+            [(kind, message)] = listener.events
+            assert kind == "failed"
+            assert "following the partition assignment failed with RuntimeError: watch exploded" in message
+        finally:
+            await driver.close()
 
     asyncio.run(main())

@@ -5,11 +5,13 @@ partition stalling while ``submit`` times out with a message about the mount."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from waltz import AsyncWaltzClient
+from waltz.client.network import NetworkDriver
 from waltz.errors import ClientError, ClientTimeoutError
 from waltz.testing import MockDriver
 
@@ -80,5 +82,51 @@ def test_a_failed_applier_task_stops_its_partition_and_says_why() -> None:
                 await client.wait_applied(0, 0, timeout=5)
             with pytest.raises(ClientError, match=r"partition 0 stopped.*applier exploded"):
                 await client.submit(Ctx(b"y"))
+
+    run(main())
+
+
+class BrokenDiscovery:
+    """A Discovery (one partition, no owner yet) whose updates fail once the test says so."""
+
+    num_partitions = 1
+    cluster_name = "fake"
+
+    def __init__(self) -> None:
+        self.endpoints: dict[int, tuple[str, int]] = {}
+        self.fail = asyncio.Event()
+
+    async def open(self) -> None:
+        pass
+
+    async def new_client_id(self) -> int:
+        return 7
+
+    async def updates(self) -> AsyncIterator[dict[int, tuple[str, int]]]:
+        await self.fail.wait()
+        raise RuntimeError("watch exploded")
+        yield {}  # A generator.
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("mode", ["threads", "inline"])
+def test_a_failed_network_driver_task_stops_every_partition_and_says_why(mode: str) -> None:
+    async def main() -> None:
+        callbacks = recording_callbacks(mode)
+        discovery = BrokenDiscovery()
+        driver = NetworkDriver(FAST.replace(callback_mode=mode), discovery=discovery)
+        # A plain client with no assignment yet makes no connection: the driver opens at once.
+        client = AsyncWaltzClient(callbacks, FAST.replace(callback_mode=mode), driver=driver)
+        async with client:
+            discovery.fail.set()
+            partition_id, transaction_id, error = await _reported(callbacks)
+            assert (partition_id, transaction_id, str(error)) == (0, -1, "watch exploded")
+            ctx = Ctx(b"x", partition=0)
+            with pytest.raises(ClientError, match=r"following the partition assignment failed") as caught:
+                await client.submit(ctx)
+            assert not isinstance(caught.value, ClientTimeoutError)
+            assert ctx.events == ["exception:ClientError"]
 
     run(main())

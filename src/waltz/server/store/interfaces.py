@@ -143,6 +143,11 @@ class ReplicaConnection(Protocol):
         its background scrub, and has not had repaired yet."""
         ...
 
+    async def trim(self, trim_point: int) -> int:
+        """Raise the replica's trim point (it deletes what is below it and refuses reads there: see
+        :mod:`waltz.storage.retention`); returns the trim point in force on the replica."""
+        ...
+
     async def aclose(self) -> None:
         """Release the connection. Never raises; requests still in flight fail with ClosedResourceError."""
         ...

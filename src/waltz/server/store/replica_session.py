@@ -458,7 +458,7 @@ class ReplicaSession:
                 continue
             name, usher_hwm = usher
             records = await session.copy_records(self, self.max_id + 1, usher_hwm, source=name)
-            await self._append_copies(conn, records)
+            await self._append_copies(conn, records)  # none if it restarted at the trim point
             recovery.update(self.storage, self.max_id)
 
         resolved = recovery.resolved
@@ -519,6 +519,8 @@ class ReplicaSession:
         """Copy committed records from the others until this replica holds ``last``."""
         while self.max_id < last:
             records = await self._host.copy_records(self, self.max_id + 1, last)
+            if not records and self.max_id >= last:
+                return  # it restarted at the trim point, past ``last`` (see trimming.py)
             if not records:
                 raise InvariantViolation(f"{self.storage} at {self.max_id} cannot copy up to {last}")
             await self._append_copies(conn, records)

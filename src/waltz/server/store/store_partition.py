@@ -42,6 +42,7 @@ from waltz.errors import (
     GenerationMismatchError,
     PartitionNotReadyError,
     QuorumLostError,
+    TrimmedError,
     WaltzError,
 )
 from waltz.protocol.record_run import RunBytes
@@ -62,6 +63,7 @@ from waltz.server.store.support import (
     StoreConfig,
     TaskList,
 )
+from waltz.server.store.trimming import tell_replicas
 
 __all__ = ["BATCH_APPENDS_BOUNDS", "StorePartition", "StoreStatistics"]
 
@@ -134,6 +136,10 @@ class StorePartition:
         self._resolutions = asyncio.Event()
         """Set whenever appends are resolved (for flush)."""
         self._hwm = -1
+        self.trim_point = 0
+        """Reads below it fail with TrimmedError; raised by :meth:`set_trim_point` only."""
+        self._trim_wanted = asyncio.Event()
+        """Set when the open session's replicas should be told the trim point (see ``_trim_loop``)."""
         self._session: StoreSession | None = None
         self._session_changed = asyncio.Event()
         self._generation_raised = asyncio.Event()
@@ -171,6 +177,7 @@ class StorePartition:
         if not self._tasks_started:
             self._loop = asyncio.get_running_loop()
             self._tasks.spawn(self._supervise(), name=f"store-partition-{self.partition_id}")
+            self._tasks.spawn(self._trim_loop(), name=f"store-trim-{self.partition_id}")
 
     @property
     def _tasks_started(self) -> bool:
@@ -393,12 +400,14 @@ class StorePartition:
 
     async def read_records(self, transaction_id: int, max_count: int) -> list[Record]:
         """Up to ``max_count`` committed records from ``transaction_id``."""
+        self.check_trim(transaction_id)
         if transaction_id < 0 or transaction_id > self._hwm or max_count <= 0:
             return []
         return await self._read(lambda s: s.read_records(transaction_id, max_count))
 
     async def read_headers(self, transaction_id: int, max_count: int) -> list[RecordHeader]:
         """Up to ``max_count`` committed record headers from ``transaction_id``."""
+        self.check_trim(transaction_id)
         if transaction_id < 0 or transaction_id > self._hwm or max_count <= 0:
             return []
         return await self._read(lambda s: s.read_headers(transaction_id, max_count))
@@ -406,9 +415,32 @@ class StorePartition:
     async def read_run(self, transaction_id: int, max_count: int, max_bytes: int) -> tuple[int, RunBytes]:
         """Up to ``max_count`` committed records from ``transaction_id`` as stored (a record run, see
         :meth:`StoreSession.read_run`): ``(count, run)``, ``(0, b"")`` at or past the high-water mark."""
+        self.check_trim(transaction_id)
         if transaction_id < 0 or transaction_id > self._hwm or max_count <= 0:
             return 0, b""
         return await self._read(lambda s: s.read_run(transaction_id, max_count, max_bytes))
+
+    def check_trim(self, transaction_id: int) -> None:
+        """Raise TrimmedError (naming the partition, the id and the trim point) for an id below the trim
+        point: no replica is asked, and none needs to hold it."""
+        if 0 <= transaction_id < self.trim_point:
+            raise TrimmedError.below(self.partition_id, transaction_id, self.trim_point)
+
+    def set_trim_point(self, trim_point: int) -> None:
+        """Raise the trim point (a lower one is ignored) and tell the open session's replicas."""
+        if trim_point <= self.trim_point:
+            return
+        self.trim_point = trim_point
+        self._trim_wanted.set()
+
+    async def _trim_loop(self) -> None:
+        """Tell the open session's replicas the trim point whenever it rises or a session opens."""
+        while True:
+            await self._trim_wanted.wait()
+            self._trim_wanted.clear()
+            session = self._session
+            if session is not None and session.is_open and self.trim_point > 0:
+                await tell_replicas(session, self.trim_point)
 
     async def _read(self, read: Callable[[StoreSession], Awaitable[R]]) -> R:
         backoff = self._backoff()
@@ -579,6 +611,7 @@ class StorePartition:
                     committed[stored.transaction_id] = stored
                 next_id = headers[-1].transaction_id + 1
         self._hwm = lwm
+        self._trim_wanted.set()
         self._session_changed.set()
         survivors, self._survivors = self._survivors, []
         resolved = 0

@@ -39,6 +39,7 @@ from waltz.errors import (
     ConcurrentUpdateError,
     CorruptionError,
     SessionFencedError,
+    TrimmedError,
     WaltzError,
 )
 from waltz.protocol.record_run import RunBytes
@@ -49,6 +50,7 @@ from waltz.server.store.recovery import RecoveryState, metadata_after_recovery, 
 from waltz.server.store.replica_session import Batch, ReplicaContext, ReplicaRole, ReplicaSession, SessionOver
 from waltz.server.store.scrub_repair import DamageWatch, check_records
 from waltz.server.store.support import InvariantViolation, RepairStatistics, StoreConfig, TaskList
+from waltz.server.store.trimming import restart_at_trim_point
 from waltz.server.store.voting import Voting, quorum_of
 
 __all__ = [
@@ -366,6 +368,12 @@ class StoreSession:
             except SessionFencedError as e:
                 self.fenced(f"{src.storage}: {e}")
                 raise SessionOver from None
+            except TrimmedError as e:
+                # What the requester lacks was trimmed: it starts again at the trim point (see trimming.py).
+                await restart_at_trim_point(self, requester, e.trim_point)
+                if requester.max_id >= end:
+                    return []
+                return await self.copy_records(requester, requester.max_id + 1, end, source)
             except CorruptionError as e:
                 self._host.replica_damaged(src.storage, str(e))
                 candidates = [c for c in candidates if c is not src]
