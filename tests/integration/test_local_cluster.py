@@ -176,9 +176,9 @@ def test_a_missing_zookeeper_package_is_reported(cluster_dir: Path, monkeypatch:
 def test_a_process_dying_during_start_leaves_nothing_running(
     cluster_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from waltz.local import cluster as orchestration
+    from waltz.local import configs
 
-    real = orchestration._server_config
+    real = configs.server_config
 
     def broken(cluster: LocalCluster, rec: local.ProcessRecord) -> dict[str, object]:
         values = real(cluster, rec)
@@ -186,7 +186,7 @@ def test_a_process_dying_during_start_leaves_nothing_running(
             values["server.noSuchSetting"] = 1  # The server refuses its config and exits.
         return values
 
-    monkeypatch.setattr(orchestration, "_server_config", broken)
+    monkeypatch.setattr(configs, "server_config", broken)
     with pytest.raises(procs.ProcessStartError, match="server 1 exited during start") as info:
         local.up(local.UpOptions(directory=cluster_dir, storages=2, servers=2, partitions=1))
     assert "noSuchSetting" in str(info.value)  # the log tail says why

@@ -153,13 +153,35 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("package", ["server"])
-def test_no_import_cycle_between_the_modules_of(package: str) -> None:
+PACKAGES = sorted(p.name for p in SRC.iterdir() if (p / "__init__.py").exists())
+
+KNOWN_CYCLES: dict[str, str] = {
+    "storage": "storage.node imports the admin and data ports (serve_admin, serve_data), which import "
+    "StorageNode from it for a type only; the storage node's owners remove it (a small Protocol of what "
+    "each port calls)",
+    "transport": "transport.hello imports FramedConnection from transport.connection (for a type only), "
+    "which imports hello; the transport's owners remove it (a small Protocol of what hello calls)",
+}
+"""Packages with an import cycle still, each with why and who removes it; the list may hold no stale entry."""
+
+
+def _package_cycle(package: str) -> list[str] | None:
     # A package's ``__init__`` re-exports its modules; an edge into it is an edge into them, not a cycle.
     graph = _module_imports(package)
     inits = {m for m in graph if (SRC.parent / m.replace(".", "/") / "__init__.py").exists()}
     graph = {m: targets - inits for m, targets in graph.items()}
-    assert _cycle(graph) is None
+    return _cycle(graph)
+
+
+@pytest.mark.parametrize("package", [p for p in PACKAGES if p not in KNOWN_CYCLES])
+def test_no_import_cycle_between_the_modules_of(package: str) -> None:
+    assert _package_cycle(package) is None
+
+
+@pytest.mark.parametrize("package", sorted(KNOWN_CYCLES))
+def test_every_known_cycle_is_still_one(package: str) -> None:
+    assert package in PACKAGES
+    assert _package_cycle(package) is not None, f"{package} has no cycle now: remove it from KNOWN_CYCLES"
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:

@@ -28,6 +28,8 @@ from waltz.ops import accept_loss, checks, generation, rebuild, trim
 from waltz.ops.view import ClusterView, read_view
 
 Command = Callable[[KazooClient, str, argparse.Namespace, TextIO], int | None]
+_AddCommand = Callable[[str, Command, str], argparse.ArgumentParser]
+"""``command(name, handler, help)``: adds a subcommand and returns its parser, for the options."""
 
 
 def _run(command: Command) -> Callable[[argparse.Namespace], int]:
@@ -304,6 +306,13 @@ def register(groups: Any) -> None:
         p.set_defaults(handler=_run(fn))
         return p
 
+    _add_metadata_commands(command)
+    _add_check_commands(command)
+    _add_repair_commands(command)
+
+
+def _add_metadata_commands(command: _AddCommand) -> None:
+    """The commands that create, show and edit the cluster's metadata."""
     p = command("create", cmd_create, "create a cluster (random cluster key) at cluster.root")
     p.add_argument("-n", "--name", required=True, help="cluster name")
     p.add_argument("-p", "--partitions", required=True, type=_positive, help="number of partitions")
@@ -342,6 +351,9 @@ def register(groups: Any) -> None:
     p = command("auto-assign", cmd_auto_assign, "spread all partitions round-robin over a group's nodes")
     p.add_argument("-g", "--group", required=True, type=_non_negative, help="replica group id")
 
+
+def _add_check_commands(command: _AddCommand) -> None:
+    """The commands that check the cluster against itself."""
     p = command("check-connectivity", cmd_check_connectivity, "each live server's view of each storage node")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit per node (10 s)")
 
@@ -355,6 +367,9 @@ def register(groups: Any) -> None:
     )
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit per node (10 s)")
 
+
+def _add_repair_commands(command: _AddCommand) -> None:
+    """The commands that repair the cluster's metadata or change what it keeps."""
     p = command(
         "rebuild-metadata",
         cmd_rebuild_metadata,
@@ -376,6 +391,26 @@ def register(groups: Any) -> None:
     )
     p.set_defaults(default_log_level="INFO")
 
+    _add_loss_commands(command)
+
+    p = command(
+        "fix-generation",
+        cmd_fix_generation,
+        "lower a partition's metadata generation that no assignment handed out back to the assigned one "
+        "(shows the change; writes it with --yes)",
+    )
+    p.add_argument("-p", "--partition", required=True, type=_non_negative, help="the partition")
+    p.add_argument(
+        "--to", type=_non_negative, metavar="G", help="the generation to set (default: the assignment's)"
+    )
+    p.add_argument("--yes", action="store_true", help="write the change (without it, only show it)")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit per node (10 s)")
+    # The one line that records the write goes to stderr like a server's (other commands log warnings only).
+    p.set_defaults(default_log_level="INFO")
+
+
+def _add_loss_commands(command: _AddCommand) -> None:
+    """The commands that give up transactions on purpose: accept a loss, trim a partition."""
     p = command(
         "accept-loss",
         cmd_accept_loss,
@@ -412,19 +447,4 @@ def register(groups: Any) -> None:
         help=f"grace: never trim the last N transactions (default {trim.DEFAULT_MIN_KEPT_TRANSACTIONS})",
     )
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit (10 s)")
-    p.set_defaults(default_log_level="INFO")
-
-    p = command(
-        "fix-generation",
-        cmd_fix_generation,
-        "lower a partition's metadata generation that no assignment handed out back to the assigned one "
-        "(shows the change; writes it with --yes)",
-    )
-    p.add_argument("-p", "--partition", required=True, type=_non_negative, help="the partition")
-    p.add_argument(
-        "--to", type=_non_negative, metavar="G", help="the generation to set (default: the assignment's)"
-    )
-    p.add_argument("--yes", action="store_true", help="write the change (without it, only show it)")
-    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit per node (10 s)")
-    # The one line that records the write goes to stderr like a server's (other commands log warnings only).
     p.set_defaults(default_log_level="INFO")

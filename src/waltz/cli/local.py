@@ -109,7 +109,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         start_timeout_s=args.timeout,
     )
     cluster = local.up(opts, report=lambda line: print(line, file=sys.stderr, flush=True))
-    print(local.cluster.render_up(cluster))
+    print(local.overview.render_up(cluster))
     return 0
 
 
@@ -119,7 +119,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
-        print(local.cluster.render_status(result))
+        print(local.overview.render_status(result))
     running = all(p.running for p in result.processes)
     return 0 if running and result.all_served else 3
 
@@ -138,7 +138,7 @@ def cmd_restart(args: argparse.Namespace) -> int:
     cluster = local.restart(
         args.dir, report=lambda line: print(line, file=sys.stderr, flush=True), timeout_s=args.timeout
     )
-    print(local.cluster.render_up(cluster))
+    print(local.overview.render_up(cluster))
     return 0
 
 

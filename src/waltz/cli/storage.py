@@ -34,6 +34,13 @@ def register(groups: Any) -> None:
     parser = groups.add_parser("storage", help="run or administer a storage node")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
+    _add_run(sub)
+    _add_admin_commands(sub)
+    _add_repair_commands(sub)
+
+
+def _add_run(sub: Any) -> None:
+    """``waltz storage run``."""
     run = sub.add_parser("run", help="run a storage node")
     run.add_argument("--config", required=True, metavar="FILE", help="storage YAML config")
     logsetup.add_arguments(run, default_level="INFO")
@@ -44,6 +51,10 @@ def register(groups: Any) -> None:
         help="event loop: uvloop when installed (auto, the default), or the standard asyncio loop",
     )
     run.set_defaults(handler=cmd_run)
+
+
+def _add_admin_commands(sub: Any) -> None:
+    """The commands that ask or tell one node through its admin port."""
 
     def admin_parser(name: str, help_text: str) -> argparse.ArgumentParser:
         p: argparse.ArgumentParser = sub.add_parser(name, help=help_text)
@@ -93,6 +104,10 @@ def register(groups: Any) -> None:
     )
     mx.add_argument("-p", "--partition", required=True, type=int)
     mx.set_defaults(handler=cmd_max_transaction_id)
+
+
+def _add_repair_commands(sub: Any) -> None:
+    """The repair tools, which read the cluster from ZooKeeper and work on several nodes."""
 
     def zk_parser(name: str, help_text: str) -> argparse.ArgumentParser:
         p: argparse.ArgumentParser = sub.add_parser(name, help=help_text, description=help_text)

@@ -41,31 +41,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import json
-import secrets
 import shutil
 import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from ssl import SSLContext
 from typing import Any
 
-import yaml
-
 from waltz.cluster import store_metadata as sm
 from waltz.cluster import zk as zkutil
 from waltz.cluster import zkserver
-from waltz.cluster.files import mkdir_durable, write_durable
-from waltz.cluster.partition_metadata import UNRESOLVED
-from waltz.cluster.zkserver import ServerTls
-from waltz.errors import ClusterError, ConfigError, WaltzError
-from waltz.local import certs, probe, procs
+from waltz.cluster.files import mkdir_durable
+from waltz.errors import ClusterError, ConfigError
+from waltz.local import certs, configs, probe, procs
 from waltz.local.state import CLIENT_CONFIG_FILE, STATE_FILE, LocalCluster, ProcessRecord
 from waltz.server.storage_client import AdminClient
-from waltz.tls import TlsConfig
 
 CLUSTER_ROOT = "/waltz/local"
 CLUSTER_NAME = "local"
@@ -230,143 +223,6 @@ def _allocate_ports(opts: UpOptions) -> dict[str, list[int]]:
     }
 
 
-TLS_NAMES = ("storage", "server", "client", "admin", "zookeeper")
-"""One certificate per role in ``D/tls/``: ``<name>.pem`` and ``<name>-key.pem``, plus ``ca.pem``."""
-STORAGE_PEERS = ("waltz server", "waltz admin")
-"""Certificate common names (``waltz <role>``, see ``certs``) allowed on storage data and admin ports."""
-ADMIN_CONFIG_FILE = "admin.yaml"
-ZK_CLUSTER_AUTH = "zk-cluster.auth"
-ZK_CLIENT_AUTH = "zk-client.auth"
-
-
-def _zk_auth_files(cluster: LocalCluster) -> tuple[Path, Path] | None:
-    """The cluster's and the applications' ZooKeeper credential files (only with TLS)."""
-    if not cluster.tls:
-        return None
-    return cluster.tls_dir / ZK_CLUSTER_AUTH, cluster.tls_dir / ZK_CLIENT_AUTH
-
-
-def _make_zk_credentials(cluster: LocalCluster) -> None:
-    files = _zk_auth_files(cluster)
-    if files is None:
-        return
-    cluster.tls_dir.mkdir(parents=True, exist_ok=True)
-    for path, user in zip(files, ("waltz", "client"), strict=True):
-        path.touch(mode=0o600)
-        path.chmod(0o600)
-        path.write_text(f"{user}:{secrets.token_urlsafe(24)}\n", encoding="ascii")
-
-
-def _zk_keys(cluster: LocalCluster, *, identity: str, cert: str) -> dict[str, Any]:
-    """How a process reaches ZooKeeper: ``zookeeper.ssl.*`` with the certificate of role ``cert`` (when
-    ZooKeeper serves TLS), ``zookeeper.authFile`` (and, for the cluster identity, ``aclReaders``); nothing
-    without TLS."""
-    files = _zk_auth_files(cluster)
-    if files is None:
-        return {}
-    keys: dict[str, Any] = {}
-    if cluster.zk_tls:
-        keys["zookeeper.ssl.enabled"] = True
-        keys.update(_tls_keys(cluster, zkutil.ZK_SSL_PREFIX, cert))
-    cluster_file, client_file = files
-    if identity == "client":
-        return {**keys, "zookeeper.authFile": str(client_file)}
-    reader = zkutil.digest_id(zkutil.read_auth_file(str(client_file)))
-    return {**keys, "zookeeper.authFile": str(cluster_file), "zookeeper.aclReaders": reader}
-
-
-def _zk_connect(cluster: LocalCluster, connect_timeout_ms: int) -> Any:
-    """The orchestrator's ZooKeeper session: the operator's certificate, the cluster identity (with TLS)."""
-    keys = _zk_keys(cluster, identity="cluster", cert="admin")
-    auth = zkutil.ZkAuth.from_config(keys, str(cluster.tls_dir)) if keys else None
-    return zkutil.connect(
-        cluster.zk_connect, session_timeout_ms=10_000, connect_timeout_ms=connect_timeout_ms, auth=auth
-    )
-
-
-def _zk_server_tls(cluster: LocalCluster) -> ServerTls | None:
-    if not cluster.zk_tls:
-        return None
-    d = cluster.tls_dir
-    return ServerTls(d / "zookeeper.pem", d / "zookeeper-key.pem", d / "ca.pem")
-
-
-def _tls_keys(cluster: LocalCluster, prefix: str, name: str) -> dict[str, Any]:
-    """``<prefix>certFile/keyFile/caFile`` for role ``name`` (mutual TLS), or nothing without TLS."""
-    if not cluster.tls:
-        return {}
-    d = cluster.tls_dir
-    return {
-        f"{prefix}certFile": str(d / f"{name}.pem"),
-        f"{prefix}keyFile": str(d / f"{name}-key.pem"),
-        f"{prefix}caFile": str(d / "ca.pem"),
-    }
-
-
-def _admin_ssl(cluster: LocalCluster) -> SSLContext | None:
-    """The context this orchestrator uses towards the storage admin ports (the client certificate)."""
-    keys = _tls_keys(cluster, "ssl.", "admin")
-    return TlsConfig.from_config(keys, "ssl.", role="connect", source=str(cluster.tls_dir)).client_context()
-
-
-def _storage_config(cluster: LocalCluster, rec: ProcessRecord, segment_size_bytes: int) -> dict[str, Any]:
-    return {
-        "storage.host": procs.LOOPBACK,
-        "storage.port": rec.port,
-        "storage.admin.port": rec.admin_port,
-        "storage.http.port": rec.http_port,
-        "storage.directory": rec.data_dir,
-        "storage.segment.size.threshold": segment_size_bytes,
-        "zookeeper.connectString": cluster.zk_connect,
-        "zookeeper.sessionTimeout": cluster.zk_session_timeout_ms,
-        "cluster.root": cluster.cluster_root,
-        **_tls_keys(cluster, "storage.ssl.", "storage"),
-        **({"storage.ssl.allowedPeers": ",".join(STORAGE_PEERS)} if cluster.tls else {}),
-        **_zk_keys(cluster, identity="cluster", cert="storage"),
-    }
-
-
-def _server_config(cluster: LocalCluster, rec: ProcessRecord) -> dict[str, Any]:
-    return {
-        "server.host": procs.LOOPBACK,
-        "server.port": rec.port,
-        "server.http.port": rec.http_port,
-        "zookeeper.connectString": cluster.zk_connect,
-        # Short sessions: a killed server's partitions move to a live one within seconds, not 30 s.
-        "zookeeper.sessionTimeout": cluster.zk_session_timeout_ms,
-        "cluster.root": cluster.cluster_root,
-        # Reconnect to a restarted storage node quickly.
-        "storage.initialRetryInterval": 50,
-        "storage.maxRetryInterval": 1000,
-        "storage.rpcTimeout": 5000,
-        **_tls_keys(cluster, "server.ssl.", "server"),
-        **_zk_keys(cluster, identity="cluster", cert="server"),
-    }
-
-
-def _client_config(cluster: LocalCluster) -> dict[str, Any]:
-    return {
-        "zookeeper": {"connectString": cluster.zk_connect, "sessionTimeout": 30000},
-        "cluster": {"root": cluster.cluster_root},
-        **_tls_keys(cluster, "client.ssl.", "client"),
-        **_zk_keys(cluster, identity="client", cert="client"),
-    }
-
-
-def _admin_config(cluster: LocalCluster) -> dict[str, Any]:
-    """The operator's CLI configuration (``waltz cluster|storage ... -c D/admin.yaml``)."""
-    return {
-        "zookeeper.connectString": cluster.zk_connect,
-        "cluster.root": cluster.cluster_root,
-        **_tls_keys(cluster, "ssl.", "admin"),
-        **_zk_keys(cluster, identity="cluster", cert="admin"),
-    }
-
-
-def _write_yaml(path: Path, values: dict[str, Any]) -> None:
-    write_durable(path, yaml.safe_dump(values, sort_keys=True).encode("utf-8"))
-
-
 async def _assign_on_nodes(
     targets: list[tuple[int, list[int]]],
     key: Any,
@@ -381,14 +237,6 @@ async def _assign_on_nodes(
             async with admin:
                 if partitions:
                     await admin.set_assigned(partitions, True)
-
-
-def _cluster_key(cluster: LocalCluster) -> Any:
-    client = _zk_connect(cluster, 5_000)
-    try:
-        return sm.read_store_params(client, cluster.cluster_root).cluster_key
-    finally:
-        zkutil.close(client)
 
 
 def _start_process(rec: ProcessRecord, timeout_s: float) -> None:
@@ -445,12 +293,67 @@ def _remove_data(cluster: LocalCluster) -> None:
             Path(rec.config).unlink(missing_ok=True)
         if rec.stdout:
             Path(rec.stdout).unlink(missing_ok=True)
-    for name in (STATE_FILE, CLIENT_CONFIG_FILE, ADMIN_CONFIG_FILE):
+    for name in (STATE_FILE, CLIENT_CONFIG_FILE, configs.ADMIN_CONFIG_FILE):
         (d / name).unlink(missing_ok=True)
     shutil.rmtree(cluster.tls_dir, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------- commands
+
+
+def _planned(opts: UpOptions, directory: Path, ports: dict[str, list[int]]) -> LocalCluster:
+    """The record of the cluster ``up`` is about to start: every process with its ports, files and group."""
+    logs = directory / "logs"
+    zk_port = ports["zookeeper"][0]
+    cluster = LocalCluster(
+        directory=directory,
+        cluster_root=CLUSTER_ROOT,
+        cluster_name=CLUSTER_NAME,
+        num_partitions=opts.partitions,
+        groups=opts.group_count,
+        zookeeper=ProcessRecord(
+            kind="zookeeper",
+            index=0,
+            port=zk_port,
+            http_port=0,
+            data_dir=str(directory / "zookeeper"),
+            log=str(logs / "zookeeper.log"),
+        ),
+        zk_session_timeout_ms=opts.zk_session_timeout_ms,
+        tls=opts.tls,
+        zk_tls=opts.tls,
+    )
+    sp = ports["storage"]
+    for i in range(opts.storages):
+        cluster.storages.append(
+            ProcessRecord(
+                kind="storage",
+                index=i,
+                port=sp[3 * i],
+                admin_port=sp[3 * i + 1],
+                http_port=sp[3 * i + 2],
+                group=i % opts.group_count,
+                data_dir=str(directory / f"storage-{i}"),
+                config=str(directory / f"storage-{i}.yaml"),
+                log=str(logs / f"storage-{i}.log"),
+                stdout=str(logs / f"storage-{i}.out"),
+            )
+        )
+    vp = ports["server"]
+    for i in range(opts.servers):
+        cluster.servers.append(
+            ProcessRecord(
+                kind="server",
+                index=i,
+                port=vp[2 * i],
+                http_port=vp[2 * i + 1],
+                data_dir="",
+                config=str(directory / f"server-{i}.yaml"),
+                log=str(logs / f"server-{i}.log"),
+                stdout=str(logs / f"server-{i}.out"),
+            )
+        )
+    return cluster
 
 
 def up(opts: UpOptions, report: Report = _quiet) -> LocalCluster:
@@ -467,55 +370,7 @@ def up(opts: UpOptions, report: Report = _quiet) -> LocalCluster:
     with _locked(directory):
         _check_directory(directory)  # Again, under the lock: another `up` may have just finished.
         logs.mkdir(parents=True, exist_ok=True)
-        zk_port = ports["zookeeper"][0]
-        cluster = LocalCluster(
-            directory=directory,
-            cluster_root=CLUSTER_ROOT,
-            cluster_name=CLUSTER_NAME,
-            num_partitions=opts.partitions,
-            groups=opts.group_count,
-            zookeeper=ProcessRecord(
-                kind="zookeeper",
-                index=0,
-                port=zk_port,
-                http_port=0,
-                data_dir=str(directory / "zookeeper"),
-                log=str(logs / "zookeeper.log"),
-            ),
-            zk_session_timeout_ms=opts.zk_session_timeout_ms,
-            tls=opts.tls,
-            zk_tls=opts.tls,
-        )
-        sp = ports["storage"]
-        for i in range(opts.storages):
-            cluster.storages.append(
-                ProcessRecord(
-                    kind="storage",
-                    index=i,
-                    port=sp[3 * i],
-                    admin_port=sp[3 * i + 1],
-                    http_port=sp[3 * i + 2],
-                    group=i % opts.group_count,
-                    data_dir=str(directory / f"storage-{i}"),
-                    config=str(directory / f"storage-{i}.yaml"),
-                    log=str(logs / f"storage-{i}.log"),
-                    stdout=str(logs / f"storage-{i}.out"),
-                )
-            )
-        vp = ports["server"]
-        for i in range(opts.servers):
-            cluster.servers.append(
-                ProcessRecord(
-                    kind="server",
-                    index=i,
-                    port=vp[2 * i],
-                    http_port=vp[2 * i + 1],
-                    data_dir="",
-                    config=str(directory / f"server-{i}.yaml"),
-                    log=str(logs / f"server-{i}.log"),
-                    stdout=str(logs / f"server-{i}.out"),
-                )
-            )
+        cluster = _planned(opts, directory, ports)
         cluster.save()
         try:
             _bring_up(cluster, opts, report)
@@ -531,7 +386,7 @@ def _bring_up(cluster: LocalCluster, opts: UpOptions, report: Report) -> None:
     if cluster.tls:
         # Before ZooKeeper: with TLS it serves its port with one of these certificates.
         report(f"making a throwaway CA and certificates in {cluster.tls_dir}")
-        certs.make_local_pki(cluster.tls_dir, TLS_NAMES)
+        certs.make_local_pki(cluster.tls_dir, configs.TLS_NAMES)
     report(f"starting ZooKeeper on {cluster.zk_connect}{' (TLS only)' if cluster.zk_tls else ''}")
     _start_zookeeper(cluster, timeout_s)
 
@@ -539,8 +394,8 @@ def _bring_up(cluster: LocalCluster, opts: UpOptions, report: Report) -> None:
         f"creating cluster {cluster.cluster_name!r} at {cluster.cluster_root}: "
         f"{cluster.num_partitions} partitions"
     )
-    _make_zk_credentials(cluster)
-    client = _zk_connect(cluster, 10_000)
+    configs.make_zk_credentials(cluster)
+    client = configs.zk_connect(cluster, 10_000)
     try:
         store = sm.create_cluster(client, cluster.cluster_root, cluster.cluster_name, cluster.num_partitions)
         for rec in cluster.storages:
@@ -556,9 +411,9 @@ def _bring_up(cluster: LocalCluster, opts: UpOptions, report: Report) -> None:
 
     for rec in cluster.storages:
         mkdir_durable(rec.data_dir)  # its entry durable before the node writes its control file inside
-        _write_yaml(Path(rec.config), _storage_config(cluster, rec, opts.segment_size_bytes))
+        configs.write_yaml(Path(rec.config), configs.storage_config(cluster, rec, opts.segment_size_bytes))
     for rec in cluster.servers:
-        _write_yaml(Path(rec.config), _server_config(cluster, rec))
+        configs.write_yaml(Path(rec.config), configs.server_config(cluster, rec))
 
     report(f"starting {len(cluster.storages)} storage nodes")
     for rec in cluster.storages:
@@ -572,7 +427,7 @@ def _bring_up(cluster: LocalCluster, opts: UpOptions, report: Report) -> None:
             store.cluster_key,
             cluster.num_partitions,
             timeout_s,
-            _admin_ssl(cluster),
+            configs.admin_ssl(cluster),
         )
     )
     report(f"starting {len(cluster.servers)} servers")
@@ -581,8 +436,8 @@ def _bring_up(cluster: LocalCluster, opts: UpOptions, report: Report) -> None:
         cluster.save()
     report("waiting until every partition is served")
     _wait_served(cluster, timeout_s)
-    _write_yaml(cluster.client_config_path, _client_config(cluster))
-    _write_yaml(cluster.directory / ADMIN_CONFIG_FILE, _admin_config(cluster))
+    configs.write_yaml(cluster.client_config_path, configs.client_config(cluster))
+    configs.write_yaml(cluster.directory / configs.ADMIN_CONFIG_FILE, configs.admin_config(cluster))
     cluster.state = "running"
     cluster.save()
 
@@ -626,7 +481,7 @@ def _start_zookeeper(cluster: LocalCluster, timeout_s: float) -> None:
     # TIME_WAIT connections a killed ZooKeeper leaves behind, which ZooKeeper's own bind tolerates.
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", zk_rec.port), timeout=1.0):
         raise ClusterError(f"ZooKeeper's port {zk_rec.port} is in use by another process")
-    zk = zkserver.ZooKeeperServer(zk_rec.data_dir, zk_rec.port, tls=_zk_server_tls(cluster))
+    zk = zkserver.ZooKeeperServer(zk_rec.data_dir, zk_rec.port, tls=configs.zk_server_tls(cluster))
     zk.spawn()
     if zk.process is None:
         raise ClusterError("ZooKeeper did not start")
@@ -678,14 +533,14 @@ def start(
         _start_process(rec, timeout_s)
         cluster.save()
         if kind == "storage" and rec.partitions:
-            key = _cluster_key(cluster)
+            key = configs.cluster_key(cluster)
             asyncio.run(
                 _assign_on_nodes(
                     [(rec.admin_port, rec.partitions)],
                     key,
                     cluster.num_partitions,
                     timeout_s,
-                    _admin_ssl(cluster),
+                    configs.admin_ssl(cluster),
                 )
             )
     return rec
@@ -720,226 +575,3 @@ def restart(
         cluster.state = "running"
         cluster.save()
     return cluster
-
-
-# --------------------------------------------------------------------------------------------------- status
-
-
-@dataclass
-class PartitionStatus:
-    partition: int
-    owner: str = "-"
-    generation: int = -1
-    healthy: bool = False
-    high_water_mark: int | None = None
-    replicas: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class ProcessStatus:
-    name: str
-    pid: int | None
-    running: bool
-    ports: str
-    detail: str = ""
-
-
-@dataclass
-class ClusterStatus:
-    directory: Path
-    processes: list[ProcessStatus]
-    partitions: list[PartitionStatus]
-    zookeeper_ok: bool
-    errors: list[str] = field(default_factory=list)
-    tls: bool = False
-
-    @property
-    def all_served(self) -> bool:
-        return bool(self.partitions) and all(p.healthy for p in self.partitions)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "directory": str(self.directory),
-            "zookeeper_ok": self.zookeeper_ok,
-            "tls": self.tls,
-            "processes": [vars(p) for p in self.processes],
-            "partitions": [vars(p) for p in self.partitions],
-            "errors": self.errors,
-        }
-
-
-def status(directory: str | Path) -> ClusterStatus:
-    """Processes, partition owners, high-water marks and replica states of the cluster in ``directory``."""
-    cluster = LocalCluster.load(directory)
-    rows: list[ProcessStatus] = []
-    for rec in cluster.processes:
-        alive = procs.is_alive(rec.process)
-        if rec.kind == "zookeeper":
-            ports = f"{'TLS ' if cluster.zk_tls else ''}client {rec.port}"
-            detail = rec.data_dir
-        elif rec.kind == "storage":
-            ports = f"data {rec.port}, admin {rec.admin_port}, http {rec.http_port}"
-            detail = f"group {rec.group}, partitions {sm.format_ranges(rec.partitions) or '-'}"
-        else:
-            ports, detail = f"client {rec.port}, http {rec.http_port}", f"server id {rec.server_id}"
-        rows.append(ProcessStatus(rec.name, rec.pid, alive, ports, detail))
-    result = ClusterStatus(
-        cluster.directory,
-        rows,
-        [PartitionStatus(p) for p in range(cluster.num_partitions)],
-        zookeeper_ok=False,
-        tls=cluster.tls,
-    )
-    by_id = {s.server_id: s for s in cluster.servers}
-    hwm: dict[int, float] = {}
-    healthy: set[int] = set()
-    for rec in cluster.servers:
-        if procs.is_alive(rec.process):
-            healthy |= probe.served_partitions(rec.http_port)  # also refreshes the gauges read below
-            hwm.update(probe.partition_gauges(rec.http_port, "waltz_server_high_water_mark"))
-    # Why a process is unhealthy, in its own words (a partition that takes no appends, a failed task...).
-    for rec in [*cluster.servers, *cluster.storages]:
-        if rec.http_port and procs.is_alive(rec.process):
-            result.errors.extend(f"{rec.name}: {problem}" for problem in probe.problems(rec.http_port))
-    for p in result.partitions:
-        p.healthy = p.partition in healthy
-        if p.partition in hwm:
-            p.high_water_mark = int(hwm[p.partition])
-    if procs.is_alive(cluster.zookeeper.process):
-        try:
-            _zk_status(cluster, result, by_id)
-            result.zookeeper_ok = True
-        except WaltzError as e:
-            result.errors.append(f"ZooKeeper: {e}")
-    else:
-        result.errors.append("ZooKeeper is not running")
-    try:
-        asyncio.run(_storage_status(cluster, result))
-    except WaltzError as e:
-        result.errors.append(f"storage: {e}")
-    return result
-
-
-def _zk_status(cluster: LocalCluster, result: ClusterStatus, by_id: dict[int, ProcessRecord]) -> None:
-    client = _zk_connect(cluster, 3_000)
-    try:
-        info = sm.describe_cluster(client, cluster.cluster_root)
-    finally:
-        zkutil.close(client)
-    live = {d.server_id for d in info.servers.values()}
-    for server_id, parts in info.assignment.servers.items():
-        rec = by_id.get(server_id)
-        name = rec.name if rec is not None else f"server id {server_id}"
-        if server_id not in live:
-            name += " (not live)"
-        for pid, generation in parts.items():
-            if 0 <= pid < len(result.partitions):
-                result.partitions[pid].owner = name
-                result.partitions[pid].generation = generation
-    storage_names = {s.address: s.name for s in cluster.storages}
-    for pid, meta in info.partitions.items():
-        if not 0 <= pid < len(result.partitions):
-            continue
-        for storage, state in meta.replicas.items():
-            closing = state.closing_high_water_mark
-            shown = "open" if closing == UNRESOLVED else f"closed at {closing}"
-            result.partitions[pid].replicas[storage_names.get(storage, storage)] = (
-                f"session {state.session_id} {shown}"
-            )
-
-
-async def _storage_status(cluster: LocalCluster, result: ClusterStatus) -> None:
-    live = [s for s in cluster.storages if procs.is_alive(s.process)]
-    if not live:
-        return
-    key = await asyncio.to_thread(_cluster_key, cluster) if result.zookeeper_ok else None
-    ssl = _admin_ssl(cluster)
-    for rec in cluster.storages:
-        if rec not in live:
-            for p in rec.partitions:
-                result.partitions[p].replicas.setdefault(rec.name, "")
-                result.partitions[p].replicas[rec.name] = (
-                    f"{result.partitions[p].replicas[rec.name]}; DOWN".lstrip("; ")
-                )
-            continue
-        if key is None:
-            continue
-        try:
-            async with asyncio.timeout(5):
-                admin = await AdminClient.connect(
-                    procs.LOOPBACK, rec.admin_port, key, cluster.num_partitions, ssl=ssl
-                )
-                async with admin:
-                    data = json.loads(await admin.metrics_json())
-        except (WaltzError, OSError, TimeoutError) as e:
-            result.errors.append(f"{rec.name}: admin port did not answer: {e!r}")
-            continue
-        for pid_s, p in data.get("partitions", {}).items():
-            pid = int(pid_s)
-            if not 0 <= pid < len(result.partitions):
-                continue
-            prefix = result.partitions[pid].replicas.get(rec.name, "")
-            state = (
-                f"max id {p['maxTransactionId']}, lwm {p['lowWaterMark']}, "
-                f"{'available' if p['available'] else 'UNAVAILABLE'}"
-            )
-            result.partitions[pid].replicas[rec.name] = f"{prefix}; {state}".lstrip("; ")
-
-
-def _tls_line(cluster: LocalCluster) -> str:
-    if not cluster.tls:
-        return "TLS: off"
-    return (
-        f"TLS: mutual, on every storage, server and client link; CA and certificates in {cluster.tls_dir}\n"
-        f"ZooKeeper: {'TLS only, client certificates required, and ' if cluster.zk_tls else ''}digest ACLs "
-        f"(credentials in {cluster.tls_dir}); operator config: {cluster.directory / ADMIN_CONFIG_FILE}"
-    )
-
-
-def render_status(st: ClusterStatus) -> str:
-    lines = [
-        f"cluster in {st.directory} ({'mutual TLS' if st.tls else 'plain TCP'})",
-        "",
-        f"{'process':<11} {'pid':>8}  {'state':<8} ports / details",
-    ]
-    for p in st.processes:
-        state = "running" if p.running else "DOWN"
-        lines.append(
-            f"{p.name:<11} {p.pid if p.pid is not None else '-':>8}  {state:<8} {p.ports}; {p.detail}"
-        )
-    lines += ["", f"{'partition':>9}  {'owner':<12} {'gen':>4} {'served':<7} {'hwm':>8}  replicas"]
-    for part in st.partitions:
-        hwm = "-" if part.high_water_mark is None else str(part.high_water_mark)
-        gen = "-" if part.generation < 0 else str(part.generation)
-        lines.append(
-            f"{part.partition:>9}  {part.owner:<12} {gen:>4} {'yes' if part.healthy else 'NO':<7} {hwm:>8}"
-        )
-        for name, state in sorted(part.replicas.items()):
-            lines.append(f"{'':>44}{name}: {state}")
-    for err in st.errors:
-        lines.append(f"warning: {err}")
-    return "\n".join(lines)
-
-
-def render_up(cluster: LocalCluster) -> str:
-    lines = [f"{'process':<11} {'pid':>8}  {'port':>6} {'admin':>6} {'http':>6}  data / details"]
-    for rec in cluster.processes:
-        admin = str(rec.admin_port) if rec.admin_port else "-"
-        http = str(rec.http_port) if rec.http_port else "-"
-        if rec.kind == "storage":
-            detail = f"{rec.data_dir} (group {rec.group}, partitions {sm.format_ranges(rec.partitions)})"
-        elif rec.kind == "server":
-            detail = f"server id {rec.server_id}"
-        else:
-            detail = rec.data_dir
-        lines.append(f"{rec.name:<11} {rec.pid or '-':>8}  {rec.port:>6} {admin:>6} {http:>6}  {detail}")
-    lines += [
-        "",
-        f"ZooKeeper: {cluster.zk_connect}, cluster root {cluster.cluster_root}, "
-        f"{cluster.num_partitions} partitions, {cluster.groups} replica group(s)",
-        _tls_line(cluster),
-        f"client config: {cluster.client_config_path}",
-        f"logs: {cluster.directory / 'logs'}",
-        f"stop with: waltz local down --dir {cluster.directory}",
-    ]
-    return "\n".join(lines)

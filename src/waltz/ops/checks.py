@@ -300,14 +300,32 @@ async def verify(
     for p in wanted:
         view.check_partition(p)
     problems: list[Problem] = []
+    live = {d.server_id for d in view.info.servers.values()}
+    owners = _zookeeper_problems(view, wanted, live, problems)
+    servers, storages = await asyncio.gather(
+        server_views(view, timeout_s), storage_reports(view, None, timeout_s)
+    )
+    health = _server_problems(view, servers, wanted, problems)
+    _storage_problems(view, storages, wanted, problems)
+    for p in wanted:
+        _replica_problems(view, p, storages, problems)
+        owner = owners.get(p, [])
+        if len(owner) == 1 and owner[0] in live and p in health and not health[p]:
+            problems.append(
+                Problem(p, f"server {owner[0]} reports it unhealthy (its store session is not open)")
+            )
+    return problems
+
+
+def _zookeeper_problems(
+    view: ClusterView, wanted: list[int], live: set[int], problems: list[Problem]
+) -> dict[int, list[int]]:
+    """Step 1 of :func:`verify`: ZooKeeper's own assignments. Returns the servers assigned each partition."""
     add = problems.append
     info = view.info
-
-    # 1. ZooKeeper.
     for storage in view.storages:
         if storage not in info.connections.admin_ports:
             add(Problem(None, f"storage {storage}: ZooKeeper has no admin port for it"))
-    live = {d.server_id: d for d in info.servers.values()}
     owners: dict[int, list[int]] = {}
     for sid, parts in info.assignment.servers.items():
         for p in parts:
@@ -333,19 +351,22 @@ async def verify(
                     f"{assigned}: no owner wrote that (repair: `waltz cluster fix-generation`)",
                 )
             )
+    return owners
 
-    servers, storages = await asyncio.gather(
-        server_views(view, timeout_s), storage_reports(view, None, timeout_s)
-    )
 
-    # 2. Servers.
+def _server_problems(
+    view: ClusterView, servers: list[ServerView], wanted: list[int], problems: list[Problem]
+) -> dict[int, bool]:
+    """Step 2 of :func:`verify`: the servers against ZooKeeper. Returns the health each owner reports of the
+    partitions ZooKeeper assigns it."""
+    add = problems.append
     health: dict[int, bool] = {}
     for sv in servers:
         name = f"server {sv.server_id} ({sv.address})"
         if sv.report is None:
             add(Problem(None, f"{name}: unreachable: {sv.error}"))
             continue
-        expected = {p for p in info.assignment.servers.get(sv.server_id, {}) if p in wanted}
+        expected = {p for p in view.info.assignment.servers.get(sv.server_id, {}) if p in wanted}
         actual = {p for p in sv.report.partitions if p in wanted}
         for p in sorted(expected - actual):
             add(Problem(p, f"{name} is assigned it in ZooKeeper but does not serve it"))
@@ -355,8 +376,14 @@ async def verify(
             if not ok:
                 add(Problem(None, f"{name} cannot reach storage {storage}"))
         health.update({p: ok for p, ok in sv.report.health.items() if p in expected})
+    return health
 
-    # 3. Storage nodes.
+
+def _storage_problems(
+    view: ClusterView, storages: dict[str, StorageReport], wanted: list[int], problems: list[Problem]
+) -> None:
+    """Step 3 of :func:`verify`: the storage nodes against ZooKeeper."""
+    add = problems.append
     for storage, report in sorted(storages.items()):
         if report.error is not None:
             add(Problem(None, f"storage {storage}: unreachable: {report.error}"))
@@ -371,73 +398,75 @@ async def verify(
             if not report.partitions[p].available:
                 add(Problem(p, f"the replica on {storage} is offline"))
 
-    # 4. Quorum and recovery status, 5. health.
-    for p in wanted:
-        replicas = view.replicas_of(p)
-        if not replicas:
+
+def _replica_problems(
+    view: ClusterView, p: int, storages: dict[str, StorageReport], problems: list[Problem]
+) -> None:
+    """Step 4 of :func:`verify` for partition ``p``: each online replica's state, then the quorum."""
+    replicas = view.replicas_of(p)
+    if not replicas:
+        return
+    add = problems.append
+    online = []
+    restored: list[str] = []
+    for storage in replicas:
+        node = storages.get(storage)
+        replica = None if node is None else node.partitions.get(p)
+        if replica is None or not replica.available:
             continue
-        metadata = view.metadata(p)
-        online = []
-        restored: list[str] = []
-        for storage in replicas:
-            node = storages.get(storage)
-            replica = None if node is None else node.partitions.get(p)
-            if replica is None or not replica.available:
-                continue
-            online.append(storage)
-            kind = replica_class(view, p, storage, replica)
-            if replica.damaged is not None:
-                add(
-                    Problem(
-                        p,
-                        f"the replica on {storage} is damaged ({replica.damaged}); it does not vote until "
-                        "repaired: the owning server's recovery catches it up, or copy it back with "
-                        "`waltz storage recover-partition`",
-                    )
-                )
-            elif kind is ReplicaClass.RESTORED:
-                restored.append(f"{storage} holds up to {replica.max_transaction_id}")
-                add(
-                    Problem(
-                        p,
-                        f"the replica on {storage} lost its data (session {replica.session_id}, max "
-                        f"transaction id {replica.max_transaction_id}, is older than ZooKeeper's record of "
-                        "it: wiped or restored); it cannot vote until copied back with "
-                        "`waltz storage recover-partition`",
-                    )
-                )
-            elif metadata is not None and metadata.replicas:
-                state = metadata.replicas.get(storage)
-                if state is None:
-                    add(
-                        Problem(p, f"the replica on {storage} has not recovered yet (new in the replica set)")
-                    )
-                elif state.closing_high_water_mark != UNRESOLVED:
-                    add(
-                        Problem(
-                            p,
-                            f"the replica on {storage} has not recovered since session {state.session_id} "
-                            f"(closed at {state.closing_high_water_mark})",
-                        )
-                    )
-        if restored and len(restored) == len(replicas):
-            add(
-                Problem(
-                    p,
-                    f"every replica is older than ZooKeeper's record ({'; '.join(restored)}): nothing to "
-                    "copy back; `waltz cluster accept-loss` keeps the best copy and loses what is above it",
-                )
+        online.append(storage)
+        kind = replica_class(view, p, storage, replica)
+        if replica.damaged is None and kind is ReplicaClass.RESTORED:
+            restored.append(f"{storage} holds up to {replica.max_transaction_id}")
+        problem = _replica_problem(view, p, storage, replica, kind)
+        if problem is not None:
+            add(Problem(p, problem))
+    if restored and len(restored) == len(replicas):
+        add(
+            Problem(
+                p,
+                f"every replica is older than ZooKeeper's record ({'; '.join(restored)}): nothing to "
+                "copy back; `waltz cluster accept-loss` keeps the best copy and loses what is above it",
             )
-        need = quorum_of(len(replicas))
-        if len(online) < need:
-            add(
-                Problem(
-                    p,
-                    f"no quorum: {len(online)} of {len(replicas)} replicas reachable and online "
-                    f"({', '.join(online) or 'none'}), {need} needed",
-                )
+        )
+    need = quorum_of(len(replicas))
+    if len(online) < need:
+        add(
+            Problem(
+                p,
+                f"no quorum: {len(online)} of {len(replicas)} replicas reachable and online "
+                f"({', '.join(online) or 'none'}), {need} needed",
             )
-        owner = owners.get(p, [])
-        if len(owner) == 1 and owner[0] in live and p in health and not health[p]:
-            add(Problem(p, f"server {owner[0]} reports it unhealthy (its store session is not open)"))
-    return problems
+        )
+
+
+def _replica_problem(
+    view: ClusterView, p: int, storage: str, replica: ReplicaReport, kind: ReplicaClass | None
+) -> str | None:
+    """What is wrong with the online replica of partition ``p`` on ``storage`` (damaged, restored, not
+    recovered), or None; ``kind`` is its :func:`replica_class`."""
+    if replica.damaged is not None:
+        return (
+            f"the replica on {storage} is damaged ({replica.damaged}); it does not vote until "
+            "repaired: the owning server's recovery catches it up, or copy it back with "
+            "`waltz storage recover-partition`"
+        )
+    if kind is ReplicaClass.RESTORED:
+        return (
+            f"the replica on {storage} lost its data (session {replica.session_id}, max "
+            f"transaction id {replica.max_transaction_id}, is older than ZooKeeper's record of "
+            "it: wiped or restored); it cannot vote until copied back with "
+            "`waltz storage recover-partition`"
+        )
+    metadata = view.metadata(p)
+    if metadata is None or not metadata.replicas:
+        return None
+    state = metadata.replicas.get(storage)
+    if state is None:
+        return f"the replica on {storage} has not recovered yet (new in the replica set)"
+    if state.closing_high_water_mark != UNRESOLVED:
+        return (
+            f"the replica on {storage} has not recovered since session {state.session_id} "
+            f"(closed at {state.closing_high_water_mark})"
+        )
+    return None

@@ -127,6 +127,68 @@ def copy_target(
     return target, c.kind
 
 
+def _checked_request(
+    view: ClusterView, partition: int, source: str, destination: str, batch_records: int
+) -> tuple[str, str]:
+    """The source and destination of a valid :func:`recover_partition` request; ConfigError otherwise."""
+    view.check_partition(partition)
+    source, destination = view.check_storage(source), view.check_storage(destination)
+    if source == destination:
+        raise ConfigError("the source and the destination are the same storage node")
+    if not 1 <= batch_records <= MAX_BATCH_RECORDS:
+        raise ConfigError(f"the batch size must be 1..{MAX_BATCH_RECORDS}, got {batch_records}")
+    return source, destination
+
+
+async def _prepare_destination(
+    dst_admin: AdminClient,
+    dst: StorageClient,
+    partition: int,
+    source: str,
+    destination: str,
+    target: int,
+    shorten_destination: bool,
+) -> tuple[WireSessionInfo, int]:
+    """Take the destination's replica offline (assigning it first if needed) and cut it to its clean point
+    (and to ``target`` with ``shorten_destination``); return its session info and the id it now ends at.
+    Raises ConfigError, having changed only its availability, if it holds more than ``target``."""
+    statuses = {s.partition_id: s.available for s in await dst_admin.partition_statuses()}
+    if partition not in statuses:
+        log.info("assigning partition %d on %s", partition, destination)
+        await dst_admin.set_assigned([partition], True)
+    await dst_admin.set_available([partition], False)
+    log.info("partition %d on %s is offline for recovery from %s", partition, destination, source)
+
+    info = await dst_admin.last_session_info(partition)
+    dst_max = await dst_admin.max_transaction_id(partition)
+    if dst_max > target and not shorten_destination:
+        raise ConfigError(
+            f"{destination} holds partition {partition} up to {dst_max}, beyond what {source} can give "
+            f"({target}): it is the better copy; nothing was changed but its availability (give "
+            "--shorten-destination to cut it to the source's copy anyway)"
+        )
+    session = info.session_id
+    current = dst_max
+    if current > info.low_water_mark:
+        # Anything above the destination's clean point may be a dirty tail: copy it again from the source.
+        current = await dst.truncate(
+            session,
+            partition,
+            info.low_water_mark,
+            offline=True,
+            reason=f"recover-partition from {source}: above the destination's clean point",
+        )
+    if current > target:  # --shorten-destination: cut it down to what the source gives
+        current = await repair_truncate(
+            dst,
+            session,
+            partition,
+            target,
+            reason=f"recover-partition --shorten-destination from {source}",
+        )
+    return info, current
+
+
 async def recover_partition(
     view: ClusterView,
     partition: int,
@@ -145,12 +207,7 @@ async def recover_partition(
     that holds more), and Waltz storage errors if a node fails; the destination then stays offline and a
     second run resumes from its low-water mark.
     """
-    view.check_partition(partition)
-    source, destination = view.check_storage(source), view.check_storage(destination)
-    if source == destination:
-        raise ConfigError("the source and the destination are the same storage node")
-    if not 1 <= batch_records <= MAX_BATCH_RECORDS:
-        raise ConfigError(f"the batch size must be 1..{MAX_BATCH_RECORDS}, got {batch_records}")
+    source, destination = _checked_request(view, partition, source, destination, batch_records)
     metadata = view.metadata(partition)
     started = time.monotonic()
     async with (
@@ -163,41 +220,10 @@ async def recover_partition(
         target, src_class = copy_target(
             metadata, source, src_info, src_max, untrusted_source=untrusted_source
         )
-
-        statuses = {s.partition_id: s.available for s in await dst_admin.partition_statuses()}
-        if partition not in statuses:
-            log.info("assigning partition %d on %s", partition, destination)
-            await dst_admin.set_assigned([partition], True)
-        await dst_admin.set_available([partition], False)
-        log.info("partition %d on %s is offline for recovery from %s", partition, destination, source)
-
-        info = await dst_admin.last_session_info(partition)
-        dst_max = await dst_admin.max_transaction_id(partition)
-        if dst_max > target and not shorten_destination:
-            raise ConfigError(
-                f"{destination} holds partition {partition} up to {dst_max}, beyond what {source} can give "
-                f"({target}): it is the better copy; nothing was changed but its availability (give "
-                "--shorten-destination to cut it to the source's copy anyway)"
-            )
-        session = info.session_id
-        current = dst_max
-        if current > info.low_water_mark:
-            # Anything above the destination's clean point may be a dirty tail: copy it again from the source.
-            current = await dst.truncate(
-                session,
-                partition,
-                info.low_water_mark,
-                offline=True,
-                reason=f"recover-partition from {source}: above the destination's clean point",
-            )
-        if current > target:  # --shorten-destination: cut it down to what the source gives
-            current = await repair_truncate(
-                dst,
-                session,
-                partition,
-                target,
-                reason=f"recover-partition --shorten-destination from {source}",
-            )
+        info, current = await _prepare_destination(
+            dst_admin, dst, partition, source, destination, target, shorten_destination
+        )
+        session = info.session_id  # the destination's: the copy writes under it
         floor = max(info.low_water_mark, info.local_low_water_mark)
         first = current + 1
         total = max(0, target - current)

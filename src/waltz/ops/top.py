@@ -164,12 +164,25 @@ async def gather(
     """
     info = await asyncio.to_thread(sm.describe_cluster, zk_client, root)
     taken_s = time.monotonic()
-    num_partitions = info.params.num_partitions
     servers = {d.server_id: f"{d.host}:{d.port}" for d in info.servers.values()}
     storages = sorted(
         set(info.replicas.replicas) | set(info.groups.groups) | set(info.connections.admin_ports)
     )
+    server_answers, storage_answers = await _ask_all(info, servers, storages, ssl, timeout_s)
+    rows = _partition_rows(info, servers, server_answers, storage_answers, previous, taken_s)
+    processes = _process_rows(info, servers, server_answers, storage_answers)
+    return TopSnapshot(info.params.name, root, taken_s, tuple(rows), tuple(processes))
 
+
+async def _ask_all(
+    info: sm.ClusterInfo,
+    servers: dict[int, str],
+    storages: list[str],
+    ssl: SSLContext | None,
+    timeout_s: float,
+) -> tuple[dict[int, _ServerAnswer | None], dict[str, dict[str, Any] | None]]:
+    """Every server's and storage node's answer (None for one that did not answer), asked concurrently: by
+    server id in id order, by storage address in the order of ``storages``."""
     server_ids = sorted(servers)
 
     async def ask_node(storage: str) -> dict[str, Any] | None:
@@ -177,7 +190,9 @@ async def gather(
         if admin_port is None:
             return None
         host, _ = host_port(storage)
-        job = _ask_storage(host, admin_port, info.store.cluster_key, num_partitions, ssl, timeout_s)
+        job = _ask_storage(
+            host, admin_port, info.store.cluster_key, info.params.num_partitions, ssl, timeout_s
+        )
         return await _within(timeout_s, job)
 
     server_jobs = asyncio.gather(
@@ -185,17 +200,25 @@ async def gather(
     )
     storage_jobs = asyncio.gather(*(ask_node(s) for s in storages))
     server_list, storage_list = await asyncio.gather(server_jobs, storage_jobs)
-    server_answers = dict(zip(server_ids, server_list, strict=True))
-    storage_answers = dict(zip(storages, storage_list, strict=True))
+    return dict(zip(server_ids, server_list, strict=True)), dict(zip(storages, storage_list, strict=True))
 
+
+def _partition_rows(
+    info: sm.ClusterInfo,
+    servers: dict[int, str],
+    server_answers: dict[int, _ServerAnswer | None],
+    storage_answers: dict[str, dict[str, Any] | None],
+    previous: TopSnapshot | None,
+    taken_s: float,
+) -> list[PartitionRow]:
+    """One row per partition: its owner, high-water mark, append rate, health and replicas."""
     owners: dict[int, tuple[int, int]] = {}
     for server_id, parts in info.assignment.servers.items():
         for pid, generation in parts.items():
             owners[pid] = (server_id, generation)
     earlier = {p.partition: p for p in previous.partitions} if previous is not None else {}
-
     rows = []
-    for pid in range(num_partitions):
+    for pid in range(info.params.num_partitions):
         owner = owners.get(pid)
         answer = server_answers.get(owner[0]) if owner is not None else None
         served = answer is not None and pid in answer.partitions
@@ -212,17 +235,6 @@ async def gather(
             health = "degraded"
         else:
             health = "ok"
-        rate = None
-        before = earlier.get(pid)
-        if (
-            previous is not None
-            and before is not None
-            and hwm is not None
-            and before.high_water_mark is not None
-        ):
-            elapsed_s = taken_s - previous.taken_s
-            if elapsed_s > 0 and hwm >= before.high_water_mark:
-                rate = (hwm - before.high_water_mark) / elapsed_s
         rows.append(
             PartitionRow(
                 partition=pid,
@@ -231,15 +243,35 @@ async def gather(
                 if owner is not None
                 else info.partitions.get(pid, _NO_METADATA).generation,
                 high_water_mark=hwm,
-                append_rate=rate,
+                append_rate=_append_rate(previous, earlier.get(pid), hwm, taken_s),
                 health=health,
                 replicas=tuple(replicas),
             )
         )
+    return rows
 
+
+def _append_rate(
+    previous: TopSnapshot | None, before: PartitionRow | None, hwm: int | None, taken_s: float
+) -> float | None:
+    """Appends per second since ``previous`` (whose row of this partition is ``before``), or None."""
+    if previous is None or before is None or hwm is None or before.high_water_mark is None:
+        return None
+    elapsed_s = taken_s - previous.taken_s
+    if elapsed_s > 0 and hwm >= before.high_water_mark:
+        return (hwm - before.high_water_mark) / elapsed_s
+    return None
+
+
+def _process_rows(
+    info: sm.ClusterInfo,
+    servers: dict[int, str],
+    server_answers: dict[int, _ServerAnswer | None],
+    storage_answers: dict[str, dict[str, Any] | None],
+) -> list[ProcessRow]:
+    """One row per server, then one per storage node, in the order of the answers."""
     processes = []
-    for server_id in server_ids:
-        server_answer = server_answers[server_id]
+    for server_id, server_answer in server_answers.items():
         if server_answer is None:
             detail = "did not answer"
         else:
@@ -248,8 +280,7 @@ async def gather(
         processes.append(
             ProcessRow("server", f"{server_id}@{servers[server_id]}", server_answer is not None, detail)
         )
-    for storage in storages:
-        storage_answer = storage_answers[storage]
+    for storage, storage_answer in storage_answers.items():
         if storage_answer is None:
             reason = (
                 "no admin port in ZooKeeper"
@@ -263,7 +294,7 @@ async def gather(
         processes.append(
             ProcessRow("storage", storage, True, f"{len(held)} partitions assigned, {available} available")
         )
-    return TopSnapshot(info.params.name, root, taken_s, tuple(rows), tuple(processes))
+    return processes
 
 
 class _NoMetadata:

@@ -173,21 +173,11 @@ class ConsumerOptions:
             raise ConfigError(f"--clients must be between 1 and {MAX_CLIENTS}, got {self.clients}")
 
 
-async def run_consumers(
-    config: ClientConfig,
-    opts: ConsumerOptions,
-    driver_factory: DriverFactory = network_driver,
-    *,
-    show_progress: ProgressLine | None = None,
-) -> PerfResult:
-    """Run the consumer benchmark (see the module docstring) and return its figures.
-
-    The consumers run in ``client.callbackMode: inline``: ``apply_transaction`` is a coroutine on the event
-    loop that awaits the transaction's data (no callback thread). ``show_progress`` is called with a progress
-    line twice a second; a run in which no transaction is read for
-    :data:`~waltz.perf.common.STALL_TIMEOUT_S` stops with a ClientError saying so.
-    """
-    opts.validate()
+async def _load_log(
+    config: ClientConfig, opts: ConsumerOptions, driver_factory: DriverFactory
+) -> tuple[dict[int, int], int]:
+    """Append the consumers' ``opts.num_txns`` transactions; return the high-water marks before them (what
+    the consumers start from) and how many were appended."""
     marks, n = await current_marks(config, driver_factory)
     # The most load clients (up to CONSUMER_LOAD_CLIENTS) that split num_txns evenly, so exactly num_txns
     # transactions are appended and read.
@@ -210,7 +200,25 @@ async def run_consumers(
         )
     end_marks, _ = await current_marks(config, driver_factory)
     expected = sum(end_marks[p] - marks[p] for p in range(n))
+    return marks, expected
 
+
+async def run_consumers(
+    config: ClientConfig,
+    opts: ConsumerOptions,
+    driver_factory: DriverFactory = network_driver,
+    *,
+    show_progress: ProgressLine | None = None,
+) -> PerfResult:
+    """Run the consumer benchmark (see the module docstring) and return its figures.
+
+    The consumers run in ``client.callbackMode: inline``: ``apply_transaction`` is a coroutine on the event
+    loop that awaits the transaction's data (no callback thread). ``show_progress`` is called with a progress
+    line twice a second; a run in which no transaction is read for
+    :data:`~waltz.perf.common.STALL_TIMEOUT_S` stops with a ClientError saying so.
+    """
+    opts.validate()
+    marks, expected = await _load_log(config, opts, driver_factory)
     progress = Progress(expected * opts.clients, "read")
     done_events: list[asyncio.Event] = []
     read_bytes = [0]

@@ -20,7 +20,7 @@ code  message                    fields after the prefix
                                  (answered by MaxTransactionIdResponse with the new max id)
 6     AppendRequest              i32 n · n x Record · bool offline
 7     SuccessResponse            -
-8     FailureResponse            StorageRpcException (below)
+8     FailureResponse            StorageRpcException (:mod:`waltz.protocol.rpc_failure`)
 9     RecordHeaderRequest        i64 transaction_id
 10    RecordHeaderResponse       bool present · [RecordHeader if present]
 11    RecordRequest              i64 transaction_id
@@ -81,17 +81,10 @@ at least one record, at most ``max_records`` and, beyond the first, ``max_bytes`
 segment. The decoder checks the run's shape (ids consecutive from the first record's, lengths inside the run,
 nothing left over), not its checksums, which the final reader verifies.
 
-``Record`` and ``RecordHeader`` are laid out as in :mod:`waltz.protocol.records` (36 + data and 28 bytes).
-The codec does not verify record checksums: the storage node verifies each record right before writing it,
-and readers right after reading it, which is where a mismatch can be acted on.
-
-StorageRpcException (also used by the admin protocol)::
-
-    string message · i32 n · n x (string class · string method · string file · i32 line)
-
-Stack frames are innermost first, as Java prints them. The first frame's ``class`` is the Waltz error class
-name (:func:`waltz.errors.wire_name`), so :func:`failure_to_error` rebuilds an error of the same meaning;
-null strings from a Java peer decode as "".
+``Record`` and ``RecordHeader`` are laid out as in :mod:`waltz.protocol.records` (36 + data and 28 bytes),
+their lists as in :mod:`waltz.protocol.record_list`. The codec does not verify record checksums: the storage
+node verifies each record right before writing it, and readers right after reading it, which is where a
+mismatch can be acted on.
 
 Every decoder returns a whole message or raises :class:`~waltz.errors.RemoteProtocolError` (unknown type,
 truncation, trailing bytes, a count the payload cannot hold); no count is trusted before it is checked
@@ -101,31 +94,39 @@ cannot carry. Sequences decode as tuples.
 
 from __future__ import annotations
 
-import os
 import struct
-import traceback
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Final, NamedTuple, Self, overload
+from typing import ClassVar, Final, NamedTuple, Self
 
-from waltz.errors import LocalProtocolError, RemoteProtocolError, WaltzError, error_from_wire, wire_name
+from waltz.errors import LocalProtocolError, RemoteProtocolError, WaltzError, error_from_wire
+from waltz.protocol.record_list import (
+    WireRecordList,
+    read_header_list,
+    read_record_list,
+    read_wire_record_list,
+    write_header_list,
+    write_record_list,
+)
 from waltz.protocol.record_run import STORED_OVERHEAD_BYTES, RunBytes, run_first_id
 from waltz.protocol.records import (
-    HEADER_STRUCT,
-    RECORD_HEADER_BYTES,
-    RECORD_OVERHEAD_BYTES,
-    RECORD_PREFIX,
     Record,
     RecordHeader,
-    ReqId,
-    make_record,
     read_record,
     read_record_header,
     write_record,
     write_record_header,
 )
-from waltz.protocol.wire import I32, I32_MAX, I64, U32, Reader, Writer
+from waltz.protocol.rpc_failure import (
+    MAX_FAILURE_FRAMES,
+    StackFrame,
+    StorageRpcFailure,
+    read_failure,
+    rpc_failure_of,
+    write_failure,
+)
+from waltz.protocol.wire import I32, I32_MAX, Reader, Writer
 
 __all__ = [
     "MAX_FAILURE_FRAMES",
@@ -188,15 +189,9 @@ STORAGE_VERSIONS: Final = (0,)
 STORAGE_CLIENT_HELLO: Final = "Waltz Storage Client"
 STORAGE_SERVER_HELLO: Final = "Waltz Storage Server"
 
-MAX_FAILURE_FRAMES: Final = 32
-"""At most this many stack frames are sent in a failure (the receiver accepts any number that fits)."""
 
 PREFIX: Final = struct.Struct(">Bqqi")
 _RUN_RESPONSE_HEAD: Final = struct.Struct(">Bqqiii")  # the prefix, count, the run's byte length
-_MASK32: Final = 0xFFFFFFFF
-# Smallest encodings, used to bound counts before anything is allocated for them.
-_MIN_STACK_FRAME_BYTES: Final = 4 + 4 + 4 + 4
-
 
 REPLICA_DAMAGED: Final = 0x01
 """LastSessionInfoResponse replica flag: the replica lost records it held; it must not vote (see above)."""
@@ -214,264 +209,6 @@ class SessionInfo(NamedTuple):
     low_water_mark: int
     local_low_water_mark: int
     damaged: bool = False
-
-
-class StackFrame(NamedTuple):
-    """One frame of a StorageRpcException (innermost first)."""
-
-    class_name: str
-    method: str
-    file: str
-    line: int
-
-
-@dataclass(frozen=True, slots=True)
-class StorageRpcFailure:
-    """The wire form of a failure (Java's StorageRpcException): a message and stack frames."""
-
-    message: str
-    frames: tuple[StackFrame, ...] = ()
-
-    @property
-    def class_name(self) -> str:
-        """The error class name the sender put in the first frame ("" if there is none)."""
-        return self.frames[0].class_name if self.frames else ""
-
-
-def write_failure(w: Writer, failure: StorageRpcFailure) -> None:
-    """Append a StorageRpcException."""
-    w.string(failure.message)
-    w.i32(len(failure.frames))
-    for frame in failure.frames:
-        w.string(frame.class_name).string(frame.method).string(frame.file).i32(frame.line)
-
-
-def read_failure(r: Reader) -> StorageRpcFailure:
-    """Read a StorageRpcException; null strings become ""."""
-    message = r.string() or ""
-    n = r.count(_MIN_STACK_FRAME_BYTES)
-    frames = tuple(
-        StackFrame(r.string() or "", r.string() or "", r.string() or "", r.i32()) for _ in range(n)
-    )
-    return StorageRpcFailure(message, frames)
-
-
-def rpc_failure_of(exc: BaseException) -> StorageRpcFailure:
-    """The wire form of ``exc``: its message and up to MAX_FAILURE_FRAMES frames of its traceback.
-
-    The first frame always exists and names :func:`~waltz.errors.wire_name` of ``exc`` as its class, even
-    for an exception that was never raised (no traceback), so the peer can rebuild the error's meaning.
-    """
-    summary = traceback.extract_tb(exc.__traceback__)
-    innermost_first = list(reversed(summary))[:MAX_FAILURE_FRAMES]
-    frames: list[StackFrame] = []
-    for i, fs in enumerate(innermost_first):
-        frames.append(
-            StackFrame(
-                wire_name(exc) if i == 0 else "", fs.name, os.path.basename(fs.filename), fs.lineno or 0
-            )
-        )
-    if not frames:
-        frames.append(StackFrame(wire_name(exc), "", "", 0))
-    return StorageRpcFailure(str(exc) or type(exc).__name__, tuple(frames))
-
-
-def _check_count(n: int, what: str) -> None:
-    if n > 0x7FFFFFFF:
-        raise LocalProtocolError(f"too many {what}: {n}")
-
-
-def write_record_list(w: Writer, records: Sequence[Record]) -> None:
-    """Append ``i32 n · n x Record``. This is the hot path of replication: one struct call per record."""
-    _check_count(len(records), "records")
-    buf = w.buf
-    buf += I32.pack(len(records))
-    if isinstance(records, WireRecordList):
-        # Already in wire form (a decoded list relayed as it is).
-        buf += memoryview(records.buffer)[records.starts[0] : records.starts[-1]]
-        return
-    pack_prefix = RECORD_PREFIX.pack
-    pack_u32 = U32.pack
-    try:
-        for txn, (msb, lsb), header, data, checksum in records:
-            buf += pack_prefix(txn, msb, lsb, header, len(data))
-            buf += data
-            buf += pack_u32(checksum & _MASK32)
-    except (struct.error, TypeError, ValueError) as e:
-        raise LocalProtocolError(f"record cannot be encoded: {e}") from None
-
-
-def read_record_list(r: Reader) -> tuple[Record, ...]:
-    """Read ``i32 n · n x Record``, bounds-checking every length before slicing."""
-    n = r.count(RECORD_OVERHEAD_BYTES)
-    # Slices must be bytes (immutable, owned); one copy of a non-bytes buffer keeps the offsets valid.
-    data = r.data if isinstance(r.data, bytes) else bytes(r.data)
-    pos = r.pos
-    end = r.end
-    unpack_prefix = RECORD_PREFIX.unpack_from
-    unpack_u32 = U32.unpack_from
-    prefix_bytes = RECORD_PREFIX.size
-    records: list[Record] = []
-    append = records.append
-    for _ in range(n):
-        if pos + prefix_bytes > end:
-            raise RemoteProtocolError(f"record list truncated at offset {pos}")
-        txn, msb, lsb, header, size = unpack_prefix(data, pos)
-        pos += prefix_bytes
-        if size < 0 or pos + size + 4 > end:
-            raise RemoteProtocolError(f"record data length {size} at offset {pos} does not fit the message")
-        body = data[pos : pos + size]
-        pos += size
-        (checksum,) = unpack_u32(data, pos)
-        pos += 4
-        append(make_record(txn, msb, lsb, header, body, checksum))
-    r.pos = pos
-    return tuple(records)
-
-
-class WireRecordList(Sequence[Record]):
-    """A decoded ``i32 n · n x Record`` list kept in the bytes it arrived in (an AppendRequest's records).
-
-    The storage node turns these bytes into its on-disk layout without building a Record per record (see
-    ``waltz.storage.segment.append_wire_run``), which was the largest per-record cost of an append. The
-    shape was checked when decoded (every length inside the message), so building a Record on access
-    (indexing, iteration) cannot fail. It compares equal to any sequence of the same records.
-    """
-
-    __slots__ = ("_count", "_data", "_starts", "record_bytes")
-
-    def __init__(self, data: bytes, starts: list[int], record_bytes: int = 0) -> None:
-        self._data = data
-        self._starts = starts
-        self._count = len(starts) - 1
-        self.record_bytes = record_bytes
-        """The wire size shared by every record when the decoder found them all of one size (``starts`` is
-        then ``range(starts[0], starts[-1] + 1, record_bytes)``), else 0: lets the storage node check and
-        convert the list in bulk (``waltz.storage.segment.append_wire_run``)."""
-
-    @property
-    def first_transaction_id(self) -> int:
-        """The id of the first record (the list must not be empty)."""
-        return int(I64.unpack_from(self._data, self._starts[0])[0])
-
-    @property
-    def buffer(self) -> bytes:
-        """The bytes the records lie in (the whole message payload)."""
-        return self._data
-
-    @property
-    def starts(self) -> list[int]:
-        """Offset in :attr:`buffer` of each record, then the end of the last: ``len(self) + 1`` values."""
-        return self._starts
-
-    @property
-    def data_bytes(self) -> int:
-        """Total length of the records' data."""
-        return self._starts[-1] - self._starts[0] - RECORD_OVERHEAD_BYTES * self._count
-
-    def __len__(self) -> int:
-        return self._count
-
-    def _record(self, i: int) -> Record:
-        data = self._data
-        start = self._starts[i]
-        end = self._starts[i + 1] - 4
-        txn, msb, lsb, header, _ = RECORD_PREFIX.unpack_from(data, start)
-        return make_record(
-            txn, msb, lsb, header, data[start + RECORD_PREFIX.size : end], U32.unpack_from(data, end)[0]
-        )
-
-    @overload
-    def __getitem__(self, index: int) -> Record: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> tuple[Record, ...]: ...
-
-    def __getitem__(self, index: int | slice) -> Record | tuple[Record, ...]:
-        n = len(self)
-        if isinstance(index, slice):
-            return tuple(self._record(i) for i in range(*index.indices(n)))
-        if index < 0:
-            index += n
-        if not 0 <= index < n:
-            raise IndexError("record index out of range")
-        return self._record(index)
-
-    def __iter__(self) -> Iterator[Record]:
-        return (self._record(i) for i in range(len(self)))
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, WireRecordList | tuple | list):
-            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
-    def __repr__(self) -> str:
-        return f"WireRecordList({tuple(self)!r})"
-
-
-_UNIFORM_MIN_RECORDS = 4  # below this the per-record loop costs no more than the bulk check's set-up
-
-
-def read_wire_record_list(r: Reader) -> WireRecordList:
-    """Read ``i32 n · n x Record`` as a :class:`WireRecordList`, bounds-checking every length: one unpack per
-    record, no copy."""
-    n = r.count(RECORD_OVERHEAD_BYTES)
-    data = r.data if isinstance(r.data, bytes) else bytes(r.data)
-    pos = r.pos
-    end = r.end
-    unpack_size = I32.unpack_from
-    size_at = RECORD_PREFIX.size - 4
-    if n >= _UNIFORM_MIN_RECORDS:
-        # Records of one size (what the server's batches of fixed-size payloads are): every length field is
-        # checked with one slice per byte of it (byte j of every record's length, stepping a record at a
-        # time) instead of one unpack per record.
-        (size,) = unpack_size(data, pos + size_at)
-        size_bytes = RECORD_OVERHEAD_BYTES + size
-        stop = pos + size_bytes * n
-        if size >= 0 and stop <= end:
-            field = data[pos + size_at : pos + size_at + 4]
-            if all(data[pos + size_at + j : stop : size_bytes] == field[j : j + 1] * n for j in range(4)):
-                r.pos = stop
-                return WireRecordList(data, list(range(pos, stop + 1, size_bytes)), size_bytes)
-    starts = [0] * (n + 1)
-    for i in range(n):
-        starts[i] = pos
-        if pos + RECORD_OVERHEAD_BYTES > end:
-            raise RemoteProtocolError(f"record list truncated at offset {pos}")
-        (size,) = unpack_size(data, pos + size_at)
-        pos += RECORD_OVERHEAD_BYTES + size
-        if size < 0 or pos > end:
-            raise RemoteProtocolError(
-                f"record data length {size} at offset {pos - size - 4} does not fit the message"
-            )
-    starts[n] = pos
-    r.pos = pos
-    return WireRecordList(data, starts)
-
-
-def _write_header_list(w: Writer, headers: Sequence[RecordHeader]) -> None:
-    _check_count(len(headers), "record headers")
-    buf = w.buf
-    buf += I32.pack(len(headers))
-    pack = HEADER_STRUCT.pack
-    try:
-        for txn, (msb, lsb), header in headers:
-            buf += pack(txn, msb, lsb, header)
-    except (struct.error, TypeError, ValueError) as e:
-        raise LocalProtocolError(f"record header cannot be encoded: {e}") from None
-
-
-def _read_header_list(r: Reader) -> tuple[RecordHeader, ...]:
-    n = r.count(RECORD_HEADER_BYTES)
-    start = r._take(n * RECORD_HEADER_BYTES)
-    view = memoryview(r.data)[start : start + n * RECORD_HEADER_BYTES]
-    return tuple(
-        RecordHeader(txn, ReqId(msb, lsb), header)
-        for txn, msb, lsb, header in HEADER_STRUCT.iter_unpack(view)
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -796,11 +533,11 @@ class RecordHeaderListResponse(StorageMessage):
     headers: Sequence[RecordHeader]
 
     def _write(self, w: Writer) -> None:
-        _write_header_list(w, self.headers)
+        write_header_list(w, self.headers)
 
     @classmethod
     def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
-        return cls(session_id, seq_num, partition_id, _read_header_list(r))
+        return cls(session_id, seq_num, partition_id, read_header_list(r))
 
 
 @dataclass(frozen=True, slots=True)

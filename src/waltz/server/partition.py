@@ -807,29 +807,36 @@ class Partition:
         cached.extend((h.transaction_id, h.req_id.msb, h.req_id.lsb, h.header) for h in more)
         return cached
 
+    async def _feed_limit(self, ctx: _FeedContext) -> int | None:
+        """The last id the feed may send now (at least ``ctx.next_id``); or None once it has waited (for a
+        window or a commit) or answered a mount caught up with READY, so the feed loop looks again."""
+        if ctx.mount_target is not None:
+            limit = ctx.mount_target
+        elif ctx.remaining > 0:
+            limit = min(self.high_water_mark, ctx.next_id + ctx.remaining - 1)
+        else:
+            ctx.wake.clear()
+            await ctx.wake.wait()
+            return None
+        if ctx.next_id > limit:
+            if ctx.mount_target is not None:
+                ctx.mount_target = None
+                ctx.remaining = 0
+                ctx.peer.send(cs.MountResponse(ctx.session, cs.PartitionState.READY))
+                return None
+            ctx.wake.clear()
+            if ctx.next_id > self.high_water_mark:
+                await ctx.wake.wait()  # long poll: wait for a commit
+            return None
+        return limit
+
     async def _feed_loop(self, ctx: _FeedContext) -> None:
         peer = ctx.peer
         read_failed = False  # The last store read failed (logged once until one succeeds).
         try:
             while not peer.closed:
-                hwm = self.high_water_mark
-                if ctx.mount_target is not None:
-                    limit = ctx.mount_target
-                elif ctx.remaining > 0:
-                    limit = min(hwm, ctx.next_id + ctx.remaining - 1)
-                else:
-                    ctx.wake.clear()
-                    await ctx.wake.wait()
-                    continue
-                if ctx.next_id > limit:
-                    if ctx.mount_target is not None:
-                        ctx.mount_target = None
-                        ctx.remaining = 0
-                        peer.send(cs.MountResponse(ctx.session, cs.PartitionState.READY))
-                        continue
-                    ctx.wake.clear()
-                    if ctx.next_id > self.high_water_mark:
-                        await ctx.wake.wait()  # long poll: wait for a commit
+                limit = await self._feed_limit(ctx)
+                if limit is None:
                     continue
                 start = ctx.next_id
                 count = min(limit - start + 1, FEED_BATCH)

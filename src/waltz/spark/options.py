@@ -309,6 +309,20 @@ def parse_offset_spec(name: str, raw: str, problems: list[str]) -> OffsetSpec | 
 def parse_options(options: Mapping[str, str]) -> SourceOptions:
     """Parse Spark's option map; raise one ConfigError listing every problem (see the module docstring)."""
     problems: list[str] = []
+    client, plain = _split_options(options, problems)
+    kwargs = _typed_options(plain, problems)
+    _check_together(kwargs, problems)
+    if problems:
+        raise ConfigError("waltz data source: " + "; ".join(problems))
+    try:
+        return SourceOptions(client=client, given=frozenset(plain), **kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"waltz data source: {e}") from None
+
+
+def _split_options(options: Mapping[str, str], problems: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The client's ``waltz.*`` settings by canonical key (with the required ones checked and defaults set)
+    and the source's own options by canonical name; each unknown or repeated key is added to ``problems``."""
     client: dict[str, Any] = {}
     plain: dict[str, str] = {}
     for raw_key, raw_value in options.items():
@@ -342,7 +356,12 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         if required not in client
     ]
     client.setdefault("zookeeper.sessionTimeout", str(DEFAULT_SESSION_TIMEOUT_MS))
+    return client, plain
 
+
+def _typed_options(plain: dict[str, str], problems: list[str]) -> dict[str, Any]:
+    """The source's options as :class:`SourceOptions` keyword arguments, each parsed and range-checked (a
+    bad value is added to ``problems``)."""
     kwargs: dict[str, Any] = {}
     if "maxOffsetsPerTrigger" in plain and "maxTransactionsPerTrigger" in plain:
         problems.append("give maxOffsetsPerTrigger or its alias maxTransactionsPerTrigger, not both")
@@ -390,6 +409,11 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
                 kwargs["query_id"] = raw.strip()
             case _:
                 pass  # ignored names (Spark's own ``path``)
+    return kwargs
+
+
+def _check_together(kwargs: dict[str, Any], problems: list[str]) -> None:
+    """Add to ``problems`` what the options contradict in each other."""
     low, high = kwargs.get("min_offsets_per_trigger"), kwargs.get("max_offsets_per_trigger")
     if low is not None and high is not None and low > high:
         problems.append(f"minOffsetsPerTrigger ({low}) is above maxOffsetsPerTrigger ({high})")
@@ -402,9 +426,3 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
                 problems.append(
                     f"{spec_name} names partitions {extra} that the partitions option ({partitions}) excludes"
                 )
-    if problems:
-        raise ConfigError("waltz data source: " + "; ".join(problems))
-    try:
-        return SourceOptions(client=client, given=frozenset(plain), **kwargs)
-    except ConfigError as e:
-        raise ConfigError(f"waltz data source: {e}") from None

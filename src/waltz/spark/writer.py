@@ -45,7 +45,7 @@ import logging
 import threading
 import urllib.parse
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -584,6 +584,31 @@ def _parse_marker(data: bytes) -> dict[str, Any] | None:
     return value if isinstance(value, dict) and "waltz.spark" in value else None
 
 
+def _not_appended_yet(
+    rows: Sequence[WriteRow],
+    touched: list[int],
+    earlier_clients: set[int],
+    window: Callable[[int], Iterator[Any]],
+) -> list[WriteRow]:
+    """The rows an earlier attempt (one of ``earlier_clients``) did not append, as a multiset: a row given
+    twice and found once is appended once more; ``window(p)`` reads the records of partition ``p`` to look
+    in."""
+    todo = Counter((r[0], r[1], r[2]) for r in rows)
+    if earlier_clients:
+        for p in touched:
+            for rec in window(p):
+                key = (p, rec.header, rec.data)
+                if rec.req_id.client_id in earlier_clients and rec.header != MARKER_HEADER and todo[key] > 0:
+                    todo[key] -= 1
+    pending = []
+    for row in rows:
+        key = (row[0], row[1], row[2])
+        if todo[key] > 0:
+            todo[key] -= 1
+            pending.append(row)
+    return pending
+
+
 def exactly_once_commit(
     options: SourceOptions, batch_id: int, rows: Sequence[WriteRow], checkpoint: str | None = None
 ) -> int:
@@ -629,19 +654,7 @@ def exactly_once_commit(
             log.info("waltz sink: batch %d of %s is already in the log; nothing to do", batch_id, query)
             return 0
         earlier_clients.add(rec.req_id.client_id)
-    todo = Counter((r[0], r[1], r[2]) for r in rows)
-    if earlier_clients:
-        for p in touched:
-            for rec in window(p):
-                key = (p, rec.header, rec.data)
-                if rec.req_id.client_id in earlier_clients and rec.header != MARKER_HEADER and todo[key] > 0:
-                    todo[key] -= 1
-    pending = []
-    for row in rows:
-        key = (row[0], row[1], row[2])
-        if todo[key] > 0:
-            todo[key] -= 1
-            pending.append(row)
+    pending = _not_appended_yet(rows, touched, earlier_clients, window)
     # A client of its own, never a pooled one (_borrow_session): its client id names this attempt's rows to
     # the next attempt, so it must not have appended anything else.
     with _Session(options) as session:

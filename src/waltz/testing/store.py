@@ -161,6 +161,8 @@ class StorageSnapshot:
 
 
 _MUTATIONS = ("truncate", "append", "set_low_water_mark")
+_WRITES = (*_MUTATIONS, "repair", "trim")
+"""The requests that change a replica (the mutations are those a storage node syncs before it answers)."""
 
 
 class MemoryStorage:
@@ -315,10 +317,12 @@ class MemoryStorage:
         kind, args = request.kind, request.args
         if kind in _MUTATIONS:
             part.mutation_sessions.append(request.session_id)
-        if kind == "last_session_info":
-            return SessionInfo(part.persisted_session_id, part.low_water_mark, part.local_low_water_mark)
-        if kind == "max_transaction_id":
-            return part.max_transaction_id
+        if kind in _WRITES:
+            return self._write(part, request.session_id, kind, args)
+        return self._answer(part, kind, args)
+
+    def _write(self, part: _PartitionState, session_id: int, kind: str, args: tuple[Any, ...]) -> Any:
+        """Carry out a request of :data:`_WRITES` on ``part``, as a storage node does."""
         if kind == "truncate":
             (txn,) = args
             if txn < part.low_water_mark and txn < part.max_transaction_id:
@@ -339,7 +343,7 @@ class MemoryStorage:
                 raise StorageRpcError(
                     f"max transaction id {part.max_transaction_id} above low-water mark {lwm}"
                 )
-            part.persisted_session_id = request.session_id
+            part.persisted_session_id = session_id
             part.low_water_mark = lwm
             part.local_low_water_mark = part.max_transaction_id
             return None
@@ -356,8 +360,36 @@ class MemoryStorage:
                     raise CorruptionError(f"record {rec.transaction_id} fails its checksum")
             part.records.extend(records)
             return None
+        if kind == "repair":
+            # A memory replica keeps the good copy of a record it reports damaged: a repair must match it.
+            (records,) = args
+            for rec in records:
+                if not 0 <= rec.transaction_id < len(part.records) or part.records[rec.transaction_id] != rec:
+                    raise StorageRpcError(f"repair of transaction {rec.transaction_id} does not match")
+                part.damaged.discard(rec.transaction_id)
+            return None
+        if kind == "trim":
+            (trim_point,) = args
+            if trim_point < 0:
+                raise StorageError(f"trim point {trim_point} is negative")
+            if trim_point > part.max_transaction_id + 1:
+                # A lagging replica restarts at the trim point: ids below it are never read, so fillers do.
+                filler = [Record.build(i, ReqId(0, i), 0, b"") for i in range(len(part.records), trim_point)]
+                part.records.extend(filler)
+                part.synced = len(part.records)
+                part.rewrites += 1
+            part.trim_point = max(part.trim_point, trim_point)
+            return part.trim_point
+        raise StorageRpcError(f"unknown request {kind}")  # pragma: no cover - _WRITES names the kinds above
+
+    def _answer(self, part: _PartitionState, kind: str, args: tuple[Any, ...]) -> Any:
+        """Answer a request that reads ``part`` (or raise StorageRpcError for an unknown one)."""
         if kind.startswith("read_") and 0 <= args[0] < part.trim_point:
             raise TrimmedError.below(-1, args[0], part.trim_point)
+        if kind == "last_session_info":
+            return SessionInfo(part.persisted_session_id, part.low_water_mark, part.local_low_water_mark)
+        if kind == "max_transaction_id":
+            return part.max_transaction_id
         if kind == "read_records":
             txn, max_count = args
             return self._read(part, txn, max_count)
@@ -378,29 +410,9 @@ class MemoryStorage:
             (txn,) = args
             found = self._read(part, txn, 1)
             return found[0] if found else None
-        if kind == "repair":
-            # A memory replica keeps the good copy of a record it reports damaged: a repair must match it.
-            (records,) = args
-            for rec in records:
-                if not 0 <= rec.transaction_id < len(part.records) or part.records[rec.transaction_id] != rec:
-                    raise StorageRpcError(f"repair of transaction {rec.transaction_id} does not match")
-                part.damaged.discard(rec.transaction_id)
-            return None
         if kind == "damaged_records":
             (max_ids,) = args
             return sorted(part.damaged)[: max(0, max_ids)]
-        if kind == "trim":
-            (trim_point,) = args
-            if trim_point < 0:
-                raise StorageError(f"trim point {trim_point} is negative")
-            if trim_point > part.max_transaction_id + 1:
-                # A lagging replica restarts at the trim point: ids below it are never read, so fillers do.
-                filler = [Record.build(i, ReqId(0, i), 0, b"") for i in range(len(part.records), trim_point)]
-                part.records.extend(filler)
-                part.synced = len(part.records)
-                part.rewrites += 1
-            part.trim_point = max(part.trim_point, trim_point)
-            return part.trim_point
         raise StorageRpcError(f"unknown request {kind}")
 
     @staticmethod
