@@ -159,8 +159,6 @@ KNOWN_CYCLES: dict[str, str] = {
     "storage": "storage.node imports the admin and data ports (serve_admin, serve_data), which import "
     "StorageNode from it for a type only; the storage node's owners remove it (a small Protocol of what "
     "each port calls)",
-    "transport": "transport.hello imports FramedConnection from transport.connection (for a type only), "
-    "which imports hello; the transport's owners remove it (a small Protocol of what hello calls)",
 }
 """Packages with an import cycle still, each with why and who removes it; the list may hold no stale entry."""
 

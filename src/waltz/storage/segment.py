@@ -109,9 +109,9 @@ RECORD_OVERHEAD_BYTES = 40
 INDEX_ENTRY_BYTES = 8
 CHECKPOINT_INTERVAL = 1000
 MAX_READ_RECORDS = 10_000
+"""Upper bound on the records one read call returns."""
 MAX_DAMAGED_AT_OPEN = 1000
 """Most damaged ids recovery lists in :attr:`Segment.damaged_at_open` (it logs every range)."""
-"""Upper bound on the records one read call returns."""
 DEFAULT_MAX_READ_BYTES = 16 * 1024 * 1024
 """Default bound on the bytes one list read loads (at least one record is always returned)."""
 SCAN_CHUNK_BYTES = 1024 * 1024
@@ -121,8 +121,7 @@ PREFILL_CHUNK_BYTES = 256 * 1024
 """Most zeros one :meth:`Segment.prefill` step writes (one write of this much; the storage node lets the
 next group fsync carry it). Large enough that it is rare (every ~16 group commits of 30 records of 512
 bytes), small enough that its write barely holds the loop and that the group fsync carrying it, which waits
-for the zeros' writeback too, is not held long: with 1 MiB chunks (then fsynced in a thread, overlapping the
-groups) the append p99 of ``bench/storage_append.py`` doubled (2.7-2.9 ms against 1.2-1.5 ms)."""
+for the zeros' writeback too, is not held long (larger chunks raise the append p99)."""
 _ZEROS = bytes(PREFILL_CHUNK_BYTES)
 
 _HEADER = struct.Struct(">iqqqiq")

@@ -15,14 +15,21 @@ import contextlib
 import socket
 import ssl as ssl_
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from waltz.errors import BrokenResourceError, ProtocolError, RemoteProtocolError
 from waltz.protocol.framing import NEED_DATA, HelloReceived, ProtocolConnection
 from waltz.transport.limits import CLOSE_TIMEOUT_S
 
-if TYPE_CHECKING:
-    from waltz.transport.connection import FramedConnection
+
+class ReadsHandedOver(Protocol):
+    """What the protocol hands a connection once the hello is done (a ``FramedConnection``): every read and
+    the end of the connection. A Protocol, so that this module need not import the connection's."""
+
+    def _data_received(self, data: bytes) -> None: ...
+
+    def _connection_ended(self, exc: BaseException | None) -> None: ...
+
 
 __all__ = ["FrameProtocol", "close_writer", "configure_socket", "source_of", "ssl_reason"]
 
@@ -119,7 +126,7 @@ class FrameProtocol(asyncio.StreamReaderProtocol):
         self.hello: asyncio.Future[HelloReceived] = loop.create_future()
         # Its failure is read by the serving task, unless that task refused the connection before the hello.
         self.hello.add_done_callback(_retrieve)
-        self.conn: FramedConnection | None = None
+        self.conn: ReadsHandedOver | None = None
         """Receives every read once the connecting or accepting side built it (after the hello)."""
         self.writer: asyncio.StreamWriter | None = None
         self._tls = False
@@ -136,7 +143,7 @@ class FrameProtocol(asyncio.StreamReaderProtocol):
         if self._on_connect is not None:
             self._on_connect(self, writer)
 
-    def attach(self, conn: FramedConnection) -> None:
+    def attach(self, conn: ReadsHandedOver) -> None:
         """Hand every read from now on to ``conn`` (reading stays paused until ``conn`` has a receiver)."""
         self.conn = conn
         if self.ended is not None:
