@@ -37,6 +37,7 @@ from waltz.client.api import ClientCallbacks  # noqa: E402
 from waltz.client.network import NetworkDriver  # noqa: E402
 from waltz.cluster import zk as zkutil  # noqa: E402
 from waltz.cluster.zkserver import ZooKeeperServer  # noqa: E402
+from waltz.protocol.records import Record  # noqa: E402
 
 
 class Replayer(ClientCallbacks):
@@ -81,7 +82,9 @@ def _count_requests() -> dict[str, int]:
         counts["single"] += 1
         return await fetch(self, partition_id, transaction_id)
 
-    async def counted_range(self: NetworkDriver, partition_id: int, start: int, max_count: int) -> list:  # type: ignore[type-arg]
+    async def counted_range(
+        self: NetworkDriver, partition_id: int, start: int, max_count: int
+    ) -> list[Record]:
         counts["ranges"] += 1
         return await read_range(self, partition_id, start, max_count)
 
