@@ -21,12 +21,7 @@ MAX_MODULE_LINES = 900
 CHECKED: tuple[str, ...] = ("",)
 """What is checked, relative to ``src/waltz``: ``""`` is all of it."""
 
-EXCEPTIONS: dict[str, str] = {
-    "storage/segment.py": "the on-disk segment format and its recovery; being changed by the work on "
-    "mid-segment damage versus a torn tail (issue 24 follow-up): split once that lands, not under it",
-    "storage/partition.py::PartitionLog.open": "the open-time recovery of a log's segments, changed by the "
-    "same work as storage/segment.py; split with it",
-}
+EXCEPTIONS: dict[str, str] = {}
 """``"path/of/module.py"`` or ``"path/of/module.py::Class.function"`` -> why it may be longer."""
 
 

@@ -31,13 +31,13 @@ from waltz.transport import (
 )
 
 if TYPE_CHECKING:
-    from waltz.storage.node import StorageNode
+    from waltz.storage.services import NodeServices
 
 log = logging.getLogger(__name__)
 _peer_warnings = RateLimitedLog(log)
 
 
-async def assign(node: StorageNode, pid: int, assigned: bool, delete_files: bool = False) -> None:
+async def assign(node: NodeServices, pid: int, assigned: bool, delete_files: bool = False) -> None:
     part = node.partitions[pid] if 0 <= pid < len(node.partitions) else None
     if part is None:
         raise PartitionNotAssignedError(f"Partition:{pid} does not exist.")
@@ -85,7 +85,7 @@ async def assign(node: StorageNode, pid: int, assigned: bool, delete_files: bool
         log.info("partition %d unassigned%s", pid, "; its files were deleted" if delete_files else "")
 
 
-async def set_available(node: StorageNode, pid: int, available: bool) -> None:
+async def set_available(node: NodeServices, pid: int, available: bool) -> None:
     part = node.partitions[pid] if 0 <= pid < len(node.partitions) else None
     was = part.info.available if part is not None else None
     await node.on_partition(pid, lambda: node.control.set_available(pid, available))
@@ -93,7 +93,7 @@ async def set_available(node: StorageNode, pid: int, available: bool) -> None:
         log.info("partition %d is now %s", pid, "available (online)" if available else "offline")
 
 
-def statuses(node: StorageNode) -> list[adm.PartitionStatus]:
+def statuses(node: NodeServices) -> list[adm.PartitionStatus]:
     out = []
     for p in node.partitions:
         info = p.info
@@ -104,7 +104,7 @@ def statuses(node: StorageNode) -> list[adm.PartitionStatus]:
     return out
 
 
-def metrics_json(node: StorageNode) -> str:
+def metrics_json(node: NodeServices) -> str:
     transactions, entries = node.damage_report()
     parts: dict[str, Any] = {}
     for p in node.partitions:
@@ -134,7 +134,7 @@ def metrics_json(node: StorageNode) -> str:
     )
 
 
-async def admin_request(node: StorageNode, msg: adm.AdminMessage, opened: bool) -> adm.AdminMessage:
+async def admin_request(node: NodeServices, msg: adm.AdminMessage, opened: bool) -> adm.AdminMessage:
     seq = msg.seq_num
     if not opened:
         raise ClusterKeyMismatchError("the admin connection has not been opened with the cluster key")
@@ -188,7 +188,7 @@ async def admin_request(node: StorageNode, msg: adm.AdminMessage, opened: bool) 
     raise RemoteProtocolError(f"{type(msg).__name__} is not an admin request")
 
 
-async def serve_admin(node: StorageNode, conn: FramedConnection) -> None:
+async def serve_admin(node: NodeServices, conn: FramedConnection) -> None:
     if peer_refused(node, conn, "admin"):
         return
     opened = False

@@ -28,7 +28,7 @@ from waltz.transport import (
 )
 
 if TYPE_CHECKING:
-    from waltz.storage.node import StorageNode
+    from waltz.storage.services import NodeServices
     from waltz.storage.worker import StoragePartition
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def _response_estimate(msg: st.StorageMessage) -> int:
     return 0
 
 
-def peer_refused(node: StorageNode, conn: FramedConnection, port: str) -> bool:
+def peer_refused(node: NodeServices, conn: FramedConnection, port: str) -> bool:
     """True (logged) if ``storage.ssl.allowedPeers`` is set and the peer's certificate is not listed: a
     client certificate from the same CA must not reach the ports that fence, truncate and unassign."""
     allowed = node.config.allowed_peers
@@ -77,7 +77,7 @@ def peer_refused(node: StorageNode, conn: FramedConnection, port: str) -> bool:
     return True
 
 
-async def serve_data(node: StorageNode, conn: FramedConnection) -> None:
+async def serve_data(node: NodeServices, conn: FramedConnection) -> None:
     if peer_refused(node, conn, "data"):
         return
     node.metrics.connections.inc()
@@ -90,7 +90,7 @@ async def serve_data(node: StorageNode, conn: FramedConnection) -> None:
 
 
 async def session_refusal(
-    node: StorageNode, part: StoragePartition, session_id: int, peer: Any
+    node: NodeServices, part: StoragePartition, session_id: int, peer: Any
 ) -> WaltzError | None:
     """Why ``session_id`` may not fence ``part`` (None: it may): the cluster never handed it out, or, on a
     standalone node, it jumps further than ``storage.maxSessionIdStep``."""
@@ -133,7 +133,7 @@ async def session_refusal(
 
 
 def _standalone_refusal(
-    node: StorageNode, part: StoragePartition, session_id: int, peer: Any
+    node: NodeServices, part: StoragePartition, session_id: int, peer: Any
 ) -> WaltzError | None:
     """The standalone bound (see :func:`waltz.storage.authority.step_refusal`)."""
     why = step_refusal(session_id, part.verified_session_id, node.config.max_session_id_step)
@@ -163,7 +163,7 @@ class DataSession:
     session id to confirm) continues in the connection's task, reading paused, so requests keep their order
     and a peer that floods is pushed back by TCP."""
 
-    def __init__(self, node: StorageNode, conn: FramedConnection) -> None:
+    def __init__(self, node: NodeServices, conn: FramedConnection) -> None:
         self.node = node
         self.conn = conn
         self.opened = False

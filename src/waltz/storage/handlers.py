@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from waltz.errors import SessionFencedError, StorageError
 from waltz.protocol import storage as st
@@ -24,13 +22,9 @@ from waltz.storage.work import (
     REFUSAL_LOG_INTERVAL_S,
     Item,
 )
-
-if TYPE_CHECKING:
-    from waltz.storage.worker import StoragePartition
+from waltz.storage.worker import Handler, StoragePartition
 
 log = logging.getLogger(__name__)
-
-Handler = Callable[["StoragePartition", Item], st.StorageMessage]
 
 
 def _last_session_info(part: StoragePartition, item: Item) -> st.StorageMessage:

@@ -9,17 +9,35 @@ import itertools
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from waltz.storage.worker import StoragePartition
-
 log = logging.getLogger(__name__)
+
+
+class PartitionCounters(Protocol):
+    """What :class:`AppendCounters` reads of each partition (a ``StoragePartition``)."""
+
+    @property
+    def partition_id(self) -> int: ...
+    @property
+    def appended_records(self) -> int: ...
+    @property
+    def appended_bytes(self) -> int: ...
+    @property
+    def extending_writes(self) -> int: ...
+    @property
+    def fsync_count(self) -> int: ...
+    @property
+    def threaded_fsync_count(self) -> int: ...
+    @property
+    def preallocated_bytes(self) -> int: ...
+    @property
+    def preallocate_failures(self) -> int: ...
 
 
 class Metrics:
@@ -140,7 +158,7 @@ class AppendCounters(Collector):
     plain counts when scraped. A prometheus Counter takes a lock and a few calls per update: three per group
     commit were the largest part of the metrics' cost on the path of a lone append."""
 
-    def __init__(self, partitions: Callable[[], list[StoragePartition]]) -> None:
+    def __init__(self, partitions: Callable[[], Sequence[PartitionCounters]]) -> None:
         self._partitions = partitions
 
     def collect(self) -> Iterable[Metric]:

@@ -89,6 +89,7 @@ from waltz.storage.controlfile import ControlFile
 from waltz.storage.data_port import serve_data
 from waltz.storage.fileio import OS_FS, FileSystem
 from waltz.storage.fsync import FsyncPolicy
+from waltz.storage.handlers import HANDLERS
 from waltz.storage.metrics import AppendCounters, Metrics, directory_bytes, free_bytes
 from waltz.storage.scrub import scrub_forever
 from waltz.storage.work import Item, Tally
@@ -127,6 +128,7 @@ class StorageNode:
         self.metrics = Metrics(self.registry)
         self.queued = Tally()
         """Requests queued in all partitions (see ``StoragePartition._fsync``)."""
+        self.handlers = HANDLERS
         self.partitions = [StoragePartition(self, pid) for pid in range(control.num_partitions)]
         self._register_gauges()
         self.tasks = TaskSet(self._task_failed)

@@ -129,43 +129,10 @@ class PartitionLog:
         # The partition directory's entry is durable (an fsync of the storage directory) before anything is
         # written into it: segments fsynced inside a directory a power cut drops are lost with it.
         make_dirs_durable(fs, directory)
-        segs: set[int] = set()
-        idxs: set[int] = set()
-        for name in fs.listdir(directory):
-            parsed = parse_segment_name(name)
-            if parsed is not None:
-                (segs if parsed[1] == ".seg" else idxs).add(parsed[0])
-        for orphan in sorted(idxs - segs):
-            log.warning("%s: removing index %s without a data file", directory, index_file_name(orphan))
-            fs.remove(os.path.join(directory, index_file_name(orphan)))
-        if idxs - segs:
-            fs.fsync_dir(directory)
-        first_ids = sorted(segs)
-        current: Segment | None = None
-        while first_ids and current is None:
-            first = first_ids[-1]
-            if is_half_created(fs, directory, first, first in idxs):
-                log.warning("%s: removing segment %d left half-created by a crash", directory, first)
-                fs.remove(os.path.join(directory, data_file_name(first)))
-                fs.remove(os.path.join(directory, index_file_name(first)))
-                fs.fsync_dir(directory)
-                first_ids.pop()
-                continue
-            if first not in idxs:
-                raise CorruptionError(f"{directory}: segment {first} has records but no index file")
-            current = Segment.open(
-                fs,
-                directory,
-                first,
-                key=key,
-                partition_id=partition_id,
-                writable=True,
-                recover=True,
-                local_low_water_mark=local_low_water_mark,
-            )
-        if current is None:
-            current = Segment.create(fs, directory, key, partition_id, 0, clock_ms=clock_ms)
-            first_ids = [0]
+        first_ids, idxs = _list_segments(fs, directory)
+        current, first_ids = _open_newest_segment(
+            fs, directory, key, partition_id, first_ids, idxs, local_low_water_mark, clock_ms
+        )
         damaged = list(current.damaged_at_open)
         lost = current.lost_at_open
         part = cls(
@@ -577,6 +544,64 @@ class PartitionLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _list_segments(fs: FileSystem, directory: str) -> tuple[list[int], set[int]]:
+    """The first ids of the partition's data files, sorted, and those of its index files; an index file
+    without its data file (left by a crash while deleting) is removed."""
+    segs: set[int] = set()
+    idxs: set[int] = set()
+    for name in fs.listdir(directory):
+        parsed = parse_segment_name(name)
+        if parsed is not None:
+            (segs if parsed[1] == ".seg" else idxs).add(parsed[0])
+    for orphan in sorted(idxs - segs):
+        log.warning("%s: removing index %s without a data file", directory, index_file_name(orphan))
+        fs.remove(os.path.join(directory, index_file_name(orphan)))
+    if idxs - segs:
+        fs.fsync_dir(directory)
+    first_ids = sorted(segs)
+    return first_ids, idxs
+
+
+def _open_newest_segment(
+    fs: FileSystem,
+    directory: str,
+    key: uuid.UUID,
+    partition_id: int,
+    first_ids: list[int],
+    idxs: set[int],
+    local_low_water_mark: int,
+    clock_ms: Callable[[], int],
+) -> tuple[Segment, list[int]]:
+    """Open the newest segment writable and recover it (removing one a crash left half-created), or create
+    segment 0 when there is none; returns it and the first ids of the segments kept."""
+    current: Segment | None = None
+    while first_ids and current is None:
+        first = first_ids[-1]
+        if is_half_created(fs, directory, first, first in idxs):
+            log.warning("%s: removing segment %d left half-created by a crash", directory, first)
+            fs.remove(os.path.join(directory, data_file_name(first)))
+            fs.remove(os.path.join(directory, index_file_name(first)))
+            fs.fsync_dir(directory)
+            first_ids.pop()
+            continue
+        if first not in idxs:
+            raise CorruptionError(f"{directory}: segment {first} has records but no index file")
+        current = Segment.open(
+            fs,
+            directory,
+            first,
+            key=key,
+            partition_id=partition_id,
+            writable=True,
+            recover=True,
+            local_low_water_mark=local_low_water_mark,
+        )
+    if current is None:
+        current = Segment.create(fs, directory, key, partition_id, 0, clock_ms=clock_ms)
+        first_ids = [0]
+    return current, first_ids
 
 
 def delete_log_files(fs: FileSystem, directory: str) -> None:

@@ -18,7 +18,7 @@ from waltz.storage.segment import (
 from waltz.storage.work import MAX_LIST_RECORDS
 
 if TYPE_CHECKING:
-    from waltz.storage.node import StorageNode
+    from waltz.storage.services import NodeServices
     from waltz.storage.worker import StoragePartition
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ SCRUB_CHUNK_BYTES = 256 * 1024
 wait)."""
 
 
-async def scrub_forever(node: StorageNode) -> None:
+async def scrub_forever(node: NodeServices) -> None:
     """Verify every stored record, partition by partition, at ``storage.scrub.bytesPerSecond``, then pause
     and start again: damage (a flipped bit, a torn page) is found and reported before a reader needs the
     record. Each step is a bounded read run through the partition's worker, ordered with its requests."""

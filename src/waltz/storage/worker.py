@@ -7,8 +7,8 @@ import enum
 import logging
 import os
 import time
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from waltz.errors import (
     CorruptionError,
@@ -20,8 +20,12 @@ from waltz.errors import (
     WaltzError,
 )
 from waltz.protocol import storage as st
-from waltz.storage.controlfile import FLAG_DAMAGED, PartitionInfo
-from waltz.storage.handlers import HANDLERS
+from waltz.runtime import TaskSet
+from waltz.storage.config import StorageConfig
+from waltz.storage.controlfile import FLAG_DAMAGED, ControlFile, PartitionInfo
+from waltz.storage.fileio import FileSystem
+from waltz.storage.fsync import FsyncPolicy
+from waltz.storage.metrics import Metrics
 from waltz.storage.partition import PartitionLog
 from waltz.storage.replica_check import lost_below_mark, missing_log
 from waltz.storage.segment import (
@@ -31,12 +35,34 @@ from waltz.storage.segment import (
     encode_stored_run,
     verify_client_checksums,
 )
-from waltz.storage.work import MAX_DAMAGED_REPORTED, BoundedQueue, Item
-
-if TYPE_CHECKING:
-    from waltz.storage.node import StorageNode
+from waltz.storage.work import MAX_DAMAGED_REPORTED, BoundedQueue, Item, Tally
 
 log = logging.getLogger(__name__)
+
+Handler = Callable[["StoragePartition", Item], st.StorageMessage]
+"""Answers one request type for a partition (see :data:`waltz.storage.handlers.HANDLERS`)."""
+
+
+class PartitionHost(Protocol):
+    """What a partition, its worker and its request handlers use of the storage node (which satisfies it;
+    :class:`waltz.storage.services.NodeServices` adds what the ports and scrub use)."""
+
+    fs: FileSystem
+    config: StorageConfig
+    control: ControlFile
+    metrics: Metrics
+    fsync: FsyncPolicy
+    queued: Tally
+    tasks: TaskSet
+    handlers: dict[type[st.StorageMessage], Handler]
+    """How a partition answers each request type other than an append."""
+
+    def respond(self, item: Item, resp: st.StorageMessage) -> None: ...
+
+    def send_payload(
+        self, item: Item, payload: bytes | tuple[bytes, bytes | bytearray | memoryview]
+    ) -> None: ...
+
 
 HEAL_INTERVAL_S = 1.0
 """Least time between two attempts to heal a broken partition."""
@@ -70,8 +96,9 @@ _HEALTH_MOVES: dict[Health, frozenset[Health]] = {
 class StoragePartition:
     """One partition on this node: its log (if assigned), fencing session id, queue and worker."""
 
-    def __init__(self, node: StorageNode, partition_id: int) -> None:
+    def __init__(self, node: PartitionHost, partition_id: int) -> None:
         self.node = node
+        self._handlers = node.handlers
         self.partition_id = partition_id
         self.log: PartitionLog | None = None
         info = node.control.partition_info(partition_id)
@@ -404,7 +431,7 @@ class StoragePartition:
         assert msg is not None
         self.node.metrics.requests.inc(type(msg).__name__)
         try:
-            handler = HANDLERS.get(type(msg))
+            handler = self._handlers.get(type(msg))
             if handler is None:
                 raise RemoteProtocolError(f"{type(msg).__name__} is not a request")
             return handler(self, item)
