@@ -70,6 +70,7 @@ from waltz.client.stream import (
     Unready,
 )
 from waltz.client.tasks import TaskSet
+from waltz.cluster.trim_points import TrimOutcome
 from waltz.errors import (
     BrokenResourceError,
     ClientClosedError,
@@ -315,6 +316,17 @@ class NetworkDriver(ClientDriver):
         return await rpc_high_water_mark(
             self._pool(), endpoint, partition_id, generation, self._attempt_timeout_ms
         )
+
+    async def raise_trim_point(
+        self, partition_id: int, target: int, high_water_mark: int, min_kept_transactions: int | None
+    ) -> TrimOutcome:
+        """Raise the partition's trim point in ZooKeeper (see :meth:`AsyncWaltzClient.trim`)."""
+        self._check_open()
+        raise_in_zk = getattr(self._discovery, "raise_trim_point", None)
+        if raise_in_zk is None:
+            raise ClientError("this client's discovery cannot trim (it has no ZooKeeper connection)")
+        outcome: TrimOutcome = await raise_in_zk(partition_id, target, high_water_mark, min_kept_transactions)
+        return outcome
 
     async def read_range(self, partition_id: int, start: int, max_count: int) -> list[Record]:
         """Up to ``max_count`` committed transactions from ``start``, data included, each checksum verified.
