@@ -1,7 +1,8 @@
-"""An application trims its partition through the client (issue 26): ``AsyncWaltzClient.trim`` and
+"""Trimming through the client, and reads below the trim point (issue 26). ``AsyncWaltzClient.trim`` and
 ``WaltzClient.trim`` raise the trim point in ZooKeeper under the rules of ``waltz cluster trim`` (only up,
 never above the committed high-water mark + 1, never into the grace), and the owning server passes it on to
-the replicas."""
+the replicas. Below it, a range read (``LogReader``) and a mount fail with TrimmedError, naming the partition,
+the requested id and the trim point; an instance restored from a snapshot mounts and replays the rest."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from kazoo.client import KazooClient
 from tests.integration.client_cluster import ClientTestCluster, CounterApp, Tagged
 from tests.integration.server_process import wait_until
 from waltz import AsyncWaltzClient, WaltzClient
+from waltz.client.reader import LogReader
 from waltz.cluster.trim_points import read_trim_points
-from waltz.errors import MetadataError
+from waltz.errors import MetadataError, TrimmedError
 
 pytestmark = pytest.mark.integration
 
@@ -45,6 +47,7 @@ def test_an_application_trims_its_partition_through_the_client(
                 again = await client.trim(0, 15, min_kept_transactions=10)
                 assert (again.before, again.after) == (20, 20)
                 assert "already trimmed to 20; nothing to do for 15" in again.message
+            await check_reads_below_the_trim_point(cluster)
             # The blocking client, from a thread.
             sync_outcome = await asyncio.to_thread(sync_trim, cluster, 25)
             assert (sync_outcome.before, sync_outcome.after) == (20, 25)
@@ -53,6 +56,33 @@ def test_an_application_trims_its_partition_through_the_client(
             await wait_until(
                 lambda: "trim point 25 sent to replicas" in server.log_text(), 30, "the server to pass it on"
             )
+
+    async def check_reads_below_the_trim_point(cluster: ClientTestCluster) -> None:
+        # Range reads through the server: TrimmedError at once (before codec V6: no answer, a timeout).
+        async with LogReader(cluster.client_config(request_timeout_ms=60_000)) as reader:
+            with pytest.raises(TrimmedError, match="transaction 5 is below the trim point 20") as caught:
+                await reader.read_range(0, 5, 10)
+            assert (caught.value.partition_id, caught.value.transaction_id, caught.value.trim_point) == (
+                0,
+                5,
+                20,
+            )
+            with pytest.raises(TrimmedError, match="transaction 0 is below the trim point 20"):
+                [r async for r in reader.read(0)]
+            assert [r.transaction_id async for r in reader.read(0, start=20)] == list(range(20, RECORDS))
+        # A new instance with an empty database mounts below the trim point: the partition fails with it.
+        empty = CounterApp(1)
+        async with AsyncWaltzClient(empty, cluster.client_config(mount_timeout_ms=60_000)) as client:
+            with pytest.raises(TrimmedError, match="transaction 0 is below the trim point 20"):
+                await client.wait_applied(0, 0, timeout=30)
+            with pytest.raises(TrimmedError):
+                await client.submit(Tagged(b"refused"))
+        assert any("is below the trim point 20" in e for e in empty.errors)
+        # One restored from a snapshot at 19 mounts and replays the rest.
+        restored = CounterApp(1, start_hwm=19)
+        async with AsyncWaltzClient(restored, cluster.client_config()) as client:
+            await client.wait_applied(0, RECORDS - 1, timeout=30)
+        assert [t for t, _ in restored.applied[0]] == list(range(20, RECORDS))
 
     def sync_trim(cluster: ClientTestCluster, target: int) -> object:
         with WaltzClient(CounterApp(1), cluster.client_config()) as client:

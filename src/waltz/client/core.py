@@ -228,7 +228,8 @@ class AsyncWaltzClient(SubmissionMixin, ApplierMixin):
         partition released by :meth:`set_partitions` (or the client closed) meanwhile raises the error that
         ended it, and a mount that found the client ahead of the server (``CLIENT_AHEAD``, final until the
         partition's owner or generation changes) :class:`~waltz.errors.ClientAheadError` for a transaction
-        past the application's own mark.
+        past the application's own mark; a mount below the partition's trim point raises
+        :class:`~waltz.errors.TrimmedError`.
         """
         self._check_open()
         partition = self._partitions.get(partition_id)

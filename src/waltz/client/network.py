@@ -67,6 +67,7 @@ from waltz.client.stream import (
     MountReply,
     StreamLink,
     Suspended,
+    Trimmed,
     Unready,
 )
 from waltz.client.tasks import TaskSet
@@ -556,6 +557,9 @@ class NetworkDriver(ClientDriver):
                 elif isinstance(event, MountReply):
                     if event.session == mount.session:
                         await self._on_mount_reply(mount, event, listener)
+                elif isinstance(event, Trimmed):
+                    if event.session == mount.session:
+                        await self._on_trimmed(mount, event.error, listener)
                 elif isinstance(event, Suspended):
                     if event.session == mount.session and mount.ready and mount.link is not None:
                         with contextlib.suppress(BrokenResourceError):
@@ -606,6 +610,15 @@ class NetworkDriver(ClientDriver):
             if mount.reported is not MountState.NOT_READY:
                 mount.reported = MountState.NOT_READY
                 await listener.on_mount_state(p, MountState.NOT_READY)
+
+    async def _on_trimmed(self, mount: Mount, error: TrimmedError, listener: DriverListener) -> None:
+        """The mount starts below the trim point: final, like CLIENT_AHEAD (no re-mount until the partition's
+        owner or generation changes); the core stops the partition with ``error``."""
+        mount.session = None
+        mount.ready = False
+        mount.ahead = True
+        log.error("%s", error)
+        await listener.on_mount_failure(mount.partition_id, error)
 
     # -- tasks ---------------------------------------------------------------------------------------------
 
