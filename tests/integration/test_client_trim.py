@@ -18,6 +18,11 @@ from waltz import AsyncWaltzClient, WaltzClient
 from waltz.client.reader import LogReader
 from waltz.cluster.trim_points import read_trim_points
 from waltz.errors import MetadataError, TrimmedError
+from waltz.ops.servers import ADMIN_CLIENT_ID
+from waltz.protocol import client_server as cs
+from waltz.protocol.framing import MAGIC_CLIENT
+from waltz.protocol.records import ReqId
+from waltz.transport import open_connection
 
 pytestmark = pytest.mark.integration
 
@@ -48,6 +53,7 @@ def test_an_application_trims_its_partition_through_the_client(
                 assert (again.before, again.after) == (20, 20)
                 assert "already trimmed to 20; nothing to do for 15" in again.message
             await check_reads_below_the_trim_point(cluster)
+            await check_a_v5_peer_still_reads(cluster)
             # The blocking client, from a thread.
             sync_outcome = await asyncio.to_thread(sync_trim, cluster, 25)
             assert (sync_outcome.before, sync_outcome.after) == (20, 25)
@@ -83,6 +89,34 @@ def test_an_application_trims_its_partition_through_the_client(
         async with AsyncWaltzClient(restored, cluster.client_config()) as client:
             await client.wait_applied(0, RECORDS - 1, timeout=30)
         assert [t for t, _ in restored.applied[0]] == list(range(20, RECORDS))
+
+    async def check_a_v5_peer_still_reads(cluster: ClientTestCluster) -> None:
+        # A peer without codec V6 cannot be told: its read below the trim point goes unanswered, as before;
+        # its reads above it work on the same connection.
+        conn = await open_connection(
+            "127.0.0.1",
+            cluster.servers[0].port,
+            magic=MAGIC_CLIENT,
+            versions=(0, 1, 2, 3, 4, 5),
+            hello_text="V5 reader",
+        )
+        try:
+            assert conn.negotiated_version == 5
+
+            async def ask(seq: int, start: int, timeout_s: float) -> cs.Message:
+                req = cs.TransactionRangeRequest(ReqId.of(ADMIN_CLIENT_ID, 1, 0, seq), start, 5)
+                conn.send(cs.encode(req, 5))
+                await conn.drain()
+                async with asyncio.timeout(timeout_s):
+                    return cs.decode(await conn.receive(), 5)
+
+            with pytest.raises(TimeoutError):
+                await ask(1, 5, 1.0)
+            answer = await ask(2, 22, 30)
+            assert isinstance(answer, cs.TransactionRangeResponse)
+            assert [r.transaction_id for r in answer.records()] == [22, 23, 24, 25, 26]
+        finally:
+            await conn.aclose()
 
     def sync_trim(cluster: ClientTestCluster, target: int) -> object:
         with WaltzClient(CounterApp(1), cluster.client_config()) as client:
