@@ -24,7 +24,11 @@ cg "$OUT/server-2000.cg" "$PY" bench/server_path.py --appends 2000 --ack-ms 100 
 cg "$OUT/server-6000.cg" "$PY" bench/server_path.py --appends 6000 --ack-ms 100 --repeat 1
 a=$(total "$OUT/server-2000.cg"); b=$(total "$OUT/server-6000.cg")
 echo "server: $(((b - a) / 4000)) instructions per append"
-"$PY" bench/storage_append.py --modes batched --batch 29 --batch-in-flight 1 --records 5800 \
+# On a tmpfs no fsync is slow, so none goes to a thread (which costs far more instructions): comparable runs.
+SHM=$(mktemp -d -p /dev/shm 2>/dev/null || mktemp -d)
+"$PY" bench/storage_append.py --dir "$SHM" --modes batched --batch 29 --batch-in-flight 1 --records 5800 \
   --callgrind "$OUT/storage.cg" >"$OUT/storage.log" 2>&1
 echo "storage node: $(($(total "$OUT/storage.cg") / 200)) instructions per 29-record request"
+rm -rf "$SHM"
+grep -o '([0-9]* fsynced in a thread)' "$OUT/storage.log" || true
 echo "callgrind files in $OUT"

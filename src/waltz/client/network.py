@@ -467,16 +467,26 @@ class NetworkDriver(ClientDriver):
             link.send(cs.MountRequest(session, mount.position, link.incarnation))
         except BrokenResourceError:
             return  # The link's reader sees the loss and mounts again on the next connection.
+        self._arm_answer_timer(mount, session)
+
+    def _arm_answer_timer(self, mount: Mount, session: ReqId) -> None:
         mount.cancel_answer_timer()
+        mount.fed = False
         mount.answer_timer = asyncio.get_running_loop().call_later(
             self._config.answer_timeout_ms / 1000, self._mount_unanswered, mount, session
         )
 
     def _mount_unanswered(self, mount: Mount, session: ReqId) -> None:
         """No MountResponse within ``client.answerTimeout``: a server that drops requests (or a link that
-        lost them without closing) would otherwise leave the partition unmounted for good."""
+        lost them without closing) would otherwise leave the partition unmounted for good. The server answers
+        a mount by streaming the backlog the client lacks, then the MountResponse: feed that arrived within
+        the timeout, or feed still queued for the application (the client, not the server, is the slow
+        one), is an answer in progress, and the timeout starts again."""
         mount.answer_timer = None
         if mount.session != session or mount.ready or mount.closed:
+            return
+        if mount.fed or mount.feed_queued:
+            self._arm_answer_timer(mount, session)
             return
         self._reconnect(mount, f"no answer to the mount within {self._config.answer_timeout_ms} ms")
 

@@ -194,6 +194,7 @@ class Mount:
         self.deliver_task: asyncio.Task[None] | None = None
         self.retry_task: asyncio.Task[None] | None = None
         self.answer_timer: asyncio.TimerHandle | None = None  # Bounds the wait for the MountResponse.
+        self.fed = False  # Feed of the session arrived since the answer timer was (re)armed.
 
     def put(self, event: MountEvent) -> None:
         self.inbox.append(event)
@@ -513,6 +514,7 @@ def _on_feed_run(run_nowait: FeedRunNowait | None, mount: Mount, entries: list[c
     session = mount.session
     if session is None:
         return False  # No feed session open: from an abandoned one.
+    mount.fed = True  # The server is answering: a mount's MountResponse follows the backlog it streams.
     k, n = 0, len(entries)
     if run_nowait is not None and not mount.inbox and not mount.busy:
         position = mount.position

@@ -360,6 +360,50 @@ def test_an_unanswered_mount_and_a_resync_reconnect_and_mount_again() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.timeout(60)
+def test_a_mount_streaming_a_long_backlog_is_answering_and_is_not_timed_out() -> None:
+    """The server answers a mount with the backlog the client lacks, then the MountResponse: a catch-up
+    that streams for several answer timeouts is not a silent server, and the driver keeps its connection."""
+
+    async def main() -> None:
+        server = FakeServer()
+        endpoint = await server.start()
+        discovery = StaticDiscovery()
+        driver = NetworkDriver(ClientConfig(answer_timeout_ms=200), discovery=discovery)
+        listener = Recorder()
+        await driver.open(listener)
+        try:
+            await driver.mount(0, -1)
+            discovery.publish({0: (endpoint, 1)})
+            conn, mount = await server.expect(cs.MountRequest)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 1.0  # Five answer timeouts of backlog.
+            sent = 0
+            while loop.time() < deadline:
+                server.send(conn, cs.FeedData(append_id(sent + 1), sent, 10))
+                sent += 1
+                await listener.wait_for("feed", sent - 1)  # Delivered: the client reads as it comes.
+                await asyncio.sleep(0.05)
+            server.send(conn, cs.MountResponse(mount.req_id, cs.PartitionState.READY))
+            await listener.wait_for("state", MountState.READY)
+            assert [e for e in listener.events if e[0] == "feed"] == [("feed", i) for i in range(sent)]
+            while not server.received.empty():
+                again, msg = server.received.get_nowait()
+                assert not isinstance(msg, cs.MountRequest), msg  # No reconnect, no second mount.
+                assert again is conn
+            # Silence after the backlog is still a timeout: a mount left without feed or answer reconnects.
+            driver.resync(0)
+            conn2, _ = await server.expect(cs.MountRequest)
+            conn3, third = await server.expect(cs.MountRequest)
+            assert conn3 is not conn2
+            assert third.client_high_water_mark == sent - 1
+        finally:
+            await driver.close()
+            await server.aclose()
+
+    asyncio.run(main())
+
+
 class NowaitRecorder(Recorder):
     """A listener that takes feed entries without a coroutine while it has room (as the core does)."""
 
