@@ -41,6 +41,7 @@ from waltz.protocol.client_server import (
     TransactionDataResponse,
     TransactionRangeRequest,
     TransactionRangeResponse,
+    TrimmedResponse,
     decode,
     encode,
 )
@@ -54,9 +55,10 @@ REQ_HEX = "00000001000000020000000300000004"
 ABC_CRC_HEX = "352441c2"  # CRC-32 of b"abc" (the standard check value of zlib / java.util.zip.CRC32)
 
 ALL = SUPPORTED_VERSIONS
-V1_UP = (1, 2, 3, 4, 5)
-V2_UP = (2, 3, 4, 5)
-V4_UP = (4, 5)
+V1_UP = (1, 2, 3, 4, 5, 6)
+V2_UP = (2, 3, 4, 5, 6)
+V4_UP = (4, 5, 6)
+V5_UP = (5, 6)
 
 
 def h(*parts: str) -> bytes:
@@ -69,9 +71,9 @@ GOLDEN: list[tuple[Message, tuple[int, ...], bytes]] = [
     (MountRequest(REQ, 5, 6), ALL, h("00", REQ_HEX, "0000000000000005", "0000000000000006")),
     (MountResponse(REQ, PartitionState.READY), (0, 1, 2), h("01", REQ_HEX, "01")),
     (MountResponse(REQ, PartitionState.NOT_READY), (0, 1, 2), h("01", REQ_HEX, "00")),
-    (MountResponse(REQ, PartitionState.READY), (3, 4, 5), h("01", REQ_HEX, "00000000")),
-    (MountResponse(REQ, PartitionState.NOT_READY), (3, 4, 5), h("01", REQ_HEX, "00000001")),
-    (MountResponse(REQ, PartitionState.CLIENT_AHEAD), (3, 4, 5), h("01", REQ_HEX, "00000002")),
+    (MountResponse(REQ, PartitionState.READY), (3, 4, 5, 6), h("01", REQ_HEX, "00000000")),
+    (MountResponse(REQ, PartitionState.NOT_READY), (3, 4, 5, 6), h("01", REQ_HEX, "00000001")),
+    (MountResponse(REQ, PartitionState.CLIENT_AHEAD), (3, 4, 5, 6), h("01", REQ_HEX, "00000002")),
     (
         AppendRequest(REQ, 9, (1, -1), (), (), 7, b"abc", crc32(b"abc")),
         (0,),
@@ -191,10 +193,10 @@ GOLDEN: list[tuple[Message, tuple[int, ...], bytes]] = [
         V4_UP,
         h("16", REQ_HEX, "00000002", "00000001 01", "00000002 00"),
     ),
-    (TransactionRangeRequest(REQ, 7, 100), (5,), h("17", REQ_HEX, "0000000000000007", "00000064")),
+    (TransactionRangeRequest(REQ, 7, 100), V5_UP, h("17", REQ_HEX, "0000000000000007", "00000064")),
     (
         TransactionRangeResponse.of(REQ, 7, (Record(7, REQ, -2, b"abc", 0x352441C2),)),
-        (5,),
+        V5_UP,
         h(
             "18",
             REQ_HEX,
@@ -212,9 +214,10 @@ GOLDEN: list[tuple[Message, tuple[int, ...], bytes]] = [
     ),
     (
         TransactionRangeResponse(REQ, 9, 0, b""),
-        (5,),
+        V5_UP,
         h("18", REQ_HEX, "0000000000000009", "00000000", "00000000"),
     ),
+    (TrimmedResponse(REQ, 5, 300), (6,), h("19", REQ_HEX, "0000000000000005", "000000000000012c")),
 ]
 
 CASES = [(msg, version, payload) for msg, versions, payload in GOLDEN for version in versions]
@@ -223,7 +226,7 @@ CASE_IDS = [f"{type(msg).__name__}-V{version}-{i}" for i, (msg, version, _) in e
 
 def test_constants() -> None:
     assert ord("L") == MAGIC
-    assert SUPPORTED_VERSIONS == (0, 1, 2, 3, 4, 5)
+    assert SUPPORTED_VERSIONS == (0, 1, 2, 3, 4, 5, 6)
 
 
 def test_golden_covers_every_message_type_at_every_version_that_has_it() -> None:
@@ -232,7 +235,7 @@ def test_golden_covers_every_message_type_at_every_version_that_has_it() -> None
         for version in SUPPORTED_VERSIONS:
             if version >= cls.MIN_VERSION:
                 assert (int(cls.TYPE), version) in covered, (cls.__name__, version)
-    assert sorted({int(cls.TYPE) for cls in cs._CLASSES}) == list(range(25))
+    assert sorted({int(cls.TYPE) for cls in cs._CLASSES}) == list(range(26))
 
 
 @pytest.mark.parametrize(("msg", "version", "payload"), CASES, ids=CASE_IDS)
@@ -356,7 +359,7 @@ def test_client_ahead_travels_as_not_ready_before_v3() -> None:
 
 def test_unsupported_version_is_a_local_error() -> None:
     with pytest.raises(LocalProtocolError):
-        encode(FlushRequest(REQ), 6)
+        encode(FlushRequest(REQ), 7)
     with pytest.raises(LocalProtocolError):
         decode(h("08", REQ_HEX), -1)
 
@@ -368,7 +371,7 @@ def test_unsupported_version_is_a_local_error() -> None:
 def test_empty_and_unknown_types_are_remote_errors(version: int) -> None:
     with pytest.raises(RemoteProtocolError, match="empty"):
         decode(b"", version)
-    for code in (25, 0x7F, 0xFF):
+    for code in (26, 0x7F, 0xFF):
         with pytest.raises(RemoteProtocolError, match="unknown"):
             decode(bytes([code]) + h(REQ_HEX), version)
 
@@ -557,7 +560,7 @@ def test_fuzz_random_bytes(payload: bytes, version: int) -> None:
     _decodes_or_remote_error(payload, version)
 
 
-@given(st.integers(0, 24), st.binary(min_size=16, max_size=16), st.binary(max_size=120), versions)
+@given(st.integers(0, 25), st.binary(min_size=16, max_size=16), st.binary(max_size=120), versions)
 def test_fuzz_valid_type_and_req_id_random_body(code: int, req: bytes, body: bytes, version: int) -> None:
     _decodes_or_remote_error(bytes([code]) + req + body, version)
 
@@ -841,3 +844,14 @@ def test_frame_append_leaves_a_payload_over_the_frame_limit_to_the_general_path(
     assert out == []
     assert cs.frame_append(out, MAGIC_CLIENT, 5, size, ReqId(1, 2), -1, (), 0, data)
     assert len(b"".join(out)) == FRAME_HEADER.size + size
+
+
+def test_a_trimmed_response_names_an_id_below_its_trim_point_and_raises_trimmed_error() -> None:
+    for bad in (TrimmedResponse(REQ, 300, 300), TrimmedResponse(REQ, -1, 5)):
+        with pytest.raises(LocalProtocolError, match="is not below the trim point"):
+            encode(bad, 6)
+    with pytest.raises(RemoteProtocolError, match="is not below the trim point"):
+        decode(h("19", REQ_HEX, "000000000000012c", "000000000000012c"), 6)
+    error = TrimmedResponse(REQ, 5, 300).error()
+    assert (error.partition_id, error.transaction_id, error.trim_point) == (REQ.partition_id, 5, 300)
+    assert "transaction 5 is below the trim point 300" in str(error)

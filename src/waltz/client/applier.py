@@ -25,6 +25,7 @@ from waltz.client.transaction import Transaction, new_transactions
 from waltz.errors import (
     ClientAheadError,
     ClientError,
+    TrimmedError,
 )
 from waltz.protocol.client_server import FeedEntry
 from waltz.protocol.records import ReqId
@@ -346,11 +347,23 @@ class ApplierMixin(AttemptsMixin):
                 "waltz-driver-failed",
             )
 
+    def _mount_failed(self, partition_id: int, error: TrimmedError) -> None:
+        """The application's high-water mark is below the partition's trim point (final): the partition stops
+        with ``error``, which each submit and wait then raises, and ``uncaught_exception`` hears it once."""
+        partition = self._active(partition_id)
+        if partition is None:
+            return
+        log.error("partition %d: %s", partition_id, error)
+        self._stop_partition(partition, error)
+        for task in partition.tasks:
+            task.cancel()
+        self._spawn(self._report_partition_failure(partition_id, error), "waltz-mount-trimmed")
+
     async def _report_partition_failure(self, partition_id: int, error: BaseException) -> None:
         await self._call_hook(self._callbacks.uncaught_exception, partition_id, -1, error)
         await self._require_driver().unmount(partition_id)
 
-    def _stop_partition(self, partition: PartitionState, error: ClientError) -> None:
+    def _stop_partition(self, partition: PartitionState, error: ClientError | TrimmedError) -> None:
         """End the partition's use: ``error`` for everything in flight on it and everything asked of it."""
         partition.error = error
         self._fail_outcomes(partition, error)
@@ -412,6 +425,9 @@ class Listener:
 
     async def on_flush_response(self, partition_id: int, req_id: ReqId, transaction_id: int) -> None:
         self._client._on_monitor_event(partition_id, lambda m: m.on_flush_response(req_id, transaction_id))
+
+    async def on_mount_failure(self, partition_id: int, error: TrimmedError) -> None:
+        self._client._mount_failed(partition_id, error)
 
     def on_driver_failure(self, error: ClientError) -> None:
         self._client._driver_failed(error)

@@ -23,6 +23,7 @@ from waltz.errors import (
     ClientTimeoutError,
     LocalProtocolError,
     PartitionStuckError,
+    TrimmedError,
     WaltzError,
 )
 from waltz.protocol.records import ReqId
@@ -123,7 +124,7 @@ class AttemptsMixin(HooksMixin):
             if released:
                 partition.slots.release(released)
 
-    def _fail_outcomes(self, partition: PartitionState, error: ClientError) -> None:
+    def _fail_outcomes(self, partition: PartitionState, error: ClientError | TrimmedError) -> None:
         outcomes, partition.outcomes = partition.outcomes, {}
         for run in outcomes.values():
             self._on_attempt_failed(run, error)

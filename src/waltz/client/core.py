@@ -47,6 +47,7 @@ import asyncio
 import logging
 from collections.abc import Iterable
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from waltz.client.applier import ApplierMixin, Listener
 from waltz.client.base import DataSource
@@ -61,6 +62,9 @@ from waltz.errors import (
     ClientError,
     ClientTimeoutError,
 )
+
+if TYPE_CHECKING:  # ZooKeeper's code loads only with the network driver.
+    from waltz.cluster.trim_points import TrimOutcome
 
 __all__ = ["AsyncWaltzClient"]
 
@@ -224,7 +228,8 @@ class AsyncWaltzClient(SubmissionMixin, ApplierMixin):
         partition released by :meth:`set_partitions` (or the client closed) meanwhile raises the error that
         ended it, and a mount that found the client ahead of the server (``CLIENT_AHEAD``, final until the
         partition's owner or generation changes) :class:`~waltz.errors.ClientAheadError` for a transaction
-        past the application's own mark.
+        past the application's own mark; a mount below the partition's trim point raises
+        :class:`~waltz.errors.TrimmedError`.
         """
         self._check_open()
         partition = self._partitions.get(partition_id)
@@ -258,6 +263,29 @@ class AsyncWaltzClient(SubmissionMixin, ApplierMixin):
         return await self._rpc(
             lambda: driver.high_water_mark(partition_id), f"high_water_mark({partition_id})"
         )
+
+    async def trim(
+        self,
+        partition_id: int,
+        transaction_id: int,
+        *,
+        min_kept_transactions: int | None = None,
+    ) -> TrimOutcome:
+        """Raise the partition's trim point to ``transaction_id`` (the lowest id kept), as ``waltz cluster
+        trim --to`` does: for an application that snapshotted its state at high-water mark ``H``, trim to
+        ``H + 1``. The same rules hold: the trim point only moves up (a lower one is a no-op, said in the
+        outcome's message), never above the committed high-water mark + 1, and never into the grace of the
+        ``min_kept_transactions`` most recent transactions (default 1000, as the command's ``--min-kept``);
+        a refusal raises
+        :class:`~waltz.errors.MetadataError` naming the partition, and nothing changes."""
+        high_water_mark = await self.high_water_mark(partition_id)
+        raise_in_zk = getattr(self._require_driver(), "raise_trim_point", None)
+        if raise_in_zk is None:
+            raise ClientError("this client's driver cannot trim (it is not connected to a cluster)")
+        outcome: TrimOutcome = await raise_in_zk(
+            partition_id, transaction_id, high_water_mark, min_kept_transactions
+        )
+        return outcome
 
     async def set_partitions(self, partition_ids: Iterable[int]) -> None:
         """Mount exactly ``partition_ids`` (only with ``client.autoMount: false``).

@@ -22,6 +22,11 @@ from waltz.client.config import ClientConfig
 from waltz.cluster import zk
 from waltz.cluster.membership import ClusterWatcher
 from waltz.cluster.store_metadata import next_id, read_cluster_params
+from waltz.cluster.trim_points import (
+    DEFAULT_MIN_KEPT_TRANSACTIONS,
+    TrimOutcome,
+    raise_trim_point,
+)
 from waltz.errors import ClientError
 
 __all__ = ["Discovery", "Endpoints", "ZkDiscovery"]
@@ -113,6 +118,24 @@ class ZkDiscovery:
         if self._zk is None:
             raise ClientError("discovery is not open")
         return await asyncio.to_thread(next_id, self._zk, self._config.cluster_root, "client")
+
+    async def raise_trim_point(
+        self, partition_id: int, target: int, high_water_mark: int, min_kept_transactions: int | None
+    ) -> TrimOutcome:
+        """Raise ``partition_id``'s trim point in ZooKeeper (the rules of ``waltz cluster trim``)."""
+        if self._zk is None:
+            raise ClientError("discovery is not open")
+        return await asyncio.to_thread(
+            raise_trim_point,
+            self._zk,
+            self._config.cluster_root,
+            partition_id,
+            target,
+            high_water_mark,
+            min_kept_transactions=(
+                DEFAULT_MIN_KEPT_TRANSACTIONS if min_kept_transactions is None else min_kept_transactions
+            ),
+        )
 
     async def updates(self) -> AsyncIterator[Endpoints]:
         if self._watcher is None:

@@ -90,7 +90,7 @@ from abc import ABC, abstractmethod
 from typing import Protocol
 
 from waltz.client.builder import TransactionBuilder
-from waltz.errors import ClientError
+from waltz.errors import ClientError, TrimmedError
 from waltz.protocol.client_server import AppendRequest
 from waltz.protocol.records import ReqId
 
@@ -133,6 +133,10 @@ class DriverListener(Protocol):
     async def on_flush_response(self, partition_id: int, req_id: ReqId, transaction_id: int) -> None:
         """Every append sent before the flush ``req_id`` is resolved; ``transaction_id`` is the partition's
         high-water mark at that point."""
+
+    async def on_mount_failure(self, partition_id: int, error: TrimmedError) -> None:
+        """The partition cannot be mounted at the client's high-water mark, for good: it lies below the
+        partition's trim point. The core stops the partition with ``error``."""
 
     def on_driver_failure(self, error: ClientError) -> None:
         """A task the driver cannot serve without failed (following the partition assignment, say): the

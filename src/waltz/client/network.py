@@ -67,9 +67,11 @@ from waltz.client.stream import (
     MountReply,
     StreamLink,
     Suspended,
+    Trimmed,
     Unready,
 )
 from waltz.client.tasks import TaskSet
+from waltz.cluster.trim_points import TrimOutcome
 from waltz.errors import (
     BrokenResourceError,
     ClientClosedError,
@@ -316,6 +318,17 @@ class NetworkDriver(ClientDriver):
             self._pool(), endpoint, partition_id, generation, self._attempt_timeout_ms
         )
 
+    async def raise_trim_point(
+        self, partition_id: int, target: int, high_water_mark: int, min_kept_transactions: int | None
+    ) -> TrimOutcome:
+        """Raise the partition's trim point in ZooKeeper (see :meth:`AsyncWaltzClient.trim`)."""
+        self._check_open()
+        raise_in_zk = getattr(self._discovery, "raise_trim_point", None)
+        if raise_in_zk is None:
+            raise ClientError("this client's discovery cannot trim (it has no ZooKeeper connection)")
+        outcome: TrimOutcome = await raise_in_zk(partition_id, target, high_water_mark, min_kept_transactions)
+        return outcome
+
     async def read_range(self, partition_id: int, start: int, max_count: int) -> list[Record]:
         """Up to ``max_count`` committed transactions from ``start``, data included, each checksum verified.
 
@@ -554,6 +567,9 @@ class NetworkDriver(ClientDriver):
                 elif isinstance(event, MountReply):
                     if event.session == mount.session:
                         await self._on_mount_reply(mount, event, listener)
+                elif isinstance(event, Trimmed):
+                    if event.session == mount.session:
+                        await self._on_trimmed(mount, event.error, listener)
                 elif isinstance(event, Suspended):
                     if event.session == mount.session and mount.ready and mount.link is not None:
                         with contextlib.suppress(BrokenResourceError):
@@ -604,6 +620,15 @@ class NetworkDriver(ClientDriver):
             if mount.reported is not MountState.NOT_READY:
                 mount.reported = MountState.NOT_READY
                 await listener.on_mount_state(p, MountState.NOT_READY)
+
+    async def _on_trimmed(self, mount: Mount, error: TrimmedError, listener: DriverListener) -> None:
+        """The mount starts below the trim point: final, like CLIENT_AHEAD (no re-mount until the partition's
+        owner or generation changes); the core stops the partition with ``error``."""
+        mount.session = None
+        mount.ready = False
+        mount.ahead = True
+        log.error("%s", error)
+        await listener.on_mount_failure(mount.partition_id, error)
 
     # -- tasks ---------------------------------------------------------------------------------------------
 

@@ -242,6 +242,8 @@ async def rpc_read_run(
         raise ClientError(
             f"the server at {endpoint} cannot serve range reads (needs codec V5): {e}"
         ) from None
+    if isinstance(response, cs.TrimmedResponse):
+        raise response.error()  # Below the trim point: final, names the partition, the id and the point.
     if not isinstance(response, cs.TransactionRangeResponse):
         raise RemoteProtocolError(f"expected a TransactionRangeResponse, got {type(response).__name__}")
     if response.transaction_id != start:

@@ -21,7 +21,7 @@ from waltz.client.lifecycle import Lifecycle, State
 from waltz.client.lock_queue import LockQueue
 from waltz.client.monitor import TransactionMonitor
 from waltz.client.transaction import Transaction
-from waltz.errors import ClientError
+from waltz.errors import ClientError, TrimmedError
 from waltz.protocol.records import ReqId
 
 __all__ = ["PartitionState", "Run", "Slots", "Stuck"]
@@ -155,7 +155,7 @@ class PartitionState:
         # (its id; the append's sequence number fills the rest).
         self.req_msb = 0
         self.req_lsb_base = (partition_id & 0xFFFFFFFF) << 32
-        self.error: ClientError | None = None  # Set when the partition is released or the client closes.
+        self.error: ClientError | TrimmedError | None = None  # Set when released, closed or trimmed.
         self.outcomes: dict[ReqId, Run] = {}  # The appends in flight, by request id.
         # Runs appended on their first attempt whose transaction is not applied yet, in transaction-id order.
         self.awaiting_apply: deque[Run] = deque()

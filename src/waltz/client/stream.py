@@ -61,6 +61,7 @@ from waltz.errors import (
     ConnectionError_,
     ProtocolError,
     RemoteProtocolError,
+    TrimmedError,
 )
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import FRAME_HEADER, MAGIC_CLIENT
@@ -145,6 +146,14 @@ class Suspended:
 
 
 @dataclass(slots=True)
+class Trimmed:
+    """The server's TrimmedResponse to the mount ``session``: it starts below the trim point (final)."""
+
+    session: ReqId
+    error: TrimmedError
+
+
+@dataclass(slots=True)
 class LockFailed:
     req_id: ReqId
     transaction_id: int
@@ -161,7 +170,7 @@ class Unready:
     """The driver abandoned the session (connection lost, partition moved): report NOT_READY."""
 
 
-MountEvent = Feed | MountReply | Suspended | LockFailed | Flushed | Unready
+MountEvent = Feed | MountReply | Suspended | LockFailed | Flushed | Unready | Trimmed
 
 
 class Mount:
@@ -478,6 +487,10 @@ class StreamLink:
         elif isinstance(msg, cs.FeedSuspended):
             if msg.req_id == mount.session:
                 mount.put(Suspended(msg.req_id))
+        elif isinstance(msg, cs.TrimmedResponse):
+            if msg.req_id == mount.session:
+                mount.cancel_answer_timer()
+                mount.put(Trimmed(msg.req_id, msg.error()))
         elif isinstance(msg, cs.LockFailure):
             mount.put(LockFailed(msg.req_id, msg.transaction_id))
         elif isinstance(msg, cs.FlushResponse):

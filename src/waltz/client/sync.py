@@ -16,7 +16,7 @@ import concurrent.futures
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from waltz.client.api import ClientCallbacks
 from waltz.client.config import ClientConfig
@@ -25,6 +25,9 @@ from waltz.client.core import AsyncWaltzClient
 from waltz.client.driver import ClientDriver
 from waltz.errors import ClientClosedError, ClientError, ClientTimeoutError
 from waltz.runtime import new_event_loop
+
+if TYPE_CHECKING:
+    from waltz.cluster.trim_points import TrimOutcome
 
 __all__ = ["WaltzClient"]
 
@@ -195,6 +198,18 @@ class WaltzClient:
     def high_water_mark(self, partition_id: int) -> int:
         """The partition's high-water mark on the server (an RPC)."""
         return self._call(self._client.high_water_mark(partition_id))
+
+    def trim(
+        self,
+        partition_id: int,
+        transaction_id: int,
+        *,
+        min_kept_transactions: int | None = None,
+    ) -> TrimOutcome:
+        """Raise the partition's trim point to ``transaction_id`` (see :meth:`AsyncWaltzClient.trim`)."""
+        return self._call(
+            self._client.trim(partition_id, transaction_id, min_kept_transactions=min_kept_transactions)
+        )
 
     def set_partitions(self, partition_ids: Iterable[int]) -> None:
         """Mount exactly these partitions (needs ``client.autoMount: false``)."""

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 
+DEFAULT_MIN_KEPT_TRANSACTIONS = 1000
+"""The grace a trim leaves by default: the most recent transactions it never removes."""
+
 
 @dataclass(frozen=True)
 class TrimEntry:

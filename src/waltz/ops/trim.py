@@ -14,14 +14,12 @@ from ssl import SSLContext
 from kazoo.client import KazooClient
 
 from waltz.cluster import store_metadata as sm
+from waltz.cluster.trim_points import DEFAULT_MIN_KEPT_TRANSACTIONS as DEFAULT_MIN_KEPT_TRANSACTIONS
 from waltz.cluster.trim_points import TrimOutcome, raise_trim_point
 from waltz.errors import MetadataError, PartitionNotReadyError, RemoteProtocolError
 from waltz.ops.servers import ADMIN_CLIENT_ID, query
 from waltz.protocol import client_server as cs
 from waltz.protocol.records import ReqId
-
-DEFAULT_MIN_KEPT_TRANSACTIONS = 1000
-"""The grace a trim leaves by default: the most recent transactions it never removes."""
 
 
 def owner_address(client: KazooClient, root: str, partition_id: int) -> str:

@@ -13,6 +13,9 @@ from waltz.transport import ByteBudget, FramedConnection
 
 __all__ = ["BadMessage", "ClientConnection", "CloseConnection"]
 
+TRIMMED_RESPONSE_VERSION = cs.TrimmedResponse.MIN_VERSION
+"""The first codec that can tell a client its read or mount starts below the trim point."""
+
 
 class CloseConnection(Exception):
     """Raised by a request handler when the only honest answer is to close the connection."""
@@ -65,6 +68,14 @@ class ClientConnection:
             self._conn.send(cs.encode(msg, self._version))
         except ConnectionError_:
             pass  # the connection is gone: its read loop ends and cleans up
+
+    def send_trimmed(self, req_id: ReqId, transaction_id: int, trim_point: int) -> bool:
+        """Answer ``req_id`` (a range read or a mount) with TrimmedResponse: its first id, ``transaction_id``,
+        is below ``trim_point``. False (nothing sent) if the peer's codec (before V6) has no such answer."""
+        if self._version < TRIMMED_RESPONSE_VERSION:
+            return False
+        self.send(cs.TrimmedResponse(req_id, transaction_id, trim_point))
+        return True
 
     def send_range(self, msg: cs.TransactionRangeResponse) -> None:
         """:meth:`send` of a range response, its run (megabytes, as the storage node sent it) written after

@@ -638,6 +638,18 @@ class WaltzServer:
                 peer.mounts[pid] = None  # answered here: nothing more to end
                 peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
                 return
+            first = msg.client_high_water_mark + 1
+            if first < part.store.trim_point and peer.send_trimmed(rid, first, part.store.trim_point):
+                # The client needs what was trimmed: final for it (it bootstraps from a snapshot).
+                peer.mounts[pid] = None
+                log.warning(
+                    "partition %d: client %d mounts at %d, below the trim point %d",
+                    pid,
+                    rid.client_id,
+                    msg.client_high_water_mark,
+                    part.store.trim_point,
+                )
+                return
             # Mounting waits for the append queue to drain; do it off this connection's read loop.
             await self._spawn_for(peer, part.mount(peer, msg), f"mount-{pid}")
             return
@@ -791,6 +803,11 @@ class WaltzServer:
         self, peer: ClientConnection, part: Partition, msg: cs.TransactionRangeRequest
     ) -> None:
         count = max(0, min(msg.max_count, MAX_RANGE_RECORDS))
+        trim_point = part.store.trim_point
+        if 0 <= msg.transaction_id < trim_point and peer.send_trimmed(
+            msg.req_id, msg.transaction_id, trim_point
+        ):
+            return  # A peer before codec V6 gets no answer, as before: the read fails in its timeout.
         # The run is relayed as the storage node sent it; the budget keeps the response well inside the frame
         # limit whatever the record sizes (a single record larger than it still goes: it was appended whole),
         # and within an eighth of the connection's response budget, so several reads proceed at once.

@@ -41,7 +41,7 @@ from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 from waltz.client.reader import LogReader
-from waltz.errors import ClientError, WaltzError
+from waltz.errors import ClientError, TrimmedError, WaltzError
 from waltz.protocol.record_run import RecordRun
 from waltz.runtime import new_event_loop, tune_malloc
 from waltz.spark.options import SourceOptions
@@ -137,6 +137,8 @@ class ClusterLogSource:
                 try:
                     run: RecordRun | None = future.result(self._timeout_s)
                     problem = f"the server returned nothing at transaction {pos}, below the planned end {end}"
+                except TrimmedError:
+                    raise  # Final: the caller applies failOnDataLoss (waltz.spark.datasource).
                 except (TimeoutError, WaltzError) as e:
                     run, problem = None, f"reading from transaction {pos} failed: {e!r}"
                 if run is None or run.count == 0:

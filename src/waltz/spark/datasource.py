@@ -42,6 +42,7 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 
+from waltz.errors import TrimmedError
 from waltz.spark.arrow import (
     ALL_COLUMNS,
     READ_SCHEMA_DDL,
@@ -93,8 +94,30 @@ def _read(options: SourceOptions, columns: tuple[Column, ...], partition: InputP
     if not isinstance(txn_range, TxnRange):
         return  # Spark turns an empty plan into one partition of None: nothing to read.
     source = _source(options)
-    for run in source.read(txn_range.partition, txn_range.start, txn_range.end):
-        yield to_arrow(txn_range.partition, run, columns=columns)
+    p, pos, end = txn_range.partition, txn_range.start, txn_range.end
+    while pos < end:
+        try:
+            for run in source.read(p, pos, end):
+                pos = run.end
+                yield to_arrow(p, run, columns=columns)
+            return
+        except TrimmedError as e:
+            pos = _past_trim_point(options, e, pos)
+
+
+def _past_trim_point(options: SourceOptions, error: TrimmedError, pos: int) -> int:
+    """A read below the partition's trim point: with ``failOnDataLoss`` (the default) the task fails with
+    the error's message; without, one WARNING and the read goes on at the trim point, as Kafka's source goes
+    on at the earliest offset left."""
+    if options.fail_on_data_loss:
+        raise TrimmedError(
+            f"{error}; set failOnDataLoss=false to start at the trim point",
+            partition_id=error.partition_id,
+            transaction_id=error.transaction_id,
+            trim_point=error.trim_point,
+        ) from error
+    log.warning("waltz data source: %s; starting at the trim point (failOnDataLoss=false)", error)
+    return max(pos + 1, error.trim_point)
 
 
 def _columns(schema: Any, options: SourceOptions) -> tuple[Column, ...]:

@@ -26,8 +26,10 @@ option                         applies    default         meaning
                                                           (alias ``maxTransactionsPerTrigger``)
 ``includeData``                read       ``true``        ``false`` drops the ``data`` column
 ``failOnDataLoss``             read       ``true``        fail when an offset is past the committed
-                                                          high-water mark (restored log, other cluster);
-                                                          ``false`` logs a warning and clamps
+                                                          high-water mark (restored log, other cluster)
+                                                          or a read starts below the trim point;
+                                                          ``false`` logs a warning and clamps (starts at
+                                                          the trim point)
 ``fetchSize``                  read       ``10000``       transactions per range request (1..10000)
 ``fetchDepth``                 read       ``3``           range requests in flight per task (1..16)
 ``minOffsetsPerTrigger``       stream     -               wait for at least this many new transactions

@@ -1,4 +1,4 @@
-"""The client <-> server message codec (frame magic ``'L'``, codec versions V0..V5), with no I/O.
+"""The client <-> server message codec (frame magic ``'L'``, codec versions V0..V6), with no I/O.
 
 :func:`encode` turns a message into a frame *payload* (the framing layer adds ``magic · version · length``);
 :func:`decode` turns one payload back into a message. The version is the one the hello handshake negotiated.
@@ -42,6 +42,7 @@ ReqId = ``u64 msb · u64 lsb`` (see :mod:`waltz.protocol.records`)::
     22   ServerPartitionsHealthStatResponse  i32 n · n x (i32 partitionId · bool healthy)              V4
     23   TransactionRangeRequest             i64 transactionId · i32 maxCount                          V5
     24   TransactionRangeResponse            i64 transactionId · i32 n · bytes run (n records)         V5
+    25   TrimmedResponse                     i64 transactionId · i64 trimPoint                         V6
 
 Checksums: ``checksum`` is the CRC-32 (java.util.zip.CRC32) of ``data`` alone, computed by the client that
 built the transaction. Decoding an AppendRequest or a successful TransactionDataResponse verifies it and
@@ -58,6 +59,11 @@ as the storage node stores them, each with its data checksum and a record checks
 (:mod:`waltz.protocol.record_run`). The server relays the run without decoding it; the decoder checks only
 that the run can hold its count, and the reader checks its shape (ids, lengths) and every checksum in one
 pass when it unpacks it.
+V6 is ours too: 25 answers a TransactionRangeRequest or a MountRequest (same ReqId) whose first transaction
+(the range's start; the mount's client high-water mark + 1) is below the partition's trim point, the lowest id
+still readable (``0 <= transactionId < trimPoint``, checked both ways). The client raises the non-retriable
+:class:`~waltz.errors.TrimmedError`. A V5 peer gets no answer to such a range request and, for such a mount,
+a feed that stops at the trim point (it cannot be told), as before V6.
 
 Guarantees (the h11 contract):
 
@@ -135,6 +141,7 @@ from waltz.protocol.client_server.messages import (
     TransactionDataResponse,
     TransactionRangeRequest,
     TransactionRangeResponse,
+    TrimmedResponse,
 )
 
 __all__ = [
@@ -173,6 +180,7 @@ __all__ = [
     "TransactionDataResponse",
     "TransactionRangeRequest",
     "TransactionRangeResponse",
+    "TrimmedResponse",
     "decode",
     "decode_append_fields",
     "decode_feed_data",

@@ -15,7 +15,7 @@ from waltz.protocol.wire import Reader, Writer
 MAGIC = 0x4C
 """Frame magic byte of this codec (``'L'``)."""
 
-SUPPORTED_VERSIONS: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
+SUPPORTED_VERSIONS: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6)
 """Codec versions this module speaks; the hello handshake picks the highest one both peers have."""
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -54,6 +54,7 @@ class MessageType(IntEnum):
     SERVER_PARTITIONS_HEALTH_STAT_RESPONSE = 22
     TRANSACTION_RANGE_REQUEST = 23
     TRANSACTION_RANGE_RESPONSE = 24
+    TRIMMED_RESPONSE = 25
 
 
 class PartitionState(IntEnum):

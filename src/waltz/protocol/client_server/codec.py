@@ -33,6 +33,7 @@ from waltz.protocol.client_server.messages import (
     TransactionDataResponse,
     TransactionRangeRequest,
     TransactionRangeResponse,
+    TrimmedResponse,
 )
 from waltz.protocol.record_run import RunBytes
 
@@ -62,6 +63,7 @@ Message = (
     | ServerPartitionsHealthStatResponse
     | TransactionRangeRequest
     | TransactionRangeResponse
+    | TrimmedResponse
 )
 """Any client <-> server message."""
 
@@ -91,6 +93,7 @@ _CLASSES: tuple[type[_Message], ...] = (
     ServerPartitionsHealthStatResponse,
     TransactionRangeRequest,
     TransactionRangeResponse,
+    TrimmedResponse,
 )
 
 for _code, _cls in enumerate(_CLASSES):

@@ -7,7 +7,7 @@ import struct
 from dataclasses import dataclass
 from typing import ClassVar, Self
 
-from waltz.errors import LocalProtocolError, RemoteProtocolError
+from waltz.errors import LocalProtocolError, RemoteProtocolError, TrimmedError
 from waltz.protocol.client_server.base import (
     _I64,
     _INT,
@@ -294,3 +294,30 @@ class TransactionRangeResponse(_Message):
         # which checks the shape and both checksums of every record in the one pass it makes anyway. A walk
         # here cost a third as much again per record, on the reader's side of a bulk read.
         return cls(req_id, transaction_id, count, run)
+
+
+@dataclass(frozen=True, slots=True)
+class TrimmedResponse(_Message):
+    """The answer to a TransactionRangeRequest or a MountRequest (same ReqId) that asks for transactions below
+    the partition's trim point (V6, ours): ``transaction_id`` is the first id asked for (the range's start, or
+    the mount's client high-water mark + 1), ``trim_point`` the lowest id still readable. Final for the
+    request: the client raises :class:`~waltz.errors.TrimmedError`."""
+
+    TYPE: ClassVar[MessageType] = MessageType.TRIMMED_RESPONSE
+    MIN_VERSION: ClassVar[int] = 6
+    _KINDS: ClassVar[tuple[str, ...] | None] = (_I64, _I64)
+
+    req_id: ReqId
+    transaction_id: int
+    trim_point: int
+
+    def _check(self, error: type[LocalProtocolError | RemoteProtocolError]) -> None:
+        if not 0 <= self.transaction_id < self.trim_point:
+            raise error(
+                f"TrimmedResponse: transaction {self.transaction_id} is not below the trim point "
+                f"{self.trim_point}"
+            )
+
+    def error(self) -> TrimmedError:
+        """The error this answer reports, naming the partition, the requested id and the trim point."""
+        return TrimmedError.below(self.req_id.partition_id, self.transaction_id, self.trim_point)
