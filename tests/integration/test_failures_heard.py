@@ -31,7 +31,8 @@ from waltz.local.probe import http_get
 from waltz.protocol.records import Record, ReqId
 from waltz.server.config import ServerConfig
 from waltz.server.partition import Partition
-from waltz.server.server import WaltzServer, run_server
+from waltz.server.server import WaltzServer
+from waltz.server.startup import run_server
 from waltz.server.storage_client import AdminClient, StorageClient
 from waltz.storage import scrub
 from waltz.storage.config import StorageConfig

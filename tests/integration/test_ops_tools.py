@@ -248,6 +248,13 @@ def test_recover_partition_refuses_a_damaged_source_and_repairs_a_damaged_destin
         a, b, c = cluster.storages
         first = await served(cluster, 1, 50)
         assert first.hwm == 49
+
+        async def all_hold_everything() -> bool:
+            return [await cluster.max_transaction_id(sp) for sp in (a, b, c)] == [49, 49, 49]
+
+        # Acknowledged means on a quorum: a replica that joined late catches up a moment after the acks, and
+        # the good source below must hold every record before the server goes.
+        await wait_until(all_hold_everything, 30, "every replica to hold 0..49")
         # No server: its recovery would repair the damaged replica before the tools look at it.
         await asyncio.to_thread(cluster.servers[0].terminate)
         # What a power cut that dropped the partition directory's entry leaves: the node marks it damaged.

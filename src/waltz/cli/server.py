@@ -48,7 +48,7 @@ def register(groups: Any) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from waltz.runtime import run
     from waltz.server.config import ServerConfig
-    from waltz.server.server import run_server
+    from waltz.server.startup import run_server
 
     config = ServerConfig.load(args.config)
 

@@ -46,7 +46,7 @@ import logging
 import time
 import uuid
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 from kazoo.client import KazooClient
@@ -59,11 +59,10 @@ from waltz.cluster.trim_points import TrimPoints
 from waltz.cluster.zk import ClusterPaths
 from waltz.config import parse_partition_ranges
 from waltz.errors import PartitionNotReadyError, RemoteProtocolError, WaltzError
-from waltz.http import HttpEndpoint, build_info, listen, new_registry
+from waltz.http import HttpEndpoint, listen, new_registry
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
 from waltz.protocol.record_run import RunBytes
-from waltz.runtime import tune_gc, tune_malloc, wait_for_stop_signal
 from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
 from waltz.server.config import ServerConfig
 from waltz.server.connection import BadMessage, ClientConnection, CloseConnection
@@ -632,26 +631,7 @@ class WaltzServer:
                 await self._spawn_for(peer, self._transaction_range(peer, part, msg), f"range-{pid}")
             return
         if isinstance(msg, cs.MountRequest):
-            peer.mounts[pid] = rid
-            part = await self._owned(pid)
-            if part is None:
-                peer.mounts[pid] = None  # answered here: nothing more to end
-                peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
-                return
-            first = msg.client_high_water_mark + 1
-            if first < part.store.trim_point and peer.send_trimmed(rid, first, part.store.trim_point):
-                # The client needs what was trimmed: final for it (it bootstraps from a snapshot).
-                peer.mounts[pid] = None
-                log.warning(
-                    "partition %d: client %d mounts at %d, below the trim point %d",
-                    pid,
-                    rid.client_id,
-                    msg.client_high_water_mark,
-                    part.store.trim_point,
-                )
-                return
-            # Mounting waits for the append queue to drain; do it off this connection's read loop.
-            await self._spawn_for(peer, part.mount(peer, msg), f"mount-{pid}")
+            await self._mount(peer, msg)
             return
         if not isinstance(msg, cs.FeedRequest | cs.FlushRequest):
             raise CloseConnection(f"unexpected {type(msg).__name__} from a client")
@@ -670,6 +650,30 @@ class WaltzServer:
             raise CloseConnection(
                 f"{type(msg).__name__} for partition {pid}, never mounted on this connection"
             )
+
+    async def _mount(self, peer: ClientConnection, msg: cs.MountRequest) -> None:
+        rid = msg.req_id
+        pid = rid.partition_id
+        peer.mounts[pid] = rid
+        part = await self._owned(pid)
+        if part is None:
+            peer.mounts[pid] = None  # answered here: nothing more to end
+            peer.send(cs.MountResponse(rid, cs.PartitionState.NOT_READY))
+            return
+        first, trim = msg.client_high_water_mark + 1, part.store.trim_point
+        if first < trim and peer.send_trimmed(rid, first, trim):
+            # The client needs what was trimmed: final for it (it bootstraps from a snapshot).
+            peer.mounts[pid] = None
+            log.warning(
+                "partition %d: client %d mounts at %d, below the trim point %d",
+                pid,
+                rid.client_id,
+                first - 1,
+                trim,
+            )
+            return
+        # Mounting waits for the append queue to drain; do it off this connection's read loop.
+        await self._spawn_for(peer, part.mount(peer, msg), f"mount-{pid}")
 
     async def _cluster_request(self, peer: ClientConnection, msg: cs.Message) -> bool:
         """Answer ``msg`` if it is a cluster-level query (it names no partition); False if it is not one."""
@@ -870,37 +874,3 @@ def _log_closing(conn: FramedConnection, peer: ClientConnection, error: BadMessa
         )
     else:
         log.info("closing the connection of client %s (%s): %s", peer.client_id, conn.peername, error)
-
-
-async def run_server(config: ServerConfig, *, ready: Callable[[WaltzServer], None] | None = None) -> None:
-    """Run a server until SIGTERM/SIGINT, then leave the cluster cleanly."""
-    info = build_info()
-    log.info(
-        "waltz server %s starting (python %s%s): zookeeper %s, cluster %s, %s:%d, HTTP port %s, TLS %s",
-        info["version"],
-        info["python"],
-        f", commit {info['commit'][:12]}" if "commit" in info else "",
-        config.zookeeper_connect,
-        config.cluster_root,
-        config.host,
-        config.port,
-        config.http_port or "off",
-        "on" if config.tls.enabled else "off",
-    )
-    server = await WaltzServer.start(config)
-    tune_gc()
-    tune_malloc()
-    try:
-        if ready is not None:
-            ready(server)
-        stop = asyncio.create_task(wait_for_stop_signal(), name="server-stop-signal")
-        failed = asyncio.create_task(server.wait_failed(), name="server-failure")
-        await asyncio.wait([stop, failed], return_when=asyncio.FIRST_COMPLETED)
-        for t in (stop, failed):
-            t.cancel()
-        await asyncio.gather(stop, failed, return_exceptions=True)
-        if server.failure is not None:
-            raise WaltzError(f"the server failed: {server.failure!r}") from server.failure
-    finally:
-        await server.aclose()
-        log.info("server %d stopped", server.server_id)
