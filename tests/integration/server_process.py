@@ -25,7 +25,7 @@ from typing import Any, Self
 from kazoo.client import KazooClient
 
 from tests.integration.storage_process import DEFAULT_KEY, StorageProcess
-from tests.integration.waltz_process import WaltzProcess, WaltzProcessError
+from tests.integration.waltz_process import READY_TIMEOUT_S, WaltzProcess, WaltzProcessError
 from waltz.cluster import store_metadata as sm
 from waltz.protocol.records import Record
 from waltz.server.storage_client import AdminClient
@@ -90,6 +90,18 @@ class ServerProcess(WaltzProcess):
         if self.port:  # a restart keeps its ports
             values["server.port"] = self.port
         return values
+
+    def start(self, timeout_s: float = READY_TIMEOUT_S) -> Self:
+        """Start and wait until it serves. The HTTP port was free when this object was made, but a process
+        started since (a storage node on port 0) may have been given it: a first start refused for that port
+        takes another free one, once."""
+        try:
+            return super().start(timeout_s)
+        except ServerProcessError as e:
+            if self.port or "(server.http.port): Address already in use" not in str(e):
+                raise
+        self.config["server.http.port"] = free_port()
+        return super().start(timeout_s)
 
     def _on_ready(self, ready: dict[str, Any]) -> None:
         self.port, self.http_port, self.server_id = (
