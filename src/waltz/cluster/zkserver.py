@@ -10,8 +10,9 @@ Configuration choices, and why:
 * ``clientPortAddress=127.0.0.1``: nothing listens beyond loopback.
 * ``admin.enableServer=false``: the Jetty admin server would take port 8080 and collide between instances.
 * ``4lw.commands.whitelist=ruok,srvr,stat``: ``ruok`` is how :meth:`ZooKeeperServer.start` knows it answers.
-* ``tickTime`` 500 ms with ``minSessionTimeout`` 1000 and ``maxSessionTimeout`` 60000: tests can use short
-  session timeouts, and the production default of 30 s is still honoured (not capped at 20 ticks).
+* ``tickTime`` 500 ms with ``minSessionTimeout`` 1000 and ``maxSessionTimeout`` 60000 (docs/deploy.md's
+  recommendation): the servers' 2000 ms session is granted as asked and expires on time (sessions expire on
+  tick boundaries), and the 30 s sessions of clients and the CLI are not capped at 20 ticks.
 
 TLS (:class:`ServerTls`, used by ``waltz local up --tls``): the server's port becomes a ``secureClientPort``
 served by Netty (``serverCnxnFactory=NettyServerCnxnFactory``; the netty jars that the zookeeper.jar manifest
