@@ -27,7 +27,46 @@ def register(groups: Any) -> None:
         p.add_argument("--dir", required=True, type=Path, metavar="D", help="the cluster's directory")
         return p
 
-    up = with_dir("up", "start ZooKeeper, storage nodes and servers; wait until every partition is served")
+    _register_up(
+        with_dir("up", "start ZooKeeper, storage nodes and servers; wait until every partition is served")
+    )
+
+    st = with_dir("status", "processes, partition owners, high-water marks, replica states")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.set_defaults(handler=cmd_status)
+
+    dn = with_dir("down", "stop everything `up` started (servers, storage nodes, ZooKeeper)")
+    dn.add_argument(
+        "--purge",
+        action="store_true",
+        help="also delete what `up` created (data, configs, logs); the directory too if nothing else is left",
+    )
+    dn.set_defaults(handler=cmd_down)
+
+    rs = with_dir("restart", "stop what runs, then start the whole cluster again with its data")
+    rs.add_argument("--timeout", type=float, default=60.0, metavar="S", help="start timeout in seconds")
+    rs.set_defaults(handler=cmd_restart)
+
+    for name, help_text in (
+        ("kill", "SIGKILL one storage node, server or ZooKeeper (a crash, for fault drills)"),
+        ("start", "start a killed storage node, server or ZooKeeper again"),
+    ):
+        p = with_dir(name, help_text)
+        which = p.add_mutually_exclusive_group(required=True)
+        which.add_argument("--storage", type=int, metavar="I", help="storage node index (0-based)")
+        which.add_argument("--server", type=int, metavar="I", help="server index (0-based)")
+        which.add_argument(
+            "--zookeeper",
+            type=int,
+            nargs="?",
+            const=0,
+            metavar="I",
+            help="the cluster's ZooKeeper (I: an ensemble member, 0-based; default 0)",
+        )
+        p.set_defaults(handler=cmd_kill if name == "kill" else cmd_start)
+
+
+def _register_up(up: argparse.ArgumentParser) -> None:
     up.add_argument("--storages", type=int, default=3, metavar="N", help="storage nodes (default 3)")
     up.add_argument("--servers", type=int, default=2, metavar="N", help="servers (default 2)")
     up.add_argument("--partitions", type=int, default=4, metavar="N", help="partitions (default 4)")
@@ -68,40 +107,6 @@ def register(groups: Any) -> None:
     )
     up.add_argument("--timeout", type=float, default=60.0, metavar="S", help="start timeout in seconds")
     up.set_defaults(handler=cmd_up)
-
-    st = with_dir("status", "processes, partition owners, high-water marks, replica states")
-    st.add_argument("--json", action="store_true", help="machine-readable output")
-    st.set_defaults(handler=cmd_status)
-
-    dn = with_dir("down", "stop everything `up` started (servers, storage nodes, ZooKeeper)")
-    dn.add_argument(
-        "--purge",
-        action="store_true",
-        help="also delete what `up` created (data, configs, logs); the directory too if nothing else is left",
-    )
-    dn.set_defaults(handler=cmd_down)
-
-    rs = with_dir("restart", "stop what runs, then start the whole cluster again with its data")
-    rs.add_argument("--timeout", type=float, default=60.0, metavar="S", help="start timeout in seconds")
-    rs.set_defaults(handler=cmd_restart)
-
-    for name, help_text in (
-        ("kill", "SIGKILL one storage node, server or ZooKeeper (a crash, for fault drills)"),
-        ("start", "start a killed storage node, server or ZooKeeper again"),
-    ):
-        p = with_dir(name, help_text)
-        which = p.add_mutually_exclusive_group(required=True)
-        which.add_argument("--storage", type=int, metavar="I", help="storage node index (0-based)")
-        which.add_argument("--server", type=int, metavar="I", help="server index (0-based)")
-        which.add_argument(
-            "--zookeeper",
-            type=int,
-            nargs="?",
-            const=0,
-            metavar="I",
-            help="the cluster's ZooKeeper (I: an ensemble member, 0-based; default 0)",
-        )
-        p.set_defaults(handler=cmd_kill if name == "kill" else cmd_start)
 
 
 def _quiet_kazoo(args: argparse.Namespace) -> None:
