@@ -4,8 +4,9 @@ processes, after appending N transactions of a given size to a ``waltz local`` c
     .venv/bin/python -m bench.sizing [--txns 100000] [--txn-size 512] [--partitions 4]
 
 Prints one JSON object: the storage directories' logical bytes (file sizes) and allocated bytes (blocks)
-per transaction per replica, before and after; each server's and storage node's resident memory (VmRSS);
-and the same per million transactions.
+per transaction per replica, measured after a clean stop (which cuts each partition's newest segment to its
+last record: while running it is zero-filled up to ``storage.segment.preallocateBytes``, 4 MiB, ahead), and
+each server's and storage node's resident memory (VmRSS) before and after the appends.
 """
 
 from __future__ import annotations
@@ -42,14 +43,15 @@ def rss_bytes(pid: int | None) -> int:
     return 0
 
 
-def snapshot(cluster: LocalCluster) -> dict[str, object]:
-    disks = [disk_bytes(Path(s.data_dir)) for s in cluster.storages]
+def memory(cluster: LocalCluster) -> dict[str, list[int]]:
     return {
-        "storage_logical_bytes": [d[0] for d in disks],
-        "storage_allocated_bytes": [d[1] for d in disks],
         "storage_rss_bytes": [rss_bytes(s.pid) for s in cluster.storages],
         "server_rss_bytes": [rss_bytes(s.pid) for s in cluster.servers],
     }
+
+
+def disks(cluster: LocalCluster) -> list[tuple[int, int]]:
+    return [disk_bytes(Path(s.data_dir)) for s in cluster.storages]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         local.up(local.UpOptions(directory=directory, partitions=args.partitions))
         try:
             cluster = LocalCluster.load(directory)
-            before = snapshot(cluster)
+            local.down(directory)  # a clean stop: the newest segments cut to their last record
+            local.restart(directory)
+            cluster = LocalCluster.load(directory)
+            disk_before, memory_before = disks(cluster), memory(cluster)
             per_client = args.txns // args.clients
             subprocess.run(
                 [
@@ -76,18 +81,13 @@ def main(argv: list[str] | None = None) -> int:
                 check=True,
                 stdout=subprocess.DEVNULL,
             )  # fmt: skip
-            after = snapshot(cluster)
+            memory_after = memory(cluster)
         finally:
             local.down(directory)
+        disk_after = disks(cluster)
     txns = per_client * args.clients
-    added = [
-        (a - b) / txns
-        for a, b in zip(after["storage_logical_bytes"], before["storage_logical_bytes"], strict=True)  # type: ignore[call-overload]
-    ]
-    allocated = [
-        (a - b) / txns
-        for a, b in zip(after["storage_allocated_bytes"], before["storage_allocated_bytes"], strict=True)  # type: ignore[call-overload]
-    ]
+    added = [(a[0] - b[0]) / txns for a, b in zip(disk_after, disk_before, strict=True)]
+    allocated = [(a[1] - b[1]) / txns for a, b in zip(disk_after, disk_before, strict=True)]
     print(
         json.dumps(
             {
@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                 "txn_size": args.txn_size,
                 "logical_bytes_per_txn_per_replica": [round(x, 1) for x in added],
                 "allocated_bytes_per_txn_per_replica": [round(x, 1) for x in allocated],
-                "before": before,
-                "after": after,
+                "memory_before": memory_before,
+                "memory_after": memory_after,
             }
         )
     )
