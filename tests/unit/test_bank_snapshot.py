@@ -136,7 +136,7 @@ def test_a_snapshot_is_restored_into_an_empty_database_only(tmp_path: Path) -> N
     db = db_of(tmp_path, "used")
     with db.engine.begin() as conn:
         conn.execute(sa.insert(db.hwm).values(partition_id=0, high_water_mark=7))
-    with pytest.raises(SnapshotError, match="table bank_hwm of sqlite:///.*bank-used.db is not empty"):
+    with pytest.raises(SnapshotError, match=r"table bank_hwm of sqlite:///.*bank-used\.db is not empty"):
         restore_snapshot(Snapshot({0: 3}, [(1, 1, True)], [], 0), db)
     assert (db.high_water_marks(), db.balances()) == ({0: 7}, {})
     db.engine.dispose()
