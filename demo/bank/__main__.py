@@ -234,7 +234,7 @@ def snapshot_command(args: argparse.Namespace) -> int:
                 print(outcome.message)
             except WaltzError as e:
                 refused += 1
-                print(f"demo.bank: partition {partition_id} not trimmed: {e}", file=sys.stderr)
+                print(f"demo.bank: not trimmed: {e}", file=sys.stderr)
     return 1 if refused else 0
 
 
