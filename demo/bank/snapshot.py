@@ -209,17 +209,19 @@ def trim_below(
 def restore_snapshot(snapshot: Snapshot, db: BankDb) -> None:
     """Load ``snapshot`` into ``db``, in one database transaction, before the instance's client starts.
 
-    ``db`` must be empty (no high-water mark, account or anomaly): a database that already follows the log
-    is refused with :class:`SnapshotError` naming its tables, and left as it was.
+    ``db`` must not have applied anything: no account, no anomaly, no high-water mark above -1 (an instance
+    that failed with TrimmedError left its marks at -1; they are replaced). A database that did apply
+    transactions is refused with :class:`SnapshotError` naming its table, and left as it was.
     """
     a, t, h = db.accounts, db.anomalies, db.hwm
     with db.engine.begin() as connection:
-        for table in (h, a, t):
-            if connection.execute(sa.select(sa.func.count()).select_from(table)).scalar_one():
+        for table, applied in ((h, h.c.high_water_mark >= 0), (a, sa.true()), (t, sa.true())):
+            if connection.execute(sa.select(sa.func.count()).select_from(table).where(applied)).scalar_one():
                 raise SnapshotError(
                     f"table {table.name} of {db.engine.url.render_as_string()} is not empty: a snapshot "
                     "is restored into an empty database only (drop this instance's tables first)"
                 )
+        connection.execute(sa.delete(h))
         marks = [{"partition_id": p, "high_water_mark": m} for p, m in snapshot.high_water_marks.items()]
         if marks:
             connection.execute(sa.insert(h), marks)

@@ -175,9 +175,10 @@ def test_the_command_line_snapshots_trims_and_bootstraps(
         assert "is below the trim point 4" in err
         assert "with --from-snapshot FILE" in err
 
-        assert main([*common, "--name", "new", "--from-snapshot", str(path)]) == 0
-        assert f"instance new starts from {path}: 4 accounts" in capsys.readouterr().out
-        engine, _ = make_engine(None, data, "new")
+        # The same instance (its marks left at -1) started again from the snapshot.
+        assert main([*common, "--name", "fresh", "--from-snapshot", str(path)]) == 0
+        assert f"instance fresh starts from {path}: 4 accounts" in capsys.readouterr().out
+        engine, _ = make_engine(None, data, "fresh")
         assert BankDb(engine).balances() == expected
         engine.dispose()
 

@@ -134,11 +134,16 @@ def test_a_bad_snapshot_file_is_named(tmp_path: Path, content: str | None, messa
 
 def test_a_snapshot_is_restored_into_an_empty_database_only(tmp_path: Path) -> None:
     db = db_of(tmp_path, "used")
+    with db.engine.begin() as conn:  # Marks at -1: an instance that mounted but applied nothing.
+        conn.execute(sa.insert(db.hwm).values(partition_id=0, high_water_mark=-1))
+        conn.execute(sa.insert(db.hwm).values(partition_id=1, high_water_mark=-1))
+    restore_snapshot(Snapshot({0: 3}, [(1, 1, True)], [], 0), db)
+    assert (db.high_water_marks(), db.balances()) == ({0: 3}, {1: (1, True)})
     with db.engine.begin() as conn:
-        conn.execute(sa.insert(db.hwm).values(partition_id=0, high_water_mark=7))
+        conn.execute(sa.update(db.hwm).values(high_water_mark=7))
     with pytest.raises(SnapshotError, match=r"table bank_hwm of sqlite:///.*bank-used\.db is not empty"):
         restore_snapshot(Snapshot({0: 3}, [(1, 1, True)], [], 0), db)
-    assert (db.high_water_marks(), db.balances()) == ({0: 7}, {})
+    assert (db.high_water_marks(), db.balances()) == ({0: 7}, {1: (1, True)})
     db.engine.dispose()
 
 
