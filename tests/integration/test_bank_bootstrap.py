@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from demo.bank.__main__ import main
 from demo.bank.app import BankInstance, make_engine
+from demo.bank.bootstrap import bootstrap_drill
 from demo.bank.model import COMMITTED, BankDb
 from demo.bank.snapshot import (
     Snapshot,
@@ -240,3 +241,32 @@ async def read_deposits(config: ClientConfig, marks: dict[int, int]) -> dict[int
                 assert op["op"] == "deposit"
                 found[p].append((int(op["account"]), int(op["amount"])))
     return found
+
+
+@pytest.mark.timeout(180)
+def test_the_demo_bootstrap_drill(tmp_path: Path, zk: KazooClient, zk_connect_string: str) -> None:
+    """What ``make demo`` runs after the bank's run (demo/bank/bootstrap.py), on instances 0 and 1."""
+
+    def body(cluster: ClientTestCluster) -> None:
+        config, data = cluster.client_config(), tmp_path / "bank"
+        with bank(data, "0", config) as zero, bank(data, "1", config) as one:
+            for i in range(60):
+                (zero if i % 2 else one).deposit(i % 12, 3 + i)
+            zero.client.flush_transactions(30)
+            one.client.flush_transactions(30)
+            assert zero.wait_caught_up(30)
+            assert one.wait_caught_up(30)
+        lines: list[str] = []
+        assert bootstrap_drill(config, data, data / "snapshot.json", say=lines.append), lines
+        assert lines[0].startswith("snapshot of instance 0: 12 accounts at high-water marks {0: 29, 1: 29}")
+        assert lines[1:3] == [
+            "partition 0: trim point raised from 0 to 20",
+            "partition 1: trim point raised from 0 to 20",
+        ]
+        assert lines[3] == "instance 1 (never emptied) made 20 more deposits"
+        assert lines[4].startswith(
+            "an instance with an empty database fails at once: TrimmedError: partition"
+        )
+        assert "balances and high-water marks equal instance 1's for all 20 accounts" in lines[5]
+
+    with_cluster(tmp_path, zk, zk_connect_string, body)
