@@ -35,7 +35,7 @@ from demo.bank.bootstrap import bootstrap_drill
 from demo.bank.model import BankDb
 from waltz import ClientConfig, local
 from waltz.errors import WaltzError
-from waltz.local.cluster import render_up
+from waltz.local.overview import render_up
 
 
 def bank_balances(directory: Path, instance: str) -> dict[int, int]:
