@@ -175,7 +175,11 @@ def main(argv: Sequence[str] | None = None, drills: Sequence[Drill] = ()) -> int
             seed=args.seed,
             display=not args.no_display,
         )
-        report = run_auto(instance_factory(config, args.dir, args.db_url, driver_factory), opts, drills)
+        try:
+            report = run_auto(instance_factory(config, args.dir, args.db_url, driver_factory), opts, drills)
+        except TrimmedError as e:
+            print(f"demo.bank: auto starts every instance with an empty database: {e}", file=sys.stderr)
+            return 1
         print(report.render())
         return 0 if report.ok else 1
     return interactive_command(args, config, driver_factory)

@@ -176,6 +176,12 @@ def test_the_command_line_snapshots_trims_and_bootstraps(
         assert "is below the trim point 4" in err
         assert "with --from-snapshot FILE" in err
 
+        auto = ["auto", "--seconds", "1", "--instances", "1", "--no-display"]
+        assert main([*common, *auto]) == 1
+        err = capsys.readouterr().err
+        assert "demo.bank: auto starts every instance with an empty database: partition " in err
+        assert "is below the trim point 4" in err
+
         # The same instance (its marks left at -1) started again from the snapshot.
         assert main([*common, "--name", "fresh", "--from-snapshot", str(path)]) == 0
         assert f"instance fresh starts from {path}: 4 accounts" in capsys.readouterr().out
