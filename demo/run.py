@@ -47,12 +47,16 @@ def bank_balances(directory: Path, instance: str) -> dict[int, int]:
         engine.dispose()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m demo.run", description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="length of the bank run")
     parser.add_argument("--dir", type=Path, default=None, help="cluster directory (default: a temporary one)")
     parser.add_argument("--no-report", action="store_true", help="skip the Spark report")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kazoo").setLevel(logging.ERROR)
 
