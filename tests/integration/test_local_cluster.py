@@ -288,4 +288,9 @@ def test_an_ensemble_with_tls_on_its_quorum_links(cluster_dir: Path) -> None:
     assert all(p["healthy"] for p in status["partitions"])  # ...but every partition is served
     assert waltz("local", "start", "--dir", d, "--zookeeper", "1").returncode == 0
     assert waltz("local", "status", "--dir", d).returncode == 0
+    # The whole ensemble stopped and started again: its data, hence the cluster, survives.
+    assert waltz("local", "down", "--dir", d).returncode == 0
+    restarted = waltz("local", "restart", "--dir", d)
+    assert restarted.returncode == 0, restarted.stderr
+    assert waltz("local", "status", "--dir", d).returncode == 0
     assert waltz("local", "down", "--dir", d, "--purge").returncode == 0
