@@ -3,9 +3,9 @@
 :func:`up` starts, in order (the start-up order of docs/deploy.md): ZooKeeper (Debian's package, through
 :mod:`waltz.cluster.zkserver`; with ``zookeepers=N`` an ensemble of N members, each with its own data
 directory, ``myid`` and quorum and election ports, TLS on the links between them too with ``tls``), the
-cluster metadata (``create_cluster``, ``add_storage_node``, ``auto_assign`` per group), the storage processes (then
-tells each its partitions through the admin port), and the servers; it returns once every partition has a
-server reporting it healthy. Each process listens on loopback ports (free ones, or consecutive ones from
+cluster metadata (``create_cluster``, ``add_storage_node``, ``auto_assign`` per group), the storage processes
+(then tells each its partitions through the admin port), and the servers; it returns once every partition has
+a server reporting it healthy. Each process listens on loopback ports (free ones, or consecutive ones from
 ``base_port``), logs under ``D/logs/``, and is recorded in ``D/cluster.json`` (see :mod:`waltz.local.state`).
 ``D/client.yaml`` is a client (and CLI) configuration for the cluster.
 
