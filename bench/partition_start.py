@@ -66,6 +66,9 @@ class _Callbacks(ClientCallbacks):
     def apply_transaction(self, transaction: Transaction) -> None:
         pass
 
+    def uncaught_exception(self, partition_id: int, transaction_id: int, exception: BaseException) -> None:
+        print(f"apply failed: {exception!r}", file=sys.stderr)
+
 
 class _Append(TransactionContext):
     def __init__(self, partition: int, done: asyncio.Future[bool]) -> None:

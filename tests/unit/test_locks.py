@@ -427,3 +427,34 @@ def test_one_write_lock_requests_take_the_slots_of_their_lock_remembered_or_not(
         assert request.checked == (lock_slots(lock, 1000),)
         table.commit_and_release(request, 5)
         assert len(table._slots_of) <= limit
+
+
+def test_slots_take_memory_only_from_the_first_request_with_locks() -> None:
+    # A partition whose appends never lock must not pay 9 bytes a slot (264 KiB at the default size): with
+    # many partitions that was most of what one more partition cost a server.
+    table = LockTable(initial_high_water_mark=7)
+    assert not table.allocated
+    assert len(table._hwms) == 0
+    assert len(table._busy) == 0
+    assert table.busy_slots() == 0
+    assert table.lock_high_water_mark(L) == 7  # what every slot will start at
+    request = table.begin_checked((L,), (), (), 7)
+    assert isinstance(request, LockRequest)
+    assert table.allocated
+    assert len(table._hwms) == DEFAULT_LOCK_TABLE_SIZE
+    assert set(table._hwms) == {7}
+    table.commit_and_release(request, 8)
+    assert table.lock_high_water_mark(L) == 8
+
+
+@pytest.mark.parametrize("path", ["begin", "begin_checked"])
+def test_an_unallocated_table_conflicts_as_an_allocated_one(path: str) -> None:
+    # The first request sees every slot at the initial mark, whichever entry point allocates them.
+    table = LockTable(initial_high_water_mark=20)
+    if path == "begin":
+        request = table.begin((L,), (M,), ())
+        assert request is not None
+        assert table.check(request, 19) == 20
+    else:
+        assert table.begin_checked((L,), (), (), 19) == 20
+    assert table.allocated
