@@ -7,7 +7,8 @@ For each it prints:
 
 * ``up``: the whole ``waltz local up`` (ZooKeeper, storage nodes, server, until every partition is served);
 * ``restart``: the server killed (SIGKILL) and started again: from its spawn to every partition reported
-  served by its ``/health`` (each partition owned again, its store session open after recovery);
+  served by its ``/health`` (each partition owned again, its store session open after recovery), and the
+  server's CPU time until then (user + system, independent of the machine's load, unlike the wall time);
 * ``appended``: one append to every partition through one :class:`~waltz.AsyncWaltzClient`, from the client's
   start to the last ``on_completion``;
 * the server's resident memory (VmRSS of ``/proc/<pid>/status``) after the appends, and the storage nodes'.
@@ -46,6 +47,12 @@ from waltz.local import cluster as local  # noqa: E402
 from waltz.local import probe  # noqa: E402
 
 START_TIMEOUT_S = 300.0
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far (fields 14 and 15 of /proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_bytes(pid: int) -> int:
@@ -113,6 +120,7 @@ class Figures:
     partitions: int
     up_s: float
     restart_s: float
+    restart_cpu_s: float
     appended_s: float
     committed: int
     server_rss: int
@@ -122,7 +130,8 @@ class Figures:
         mib = 1 << 20
         return (
             f"{self.partitions:5} partitions: up {self.up_s:6.1f} s, server restart to all served "
-            f"{self.restart_s:6.1f} s, one append each {self.appended_s:5.1f} s "
+            f"{self.restart_s:6.1f} s (server CPU {self.restart_cpu_s:5.1f} s), "
+            f"one append each {self.appended_s:5.1f} s "
             f"({self.committed} committed); "
             f"server RSS {self.server_rss / mib:6.1f} MiB, storage RSS "
             f"{', '.join(f'{r / mib:.1f}' for r in self.storage_rss)} MiB"
@@ -130,6 +139,8 @@ class Figures:
 
 
 def measure(partitions: int) -> Figures:
+    """Start a cluster of ``partitions`` partitions on one server and measure it (see the module docstring);
+    the cluster is gone when this returns. ``tests/integration/test_many_partitions.py`` asserts on it."""
     with tempfile.TemporaryDirectory(prefix="waltz-partition-start-") as tmp:
         t0 = time.perf_counter()
         opts = local.UpOptions(
@@ -148,6 +159,7 @@ def measure(partitions: int) -> Figures:
             assert rec.http_port is not None
             wait_all_served(rec.http_port, partitions, START_TIMEOUT_S)
             restart_s = time.perf_counter() - t0
+            restart_cpu_s = cpu_s(rec.pid or 0)
             config = ClientConfig.from_yaml(Path(cluster.directory) / "client.yaml")
             t0 = time.perf_counter()
             committed = asyncio.run(append_everywhere(config, partitions))
@@ -157,6 +169,7 @@ def measure(partitions: int) -> Figures:
                 partitions,
                 up_s,
                 restart_s,
+                restart_cpu_s,
                 appended_s,
                 committed,
                 rss_bytes(rec.pid or 0),
