@@ -11,7 +11,8 @@ For each it prints:
   server's CPU time until then (user + system, independent of the machine's load, unlike the wall time);
 * ``appended``: one append to every partition through one :class:`~waltz.AsyncWaltzClient`, from the client's
   start to the last ``on_completion``;
-* the server's resident memory (VmRSS of ``/proc/<pid>/status``) after the appends, and the storage nodes'.
+* the server's resident memory (VmRSS of ``/proc/<pid>/status``) after the appends, and the storage nodes';
+* ``idle``: the server's CPU over ``IDLE_S`` seconds with nothing to do (what its partitions' timers cost).
 
 Memory per partition is ``(server RSS at --partitions - server RSS at --baseline) / (difference in
 partitions)``: what one more partition costs a server, without the interpreter's own footprint. The load
@@ -47,6 +48,7 @@ from waltz.local import cluster as local  # noqa: E402
 from waltz.local import probe  # noqa: E402
 
 START_TIMEOUT_S = 300.0
+IDLE_S = 5.0
 
 
 def cpu_s(pid: int) -> float:
@@ -125,6 +127,8 @@ class Figures:
     committed: int
     server_rss: int
     storage_rss: list[int]
+    idle_cpu_s: float
+    """Server CPU seconds per second, idle (after the appends)."""
 
     def line(self) -> str:
         mib = 1 << 20
@@ -134,7 +138,8 @@ class Figures:
             f"one append each {self.appended_s:5.1f} s "
             f"({self.committed} committed); "
             f"server RSS {self.server_rss / mib:6.1f} MiB, storage RSS "
-            f"{', '.join(f'{r / mib:.1f}' for r in self.storage_rss)} MiB"
+            f"{', '.join(f'{r / mib:.1f}' for r in self.storage_rss)} MiB; "
+            f"idle server CPU {100 * self.idle_cpu_s:.1f}% of a core"
         )
 
 
@@ -165,6 +170,9 @@ def measure(partitions: int) -> Figures:
             committed = asyncio.run(append_everywhere(config, partitions))
             appended_s = time.perf_counter() - t0
             storages = local.LocalCluster.load(cluster.directory).storages
+            idle0 = cpu_s(rec.pid or 0)
+            time.sleep(IDLE_S)
+            idle_cpu_s = (cpu_s(rec.pid or 0) - idle0) / IDLE_S
             return Figures(
                 partitions,
                 up_s,
@@ -174,6 +182,7 @@ def measure(partitions: int) -> Figures:
                 committed,
                 rss_bytes(rec.pid or 0),
                 [rss_bytes(s.pid or 0) for s in storages],
+                idle_cpu_s,
             )
         finally:
             local.down(cluster.directory, purge=True)
