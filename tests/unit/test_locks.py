@@ -429,6 +429,19 @@ def test_one_write_lock_requests_take_the_slots_of_their_lock_remembered_or_not(
         assert len(table._slots_of) <= limit
 
 
+def test_the_remembered_slots_are_shared_by_tables_of_one_size() -> None:
+    # One memory per server, not per partition: 1,000 partitions must not hold 1,000 of them.
+    one, two, other = LockTable(777, -1), LockTable(777, -1), LockTable(778, -1)
+    assert one._slots_of is two._slots_of
+    assert other._slots_of is not one._slots_of
+    request = one.begin_checked((123,), (), (), 5)
+    assert isinstance(request, LockRequest)
+    assert two._slots_of[123] == lock_slots(123, 777)
+    request = other.begin_checked((123,), (), (), 5)
+    assert isinstance(request, LockRequest)
+    assert request.updated == lock_slots(123, 778)
+
+
 def test_slots_take_memory_only_from_the_first_request_with_locks() -> None:
     # A partition whose appends never lock must not pay 9 bytes a slot (264 KiB at the default size): with
     # many partitions that was most of what one more partition cost a server.

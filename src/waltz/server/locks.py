@@ -47,8 +47,12 @@ NUM_HASHES = 3
 
 _MASK32 = 0xFFFFFFFF
 _object_new = object.__new__
-_SLOTS_CACHE_ENTRIES = 4096
-"""Lock values whose slots a table remembers (under 1 MB of tuples and ints)."""
+_SLOTS_CACHE_ENTRIES = 16384
+"""Lock values whose slots the tables of one size remember together (under 4 MB of tuples and ints for the
+whole process, however many partitions it holds)."""
+_SLOTS_OF: dict[int, dict[int, tuple[int, int, int]]] = {}
+"""The remembered slots of each table size: the slots of a lock depend on the size only, so every partition
+of a server (all of one size) shares one memory of them, and memory does not grow with the partitions."""
 _LCG_MULTIPLIER = 1103515245
 _LCG_INCREMENT = 12345
 
@@ -103,10 +107,11 @@ class LockTable:
         if size < 1:
             raise ValueError(f"lock table size must be positive, got {size}")
         self.size = size
-        self._slots_of: dict[int, tuple[int, int, int]] = {}
+        self._slots_of = _SLOTS_OF.setdefault(size, {})
         """:func:`lock_slots` of the one-write-lock appends' recent lock values (at most
-        :data:`_SLOTS_CACHE_ENTRIES`, then cleared): a lock used again (a key updated again, the reason to
-        lock it) costs a lookup instead of six multiplications and divisions on Python ints."""
+        :data:`_SLOTS_CACHE_ENTRIES`, then cleared; shared by the tables of this size): a lock used again (a
+        key updated again, the reason to lock it) costs a lookup instead of six multiplications and divisions
+        on Python ints."""
         self._initial = initial_high_water_mark
         """What every slot holds until :meth:`_allocate` makes them (and after a :meth:`reset`)."""
         self._hwms = array("q")
