@@ -1,18 +1,26 @@
 """The bank report on Spark: the bank demo's state rebuilt from its Waltz log alone.
 
-Reads the whole committed log with the ``waltz`` data source and computes
+First it reads the lineage (:func:`read_lineage`): the cluster's name and key (the log's identity) and the
+committed high-water mark of every partition, with the time it read them. The Spark read of the ``waltz``
+data source then ends at those marks (``endingOffsets``), so the report covers exactly transactions
+``0..hwm`` of each partition, whatever is appended while it runs. From that log it computes
 
 * the balance per account (deposits minus withdrawals; deactivations do not move money), which must equal
   the balances the bank instances' databases hold (they are materialised views of the same log);
-* totals and counts per operation type; the top accounts by balance;
-* rejected withdrawals: withdrawals in the log that the bank's apply step records as anomalies (from an
-  unknown or deactivated account, or larger than the balance at that point of the log). A correct cluster
-  has none; withdrawals the bank declined before appending never reach the log.
+* per partition, operations by type and the money deposited, withdrawn and held;
+* over the log, per partition: the money held after each range of transactions and the money deposited and
+  withdrawn in it (there is no commit time in the log: positions are transaction ids);
+* a check: withdrawals in the log that the bank's apply step would record as anomalies (from an unknown or
+  deactivated account, or larger than the balance at that point of the log). A correct cluster has none
+  (withdrawals the bank declined never reach the log), so the page shows how many withdrawals were checked
+  and turns red only when one fails.
 
 Each transaction's data is the bank's JSON ``{"op": "deposit"|"withdraw"|"deactivate", "account": id,
-"amount": n}`` (demo/bank/model.py). Results are written as Parquet under ``out_dir`` and printed, and
-``out_dir/report.html`` shows two charts (demo/chart.py): the distribution of balances, and operations per
-partition over transaction-id ranges (how evenly the load spread, and when).
+"amount": n}`` (demo/bank/model.py); other records are left out and counted. Under ``out_dir`` it writes
+the Parquet tables ``balances``, ``operations`` (per partition and type) and ``rejected`` (the check's
+failures), ``lineage.json`` (``cluster``, ``clusterKey``, ``readAt``, ``highWaterMarks``) and
+``report.html``: the lineage and a per-partition table, then charts (demo/chart.py) of operations by type,
+money over the log and the balance distribution.
 
 ``run_report(client_yaml_or_options, out_dir) -> {account: balance}`` is what ``make demo`` calls.
 Usage: ``.venv/bin/python -m demo.report --client-config D/client.yaml --out report/``
@@ -201,9 +209,11 @@ class LogBucket:
 
 def amounts_over_log(
     ops: Any, high_water_marks: Mapping[int, int], buckets: int = LOG_BUCKETS
-) -> dict[int, list[LogBucket]]:
-    """Per partition, its log ``0..hwm`` cut into ranges of one round width (at most ``buckets`` ranges for
-    the longest partition), so positions line up across partitions; the last range may be partial."""
+) -> tuple[int, dict[int, list[LogBucket]]]:
+    """``(width, {partition: ranges})``: each partition's log ``0..hwm`` cut into ranges of one round
+    ``width`` (at most ``buckets`` ranges for the longest partition), so positions line up across
+    partitions. A partial tail joins the last full range (which then holds up to ``2 * width - 1``
+    transactions): a range of a few transactions would read as a spike or a dip."""
     from pyspark.sql import functions as sf
 
     from demo.chart import nice_step
@@ -220,16 +230,21 @@ def amounts_over_log(
         )
         .collect()
     )
-    sums = {(int(r.partition), int(r.b)): (int(r.dep), int(r.wd), int(r.n)) for r in rows}
     result: dict[int, list[LogBucket]] = {}
     for p, hwm in sorted(high_water_marks.items()):
+        count = max(1, (hwm + 1) // width) if hwm >= 0 else 0
+        sums = [[0, 0, 0] for _ in range(count)]
+        for r in rows:
+            if int(r.partition) == p:
+                into = sums[min(int(r.b), count - 1)]
+                into[0], into[1], into[2] = into[0] + int(r.dep), into[1] + int(r.wd), into[2] + int(r.n)
         money, series = 0, []
-        for b in range(-(-(hwm + 1) // width)):
-            dep, wd, n = sums.get((p, b), (0, 0, 0))
+        for b, (dep, wd, n) in enumerate(sums):
             money += dep - wd
-            series.append(LogBucket(b * width, min((b + 1) * width, hwm + 1) - 1, dep, wd, n, money))
+            last = hwm if b == count - 1 else (b + 1) * width - 1
+            series.append(LogBucket(b * width, last, dep, wd, n, money))
         result[p] = series
-    return result
+    return width, result
 
 
 @dataclass(frozen=True)
@@ -240,6 +255,8 @@ class ReportFigures:
     transactions: int
     """Transactions read (every record, bank operation or not)."""
     by_partition: Mapping[int, Mapping[str, tuple[int, int]]]
+    range_width: int
+    """Transactions per range of :attr:`over_log` (the last range of a partition may hold more)."""
     over_log: Mapping[int, Sequence[LogBucket]]
     balances: Mapping[int, int]
     deactivated: int
@@ -312,14 +329,14 @@ def _charts(fig: ReportFigures) -> list[str]:
 
 def _flow_panels(fig: ReportFigures, part: Mapping[int, str]) -> list[str]:
     """Deposited and withdrawn per range of transactions, one small chart per partition on one scale. A
-    partial last range is scaled to the full width (its tooltip gives the raw sum), so it shows a rate and
-    not a dip."""
+    longer last range (see :func:`amounts_over_log`) is scaled to the width, so it shows a rate and not a
+    spike."""
     from demo.chart import Frame, lines_svg
 
     buckets = [b for bs in fig.over_log.values() for b in bs]
     if not buckets:
         return []
-    width = buckets[0].last_id + 1 - buckets[0].first_id
+    width = fig.range_width
 
     def rate(amount: int, b: LogBucket) -> int:
         return round(amount * width / (b.last_id + 1 - b.first_id))
@@ -404,11 +421,13 @@ def compute_figures(log: Any, lineage: Lineage, out_dir: Path | None = None) -> 
             print("top accounts:")
             per_account.orderBy(sf.desc("balance"), "account").limit(10).show(truncate=False)
         accounts = per_account.collect()
+        width, over_log = amounts_over_log(ops, lineage.high_water_marks)
         return ReportFigures(
             lineage=lineage,
             transactions=log.count(),
             by_partition=operations_by_partition(ops),
-            over_log=amounts_over_log(ops, lineage.high_water_marks),
+            range_width=width,
+            over_log=over_log,
             balances={int(r.account): int(r.balance) for r in accounts},
             deactivated=sum(int(r.deactivated) for r in accounts),
             withdrawals_flagged=int(rejected.agg(sf.sum("rejected_withdrawals")).collect()[0][0] or 0),
@@ -437,7 +456,14 @@ def run_report(
         for p, hwm in sorted(lineage.high_water_marks.items()):
             counts = ", ".join(f"{n} {op}" for op, (n, _) in sorted(fig.by_partition.get(p, {}).items()))
             print(f"  partition {p}: high-water mark {hwm}: {counts or 'no bank operations'}")
-        print(f"withdrawals overdrawing or on unknown/deactivated accounts: {fig.withdrawals_flagged}")
+        withdrawals = sum(ops.get(WITHDRAW, (0, 0))[0] for ops in fig.by_partition.values())
+        if fig.withdrawals_flagged:
+            print(
+                f"CHECK FAILED: {fig.withdrawals_flagged} of {withdrawals} withdrawals overdraw "
+                "(see the table rejected)"
+            )
+        else:
+            print(f"check: all {withdrawals} withdrawals are covered by their account's balance in log order")
         print(f"report page: {write_page(fig, out / 'report.html').resolve()}")
         return dict(fig.balances)
     finally:
