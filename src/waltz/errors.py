@@ -25,6 +25,8 @@ decide on that flag, never on message text::
     │   ├── ClusterNotFoundError       no cluster at that root
     │   ├── ConcurrentUpdateError      a version-checked write lost a race (retriable)
     │   ├── MetadataError              a znode holds something we cannot read, or an edit is refused
+    │   ├── FeatureVersionError        the cluster's feature version is outside what this process
+    │   │                              supports, or a raise is refused (a process cannot follow)
     │   └── ZooKeeperUnavailableError  the connection was lost or the session expired (retriable)
     ├── ServerError
     │   ├── GenerationMismatchError    a request carried another partition generation (retriable)
@@ -207,6 +209,12 @@ class ConcurrentUpdateError(ClusterError):
 
 class MetadataError(ClusterError):
     """A znode holds something unreadable, or a metadata edit is refused."""
+
+
+class FeatureVersionError(ClusterError):
+    """The cluster's feature version (``<root>/features``) is one this process does not support, or a raise
+    of it is refused because a running process could not follow (the message names which, and both
+    ranges)."""
 
 
 class ZooKeeperUnavailableError(ClusterError):

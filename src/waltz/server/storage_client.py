@@ -391,6 +391,18 @@ class AdminClient(_Endpoint[adm.AdminMessage]):
         async with cls(rpc, f"{host}:{port}") as client:
             return await client._call(adm.NodeIdentityRequest(rpc.next_seq()), adm.NodeIdentityResponse)
 
+    @classmethod
+    async def node_version(
+        cls, host: str, port: int, *, connect_timeout_ms: int = 5_000, ssl: SSLContext | None = None
+    ) -> adm.NodeVersionResponse | None:
+        """The node's release and supported feature range, asked without opening; None if the node speaks
+        admin codec V0 only (Waltz 0.1.0, whose range is feature version 1). The connection is closed."""
+        rpc = await _open_admin_rpc(host, port, 1, connect_timeout_ms, ssl)
+        async with cls(rpc, f"{host}:{port}") as client:
+            if not adm.available(adm.NodeVersionRequest, rpc.connection.negotiated_version):
+                return None
+            return await client._call(adm.NodeVersionRequest(rpc.next_seq()), adm.NodeVersionResponse)
+
     async def set_assigned(
         self, partition_ids: Sequence[int], assigned: bool, *, delete_files: bool = False
     ) -> None:
