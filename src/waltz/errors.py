@@ -15,6 +15,7 @@ decide on that flag, never on message text::
     │   └── BrokenResourceError        the peer or the network broke it (retriable with a new connection)
     ├── StorageError                   storage node and on-disk format
     │   ├── CorruptionError            a checksum or structure on disk does not verify
+    │   ├── FormatVersionError         a file's format version is one this release does not read
     │   ├── StorageRpcError            a storage node answered a request with a failure response
     │   ├── ClusterKeyMismatchError    the peer belongs to another cluster (wrong key or partition count)
     │   ├── SessionFencedError         a newer store session exists; this one may no longer write
@@ -126,6 +127,12 @@ class StorageError(WaltzError):
 
 class CorruptionError(StorageError):
     """A checksum or structure on disk does not verify."""
+
+
+class FormatVersionError(StorageError):
+    """A file (segment, index, control file) carries a format version this release does not read: it was
+    written by a newer release, or is not a Waltz file. Refused, never treated as damage, so a node started
+    with an older release than its files changes nothing (the message names the file and both versions)."""
 
 
 class StorageRpcError(StorageError):

@@ -195,3 +195,8 @@ def test_random_bodies_decode_or_raise_protocol_error(type_code: int, body: byte
 def test_partition_status_round_trip(statuses: list[tuple[int, bool]]) -> None:
     msg = a.AssignedPartitionStatusResponse(1, tuple(a.PartitionStatus(i, b) for i, b in statuses))
     assert a.decode(a.encode(msg)) == msg
+
+
+def test_every_admin_codec_version_is_the_messages_it_adds() -> None:
+    classes = {type(msg) for msg, _ in CASES}
+    assert {cls.MIN_VERSION for cls in classes} == set(a.ADMIN_VERSIONS)
