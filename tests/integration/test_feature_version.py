@@ -114,6 +114,17 @@ def test_a_raise_is_refused_while_a_process_could_not_follow(
     code, out, _ = run(capsys, "cluster", "raise-features", "-c", cfg)
     assert (code, out.strip()) == (0, "feature version raised from 1 to 2")
 
+    # A 0.1.0 server started after the raise cannot check the feature version itself: `features` flags it.
+    zk.create(
+        paths.server_descriptor_prefix,
+        ServerDescriptor(98, "127.0.0.1", 2).encode(),
+        ephemeral=True,
+        sequence=True,
+    )
+    code, out, _ = run(capsys, "cluster", "features", "-c", cfg)
+    assert code == 1
+    assert "PROBLEM: server 98 (127.0.0.1:2) does not support feature version 2 (it supports 1)" in out
+
 
 def test_processes_refuse_a_feature_version_they_do_not_support(
     cluster_factory: ClusterFactory, tmp_path: Path, zk: KazooClient, zk_connect_string: str

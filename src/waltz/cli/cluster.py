@@ -236,7 +236,15 @@ def cmd_features(client: KazooClient, root: str, args: argparse.Namespace, out: 
         blockers = report.blockers(nxt)
         verdict = "no: " + ", ".join(f"{b.kind} {b.name}" for b in blockers) if blockers else "yes"
         print(f"can raise to {nxt} ({FEATURES[nxt]}): {verdict}", file=out)
-    return 0
+    # A process that does not support the version in force (an older release started after the raise, or
+    # one that cannot be reached) is a problem to fix: exit 1, as `verify` does.
+    behind = [p for p in report.processes if p.features is not None and fv not in p.features]
+    for p in behind:
+        print(
+            f"PROBLEM: {p.kind} {p.name} does not support feature version {fv} (it supports {p.features})",
+            file=out,
+        )
+    return 1 if behind else 0
 
 
 def cmd_raise_features(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
