@@ -37,7 +37,6 @@ import sqlalchemy as sa
 from waltz import PartitionLocalLock, Transaction, TransactionBuilder, TransactionContext
 from waltz.client.serializer import JsonSerializer
 from waltz.client.sql import GuardedConnection, SqlClientCallbacks, high_water_mark_table
-from waltz.errors import TrimmedError
 
 JSON = JsonSerializer()
 
@@ -162,8 +161,6 @@ class BankCallbacks(SqlClientCallbacks):
     def uncaught_exception(self, partition_id: int, transaction_id: int, exception: BaseException) -> None:
         with self._errors_lock:
             self.errors.append(f"partition {partition_id} transaction {transaction_id}: {exception!r}")
-        if isinstance(exception, TrimmedError):
-            return  # The partition stopped (the client logged why); nothing will be delivered again.
         super().uncaught_exception(partition_id, transaction_id, exception)
 
 

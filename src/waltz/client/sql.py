@@ -50,7 +50,7 @@ from sqlalchemy.sql import Executable
 
 from waltz.client.api import ClientCallbacks
 from waltz.client.transaction import Transaction
-from waltz.errors import ClientError
+from waltz.errors import ClientError, TrimmedError
 
 __all__ = ["DEFAULT_TABLE_NAME", "GuardedConnection", "SqlClientCallbacks", "high_water_mark_table"]
 
@@ -173,8 +173,8 @@ class SqlClientCallbacks(ClientCallbacks):
         """Have the transaction delivered again. A failed ``apply_transaction`` is logged by the client (its
         traceback once, then a one-line reminder), so only a failed ``client_high_water_mark`` (``-1``) is
         logged here, its traceback once per partition until a read succeeds."""
-        if transaction_id >= 0 or partition_id in self._failing_marks:
-            return
+        if transaction_id >= 0 or partition_id in self._failing_marks or isinstance(exception, TrimmedError):
+            return  # A trimmed mount stops the partition; the client logs that once.
         self._failing_marks.add(partition_id)
         log.error(
             "partition %d: reading the high-water mark failed; the client asks again with backoff",
