@@ -125,7 +125,7 @@ class StorageNode:
         self.fsync = fsync if fsync is not None else FsyncPolicy()
         """Where group-commit fsyncs run (on the loop or in a thread); shared by the partitions."""
         self.registry = new_registry()
-        self.metrics = Metrics(self.registry)
+        self.metrics = Metrics(self.registry, control.num_partitions)
         self.queued = Tally()
         """Requests queued in all partitions (see ``StoragePartition._fsync``)."""
         self.handlers = HANDLERS
