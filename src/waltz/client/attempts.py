@@ -105,6 +105,7 @@ class AttemptsMixin(HooksMixin):
         round) after the loop."""
         outcomes = partition.outcomes
         awaiting_apply = partition.awaiting_apply
+        metrics = self._metrics
         released = 0
         try:
             for resolution in resolutions:
@@ -120,6 +121,8 @@ class AttemptsMixin(HooksMixin):
                 run.transaction_id = resolution.transaction_id
                 awaiting_apply.append(run)
                 self._run_hook(run, True)
+                if metrics is not None:
+                    metrics.committed(partition.id, run.context.creation_time)
         finally:
             if released:
                 partition.slots.release(released)
@@ -136,6 +139,8 @@ class AttemptsMixin(HooksMixin):
         assert partition is not None
         if isinstance(result, Resolution):
             run.handle(_FAILURE_EVENTS[result.outcome])
+            if self._metrics is not None:
+                self._metrics.retried(partition.id, result.outcome)
         wake = partition.lock_queue.release(run)
         if wake:
             self._wake(wake)

@@ -114,6 +114,10 @@ class ZkDiscovery:
         self._zk, self._watcher = client, watcher
         self._name, self._num_partitions = params.name, params.num_partitions
 
+    @property
+    def zookeeper_client(self) -> KazooClient | None:
+        return self._zk
+
     async def new_client_id(self) -> int:
         if self._zk is None:
             raise ClientError("discovery is not open")

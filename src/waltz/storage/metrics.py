@@ -122,6 +122,9 @@ class Metrics:
             "Assigned partitions that are available (online)",
             registry=registry,
         )
+        self._precreate(num_partitions)
+
+    def _precreate(self, num_partitions: int) -> None:
         for name in FAILURE_NAMES:
             self.failures.labels(name)
         for port in ("data", "admin"):
