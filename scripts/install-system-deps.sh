@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests and the demo run for real: ZooKeeper (which brings a JRE) and
-# PostgreSQL, and FUSE 3 for the fault suite's power cuts. Idempotent: does nothing when they are already there.
+# PostgreSQL, FUSE 3 for the fault suite's power cuts, and Prometheus (prometheus and promtool: the alert rules'
+# checks and the test that scrapes a real cluster). Idempotent: does nothing when they are already there.
 set -euo pipefail
 need=()
 [ -x /usr/share/zookeeper/bin/zkServer.sh ] || need+=(zookeeper)
@@ -11,6 +12,9 @@ command -v java >/dev/null 2>&1 || need+=(default-jre-headless)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 # The fault suite's power cuts (bench/faults/powerfs.py) run a FUSE filesystem: libfuse 3 and fusermount3.
 command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
+# contrib/prometheus's alert rules (promtool check/test rules) and tests/integration/test_prometheus.py. The
+# package's service is not started here (no systemd in containers); the test runs its own on a free port.
+{ command -v promtool && command -v prometheus; } >/dev/null 2>&1 || need+=(prometheus)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

@@ -122,6 +122,22 @@ class Metrics:
             "Assigned partitions that are available (online)",
             registry=registry,
         )
+        self.damaged_replicas = Gauge(
+            "waltz_storage_damaged_replicas",
+            "Partitions whose replica on this node is damaged (missing or unreadable files, or a damaged "
+            "control-file entry): it does not vote in recovery until repaired",
+            registry=registry,
+        )
+        self.damaged_records = Gauge(
+            "waltz_storage_damaged_records",
+            "Stored records found damaged and not repaired yet",
+            registry=registry,
+        )
+        self.partitions_unhealthy = Gauge(
+            "waltz_storage_partitions_unhealthy",
+            "Partitions refusing requests: fail-stopped by a failed write or fsync, failed, or damaged",
+            registry=registry,
+        )
         self._precreate(num_partitions)
 
     def _precreate(self, num_partitions: int) -> None:

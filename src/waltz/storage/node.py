@@ -156,6 +156,13 @@ class StorageNode:
         self.metrics.partitions_available.set_function(
             lambda: sum(1 for p in self.partitions if p.info.assigned and p.info.available)
         )
+        self.metrics.damaged_replicas.set_function(
+            lambda: len(
+                {p.partition_id for p in self.partitions if p.lost is not None} | set(self.control.damaged)
+            )
+        )
+        self.metrics.damaged_records.set_function(lambda: sum(len(p.damaged) for p in self.partitions))
+        self.metrics.partitions_unhealthy.set_function(lambda: len(self.health()[1]["partitions"]))
 
     @classmethod
     async def start(

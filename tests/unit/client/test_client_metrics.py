@@ -124,7 +124,9 @@ def test_one_client_per_registry() -> None:
                 await second.start()
             await second.close()
         # The first one's close freed the names: a new client may use the registry.
-        async with AsyncWaltzClient(recording_callbacks(), FAST, driver=MockDriver(), metrics_registry=registry):
+        async with AsyncWaltzClient(
+            recording_callbacks(), FAST, driver=MockDriver(), metrics_registry=registry
+        ):
             assert value(registry, "waltz_client_mount_state", partition="0", state="mounting") in (0, 1)
 
     run(main())
