@@ -122,6 +122,11 @@ class Metrics:
             "Assigned partitions that are available (online)",
             registry=registry,
         )
+        self._precreate(num_partitions)
+        self._health_gauges(registry)
+
+    def _health_gauges(self, registry: CollectorRegistry) -> None:
+        """Damage and health, read when scraped (the node sets their functions)."""
         self.damaged_replicas = Gauge(
             "waltz_storage_damaged_replicas",
             "Partitions whose replica on this node is damaged (missing or unreadable files, or a damaged "
@@ -138,7 +143,6 @@ class Metrics:
             "Partitions refusing requests: fail-stopped by a failed write or fsync, failed, or damaged",
             registry=registry,
         )
-        self._precreate(num_partitions)
 
     def _precreate(self, num_partitions: int) -> None:
         for name in FAILURE_NAMES:
