@@ -129,3 +129,8 @@ def test_zookeeper_metrics_count_suspensions_and_expiries() -> None:
     client.state_listeners.clear()  # closed: zk.close removes the listener
     assert session_state(client) is None  # type: ignore[arg-type]
     assert now() == (0, 0, 0)
+    # No kazoo client at all (a client whose discovery is not ZooKeeper's): no series, rather than a
+    # "disconnected" one that would fire WaltzZooKeeperSuspended.
+    other = CollectorRegistry()
+    other.register(ZooKeeperCollector(lambda: None))
+    assert not [key for key in samples(other) if key[0].startswith("waltz_zookeeper")]

@@ -21,15 +21,18 @@ __all__ = ["ZooKeeperCollector"]
 class ZooKeeperCollector(Collector):
     """``waltz_zookeeper_connected`` (1 while the session is connected, 0 while suspended, expired or not
     started), ``waltz_zookeeper_suspensions_total`` (connections lost, kazoo's SUSPENDED) and
-    ``waltz_zookeeper_sessions_expired_total`` (kazoo's LOST) of the client ``client()`` returns (None: no
-    session, all 0). Counts start over when the process (or its kazoo client) does."""
+    ``waltz_zookeeper_sessions_expired_total`` (kazoo's LOST) of the kazoo client ``client()`` returns; none
+    of them while it returns None (a client whose discovery is not ZooKeeper's, or not open). Counts start
+    over when the process (or its kazoo client) does."""
 
     def __init__(self, client: Callable[[], Any]) -> None:
         self._client = client
 
     def collect(self) -> Iterator[Metric]:
         zk_client = self._client()
-        state = session_state(zk_client) if zk_client is not None else None
+        if zk_client is None:
+            return
+        state = session_state(zk_client)
         yield GaugeMetricFamily(
             "waltz_zookeeper_connected",
             "1 while this process's ZooKeeper session is connected; 0 while suspended, expired, not started",
