@@ -74,6 +74,7 @@ PHASES = ("seq", "conc", "occ1", "occ64", "hot64", "read1", "read64", "sync8")
 OTHER_PHASES = ("partitions",)
 """Run only when named: their cluster differs from the one of :data:`PHASES`."""
 FEW_PARTITIONS = 4
+"""The few partitions of the ``partitions`` phase (``--few``)."""
 TICKS_S = os.sysconf("SC_CLK_TCK")
 
 
@@ -366,7 +367,7 @@ class Bench:
         in_flight = self.args.in_flight
         results: list[Result] = []
         for _ in range(self.args.rounds):
-            for spread in (FEW_PARTITIONS, many):
+            for spread in (self.args.few, many):
                 result = await self.workers(
                     f"p{spread}", in_flight, lambda w, spread=spread: self.one(partition=w % spread)
                 )
@@ -451,7 +452,7 @@ async def main_async(
                 continue
             if phase == "partitions":
                 rounds = await bench.partitions()
-                print(partitions_summary(rounds, args.partitions), flush=True)
+                print(partitions_summary(rounds, args.few, args.partitions), flush=True)
                 results.extend(rounds)
                 continue
             result = await bench.run(phase)
@@ -461,9 +462,9 @@ async def main_async(
     return results
 
 
-def partitions_summary(results: list[Result], many: int) -> str:
+def partitions_summary(results: list[Result], few_n: int, many: int) -> str:
     """The ``partitions`` phase's verdict: medians over its rounds of ``pN`` against ``p4``."""
-    few = [r for r in results if r.phase == f"p{FEW_PARTITIONS}"]
+    few = [r for r in results if r.phase == f"p{few_n}"]
     lots = [r for r in results if r.phase == f"p{many}"]
 
     def median(rs: list[Result], f: Callable[[Result], float]) -> float:
@@ -478,7 +479,7 @@ def partitions_summary(results: list[Result], many: int) -> str:
     fsyncs = [median(rs, per_op(lambda r: r.fsyncs)) for rs in (few, lots)]
     requests = [median(rs, per_op(lambda r: r.storage_requests)) for rs in (few, lots)]
     return (
-        f"partitions: p{many}/p{FEW_PARTITIONS}, medians of {len(few)} rounds: rate {rate:.2f}x, "
+        f"partitions: p{many}/p{few_n}, medians of {len(few)} rounds: rate {rate:.2f}x, "
         f"p99 {p99:.2f}x; "
         f"server+storage CPU {cpu[0]:.0f} -> {cpu[1]:.0f} us/op, storage append requests/op "
         f"{requests[0]:.3f} -> {requests[1]:.3f}, fsyncs/op {fsyncs[0]:.3f} -> {fsyncs[1]:.3f}"
@@ -516,6 +517,9 @@ def main() -> None:
         "--partitions", type=int, help="the cluster's partitions (default 1; 256 with `partitions`)"
     )
     parser.add_argument("--in-flight", type=int, default=80, help="appends in flight in `partitions`")
+    parser.add_argument(
+        "--few", type=int, default=FEW_PARTITIONS, help="the few partitions of `partitions` (default 4)"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of p4 and pN in `partitions`")
     parser.add_argument("--count", type=int, default=100_000, help="operations per phase at most")
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per phase at most")
