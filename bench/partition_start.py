@@ -12,7 +12,9 @@ For each it prints:
 * ``appended``: one append to every partition through one :class:`~waltz.AsyncWaltzClient`, from the client's
   start to the last ``on_completion``;
 * the server's resident memory (VmRSS of ``/proc/<pid>/status``) after the appends, and the storage nodes';
-* ``idle``: the server's CPU over ``IDLE_S`` seconds with nothing to do (what its partitions' timers cost).
+* ``idle``: the server's CPU over ``IDLE_S`` seconds with nothing to do (what its partitions' timers cost);
+* ``/metrics``: the size of the server's Prometheus text and the server CPU one scrape takes (the text is
+  made on the server's event loop, which serves nothing else meanwhile).
 
 Memory per partition is ``(server RSS at --partitions - server RSS at --baseline) / (difference in
 partitions)``: what one more partition costs a server, without the interpreter's own footprint. The load
@@ -129,6 +131,8 @@ class Figures:
     storage_rss: list[int]
     idle_cpu_s: float
     """Server CPU seconds per second, idle (after the appends)."""
+    metrics_bytes: int
+    metrics_cpu_s: float
 
     def line(self) -> str:
         mib = 1 << 20
@@ -139,7 +143,9 @@ class Figures:
             f"({self.committed} committed); "
             f"server RSS {self.server_rss / mib:6.1f} MiB, storage RSS "
             f"{', '.join(f'{r / mib:.1f}' for r in self.storage_rss)} MiB; "
-            f"idle server CPU {100 * self.idle_cpu_s:.1f}% of a core"
+            f"idle server CPU {100 * self.idle_cpu_s:.1f}% of a core; "
+            f"/metrics {self.metrics_bytes / 1e6:.2f} MB "
+            f"in {self.metrics_cpu_s:.2f} s of server CPU"
         )
 
 
@@ -173,6 +179,9 @@ def measure(partitions: int) -> Figures:
             idle0 = cpu_s(rec.pid or 0)
             time.sleep(IDLE_S)
             idle_cpu_s = (cpu_s(rec.pid or 0) - idle0) / IDLE_S
+            scrape0 = cpu_s(rec.pid or 0)
+            metrics = probe.http_get(rec.http_port, "/metrics", START_TIMEOUT_S)[1]
+            metrics_cpu_s = cpu_s(rec.pid or 0) - scrape0
             return Figures(
                 partitions,
                 up_s,
@@ -183,6 +192,8 @@ def measure(partitions: int) -> Figures:
                 rss_bytes(rec.pid or 0),
                 [rss_bytes(s.pid or 0) for s in storages],
                 idle_cpu_s,
+                len(metrics),
+                metrics_cpu_s,
             )
         finally:
             local.down(cluster.directory, purge=True)
