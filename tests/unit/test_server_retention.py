@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from waltz.cluster.retention import RetentionConfig
+from waltz.cluster.retention import Limits, RetentionConfig
 from waltz.cluster.trim_points import TrimOutcome, TrimPoints, TrimSource, next_entry
 from waltz.errors import ZooKeeperUnavailableError
 from waltz.server.retention import RetentionKeeper
@@ -29,6 +29,10 @@ class FakePartition:
 
     def set_trim_point(self, trim_point: int) -> None:
         self.trim_point = max(self.trim_point, trim_point)
+
+    async def segment_sizes(self, max_segments: int) -> list[tuple[int, int]]:
+        # A segment of 1000 bytes for each 1000 ids up to the high-water mark.
+        return [(first, 1000) for first in range(0, self.high_water_mark + 1, 1000)][-max_segments:]
 
 
 class Harness:
@@ -93,7 +97,7 @@ def test_a_pending_trim_point_takes_effect_only_when_its_grace_ends(caplog: pyte
 
 def test_the_policy_keeps_the_last_n_after_the_grace() -> None:
     async def main() -> None:
-        h = Harness(10_000, RetentionConfig(grace_ms=GRACE_MS, keep_transactions=1_000))
+        h = Harness(10_000, RetentionConfig(GRACE_MS, Limits(keep_transactions=1_000)))
         task = asyncio.create_task(h.keeper.run())
         await asyncio.sleep(0)
         assert h.writes == [(9_001, T0_MS)]  # hwm 10000 + 1 - 1000, pending
@@ -118,7 +122,7 @@ def test_the_policy_waits_for_a_serving_partition_and_survives_zookeeper_errors(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async def main() -> None:
-        h = Harness(500, RetentionConfig(grace_ms=0, keep_transactions=1_000))
+        h = Harness(500, RetentionConfig(0, Limits(keep_transactions=1_000)))
         h.part.is_healthy = False
         task = asyncio.create_task(h.keeper.run())
         await asyncio.sleep(0)
@@ -143,10 +147,22 @@ def test_the_policy_waits_for_a_serving_partition_and_survives_zookeeper_errors(
 
 def test_a_partition_override_of_keep_all_wins_over_the_default() -> None:
     async def main() -> None:
-        h = Harness(10_000, RetentionConfig(grace_ms=0, keep_transactions=10, overrides={0: 0}))
+        h = Harness(10_000, RetentionConfig(0, Limits(10, 10), {0: Limits()}))
         task = asyncio.create_task(h.keeper.run())
         await asyncio.sleep(CHECK_MS / 1000 * 3)
         assert (h.writes, h.part.trim_point) == ([], 0)
+        task.cancel()
+
+    run_virtual(main())
+
+
+def test_a_limit_in_bytes_trims_whole_segments() -> None:
+    async def main() -> None:
+        h = Harness(10_499, RetentionConfig(0, Limits(keep_bytes=3_000)))
+        task = asyncio.create_task(h.keeper.run())
+        await asyncio.sleep(0)
+        assert h.writes == [(8_000, T0_MS)]  # segments 8000, 9000 and 10000 hold 3000 bytes
+        assert h.part.trim_point == 8_000
         task.cancel()
 
     run_virtual(main())

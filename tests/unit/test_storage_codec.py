@@ -108,11 +108,17 @@ CASES: list[tuple[s.StorageMessage, str]] = [
     (s.TrimRequest(1, 2, 3, 100, False), p(24) + "0000000000000064 00"),
     (s.TrimRequest(1, 2, 3, 0, True), p(24) + "0000000000000000 01"),
     (s.TrimResponse(1, 2, 3, 100), p(25) + "0000000000000064"),
+    (s.SegmentSizesRequest(1, 2, 3, 4096), p(26) + "00001000"),
+    (
+        s.SegmentSizesResponse(1, 2, 3, ((0, 4096), (10, 512))),
+        p(27) + "00000002 0000000000000000 0000000000001000 000000000000000a 0000000000000200",
+    ),
+    (s.SegmentSizesResponse(1, 2, 3, ()), p(27) + "00000000"),
 ]
 
 
 def test_every_message_type_has_a_golden_case() -> None:
-    assert {type(msg).TYPE for msg, _ in CASES} == set(range(1, 26))
+    assert {type(msg).TYPE for msg, _ in CASES} == set(range(1, 28))
 
 
 @pytest.mark.parametrize(("msg", "hex_"), CASES, ids=case_id)
@@ -153,13 +159,13 @@ def test_trailing_and_truncated_payloads_are_refused(msg: s.StorageMessage, hex_
 
 
 def test_unknown_type_and_bad_fields_are_refused() -> None:
-    for code in (0, 26, 255):
+    for code in (0, 28, 255):
         with pytest.raises(RemoteProtocolError, match="unknown"):
             s.decode(bytes.fromhex(p(code)))
     with pytest.raises(RemoteProtocolError, match="boolean"):
         s.decode(bytes.fromhex(p(2) + "02"))
     # A count the payload cannot possibly hold is refused before anything is allocated for it.
-    for code in (6, 16, 18):
+    for code in (6, 16, 18, 27):
         with pytest.raises(RemoteProtocolError, match="count"):
             s.decode(bytes.fromhex(p(code) + "7fffffff 00"))
     with pytest.raises(RemoteProtocolError):

@@ -245,15 +245,15 @@ def cmd_trim(client: KazooClient, root: str, args: argparse.Namespace, out: Text
 
 def cmd_retention(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
     if args.action != "show":
-        retention.update_retention(
-            client,
-            root,
+        edit = retention.RetentionEdit(
             partition_id=args.partition,
             keep_transactions=args.keep_transactions,
+            keep_bytes=args.keep_bytes,
             grace_ms=args.grace_ms,
             keep_all=args.keep_all,
             clear=args.action == "clear",
         )
+        retention.update_retention(client, root, edit)
     for line in trim.retention_status(client, root):
         print(line, file=out)
     return 0
@@ -481,14 +481,16 @@ def _add_loss_commands(command: _AddCommand) -> None:
     p = command(
         "retention",
         cmd_retention,
-        "show or set the retention policy (keep the last N transactions; the grace before any trim point "
-        "takes effect) and each partition's trim point, in force and pending",
+        "show or set the retention policy (keep the last N transactions or N bytes; the grace before any "
+        "trim point takes effect) and each partition's trim point, in force and pending",
     )
     p.add_argument("action", choices=["show", "set", "clear"], help="show, set or clear a policy")
     p.add_argument("-p", "--partition", type=_non_negative, help="a partition's override (default: all)")
-    keep = p.add_mutually_exclusive_group()
-    keep.add_argument("--keep-transactions", type=int, metavar="N", help="keep the last N transactions")
-    keep.add_argument("--keep-all", action="store_true", help="keep everything (an override of the default)")
+    p.add_argument("--keep-transactions", type=int, metavar="N", help="keep the last N transactions")
+    p.add_argument(
+        "--keep-bytes", type=int, metavar="B", help="keep the newest segments that hold B bytes (per replica)"
+    )
+    p.add_argument("--keep-all", action="store_true", help="keep everything (an override of the default)")
     p.add_argument(
         "--grace-ms",
         type=_non_negative,

@@ -38,6 +38,8 @@ code  message                    fields after the prefix
 23    DamagedRecordsResponse     i32 n · n x i64 transaction_id   (ours)
 24    TrimRequest                i64 trim_point · bool offline   (ours)
 25    TrimResponse               i64 trim_point   (ours: the trim point now in force on the replica)
+26    SegmentSizesRequest        i32 max_segments   (ours)
+27    SegmentSizesResponse       i32 n · n x (i64 first_transaction_id · i64 bytes)   (ours)
 ====  =========================  ===================================================================
 
 The bracketed trailers of 3 and 5 are not the original's. Each is sent only when it says something (a
@@ -74,6 +76,15 @@ with the one in force), refuses one above its durable max id + 1, deletes the se
 the background and fails every read below it with ``TrimmedError`` (see :mod:`waltz.storage.retention`).
 Golden bytes:
 ``TrimRequest(5, 6, 7, 100, False)`` is ``18 0000000000000005 0000000000000006 00000007 0000000000000064 00``.
+
+26/27 are not the original's either: the replica's newest segments (at most ``max_segments``, at most
+:data:`MAX_SEGMENT_SIZES`), oldest first, each with its first transaction id and the bytes of its data and
+index files, so the owning server can apply a retention policy in bytes (:mod:`waltz.server.retention`).
+Session-checked like a read. Only nodes of this version and later understand them (an older node closes the
+connection, failing that replica in the session, as for 24): set no policy in bytes before every node is
+upgraded. Golden bytes: ``SegmentSizesResponse(5, 6, 7, ((0, 4096), (10, 512)))`` is
+``1b 0000000000000005 0000000000000006 00000007 00000002 0000000000000000 0000000000001000
+000000000000000a 0000000000000200``.
 
 19/20 are not the original's: a bulk read that returns consecutive records exactly as the data file holds
 them (a *record run*, :mod:`waltz.protocol.record_run`), read with one ``pread`` and not decoded by the node;
@@ -139,6 +150,9 @@ __all__ = [
     "AppendRequest",
     "DamagedRecordsRequest",
     "DamagedRecordsResponse",
+    "MAX_SEGMENT_SIZES",
+    "SegmentSizesRequest",
+    "SegmentSizesResponse",
     "FailureResponse",
     "LastSessionInfoRequest",
     "LastSessionInfoResponse",
@@ -709,6 +723,49 @@ class TrimResponse(StorageMessage):
         return cls(session_id, seq_num, partition_id, r.i64())
 
 
+MAX_SEGMENT_SIZES: Final = 65536
+"""The most segments one SegmentSizesResponse lists (1 MiB of payload)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentSizesRequest(StorageMessage):
+    """The replica's newest segments and their sizes (ours; answered by SegmentSizesResponse)."""
+
+    TYPE: ClassVar[int] = 26
+
+    max_segments: int
+
+    def _write(self, w: Writer) -> None:
+        w.i32(self.max_segments)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, r.i32())
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentSizesResponse(StorageMessage):
+    """``(first transaction id, bytes)`` of the replica's newest segments, oldest first (ours)."""
+
+    TYPE: ClassVar[int] = 27
+
+    segments: Sequence[tuple[int, int]]
+
+    def _write(self, w: Writer) -> None:
+        if len(self.segments) > MAX_SEGMENT_SIZES:
+            raise LocalProtocolError(f"{len(self.segments)} segment sizes, at most {MAX_SEGMENT_SIZES}")
+        w.i32(len(self.segments))
+        for first, size in self.segments:
+            w.i64(first).i64(size)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        n = r.count(16)
+        if n > MAX_SEGMENT_SIZES:
+            raise RemoteProtocolError(f"{n} segment sizes, at most {MAX_SEGMENT_SIZES}")
+        return cls(session_id, seq_num, partition_id, tuple((r.i64(), r.i64()) for _ in range(n)))
+
+
 _BY_TYPE: Final[dict[int, type[StorageMessage]]] = {
     cls.TYPE: cls
     for cls in (
@@ -737,6 +794,8 @@ _BY_TYPE: Final[dict[int, type[StorageMessage]]] = {
         DamagedRecordsResponse,
         TrimRequest,
         TrimResponse,
+        SegmentSizesRequest,
+        SegmentSizesResponse,
     )
 }
 

@@ -7,11 +7,14 @@ A server watches ``<root>/store/trim`` (trim points, :mod:`waltz.cluster.trim_po
 * it gives each partition the trim point in force now (:meth:`TrimPoints.in_force`), which the partition
   passes to its replicas; a pending trim point is applied when its grace ends (the task wakes for it), with
   one INFO line;
-* every ``server.retention.checkInterval`` ms it applies the policy to each owned partition that is serving:
-  with ``keepTransactions`` K and committed high-water mark H, the target is ``H + 1 - K``; when it is above
-  the trim point requested and nothing is pending, it is set as a pending trim point (``source`` policy),
-  which takes effect after the grace like any other. So the policy never goes above the high-water mark,
-  never skips the grace, and keeps between K and K + (the writes of about one grace) transactions.
+* every ``server.retention.checkInterval`` ms it applies the policy to each owned partition that is serving
+  and has nothing pending (:func:`waltz.cluster.retention.policy_trim_point`): with ``keepTransactions`` K and
+  committed high-water mark H, the target is ``H + 1 - K``; with ``keepBytes`` B, the first id of the oldest
+  of the newest segments that hold B bytes on a replica of the open session (storage message 26); the
+  higher of the two, never above H. When it is above the trim point requested it is set as a pending trim
+  point (``source`` policy), which takes effect after the grace like any other. So the policy never goes
+  above the high-water mark, never skips the grace, and keeps between K and K + (the writes of about one
+  grace) transactions.
 
 Bounded work: one pass looks at each owned partition once and writes ZooKeeper at most once per partition;
 a failed write is logged (WARNING, at most once per 10 s) and tried again at the next pass.
@@ -49,6 +52,12 @@ class RetainedPartition(Protocol):
     def is_healthy(self) -> bool: ...
 
     def set_trim_point(self, trim_point: int) -> None: ...
+
+    async def segment_sizes(self, max_segments: int) -> list[tuple[int, int]]: ...
+
+
+MAX_SEGMENTS_ASKED = 4096
+"""For a limit in bytes, the newest segments asked of a replica (4 TiB of segments of the default 1 GB)."""
 
 
 PolicyWriter = Callable[[int, int, int, int], Awaitable[TrimOutcome]]
@@ -132,16 +141,16 @@ class RetentionKeeper:
         """One pass of the policy over the owned, serving partitions."""
         config, now = self.config, self._clock_ms()
         for pid, part in list(self._partitions().items()):
-            keep = config.keep_transactions_of(pid)
-            if keep <= 0 or not part.is_healthy:
+            limits = config.limits_of(pid)
+            entry = self.trim_points.entry(pid).settled(now)
+            if limits.keeps_everything or not part.is_healthy or entry.pending is not None:
                 continue
             hwm = part.high_water_mark
-            target = policy_trim_point(keep, hwm)
-            entry = self.trim_points.entry(pid).settled(now)
-            if target <= entry.requested or entry.pending is not None:
-                continue
             try:
-                await self._write(pid, target, hwm, config.grace_ms)
+                segments = await part.segment_sizes(MAX_SEGMENTS_ASKED) if limits.keep_bytes else []
+                target = policy_trim_point(limits, hwm, segments)
+                if target > entry.requested:
+                    await self._write(pid, target, hwm, config.grace_ms)
             except WaltzError as e:
                 if time.monotonic() - self._warned_at >= WARNING_INTERVAL_S:
                     self._warned_at = time.monotonic()

@@ -360,6 +360,16 @@ class StorageClient(_Endpoint[st.StorageMessage]):
         )
         return list(resp.transaction_ids)
 
+    async def segment_sizes(
+        self, session_id: int, partition_id: int, max_segments: int
+    ) -> list[tuple[int, int]]:
+        """``(first transaction id, bytes)`` of the replica's newest segments, oldest first."""
+        resp = await self._call(
+            st.SegmentSizesRequest(session_id, self._seq(), partition_id, max_segments),
+            st.SegmentSizesResponse,
+        )
+        return list(resp.segments)
+
 
 class AdminClient(_Endpoint[adm.AdminMessage]):
     """A connection to one storage node's admin port."""

@@ -123,6 +123,14 @@ def _damaged_records(part: StoragePartition, item: Item) -> st.StorageMessage:
     return st.DamagedRecordsResponse(msg.session_id, msg.seq_num, msg.partition_id, damaged)
 
 
+def _segment_sizes(part: StoragePartition, item: Item) -> st.StorageMessage:
+    msg = item.msg
+    assert isinstance(msg, st.SegmentSizesRequest)
+    plog = part.check(msg, False)  # session-checked like a read
+    sizes = tuple(plog.segment_sizes(max(0, min(msg.max_segments, st.MAX_SEGMENT_SIZES))))
+    return st.SegmentSizesResponse(msg.session_id, msg.seq_num, msg.partition_id, sizes)
+
+
 def _trim_request(part: StoragePartition, item: Item) -> st.StorageMessage:
     msg = item.msg
     assert isinstance(msg, st.TrimRequest)
@@ -287,5 +295,6 @@ HANDLERS: dict[type[st.StorageMessage], Handler] = {
     st.RepairRequest: _repair,
     st.DamagedRecordsRequest: _damaged_records,
     st.TrimRequest: _trim_request,
+    st.SegmentSizesRequest: _segment_sizes,
 }
 """The handler of each request type a partition worker answers (appends are group-committed instead)."""
