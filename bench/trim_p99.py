@@ -68,6 +68,15 @@ def measure(client: WaltzClient, seconds: float) -> list[tuple[float, float]]:
     return out
 
 
+def timeline(samples: list[tuple[float, float]], t0: float, seconds: float = 6.0, step: float = 0.5) -> str:
+    """Appends and their worst latency in each ``step`` s after ``t0`` (where a stall would show)."""
+    cells = []
+    for i in range(int(seconds / step)):
+        lat = [ms for at, ms in samples if t0 + i * step <= at < t0 + (i + 1) * step]
+        cells.append(f"{len(lat)}/{max(lat, default=0):.0f}")
+    return " ".join(cells)
+
+
 def summary(name: str, samples: list[tuple[float, float]]) -> str:
     lat = [ms for _, ms in samples]
     if len(lat) < 2:
@@ -126,7 +135,9 @@ def phases(args: argparse.Namespace, cluster: Cluster, zk: KazooClient, client: 
         f"filled {count} transactions of {args.fill_kb} KB ({args.fill_mb} MB) in {fill_s:.0f} s; disk bytes "
         f"per node {[f'{b / 2**20:.0f} MiB' for b in before]}"
     )
-    print(summary("no trim", measure(client, args.seconds)))
+    quiet = measure(client, args.seconds)
+    print(summary("no trim", quiet))
+    print(f"  appends/worst ms per 0.5 s from its start: {timeline(quiet, quiet[0][0])}")
     trim_to = client.high_water_mark(0) + 1
     done: dict[int, float] = {}
 
@@ -135,7 +146,7 @@ def phases(args: argparse.Namespace, cluster: Cluster, zk: KazooClient, client: 
             for i, p in enumerate(ports):
                 if i not in done and disk_bytes(p) < before[i] - args.fill_mb * 2**20 * 0.9:
                     done[i] = time.monotonic() - t0
-            time.sleep(0.05)
+            time.sleep(0.25)
 
     t0 = time.monotonic()
     outcome = trim_partition(zk, cluster.root, 0, to=trim_to, min_kept_transactions=0)
@@ -146,6 +157,7 @@ def phases(args: argparse.Namespace, cluster: Cluster, zk: KazooClient, client: 
     after = [disk_bytes(p) for p in ports]
     print(outcome.message)
     print(summary("with trim, the whole phase", lat))
+    print(f"  appends/worst ms per 0.5 s from the trim: {timeline(lat, t0)}")
     end = t0 + max(done.values(), default=0.0)
     print(summary("with trim, while the nodes deleted", [x for x in lat if t0 <= x[0] <= end]))
     freed = [

@@ -101,7 +101,7 @@ def test_a_policy_trims_after_the_grace_and_the_disk_comes_back(
             assert (code, out) == (1, ""), argv
             assert message in err, (argv, err)
             assert len(err.strip().splitlines()) == 1, err
-        assert read_retention(cluster.zk, cluster.root).keep_transactions == 0
+        assert read_retention(cluster.zk, cluster.root).default.keeps_everything
 
     async def check_a_pending_trim_is_held_back_and_cancelled() -> None:
         code, out, _ = await cli("retention", "set", "--grace-ms", "600000")
@@ -152,5 +152,64 @@ def test_a_policy_trims_after_the_grace_and_the_disk_comes_back(
             30,
             "waltz_storage_disk_bytes to show the space returned",
         )
+
+    asyncio.run(main())
+
+
+def segment_bytes(sp: StorageProcess) -> dict[int, int]:
+    """First id -> bytes of the data and index files of each segment of partition 0."""
+    directory = os.path.join(str(sp.directory), "0")
+    out: dict[int, int] = {}
+    for name in os.listdir(directory):
+        parsed = parse_segment_name(name)
+        if parsed is not None:
+            out[parsed[0]] = out.get(parsed[0], 0) + os.path.getsize(os.path.join(directory, name))
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_limit_in_bytes_keeps_the_newest_segments_that_hold_them(
+    cluster_factory: ClusterFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cluster = cluster_factory(
+        storage_config={"storage.segment.size.threshold": 4096},
+        server_config={"server.retention.checkInterval": 200},
+    )
+    cli_yaml = tmp_path / "cli.yaml"
+    cli_yaml.write_text(f"zookeeper.connectString: {cluster.zk_connect}\ncluster.root: {cluster.root}\n")
+    keep_bytes = 20_000
+
+    async def main() -> None:
+        await cluster.start(storages=3, servers=1)
+        async with ClusterWatcher(cluster.zk, cluster.root) as watcher:
+            writer = await RawClient(watcher, 1).start()
+            try:
+                futures = [await writer.append(b"record-%04d" % i + b"x" * 80) for i in range(RECORDS)]
+                assert await asyncio.gather(*futures) == list(range(RECORDS))
+            finally:
+                await writer.aclose()
+        before = segment_bytes(cluster.storages[0])
+        for argv in (["--grace-ms", "0"], ["-p", "0", "--keep-bytes", str(keep_bytes)]):
+            code = await asyncio.to_thread(
+                waltz_main, ["cluster", "retention", "set", "-c", str(cli_yaml), *argv]
+            )
+            assert code == 0
+        out, _ = capsys.readouterr()
+        assert f"partition 0: keep the newest segments holding {keep_bytes} bytes" in out
+        # The newest segments that hold keep_bytes together; the oldest of them starts the kept log.
+        firsts, total = sorted(before), 0
+        while total < keep_bytes:
+            total += before[firsts.pop()]
+        expected = max(before) if not firsts else min(f for f in before if f > firsts[-1])
+        await wait_until(
+            lambda: read_trim_points(cluster.zk, cluster.root).of(0) == expected,
+            30,
+            f"the policy to trim to {expected}",
+        )
+        for sp in cluster.storages:
+            await wait_until(lambda s=sp: first_segment(s) == expected, 30, f"{sp.name} to delete segments")
+            assert sum(segment_bytes(sp).values()) >= keep_bytes
+        # No grace: the policy's trim point was in force at once (one line on the owning server).
+        assert f"partition 0: trim point raised from 0 to {expected}" in cluster.servers[0].log_text()
 
     asyncio.run(main())
