@@ -7,7 +7,7 @@ import pytest
 
 from waltz.errors import TrimmedError
 from waltz.storage.partition import PartitionLog
-from waltz.storage.retention import check_readable, delete_detached, trim_refusal
+from waltz.storage.retention import DetachedSegments, check_readable, delete_detached, trim_refusal
 from waltz.testing.crashfs import CrashFS, SimulatedCrash
 
 from .test_storage_partition import KEY, PDIR, PID, ROOT, batch, fill, open_log
@@ -104,3 +104,31 @@ def test_restart_at_survives_a_crash_at_any_step(ops: int) -> None:
         log2.append(batch(500, 3))
         assert log2.read_records(500, 10) == batch(500, 3)
     log2.close()
+
+
+def test_segment_sizes_are_the_newest_segments_files_oldest_first() -> None:
+    fs = CrashFS()
+    log = open_log(fs, threshold=600)
+    fill(log, 200)
+    firsts = log.segment_first_ids
+
+    def files_bytes(first: int) -> int:
+        total = 0
+        for path in DetachedSegments(log.directory, (first,), 0).paths():
+            f = fs.open(path, read_only=True)
+            total += f.size()
+            f.close()
+        return total
+
+    sizes = log.segment_sizes(3)
+    assert sizes == [(first, files_bytes(first)) for first in firsts[-3:]]
+    assert all(size > 0 for _, size in sizes)
+    assert [f for f, _ in log.segment_sizes(10_000)] == firsts
+    assert log.segment_sizes(0) == []
+    # The writable segment is measured each time; a detached one is no longer listed.
+    fill(log, 1)
+    assert log.segment_sizes(1)[0][1] >= sizes[-1][1]
+    detached = log.detach_below(firsts[2])
+    assert detached is not None
+    assert [f for f, _ in log.segment_sizes(10_000)] == firsts[2:]
+    log.close()
