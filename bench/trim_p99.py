@@ -12,6 +12,7 @@ p50/p99/max per phase, when each node's disk bytes dropped, and the bytes freed.
 
     .venv/bin/python bench/trim_p99.py                       # 1100 MB filled, 64 MB segments
     .venv/bin/python bench/trim_p99.py --fill-mb 100 --seconds 5
+    .venv/bin/python bench/trim_p99.py --delete-mb-per-s 0   # unpaced deletion, for comparison
 
 Wall-clock figures: the machine is shared, so the load average is printed with them.
 """
@@ -96,7 +97,14 @@ async def run(args: argparse.Namespace, base: Path) -> None:
         base,
         zk,
         zks.connect_string,
-        storage_config={"storage.segment.size.threshold": args.segment_mb * 1024 * 1024},
+        storage_config={
+            "storage.segment.size.threshold": args.segment_mb * 1024 * 1024,
+            **(
+                {}
+                if args.delete_mb_per_s is None
+                else {"storage.trim.deleteBytesPerSecond": args.delete_mb_per_s * 1024 * 1024}
+            ),
+        },
     )
     try:
         for _ in range(3):
@@ -181,6 +189,12 @@ def main() -> None:
     parser.add_argument("--fill-kb", type=int, default=256, help="KB per filling transaction")
     parser.add_argument("--segment-mb", type=int, default=64, help="storage.segment.size.threshold, MB")
     parser.add_argument("--seconds", type=float, default=20.0, help="seconds of appends per phase")
+    parser.add_argument(
+        "--delete-mb-per-s",
+        type=int,
+        default=None,
+        help="storage.trim.deleteBytesPerSecond in MiB/s (default: the node's, 256; 0: unpaced)",
+    )
     parser.add_argument("--settle-s", type=float, default=5.0, help="quiet seconds before measuring")
     parser.add_argument("--dir", default=None, help="parent of the temporary directory")
     args = parser.parse_args()

@@ -132,3 +132,57 @@ def test_segment_sizes_are_the_newest_segments_files_oldest_first() -> None:
     assert detached is not None
     assert [f for f, _ in log.segment_sizes(10_000)] == firsts[2:]
     log.close()
+
+
+def test_a_paced_deletion_frees_in_steps_at_the_rate_asked() -> None:
+    fs = CrashFS()
+    log = open_log(fs, threshold=600)
+    fill(log, 200)
+    firsts = log.segment_first_ids
+    detached = log.detach_below(firsts[3])
+    assert detached is not None
+    sizes = []
+    for path in detached.paths():
+        f = fs.open(path, read_only=True)
+        sizes.append(f.size())
+        f.close()
+    slept: list[float] = []
+    freed = delete_detached(fs, detached, max_bytes_per_second=1000, step_bytes=100, sleep=slept.append)
+    assert freed == sum(sizes)
+    assert not any(fs.exists(p) for p in detached.paths())
+    # One pause of step / rate for each step but a file's last (which the unlink frees).
+    assert slept == [0.1] * sum((size - 1) // 100 for size in sizes)
+    log.close()
+
+
+@pytest.mark.parametrize("ops", range(0, 40, 3))
+def test_a_crash_during_a_paced_deletion_leaves_nothing_the_next_open_does_not_delete(ops: int) -> None:
+    fs = CrashFS(ops)
+    log = open_log(fs, threshold=600)
+    fill(log, 200)
+    firsts = log.segment_first_ids
+    detached = log.detach_below(firsts[3])
+    assert detached is not None
+    fs.arm(ops)
+    try:
+        delete_detached(fs, detached, max_bytes_per_second=10**6, step_bytes=50, sleep=lambda _s: None)
+    except SimulatedCrash:
+        pass
+    fs.arm(None)
+    fs.crash()
+    # The node reopens the log with its trim point (from the control file): what is below it goes.
+    log2 = PartitionLog.open(
+        ROOT,
+        KEY,
+        PID,
+        fs=fs,
+        segment_size_threshold_bytes=600,
+        segment_cache_capacity=5,
+        trim_point=firsts[3],
+    )
+    assert log2.segment_first_ids == firsts[3:]
+    assert sorted(fs.listdir(PDIR)) == sorted(
+        n for f in firsts[3:] for n in (f"{f:019d}.seg", f"{f:019d}.idx")
+    )
+    assert log2.read_records(firsts[3], 10) == batch(firsts[3], 10)
+    log2.close()

@@ -7,6 +7,7 @@ raises a :class:`~waltz.errors.WaltzError`, which the worker answers as a failur
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -167,7 +168,14 @@ def trim(part: StoragePartition, plog: PartitionLog, trim_point: int) -> int:
 async def _delete(part: StoragePartition, detached: DetachedSegments) -> None:
     """Delete trimmed segments' files in a thread, so appends are not blocked (see retention.py)."""
     try:
-        freed = await asyncio.to_thread(delete_detached, part.node.fs, detached)
+        freed = await asyncio.to_thread(
+            functools.partial(
+                delete_detached,
+                part.node.fs,
+                detached,
+                max_bytes_per_second=part.node.config.delete_bytes_per_second,
+            )
+        )
     except Exception as e:  # noqa: BLE001 - reported; the next open of the log deletes them again
         log.error("partition %d: deleting trimmed segments %s failed: %r", part.partition_id, detached, e)
         return
