@@ -152,11 +152,12 @@ def phases(args: argparse.Namespace, cluster: Cluster, zk: KazooClient, client: 
     quiet = measure(client, args.seconds)
     print(summary("no trim", quiet))
     print(f"  appends/worst ms per 0.5 s from its start: {timeline(quiet, quiet[0][0])}")
-    trim_to = client.high_water_mark(0) + 1
+    # --control trims to 1: the same trim machinery and metric polling, nothing deleted.
+    trim_to = 1 if args.control else client.high_water_mark(0) + 1
     done: dict[int, float] = {}
 
     def watch() -> None:
-        while len(done) < len(ports) and time.monotonic() - t0 < 600:
+        while len(done) < len(ports) and time.monotonic() - t0 < (6 if args.control else 600):
             for i, p in enumerate(ports):
                 if i not in done and disk_bytes(p) < before[i] - args.fill_mb * 2**20 * 0.9:
                     done[i] = time.monotonic() - t0
@@ -193,8 +194,9 @@ def main() -> None:
         "--delete-mb-per-s",
         type=int,
         default=None,
-        help="storage.trim.deleteBytesPerSecond in MiB/s (default: the node's, 256; 0: unpaced)",
+        help="storage.trim.deleteBytesPerSecond in MiB/s (default: the node's, 64; 0: unpaced)",
     )
+    parser.add_argument("--control", action="store_true", help="trim to 1 (deletes nothing), to compare")
     parser.add_argument("--settle-s", type=float, default=5.0, help="quiet seconds before measuring")
     parser.add_argument("--dir", default=None, help="parent of the temporary directory")
     args = parser.parse_args()

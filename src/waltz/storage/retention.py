@@ -75,7 +75,7 @@ def check_readable(partition_id: int, transaction_id: int, trim_point: int) -> N
         raise TrimmedError.below(partition_id, transaction_id, trim_point)
 
 
-DELETE_STEP_BYTES = 32 * 1024 * 1024
+DELETE_STEP_BYTES = 8 * 1024 * 1024
 """A paced deletion frees at most this much at a time (a truncation), then waits its share of the rate."""
 
 
