@@ -38,6 +38,13 @@ def test_golden_bytes_and_round_trip() -> None:
     assert points.of(1) == 0  # not listed: nothing trimmed
 
 
+def test_with_nothing_pending_it_is_written_in_format_1_as_waltz_0_1_0_reads_it() -> None:
+    points = TrimPoints({3: TrimEntry(100, 1_600_000_000_000), 0: TrimEntry(7, 1)})
+    assert points.encode().hex() == (
+        "0100000002000000000000000000000007000000000000000100000003000000000000006400000174876e8000"
+    )
+
+
 def test_format_1_reads_as_trim_points_in_force() -> None:
     raw = bytes.fromhex(
         "0100000002000000000000000000000007000000000000000100000003000000000000006400000174876e8000"

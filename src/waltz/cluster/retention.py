@@ -40,6 +40,7 @@ from kazoo.client import KazooClient
 
 from waltz.cluster import store_metadata as sm
 from waltz.cluster.codec import Reader, Writer
+from waltz.cluster.features import read_feature_version
 from waltz.cluster.zk import ClusterPaths, compare_and_set, zk_errors
 from waltz.errors import MetadataError
 
@@ -50,6 +51,9 @@ FORMAT_VERSION = 1
 DEFAULT_GRACE_MS = 3_600_000
 """One hour: long enough for an alert on a mistaken trim to reach someone who can cancel it, short enough
 that the disk kept for it (an hour of writes) does not matter next to the log."""
+
+BYTES_FEATURE_VERSION = 2
+"""The cluster feature version from which a limit in bytes may be set (storage message 26 is 0.2.0's)."""
 
 MAX_GRACE_MS = 30 * 24 * 3_600_000
 """Thirty days: a longer grace is surely a typing mistake (the unit is milliseconds)."""
@@ -215,6 +219,14 @@ def update_retention(
     refusal = edit.refusal()
     if refusal is not None:
         raise MetadataError(refusal)
+    if edit.keep_bytes:
+        fv = read_feature_version(client, root)[0]
+        if fv < BYTES_FEATURE_VERSION:
+            raise MetadataError(
+                f"--keep-bytes needs feature version {BYTES_FEATURE_VERSION} (the servers ask the storage "
+                f"nodes with storage message 26, which Waltz 0.1.0 does not know), and the cluster is at "
+                f"{fv}: raise it once every process runs Waltz 0.2.0 or later (waltz cluster raise-features)"
+            )
     if edit.partition_id is not None:
         num = sm.read_cluster_params(client, root).num_partitions
         if edit.partition_id >= num:

@@ -12,7 +12,8 @@ partition has at most one pending trim point: a higher one set meanwhile replace
 again: deletion is only ever delayed, never hastened). A pending trim point whose time has come is in force
 for every reader (:meth:`TrimEntry.in_force`), whether or not a writer has folded it in yet.
 
-Encoding (big-endian, see :mod:`waltz.cluster.codec`), format 2::
+Encoding (big-endian, see :mod:`waltz.cluster.codec`), format 2 (written only while a trim point is pending,
+and only at cluster feature version 2 or above, :data:`PENDING_FEATURE_VERSION`; otherwise format 1)::
 
     u8   format version   (2; format 1, written by older versions, is read as trim points in force)
     i32  n                number of partitions listed
@@ -46,12 +47,18 @@ from dataclasses import dataclass, field, replace
 from kazoo.client import KazooClient
 
 from waltz.cluster.codec import Reader, Writer
+from waltz.cluster.features import read_feature_version
 from waltz.cluster.zk import ClusterPaths, compare_and_set, zk_errors
 from waltz.errors import MetadataError
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
+
+PENDING_FEATURE_VERSION = 2
+"""The cluster feature version (:mod:`waltz.cluster.features`) from which format 2, and so a pending trim
+point, may be written: a Waltz 0.1.0 server reads format 1 only. Below it, trim points without a grace are
+written in format 1 and a trim with a grace is refused, naming the fix."""
 
 DEFAULT_MIN_KEPT_TRANSACTIONS = 1000
 """The head guard a trim leaves by default: the most recent transactions it never removes."""
@@ -149,6 +156,12 @@ class TrimPoints:
         return min(times) if times else None
 
     def encode(self) -> bytes:
+        """Format 2 if a trim point is pending, else format 1 (what Waltz 0.1.0 reads: the same facts)."""
+        if all(e.pending is None for e in self.entries.values()):
+            w = Writer().u8(1).i32(len(self.entries))
+            for pid in sorted(self.entries):
+                w.i32(pid).i64(self.entries[pid].trim_point).i64(self.entries[pid].set_at_ms)
+            return w.bytes()
         w = Writer().u8(FORMAT_VERSION).i32(len(self.entries))
         for pid in sorted(self.entries):
             e = self.entries[pid]
@@ -244,6 +257,7 @@ def raise_trim_point(
     source: TrimSource = TrimSource.OPERATOR,
     replace_pending: bool = True,
     clock_ms: Callable[[], int] = wall_clock_ms,
+    feature_version: int | None = None,
 ) -> TrimOutcome:
     """Set a partition's trim point to ``target`` (version-checked): pending for ``grace_ms``, then in force
     (at once if ``grace_ms`` is 0). A target at or below the one requested is a no-op, said so, as is any
@@ -255,6 +269,15 @@ def raise_trim_point(
         raise MetadataError(refusal)
     if grace_ms < 0:
         raise MetadataError(f"partition {partition_id}: grace {grace_ms} ms is negative")
+    if grace_ms > 0:
+        fv = read_feature_version(client, root)[0] if feature_version is None else feature_version
+        if fv < PENDING_FEATURE_VERSION:
+            raise MetadataError(
+                f"partition {partition_id}: a trim point pending for a grace ({grace_ms} ms) needs feature "
+                f"version {PENDING_FEATURE_VERSION}, and the cluster is at {fv}: raise it once every process "
+                f"runs Waltz 0.2.0 or later (waltz cluster raise-features), or set the grace to 0 "
+                f"(waltz cluster retention set --grace-ms 0, or trim with --grace-ms 0)"
+            )
     path = ClusterPaths(root).trim_points
     with zk_errors("trim points"):
         client.ensure_path(path)

@@ -1,4 +1,4 @@
-"""Server <-> storage node messages (frame magic 'S', version 0), sans-I/O.
+"""Server <-> storage node messages (frame magic 'S', codec version V0), sans-I/O.
 
 Every payload starts with the same prefix (big-endian; primitives as in :mod:`waltz.protocol.wire`)::
 
@@ -38,9 +38,18 @@ code  message                    fields after the prefix
 23    DamagedRecordsResponse     i32 n · n x i64 transaction_id   (ours)
 24    TrimRequest                i64 trim_point · bool offline   (ours)
 25    TrimResponse               i64 trim_point   (ours: the trim point now in force on the replica)
-26    SegmentSizesRequest        i32 max_segments   (ours)
-27    SegmentSizesResponse       i32 n · n x (i64 first_transaction_id · i64 bytes)   (ours)
+26    SegmentSizesRequest        i32 max_segments   (ours, V1)
+27    SegmentSizesResponse       i32 n · n x (i64 first_transaction_id · i64 bytes)   (ours, V1)
 ====  =========================  ===================================================================
+
+Versions: V0 is every message above, as Waltz 0.1.0 (the first release) speaks them: the original's 1-18
+and our 19-25, which were added before that release and which every 0.1.0 node understands, so they need no
+version of their own (a node older than 0.1.0 is not a release and is not supported). The hello picks the
+highest version both ends list (:mod:`waltz.protocol.framing`; with none in common each end reports both
+lists). From V1 on, a new message type is a new codec version: its class sets ``MIN_VERSION``, the sender
+checks :func:`available` with the connection's negotiated version once, before it builds such a request,
+and the decoder refuses it below its version. The hot path (appends, run reads) is V0 and checks nothing.
+V1 (Waltz 0.2.0) adds 26/27.
 
 The bracketed trailers of 3 and 5 are not the original's. Each is sent only when it says something (a
 flag set or a reason given) and a message without it decodes as if it were all zero, so the original's
@@ -68,9 +77,7 @@ same id and stored length; see ``PartitionLog.repair``.
 background scrub) and not repaired yet, lowest first, at most ``max_ids``. The owner server asks each
 participant now and then, so damage nobody read is repaired too (see ``StoreSession``).
 
-24/25 are not the original's either. Only storage nodes of this version and later understand them: an older
-node refuses type 24 as unknown and closes the connection, which fails that replica in the store session, so
-upgrade every storage node before the first trim. The trim point is the lowest transaction id the replica must
+24/25 are not the original's either. The trim point is the lowest transaction id the replica must
 still hold. The node persists it in its control file before answering (only upwards: a lower one is answered
 with the one in force), refuses one above its durable max id + 1, deletes the segments wholly below it in
 the background and fails every read below it with ``TrimmedError`` (see :mod:`waltz.storage.retention`).
@@ -80,9 +87,10 @@ Golden bytes:
 26/27 are not the original's either: the replica's newest segments (at most ``max_segments``, at most
 :data:`MAX_SEGMENT_SIZES`), oldest first, each with its first transaction id and the bytes of its data and
 index files, so the owning server can apply a retention policy in bytes (:mod:`waltz.server.retention`).
-Session-checked like a read. Only nodes of this version and later understand them (an older node closes the
-connection, failing that replica in the session, as for 24): set no policy in bytes before every node is
-upgraded. Golden bytes: ``SegmentSizesResponse(5, 6, 7, ((0, 4096), (10, 512)))`` is
+Session-checked like a read. Codec V1: a server sends 26 only on a connection that negotiated V1 (a Waltz
+0.1.0 node speaks V0 and is not asked: the policy in bytes logs that it cannot measure that replica), and a
+limit in bytes can only be set at cluster feature version 2 (every process 0.2.0 or later). Golden bytes:
+``SegmentSizesResponse(5, 6, 7, ((0, 4096), (10, 512)))`` is
 ``1b 0000000000000005 0000000000000006 00000007 00000002 0000000000000000 0000000000001000
 000000000000000a 0000000000000200``.
 
@@ -180,6 +188,7 @@ __all__ = [
     "TrimResponse",
     "TruncateRequest",
     "WireRecordList",
+    "available",
     "decode",
     "encode",
     "encode_record_run_response",
@@ -198,7 +207,7 @@ __all__ = [
     "write_session_info",
 ]
 
-STORAGE_VERSIONS: Final = (0,)
+STORAGE_VERSIONS: Final = (0, 1)
 """Codec versions of the storage protocol this implementation speaks (frame magic 'S')."""
 STORAGE_CLIENT_HELLO: Final = "Waltz Storage Client"
 STORAGE_SERVER_HELLO: Final = "Waltz Storage Server"
@@ -230,6 +239,8 @@ class StorageMessage:
     """Base of every storage message: the common prefix. ``TYPE`` is the wire type code."""
 
     TYPE: ClassVar[int] = 0
+    MIN_VERSION: ClassVar[int] = 0
+    """The first codec version that has this message (see the module's "Versions")."""
 
     session_id: int
     seq_num: int
@@ -732,6 +743,7 @@ class SegmentSizesRequest(StorageMessage):
     """The replica's newest segments and their sizes (ours; answered by SegmentSizesResponse)."""
 
     TYPE: ClassVar[int] = 26
+    MIN_VERSION: ClassVar[int] = 1
 
     max_segments: int
 
@@ -748,6 +760,8 @@ class SegmentSizesResponse(StorageMessage):
     """``(first transaction id, bytes)`` of the replica's newest segments, oldest first (ours)."""
 
     TYPE: ClassVar[int] = 27
+
+    MIN_VERSION: ClassVar[int] = 1
 
     segments: Sequence[tuple[int, int]]
 
@@ -798,6 +812,11 @@ _BY_TYPE: Final[dict[int, type[StorageMessage]]] = {
         SegmentSizesResponse,
     )
 }
+
+
+def available(cls: type[StorageMessage], version: int) -> bool:
+    """Whether codec ``version`` (a connection's negotiated one) has message ``cls``."""
+    return version >= cls.MIN_VERSION
 
 
 def encode(msg: StorageMessage) -> bytes:
@@ -884,8 +903,9 @@ def encode_success(session_id: int, seq_num: int, partition_id: int) -> bytes:
         raise LocalProtocolError("storage message prefix out of range") from None
 
 
-def decode(payload: bytes | bytearray | memoryview) -> StorageMessage:
-    """Decode one whole payload; raises RemoteProtocolError if it is not exactly one valid message."""
+def decode(payload: bytes | bytearray | memoryview, version: int = STORAGE_VERSIONS[-1]) -> StorageMessage:
+    """Decode one whole payload of codec ``version``; raises RemoteProtocolError if it is not exactly one
+    valid message of that version."""
     data = payload if isinstance(payload, bytes) else bytes(payload)
     if len(data) < PREFIX.size:
         raise RemoteProtocolError(f"storage message truncated: {len(data)} bytes, the prefix alone is 21")
@@ -893,6 +913,8 @@ def decode(payload: bytes | bytearray | memoryview) -> StorageMessage:
     cls = _BY_TYPE.get(type_code)
     if cls is None:
         raise RemoteProtocolError(f"unknown storage message type {type_code}")
+    if version < cls.MIN_VERSION:
+        raise RemoteProtocolError(f"storage message type {type_code} is not in codec V{version}")
     r = Reader(data, PREFIX.size)
     msg = cls._read(r, session_id, seq_num, partition_id)
     r.expect_end()

@@ -9,13 +9,14 @@ requests by sequence number. Failure responses are raised as the Waltz error the
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from collections.abc import Callable, Sequence
 from ssl import SSLContext
 from types import TracebackType
 from typing import Generic, NamedTuple, Self, TypeVar, cast
 
-from waltz.errors import LocalProtocolError, RemoteProtocolError, StorageRpcError
+from waltz.errors import LocalProtocolError, RemoteProtocolError, StorageError, StorageRpcError
 from waltz.protocol import admin as adm
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
@@ -77,6 +78,7 @@ async def _open_rpc(
     connect_timeout_ms: int,
     ssl: SSLContext | None,
     name: str,
+    decoder_for: Callable[[int], Callable[[bytes], M]] | None = None,
 ) -> RpcClient[M, M]:
     conn = await open_connection(
         host,
@@ -88,6 +90,9 @@ async def _open_rpc(
         connect_timeout_ms=connect_timeout_ms,
         ssl=ssl,
     )
+    if decoder_for is not None:
+        # The codec's messages differ by version: decode as the version this connection negotiated.
+        decode = decoder_for(conn.negotiated_version)
     return RpcClient(
         conn,
         encode=encode,
@@ -119,7 +124,17 @@ async def _open_admin_rpc(
         connect_timeout_ms=connect_timeout_ms,
         ssl=ssl,
         name=f"storage admin {host}:{port}",
+        decoder_for=_admin_decoder,
     )
+
+
+def _storage_decoder(version: int) -> Callable[[bytes], st.StorageMessage]:
+    """Decode storage payloads as codec ``version`` (a message of a later version is refused)."""
+    return functools.partial(st.decode, version=version)
+
+
+def _admin_decoder(version: int) -> Callable[[bytes], adm.AdminMessage]:
+    return functools.partial(adm.decode, version=version)
 
 
 class _Endpoint(Generic[M]):
@@ -191,6 +206,7 @@ class StorageClient(_Endpoint[st.StorageMessage]):
             hello_text=st.STORAGE_CLIENT_HELLO,
             encode=_encode_storage,
             decode=st.decode,
+            decoder_for=_storage_decoder,
             seq_of=st.seq_num_of,
             error_of=_storage_error,
             max_in_flight=max_in_flight,
@@ -363,7 +379,13 @@ class StorageClient(_Endpoint[st.StorageMessage]):
     async def segment_sizes(
         self, session_id: int, partition_id: int, max_segments: int
     ) -> list[tuple[int, int]]:
-        """``(first transaction id, bytes)`` of the replica's newest segments, oldest first."""
+        """``(first transaction id, bytes)`` of the replica's newest segments, oldest first; StorageError if
+        the node speaks storage codec V0 (Waltz 0.1.0), which has no such request."""
+        if not st.available(st.SegmentSizesRequest, self._rpc.connection.negotiated_version):
+            raise StorageError(
+                f"storage node {self.address} speaks storage codec V0 (Waltz 0.1.0): it cannot report its "
+                "segment sizes (a retention limit in bytes needs every node at 0.2.0 or later)"
+            )
         resp = await self._call(
             st.SegmentSizesRequest(session_id, self._seq(), partition_id, max_segments),
             st.SegmentSizesResponse,
@@ -400,6 +422,18 @@ class AdminClient(_Endpoint[adm.AdminMessage]):
         rpc = await _open_admin_rpc(host, port, 1, connect_timeout_ms, ssl)
         async with cls(rpc, f"{host}:{port}") as client:
             return await client._call(adm.NodeIdentityRequest(rpc.next_seq()), adm.NodeIdentityResponse)
+
+    @classmethod
+    async def node_version(
+        cls, host: str, port: int, *, connect_timeout_ms: int = 5_000, ssl: SSLContext | None = None
+    ) -> adm.NodeVersionResponse | None:
+        """The node's release and supported feature range, asked without opening; None if the node speaks
+        admin codec V0 only (Waltz 0.1.0, whose range is feature version 1). The connection is closed."""
+        rpc = await _open_admin_rpc(host, port, 1, connect_timeout_ms, ssl)
+        async with cls(rpc, f"{host}:{port}") as client:
+            if not adm.available(adm.NodeVersionRequest, rpc.connection.negotiated_version):
+                return None
+            return await client._call(adm.NodeVersionRequest(rpc.next_seq()), adm.NodeVersionResponse)
 
     async def set_assigned(
         self, partition_ids: Sequence[int], assigned: bool, *, delete_files: bool = False
