@@ -84,15 +84,8 @@ the background and fails every read below it with ``TrimmedError`` (see :mod:`wa
 Golden bytes:
 ``TrimRequest(5, 6, 7, 100, False)`` is ``18 0000000000000005 0000000000000006 00000007 0000000000000064 00``.
 
-26/27 are not the original's either: the replica's newest segments (at most ``max_segments``, at most
-:data:`MAX_SEGMENT_SIZES`), oldest first, each with its first transaction id and the bytes of its data and
-index files, so the owning server can apply a retention policy in bytes (:mod:`waltz.server.retention`).
-Session-checked like a read. Codec V1: a server sends 26 only on a connection that negotiated V1 (a Waltz
-0.1.0 node speaks V0 and is not asked: the policy in bytes logs that it cannot measure that replica), and a
-limit in bytes can only be set at cluster feature version 2 (every process 0.2.0 or later). Golden bytes:
-``SegmentSizesResponse(5, 6, 7, ((0, 4096), (10, 512)))`` is
-``1b 0000000000000005 0000000000000006 00000007 00000002 0000000000000000 0000000000001000
-000000000000000a 0000000000000200``.
+26/27 (ours, V1): a replica's newest segments and their sizes, for a retention limit in bytes; see
+``docs/formats.md`` ("Wire protocols") and :mod:`waltz.server.retention`.
 
 19/20 are not the original's: a bulk read that returns consecutive records exactly as the data file holds
 them (a *record run*, :mod:`waltz.protocol.record_run`), read with one ``pread`` and not decoded by the node;
@@ -740,11 +733,10 @@ MAX_SEGMENT_SIZES: Final = 65536
 
 @dataclass(frozen=True, slots=True)
 class SegmentSizesRequest(StorageMessage):
-    """The replica's newest segments and their sizes (ours; answered by SegmentSizesResponse)."""
+    """The replica's newest ``max_segments`` segments and their sizes (ours, V1; session-checked)."""
 
     TYPE: ClassVar[int] = 26
     MIN_VERSION: ClassVar[int] = 1
-
     max_segments: int
 
     def _write(self, w: Writer) -> None:
@@ -757,12 +749,10 @@ class SegmentSizesRequest(StorageMessage):
 
 @dataclass(frozen=True, slots=True)
 class SegmentSizesResponse(StorageMessage):
-    """``(first transaction id, bytes)`` of the replica's newest segments, oldest first (ours)."""
+    """``(first transaction id, bytes of data and index files)`` per segment, oldest first (ours, V1)."""
 
     TYPE: ClassVar[int] = 27
-
     MIN_VERSION: ClassVar[int] = 1
-
     segments: Sequence[tuple[int, int]]
 
     def _write(self, w: Writer) -> None:
