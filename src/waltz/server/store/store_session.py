@@ -118,6 +118,8 @@ class SessionHost(Protocol):
 
     repairs: RepairStatistics
     """Counts repairs of damage that replicas reported on their own (``scrub_repair.DamageWatch``)."""
+    trim_point: int
+    """The partition's trim point: nothing below it is repaired."""
 
 
 def _loop_ms() -> float:
