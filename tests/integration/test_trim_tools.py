@@ -45,7 +45,7 @@ async def _trim(cluster: Cluster, partition: int, to: int) -> None:
 
 
 async def _refuses_below(cluster: Cluster, partition: int, trim: int) -> bool:
-    """Whether every storage node of ``cluster`` refuses a read below ``trim`` (it recorded the trim point)."""
+    """Whether every storage node of ``cluster`` refuses a read below ``trim`` (it took the trim point)."""
     for sp in cluster.storages:
         async with await cluster.admin(sp) as client:
             try:
