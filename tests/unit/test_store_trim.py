@@ -9,9 +9,10 @@ import asyncio
 
 import pytest
 
-from waltz.errors import TrimmedError
+from waltz.errors import BrokenResourceError, TrimmedError
 from waltz.server.store.store_partition import StorePartition
 from waltz.testing import run_virtual
+from waltz.testing.store import MemoryConnection
 
 from .test_store_session import NAMES, World, req
 
@@ -98,6 +99,46 @@ def test_damage_reported_below_the_trim_point_needs_no_repair() -> None:
         stats = partition.repairs
         assert (stats.failed, dict(stats.failing)) == (0, {})
         assert world.storages[NAMES[0]].partitions[0].damaged == {5}  # 25 was repaired; 5 was left alone
+        await partition.close()
+
+    run_virtual(main())
+
+
+def test_a_lagging_replica_that_fails_to_restart_at_the_trim_point_does_not_end_the_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lagging replica's own failure (here its first trim request breaks) is retried by its task; the
+    session, whose quorum never depended on it, goes on."""
+    lagging = NAMES[2]
+    original = MemoryConnection.trim
+    failures = [1]
+
+    async def trim_once_broken(self: MemoryConnection, trim_point: int) -> int:
+        if self.storage == lagging and failures:
+            failures.pop()
+            self.break_()
+            raise BrokenResourceError(f"connection to {lagging} broke")
+        return await original(self, trim_point)
+
+    async def main() -> None:
+        world = World()
+        partition = world.partition()
+        await partition.start()
+        await _append(partition, 0, 10)
+        world.network.isolate(lagging)
+        await _append(partition, 10, 90)
+        partition.set_trim_point(60)
+        while any(world.storages[n].partitions[0].trim_point != 60 for n in NAMES[:2]):  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        session = partition.session
+        assert session is not None
+        monkeypatch.setattr(MemoryConnection, "trim", trim_once_broken)
+        world.network.heal(lagging)
+        while len(world.log(lagging)) < 100:  # noqa: ASYNC110 - polls storage state on virtual time
+            await asyncio.sleep(0.01)
+        assert not failures  # the broken trim request happened
+        assert partition.session is session and session.is_open
+        await _append(partition, 100, 1)
         await partition.close()
 
     run_virtual(main())
