@@ -137,7 +137,8 @@ def test_a_lagging_replica_that_fails_to_restart_at_the_trim_point_does_not_end_
         while len(world.log(lagging)) < 100:  # noqa: ASYNC110 - polls storage state on virtual time
             await asyncio.sleep(0.01)
         assert not failures  # the broken trim request happened
-        assert partition.session is session and session.is_open
+        assert partition.session is session
+        assert session.is_open
         await _append(partition, 100, 1)
         await partition.close()
 
