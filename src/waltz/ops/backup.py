@@ -288,6 +288,8 @@ async def _copy_partition(
             first, count, task = pending.popleft()
             try:
                 run = await task
+            except TrimmedError:
+                raise  # a trim raised during the backup: typed, it names the partition and the trim point
             except (WaltzError, OSError) as e:
                 found = await diagnose(config, p, first, count)
                 raise BackupError(
