@@ -353,7 +353,9 @@ class ApplierMixin(AttemptsMixin):
         partition = self._active(partition_id)
         if partition is None:
             return
-        log.error("partition %d: %s", partition_id, error)
+        log.error(
+            "partition %d stopped: %s", partition_id, str(error).removeprefix(f"partition {partition_id}: ")
+        )
         self._stop_partition(partition, error)
         for task in partition.tasks:
             task.cancel()

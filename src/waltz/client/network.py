@@ -627,7 +627,7 @@ class NetworkDriver(ClientDriver):
         mount.session = None
         mount.ready = False
         mount.ahead = True
-        log.error("%s", error)
+        log.debug("%s", error)  # The core stops the partition and logs it once.
         await listener.on_mount_failure(mount.partition_id, error)
 
     # -- tasks ---------------------------------------------------------------------------------------------
