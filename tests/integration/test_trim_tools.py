@@ -121,7 +121,7 @@ def test_backup_of_a_trimmed_partition_starts_at_the_trim_point_and_restore_recr
         async def verified() -> bool:
             return (await verify_lines(dst_yaml))[0] == 0
 
-        await wait_until(verified, 30, "waltz cluster verify to print OK on the restored cluster", 0.5)
+        await wait_until(verified, 60, "waltz cluster verify to print OK on the restored cluster", 0.5)
 
     asyncio.run(body())
 
@@ -173,7 +173,7 @@ def test_recover_partition_copies_a_trimmed_partition_from_the_trim_point(
             code, lines = await verify_lines(config)
             return code == 0 and lines == ["OK: every partition served, replicated and healthy"]
 
-        await wait_until(healthy, 30, "waltz cluster verify to print OK", 0.5)
+        await wait_until(healthy, 60, "waltz cluster verify to print OK", 0.5)
         reader_config = ClientConfig(zookeeper_connect_string=cluster.zk_connect, cluster_root=cluster.root)
         async with LogReader(reader_config) as reader:
             assert await reader.high_water_mark(0) == 599
