@@ -180,3 +180,49 @@ def test_recover_partition_copies_a_trimmed_partition_from_the_trim_point(
             assert [r.transaction_id for r in await reader.read_range(0, TRIM, 10)] == list(range(300, 310))
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(200)
+def test_rebuild_metadata_of_a_trimmed_cluster_records_the_trim_point_again(
+    cluster_factory: ClusterFactory,
+) -> None:
+    """ZooKeeper lost after a trim of everything committed: every replica's newest record is below its trim
+    point, so the tool must not read it, and the rebuilt tree carries the trim point again."""
+    cluster = cluster_factory()
+
+    async def main() -> None:
+        await cluster.start(storages=3, servers=1)
+        config = cli_config(cluster)
+        assert (await served(cluster, 1, 600)).hwm == 599
+        outcome = await asyncio.to_thread(
+            trim_partition, cluster.zk, cluster.root, 0, to=600, min_kept_transactions=0
+        )
+        assert outcome.after == 600
+        await wait_until(lambda: _refuses_below(cluster, 0, 600), 30, "every replica to take the trim point")
+        for server in cluster.servers:
+            await asyncio.to_thread(server.stop)
+        await asyncio.to_thread(cluster.zk.delete, cluster.root, recursive=True)
+
+        storage_args = [a for sp in cluster.storages for a in ("--storage", admin(sp))]
+        code, out, err = await waltz(
+            "cluster", "rebuild-metadata", "-c", config, "--name", "test", *storage_args, "--yes"
+        )
+        assert code == 0, err
+        assert "trim point 600" in out
+        assert (await asyncio.to_thread(read_trim_points, cluster.zk, cluster.root)).of(0) == 600
+
+        for server in cluster.servers:
+            await asyncio.to_thread(server.start)
+        reader_config = ClientConfig(zookeeper_connect_string=cluster.zk_connect, cluster_root=cluster.root)
+        async with LogReader(reader_config) as reader:
+            assert await reader.high_water_mark(0) == 599
+            with pytest.raises(TrimmedError) as e:
+                await reader.read_range(0, 5, 10)
+            assert e.value.trim_point == 600
+
+        async def healthy() -> bool:
+            return (await verify_lines(config))[0] == 0
+
+        await wait_until(healthy, 60, "waltz cluster verify to print OK", 0.5)
+
+    asyncio.run(main())
