@@ -486,7 +486,9 @@ class ReplicaSession:
         )
         if self.max_id == resolved:
             return resolved
-        in_force = await session.call(conn.trim(0))  # a no-op that answers the replica's trim point
+        # Answers the replica's trim point; a log that ends below it restarts there (storage handlers).
+        in_force = await session.call(conn.trim(0))
+        self.max_id = await session.call(conn.max_transaction_id())
         if resolved < self.max_id < in_force:
             log.info(
                 "partition %d: replica %s holds nothing between %d and its trim point %d; it recovers at %d",
