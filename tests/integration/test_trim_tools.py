@@ -39,7 +39,7 @@ async def _append(cluster: Cluster, client_id: int, partition: int, count: int) 
 
 async def _trim(cluster: Cluster, partition: int, to: int) -> None:
     outcome = await asyncio.to_thread(
-        trim_partition, cluster.zk, cluster.root, partition, to=to, min_kept_transactions=100
+        trim_partition, cluster.zk, cluster.root, partition, to=to, min_kept_transactions=100, grace_ms=0
     )
     assert outcome.after == to
 
@@ -195,7 +195,7 @@ def test_rebuild_metadata_of_a_trimmed_cluster_records_the_trim_point_again(
         config = cli_config(cluster)
         assert (await served(cluster, 1, 600)).hwm == 599
         outcome = await asyncio.to_thread(
-            trim_partition, cluster.zk, cluster.root, 0, to=600, min_kept_transactions=0
+            trim_partition, cluster.zk, cluster.root, 0, to=600, min_kept_transactions=0, grace_ms=0
         )
         assert outcome.after == 600
         await wait_until(lambda: _refuses_below(cluster, 0, 600), 30, "every replica to take the trim point")

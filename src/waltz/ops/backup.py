@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 from waltz.client.config import ClientConfig
 from waltz.client.reader import LogReader
 from waltz.cluster import zk
-from waltz.cluster.trim_points import TrimPoints, read_trim_points
+from waltz.cluster.trim_points import TrimPoints, read_trim_points, wall_clock_ms
 from waltz.errors import BackupError, TrimmedError, WaltzError
 from waltz.ops.backup_format import (
     MANIFEST_NAME,
@@ -155,9 +155,10 @@ async def backup(
             created_ms = int(time.time() * 1000)
             # Trim points before the cut, so none is above a mark (a trim is at most a committed mark + 1).
             trims = await asyncio.to_thread(_trim_points, config)
+            now_ms = wall_clock_ms()  # a pending trim point whose time has come is in force
             # The cut: every owner is asked at once, before anything is read.
             marks = await asyncio.gather(*(reader.high_water_mark(p) for p in range(n)))
-            firsts = _firsts(previous, trims, n, since)
+            firsts = _firsts(previous, trims, now_ms, n, since)
             for p in range(n):
                 if marks[p] < firsts[p] - 1:
                     raise BackupError(
@@ -176,7 +177,7 @@ async def backup(
                     entry = await _copy_partition(
                         config, reader, PartitionFileWriter(path, header), fetch_depth, counter
                     )
-                    return replace(entry, trim_point=trims.of(p))
+                    return replace(entry, trim_point=trims.in_force(p, now_ms))
 
             entries = await run_all(one(p) for p in range(n))
             manifest = BackupManifest(
@@ -213,21 +214,24 @@ async def run_all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
     return [t.result() for t in tasks]
 
 
-def _firsts(previous: BackupManifest | None, trims: TrimPoints, n: int, since: Path | None) -> list[int]:
-    """Each partition's first id to copy: its trim point for a full backup, the previous backup's last + 1
-    for an incremental one (TrimmedError if that was trimmed: the chain cannot continue)."""
+def _firsts(
+    previous: BackupManifest | None, trims: TrimPoints, now_ms: int, n: int, since: Path | None
+) -> list[int]:
+    """Each partition's first id to copy: its trim point in force for a full backup, the previous backup's
+    last + 1 for an incremental one (TrimmedError if that was trimmed: the chain cannot continue)."""
+    points = [trims.in_force(p, now_ms) for p in range(n)]
     if previous is None:
-        return [trims.of(p) for p in range(n)]
+        return points
     firsts = [previous.partitions[p].last + 1 for p in range(n)]
     for p in range(n):
-        if firsts[p] < trims.of(p):
+        if firsts[p] < points[p]:
             raise TrimmedError(
                 f"partition {p}: the previous backup ({since}) ends at {firsts[p] - 1}, below the trim point "
-                f"{trims.of(p)} (transactions 0..{trims.of(p) - 1} were trimmed): an incremental backup "
+                f"{points[p]} (transactions 0..{points[p] - 1} were trimmed): an incremental backup "
                 "cannot continue it; take a full backup",
                 partition_id=p,
                 transaction_id=firsts[p],
-                trim_point=trims.of(p),
+                trim_point=points[p],
             )
     return firsts
 

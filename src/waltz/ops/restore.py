@@ -290,7 +290,9 @@ async def _restore_partition(
         for storage, c in zip(replicas, clients, strict=True):
             await _verify_replica(c, storage, session, p, trim, target, written)
     if trim > 0:
-        await asyncio.to_thread(raise_trim_point, client, root, p, trim, target, min_kept_transactions=0)
+        await asyncio.to_thread(
+            raise_trim_point, client, root, p, trim, target, min_kept_transactions=0, grace_ms=0
+        )
     closed = PartitionMetadata(
         previous.generation, session, {s: ReplicaState(s, session, target) for s in replicas}
     )
