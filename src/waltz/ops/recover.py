@@ -191,6 +191,25 @@ async def _prepare_destination(
     return info, current
 
 
+async def _finish_destination(
+    dst_admin: AdminClient,
+    metadata: PartitionMetadata | None,
+    partition: int,
+    destination: str,
+    current: int,
+    leave_offline: bool,
+) -> tuple[WireSessionInfo, ReplicaClass | None]:
+    """The destination's final control info and class (None without metadata); back online unless told."""
+    final = await dst_admin.last_session_info(partition)
+    dst_class = None
+    if metadata is not None and metadata.replicas:
+        dst_class = classify_replica(metadata, destination, _store_info(final), current).kind
+    if not leave_offline:
+        await dst_admin.set_available([partition], True)
+        log.info("partition %d on %s is online again, holding 0..%d", partition, destination, current)
+    return final, dst_class
+
+
 async def recover_partition(
     view: ClusterView,
     partition: int,
@@ -245,13 +264,9 @@ async def recover_partition(
         adopted = max(session, src_info.session_id)
         if adopted != session and current >= floor:
             await dst.set_low_water_mark(adopted, partition, current, offline=True)
-        final = await dst_admin.last_session_info(partition)
-        dst_class = None
-        if metadata is not None and metadata.replicas:
-            dst_class = classify_replica(metadata, destination, _store_info(final), current).kind
-        if not leave_offline:
-            await dst_admin.set_available([partition], True)
-            log.info("partition %d on %s is online again, holding 0..%d", partition, destination, current)
+        final, dst_class = await _finish_destination(
+            dst_admin, metadata, partition, destination, current, leave_offline
+        )
     return RecoveryResult(
         partition=partition,
         source=source,
