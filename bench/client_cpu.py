@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import multiprocessing
 import os
+import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -142,7 +143,15 @@ class Ctx(TransactionContext):
             self._done(True)
 
 
-async def run_phase(client: AsyncWaltzClient, phase: str, seconds: float, count: int | None) -> str:
+def callgrind(on: bool) -> None:
+    """Switch callgrind's counting of this process on or off (run under ``--instr-atstart=no``)."""
+    cmd = ["callgrind_control", "-i", "on" if on else "off", str(os.getpid())]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+async def run_phase(
+    client: AsyncWaltzClient, phase: str, seconds: float, count: int | None, toggle: bool = False
+) -> str:
     """``phase`` for ``seconds`` after a warm-up of WARMUP_S, or (``count`` given) for ``count``
     operations after WARMUP_OPS: a fixed amount of work, for an instruction count under
     ``valgrind --tool=callgrind``."""
@@ -180,12 +189,16 @@ async def run_phase(client: AsyncWaltzClient, phase: str, seconds: float, count:
         await asyncio.sleep(WARMUP_S)
     else:
         await warm.wait()
+    if toggle:
+        callgrind(True)  # the loop waits meanwhile: no append is half counted
     n0, c0, t0 = done_ops, time.process_time(), time.perf_counter()
     if count is None:
         await asyncio.sleep(seconds)
     else:
         await finished
     c1, t1 = time.process_time(), time.perf_counter()
+    if toggle:
+        callgrind(False)
     n = done_ops - n0
     stop = True
     await asyncio.wait(tasks, timeout=30)
@@ -197,7 +210,7 @@ async def main_async(args: argparse.Namespace, endpoint: str) -> None:
     driver = NetworkDriver(config, discovery=StaticDiscovery(endpoint))  # type: ignore[arg-type]
     async with AsyncWaltzClient(Callbacks(), config, driver=driver) as client:
         for phase in args.phase:
-            print(await run_phase(client, phase, args.seconds, args.count), flush=True)
+            print(await run_phase(client, phase, args.seconds, args.count, args.callgrind_toggle), flush=True)
         await client.flush_transactions(30)
 
 
@@ -211,6 +224,11 @@ def main() -> None:
     )
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--count", type=int, help="measure this many operations instead of --seconds")
+    parser.add_argument(
+        "--callgrind-toggle",
+        action="store_true",
+        help="count instructions of the measured operations only (run valgrind with --instr-atstart=no)",
+    )
     args = parser.parse_args()
     args.phase = args.phase or ["conc", "occ64"]
     print(f"load average at start: {os.getloadavg()}", flush=True)

@@ -32,6 +32,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -221,6 +222,8 @@ def main() -> None:
         from waltz.transport import tune_gc  # type: ignore[attr-defined,no-redef]
 
     tune_gc()  # as `waltz server run` does
+    # Stopped with SIGTERM, this process still stops its storage nodes (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     root = Path(tempfile.mkdtemp(prefix="waltz-server-tcp-", dir=args.dir))
     nodes = []
     try:
