@@ -30,6 +30,8 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
 
+from prometheus_client import CollectorRegistry
+
 from waltz import (
     AsyncWaltzClient,
     ClientCallbacks,
@@ -208,7 +210,9 @@ async def run_phase(
 async def main_async(args: argparse.Namespace, endpoint: str) -> None:
     config = ClientConfig(max_concurrent_transactions=128, callback_mode=args.mode)
     driver = NetworkDriver(config, discovery=StaticDiscovery(endpoint))  # type: ignore[arg-type]
-    async with AsyncWaltzClient(Callbacks(), config, driver=driver) as client:
+    # --metrics: the client's Prometheus metrics on (waltz.client.metrics), in a registry nobody scrapes.
+    registry = CollectorRegistry() if args.metrics else None
+    async with AsyncWaltzClient(Callbacks(), config, driver=driver, metrics_registry=registry) as client:
         for phase in args.phase:
             print(await run_phase(client, phase, args.seconds, args.count, args.callgrind_toggle), flush=True)
         await client.flush_transactions(30)
@@ -229,6 +233,7 @@ def main() -> None:
         action="store_true",
         help="count instructions of the measured operations only (run valgrind with --instr-atstart=no)",
     )
+    parser.add_argument("--metrics", action="store_true", help="with the client's metrics_registry")
     args = parser.parse_args()
     args.phase = args.phase or ["conc", "occ64"]
     print(f"load average at start: {os.getloadavg()}", flush=True)

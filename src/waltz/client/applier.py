@@ -138,6 +138,8 @@ class ApplierMixin(AttemptsMixin):
         partition.state = state
         partition.notify()
         if state is _READY:
+            if self._metrics is not None:
+                self._metrics.mounted(partition_id)
             # Appends carry the generation of this mount (see "Request ids" in driver.py): read once here,
             # into the high half of their request ids (the client id and the generation, the same for all).
             generation = self._require_driver().generation(partition_id)
@@ -228,6 +230,8 @@ class ApplierMixin(AttemptsMixin):
         one-line reminder at growing intervals (a poisoned transaction must not flood the log)."""
         stuck = partition.stuck
         now = self._clock()
+        if self._metrics is not None:
+            self._metrics.apply_failed(partition.id)
         if stuck is None or stuck.transaction_id != transaction_id:
             stuck = partition.stuck = Stuck(transaction_id, error, 1, now, now)
             log.error(
@@ -264,6 +268,8 @@ class ApplierMixin(AttemptsMixin):
                 if monitor is None:
                     continue
                 self._check_answered(partition, monitor, now, answer_s)
+                if monitor.oldest_pending_at is not None:
+                    self._say_if_waiting_on_zookeeper(partition)  # Appends in flight wait on it too.
                 if partition.state is not _READY:
                     continue
                 req_id = monitor.nudge(now, threshold_s)
@@ -353,7 +359,9 @@ class ApplierMixin(AttemptsMixin):
         partition = self._active(partition_id)
         if partition is None:
             return
-        log.error("partition %d: %s", partition_id, error)
+        log.error(
+            "partition %d stopped: %s", partition_id, str(error).removeprefix(f"partition {partition_id}: ")
+        )
         self._stop_partition(partition, error)
         for task in partition.tasks:
             task.cancel()

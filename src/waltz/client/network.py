@@ -44,12 +44,12 @@ import itertools
 import logging
 from collections.abc import Awaitable, Mapping
 from ssl import SSLContext
-from typing import Final
+from typing import Any, Final
 
 from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.discovery import Discovery, Endpoints, ZkDiscovery
-from waltz.client.driver import ClientDriver, DriverListener, MountState
+from waltz.client.driver import ClientDriver, CoordinationTrouble, DriverListener, MountState
 from waltz.client.rpc import (
     CLIENT_HELLO,
     RPC_ATTEMPT_TIMEOUT_MS,
@@ -127,6 +127,10 @@ class NetworkDriver(ClientDriver):
 
     # -- contract: lifecycle and identity ------------------------------------------------------------------
 
+    def coordination_trouble(self) -> CoordinationTrouble | None:
+        trouble = getattr(self._discovery, "coordination_trouble", None)  # Test discoveries have none.
+        return trouble() if trouble is not None else None
+
     async def open(self, listener: DriverListener) -> None:
         if self._opened:
             raise ClientError("a NetworkDriver serves one client; create one per client")
@@ -188,6 +192,12 @@ class NetworkDriver(ClientDriver):
     @property
     def cluster_name(self) -> str:
         return self._discovery.cluster_name
+
+    @property
+    def zookeeper_client(self) -> Any:
+        """The discovery's kazoo client while it is open (None otherwise): the client's metrics read its
+        session state (``waltz_zookeeper_*``)."""
+        return getattr(self._discovery, "zookeeper_client", None)
 
     @property
     def num_partitions(self) -> int:
@@ -627,7 +637,7 @@ class NetworkDriver(ClientDriver):
         mount.session = None
         mount.ready = False
         mount.ahead = True
-        log.error("%s", error)
+        log.debug("%s", error)  # The core stops the partition and logs it once.
         await listener.on_mount_failure(mount.partition_id, error)
 
     # -- tasks ---------------------------------------------------------------------------------------------
