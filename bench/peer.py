@@ -4,9 +4,10 @@ Starts a 3-node JetStream cluster on loopback (``bench/jetstream.py``: ``sync_in
 stream, so every acknowledgement follows an fsync on a quorum), runs the phases against it, stops it; then
 starts a ``waltz local`` cluster (ZooKeeper, 3 storage nodes, 1 server, 1 partition) and runs the same phases
 through the public :class:`~waltz.AsyncWaltzClient` twice: with the client's default configuration (the
-application's callbacks plain functions, as ``docs/client.md`` writes them) and tuned (``bench/client_peer.py``'s
-fast path: ``client.callbackMode: inline``, ``client.maxConcurrentTransactions`` 128). Every record is 512
-bytes; the driver (one process, uvloop) is the same for every system.
+application's callbacks plain functions, as ``docs/client.md`` writes them) and tuned
+(``bench/client_peer.py``'s fast path: ``client.callbackMode: inline``,
+``client.maxConcurrentTransactions`` 128). Every record is 512 bytes; the driver (one process, uvloop) is
+the same for every system.
 
 =====  =====================================================================================================
 phase  what it measures
@@ -96,8 +97,9 @@ class Result:
     def line(self) -> str:
         return (
             f"{self.system:12} {self.phase:6} {self.rate:9.0f} ops/s  p50 {self.percentile_ms(0.5):7.2f} ms  "
-            f"p99 {self.percentile_ms(0.99):7.2f} ms  servers {self.server_cpu_s * 1e6 / max(self.ops, 1):6.0f}"
-            f" us/op  ({self.ops} ops in {self.seconds:.1f} s)"
+            f"p99 {self.percentile_ms(0.99):7.2f} ms  "
+            f"servers {self.server_cpu_s * 1e6 / max(self.ops, 1):6.0f} us/op  "
+            f"({self.ops} ops in {self.seconds:.1f} s)"
         )
 
 
