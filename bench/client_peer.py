@@ -16,6 +16,9 @@ hot64      64 writers with a write lock on ONE key (a counter); successes = comm
 read1      ``high_water_mark`` one at a time
 read64     ``high_water_mark`` from 64 coroutines
 sync8      :class:`~waltz.WaltzClient` driven from 8 threads (each submits; completions are counted)
+clients    ``--clients`` processes (default 32) with ``--client-in-flight`` appends in flight each (default 8)
+           against one process with all of them in flight: aggregate rate, per-process min/mean/max
+           (``bench/clients.py``). Not run unless asked for (it starts 33 interpreters)
 =========  ==================================================================================================
 
 Each phase stops after ``--count`` operations or ``--seconds``, whichever comes first, after a short warm-up.
@@ -48,6 +51,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
 
 from waltz import (  # noqa: E402
     AsyncWaltzClient,
@@ -405,7 +409,7 @@ async def main_async(
     async with AsyncWaltzClient(Callbacks(), config) as client:
         bench = Bench(args, client, pids, http_port, storage_http_ports)
         for phase in args.phase:
-            if phase == "sync8":
+            if phase in ("sync8", "clients"):
                 continue
             result = await bench.run(phase)
             print(result.line(), flush=True)
@@ -435,7 +439,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--mode", choices=("inline", "threads"), default="inline")
-    parser.add_argument("--phase", action="append", choices=PHASES, help="repeatable; default: all")
+    parser.add_argument(
+        "--phase",
+        action="append",
+        choices=(*PHASES, "clients"),
+        help=f"repeatable; default: {', '.join(PHASES)}",
+    )
+    parser.add_argument("--clients", type=int, default=32, help="client processes in `clients`")
+    parser.add_argument("--client-in-flight", type=int, default=8, help="appends in flight per process")
     parser.add_argument("--count", type=int, default=100_000, help="operations per phase at most")
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per phase at most")
     parser.add_argument("--max-concurrent", type=int, default=128, help="client.maxConcurrentTransactions")
@@ -482,6 +493,17 @@ def main() -> None:
                 profiler.dump_stats(args.profile)
             if "sync8" in args.phase:
                 print(sync8(args, config, pids).line(), flush=True)
+            if "clients" in args.phase:
+                from bench import clients
+
+                clients.run(
+                    Path(cluster.directory) / "client.yaml",
+                    args.clients,
+                    args.client_in_flight,
+                    args.seconds,
+                    args.mode,
+                    args.max_concurrent,
+                )
         finally:
             local.down(cluster.directory, purge=True)
     print(f"load average at end: {os.getloadavg()}; cpu gauge {cpu_gauge_ms():.0f} ms", flush=True)
