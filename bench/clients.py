@@ -117,6 +117,9 @@ def measure(
             if child.poll() is None:
                 child.kill()
                 child.wait()
+            for pipe in (child.stdin, child.stdout):
+                if pipe is not None:
+                    pipe.close()
 
 
 def run(

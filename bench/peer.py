@@ -23,9 +23,9 @@ hot64  64 writers conditional on ONE key; successes/s. Waltz: a write lock on th
        is retried at once with the sequence the answer names
 =====  =====================================================================================================
 
-Each phase runs a 1 s warm-up, then ``--seconds`` (or ``--count`` operations). The load average is printed
-before each system and at the end, with the CPU the servers of each system spent per operation (from
-``/proc``): on a shared machine, read the rates against it. The whole comparison takes about
+Each phase runs a warm-up (``--warmup``, 1 s), then ``--seconds`` (or ``--count`` operations). The load
+average is printed before each system and at the end, with the CPU the servers of each system spent per
+operation (from ``/proc``): on a shared machine, read the rates against it. The whole comparison takes about
 ``3 x 4 x (1 + seconds)`` seconds plus the clusters' start-ups.
 
     .venv/bin/python bench/peer.py                    # every phase, 5 s each
@@ -63,7 +63,6 @@ PHASES = ("conc", "seq", "occ64", "hot64")
 SYSTEMS = ("jetstream", "waltz", "waltz-tuned")
 TUNED = {"client.callbackMode": "inline", "client.maxConcurrentTransactions": 128}
 """``bench/client_peer.py``'s fast path."""
-WARMUP_S = 1.0
 STREAM = "BENCH"
 WRONG_LAST_SEQUENCE = 10071
 """JetStream's error for a failed ``Nats-Expected-Last-Subject-Sequence``: "wrong last sequence: N"."""
@@ -113,7 +112,7 @@ async def drive(system: str, phase: str, n: int, op: Op, args: argparse.Namespac
     latencies: list[float] = []
     count = 0
     measuring = stop = False
-    deadline = loop.time() + WARMUP_S + args.seconds
+    deadline = loop.time() + args.warmup + args.seconds
 
     async def worker(w: int) -> None:
         nonlocal count, stop
@@ -127,7 +126,7 @@ async def drive(system: str, phase: str, n: int, op: Op, args: argparse.Namespac
                     stop = True
 
     tasks = [asyncio.create_task(worker(w)) for w in range(n)]
-    await asyncio.sleep(WARMUP_S)
+    await asyncio.sleep(args.warmup)
     measuring = True
     s0, t0 = proc_cpu_s(pids), time.perf_counter()
     while not stop and not any(t.done() for t in tasks):
@@ -357,6 +356,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         "--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}"
     )
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per phase at most")
+    parser.add_argument("--warmup", type=float, default=1.0, help="seconds before each phase's measure")
     parser.add_argument("--count", type=int, default=1_000_000, help="operations per phase at most")
     args = parser.parse_args(argv)
     args.phase = args.phase or list(PHASES)
