@@ -503,6 +503,8 @@ def main() -> None:
                     args.seconds,
                     args.mode,
                     args.max_concurrent,
+                    pids,
+                    http_port,
                 )
         finally:
             local.down(cluster.directory, purge=True)

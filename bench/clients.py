@@ -54,6 +54,12 @@ class Run:
     in_flight: int
     seconds: float
     children: list[ChildResult]
+    server_cpu_s: float = 0.0
+    """CPU of the cluster's processes (``pids``) over the window."""
+    server_alone_cpu_s: float = 0.0
+    """CPU of the first of ``pids`` (the server) over the window."""
+    batches: str = ""
+    """Appends per committed batch over the window (the server's histogram), if its HTTP port was given."""
 
     @property
     def rate(self) -> float:
@@ -82,9 +88,19 @@ def _read_line(child: subprocess.Popen[str], deadline: float) -> str:
 
 
 def measure(
-    client_yaml: Path, processes: int, in_flight: int, seconds: float, mode: str | None, max_concurrent: int
+    client_yaml: Path,
+    processes: int,
+    in_flight: int,
+    seconds: float,
+    mode: str | None,
+    max_concurrent: int,
+    pids: list[int] | None = None,
+    http_port: int | None = None,
 ) -> Run:
-    """``processes`` children with ``in_flight`` each, over one window of ``seconds``."""
+    """``processes`` children with ``in_flight`` each, over one window of ``seconds``; the CPU of ``pids``
+    (the cluster's processes) and the server's batches (its HTTP port) over the same window."""
+    from bench.client_peer import batch_histogram, batch_note, proc_cpu_s
+
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     cmd = _child_command(client_yaml, in_flight, mode, max_concurrent)
     children = [
@@ -102,6 +118,10 @@ def measure(
             assert child.stdin is not None
             child.stdin.write(f"go {start} {start + seconds}\n")
             child.stdin.flush()
+        time.sleep(max(0.0, start - time.time()))
+        s0, w0, h0 = proc_cpu_s(pids or []), proc_cpu_s((pids or [])[:1]), batch_histogram(http_port)
+        time.sleep(max(0.0, start + seconds - time.time()))
+        s1, w1, h1 = proc_cpu_s(pids or []), proc_cpu_s((pids or [])[:1]), batch_histogram(http_port)
         results = []
         deadline = time.monotonic() + START_MARGIN_S + WARMUP_S + seconds + 60
         for child in children:
@@ -111,7 +131,7 @@ def measure(
             results.append(ChildResult(**json.loads(answer)))
         for child in children:
             child.wait(30)
-        return Run(processes, in_flight, seconds, results)
+        return Run(processes, in_flight, seconds, results, s1 - s0, w1 - w0, batch_note(h0, h1))
     finally:
         for child in children:
             if child.poll() is None:
@@ -129,13 +149,17 @@ def run(
     seconds: float = 5.0,
     mode: str | None = None,
     max_concurrent: int = 128,
+    pids: list[int] | None = None,
+    http_port: int | None = None,
 ) -> tuple[Run, Run]:
-    """The one-process figure, then ``clients`` processes; each printed as it ends."""
-    one = measure(
-        client_yaml, 1, clients * in_flight, seconds, mode, max(max_concurrent, clients * in_flight)
-    )
+    """The one-process figure, then ``clients`` processes; each printed as it ends. ``pids``: the cluster's
+    processes, whose CPU per append is printed; ``http_port``: the server's, for its appends per batch."""
+    total = clients * in_flight
+    one = measure(client_yaml, 1, total, seconds, mode, max(max_concurrent, total), pids, http_port)
     print(describe(one), flush=True)
-    many = measure(client_yaml, clients, in_flight, seconds, mode, max(max_concurrent, in_flight))
+    many = measure(
+        client_yaml, clients, in_flight, seconds, mode, max(max_concurrent, in_flight), pids, http_port
+    )
     print(describe(many), flush=True)
     print(verdict(one, many), flush=True)
     return one, many
@@ -144,10 +168,13 @@ def run(
 def describe(run: Run) -> str:
     p50 = statistics.median(c.p50_ms for c in run.children)
     p99 = max(c.p99_ms for c in run.children)
+    ops = max(1, sum(c.count for c in run.children))
     text = (
         f"clients {run.processes:3} x {run.in_flight:3} in flight: {run.rate:8.0f} appends/s  "
         f"p50 {p50:.2f} ms "
         f"(median of processes)  p99 {p99:.2f} ms (worst process)  client CPU {run.cpu_us_per_op():.0f} us/op"
+        f"  servers {run.server_cpu_s * 1e6 / ops:.0f} us/op "
+        f"(the server alone {run.server_alone_cpu_s * 1e6 / ops:.0f})"
     )
     if run.processes > 1:
         rates = run.rates()
@@ -155,7 +182,7 @@ def describe(run: Run) -> str:
             f"; per process min {min(rates):.0f} / mean {statistics.mean(rates):.0f} / max {max(rates):.0f}"
             f" appends/s"
         )
-    return text
+    return text + (f"; {run.batches}" if run.batches else "")
 
 
 def verdict(one: Run, many: Run) -> str:
