@@ -7,6 +7,7 @@ raises a :class:`~waltz.errors.WaltzError`, which the worker answers as a failur
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -123,6 +124,14 @@ def _damaged_records(part: StoragePartition, item: Item) -> st.StorageMessage:
     return st.DamagedRecordsResponse(msg.session_id, msg.seq_num, msg.partition_id, damaged)
 
 
+def _segment_sizes(part: StoragePartition, item: Item) -> st.StorageMessage:
+    msg = item.msg
+    assert isinstance(msg, st.SegmentSizesRequest)
+    plog = part.check(msg, False)  # session-checked like a read
+    sizes = tuple(plog.segment_sizes(max(0, min(msg.max_segments, st.MAX_SEGMENT_SIZES))))
+    return st.SegmentSizesResponse(msg.session_id, msg.seq_num, msg.partition_id, sizes)
+
+
 def _trim_request(part: StoragePartition, item: Item) -> st.StorageMessage:
     msg = item.msg
     assert isinstance(msg, st.TrimRequest)
@@ -159,7 +168,14 @@ def trim(part: StoragePartition, plog: PartitionLog, trim_point: int) -> int:
 async def _delete(part: StoragePartition, detached: DetachedSegments) -> None:
     """Delete trimmed segments' files in a thread, so appends are not blocked (see retention.py)."""
     try:
-        freed = await asyncio.to_thread(delete_detached, part.node.fs, detached)
+        freed = await asyncio.to_thread(
+            functools.partial(
+                delete_detached,
+                part.node.fs,
+                detached,
+                max_bytes_per_second=part.node.config.delete_bytes_per_second,
+            )
+        )
     except Exception as e:  # noqa: BLE001 - reported; the next open of the log deletes them again
         log.error("partition %d: deleting trimmed segments %s failed: %r", part.partition_id, detached, e)
         return
@@ -287,5 +303,6 @@ HANDLERS: dict[type[st.StorageMessage], Handler] = {
     st.RepairRequest: _repair,
     st.DamagedRecordsRequest: _damaged_records,
     st.TrimRequest: _trim_request,
+    st.SegmentSizesRequest: _segment_sizes,
 }
 """The handler of each request type a partition worker answers (appends are group-committed instead)."""

@@ -413,6 +413,13 @@ class MemoryStorage:
         if kind == "damaged_records":
             (max_ids,) = args
             return sorted(part.damaged)[: max(0, max_ids)]
+        if kind == "segment_sizes":
+            # One segment per 100 ids, sized as stored (the records below the trim point are not counted).
+            sizes: dict[int, int] = {}
+            for rec in part.records[part.trim_point : part.synced]:
+                first = max(part.trim_point, rec.transaction_id // 100 * 100)
+                sizes[first] = sizes.get(first, 0) + stored_size(rec)
+            return sorted(sizes.items())[-max(0, args[0]) :] if args[0] > 0 else []
         raise StorageRpcError(f"unknown request {kind}")
 
     @staticmethod
@@ -561,6 +568,10 @@ class MemoryConnection:
 
     async def trim(self, trim_point: int) -> int:
         result: int = await self._call("trim", trim_point)
+        return result
+
+    async def segment_sizes(self, max_segments: int) -> list[tuple[int, int]]:
+        result: list[tuple[int, int]] = await self._call("segment_sizes", max_segments)
         return result
 
     async def aclose(self) -> None:

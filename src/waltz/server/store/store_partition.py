@@ -420,6 +420,24 @@ class StorePartition:
             return 0, b""
         return await self._read(lambda s: s.read_run(transaction_id, max_count, max_bytes))
 
+    async def segment_sizes(self, max_segments: int) -> list[tuple[int, int]]:
+        """``(first id, bytes)`` of the newest segments of a replica of the open session (the first that
+        answers), oldest first: what a retention policy in bytes measures."""
+
+        async def ask(session: StoreSession) -> list[tuple[int, int]]:
+            error: WaltzError = PartitionNotReadyError(f"partition {self.partition_id}: no replica to ask")
+            for replica in list(session.participants):
+                conn = replica.connection
+                if conn is None:
+                    continue
+                try:
+                    return await session.call(conn.segment_sizes(max_segments))
+                except WaltzError as e:
+                    error = e
+            raise error
+
+        return await self._read(ask)
+
     def check_trim(self, transaction_id: int) -> None:
         """Raise TrimmedError (naming the partition, the id and the trim point) for an id below the trim
         point: no replica is asked, and none needs to hold it."""
