@@ -146,10 +146,15 @@ def trim(part: StoragePartition, plog: PartitionLog, trim_point: int) -> int:
         raise StorageError(refusal)
     control = part.node.control
     current = control.trim_point(part.partition_id)
-    if trim_point <= current:
+    if trim_point <= current and current <= part.durable_max + 1:
         return current
-    control.set_trim_point(part.partition_id, trim_point)
-    log.info("partition %d: trim point raised from %d to %d", part.partition_id, current, trim_point)
+    # Told again a trim point it has, a replica whose log a recovery cut below it (a truncation keeps the
+    # records below the trim point that a segment straddling it holds) restarts there too: its catch-up would
+    # otherwise ask a source for trimmed ids again and again.
+    trim_point = max(trim_point, current)
+    if trim_point > current:
+        control.set_trim_point(part.partition_id, trim_point)
+        log.info("partition %d: trim point raised from %d to %d", part.partition_id, current, trim_point)
     detached: DetachedSegments | None
     if trim_point > part.durable_max + 1:
         # A lagging replica: everything it holds is below the trim point; it starts again there.

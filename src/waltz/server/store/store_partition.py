@@ -647,6 +647,12 @@ class StorePartition:
         self._resolved += resolved
         self._resolutions.set()
 
+    def replica_joined(self, session: StoreSession, storage: str) -> None:
+        # A replica that joins an open session late missed the trim point sent at the opening: without this it
+        # would keep what is below it (its disk not reclaimed) until the next session, which may be days away.
+        if session is self._session and self.trim_point > 0:
+            self._trim_wanted.set()
+
     def batch_committed(self, session: StoreSession, appends: Sequence[PendingAppend]) -> None:
         hwm = session.high_water_mark
         if hwm <= self._hwm:
