@@ -148,17 +148,18 @@ def run(
     in_flight: int = 8,
     seconds: float = 5.0,
     mode: str | None = None,
-    max_concurrent: int = 128,
+    max_concurrent: int | None = 128,
     pids: list[int] | None = None,
     http_port: int | None = None,
 ) -> tuple[Run, Run]:
     """The one-process figure, then ``clients`` processes; each printed as it ends. ``pids``: the cluster's
-    processes, whose CPU per append is printed; ``http_port``: the server's, for its appends per batch."""
+    processes, whose CPU per append is printed; ``http_port``: the server's, for its appends per batch.
+    ``max_concurrent`` (None: none asked for) is raised to each process's appends in flight."""
     total = clients * in_flight
-    one = measure(client_yaml, 1, total, seconds, mode, max(max_concurrent, total), pids, http_port)
+    one = measure(client_yaml, 1, total, seconds, mode, max(max_concurrent or 0, total), pids, http_port)
     print(describe(one), flush=True)
     many = measure(
-        client_yaml, clients, in_flight, seconds, mode, max(max_concurrent, in_flight), pids, http_port
+        client_yaml, clients, in_flight, seconds, mode, max(max_concurrent or 0, in_flight), pids, http_port
     )
     print(describe(many), flush=True)
     print(verdict(one, many), flush=True)
