@@ -41,6 +41,12 @@ class _Replica:
         self._max_id = -1
         self._loop = asyncio.get_running_loop()
 
+    def on_lost(self, callback: Callable[[BaseException], None]) -> None:
+        pass  # never lost
+
+    def last_answer_s(self) -> float:
+        return self._loop.time()  # always alive
+
     async def last_session_info(self) -> SessionInfo:
         return SessionInfo(-1, -1, -1)
 
