@@ -209,3 +209,33 @@ def test_a_lost_or_extra_record_on_a_long_idle_replica_is_still_found(change: st
             assert not any(s.ended for s in sessions[:3])
 
     run_virtual(main())
+
+
+def test_the_tcp_connection_watches_the_shared_link_until_it_is_closed() -> None:
+    """The production adapter registers one loss listener per replica connection on the node's shared
+    client and removes it on close: a closed session is not told, and listeners do not pile up."""
+    from waltz.server.adapters import TcpReplicaConnection
+
+    class _Client:
+        last_answer_s = 12.5
+
+        def __init__(self) -> None:
+            self.listeners: list[Callable[[BaseException], None]] = []
+
+        def add_loss_listener(self, listener: Callable[[BaseException], None]) -> None:
+            self.listeners.append(listener)
+
+        def remove_loss_listener(self, listener: Callable[[BaseException], None]) -> None:
+            self.listeners.remove(listener)
+
+    async def main() -> None:
+        client = _Client()
+        conn = TcpReplicaConnection(client, "s0:1", 3, 9)  # type: ignore[arg-type]
+        heard: list[BaseException] = []
+        conn.on_lost(heard.append)
+        assert client.listeners == [heard.append]
+        assert conn.last_answer_s() == 12.5
+        await conn.aclose()
+        assert client.listeners == []
+
+    run_virtual(main())

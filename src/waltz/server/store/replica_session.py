@@ -19,8 +19,9 @@ A replica session is one task. Its life, in order:
    request, bounds them: the node answers in order, so only the oldest unanswered request can be the first
    to outlive ``rpc_timeout_ms``, which fails the replica as a timed-out request did. If the first batch
    starts beyond its max id (it joined late), the replica task first copies the missing records, all
-   committed (they are below the oldest batch in flight), from another participant; it also probes an idle
-   connection.
+   committed (they are below the oldest batch in flight), from another participant. An idle replica is
+   looked at (see "idle probing" below): a lost link fails it at once, a hung node and a lost or extra
+   record are found by a probe.
 
 Failure policy: a participant's failure ends the session; before the session opens, the failure of a
 replica counted in the vote ends it too (the vote relied on it). A replica that neither counts nor writes
@@ -199,8 +200,6 @@ class ReplicaSession:
         """The current interval between per-partition checks of an idle replica (doubles while it agrees)."""
         self._check_at = 0.0
         """When the next per-partition check is due (loop time)."""
-        self.probes = 0
-        """Idle probes sent (max id requests while writing nothing)."""
 
     def __repr__(self) -> str:
         return f"ReplicaSession({self.storage}, session={self._ctx.session_id}, {self.role.value})"
@@ -687,7 +686,6 @@ class ReplicaSession:
 
     async def _probe(self, conn: ReplicaConnection) -> None:
         """Ask the idle replica its max id: it must hold what it acknowledged, nothing more, nothing less."""
-        self.probes += 1
         expected = self.max_id
         max_id = await self._host.call(conn.max_transaction_id())
         # A batch delivered meanwhile is sent at once, and its acknowledgement may be handled before this
