@@ -188,8 +188,7 @@ class StoreSession:
         self._was_opened = False
         self._stopped = False  # run() returned: no task of the session runs
         self._tasks = TaskSet(self._task_failed)
-        self._error: BaseException | None = None
-        """The first bug of a task of the session (it ended the session; :meth:`run` raises it)."""
+        self._error: BaseException | None = None  # A task's bug that ended the session: run() raises it.
         self.started_ms = _loop_ms()
         self.recovery_ms = -1
         """How long recovery took, from the session's start until it opened (-1 until it opens)."""
