@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import get_args
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
 from waltz.protocol.client_server.admin import (
@@ -65,36 +66,10 @@ Message = (
     | TransactionRangeResponse
     | TrimmedResponse
 )
-"""Any client <-> server message."""
+"""Any client <-> server message; its members in type-code order are the codec's table."""
 
-_CLASSES: tuple[type[_Message], ...] = (
-    MountRequest,
-    MountResponse,
-    AppendRequest,
-    FeedRequest,
-    FeedData,
-    FeedSuspended,
-    TransactionDataRequest,
-    TransactionDataResponse,
-    FlushRequest,
-    FlushResponse,
-    LockFailure,
-    HighWaterMarkRequest,
-    HighWaterMarkResponse,
-    CheckStorageConnectivityRequest,
-    CheckStorageConnectivityResponse,
-    ServerPartitionsAssignmentRequest,
-    ServerPartitionsAssignmentResponse,
-    AddPreferredPartitionRequest,
-    AddPreferredPartitionResponse,
-    RemovePreferredPartitionRequest,
-    RemovePreferredPartitionResponse,
-    ServerPartitionsHealthStatRequest,
-    ServerPartitionsHealthStatResponse,
-    TransactionRangeRequest,
-    TransactionRangeResponse,
-    TrimmedResponse,
-)
+_CLASSES: tuple[type[_Message], ...] = get_args(Message)
+"""Every message class, in type-code order (the order of :data:`Message`)."""
 
 for _code, _cls in enumerate(_CLASSES):
     if _code != _cls.TYPE:  # pragma: no cover - a bug in this module
