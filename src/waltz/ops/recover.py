@@ -213,8 +213,7 @@ async def recover_partition(
 
         def on_batch(current: int) -> None:
             if progress is not None:
-                elapsed_s = time.monotonic() - started
-                done = current - first + 1
+                done, elapsed_s = current - first + 1, time.monotonic() - started
                 progress(PartitionCopyProgress(done, total, elapsed_s, partition, current + 1, target))
 
         current = await copy_records(
