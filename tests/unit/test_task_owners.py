@@ -35,6 +35,13 @@ def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+def _one_error(caplog: pytest.LogCaptureFixture) -> str:
+    """The one ERROR line logged (failing if there are more, or none)."""
+    errors = _errors(caplog)
+    assert len(errors) == 1, errors
+    return errors[0]
+
+
 async def _until(predicate: Any, timeout_s: float = 30) -> None:
     async with asyncio.timeout(timeout_s):
         while not predicate():  # noqa: ASYNC110 - polls state the code under test changes
@@ -86,9 +93,7 @@ def test_a_bug_in_a_store_session_task_ends_the_session_and_is_logged_once(
 
     with caplog.at_level(logging.INFO):
         run_virtual(main())
-    errors = _errors(caplog)
-    assert len(errors) == 1, errors
-    assert "store session 0 failed" in errors[0]
+    assert "store session 0 failed" in _one_error(caplog)
 
 
 @pytest.mark.parametrize("owner", [True, False])
@@ -110,14 +115,11 @@ def test_a_failed_store_supervisor_reaches_its_owner_and_is_logged_once(
 
     with caplog.at_level(logging.INFO):
         run_virtual(main())
-    errors = _errors(caplog)
     if owner:
         assert [str(e) for e in heard] == ["injected supervisor bug"]
-        assert errors == []
+        assert _errors(caplog) == []
     else:
-        assert len(errors) == 1, errors
-        assert "injected supervisor bug" not in errors[0]  # in the traceback
-        assert "store-partition-0 failed" in errors[0]
+        assert "store-partition-0 failed" in _one_error(caplog)
 
 
 # -- the server's partition --------------------------------------------------------------------------------
@@ -146,9 +148,7 @@ def test_a_failed_store_supervisor_fails_the_server_partition_with_one_error_lin
 
     with caplog.at_level(logging.INFO):
         run_virtual(main())
-    errors = _errors(caplog)
-    assert len(errors) == 1, errors
-    assert "partition 0: the store failed" in errors[0]
+    assert "partition 0: the store failed" in _one_error(caplog)
 
 
 # -- the server ----------------------------------------------------------------------------------------------
@@ -197,9 +197,7 @@ def test_a_failed_task_of_the_server_fails_it_and_health_says_so(caplog: pytest.
 
     with caplog.at_level(logging.INFO):
         asyncio.run(main())
-    errors = _errors(caplog)
-    assert len(errors) == 1, errors
-    assert "task reopen-3 failed; stopping" in errors[0]
+    assert "task reopen-3 failed; stopping" in _one_error(caplog)
 
 
 def test_a_bug_in_a_read_request_closes_that_connection_not_the_server(
@@ -227,9 +225,7 @@ def test_a_bug_in_a_read_request_closes_that_connection_not_the_server(
 
     with caplog.at_level(logging.INFO):
         asyncio.run(main())
-    errors = _errors(caplog)
-    assert len(errors) == 1, errors
-    assert "closing the connection of client 9" in errors[0]
+    assert "closing the connection of client 9" in _one_error(caplog)
 
 
 # -- the cluster membership --------------------------------------------------------------------------------

@@ -753,6 +753,17 @@ class BrokenDiscovery(StaticDiscovery):
         yield {}  # A generator.
 
 
+async def _driver_failure(listener: Recorder) -> str:
+    """The message of the driver failure ``listener`` hears (its only event)."""
+    async with asyncio.timeout(STEP_S):
+        while not listener.events:
+            listener.changed.clear()
+            await listener.changed.wait()
+    [(kind, message)] = listener.events
+    assert kind == "failed"
+    return str(message)
+
+
 def test_a_failed_assignment_task_reaches_the_listener_not_only_the_log() -> None:
     async def main() -> None:
         listener = Recorder()
@@ -761,12 +772,7 @@ def test_a_failed_assignment_task_reaches_the_listener_not_only_the_log() -> Non
         await driver.open(listener)
         try:
             discovery.publish({})
-            async with asyncio.timeout(STEP_S):
-                while not listener.events:
-                    listener.changed.clear()
-                    await listener.changed.wait()
-            [(kind, message)] = listener.events
-            assert kind == "failed"
+            message = await _driver_failure(listener)
             assert "following the partition assignment failed with RuntimeError: watch exploded" in message
         finally:
             await driver.close()
@@ -789,12 +795,7 @@ def test_a_failed_delivery_task_stops_the_driver_and_the_listener_hears_why() ->
         await driver.open(listener)
         try:
             await driver.mount(0, -1)
-            async with asyncio.timeout(STEP_S):
-                while not listener.events:
-                    listener.changed.clear()
-                    await listener.changed.wait()
-            [(kind, message)] = listener.events
-            assert kind == "failed"
+            message = await _driver_failure(listener)
             assert "its task 'waltz-deliver-p0' failed with RuntimeError: delivery exploded" in message
         finally:
             await driver.close()
