@@ -16,6 +16,7 @@ but not judged (a load generator keeps a little per append; ZooKeeper is the JVM
     .venv/bin/python bench/soak.py --seconds 660 --warmup-s 360 --sample-s 20
     .venv/bin/python bench/soak.py --seconds 300 -S server.feedCacheSize=8388608 \\
         -S server.transactionDataCacheSize=16777216                  # small caches: short warm-up
+    .venv/bin/python bench/soak.py --keep-last 3000000   # trim every minute: disk stays bounded
     .venv/bin/python bench/soak.py --seconds 300 --tracemalloc /tmp/tm   # where does a server's memory go
 
 With the default caches (``server.feedCacheSize`` 64 MiB, about 2.2 million transactions of headers, and
@@ -55,6 +56,8 @@ from tests.integration.server_process import Cluster  # noqa: E402
 from waltz.cluster import zk as zkutil  # noqa: E402
 from waltz.cluster.store_metadata import read_partition_assignment  # noqa: E402
 from waltz.cluster.zkserver import ZooKeeperServer  # noqa: E402
+from waltz.errors import WaltzError  # noqa: E402
+from waltz.ops.trim import trim_partition  # noqa: E402
 
 RECORD_BYTES = 512
 MIB = 1024 * 1024
@@ -87,6 +90,7 @@ async def _load(endpoint: str, client_id: int, partition: int, seconds: float, i
         max_in_flight=in_flight,
         keep_data=False,
         keep_latencies=False,
+        keep_log=False,
     )
     await client.start()
     payload = bytes(RECORD_BYTES)
@@ -234,6 +238,7 @@ async def _sample(
     samples: list[tuple[float, int, dict[str, int]]] = []
     start = time.monotonic()
     tracing = False
+    trimmed_at = 0.0
     while True:
         elapsed = time.monotonic() - start
         committed = await _committed(cluster)
@@ -248,10 +253,25 @@ async def _sample(
             tracing = True
         if all(proc.poll() is not None for proc in loads):
             break
+        if args.keep_last and elapsed - trimmed_at >= args.trim_every_s:
+            trimmed_at = elapsed
+            await _trim(cluster, args)
         await asyncio.sleep(args.sample_s)
     if tracing:
         _tracemalloc_report(Path(args.tracemalloc), [s.pid for s in cluster.servers])
     return samples
+
+
+async def _trim(cluster: Cluster, args: argparse.Namespace) -> None:
+    """Keep the last ``--keep-last`` transactions of every partition (``waltz cluster trim --keep-last``)."""
+    for partition in range(args.partitions):
+        try:
+            outcome = await asyncio.to_thread(
+                trim_partition, cluster.zk, cluster.root, partition, keep_last=args.keep_last
+            )
+            print(f"       trim: {outcome.message}", flush=True)
+        except WaltzError as e:
+            print(f"       trim of partition {partition} refused: {e}", flush=True)
 
 
 def _verdict(
@@ -312,6 +332,10 @@ def main() -> None:
     parser.add_argument(
         "-S", "--set", action="append", default=[], metavar="KEY=VALUE", help="a server config key"
     )
+    parser.add_argument(
+        "--keep-last", type=int, default=0, help="trim every partition to its last N transactions (0: never)"
+    )
+    parser.add_argument("--trim-every-s", type=float, default=60.0, help="seconds between two trims")
     parser.add_argument("--dir", default=None, help="where to put the temporary cluster (default /tmp)")
     parser.add_argument("--tracemalloc", default=None, metavar="DIR", help="snapshots of the servers")
     parser.add_argument("--load", default=None, help=argparse.SUPPRESS)

@@ -3,10 +3,17 @@
     python -m demo.bank -c D/client.yaml                 # interactive: deposit / withdraw / balance / ...
     python -m demo.bank -c D/client.yaml auto --seconds 60 --instances 3
     python -m demo.bank --mock 4 auto --seconds 10       # no cluster: an in-memory MockDriver, 4 partitions
+    python -m demo.bank -c D/client.yaml snapshot --out S.json --trim --margin 100   # snapshot, then trim
+    python -m demo.bank -c D/client.yaml --name new --from-snapshot S.json  # a new instance, from a snapshot
 
 Databases: one SQLite file per instance under ``--dir`` (default ``./bank-data``), or ``--db-url`` (for
 example ``postgresql://user@localhost/bank``) for one database holding every instance's tables.
-Exit status of ``auto``: 0 if every invariant holds, 1 otherwise.
+``--name`` names the instance (default ``interactive``; ``auto`` names its instances ``0``, ``1``, ...), and
+so its database. ``snapshot`` copies that instance's database consistently (``demo.bank.snapshot``); with
+``--trim`` it then raises each partition's trim point to the snapshot's high-water mark + 1 - ``--margin``.
+``--from-snapshot`` loads a snapshot into the instance's empty database before it starts (an instance whose
+database is behind the log's trim point fails with TrimmedError, exit status 1, and must start so).
+Exit status of ``auto``: 0 if every invariant holds, 1 otherwise; of ``snapshot``: 1 if a trim was refused.
 """
 
 from __future__ import annotations
@@ -20,9 +27,18 @@ from pathlib import Path
 from demo.bank.app import BankInstance, make_engine
 from demo.bank.auto import AutoOptions, Drill, InstanceFactory, run_auto
 from demo.bank.model import BankDb
+from demo.bank.snapshot import (
+    SnapshotError,
+    read_snapshot,
+    restore_snapshot,
+    take_snapshot,
+    trim_below,
+    trimming_client,
+    write_snapshot,
+)
 from waltz import ClientConfig
 from waltz.client.driver import ClientDriver
-from waltz.errors import WaltzError
+from waltz.errors import TrimmedError, WaltzError
 from waltz.testing import MockCluster, MockDriver
 
 HELP = """commands:
@@ -115,12 +131,16 @@ def interactive(instance: BankInstance, lines: Sequence[str] | None = None) -> N
             print(f"error: {e}")
 
 
-def main(argv: Sequence[str] | None = None, drills: Sequence[Drill] = ()) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m demo.bank", description=__doc__.split("\n")[0])
     parser.add_argument("-c", "--client-config", metavar="FILE", help="client YAML (D/client.yaml)")
     parser.add_argument("--mock", type=int, metavar="PARTITIONS", help="use an in-memory MockDriver")
     parser.add_argument("--db-url", metavar="URL", help="SQLAlchemy URL (default: SQLite files in --dir)")
     parser.add_argument("--dir", type=Path, default=Path("bank-data"), help="where SQLite files go")
+    parser.add_argument("--name", default="interactive", help="the instance (and its database)")
+    parser.add_argument(
+        "--from-snapshot", type=Path, metavar="FILE", help="start from this snapshot (an empty database)"
+    )
     sub = parser.add_subparsers(dest="mode")
     auto = sub.add_parser("auto", help="several instances submit random operations; then check invariants")
     auto.add_argument("--instances", type=int, default=3)
@@ -129,11 +149,23 @@ def main(argv: Sequence[str] | None = None, drills: Sequence[Drill] = ()) -> int
     auto.add_argument("--rate", type=float, default=25.0, help="operations/s per instance (0: unlimited)")
     auto.add_argument("--seed", type=int, default=None)
     auto.add_argument("--no-display", action="store_true", help="no live table (for logs)")
-    args = parser.parse_args(argv)
+    snap = sub.add_parser("snapshot", help="snapshot instance --name's database; optionally trim below it")
+    snap.add_argument("--out", type=Path, required=True, metavar="FILE", help="the snapshot file to write")
+    snap.add_argument("--trim", action="store_true", help="then trim every partition below the snapshot")
+    snap.add_argument(
+        "--margin", type=int, default=1000, help="transactions kept below the snapshot's marks (default 1000)"
+    )
+    snap.add_argument("--min-kept", type=int, default=None, help="the trim's grace (default: the client's)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, drills: Sequence[Drill] = ()) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kazoo").setLevel(logging.ERROR)
+    if args.mode == "snapshot":
+        return snapshot_command(args)
     config, driver_factory = _client_setup(args)
-    factory = instance_factory(config, args.dir, args.db_url, driver_factory)
     if args.mode == "auto":
         opts = AutoOptions(
             instances=args.instances,
@@ -143,13 +175,71 @@ def main(argv: Sequence[str] | None = None, drills: Sequence[Drill] = ()) -> int
             seed=args.seed,
             display=not args.no_display,
         )
-        report = run_auto(factory, opts, drills)
+        try:
+            report = run_auto(instance_factory(config, args.dir, args.db_url, driver_factory), opts, drills)
+        except TrimmedError as e:
+            print(f"demo.bank: auto starts every instance with an empty database: {e}", file=sys.stderr)
+            return 1
         print(report.render())
         return 0 if report.ok else 1
-    engine, suffix = make_engine(args.db_url, args.dir, "interactive")
-    with BankInstance("interactive", engine, config, suffix=suffix, driver=driver_factory()) as instance:
-        interactive(instance)
+    return interactive_command(args, config, driver_factory)
+
+
+def interactive_command(
+    args: argparse.Namespace, config: ClientConfig, driver_factory: Callable[[], ClientDriver | None]
+) -> int:
+    """The interactive instance ``--name``, first loaded from ``--from-snapshot`` if given."""
+    engine, suffix = make_engine(args.db_url, args.dir, args.name)
+    try:
+        if args.from_snapshot is not None:
+            snapshot = read_snapshot(args.from_snapshot)
+            restore_snapshot(snapshot, BankDb(engine, suffix))
+            print(f"instance {args.name} starts from {args.from_snapshot}: {snapshot.describe()}")
+        with BankInstance(args.name, engine, config, suffix=suffix, driver=driver_factory()) as instance:
+            interactive(instance)
+    except SnapshotError as e:
+        print(f"demo.bank: {e}", file=sys.stderr)
+        return 1
+    except TrimmedError as e:
+        print(
+            f"demo.bank: instance {args.name} cannot catch up: {e}\n"
+            "start it from a snapshot of another instance's database (python -m demo.bank snapshot) "
+            "with --from-snapshot FILE",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        engine.dispose()
     return 0
+
+
+def snapshot_command(args: argparse.Namespace) -> int:
+    """``snapshot``: write instance ``--name``'s state to ``--out``; with ``--trim``, trim below it."""
+    engine, suffix = make_engine(args.db_url, args.dir, args.name)
+    try:
+        snapshot = take_snapshot(BankDb(engine, suffix))
+    finally:
+        engine.dispose()
+    if not snapshot.high_water_marks:
+        print(f"demo.bank: instance {args.name} applied nothing yet; no snapshot written", file=sys.stderr)
+        return 1
+    write_snapshot(snapshot, args.out)
+    print(f"snapshot of instance {args.name}: {snapshot.describe()}, written to {args.out}")
+    if not args.trim:
+        return 0
+    config, _ = _client_setup(args)
+    refused = 0
+    with trimming_client(config) as client:
+        for partition_id in sorted(snapshot.high_water_marks):
+            try:
+                outcome = trim_below(
+                    client, snapshot, partition_id, margin=args.margin, min_kept_transactions=args.min_kept
+                )
+                print(outcome.message)
+            except WaltzError as e:
+                refused += 1
+                print(f"demo.bank: not trimmed: {e}", file=sys.stderr)
+    return 1 if refused else 0
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from demo.bank.model import (
 )
 from waltz import ClientConfig, WaltzClient
 from waltz.client.driver import ClientDriver
+from waltz.errors import ClientTimeoutError
 
 
 def make_engine(db_url: str | None, directory: Path, name: str) -> tuple[sa.Engine, str]:
@@ -141,9 +142,20 @@ class BankInstance:
 
     def wait_caught_up(self, timeout_s: float = 30.0) -> bool:
         """Wait until this instance applied every transaction committed when the call started, on every
-        partition it follows (so what it answers is not older than the log). False after ``timeout_s``."""
+        partition it follows (so what it answers is not older than the log). False after ``timeout_s``.
+
+        Raises :class:`~waltz.errors.TrimmedError` at once if a partition cannot catch up because the log
+        was trimmed above this instance's high-water mark (an empty database against a trimmed log): such
+        an instance starts from a snapshot instead (:mod:`demo.bank.snapshot`)."""
         deadline = time.monotonic() + timeout_s
         targets = {p: self.client.high_water_mark(p) for p in sorted(self.client.partitions)}
+        for partition_id, hwm in targets.items():
+            try:
+                # The client's wait raises the error that stopped a partition (TrimmedError for a mount
+                # below the trim point), where polling the database would only run into the timeout.
+                self.client.wait_applied(partition_id, hwm, timeout=max(deadline - time.monotonic(), 0.0))
+            except ClientTimeoutError:
+                return False
         while True:
             applied = self.db.high_water_marks()
             if all(applied.get(p, -1) >= hwm for p, hwm in targets.items()):

@@ -94,6 +94,7 @@ class RawClient:
         endpoint: tuple[str, int, int] | None = None,
         keep_latencies: bool = True,
         keep_data: bool = True,
+        keep_log: bool = True,
     ) -> None:
         if watcher is None and endpoint is None:
             raise ValueError("give a watcher or a fixed endpoint")
@@ -104,6 +105,7 @@ class RawClient:
         self.fixed_endpoint = endpoint
         self.keep_latencies = keep_latencies
         self.keep_data = keep_data
+        self.keep_log = keep_log  # False (a long load run): no per-transaction record, no duplicate checks
         self.hwm = -1
         self.log: dict[int, ReqId] = {}
         """Every transaction seen in the feed: id -> request id."""
@@ -386,19 +388,21 @@ class RawClient:
                     )
                 return
         self.hwm = txn
-        self.log[txn] = msg.req_id
+        if self.keep_log:
+            self.log[txn] = msg.req_id
         if msg.req_id.client_id == self.client_id:
             if msg.req_id in self.acked:
                 self.violations.append(f"{msg.req_id!r} appears twice ({self.acked[msg.req_id]} and {txn})")
             p = self._pending.pop(msg.req_id, None)
             if p is not None:
-                self.acked[msg.req_id] = txn
+                if self.keep_log:
+                    self.acked[msg.req_id] = txn
                 self.stats.acknowledged += 1
                 if self.keep_latencies:
                     self.stats.latencies_s.append(time.perf_counter() - p.sent_s)
                 if not p.future.done():
                     p.future.set_result(txn)
-            elif msg.req_id.seq_num <= self._seq and msg.req_id not in self.acked:
+            elif self.keep_log and msg.req_id.seq_num <= self._seq and msg.req_id not in self.acked:
                 # Committed after a mount had declared it lost: the worst kind of violation.
                 self.violations.append(f"{msg.req_id!r} committed at {txn} after being declared lost")
         if self._flushed is not None:

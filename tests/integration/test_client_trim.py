@@ -31,7 +31,7 @@ RECORDS = 30
 
 @pytest.mark.timeout(120)
 def test_an_application_trims_its_partition_through_the_client(
-    tmp_path: Path, zk: KazooClient, zk_connect_string: str
+    tmp_path: Path, zk: KazooClient, zk_connect_string: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     async def main() -> None:
         async with ClientTestCluster(tmp_path, zk, zk_connect_string) as cluster:
@@ -78,12 +78,20 @@ def test_an_application_trims_its_partition_through_the_client(
             assert [r.transaction_id async for r in reader.read(0, start=20)] == list(range(20, RECORDS))
         # A new instance with an empty database mounts below the trim point: the partition fails with it.
         empty = CounterApp(1)
-        async with AsyncWaltzClient(empty, cluster.client_config(mount_timeout_ms=60_000)) as client:
-            with pytest.raises(TrimmedError, match="transaction 0 is below the trim point 20"):
-                await client.wait_applied(0, 0, timeout=30)
-            with pytest.raises(TrimmedError):
-                await client.submit(Tagged(b"refused"))
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="waltz"):
+            async with AsyncWaltzClient(empty, cluster.client_config(mount_timeout_ms=60_000)) as client:
+                with pytest.raises(TrimmedError, match="transaction 0 is below the trim point 20"):
+                    await client.wait_applied(0, 0, timeout=30)
+                with pytest.raises(TrimmedError):
+                    await client.submit(Tagged(b"refused"))
         assert any("is below the trim point 20" in e for e in empty.errors)
+        # The stop is one ERROR line that names the partition once.
+        lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert [line for line in lines if "trim point" in line] == [
+            "partition 0 stopped: transaction 0 is below the trim point 20 "
+            "(transactions 0..19 were trimmed); bootstrap from a snapshot at or above 19"
+        ], lines
         # One restored from a snapshot at 19 mounts and replays the rest.
         restored = CounterApp(1, start_hwm=19)
         async with AsyncWaltzClient(restored, cluster.client_config()) as client:

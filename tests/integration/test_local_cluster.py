@@ -246,3 +246,51 @@ def test_zookeeper_restart_cluster_restart_and_purge_keeps_foreign_files(cluster
     assert refused.returncode == 2
     assert "is not empty and holds no `waltz local` cluster (notes.txt)" in refused.stderr
     assert sorted(p.name for p in cluster_dir.iterdir()) == ["notes.txt"]
+
+
+def test_an_even_or_oversized_ensemble_is_refused(cluster_dir: Path) -> None:
+    for n in (0, 2, 4, 9):
+        result = waltz("local", "up", "--dir", str(cluster_dir), "--zookeepers", str(n))
+        assert result.returncode == 2
+        assert "--zookeepers must be 1 or an odd number up to 7" in result.stderr
+    assert not cluster_dir.exists()
+
+
+@pytest.mark.timeout(300)
+def test_an_ensemble_with_tls_on_its_quorum_links(cluster_dir: Path) -> None:
+    d = str(cluster_dir)
+    up = waltz(
+        "local", "up", "--dir", d, "--zookeepers", "3", "--tls",
+        "--storages", "2", "--servers", "1", "--partitions", "2",
+    )  # fmt: skip
+    assert up.returncode == 0, up.stderr
+    assert "3-member ensemble" in up.stderr
+    cluster = LocalCluster.load(cluster_dir)
+    assert [z.name for z in cluster.zookeepers] == ["zookeeper 0", "zookeeper 1", "zookeeper 2"]
+    assert cluster.zk_connect == ",".join(f"127.0.0.1:{z.port}" for z in cluster.zookeepers)
+    assert ClientConfig.from_yaml(cluster_dir / "client.yaml").zookeeper_connect_string == cluster.zk_connect
+    for z in cluster.zookeepers:
+        zoo_cfg = (Path(z.data_dir) / "zoo.cfg").read_text()
+        assert "sslQuorum=true" in zoo_cfg
+        assert f"server.{z.index + 1}=127.0.0.1:{z.quorum_port}:{z.election_port}" in zoo_cfg
+        assert (Path(z.data_dir) / "data" / "myid").read_text() == f"{z.index + 1}\n"
+    logs = "".join(Path(z.log).read_text() for z in cluster.zookeepers)
+    assert "Using TLS encrypted quorum communication" in logs
+    assert "SSL handshake complete" in logs  # the members did talk TLS to each other
+
+    # One member killed: the other two keep the quorum and the cluster serves on.
+    killed = waltz("local", "kill", "--dir", d, "--zookeeper", "1")
+    assert killed.returncode == 0, killed.stderr
+    assert "killed zookeeper 1" in killed.stdout
+    st = waltz("local", "status", "--dir", d, "--json")
+    assert st.returncode == 3  # a process is down...
+    status = json.loads(st.stdout)
+    assert all(p["healthy"] for p in status["partitions"])  # ...but every partition is served
+    assert waltz("local", "start", "--dir", d, "--zookeeper", "1").returncode == 0
+    assert waltz("local", "status", "--dir", d).returncode == 0
+    # The whole ensemble stopped and started again: its data, hence the cluster, survives.
+    assert waltz("local", "down", "--dir", d).returncode == 0
+    restarted = waltz("local", "restart", "--dir", d)
+    assert restarted.returncode == 0, restarted.stderr
+    assert waltz("local", "status", "--dir", d).returncode == 0
+    assert waltz("local", "down", "--dir", d, "--purge").returncode == 0

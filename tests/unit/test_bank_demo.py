@@ -211,3 +211,16 @@ def test_the_default_data_directory_is_ignored_by_git() -> None:
         ["git", "check-ignore", "-q", "bank-data/bank-interactive.db"], cwd=root, check=False
     )
     assert probe.returncode == 0
+
+
+def test_the_quickstart_names_only_flags_demo_run_accepts() -> None:
+    import re
+
+    from demo.run import build_parser
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "quickstart.md").read_text()
+    paragraph = text[text.index("`python -m demo.run --help`") :].split("\n\n")[0]
+    flags = set(re.findall(r"`(--[a-z-]+)", paragraph))
+    assert flags == {"--seconds", "--dir", "--no-report"}
+    accepted = {flag for action in build_parser()._actions for flag in action.option_strings}
+    assert flags <= accepted, flags - accepted

@@ -27,38 +27,9 @@ def register(groups: Any) -> None:
         p.add_argument("--dir", required=True, type=Path, metavar="D", help="the cluster's directory")
         return p
 
-    up = with_dir("up", "start ZooKeeper, storage nodes and servers; wait until every partition is served")
-    up.add_argument("--storages", type=int, default=3, metavar="N", help="storage nodes (default 3)")
-    up.add_argument("--servers", type=int, default=2, metavar="N", help="servers (default 2)")
-    up.add_argument("--partitions", type=int, default=4, metavar="N", help="partitions (default 4)")
-    up.add_argument(
-        "--groups",
-        type=int,
-        default=None,
-        metavar="G",
-        help="replica groups: each holds a full copy of every partition (default: one per storage node)",
+    _register_up(
+        with_dir("up", "start ZooKeeper, storage nodes and servers; wait until every partition is served")
     )
-    up.add_argument(
-        "--tls",
-        action="store_true",
-        help="mutual TLS on every link, ZooKeeper's too, with a throwaway CA and certificates in D/tls "
-        "(needs openssl)",
-    )
-    up.add_argument(
-        "--base-port", type=int, default=None, metavar="P", help="use ports P, P+1, ... (default: free)"
-    )
-    up.add_argument(
-        "--zk-port", type=int, default=None, metavar="P", help="ZooKeeper client port (default: free)"
-    )
-    up.add_argument(
-        "--zk-session-timeout-ms",
-        type=int,
-        default=6000,
-        metavar="MS",
-        help="servers' and storage nodes' ZooKeeper session timeout (default 6000: fast failover)",
-    )
-    up.add_argument("--timeout", type=float, default=60.0, metavar="S", help="start timeout in seconds")
-    up.set_defaults(handler=cmd_up)
 
     st = with_dir("status", "processes, partition owners, high-water marks, replica states")
     st.add_argument("--json", action="store_true", help="machine-readable output")
@@ -84,8 +55,58 @@ def register(groups: Any) -> None:
         which = p.add_mutually_exclusive_group(required=True)
         which.add_argument("--storage", type=int, metavar="I", help="storage node index (0-based)")
         which.add_argument("--server", type=int, metavar="I", help="server index (0-based)")
-        which.add_argument("--zookeeper", action="store_true", help="the cluster's ZooKeeper")
+        which.add_argument(
+            "--zookeeper",
+            type=int,
+            nargs="?",
+            const=0,
+            metavar="I",
+            help="the cluster's ZooKeeper (I: an ensemble member, 0-based; default 0)",
+        )
         p.set_defaults(handler=cmd_kill if name == "kill" else cmd_start)
+
+
+def _register_up(up: argparse.ArgumentParser) -> None:
+    up.add_argument("--storages", type=int, default=3, metavar="N", help="storage nodes (default 3)")
+    up.add_argument("--servers", type=int, default=2, metavar="N", help="servers (default 2)")
+    up.add_argument("--partitions", type=int, default=4, metavar="N", help="partitions (default 4)")
+    up.add_argument(
+        "--groups",
+        type=int,
+        default=None,
+        metavar="G",
+        help="replica groups: each holds a full copy of every partition (default: one per storage node)",
+    )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="mutual TLS on every link, ZooKeeper's too, with a throwaway CA and certificates in D/tls "
+        "(needs openssl)",
+    )
+    up.add_argument(
+        "--base-port", type=int, default=None, metavar="P", help="use ports P, P+1, ... (default: free)"
+    )
+    up.add_argument(
+        "--zk-port", type=int, default=None, metavar="P", help="ZooKeeper client port (default: free)"
+    )
+    up.add_argument(
+        "--zookeepers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ZooKeeper processes: 1 (default) standalone, or 3, 5 or 7 as one ensemble (client ports "
+        "--zk-port, --zk-port+1, ...)",
+    )
+    up.add_argument(
+        "--zk-session-timeout-ms",
+        type=int,
+        default=local.DEFAULT_ZK_SESSION_TIMEOUT_MS,
+        metavar="MS",
+        help=f"servers' and storage nodes' ZooKeeper session timeout (default "
+        f"{local.DEFAULT_ZK_SESSION_TIMEOUT_MS}: a killed server's partitions move within 3 s)",
+    )
+    up.add_argument("--timeout", type=float, default=60.0, metavar="S", help="start timeout in seconds")
+    up.set_defaults(handler=cmd_up)
 
 
 def _quiet_kazoo(args: argparse.Namespace) -> None:
@@ -105,6 +126,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         tls=args.tls,
         base_port=args.base_port,
         zk_port=args.zk_port,
+        zookeepers=args.zookeepers,
         zk_session_timeout_ms=args.zk_session_timeout_ms,
         start_timeout_s=args.timeout,
     )
@@ -143,8 +165,8 @@ def cmd_restart(args: argparse.Namespace) -> int:
 
 
 def _which(args: argparse.Namespace) -> tuple[str, int]:
-    if args.zookeeper:
-        return "zookeeper", 0
+    if args.zookeeper is not None:
+        return "zookeeper", args.zookeeper
     return ("storage", args.storage) if args.storage is not None else ("server", args.server)
 
 

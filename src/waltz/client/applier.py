@@ -264,6 +264,8 @@ class ApplierMixin(AttemptsMixin):
                 if monitor is None:
                     continue
                 self._check_answered(partition, monitor, now, answer_s)
+                if monitor.oldest_pending_at is not None:
+                    self._say_if_waiting_on_zookeeper(partition)  # Appends in flight wait on it too.
                 if partition.state is not _READY:
                     continue
                 req_id = monitor.nudge(now, threshold_s)
@@ -353,7 +355,9 @@ class ApplierMixin(AttemptsMixin):
         partition = self._active(partition_id)
         if partition is None:
             return
-        log.error("partition %d: %s", partition_id, error)
+        log.error(
+            "partition %d stopped: %s", partition_id, str(error).removeprefix(f"partition {partition_id}: ")
+        )
         self._stop_partition(partition, error)
         for task in partition.tasks:
             task.cancel()

@@ -277,6 +277,9 @@ class AttemptsMixin(HooksMixin):
         await asyncio.sleep(self._retry.delay_s(run.attempts))
 
     async def _wait_mounted(self, partition: PartitionState) -> TransactionMonitor:
+        if partition.error is None and partition.state is _READY and partition.monitor is not None:
+            return partition.monitor  # Mounted: no wait (the common case).
+        self._say_if_waiting_on_zookeeper(partition)
         timeout_ms = self._config.mount_timeout_ms
         try:
             async with asyncio.timeout(timeout_ms / 1000):
@@ -294,6 +297,12 @@ class AttemptsMixin(HooksMixin):
         except TimeoutError:
             if partition.stuck is not None:
                 raise PartitionStuckError(partition.stuck.describe(partition.id, self._clock())) from None
+            trouble = self._coordination_trouble()
+            if trouble is not None:
+                raise ClientTimeoutError(
+                    f"partition {partition.id} was not mounted within {timeout_ms} ms (client.mountTimeout): "
+                    f"waiting on ZooKeeper; {trouble.description}"
+                ) from None
             raise ClientTimeoutError(
                 f"partition {partition.id} was not mounted within {timeout_ms} ms (client.mountTimeout)"
             ) from None

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from waltz.client.api import ClientCallbacks
 from waltz.client.config import ClientConfig
-from waltz.client.driver import ClientDriver, MountState
+from waltz.client.driver import ClientDriver, CoordinationTrouble, MountState
 from waltz.client.lifecycle import HOLDS_SLOT, Event, Hook
 from waltz.client.monitor import TransactionMonitor
 from waltz.client.pool import Call, CallbackPool, report_hook_failure
@@ -124,8 +124,22 @@ class ClientBase:
         self._started = False
         self._closed = False
         self._driver_error: ClientError | None = None  # Set once the driver failed for good.
+        self._told_outage_s: float | None = None  # The ZooKeeper outage a wait was last logged for.
         # client.callbackMode: inline runs application code on the loop (no thread hop; see docs/client.md).
         self._inline = config.callback_mode == "inline"
+
+    def _coordination_trouble(self) -> CoordinationTrouble | None:
+        driver = self._driver
+        return driver.coordination_trouble() if driver is not None else None
+
+    def _say_if_waiting_on_zookeeper(self, partition: PartitionState) -> None:
+        """A submit or attempt is about to wait on ``partition``: if ZooKeeper does not answer, say that this
+        is what it waits on (one line per outage, not per wait)."""
+        trouble = self._coordination_trouble()
+        if trouble is None or trouble.since_s == self._told_outage_s:
+            return
+        self._told_outage_s = trouble.since_s
+        log.warning("appends to partition %d are waiting on ZooKeeper: %s", partition.id, trouble.description)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         return self._tasks.spawn(coro, name)

@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Final, Protocol
 
 from kazoo.client import KazooClient
 
 from waltz.client.config import ClientConfig
+from waltz.client.driver import CoordinationTrouble
 from waltz.cluster import zk
 from waltz.cluster.membership import ClusterWatcher
 from waltz.cluster.store_metadata import next_id, read_cluster_params
@@ -78,6 +80,9 @@ class ZkDiscovery:
         self._watcher: ClusterWatcher | None = None
         self._name = ""
         self._num_partitions = 0
+        self._unreachable_since_s: float | None = None
+        """When ZooKeeper stopped answering this client (monotonic), None while connected. Written on kazoo's
+        thread (one assignment), read on the loop."""
 
     @property
     def cluster_name(self) -> str:
@@ -104,6 +109,7 @@ class ZkDiscovery:
                 ZK_MIN_CONNECT_TIMEOUT_MS, min(session_timeout_ms, ZK_MAX_CONNECT_TIMEOUT_MS)
             ),
         )
+        client.add_listener(self._on_state)
         try:
             params = await asyncio.to_thread(read_cluster_params, client, config.cluster_root)
             watcher = ClusterWatcher(client, config.cluster_root)
@@ -113,6 +119,26 @@ class ZkDiscovery:
             raise
         self._zk, self._watcher = client, watcher
         self._name, self._num_partitions = params.name, params.num_partitions
+
+    def _on_state(self, state: str) -> bool:
+        """kazoo's session listener (its thread): note when ZooKeeper stops and starts answering."""
+        if state == "CONNECTED":
+            self._unreachable_since_s = None
+        elif self._unreachable_since_s is None:
+            self._unreachable_since_s = time.monotonic()
+        return False  # stay registered
+
+    def coordination_trouble(self) -> CoordinationTrouble | None:
+        """ZooKeeper does not answer this client (connection suspended or session lost), or None."""
+        since_s = self._unreachable_since_s
+        if since_s is None:
+            return None
+        return CoordinationTrouble(
+            since_s,
+            f"ZooKeeper ({self._config.zookeeper_connect_string}) has not answered this client for "
+            f"{time.monotonic() - since_s:.1f} s (no quorum, or unreachable); the servers hold appends "
+            "while ZooKeeper does not answer them either",
+        )
 
     async def new_client_id(self) -> int:
         if self._zk is None:

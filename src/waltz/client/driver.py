@@ -87,7 +87,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from waltz.client.builder import TransactionBuilder
 from waltz.errors import ClientError, TrimmedError
@@ -151,8 +151,23 @@ class DriverListener(Protocol):
 # socket read's entries of a partition (the core's listener offers it); the MockDriver does not need to.
 
 
+class CoordinationTrouble(NamedTuple):
+    """The cluster's coordination service (ZooKeeper) does not answer this client: appends may be waiting on
+    it, since the servers hold them while their own ZooKeeper sessions are suspended."""
+
+    since_s: float
+    """When it stopped answering (``time.monotonic()``): one outage, one value."""
+    description: str
+    """One line for errors and logs, naming ZooKeeper and how long it has not answered."""
+
+
 class ClientDriver(ABC):
     """Carries the core's requests to a Waltz cluster and its events back. See the module docstring."""
+
+    def coordination_trouble(self) -> CoordinationTrouble | None:
+        """Why appends may be waiting on the cluster's coordination service, or None (the default: a driver
+        without one). Cheap; called when a submit has to wait and when a wait times out."""
+        return None
 
     @abstractmethod
     async def open(self, listener: DriverListener) -> None:

@@ -49,7 +49,7 @@ from typing import Any, Final
 from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
 from waltz.client.discovery import Discovery, Endpoints, ZkDiscovery
-from waltz.client.driver import ClientDriver, DriverListener, MountState
+from waltz.client.driver import ClientDriver, CoordinationTrouble, DriverListener, MountState
 from waltz.client.rpc import (
     CLIENT_HELLO,
     RPC_ATTEMPT_TIMEOUT_MS,
@@ -126,6 +126,10 @@ class NetworkDriver(ClientDriver):
         self._closed = False
 
     # -- contract: lifecycle and identity ------------------------------------------------------------------
+
+    def coordination_trouble(self) -> CoordinationTrouble | None:
+        trouble = getattr(self._discovery, "coordination_trouble", None)  # Test discoveries have none.
+        return trouble() if trouble is not None else None
 
     async def open(self, listener: DriverListener) -> None:
         if self._opened:
@@ -630,7 +634,7 @@ class NetworkDriver(ClientDriver):
         mount.session = None
         mount.ready = False
         mount.ahead = True
-        log.error("%s", error)
+        log.debug("%s", error)  # The core stops the partition and logs it once.
         await listener.on_mount_failure(mount.partition_id, error)
 
     # -- tasks ---------------------------------------------------------------------------------------------

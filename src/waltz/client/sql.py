@@ -50,7 +50,7 @@ from sqlalchemy.sql import Executable
 
 from waltz.client.api import ClientCallbacks
 from waltz.client.transaction import Transaction
-from waltz.errors import ClientError
+from waltz.errors import ClientError, TrimmedError
 
 __all__ = ["DEFAULT_TABLE_NAME", "GuardedConnection", "SqlClientCallbacks", "high_water_mark_table"]
 
@@ -158,6 +158,7 @@ class SqlClientCallbacks(ClientCallbacks):
         # a time (the client's guarantee); the lock only protects the dict across partitions.
         self._cache: dict[int, int] = {}
         self._cache_lock = threading.Lock()
+        self._failing_marks: set[int] = set()  # partitions whose mark read failed (logged once each)
         if create_table:
             self._retrying(
                 lambda: self.table.create(engine, checkfirst=True), "create the high-water-mark table"
@@ -169,10 +170,15 @@ class SqlClientCallbacks(ClientCallbacks):
         high-water mark. Raise to roll both back (the client will deliver the transaction again)."""
 
     def uncaught_exception(self, partition_id: int, transaction_id: int, exception: BaseException) -> None:
+        """Have the transaction delivered again. A failed ``apply_transaction`` is logged by the client (its
+        traceback once, then a one-line reminder), so only a failed ``client_high_water_mark`` (``-1``) is
+        logged here, its traceback once per partition until a read succeeds."""
+        if transaction_id >= 0 or partition_id in self._failing_marks or isinstance(exception, TrimmedError):
+            return  # A trimmed mount stops the partition; the client logs that once.
+        self._failing_marks.add(partition_id)
         log.error(
-            "partition %d: applying transaction %d failed; it will be delivered again",
+            "partition %d: reading the high-water mark failed; the client asks again with backoff",
             partition_id,
-            transaction_id,
             exc_info=exception,
         )
 
@@ -182,6 +188,7 @@ class SqlClientCallbacks(ClientCallbacks):
         """Read the partition's mark, creating its row (at -1) if this is the first instance to see it."""
         hwm = self._retrying(lambda: self._read_or_create(partition_id), f"read the mark of {partition_id}")
         self._set_cache(partition_id, hwm)
+        self._failing_marks.discard(partition_id)
         return hwm
 
     def apply_transaction(self, transaction: Transaction) -> None:

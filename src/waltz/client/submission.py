@@ -385,6 +385,7 @@ class SubmissionMixin(AttemptsMixin):
             self._step(run, Event.DROP)
 
     async def _acquire_slot(self, partition: PartitionState) -> None:
+        self._say_if_waiting_on_zookeeper(partition)
         try:
             await partition.slots.acquire(self._config.submit_timeout_ms / 1000)
         except TimeoutError:
@@ -394,6 +395,13 @@ class SubmissionMixin(AttemptsMixin):
         """Why a submit found no free slot within ``client.submitTimeout``."""
         if partition.stuck is not None:
             return PartitionStuckError(partition.stuck.describe(partition.id, self._clock()))
+        trouble = self._coordination_trouble()
+        if trouble is not None:
+            return ClientTimeoutError(
+                f"submit timed out after {self._config.submit_timeout_ms} ms (client.submitTimeout) "
+                f"waiting on ZooKeeper: partition {partition.id}'s {partition.slots.limit} transactions in "
+                f"flight wait for it; {trouble.description}"
+            )
         return ClientTimeoutError(
             f"submit timed out after {self._config.submit_timeout_ms} ms: partition {partition.id} "
             f"already has {partition.slots.limit} transactions in flight "

@@ -10,8 +10,9 @@ Configuration choices, and why:
 * ``clientPortAddress=127.0.0.1``: nothing listens beyond loopback.
 * ``admin.enableServer=false``: the Jetty admin server would take port 8080 and collide between instances.
 * ``4lw.commands.whitelist=ruok,srvr,stat``: ``ruok`` is how :meth:`ZooKeeperServer.start` knows it answers.
-* ``tickTime`` 500 ms with ``minSessionTimeout`` 1000 and ``maxSessionTimeout`` 60000: tests can use short
-  session timeouts, and the production default of 30 s is still honoured (not capped at 20 ticks).
+* ``tickTime`` 500 ms with ``minSessionTimeout`` 1000 and ``maxSessionTimeout`` 60000 (docs/deploy.md's
+  recommendation): the servers' 2000 ms session is granted as asked and expires on time (sessions expire on
+  tick boundaries), and the 30 s sessions of clients and the CLI are not capped at 20 ticks.
 
 TLS (:class:`ServerTls`, used by ``waltz local up --tls``): the server's port becomes a ``secureClientPort``
 served by Netty (``serverCnxnFactory=NettyServerCnxnFactory``; the netty jars that the zookeeper.jar manifest
@@ -24,7 +25,13 @@ CA is refused during the handshake. ``ssl.hostnameVerification=false``: ZooKeepe
 a *client's* certificate name the client's address, which client certificates do not do (Waltz's own TLS
 ports do not check it either); clients still check the server's name. TLS 1.2 is the minimum, as on Waltz's
 ports. Readiness is checked with ``ruok`` over TLS, presenting ``probe_cert_file`` (default: the server's own
-certificate, which must then allow clientAuth). An ensemble's quorum links stay plain (tests only).
+certificate, which must then allow clientAuth). In an ensemble with TLS the quorum and election links are TLS
+too (``sslQuorum=true`` with the same PEM keystore and CA, ``ssl.quorum.*``): each member presents its
+certificate to the others and requires theirs, so its certificate must allow both serverAuth and clientAuth.
+
+Session timeouts: ``minSessionTimeout=1000`` and ``maxSessionTimeout=60000`` are set explicitly, because
+ZooKeeper's defaults (2 and 20 ticks) would silently raise a short session or cap a long one; see
+docs/deploy.md for the production settings.
 
 Command line: ``python -m waltz.cluster.zkserver [--port P] [--data-dir D] [--ensemble 3]
 [--tls-cert C --tls-key K --tls-ca CA]`` runs until interrupted and prints the connect string.
@@ -265,6 +272,8 @@ class ZooKeeperServer:
             write_durable(data / "myid", f"{self.server_id}\n".encode("ascii"))
             for sid, quorum_port, election_port in self.peers:
                 lines.append(f"server.{sid}={self.host}:{quorum_port}:{election_port}")
+            if self.tls is not None:
+                lines += self._quorum_tls_lines()
         write_durable(self.config_path, ("\n".join(lines) + "\n").encode("ascii"))
 
     def _port_lines(self) -> list[str]:
@@ -286,6 +295,20 @@ class ZooKeeperServer:
             "ssl.clientAuth=need",
             "ssl.hostnameVerification=false",
             "ssl.enabledProtocols=TLSv1.3,TLSv1.2",
+        ]
+
+    def _quorum_tls_lines(self) -> list[str]:
+        """TLS on the links between ensemble members, with the client port's keystore and CA."""
+        assert self.tls is not None
+        return [
+            "sslQuorum=true",
+            f"ssl.quorum.keyStore.location={self.keystore_path}",
+            "ssl.quorum.keyStore.type=PEM",
+            f"ssl.quorum.trustStore.location={self.tls.ca_file}",
+            "ssl.quorum.trustStore.type=PEM",
+            "ssl.quorum.enabledProtocols=TLSv1.3,TLSv1.2",
+            # Members reach each other on 127.0.0.1, which the local certificates name.
+            "ssl.quorum.hostnameVerification=true",
         ]
 
     def spawn(self) -> None:

@@ -9,9 +9,10 @@ process's configuration and the orchestrator's ZooKeeper and admin access; :mod:
 
 from waltz.local.cluster import UpOptions, down, kill, restart, start, up
 from waltz.local.overview import ClusterStatus, status
-from waltz.local.state import LocalCluster, ProcessRecord
+from waltz.local.state import DEFAULT_ZK_SESSION_TIMEOUT_MS, LocalCluster, ProcessRecord
 
 __all__ = [
+    "DEFAULT_ZK_SESSION_TIMEOUT_MS",
     "ClusterStatus",
     "LocalCluster",
     "ProcessRecord",

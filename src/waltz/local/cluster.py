@@ -1,9 +1,11 @@
 """A whole Waltz cluster on this machine, one OS process per component (the library under ``waltz local``).
 
-:func:`up` starts, in order: ZooKeeper (Debian's package, through :mod:`waltz.cluster.zkserver`), the cluster
-metadata (``create_cluster``, ``add_storage_node``, ``auto_assign`` per group), the storage processes (then
-tells each its partitions through the admin port), and the servers; it returns once every partition has a
-server reporting it healthy. Each process listens on loopback ports (free ones, or consecutive ones from
+:func:`up` starts, in order (the start-up order of docs/deploy.md): ZooKeeper (Debian's package, through
+:mod:`waltz.cluster.zkserver`; with ``zookeepers=N`` an ensemble of N members, each with its own data
+directory, ``myid`` and quorum and election ports, TLS on the links between them too with ``tls``), the
+cluster metadata (``create_cluster``, ``add_storage_node``, ``auto_assign`` per group), the storage processes
+(then tells each its partitions through the admin port), and the servers; it returns once every partition has
+a server reporting it healthy. Each process listens on loopback ports (free ones, or consecutive ones from
 ``base_port``), logs under ``D/logs/``, and is recorded in ``D/cluster.json`` (see :mod:`waltz.local.state`).
 ``D/client.yaml`` is a client (and CLI) configuration for the cluster.
 
@@ -57,7 +59,13 @@ from waltz.cluster import zkserver
 from waltz.cluster.files import mkdir_durable
 from waltz.errors import ClusterError, ConfigError
 from waltz.local import certs, configs, probe, procs
-from waltz.local.state import CLIENT_CONFIG_FILE, STATE_FILE, LocalCluster, ProcessRecord
+from waltz.local.state import (
+    CLIENT_CONFIG_FILE,
+    DEFAULT_ZK_SESSION_TIMEOUT_MS,
+    STATE_FILE,
+    LocalCluster,
+    ProcessRecord,
+)
 from waltz.server.storage_client import AdminClient
 
 CLUSTER_ROOT = "/waltz/local"
@@ -67,6 +75,7 @@ DEFAULT_START_TIMEOUT_S = 60.0
 MAX_STORAGES = 16
 MAX_SERVERS = 16
 MAX_PARTITIONS = 1024
+MAX_ZOOKEEPERS = 7
 LOCK_FILE = ".lock"
 
 Report = Callable[[str], None]
@@ -88,7 +97,9 @@ class UpOptions:
     tls: bool = False
     base_port: int | None = None
     zk_port: int | None = None
-    zk_session_timeout_ms: int = 6000
+    zookeepers: int = 1
+    """1: one standalone ZooKeeper; 3, 5 or 7: an ensemble of that many members on loopback."""
+    zk_session_timeout_ms: int = DEFAULT_ZK_SESSION_TIMEOUT_MS
     segment_size_bytes: int = 64 * 1024 * 1024
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     before_storage_start: Callable[[ProcessRecord], None] | None = None
@@ -109,6 +120,13 @@ class UpOptions:
                 f"--groups must be between 1 and the number of storage nodes ({self.storages}), "
                 f"got {self.groups}: every group needs at least one node"
             )
+        if self.zookeepers not in range(1, MAX_ZOOKEEPERS + 1, 2):
+            raise ConfigError(
+                f"--zookeepers must be 1 or an odd number up to {MAX_ZOOKEEPERS}, got {self.zookeepers}: "
+                "an even ensemble survives no more failures than one member fewer"
+            )
+        if self.zk_port is not None and self.zk_port + self.zookeepers - 1 > 65535:
+            raise ConfigError(f"--zk-port {self.zk_port} leaves no room for {self.zookeepers} ZooKeepers")
         for name, port in (("--base-port", self.base_port), ("--zk-port", self.zk_port)):
             if port is not None and not 1024 <= port <= 65535:
                 raise ConfigError(f"{name} must be between 1024 and 65535, got {port}")
@@ -176,7 +194,7 @@ def _check_directory(directory: Path) -> None:
 def _our_log_name(name: str) -> bool:
     stem, _, ext = name.partition(".")
     kind, _, index = stem.partition("-")
-    if stem == "zookeeper":
+    if stem == "zookeeper" or (kind == "zookeeper" and index.isdigit()):
         return ext == "log"
     return kind in ("storage", "server") and index.isdigit() and ext in ("log", "out")
 
@@ -193,31 +211,46 @@ def _check_zookeeper_installed(*, tls: bool) -> None:
 
 
 def _allocate_ports(opts: UpOptions) -> dict[str, list[int]]:
-    """Ports for every process: ``{"zookeeper": [p], "storage": [data, admin, http, ...], "server": [...]}``.
+    """Ports for every process: ``{"zookeeper": [client, ...], "quorum": [quorum, election, ...], "storage":
+    [data, admin, http, ...], "server": [...]}``.
 
     With ``base_port`` they are consecutive from it and each must be free now; otherwise the OS picks.
+    ZooKeeper's client ports are ``zk_port``, ``zk_port + 1``, ... with ``zk_port``; an ensemble's quorum and
+    election ports are always picked by the OS.
     """
     need = 3 * opts.storages + 2 * opts.servers
     if opts.base_port is not None:
         ports = list(range(opts.base_port, opts.base_port + need))
         if ports[-1] > 65535:
             raise ConfigError(f"--base-port {opts.base_port} leaves no room for {need} ports")
-        if opts.zk_port is not None and opts.zk_port in ports:
+    zk_fixed = [] if opts.zk_port is None else list(range(opts.zk_port, opts.zk_port + opts.zookeepers))
+    if opts.base_port is not None:
+        if set(zk_fixed) & set(ports):
             raise ConfigError(f"--zk-port {opts.zk_port} falls inside the --base-port range")
     else:
-        exclude = frozenset() if opts.zk_port is None else frozenset({opts.zk_port})
-        ports = procs.free_ports(need, exclude=exclude)
-    zk_port = opts.zk_port if opts.zk_port is not None else procs.free_ports(1, exclude=frozenset(ports))[0]
-    labels = ["ZooKeeper client port"]
+        ports = procs.free_ports(need, exclude=frozenset(zk_fixed))
+    ensemble = opts.zookeepers > 1
+    extra = procs.free_ports(
+        (0 if zk_fixed else opts.zookeepers) + (2 * opts.zookeepers if ensemble else 0),
+        exclude=frozenset(ports) | frozenset(zk_fixed),
+    )
+    zk_ports = zk_fixed or extra[: opts.zookeepers]
+    quorum_ports = extra[len(extra) - 2 * opts.zookeepers :] if ensemble else []
+    labels = [f"ZooKeeper {i} client port" for i in range(opts.zookeepers)]
+    if not ensemble:
+        labels = ["ZooKeeper client port"]
+    for i in range(opts.zookeepers if ensemble else 0):
+        labels += [f"ZooKeeper {i} quorum port", f"ZooKeeper {i} election port"]
     for i in range(opts.storages):
         labels += [f"storage {i} data port", f"storage {i} admin port", f"storage {i} HTTP port"]
     for i in range(opts.servers):
         labels += [f"server {i} client port", f"server {i} HTTP port"]
-    for label, port in zip(labels, [zk_port, *ports], strict=True):
+    for label, port in zip(labels, [*zk_ports, *quorum_ports, *ports], strict=True):
         if procs.port_in_use(port):
             raise ConfigError(f"port {port} ({label}) is already in use on 127.0.0.1")
     return {
-        "zookeeper": [zk_port],
+        "zookeeper": zk_ports,
+        "quorum": quorum_ports,
         "storage": ports[: 3 * opts.storages],
         "server": ports[3 * opts.storages :],
     }
@@ -279,7 +312,7 @@ def _wait_served(cluster: LocalCluster, timeout_s: float) -> None:
 
 def _teardown(cluster: LocalCluster) -> list[str]:
     """Stop every recorded process: servers, then storage nodes, then ZooKeeper. Returns what was running."""
-    order = [*reversed(cluster.servers), *reversed(cluster.storages), cluster.zookeeper]
+    order = [*reversed(cluster.servers), *reversed(cluster.storages), *reversed(cluster.zookeepers)]
     return [rec.name for rec in order if procs.stop(rec.process)]
 
 
@@ -304,21 +337,27 @@ def _remove_data(cluster: LocalCluster) -> None:
 def _planned(opts: UpOptions, directory: Path, ports: dict[str, list[int]]) -> LocalCluster:
     """The record of the cluster ``up`` is about to start: every process with its ports, files and group."""
     logs = directory / "logs"
-    zk_port = ports["zookeeper"][0]
+    ensemble = len(ports["zookeeper"]) > 1
+    zookeepers = [
+        ProcessRecord(
+            kind="zookeeper",
+            index=i,
+            port=port,
+            http_port=0,
+            data_dir=str(directory / (f"zookeeper-{i}" if ensemble else "zookeeper")),
+            log=str(logs / (f"zookeeper-{i}.log" if ensemble else "zookeeper.log")),
+            quorum_port=ports["quorum"][2 * i] if ensemble else 0,
+            election_port=ports["quorum"][2 * i + 1] if ensemble else 0,
+        )
+        for i, port in enumerate(ports["zookeeper"])
+    ]
     cluster = LocalCluster(
         directory=directory,
         cluster_root=CLUSTER_ROOT,
         cluster_name=CLUSTER_NAME,
         num_partitions=opts.partitions,
         groups=opts.group_count,
-        zookeeper=ProcessRecord(
-            kind="zookeeper",
-            index=0,
-            port=zk_port,
-            http_port=0,
-            data_dir=str(directory / "zookeeper"),
-            log=str(logs / "zookeeper.log"),
-        ),
+        zookeepers=zookeepers,
         zk_session_timeout_ms=opts.zk_session_timeout_ms,
         tls=opts.tls,
         zk_tls=opts.tls,
@@ -387,8 +426,9 @@ def _bring_up(cluster: LocalCluster, opts: UpOptions, report: Report) -> None:
         # Before ZooKeeper: with TLS it serves its port with one of these certificates.
         report(f"making a throwaway CA and certificates in {cluster.tls_dir}")
         certs.make_local_pki(cluster.tls_dir, configs.TLS_NAMES)
-    report(f"starting ZooKeeper on {cluster.zk_connect}{' (TLS only)' if cluster.zk_tls else ''}")
-    _start_zookeeper(cluster, timeout_s)
+    ensemble = f"a {len(cluster.zookeepers)}-member ensemble" if cluster.is_ensemble else "ZooKeeper"
+    report(f"starting {ensemble} on {cluster.zk_connect}{' (TLS only)' if cluster.zk_tls else ''}")
+    _start_zookeepers(cluster, timeout_s)
 
     report(
         f"creating cluster {cluster.cluster_name!r} at {cluster.cluster_root}: "
@@ -474,31 +514,56 @@ def _purge(cluster: LocalCluster) -> list[Path]:
     return sorted(d.rglob("*")) if d.exists() else []
 
 
-def _start_zookeeper(cluster: LocalCluster, timeout_s: float) -> None:
-    """Start ZooKeeper with the recorded data directory and port (its data, hence the cluster, survives)."""
-    zk_rec = cluster.zookeeper
-    # A listener on the port is someone else's (ours is not running); a bind test would also fail on the
-    # TIME_WAIT connections a killed ZooKeeper leaves behind, which ZooKeeper's own bind tolerates.
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", zk_rec.port), timeout=1.0):
-        raise ClusterError(f"ZooKeeper's port {zk_rec.port} is in use by another process")
-    zk = zkserver.ZooKeeperServer(zk_rec.data_dir, zk_rec.port, tls=configs.zk_server_tls(cluster))
-    zk.spawn()
-    if zk.process is None:
-        raise ClusterError("ZooKeeper did not start")
-    zk_rec.set_process(procs.adopt(zk.process))
-    cluster.save()
-    zk_log = Path(zk_rec.log)
-    with contextlib.suppress(OSError):
-        zk_log.unlink(missing_ok=True)
-        zk_log.symlink_to(zk.log_path)
-    zk.wait_serving(timeout_s)
-    zk_rec.set_process(procs.identify(zk.process.pid))  # The JVM's start time is readable now for sure.
+def _zk_server(cluster: LocalCluster, rec: ProcessRecord) -> zkserver.ZooKeeperServer:
+    """The launcher of one recorded ZooKeeper: standalone, or ensemble member ``index + 1``."""
+    peers = [(z.index + 1, z.quorum_port, z.election_port) for z in cluster.zookeepers]
+    return zkserver.ZooKeeperServer(
+        rec.data_dir,
+        rec.port,
+        server_id=rec.index + 1 if cluster.is_ensemble else None,
+        peers=peers if cluster.is_ensemble else None,
+        tls=configs.zk_server_tls(cluster),
+    )
+
+
+def _start_zookeepers(
+    cluster: LocalCluster, timeout_s: float, members: list[ProcessRecord] | None = None
+) -> bool:
+    """Start ZooKeeper (every member of an ensemble, or just ``members``) with the recorded data directories
+    and ports (its data, hence the cluster, survives), and wait until each serves. An ensemble member serves
+    only once a majority of the members runs: without one, returns False at once instead of waiting."""
+    started: list[tuple[ProcessRecord, zkserver.ZooKeeperServer]] = []
+    for rec in cluster.zookeepers if members is None else members:
+        # A listener on the port is someone else's (ours is not running); a bind test would also fail on the
+        # TIME_WAIT connections a killed ZooKeeper leaves behind, which ZooKeeper's own bind tolerates.
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", rec.port), timeout=1.0):
+            raise ClusterError(f"{rec.name}'s port {rec.port} is in use by another process")
+        zk = _zk_server(cluster, rec)
+        zk.spawn()
+        if zk.process is None:
+            raise ClusterError(f"{rec.name} did not start")
+        rec.set_process(procs.adopt(zk.process))
+        cluster.save()
+        zk_log = Path(rec.log)
+        with contextlib.suppress(OSError):
+            zk_log.unlink(missing_ok=True)
+            zk_log.symlink_to(zk.log_path)
+        started.append((rec, zk))
+    running = sum(procs.is_alive(z.process) for z in cluster.zookeepers)
+    if 2 * running <= len(cluster.zookeepers):
+        return False
+    for rec, zk in started:
+        zk.wait_serving(timeout_s)
+        assert zk.process is not None
+        rec.set_process(procs.identify(zk.process.pid))  # The JVM's start time is readable now for sure.
+    return True
 
 
 def kill(directory: str | Path, kind: str, index: int = 0) -> ProcessRecord:
-    """SIGKILL one storage node, server or ZooKeeper (``kind="zookeeper"``), as in a crash (for drills)."""
+    """SIGKILL one storage node, server or ZooKeeper (``kind="zookeeper"``, ``index`` an ensemble member),
+    as in a crash (for drills)."""
     cluster = LocalCluster.load(directory)
-    rec = cluster.zookeeper if kind == "zookeeper" else cluster.member(kind, index)
+    rec = cluster.zookeeper_member(index) if kind == "zookeeper" else cluster.member(kind, index)
     with _locked(cluster.directory):
         if not procs.kill(rec.process):
             raise ClusterError(f"{rec.name} is not running")
@@ -509,10 +574,11 @@ def kill(directory: str | Path, kind: str, index: int = 0) -> ProcessRecord:
 def start(
     directory: str | Path, kind: str, index: int, timeout_s: float = DEFAULT_START_TIMEOUT_S
 ) -> ProcessRecord:
-    """Start a stopped storage node, server or ZooKeeper (``kind="zookeeper"``) again, with its config, ports
-    and data."""
+    """Start a stopped storage node, server or ZooKeeper (``kind="zookeeper"``, ``index`` an ensemble member)
+    again, with its config, ports and data. An ensemble member is waited for only if a majority of the
+    members then runs (it cannot serve before)."""
     cluster = LocalCluster.load(directory)
-    rec = cluster.zookeeper if kind == "zookeeper" else cluster.member(kind, index)
+    rec = cluster.zookeeper_member(index) if kind == "zookeeper" else cluster.member(kind, index)
     with _locked(cluster.directory):
         if cluster.state == "stopped":
             raise ClusterError(
@@ -522,10 +588,10 @@ def start(
             raise ClusterError(f"{rec.name} is already running (pid {rec.pid})")
         if kind == "zookeeper":
             # Servers and storage nodes reconnect by themselves (within their ZooKeeper session timeout).
-            _start_zookeeper(cluster, timeout_s)
+            _start_zookeepers(cluster, timeout_s, [rec])
             cluster.save()
             return rec
-        if not procs.is_alive(cluster.zookeeper.process):
+        if not any(procs.is_alive(z.process) for z in cluster.zookeepers):
             raise ClusterError(
                 f"ZooKeeper is not running: start it first with `waltz local start --dir {cluster.directory} "
                 "--zookeeper`"
@@ -560,7 +626,7 @@ def restart(
         cluster.state = "starting"
         cluster.save()
         report(f"starting ZooKeeper on {cluster.zk_connect}")
-        _start_zookeeper(cluster, timeout_s)
+        _start_zookeepers(cluster, timeout_s)
         cluster.save()
         report(f"starting {len(cluster.storages)} storage nodes")
         for rec in cluster.storages:

@@ -70,6 +70,8 @@ def status(directory: str | Path) -> ClusterStatus:
         alive = procs.is_alive(rec.process)
         if rec.kind == "zookeeper":
             ports = f"{'TLS ' if cluster.zk_tls else ''}client {rec.port}"
+            if rec.quorum_port:
+                ports += f", quorum {rec.quorum_port}, election {rec.election_port}"
             detail = rec.data_dir
         elif rec.kind == "storage":
             ports = f"data {rec.port}, admin {rec.admin_port}, http {rec.http_port}"
@@ -99,7 +101,7 @@ def status(directory: str | Path) -> ClusterStatus:
         p.healthy = p.partition in healthy
         if p.partition in hwm:
             p.high_water_mark = int(hwm[p.partition])
-    if procs.is_alive(cluster.zookeeper.process):
+    if any(procs.is_alive(z.process) for z in cluster.zookeepers):
         try:
             _zk_status(cluster, result, by_id)
             result.zookeeper_ok = True

@@ -15,6 +15,8 @@ that was started, even by an ``up`` that failed half-way. Example::
                     "config": "D/storage-0.yaml", "log": "D/logs/storage-0.log", "stdout": ...}],
       "servers": [{"kind": "server", "index": 0, "pid": ..., "port": ..., "http_port": ...,
                    "server_id": 1, ...}],
+      "zookeepers": [...],                     # an ensemble (up --zookeepers N): every member, each with
+                                               # its quorum_port and election_port; "zookeeper" is the first
       "client_config": "D/client.yaml",
       "tls": false,                            # true: mutual TLS everywhere, certificates in D/tls/
       "zk_tls": false                          # true: ZooKeeper serves TLS only (absent in older files)
@@ -37,6 +39,9 @@ STATE_FILE = "cluster.json"
 CLIENT_CONFIG_FILE = "client.yaml"
 TLS_DIR = "tls"
 FORMAT_VERSION = 1
+DEFAULT_ZK_SESSION_TIMEOUT_MS = 2000
+"""The servers' and storage nodes' ZooKeeper session timeout in a local cluster: a killed server's partitions
+are served again within 3 s (docs/deploy.md, "Failover")."""
 
 
 @dataclass
@@ -55,12 +60,18 @@ class ProcessRecord:
     group: int = 0
     partitions: list[int] = field(default_factory=list)
     server_id: int = -1
+    quorum_port: int = 0
+    """A ZooKeeper ensemble member's quorum (follower-to-leader) port; 0 for a standalone ZooKeeper."""
+    election_port: int = 0
+    """A ZooKeeper ensemble member's leader-election port; 0 for a standalone ZooKeeper."""
     pid: int | None = None
     start_ticks: int | None = None
 
     @property
     def name(self) -> str:
-        return self.kind if self.kind == "zookeeper" else f"{self.kind} {self.index}"
+        if self.kind == "zookeeper" and not self.quorum_port:
+            return "zookeeper"  # standalone: there is only one
+        return f"{self.kind} {self.index}"
 
     @property
     def address(self) -> str:
@@ -89,11 +100,13 @@ class LocalCluster:
     cluster_name: str
     num_partitions: int
     groups: int
-    zookeeper: ProcessRecord
+    zookeepers: list[ProcessRecord]
+    """One standalone ZooKeeper, or every member of an ensemble (``up --zookeepers N``), member ``i`` having
+    ZooKeeper server id ``i + 1``."""
     storages: list[ProcessRecord] = field(default_factory=list)
     servers: list[ProcessRecord] = field(default_factory=list)
     state: str = "starting"
-    zk_session_timeout_ms: int = 6000
+    zk_session_timeout_ms: int = DEFAULT_ZK_SESSION_TIMEOUT_MS
     tls: bool = False
     """Every storage node, server and client.yaml use mutual TLS with the certificates in ``D/tls/``."""
     zk_tls: bool = False
@@ -101,8 +114,24 @@ class LocalCluster:
     a cluster made before keeps its plain ZooKeeper, which its configs expect)."""
 
     @property
+    def zookeeper(self) -> ProcessRecord:
+        """The standalone ZooKeeper, or an ensemble's first member."""
+        return self.zookeepers[0]
+
+    @property
+    def is_ensemble(self) -> bool:
+        return bool(self.zookeeper.quorum_port)
+
+    @property
     def zk_connect(self) -> str:
-        return self.zookeeper.address
+        return ",".join(z.address for z in self.zookeepers)
+
+    def zookeeper_member(self, index: int) -> ProcessRecord:
+        if not 0 <= index < len(self.zookeepers):
+            raise ConfigError(
+                f"there is no zookeeper {index}: this cluster has zookeepers 0..{len(self.zookeepers) - 1}"
+            )
+        return self.zookeepers[index]
 
     @property
     def client_config_path(self) -> Path:
@@ -116,7 +145,7 @@ class LocalCluster:
     @property
     def processes(self) -> list[ProcessRecord]:
         """Every process, in start order (ZooKeeper, storage nodes, servers)."""
-        return [self.zookeeper, *self.storages, *self.servers]
+        return [*self.zookeepers, *self.storages, *self.servers]
 
     def member(self, kind: str, index: int) -> ProcessRecord:
         group = {"storage": self.storages, "server": self.servers}.get(kind)
@@ -142,6 +171,7 @@ class LocalCluster:
             "tls": self.tls,
             "zk_tls": self.zk_tls,
             "zookeeper": dataclasses.asdict(self.zookeeper),
+            **({"zookeepers": [dataclasses.asdict(z) for z in self.zookeepers]} if self.is_ensemble else {}),
             "storages": [dataclasses.asdict(s) for s in self.storages],
             "servers": [dataclasses.asdict(s) for s in self.servers],
             "client_config": str(self.client_config_path),
@@ -170,10 +200,11 @@ class LocalCluster:
                 cluster_name=str(raw["cluster_name"]),
                 num_partitions=int(raw["num_partitions"]),
                 groups=int(raw["groups"]),
-                zookeeper=ProcessRecord.from_json(raw["zookeeper"]),
+                zookeepers=[ProcessRecord.from_json(z) for z in raw.get("zookeepers", [raw["zookeeper"]])],
                 storages=[ProcessRecord.from_json(s) for s in raw["storages"]],
                 servers=[ProcessRecord.from_json(s) for s in raw["servers"]],
                 state=str(raw.get("state", "running")),
+                # Files that predate the key were made with 6000 ms.
                 zk_session_timeout_ms=int(raw.get("zk_session_timeout_ms", 6000)),
                 tls=bool(raw.get("tls", False)),
                 zk_tls=bool(raw.get("zk_tls", False)),

@@ -23,7 +23,9 @@ MAX_PENDING_BATCHES = 64
 SERVER_SCHEMA = ConfigSchema(
     [
         Key("zookeeper.connectString", str, doc="ZooKeeper ensemble"),
-        Key("zookeeper.sessionTimeout", int, 30000, "ZooKeeper session timeout (ms)", 1000),
+        # 2 s: a crashed server's partitions are served again within 3 s. ZooKeeper must allow it
+        # (minSessionTimeout <= 2000, so tickTime <= 1000); docs/deploy.md, "Failover", has the trade-off.
+        Key("zookeeper.sessionTimeout", int, 2000, "ZooKeeper session timeout (ms)", 1000),
         Key("zookeeper.connectTimeout", int, 10000, "time allowed to reach ZooKeeper at start (ms)", 100),
         Key("cluster.root", str, doc="cluster root znode"),
         *zk_auth_keys(),

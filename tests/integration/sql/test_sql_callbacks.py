@@ -273,3 +273,29 @@ def test_many_instances_sharing_one_database_apply_every_transaction_exactly_onc
             expected_balances[i % 5] = expected_balances.get(i % 5, 0) + n * 1000 + i
     assert balances(engine) == expected_balances
     assert [e for bank in banks for e in bank.errors] == []
+
+
+def test_a_poisoned_transaction_logs_one_traceback_however_often_it_is_redelivered(
+    engine: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    attempts = threading.Semaphore(0)
+
+    class Poisoned(Bank):
+        uncaught_exception = SqlClientCallbacks.uncaught_exception  # type: ignore[assignment]
+
+        def apply(self, transaction: Transaction, connection: GuardedConnection) -> None:
+            attempts.release()
+            raise ValueError("poisoned")
+
+    cluster = MockCluster(num_partitions=1)
+    client = WaltzClient(Poisoned(engine), ClientConfig(), driver=MockDriver(cluster=cluster))
+    try:
+        with caplog.at_level("ERROR", logger="waltz"):
+            client.submit(Deposit(account=1, amount=5))
+            for _ in range(6):  # The first delivery and five redeliveries.
+                assert attempts.acquire(timeout=30)
+    finally:
+        client.close()
+    tracebacks = [r for r in caplog.records if r.exc_info is not None]
+    assert len(tracebacks) == 1, [r.getMessage() for r in tracebacks]
+    assert "transaction 0" in tracebacks[0].getMessage()
