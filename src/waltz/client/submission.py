@@ -172,7 +172,9 @@ class SubmissionMixin(AttemptsMixin):
             for context in contexts:
                 run = Run(context)
                 try:
-                    first = self._first_on_thread(run, num_partitions, 0.0 if taken else wait_s)
+                    first = self._first_attempt(run, num_partitions)
+                    if first is None and not taken and wait_s > 0:
+                        first = self._first_after_wait_on_thread(run, num_partitions, wait_s)
                 except Exception as e:
                     taken.append((run, _Refused(e)))  # Ended on the loop, after those before it.
                     raise
@@ -186,20 +188,19 @@ class SubmissionMixin(AttemptsMixin):
                 self._hand_over(loop, self._continue_batch, taken)
         return len(taken)
 
-    def _first_on_thread(self, run: Run, num_partitions: int, wait_s: float) -> _First:
-        """:meth:`_first_attempt` on an application thread; with ``wait_s``, while the run's partition is
-        mounted but has no free slot, wait here for one (up to ``wait_s`` seconds, then raise the
-        ``submit`` timeout error) and try again. None if it was not executed: the loop decides."""
-        first = self._first_attempt(run, num_partitions)
-        deadline = 0.0
-        while first is None and wait_s > 0:
+    def _first_after_wait_on_thread(self, run: Run, num_partitions: int, wait_s: float) -> _First:
+        """A first attempt on an application thread that found no free slot (as :meth:`_first_after_wait`
+        on the loop): while the run's partition is mounted and full, wait here for a slot (up to ``wait_s``
+        seconds, then raise the ``submit`` timeout error) and make the attempt again. None if it was not
+        executed: the loop decides."""
+        deadline = time.monotonic() + wait_s
+        first: _First = None
+        while first is None:
             partition = run.partition
             if partition is None or self._closed or not partition.slots.is_full:
                 return None  # Not mounted (or closed): waiting here is of no use.
             now = time.monotonic()
-            if not deadline:
-                deadline = now + wait_s
-            elif now >= deadline:
+            if now >= deadline:
                 raise self._slot_timeout_error(partition)
             partition.slots.wait_from_thread(deadline - now)
             first = self._first_attempt(run, num_partitions)
