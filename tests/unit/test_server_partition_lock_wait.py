@@ -17,23 +17,7 @@ from waltz.server.feed_cache import FeedCache
 from waltz.server.partition import Partition
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.transaction_cache import TransactionCache
-from waltz.testing.partition_store import ManualStore
-
-
-class _Peer:
-    def __init__(self) -> None:
-        self.sent: list[cs.Message] = []
-        self.closed = False
-        self.drain_needed = False
-
-    def send(self, msg: cs.Message) -> None:
-        self.sent.append(msg)
-
-    def send_feed(self, entries: object) -> None:
-        pass
-
-    async def drain(self) -> None:
-        pass
+from waltz.testing.partition_store import ManualStore, RecordingPeer
 
 
 async def _settle() -> None:
@@ -52,7 +36,7 @@ async def _mounted(store: ManualStore) -> AsyncIterator[tuple[Partition, Any]]:
         transaction_cache=TransactionCache(1 << 20),
     )
     await part.start()
-    peer = cast(Any, _Peer())
+    peer = cast(Any, RecordingPeer())
     await part.mount(peer, cs.MountRequest(ReqId.of(7, 1, 0, -1), -1, 1))
     try:
         yield part, peer

@@ -1,5 +1,5 @@
 """A store for testing a server :class:`~waltz.server.partition.Partition` alone: appends are committed when
-the test says so.
+the test says so; and a client connection as a partition sees it that records what it is sent.
 
 :class:`ManualStore` takes what the partition submits and keeps it pending until :meth:`ManualStore.commit`
 commits the oldest ones as one batch (their listener hears it as it would from the real store, in order,
@@ -15,7 +15,7 @@ from typing import Any
 from waltz.protocol import client_server as cs
 from waltz.server.store.appends import AppendListener, PendingAppend
 
-__all__ = ["ManualStore"]
+__all__ = ["ManualStore", "RecordingPeer"]
 
 
 class ManualStore:
@@ -99,3 +99,22 @@ class ManualStore:
 
     async def close(self) -> None:
         self.is_healthy = False
+
+
+class RecordingPeer:
+    """A client's connection as a partition sees it: it keeps every message sent to it (``sent``) and drops
+    the feed entries."""
+
+    def __init__(self) -> None:
+        self.sent: list[cs.Message] = []
+        self.closed = False
+        self.drain_needed = False
+
+    def send(self, msg: cs.Message) -> None:
+        self.sent.append(msg)
+
+    def send_feed(self, entries: object) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
