@@ -15,6 +15,7 @@ decide on that flag, never on message text::
     │   └── BrokenResourceError        the peer or the network broke it (retriable with a new connection)
     ├── StorageError                   storage node and on-disk format
     │   ├── CorruptionError            a checksum or structure on disk does not verify
+    │   ├── FormatVersionError         a file's format version is one this release does not read
     │   ├── StorageRpcError            a storage node answered a request with a failure response
     │   ├── ClusterKeyMismatchError    the peer belongs to another cluster (wrong key or partition count)
     │   ├── SessionFencedError         a newer store session exists; this one may no longer write
@@ -25,6 +26,8 @@ decide on that flag, never on message text::
     │   ├── ClusterNotFoundError       no cluster at that root
     │   ├── ConcurrentUpdateError      a version-checked write lost a race (retriable)
     │   ├── MetadataError              a znode holds something we cannot read, or an edit is refused
+    │   ├── FeatureVersionError        the cluster's feature version is outside what this process
+    │   │                              supports, or a raise is refused (a process cannot follow)
     │   └── ZooKeeperUnavailableError  the connection was lost or the session expired (retriable)
     ├── ServerError
     │   ├── GenerationMismatchError    a request carried another partition generation (retriable)
@@ -126,6 +129,12 @@ class CorruptionError(StorageError):
     """A checksum or structure on disk does not verify."""
 
 
+class FormatVersionError(StorageError):
+    """A file (segment, index, control file) carries a format version this release does not read: it was
+    written by a newer release, or is not a Waltz file. Refused, never treated as damage, so a node started
+    with an older release than its files changes nothing (the message names the file and both versions)."""
+
+
 class StorageRpcError(StorageError):
     """A storage node answered a request with a failure response."""
 
@@ -207,6 +216,12 @@ class ConcurrentUpdateError(ClusterError):
 
 class MetadataError(ClusterError):
     """A znode holds something unreadable, or a metadata edit is refused."""
+
+
+class FeatureVersionError(ClusterError):
+    """The cluster's feature version (``<root>/features``) is one this process does not support, or a raise
+    of it is refused because a running process could not follow (the message names which, and both
+    ranges)."""
 
 
 class ZooKeeperUnavailableError(ClusterError):

@@ -64,6 +64,8 @@ CASES: list[tuple[a.AdminMessage, str]] = [
         a.NodeIdentityResponse(7, KEY, 4, 6000),
         p(18) + "00112233445566778899aabbccddeeff 00000004 00001770",
     ),
+    (a.NodeVersionRequest(7), p(19)),
+    (a.NodeVersionResponse(7, "0.2.0", 1, 2), p(20) + "00000005 302e322e30 00000001 00000002"),
 ]
 
 
@@ -72,7 +74,7 @@ def case_id(value: object) -> str:
 
 
 def test_every_message_type_has_a_golden_case() -> None:
-    assert {type(msg).TYPE for msg, _ in CASES} == set(range(1, 19)) - {5}
+    assert {type(msg).TYPE for msg, _ in CASES} == set(range(1, 21)) - {5}
 
 
 @pytest.mark.parametrize(("msg", "hex_"), CASES, ids=case_id)
@@ -117,7 +119,7 @@ def test_unknown_replica_flags_are_refused() -> None:
 
 
 def test_unknown_type_null_lists_and_impossible_counts_are_refused() -> None:
-    for code in (0, 5, 19, 255):
+    for code in (0, 5, 21, 255):
         with pytest.raises(RemoteProtocolError, match="unknown"):
             a.decode(bytes.fromhex(p(code)))
     with pytest.raises(RemoteProtocolError, match="null"):
@@ -132,6 +134,21 @@ def test_unknown_type_null_lists_and_impossible_counts_are_refused() -> None:
         a.decode(bytes.fromhex(p(12) + "ffffffff"))
     with pytest.raises(RemoteProtocolError, match="boolean"):
         a.decode(bytes.fromhex(p(14) + "00000001 00000000 02"))
+
+
+def test_a_message_newer_than_the_negotiated_version_is_refused() -> None:
+    """V1 messages (19/20) are protocol errors on a V0 connection (Waltz 0.1.0 never sends them either)."""
+    assert a.ADMIN_VERSIONS == (0, 1)
+    for msg in (a.NodeVersionRequest(7), a.NodeVersionResponse(7, "0.2.0", 1, 2)):
+        raw = a.encode(msg)
+        assert a.decode(raw, 1) == msg
+        with pytest.raises(
+            RemoteProtocolError, match=rf"type {msg.TYPE} \({type(msg).__name__}\) is not in codec V0"
+        ):
+            a.decode(raw, 0)
+        assert not a.available(type(msg), 0)
+        assert a.available(type(msg), 1)
+    assert all(a.available(type(m), 0) for m, _ in CASES if type(m).TYPE <= 18)
 
 
 def test_encoder_refuses_values_the_wire_cannot_carry() -> None:
@@ -178,3 +195,8 @@ def test_random_bodies_decode_or_raise_protocol_error(type_code: int, body: byte
 def test_partition_status_round_trip(statuses: list[tuple[int, bool]]) -> None:
     msg = a.AssignedPartitionStatusResponse(1, tuple(a.PartitionStatus(i, b) for i, b in statuses))
     assert a.decode(a.encode(msg)) == msg
+
+
+def test_every_admin_codec_version_is_the_messages_it_adds() -> None:
+    classes = {type(msg) for msg, _ in CASES}
+    assert {cls.MIN_VERSION for cls in classes} == set(a.ADMIN_VERSIONS)

@@ -450,3 +450,12 @@ def test_the_truncate_and_replica_trailers_are_canonical_and_bounded() -> None:
     with pytest.raises(LocalProtocolError, match="at most 256"):
         s.encode(s.TruncateRequest(1, 2, 3, 5, False, reason="é" * 129))
     assert s.encode(s.TruncateRequest(1, 2, 3, 5, False, reason="é" * 128))
+
+
+def test_every_codec_version_is_the_messages_it_adds() -> None:
+    """V0 is Waltz 0.1.0's whole message set (1-25); every later version must add a message type, and no
+    message may be newer than the newest version this codec speaks (a new message is a new version)."""
+    classes = {type(msg) for msg, _ in CASES}
+    assert all(s.available(cls, 0) for cls in classes)
+    assert max(cls.MIN_VERSION for cls in classes) == max(s.STORAGE_VERSIONS)
+    assert {cls.MIN_VERSION for cls in classes} == set(s.STORAGE_VERSIONS)

@@ -323,12 +323,18 @@ def test_oversized_frame_closes_that_connection_with_a_logged_reason(
 def test_no_common_version_fails_the_connect_on_both_sides(caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
         async with serving(echo, versions=(1,)) as port:
-            with pytest.raises(RemoteProtocolError, match="no common version"):
+            # Each side names both lists: the connecting side raises, the serving side logs why it closed.
+            with pytest.raises(
+                RemoteProtocolError, match=r"no common version .* supports \[1\], we support \[0\]"
+            ):
                 await connect(port, versions=(0,))
 
     with caplog.at_level(logging.WARNING, logger="waltz.transport"):
         run(main)
-    assert any("hello exchange failed" in r.getMessage() for r in caplog.records)
+    assert any(
+        "hello exchange failed" in r.getMessage() and "it supports [0], we support [1]" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
 
 
 def test_connect_refused_and_silent_peer_are_broken_resource_errors() -> None:

@@ -24,7 +24,7 @@ from waltz.cluster.partition_metadata import UNRESOLVED
 from waltz.cluster.zk import session
 from waltz.config import host_port, parse_partition_ranges
 from waltz.errors import ConfigError
-from waltz.ops import accept_loss, checks, generation, rebuild, trim
+from waltz.ops import accept_loss, checks, features, generation, rebuild, trim
 from waltz.ops.view import ClusterView, read_view
 
 Command = Callable[[KazooClient, str, argparse.Namespace, TextIO], int | None]
@@ -222,6 +222,41 @@ def cmd_verify(client: KazooClient, root: str, args: argparse.Namespace, out: Te
     return 1 if problems else 0
 
 
+def cmd_features(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    ssl = load_cli_tls(args.cli_config_path).client_context(args.cli_config_path)
+    report = features.feature_report(client, root, ssl)
+    from waltz.cluster.features import FEATURES, SUPPORTED_FEATURES
+
+    fv = report.feature_version
+    print(f"feature version: {fv} ({FEATURES.get(fv, 'unknown to this release')})", file=out)
+    for p in report.processes:
+        print(f"  {p.line()}", file=out)
+    nxt = fv + 1
+    if nxt in SUPPORTED_FEATURES:
+        blockers = report.blockers(nxt)
+        verdict = "no: " + ", ".join(f"{b.kind} {b.name}" for b in blockers) if blockers else "yes"
+        print(f"can raise to {nxt} ({FEATURES[nxt]}): {verdict}", file=out)
+    # A process that does not support the version in force (an older release started after the raise, or
+    # one that cannot be reached) is a problem to fix: exit 1, as `verify` does.
+    behind = [p for p in report.processes if p.features is not None and fv not in p.features]
+    for p in behind:
+        print(
+            f"PROBLEM: {p.kind} {p.name} does not support feature version {fv} (it supports {p.features})",
+            file=out,
+        )
+    return 1 if behind else 0
+
+
+def cmd_raise_features(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    ssl = load_cli_tls(args.cli_config_path).client_context(args.cli_config_path)
+    old, new = features.raise_features(client, root, args.to, ssl)
+    if old == new:
+        print(f"feature version already {new}: nothing to do", file=out)
+    else:
+        print(f"feature version raised from {old} to {new}", file=out)
+    return 0
+
+
 def cmd_trim(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
     ssl = load_cli_tls(args.cli_config_path).client_context(args.cli_config_path)
     outcome = trim.trim_partition(
@@ -366,6 +401,14 @@ def _add_check_commands(command: _AddCommand) -> None:
         "-p", "--partition", metavar="RANGES", help="only these partitions (node checks still run)"
     )
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit per node (10 s)")
+
+    command("features", cmd_features, "the cluster's feature version and what each process supports")
+    p = command(
+        "raise-features",
+        cmd_raise_features,
+        "raise the feature version once every process supports it (no rollback to an older release after)",
+    )
+    p.add_argument("--to", type=_positive, metavar="N", help="the feature version (default: this release's)")
 
 
 def _add_repair_commands(command: _AddCommand) -> None:

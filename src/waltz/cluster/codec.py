@@ -16,6 +16,7 @@ import struct
 import uuid
 
 from waltz.errors import MetadataError
+from waltz.version import __version__
 
 _I8 = struct.Struct(">b")
 _U8 = struct.Struct(">B")
@@ -144,7 +145,11 @@ class Reader:
     def version(self, *expected: int) -> int:
         v = self.u8()
         if v not in expected:
-            raise MetadataError(f"{self._what}: unknown format version {v}")
+            known = ", ".join(map(str, expected))
+            raise MetadataError(
+                f"{self._what}: format version {v}, but Waltz {__version__} reads version {known}: was it "
+                "written by a newer release?"
+            )
         return v
 
     def finish(self) -> None:

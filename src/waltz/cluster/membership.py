@@ -45,6 +45,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import KazooState
 
+from waltz.cluster import features
 from waltz.cluster.assignment import assign_partitions
 from waltz.cluster.partition_assignment import PartitionAssignment
 from waltz.cluster.server_descriptor import ServerDescriptor
@@ -58,6 +59,7 @@ from waltz.errors import (
     ZooKeeperUnavailableError,
 )
 from waltz.runtime import TaskSet
+from waltz.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -317,6 +319,7 @@ class ClusterMember(_AssignmentView):
 
     async def start(self) -> None:
         """Take a server id (unless given), register, and start following assignments."""
+        await asyncio.to_thread(features.check_supported, self.client, self.paths.root, "this server")
         if self.server_id < 0:
             self.server_id = await asyncio.to_thread(next_id, self.client, self.paths.root, "server")
         await asyncio.to_thread(self._register)
@@ -374,6 +377,19 @@ class ClusterMember(_AssignmentView):
             node = self.client.create(
                 self.paths.server_descriptor_prefix, self.descriptor().encode(), ephemeral=True, sequence=True
             )
+        # Beside the descriptor (whose format Waltz 0.1.0 servers read, so it cannot carry more): the
+        # feature versions this server supports, for `waltz cluster raise-features`.
+        features.register_process(
+            self.client,
+            self.paths.root,
+            features.ProcessInfo(
+                "server",
+                str(self.server_id),
+                __version__,
+                features.SUPPORTED_FEATURES,
+                f"{self.host}:{self.port}",
+            ),
+        )
         self._node = node
         self._session_id = session_id
         log.info("server %d registered as %s", self.server_id, node)

@@ -320,6 +320,17 @@ class ClusterPaths:
         return f"{self.root}/store/connection"
 
     @property
+    def features(self) -> str:
+        return f"{self.root}/features"
+
+    @property
+    def processes(self) -> str:
+        return f"{self.root}/processes"
+
+    def process(self, kind: str, name: str) -> str:
+        return f"{self.root}/processes/{kind}-{name}"
+
+    @property
     def admin_lock(self) -> str:
         return f"{self.root}/store/adminLock"
 

@@ -61,6 +61,7 @@ from typing import Any, BinaryIO
 from waltz.errors import BackupError, DataChecksumError, ProtocolError
 from waltz.protocol.checksum import crc32
 from waltz.protocol.record_run import run_bounds
+from waltz.version import __version__
 
 __all__ = [
     "FORMAT_VERSION",
@@ -124,8 +125,13 @@ class FileHeader:
             raise BackupError(f"{path}: not a Waltz backup file (magic {magic!r})")
         if _HEADER_CRC.unpack_from(raw, _HEADER.size)[0] != crc32(raw[: _HEADER.size]):
             raise BackupError(f"{path}: the file header fails its checksum")
-        if version != FORMAT_VERSION or flags != 0:
-            raise BackupError(f"{path}: backup format version {version} flags {flags} (this is version 1)")
+        if version != FORMAT_VERSION:
+            raise BackupError(
+                f"{path}: backup format version {version}, but Waltz {__version__} reads version "
+                f"{FORMAT_VERSION}: was it written by a newer release?"
+            )
+        if flags != 0:
+            raise BackupError(f"{path}: unknown backup file flags 0x{flags:x} (version {version} has none)")
         if first < 0 or last < first - 1:
             raise BackupError(f"{path}: impossible id range {first}..{last}")
         return cls(partition, uuid.UUID(bytes=key), first, last)
@@ -188,7 +194,11 @@ class BackupManifest:
         try:
             v = json.loads(raw)
             if v.get("format") != FORMAT_NAME or v.get("version") != FORMAT_VERSION:
-                raise BackupError(f"{path}: not a version {FORMAT_VERSION} Waltz backup manifest")
+                raise BackupError(
+                    f"{path}: not a Waltz backup manifest of format version {FORMAT_VERSION} (it says "
+                    f"{v.get('format')!r} version {v.get('version')!r}; Waltz {__version__} reads version "
+                    f"{FORMAT_VERSION})"
+                )
             parent = v["parent"]
             entries = tuple(
                 PartitionEntry(

@@ -1,4 +1,4 @@
-"""Storage admin messages (frame magic 'A', version 0), sans-I/O.
+"""Storage admin messages (frame magic 'A', codec versions V0-V1), sans-I/O.
 
 The admin port of a storage node is used by the CLI and by offline recovery. There is no session fencing.
 Every payload starts with ``u8 type · i64 seq_num``; replies echo the request's ``seq_num``. Big-endian,
@@ -25,7 +25,16 @@ code  message                          fields after the prefix
 16    MaxTransactionIdResponse         i32 partition_id · i64 transaction_id (our addition)
 17    NodeIdentityRequest              -                                     (our addition, see below)
 18    NodeIdentityResponse             uuid cluster_key · i32 num_partitions · i32 data_port (our addition)
+19    NodeVersionRequest               -                                     (V1, see below)
+20    NodeVersionResponse              string software · i32 features_lo · i32 features_hi  (V1)
 ====  ===============================  ===================================================================
+
+Versions: V0 is every message of Waltz 0.1.0 (1-18). V1 (Waltz 0.2.0) adds 19/20. A message exists from its
+version on (``MIN_VERSION``): a sender never sends one the connection's negotiated version lacks (the caller
+checks :func:`available` once, before it builds the request), and :func:`decode` given the negotiated version
+refuses one as a protocol error. 19/20 tell the release (``software``, e.g. ``"0.2.0"``) and the range of
+cluster feature versions the node supports (:mod:`waltz.cluster.features`), answered before the open, like
+17/18; a node that negotiates V0 is Waltz 0.1.0, which supports feature version 1 only.
 
 Code 5 is unused (the original design's separate read/write requests became the availability request).
 ``int list`` is ``i32 n · n x i32``; a null list (n = -1) is refused. Codes 15/16 are not in the original Java
@@ -83,11 +92,14 @@ __all__ = [
     "MetricsResponse",
     "NodeIdentityRequest",
     "NodeIdentityResponse",
+    "NodeVersionRequest",
+    "NodeVersionResponse",
     "PartitionAssignmentRequest",
     "PartitionAvailableRequest",
     "PartitionStatus",
     "RecordListRequest",
     "RecordListResponse",
+    "available",
     "decode",
     "encode",
     "failure_from_error",
@@ -95,7 +107,7 @@ __all__ = [
     "seq_num_of",
 ]
 
-ADMIN_VERSIONS: Final = (0,)
+ADMIN_VERSIONS: Final = (0, 1)
 """Codec versions of the storage admin protocol this implementation speaks (frame magic 'A')."""
 ADMIN_CLIENT_HELLO: Final = "Waltz Storage Admin Client"
 ADMIN_SERVER_HELLO: Final = "Waltz Storage Admin Server"
@@ -124,6 +136,8 @@ class AdminMessage:
     """Base of every admin message: the common prefix. ``TYPE`` is the wire type code."""
 
     TYPE: ClassVar[int] = 0
+    MIN_VERSION: ClassVar[int] = 0
+    """The first codec version that has this message."""
 
     seq_num: int
 
@@ -380,6 +394,34 @@ class NodeIdentityResponse(AdminMessage):
         return cls(seq_num, r.uuid(), r.i32(), r.i32())
 
 
+@dataclass(frozen=True, slots=True)
+class NodeVersionRequest(AdminMessage):
+    """V1 (code 19): the node's release and supported feature versions. Answered before the open."""
+
+    TYPE: ClassVar[int] = 19
+    MIN_VERSION: ClassVar[int] = 1
+
+
+@dataclass(frozen=True, slots=True)
+class NodeVersionResponse(AdminMessage):
+    """V1 (code 20): the node's release and the cluster feature versions it supports, lo to hi."""
+
+    TYPE: ClassVar[int] = 20
+    MIN_VERSION: ClassVar[int] = 1
+
+    software: str
+    features_lo: int
+    features_hi: int
+
+    def _write(self, w: Writer) -> None:
+        w.string(self.software).i32(self.features_lo).i32(self.features_hi)
+
+    @classmethod
+    def _read(cls, r: Reader, seq_num: int) -> Self:
+        software = r.string_required()
+        return cls(seq_num, software, r.i32(), r.i32())
+
+
 _BY_TYPE: Final[dict[int, type[AdminMessage]]] = {
     cls.TYPE: cls
     for cls in (
@@ -400,8 +442,15 @@ _BY_TYPE: Final[dict[int, type[AdminMessage]]] = {
         MaxTransactionIdResponse,
         NodeIdentityRequest,
         NodeIdentityResponse,
+        NodeVersionRequest,
+        NodeVersionResponse,
     )
 }
+
+
+def available(cls: type[AdminMessage], version: int) -> bool:
+    """Whether codec ``version`` (a connection's negotiated one) has message ``cls``."""
+    return version >= cls.MIN_VERSION
 
 
 def encode(msg: AdminMessage) -> bytes:
@@ -418,8 +467,9 @@ def encode(msg: AdminMessage) -> bytes:
     return bytes(w.buf)
 
 
-def decode(payload: bytes | bytearray | memoryview) -> AdminMessage:
-    """Decode one whole payload; raises RemoteProtocolError if it is not exactly one valid message."""
+def decode(payload: bytes | bytearray | memoryview, version: int = ADMIN_VERSIONS[-1]) -> AdminMessage:
+    """Decode one whole payload of codec ``version``; raises RemoteProtocolError if it is not exactly one
+    valid message of that version."""
     data = payload if isinstance(payload, bytes) else bytes(payload)
     if len(data) < PREFIX.size:
         raise RemoteProtocolError(f"admin message truncated: {len(data)} bytes, the prefix alone is 9")
@@ -427,6 +477,11 @@ def decode(payload: bytes | bytearray | memoryview) -> AdminMessage:
     cls = _BY_TYPE.get(type_code)
     if cls is None:
         raise RemoteProtocolError(f"unknown admin message type {type_code}")
+    if version < cls.MIN_VERSION:
+        raise RemoteProtocolError(
+            f"admin message type {type_code} ({cls.__name__}) is not in codec V{version}"
+            f" (it is V{cls.MIN_VERSION}+)"
+        )
     r = Reader(data, PREFIX.size)
     msg = cls._read(r, seq_num)
     r.expect_end()

@@ -1,4 +1,4 @@
-"""Server <-> storage node messages (frame magic 'S', version 0), sans-I/O.
+"""Server <-> storage node messages (frame magic 'S', codec version V0), sans-I/O.
 
 Every payload starts with the same prefix (big-endian; primitives as in :mod:`waltz.protocol.wire`)::
 
@@ -40,6 +40,14 @@ code  message                    fields after the prefix
 25    TrimResponse               i64 trim_point   (ours: the trim point now in force on the replica)
 ====  =========================  ===================================================================
 
+Versions: V0 is every message above, as Waltz 0.1.0 (the first release) speaks them: the original's 1-18
+and our 19-25, which were added before that release and which every 0.1.0 node understands, so they need no
+version of their own (a node older than 0.1.0 is not a release and is not supported). The hello picks the
+highest version both ends list (:mod:`waltz.protocol.framing`; with none in common each end reports both
+lists). From V1 on, a new message type is a new codec version: its class sets ``MIN_VERSION``, the sender
+checks :func:`available` with the connection's negotiated version once, before it builds such a request,
+and the decoder refuses it below its version. The hot path (appends, run reads) is V0 and checks nothing.
+
 The bracketed trailers of 3 and 5 are not the original's. Each is sent only when it says something (a
 flag set or a reason given) and a message without it decodes as if it were all zero, so the original's
 messages and ours without a trailer are byte for byte the same. A decoder older than the trailer refuses a
@@ -66,9 +74,7 @@ same id and stored length; see ``PartitionLog.repair``.
 background scrub) and not repaired yet, lowest first, at most ``max_ids``. The owner server asks each
 participant now and then, so damage nobody read is repaired too (see ``StoreSession``).
 
-24/25 are not the original's either. Only storage nodes of this version and later understand them: an older
-node refuses type 24 as unknown and closes the connection, which fails that replica in the store session, so
-upgrade every storage node before the first trim. The trim point is the lowest transaction id the replica must
+24/25 are not the original's either. The trim point is the lowest transaction id the replica must
 still hold. The node persists it in its control file before answering (only upwards: a lower one is answered
 with the one in force), refuses one above its durable max id + 1, deletes the segments wholly below it in
 the background and fails every read below it with ``TrimmedError`` (see :mod:`waltz.storage.retention`).
@@ -166,6 +172,7 @@ __all__ = [
     "TrimResponse",
     "TruncateRequest",
     "WireRecordList",
+    "available",
     "decode",
     "encode",
     "encode_record_run_response",
@@ -216,6 +223,8 @@ class StorageMessage:
     """Base of every storage message: the common prefix. ``TYPE`` is the wire type code."""
 
     TYPE: ClassVar[int] = 0
+    MIN_VERSION: ClassVar[int] = 0
+    """The first codec version that has this message (see the module's "Versions")."""
 
     session_id: int
     seq_num: int
@@ -739,6 +748,11 @@ _BY_TYPE: Final[dict[int, type[StorageMessage]]] = {
         TrimResponse,
     )
 }
+
+
+def available(cls: type[StorageMessage], version: int) -> bool:
+    """Whether codec ``version`` (a connection's negotiated one) has message ``cls``."""
+    return version >= cls.MIN_VERSION
 
 
 def encode(msg: StorageMessage) -> bytes:

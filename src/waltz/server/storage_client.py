@@ -9,6 +9,7 @@ requests by sequence number. Failure responses are raised as the Waltz error the
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from collections.abc import Callable, Sequence
 from ssl import SSLContext
@@ -77,6 +78,7 @@ async def _open_rpc(
     connect_timeout_ms: int,
     ssl: SSLContext | None,
     name: str,
+    decoder_for: Callable[[int], Callable[[bytes], M]] | None = None,
 ) -> RpcClient[M, M]:
     conn = await open_connection(
         host,
@@ -88,6 +90,9 @@ async def _open_rpc(
         connect_timeout_ms=connect_timeout_ms,
         ssl=ssl,
     )
+    if decoder_for is not None:
+        # The codec's messages differ by version: decode as the version this connection negotiated.
+        decode = decoder_for(conn.negotiated_version)
     return RpcClient(
         conn,
         encode=encode,
@@ -119,7 +124,12 @@ async def _open_admin_rpc(
         connect_timeout_ms=connect_timeout_ms,
         ssl=ssl,
         name=f"storage admin {host}:{port}",
+        decoder_for=_admin_decoder,
     )
+
+
+def _admin_decoder(version: int) -> Callable[[bytes], adm.AdminMessage]:
+    return functools.partial(adm.decode, version=version)
 
 
 class _Endpoint(Generic[M]):
@@ -390,6 +400,18 @@ class AdminClient(_Endpoint[adm.AdminMessage]):
         rpc = await _open_admin_rpc(host, port, 1, connect_timeout_ms, ssl)
         async with cls(rpc, f"{host}:{port}") as client:
             return await client._call(adm.NodeIdentityRequest(rpc.next_seq()), adm.NodeIdentityResponse)
+
+    @classmethod
+    async def node_version(
+        cls, host: str, port: int, *, connect_timeout_ms: int = 5_000, ssl: SSLContext | None = None
+    ) -> adm.NodeVersionResponse | None:
+        """The node's release and supported feature range, asked without opening; None if the node speaks
+        admin codec V0 only (Waltz 0.1.0, whose range is feature version 1). The connection is closed."""
+        rpc = await _open_admin_rpc(host, port, 1, connect_timeout_ms, ssl)
+        async with cls(rpc, f"{host}:{port}") as client:
+            if not adm.available(adm.NodeVersionRequest, rpc.connection.negotiated_version):
+                return None
+            return await client._call(adm.NodeVersionRequest(rpc.next_seq()), adm.NodeVersionResponse)
 
     async def set_assigned(
         self, partition_ids: Sequence[int], assigned: bool, *, delete_files: bool = False

@@ -8,6 +8,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from waltz.cluster.features import SUPPORTED_FEATURES
 from waltz.errors import (
     ClosedResourceError,
     ClusterKeyMismatchError,
@@ -29,6 +30,7 @@ from waltz.transport import (
     RateLimitedLog,
     reason_kind,
 )
+from waltz.version import __version__
 
 if TYPE_CHECKING:
     from waltz.storage.services import NodeServices
@@ -192,11 +194,12 @@ async def serve_admin(node: NodeServices, conn: FramedConnection) -> None:
     if peer_refused(node, conn, "admin"):
         return
     opened = False
+    version = conn.negotiated_version
     with contextlib.suppress(ConnectionError_):
         while True:
             payload = await conn.receive()
             try:
-                msg = adm.decode(payload)
+                msg = adm.decode(payload, version)
             except RemoteProtocolError as e:
                 _peer_warnings.warning(
                     conn.source,
@@ -213,6 +216,10 @@ async def serve_admin(node: NodeServices, conn: FramedConnection) -> None:
                     resp = adm.NodeIdentityResponse(
                         msg.seq_num, node.control.key, node.control.num_partitions, node.port
                     )
+                elif isinstance(msg, adm.NodeVersionRequest):
+                    # Before the open too: `waltz cluster raise-features` asks every node.
+                    features = SUPPORTED_FEATURES
+                    resp = adm.NodeVersionResponse(msg.seq_num, __version__, features.lo, features.hi)
                 elif isinstance(msg, adm.AdminOpenRequest):
                     node.check_identity(msg.cluster_key, msg.num_partitions)
                     opened = True

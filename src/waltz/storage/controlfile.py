@@ -72,9 +72,10 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from waltz.errors import ClusterKeyMismatchError, CorruptionError, StorageError
+from waltz.errors import ClusterKeyMismatchError, CorruptionError, FormatVersionError, StorageError
 from waltz.protocol.records import crc32
 from waltz.storage.fileio import OS_FS, File, FileSystem, make_dirs_durable
+from waltz.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,10 @@ class ControlHeader:
             raise CorruptionError(f"{path}: control file header is {len(raw)} bytes, expected {HEADER_BYTES}")
         version, created, msb, lsb, n = _HEADER.unpack_from(raw, 0)
         if version not in (FORMAT_VERSION, LEGACY_FORMAT_VERSION):
-            raise CorruptionError(f"{path}: unsupported control file version {version}")
+            raise FormatVersionError(
+                f"{path}: control file format version {version}, but Waltz {__version__} reads versions "
+                f"{LEGACY_FORMAT_VERSION} and {FORMAT_VERSION}: was it written by a newer release?"
+            )
         if not 0 < n <= MAX_PARTITIONS:
             raise CorruptionError(f"{path}: bad partition count {n}")
         return cls(version, created, _uuid_from_halves(msb, lsb), n)

@@ -40,7 +40,13 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError, WaltzError
+from waltz.errors import (
+    CorruptionError,
+    FormatVersionError,
+    StorageError,
+    TransactionOutOfOrderError,
+    WaltzError,
+)
 from waltz.protocol.record_run import encode_run
 from waltz.protocol.records import Record, RecordHeader
 from waltz.protocol.storage import WireRecordList
@@ -638,8 +644,9 @@ def is_half_created(fs: FileSystem, directory: str, first: int, has_index: bool)
                 f.close()
             try:
                 SegmentHeader.decode(raw, f_path)
-            except CorruptionError:
-                # A short or unreadable header on a file with no record: its creation never completed. A
+            except (CorruptionError, FormatVersionError):
+                # A short or unreadable header on a file with no record (its version field garbled by a crash
+                # too, since a header is not fsynced before it is whole): its creation never completed. A
                 # readable header of another key or partition is not ours to delete: Segment.open reports it.
                 return True
             raws.append(raw)

@@ -88,11 +88,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from waltz.errors import CorruptionError, StorageError, TransactionOutOfOrderError
+from waltz.errors import CorruptionError, FormatVersionError, StorageError, TransactionOutOfOrderError
 from waltz.protocol.checksum import crc32
 from waltz.protocol.record_run import encode_run, uniform_run_verifies
 from waltz.protocol.records import Record, ReqId, make_req_id
 from waltz.protocol.storage import WireRecordList
+from waltz.version import __version__
 
 FORMAT_VERSION = 0
 SEGMENT_HEADER_BYTES = 128
@@ -179,7 +180,10 @@ class SegmentHeader:
             )
         version, created, msb, lsb, pid, first = _HEADER.unpack_from(raw, 0)
         if version != FORMAT_VERSION:
-            raise CorruptionError(f"{path}: unsupported segment version {version}")
+            raise FormatVersionError(
+                f"{path}: segment format version {version}, but Waltz {__version__} reads version "
+                f"{FORMAT_VERSION}: was it written by a newer release?"
+            )
         key = uuid.UUID(int=((msb & ((1 << 64) - 1)) << 64) | (lsb & ((1 << 64) - 1)))
         return cls(version, created, key, pid, first)
 

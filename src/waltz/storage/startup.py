@@ -84,6 +84,10 @@ async def run_node(
         )
         authority = ZkSessionAuthority(zk_client, config.cluster_root, SESSION_CHECK_TIMEOUT_S)
     try:
+        if zk_client is not None:
+            from waltz.cluster.features import check_supported
+
+            await asyncio.to_thread(check_supported, zk_client, config.cluster_root, "this storage node")
         node = await StorageNode.start(config, key, num_partitions, authority, fs=fs)
         tune_gc()
         tune_malloc()
