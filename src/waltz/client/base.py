@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from waltz.client.api import ClientCallbacks
 from waltz.client.config import ClientConfig
@@ -35,6 +35,11 @@ from waltz.errors import (
     WaltzError,
 )
 from waltz.protocol.records import Record, crc32
+
+if TYPE_CHECKING:  # prometheus_client loads only for a client with metrics.
+    from prometheus_client import CollectorRegistry
+
+    from waltz.client.metrics import ClientMetrics
 
 __all__ = ["ClientBase", "DataSource"]
 
@@ -89,6 +94,7 @@ class ClientBase:
         *,
         driver: ClientDriver | None = None,
         clock: Callable[[], float] = time.monotonic,
+        metrics_registry: CollectorRegistry | None = None,
     ) -> None:
         self._callbacks = callbacks
         self._config = config
@@ -127,6 +133,12 @@ class ClientBase:
         self._told_outage_s: float | None = None  # The ZooKeeper outage a wait was last logged for.
         # client.callbackMode: inline runs application code on the loop (no thread hop; see docs/client.md).
         self._inline = config.callback_mode == "inline"
+        # Prometheus metrics in the application's registry, or None (off): see waltz.client.metrics.
+        self._metrics: ClientMetrics | None = None
+        if metrics_registry is not None:
+            from waltz.client.metrics import ClientMetrics
+
+            self._metrics = ClientMetrics(metrics_registry, lambda: self._partitions)
 
     def _coordination_trouble(self) -> CoordinationTrouble | None:
         driver = self._driver

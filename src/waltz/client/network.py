@@ -194,6 +194,12 @@ class NetworkDriver(ClientDriver):
         return self._discovery.cluster_name
 
     @property
+    def zookeeper_client(self) -> Any:
+        """The discovery's kazoo client while it is open (None otherwise): the client's metrics read its
+        session state (``waltz_zookeeper_*``)."""
+        return getattr(self._discovery, "zookeeper_client", None)
+
+    @property
     def num_partitions(self) -> int:
         return self._discovery.num_partitions
 
