@@ -20,6 +20,9 @@ partitions many partitions against few, the same total in flight (``--in-flight`
            rounds of ``p4`` (the coroutines spread over partitions 0-3) and ``pN`` (over all ``--partitions``,
            default 256) alternate ``--rounds`` times on one cluster of N partitions; then the median ratio.
            Not run unless asked for (its cluster has N partitions)
+clients    ``--clients`` processes (default 32) with ``--client-in-flight`` appends in flight each (default 8)
+           against one process with all of them in flight: aggregate rate, per-process min/mean/max
+           (``bench/clients.py``). Not run unless asked for (it starts 33 interpreters)
 =========  ==================================================================================================
 
 Each phase stops after ``--count`` operations or ``--seconds``, whichever comes first, after a short warm-up.
@@ -53,6 +56,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
 
 from waltz import (  # noqa: E402
     AsyncWaltzClient,
@@ -71,7 +75,7 @@ RECORD_BYTES = 512
 PAYLOAD = bytes(RECORD_BYTES)
 WARMUP_S = 1.0
 PHASES = ("seq", "conc", "occ1", "occ64", "hot64", "read1", "read64", "sync8")
-OTHER_PHASES = ("partitions",)
+OTHER_PHASES = ("partitions", "clients")
 """Run only when named: their cluster differs from the one of :data:`PHASES`."""
 FEW_PARTITIONS = 4
 """The few partitions of the ``partitions`` phase (``--few``)."""
@@ -448,7 +452,7 @@ async def main_async(
     async with AsyncWaltzClient(Callbacks(), config) as client:
         bench = Bench(args, client, pids, http_port, storage_http_ports)
         for phase in args.phase:
-            if phase == "sync8":
+            if phase in ("sync8", "clients"):
                 continue
             if phase == "partitions":
                 rounds = await bench.partitions()
@@ -521,6 +525,8 @@ def main() -> None:
         "--few", type=int, default=FEW_PARTITIONS, help="the few partitions of `partitions` (default 4)"
     )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of p4 and pN in `partitions`")
+    parser.add_argument("--clients", type=int, default=32, help="client processes in `clients`")
+    parser.add_argument("--client-in-flight", type=int, default=8, help="appends in flight per process")
     parser.add_argument("--count", type=int, default=100_000, help="operations per phase at most")
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per phase at most")
     parser.add_argument("--max-concurrent", type=int, default=128, help="client.maxConcurrentTransactions")
@@ -571,6 +577,19 @@ def main() -> None:
                 profiler.dump_stats(args.profile)
             if "sync8" in args.phase:
                 print(sync8(args, config, pids).line(), flush=True)
+            if "clients" in args.phase:
+                from bench import clients
+
+                clients.run(
+                    Path(cluster.directory) / "client.yaml",
+                    args.clients,
+                    args.client_in_flight,
+                    args.seconds,
+                    args.mode,
+                    args.max_concurrent,
+                    pids,
+                    http_port,
+                )
         finally:
             local.down(cluster.directory, purge=True)
     print(f"load average at end: {os.getloadavg()}; cpu gauge {cpu_gauge_ms():.0f} ms", flush=True)

@@ -95,8 +95,13 @@ class _Peer:
             self.wake.set()
         self._proto.frame(cs.encode(msg, VERSION))
 
-    def send_feed(self, entries: Sequence[FeedEntry]) -> None:
-        cs.frame_feed_entries(entries, VERSION)
+    def send_feed(self, entries: Sequence[FeedEntry], frames: dict[int, bytes] | None = None) -> None:
+        # As the server's connection does: framed once per version for every client of the batch.
+        data = frames.get(VERSION) if frames is not None else None
+        if data is None:
+            data = cs.frame_feed_entries(entries, VERSION)
+            if frames is not None:
+                frames[VERSION] = data
         self.fed += len(entries)
         self.last_id = entries[-1][0]
         self.wake.set()

@@ -55,7 +55,7 @@ class _Peer:
         elif isinstance(msg, cs.LockFailure):
             raise AssertionError(f"no append of this test conflicts: {msg}")
 
-    def send_feed(self, entries: Sequence[FeedEntry]) -> None:
+    def send_feed(self, entries: Sequence[FeedEntry], frames: dict[int, bytes] | None = None) -> None:
         cs.frame_feed_entries(entries, VERSION)
         self.fed += len(entries)
         self.last_id = entries[-1][0]

@@ -113,7 +113,7 @@ class RecordingPeer:
     def send(self, msg: cs.Message) -> None:
         self.sent.append(msg)
 
-    def send_feed(self, entries: object) -> None:
+    def send_feed(self, entries: object, frames: object = None) -> None:
         pass
 
     async def drain(self) -> None:
