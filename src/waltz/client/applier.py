@@ -170,12 +170,13 @@ class ApplierMixin(AttemptsMixin):
         assert monitor is not None
         pool = self._require_pool()
         apply = self._callbacks.apply_transaction
+        inline = self._dispatch.on_loop(apply)  # A coroutine apply_transaction: on the loop, no hop.
         batch: list[Transaction] = []
         while True:
             if not batch:
                 await partition.wait_feed()
                 batch = partition.take_feed(APPLY_BATCH_MAX)
-            if self._inline:
+            if inline:
                 applied, error = await _apply_batch_inline(apply, batch)
             else:
                 applied, error = await pool.call(_apply_batch, apply, batch)

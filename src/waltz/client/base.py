@@ -23,6 +23,7 @@ from waltz.client.driver import ClientDriver, CoordinationTrouble, MountState
 from waltz.client.lifecycle import HOLDS_SLOT, Event, Hook
 from waltz.client.monitor import TransactionMonitor
 from waltz.client.pool import Call, CallbackPool, report_hook_failure
+from waltz.client.dispatch import Dispatch
 from waltz.client.readahead import Readahead
 from waltz.client.retry import FETCH_RETRY, MAX_CHECKSUM_ATTEMPTS, RetryPolicy
 from waltz.client.state import PartitionState, Run
@@ -125,8 +126,9 @@ class ClientBase:
         self._closed = False
         self._driver_error: ClientError | None = None  # Set once the driver failed for good.
         self._told_outage_s: float | None = None  # The ZooKeeper outage a wait was last logged for.
-        # client.callbackMode: inline runs application code on the loop (no thread hop; see docs/client.md).
-        self._inline = config.callback_mode == "inline"
+        # Where application code runs (client.callbackMode; see waltz.client.dispatch): coroutine functions
+        # on the loop, plain functions on the callback threads, or (inline) everything on the loop.
+        self._dispatch = Dispatch(config.callback_mode)
 
     def _coordination_trouble(self) -> CoordinationTrouble | None:
         driver = self._driver
@@ -169,9 +171,9 @@ class ClientBase:
         return self._driver
 
     async def _call_user(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run application code on a callback thread, or (inline mode) here, awaiting what it returns if
-        that is awaitable."""
-        if self._inline:
+        """Run application code on a callback thread, or here (a coroutine function, or inline mode),
+        awaiting what it returns if that is awaitable."""
+        if self._dispatch.on_loop(fn):
             self._require_pool()  # The same closed-client check as the threads mode.
             result = fn(*args)
             if result is not None and inspect.isawaitable(result):
