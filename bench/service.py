@@ -76,8 +76,9 @@ async def run(config: ClientConfig, args: argparse.Namespace, resume: bool) -> N
     if applied != args.requests:
         raise SystemExit(f"applied {applied} increments, expected {args.requests}")
     print(
-        f"service: {args.requests / wall:,.0f} commits/s, client CPU {cpu / args.requests * 1e6:.1f} us per "
-        f"commit ({args.requests} requests, {args.concurrency} at a time, {client.num_partitions} partitions, "
+        f"service: {args.requests / wall:,.0f} commits/s, client CPU {cpu / args.requests * 1e6:.1f} us "
+        f"per commit ({args.requests} requests, {args.concurrency} at a time, "
+        f"{client.num_partitions} partitions, "
         f"{wall:.1f} s; callbackMode {config.callback_mode}, maxConcurrentTransactions "
         f"{config.max_concurrent_transactions})",
         flush=True,
@@ -85,13 +86,15 @@ async def run(config: ClientConfig, args: argparse.Namespace, resume: bool) -> N
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=20_000, help="measured requests")
     parser.add_argument("--warmup", type=int, default=2_000, help="requests before the measured ones")
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight")
     parser.add_argument("--partitions", type=int, default=4, help="of the cluster this starts")
     parser.add_argument("--client-config", type=Path, help="a running cluster's client.yaml")
-    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="as in the doc: asyncio")
+    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="the doc's: asyncio")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a client config key")
     args = parser.parse_args()
     overrides: dict[str, Any] = {}

@@ -19,11 +19,11 @@ from typing import Any, TypeVar
 
 from waltz.client.api import ClientCallbacks
 from waltz.client.config import ClientConfig
+from waltz.client.dispatch import Dispatch, runs_on_loop
 from waltz.client.driver import ClientDriver, CoordinationTrouble, MountState
 from waltz.client.lifecycle import HOLDS_SLOT, Event, Hook
 from waltz.client.monitor import TransactionMonitor
 from waltz.client.pool import Call, CallbackPool, report_hook_failure
-from waltz.client.dispatch import Dispatch
 from waltz.client.readahead import Readahead
 from waltz.client.retry import FETCH_RETRY, MAX_CHECKSUM_ATTEMPTS, RetryPolicy
 from waltz.client.state import PartitionState, Run
@@ -129,6 +129,7 @@ class ClientBase:
         # Where application code runs (client.callbackMode; see waltz.client.dispatch): coroutine functions
         # on the loop, plain functions on the callback threads, or (inline) everything on the loop.
         self._dispatch = Dispatch(config.callback_mode)
+        self._inline = self._dispatch.all_inline  # Read on the hot paths: `self._inline or runs_on_loop(fn)`.
 
     def _coordination_trouble(self) -> CoordinationTrouble | None:
         driver = self._driver
@@ -173,7 +174,7 @@ class ClientBase:
     async def _call_user(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run application code on a callback thread, or here (a coroutine function, or inline mode),
         awaiting what it returns if that is awaitable."""
-        if self._dispatch.on_loop(fn):
+        if self._inline or runs_on_loop(fn):
             self._require_pool()  # The same closed-client check as the threads mode.
             result = fn(*args)
             if result is not None and inspect.isawaitable(result):

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from waltz.client.base import ClientBase
+from waltz.client.dispatch import runs_on_loop
 from waltz.client.lifecycle import Event, Hook, State
 from waltz.client.pool import Call, report_hook_failure
 from waltz.client.state import PartitionState, Run
@@ -67,11 +68,10 @@ class HooksMixin(ClientBase):
                 if inspect.iscoroutine(awaitable):
                     awaitable.close()  # Dropped with its batch, as the hooks never called.
             return
-        dispatch = self._dispatch
-        if not dispatch.all_inline and not all(dispatch.on_loop(fn) for fn, _ in hooks):
+        if not self._inline and not all(runs_on_loop(fn) for fn, _ in hooks):
             # Plain hooks (on a callback thread): all of them when none is a coroutine function, else the
             # batch in runs of one kind, in order.
-            if lead or any(dispatch.on_loop(fn) for fn, _ in hooks):
+            if lead or any(runs_on_loop(fn) for fn, _ in hooks):
                 self._spawn(self._run_mixed_hooks(lead, hooks, runs), "waltz-hooks")
             else:
                 pool.post(hooks, then=functools.partial(self._hooks_done, runs))
@@ -89,14 +89,15 @@ class HooksMixin(ClientBase):
         each. ``completion``: ``run``'s first append committed (its COMMIT is made here) and
         ``on_completion(True)`` is owed; otherwise ``on_application``, which its lifecycle owes.
 
-        A hook that runs on the loop (see waltz.client.dispatch), with no hook queued in this loop iteration runs the hook now, where the commit or the
-        apply was heard (the socket reader, the applier): a lone append's application hears of it one loop
-        pass sooner. Otherwise the hook joins this iteration's batch (:meth:`_flush_hooks`, one callback job
-        or one pass on the loop), in order. A coroutine a hook run now returns is awaited first by this
-        iteration's batch, before the hooks queued after it, which therefore still run in order."""
+        A hook that runs on the loop (see :mod:`waltz.client.dispatch`), with no hook queued in this loop
+        iteration, runs now, where the commit or the apply was heard (the socket reader, the applier): a
+        lone append's application hears of it one loop pass sooner. Otherwise the hook joins this
+        iteration's batch (:meth:`_flush_hooks`, one callback job or one pass on the loop), in order. A
+        coroutine a hook run now returns is awaited first by this iteration's batch, before the hooks
+        queued after it, which therefore still run in order."""
         context = run.context
-        if self._hook_runs or not self._dispatch.on_loop(
-            context.on_completion if completion else context.on_application
+        if self._hook_runs or not (
+            self._inline or runs_on_loop(context.on_completion if completion else context.on_application)
         ):
             if not self._hook_runs:
                 self._call_soon(self._flush_hooks)
