@@ -138,7 +138,7 @@ def test_the_defaults_are_auto_and_64_in_flight() -> None:
     parsed = ClientConfig.from_dict(REQUIRED)
     assert (parsed.callback_mode, parsed.max_concurrent_transactions) == ("auto", 64)
     assert ClientConfig.from_dict({**REQUIRED, "client.callbackMode": "threads"}).callback_mode == "threads"
-    with pytest.raises(ConfigError, match="client.callbackMode"):
+    with pytest.raises(ConfigError, match=r"client\.callbackMode"):
         ClientConfig.from_dict({**REQUIRED, "client.callbackMode": "fast"})
 
 
@@ -231,26 +231,40 @@ def test_a_blocking_plain_apply_never_stalls_the_network() -> None:
 
     release = threading.Event()
 
-    class Blocking(AsyncCallbacks):
-        def apply_transaction(self, transaction: Transaction) -> None:  # type: ignore[override]
-            self.seen.note("apply")
-            assert release.wait(10)
-
     async def main() -> None:
+        loop = asyncio.get_running_loop()
+        started = asyncio.Event()
+        all_completed = asyncio.Event()
+        completions = 0
+
+        class Blocking(AsyncCallbacks):
+            def apply_transaction(self, transaction: Transaction) -> None:  # type: ignore[override]
+                self.seen.note("apply")
+                loop.call_soon_threadsafe(started.set)
+                assert release.wait(10)
+
+        class Counted(AsyncCtx):
+            async def on_completion(self, result: bool) -> None:
+                nonlocal completions
+                await super().on_completion(result)
+                completions += 1
+                if completions == 6:
+                    all_completed.set()
+
         seen = Seen()
         async with AsyncWaltzClient(Blocking(seen), FAST, driver=MockDriver()) as client:
-            first = AsyncCtx(seen)
-            await client.submit(first)
-            while "apply" not in seen.order():
-                await asyncio.sleep(0.001)
+            await client.submit(Counted(seen))
+            await asyncio.wait_for(started.wait(), 5)
             # The first apply blocks its callback thread now; later appends still commit.
             for i in range(5):
-                await client.submit(AsyncCtx(seen, bytes([i])))
-            while seen.order().count("completion") < 6:
-                await asyncio.sleep(0.001)
+                await client.submit(Counted(seen, bytes([i])))
+            await asyncio.wait_for(all_completed.wait(), 5)
             assert seen.order().count("apply") == 1
             release.set()
             await client.flush_transactions(timeout=5)
             assert seen.order().count("application") == 6
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
