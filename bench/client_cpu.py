@@ -33,6 +33,8 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 
+from prometheus_client import CollectorRegistry
+
 from waltz import (
     AsyncWaltzClient,
     ClientCallbacks,
@@ -222,7 +224,9 @@ async def main_async(args: argparse.Namespace, endpoint: str) -> None:
     config = ClientConfig(max_concurrent_transactions=128, callback_mode=args.mode)
     callbacks, ctx_type = (Callbacks(), Ctx) if args.plain else (AsyncCallbacks(), AsyncCtx)
     driver = NetworkDriver(config, discovery=StaticDiscovery(endpoint))  # type: ignore[arg-type]
-    async with AsyncWaltzClient(callbacks, config, driver=driver) as client:
+    # --metrics: the client's Prometheus metrics on (waltz.client.metrics), in a registry nobody scrapes.
+    registry = CollectorRegistry() if args.metrics else None
+    async with AsyncWaltzClient(callbacks, config, driver=driver, metrics_registry=registry) as client:
         for phase in args.phase:
             print(await run_phase(client, phase, args.seconds, args.count, ctx_type), flush=True)
         await client.flush_transactions(30)
@@ -239,6 +243,7 @@ def main() -> None:
     )
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--count", type=int, help="measure this many operations instead of --seconds")
+    parser.add_argument("--metrics", action="store_true", help="with the client's metrics_registry")
     args = parser.parse_args()
     args.phase = args.phase or ["conc", "occ64"]
     print(f"load average at start: {os.getloadavg()}", flush=True)

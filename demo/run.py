@@ -7,9 +7,10 @@
    money is conserved, no balance is negative, every instance's database agrees, and the log replayed from
    the start into a fresh database gives the same balances.
 3. The Spark report (``demo/report.py``) rebuilds every balance from the log alone with the ``waltz`` data
-   source, writes Parquet, prints the tables, and must equal the bank databases' balances. Its charts
-   (balance distribution, operations per partition over transaction-id ranges) are written next to the
-   Parquet output as ``report/report.html``; the demo prints the file's path and keeps it.
+   source, writes Parquet, prints the tables, and must equal the bank databases' balances. Its page
+   (lineage: cluster key, high-water marks read and when; operations by type per partition; money over the
+   log; balance distribution) is written next to the Parquet output as ``report/report.html``; the demo
+   prints the file's path and keeps it.
 4. Snapshot, trim, bootstrap (``demo/bank/bootstrap.py``): instance 0's database is snapshotted, every
    partition trimmed below it, instance 1 deposits more, an instance with an empty database must fail with
    TrimmedError, and one started from the snapshot must catch up to instance 1's balances.

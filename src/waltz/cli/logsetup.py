@@ -14,8 +14,10 @@ servers and storage nodes log at DEBUG to ``D/logs/``.
 with the formatted traceback when there is one) for log shippers.
 
 Kazoo logs a warning for every failed connection attempt ("Connection dropped", "Connection time-out"), many
-per second while ZooKeeper is down, so its loggers are kept at ERROR unless the level is DEBUG:
-:func:`waltz.cluster.zk.connect` logs one line per session state change instead.
+per second while ZooKeeper is down. The clients :func:`waltz.cluster.zk.connect` makes log through
+``waltz.cluster.zk.kazoo``, whose filter drops those below ERROR unless DEBUG is on (in every process, client
+applications too), and say one line per session state change instead; kazoo's other loggers are kept at
+ERROR here unless the level is DEBUG.
 """
 
 from __future__ import annotations

@@ -141,6 +141,8 @@ class ApplierMixin(AttemptsMixin):
         partition.state = state
         partition.notify()
         if state is _READY:
+            if self._metrics is not None:
+                self._metrics.mounted(partition_id)
             # Appends carry the generation of this mount (see "Request ids" in driver.py): read once here,
             # into the high half of their request ids (the client id and the generation, the same for all).
             generation = self._require_driver().generation(partition_id)
@@ -232,6 +234,8 @@ class ApplierMixin(AttemptsMixin):
         one-line reminder at growing intervals (a poisoned transaction must not flood the log)."""
         stuck = partition.stuck
         now = self._clock()
+        if self._metrics is not None:
+            self._metrics.apply_failed(partition.id)
         if stuck is None or stuck.transaction_id != transaction_id:
             stuck = partition.stuck = Stuck(transaction_id, error, 1, now, now)
             log.error(

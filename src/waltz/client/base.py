@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from waltz.client.api import ClientCallbacks
 from waltz.client.config import ClientConfig
@@ -36,6 +36,11 @@ from waltz.errors import (
     WaltzError,
 )
 from waltz.protocol.records import Record, crc32
+
+if TYPE_CHECKING:  # prometheus_client loads only for a client with metrics.
+    from prometheus_client import CollectorRegistry
+
+    from waltz.client.metrics import ClientMetrics
 
 __all__ = ["ClientBase", "DataSource"]
 
@@ -90,6 +95,7 @@ class ClientBase:
         *,
         driver: ClientDriver | None = None,
         clock: Callable[[], float] = time.monotonic,
+        metrics_registry: CollectorRegistry | None = None,
     ) -> None:
         self._callbacks = callbacks
         self._config = config
@@ -130,6 +136,12 @@ class ClientBase:
         # on the loop, plain functions on the callback threads, or (inline) everything on the loop.
         self._dispatch = Dispatch(config.callback_mode)
         self._inline = self._dispatch.all_inline  # Read on the hot paths: `self._inline or runs_on_loop(fn)`.
+        # Prometheus metrics in the application's registry, or None (off): see waltz.client.metrics.
+        self._metrics: ClientMetrics | None = None
+        if metrics_registry is not None:
+            from waltz.client.metrics import ClientMetrics
+
+            self._metrics = ClientMetrics(metrics_registry, lambda: self._partitions)
 
     def _coordination_trouble(self) -> CoordinationTrouble | None:
         driver = self._driver

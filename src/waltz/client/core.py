@@ -81,7 +81,9 @@ class AsyncWaltzClient(SubmissionMixin, ApplierMixin):
     Use ``async with AsyncWaltzClient(callbacks, config) as client:`` (or ``await client.start()`` and
     ``await client.close()``). Every method must be called on the loop that started the client; for threads,
     use :class:`waltz.client.sync.WaltzClient`. ``driver`` (or ``config.mock_driver``) replaces the network
-    driver, for tests with :class:`waltz.testing.MockDriver`.
+    driver, for tests with :class:`waltz.testing.MockDriver`. ``metrics_registry`` (a prometheus_client
+    ``CollectorRegistry``, e.g. ``prometheus_client.REGISTRY``) turns on the client's ``waltz_client_*``
+    metrics there, from start to close (:mod:`waltz.client.metrics`); without it (the default) none are kept.
     """
 
     async def start(self) -> None:
@@ -110,6 +112,11 @@ class AsyncWaltzClient(SubmissionMixin, ApplierMixin):
         self._client_id = self._driver.client_id
         self._client_msb = (self._client_id & _MASK32) << 32  # The client's half of every ReqId.msb.
         self._num_partitions = self._driver.num_partitions
+        if self._metrics is not None:
+            driver = self._driver
+            # The network driver's ZooKeeper session, read when scraped (a mock driver has none).
+            has_zk = hasattr(type(driver), "zookeeper_client")
+            self._metrics.register((lambda: getattr(driver, "zookeeper_client", None)) if has_zk else None)
         if self._config.auto_mount:
             for partition_id in range(self._driver.num_partitions):
                 self._add_partition(partition_id)
@@ -139,6 +146,8 @@ class AsyncWaltzClient(SubmissionMixin, ApplierMixin):
         self._flush_hooks()  # Terminal hooks already decided still run.
         if self._pool is not None:
             await asyncio.to_thread(self._pool.shutdown)
+        if self._metrics is not None:
+            self._metrics.unregister()
 
     async def __aenter__(self) -> AsyncWaltzClient:
         await self.start()

@@ -120,6 +120,10 @@ class ZkDiscovery:
         self._zk, self._watcher = client, watcher
         self._name, self._num_partitions = params.name, params.num_partitions
 
+    @property
+    def zookeeper_client(self) -> KazooClient | None:
+        return self._zk
+
     def _on_state(self, state: str) -> bool:
         """kazoo's session listener (its thread): note when ZooKeeper stops and starts answering."""
         if state == "CONNECTED":

@@ -197,6 +197,8 @@ class HooksMixin(ClientBase):
         """End ``run`` with ``on_exception(error)`` if its lifecycle owes it (once); a first attempt also
         raises it from submit."""
         if self._step(run, event) is Hook.EXCEPTION:
+            if self._metrics is not None and run.partition is not None:
+                self._metrics.context_failed(run.partition.id)
             await self._call_hook(run.context.on_exception, error)
         if run.first_send is not None and not run.first_send.done():
             run.first_send.set_exception(error)

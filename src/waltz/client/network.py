@@ -44,7 +44,7 @@ import itertools
 import logging
 from collections.abc import Awaitable, Mapping
 from ssl import SSLContext
-from typing import Final
+from typing import Any, Final
 
 from waltz.client.builder import TransactionBuilder
 from waltz.client.config import ClientConfig
@@ -192,6 +192,12 @@ class NetworkDriver(ClientDriver):
     @property
     def cluster_name(self) -> str:
         return self._discovery.cluster_name
+
+    @property
+    def zookeeper_client(self) -> Any:
+        """The discovery's kazoo client while it is open (None otherwise): the client's metrics read its
+        session state (``waltz_zookeeper_*``)."""
+        return getattr(self._discovery, "zookeeper_client", None)
 
     @property
     def num_partitions(self) -> int:

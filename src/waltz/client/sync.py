@@ -27,6 +27,8 @@ from waltz.errors import ClientClosedError, ClientError, ClientTimeoutError
 from waltz.runtime import new_event_loop
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from waltz.cluster.trim_points import TrimOutcome
 
 __all__ = ["WaltzClient"]
@@ -43,7 +45,7 @@ class WaltzClient:
     """A Waltz client for threaded applications; thread-safe. Use as a context manager, or call :meth:`close`.
 
     The constructor connects (through the network driver, or ``driver`` / ``config.mock_driver``) and starts
-    mounting partitions in the background.
+    mounting partitions in the background. ``metrics_registry``: as :class:`AsyncWaltzClient`'s.
     """
 
     def __init__(
@@ -52,13 +54,14 @@ class WaltzClient:
         config: ClientConfig,
         *,
         driver: ClientDriver | None = None,
+        metrics_registry: CollectorRegistry | None = None,
     ) -> None:
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="waltz-client-loop", daemon=True)
         self._thread.start()
         self._closed = False
         self._close_lock = threading.Lock()
-        self._client = AsyncWaltzClient(callbacks, config, driver=driver)
+        self._client = AsyncWaltzClient(callbacks, config, driver=driver, metrics_registry=metrics_registry)
         self._submit_timeout_s = config.submit_timeout_ms / 1000
         try:
             self._call(self._client.start(), timeout=START_TIMEOUT_S)

@@ -69,6 +69,21 @@ from waltz.tls import MIN_TLS_VERSION, TlsConfig
 
 log = logging.getLogger(__name__)
 
+KAZOO_LOG = logging.getLogger("waltz.cluster.zk.kazoo")
+"""The logger of every kazoo client :func:`connect` makes (kazoo's ``logger`` argument), behind
+:class:`_KazooFilter`: kazoo warns on every failed connection attempt ("Connection dropped", "Connection
+time-out", several per second while ZooKeeper is away), and :class:`_StateLog` says the same in one line per
+session state change. Its records below ERROR pass only when this logger is enabled for DEBUG (``-v``, or an
+application that sets it or the root logger to DEBUG), in servers, storage nodes and applications alike."""
+
+
+class _KazooFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or KAZOO_LOG.isEnabledFor(logging.DEBUG)
+
+
+KAZOO_LOG.addFilter(_KazooFilter())
+
 T = TypeVar("T")
 
 DEFAULT_SESSION_TIMEOUT_MS = 30000
@@ -361,6 +376,7 @@ def connect(
         connection_retry=KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0),
         # Individual commands are retried across a connection drop, within the session timeout.
         command_retry=KazooRetry(max_tries=3, delay=0.1, max_delay=1.0),
+        logger=KAZOO_LOG,
         **auth.tls.kazoo_args(),
     )
     client.add_listener(_StateLog(connect_string, auth.tls))
@@ -467,10 +483,10 @@ def _explain_ssl_error(host: str, port: int, e: ssl.SSLError, *, has_identity: b
 
 
 class _StateLog:
-    """Logs one line per change of a client's session state (kazoo's own loggers are kept at ERROR, see
-    :mod:`waltz.cli.logsetup`: they warn on every failed attempt while ZooKeeper is down).
+    """Logs one line per change of a client's session state (kazoo's own warnings are filtered, see
+    :data:`KAZOO_LOG`), and counts the changes for :func:`session_state` (the ``waltz_zookeeper_*`` metrics).
 
-    Called on kazoo's thread; it only logs, which is thread-safe."""
+    Called on kazoo's thread; it only logs and sets plain fields, which is thread-safe."""
 
     def __init__(self, connect_string: str, tls: ZkTls | None = None) -> None:
         self.connect_string = connect_string
@@ -479,6 +495,8 @@ class _StateLog:
             connect_string if tls is None or not tls.enabled else f"{connect_string}, {tls.describe()}"
         )
         self.state: str | None = None
+        self.suspensions = 0
+        self.expiries = 0
 
     def __call__(self, state: str) -> None:
         if state == self.state:
@@ -490,9 +508,31 @@ class _StateLog:
             else:
                 log.info("ZooKeeper session started (%s)", self.where)
         elif state == "SUSPENDED":
+            self.suspensions += 1
             log.warning("ZooKeeper connection lost; reconnecting to %s", self.connect_string)
         elif state == "LOST":
+            self.expiries += 1
             log.warning("ZooKeeper session expired; its ephemeral znodes are gone; starting a new one")
+
+
+@dataclass(frozen=True)
+class SessionState:
+    """A client's ZooKeeper session as :func:`session_state` reads it."""
+
+    connected: bool
+    """True while the session is connected (not suspended: kazoo's CONNECTED)."""
+    suspensions: int
+    """Connections lost since the client started (kazoo's SUSPENDED: the session may come back)."""
+    expiries: int
+    """Sessions lost since the client started (kazoo's LOST: expired, its ephemeral znodes gone)."""
+
+
+def session_state(client: KazooClient) -> SessionState | None:
+    """The state and counts of a client made by :func:`connect`; None for another one, or once closed."""
+    for listener in list(client.state_listeners):
+        if isinstance(listener, _StateLog):
+            return SessionState(listener.state == "CONNECTED", listener.suspensions, listener.expiries)
+    return None
 
 
 def close(client: KazooClient) -> None:

@@ -25,7 +25,8 @@ from prometheus_client.utils import floatToGoString
 
 from waltz.server.feed_cache import FeedCache
 from waltz.server.partition import Partition, PartitionMetrics
-from waltz.server.store.store_partition import BATCH_APPENDS_BOUNDS
+from waltz.server.store.store_partition import BATCH_APPENDS_BOUNDS, StorePartition
+from waltz.server.store.store_session import EndReason
 from waltz.server.transaction_cache import TransactionCache
 
 __all__ = ["CommitMetrics", "PartitionCommits", "ServerMetrics", "StoreCollector"]
@@ -105,7 +106,11 @@ def _histogram_buckets(bounds: Sequence[float], counts: Sequence[int]) -> list[t
 
 
 class ServerMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    """The server's registered families. Every labelled counter has a series for each of the cluster's
+    partitions from the start, at 0, owned or not: a series born at 1 shows no ``increase()`` for the event
+    that made it (a partition's first generation change on a restarted server, say)."""
+
+    def __init__(self, registry: CollectorRegistry, num_partitions: int = 0) -> None:
         self.commits = CommitMetrics()
         registry.register(self.commits)
         self.lock_failures = Counter(
@@ -152,6 +157,11 @@ class ServerMetrics:
             ["partition"],
             registry=registry,
         )
+        for pid in range(num_partitions):
+            p = str(pid)
+            self.commits.for_partition(p)
+            for counter in (self.lock_failures, self.failed, self.read_bytes, self.generation_changes):
+                counter.labels(p)
 
     # Gauges of live state are read when scraped (set_function), not copied now and then: a scrape of
     # /metrics alone must see the current high-water mark.
@@ -185,17 +195,84 @@ class ServerMetrics:
         )
 
 
+class _StoreTotals:
+    """One partition's store counts summed over the incarnations this server had of it (each a
+    :class:`StorePartition` with counts of its own), so the exported counters only grow."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+        self.ended = dict.fromkeys((r.value for r in EndReason), 0)
+        self.recovery_seconds = 0.0
+        self.batch_counts = [0] * (len(BATCH_APPENDS_BOUNDS) + 1)
+        self.batch_appends = 0
+        self.repairs = dict.fromkeys(_REPAIR_OUTCOMES, 0)
+        self.repaired_records = 0
+
+    def add(self, store: StorePartition) -> None:
+        stats = store.stats
+        self.opened += stats.sessions_opened
+        for reason, count in stats.sessions_ended.items():
+            self.ended[reason] = self.ended.get(reason, 0) + count
+        self.recovery_seconds += stats.recovery_seconds_sum
+        batch_counts = stats.batch_appends_counts
+        self.batch_counts = [a + b for a, b in zip(self.batch_counts, batch_counts, strict=True)]
+        self.batch_appends += stats.batch_appends_sum
+        counts = store.repairs
+        self.repairs["started"] += counts.started
+        self.repairs["finished"] += counts.finished
+        self.repairs["failed"] += counts.failed
+        self.repaired_records += counts.records
+
+    def plus(self, store: StorePartition | None) -> _StoreTotals:
+        total = _StoreTotals()
+        total.opened = self.opened
+        total.ended = dict(self.ended)
+        total.recovery_seconds = self.recovery_seconds
+        total.batch_counts = list(self.batch_counts)
+        total.batch_appends = self.batch_appends
+        total.repairs = dict(self.repairs)
+        total.repaired_records = self.repaired_records
+        if store is not None:
+            total.add(store)
+        return total
+
+
+_REPAIR_OUTCOMES = {
+    "started": "started",
+    "finished": "every reported record rewritten from a good copy",
+    "failed": "ended early (tried again later)",
+}
+
+
 class StoreCollector:
     """Store state read when scraped: replica lag and role per replica, store sessions, recovery time.
 
     A collector rather than labelled gauges: the replica set of a partition changes with every session, and
-    the numbers live in the store already (:meth:`StorePartition.replica_positions`, ``stats``)."""
+    the numbers live in the store already (:meth:`StorePartition.replica_positions`, ``stats``). The counters
+    are per partition of the cluster (``num_partitions``), at 0 from the start, and summed over every
+    incarnation of the partition on this server: a store that closed (its partition moved away, or came back
+    at a new generation) is added to the partition's retired totals at the next scrape."""
 
-    def __init__(self, partitions: Callable[[], dict[int, Partition]]) -> None:
+    def __init__(self, partitions: Callable[[], dict[int, Partition]], num_partitions: int = 0) -> None:
         self._partitions = partitions
+        self._num_partitions = num_partitions
+        self._seen: dict[int, StorePartition] = {}
+        self._retired: dict[int, _StoreTotals] = {}
 
     def describe(self) -> list[Any]:
         return []  # no eager collection at registration: the server has no partitions yet
+
+    def totals(self, owned: dict[int, Partition]) -> dict[int, _StoreTotals]:
+        """Every known partition's counts now (owned, owned before, or in the cluster)."""
+        stores = {pid: part.store for pid, part in owned.items()}
+        for pid, store in list(self._seen.items()):
+            if stores.get(pid) is not store:
+                self._retired.setdefault(pid, _StoreTotals()).add(store)
+                del self._seen[pid]
+        self._seen.update(stores)
+        pids = set(range(self._num_partitions)) | set(self._retired) | set(stores)
+        empty = _StoreTotals()
+        return {pid: self._retired.get(pid, empty).plus(stores.get(pid)) for pid in sorted(pids)}
 
     def collect(self) -> Iterator[Any]:
         lag = GaugeMetricFamily(
@@ -208,6 +285,18 @@ class StoreCollector:
             "1 if the replica takes part in the open store session's writes, 0 if it is recovering or out",
             labels=["partition", "replica", "role"],
         )
+        owned = self._partitions()
+        for pid, part in sorted(owned.items()):
+            store = part.store
+            hwm = store.high_water_mark
+            for replica, (role, max_id) in sorted(store.replica_positions().items()):
+                lag.add_metric([str(pid), replica], max(0, hwm - max_id))
+                state.add_metric([str(pid), replica, role], 1 if role == "participant" else 0)
+        yield lag
+        yield state
+        yield from self._counters(self.totals(owned))
+
+    def _counters(self, totals: dict[int, _StoreTotals]) -> Iterator[Metric]:
         opened = CounterMetricFamily(
             "waltz_server_store_sessions_opened", "Store sessions opened", labels=["partition"]
         )
@@ -227,11 +316,7 @@ class StoreCollector:
                 f"Repairs of records a storage node's scrub reported damaged: {what}",
                 labels=["partition"],
             )
-            for outcome, what in (
-                ("started", "started"),
-                ("finished", "every reported record rewritten from a good copy"),
-                ("failed", "ended early (tried again later)"),
-            )
+            for outcome, what in _REPAIR_OUTCOMES.items()
         }
         batches = HistogramMetricFamily(
             "waltz_server_store_batch_appends",
@@ -243,29 +328,19 @@ class StoreCollector:
             "Records rewritten on a replica from a good copy after its scrub reported them damaged",
             labels=["partition"],
         )
-        for pid, part in sorted(self._partitions().items()):
+        for pid, total in totals.items():
             p = str(pid)
-            store = part.store
-            counts = store.repairs
-            repairs["started"].add_metric([p], counts.started)
-            repairs["finished"].add_metric([p], counts.finished)
-            repairs["failed"].add_metric([p], counts.failed)
-            repaired.add_metric([p], counts.records)
-            hwm = store.high_water_mark
-            for replica, (role, max_id) in sorted(store.replica_positions().items()):
-                lag.add_metric([p, replica], max(0, hwm - max_id))
-                state.add_metric([p, replica, role], 1 if role == "participant" else 0)
-            stats = store.stats
-            opened.add_metric([p], stats.sessions_opened)
-            for reason, count in sorted(stats.sessions_ended.items()):
+            opened.add_metric([p], total.opened)
+            for reason, count in sorted(total.ended.items()):
                 ended.add_metric([p, reason], count)
-            recovery.add_metric([p], stats.sessions_opened, stats.recovery_seconds_sum)
+            recovery.add_metric([p], total.opened, total.recovery_seconds)
             batches.add_metric(
-                [p],
-                _histogram_buckets(BATCH_APPENDS_BOUNDS, stats.batch_appends_counts),
-                stats.batch_appends_sum,
+                [p], _histogram_buckets(BATCH_APPENDS_BOUNDS, total.batch_counts), total.batch_appends
             )
-        yield from (lag, state, opened, ended, recovery, batches, *repairs.values(), repaired)
+            for outcome, family in repairs.items():
+                family.add_metric([p], total.repairs[outcome])
+            repaired.add_metric([p], total.repaired_records)
+        yield from (opened, ended, recovery, batches, *repairs.values(), repaired)
 
 
 def _hit_ratio(cache: FeedCache | TransactionCache) -> Callable[[], float]:

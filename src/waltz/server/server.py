@@ -57,6 +57,7 @@ from waltz.cluster.replica_assignments import ReplicaAssignments
 from waltz.cluster.store_metadata import read_store_params
 from waltz.cluster.trim_points import TrimPoints
 from waltz.cluster.zk import ClusterPaths
+from waltz.cluster.zk_metrics import ZooKeeperCollector
 from waltz.config import parse_partition_ranges
 from waltz.errors import PartitionNotReadyError, RemoteProtocolError, WaltzError
 from waltz.http import HttpEndpoint, listen, new_registry
@@ -102,7 +103,7 @@ class WaltzServer:
         self.cluster_key = cluster_key
         self.num_partitions = num_partitions
         self.registry = new_registry()
-        self.metrics = ServerMetrics(self.registry)
+        self.metrics = ServerMetrics(self.registry, num_partitions)
         # server.ssl.* also secures the links to storage nodes (REFERENCE §7.4).
         self.connector = TcpReplicaConnector(
             cluster_key, num_partitions, ssl=config.tls.client_context("server config")
@@ -114,7 +115,8 @@ class WaltzServer:
             self.transaction_cache, self._load_transaction, max_in_flight=config.max_fetches_in_flight
         )
         self.metrics.export_caches(self.feed_cache, self.transaction_cache)
-        self.registry.register(StoreCollector(lambda: self.partitions))
+        self.registry.register(StoreCollector(lambda: self.partitions, num_partitions))
+        self.registry.register(ZooKeeperCollector(lambda: self.zk))
         self.partitions: dict[int, Partition] = {}
         self.replica_sets: dict[int, tuple[str, ...]] = {}
         self.trim_points = TrimPoints()

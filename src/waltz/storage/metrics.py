@@ -40,8 +40,23 @@ class PartitionCounters(Protocol):
     def preallocate_failures(self) -> int: ...
 
 
+FAILURE_NAMES = (
+    "CorruptionError",
+    "PartitionNotAssignedError",
+    "SessionFencedError",
+    "StorageError",
+    "TransactionOutOfOrderError",
+)
+"""The errors a storage node answers with, whose ``waltz_storage_failures_total`` series exist from the start
+(at 0, so Prometheus sees their first increase); any other error gets its series when it first happens."""
+
+
 class Metrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    """The node's registered families. Every labelled counter has its series for every known label value (the
+    node's partitions, :data:`FAILURE_NAMES`, both ports) from the start, at 0: a series born at 1 shows no
+    ``increase()`` for that first event."""
+
+    def __init__(self, registry: CollectorRegistry, num_partitions: int = 0) -> None:
         # Appends counted from 0 at start (as the Counter's child made up front was): an idle node's rate is
         # 0 rather than missing, and increase() sees the first appends.
         self.requests = RequestCounts(("AppendRequest",))
@@ -107,6 +122,37 @@ class Metrics:
             "Assigned partitions that are available (online)",
             registry=registry,
         )
+        self._precreate(num_partitions)
+        self._health_gauges(registry)
+
+    def _health_gauges(self, registry: CollectorRegistry) -> None:
+        """Damage and health, read when scraped (the node sets their functions)."""
+        self.damaged_replicas = Gauge(
+            "waltz_storage_damaged_replicas",
+            "Partitions whose replica on this node is damaged (missing or unreadable files, or a damaged "
+            "control-file entry): it does not vote in recovery until repaired",
+            registry=registry,
+        )
+        self.damaged_records = Gauge(
+            "waltz_storage_damaged_records",
+            "Stored records found damaged and not repaired yet",
+            registry=registry,
+        )
+        self.partitions_unhealthy = Gauge(
+            "waltz_storage_partitions_unhealthy",
+            "Partitions refusing requests: fail-stopped by a failed write or fsync, failed, or damaged",
+            registry=registry,
+        )
+
+    def _precreate(self, num_partitions: int) -> None:
+        for name in FAILURE_NAMES:
+            self.failures.labels(name)
+        for port in ("data", "admin"):
+            self.refused_peers.labels(port)
+        for pid in range(num_partitions):
+            for per_partition in (self.corrupt_records, self.repaired_records, self.refused_sessions):
+                per_partition.labels(pid)
+            self.read_bytes.labels(pid)
 
 
 class Latency(Collector):

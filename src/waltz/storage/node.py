@@ -125,7 +125,7 @@ class StorageNode:
         self.fsync = fsync if fsync is not None else FsyncPolicy()
         """Where group-commit fsyncs run (on the loop or in a thread); shared by the partitions."""
         self.registry = new_registry()
-        self.metrics = Metrics(self.registry)
+        self.metrics = Metrics(self.registry, control.num_partitions)
         self.queued = Tally()
         """Requests queued in all partitions (see ``StoragePartition._fsync``)."""
         self.handlers = HANDLERS
@@ -156,6 +156,13 @@ class StorageNode:
         self.metrics.partitions_available.set_function(
             lambda: sum(1 for p in self.partitions if p.info.assigned and p.info.available)
         )
+        self.metrics.damaged_replicas.set_function(
+            lambda: len(
+                {p.partition_id for p in self.partitions if p.lost is not None} | set(self.control.damaged)
+            )
+        )
+        self.metrics.damaged_records.set_function(lambda: sum(len(p.damaged) for p in self.partitions))
+        self.metrics.partitions_unhealthy.set_function(lambda: len(self.health()[1]["partitions"]))
 
     @classmethod
     async def start(

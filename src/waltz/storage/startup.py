@@ -89,6 +89,10 @@ async def run_node(
 
             await asyncio.to_thread(check_supported, zk_client, config.cluster_root, "this storage node")
         node = await StorageNode.start(config, key, num_partitions, authority, fs=fs)
+        if zk_client is not None:
+            from waltz.cluster.zk_metrics import ZooKeeperCollector
+
+            node.registry.register(ZooKeeperCollector(lambda: zk_client))
         tune_gc()
         tune_malloc()
         try:
