@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import multiprocessing
 import os
+import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -78,8 +80,16 @@ def fake_server(port_out: multiprocessing.connection.Connection) -> None:  # typ
         await conn.serve_payloads(on_payload)
 
     async def main() -> None:
+        # A tree from before the one read path served payloads only on callback_reads connections.
+        old = {"callback_reads": True} if "callback_reads" in inspect.signature(serve).parameters else {}
         server = await serve(
-            "127.0.0.1", 0, handle, magic=MAGIC_CLIENT, versions=cs.SUPPORTED_VERSIONS, hello_text="fake"
+            "127.0.0.1",
+            0,
+            handle,
+            magic=MAGIC_CLIENT,
+            versions=cs.SUPPORTED_VERSIONS,
+            hello_text="fake",
+            **old,
         )
         port_out.send(server.port)
         await asyncio.Event().wait()
@@ -168,8 +178,19 @@ class AsyncCtx(Ctx):
             self._done(True)
 
 
+def callgrind(on: bool) -> None:
+    """Switch callgrind's counting of this process on or off (run under ``--instr-atstart=no``)."""
+    cmd = ["callgrind_control", "-i", "on" if on else "off", str(os.getpid())]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
 async def run_phase(
-    client: AsyncWaltzClient, phase: str, seconds: float, count: int | None, ctx_type: type[Ctx] = Ctx
+    client: AsyncWaltzClient,
+    phase: str,
+    seconds: float,
+    count: int | None,
+    toggle: bool = False,
+    ctx_type: type[Ctx] = Ctx,
 ) -> str:
     """``phase`` for ``seconds`` after a warm-up of WARMUP_S, or (``count`` given) for ``count``
     operations after WARMUP_OPS: a fixed amount of work, for an instruction count under
@@ -208,12 +229,16 @@ async def run_phase(
         await asyncio.sleep(WARMUP_S)
     else:
         await warm.wait()
+    if toggle:
+        callgrind(True)  # the loop waits meanwhile: no append is half counted
     n0, c0, t0 = done_ops, time.process_time(), time.perf_counter()
     if count is None:
         await asyncio.sleep(seconds)
     else:
         await finished
     c1, t1 = time.process_time(), time.perf_counter()
+    if toggle:
+        callgrind(False)
     n = done_ops - n0
     stop = True
     await asyncio.wait(tasks, timeout=30)
@@ -225,10 +250,12 @@ async def main_async(args: argparse.Namespace, endpoint: str) -> None:
     callbacks, ctx_type = (Callbacks(), Ctx) if args.plain else (AsyncCallbacks(), AsyncCtx)
     driver = NetworkDriver(config, discovery=StaticDiscovery(endpoint))  # type: ignore[arg-type]
     # --metrics: the client's Prometheus metrics on (waltz.client.metrics), in a registry nobody scrapes.
-    registry = CollectorRegistry() if args.metrics else None
-    async with AsyncWaltzClient(callbacks, config, driver=driver, metrics_registry=registry) as client:
+    # (Not passed without it: a tree from before the client's metrics runs this bench too.)
+    metrics = {"metrics_registry": CollectorRegistry()} if args.metrics else {}
+    async with AsyncWaltzClient(callbacks, config, driver=driver, **metrics) as client:
         for phase in args.phase:
-            print(await run_phase(client, phase, args.seconds, args.count, ctx_type), flush=True)
+            result = await run_phase(client, phase, args.seconds, args.count, args.callgrind_toggle, ctx_type)
+            print(result, flush=True)
         await client.flush_transactions(30)
 
 
@@ -243,6 +270,11 @@ def main() -> None:
     )
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--count", type=int, help="measure this many operations instead of --seconds")
+    parser.add_argument(
+        "--callgrind-toggle",
+        action="store_true",
+        help="count instructions of the measured operations only (run valgrind with --instr-atstart=no)",
+    )
     parser.add_argument("--metrics", action="store_true", help="with the client's metrics_registry")
     args = parser.parse_args()
     args.phase = args.phase or ["conc", "occ64"]

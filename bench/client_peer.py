@@ -16,6 +16,13 @@ hot64      64 writers with a write lock on ONE key (a counter); successes = comm
 read1      ``high_water_mark`` one at a time
 read64     ``high_water_mark`` from 64 coroutines
 sync8      :class:`~waltz.WaltzClient` driven from 8 threads (each submits; completions are counted)
+partitions many partitions against few, the same total in flight (``--in-flight``, default 80 = 4 x 20):
+           rounds of ``p4`` (the coroutines spread over partitions 0-3) and ``pN`` (over all ``--partitions``,
+           default 256) alternate ``--rounds`` times on one cluster of N partitions; then the median ratio.
+           Not run unless asked for (its cluster has N partitions)
+clients    ``--clients`` processes (default 32) with ``--client-in-flight`` appends in flight each (default 8)
+           against one process with all of them in flight: aggregate rate, per-process min/mean/max
+           (``bench/clients.py``). Not run unless asked for (it starts 33 interpreters)
 =========  ==================================================================================================
 
 Each phase stops after ``--count`` operations or ``--seconds``, whichever comes first, after a short warm-up.
@@ -33,6 +40,7 @@ loop (uvloop, the default, or the standard asyncio loop).
 
     .venv/bin/python bench/client_peer.py                       # every phase, the client's defaults
     .venv/bin/python bench/client_peer.py --plain --phase conc --phase seq
+    .venv/bin/python bench/client_peer.py --phase partitions --partitions 256 --rounds 3
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
 
 from waltz import (  # noqa: E402
     AsyncWaltzClient,
@@ -70,6 +79,10 @@ RECORD_BYTES = 512
 PAYLOAD = bytes(RECORD_BYTES)
 WARMUP_S = 1.0
 PHASES = ("seq", "conc", "occ1", "occ64", "hot64", "read1", "read64", "sync8")
+OTHER_PHASES = ("partitions", "clients")
+"""Run only when named: their cluster differs from the one of :data:`PHASES`."""
+FEW_PARTITIONS = 4
+"""The few partitions of the ``partitions`` phase (``--few``)."""
 TICKS_S = os.sysconf("SC_CLK_TCK")
 
 
@@ -180,8 +193,10 @@ class Ctx(TransactionContext):
         lock: int | None = None,
         wait_apply: bool = False,
         header: int = 0,
+        partition: int = 0,
     ) -> None:
         super().__init__()
+        self._partition = partition
         self._loop = loop
         self._inline = inline
         self._done = done
@@ -190,7 +205,7 @@ class Ctx(TransactionContext):
         self._header = header
 
     def partition_id(self, num_partitions: int) -> int:
-        return 0
+        return self._partition
 
     def execute(self, builder: TransactionBuilder) -> bool:
         builder.set_header(self._header)
@@ -247,11 +262,24 @@ class Result:
     client_sys_s: float
     server_cpu_s: float
     note: str = ""
+    storage_requests: float = 0.0
+    """Append requests the storage nodes received during the phase (all nodes)."""
+    fsyncs: float = 0.0
+    """Group-commit fsyncs the storage nodes ran during the phase (all nodes)."""
+
+    @property
+    def rate(self) -> float:
+        return self.ops / self.seconds
+
+    @property
+    def p99_s(self) -> float:
+        lat = sorted(self.latencies_s)
+        return lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else float("nan")
 
     def line(self) -> str:
         lat = sorted(self.latencies_s)
         p50 = statistics.median(lat) * 1000 if lat else float("nan")
-        p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000 if lat else float("nan")
+        p99 = self.p99_s * 1000
         per_op = 1e6 / max(self.ops, 1)
         return (
             f"{self.phase:7} {self.ops / self.seconds:9.0f} ops/s  p50 {p50:7.2f} ms  p99 {p99:7.2f} ms  "
@@ -279,14 +307,18 @@ class Bench:
         self.ctx_type = Ctx if args.plain else AsyncCtx
         self.loop = asyncio.get_running_loop()
 
-    async def one(self, lock: int | None = None, wait_apply: bool = False, header: int = 0) -> bool:
+    async def one(
+        self, lock: int | None = None, wait_apply: bool = False, header: int = 0, partition: int = 0
+    ) -> bool:
         future: asyncio.Future[bool] = self.loop.create_future()
 
         def done(ok: bool) -> None:
             if not future.done():
                 future.set_result(ok)
 
-        await self.client.submit(self.ctx_type(self.loop, self.inline, done, lock, wait_apply, header))
+        await self.client.submit(
+            self.ctx_type(self.loop, self.inline, done, lock, wait_apply, header, partition)
+        )
         return await future
 
     async def workers(
@@ -314,9 +346,12 @@ class Bench:
 
         tasks = [asyncio.create_task(worker(w)) for w in range(n)]
         await asyncio.sleep(WARMUP_S)
+        # The server's /metrics grows with its partitions (0.9 MB at 256): read off the loop, and skipped
+        # with many partitions (its histogram is read while the phase runs, skewing the counts per op).
+        http_port = self.http_port if self.args.partitions <= FEW_PARTITIONS else None
+        h0 = await asyncio.to_thread(batch_histogram, http_port)
+        f0, r0, x0 = await asyncio.to_thread(storage_counts, self.storage_http_ports)
         measuring = True
-        h0 = batch_histogram(self.http_port)
-        f0, r0, x0 = storage_counts(self.storage_http_ports)
         # The server process alone too (the first pid; the rest are the storage nodes).
         w0 = proc_cpu_s(self.pids[:1])
         c0, k0, s0, t0 = time.process_time(), os.times().system, proc_cpu_s(self.pids), time.perf_counter()
@@ -327,8 +362,8 @@ class Bench:
         elapsed = time.perf_counter() - t0
         c1, k1, s1 = time.process_time(), os.times().system, proc_cpu_s(self.pids)
         w1 = proc_cpu_s(self.pids[:1])
-        h1 = batch_histogram(self.http_port)
-        f1, r1, x1 = storage_counts(self.storage_http_ports)
+        f1, r1, x1 = await asyncio.to_thread(storage_counts, self.storage_http_ports)
+        h1 = await asyncio.to_thread(batch_histogram, http_port)
         note = batch_note(h0, h1)
         if count:
             note += f"; server process alone {(w1 - w0) * 1e6 / count:.1f} us/op"
@@ -336,7 +371,7 @@ class Bench:
             if f1 > f0:
                 note += f" ({100 * (x1 - x0) / (f1 - f0):.0f}% in a thread)"
         await asyncio.wait(tasks, timeout=30)
-        return Result(phase, count, elapsed, latencies, c1 - c0, k1 - k0, s1 - s0, note)
+        return Result(phase, count, elapsed, latencies, c1 - c0, k1 - k0, s1 - s0, note, r1 - r0, f1 - f0)
 
     async def run(self, phase: str) -> Result:
         if phase == "seq":
@@ -362,6 +397,20 @@ class Bench:
 
             return await self.workers(phase, 1 if phase == "read1" else 64, read)
         raise ValueError(phase)
+
+    async def partitions(self) -> list[Result]:
+        """Rounds of ``p4`` and ``pN`` alternating (see the module docstring), each printed as it ends."""
+        many = self.args.partitions
+        in_flight = self.args.in_flight
+        results: list[Result] = []
+        for _ in range(self.args.rounds):
+            for spread in (self.args.few, many):
+                result = await self.workers(
+                    f"p{spread}", in_flight, lambda w, spread=spread: self.one(partition=w % spread)
+                )
+                print(result.line(), flush=True)
+                results.append(result)
+        return results
 
 
 def sync8(args: argparse.Namespace, config: ClientConfig, pids: list[int]) -> Result:
@@ -436,13 +485,42 @@ async def main_async(
     async with AsyncWaltzClient(Callbacks() if args.plain else AsyncCallbacks(), config) as client:
         bench = Bench(args, client, pids, http_port, storage_http_ports)
         for phase in args.phase:
-            if phase == "sync8":
+            if phase in ("sync8", "clients"):
+                continue
+            if phase == "partitions":
+                rounds = await bench.partitions()
+                print(partitions_summary(rounds, args.few, args.partitions), flush=True)
+                results.extend(rounds)
                 continue
             result = await bench.run(phase)
             print(result.line(), flush=True)
             results.append(result)
         await client.flush_transactions(30)
     return results
+
+
+def partitions_summary(results: list[Result], few_n: int, many: int) -> str:
+    """The ``partitions`` phase's verdict: medians over its rounds of ``pN`` against ``p4``."""
+    few = [r for r in results if r.phase == f"p{few_n}"]
+    lots = [r for r in results if r.phase == f"p{many}"]
+
+    def median(rs: list[Result], f: Callable[[Result], float]) -> float:
+        return statistics.median(f(r) for r in rs)
+
+    def per_op(value: Callable[[Result], float]) -> Callable[[Result], float]:
+        return lambda r: value(r) / max(r.ops, 1)
+
+    rate = median(lots, lambda r: r.rate) / median(few, lambda r: r.rate)
+    p99 = median(lots, lambda r: r.p99_s) / median(few, lambda r: r.p99_s)
+    cpu = [median(rs, per_op(lambda r: r.server_cpu_s)) * 1e6 for rs in (few, lots)]
+    fsyncs = [median(rs, per_op(lambda r: r.fsyncs)) for rs in (few, lots)]
+    requests = [median(rs, per_op(lambda r: r.storage_requests)) for rs in (few, lots)]
+    return (
+        f"partitions: p{many}/p{few_n}, medians of {len(few)} rounds: rate {rate:.2f}x, "
+        f"p99 {p99:.2f}x; "
+        f"server+storage CPU {cpu[0]:.0f} -> {cpu[1]:.0f} us/op, storage append requests/op "
+        f"{requests[0]:.3f} -> {requests[1]:.3f}, fsyncs/op {fsyncs[0]:.3f} -> {fsyncs[1]:.3f}"
+    )
 
 
 def cpu_gauge_ms() -> float:
@@ -467,7 +545,22 @@ def main() -> None:
     )
     parser.add_argument("--mode", choices=("auto", "inline", "threads"), help="client.callbackMode")
     parser.add_argument("--plain", action="store_true", help="plain-function callbacks (see above)")
-    parser.add_argument("--phase", action="append", choices=PHASES, help="repeatable; default: all")
+    parser.add_argument(
+        "--phase",
+        action="append",
+        choices=PHASES + OTHER_PHASES,
+        help=f"repeatable; default: {', '.join(PHASES)}",
+    )
+    parser.add_argument(
+        "--partitions", type=int, help="the cluster's partitions (default 1; 256 with `partitions`)"
+    )
+    parser.add_argument("--in-flight", type=int, default=80, help="appends in flight in `partitions`")
+    parser.add_argument(
+        "--few", type=int, default=FEW_PARTITIONS, help="the few partitions of `partitions` (default 4)"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of p4 and pN in `partitions`")
+    parser.add_argument("--clients", type=int, default=32, help="client processes in `clients`")
+    parser.add_argument("--client-in-flight", type=int, default=8, help="appends in flight per process")
     parser.add_argument("--count", type=int, default=100_000, help="operations per phase at most")
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per phase at most")
     parser.add_argument("--max-concurrent", type=int, help="client.maxConcurrentTransactions")
@@ -477,13 +570,17 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.phase = args.phase or list(PHASES)
+    if args.partitions is None:
+        args.partitions = 256 if "partitions" in args.phase else 1
     # Every process of the run (client, server, storage nodes) runs this interpreter, and its build matters as
     # much as the code: an optimised build (Debian's python3.11) takes far less CPU per append than a default
     # source build (pyenv's); see docs/operations.md.
     print(f"python {platform.python_version()} ({sys.executable}; {platform.python_build()[1]})", flush=True)
     print(f"load average at start: {os.getloadavg()}; cpu gauge {cpu_gauge_ms():.0f} ms", flush=True)
     with tempfile.TemporaryDirectory(prefix="waltz-client-peer-") as tmp:
-        opts = local.UpOptions(directory=Path(tmp) / "cluster", storages=3, servers=1, partitions=1)
+        opts = local.UpOptions(
+            directory=Path(tmp) / "cluster", storages=3, servers=1, partitions=args.partitions
+        )
         cluster = local.up(opts)
         try:
             pids = [r.pid for r in [*cluster.servers, *cluster.storages] if r.pid is not None]
@@ -518,6 +615,19 @@ def main() -> None:
                 profiler.dump_stats(args.profile)
             if "sync8" in args.phase:
                 print(sync8(args, config, pids).line(), flush=True)
+            if "clients" in args.phase:
+                from bench import clients
+
+                clients.run(
+                    Path(cluster.directory) / "client.yaml",
+                    args.clients,
+                    args.client_in_flight,
+                    args.seconds,
+                    args.mode,
+                    args.max_concurrent,
+                    pids,
+                    http_port,
+                )
         finally:
             local.down(cluster.directory, purge=True)
     print(f"load average at end: {os.getloadavg()}; cpu gauge {cpu_gauge_ms():.0f} ms", flush=True)

@@ -263,11 +263,12 @@ async def _sample(
 
 
 async def _trim(cluster: Cluster, args: argparse.Namespace) -> None:
-    """Keep the last ``--keep-last`` transactions of every partition (``waltz cluster trim --keep-last``)."""
+    """Keep the last ``--keep-last`` transactions of every partition (``waltz cluster trim --keep-last
+    --grace-ms 0``: in force at once, so the disk stays bounded)."""
     for partition in range(args.partitions):
         try:
             outcome = await asyncio.to_thread(
-                trim_partition, cluster.zk, cluster.root, partition, keep_last=args.keep_last
+                trim_partition, cluster.zk, cluster.root, partition, keep_last=args.keep_last, grace_ms=0
             )
             print(f"       trim: {outcome.message}", flush=True)
         except WaltzError as e:

@@ -10,6 +10,9 @@ test, assigns partition 0, and appends 512-byte records from this (separate) pro
                 ``--batch-in-flight`` requests outstanding.
 * ``read``      (not in the default list) the whole log read back ``--read-passes`` times with
                 RecordRunRequests of 10,000 records or 8 MiB, one at a time: the node's CPU per record served.
+* ``spread``    (not in the default list) ``--partitions`` partitions (default 256), one 1-record append in
+                flight on each, over one StorageClient (as a server writing many partitions, each with
+                one append in flight): what a request costs when every partition needs its own fsync.
 
 For each mode it prints records/s, MB/s (record data only), acknowledgement latency p50/p99 (send of the
 request to receipt of its Success, i.e. after the node's fsync) and the node's fsyncs/s. Before that it
@@ -66,6 +69,8 @@ KEY = uuid.UUID("0b5e7c1a-43d2-4f5e-9a6b-7c8d9e0f1a2b")
 RECORD_BYTES = 512
 PARTITION = 0
 SESSION = 1
+NUM_PARTITIONS = [1]
+"""The node's ``storage.cluster.numPartitions`` (``--partitions`` with the ``spread`` mode, else 1)."""
 
 
 @dataclass
@@ -177,12 +182,13 @@ def start_node(
     profile: str | None = None,
     preallocate: int | None = None,
     callgrind: str | None = None,
+    partitions: int = 1,
 ) -> tuple[subprocess.Popen[bytes], int, int]:
     config = directory / "storage.yaml"
     extra = "" if preallocate is None else f"storage.segment.preallocateBytes: {preallocate}\n"
     config.write_text(
         f"storage.port: 0\nstorage.admin.port: 0\nstorage.directory: {directory / 'data'}\n"
-        f"storage.cluster.key: {KEY}\nstorage.cluster.numPartitions: 1\n{extra}",
+        f"storage.cluster.key: {KEY}\nstorage.cluster.numPartitions: {partitions}\n{extra}",
         encoding="utf-8",
     )
     # Under cProfile the node writes its profile when it stops (SIGTERM ends it cleanly).
@@ -339,7 +345,7 @@ async def open_raw(port: int) -> FramedConnection:
         versions=st.STORAGE_VERSIONS,
         hello_text=st.STORAGE_CLIENT_HELLO,
     )
-    conn.send(st.encode(st.OpenRequest(-1, 0, -1, KEY, 1)))
+    conn.send(st.encode(st.OpenRequest(-1, 0, -1, KEY, NUM_PARTITIONS[0])))
     if not isinstance(st.decode(await conn.receive()), st.SuccessResponse):
         raise SystemExit("open refused")
     return conn
@@ -370,9 +376,60 @@ async def read_back(client: StorageClient, records: int, passes: int, node_pid: 
     )
 
 
+async def spread(
+    args: argparse.Namespace, client: StorageClient, admin: AdminClient, node_pid: int
+) -> Result:
+    """The ``spread`` mode: partitions 1 to ``--partitions`` - 1 (0 is the other modes'), one 1-record
+    append in flight on each, ``--records`` in all."""
+    partitions = range(1, NUM_PARTITIONS[0])
+    await admin.set_assigned(list(partitions), True)
+    data = os.urandom(RECORD_BYTES)
+    next_ids = dict.fromkeys(partitions, 0)
+    latencies: list[float] = []
+
+    async def one(partition: int, rounds: int) -> None:
+        for _ in range(rounds):
+            i = next_ids[partition]
+            next_ids[partition] = i + 1
+            record = Record.build(i, ReqId(7 << 32, partition << 32 | i), 0, data)
+            t0 = time.perf_counter()
+            await client.append(SESSION, partition, [record])
+            latencies.append(time.perf_counter() - t0)
+
+    async def fsyncs() -> int:
+        stats = json.loads(await admin.metrics_json())["partitions"]
+        return sum(int(stats[str(p)]["fsyncs"]) for p in partitions)
+
+    await asyncio.gather(*(one(p, 2) for p in partitions))  # warm-up: every partition's first segment
+    latencies.clear()
+    rounds = max(1, args.records // len(partitions))
+    before = await fsyncs()
+    callgrind_toggle(args, node_pid, True)
+    cpu_before = process_cpu_s(node_pid)
+    start = time.perf_counter()
+    await asyncio.gather(*(one(p, rounds) for p in partitions))
+    elapsed = time.perf_counter() - start
+    cpu_after = process_cpu_s(node_pid)
+    callgrind_toggle(args, node_pid, False)
+    total = rounds * len(partitions)
+    return Result(
+        f"{len(partitions)} partitions, 1 rec x1 each",
+        total,
+        elapsed,
+        latencies,
+        await fsyncs() - before,
+        cpu_after[0] - cpu_before[0],
+        cpu_after[1] - cpu_before[1],
+        total,
+    )
+
+
 async def bench(args: argparse.Namespace, port: int, admin_port: int, node_pid: int) -> list[Result]:
-    admin = await AdminClient.connect("127.0.0.1", admin_port, KEY, 1)
-    client = await StorageClient.connect("127.0.0.1", port, KEY, 1, max_in_flight=max(args.in_flight, 64))
+    n = NUM_PARTITIONS[0]
+    admin = await AdminClient.connect("127.0.0.1", admin_port, KEY, n)
+    client = await StorageClient.connect(
+        "127.0.0.1", port, KEY, n, max_in_flight=max(args.in_flight, 64, 2 * n)
+    )
     raw_conn = await open_raw(port)
     results: list[Result] = []
     try:
@@ -417,6 +474,10 @@ async def bench(args: argparse.Namespace, port: int, admin_port: int, node_pid: 
         for mode in (m.strip() for m in args.modes.split(",")):
             if mode == "read":
                 print(await read_back(client, acked, args.read_passes, node_pid), flush=True)
+                continue
+            if mode == "spread":
+                results.append(await spread(args, client, admin, node_pid))
+                print(results[-1].line(), flush=True)
                 continue
             label, runner, total, batch, in_flight = plans[mode]
             runner.next_id = acked
@@ -480,6 +541,7 @@ def main() -> int:
     parser.add_argument("--in-flight", type=int, default=512)
     parser.add_argument("--batch", type=int, default=100)
     parser.add_argument("--batch-in-flight", type=int, default=8)
+    parser.add_argument("--partitions", type=int, default=256, help="partitions of the spread mode")
     parser.add_argument("--read-passes", type=int, default=3, help="passes over the log of the read mode")
     parser.add_argument(
         "--profile", metavar="FILE", help="run the node under cProfile and write its profile to FILE"
@@ -509,6 +571,8 @@ def main() -> int:
         help="measure only the CPU of the node's append path in this process (no sockets, no fsync)",
     )
     args = parser.parse_args()
+    if "spread" in args.modes:
+        NUM_PARTITIONS[0] = args.partitions + 1
     if args.path_only:
         for per_request in (1, args.batch):
             print(append_path_cpu(per_request), flush=True)
@@ -528,7 +592,7 @@ def main() -> int:
             + ("node default" if args.preallocate is None else f"{args.preallocate} bytes (0 = off)")
         )
         proc, port, admin_port = start_node(
-            base, args.event_loop, args.profile, args.preallocate, args.callgrind
+            base, args.event_loop, args.profile, args.preallocate, args.callgrind, NUM_PARTITIONS[0]
         )
         spy = None
         if args.py_spy:

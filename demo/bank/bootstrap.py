@@ -29,6 +29,8 @@ from demo.bank.snapshot import (
     write_snapshot,
 )
 from waltz import ClientConfig
+from waltz.cluster import zk
+from waltz.cluster.retention import update_retention
 from waltz.errors import TrimmedError
 
 CATCH_UP_TIMEOUT_S = 60.0
@@ -39,6 +41,20 @@ def _open(config: ClientConfig, directory: Path, name: str, *, fresh: bool) -> B
     if fresh:
         BankDb(engine, suffix).drop()
     return BankInstance(name, engine, config, suffix=suffix)
+
+
+def without_grace(config: ClientConfig) -> None:
+    """Set the cluster's grace to 0, so a trim takes effect at once (an operator's setting, as ``waltz
+    cluster retention set --grace-ms 0``; see ``docs/operations.md``, "Retention")."""
+    client = zk.connect(
+        config.zookeeper_connect_string,
+        auth=config.zookeeper_auth(),
+        session_timeout_ms=config.zookeeper_session_timeout_ms,
+    )
+    try:
+        update_retention(client, config.cluster_root, grace_ms=0)
+    finally:
+        zk.close(client)
 
 
 def bootstrap_drill(
@@ -62,6 +78,11 @@ def bootstrap_drill(
         engine.dispose()
     write_snapshot(snapshot, snapshot_path)
     say(f"snapshot of instance {source}: {snapshot.describe()}, written to {snapshot_path}")
+    without_grace(config)
+    say(
+        "the drill's cluster trims at once (retention.graceMs 0; a cluster's default grace of one hour "
+        "would keep the trim pending, and the data readable, for that hour)"
+    )
     trimmed = False
     with trimming_client(config) as client:
         for partition_id in sorted(snapshot.high_water_marks):

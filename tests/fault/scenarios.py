@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tests.fault.sim import Scenario, World, WorldParams
+from tests.fault.trim_scenarios import TRIM_SCENARIOS
 from waltz.cluster.partition_metadata import UNRESOLVED
 
 LAGGING_CLIENT = 60
@@ -372,4 +373,5 @@ SCENARIOS = [
         mixed_faults,
         WorldParams(replicas=3, spare_storages=2, loss_probability=0.003, checkpoint_interval=30),
     ),
+    *TRIM_SCENARIOS,
 ]

@@ -29,7 +29,16 @@ Invariants checked (:class:`Checker`):
 5. A definite failure (QuorumLostError) is true: that request is not in the final log.
 6. A server's high-water mark never decreases; the store code never hit an internal error.
 7. Liveness: once every fault is healed, a session including every replica of the final set opens and commits
-   a final append within a bounded (virtual) time.
+   a final append within a bounded (virtual) time, and every replica of the final set holds the partition's
+   trim point.
+8. Trim points (scenarios that trim, as ``waltz cluster trim`` does: ZooKeeper's value, then the owners):
+   nothing is trimmed that was not committed (a replica's trim point is never above the highest committed
+   id + 1, so nothing acknowledged at or above it can be lost); a replica restarts its log only at its trim
+   point, never above it, so the max id it reports for a vote is backed by records at and above its trim
+   point, which invariants 1-3 compare like any other (below it every id is committed and no one reads).
+   Recovery never needs what is below the trim point: a read there fails (TrimmedError), so a recovery that
+   needed it could not finish and the liveness check (7) fails. Below a replica's trim point nothing is
+   compared (a replica that restarted there holds nothing of it).
 
 A failing run raises :class:`SimulationFailure` with the seed, the scenario, the violated invariant, the
 recent events and the command that replays it.
@@ -119,6 +128,8 @@ class Checker:
         self.canonical: dict[int, Record] = {}
         self._mutations_checked: dict[str, int] = {}
         self._verified: dict[str, tuple[int, int]] = {}
+        self.max_committed = -1
+        """The highest high-water mark any server reached (every id at or below it is committed)."""
         """Per storage: (its partition's ``rewrites``, how many leading durable records were checked)."""
 
     def fail(self, message: str) -> None:
@@ -152,15 +163,19 @@ class Checker:
         if rewrites != part.rewrites:
             verified = 0
         end = min(bound + 1, part.synced)
-        for i in range(verified, end):
+        # Below the replica's trim point it holds nothing to compare (or fillers, if it restarted there).
+        for i in range(max(verified, part.trim_point), end):
             if self.canonical.setdefault(i, part.records[i]) != part.records[i]:
                 self._agree(i, part.records[i], where())
         self._verified[storage.name] = (part.rewrites, max(verified, end))
 
     def check_step(self) -> None:
         world = self.world
+        for server in world.servers:
+            self.max_committed = max(self.max_committed, server.partition.high_water_mark)
         for storage in world.storages.values():
             part = storage.partitions[PARTITION]
+            self._check_trim(storage)
             lwm = part.low_water_mark
             self._agree_up_to(
                 storage, lwm, lambda s=storage, m=lwm: f"{s.name} at or below its low-water mark {m}"
@@ -204,24 +219,40 @@ class Checker:
                     lambda p=participant, s=session: f"{p.storage}, participant of {s!r}",
                 )
 
+    def _check_trim(self, storage: MemoryStorage) -> None:
+        part = storage.partitions[PARTITION]
+        if part.trim_point > self.max_committed + 1:
+            self.fail(
+                f"{storage.name} trimmed below {part.trim_point}, above the highest committed id "
+                f"{self.max_committed} + 1"
+            )
+        if part.log_start > part.trim_point:
+            self.fail(
+                f"{storage.name} restarted its log at {part.log_start}, above its trim point "
+                f"{part.trim_point}: it would claim ids it never held"
+            )
+
     def check_final(self, server: Server) -> None:
         world = self.world
         hwm = server.partition.high_water_mark
         logs = {name: world.storages[name].durable_records(PARTITION) for name in server.partition.replicas}
+        trims = {name: world.storages[name].partitions[PARTITION].trim_point for name in logs}
+        present: set[ReqId] = set()
         for name, log in logs.items():
             if len(log) - 1 != hwm:
                 self.fail(f"final: {name} holds 0..{len(log) - 1}, the high-water mark is {hwm}")
-            for i, record in enumerate(log):
+            if trims[name] != world.trim_point:
+                self.fail(f"final: {name} has trim point {trims[name]}, the partition's {world.trim_point}")
+            for i, record in enumerate(log[trims[name] :], start=trims[name]):
                 if record.transaction_id != i:
                     self.fail(f"final: {name} holds id {record.transaction_id} at position {i}")
                 self._agree(i, record, f"final log of {name}")
+                present.add(record.req_id)
+            for txn, acked in self.acked.items():
+                if txn >= trims[name] and log[txn] != acked:
+                    self.fail(f"final: acknowledged {acked!r} lost on {name}, which holds {log[txn]!r}")
         if self.acked and max(self.acked) > hwm:
             self.fail(f"final: acknowledged id {max(self.acked)} above the high-water mark {hwm}")
-        reference = next(iter(logs.values()))
-        for txn, record in self.acked.items():
-            if reference[txn] != record:
-                self.fail(f"final: acknowledged {record!r} lost, log holds {reference[txn]!r}")
-        present = {r.req_id for r in reference}
         wrongly_failed = sorted(self.failed & present)
         if wrongly_failed:
             self.fail(f"final: {wrongly_failed[0]!r} was reported failed but is in the log")
@@ -278,6 +309,8 @@ class World:
         self.next_generation = 1
         self.replicas = list(self.initial_replicas)
         self.violated = False
+        self.trim_point = 0
+        """The partition's trim point as ZooKeeper holds it (see ``trim``): owners learn it after a delay."""
 
     # -- helpers for scenarios -------------------------------------------------------------------------------
 
@@ -315,6 +348,7 @@ class World:
         same = sum(s.generation == generation for s in [*self.servers, *self.retired_servers])
         server = Server(partition, generation, f"server-g{generation}" + (f"-{same + 1}" if same else ""))
         self.servers.append(server)
+        partition.set_trim_point(self.trim_point)  # as a server does from its copy of ZooKeeper's trim points
         await partition.start()
         self.event(f"start {server.name} with {list(partition.replicas)}")
         return server
@@ -378,6 +412,27 @@ class World:
     def slow_disk(self, name: str, fsync_ms: tuple[float, float]) -> None:
         self.event(f"{name} fsyncs now take {fsync_ms[0]:g}..{fsync_ms[1]:g} ms")
         self.storages[name].fsync_ms = fsync_ms
+
+    def trim(self, *, at_head: bool = False) -> int:
+        """Raise the trim point as ``waltz cluster trim`` does: checked against the owner's committed
+        high-water mark H (at most H + 1; ``at_head``: exactly that), written to ZooKeeper, then learnt by
+        each live owner after its watch fires (a seeded delay, so it races whatever the scenario does).
+        Returns the new trim point (the old one if there was nothing committed above it)."""
+        hwm = max((s.partition.high_water_mark for s in self.servers), default=-1)
+        if hwm + 1 <= self.trim_point:
+            return self.trim_point
+        low = hwm + 1 if at_head else self.trim_point + 1
+        self.trim_point = self.rng.randint(low, hwm + 1)
+        self.event(f"trim point set to {self.trim_point} in ZooKeeper (high-water mark {hwm})")
+        loop = asyncio.get_running_loop()
+        for server in self.servers:
+            loop.call_later(self.rng.uniform(0, 5) / 1000, self._watch_fired, server, self.trim_point)
+        return self.trim_point
+
+    def _watch_fired(self, server: Server, trim_point: int) -> None:
+        if server in self.servers:
+            self.event(f"{server.name} learns trim point {trim_point}")
+            server.partition.set_trim_point(trim_point)
 
     def check(self) -> None:
         self.checker.check_step()
@@ -491,6 +546,11 @@ class World:
                 return
             if all(p.max_id >= server.partition.high_water_mark for p in session.participants):
                 break
+            await asyncio.sleep(0.01)
+        # A replica that was down or lagging learns the trim point when the final session opens.
+        while any(  # noqa: ASYNC110 - polling virtual time, as above
+            self.storages[name].partitions[PARTITION].trim_point < self.trim_point for name in self.replicas
+        ):
             await asyncio.sleep(0.01)
         self.check()
         self.checker.check_final(server)

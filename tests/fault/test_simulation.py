@@ -47,9 +47,11 @@ def test_scenario(scenario: Scenario, seeds: range, caplog: pytest.LogCaptureFix
 
 
 @pytest.mark.fault
-def test_the_same_seed_replays_identically() -> None:
-    scenario = next(s for s in SCENARIOS if s.name == "mixed_faults")
+@pytest.mark.parametrize("name", ["mixed_faults", "lagging_replica_catches_up_from_a_trimmed_source"])
+def test_the_same_seed_replays_identically(name: str) -> None:
+    scenario = next(s for s in SCENARIOS if s.name == name)
     first = run_seed(scenario, 7)
     second = run_seed(scenario, 7)
     assert first.events == second.events
     assert first.checker.acked == second.checker.acked
+    assert first.trim_point == second.trim_point

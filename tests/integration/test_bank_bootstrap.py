@@ -34,6 +34,7 @@ from tests.integration.client_cluster import ClientTestCluster
 from tests.integration.server_process import TEST_ZK_SESSION_TIMEOUT_MS
 from waltz import ClientConfig
 from waltz.client.reader import LogReader
+from waltz.cluster.retention import update_retention
 from waltz.errors import TrimmedError
 
 pytestmark = pytest.mark.integration
@@ -46,6 +47,8 @@ def with_cluster(
 
     async def run() -> None:
         async with ClientTestCluster(tmp_path, zk, zk_connect, num_partitions=2) as cluster:
+            # No grace: trims take effect at once (tests/integration/test_retention.py covers the grace).
+            update_retention(zk, cluster.root, grace_ms=0)
             await asyncio.to_thread(body, cluster)
 
     asyncio.run(run())
@@ -265,14 +268,15 @@ def test_the_demo_bootstrap_drill(tmp_path: Path, zk: KazooClient, zk_connect_st
         lines: list[str] = []
         assert bootstrap_drill(config, data, data / "snapshot.json", say=lines.append), lines
         assert lines[0].startswith("snapshot of instance 0: 12 accounts at high-water marks {0: 29, 1: 29}")
-        assert lines[1:3] == [
+        assert lines[1].startswith("the drill's cluster trims at once (retention.graceMs 0;")
+        assert lines[2:4] == [
             "partition 0: trim point raised from 0 to 20",
             "partition 1: trim point raised from 0 to 20",
         ]
-        assert lines[3] == "instance 1 (never emptied) made 20 more deposits"
-        assert lines[4].startswith(
+        assert lines[4] == "instance 1 (never emptied) made 20 more deposits"
+        assert lines[5].startswith(
             "an instance with an empty database fails at once: TrimmedError: partition"
         )
-        assert "balances and high-water marks equal instance 1's for all 20 accounts" in lines[5]
+        assert "balances and high-water marks equal instance 1's for all 20 accounts" in lines[6]
 
     with_cluster(tmp_path, zk, zk_connect_string, body)

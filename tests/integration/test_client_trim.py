@@ -7,6 +7,7 @@ the requested id and the trim point; an instance restored from a snapshot mounts
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,9 @@ from tests.integration.client_cluster import ClientTestCluster, CounterApp, Tagg
 from tests.integration.server_process import wait_until
 from waltz import AsyncWaltzClient, WaltzClient
 from waltz.client.reader import LogReader
-from waltz.cluster.trim_points import read_trim_points
+from waltz.cluster.features import write_feature_version
+from waltz.cluster.retention import update_retention
+from waltz.cluster.trim_points import cancel_pending_trim, read_trim_points
 from waltz.errors import MetadataError, TrimmedError
 from waltz.ops.servers import ADMIN_CLIENT_ID
 from waltz.protocol import client_server as cs
@@ -46,6 +49,19 @@ def test_an_application_trims_its_partition_through_the_client(
                 with pytest.raises(MetadataError, match="would keep fewer than the 1000 most recent"):
                     await client.trim(0, 10)
                 assert read_trim_points(zk, cluster.root).of(0) == 0
+                # At feature version 1 (a Waltz 0.1.0 server may still run) a trim cannot be pending.
+                with pytest.raises(MetadataError, match="needs feature version 2, and the cluster is at 1"):
+                    await client.trim(0, 20, min_kept_transactions=10)
+                write_feature_version(zk, cluster.root, 2, -1)
+                # The cluster's grace (an hour by default): the trim point is pending, nothing is deleted.
+                pending = await client.trim(0, 20, min_kept_transactions=10)
+                assert pending.message.startswith(
+                    "partition 0: trim point 20 pending, set by an application; it takes effect at"
+                )
+                assert pending.effective_at_ms >= time.time() * 1000 + 3_500_000
+                assert read_trim_points(zk, cluster.root).of(0) == 0
+                assert "cancelled" in cancel_pending_trim(zk, cluster.root, 0)
+                update_retention(zk, cluster.root, grace_ms=0)  # from now on, in force at once
                 outcome = await client.trim(0, 20, min_kept_transactions=10)
                 assert (outcome.before, outcome.after) == (0, 20)
                 assert outcome.message == "partition 0: trim point raised from 0 to 20"

@@ -138,3 +138,26 @@ def test_trim_persists_fails_reads_below_and_reclaims_the_disk(node: StorageProc
             assert await client.read_records(SESSION + 2, 0, 300, 10) == records(300, 3)
 
     asyncio.run(after_second_restart())
+
+
+@pytest.mark.timeout(120)
+def test_a_log_truncated_below_its_trim_point_restarts_when_told_it_again(node: StorageProcess) -> None:
+    """A recovery may truncate a replica below its trim point (a segment straddling the trim point keeps ids
+    below it); told the same trim point again (a catch-up source answered TrimmedError), it restarts there, so
+    the catch-up goes on from the trim point instead of asking for trimmed ids forever."""
+
+    async def run() -> None:
+        async with await node.admin_client() as admin, await node.data_client() as client:
+            await admin.set_assigned([1], True)
+            await client.last_session_info(SESSION, 1)
+            for i in range(0, 60, 20):
+                await client.append(SESSION, 1, records(i, 20))
+            assert await client.trim(SESSION, 1, 45) == 45
+            max_id = await client.truncate(SESSION, 1, 2)
+            assert max_id < 44, f"the test needs a log cut below the trim point, it holds up to {max_id}"
+            assert await client.trim(SESSION, 1, 45) == 45
+            assert await client.max_transaction_id(SESSION, 1) == 44
+            await client.append(SESSION, 1, records(45, 2))
+            assert await client.read_records(SESSION, 1, 45, 10) == records(45, 2)
+
+    asyncio.run(run())

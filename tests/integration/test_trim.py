@@ -16,6 +16,7 @@ from tests.integration.raw_client import RawClient
 from tests.integration.server_process import wait_until
 from waltz.cli.main import main as waltz_main
 from waltz.cluster.membership import ClusterWatcher
+from waltz.cluster.retention import update_retention
 from waltz.cluster.trim_points import read_trim_points
 from waltz.errors import MetadataError, TrimmedError
 from waltz.ops.servers import ADMIN_CLIENT_ID, query
@@ -50,6 +51,8 @@ def test_trim_reaches_every_replica_and_reads_below_fail(
 
     async def main() -> None:
         await cluster.start(storages=3, servers=1)
+        # No grace: trims are in force at once (test_retention covers the grace).
+        update_retention(cluster.zk, cluster.root, grace_ms=0)
         async with ClusterWatcher(cluster.zk, cluster.root) as watcher:
             writer = await RawClient(watcher, 1).start()
             try:

@@ -10,6 +10,7 @@ Always stop it: use it as a context manager or call :meth:`WaltzProcess.stop` in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -106,6 +107,9 @@ class WaltzProcess:
         reader.start()
         reader.join(timeout_s)
         if not result or not result[0]:
+            if result:  # stdout closed: the process is exiting; let it finish before judging
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._proc.wait(10)
             alive = self._proc.poll() is None
             self.kill()
             what = f"did not report ready within {timeout_s} s" if alive else "exited before serving"

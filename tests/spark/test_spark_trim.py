@@ -14,8 +14,10 @@ import pytest
 from tests.integration.client_cluster import CounterApp
 from tests.spark.conftest import WaltzTestCluster
 from waltz import WaltzClient
+from waltz.cluster import zk
+from waltz.cluster.retention import update_retention
 from waltz.errors import TrimmedError
-from waltz.local import UpOptions, down, up
+from waltz.local import UpOptions, configs, down, up
 from waltz.spark.cluster import close_all
 from waltz.spark.datasource import _past_trim_point
 from waltz.spark.options import parse_options
@@ -41,6 +43,11 @@ def trimmed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WaltzTestClust
             },
         )
         log.append([{"partition": 0, "data": b"r%d" % i} for i in range(RECORDS)])
+        zk_client = configs.zk_connect(cluster, 10_000)
+        try:  # No grace: the trim is in force at once (see test_retention for the grace).
+            update_retention(zk_client, cluster.cluster_root, grace_ms=0)
+        finally:
+            zk.close(zk_client)
         with WaltzClient(CounterApp(1), log.client_config) as client:
             outcome = client.trim(0, TRIM_POINT, min_kept_transactions=10)
         assert outcome.after == TRIM_POINT

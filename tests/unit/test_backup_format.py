@@ -86,9 +86,22 @@ def test_manifest_round_trips_and_names_its_fields(tmp_path: Path) -> None:
         "parent",
         "partitions",
     }
-    assert set(raw["partitions"][0]) == {"partition", "file", "first", "last", "bytes", "sha256"}
+    assert set(raw["partitions"][0]) == {
+        "partition",
+        "file",
+        "first",
+        "last",
+        "bytes",
+        "sha256",
+        "trim_point",
+    }
     assert read_manifest(tmp_path / "b") == manifest
     assert verify_backup(tmp_path / "b") == manifest
+    # A manifest written before trim points were recorded reads as untrimmed.
+    for entry in raw["partitions"]:
+        del entry["trim_point"]
+    (tmp_path / "b" / MANIFEST_NAME).write_text(json.dumps(raw))
+    assert all(e.trim_point == 0 for e in read_manifest(tmp_path / "b").partitions)
 
 
 def test_every_truncation_is_a_named_error(tmp_path: Path) -> None:

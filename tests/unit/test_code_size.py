@@ -21,7 +21,12 @@ MAX_MODULE_LINES = 900
 CHECKED: tuple[str, ...] = ("",)
 """What is checked, relative to ``src/waltz``: ``""`` is all of it."""
 
-EXCEPTIONS: dict[str, str] = {}
+EXCEPTIONS: dict[str, str] = {
+    "protocol/storage.py": (
+        "the storage codec table: the byte-by-byte format of its 27 messages (the 220-line module doc) "
+        "beside their classes and the type table, so the documented format and its codec change together"
+    ),
+}
 """``"path/of/module.py"`` or ``"path/of/module.py::Class.function"`` -> why it may be longer."""
 
 

@@ -427,3 +427,47 @@ def test_one_write_lock_requests_take_the_slots_of_their_lock_remembered_or_not(
         assert request.checked == (lock_slots(lock, 1000),)
         table.commit_and_release(request, 5)
         assert len(table._slots_of) <= limit
+
+
+def test_the_remembered_slots_are_shared_by_tables_of_one_size() -> None:
+    # One memory per server, not per partition: 1,000 partitions must not hold 1,000 of them.
+    one, two, other = LockTable(777, -1), LockTable(777, -1), LockTable(778, -1)
+    assert one._slots_of is two._slots_of
+    assert other._slots_of is not one._slots_of
+    request = one.begin_checked((123,), (), (), 5)
+    assert isinstance(request, LockRequest)
+    assert two._slots_of[123] == lock_slots(123, 777)
+    request = other.begin_checked((123,), (), (), 5)
+    assert isinstance(request, LockRequest)
+    assert request.updated == lock_slots(123, 778)
+
+
+def test_slots_take_memory_only_from_the_first_request_with_locks() -> None:
+    # A partition whose appends never lock must not pay 9 bytes a slot (264 KiB at the default size): with
+    # many partitions that was most of what one more partition cost a server.
+    table = LockTable(initial_high_water_mark=7)
+    assert not table.allocated
+    assert len(table._hwms) == 0
+    assert len(table._busy) == 0
+    assert table.busy_slots() == 0
+    assert table.lock_high_water_mark(L) == 7  # what every slot will start at
+    request = table.begin_checked((L,), (), (), 7)
+    assert isinstance(request, LockRequest)
+    assert table.allocated
+    assert len(table._hwms) == DEFAULT_LOCK_TABLE_SIZE
+    assert set(table._hwms) == {7}
+    table.commit_and_release(request, 8)
+    assert table.lock_high_water_mark(L) == 8
+
+
+@pytest.mark.parametrize("path", ["begin", "begin_checked"])
+def test_an_unallocated_table_conflicts_as_an_allocated_one(path: str) -> None:
+    # The first request sees every slot at the initial mark, whichever entry point allocates them.
+    table = LockTable(initial_high_water_mark=20)
+    if path == "begin":
+        request = table.begin((L,), (M,), ())
+        assert request is not None
+        assert table.check(request, 19) == 20
+    else:
+        assert table.begin_checked((L,), (), (), 19) == 20
+    assert table.allocated

@@ -143,3 +143,18 @@ def test_a_damaged_replica_does_not_count_in_accept_loss_or_rebuild_votes() -> N
     assert "h0:80: replica damaged, session 4, max transaction id 50 -> recovery classifies it damaged" in (
         "\n".join(p0.describe())
     )
+
+
+def test_the_trim_point_is_the_highest_a_replica_recorded_and_goes_into_the_tree() -> None:
+    nodes = three(((4, 10, 50), (4, 10, 50), (4, 10, 50)))
+    for i, trim in enumerate((30, 40, 0)):  # one replica never told (0), one told later (40)
+        nodes[i].replicas[0] = dataclasses.replace(nodes[i].replicas[0], trim_point=trim)
+    plan = plan_rebuild("/c", "name", nodes)
+    assert plan.partitions[0].trim_point == 40
+    assert plan.partitions[1].trim_point == 0
+    assert ", trim point 40" in plan.partitions[0].describe()[0]
+    assert "trim point" not in plan.partitions[1].describe()[0]
+    points = plan.tree().trim_points
+    assert (points.of(0), points.of(1), set(points.entries)) == (40, 0, {0})
+    untrimmed = plan_rebuild("/c", "name", three(((4, 10, 50), (4, 10, 50), (4, 10, 50))))
+    assert untrimmed.tree().trim_points.entries == {}

@@ -3,10 +3,10 @@
 One :class:`Partition` in this process, on a real :class:`StorePartition` whose three replicas hold nothing
 and acknowledge every batch a moment later (so the test measures the server, not a fake storage node), and
 one mounted client whose feed is served. Appends go through the server's own decode and append path, without
-locks (the lock table is an array of ``lock_table_size`` slots allocated at start, and the slots of at most
-4,096 recent lock values, under 1 MB, beside it). ``tracemalloc`` counts what the partition still
-holds after N and after 3N transactions: the feed cache's and the transaction data cache's configured bytes
-and a little more, the same after 3N as after N.
+locks (the lock table is an array of ``lock_table_size`` slots allocated at the first locked append; the
+slots of recent lock values are remembered once per server, under 4 MB). ``tracemalloc`` counts what the
+partition still holds after N and after 3N transactions: the feed cache's and the transaction data cache's
+configured bytes and a little more, the same after 3N as after N.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class _Peer:
         elif isinstance(msg, cs.LockFailure):
             raise AssertionError(f"no append of this test conflicts: {msg}")
 
-    def send_feed(self, entries: Sequence[FeedEntry]) -> None:
+    def send_feed(self, entries: Sequence[FeedEntry], frames: dict[int, bytes] | None = None) -> None:
         cs.frame_feed_entries(entries, VERSION)
         self.fed += len(entries)
         self.last_id = entries[-1][0]

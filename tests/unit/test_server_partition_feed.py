@@ -101,7 +101,7 @@ class _Peer:
     def send(self, msg: cs.Message) -> None:
         self.sent.append(msg)
 
-    def send_feed(self, entries: Sequence[FeedEntry]) -> None:
+    def send_feed(self, entries: Sequence[FeedEntry], frames: dict[int, bytes] | None = None) -> None:
         self.sent.extend(txn for txn, *_ in entries)
 
     async def drain(self) -> None:

@@ -86,7 +86,7 @@ class _Peer:
     def send(self, msg: cs.Message) -> None:
         self.sent.append(msg)
 
-    def send_feed(self, entries: object) -> None:
+    def send_feed(self, entries: object, frames: object = None) -> None:
         pass
 
     async def drain(self) -> None:

@@ -108,11 +108,17 @@ CASES: list[tuple[s.StorageMessage, str]] = [
     (s.TrimRequest(1, 2, 3, 100, False), p(24) + "0000000000000064 00"),
     (s.TrimRequest(1, 2, 3, 0, True), p(24) + "0000000000000000 01"),
     (s.TrimResponse(1, 2, 3, 100), p(25) + "0000000000000064"),
+    (s.SegmentSizesRequest(1, 2, 3, 4096), p(26) + "00001000"),
+    (
+        s.SegmentSizesResponse(1, 2, 3, ((0, 4096), (10, 512))),
+        p(27) + "00000002 0000000000000000 0000000000001000 000000000000000a 0000000000000200",
+    ),
+    (s.SegmentSizesResponse(1, 2, 3, ()), p(27) + "00000000"),
 ]
 
 
 def test_every_message_type_has_a_golden_case() -> None:
-    assert {type(msg).TYPE for msg, _ in CASES} == set(range(1, 26))
+    assert {type(msg).TYPE for msg, _ in CASES} == set(range(1, 28))
 
 
 @pytest.mark.parametrize(("msg", "hex_"), CASES, ids=case_id)
@@ -153,13 +159,13 @@ def test_trailing_and_truncated_payloads_are_refused(msg: s.StorageMessage, hex_
 
 
 def test_unknown_type_and_bad_fields_are_refused() -> None:
-    for code in (0, 26, 255):
+    for code in (0, 28, 255):
         with pytest.raises(RemoteProtocolError, match="unknown"):
             s.decode(bytes.fromhex(p(code)))
     with pytest.raises(RemoteProtocolError, match="boolean"):
         s.decode(bytes.fromhex(p(2) + "02"))
     # A count the payload cannot possibly hold is refused before anything is allocated for it.
-    for code in (6, 16, 18):
+    for code in (6, 16, 18, 27):
         with pytest.raises(RemoteProtocolError, match="count"):
             s.decode(bytes.fromhex(p(code) + "7fffffff 00"))
     with pytest.raises(RemoteProtocolError):
@@ -453,9 +459,18 @@ def test_the_truncate_and_replica_trailers_are_canonical_and_bounded() -> None:
 
 
 def test_every_codec_version_is_the_messages_it_adds() -> None:
-    """V0 is Waltz 0.1.0's whole message set (1-25); every later version must add a message type, and no
-    message may be newer than the newest version this codec speaks (a new message is a new version)."""
+    """V0 is Waltz 0.1.0's whole message set (1-25); every later version must add a message type (V1:
+    26/27), and no message may be newer than the newest version this codec speaks (a new message is a new
+    version)."""
     classes = {type(msg) for msg, _ in CASES}
-    assert all(s.available(cls, 0) for cls in classes)
+    assert {cls.TYPE for cls in classes if s.available(cls, 0)} == set(range(1, 26))
+    assert {cls.TYPE for cls in classes if cls.MIN_VERSION == 1} == {26, 27}
     assert max(cls.MIN_VERSION for cls in classes) == max(s.STORAGE_VERSIONS)
     assert {cls.MIN_VERSION for cls in classes} == set(s.STORAGE_VERSIONS)
+
+
+def test_a_v1_message_is_refused_by_a_v0_decoder() -> None:
+    raw = s.encode(s.SegmentSizesRequest(1, 2, 3, 10))
+    assert s.decode(raw, 1) == s.SegmentSizesRequest(1, 2, 3, 10)
+    with pytest.raises(RemoteProtocolError, match="storage message type 26 is not in codec V0"):
+        s.decode(raw, 0)

@@ -1,7 +1,7 @@
 """Trim points in the store (memory storages, virtual time): reads below fail with TrimmedError without
 asking a replica, every replica of the open session is told, a lagging replica whose catch-up source was
-trimmed restarts at the trim point and catches up from there, and a trim racing a failover reaches the new
-owner's replicas."""
+trimmed restarts at the trim point and catches up from there, a trim racing a failover reaches the new
+owner's replicas, and damage reported below the trim point is not repaired."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import asyncio
 
 import pytest
 
-from waltz.errors import TrimmedError
+from waltz.errors import BrokenResourceError, TrimmedError
 from waltz.server.store.store_partition import StorePartition
 from waltz.testing import run_virtual
+from waltz.testing.store import MemoryConnection
 
 from .test_store_session import NAMES, World, req
 
@@ -70,15 +71,75 @@ def test_a_trim_racing_a_failover_reaches_the_new_owners_replicas() -> None:
         new.set_trim_point(30)  # the new owner reads it from ZooKeeper before its first session
         await new.start()
         await new.wait_open()
-        # Every participant of the new owner's session is told; a replica that joins a session late is
-        # told when the next one opens (the checkpoint interval; requested here).
-        while any(world.storages[n].partitions[0].trim_point != 30 for n in NAMES):
-            new.request_new_session()
-            await asyncio.sleep(1)
+        # Every participant of the new owner's session is told, and so is a replica that joins it late (no
+        # new session needed).
+        while any(world.storages[n].partitions[0].trim_point != 30 for n in NAMES):  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
         with pytest.raises(TrimmedError):
             await new.read_records(29, 1)
         assert (await new.read_records(30, 1))[0].data == req(30).data
         await old.close()
         await new.close()
+
+    run_virtual(main())
+
+
+def test_damage_reported_below_the_trim_point_needs_no_repair() -> None:
+    async def main() -> None:
+        world = World(damage_poll_interval_ms=50)
+        partition = world.partition()
+        await partition.start()
+        await _append(partition, 0, 40)
+        # A replica's scrub reports damaged copies of ids that are (or are about to be) trimmed: no other
+        # replica can give them, and none needs to.
+        world.storages[NAMES[0]].damage(0, 5)
+        world.storages[NAMES[0]].damage(0, 25)
+        partition.set_trim_point(20)
+        await asyncio.sleep(2)  # many polls
+        stats = partition.repairs
+        assert (stats.failed, dict(stats.failing)) == (0, {})
+        assert world.storages[NAMES[0]].partitions[0].damaged == {5}  # 25 was repaired; 5 was left alone
+        await partition.close()
+
+    run_virtual(main())
+
+
+def test_a_lagging_replica_that_fails_to_restart_at_the_trim_point_does_not_end_the_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lagging replica's own failure (here its first trim request breaks) is retried by its task; the
+    session, whose quorum never depended on it, goes on."""
+    lagging = NAMES[2]
+    original = MemoryConnection.trim
+    failures = [1]
+
+    async def trim_once_broken(self: MemoryConnection, trim_point: int) -> int:
+        if self.storage == lagging and failures:
+            failures.pop()
+            self.break_()
+            raise BrokenResourceError(f"connection to {lagging} broke")
+        return await original(self, trim_point)
+
+    async def main() -> None:
+        world = World()
+        partition = world.partition()
+        await partition.start()
+        await _append(partition, 0, 10)
+        world.network.isolate(lagging)
+        await _append(partition, 10, 90)
+        partition.set_trim_point(60)
+        while any(world.storages[n].partitions[0].trim_point != 60 for n in NAMES[:2]):  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        session = partition.session
+        assert session is not None
+        monkeypatch.setattr(MemoryConnection, "trim", trim_once_broken)
+        world.network.heal(lagging)
+        while len(world.log(lagging)) < 100:  # noqa: ASYNC110 - polls storage state on virtual time
+            await asyncio.sleep(0.01)
+        assert not failures  # the broken trim request happened
+        assert partition.session is session
+        assert session.is_open
+        await _append(partition, 100, 1)
+        await partition.close()
 
     run_virtual(main())

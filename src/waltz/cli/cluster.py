@@ -19,6 +19,7 @@ from typing import Any, TextIO
 from kazoo.client import KazooClient
 
 from waltz.cli.common import add_cli_config_arg, load_cli_config, load_cli_tls
+from waltz.cluster import retention
 from waltz.cluster import store_metadata as sm
 from waltz.cluster.partition_metadata import UNRESOLVED
 from waltz.cluster.zk import session
@@ -258,6 +259,9 @@ def cmd_raise_features(client: KazooClient, root: str, args: argparse.Namespace,
 
 
 def cmd_trim(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    if args.cancel:
+        print(trim.cancel_trim(client, root, args.partition), file=out)
+        return 0
     ssl = load_cli_tls(args.cli_config_path).client_context(args.cli_config_path)
     outcome = trim.trim_partition(
         client,
@@ -266,10 +270,27 @@ def cmd_trim(client: KazooClient, root: str, args: argparse.Namespace, out: Text
         to=args.to,
         keep_last=args.keep_last,
         min_kept_transactions=args.min_kept,
+        grace_ms=args.grace_ms,
         ssl=ssl,
         timeout_ms=int(args.timeout * 1000),
     )
     print(outcome.message, file=out)
+    return 0
+
+
+def cmd_retention(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
+    if args.action != "show":
+        edit = retention.RetentionEdit(
+            partition_id=args.partition,
+            keep_transactions=args.keep_transactions,
+            keep_bytes=args.keep_bytes,
+            grace_ms=args.grace_ms,
+            keep_all=args.keep_all,
+            clear=args.action == "clear",
+        )
+        retention.update_retention(client, root, edit)
+    for line in trim.retention_status(client, root):
+        print(line, file=out)
     return 0
 
 
@@ -482,6 +503,14 @@ def _add_loss_commands(command: _AddCommand) -> None:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--to", type=_non_negative, metavar="TXN", help="the lowest transaction id to keep")
     target.add_argument("--keep-last", type=int, metavar="N", help="keep only the last N transactions")
+    target.add_argument("--cancel", action="store_true", help="cancel the pending trim point (in its grace)")
+    p.add_argument(
+        "--grace-ms",
+        type=_non_negative,
+        metavar="MS",
+        help="how long the trim point is pending before it takes effect (default: the cluster's "
+        "retention.graceMs; 0: at once, for an emergency such as a full disk)",
+    )
     p.add_argument(
         "--min-kept",
         type=_non_negative,
@@ -490,4 +519,26 @@ def _add_loss_commands(command: _AddCommand) -> None:
         help=f"grace: never trim the last N transactions (default {trim.DEFAULT_MIN_KEPT_TRANSACTIONS})",
     )
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="time limit (10 s)")
+    p.set_defaults(default_log_level="INFO")
+
+    p = command(
+        "retention",
+        cmd_retention,
+        "show or set the retention policy (keep the last N transactions or N bytes; the grace before any "
+        "trim point takes effect) and each partition's trim point, in force and pending",
+    )
+    p.add_argument("action", choices=["show", "set", "clear"], help="show, set or clear a policy")
+    p.add_argument("-p", "--partition", type=_non_negative, help="a partition's override (default: all)")
+    p.add_argument("--keep-transactions", type=int, metavar="N", help="keep the last N transactions")
+    p.add_argument(
+        "--keep-bytes", type=int, metavar="B", help="keep the newest segments that hold B bytes (per replica)"
+    )
+    p.add_argument("--keep-all", action="store_true", help="keep everything (an override of the default)")
+    p.add_argument(
+        "--grace-ms",
+        type=_non_negative,
+        metavar="MS",
+        help=f"cluster-wide: how long every trim point is pending before it takes effect "
+        f"(default {retention.DEFAULT_GRACE_MS} ms)",
+    )
     p.set_defaults(default_log_level="INFO")

@@ -365,7 +365,8 @@ def cmd_recover_partition(args: argparse.Namespace) -> int:
     kind = f", recovery will count it as {result.destination_class.value}" if result.destination_class else ""
     print(
         f"partition {result.partition}: copied {result.copied} records from {result.source} to "
-        f"{result.destination} in {result.elapsed_s:.1f} s; it holds 0..{result.target} with session "
+        f"{result.destination} in {result.elapsed_s:.1f} s; it holds {result.trim_point}..{result.target}"
+        f"{' (trimmed below)' if result.trim_point else ''} with session "
         f"{result.session_id}{kind}; {'online' if result.online else 'left offline'}"
     )
     return 0

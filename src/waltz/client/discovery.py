@@ -23,10 +23,12 @@ from waltz.client.config import ClientConfig
 from waltz.client.driver import CoordinationTrouble
 from waltz.cluster import zk
 from waltz.cluster.membership import ClusterWatcher
+from waltz.cluster.retention import read_retention
 from waltz.cluster.store_metadata import next_id, read_cluster_params
 from waltz.cluster.trim_points import (
     DEFAULT_MIN_KEPT_TRANSACTIONS,
     TrimOutcome,
+    TrimSource,
     raise_trim_point,
 )
 from waltz.errors import ClientError
@@ -152,19 +154,26 @@ class ZkDiscovery:
     async def raise_trim_point(
         self, partition_id: int, target: int, high_water_mark: int, min_kept_transactions: int | None
     ) -> TrimOutcome:
-        """Raise ``partition_id``'s trim point in ZooKeeper (the rules of ``waltz cluster trim``)."""
-        if self._zk is None:
+        """Raise ``partition_id``'s trim point in ZooKeeper (the rules of ``waltz cluster trim``): pending
+        for the cluster's grace (``retention.graceMs``), then in force."""
+        zk_client = self._zk
+        if zk_client is None:
             raise ClientError("discovery is not open")
+        root = self._config.cluster_root
+        grace_ms = (await asyncio.to_thread(read_retention, zk_client, root)).grace_ms
         return await asyncio.to_thread(
-            raise_trim_point,
-            self._zk,
-            self._config.cluster_root,
-            partition_id,
-            target,
-            high_water_mark,
-            min_kept_transactions=(
-                DEFAULT_MIN_KEPT_TRANSACTIONS if min_kept_transactions is None else min_kept_transactions
-            ),
+            lambda: raise_trim_point(
+                zk_client,
+                root,
+                partition_id,
+                target,
+                high_water_mark,
+                min_kept_transactions=(
+                    DEFAULT_MIN_KEPT_TRANSACTIONS if min_kept_transactions is None else min_kept_transactions
+                ),
+                grace_ms=grace_ms,
+                source=TrimSource.CLIENT,
+            )
         )
 
     async def updates(self) -> AsyncIterator[Endpoints]:

@@ -26,8 +26,11 @@ Feature versions (:data:`FEATURES`):
 * 1 -- everything Waltz 0.1.0 reads and writes: wire codecs client V0-V6, storage V0, admin V0; control file
   format 1 (0 read and migrated), segment format 0, backup format 1, ZooKeeper values as in docs/zookeeper.md.
 * 2 -- every process is Waltz 0.2.0 or later: it registers its supported range (above) and refuses to start in
-  a cluster whose feature version it does not support. No format of 0.2.0 needs more; later formats that a
-  0.2.0 process cannot read get feature version 3 and are used only once :func:`read_feature_version` says so.
+  a cluster whose feature version it does not support. A trim point may be pending for a grace
+  (``<root>/store/trim`` format 2, :mod:`waltz.cluster.trim_points`) and a retention limit in bytes may be
+  set (the servers send storage message 26, :mod:`waltz.cluster.retention`). No format of 0.2.0 needs
+  more; later formats that a 0.2.0 process cannot read get feature version 3 and are used only once
+  :func:`read_feature_version` says so.
 
 A process checks the feature version when it starts (:func:`check_supported`), so that after a raise an older
 0.2.0-or-later process refuses to start rather than join a cluster whose formats it cannot read. Waltz 0.1.0
@@ -81,7 +84,8 @@ BASE_FEATURE_VERSION: Final = 1
 
 FEATURES: Final[Mapping[int, str]] = {
     1: "Waltz 0.1.0: the formats and protocols of the first release",
-    2: "Waltz 0.2.0: every process registers its supported feature range and checks the cluster's",
+    2: "Waltz 0.2.0: every process registers its supported feature range and checks the cluster's; "
+    "pending trim points (a grace) and retention limits in bytes",
 }
 """What each feature version allows, for ``waltz cluster features``."""
 

@@ -33,6 +33,7 @@ from waltz.cluster.partition_metadata import PartitionMetadata
 from waltz.cluster.replica_assignments import ReplicaAssignments
 from waltz.cluster.server_descriptor import ServerDescriptor
 from waltz.cluster.store_params import StoreParams
+from waltz.cluster.trim_points import TrimPoints
 from waltz.cluster.zk import ClusterPaths, commit, compare_and_set, read_value, zk_errors
 from waltz.errors import ClusterError, ClusterNotFoundError, ConcurrentUpdateError, MetadataError
 
@@ -76,6 +77,8 @@ class ClusterTree:
     connections: ConnectionMetadata = field(default_factory=ConnectionMetadata)
     last_client_id: int = 0
     """The client-id counter's value: the next client takes ``last_client_id + 1``."""
+    trim_points: TrimPoints = field(default_factory=TrimPoints)
+    """``<root>/store/trim``, written only if a partition is listed (a fresh cluster has none)."""
 
 
 def write_cluster_tree(client: KazooClient, root: str, tree: ClusterTree) -> None:
@@ -105,6 +108,8 @@ def write_cluster_tree(client: KazooClient, root: str, tree: ClusterTree) -> Non
     t.create(paths.groups, tree.groups.encode())
     t.create(paths.connections, tree.connections.encode())
     t.create(paths.admin_lock, b"")
+    if tree.trim_points.entries:
+        t.create(paths.trim_points, tree.trim_points.encode())
     try:
         commit(t, f"create cluster at {root}")
     except ConcurrentUpdateError:

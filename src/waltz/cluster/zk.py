@@ -327,6 +327,10 @@ class ClusterPaths:
         return f"{self.root}/store/trim"
 
     @property
+    def retention(self) -> str:
+        return f"{self.root}/store/retention"
+
+    @property
     def groups(self) -> str:
         return f"{self.root}/store/group"
 

@@ -13,6 +13,13 @@ and never goes down), so the backup holds exactly a prefix of each partition's c
 independent logs in Waltz (no transaction spans two), so marks taken concurrently are a consistent cut: every
 transaction acknowledged before the backup started is in it, and for each partition nothing after its mark is.
 
+**Trimmed partitions.** The trim points are read from ZooKeeper (``<root>/store/trim``) just before the
+cut: a full backup of a trimmed partition starts at its trim point, and the manifest records the trim point,
+so a restore recreates it (reads below it then fail with ``TrimmedError``, as on the source). An incremental
+backup whose previous backup ends below the trim point cannot continue it (the ids between were deleted): it
+fails with ``TrimmedError`` naming the partition, and a new full backup is needed. A trim raised while the
+backup copies fails it the same way; run it again.
+
 **Incremental.** Given the directory of a previous backup (full or incremental) of the same cluster, each
 partition is copied from the previous backup's last id + 1; the manifest names its parent, and a restore takes
 the chain. The previous backup is verified (manifest hashes) first, and must be of this cluster.
@@ -34,14 +41,15 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 from waltz.client.config import ClientConfig
 from waltz.client.reader import LogReader
 from waltz.cluster import zk
-from waltz.errors import BackupError, WaltzError
+from waltz.cluster.trim_points import TrimPoints, read_trim_points, wall_clock_ms
+from waltz.errors import BackupError, TrimmedError, WaltzError
 from waltz.ops.backup_format import (
     MANIFEST_NAME,
     BackupManifest,
@@ -145,9 +153,12 @@ async def backup(
             n = reader.num_partitions
             started = time.monotonic()
             created_ms = int(time.time() * 1000)
+            # Trim points before the cut, so none is above a mark (a trim is at most a committed mark + 1).
+            trims = await asyncio.to_thread(_trim_points, config)
+            now_ms = wall_clock_ms()  # a pending trim point whose time has come is in force
             # The cut: every owner is asked at once, before anything is read.
             marks = await asyncio.gather(*(reader.high_water_mark(p) for p in range(n)))
-            firsts = [0 if previous is None else previous.partitions[p].last + 1 for p in range(n)]
+            firsts = _firsts(previous, trims, now_ms, n, since)
             for p in range(n):
                 if marks[p] < firsts[p] - 1:
                     raise BackupError(
@@ -163,9 +174,10 @@ async def backup(
                     header = FileHeader(p, key, firsts[p], marks[p])
                     path = directory / partition_file_name(p)
                     written.append(path)
-                    return await _copy_partition(
+                    entry = await _copy_partition(
                         config, reader, PartitionFileWriter(path, header), fetch_depth, counter
                     )
+                    return replace(entry, trim_point=trims.in_force(p, now_ms))
 
             entries = await run_all(one(p) for p in range(n))
             manifest = BackupManifest(
@@ -200,6 +212,40 @@ async def run_all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
             first = first.exceptions[0]
         raise first from None
     return [t.result() for t in tasks]
+
+
+def _firsts(
+    previous: BackupManifest | None, trims: TrimPoints, now_ms: int, n: int, since: Path | None
+) -> list[int]:
+    """Each partition's first id to copy: its trim point in force for a full backup, the previous backup's
+    last + 1 for an incremental one (TrimmedError if that was trimmed: the chain cannot continue)."""
+    points = [trims.in_force(p, now_ms) for p in range(n)]
+    if previous is None:
+        return points
+    firsts = [previous.partitions[p].last + 1 for p in range(n)]
+    for p in range(n):
+        if firsts[p] < points[p]:
+            raise TrimmedError(
+                f"partition {p}: the previous backup ({since}) ends at {firsts[p] - 1}, below the trim point "
+                f"{points[p]} (transactions 0..{points[p] - 1} were trimmed): an incremental backup "
+                "cannot continue it; take a full backup",
+                partition_id=p,
+                transaction_id=firsts[p],
+                trim_point=points[p],
+            )
+    return firsts
+
+
+def _trim_points(config: ClientConfig) -> TrimPoints:
+    client = zk.connect(
+        config.zookeeper_connect_string,
+        session_timeout_ms=config.zookeeper_session_timeout_ms,
+        auth=config.zookeeper_auth(),
+    )
+    try:
+        return read_trim_points(client, config.cluster_root)
+    finally:
+        zk.close(client)
 
 
 def _check_same_cluster(since: Path, previous: BackupManifest, key: uuid.UUID, n: int) -> None:
@@ -246,6 +292,8 @@ async def _copy_partition(
             first, count, task = pending.popleft()
             try:
                 run = await task
+            except TrimmedError:
+                raise  # a trim raised during the backup: typed, it names the partition and the trim point
             except (WaltzError, OSError) as e:
                 found = await diagnose(config, p, first, count)
                 raise BackupError(

@@ -11,8 +11,8 @@ Partition file ``partition-<p>.wbk`` (big-endian)::
         10     2  u16 flags (0; a reader refuses any other value)
         12     4  i32 partition id
         16    16  cluster key (the UUID's 16 bytes)
-        32     8  i64 first transaction id in the file (0 for a full backup, the previous backup's last + 1
-                  for an incremental one)
+        32     8  i64 first transaction id in the file (for a full backup the partition's trim point, 0 if
+                  it was never trimmed; the previous backup's last + 1 for an incremental one)
         40     8  i64 last transaction id in the file (the cut's high-water mark; first - 1 if none)
         48     4  u32 CRC-32 of bytes 0..47
         52        blocks, then the end marker
@@ -39,8 +39,10 @@ and both checksums) as the log holds it.
     parent          null for a full backup; for an incremental one {"backup_id", "manifest_sha256"}: the
                     previous backup's id and the SHA-256 (hex) of its manifest.json bytes
     partitions      one object per partition, by partition id:
-                    {"partition", "file", "first", "last", "bytes", "sha256"}: the file's name, its id range
-                    (as in its header), its size and the SHA-256 (hex) of the whole file
+                    {"partition", "file", "first", "last", "bytes", "sha256", "trim_point"}: the file's name,
+                    its id range (as in its header), its size, the SHA-256 (hex) of the whole file, and the
+                    partition's trim point when the backup was taken (0: never trimmed; a manifest without
+                    the key reads as 0). A restore recreates the trim point (``docs/operations.md``).
 
 The per-file SHA-256 can be checked with ``sha256sum``; ``waltz backup --verify`` checks it, every file's
 header against the manifest, the blocks' shape and every record's checksums.
@@ -147,6 +149,8 @@ class PartitionEntry:
     last: int
     bytes: int
     sha256: str
+    trim_point: int = 0
+    """The partition's trim point when the backup was taken: the ids below it were deleted on purpose."""
 
     @property
     def records(self) -> int:
@@ -183,6 +187,7 @@ class BackupManifest:
                     "last": e.last,
                     "bytes": e.bytes,
                     "sha256": e.sha256,
+                    "trim_point": e.trim_point,
                 }
                 for e in self.partitions
             ],
@@ -208,6 +213,7 @@ class BackupManifest:
                     int(e["last"]),
                     int(e["bytes"]),
                     str(e["sha256"]),
+                    int(e.get("trim_point", 0)),
                 )
                 for e in v["partitions"]
             )
@@ -231,7 +237,12 @@ class BackupManifest:
                 f"{path}: the manifest does not list partitions 0..{manifest.num_partitions - 1}"
             )
         for e in entries:
-            if e.file != partition_file_name(e.partition) or e.last < e.first - 1 or e.first < 0:
+            if (
+                e.file != partition_file_name(e.partition)
+                or e.last < e.first - 1
+                or e.first < 0
+                or e.trim_point < 0
+            ):
                 raise BackupError(f"{path}: bad entry for partition {e.partition}")
         return manifest
 

@@ -26,6 +26,10 @@ What the plan writes, and why recovery then keeps every committed transaction:
   replica's newest record (under server id 0, which is never handed out), so the first server takes the
   partition one generation above, and no new request id can equal a stored one. The client-id counter
   starts at the highest client id among those records.
+* **Trim points**: each partition's is the highest trim point a replica recorded in its control file (every
+  one came from ZooKeeper's, so none is above it), written to ``<root>/store/trim`` in the same transaction,
+  so the servers refuse reads below it again. A replica whose log holds nothing at or above its trim point (it
+  restarted there) has no newest record to read.
 
 A partition whose vote the plan predicts undecidable (its replicas of session ``S`` alone cannot reach a
 quorum) is named in the plan with the command that repairs it (``waltz storage recover-partition``).
@@ -36,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,6 +56,7 @@ from waltz.cluster.partition_assignment import NOT_COMPUTED, PartitionAssignment
 from waltz.cluster.partition_metadata import UNRESOLVED, PartitionMetadata, ReplicaState
 from waltz.cluster.replica_assignments import ReplicaAssignments
 from waltz.cluster.store_params import StoreParams
+from waltz.cluster.trim_points import TrimEntry, TrimPoints
 from waltz.cluster.zk import ClusterPaths, zk_errors
 from waltz.config import host_port
 from waltz.errors import ConfigError, WaltzError
@@ -96,6 +102,8 @@ class ReplicaSeen:
     """The control-file entry did not verify: the node held a replica but its state is unknown."""
     replica_damaged: bool = False
     """The node found the replica lost records it held (``replicaDamaged``): recovery does not count it."""
+    trim_point: int = 0
+    """The trim point in the replica's control file (``trimPoint``; 0 from a node that does not say)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,8 @@ class PartitionPlan:
     predicted: int | None
     """What the first recovery will resolve (None: undecidable until a replica is repaired)."""
     classes: dict[str, ReplicaClass]
+    trim_point: int = 0
+    """The highest trim point a replica recorded (0: never trimmed)."""
 
     def describe(self) -> list[str]:
         m = self.metadata
@@ -133,6 +143,7 @@ class PartitionPlan:
                 if not m.replicas
                 else f"replicas recorded in session {next(iter(m.replicas.values())).session_id}"
             )
+            + (f", trim point {self.trim_point}" if self.trim_point > 0 else "")
         ]
         for r in self.replicas:
             kind = self.classes.get(r.storage)
@@ -190,6 +201,7 @@ class RebuildPlan:
         return lines
 
     def tree(self) -> sm.ClusterTree:
+        now_ms = int(time.time() * 1000)
         generations = {p.partition: p.generation for p in self.partitions if p.generation > 0}
         return sm.ClusterTree(
             params=self.params,
@@ -204,6 +216,9 @@ class RebuildPlan:
             groups=GroupDescriptor({n.storage: n.group for n in self.nodes}),
             connections=ConnectionMetadata({n.storage: host_port(n.admin)[1] for n in self.nodes}),
             last_client_id=self.last_client_id,
+            trim_points=TrimPoints(
+                {p.partition: TrimEntry(p.trim_point, now_ms) for p in self.partitions if p.trim_point}
+            ),
         )
 
 
@@ -252,8 +267,9 @@ async def _read_node(admin: str, group: int, ssl: SSLContext | None) -> NodeSeen
 
 async def _replica(client: AdminClient, storage: str, partition: int, e: dict[str, object]) -> ReplicaSeen:
     max_id = int(str(e["maxTransactionId"]))
+    trim_point = int(str(e.get("trimPoint", 0)))
     generation = client_id = -1
-    if max_id >= 0:
+    if max_id >= max(0, trim_point):  # a log that restarted at its trim point may hold nothing readable
         newest = await client.read_records(partition, max_id, 1)
         if newest:
             generation, client_id = newest[0].req_id.generation, newest[0].req_id.client_id
@@ -267,6 +283,7 @@ async def _replica(client: AdminClient, storage: str, partition: int, e: dict[st
         generation,
         client_id,
         replica_damaged=bool(e.get("replicaDamaged")),
+        trim_point=trim_point,
     )
 
 
@@ -307,7 +324,8 @@ def _plan_partition(p: int, replicas: list[ReplicaSeen]) -> PartitionPlan:
                 r.max_transaction_id if c.truncate_to is None else min(c.truncate_to, r.max_transaction_id)
             )
     predicted = resolve_high_water_mark(known, len(replicas))
-    return PartitionPlan(p, tuple(replicas), meta, generation, predicted, classes)
+    trim_point = max([0, *(r.trim_point for r in replicas)])
+    return PartitionPlan(p, tuple(replicas), meta, generation, predicted, classes, trim_point)
 
 
 def plan_rebuild(root: str, name: str, nodes: Sequence[NodeSeen]) -> RebuildPlan:

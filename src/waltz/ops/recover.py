@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from waltz.cluster.partition_metadata import PartitionMetadata
-from waltz.errors import ConfigError, CorruptionError, StorageError
+from waltz.errors import ConfigError, CorruptionError, StorageError, TrimmedError
 from waltz.ops.view import ClusterView
 from waltz.protocol.records import Record
 from waltz.protocol.storage import SessionInfo as WireSessionInfo
@@ -84,6 +84,8 @@ class RecoveryResult:
     """How the next store session will classify the destination (``None`` without ZooKeeper metadata)."""
     online: bool
     elapsed_s: float
+    trim_point: int = 0
+    """The source's trim point if the destination restarted at it (holding nothing below it), else 0."""
 
 
 def _store_info(info: WireSessionInfo) -> SessionInfo:
@@ -189,6 +191,25 @@ async def _prepare_destination(
     return info, current
 
 
+async def _finish_destination(
+    dst_admin: AdminClient,
+    metadata: PartitionMetadata | None,
+    partition: int,
+    destination: str,
+    current: int,
+    leave_offline: bool,
+) -> tuple[WireSessionInfo, ReplicaClass | None]:
+    """The destination's final control info and class (None without metadata); back online unless told."""
+    final = await dst_admin.last_session_info(partition)
+    dst_class = None
+    if metadata is not None and metadata.replicas:
+        dst_class = classify_replica(metadata, destination, _store_info(final), current).kind
+    if not leave_offline:
+        await dst_admin.set_available([partition], True)
+        log.info("partition %d on %s is online again, holding 0..%d", partition, destination, current)
+    return final, dst_class
+
+
 async def recover_partition(
     view: ClusterView,
     partition: int,
@@ -233,20 +254,19 @@ async def recover_partition(
                 elapsed_s = time.monotonic() - started
                 progress(CopyProgress(partition, current + 1, target, current - first + 1, total, elapsed_s))
 
+        restarts: list[int] = []
         current = await copy_records(
-            src, dst, session, partition, current, target, floor, batch_records, on_batch
+            src, dst, session, partition, current, target, floor, batch_records, on_batch, restarts.append
         )
+        if restarts:
+            total = max(0, current - (restarts[-1] - 1))
         # Carry the source's session id, so the copy is classified like its source (see node.py).
         adopted = max(session, src_info.session_id)
         if adopted != session and current >= floor:
             await dst.set_low_water_mark(adopted, partition, current, offline=True)
-        final = await dst_admin.last_session_info(partition)
-        dst_class = None
-        if metadata is not None and metadata.replicas:
-            dst_class = classify_replica(metadata, destination, _store_info(final), current).kind
-        if not leave_offline:
-            await dst_admin.set_available([partition], True)
-            log.info("partition %d on %s is online again, holding 0..%d", partition, destination, current)
+        final, dst_class = await _finish_destination(
+            dst_admin, metadata, partition, destination, current, leave_offline
+        )
     return RecoveryResult(
         partition=partition,
         source=source,
@@ -258,6 +278,7 @@ async def recover_partition(
         destination_class=dst_class,
         online=not leave_offline,
         elapsed_s=time.monotonic() - started,
+        trim_point=restarts[-1] if restarts else 0,
     )
 
 
@@ -286,13 +307,28 @@ async def copy_records(
     floor: int,
     batch_records: int,
     on_batch: Callable[[int], None] | None = None,
+    on_restart: Callable[[int], None] | None = None,
 ) -> int:
     """Copy ``current + 1 .. target`` from ``src`` (admin reads, checked: dense ids, checksums) into the
     offline ``dst`` batch by batch, fsynced, advancing the destination's low-water mark once it passes
-    ``floor`` (a low-water mark never goes down), so an interrupted copy resumes. Returns the new max id."""
+    ``floor`` (a low-water mark never goes down), so an interrupted copy resumes. Returns the new max id.
+
+    A destination that lacks what the source trimmed is given the source's trim point and starts its log
+    there, as a lagging replica does in a store session: a replica need not hold what is below it
+    (``on_restart`` hears the trim point)."""
     while current < target:
         want = min(batch_records, target - current)
-        records = await src.read_records(partition, current + 1, want)
+        try:
+            records = await src.read_records(partition, current + 1, want)
+        except TrimmedError as e:
+            current = await _restart_at_trim_point(
+                dst, session, partition, current, e.trim_point, src.address
+            )
+            if on_restart is not None:
+                on_restart(e.trim_point)
+            if current >= floor:
+                await dst.set_low_water_mark(session, partition, current, offline=True)
+            continue
         if not records:
             raise StorageError(f"{src.address} returned no records at {current + 1} (below {target})")
         _check_batch(src.address, records, current + 1)
@@ -303,6 +339,30 @@ async def copy_records(
         if on_batch is not None:
             on_batch(current)
     return current
+
+
+async def _restart_at_trim_point(
+    dst: StorageClient, session: int, partition: int, current: int, trim_point: int, source: str
+) -> int:
+    """Give the offline destination (holding up to ``current``) the source's trim point: its log restarts
+    empty there. Returns its new max id (``trim_point - 1``)."""
+    await dst.trim(session, partition, trim_point, offline=True)
+    max_id = await dst.max_transaction_id(session, partition, offline=True)
+    if max_id < trim_point - 1:
+        raise StorageError(
+            f"{dst.address} did not restart partition {partition} at trim point {trim_point} "
+            f"(max id {max_id})"
+        )
+    log.info(
+        "partition %d on %s: %s trimmed below %d, and the destination holds up to %d: it starts at the trim "
+        "point",
+        partition,
+        dst.address,
+        source,
+        trim_point,
+        current,
+    )
+    return max_id
 
 
 def _check_batch(source: str, records: list[Record], first: int) -> None:

@@ -13,6 +13,8 @@ registered):
    unpacked (every checksum verified) and appended to every replica ZooKeeper assigns the partition to, a few
    batches in flight; each append is fsynced before the node answers. Nothing is ever truncated: the target
    is empty.
+   A backup of a trimmed partition starts at its trim point: each replica is first given that trim point
+   (storage ``TrimRequest``), so its empty log starts there.
 3. **Set the low-water mark** of every replica to the restored high-water mark, with the session's id.
 4. **Verify** (the end check against the manifest): every replica's records are read back as stored and their
    SHA-256 compared with that of the bytes restored from the backup, whose files were checked against the
@@ -20,7 +22,12 @@ registered):
 5. **Record the session as closed** in ZooKeeper: every replica ``(session, closing high-water mark = the
    restored mark)`` (version-checked). A server started afterwards classifies each replica *closed* at that
    mark (:mod:`waltz.server.store.recovery`), so its recovery resolves exactly the restored high-water mark
-   and truncates nothing.
+   and truncates nothing. The trim point (see below) is recorded in ZooKeeper (``<root>/store/trim``) first,
+   so the servers refuse reads below it with ``TrimmedError`` as the source cluster did, not with empty data.
+
+**Trim points.** A partition's restored trim point is the first id its full backup holds, or the trim point
+the chain's last manifest recorded if higher (and at most the restored high-water mark + 1). A point in time
+below the first id the backup holds is refused.
 
 Before writing anything the restore checks, and refuses with a :class:`~waltz.errors.BackupError` naming the
 file or the partition: every backup file against its manifest (size, SHA-256, blocks, record checksums); that
@@ -50,6 +57,7 @@ from kazoo.client import KazooClient
 
 from waltz.cluster import store_metadata as sm
 from waltz.cluster.partition_metadata import PartitionMetadata, ReplicaState
+from waltz.cluster.trim_points import raise_trim_point
 from waltz.errors import BackupError, WaltzError
 from waltz.ops.backup import run_all
 from waltz.ops.backup_format import BackupManifest, check_chain, iter_blocks, verify_backup
@@ -88,10 +96,15 @@ class RestorePlan:
     directories: tuple[Path, ...]
     manifests: tuple[BackupManifest, ...]
     targets: tuple[int, ...]
+    trim_points: tuple[int, ...] = ()
+    """Each partition's trim point to recreate (0: none); empty means none for every partition."""
+
+    def trim_point(self, p: int) -> int:
+        return self.trim_points[p] if self.trim_points else 0
 
     @property
     def total(self) -> int:
-        return sum(t + 1 for t in self.targets)
+        return sum(t + 1 - self.trim_point(p) for p, t in enumerate(self.targets))
 
 
 @dataclass(frozen=True)
@@ -114,16 +127,20 @@ def plan_restore(directories: list[Path], until: Mapping[int, int] | None = None
     manifests = [verify_backup(d) for d in directories]
     check_chain(directories, manifests)
     last = manifests[-1]
-    targets = []
-    for entry in last.partitions:
+    targets, trims = [], []
+    for entry, full in zip(last.partitions, manifests[0].partitions, strict=True):
         limit = (until or {}).get(entry.partition, entry.last)
-        if limit < -1:
-            raise BackupError(f"partition {entry.partition}: cannot restore up to {limit}")
+        if limit < full.first - 1:
+            held = f"the backup holds {full.first}..{entry.last}" + (
+                f" (it was trimmed to {full.first})" if full.first > 0 else ""
+            )
+            raise BackupError(f"partition {entry.partition}: cannot restore up to {limit}: {held}")
         targets.append(min(entry.last, limit))
+        trims.append(max(full.first, min(entry.trim_point, targets[-1] + 1)))
     for p in until or {}:
         if not 0 <= p < last.num_partitions:
             raise BackupError(f"partition {p}: the backup has partitions 0..{last.num_partitions - 1}")
-    return RestorePlan(tuple(directories), tuple(manifests), tuple(targets))
+    return RestorePlan(tuple(directories), tuple(manifests), tuple(targets), tuple(trims))
 
 
 async def check_target(view: ClusterView, plan: RestorePlan) -> None:
@@ -209,25 +226,33 @@ async def restore(
 
 
 def _blocks(plan: RestorePlan, p: int, target: int) -> Iterator[tuple[int, int, bytes]]:
-    """The partition's blocks across the chain, the last one cut at ``target``."""
+    """The partition's blocks across the chain from its trim point, the last one cut at ``target``."""
+    trim = plan.trim_point(p)
     for directory, manifest in zip(plan.directories, plan.manifests, strict=True):
         entry = manifest.partitions[p]
         for _, first, count, run in iter_blocks(directory / entry.file, entry):
             if first > target:
                 return
+            if first + count <= trim:
+                continue
+            if first < trim:  # a later backup recorded a higher trim point: restore from it
+                skip = trim - first
+                run = run[_offset(run, skip) :]
+                first, count = trim, count - skip
             if first + count - 1 > target:
                 count = target - first + 1
-                run = _cut(run, count)
+                run = run[: _offset(run, count)]
             yield first, count, run
 
 
-def _cut(run: bytes, count: int) -> bytes:
-    """The first ``count`` records of a verified run (each record: 40 bytes + its length at offset 28)."""
+def _offset(run: bytes, count: int) -> int:
+    """Where the record after the first ``count`` of a verified run starts (each record: 40 bytes + its
+    length at offset 28)."""
     pos = 0
     for _ in range(count):
         length = int.from_bytes(run[pos + 28 : pos + 32], "big")
         pos += 40 + length
-    return run[:pos]
+    return pos
 
 
 async def _restore_partition(
@@ -244,18 +269,30 @@ async def _restore_partition(
     claimed = PartitionMetadata(previous.generation, session, {})
     version = await asyncio.to_thread(sm.write_partition_metadata, client, root, p, claimed, version)
     replicas = view.replicas_of(p)
+    trim = plan.trim_point(p)
     log.info(
-        "partition %d: restoring 0..%d into %s with store session %d", p, target, ", ".join(replicas), session
+        "partition %d: restoring %d..%d into %s with store session %d",
+        p,
+        trim,
+        target,
+        ", ".join(replicas),
+        session,
     )
     async with contextlib.AsyncExitStack() as stack:
         clients = [await stack.enter_async_context(view.data(s)) for s in replicas]
         for c in clients:
             await c.last_session_info(session, p)  # fences any older session on that replica
+            if trim > 0:
+                await c.trim(session, p, trim)  # the empty log starts at the trim point
         written = await _write(clients, session, p, plan, target, advanced)
         for c in clients:
             await c.set_low_water_mark(session, p, target)
         for storage, c in zip(replicas, clients, strict=True):
-            await _verify_replica(c, storage, session, p, target, written)
+            await _verify_replica(c, storage, session, p, trim, target, written)
+    if trim > 0:
+        await asyncio.to_thread(
+            raise_trim_point, client, root, p, trim, target, min_kept_transactions=0, grace_ms=0
+        )
     closed = PartitionMetadata(
         previous.generation, session, {s: ReplicaState(s, session, target) for s in replicas}
     )
@@ -300,10 +337,10 @@ async def _settle(batch: tuple[int, list[asyncio.Future[object]]], advanced: Cal
 
 
 async def _verify_replica(
-    c: StorageClient, storage: str, session: int, p: int, target: int, expected_sha: str
+    c: StorageClient, storage: str, session: int, p: int, first: int, target: int, expected_sha: str
 ) -> None:
     sha = hashlib.sha256()
-    position = 0
+    position = first
     while position <= target:
         count, run = await c.read_run(
             session, p, position, min(VERIFY_RECORDS, target - position + 1), VERIFY_BYTES

@@ -38,6 +38,8 @@ code  message                    fields after the prefix
 23    DamagedRecordsResponse     i32 n · n x i64 transaction_id   (ours)
 24    TrimRequest                i64 trim_point · bool offline   (ours)
 25    TrimResponse               i64 trim_point   (ours: the trim point now in force on the replica)
+26    SegmentSizesRequest        i32 max_segments   (ours, V1)
+27    SegmentSizesResponse       i32 n · n x (i64 first_transaction_id · i64 bytes)   (ours, V1)
 ====  =========================  ===================================================================
 
 Versions: V0 is every message above, as Waltz 0.1.0 (the first release) speaks them: the original's 1-18
@@ -47,6 +49,7 @@ highest version both ends list (:mod:`waltz.protocol.framing`; with none in comm
 lists). From V1 on, a new message type is a new codec version: its class sets ``MIN_VERSION``, the sender
 checks :func:`available` with the connection's negotiated version once, before it builds such a request,
 and the decoder refuses it below its version. The hot path (appends, run reads) is V0 and checks nothing.
+V1 (Waltz 0.2.0) adds 26/27.
 
 The bracketed trailers of 3 and 5 are not the original's. Each is sent only when it says something (a
 flag set or a reason given) and a message without it decodes as if it were all zero, so the original's
@@ -80,6 +83,9 @@ with the one in force), refuses one above its durable max id + 1, deletes the se
 the background and fails every read below it with ``TrimmedError`` (see :mod:`waltz.storage.retention`).
 Golden bytes:
 ``TrimRequest(5, 6, 7, 100, False)`` is ``18 0000000000000005 0000000000000006 00000007 0000000000000064 00``.
+
+26/27 (ours, V1): a replica's newest segments and their sizes, for a retention limit in bytes; see
+``docs/formats.md`` ("Wire protocols") and :mod:`waltz.server.retention`.
 
 19/20 are not the original's: a bulk read that returns consecutive records exactly as the data file holds
 them (a *record run*, :mod:`waltz.protocol.record_run`), read with one ``pread`` and not decoded by the node;
@@ -145,6 +151,9 @@ __all__ = [
     "AppendRequest",
     "DamagedRecordsRequest",
     "DamagedRecordsResponse",
+    "MAX_SEGMENT_SIZES",
+    "SegmentSizesRequest",
+    "SegmentSizesResponse",
     "FailureResponse",
     "LastSessionInfoRequest",
     "LastSessionInfoResponse",
@@ -191,7 +200,7 @@ __all__ = [
     "write_session_info",
 ]
 
-STORAGE_VERSIONS: Final = (0,)
+STORAGE_VERSIONS: Final = (0, 1)
 """Codec versions of the storage protocol this implementation speaks (frame magic 'S')."""
 STORAGE_CLIENT_HELLO: Final = "Waltz Storage Client"
 STORAGE_SERVER_HELLO: Final = "Waltz Storage Server"
@@ -718,6 +727,49 @@ class TrimResponse(StorageMessage):
         return cls(session_id, seq_num, partition_id, r.i64())
 
 
+MAX_SEGMENT_SIZES: Final = 65536
+"""The most segments one SegmentSizesResponse lists (1 MiB of payload)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentSizesRequest(StorageMessage):
+    """The replica's newest ``max_segments`` segments and their sizes (ours, V1; session-checked)."""
+
+    TYPE: ClassVar[int] = 26
+    MIN_VERSION: ClassVar[int] = 1
+    max_segments: int
+
+    def _write(self, w: Writer) -> None:
+        w.i32(self.max_segments)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        return cls(session_id, seq_num, partition_id, r.i32())
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentSizesResponse(StorageMessage):
+    """``(first transaction id, bytes of data and index files)`` per segment, oldest first (ours, V1)."""
+
+    TYPE: ClassVar[int] = 27
+    MIN_VERSION: ClassVar[int] = 1
+    segments: Sequence[tuple[int, int]]
+
+    def _write(self, w: Writer) -> None:
+        if len(self.segments) > MAX_SEGMENT_SIZES:
+            raise LocalProtocolError(f"{len(self.segments)} segment sizes, at most {MAX_SEGMENT_SIZES}")
+        w.i32(len(self.segments))
+        for first, size in self.segments:
+            w.i64(first).i64(size)
+
+    @classmethod
+    def _read(cls, r: Reader, session_id: int, seq_num: int, partition_id: int) -> Self:
+        n = r.count(16)
+        if n > MAX_SEGMENT_SIZES:
+            raise RemoteProtocolError(f"{n} segment sizes, at most {MAX_SEGMENT_SIZES}")
+        return cls(session_id, seq_num, partition_id, tuple((r.i64(), r.i64()) for _ in range(n)))
+
+
 _BY_TYPE: Final[dict[int, type[StorageMessage]]] = {
     cls.TYPE: cls
     for cls in (
@@ -746,6 +798,8 @@ _BY_TYPE: Final[dict[int, type[StorageMessage]]] = {
         DamagedRecordsResponse,
         TrimRequest,
         TrimResponse,
+        SegmentSizesRequest,
+        SegmentSizesResponse,
     )
 }
 
@@ -839,8 +893,9 @@ def encode_success(session_id: int, seq_num: int, partition_id: int) -> bytes:
         raise LocalProtocolError("storage message prefix out of range") from None
 
 
-def decode(payload: bytes | bytearray | memoryview) -> StorageMessage:
-    """Decode one whole payload; raises RemoteProtocolError if it is not exactly one valid message."""
+def decode(payload: bytes | bytearray | memoryview, version: int = STORAGE_VERSIONS[-1]) -> StorageMessage:
+    """Decode one whole payload of codec ``version``; raises RemoteProtocolError if it is not exactly one
+    valid message of that version."""
     data = payload if isinstance(payload, bytes) else bytes(payload)
     if len(data) < PREFIX.size:
         raise RemoteProtocolError(f"storage message truncated: {len(data)} bytes, the prefix alone is 21")
@@ -848,6 +903,8 @@ def decode(payload: bytes | bytearray | memoryview) -> StorageMessage:
     cls = _BY_TYPE.get(type_code)
     if cls is None:
         raise RemoteProtocolError(f"unknown storage message type {type_code}")
+    if version < cls.MIN_VERSION:
+        raise RemoteProtocolError(f"storage message type {type_code} is not in codec V{version}")
     r = Reader(data, PREFIX.size)
     msg = cls._read(r, session_id, seq_num, partition_id)
     r.expect_end()

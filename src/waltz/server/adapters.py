@@ -126,6 +126,9 @@ class TcpReplicaConnection:
     async def damaged_records(self, max_ids: int) -> list[int]:
         return await self._live().damaged_records(self._session_id, self._partition_id, max_ids)
 
+    async def segment_sizes(self, max_segments: int) -> list[tuple[int, int]]:
+        return await self._live().segment_sizes(self._session_id, self._partition_id, max_segments)
+
     async def aclose(self) -> None:
         # The TCP connection is shared with other partitions; only this view of it closes.
         self._closed = True

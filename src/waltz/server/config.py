@@ -104,6 +104,14 @@ SERVER_SCHEMA = ConfigSchema(
             "how often (ms) to ask replicas for records their scrub found damaged, to repair them (0: never)",
             0,
         ),
+        Key(
+            "server.retention.checkInterval",
+            int,
+            60_000,
+            "how often (ms) the owning server applies the retention policy to its partitions",
+            100,
+            86_400_000,
+        ),
         # One set of keys for both sides, as in the original: the listener for clients, and the client
         # context towards storage nodes (whose certificate must chain to server.ssl.caFile).
         *tls_keys("server.ssl."),
@@ -141,6 +149,8 @@ class ServerConfig:
     max_connections: int = 1024
     max_connections_per_source: int = 256
     max_fetches_in_flight: int = 64
+    retention_check_interval_ms: int = 60_000
+    """``server.retention.checkInterval``: how often the retention policy is applied."""
     zookeeper_auth: ZkAuth = field(default_factory=ZkAuth)
     """``zookeeper.authFile``/``aclReaders``/``ssl.*``: how the server reaches and logs in to ZooKeeper."""
 
@@ -200,6 +210,7 @@ class ServerConfig:
             max_connections=c["server.maxConnections"],
             max_connections_per_source=c["server.connection.maxPerSource"],
             max_fetches_in_flight=c["server.maxFetchesInFlight"],
+            retention_check_interval_ms=c["server.retention.checkInterval"],
             zookeeper_auth=ZkAuth.from_config(c, source),
         )
 

@@ -88,10 +88,17 @@ class ClientConnection:
         except ConnectionError_:
             pass
 
-    def send_feed(self, entries: Sequence[FeedEntry]) -> None:
-        """A FeedData for each of ``entries``, in order (the feed's hot path: one call per batch)."""
+    def send_feed(self, entries: Sequence[FeedEntry], frames: dict[int, bytes] | None = None) -> None:
+        """A FeedData for each of ``entries``, in order (the feed's hot path: one call per batch). ``frames``:
+        the entries framed by protocol version, shared by every client a committed batch goes to: framed
+        once per version, not once per client."""
+        data = frames.get(self._version) if frames is not None else None
+        if data is None:
+            data = cs.frame_feed_entries(entries, self._version)
+            if frames is not None:
+                frames[self._version] = data
         try:
-            self._conn.send(cs.frame_feed_entries(entries, self._version), framed=True)
+            self._conn.send(data, framed=True)
         except ConnectionError_:
             pass
 

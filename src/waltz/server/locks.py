@@ -1,8 +1,12 @@
 """The per-partition optimistic lock table (a Bloom-filter-like array of high-water marks).
 
 The table is ``size`` transaction ids (default 30000), all starting at the partition high-water mark when the
-partition's append task starts. A lock (the signed 32-bit value a client sends, see
-:mod:`waltz.client.locks`) maps to 3 slots, found by iterating the 32-bit linear congruential step::
+partition's append task starts. Its memory (9 bytes a slot, 264 KiB at the default size) is taken at the
+first request that has locks: a partition whose appends never lock costs none of it, which is most of what
+one more partition costs a server (see ``tests/integration/test_many_partitions.py``).
+
+A lock (the signed 32-bit value a client sends, see :mod:`waltz.client.locks`) maps to 3 slots, found by
+iterating the 32-bit linear congruential step::
 
     h = (h * 1103515245 + 12345) mod 2**32      three times, starting from the lock value
     slot_i = (h_i & 0x3FFFFFFF) % size          for i = 1, 2, 3
@@ -43,8 +47,12 @@ NUM_HASHES = 3
 
 _MASK32 = 0xFFFFFFFF
 _object_new = object.__new__
-_SLOTS_CACHE_ENTRIES = 4096
-"""Lock values whose slots a table remembers (under 1 MB of tuples and ints)."""
+_SLOTS_CACHE_ENTRIES = 16384
+"""Lock values whose slots the tables of one size remember together (under 4 MB of tuples and ints for the
+whole process, however many partitions it holds)."""
+_SLOTS_OF: dict[int, dict[int, tuple[int, int, int]]] = {}
+"""The remembered slots of each table size: the slots of a lock depend on the size only, so every partition
+of a server (all of one size) shares one memory of them, and memory does not grow with the partitions."""
 _LCG_MULTIPLIER = 1103515245
 _LCG_INCREMENT = 12345
 
@@ -93,19 +101,23 @@ class LockRequest:
 class LockTable:
     """The lock table of one partition; see the module docstring for the exact semantics."""
 
-    __slots__ = ("_busy", "_epoch", "_hwms", "_slots_of", "size")
+    __slots__ = ("_busy", "_epoch", "_hwms", "_initial", "_slots_of", "size")
 
     def __init__(self, size: int = DEFAULT_LOCK_TABLE_SIZE, initial_high_water_mark: int = -1) -> None:
         if size < 1:
             raise ValueError(f"lock table size must be positive, got {size}")
         self.size = size
-        self._slots_of: dict[int, tuple[int, int, int]] = {}
+        self._slots_of = _SLOTS_OF.setdefault(size, {})
         """:func:`lock_slots` of the one-write-lock appends' recent lock values (at most
-        :data:`_SLOTS_CACHE_ENTRIES`, then cleared): a lock used again (a key updated again, the reason to
-        lock it) costs a lookup instead of six multiplications and divisions on Python ints."""
-        self._hwms = array("q", [initial_high_water_mark]) * size
-        # One byte per slot: 1 while an in-flight append holds a write or append lock on it.
-        self._busy = bytearray(size)
+        :data:`_SLOTS_CACHE_ENTRIES`, then cleared; shared by the tables of this size): a lock used again (a
+        key updated again, the reason to lock it) costs a lookup instead of six multiplications and divisions
+        on Python ints."""
+        self._initial = initial_high_water_mark
+        """What every slot holds until :meth:`_allocate` makes them (and after a :meth:`reset`)."""
+        self._hwms = array("q")
+        # One byte per slot: 1 while an in-flight append holds a write or append lock on it. Empty (falsy)
+        # until the first request with locks allocates both arrays; never empty after (size >= 1).
+        self._busy = bytearray()
         # Bumped by reset(), so a request begun before a reset cannot clear busy marks taken after it.
         self._epoch = 0
 
@@ -121,6 +133,8 @@ class LockTable:
         """
         size = self.size
         busy = self._busy
+        if not busy:
+            busy = self._allocate()
         if not read_locks and not append_locks and len(write_locks) == 1:
             # The common locked append: one write lock. The same as below, without the lists and sets.
             slots = lock_slots(write_locks[0], size)
@@ -181,6 +195,8 @@ class LockTable:
             slots = slots_of[lock] = lock_slots(lock, self.size)
         a, b, c = slots
         busy = self._busy
+        if not busy:
+            busy = self._allocate()
         if busy[a] or busy[b] or busy[c]:
             return None
         hwms = self._hwms
@@ -202,6 +218,12 @@ class LockTable:
         request._epoch = self._epoch
         request._released = False
         return request
+
+    def _allocate(self) -> bytearray:
+        """Make the slots, each at the initial high-water mark; returns the busy marks."""
+        self._hwms = array("q", [self._initial]) * self.size
+        self._busy = bytearray(self.size)
+        return self._busy
 
     def estimate(self, request: LockRequest) -> int:
         """The estimated lock high-water mark of ``request``: max over write/read locks of min over slots.
@@ -274,16 +296,23 @@ class LockTable:
         marks leaked; setting every slot to the partition high-water mark is safe because no committed
         transaction is newer than it.
         """
-        self._hwms = array("q", [high_water_mark]) * self.size
-        self._busy = bytearray(self.size)
+        self._initial = high_water_mark
+        self._allocate()  # a request begun before may still commit: its slots must exist
         self._epoch += 1
 
     def lock_high_water_mark(self, lock: int) -> int:
         """The estimated high-water mark of one lock value (min over its slots); for diagnostics and tests."""
         a, b, c = lock_slots(lock, self.size)
         hwms = self._hwms
+        if not hwms:
+            return self._initial
         return min(hwms[a], hwms[b], hwms[c])
 
     def busy_slots(self) -> int:
         """How many slots in-flight appends hold; for diagnostics and tests."""
-        return self.size - self._busy.count(0)
+        return self.size - self._busy.count(0) if self._busy else 0
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the slots take their memory (from the first request with locks on)."""
+        return bool(self._busy)

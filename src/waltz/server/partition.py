@@ -78,8 +78,10 @@ class Peer(Protocol):
 
     def send(self, msg: cs.Message) -> None: ...
 
-    def send_feed(self, entries: Sequence[FeedEntry]) -> None:
-        """A FeedData for each of ``entries`` (flat headers, see :class:`FeedEntry`), in order."""
+    def send_feed(self, entries: Sequence[FeedEntry], frames: dict[int, bytes] | None = None) -> None:
+        """A FeedData for each of ``entries`` (flat headers, see :class:`FeedEntry`), in order. ``frames``:
+        the same entries already framed, by protocol version, shared by the peers one batch is sent to (a
+        peer whose version is missing frames them and adds them)."""
         ...
 
     async def drain(self) -> None: ...
@@ -737,6 +739,7 @@ class Partition:
         # which only the feed task fills.
         dense = appends[-1].transaction_id == first + n - 1
         entries: list[FeedEntry] | None = None
+        frames: dict[int, bytes] = {}  # Framed once per protocol version, not once per client.
         for ctx in self._feeds.values():
             peer = ctx.peer
             if (
@@ -752,7 +755,7 @@ class Partition:
                 continue
             if entries is None:
                 entries = [(p.transaction_id, p.req_id[0], p.req_id[1], p.header) for p in appends]
-            peer.send_feed(entries)
+            peer.send_feed(entries, frames)
             ctx.next_id = first + n
             ctx.remaining -= n
             if ctx.remaining <= 0:

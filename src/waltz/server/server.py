@@ -55,7 +55,7 @@ from waltz.cluster import zk
 from waltz.cluster.membership import ClusterMember
 from waltz.cluster.replica_assignments import ReplicaAssignments
 from waltz.cluster.store_metadata import read_store_params
-from waltz.cluster.trim_points import TrimPoints
+from waltz.cluster.trim_points import TrimOutcome, TrimSource, raise_trim_point
 from waltz.cluster.zk import ClusterPaths
 from waltz.cluster.zk_metrics import ZooKeeperCollector
 from waltz.config import parse_partition_ranges
@@ -64,12 +64,14 @@ from waltz.http import HttpEndpoint, listen, new_registry
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
 from waltz.protocol.record_run import RunBytes
+from waltz.server import retention
 from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
 from waltz.server.config import ServerConfig
 from waltz.server.connection import BadMessage, ClientConnection, CloseConnection
 from waltz.server.feed_cache import FeedCache
 from waltz.server.metrics import ServerMetrics, StoreCollector
 from waltz.server.partition import Partition
+from waltz.server.retention import RetentionKeeper
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.transaction_cache import TransactionCache, TransactionData, TransactionFetcher
 from waltz.transport import (
@@ -119,8 +121,12 @@ class WaltzServer:
         self.registry.register(ZooKeeperCollector(lambda: self.zk))
         self.partitions: dict[int, Partition] = {}
         self.replica_sets: dict[int, tuple[str, ...]] = {}
-        self.trim_points = TrimPoints()
-        """The cluster's trim points, as ZooKeeper last told (``<root>/store/trim``, watched)."""
+        self.retention = RetentionKeeper(
+            lambda: {pid: part.store for pid, part in self.partitions.items()},
+            self._write_policy_trim,
+            check_interval_ms=config.retention_check_interval_ms,
+        )
+        """Trim points in force and the retention policy (``<root>/store/trim`` and ``.../retention``)."""
         self.member: ClusterMember | None = None
         self._listener: FramedServer | None = None
         self._http: HttpEndpoint | None = None
@@ -195,7 +201,7 @@ class WaltzServer:
                 self.config.host, self.config.http_port, "server.http.port"
             )
         await self._watch_replica_assignments()
-        await self._watch_trim_points()
+        await retention.watch(self.zk, self.config.cluster_root, self.retention)
         preferred = (
             parse_partition_ranges(self.config.preferred_partitions, self.num_partitions)
             if self.config.preferred_partitions
@@ -291,6 +297,7 @@ class WaltzServer:
         async with asyncio.TaskGroup() as group:
             group.create_task(self._follow_assignments(), name="server-assignments")
             group.create_task(self._follow_replica_sets(), name="server-replica-sets")
+            group.create_task(self.retention.run(), name="server-retention")
 
     def _followers_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -377,7 +384,7 @@ class WaltzServer:
                     metrics=self.metrics.for_partition(pid),
                 )
                 part.on_failure = self._partition_failed
-                store.set_trim_point(self.trim_points.of(pid))
+                store.set_trim_point(self.retention.in_force(pid))
                 await part.start()
                 self.partitions[pid] = part
                 # Not served until its first session opens: reads wait for that from now, not from the first
@@ -422,25 +429,22 @@ class WaltzServer:
         await asyncio.to_thread(self.zk.DataWatch, path, on_data)
         await asyncio.wait_for(first.wait(), timeout=self.config.zookeeper_session_timeout_ms / 1000)
 
-    async def _watch_trim_points(self) -> None:
-        loop = asyncio.get_running_loop()
-
-        def on_data(data: bytes | None, _stat: Any, *_: Any) -> None:
-            loop.call_soon_threadsafe(self._trim_data, data)  # from a kazoo thread onto the loop
-
-        await asyncio.to_thread(
-            self.zk.DataWatch, ClusterPaths(self.config.cluster_root).trim_points, on_data
+    async def _write_policy_trim(
+        self, partition_id: int, target: int, hwm: int, grace_ms: int
+    ) -> TrimOutcome:
+        """Set the retention policy's trim point (the keeper's writer; see waltz.server.retention)."""
+        return await asyncio.to_thread(
+            raise_trim_point,
+            self.zk,
+            self.config.cluster_root,
+            partition_id,
+            target,
+            hwm,
+            min_kept_transactions=0,
+            grace_ms=grace_ms,
+            source=TrimSource.POLICY,
+            replace_pending=False,
         )
-
-    def _trim_data(self, data: bytes | None) -> None:
-        """New trim points from ZooKeeper: each owned partition raises its own (see waltz.server.store)."""
-        try:
-            self.trim_points = TrimPoints.decode(data) if data else TrimPoints()
-        except WaltzError as e:
-            log.error("unreadable trim points in ZooKeeper (keeping the ones known): %s", e)
-            return
-        for pid, part in self.partitions.items():
-            part.store.set_trim_point(self.trim_points.of(pid))
 
     def _replica_data(self, data: bytes | None, first: asyncio.Event) -> None:
         if data is None:

@@ -16,7 +16,7 @@ from ssl import SSLContext
 from types import TracebackType
 from typing import Generic, NamedTuple, Self, TypeVar, cast
 
-from waltz.errors import LocalProtocolError, RemoteProtocolError, StorageRpcError
+from waltz.errors import LocalProtocolError, RemoteProtocolError, StorageError, StorageRpcError
 from waltz.protocol import admin as adm
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
@@ -128,6 +128,11 @@ async def _open_admin_rpc(
     )
 
 
+def _storage_decoder(version: int) -> Callable[[bytes], st.StorageMessage]:
+    """Decode storage payloads as codec ``version`` (a message of a later version is refused)."""
+    return functools.partial(st.decode, version=version)
+
+
 def _admin_decoder(version: int) -> Callable[[bytes], adm.AdminMessage]:
     return functools.partial(adm.decode, version=version)
 
@@ -201,6 +206,7 @@ class StorageClient(_Endpoint[st.StorageMessage]):
             hello_text=st.STORAGE_CLIENT_HELLO,
             encode=_encode_storage,
             decode=st.decode,
+            decoder_for=_storage_decoder,
             seq_of=st.seq_num_of,
             error_of=_storage_error,
             max_in_flight=max_in_flight,
@@ -369,6 +375,22 @@ class StorageClient(_Endpoint[st.StorageMessage]):
             st.DamagedRecordsResponse,
         )
         return list(resp.transaction_ids)
+
+    async def segment_sizes(
+        self, session_id: int, partition_id: int, max_segments: int
+    ) -> list[tuple[int, int]]:
+        """``(first transaction id, bytes)`` of the replica's newest segments, oldest first; StorageError if
+        the node speaks storage codec V0 (Waltz 0.1.0), which has no such request."""
+        if not st.available(st.SegmentSizesRequest, self._rpc.connection.negotiated_version):
+            raise StorageError(
+                f"storage node {self.address} speaks storage codec V0 (Waltz 0.1.0): it cannot report its "
+                "segment sizes (a retention limit in bytes needs every node at 0.2.0 or later)"
+            )
+        resp = await self._call(
+            st.SegmentSizesRequest(session_id, self._seq(), partition_id, max_segments),
+            st.SegmentSizesResponse,
+        )
+        return list(resp.segments)
 
 
 class AdminClient(_Endpoint[adm.AdminMessage]):

@@ -122,6 +122,7 @@ def metrics_json(node: NodeServices) -> str:
             "available": info.available,
             "replicaDamaged": p.lost,
             "maxTransactionId": p.log.max_transaction_id if p.log is not None else -1,
+            "trimPoint": node.control.trim_point(p.partition_id),
             "queueSize": len(p.queue),
             "fsyncs": p.fsync_count,
             "threadedFsyncs": p.threaded_fsync_count,

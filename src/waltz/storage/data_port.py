@@ -176,7 +176,7 @@ class DataSession:
         node = self.node
         conn = self.conn
         try:
-            msg = st.decode(payload)
+            msg = st.decode(payload, conn.negotiated_version)
         except RemoteProtocolError as e:
             _peer_warnings.warning(
                 conn.source,

@@ -7,6 +7,7 @@ raises a :class:`~waltz.errors.WaltzError`, which the worker answers as a failur
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -123,6 +124,14 @@ def _damaged_records(part: StoragePartition, item: Item) -> st.StorageMessage:
     return st.DamagedRecordsResponse(msg.session_id, msg.seq_num, msg.partition_id, damaged)
 
 
+def _segment_sizes(part: StoragePartition, item: Item) -> st.StorageMessage:
+    msg = item.msg
+    assert isinstance(msg, st.SegmentSizesRequest)
+    plog = part.check(msg, False)  # session-checked like a read
+    sizes = tuple(plog.segment_sizes(max(0, min(msg.max_segments, st.MAX_SEGMENT_SIZES))))
+    return st.SegmentSizesResponse(msg.session_id, msg.seq_num, msg.partition_id, sizes)
+
+
 def _trim_request(part: StoragePartition, item: Item) -> st.StorageMessage:
     msg = item.msg
     assert isinstance(msg, st.TrimRequest)
@@ -137,10 +146,15 @@ def trim(part: StoragePartition, plog: PartitionLog, trim_point: int) -> int:
         raise StorageError(refusal)
     control = part.node.control
     current = control.trim_point(part.partition_id)
-    if trim_point <= current:
+    if trim_point <= current and current <= part.durable_max + 1:
         return current
-    control.set_trim_point(part.partition_id, trim_point)
-    log.info("partition %d: trim point raised from %d to %d", part.partition_id, current, trim_point)
+    # Told again a trim point it has, a replica whose log a recovery cut below it (a truncation keeps the
+    # records below the trim point that a segment straddling it holds) restarts there too: its catch-up would
+    # otherwise ask a source for trimmed ids again and again.
+    trim_point = max(trim_point, current)
+    if trim_point > current:
+        control.set_trim_point(part.partition_id, trim_point)
+        log.info("partition %d: trim point raised from %d to %d", part.partition_id, current, trim_point)
     detached: DetachedSegments | None
     if trim_point > part.durable_max + 1:
         # A lagging replica: everything it holds is below the trim point; it starts again there.
@@ -159,7 +173,14 @@ def trim(part: StoragePartition, plog: PartitionLog, trim_point: int) -> int:
 async def _delete(part: StoragePartition, detached: DetachedSegments) -> None:
     """Delete trimmed segments' files in a thread, so appends are not blocked (see retention.py)."""
     try:
-        freed = await asyncio.to_thread(delete_detached, part.node.fs, detached)
+        freed = await asyncio.to_thread(
+            functools.partial(
+                delete_detached,
+                part.node.fs,
+                detached,
+                max_bytes_per_second=part.node.config.delete_bytes_per_second,
+            )
+        )
     except Exception as e:  # noqa: BLE001 - reported; the next open of the log deletes them again
         log.error("partition %d: deleting trimmed segments %s failed: %r", part.partition_id, detached, e)
         return
@@ -287,5 +308,6 @@ HANDLERS: dict[type[st.StorageMessage], Handler] = {
     st.RepairRequest: _repair,
     st.DamagedRecordsRequest: _damaged_records,
     st.TrimRequest: _trim_request,
+    st.SegmentSizesRequest: _segment_sizes,
 }
 """The handler of each request type a partition worker answers (appends are group-committed instead)."""

@@ -101,6 +101,8 @@ class PartitionLog:
         self._extending_writes_before = 0
         """``extending_writes`` of the segments that were writable before the current one."""
         self._index_write_failure_log_s = -1e9
+        self._closed_bytes: dict[int, int] = {}
+        """First id -> bytes of a closed segment's files (they do not change), for :meth:`segment_sizes`."""
         self.damaged_at_open: list[int] = []
         """Ids recovery found durable but not verifying and kept as damaged records (not cut): the caller
         reports them (see :mod:`waltz.storage.resync`)."""
@@ -189,6 +191,36 @@ class PartitionLog:
     def segment_first_ids(self) -> list[int]:
         """First transaction ids of all segments, oldest first (a copy)."""
         return list(self._first_ids)
+
+    def segment_sizes(self, max_segments: int) -> list[tuple[int, int]]:
+        """``(first transaction id, bytes of its data and index files)`` of the newest ``max_segments``
+        segments, oldest first (for a retention policy in bytes). A closed segment's files are measured once;
+        the writable one's each time."""
+        current = self._writable().first_transaction_id
+        held = set(self._first_ids)
+        self._closed_bytes = {f: b for f, b in self._closed_bytes.items() if f in held and f != current}
+        out: list[tuple[int, int]] = []
+        for first in self._first_ids[-max_segments:] if max_segments > 0 else []:
+            size = self._closed_bytes.get(first)
+            if size is None:
+                size = self._files_bytes(first)
+                if first != current:
+                    self._closed_bytes[first] = size
+            out.append((first, size))
+        return out
+
+    def _files_bytes(self, first_id: int) -> int:
+        total = 0
+        for name in (data_file_name(first_id), index_file_name(first_id)):
+            path = os.path.join(self.directory, name)
+            if not self._fs.exists(path):
+                continue
+            f = self._fs.open(path, read_only=True)
+            try:
+                total += f.size()
+            finally:
+                f.close()
+        return total
 
     @property
     def cached_segment_count(self) -> int:

@@ -16,8 +16,10 @@ was deleted on purpose (``docs/operations.md``, "Retention"). The owning server 
 3. detaches, on the partition's worker, the segments wholly below it (:meth:`PartitionLog.detach_below`: a
    bounded, in-memory change; the writable segment is never detached) and deletes their files in a thread
    (:func:`delete_detached`), data file then index, then one fsync of the directory, so appends are never
-   blocked by the unlinking of a large file. A crash before the deletion finishes leaves whole segments below
-   the trim point; the node detaches and deletes them again when it next opens the log.
+   blocked by the unlinking of a large file; paced (``storage.trim.deleteBytesPerSecond``), so the file
+   system's work of freeing a gigabyte does not stall the appends' fsyncs either. A crash before the
+   deletion finishes leaves segments below the trim point (whole, or a data file shortened by a paced
+   deletion); the node detaches and deletes them again when it next opens the log.
 
 A segment that straddles the trim point stays whole until the log moves past it: reads of its ids below the
 trim point fail all the same, so what a reader sees never depends on segment sizes.
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from waltz.errors import TrimmedError
@@ -71,17 +75,37 @@ def check_readable(partition_id: int, transaction_id: int, trim_point: int) -> N
         raise TrimmedError.below(partition_id, transaction_id, trim_point)
 
 
-def delete_detached(fs: FileSystem, detached: DetachedSegments) -> int:
+DELETE_STEP_BYTES = 8 * 1024 * 1024
+"""A paced deletion frees at most this much at a time (a truncation), then waits its share of the rate."""
+
+
+def delete_detached(
+    fs: FileSystem,
+    detached: DetachedSegments,
+    *,
+    max_bytes_per_second: int = 0,
+    step_bytes: int = DELETE_STEP_BYTES,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
     """Delete the files of detached segments, durably (one directory fsync at the end); returns the bytes
     freed. Blocking: run it in a thread. A file already gone (a deletion repeated after a crash) is
-    skipped."""
+    skipped. With ``max_bytes_per_second``, a large file is first truncated from its end in steps of
+    :data:`DELETE_STEP_BYTES`, sleeping between steps so that no more than that is freed per second: each
+    step is a small change for the file system's journal (and the device's discard), where one unlink of
+    a whole segment is a large one that stalls every fsync behind it. A crash midway leaves a shortened
+    data file of a segment below the trim point, which no one reads and the next open deletes."""
     freed = 0
     for path in detached.paths():
         if not fs.exists(path):
             continue
-        f = fs.open(path, read_only=True)
+        f = fs.open(path, read_only=max_bytes_per_second <= 0)
         try:
-            freed += f.size()
+            size = f.size()
+            freed += size
+            while max_bytes_per_second > 0 and size > step_bytes:
+                size -= step_bytes
+                f.truncate(size)
+                sleep(step_bytes / max_bytes_per_second)
         finally:
             f.close()
         fs.remove(path)

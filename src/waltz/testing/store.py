@@ -9,8 +9,8 @@
   one connection arrive in the order they were sent.
 * **Durability.** An append writes its records, then fsyncs (taking ``fsync_ms``), then answers. A crash
   before the fsync completes keeps an arbitrary prefix of the unsynced records (the OS may have flushed some)
-  and loses the rest. Truncate and SetLowWaterMark are durable when they answer. The persisted control info is
-  ``(session id, low-water mark, local low-water mark)``.
+  and loses the rest. Truncate, SetLowWaterMark and Trim are durable when they answer. The persisted control
+  info is ``(session id, low-water mark, local low-water mark, trim point)``.
 
 There are no tasks here: the network and the nodes run on ``loop.call_at`` timers, so nothing a caller cancels
 can interrupt a node mid-operation (a node, like a real one, finishes what it received), and a run on the
@@ -147,6 +147,9 @@ class _PartitionState:
     trim_point: int = 0
     """Reads below it fail with TrimmedError, as on a storage node (the records stay: nothing here counts
     bytes)."""
+    log_start: int = 0
+    """The first id the log holds: a replica that restarted at a trim point holds only fillers below it, and a
+    truncation never cuts below it (as a node's never cuts its first segment)."""
 
     @property
     def max_transaction_id(self) -> int:
@@ -157,7 +160,9 @@ class _PartitionState:
 class StorageSnapshot:
     """A consistent backup of a node's durable state (records and control info of every partition)."""
 
-    partitions: dict[int, tuple[tuple[Record, ...], int, int, int]]
+    partitions: dict[int, tuple[tuple[Record, ...], int, int, int, int, int]]
+    """Per partition: (durable records, session id, low-water mark, local low-water mark, trim point, first id
+    of the log)."""
 
 
 _MUTATIONS = ("truncate", "append", "set_low_water_mark")
@@ -230,6 +235,8 @@ class MemoryStorage:
                     part.persisted_session_id,
                     part.low_water_mark,
                     part.local_low_water_mark,
+                    part.trim_point,
+                    part.log_start,
                 )
                 for pid, part in self.partitions.items()
             }
@@ -239,7 +246,7 @@ class MemoryStorage:
         """Replace the durable state by ``snapshot`` (only while the node is down)."""
         if self.up:
             raise RuntimeError("restore a snapshot only while the storage node is down")
-        for pid, (records, session_id, lwm, local_lwm) in snapshot.partitions.items():
+        for pid, (records, session_id, lwm, local_lwm, trim_point, log_start) in snapshot.partitions.items():
             part = self.partitions[pid]
             part.records = list(records)
             part.rewrites += 1
@@ -248,6 +255,8 @@ class MemoryStorage:
             part.session_id = session_id
             part.low_water_mark = lwm
             part.local_low_water_mark = local_lwm
+            part.trim_point = trim_point
+            part.log_start = log_start
 
     def break_connections(self) -> None:
         connections, self._connections = self._connections, []
@@ -330,7 +339,9 @@ class MemoryStorage:
                 raise StorageRpcError(
                     f"refusing to truncate to {txn}, below the low-water mark {part.low_water_mark}"
                 )
-            del part.records[max(txn + 1, 0) :]
+            # As a storage node: the log's first segment is never cut, so a log that restarted at a trim point
+            # keeps up to the id below it.
+            del part.records[max(txn + 1, part.log_start, 0) :]
             part.damaged = {t for t in part.damaged if t <= txn}
             part.rewrites += 1
             part.synced = min(part.synced, len(part.records))
@@ -372,13 +383,15 @@ class MemoryStorage:
             (trim_point,) = args
             if trim_point < 0:
                 raise StorageError(f"trim point {trim_point} is negative")
+            trim_point = max(trim_point, part.trim_point)
             if trim_point > part.max_transaction_id + 1:
                 # A lagging replica restarts at the trim point: ids below it are never read, so fillers do.
                 filler = [Record.build(i, ReqId(0, i), 0, b"") for i in range(len(part.records), trim_point)]
                 part.records.extend(filler)
                 part.synced = len(part.records)
                 part.rewrites += 1
-            part.trim_point = max(part.trim_point, trim_point)
+                part.log_start = trim_point
+            part.trim_point = trim_point
             return part.trim_point
         raise StorageRpcError(f"unknown request {kind}")  # pragma: no cover - _WRITES names the kinds above
 
@@ -413,6 +426,13 @@ class MemoryStorage:
         if kind == "damaged_records":
             (max_ids,) = args
             return sorted(part.damaged)[: max(0, max_ids)]
+        if kind == "segment_sizes":
+            # One segment per 100 ids, sized as stored (the records below the trim point are not counted).
+            sizes: dict[int, int] = {}
+            for rec in part.records[part.trim_point : part.synced]:
+                first = max(part.trim_point, rec.transaction_id // 100 * 100)
+                sizes[first] = sizes.get(first, 0) + stored_size(rec)
+            return sorted(sizes.items())[-max(0, args[0]) :] if args[0] > 0 else []
         raise StorageRpcError(f"unknown request {kind}")
 
     @staticmethod
@@ -561,6 +581,10 @@ class MemoryConnection:
 
     async def trim(self, trim_point: int) -> int:
         result: int = await self._call("trim", trim_point)
+        return result
+
+    async def segment_sizes(self, max_segments: int) -> list[tuple[int, int]]:
+        result: list[tuple[int, int]] = await self._call("segment_sizes", max_segments)
         return result
 
     async def aclose(self) -> None:

@@ -148,6 +148,11 @@ class ReplicaConnection(Protocol):
         :mod:`waltz.storage.retention`); returns the trim point in force on the replica."""
         ...
 
+    async def segment_sizes(self, max_segments: int) -> list[tuple[int, int]]:
+        """``(first transaction id, bytes)`` of the replica's newest ``max_segments`` segments, oldest
+        first (for a retention policy in bytes)."""
+        ...
+
     async def aclose(self) -> None:
         """Release the connection. Never raises; requests still in flight fail with ClosedResourceError."""
         ...

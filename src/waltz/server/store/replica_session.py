@@ -461,23 +461,45 @@ class ReplicaSession:
             await self._append_copies(conn, records)  # none if it restarted at the trim point
             recovery.update(self.storage, self.max_id)
 
-        resolved = recovery.resolved
-        if self.max_id > resolved:
-            self.max_id = await session.call(
-                conn.truncate(
-                    resolved,
-                    reason=f"recovery of session {self._ctx.session_id}: above the resolved high-water mark",
-                )
-            )
-            if self.max_id != resolved:
-                raise InvariantViolation(
-                    f"{self.storage} truncated to {resolved} reports max id {self.max_id}"
-                )
+        low_water_mark = await self._truncate_to_resolved(conn, recovery.resolved)
         self.readable_max = self.max_id
-        await session.call(conn.set_low_water_mark(resolved))
-        await self._copy_until(conn, resolved)
+        await session.call(conn.set_low_water_mark(low_water_mark))
+        await self._copy_until(conn, low_water_mark)
         self.role = ReplicaRole.RECOVERED
         recovery.mark_recovered(self.storage)
+
+    async def _truncate_to_resolved(self, conn: ReplicaConnection, resolved: int) -> int:
+        """Cut the replica to ``resolved``; returns the low-water mark it is to persist.
+
+        A replica that restarted at a trim point above ``resolved + 1`` (raised after this session opened,
+        then the replica recovered again in it) keeps its log up to below that trim point: a node never cuts
+        below it, and every id below a trim point is committed, so its mark is its max id, not ``resolved``.
+        """
+        if self.max_id <= resolved:
+            return resolved
+        session = self._host
+        self.max_id = await session.call(
+            conn.truncate(
+                resolved,
+                reason=f"recovery of session {self._ctx.session_id}: above the resolved high-water mark",
+            )
+        )
+        if self.max_id == resolved:
+            return resolved
+        # Answers the replica's trim point; a log that ends below it restarts there (storage handlers).
+        in_force = await session.call(conn.trim(0))
+        self.max_id = await session.call(conn.max_transaction_id())
+        if resolved < self.max_id < in_force:
+            log.info(
+                "partition %d: replica %s holds nothing between %d and its trim point %d; it recovers at %d",
+                self._ctx.partition_id,
+                self.storage,
+                resolved,
+                in_force,
+                self.max_id,
+            )
+            return self.max_id
+        raise InvariantViolation(f"{self.storage} truncated to {resolved} reports max id {self.max_id}")
 
     async def _wait_uncounted(self, conn: ReplicaConnection, info: SessionInfo) -> None:
         """Wait for a change of the vote; every ``idle_probe_interval_ms``, look at the replica again.

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Awaitable, Sequence
 from typing import Protocol, TypeVar
 
-from waltz.errors import BrokenResourceError, CorruptionError, WaltzError
+from waltz.errors import BrokenResourceError, CorruptionError, TrimmedError, WaltzError
 from waltz.protocol.records import Record
 from waltz.server.store.replica_session import ReplicaSession
 from waltz.server.store.support import RepairStatistics, StoreConfig
@@ -48,6 +48,8 @@ class DamageReporter(Protocol):
     """Where repairs are counted and damaged reads reported (the store partition)."""
 
     repairs: RepairStatistics
+    trim_point: int
+    """Ids below it need no repair: no one reads them, and every replica may delete them."""
 
     def replica_damaged(self, storage: str, detail: str) -> None: ...
 
@@ -91,9 +93,11 @@ class DamageWatch:
                         "partition %d: damage poll of %s failed: %r", self._session.partition_id, storage, e
                     )
                     continue
-                # Ids above the committed mark are not settled: recovery decides them, not a repair.
+                # Ids above the committed mark are not settled: recovery decides them, not a repair. Ids below
+                # the trim point were deleted everywhere (a replica not told yet may still report them).
                 last = min(self._session.high_water_mark, replica.max_id)
-                committed = sorted(t for t in set(ids) if 0 <= t <= last)
+                first = max(0, self._reporter.trim_point)
+                committed = sorted(t for t in set(ids) if first <= t <= last)
                 if not committed:
                     # Repaired meanwhile (by a read that met the damage) or truncated: nothing is failing.
                     failing.pop(storage, None)
@@ -133,7 +137,11 @@ class DamageWatch:
             for start, count in _runs(ids):
                 position, end = start, start + count
                 while position < end:
-                    records = await self._good_copies(bad, position, end - position)
+                    try:
+                        records = await self._good_copies(bad, position, end - position)
+                    except TrimmedError as e:
+                        position = e.trim_point  # trimmed meanwhile: nothing below it needs a copy
+                        continue
                     conn = bad.connection
                     if conn is None:
                         raise BrokenResourceError(f"{bad.storage} left the session")

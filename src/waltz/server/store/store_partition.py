@@ -420,6 +420,24 @@ class StorePartition:
             return 0, b""
         return await self._read(lambda s: s.read_run(transaction_id, max_count, max_bytes))
 
+    async def segment_sizes(self, max_segments: int) -> list[tuple[int, int]]:
+        """``(first id, bytes)`` of the newest segments of a replica of the open session (the first that
+        answers), oldest first: what a retention policy in bytes measures."""
+
+        async def ask(session: StoreSession) -> list[tuple[int, int]]:
+            error: WaltzError = PartitionNotReadyError(f"partition {self.partition_id}: no replica to ask")
+            for replica in list(session.participants):
+                conn = replica.connection
+                if conn is None:
+                    continue
+                try:
+                    return await session.call(conn.segment_sizes(max_segments))
+                except WaltzError as e:
+                    error = e
+            raise error
+
+        return await self._read(ask)
+
     def check_trim(self, transaction_id: int) -> None:
         """Raise TrimmedError (naming the partition, the id and the trim point) for an id below the trim
         point: no replica is asked, and none needs to hold it."""
@@ -628,6 +646,12 @@ class StorePartition:
                 )
         self._resolved += resolved
         self._resolutions.set()
+
+    def replica_joined(self, session: StoreSession, storage: str) -> None:
+        # A replica that joins an open session late missed the trim point sent at the opening: without this it
+        # would keep what is below it (its disk not reclaimed) until the next session, which may be days away.
+        if session is self._session and self.trim_point > 0:
+            self._trim_wanted.set()
 
     def batch_committed(self, session: StoreSession, appends: Sequence[PendingAppend]) -> None:
         hwm = session.high_water_mark

@@ -111,8 +111,15 @@ class SessionHost(Protocol):
         """A read found ``storage``'s stored copy damaged (it answered CorruptionError): report it."""
         ...
 
+    def replica_joined(self, session: StoreSession, storage: str) -> None:
+        """``storage`` caught up and became a participant of the open ``session`` (it is told the trim point,
+        which it missed at the opening)."""
+        ...
+
     repairs: RepairStatistics
     """Counts repairs of damage that replicas reported on their own (``scrub_repair.DamageWatch``)."""
+    trim_point: int
+    """The partition's trim point: nothing below it is repaired."""
 
 
 def _loop_ms() -> float:
@@ -426,6 +433,7 @@ class StoreSession:
         for batch in in_flight:
             batch.voting.add_voter()
         replica.join_writes(in_flight)
+        self._host.replica_joined(self, replica.storage)
         log.info(
             "partition %d: replica %s caught up and rejoined session %d %.2f s after the session started, "
             "%d batches in flight",

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Sequence
 from typing import Protocol, TypeVar
 
 from waltz.errors import BrokenResourceError, WaltzError
-from waltz.server.store.replica_session import ReplicaSession, SessionOver
+from waltz.server.store.replica_session import ReplicaSession
 
 log = logging.getLogger(__name__)
 
@@ -32,22 +32,19 @@ class StoreSession(Protocol):
 
     async def call(self, request: Awaitable[T]) -> T: ...
 
-    def replica_failed(self, replica: ReplicaSession, detail: str) -> None: ...
-
 
 async def restart_at_trim_point(session: StoreSession, replica: ReplicaSession, trim_point: int) -> None:
     """A catch-up source trimmed what ``replica`` lacks: tell ``replica`` the trim point, so it starts its log
-    again, empty, there (it need not hold what is below it), and carry on from its new max id. A replica that
-    fails to is failed in the session (raises SessionOver), as for any failed catch-up."""
+    again, empty, there (it need not hold what is below it), and carry on from its new max id.
+
+    A failure is the lagging replica's own (raised to its task, which retries it or, were it load-bearing,
+    ends the session): it is not a failure of the source, and ending the session for it would stop every
+    write because one replica that was behind lost its connection."""
     conn = replica.connection
-    try:
-        if conn is None:
-            raise BrokenResourceError(f"{replica.storage} has no connection")
-        await session.call(conn.trim(trim_point))
-        max_id = await session.call(conn.max_transaction_id())
-    except WaltzError as e:
-        session.replica_failed(replica, f"could not restart at trim point {trim_point}: {e!r}")
-        raise SessionOver from None
+    if conn is None:
+        raise BrokenResourceError(f"{replica.storage} has no connection")
+    await session.call(conn.trim(trim_point))
+    max_id = await session.call(conn.max_transaction_id())
     log.info(
         "partition %d: replica %s lagged below the trim point %d (max id %d); it restarts there (max id %d)",
         session.partition_id,
