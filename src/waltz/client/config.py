@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from waltz.client.dispatch import MODES
 from waltz.cluster.zk import ZK_SSL_PREFIX, ZkAuth, ZkTls, read_auth_file, zk_tls_keys
 from waltz.config import ConfigSchema, Key, read_yaml
 from waltz.errors import ConfigError
@@ -74,7 +75,7 @@ def _znode_path(value: Any) -> str | None:
     return None
 
 
-CALLBACK_MODES = ("auto", "threads", "inline")
+CALLBACK_MODES = MODES
 """Where application code runs (see waltz.client.dispatch): ``auto`` (the default; ``threads`` is the same):
 coroutine functions on the client's event loop, plain functions on the callback threads; ``inline``: every
 callback on the loop."""
