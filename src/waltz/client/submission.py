@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeAlias
 from waltz.client.attempts import AttemptsMixin
 from waltz.client.builder import TransactionBuilder
 from waltz.client.context import TransactionContext
+from waltz.client.dispatch import runs_on_loop
 from waltz.client.driver import MountState
 from waltz.client.lifecycle import HOLDS_SLOT, Event
 from waltz.client.monitor import TransactionMonitor
@@ -86,10 +87,10 @@ class SubmissionMixin(AttemptsMixin):
         run = Run(context)
         # Executed here, on the loop, without an await since the partition was found ready: nothing can
         # have changed it (set_partitions and close are coroutines), so it need not be checked again.
-        fresh = self._inline
+        fresh = on_loop = self._inline or runs_on_loop(context.execute)
         try:
             first: _First
-            if self._inline:
+            if on_loop:
                 # Zero hops: partition_id() and execute() run right here, on the loop.
                 first = self._first_attempt(run, self._num_partitions)
             else:
