@@ -14,6 +14,10 @@ app64      occ64 without the locks (64 writers, each waiting for its own ``on_ap
            app64 is what the write locks cost
 =========  ==================================================================================================
 
+The application's ``execute``, hooks and ``apply_transaction`` are coroutine functions, which the client's
+default ``client.callbackMode`` awaits on its loop (``--plain``: plain functions, which that mode runs on
+the callback threads and ``--mode inline`` on the loop).
+
 Per phase it prints ops/s and client CPU per op (``time.process_time`` of this process over the measured
 seconds). Compare two source trees with the same command and ``PYTHONPATH`` at each tree's ``src``.
 
@@ -154,6 +158,26 @@ class Ctx(TransactionContext):
             self._done(True)
 
 
+class AsyncCallbacks(Callbacks):
+    async def apply_transaction(self, transaction: Transaction) -> None:  # type: ignore[override]
+        self.hwm = transaction.transaction_id
+
+
+class AsyncCtx(Ctx):
+    """Coroutine ``execute`` and hooks: the client awaits them on its loop (``--plain``: ``Ctx``)."""
+
+    async def execute(self, builder: TransactionBuilder) -> bool:  # type: ignore[override]
+        return super().execute(builder)  # type: ignore[return-value]
+
+    async def on_completion(self, result: bool) -> None:  # type: ignore[override]
+        if not result or not self._wait_apply:
+            self._done(result)
+
+    async def on_application(self) -> None:  # type: ignore[override]
+        if self._wait_apply:
+            self._done(True)
+
+
 def callgrind(on: bool) -> None:
     """Switch callgrind's counting of this process on or off (run under ``--instr-atstart=no``)."""
     cmd = ["callgrind_control", "-i", "on" if on else "off", str(os.getpid())]
@@ -161,7 +185,12 @@ def callgrind(on: bool) -> None:
 
 
 async def run_phase(
-    client: AsyncWaltzClient, phase: str, seconds: float, count: int | None, toggle: bool = False
+    client: AsyncWaltzClient,
+    phase: str,
+    seconds: float,
+    count: int | None,
+    toggle: bool = False,
+    ctx_type: type[Ctx] = Ctx,
 ) -> str:
     """``phase`` for ``seconds`` after a warm-up of WARMUP_S, or (``count`` given) for ``count``
     operations after WARMUP_OPS: a fixed amount of work, for an instruction count under
@@ -179,7 +208,7 @@ async def run_phase(
             if not future.done():
                 future.set_result(ok)
 
-        await client.submit(Ctx(done, lock, wait_apply))
+        await client.submit(ctx_type(done, lock, wait_apply))
         return await future
 
     async def worker(w: int) -> None:
@@ -218,13 +247,15 @@ async def run_phase(
 
 async def main_async(args: argparse.Namespace, endpoint: str) -> None:
     config = ClientConfig(max_concurrent_transactions=128, callback_mode=args.mode)
+    callbacks, ctx_type = (Callbacks(), Ctx) if args.plain else (AsyncCallbacks(), AsyncCtx)
     driver = NetworkDriver(config, discovery=StaticDiscovery(endpoint))  # type: ignore[arg-type]
     # --metrics: the client's Prometheus metrics on (waltz.client.metrics), in a registry nobody scrapes.
     # (Not passed without it: a tree from before the client's metrics runs this bench too.)
     metrics = {"metrics_registry": CollectorRegistry()} if args.metrics else {}
-    async with AsyncWaltzClient(Callbacks(), config, driver=driver, **metrics) as client:
+    async with AsyncWaltzClient(callbacks, config, driver=driver, **metrics) as client:
         for phase in args.phase:
-            print(await run_phase(client, phase, args.seconds, args.count, args.callgrind_toggle), flush=True)
+            result = await run_phase(client, phase, args.seconds, args.count, args.callgrind_toggle, ctx_type)
+            print(result, flush=True)
         await client.flush_transactions(30)
 
 
@@ -232,7 +263,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--mode", choices=("inline", "threads"), default="inline")
+    parser.add_argument("--mode", choices=("auto", "inline", "threads"), default="auto")
+    parser.add_argument("--plain", action="store_true", help="plain-function callbacks (inline: the loop)")
     parser.add_argument(
         "--phase", action="append", choices=("conc", "occ64", "app64"), help="default: conc, occ64"
     )

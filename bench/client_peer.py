@@ -31,11 +31,15 @@ system share in brackets), server CPU per op (server + storage processes, from `
 the appends per committed batch (from the server's ``waltz_server_store_batch_appends`` histogram: each batch
 is a request to every storage node), and the storage nodes' append requests and group-commit fsyncs per op.
 The load average and a CPU gauge (milliseconds for a fixed pure-Python workload, lower is a faster
-machine) are printed at the start and the end. ``--mode`` picks ``client.callbackMode`` (``inline``
-or ``threads``), ``--loop`` the application's event loop (uvloop, the default, or the standard asyncio loop).
+machine) are printed at the start and the end. The application's hooks and ``apply_transaction`` are
+coroutine functions (``--plain``: plain functions, which the default ``client.callbackMode`` runs on the
+callback threads, handing results to the loop with ``call_soon_threadsafe``); ``--mode`` sets
+``client.callbackMode`` (default: the client's default), ``--max-concurrent``
+``client.maxConcurrentTransactions`` (default: the client's default), ``--loop`` the application's event
+loop (uvloop, the default, or the standard asyncio loop).
 
-    .venv/bin/python bench/client_peer.py                       # every phase, inline mode
-    .venv/bin/python bench/client_peer.py --mode threads --phase conc --phase seq
+    .venv/bin/python bench/client_peer.py                       # every phase, the client's defaults
+    .venv/bin/python bench/client_peer.py --plain --phase conc --phase seq
     .venv/bin/python bench/client_peer.py --phase partitions --partitions 256 --rounds 3
 """
 
@@ -171,6 +175,13 @@ class Callbacks(ClientCallbacks):
         print(f"apply failed: {exception!r}", file=sys.stderr)
 
 
+class AsyncCallbacks(Callbacks):
+    async def apply_transaction(self, transaction: Transaction) -> None:  # type: ignore[override]
+        self.hwm = transaction.transaction_id
+        if transaction.header == 1:
+            self.counter += 1
+
+
 class Ctx(TransactionContext):
     """One append; ``done`` is called (on the loop) on completion or application, as asked."""
 
@@ -220,6 +231,25 @@ class Ctx(TransactionContext):
     def on_exception(self, exception: BaseException) -> None:
         print(f"context failed: {exception!r}", file=sys.stderr)
         self._signal(False)
+
+
+class AsyncCtx(Ctx):
+    """``Ctx`` with a coroutine ``execute`` and hooks: the client awaits them on its loop."""
+
+    async def execute(self, builder: TransactionBuilder) -> bool:  # type: ignore[override]
+        return super().execute(builder)  # type: ignore[return-value]
+
+    async def on_completion(self, result: bool) -> None:  # type: ignore[override]
+        if not result or not self._wait_apply:
+            self._done(result)
+
+    async def on_application(self) -> None:  # type: ignore[override]
+        if self._wait_apply:
+            self._done(True)
+
+    async def on_exception(self, exception: BaseException) -> None:  # type: ignore[override]
+        print(f"context failed: {exception!r}", file=sys.stderr)
+        self._done(False)
 
 
 @dataclass
@@ -274,6 +304,7 @@ class Bench:
         self.http_port = http_port
         self.storage_http_ports = storage_http_ports
         self.inline = args.mode == "inline"
+        self.ctx_type = Ctx if args.plain else AsyncCtx
         self.loop = asyncio.get_running_loop()
 
     async def one(
@@ -285,7 +316,9 @@ class Bench:
             if not future.done():
                 future.set_result(ok)
 
-        await self.client.submit(Ctx(self.loop, self.inline, done, lock, wait_apply, header, partition))
+        await self.client.submit(
+            self.ctx_type(self.loop, self.inline, done, lock, wait_apply, header, partition)
+        )
         return await future
 
     async def workers(
@@ -449,7 +482,7 @@ async def main_async(
     storage_http_ports: list[int],
 ) -> list[Result]:
     results: list[Result] = []
-    async with AsyncWaltzClient(Callbacks(), config) as client:
+    async with AsyncWaltzClient(Callbacks() if args.plain else AsyncCallbacks(), config) as client:
         bench = Bench(args, client, pids, http_port, storage_http_ports)
         for phase in args.phase:
             if phase in ("sync8", "clients"):
@@ -510,7 +543,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--mode", choices=("inline", "threads"), default="inline")
+    parser.add_argument("--mode", choices=("auto", "inline", "threads"), help="client.callbackMode")
+    parser.add_argument("--plain", action="store_true", help="plain-function callbacks (see above)")
     parser.add_argument(
         "--phase",
         action="append",
@@ -529,7 +563,7 @@ def main() -> None:
     parser.add_argument("--client-in-flight", type=int, default=8, help="appends in flight per process")
     parser.add_argument("--count", type=int, default=100_000, help="operations per phase at most")
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per phase at most")
-    parser.add_argument("--max-concurrent", type=int, default=128, help="client.maxConcurrentTransactions")
+    parser.add_argument("--max-concurrent", type=int, help="client.maxConcurrentTransactions")
     parser.add_argument("--profile", help="write a cProfile of the async phases to this file")
     parser.add_argument(
         "--loop", choices=("uvloop", "asyncio"), default="uvloop", help="the application's event loop"
@@ -555,8 +589,12 @@ def main() -> None:
             config = ClientConfig.from_yaml(
                 Path(cluster.directory) / "client.yaml",
                 {
-                    "client.maxConcurrentTransactions": args.max_concurrent,
-                    "client.callbackMode": args.mode,
+                    key: value
+                    for key, value in (
+                        ("client.maxConcurrentTransactions", args.max_concurrent),
+                        ("client.callbackMode", args.mode),
+                    )
+                    if value is not None
                 },
             )
             if args.profile:

@@ -30,18 +30,17 @@ import cProfile
 import inspect
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from waltz.protocol import client_server as cs
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_CLIENT, ProtocolConnection
-from waltz.protocol.records import Record, RecordHeader, ReqId
+from waltz.protocol.records import Record, ReqId
 from waltz.server.feed_cache import FeedCache, FeedEntry
 from waltz.server.partition import Partition
-from waltz.server.store.interfaces import SessionInfo
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.transaction_cache import TransactionCache
-from waltz.testing.store import MemoryMetadataStore
+from waltz.testing.store import MemoryMetadataStore, NullConnector
 
 VERSION = max(cs.SUPPORTED_VERSIONS)
 GENERATION = 1
@@ -49,76 +48,20 @@ CLIENT_ID = 7
 
 
 class _Bodies:
-    """Encode a batch once for every replica, as ``adapters._AppendBodies`` does."""
+    """Encode a batch once for every replica, as ``adapters._AppendBodies`` does, and count the requests."""
 
-    records: Sequence[Record] | None = None
-    body = b""
-    requests = 0
-    ack_s = 0.001
+    def __init__(self) -> None:
+        self.records: Sequence[Record] | None = None
+        self.body = b""
+        self.requests = 0
 
-
-class _Replica:
-    """A replica connection that holds nothing and acknowledges every append on the next iteration."""
-
-    def __init__(self, storage: str, bodies: _Bodies) -> None:
-        self.storage = storage
-        self._bodies = bodies
-        self._max_id = -1
-        self._loop = asyncio.get_running_loop()
-
-    async def last_session_info(self) -> SessionInfo:
-        return SessionInfo(-1, -1, -1)
-
-    async def max_transaction_id(self) -> int:
-        return self._max_id
-
-    async def truncate(self, transaction_id: int) -> int:
-        return self._max_id
-
-    async def set_low_water_mark(self, low_water_mark: int) -> None:
-        pass
-
-    async def append(self, records: Sequence[Record]) -> None:
-        self._max_id = records[-1].transaction_id
-
-    def start_append(
-        self, records: Sequence[Record], on_answer: Callable[[asyncio.Future[object]], None]
-    ) -> asyncio.Future[object]:
-        bodies = self._bodies
-        bodies.requests += 1
-        if records is not bodies.records:
-            bodies.body = st.append_request_body(records)
-            bodies.records = records
+    def on_append(self, records: Sequence[Record]) -> None:
+        self.requests += 1
+        if records is not self.records:
+            self.body = st.append_request_body(records)
+            self.records = records
         # The request's prefix; the body goes to the socket as it is (``storage_client._encode_storage``).
         st.encode_append_request(1, 0, 0, b"")
-        self._max_id = records[-1].transaction_id
-        future: asyncio.Future[object] = self._loop.create_future()
-        self._loop.call_later(self._bodies.ack_s, self._ack, future, on_answer)
-        return future
-
-    @staticmethod
-    def _ack(future: asyncio.Future[object], on_answer: Callable[[asyncio.Future[object]], None]) -> None:
-        # As RpcClient does: the answer callback runs where the response resolved the future.
-        if not future.done():
-            future.set_result(None)
-            on_answer(future)
-
-    async def read_headers(self, transaction_id: int, max_count: int) -> list[RecordHeader]:
-        return []
-
-    async def damaged_records(self, max_ids: int) -> list[int]:
-        return []
-
-    async def aclose(self) -> None:
-        pass
-
-
-class _Connector:
-    def __init__(self) -> None:
-        self._bodies = _Bodies()
-
-    async def connect(self, storage: str, partition_id: int, session_id: int) -> _Replica:
-        return _Replica(storage, self._bodies)
 
 
 class _Peer:
@@ -152,8 +95,13 @@ class _Peer:
             self.wake.set()
         self._proto.frame(cs.encode(msg, VERSION))
 
-    def send_feed(self, entries: Sequence[FeedEntry]) -> None:
-        cs.frame_feed_entries(entries, VERSION)
+    def send_feed(self, entries: Sequence[FeedEntry], frames: dict[int, bytes] | None = None) -> None:
+        # As the server's connection does: framed once per version for every client of the batch.
+        data = frames.get(VERSION) if frames is not None else None
+        if data is None:
+            data = cs.frame_feed_entries(entries, VERSION)
+            if frames is not None:
+                frames[VERSION] = data
         self.fed += len(entries)
         self.last_id = entries[-1][0]
         self.wake.set()
@@ -177,8 +125,11 @@ def _payloads(n: int, locks: bool) -> list[bytearray]:
 
 
 async def _run(args: argparse.Namespace) -> float:
-    connector = _Connector()
-    connector._bodies.ack_s = args.ack_ms / 1000
+    # Three replicas that hold nothing, encode each batch as the TCP connection does and acknowledge it
+    # --ack-ms later.
+    connector = NullConnector(args.ack_ms / 1000)
+    bodies = _Bodies()
+    connector.on_append = bodies.on_append
     store = StorePartition(
         0, GENERATION, ["s1", "s2", "s3"], connector=connector, metadata_store=MemoryMetadataStore()
     )
@@ -236,7 +187,7 @@ async def _run(args: argparse.Namespace) -> float:
     await part.close()
     if peer.lock_failures:
         print(f"lock failures: {peer.lock_failures}")
-    per_request = total / max(1, connector._bodies.requests / 3)
+    per_request = total / max(1, bodies.requests / 3)
     return elapsed * 1e6 / args.appends, per_request
 
 

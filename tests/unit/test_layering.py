@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "http": {"errors", "version"},
     "protocol": {"errors"},
     "transport": {"errors", "protocol"},
-    "cluster": {"errors", "config", "tls", "version"},
+    "cluster": {"errors", "config", "tls", "version", "runtime"},
     "storage": _BASE | {"protocol", "cluster"},
     "server": _BASE | {"protocol", "cluster"},
     "client": _BASE | {"protocol", "cluster"},

@@ -14,17 +14,17 @@ from __future__ import annotations
 import asyncio
 import gc
 import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 from waltz.protocol import client_server as cs
-from waltz.protocol.records import Record, RecordHeader, ReqId
+from waltz.protocol.records import ReqId
 from waltz.server.feed_cache import FeedCache, FeedEntry
 from waltz.server.partition import Partition
-from waltz.server.store.interfaces import ReplicaConnector, SessionInfo
+from waltz.server.store.interfaces import ReplicaConnector
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.transaction_cache import TransactionCache
-from waltz.testing.store import MemoryMetadataStore
+from waltz.testing.store import MemoryMetadataStore, NullConnector
 
 VERSION = max(cs.SUPPORTED_VERSIONS)
 CLIENT = 7
@@ -32,63 +32,6 @@ FEED_CACHE_BYTES = 256 * 1024
 DATA_CACHE_BYTES = 512 * 1024
 SLACK_BYTES = 64 * 1024
 """What the partition may hold besides its caches once they are full (queues, dict tables, the feed)."""
-
-
-class _Replica:
-    """A replica that keeps nothing: it remembers the last id and acknowledges each batch 0.1 ms later."""
-
-    def __init__(self) -> None:
-        self._max_id = -1
-        self._loop = asyncio.get_running_loop()
-
-    def on_lost(self, callback: Callable[[BaseException], None]) -> None:
-        pass  # never lost
-
-    def last_answer_s(self) -> float:
-        return self._loop.time()  # always alive
-
-    async def last_session_info(self) -> SessionInfo:
-        return SessionInfo(-1, -1, -1)
-
-    async def max_transaction_id(self) -> int:
-        return self._max_id
-
-    async def truncate(self, transaction_id: int) -> int:
-        return self._max_id
-
-    async def set_low_water_mark(self, low_water_mark: int) -> None:
-        pass
-
-    async def append(self, records: Sequence[Record]) -> None:
-        self._max_id = records[-1].transaction_id
-
-    def start_append(
-        self, records: Sequence[Record], on_answer: Callable[[asyncio.Future[object]], None]
-    ) -> asyncio.Future[object]:
-        self._max_id = records[-1].transaction_id
-        future: asyncio.Future[object] = self._loop.create_future()
-        self._loop.call_later(0.0001, self._ack, future, on_answer)
-        return future
-
-    @staticmethod
-    def _ack(future: asyncio.Future[object], on_answer: Callable[[asyncio.Future[object]], None]) -> None:
-        if not future.done():
-            future.set_result(None)
-            on_answer(future)
-
-    async def read_headers(self, transaction_id: int, max_count: int) -> list[RecordHeader]:
-        return []
-
-    async def damaged_records(self, max_ids: int) -> list[int]:
-        return []
-
-    async def aclose(self) -> None:
-        pass
-
-
-class _Connector:
-    async def connect(self, storage: str, partition_id: int, session_id: int) -> _Replica:
-        return _Replica()
 
 
 class _Peer:
@@ -151,7 +94,7 @@ async def _measure(counts: Sequence[int]) -> list[int]:
         0,
         1,
         ["s1", "s2", "s3"],
-        connector=cast(ReplicaConnector, _Connector()),
+        connector=cast(ReplicaConnector, NullConnector()),
         metadata_store=MemoryMetadataStore(),
     )
     part = Partition(

@@ -15,6 +15,7 @@ from waltz.server.feed_cache import FeedCache
 from waltz.server.partition import Partition
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.transaction_cache import TransactionCache
+from waltz.testing.partition_store import RecordingPeer
 
 
 class _Store:
@@ -41,20 +42,7 @@ class _Store:
         self.is_healthy = False
 
 
-class _Peer:
-    def __init__(self) -> None:
-        self.sent: list[cs.Message] = []
-        self.closed = False
-        self.drain_needed = False
-
-    def send(self, msg: cs.Message) -> None:
-        self.sent.append(msg)
-
-    async def drain(self) -> None:
-        pass
-
-
-async def _mounted(generation: int, client_id: int = 7) -> tuple[Partition, _Peer, ReqId]:
+async def _mounted(generation: int, client_id: int = 7) -> tuple[Partition, RecordingPeer, ReqId]:
     part = Partition(
         0,
         cast(StorePartition, _Store(generation)),
@@ -62,7 +50,7 @@ async def _mounted(generation: int, client_id: int = 7) -> tuple[Partition, _Pee
         transaction_cache=TransactionCache(1 << 20),
     )
     await part.start()
-    peer = _Peer()
+    peer = RecordingPeer()
     session = ReqId.of(client_id, generation, 0, -1)
     await part.mount(cast(Any, peer), cs.MountRequest(session, -1, 1))
     for _ in range(100):
@@ -85,7 +73,7 @@ def test_a_flush_naming_an_append_of_an_earlier_generation_is_taken() -> None:
             assert not part.accepts(cast(Any, peer), old_append)
             assert part.accepts(cast(Any, peer), ReqId.of(7, 3, 0, 42))
             # Another connection of the client is not its current mount: neither is taken.
-            assert not part.accepts_flush(cast(Any, _Peer()), ReqId.of(7, 3, 0, 43))
+            assert not part.accepts_flush(cast(Any, RecordingPeer()), ReqId.of(7, 3, 0, 43))
         finally:
             await part.close()
 
@@ -118,12 +106,12 @@ def test_append_nowait_takes_only_appends_of_the_current_mount_in_this_generatio
                 assert part.append_nowait(cast(Any, peer), append(3, 1)) is True
                 assert part.append_nowait(cast(Any, peer), append(2, 2)) is False  # an older generation
                 assert part.append_nowait(cast(Any, peer), append(4, 3)) is False  # a newer one
-                other = _Peer()
+                other = RecordingPeer()
                 assert part.append_nowait(cast(Any, other), append(3, 4)) is False  # not its mount
                 other_client = cs.AppendRequest.build(ReqId.of(client_id + 1, 3, 0, 5), -1, 0, b"x")
                 assert part.append_nowait(cast(Any, peer), other_client) is False  # never mounted
                 # A newer connection of the client mounts: the old one's appends are refused from then on.
-                newer = _Peer()
+                newer = RecordingPeer()
                 await part.mount(cast(Any, newer), cs.MountRequest(session, -1, 2))
                 assert part.append_nowait(cast(Any, peer), append(3, 6)) is False
                 assert part.append_nowait(cast(Any, newer), append(3, 7)) is True
@@ -151,7 +139,7 @@ async def _incarnation(generation: int, high_water_mark: int) -> Partition:
 
 async def _mount_answer(part: Partition, generation: int, client_high_water_mark: int) -> cs.PartitionState:
     """The answer to one mount (every answer but READY is sent before mount() returns)."""
-    peer = _Peer()
+    peer = RecordingPeer()
     session = ReqId.of(7, generation, 3, -1)
     async with asyncio.timeout(5):
         await part.mount(cast(Any, peer), cs.MountRequest(session, client_high_water_mark, 1))
@@ -248,7 +236,7 @@ def test_a_flush_is_answered_only_through_an_open_store_session() -> None:
             transaction_cache=TransactionCache(1 << 20),
         )
         await part.start()
-        peer = _Peer()
+        peer = RecordingPeer()
         session = ReqId.of(7, 3, 3, -1)
         await part.mount(cast(Any, peer), cs.MountRequest(session, 457, 1))
         flush = cs.FlushRequest(ReqId.of(7, 3, 3, 12))

@@ -16,77 +16,12 @@ from waltz.protocol import client_server as cs
 from waltz.protocol.records import ReqId
 from waltz.server.feed_cache import FeedCache, FeedEntry
 from waltz.server.partition import Partition
-from waltz.server.store.appends import AppendListener, PendingAppend
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.transaction_cache import TransactionCache
+from waltz.testing.partition_store import ManualStore
 
 CLIENT = 7
 SESSION = ReqId.of(CLIENT, 1, 0, -1)
-
-
-class _Store:
-    """Submitted appends stay pending until :meth:`commit` commits the oldest ones as one batch."""
-
-    def __init__(self) -> None:
-        self.generation = 1
-        self.high_water_mark = -1
-        self.is_healthy = True
-        self.full = False
-        """Refuse submissions as a full store queue would, until :meth:`make_room`."""
-        self._room = asyncio.Event()
-        self._pending: list[PendingAppend] = []
-
-    async def start(self) -> None:
-        pass
-
-    async def wait_open(self) -> int:
-        return self.high_water_mark
-
-    def submit(
-        self,
-        request: cs.AppendFields,
-        listener: AppendListener,
-        tag: object = None,
-        received_s: float = 0.0,
-        more: bool = False,
-    ) -> bool:
-        if self.full:
-            return False
-        pending = PendingAppend(request.req_id, request.header, request.data, request.checksum, listener, tag)
-        pending.received_s = received_s
-        self._pending.append(pending)
-        return True
-
-    async def wait_room(self) -> None:
-        while self.full:
-            self._room.clear()
-            await self._room.wait()
-
-    def make_room(self) -> None:
-        self.full = False
-        self._room.set()
-
-    def commit(self, count: int, *, skip: int | None = None) -> None:
-        """Commit the ``count`` oldest appends as one batch; ``skip`` (an index in it) is told apart, before
-        the rest, as an append the store resolved on its own (the rest then has a gap)."""
-        batch, self._pending = self._pending[:count], self._pending[count:]
-        for pending in batch:
-            self.high_water_mark += 1
-            pending.transaction_id = self.high_water_mark
-        listener = batch[0].listener
-        if skip is not None:
-            listener.appends_committed([batch[skip]])
-            del batch[skip]
-        listener.appends_committed(batch)
-
-    async def flush(self) -> int:
-        return self.high_water_mark
-
-    async def read_headers(self, transaction_id: int, max_count: int) -> list[Any]:
-        raise AssertionError("every committed header is in the feed cache")
-
-    async def close(self) -> None:
-        self.is_healthy = False
 
 
 class _Peer:
@@ -118,9 +53,9 @@ async def _settle() -> None:
 
 
 @contextlib.asynccontextmanager
-async def _live(min_fetch_size: int = 100) -> AsyncIterator[tuple[Partition, _Store, _Peer]]:
+async def _live(min_fetch_size: int = 100) -> AsyncIterator[tuple[Partition, ManualStore, _Peer]]:
     """A started partition with one client mounted (READY) and a feed window open from id 0."""
-    store = _Store()
+    store = ManualStore()
     part = Partition(
         0,
         cast(StorePartition, store),
@@ -244,10 +179,10 @@ def test_an_append_that_waited_for_room_in_the_store_reaches_the_feed_from_its_c
             store.full = True
             _append(part, peer, 1, first_seq=2)
             await _settle()
-            assert len(store._pending) == 2
+            assert len(store.pending) == 2
             store.make_room()
             await _settle()
-            assert len(store._pending) == 3
+            assert len(store.pending) == 3
             # Both batches commit in one loop iteration (e.g. two answers read in one data callback): each
             # goes to the feed from its commit.
             store.commit(2)
@@ -264,7 +199,7 @@ def test_a_feed_task_that_fails_of_a_bug_fails_the_partition_and_its_owner_hears
     async def main() -> None:
         part = Partition(
             0,
-            cast(StorePartition, _Store()),
+            cast(StorePartition, ManualStore()),
             feed_cache=FeedCache(1 << 20, 1),
             transaction_cache=TransactionCache(1 << 20),
         )

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
-from tests.unit.test_server_partition_feed import CLIENT, _append, _Peer, _settle, _Store
+from tests.unit.test_server_partition_feed import CLIENT, _append, _Peer, _settle
 from waltz.client.stream import INBOX_FEED_LIMIT
 from waltz.errors import PartitionNotReadyError
 from waltz.protocol import client_server as cs
@@ -22,6 +22,7 @@ from waltz.server.feed_cache import FeedCache
 from waltz.server.partition import FEED_READ_RETRY_S, Partition
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.transaction_cache import TransactionCache
+from waltz.testing.partition_store import ManualStore
 
 
 def _session(seq: int) -> ReqId:
@@ -35,7 +36,7 @@ def _feed_tasks() -> list[asyncio.Task[Any]]:
 
 @contextlib.asynccontextmanager
 async def _partition(
-    store: _Store, min_fetch_size: int = 100, cache: FeedCache | None = None
+    store: ManualStore, min_fetch_size: int = 100, cache: FeedCache | None = None
 ) -> AsyncIterator[Partition]:
     part = Partition(
         0,
@@ -53,7 +54,7 @@ async def _partition(
 
 def test_a_second_mount_on_one_connection_racing_the_first_leaves_one_feed_task() -> None:
     async def main() -> None:
-        async with _partition(_Store()) as part:
+        async with _partition(ManualStore()) as part:
             peer = _Peer()
             first, second = _session(1), _session(2)
             # Both wait for the append queue to drain (the flush) at once: the second arrives before the
@@ -82,7 +83,7 @@ def test_a_second_mount_on_one_connection_racing_the_first_leaves_one_feed_task(
     asyncio.run(main())
 
 
-class _SlowStore(_Store):
+class _SlowStore(ManualStore):
     """Keeps the committed headers and serves ``read_headers`` from them, but only once the test opens
     ``gate`` (``reading`` says a read waits there)."""
 
@@ -93,7 +94,7 @@ class _SlowStore(_Store):
         self.reading = asyncio.Event()
 
     def commit(self, count: int, *, skip: int | None = None) -> None:
-        for i, pending in enumerate(self._pending[:count]):
+        for i, pending in enumerate(self.pending[:count]):
             self.headers.append(RecordHeader(self.high_water_mark + 1 + i, pending.req_id, pending.header))
         super().commit(count, skip=skip)
 
@@ -171,7 +172,7 @@ def test_a_store_read_overtaken_by_commits_sent_live_is_not_sent_after_them() ->
 
 def test_a_window_is_at_most_feed_window_max_however_far_behind_the_client_is() -> None:
     async def main() -> None:
-        store = _Store()
+        store = ManualStore()
         async with _partition(store, min_fetch_size=4) as part:
             peer = _Peer()
             await part.mount(cast(Any, peer), cs.MountRequest(SESSION, -1, 1))

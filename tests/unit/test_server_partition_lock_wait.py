@@ -15,82 +15,9 @@ from waltz.protocol import client_server as cs
 from waltz.protocol.records import ReqId
 from waltz.server.feed_cache import FeedCache
 from waltz.server.partition import Partition
-from waltz.server.store.appends import AppendListener, PendingAppend
 from waltz.server.store.store_partition import StorePartition
 from waltz.server.transaction_cache import TransactionCache
-
-
-class _Store:
-    """Submitted appends stay unresolved until :meth:`commit` resolves the oldest ones (in order)."""
-
-    def __init__(self) -> None:
-        self.generation = 1
-        self.high_water_mark = -1
-        self.is_healthy = True
-        self.submitted: list[cs.AppendRequest] = []
-        self._unresolved: list[PendingAppend] = []
-        self._resolutions = asyncio.Event()
-
-    async def start(self) -> None:
-        pass
-
-    async def wait_open(self) -> int:
-        return self.high_water_mark
-
-    def submit(
-        self,
-        request: cs.AppendRequest,
-        listener: AppendListener,
-        tag: object = None,
-        received_s: float = 0.0,
-        more: bool = False,
-    ) -> bool:
-        pending = PendingAppend(request.req_id, request.header, request.data, request.checksum, listener, tag)
-        pending.received_s = received_s
-        self.submitted.append(request)
-        self._unresolved.append(pending)
-        return True
-
-    def commit(self, count: int) -> None:
-        """Commit the ``count`` oldest unresolved appends (their listeners run synchronously, in order)."""
-        batch, self._unresolved = self._unresolved[:count], self._unresolved[count:]
-        for item in batch:
-            self.high_water_mark += 1
-            item.transaction_id = self.high_water_mark
-            item.listener.appends_committed([item])
-        self._resolutions.set()
-
-    async def wait_resolution(self) -> bool:
-        if not self._unresolved:
-            return False
-        self._resolutions.clear()
-        await self._resolutions.wait()
-        return True
-
-    async def flush(self) -> int:
-        while self._unresolved:
-            self._resolutions.clear()
-            await self._resolutions.wait()
-        return self.high_water_mark
-
-    async def close(self) -> None:
-        self.is_healthy = False
-
-
-class _Peer:
-    def __init__(self) -> None:
-        self.sent: list[cs.Message] = []
-        self.closed = False
-        self.drain_needed = False
-
-    def send(self, msg: cs.Message) -> None:
-        self.sent.append(msg)
-
-    def send_feed(self, entries: object, frames: object = None) -> None:
-        pass
-
-    async def drain(self) -> None:
-        pass
+from waltz.testing.partition_store import ManualStore, RecordingPeer
 
 
 async def _settle() -> None:
@@ -99,7 +26,7 @@ async def _settle() -> None:
 
 
 @contextlib.asynccontextmanager
-async def _mounted(store: _Store) -> AsyncIterator[tuple[Partition, Any]]:
+async def _mounted(store: ManualStore) -> AsyncIterator[tuple[Partition, Any]]:
     """Partition 0 on ``store``, started, with one client (session ``ReqId.of(7, 1, 0, -1)``) mounted; closed
     on exit."""
     part = Partition(
@@ -109,7 +36,7 @@ async def _mounted(store: _Store) -> AsyncIterator[tuple[Partition, Any]]:
         transaction_cache=TransactionCache(1 << 20),
     )
     await part.start()
-    peer = cast(Any, _Peer())
+    peer = cast(Any, RecordingPeer())
     await part.mount(peer, cs.MountRequest(ReqId.of(7, 1, 0, -1), -1, 1))
     try:
         yield part, peer
@@ -119,7 +46,7 @@ async def _mounted(store: _Store) -> AsyncIterator[tuple[Partition, Any]]:
 
 def test_a_collision_wait_ends_when_the_holder_resolves_while_a_later_batch_is_in_flight() -> None:
     async def main() -> None:
-        store = _Store()
+        store = ManualStore()
         async with _mounted(store) as (part, peer):
 
             def append(seq: int, lock: int, client_hwm: int) -> cs.AppendRequest:
@@ -149,7 +76,7 @@ def test_a_collision_wait_ends_when_the_holder_resolves_while_a_later_batch_is_i
 
 def test_lock_slots_busy_with_nothing_pending_are_reset_with_a_warning(caplog: Any) -> None:
     async def main() -> None:
-        store = _Store()
+        store = ManualStore()
         async with _mounted(store) as (part, peer):
             # A leaked busy mark: taken, and no append in the store will ever release it.
             locks = part._locks

@@ -26,9 +26,10 @@ from waltz.cluster import store_metadata as sm
 from waltz.cluster.zk import session
 from waltz.config import read_yaml
 from waltz.errors import BackupError, ConfigError
-from waltz.ops.backup import DEFAULT_CONCURRENCY, BackupProgress, backup
+from waltz.ops.backup import DEFAULT_CONCURRENCY, backup
 from waltz.ops.backup_format import MANIFEST_NAME, check_chain, verify_backup
-from waltz.ops.restore import RestoreProgress, plan_restore, restore
+from waltz.ops.progress import CopyProgress
+from waltz.ops.restore import plan_restore, restore
 from waltz.ops.view import read_view
 
 PROGRESS_INTERVAL_S = 1.0
@@ -69,8 +70,8 @@ def _progress(what: str) -> Callable[[Any], None]:
     interval = PROGRESS_INTERVAL_S if tty else PROGRESS_INTERVAL_S * 10
     last = [time.monotonic()]
 
-    def show(p: BackupProgress | RestoreProgress) -> None:
-        done = p.copied if isinstance(p, BackupProgress) else p.restored
+    def show(p: CopyProgress) -> None:
+        done = p.done
         now = time.monotonic()
         if now - last[0] < interval and done < p.total:
             return

@@ -19,7 +19,8 @@ from waltz.cluster.store_metadata import format_ranges
 from waltz.config import host_port, parse_partition_ranges
 from waltz.errors import ConfigError
 from waltz.ops import checks
-from waltz.ops.recover import CopyProgress, recover_partition
+from waltz.ops.progress import PartitionCopyProgress
+from waltz.ops.recover import recover_partition
 from waltz.ops.view import ClusterView, read_view
 from waltz.server.storage_client import AdminClient
 
@@ -346,8 +347,8 @@ def cmd_recover_partition(args: argparse.Namespace) -> int:
     ) as bar:
         task = bar.add_task("copy", total=None, partition=args.partition, next_id="?", rate=0.0)
 
-        def progress(p: CopyProgress) -> None:
-            bar.update(task, total=p.total, completed=p.copied, next_id=p.next_id, rate=p.records_per_s)
+        def progress(p: PartitionCopyProgress) -> None:
+            bar.update(task, total=p.total, completed=p.done, next_id=p.next_id, rate=p.records_per_s)
 
         result = asyncio.run(
             recover_partition(

@@ -7,6 +7,8 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
     from waltz.client.transaction import Transaction
 
 
@@ -35,9 +37,12 @@ class ClientCallbacks(ABC):
       not advance past a transaction until :meth:`apply_transaction` returned normally, unless
       :meth:`uncaught_exception` returns :attr:`ApplyAction.SKIP`. The client logs the first traceback of a
       failing transaction, then a one-line reminder every 30 s.
-    * Callbacks run on the client's callback threads (``client.numConsumerThreads``), never on the event
-      loop, so a slow callback does not stall networking. Different partitions may be applied concurrently
-      on different threads: callbacks must be thread-safe across partitions.
+    * A callback defined with ``async def`` runs on the client's event loop and is awaited there (fetch data
+      with ``await transaction.fetch_transaction_data()``); a plain function runs on the client's callback
+      threads (``client.numConsumerThreads``), never on the event loop, so a slow or blocking callback does
+      not stall networking. Different partitions may be applied concurrently on different threads: plain
+      callbacks must be thread-safe across partitions. (``client.callbackMode: inline`` runs plain functions
+      on the loop too; see docs/client.md, "Where callbacks run".)
     * Do not wait on the client (``submit``, ``flush_transactions``, ``wait_applied``, ``close``) from
       inside a callback: the partition's feed waits for the callback, so the wait could not finish before
       its timeout. ``WaltzClient`` refuses ``flush_transactions``, ``wait_applied`` and ``close`` there with a
@@ -52,7 +57,7 @@ class ClientCallbacks(ABC):
         """
 
     @abstractmethod
-    def apply_transaction(self, transaction: Transaction) -> None:
+    def apply_transaction(self, transaction: Transaction) -> Awaitable[None] | None:
         """Apply a committed transaction to the application's state (idempotently, or exactly once as
         :class:`waltz.client.sql.SqlClientCallbacks` does)."""
 

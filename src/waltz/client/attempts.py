@@ -75,6 +75,7 @@ class AttemptsMixin(HooksMixin):
         req_id = _new_tuple(ReqId, (partition.req_msb, partition.req_lsb_base | (seq & _MASK32)))
         outcomes = partition.outcomes
         outcomes[req_id] = run
+        run.data = builder.data
         monitor.register(req_id, seq, self._clock())
         try:
             # Alone in flight (one append at a time): nothing would join it in this iteration's write, so it

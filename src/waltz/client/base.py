@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from waltz.client.api import ClientCallbacks
 from waltz.client.config import ClientConfig
+from waltz.client.dispatch import Dispatch, runs_on_loop
 from waltz.client.driver import ClientDriver, CoordinationTrouble, MountState
 from waltz.client.lifecycle import HOLDS_SLOT, Event, Hook
 from waltz.client.monitor import TransactionMonitor
@@ -131,8 +132,10 @@ class ClientBase:
         self._closed = False
         self._driver_error: ClientError | None = None  # Set once the driver failed for good.
         self._told_outage_s: float | None = None  # The ZooKeeper outage a wait was last logged for.
-        # client.callbackMode: inline runs application code on the loop (no thread hop; see docs/client.md).
-        self._inline = config.callback_mode == "inline"
+        # Where application code runs (client.callbackMode; see waltz.client.dispatch): coroutine functions
+        # on the loop, plain functions on the callback threads, or (inline) everything on the loop.
+        self._dispatch = Dispatch(config.callback_mode)
+        self._inline = self._dispatch.all_inline  # Read on the hot paths: `self._inline or runs_on_loop(fn)`.
         # Prometheus metrics in the application's registry, or None (off): see waltz.client.metrics.
         self._metrics: ClientMetrics | None = None
         if metrics_registry is not None:
@@ -181,9 +184,9 @@ class ClientBase:
         return self._driver
 
     async def _call_user(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run application code on a callback thread, or (inline mode) here, awaiting what it returns if
-        that is awaitable."""
-        if self._inline:
+        """Run application code on a callback thread, or here (a coroutine function, or inline mode),
+        awaiting what it returns if that is awaitable."""
+        if self._inline or runs_on_loop(fn):
             self._require_pool()  # The same closed-client check as the threads mode.
             result = fn(*args)
             if result is not None and inspect.isawaitable(result):

@@ -17,12 +17,13 @@ cluster.root                           required   the cluster's root znode, e.g.
 client.autoMount                       true       mount every partition; false: only ``set_partitions``
 client.numTransactionRetryThreads      1          accepted for compatibility; retries are asyncio tasks
 client.numConsumerThreads              10         threads running callbacks and ``execute``
-client.callbackMode                    threads    ``threads``: application code on callback threads;
-                                                  ``inline``: on the event loop (AsyncWaltzClient only)
+client.callbackMode                    auto       ``auto`` (``threads``: the same): coroutine callbacks on
+                                                  the event loop, plain ones on the callback threads;
+                                                  ``inline``: every callback on the event loop
 client.longWaitThreshold               5000       a partition with appends pending this long gets a flush
 client.answerTimeout                   15000      a mount, or an append, the server leaves unanswered this
                                                   long makes the client reconnect and mount again
-client.maxConcurrentTransactions       5          contexts in flight per partition (back pressure)
+client.maxConcurrentTransactions       64         contexts in flight per partition (back pressure)
 client.submitTimeout                   10000      how long ``submit`` waits for room before it fails
 client.mountTimeout                    10000      how long an append waits for its partition to be mounted
 client.requestTimeout                  30000      time limit of one RPC (data fetch, high-water mark)
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from waltz.client.dispatch import MODES
 from waltz.cluster.zk import ZK_SSL_PREFIX, ZkAuth, ZkTls, read_auth_file, zk_tls_keys
 from waltz.config import ConfigSchema, Key, read_yaml
 from waltz.errors import ConfigError
@@ -73,8 +75,10 @@ def _znode_path(value: Any) -> str | None:
     return None
 
 
-CALLBACK_MODES = ("threads", "inline")
-"""Where application code runs: on callback threads (the default), or inline on the client's event loop."""
+CALLBACK_MODES = MODES
+"""Where application code runs (see waltz.client.dispatch): ``auto`` (the default; ``threads`` is the same):
+coroutine functions on the client's event loop, plain functions on the callback threads; ``inline``: every
+callback on the loop."""
 
 
 def _callback_mode(value: Any) -> str | None:
@@ -95,10 +99,10 @@ CLIENT_SCHEMA = ConfigSchema(
         Key("client.autoMount", bool, True, "mount every partition automatically"),
         Key("client.numTransactionRetryThreads", int, 1, "compatibility only", min_value=1),
         Key("client.numConsumerThreads", int, 10, "callback threads", min_value=1, max_value=1024),
-        Key("client.callbackMode", str, "threads", "threads | inline", check=_callback_mode),
+        Key("client.callbackMode", str, "auto", "auto | threads | inline", check=_callback_mode),
         Key("client.longWaitThreshold", int, 5000, "nudge a stuck partition (ms)", min_value=1),
         Key("client.answerTimeout", int, 15000, "reconnect after no answer for this long (ms)", min_value=1),
-        Key("client.maxConcurrentTransactions", int, 5, "contexts in flight per partition", min_value=1),
+        Key("client.maxConcurrentTransactions", int, 64, "contexts in flight per partition", min_value=1),
         Key("client.submitTimeout", int, 10000, "submit waits this long for room (ms)", min_value=1),
         Key("client.mountTimeout", int, 10000, "wait for a mounted partition (ms)", min_value=1),
         Key("client.requestTimeout", int, 30000, "one RPC's time limit (ms)", min_value=1),
@@ -131,13 +135,13 @@ class ClientConfig:
     auto_mount: bool = True
     num_transaction_retry_threads: int = 1
     num_consumer_threads: int = 10
-    callback_mode: str = "threads"
-    """``threads`` or ``inline``; see "Execution modes" in docs/client.md."""
+    callback_mode: str = "auto"
+    """``auto`` (``threads`` is the same) or ``inline``; see "Where callbacks run" in docs/client.md."""
     long_wait_threshold_ms: int = 5000
     answer_timeout_ms: int = 15000
     """A MountRequest unanswered, or an append neither committed nor resolved, for this long: the client
     drops the connection and mounts again (the flush after READY then decides each pending append)."""
-    max_concurrent_transactions: int = 5
+    max_concurrent_transactions: int = 64
     submit_timeout_ms: int = 10000
     mount_timeout_ms: int = 10000
     request_timeout_ms: int = 30000

@@ -7,6 +7,8 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
     from waltz.client.builder import TransactionBuilder
 
 
@@ -25,8 +27,11 @@ class TransactionContext(ABC):
     client closed). After ``on_completion(True)``, ``on_application()`` follows once this client has applied
     the transaction through ``ClientCallbacks.apply_transaction`` (unless the client is closed first).
 
-    Threading: every method here runs on one of the client's callback threads (never on the event loop), one
-    at a time for a given context, in the order above.
+    Threading: a method defined with ``async def`` (``execute`` and the hooks may be coroutine functions)
+    runs on the client's event loop and is awaited there; a plain method runs on one of the client's
+    callback threads (where it may block), or, with ``WaltzClient.submit``, ``partition_id`` and a plain
+    ``execute`` on the submitting thread (docs/client.md, "Where callbacks run"). ``partition_id`` runs
+    where ``execute`` does. Methods of one context run one at a time, in the order above.
     """
 
     def __init__(self) -> None:
@@ -38,18 +43,18 @@ class TransactionContext(ABC):
         """The partition to append to, in ``range(num_partitions)``. Called once per ``submit``."""
 
     @abstractmethod
-    def execute(self, builder: TransactionBuilder) -> bool:
+    def execute(self, builder: TransactionBuilder) -> bool | Awaitable[bool]:
         """Fill ``builder`` (header, data, locks). Return ``True`` to append, ``False`` to give up."""
 
-    def on_completion(self, result: bool) -> None:  # noqa: B027 - optional hook
+    def on_completion(self, result: bool) -> Awaitable[None] | None:  # noqa: B027 - optional hook
         """The context ended without an exception: ``True`` if appended, ``False`` if ``execute`` gave up."""
 
-    def on_application(self) -> None:  # noqa: B027 - optional hook
+    def on_application(self) -> Awaitable[None] | None:  # noqa: B027 - optional hook
         """The appended transaction has been applied by this client (after ``on_completion(True)``)."""
 
-    def on_exception(self, exception: BaseException) -> None:  # noqa: B027 - optional hook
+    def on_exception(self, exception: BaseException) -> Awaitable[None] | None:  # noqa: B027 - optional hook
         """The context ended with ``exception``; it will not be retried."""
 
-    def on_lock_failure(self) -> None:  # noqa: B027 - optional hook
+    def on_lock_failure(self) -> Awaitable[None] | None:  # noqa: B027 - optional hook
         """An attempt was rejected by an optimistic-lock conflict; the context will be executed again once
         this client has applied the conflicting transaction."""

@@ -1,5 +1,6 @@
 """The application's context hooks (``on_completion``, ``on_application``): queued per loop iteration and run
-as one job, on a callback thread or (inline mode) on the loop, in the order the lifecycle owes them.
+as one job, on a callback thread (plain functions) or on the loop (coroutine functions, the inherited no-op
+hooks, or every hook in inline mode), in the order the lifecycle owes them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from waltz.client.base import ClientBase
+from waltz.client.dispatch import runs_on_loop
 from waltz.client.lifecycle import Event, Hook, State
 from waltz.client.pool import Call, report_hook_failure
 from waltz.client.state import PartitionState, Run
@@ -66,29 +68,37 @@ class HooksMixin(ClientBase):
                 if inspect.iscoroutine(awaitable):
                     awaitable.close()  # Dropped with its batch, as the hooks never called.
             return
-        if self._inline:
-            awaitables = _run_hooks_inline(hooks)
-            if lead:
-                awaitables = lead + awaitables
-            if awaitables:
-                self._spawn(self._await_hooks(awaitables, runs), "waltz-hooks")
+        if not self._inline and not all(runs_on_loop(fn) for fn, _ in hooks):
+            # Plain hooks (on a callback thread): all of them when none is a coroutine function, else the
+            # batch in runs of one kind, in order.
+            if lead or any(runs_on_loop(fn) for fn, _ in hooks):
+                self._spawn(self._run_mixed_hooks(lead, hooks, runs), "waltz-hooks")
             else:
-                self._hooks_done(runs)
+                pool.post(hooks, then=functools.partial(self._hooks_done, runs))
             return
-        pool.post(hooks, then=functools.partial(self._hooks_done, runs))
+        awaitables = _run_hooks_inline(hooks)  # Every hook runs on the loop.
+        if lead:
+            awaitables = lead + awaitables
+        if awaitables:
+            self._spawn(self._await_hooks(awaitables, runs), "waltz-hooks")
+        else:
+            self._hooks_done(runs)
 
     def _run_hook(self, run: Run, completion: bool) -> None:
         """The one way ``on_completion(True)`` and ``on_application`` reach the application, once per append
         each. ``completion``: ``run``'s first append committed (its COMMIT is made here) and
         ``on_completion(True)`` is owed; otherwise ``on_application``, which its lifecycle owes.
 
-        Inline mode with no hook queued in this loop iteration runs the hook now, where the commit or the
-        apply was heard (the socket reader, the applier): a lone append's application hears of it one loop
-        pass sooner. Otherwise the hook joins this iteration's batch (:meth:`_flush_hooks`, one callback job
-        or one pass on the loop), in order. A coroutine a hook run now returns is awaited first by this
-        iteration's batch, before the hooks queued after it, which therefore still run in order."""
+        A hook that runs on the loop (see :mod:`waltz.client.dispatch`), with no hook queued in this loop
+        iteration, runs now, where the commit or the apply was heard (the socket reader, the applier): a
+        lone append's application hears of it one loop pass sooner. Otherwise the hook joins this
+        iteration's batch (:meth:`_flush_hooks`, one callback job or one pass on the loop), in order. A
+        coroutine a hook run now returns is awaited first by this iteration's batch, before the hooks
+        queued after it, which therefore still run in order."""
         context = run.context
-        if self._hook_runs or not self._inline:
+        if self._hook_runs or not (
+            self._inline or runs_on_loop(context.on_completion if completion else context.on_application)
+        ):
             if not self._hook_runs:
                 self._call_soon(self._flush_hooks)
             if completion:
@@ -132,6 +142,41 @@ class HooksMixin(ClientBase):
                 await awaitable
             except Exception as e:  # noqa: BLE001 - reported to the application, not swallowed
                 report_hook_failure(loop, fn, e)
+        self._hooks_done(runs)
+
+    async def _run_mixed_hooks(
+        self,
+        lead: list[tuple[Callable[..., Any], Awaitable[Any]]],
+        hooks: list[Call],
+        runs: list[tuple[Run, bool]],
+    ) -> None:
+        """A batch of coroutine hooks (on the loop) and plain ones (on a callback thread), in order: each
+        run of consecutive plain hooks is one callback-thread job."""
+        loop = asyncio.get_running_loop()
+        pool = self._require_pool()
+        awaitables = list(lead)
+        i = 0
+        while True:
+            for fn, awaitable in awaitables:
+                try:
+                    await awaitable
+                except Exception as e:  # noqa: BLE001 - reported to the application, not swallowed
+                    report_hook_failure(loop, fn, e)
+            if i == len(hooks):
+                break
+            j = i
+            if self._dispatch.on_loop(hooks[i][0]):
+                while j < len(hooks) and self._dispatch.on_loop(hooks[j][0]):
+                    j += 1
+                awaitables = _run_hooks_inline(hooks[i:j])
+            else:
+                while j < len(hooks) and not self._dispatch.on_loop(hooks[j][0]):
+                    j += 1
+                done: asyncio.Future[None] = loop.create_future()
+                pool.post(hooks[i:j], then=functools.partial(done.set_result, None))
+                await done
+                awaitables = []
+            i = j
         self._hooks_done(runs)
 
     def _hooks_done(self, runs: list[tuple[Run, bool]]) -> None:

@@ -28,10 +28,11 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from waltz.client.builder import TransactionBuilder
 from waltz.client.driver import AppendRequest, ClientDriver, DriverListener, MountState
+from waltz.client.tasks import TaskSet
 from waltz.errors import BrokenResourceError, ClientError, PartitionNotReadyError
 from waltz.protocol.records import Record, ReqId
 
@@ -160,11 +161,10 @@ class _Stream:
         self.wake = wake_from_any_thread
 
     def start(self, initial_delay_s: float = 0.0) -> None:
-        loop = asyncio.get_running_loop()
         name = f"mock-p{self.partition_id}-c{self.driver.client_id}"
         self.tasks = [
-            loop.create_task(self._deliver(initial_delay_s), name=f"{name}-deliver"),
-            loop.create_task(self._send(), name=f"{name}-send"),
+            self.driver._tasks.spawn(self._deliver(initial_delay_s), f"{name}-deliver"),
+            self.driver._tasks.spawn(self._send(), f"{name}-send"),
         ]
 
     async def stop(self) -> None:
@@ -285,7 +285,7 @@ class MockDriver(ClientDriver):
         self.appends_dropped = 0
         self.lock_failures = 0
         self.resyncs = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet(self._task_failed)  # Its streams' senders and deliveries, resyncs.
         self._listener: DriverListener | None = None
         self._streams: dict[int, _Stream] = {}
         self._closed = False
@@ -411,9 +411,7 @@ class MockDriver(ClientDriver):
         if stream is None or self._closed:
             return
         self.resyncs += 1
-        task = asyncio.get_running_loop().create_task(self._restart(stream), name="mock-resync")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._restart(stream), "mock-resync")
 
     async def _restart(self, stream: _Stream) -> None:
         """A new stream for the partition (a reconnect): what was in flight on the old one is lost."""
@@ -440,10 +438,17 @@ class MockDriver(ClientDriver):
     async def high_water_mark(self, partition_id: int) -> int:
         return self.cluster.high_water_mark(partition_id)
 
+    def _task_failed(self, task: asyncio.Task[Any], error: BaseException) -> None:
+        # As the network driver's: a task it cannot serve without failed, so the client hears why (its
+        # partitions stop) instead of waiting for a feed that never comes.
+        failure = ClientError(f"the mock driver stopped: {task.get_name()} failed with {error!r}")
+        failure.__cause__ = error
+        log.error("%s", failure, exc_info=error)
+        if self._listener is not None and not self._closed:
+            self._listener.on_driver_failure(failure)
+
     async def close(self) -> None:
         self._closed = True
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.aclose()
         for partition_id in list(self._streams):
             await self.unmount(partition_id)

@@ -42,7 +42,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Coroutine, Mapping
 from ssl import SSLContext
 from typing import Any, Final
 
@@ -251,9 +251,7 @@ class NetworkDriver(ClientDriver):
             raise ClientError(f"partition {partition_id} is already mounted")
         mount = Mount(partition_id, client_high_water_mark)
         self._mounts[partition_id] = mount
-        mount.deliver_task = asyncio.get_running_loop().create_task(
-            self._deliver(mount), name=f"waltz-deliver-p{partition_id}"
-        )
+        mount.deliver_task = self.spawn_vital(self._deliver(mount), f"waltz-deliver-p{partition_id}")
         self._place(mount)
 
     async def unmount(self, partition_id: int) -> None:
@@ -393,9 +391,16 @@ class NetworkDriver(ClientDriver):
     def _assignments_failed(self, task: asyncio.Task[None], error: BaseException) -> None:
         """Following the assignment failed: no mount can move to a new owner any more, so the driver no
         longer serves; the client hears it (and stops its partitions with the reason) instead of stalling."""
+        self._driver_failed("following the partition assignment", error)
+
+    def _vital_failed(self, task: asyncio.Task[None], error: BaseException) -> None:
+        """A task the driver cannot serve without failed (see :meth:`spawn_vital`): a bug."""
+        self._driver_failed(f"its task {task.get_name()!r}", error)
+
+    def _driver_failed(self, what: str, error: BaseException) -> None:
         failure = ClientError(
-            f"the client driver stopped: following the partition assignment failed with "
-            f"{type(error).__name__}: {error} (restart the client)"
+            f"the client driver stopped: {what} failed with {type(error).__name__}: {error} "
+            "(restart the client)"
         )
         failure.__cause__ = error
         log.error("client %d: %s", self._client_id, failure, exc_info=error)
@@ -543,9 +548,7 @@ class NetworkDriver(ClientDriver):
             await asyncio.sleep(NOT_READY_RETRY_S)
             self._place(mount)
 
-        mount.retry_task = asyncio.get_running_loop().create_task(
-            retry(), name=f"waltz-remount-p{mount.partition_id}"
-        )
+        mount.retry_task = self.spawn_vital(retry(), f"waltz-remount-p{mount.partition_id}")
 
     # -- delivery ------------------------------------------------------------------------------------------
 
@@ -643,7 +646,14 @@ class NetworkDriver(ClientDriver):
     # -- tasks ---------------------------------------------------------------------------------------------
 
     def spawn(self, coro: Awaitable[None], name: str) -> None:
+        """Run a housekeeping task (closing a link, say): its failure is logged (:meth:`_task_failed`)."""
         self._tasks.spawn(_awaited(coro), name)
+
+    def spawn_vital(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """Run a task the driver cannot serve without (a link's connection loop or its paused reads, a
+        partition's delivery or its next mount): its failure (a bug) would stall partitions, so it stops the
+        driver and the client hears why, as when following the assignment fails. Cancelled by ``close``."""
+        return self._tasks.spawn(coro, name, self._vital_failed)
 
     def _task_failed(self, task: asyncio.Task[None], error: BaseException) -> None:
         """One of the driver's housekeeping tasks failed (closing a link, following the assignment): what

@@ -27,14 +27,19 @@ class Serializer(ABC, Generic[T]):
         """Decode bytes produced by :meth:`serialize`."""
 
 
+# One encoder for every call: json.dumps with options builds a new JSONEncoder each time.
+_JSON_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+_JSON_DECODER = json.JSONDecoder()
+
+
 class JsonSerializer(Serializer[Any]):
     """JSON in UTF-8 with sorted keys (so equal values give equal bytes, and equal checksums)."""
 
     def serialize(self, data: Any) -> bytes:
-        return json.dumps(data, sort_keys=True, separators=(",", ":")).encode("utf-8")
+        return _JSON_ENCODER.encode(data).encode("utf-8")
 
     def deserialize(self, data: bytes) -> Any:
-        return json.loads(data.decode("utf-8"))
+        return _JSON_DECODER.decode(data.decode("utf-8"))
 
 
 class Utf8Serializer(Serializer[str]):

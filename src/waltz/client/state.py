@@ -243,6 +243,7 @@ class Run(Lifecycle):
 
     __slots__ = (
         "context",
+        "data",
         "finished_waiter",
         "first_send",
         "partition",
@@ -263,6 +264,8 @@ class Run(Lifecycle):
         self.finished_waiter: asyncio.Future[None] | None = None
         self.transaction_id = -1  # Fast path, once committed.
         self.turn: asyncio.Future[None] | None = None  # Set while waiting in a lock queue.
+        # The data of the last append sent: the committed transaction carries it (no fetch; see applier).
+        self.data: bytes | None = None
 
     def done(self) -> asyncio.Future[None]:
         """A future resolved when the run is finished; only for a run that is not finished yet (one of the

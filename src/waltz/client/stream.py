@@ -47,10 +47,10 @@ import itertools
 import logging
 import operator
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from ssl import SSLContext
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 from waltz.client.builder import TransactionBuilder
 from waltz.client.driver import MountState
@@ -123,7 +123,13 @@ class LinkOwner(Protocol):
         """End the partition's feed session (``NOT_READY``)."""
         ...
 
-    def spawn(self, coro: Awaitable[None], name: str) -> None: ...
+    def spawn(self, coro: Awaitable[None], name: str) -> None:
+        """Run a housekeeping task of the link (closing a connection): its failure is only logged."""
+        ...
+
+    def spawn_vital(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """Run a task the link cannot serve without: its failure (a bug) stops the driver."""
+        ...
 
 
 @dataclass(slots=True)
@@ -260,7 +266,7 @@ class StreamLink:
         self._room_task: asyncio.Task[None] | None = None
         self._wanted = asyncio.Event()
         self._closed = False
-        self._task = self._loop.create_task(self._run(), name=f"waltz-link {endpoint}")
+        self._task = owner.spawn_vital(self._run(), f"waltz-link {endpoint}")
 
     @property
     def connected(self) -> bool:
@@ -458,8 +464,8 @@ class StreamLink:
         room again (TCP pushes back on the server meanwhile)."""
         conn.pause_delivery()
         if self._room_task is None:
-            self._room_task = self._loop.create_task(
-                self._resume_with_room(conn), name=f"waltz-room {self.endpoint}"
+            self._room_task = self.owner.spawn_vital(
+                self._resume_with_room(conn), f"waltz-room {self.endpoint}"
             )
 
     async def _resume_with_room(self, conn: FramedConnection) -> None:

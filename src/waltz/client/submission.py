@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeAlias
 from waltz.client.attempts import AttemptsMixin
 from waltz.client.builder import TransactionBuilder
 from waltz.client.context import TransactionContext
+from waltz.client.dispatch import runs_on_loop
 from waltz.client.driver import MountState
 from waltz.client.lifecycle import HOLDS_SLOT, Event
 from waltz.client.monitor import TransactionMonitor
@@ -50,6 +51,16 @@ class _Pending:
         self.awaitable = awaitable
 
 
+class _Refused:
+    """A first attempt on an application thread that raised before it took a slot (``partition_id`` did, the
+    partition is not mounted or stuck, no slot in time): the loop ends the run with ``error``."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
 _First: TypeAlias = TransactionBuilder | Literal[False] | Exception | _Pending | None
 """What a submit's first callback-thread call returns (see ``SubmissionMixin._first_attempt``)."""
 _Executed: TypeAlias = TransactionBuilder | Literal[False] | Exception | _Pending
@@ -76,10 +87,10 @@ class SubmissionMixin(AttemptsMixin):
         run = Run(context)
         # Executed here, on the loop, without an await since the partition was found ready: nothing can
         # have changed it (set_partitions and close are coroutines), so it need not be checked again.
-        fresh = self._inline
+        fresh = on_loop = self._inline or runs_on_loop(context.execute)
         try:
             first: _First
-            if self._inline:
+            if on_loop:
                 # Zero hops: partition_id() and execute() run right here, on the loop.
                 first = self._first_attempt(run, self._num_partitions)
             else:
@@ -138,67 +149,63 @@ class SubmissionMixin(AttemptsMixin):
         return pool is not None and pool.is_pool_thread()
 
     def submit_from_thread(self, contexts: Sequence[TransactionContext], wait_s: float = 0.0) -> int:
-        """The submits of :class:`~waltz.client.sync.WaltzClient`, on an application thread (never the loop).
+        """The submits of :class:`~waltz.client.sync.WaltzClient`, on an application thread (never the loop):
+        :meth:`submit`'s path, its first attempts made on this thread.
 
-        For each of ``contexts`` in order whose partition is mounted and has a free slot, ``partition_id``
-        and ``execute`` run right here (as on a callback thread); the executed ones go to the loop through
-        :meth:`_hand_over` at once (one wake-up for the lot, sent in this order), without waiting for them:
-        each append is sent in order before anything the thread asks the client afterwards. When the first
-        context's partition is mounted but has no free slot, this waits on this thread, up to ``wait_s``
-        seconds, for one to be released (a loaded sync client's common case: no coroutine, task or future
-        per submit), and raises the ``submit`` timeout error past it. Returns how many contexts were taken:
-        it stops at the first it cannot take (its partition not ready, no free slot after the first, the
-        client not started or closed), which the caller submits with :meth:`submit` (it waits on the loop).
-        As with :meth:`submit`, an exception of a first attempt is raised here (the contexts before it are
-        taken) and reported through ``on_exception``.
+        For each of ``contexts`` in order, the first attempt (:meth:`_first_attempt`: ``partition_id`` and,
+        with a free slot on a mounted partition, ``execute``) runs right here, as on a callback thread; what
+        it took goes to the loop in one :meth:`_hand_over` (one wake-up for the lot, in this order), where
+        each continues as in ``submit``, without waiting for them: each append is sent in order before
+        anything the thread asks the client afterwards. The first context alone may wait on this thread,
+        up to ``wait_s`` seconds, for a slot of its mounted, full partition (a loaded sync client's common
+        case: no coroutine, task or future per submit), past which it fails with the ``submit`` timeout
+        error. Returns how many contexts were taken: it stops at the first it cannot take (its partition
+        not ready, no free slot after the first, the client not started or closed), which the caller
+        submits with :meth:`submit` (it waits on the loop). As with :meth:`submit`, an exception of a first
+        attempt is raised here (the contexts before it are taken) and reported through ``on_exception``.
         """
         loop = self._loop
         if loop is None or self._closed or self._driver is None:
             return 0
         num_partitions = self._driver.num_partitions
-        taken: list[tuple[Run, _Executed]] = []
-        deadline: float | None = None
+        taken: list[tuple[Run, _Executed | _Refused]] = []
         try:
             for context in contexts:
                 run = Run(context)
                 try:
                     first = self._first_attempt(run, num_partitions)
-                    while first is None and not taken:
-                        deadline = self._wait_for_slot(run, wait_s, deadline)
-                        if deadline is None:
-                            return 0
-                        first = self._first_attempt(run, num_partitions)
+                    if first is None and not taken and wait_s > 0:
+                        first = self._first_after_wait_on_thread(run, num_partitions, wait_s)
                 except Exception as e:
-                    if taken:
-                        self._hand_over(loop, self._continue_batch, taken)
-                        taken = []
-                    self._hand_over(loop, self._spawn_end, run, e)
+                    taken.append((run, _Refused(e)))  # Ended on the loop, after those before it.
                     raise
                 if first is None:
                     break
                 taken.append((run, first))
                 if isinstance(first, Exception):
-                    raise first  # The loop ends it (on_exception) with those before it handed over.
+                    raise first  # execute() raised: the loop ends it (on_exception) in its turn.
         finally:
             if taken:
                 self._hand_over(loop, self._continue_batch, taken)
         return len(taken)
 
-    def _wait_for_slot(self, run: Run, wait_s: float, deadline: float | None) -> float | None:
-        """On an application thread: wait until ``deadline`` (``wait_s`` from now if None) for a free slot of
-        ``run``'s partition, for :meth:`submit_from_thread`; returns the deadline, or None if waiting there
-        is of no use (the partition not mounted or not full, the client closed: the loop decides). Past the
-        deadline, raises the ``submit`` timeout error."""
-        partition = run.partition
-        if wait_s <= 0 or partition is None or self._closed or not partition.slots.is_full:
-            return None
-        now = time.monotonic()
-        if deadline is None:
-            deadline = now + wait_s
-        elif now >= deadline:
-            raise self._slot_timeout_error(partition)
-        partition.slots.wait_from_thread(deadline - now)
-        return deadline
+    def _first_after_wait_on_thread(self, run: Run, num_partitions: int, wait_s: float) -> _First:
+        """A first attempt on an application thread that found no free slot (as :meth:`_first_after_wait`
+        on the loop): while the run's partition is mounted and full, wait here for a slot (up to ``wait_s``
+        seconds, then raise the ``submit`` timeout error) and make the attempt again. None if it was not
+        executed: the loop decides."""
+        deadline = time.monotonic() + wait_s
+        first: _First = None
+        while first is None:
+            partition = run.partition
+            if partition is None or self._closed or not partition.slots.is_full:
+                return None  # Not mounted (or closed): waiting here is of no use.
+            now = time.monotonic()
+            if now >= deadline:
+                raise self._slot_timeout_error(partition)
+            partition.slots.wait_from_thread(deadline - now)
+            first = self._first_attempt(run, num_partitions)
+        return first
 
     def _hand_over(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
         """From an application thread: run ``fn(*args)`` on the loop, after everything handed over before.
@@ -229,17 +236,16 @@ class SubmissionMixin(AttemptsMixin):
                 # Internal code only (no application code runs directly here): keep the others going.
                 log.exception("handing a submit over to the client loop failed")
 
-    def _continue_batch(self, taken: list[tuple[Run, _Executed]]) -> None:
+    def _continue_batch(self, taken: list[tuple[Run, _Executed | _Refused]]) -> None:
         """On the loop: the first attempts :meth:`submit_from_thread` made continue as in ``submit``."""
         for run, first in taken:
             self._runs.add(run)
+            if isinstance(first, _Refused):  # As submit ends it (on_exception).
+                self._spawn(self._end_with_exception(run, first.error), "waltz-failed-submit")
+                continue
             partition = run.partition
             assert partition is not None
             self._continue_first(run, first, self._ready_monitor(partition))
-
-    def _spawn_end(self, run: Run, error: Exception) -> None:
-        self._runs.add(run)
-        self._spawn(self._end_with_exception(run, error), "waltz-failed-submit")
 
     def _continue_first(self, run: Run, first: _Executed | None, monitor: TransactionMonitor | None) -> None:
         """On the loop: the one path of a first attempt after ``execute``, for ``submit`` and

@@ -58,6 +58,7 @@ from waltz.errors import (
     MetadataError,
     ZooKeeperUnavailableError,
 )
+from waltz.runtime import TaskSet
 from waltz.version import __version__
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ class _AssignmentView:
         self.paths = ClusterPaths(root)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dirty = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = TaskSet(self._task_failed)  # The refresh task.
         self._closed = False
         self._connected = True
 
@@ -198,17 +199,14 @@ class _AssignmentView:
         self._loop = asyncio.get_running_loop()
         self.client.add_listener(self._on_state)
         self._dirty.set()
-        self._task = asyncio.create_task(self._run(), name=name)
-        self._task.add_done_callback(self._task_done)
+        self._tasks.spawn(self._run(), name)
 
-    def _task_done(self, task: asyncio.Task[None]) -> None:
+    def _task_failed(self, _task: asyncio.Task[Any], error: BaseException) -> None:
         # The refresh task handles ZooKeeper's errors itself; anything that ends it is a bug. Its readers must
-        # hear of it (their iterator raises), or they would wait for an update that never comes.
-        if task.cancelled() or self._closed:
-            return
-        error = task.exception() or RuntimeError("the refresh task returned")
-        log.error("%s: following the assignment failed", self.paths.root, exc_info=error)
-        self._failed(error)
+        # hear of it (their iterator raises), or they would wait for an update that never comes; they report
+        # it, once (the server fails, the client's driver stops), so it is not logged here as well.
+        if not self._closed:
+            self._failed(error)
 
     def _failed(self, error: BaseException) -> None:
         raise NotImplementedError
@@ -260,11 +258,7 @@ class _AssignmentView:
     async def _stop_task(self) -> None:
         self._closed = True
         self.client.remove_listener(self._on_state)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._tasks.aclose()
 
 
 class ClusterMember(_AssignmentView):

@@ -40,7 +40,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -62,10 +62,11 @@ from waltz.ops.backup_format import (
     verify_backup,
     write_manifest,
 )
+from waltz.ops.progress import CopyProgress, OnProgress, records_per_s
 from waltz.ops.view import ClusterView, read_view
 from waltz.protocol.record_run import RecordRun
 
-__all__ = ["BackupProgress", "BackupResult", "backup", "run_all"]
+__all__ = ["BackupResult", "backup", "run_all"]
 
 T = TypeVar("T")
 
@@ -81,19 +82,6 @@ DIAGNOSE_BATCH = 1000
 
 
 @dataclass(frozen=True)
-class BackupProgress:
-    """Records copied so far of ``total`` (the sum of every partition's range at the cut)."""
-
-    copied: int
-    total: int
-    elapsed_s: float
-
-    @property
-    def records_per_s(self) -> float:
-        return self.copied / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-
-@dataclass(frozen=True)
 class BackupResult:
     directory: Path
     manifest: BackupManifest
@@ -103,10 +91,7 @@ class BackupResult:
 
     @property
     def records_per_s(self) -> float:
-        return self.records / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-
-Progress = Callable[[BackupProgress], None]
+        return records_per_s(self.records, self.elapsed_s)
 
 
 def _prepare_directory(directory: Path) -> bool:
@@ -136,7 +121,7 @@ async def backup(
     since: Path | None = None,
     concurrency: int = DEFAULT_CONCURRENCY,
     fetch_depth: int = DEFAULT_FETCH_DEPTH,
-    progress: Progress | None = None,
+    progress: OnProgress | None = None,
 ) -> BackupResult:
     """Back up every partition of the cluster ``config`` names into ``directory`` (new or empty),
     incrementally from the backup in ``since`` if given. Returns once the manifest is durable."""
@@ -261,7 +246,7 @@ def _check_same_cluster(since: Path, previous: BackupManifest, key: uuid.UUID, n
 
 
 class _Counter:
-    def __init__(self, total: int, started: float, progress: Progress | None) -> None:
+    def __init__(self, total: int, started: float, progress: OnProgress | None) -> None:
         self.total = total
         self.copied = 0
         self.started = started
@@ -270,7 +255,7 @@ class _Counter:
     def add(self, n: int) -> None:
         self.copied += n
         if self.progress is not None:
-            self.progress(BackupProgress(self.copied, self.total, time.monotonic() - self.started))
+            self.progress(CopyProgress(self.copied, self.total, time.monotonic() - self.started))
 
 
 async def _copy_partition(

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from waltz.cluster.partition_metadata import PartitionMetadata
 from waltz.errors import ConfigError, CorruptionError, StorageError, TrimmedError
+from waltz.ops.progress import PartitionCopyProgress
 from waltz.ops.view import ClusterView
 from waltz.protocol.records import Record
 from waltz.protocol.storage import SessionInfo as WireSessionInfo
@@ -49,24 +50,6 @@ log = logging.getLogger(__name__)
 DEFAULT_BATCH_RECORDS = 500
 MAX_BATCH_RECORDS = 10_000
 """A storage node answers at most this many records per list request."""
-
-Progress = Callable[["CopyProgress"], None]
-
-
-@dataclass(frozen=True)
-class CopyProgress:
-    """Where a copy stands: ``copied`` of ``total`` records, from ``start`` to ``target`` ids."""
-
-    partition: int
-    next_id: int
-    target: int
-    copied: int
-    total: int
-    elapsed_s: float
-
-    @property
-    def records_per_s(self) -> float:
-        return self.copied / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -220,7 +203,7 @@ async def recover_partition(
     untrusted_source: bool = False,
     shorten_destination: bool = False,
     leave_offline: bool = False,
-    progress: Progress | None = None,
+    progress: Callable[[PartitionCopyProgress], None] | None = None,
 ) -> RecoveryResult:
     """Copy ``partition`` from ``source`` into ``destination`` (storage data addresses, as in ZooKeeper).
 
@@ -251,8 +234,8 @@ async def recover_partition(
 
         def on_batch(current: int) -> None:
             if progress is not None:
-                elapsed_s = time.monotonic() - started
-                progress(CopyProgress(partition, current + 1, target, current - first + 1, total, elapsed_s))
+                done, elapsed_s = current - first + 1, time.monotonic() - started
+                progress(PartitionCopyProgress(done, total, elapsed_s, partition, current + 1, target))
 
         restarts: list[int] = []
         current = await copy_records(

@@ -61,12 +61,13 @@ from waltz.cluster.trim_points import raise_trim_point
 from waltz.errors import BackupError, WaltzError
 from waltz.ops.backup import run_all
 from waltz.ops.backup_format import BackupManifest, check_chain, iter_blocks, verify_backup
+from waltz.ops.progress import CopyProgress, OnProgress, records_per_s
 from waltz.ops.view import ClusterView
 from waltz.protocol import storage as st
 from waltz.protocol.record_run import run_bounds, run_records
 from waltz.server.storage_client import StorageClient
 
-__all__ = ["RestoreProgress", "RestoreResult", "plan_restore", "restore"]
+__all__ = ["RestoreResult", "plan_restore", "restore"]
 
 log = logging.getLogger(__name__)
 
@@ -76,17 +77,6 @@ DEFAULT_CONCURRENCY = 4
 """Partitions restored at once."""
 VERIFY_RECORDS = 10_000
 VERIFY_BYTES = 16 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class RestoreProgress:
-    restored: int
-    total: int
-    elapsed_s: float
-
-    @property
-    def records_per_s(self) -> float:
-        return self.restored / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -115,10 +105,7 @@ class RestoreResult:
 
     @property
     def records_per_s(self) -> float:
-        return self.records / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-
-Progress = Callable[[RestoreProgress], None]
+        return records_per_s(self.records, self.elapsed_s)
 
 
 def plan_restore(directories: list[Path], until: Mapping[int, int] | None = None) -> RestorePlan:
@@ -200,7 +187,7 @@ async def restore(
     plan: RestorePlan,
     *,
     concurrency: int = DEFAULT_CONCURRENCY,
-    progress: Progress | None = None,
+    progress: OnProgress | None = None,
 ) -> RestoreResult:
     """Restore ``plan`` (from :func:`plan_restore`) into the empty cluster of ``view``; see the module doc."""
     await check_target(view, plan)
@@ -211,7 +198,7 @@ async def restore(
         nonlocal done
         done += n
         if progress is not None:
-            progress(RestoreProgress(done, plan.total, time.monotonic() - started))
+            progress(CopyProgress(done, plan.total, time.monotonic() - started))
 
     limit = asyncio.Semaphore(concurrency)
 

@@ -95,7 +95,8 @@ def network_driver() -> ClientDriver | None:
 class MarkCallbacks(ClientCallbacks):
     """Callbacks that start at given high-water marks and just track the marks (nothing is applied).
 
-    ``on_apply`` (optional) runs for every transaction, on a client callback thread.
+    ``on_apply`` (optional) runs for every transaction, on the client's event loop (``apply_transaction``
+    is a coroutine function: no thread hop), so it must not block.
     """
 
     def __init__(
@@ -110,7 +111,7 @@ class MarkCallbacks(ClientCallbacks):
         with self._lock:
             return self.marks.get(partition_id, -1)
 
-    def apply_transaction(self, transaction: Transaction) -> None:
+    async def apply_transaction(self, transaction: Transaction) -> None:
         if self.on_apply is not None:
             self.on_apply(transaction)
         with self._lock:
@@ -172,32 +173,21 @@ class ReportingContext(TransactionContext):
         return True
 
     def _resolve(self, result: bool | BaseException) -> None:
-        now = time.perf_counter()
-
-        def settle() -> None:
-            if self.done.done():
-                return
-            if self.progress is not None:
-                self.progress.note(result is True)
-            if isinstance(result, BaseException):
-                self.done.set_exception(result)
-                self.done.exception()  # Read by submit_and_settle, or never: no "never retrieved" noise.
-            else:
-                self.done.set_result((result, now))
-
-        try:
-            on_loop = asyncio.get_running_loop() is self.loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
-            settle()  # client.callbackMode inline: the hook runs on the loop, no hop needed.
+        """On the client's loop: the hooks are coroutine functions, which the client awaits there."""
+        if self.done.done():
+            return
+        if self.progress is not None:
+            self.progress.note(result is True)
+        if isinstance(result, BaseException):
+            self.done.set_exception(result)
+            self.done.exception()  # Read by submit_and_settle, or never: no "never retrieved" noise.
         else:
-            self.loop.call_soon_threadsafe(settle)
+            self.done.set_result((result, time.perf_counter()))
 
-    def on_completion(self, result: bool) -> None:
+    async def on_completion(self, result: bool) -> None:
         self._resolve(result)
 
-    def on_exception(self, exception: BaseException) -> None:
+    async def on_exception(self, exception: BaseException) -> None:
         self._resolve(exception)
 
 

@@ -14,9 +14,11 @@ Consumer: first appends ``num_txns`` transactions (untimed, a few producer clien
 ``clients`` fresh clients mount at the marks before those appends and each reads them all, fetching every
 transaction's data; the time runs from the consumers' start to the last transaction read by the last one.
 
-Both run their clients on the path an asyncio application gets from ``client.callbackMode: inline``: hooks
-and ``apply_transaction`` on the event loop (the consumer's awaits ``fetch_transaction_data``), on uvloop
-when the CLI finds it, with a live progress line and the stall check.
+Both run their clients with the configuration as given (the client's defaults unless the file says
+otherwise), on the path an asyncio application gets from coroutine callbacks: hooks and
+``apply_transaction`` are ``async def``, so the client awaits them on its event loop (the consumer's awaits
+``fetch_transaction_data``), on uvloop when the CLI finds it, with a live progress line and the stall
+check.
 """
 
 from __future__ import annotations
@@ -114,12 +116,12 @@ async def run_producers(
 ) -> PerfResult:
     """Run the producer benchmark (see the module docstring) and return its figures.
 
-    The clients run in ``client.callbackMode: inline`` (the tool's hooks only note outcomes), the fast path
-    of an asyncio application. ``show_progress`` is called with a progress line twice a second. A run in
-    which nothing commits for :data:`~waltz.perf.common.STALL_TIMEOUT_S` stops with a ClientError saying so.
+    The clients run with ``config`` as given: the tool's hooks are coroutine functions that only note
+    outcomes, run on the loop, the fast path of an asyncio application. ``show_progress`` is called with a
+    progress line twice a second. A run in which nothing commits for
+    :data:`~waltz.perf.common.STALL_TIMEOUT_S` stops with a ClientError saying so.
     """
     opts.validate()
-    config = config.replace(callback_mode="inline")
     if opts.max_in_flight is not None:
         config = config.replace(max_concurrent_transactions=opts.max_in_flight)
     marks, n = await current_marks(config, driver_factory)
@@ -212,9 +214,9 @@ async def run_consumers(
 ) -> PerfResult:
     """Run the consumer benchmark (see the module docstring) and return its figures.
 
-    The consumers run in ``client.callbackMode: inline``: ``apply_transaction`` is a coroutine on the event
-    loop that awaits the transaction's data (no callback thread). ``show_progress`` is called with a progress
-    line twice a second; a run in which no transaction is read for
+    The consumers' ``apply_transaction`` is a coroutine function, run on the event loop, that awaits the
+    transaction's data (no callback thread). ``show_progress`` is called with a progress line twice a
+    second; a run in which no transaction is read for
     :data:`~waltz.perf.common.STALL_TIMEOUT_S` stops with a ClientError saying so.
     """
     opts.validate()
@@ -228,7 +230,7 @@ async def run_consumers(
         done_events.append(event)
         return _ReadingCallbacks(marks, expected, event, progress, read_bytes)
 
-    consumer_config = config.replace(callback_mode="inline")
+    consumer_config = config
     clients: list[AsyncWaltzClient] = []
     try:
         started = time.perf_counter()
@@ -259,7 +261,7 @@ async def run_consumers(
 
 
 class _ReadingCallbacks(MarkCallbacks):
-    """A consumer's callbacks (inline mode): every transaction's data is fetched on the loop and counted."""
+    """A consumer's callbacks (coroutines, on the loop): every transaction's data is fetched and counted."""
 
     def __init__(
         self,
@@ -276,7 +278,7 @@ class _ReadingCallbacks(MarkCallbacks):
         self._progress = progress
         self._read_bytes = read_bytes
 
-    async def apply_transaction(self, transaction: Transaction) -> None:  # type: ignore[override]
+    async def apply_transaction(self, transaction: Transaction) -> None:
         data = await transaction.fetch_transaction_data()
         self._read_bytes[0] += len(data)
         self.marks[transaction.partition_id] = transaction.transaction_id

@@ -142,14 +142,14 @@ class _Checker:
 
 
 class _CheckingCallbacks(MarkCallbacks):
-    """Feeds every transaction to a :class:`_Checker`, on the client's loop (``client.callbackMode:
-    inline``): the data is fetched with ``await``, no thread hop."""
+    """Feeds every transaction to a :class:`_Checker`, on the client's loop (a coroutine
+    ``apply_transaction``): the data is fetched with ``await``, no thread hop."""
 
     def __init__(self, start_marks: dict[int, int], checker: _Checker) -> None:
         super().__init__(start_marks)
         self.checker = checker
 
-    async def apply_transaction(self, transaction: Transaction) -> None:  # type: ignore[override]
+    async def apply_transaction(self, transaction: Transaction) -> None:
         self.checker.check(transaction, await transaction.fetch_transaction_data())
         with self._lock:
             self.marks[transaction.partition_id] = transaction.transaction_id
@@ -167,11 +167,10 @@ async def run_validation(
     show_progress: ProgressLine | None = None,
 ) -> ValidationReport:
     """Run the check (see the module docstring); violations are in the report, never raised. The clients run
-    inline on the loop (the fast path); a run in which nothing completes for
+    their callbacks on the loop (coroutines: the fast path); a run in which nothing completes for
     :data:`~waltz.perf.common.STALL_TIMEOUT_S` raises ClientError, and ``show_progress`` is called with a
     progress line twice a second."""
     opts.validate()
-    config = config.replace(callback_mode="inline")
     marks, n = await current_marks(config, driver_factory)
     partitions = active_partitions(opts.partitions, n)
     report = ValidationReport(opts.clients, start_marks=dict(marks))

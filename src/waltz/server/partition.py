@@ -31,17 +31,17 @@ connection that is not the client's current mount here), and the caller tells th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from waltz.errors import WaltzError
 from waltz.protocol import client_server as cs
 from waltz.protocol.records import ReqId
+from waltz.runtime import TaskSet
 from waltz.server.feed_cache import FeedCache, FeedEntry
 from waltz.server.locks import LockRequest, LockTable
 from waltz.server.store.appends import PendingAppend
@@ -227,7 +227,8 @@ class Partition:
         """The generation as the low half of a ReqId msb carries it (kept by :meth:`set_generation`)."""
         self._feeds: dict[int, _FeedContext] = {}
         self._locks: LockTable | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = TaskSet(self._task_failed)
+        """The append task and the feed tasks: a bug in one fails the partition (see :meth:`_failed`)."""
         self._notify_scheduled = False
         self._loop_idle = False
         """True while the append task waits for an item with nothing queued (see :meth:`append`)."""
@@ -303,16 +304,20 @@ class Partition:
     async def start(self) -> None:
         self.store.on_failure = self._store_failed
         await self.store.start()
-        task = asyncio.create_task(self._append_loop(), name=f"append-{self.partition_id}")
-        task.add_done_callback(self._append_loop_done)
-        self._tasks.append(task)
+        self._tasks.spawn(self._append_loop(), f"append-{self.partition_id}", self._append_task_failed)
 
-    def _append_loop_done(self, task: asyncio.Task[None]) -> None:
-        # The append task only ends by cancellation (close); anything else is a bug that leaves the partition
-        # unable to append. Say so once, loudly, and let health report it (the server reopens the partition).
-        if task.cancelled() or self._closed:
-            return
-        self._failed("the append task", task.exception() or RuntimeError("the append task returned"))
+    def _append_task_failed(self, _task: asyncio.Task[Any], error: BaseException) -> None:
+        # The append task ends only by cancellation (close): anything else is a bug that leaves the partition
+        # unable to append. Said once, loudly; health reports it and the owner hears of it (the server
+        # reopens the partition).
+        if not self._closed:
+            self._failed("the append task", error)
+
+    def _task_failed(self, task: asyncio.Task[Any], error: BaseException) -> None:
+        # A feed task ends by cancellation or on a WaltzError it handles: anything else is a bug, and the
+        # partition fails as for a failed append task.
+        if not self._closed:
+            self._failed(f"the feed task {task.get_name()}", error)
 
     def _store_failed(self, error: BaseException) -> None:
         # The store partition's supervisor died (a bug): as for the append task, the owner hears of it.
@@ -341,12 +346,7 @@ class Partition:
         self._mounted.clear()
         for ctx in list(self._feeds.values()):
             self._end_feed(ctx)
-        tasks = self._tasks + [c.task for c in self._feeds.values() if c.task is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await self._tasks.aclose()  # Feeds replaced meanwhile included.
         self._feeds.clear()
         while not self._queue.empty():
             item = self._queue.get_nowait()
@@ -783,19 +783,7 @@ class Partition:
         if old is not None:
             self._end_feed(old)
         self._feeds[ctx.client_id] = ctx
-        ctx.task = asyncio.create_task(
-            self._feed_loop(ctx), name=f"feed-{self.partition_id}-client-{ctx.client_id}"
-        )
-        ctx.task.add_done_callback(self._feed_done)
-
-    def _feed_done(self, task: asyncio.Task[None]) -> None:
-        # A feed ends by cancellation or on a WaltzError (handled in it); anything else is a bug, and the
-        # partition fails as for a failed append task (health reports it, the server reopens it).
-        if task.cancelled() or self._closed:
-            return
-        error = task.exception()
-        if error is not None:
-            self._failed(f"the feed task {task.get_name()}", error)
+        ctx.task = self._tasks.spawn(self._feed_loop(ctx), f"feed-{self.partition_id}-client-{ctx.client_id}")
 
     def _end_feed(self, ctx: _FeedContext) -> None:
         if ctx.task is not None and ctx.task is not asyncio.current_task():

@@ -64,6 +64,7 @@ from waltz.http import HttpEndpoint, listen, new_registry
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
 from waltz.protocol.record_run import RunBytes
+from waltz.runtime import TaskSet
 from waltz.server import retention
 from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
 from waltz.server.config import ServerConfig
@@ -130,7 +131,8 @@ class WaltzServer:
         self.member: ClusterMember | None = None
         self._listener: FramedServer | None = None
         self._http: HttpEndpoint | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet(self._task_failed)
+        """Every task of the server: its own work, and requests of clients (see :meth:`_spawn`)."""
         self._reconcile_lock = asyncio.Lock()
         self._replicas_changed = asyncio.Event()
         self.failure: BaseException | None = None
@@ -218,9 +220,7 @@ class WaltzServer:
             on_resumed=self._on_resumed,
         )
         await self.member.start()
-        followers = asyncio.create_task(self._follow(), name="server-followers")
-        followers.add_done_callback(self._followers_done)
-        self._tasks.add(followers)
+        self._tasks.spawn(self._follow(), "server-followers", self._followers_failed)
         log.info(
             "server %d serving clients on %s:%d%s (%d partitions in the cluster)",
             self.member.server_id,
@@ -235,14 +235,7 @@ class WaltzServer:
         if self.member is not None:
             with contextlib.suppress(Exception):
                 await self.member.close()
-        # A snapshot: request tasks remove themselves from the set as they finish.
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        self._tasks.clear()
+        await self._tasks.aclose()
         if self._listener is not None:
             await self._listener.aclose()
         await self.fetcher.aclose()
@@ -292,18 +285,16 @@ class WaltzServer:
         return self.partitions.get(partition_id)
 
     async def _follow(self) -> None:
-        """Follow the partition assignment and the replica sets; both live as long as the server, and if
-        either fails the other stops too and the server learns of it (``_followers_done``)."""
+        """Follow the partition assignment and the replica sets, and apply retention; all live as long as
+        the server, and if one fails or returns the others stop too and the server learns of it
+        (``_followers_failed``)."""
         async with asyncio.TaskGroup() as group:
             group.create_task(self._follow_assignments(), name="server-assignments")
             group.create_task(self._follow_replica_sets(), name="server-replica-sets")
             group.create_task(self.retention.run(), name="server-retention")
+        raise RuntimeError("the ZooKeeper followers returned")
 
-    def _followers_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if task.cancelled():
-            return
-        error = task.exception() or RuntimeError("the ZooKeeper followers returned")
+    def _followers_failed(self, _task: asyncio.Task[Any], error: BaseException) -> None:
         if isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
             error = error.exceptions[0]
         # A server that no longer follows its ownership cannot be trusted to serve.
@@ -632,7 +623,7 @@ class WaltzServer:
                 if part.is_serving:
                     peer.send(cs.HighWaterMarkResponse(rid, part.high_water_mark))
                 else:
-                    self._spawn(self._high_water_mark(peer, part, msg), f"hwm-{pid}")
+                    self._spawn(self._high_water_mark(peer, part, msg), f"hwm-{pid}", peer)
             else:
                 await self._spawn_for(peer, self._transaction_range(peer, part, msg), f"range-{pid}")
             return
@@ -718,29 +709,27 @@ class WaltzServer:
             coro.close()
             raise
         task = self._spawn(coro, name, peer)
+        # The slot goes back however the task ends, even cancelled before it ran.
         task.add_done_callback(lambda _t: peer.slots.release())
 
-    def _spawn(self, coro: Any, name: str, peer: ClientConnection | None = None) -> asyncio.Task[None]:
-        """Run ``coro`` in a task the server owns (cancelled by :meth:`aclose`): a request of ``peer``, or
-        the server's own work (``peer`` None). See :meth:`_task_done` for who hears of its failure."""
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(functools.partial(self._task_done, peer))
-        return task
+    def _spawn(self, coro: Any, name: str, peer: ClientConnection | None = None) -> asyncio.Task[Any]:
+        """Run ``coro`` in a task the server owns (cancelled by :meth:`aclose`): a request of ``peer``, whose
+        bug closes that peer's connection (:meth:`_request_failed`), or the server's own work (``peer``
+        None), whose bug fails the server (:meth:`_task_failed`)."""
+        handler = None if peer is None else functools.partial(self._request_failed, peer)
+        return self._tasks.spawn(coro, name, handler)
 
-    def _task_done(self, peer: ClientConnection | None, task: asyncio.Task[None]) -> None:
-        # A WaltzError is an answer the handler gave up on (the store or the connection failed), logged where
-        # it happened. Anything else is a bug, and its owner hears of it: a client's request closes that
-        # client's connection (it reconnects and asks again rather than wait for an answer that never
-        # comes); the server's own work (reopening a partition) fails the server, as its followers do.
-        self._tasks.discard(task)
-        if task.cancelled():
-            return
-        error = task.exception()
-        if error is None or isinstance(error, WaltzError):
-            return
-        if peer is None:
+    def _task_failed(self, task: asyncio.Task[Any], error: BaseException) -> None:
+        # A WaltzError is an answer the task gave up on (the store or the connection failed), logged where it
+        # happened. Anything else is a bug: the server's own work failing fails the server, as its
+        # followers do (/health reports it and run_server stops it).
+        if not isinstance(error, WaltzError):
             self._fail(error, f"task {task.get_name()} failed")
+
+    def _request_failed(self, peer: ClientConnection, task: asyncio.Task[Any], error: BaseException) -> None:
+        # A bug in a client's request closes that client's connection: it reconnects and asks again rather
+        # than wait for an answer that never comes. A WaltzError is an answer given up on (see above).
+        if isinstance(error, WaltzError):
             return
         log.error(
             "request task %s failed; closing the connection of client %s",

@@ -18,7 +18,9 @@ Several clients share one :class:`MockCluster` (``MockDriver(cluster=cluster)`` 
 
 For Waltz's own deterministic tests: :class:`VirtualTimeLoop` / :func:`run_virtual` (asyncio on virtual
 time, see :mod:`waltz.testing.simloop`); the in-memory storage nodes and metadata store the fault simulator
-drives live in :mod:`waltz.testing.store`.
+drives, and a replica that holds nothing (for measuring the server alone), live in :mod:`waltz.testing.store`;
+a store that commits when the test says so, for testing a server partition alone, in
+:mod:`waltz.testing.partition_store`.
 """
 
 from waltz.client.mock import MockCluster, MockDriver

@@ -57,6 +57,8 @@ __all__ = [
     "MemoryMetadataStore",
     "MemoryNetwork",
     "MemoryStorage",
+    "NullConnector",
+    "NullReplica",
     "StorageSnapshot",
 ]
 
@@ -653,6 +655,79 @@ class MemoryConnector:
             await asyncio.sleep(self.network.failure_detection_ms / 1000)
             raise BrokenResourceError(f"cannot connect to storage {storage}")
         return MemoryConnection(node, partition_id, session_id)
+
+
+class NullReplica:
+    """A replica connection that holds nothing: it remembers the last id it was sent and acknowledges each
+    append ``connector.ack_s`` later (its answer callback runs where the answer resolves the future, as the
+    TCP connection's does). Reads find nothing. For measuring a server partition on its own, its store
+    included (``bench/server_path.py``, ``tests/unit/test_server_memory.py``)."""
+
+    def __init__(self, storage: str, connector: NullConnector) -> None:
+        self.storage = storage
+        self._connector = connector
+        self._max_id = -1
+        self._loop = asyncio.get_running_loop()
+
+    def on_lost(self, callback: Callable[[BaseException], None]) -> None:
+        pass  # never lost
+
+    def last_answer_s(self) -> float:
+        return self._loop.time()  # always alive
+
+    async def last_session_info(self) -> SessionInfo:
+        return SessionInfo(-1, -1, -1)
+
+    async def max_transaction_id(self) -> int:
+        return self._max_id
+
+    async def truncate(self, transaction_id: int) -> int:
+        return self._max_id
+
+    async def set_low_water_mark(self, low_water_mark: int) -> None:
+        pass
+
+    async def append(self, records: Sequence[Record]) -> None:
+        self._max_id = records[-1].transaction_id
+
+    def start_append(
+        self, records: Sequence[Record], on_answer: Callable[[asyncio.Future[object]], None]
+    ) -> asyncio.Future[object]:
+        connector = self._connector
+        if connector.on_append is not None:
+            connector.on_append(records)
+        self._max_id = records[-1].transaction_id
+        future: asyncio.Future[object] = self._loop.create_future()
+        self._loop.call_later(connector.ack_s, self._ack, future, on_answer)
+        return future
+
+    @staticmethod
+    def _ack(future: asyncio.Future[object], on_answer: Callable[[asyncio.Future[object]], None]) -> None:
+        if not future.done():
+            future.set_result(None)
+            on_answer(future)
+
+    async def read_headers(self, transaction_id: int, max_count: int) -> list[RecordHeader]:
+        return []
+
+    async def damaged_records(self, max_ids: int) -> list[int]:
+        return []
+
+    async def aclose(self) -> None:
+        pass
+
+
+class NullConnector:
+    """Opens a :class:`NullReplica` to any storage node. ``ack_s``: how long a replica takes to acknowledge
+    an append; ``on_append`` (if set) is called with the records of every append sent to a replica (a bench
+    encodes them there, as a storage connection would)."""
+
+    def __init__(self, ack_s: float = 0.0001) -> None:
+        self.ack_s = ack_s
+        self.on_append: Callable[[Sequence[Record]], None] | None = None
+
+    async def connect(self, storage: str, partition_id: int, session_id: int) -> NullReplica:
+        return NullReplica(storage, self)
 
 
 class MemoryMetadataStore:

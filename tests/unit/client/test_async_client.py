@@ -375,21 +375,46 @@ def test_lost_connection_resolves_pending_appends_after_remount_without_duplicat
 
 
 def test_data_checksum_mismatch_is_fetched_again_then_reported() -> None:
-    driver = MockDriver()
+    cluster = MockCluster()
+    driver = MockDriver(cluster=cluster)
     callbacks = RecordingCallbacks()
 
     async def main() -> None:
+        # Another client appends: this one fetches the data (its own appends carry theirs, see below).
+        writer, _ = client_with(MockDriver(cluster=cluster))
         client, _ = client_with(driver, callbacks)
-        async with client:
+        async with writer, client:
             driver.corrupt_next_fetch(4)  # Under the 5-attempt bound: recovered silently.
-            await client.submit(Ctx(b"one"))
-            await client.flush_transactions(timeout=5)
+            await writer.submit(Ctx(b"one"))
+            await client.wait_applied(0, 0, timeout=5)
             assert callbacks.errors == []
             driver.corrupt_next_fetch(5)  # One apply fails with DataChecksumError, the redelivery works.
-            await client.submit(Ctx(b"two"))
-            await client.flush_transactions(timeout=5)
+            await writer.submit(Ctx(b"two"))
+            await client.wait_applied(0, 1, timeout=5)
             assert [type(e) for _, _, e in callbacks.errors] == [DataChecksumError]
             assert callbacks.data(0) == [b"one", b"two"]
+
+    run(main())
+
+
+def test_own_appends_carry_their_data_without_a_fetch() -> None:
+    cluster = MockCluster()
+    driver = MockDriver(cluster=cluster)
+    callbacks = RecordingCallbacks()
+
+    async def main() -> None:
+        writer, _ = client_with(MockDriver(cluster=cluster))
+        client, _ = client_with(driver, callbacks)
+        async with writer, client:
+            driver.corrupt_next_fetch(5)  # Any fetch of this client would now fail its apply once.
+            for i in range(5):
+                await client.submit(Ctx(b"own%d" % i))
+            await client.flush_transactions(timeout=5)
+            assert callbacks.errors == []  # Nothing was fetched.
+            await writer.submit(Ctx(b"theirs"))
+            await client.wait_applied(0, 5, timeout=5)
+            assert [type(e) for _, _, e in callbacks.errors] == [DataChecksumError]  # This one was.
+        assert callbacks.data(0) == [b"own0", b"own1", b"own2", b"own3", b"own4", b"theirs"]
 
     run(main())
 

@@ -20,3 +20,17 @@ def test_tutorial_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     exec(compile("\n".join(blocks), str(DOC), "exec"), namespace)
     engine = namespace["engine"]
     engine.dispose()  # type: ignore[attr-defined]
+
+
+def test_the_service_bench_runs_the_docs_service_block() -> None:
+    """bench/service.py measures the tutorial's asyncio service as the doc writes it: one python block that
+    starts with its marker, which test_tutorial_runs runs too."""
+    blocks = re.findall(
+        r"^```python\n(.*?)^```", DOC.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE
+    )
+    service = [b for b in blocks if b.startswith("# The counter service")]
+    assert len(service) == 1
+    bench = (DOC.parents[1] / "bench" / "service.py").read_text(encoding="utf-8")
+    assert 'MARKER = "# The counter service"' in bench
+    assert "async def apply_transaction" in service[0]
+    assert "callback_mode" not in service[0]  # The defaults, as written.

@@ -753,6 +753,17 @@ class BrokenDiscovery(StaticDiscovery):
         yield {}  # A generator.
 
 
+async def _driver_failure(listener: Recorder) -> str:
+    """The message of the driver failure ``listener`` hears (its only event)."""
+    async with asyncio.timeout(STEP_S):
+        while not listener.events:
+            listener.changed.clear()
+            await listener.changed.wait()
+    [(kind, message)] = listener.events
+    assert kind == "failed"
+    return str(message)
+
+
 def test_a_failed_assignment_task_reaches_the_listener_not_only_the_log() -> None:
     async def main() -> None:
         listener = Recorder()
@@ -761,13 +772,31 @@ def test_a_failed_assignment_task_reaches_the_listener_not_only_the_log() -> Non
         await driver.open(listener)
         try:
             discovery.publish({})
-            async with asyncio.timeout(STEP_S):
-                while not listener.events:
-                    listener.changed.clear()
-                    await listener.changed.wait()
-            [(kind, message)] = listener.events
-            assert kind == "failed"
+            message = await _driver_failure(listener)
             assert "following the partition assignment failed with RuntimeError: watch exploded" in message
+        finally:
+            await driver.close()
+
+    asyncio.run(main())
+
+
+def test_a_failed_delivery_task_stops_the_driver_and_the_listener_hears_why() -> None:
+    # A partition's delivery task (like its link's connection loop and its next mount) is one the driver
+    # cannot serve without: were its failure only logged (or not even that), the partition would stall
+    # while submits time out with a message about the mount.
+    async def main() -> None:
+        listener = Recorder()
+        driver = NetworkDriver(ClientConfig(), discovery=StaticDiscovery())
+
+        async def broken(_mount: object) -> None:
+            raise RuntimeError("delivery exploded")
+
+        driver._deliver = broken  # type: ignore[method-assign,assignment]
+        await driver.open(listener)
+        try:
+            await driver.mount(0, -1)
+            message = await _driver_failure(listener)
+            assert "its task 'waltz-deliver-p0' failed with RuntimeError: delivery exploded" in message
         finally:
             await driver.close()
 

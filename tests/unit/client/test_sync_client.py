@@ -159,6 +159,22 @@ def test_submit_many_raises_the_first_failing_execute_and_stops_there() -> None:
     assert contexts[2].executions == 0
 
 
+def test_submit_many_refused_before_execute_keeps_those_before_and_reports_it() -> None:
+    # partition_id() names a partition outside the cluster: the first attempt raises before it takes a slot.
+    # The contexts before it are sent, in order; it ends through on_exception; those after it are not taken.
+    driver = MockDriver()
+    with WaltzClient(RecordingCallbacks(), FAST, driver=driver) as client:
+        threading.Event().wait(0.1)
+        contexts = [Ctx(b"a"), Ctx(b"b"), Ctx(b"x", partition=5), Ctx(b"c")]
+        with pytest.raises(ClientError, match=r"outside 0\.\.0"):
+            client.submit_many(contexts)
+        client.flush_transactions(timeout=5)
+    assert contexts[0].events == contexts[1].events == ["completion:True", "application"]
+    assert contexts[2].events == ["exception:ClientError"]
+    assert contexts[2].executions == contexts[3].executions == 0
+    assert [r.data for r in driver.cluster.records(0)] == [b"a", b"b"]
+
+
 @pytest.mark.parametrize("mode", ["threads", "inline"])
 def test_submit_waits_for_room_on_the_calling_thread_and_executes_there(mode: str) -> None:
     # A loaded sync client's common case: no free slot. The thread waits for one itself (no coroutine, task or

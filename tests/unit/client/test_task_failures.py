@@ -86,6 +86,26 @@ def test_a_failed_applier_task_stops_its_partition_and_says_why() -> None:
     run(main())
 
 
+def test_a_failed_mock_driver_task_stops_the_client_s_partitions_and_says_why() -> None:
+    # The test double fails as the network driver does: a delivery task that dies (here: a committed record
+    # the mock cluster no longer has) stops the driver, and the client hears why instead of waiting for a
+    # feed that never comes.
+    async def main() -> None:
+        callbacks = RecordingCallbacks()
+        driver = MockDriver()
+        client = AsyncWaltzClient(callbacks, FAST, driver=driver)
+        async with client:
+            driver.cluster.record = lambda *_: None  # type: ignore[method-assign]
+            await client.submit(Ctx(b"x"))
+            partition_id, transaction_id, error = await _reported(callbacks)
+            assert (partition_id, transaction_id) == (0, -1)
+            assert "mock: record 0 of partition 0 vanished" in str(error)
+            with pytest.raises(ClientError, match=r"the mock driver stopped: mock-p0-c0-deliver failed"):
+                await client.submit(Ctx(b"y"))
+
+    run(main())
+
+
 class BrokenDiscovery:
     """A Discovery (one partition, no owner yet) whose updates fail once the test says so."""
 

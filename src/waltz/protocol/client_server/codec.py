@@ -4,97 +4,45 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import get_args
 
 from waltz.errors import LocalProtocolError, RemoteProtocolError
-from waltz.protocol.client_server.admin import (
-    AddPreferredPartitionRequest,
-    AddPreferredPartitionResponse,
-    CheckStorageConnectivityRequest,
-    CheckStorageConnectivityResponse,
-    RemovePreferredPartitionRequest,
-    RemovePreferredPartitionResponse,
-    ServerPartitionsAssignmentRequest,
-    ServerPartitionsAssignmentResponse,
-    ServerPartitionsHealthStatRequest,
-    ServerPartitionsHealthStatResponse,
-)
-from waltz.protocol.client_server.append import AppendRequest
+from waltz.protocol.client_server import admin, append, feed, messages
 from waltz.protocol.client_server.base import SUPPORTED_VERSIONS, _check_version, _fields_layout, _Message
-from waltz.protocol.client_server.feed import FeedData, FeedRequest, FeedSuspended
-from waltz.protocol.client_server.messages import (
-    FlushRequest,
-    FlushResponse,
-    HighWaterMarkRequest,
-    HighWaterMarkResponse,
-    LockFailure,
-    MountRequest,
-    MountResponse,
-    TransactionDataRequest,
-    TransactionDataResponse,
-    TransactionRangeRequest,
-    TransactionRangeResponse,
-    TrimmedResponse,
-)
 from waltz.protocol.record_run import RunBytes
 
 Message = (
-    MountRequest
-    | MountResponse
-    | AppendRequest
-    | FeedRequest
-    | FeedData
-    | FeedSuspended
-    | TransactionDataRequest
-    | TransactionDataResponse
-    | FlushRequest
-    | FlushResponse
-    | LockFailure
-    | HighWaterMarkRequest
-    | HighWaterMarkResponse
-    | CheckStorageConnectivityRequest
-    | CheckStorageConnectivityResponse
-    | ServerPartitionsAssignmentRequest
-    | ServerPartitionsAssignmentResponse
-    | AddPreferredPartitionRequest
-    | AddPreferredPartitionResponse
-    | RemovePreferredPartitionRequest
-    | RemovePreferredPartitionResponse
-    | ServerPartitionsHealthStatRequest
-    | ServerPartitionsHealthStatResponse
-    | TransactionRangeRequest
-    | TransactionRangeResponse
-    | TrimmedResponse
+    messages.MountRequest
+    | messages.MountResponse
+    | append.AppendRequest
+    | feed.FeedRequest
+    | feed.FeedData
+    | feed.FeedSuspended
+    | messages.TransactionDataRequest
+    | messages.TransactionDataResponse
+    | messages.FlushRequest
+    | messages.FlushResponse
+    | messages.LockFailure
+    | messages.HighWaterMarkRequest
+    | messages.HighWaterMarkResponse
+    | admin.CheckStorageConnectivityRequest
+    | admin.CheckStorageConnectivityResponse
+    | admin.ServerPartitionsAssignmentRequest
+    | admin.ServerPartitionsAssignmentResponse
+    | admin.AddPreferredPartitionRequest
+    | admin.AddPreferredPartitionResponse
+    | admin.RemovePreferredPartitionRequest
+    | admin.RemovePreferredPartitionResponse
+    | admin.ServerPartitionsHealthStatRequest
+    | admin.ServerPartitionsHealthStatResponse
+    | messages.TransactionRangeRequest
+    | messages.TransactionRangeResponse
+    | messages.TrimmedResponse
 )
-"""Any client <-> server message."""
+"""Any client <-> server message; its members in type-code order are the codec's table."""
 
-_CLASSES: tuple[type[_Message], ...] = (
-    MountRequest,
-    MountResponse,
-    AppendRequest,
-    FeedRequest,
-    FeedData,
-    FeedSuspended,
-    TransactionDataRequest,
-    TransactionDataResponse,
-    FlushRequest,
-    FlushResponse,
-    LockFailure,
-    HighWaterMarkRequest,
-    HighWaterMarkResponse,
-    CheckStorageConnectivityRequest,
-    CheckStorageConnectivityResponse,
-    ServerPartitionsAssignmentRequest,
-    ServerPartitionsAssignmentResponse,
-    AddPreferredPartitionRequest,
-    AddPreferredPartitionResponse,
-    RemovePreferredPartitionRequest,
-    RemovePreferredPartitionResponse,
-    ServerPartitionsHealthStatRequest,
-    ServerPartitionsHealthStatResponse,
-    TransactionRangeRequest,
-    TransactionRangeResponse,
-    TrimmedResponse,
-)
+_CLASSES: tuple[type[_Message], ...] = get_args(Message)
+"""Every message class, in type-code order (the order of :data:`Message`)."""
 
 for _code, _cls in enumerate(_CLASSES):
     if _code != _cls.TYPE:  # pragma: no cover - a bug in this module
@@ -116,7 +64,9 @@ def encode(msg: Message, version: int) -> bytes:
     return msg._encode(version)
 
 
-def encode_range_response_parts(msg: TransactionRangeResponse, version: int) -> tuple[bytes, RunBytes]:
+def encode_range_response_parts(
+    msg: messages.TransactionRangeResponse, version: int
+) -> tuple[bytes, RunBytes]:
     """``encode(msg, version)`` as ``(head, run)``, the run not copied: a server relays a storage node's run
     after the head (``FramedConnection.send(head, body)``) instead of joining megabytes into one payload.
     Raises as :func:`encode`."""

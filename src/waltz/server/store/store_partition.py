@@ -32,7 +32,7 @@ import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from waltz.cluster.partition_metadata import PartitionMetadata
 from waltz.errors import (
@@ -47,6 +47,7 @@ from waltz.errors import (
 )
 from waltz.protocol.record_run import RunBytes
 from waltz.protocol.records import Record, RecordHeader, crc32
+from waltz.runtime import TaskSet
 from waltz.server.store.appends import FUTURES, AppendListener, AppendQueue, PendingAppend
 from waltz.server.store.interfaces import (
     AppendLike,
@@ -61,7 +62,6 @@ from waltz.server.store.support import (
     RepairStatistics,
     RetryLog,
     StoreConfig,
-    TaskList,
 )
 from waltz.server.store.trimming import tell_replicas
 
@@ -145,7 +145,7 @@ class StorePartition:
         self._generation_raised = asyncio.Event()
         self._stale = False
         self._closed = False
-        self._tasks = TaskList(self._supervisor_failed)
+        self._tasks = TaskSet(self._supervisor_failed)
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop :meth:`start` ran on (asking asyncio for it costs a getpid system call each time)."""
         self.outcomes: list[SessionOutcome] = []
@@ -174,14 +174,10 @@ class StorePartition:
         """Start the supervisor (idempotent)."""
         if self._closed:
             raise ClosedResourceError("store partition is closed")
-        if not self._tasks_started:
+        if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._tasks.spawn(self._supervise(), name=f"store-partition-{self.partition_id}")
             self._tasks.spawn(self._trim_loop(), name=f"store-trim-{self.partition_id}")
-
-    @property
-    def _tasks_started(self) -> bool:
-        return bool(self._tasks._tasks)
 
     async def __aenter__(self) -> StorePartition:
         await self.start()
@@ -199,13 +195,19 @@ class StorePartition:
         await self._tasks.aclose()
         self._fail_everything(ClosedResourceError(f"partition {self.partition_id} store was closed"))
 
-    def _supervisor_failed(self, error: BaseException) -> None:
+    def _supervisor_failed(self, task: asyncio.Task[Any], error: BaseException) -> None:
+        # A bug ended the supervisor or the trim loop: the partition takes no appends. Its owner hears of it
+        # (the server's partition logs it once and is reopened); without one, it is logged here.
+        if self.failure is not None:
+            return
         self.failure = error
         self._fail_everything(
             PartitionNotReadyError(f"partition {self.partition_id} store failed: {error!r}")
         )
         if self.on_failure is not None:
             self.on_failure(error)
+        else:
+            log.error("partition %d: task %s failed", self.partition_id, task.get_name(), exc_info=error)
 
     # -- state -----------------------------------------------------------------------------------------------
 

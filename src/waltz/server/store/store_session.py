@@ -31,7 +31,7 @@ import random
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from waltz.cluster.partition_metadata import PartitionMetadata
 from waltz.errors import (
@@ -44,12 +44,13 @@ from waltz.errors import (
 )
 from waltz.protocol.record_run import RunBytes
 from waltz.protocol.records import Record, RecordHeader
+from waltz.runtime import TaskSet
 from waltz.server.store.appends import AppendQueue, PendingAppend
 from waltz.server.store.interfaces import PartitionMetadataStore, ReplicaConnection, ReplicaConnector
 from waltz.server.store.recovery import RecoveryState, metadata_after_recovery, metadata_with_clean_replica
 from waltz.server.store.replica_session import Batch, ReplicaContext, ReplicaRole, ReplicaSession, SessionOver
 from waltz.server.store.scrub_repair import DamageWatch, check_records
-from waltz.server.store.support import InvariantViolation, RepairStatistics, StoreConfig, TaskList
+from waltz.server.store.support import InvariantViolation, RepairStatistics, StoreConfig
 from waltz.server.store.trimming import restart_at_trim_point
 from waltz.server.store.voting import Voting, quorum_of
 
@@ -193,7 +194,8 @@ class StoreSession:
         """Wakes the writer while batches are in flight: one was decided, or a full batch is queued."""
         self._was_opened = False
         self._stopped = False  # run() returned: no task of the session runs
-        self._tasks = TaskList(self._task_failed)
+        self._tasks = TaskSet(self._task_failed)
+        self._error: BaseException | None = None  # A task's bug that ended the session: run() raises it.
         self.started_ms = _loop_ms()
         self.recovery_ms = -1
         """How long recovery took, from the session's start until it opened (-1 until it opens)."""
@@ -218,8 +220,8 @@ class StoreSession:
             self.is_open = False
             await self._tasks.aclose()
             self._stopped = True
-        if self._tasks.errors:
-            raise self._tasks.errors[0]
+        if self._error is not None:
+            raise self._error
         assert self._outcome is not None  # _ended is only set together with _outcome
         return self._outcome
 
@@ -314,8 +316,11 @@ class StoreSession:
         """ReplicaHost: a newer session fenced this one on a replica: the session ends."""
         self.end(EndReason.FENCED, detail)
 
-    def _task_failed(self, error: BaseException) -> None:
-        self.end(EndReason.INTERNAL_ERROR, repr(error))
+    def _task_failed(self, task: asyncio.Task[Any], error: BaseException) -> None:
+        # A bug: the session ends, and run() raises it to its owner (the store partition logs it once).
+        if self._error is None:
+            self._error = error
+        self.end(EndReason.INTERNAL_ERROR, f"task {task.get_name()}: {error!r}")
 
     async def wait_open(self) -> None:
         await self._opened.wait()

@@ -1,14 +1,12 @@
-"""Small pieces the store layer shares: its configuration, bounded retry backoff, rate-limited retry logging,
-owned task lists."""
+"""Small pieces the store layer shares: its configuration, bounded retry backoff, rate-limited retry
+logging."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
 
 from waltz.errors import InvariantViolation
 
@@ -19,7 +17,6 @@ __all__ = [
     "RepairStatistics",
     "RetryLog",
     "StoreConfig",
-    "TaskList",
 ]
 
 log = logging.getLogger(__name__)
@@ -178,40 +175,3 @@ class RetryLog:
         self._left_out = 0
         self._logger.log(level, msg, *args)
         return True
-
-
-class TaskList:
-    """Tasks owned by one object: spawned in order, cancelled and awaited in order by :meth:`aclose`.
-
-    ``on_error`` is called (once per task) with any exception other than cancellation that escapes a task, so
-    the owner can stop; :attr:`errors` keeps them. Order matters for replay: unlike a set, the list makes the
-    cancellation order the same in every run.
-    """
-
-    def __init__(self, on_error: Callable[[BaseException], None]) -> None:
-        self._tasks: list[asyncio.Task[Any]] = []
-        self._on_error = on_error
-        self.errors: list[BaseException] = []
-
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        task.add_done_callback(self._done)
-        self._tasks.append(task)
-        return task
-
-    def _done(self, task: asyncio.Task[Any]) -> None:
-        if task.cancelled():
-            return
-        error = task.exception()
-        if error is not None:
-            log.error("task %s failed", task.get_name(), exc_info=error)
-            self.errors.append(error)
-            self._on_error(error)
-
-    async def aclose(self) -> None:
-        """Cancel every task, then wait for all of them to finish."""
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks)
