@@ -515,6 +515,39 @@ def test_rpc_client_fails_every_pending_and_waiting_call_when_the_connection_die
     run(main)
 
 
+def test_rpc_client_tells_loss_listeners_once_and_records_when_the_peer_last_answered() -> None:
+    """A storage link shared by many partitions: every partition hears of its loss at once (a listener each),
+    and when the node last answered tells an idle partition it is alive without a probe of its own."""
+
+    async def answer_one_then_hang_up(conn: FramedConnection) -> None:
+        req = s.decode(await conn.receive())
+        await send_and_drain(conn, s.encode(s.RecordResponse(1, s.seq_num_of(req), 0, None)))
+        release = s.decode(await conn.receive())
+        assert isinstance(release, s.RecordRequest)
+
+    async def main() -> None:
+        async with serving(answer_one_then_hang_up) as port, storage_rpc(await connect(port)) as rpc:
+            assert rpc.last_answer_s == float("-inf")
+            heard: list[tuple[str, BaseException]] = []
+            rpc.add_loss_listener(lambda e: heard.append(("a", e)))
+            rpc.add_loss_listener(lambda e: heard.append(("b", e)))
+            removed = lambda e: heard.append(("removed", e))  # noqa: E731
+            rpc.add_loss_listener(removed)
+            rpc.remove_loss_listener(removed)
+            before = asyncio.get_running_loop().time()
+            await rpc.call(s.RecordRequest(1, rpc.next_seq(), 0, 5), timeout_ms=5000)
+            assert rpc.last_answer_s >= before
+            with pytest.raises(BrokenResourceError):
+                await rpc.call(s.RecordRequest(1, rpc.next_seq(), 0, 5), timeout_ms=5000)
+            assert [who for who, _ in heard] == ["a", "b"]
+            assert all(isinstance(e, BrokenResourceError) for _, e in heard)
+            late: list[BaseException] = []
+            rpc.add_loss_listener(late.append)  # lost already: told at once
+            assert len(late) == 1
+
+    run(main)
+
+
 def test_rpc_client_timeout_drops_the_late_reply_and_keeps_working() -> None:
     async def slow_for_seq_zero(conn: FramedConnection) -> None:
         async def reply(req: s.StorageMessage, delay_s: float) -> None:

@@ -63,10 +63,20 @@ class TcpReplicaConnection:
         self._session_id = session_id
         self._closed = False
         self._bodies = bodies if bodies is not None else _AppendBodies()
+        self._loss_listener: Callable[[BaseException], None] | None = None
 
     @property
     def storage(self) -> str:
         return self._storage
+
+    def on_lost(self, callback: Callable[[BaseException], None]) -> None:
+        if self._closed or self._loss_listener is not None:
+            raise ClosedResourceError(f"replica connection to {self._storage}: closed, or watched already")
+        self._loss_listener = callback
+        self._client.add_loss_listener(callback)
+
+    def last_answer_s(self) -> float:
+        return self._client.last_answer_s
 
     def _live(self) -> StorageClient:
         if self._closed:
@@ -132,6 +142,9 @@ class TcpReplicaConnection:
     async def aclose(self) -> None:
         # The TCP connection is shared with other partitions; only this view of it closes.
         self._closed = True
+        if self._loss_listener is not None:
+            self._client.remove_loss_listener(self._loss_listener)
+            self._loss_listener = None
 
 
 class TcpReplicaConnector:

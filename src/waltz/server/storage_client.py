@@ -157,6 +157,18 @@ class _Endpoint(Generic[M]):
     def is_usable(self) -> bool:
         return self._rpc.is_usable
 
+    @property
+    def last_answer_s(self) -> float:
+        """Loop time at which the node last answered anything on this connection (-inf if never)."""
+        return self._rpc.last_answer_s
+
+    def add_loss_listener(self, listener: Callable[[BaseException], None]) -> None:
+        """Call ``listener(error)`` once when this connection is lost (``RpcClient.add_loss_listener``)."""
+        self._rpc.add_loss_listener(listener)
+
+    def remove_loss_listener(self, listener: Callable[[BaseException], None]) -> None:
+        self._rpc.remove_loss_listener(listener)
+
     async def aclose(self) -> None:
         await self._rpc.aclose()
 

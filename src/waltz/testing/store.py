@@ -24,6 +24,7 @@ after ``failure_detection_ms``, the request being delivered or not at random; a 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import random
 from collections import deque
@@ -193,6 +194,11 @@ class MemoryStorage:
         self.partitions: dict[int, _PartitionState] = {p: _PartitionState() for p in range(num_partitions)}
         self._connections: list[MemoryConnection] = []
         self.out_of_order_appends = 0
+        self.last_answer_s = float("-inf")
+        """When any connection last got an answer from this node (a server's partitions share one link to a
+        node: this is what the link's liveness looks like)."""
+        self.requests: collections.Counter[str] = collections.Counter()
+        """Requests that reached this node, by kind."""
         network.add(self)
 
     # -- fault injection -------------------------------------------------------------------------------------
@@ -280,6 +286,7 @@ class MemoryStorage:
     def _arrive(self, conn: MemoryConnection, rid: int, request: _Request) -> None:
         if not self._reachable(conn):
             return
+        self.requests[request.kind] += 1
         part = self.partitions.get(conn.partition_id)
         if part is None:
             conn._respond(
@@ -475,6 +482,7 @@ class MemoryConnection:
         self._last_response = 0.0
         self._broken = False
         self._closed = False
+        self._on_lost: Callable[[BaseException], None] | None = None
         node._register(self)
 
     @property
@@ -491,6 +499,23 @@ class MemoryConnection:
         loop = asyncio.get_running_loop()
         for future in list(self._pending.values()):
             loop.call_later(delay, _fail, future, BrokenResourceError(f"connection to {self.storage} broke"))
+        if self._on_lost is not None:
+            loop.call_later(delay, self._lost)
+
+    def _lost(self) -> None:
+        if self._on_lost is not None and not self._closed:
+            self._on_lost(BrokenResourceError(f"connection to {self.storage} broke"))
+
+    def on_lost(self, callback: Callable[[BaseException], None]) -> None:
+        if self._closed or self._on_lost is not None:
+            raise ClosedResourceError(f"connection to {self.storage}: closed, or watched already")
+        self._on_lost = callback
+        if self._broken:
+            delay = self._network.failure_detection_ms / 1000
+            asyncio.get_running_loop().call_later(delay, self._lost)
+
+    def last_answer_s(self) -> float:
+        return self._node.last_answer_s
 
     def _respond(self, rid: int, result: Any, error: WaltzError | None) -> None:
         if self._broken or self._closed or self._network.is_isolated(self._node.name):
@@ -501,7 +526,12 @@ class MemoryConnection:
         loop = asyncio.get_running_loop()
         when = max(loop.time() + self._network.delay_s(), self._last_response + _FIFO_STEP_S)
         self._last_response = when
-        loop.call_at(when, _settle, future, result, error)
+        loop.call_at(when, self._settle, future, result, error)
+
+    def _settle(self, future: asyncio.Future[Any], result: Any, error: WaltzError | None) -> None:
+        if not self._broken and not self._closed and not self._network.is_isolated(self._node.name):
+            self._node.last_answer_s = asyncio.get_running_loop().time()
+        _settle(future, result, error)
 
     async def _call(self, kind: str, *args: Any) -> Any:
         if self._closed:
@@ -638,6 +668,12 @@ class NullReplica:
         self._connector = connector
         self._max_id = -1
         self._loop = asyncio.get_running_loop()
+
+    def on_lost(self, callback: Callable[[BaseException], None]) -> None:
+        pass  # never lost
+
+    def last_answer_s(self) -> float:
+        return self._loop.time()  # always alive
 
     async def last_session_info(self) -> SessionInfo:
         return SessionInfo(-1, -1, -1)

@@ -76,6 +76,10 @@ class RpcClient(Generic[ReqT, RespT]):
         self._seq = 0
         self._closed = False
         self._broken: str | None = None
+        self.last_answer_s = float("-inf")
+        """Loop time of the last read that brought responses: the peer was alive then."""
+        self._loss_listeners: dict[Callable[[BaseException], None], None] = {}
+        """Told once, with the error, when the connection is lost (see :meth:`add_loss_listener`)."""
         conn.deliver_payloads(self._on_payloads, self._lost)
 
     @property
@@ -91,6 +95,17 @@ class RpcClient(Generic[ReqT, RespT]):
     def is_usable(self) -> bool:
         """False once the client was closed or its connection died."""
         return not self._closed and self._broken is None
+
+    def add_loss_listener(self, listener: Callable[[BaseException], None]) -> None:
+        """Call ``listener(error)`` once when the connection is lost (at once if it already is); not after our
+        own :meth:`aclose`, nor after :meth:`remove_loss_listener`. A listener must not raise."""
+        if self._broken is not None:
+            listener(BrokenResourceError(self._broken))
+        elif not self._closed:
+            self._loss_listeners[listener] = None
+
+    def remove_loss_listener(self, listener: Callable[[BaseException], None]) -> None:
+        self._loss_listeners.pop(listener, None)
 
     def next_seq(self) -> int:
         """A fresh per-client sequence number (0, 1, 2, ...)."""
@@ -178,6 +193,7 @@ class RpcClient(Generic[ReqT, RespT]):
         """The responses of one socket read, from the transport's callback (see the constructor)."""
         decode = self._decode
         deliver = self._deliver
+        self.last_answer_s = self._loop.time()
         try:
             for payload in payloads:
                 deliver(decode(payload))
@@ -196,6 +212,12 @@ class RpcClient(Generic[ReqT, RespT]):
         self._broken = f"{self._name}: connection with {self._conn.peername} lost: {reason}"
         self._fail_pending(lambda: BrokenResourceError(self._broken))
         self._conn._abort(BrokenResourceError(self._broken))
+        listeners, self._loss_listeners = list(self._loss_listeners), {}
+        for listener in listeners:
+            try:
+                listener(BrokenResourceError(self._broken))
+            except Exception:
+                log.exception("%s: a loss listener failed", self._name)
 
     def _deliver(self, response: RespT) -> None:
         seq = self._response_seq(response)
@@ -242,6 +264,7 @@ class RpcClient(Generic[ReqT, RespT]):
         if self._closed:
             return
         self._closed = True
+        self._loss_listeners.clear()
         self._fail_pending(lambda: ClosedResourceError(f"{self._name} client closed"))
         await self._conn.aclose()
 

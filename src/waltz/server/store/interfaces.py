@@ -81,6 +81,17 @@ class ReplicaConnection(Protocol):
         """The storage node's connect string (``host:port``), as in the partition metadata."""
         ...
 
+    def on_lost(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(error)`` once if the link to the node (shared with other partitions) is lost while
+        this connection is open (soon, if it is lost already); never after :meth:`aclose`. Once per
+        connection. A node that stopped answering without closing the link is not reported: probe it."""
+        ...
+
+    def last_answer_s(self) -> float:
+        """Loop time at which the node last answered anything on the link this connection shares with other
+        partitions (-inf if never): it was alive then."""
+        ...
+
     async def last_session_info(self) -> SessionInfo:
         """The persisted control info. The first message of a session, so it is also the fencing message."""
         ...

@@ -19,8 +19,9 @@ A replica session is one task. Its life, in order:
    request, bounds them: the node answers in order, so only the oldest unanswered request can be the first
    to outlive ``rpc_timeout_ms``, which fails the replica as a timed-out request did. If the first batch
    starts beyond its max id (it joined late), the replica task first copies the missing records, all
-   committed (they are below the oldest batch in flight), from another participant; it also probes an idle
-   connection.
+   committed (they are below the oldest batch in flight), from another participant. An idle replica is
+   looked at (see "idle probing" below): a lost link fails it at once, a hung node and a lost or extra
+   record are found by a probe.
 
 Failure policy: a participant's failure ends the session; before the session opens, the failure of a
 replica counted in the vote ends it too (the vote relied on it). A replica that neither counts nor writes
@@ -188,7 +189,17 @@ class ReplicaSession:
         self._failure: BaseException | None = None
         """The first failed append request (the replica task raises it)."""
         self._mail = asyncio.Event()
-        """Wakes the replica task: a batch it has to send itself was delivered, or a request failed."""
+        """Wakes the replica task: a batch it has to send itself was delivered, a request failed, the link
+        was lost or an idle probe is due."""
+        self._idle_timer: asyncio.TimerHandle | None = None
+        """The idle probing timer (see :meth:`_idle_tick`); None while not writing."""
+        self._probe_due = False
+        self._idle_seen = -1
+        """:attr:`max_id` when the replica was last seen writing (a change is activity)."""
+        self._check_gap_s = 0.0
+        """The current interval between per-partition checks of an idle replica (doubles while it agrees)."""
+        self._check_at = 0.0
+        """When the next per-partition check is due (loop time)."""
 
     def __repr__(self) -> str:
         return f"ReplicaSession({self.storage}, session={self._ctx.session_id}, {self.role.value})"
@@ -572,10 +583,11 @@ class ReplicaSession:
 
     async def _write(self, conn: ReplicaConnection) -> None:
         session = self._host
-        probe_s = self._ctx.config.idle_probe_interval_ms / 1000
         mailbox = self._mailbox
-        self._loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._sent_max = self.max_id
+        conn.on_lost(partial(self._link_lost, conn))
+        self._idle_active(loop.time())
         try:
             while True:
                 if self._failure is not None:
@@ -598,31 +610,96 @@ class ReplicaSession:
                     await self._copy_until(conn, session.high_water_mark)
                     self._sent_max = self.max_id
                     continue
-                try:
-                    async with asyncio.timeout(probe_s):
-                        await self._mail.wait()
-                except TimeoutError:
-                    if self._requests:
-                        continue  # busy: a failure shows on the requests under way
-                    # Idle: failures are only seen on use, so probe, or a dead participant would keep the
-                    # partition looking healthy until the next write.
-                    expected = self.max_id
-                    max_id = await session.call(conn.max_transaction_id())
-                    # A batch delivered meanwhile is sent at once, and its acknowledgement may be handled
-                    # before this coroutine resumes (both answers in one read): the replica then answered
-                    # what it held when asked. Anything outside that range is a lost or an extra record.
-                    if not expected <= max_id <= self.max_id:
-                        raise InvariantViolation(
-                            f"{self.storage} holds {max_id}, expected {expected}"
-                            + (f"..{self.max_id}" if self.max_id != expected else "")
-                        ) from None
+                if not self._probe_due:  # (set by the timer, maybe while the task was copying)
+                    await self._mail.wait()
+                if self._probe_due:
+                    self._probe_due = False
+                    if not self._requests:
+                        await self._probe(conn)
+                    self._arm_idle(loop.time() + self._ctx.config.idle_probe_interval_ms / 1000)
         finally:
             self._sent_max = _NOT_WRITING
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
             requests = list(self._requests)
             for future in requests:
                 future.cancel()
             if requests:
                 await asyncio.wait(requests)
+
+    # -- idle probing ----------------------------------------------------------------------------------------
+    # Failures are seen on use, so an idle participant is looked at, or a dead one would keep the partition
+    # looking healthy until the next write. Two questions, answered apart: is the node alive (shared by
+    # every partition on its link: a lost link is reported at once by on_lost, and a node that answered
+    # anyone within idle_probe_interval_ms is alive), and does this replica still hold exactly what it
+    # acknowledged (per partition: checked 1 interval after the last write, then ever more rarely, doubling
+    # up to idle_probe_max_interval_ms while it agrees). One timer per replica checks both on its own and
+    # wakes the task only when a probe is due; a write does not touch it (it is moved lazily, as _timer is).
+
+    def _link_lost(self, conn: ReplicaConnection, error: BaseException) -> None:
+        """The link to the node (shared with other partitions) was lost: fail now, not at the next probe."""
+        if self.connection is conn and self._failure is None:
+            self._failure = error
+            self._mail.set()
+
+    def _idle_active(self, now: float) -> None:
+        """The replica wrote (or starts writing): the per-partition check starts its backoff again."""
+        interval_s = self._ctx.config.idle_probe_interval_ms / 1000
+        self._idle_seen = self.max_id
+        self._check_gap_s = interval_s
+        self._check_at = now + interval_s
+        self._arm_idle(now + interval_s)
+
+    def _arm_idle(self, when: float) -> None:
+        loop = self._loop
+        assert loop is not None  # armed only while _write runs
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        self._idle_timer = loop.call_at(when, self._idle_tick)
+
+    def _idle_tick(self) -> None:
+        """The idle timer fired: nothing to do while busy; else wake the task if a probe is due."""
+        self._idle_timer = None
+        loop, conn = self._loop, self.connection
+        assert loop is not None
+        if conn is None:
+            return
+        now = loop.time()
+        if self._requests or self._mailbox or self.max_id != self._idle_seen:
+            self._idle_active(now)  # busy: a failure shows on the requests under way
+            return
+        interval_s = self._ctx.config.idle_probe_interval_ms / 1000
+        heard_s = conn.last_answer_s()
+        if heard_s + interval_s / 2 > now and self._check_at > now:
+            # Alive. Look again before the answer is an interval old, each replica of the link at a random
+            # point of its second half: the first to find it stale probes, and its answer spares the others
+            # (ticks at one instant would all probe: one probe per replica again, not about two per link).
+            again = heard_s + interval_s * (0.5 + self._ctx.rng.random() / 2)
+            self._arm_idle(min(again, self._check_at))
+            return
+        self._probe_due = True
+        self._mail.set()
+
+    async def _probe(self, conn: ReplicaConnection) -> None:
+        """Ask the idle replica its max id: it must hold what it acknowledged, nothing more, nothing less."""
+        expected = self.max_id
+        max_id = await self._host.call(conn.max_transaction_id())
+        # A batch delivered meanwhile is sent at once, and its acknowledgement may be handled before this
+        # coroutine resumes (both answers in one read): the replica then answered what it held when asked.
+        # Anything outside that range is a lost or an extra record.
+        if not expected <= max_id <= self.max_id:
+            raise InvariantViolation(
+                f"{self.storage} holds {max_id}, expected {expected}"
+                + (f"..{self.max_id}" if self.max_id != expected else "")
+            )
+        assert self._loop is not None
+        now = self._loop.time()
+        if self.max_id != self._idle_seen:
+            self._idle_active(now)
+            return
+        self._check_gap_s = min(self._check_gap_s * 2, self._ctx.config.idle_probe_max_interval_ms / 1000)
+        self._check_at = now + self._check_gap_s

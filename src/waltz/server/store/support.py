@@ -49,7 +49,12 @@ class StoreConfig:
     rpc_timeout_ms: int = 30_000
     """Safety net: a storage call taking longer counts as a broken connection."""
     idle_probe_interval_ms: int = 1_000
-    """A participant idle this long checks its connection (so an idle session notices failures)."""
+    """An idle participant's liveness bound: a node that has not answered anything on its shared link for
+    this long is probed (a lost link is noticed at once, without a probe); also the first per-partition
+    check after the last write."""
+    idle_probe_max_interval_ms: int = 30_000
+    """The per-partition check of an idle replica (its max id against what it acknowledged: a lost or an
+    extra record) backs off from ``idle_probe_interval_ms``, doubling while it agrees, to this."""
     max_metadata_attempts: int = 10
     """Version-checked metadata writes attempted before giving up on one session (each re-reads)."""
     max_read_attempts: int = 5
@@ -73,6 +78,7 @@ class StoreConfig:
             "max_pending_batches",
             "rpc_timeout_ms",
             "idle_probe_interval_ms",
+            "idle_probe_max_interval_ms",
             "max_metadata_attempts",
             "max_read_attempts",
         ):
