@@ -80,8 +80,8 @@ class Load:
         self._settles: set[asyncio.Task[None]] = set()
         self._progress = asyncio.Event()  # Set at each acknowledgement.
 
-    def _on_apply(self, txn: Transaction) -> None:
-        data = txn.get_transaction_data()
+    async def _on_apply(self, txn: Transaction) -> None:
+        data = await txn.fetch_transaction_data()
         if data.startswith(b"tag:"):
             with self._seen_lock:
                 self._seen[data] += 1
@@ -160,7 +160,7 @@ class Load:
             if self._settles:
                 await asyncio.wait(set(self._settles), timeout=settle_s)
             deadline = time.monotonic() + settle_s
-            # The log reaches _on_apply on the client's callback threads: polled, not awaited.
+            # The log reaches _on_apply on the client's event loop: polled, not awaited.
             while time.monotonic() < deadline and self._missing():  # noqa: ASYNC110
                 await asyncio.sleep(0.1)
         finally:

@@ -70,7 +70,9 @@ def test_top_follows_appends_a_dead_node_an_offline_replica_and_a_dead_server(
         third = await gather(cluster.zk, cluster.root, previous=second, timeout_s=1.0)
         assert replica_states(third, 0)[storages[2]] == ("down", -1)
         assert replica_states(third, 1)[storages[1]][0] == "offline"
-        assert third.partitions[1].health in ("degraded", "unhealthy")  # the session may be ending
+        # Not healthy; the store session that lost the node ends at once and reopens without it, so the
+        # owner may answer "not served" for that moment.
+        assert third.partitions[1].health in ("degraded", "unhealthy", "unserved")
         dead = [p for p in third.processes if p.address == storages[2]]
         assert [(p.alive, p.detail) for p in dead] == [(False, "did not answer")]
         assert not third.healthy

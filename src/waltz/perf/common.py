@@ -95,12 +95,15 @@ def network_driver() -> ClientDriver | None:
 class MarkCallbacks(ClientCallbacks):
     """Callbacks that start at given high-water marks and just track the marks (nothing is applied).
 
-    ``on_apply`` (optional) runs for every transaction, on the client's event loop (``apply_transaction``
-    is a coroutine function: no thread hop), so it must not block.
+    ``on_apply`` (optional, a coroutine function) is awaited for every transaction on the client's event
+    loop (``apply_transaction`` is a coroutine function: no thread hop), so it must not block: it reads a
+    transaction's data with ``await transaction.fetch_transaction_data()``.
     """
 
     def __init__(
-        self, start_marks: dict[int, int], on_apply: Callable[[Transaction], None] | None = None
+        self,
+        start_marks: dict[int, int],
+        on_apply: Callable[[Transaction], Awaitable[None]] | None = None,
     ) -> None:
         self.start_marks = dict(start_marks)
         self.marks = dict(start_marks)
@@ -113,7 +116,7 @@ class MarkCallbacks(ClientCallbacks):
 
     async def apply_transaction(self, transaction: Transaction) -> None:
         if self.on_apply is not None:
-            self.on_apply(transaction)
+            await self.on_apply(transaction)
         with self._lock:
             self.marks[transaction.partition_id] = transaction.transaction_id
 
