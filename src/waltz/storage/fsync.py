@@ -34,6 +34,18 @@ GROUP_SYNC_JOB_FSYNCS = 8
 """The fewest fsyncs a job of a split batch runs (a hand-off costs a good part of an fsync's CPU)."""
 
 
+class JobRunner(Protocol):
+    """Runs jobs off the loop (:class:`FsyncThreads`)."""
+
+    def run(self, fn: Callable[[], R]) -> asyncio.Future[R]:
+        """Run ``fn``; the future resolves on the loop with what it returned or raised."""
+        ...
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop after the jobs already handed off (blocking)."""
+        ...
+
+
 class FsyncPolicy:
     """Where a node's group-commit fsyncs run, owned by the node and shared by its partitions.
 
@@ -55,9 +67,15 @@ class FsyncPolicy:
 
     __slots__ = ("_backoff_s", "_clock", "_last_slow_s", "in_flight", "inline_off_until", "threads")
 
-    def __init__(self, threads: int = FSYNC_THREADS, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        threads: int = FSYNC_THREADS,
+        clock: Callable[[], float] = time.monotonic,
+        runner: JobRunner | None = None,
+    ) -> None:
         self._clock = clock
-        self.threads = FsyncThreads(threads)
+        self.threads: JobRunner = runner if runner is not None else FsyncThreads(threads)
+        """Runs the jobs handed off (:class:`FsyncThreads`; tests inject one they drive)."""
         self.in_flight = 0
         """Fsyncs running in a thread now."""
         self.inline_off_until = 0.0
