@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from waltz.errors import StorageError
+
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
@@ -77,7 +79,7 @@ class FsyncPolicy:
         self.threads: JobRunner = runner if runner is not None else FsyncThreads(threads)
         """Runs the jobs handed off (:class:`FsyncThreads`; tests inject one they drive)."""
         self.in_flight = 0
-        """Fsyncs running in a thread now."""
+        """Jobs running in a thread now."""
         self.inline_off_until = 0.0
         """Until this time (by ``clock``) every fsync runs in a thread (a slow one ran on the loop)."""
         self._backoff_s = INLINE_FSYNC_FIRST_BACKOFF_S
@@ -140,9 +142,8 @@ class GroupSync:
     each one's outcome (a large batch is split into up to :data:`GROUP_SYNC_JOBS` jobs of at least
     :data:`GROUP_SYNC_JOB_FSYNCS`, run at once in as many threads). Back on the loop every caller gets its
     own file's outcome: a failed fsync fails the group of that file only. One hand-off (a thread wake-up, the
-    GIL passed to and fro, a wake-up of the loop) so serves many partitions: with many partitions appending
-    a little each, the hand-offs, not the fsyncs, were most of a group commit's CPU. The next batch starts
-    when every job of the last one landed.
+    GIL passed to and fro, a wake-up of the loop: about as much CPU as the fsync of a small group) so serves
+    many partitions. The next batch starts when every job of the last one landed.
 
     A lone fsync (no other one asked for, none in a thread, nothing queued on the node) runs on the loop
     instead, while the :class:`FsyncPolicy` allows: the caller checks :meth:`inline_allowed` and calls
@@ -240,7 +241,7 @@ class GroupSync:
         fsyncs asked for meanwhile (after the callers woken now: those that take a next group at once join
         them)."""
         if landed.cancelled():
-            outcomes: list[BaseException | None] = [asyncio.CancelledError()] * len(batch)
+            outcomes: list[BaseException | None] = [StorageError("an fsync job was cancelled")] * len(batch)
         elif (error := landed.exception()) is not None:
             outcomes = [error] * len(batch)  # not one fsync's: none of the batch is known durable
         else:
