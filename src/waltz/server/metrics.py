@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -92,15 +93,18 @@ class CommitMetrics(Collector):
         yield latency
 
 
+@functools.cache
+def _le_labels(bounds: tuple[float, ...]) -> tuple[str, ...]:
+    """The "le" labels of ``bounds``, made once: a scrape writes them for every partition."""
+    return tuple(floatToGoString(b) for b in bounds)  # type: ignore[no-untyped-call]
+
+
 def _histogram_buckets(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[str, float]]:
     """A histogram's ``(le, cumulative count)`` buckets from per-bucket ``counts`` (one per bound, then one
     above every bound), the "le" labels as prometheus_client's own Histogram writes them (its helper is
     untyped)."""
     cumulative = list(itertools.accumulate(counts))
-    buckets: list[tuple[str, float]] = [
-        (floatToGoString(b), c)  # type: ignore[no-untyped-call]
-        for b, c in zip(bounds, cumulative, strict=False)
-    ]
+    buckets: list[tuple[str, float]] = list(zip(_le_labels(tuple(bounds)), cumulative, strict=False))
     buckets.append(("+Inf", cumulative[-1]))
     return buckets
 
@@ -211,7 +215,7 @@ class _StoreTotals:
     def add(self, store: StorePartition) -> None:
         stats = store.stats
         self.opened += stats.sessions_opened
-        for reason, count in stats.sessions_ended.items():
+        for reason, count in list(stats.sessions_ended.items()):  # scraped on a thread: copy, then iterate
             self.ended[reason] = self.ended.get(reason, 0) + count
         self.recovery_seconds += stats.recovery_seconds_sum
         batch_counts = stats.batch_appends_counts
@@ -285,7 +289,7 @@ class StoreCollector:
             "1 if the replica takes part in the open store session's writes, 0 if it is recovering or out",
             labels=["partition", "replica", "role"],
         )
-        owned = self._partitions()
+        owned = dict(self._partitions())  # one C-level copy: this runs on the scrape thread (see waltz.http)
         for pid, part in sorted(owned.items()):
             store = part.store
             hwm = store.high_water_mark
