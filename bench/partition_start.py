@@ -39,6 +39,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
+
+from bench.procstat import cpu_s, rss_bytes  # noqa: E402
 
 from waltz import (  # noqa: E402
     AsyncWaltzClient,
@@ -53,23 +56,6 @@ from waltz.local import probe  # noqa: E402
 
 START_TIMEOUT_S = 300.0
 IDLE_S = 5.0
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` so far (fields 14 and 15 of /proc/<pid>/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_bytes(pid: int) -> int:
-    """VmRSS of ``pid`` in bytes (0 if it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class _Callbacks(ClientCallbacks):
