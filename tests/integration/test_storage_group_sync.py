@@ -64,6 +64,10 @@ def _counts(node: StorageNode) -> tuple[int, int, int, int]:
     )
 
 
+def _since(node: StorageNode, before: tuple[int, int, int, int]) -> tuple[int, ...]:
+    return tuple(a - b for a, b in zip(_counts(node), before, strict=True))
+
+
 def test_appends_to_many_partitions_read_together_are_fsynced_in_a_few_hand_offs(tmp_path: Path) -> None:
     async def main() -> None:
         node = await _node(tmp_path, FaultyFileSystem())
@@ -76,7 +80,7 @@ def test_appends_to_many_partitions_read_together_are_fsynced_in_a_few_hand_offs
                     await asyncio.gather(
                         *(client.append(SESSION, p, [_record(p, round_)]) for p in range(NUM_PARTITIONS))
                     )
-                fsyncs, threaded, handoffs, handed_off = (a - b for a, b in zip(_counts(node), before))
+                fsyncs, threaded, handoffs, handed_off = _since(node, before)
                 assert fsyncs == 3 * NUM_PARTITIONS  # every partition's file, once per group
                 assert handed_off == threaded
                 assert threaded >= 2 * NUM_PARTITIONS  # at most a few alone on the loop
@@ -106,7 +110,7 @@ def test_a_failed_fsync_in_a_shared_hand_off_fails_only_its_partitions_group(tmp
                     *(client.append(SESSION, p, [_record(p, 1)]) for p in range(NUM_PARTITIONS)),
                     return_exceptions=True,
                 )
-                _fsyncs, _threaded, handoffs, handed_off = (a - b for a, b in zip(_counts(node), before))
+                _fsyncs, _threaded, handoffs, handed_off = _since(node, before)
                 assert handed_off >= NUM_PARTITIONS - 1  # the failed one went with the others
                 assert handoffs <= 4
                 assert fs.failed_fsyncs == 1
