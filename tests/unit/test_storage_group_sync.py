@@ -82,7 +82,7 @@ async def _passes(n: int = 3) -> None:
 
 
 def test_fsyncs_asked_for_in_one_pass_go_to_a_thread_in_one_hand_off_and_run_in_turn() -> None:
-    group, runner, _queued, clock, _policy = _group()
+    group, runner, _queued, clock, _policy = _group(jobs=1)
     ran: list[str] = []
     files = [_File(f"p{i}", ran, clock) for i in range(3)]
 
@@ -102,7 +102,7 @@ def test_fsyncs_asked_for_in_one_pass_go_to_a_thread_in_one_hand_off_and_run_in_
 
 
 def test_a_failed_fsync_fails_the_group_of_its_file_only() -> None:
-    group, runner, _queued, clock, _policy = _group()
+    group, runner, _queued, clock, _policy = _group(jobs=1)
     ran: list[str] = []
     files = [_File("p0", ran, clock), _File("p1", ran, clock, fail=True), _File("p2", ran, clock)]
 
@@ -122,7 +122,7 @@ def test_a_failed_fsync_fails_the_group_of_its_file_only() -> None:
 
 def test_a_job_that_fails_whole_fails_every_group_in_it() -> None:
     """Not one file's error (the thread itself died, say): no group of the job is known durable."""
-    group, runner, _queued, clock, _policy = _group()
+    group, runner, _queued, clock, _policy = _group(jobs=1)
     ran: list[str] = []
     files = [_File(f"p{i}", ran, clock) for i in range(2)]
 
@@ -137,7 +137,7 @@ def test_a_job_that_fails_whole_fails_every_group_in_it() -> None:
 
 
 def test_fsyncs_asked_for_while_a_batch_runs_wait_for_it_and_then_go_together() -> None:
-    group, runner, _queued, clock, _policy = _group()
+    group, runner, _queued, clock, _policy = _group(jobs=1)
     ran: list[str] = []
 
     async def main() -> None:
@@ -200,8 +200,8 @@ def test_a_slow_fsync_on_the_loop_sends_the_next_lone_one_to_a_thread() -> None:
     asyncio.run(main())
 
 
-@pytest.mark.parametrize(("fsyncs", "jobs"), [(7, 1), (16, 2), (20, 2), (40, 4), (100, 4)])
-def test_a_large_batch_is_split_into_a_few_jobs_of_at_least_eight(fsyncs: int, jobs: int) -> None:
+@pytest.mark.parametrize(("fsyncs", "jobs"), [(2, 2), (4, 4), (7, 4), (80, 4)])
+def test_a_batch_is_split_into_at_most_four_jobs(fsyncs: int, jobs: int) -> None:
     """They run at once in as many threads (the disk overlaps fsyncs of different files); the next batch
     waits for the last of them."""
     group, runner, _queued, clock, _policy = _group()
@@ -228,7 +228,7 @@ def test_a_large_batch_is_split_into_a_few_jobs_of_at_least_eight(fsyncs: int, j
 
 def test_the_fsync_of_a_caller_cancelled_before_its_hand_off_is_not_run() -> None:
     """A worker cancelled while it waited (the node is closing): its file may be closed next."""
-    group, runner, _queued, clock, _policy = _group()
+    group, runner, _queued, clock, _policy = _group(jobs=1)
     ran: list[str] = []
 
     async def main() -> None:

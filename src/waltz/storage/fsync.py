@@ -30,10 +30,9 @@ INLINE_FSYNC_RESET_S = 60.0
 FSYNC_THREADS = 4
 """Threads for the fsyncs not run on the loop (a node's hand-offs, and a closing node's last ones)."""
 GROUP_SYNC_JOBS = FSYNC_THREADS
-"""The most jobs a :class:`GroupSync` splits one batch of fsyncs into (they run at once, in as many threads:
-the disk overlaps the fsyncs of different files)."""
-GROUP_SYNC_JOB_FSYNCS = 8
-"""The fewest fsyncs a job of a split batch runs (a hand-off costs a good part of an fsync's CPU)."""
+"""The most jobs a :class:`GroupSync` splits one batch of fsyncs into. They run at once, in as many threads:
+the disk overlaps the fsyncs of different files, so a few busy partitions' fsyncs in turn in one thread
+would wait for each other (4 files, 4 times as long; far worse when the disk is slow)."""
 
 
 class JobRunner(Protocol):
@@ -137,13 +136,13 @@ class GroupSync:
     thread; owned by the node, shared by its partitions.
 
     A partition worker whose group is written awaits :meth:`sync` with its data file's fsync. The fsyncs
-    asked for in one pass of the event loop, and those asked for while the previous batch runs, go to a
-    thread as one batch: one job, which runs them one after the other, each on its own file, and records
-    each one's outcome (a large batch is split into up to :data:`GROUP_SYNC_JOBS` jobs of at least
-    :data:`GROUP_SYNC_JOB_FSYNCS`, run at once in as many threads). Back on the loop every caller gets its
-    own file's outcome: a failed fsync fails the group of that file only. One hand-off (a thread wake-up, the
-    GIL passed to and fro, a wake-up of the loop: about as much CPU as the fsync of a small group) so serves
-    many partitions. The next batch starts when every job of the last one landed.
+    asked for in one pass of the event loop, and those asked for while the previous batch runs, go to the
+    threads as one batch, split into at most :data:`GROUP_SYNC_JOBS` jobs run at once: each job runs its
+    share one after the other, each on its own file, and records each one's outcome. Back on the loop every
+    caller gets its own file's outcome: a failed fsync fails the group of that file only. One hand-off (a
+    thread wake-up, the GIL passed to and fro, a wake-up of the loop: about as much CPU as the fsync of a
+    small group) so serves many partitions: with 80 partitions waiting, 4 hand-offs instead of 80. The next
+    batch starts when every job of the last one landed.
 
     A lone fsync (no other one asked for, none in a thread, nothing queued on the node) runs on the loop
     instead, while the :class:`FsyncPolicy` allows: the caller checks :meth:`inline_allowed` and calls
@@ -151,28 +150,12 @@ class GroupSync:
     (its worker awaits it), so each partition's groups are answered in order.
     """
 
-    __slots__ = (
-        "_job_fsyncs",
-        "_jobs",
-        "_pending",
-        "_policy",
-        "_queued",
-        "_scheduled",
-        "handed_off",
-        "handoffs",
-    )
+    __slots__ = ("_jobs", "_pending", "_policy", "_queued", "_scheduled", "handed_off", "handoffs")
 
-    def __init__(
-        self,
-        policy: FsyncPolicy,
-        queued: Queued,
-        jobs: int = GROUP_SYNC_JOBS,
-        job_fsyncs: int = GROUP_SYNC_JOB_FSYNCS,
-    ) -> None:
+    def __init__(self, policy: FsyncPolicy, queued: Queued, jobs: int = GROUP_SYNC_JOBS) -> None:
         self._policy = policy
         self._queued = queued
         self._jobs = jobs
-        self._job_fsyncs = job_fsyncs
         self._pending: list[tuple[Callable[[], None], asyncio.Future[bool]]] = []
         """Fsyncs asked for, not handed off yet (at most one per partition), with their callers' waiters."""
         self._scheduled = False
@@ -221,7 +204,7 @@ class GroupSync:
             else:
                 _settle(waiter, False, None)
             return
-        jobs = max(1, min(self._jobs, len(batch) // self._job_fsyncs))
+        jobs = min(self._jobs, len(batch))
         self.handoffs += jobs
         self.handed_off += len(batch)
         for i in range(jobs):
