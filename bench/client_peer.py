@@ -75,8 +75,8 @@ from waltz import (  # noqa: E402
 from waltz.cluster import zk as zkutil  # noqa: E402
 from waltz.local import cluster as local  # noqa: E402
 from waltz.local import configs  # noqa: E402
-from waltz.ops.features import raise_features as raise_features_of  # noqa: E402
 from waltz.local.probe import http_get  # noqa: E402
+from waltz.ops.features import raise_features as raise_features_of  # noqa: E402
 
 RECORD_BYTES = 512
 PAYLOAD = bytes(RECORD_BYTES)
@@ -111,9 +111,9 @@ def batch_histogram(http_port: int | None) -> dict[str, float]:
 
 
 def storage_counts(http_ports: list[int]) -> tuple[float, float, float]:
-    """Group-commit fsyncs, append request frames (AppendRequests alone and MultiAppendRequests) and fsyncs run
-    in a thread of every storage node (``waltz_storage_fsyncs_total``, ``waltz_storage_requests_total`` of
-    append types, ``waltz_storage_fsyncs_in_thread_total``), summed."""
+    """Group-commit fsyncs, append request frames (AppendRequests alone and MultiAppendRequests) and fsyncs
+    run in a thread of every storage node (``waltz_storage_fsyncs_total``, ``waltz_storage_requests_total``
+    of append types, ``waltz_storage_fsyncs_in_thread_total``), summed."""
     fsyncs = requests = threaded = 0.0
     for port in http_ports:
         text = _metrics(port)
