@@ -28,10 +28,8 @@ Feature versions (:data:`FEATURES`):
 * 2 -- every process is Waltz 0.2.0 or later: it registers its supported range (above) and refuses to start in
   a cluster whose feature version it does not support. A trim point may be pending for a grace
   (``<root>/store/trim`` format 2, :mod:`waltz.cluster.trim_points`) and a retention limit in bytes may be
-  set (the servers send storage message 26, :mod:`waltz.cluster.retention`). No format of 0.2.0 needs
-  more; later formats that a 0.2.0 process cannot read get feature version 3 and are used only once
-  :func:`read_feature_version` says so.
-* 3 -- servers may send storage message 28 (storage codec V2, ``MultiAppendRequest``: several partitions'
+  set (the servers send storage message 26, :mod:`waltz.cluster.retention`).
+* 3 -- (also 0.2.0) servers may send storage message 28 (storage codec V2, ``MultiAppendRequest``: several partitions'
   appends in one frame, :mod:`waltz.protocol.storage_multi`) to nodes that negotiated V2. A server follows
   the feature version (:func:`watch_feature_version`) and starts sending it once it is raised.
 
