@@ -29,9 +29,9 @@ Feature versions (:data:`FEATURES`):
   a cluster whose feature version it does not support. A trim point may be pending for a grace
   (``<root>/store/trim`` format 2, :mod:`waltz.cluster.trim_points`) and a retention limit in bytes may be
   set (the servers send storage message 26, :mod:`waltz.cluster.retention`).
-* 3 -- (also 0.2.0) servers may send storage message 28 (storage codec V2, ``MultiAppendRequest``: several partitions'
-  appends in one frame, :mod:`waltz.protocol.storage_multi`) to nodes that negotiated V2. A server follows
-  the feature version (:func:`watch_feature_version`) and starts sending it once it is raised.
+* 3 -- (also 0.2.0) servers may send storage message 28 (storage codec V2, ``MultiAppendRequest``: several
+  partitions' appends in one frame, :mod:`waltz.protocol.storage_multi`) to nodes that negotiated V2. A
+  server follows the feature version (:func:`watch_feature_version`) and starts sending it once raised.
 
 A process checks the feature version when it starts (:func:`check_supported`), so that after a raise an older
 0.2.0-or-later process refuses to start rather than join a cluster whose formats it cannot read. Waltz 0.1.0
