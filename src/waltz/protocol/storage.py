@@ -907,6 +907,8 @@ def decode(payload: bytes | bytearray | memoryview, version: int = STORAGE_VERSI
         raise RemoteProtocolError(f"unknown storage message type {type_code}")
     if version < cls.MIN_VERSION:
         raise RemoteProtocolError(f"storage message type {type_code} is not in codec V{version}")
+    if cls is SuccessResponse and len(data) == PREFIX.size:
+        return SuccessResponse(session_id, seq_num, partition_id)  # every append's answer: no Reader needed
     r = Reader(data, PREFIX.size)
     msg = cls._read(r, session_id, seq_num, partition_id)
     r.expect_end()
