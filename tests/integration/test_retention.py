@@ -120,6 +120,11 @@ def test_a_policy_trims_after_the_grace_and_the_disk_comes_back(
         assert entry.pending.trim_point == 300
         code, out, _ = await cli("retention", "show")
         assert "partition 0: trim point 0, pending 300 (set by an operator at" in out
+        # verify names it too, after its verdict: no problem (exit 0), but what the grace's end deletes.
+        code, out, _ = await cli("verify", "--timeout", "5")
+        ok, pending = out.splitlines()
+        assert (code, ok) == (0, "OK: every partition served, replicated and healthy")
+        assert pending.startswith("pending trim: partition 0: trim point 0, pending 300 (set by an operator")
         await asyncio.sleep(1)  # the server had time to act on it: it must not have
         for sp in cluster.storages:
             assert control_trim_point(sp) == 0
@@ -129,6 +134,8 @@ def test_a_policy_trims_after_the_grace_and_the_disk_comes_back(
         code, out, _ = await cli("trim", "-p", "0", "--cancel")
         assert (code, out) == (0, "partition 0: pending trim point 300 cancelled (trim point in force: 0)\n")
         assert read_trim_points(cluster.zk, cluster.root).entry(0).pending is None
+        code, out, _ = await cli("verify", "--timeout", "5")
+        assert (code, out) == (0, "OK: every partition served, replicated and healthy\n")
 
     async def check_the_policy(before: list[float]) -> None:
         code, out, _ = await cli(

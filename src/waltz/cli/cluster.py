@@ -22,6 +22,7 @@ from waltz.cli.common import add_cli_config_arg, load_cli_config, load_cli_tls
 from waltz.cluster import retention
 from waltz.cluster import store_metadata as sm
 from waltz.cluster.partition_metadata import UNRESOLVED
+from waltz.cluster.trim_points import read_trim_points, wall_clock_ms
 from waltz.cluster.zk import session
 from waltz.config import host_port, parse_partition_ranges
 from waltz.errors import ConfigError
@@ -220,6 +221,11 @@ def cmd_verify(client: KazooClient, root: str, args: argparse.Namespace, out: Te
     if not problems:
         scope = "every partition" if parts is None else f"partitions {sm.format_ranges(parts)}"
         print(f"OK: {scope} served, replicated and healthy", file=out)
+    # A pending trim is no problem (the exit status ignores it), but what is about to be deleted is news.
+    points = read_trim_points(client, root)
+    wanted = range(view.num_partitions) if parts is None else parts
+    for line in checks.pending_trims(points, wanted, wall_clock_ms()):
+        print(line, file=out)
     return 1 if problems else 0
 
 

@@ -72,7 +72,7 @@ from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
 from waltz.server.config import ServerConfig
 from waltz.server.connection import BadMessage, ClientConnection, CloseConnection
 from waltz.server.feed_cache import FeedCache
-from waltz.server.metrics import ServerMetrics, StoreCollector
+from waltz.server.metrics import PartitionGauges, ServerMetrics, StoreCollector
 from waltz.server.partition import Partition
 from waltz.server.retention import RetentionKeeper
 from waltz.server.store.store_partition import StorePartition
@@ -120,6 +120,7 @@ class WaltzServer:
             self.transaction_cache, self._load_transaction, max_in_flight=config.max_fetches_in_flight
         )
         self.metrics.export_caches(self.feed_cache, self.transaction_cache)
+        self.registry.register(PartitionGauges(lambda: self.partitions))
         self.registry.register(StoreCollector(lambda: self.partitions, num_partitions))
         self.registry.register(ZooKeeperCollector(lambda: self.zk))
         self.partitions: dict[int, Partition] = {}
@@ -356,7 +357,6 @@ class WaltzServer:
         ending = [(pid, self.partitions.pop(pid)) for pid in over]
         for pid, old in ending:
             if pid not in assignment:
-                self.metrics.unexport_partition(pid)
                 await old.close()
                 log.info(
                     "partition %d closed: moved away (generation %d, high-water mark %d)",
@@ -407,8 +407,6 @@ class WaltzServer:
                 # Not served until its first session opens: reads wait for that from now, not from the first
                 # read (see _wait_serving).
                 self._unserved[part] = (time.monotonic(), 0)
-                self.metrics.export_partition(pid, part)
-                self.metrics.generation.labels(str(pid)).set(generation)
                 self.metrics.generation_changes.labels(str(pid)).inc()
                 log.info(
                     "partition %d opened at generation %d, replicas %s; recovering",
