@@ -49,7 +49,7 @@ def test_features_shown_raised_once_and_never_lowered(
     zk_connect_string: str,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    cluster = cluster_factory(num_partitions=1)
+    cluster = cluster_factory(num_partitions=1, feature_version=1)
     asyncio.run(cluster.start(storages=2, servers=1))
     cfg = _cli_config(tmp_path, zk_connect_string)
 
@@ -85,7 +85,7 @@ def test_a_raise_is_refused_while_a_process_could_not_follow(
     zk_connect_string: str,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    cluster = cluster_factory(num_partitions=1)
+    cluster = cluster_factory(num_partitions=1, feature_version=1)
     asyncio.run(cluster.start(storages=2, servers=1))
     cfg = _cli_config(tmp_path, zk_connect_string)
     paths = ClusterPaths(ROOT)
@@ -131,7 +131,7 @@ def test_a_raise_is_refused_while_a_process_could_not_follow(
 def test_processes_refuse_a_feature_version_they_do_not_support(
     cluster_factory: ClusterFactory, tmp_path: Path, zk: KazooClient, zk_connect_string: str
 ) -> None:
-    cluster_factory(num_partitions=1)  # creates the cluster at ROOT
+    cluster_factory(num_partitions=1, feature_version=1)  # creates the cluster at ROOT
     ft.write_feature_version(zk, ROOT, ft.SUPPORTED_FEATURES.hi + 1, -1)
     want = (
         f"the cluster's feature version is {ft.SUPPORTED_FEATURES.hi + 1} ({ROOT}/features), but Waltz "

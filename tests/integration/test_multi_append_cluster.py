@@ -63,7 +63,7 @@ async def _check_replicas(cluster: Cluster, clients: list[RawClient]) -> None:
 def test_many_partitions_append_through_multi_requests_once_the_feature_version_allows(
     cluster_factory: ClusterFactory,
 ) -> None:
-    cluster = cluster_factory(num_partitions=PARTITIONS)
+    cluster = cluster_factory(num_partitions=PARTITIONS, feature_version=1)
 
     async def main() -> None:
         for _ in range(3):

@@ -4,7 +4,9 @@ A rolling upgrade runs two releases side by side, so a process may not write a f
 ZooKeeper) or send a message that an older process of the same cluster cannot read, even when its own
 release knows it. The decision is the cluster's, kept in one znode, and raised only by an operator
 (``waltz cluster raise-features``) once every running process supports the new feature version. Until then a
-rollback to the older release is safe; after it, it is not (the newer formats may be in use).
+rollback to the older release is safe; after it, it is not (the newer formats may be in use). A new cluster
+starts at the newest feature version of the release that creates it
+(:func:`waltz.cluster.store_metadata.create_cluster`), unless told an older one.
 
 ZooKeeper values (UTF-8 JSON, one object each)::
 
