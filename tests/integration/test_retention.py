@@ -18,7 +18,6 @@ from tests.integration.raw_client import RawClient
 from tests.integration.server_process import free_port, wait_until
 from tests.integration.storage_process import StorageProcess
 from waltz.cli.main import main as waltz_main
-from waltz.cluster.features import write_feature_version
 from waltz.cluster.membership import ClusterWatcher
 from waltz.cluster.retention import read_retention
 from waltz.cluster.trim_points import TrimSource, read_trim_points
@@ -69,8 +68,7 @@ def test_a_policy_trims_after_the_grace_and_the_disk_comes_back(
             cluster.storage_config["storage.http.port"] = free_port()
             await cluster.add_storage()
         await cluster.add_server()
-        # Pending trim points and limits in bytes need feature version 2 (every process 0.2.0 or later).
-        write_feature_version(cluster.zk, cluster.root, 2, -1)
+        # Pending trim points and limits in bytes need feature version 2: a new cluster starts at the newest.
         async with ClusterWatcher(cluster.zk, cluster.root) as watcher:
             writer = await RawClient(watcher, 1).start()
             try:
@@ -191,7 +189,6 @@ def test_a_limit_in_bytes_keeps_the_newest_segments_that_hold_them(
 
     async def main() -> None:
         await cluster.start(storages=3, servers=1)
-        write_feature_version(cluster.zk, cluster.root, 2, -1)
         async with ClusterWatcher(cluster.zk, cluster.root) as watcher:
             writer = await RawClient(watcher, 1).start()
             try:

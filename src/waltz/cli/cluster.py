@@ -86,7 +86,14 @@ def _positive(text: str) -> int:
 
 
 def cmd_create(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
-    store = sm.create_cluster(client, root, args.name, args.partitions, cluster_key=args.cluster_key)
+    store = sm.create_cluster(
+        client,
+        root,
+        args.name,
+        args.partitions,
+        cluster_key=args.cluster_key,
+        feature_version=args.feature_version,
+    )
     print(
         f"created cluster {args.name!r} at {root}: {args.partitions} partitions, key {store.cluster_key}",
         file=out,
@@ -383,6 +390,13 @@ def _add_metadata_commands(command: _AddCommand) -> None:
         type=_uuid,
         metavar="UUID",
         help="use this key instead of a random one (to restore a backup keeping its key: docs/operations.md)",
+    )
+    p.add_argument(
+        "--feature-version",
+        type=_positive,
+        metavar="N",
+        help="start at this feature version instead of the newest this release supports (for a cluster that "
+        "processes of an older release will join: docs/upgrade.md)",
     )
 
     p = command("delete", cmd_delete, "delete the cluster at cluster.root (recursively)")

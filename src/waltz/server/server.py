@@ -52,6 +52,7 @@ from typing import Any
 from kazoo.client import KazooClient
 
 from waltz.cluster import zk
+from waltz.cluster.features import watch_feature_version
 from waltz.cluster.membership import ClusterMember
 from waltz.cluster.replica_assignments import ReplicaAssignments
 from waltz.cluster.store_metadata import read_store_params
@@ -64,6 +65,7 @@ from waltz.http import HttpEndpoint, listen, new_registry
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
 from waltz.protocol.record_run import RunBytes
+from waltz.protocol.storage_multi import MULTI_APPEND_FEATURE_VERSION
 from waltz.runtime import TaskSet
 from waltz.server import retention
 from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
@@ -136,6 +138,8 @@ class WaltzServer:
         """Every task of the server: its own work, and requests of clients (see :meth:`_spawn`)."""
         self._reconcile_lock = asyncio.Lock()
         self._replicas_changed = asyncio.Event()
+        self.multi_append = False
+        """Whether the cluster's feature version lets appends share storage requests (see _watch_features)."""
         self.failure: BaseException | None = None
         """Why the server stopped following ZooKeeper (a bug): it must not go on serving; see run_server."""
         self._failed = asyncio.Event()
@@ -205,6 +209,7 @@ class WaltzServer:
             )
         await self._watch_replica_assignments()
         await retention.watch(self.zk, self.config.cluster_root, self.retention)
+        await self._watch_features()
         preferred = (
             parse_partition_ranges(self.config.preferred_partitions, self.num_partitions)
             if self.config.preferred_partitions
@@ -256,6 +261,27 @@ class WaltzServer:
     # -- ZooKeeper-driven state --
 
     # The ZooKeeper state change itself is logged once, by waltz.cluster.zk.
+
+    async def _watch_features(self) -> None:
+        """Follow the cluster's feature version: from 3 on, appends for several partitions go to a storage
+        node in one request (:mod:`waltz.protocol.storage_multi`)."""
+        loop = asyncio.get_running_loop()
+
+        def on_change(fv: int) -> None:
+            loop.call_soon_threadsafe(self._feature_version, fv)
+
+        await asyncio.to_thread(watch_feature_version, self.zk, self.config.cluster_root, on_change)
+
+    def _feature_version(self, fv: int) -> None:
+        allowed = fv >= MULTI_APPEND_FEATURE_VERSION
+        if allowed != self.multi_append:
+            self.multi_append = allowed
+            log.info(
+                "cluster feature version %d: multi-partition storage appends %s",
+                fv,
+                "on" if allowed else "off",
+            )
+        self.connector.allow_multi_append(allowed)
 
     def _on_suspended(self) -> None:
         self._suspended = True
