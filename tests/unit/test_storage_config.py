@@ -104,6 +104,6 @@ def test_syncfs_min_files_defaults_to_4_and_0_turns_it_off() -> None:
     assert StorageConfig.from_mapping(dict(BASE)).syncfs_min_files == 4
     assert StorageConfig.from_mapping({**BASE, "storage.fsync.syncfsMinFiles": 0}).syncfs_min_files == 0
     nested = {**BASE, "storage": {"fsync": {"syncfsMinFiles": 16}}}
-    nested.update({k: v for k, v in BASE.items()})
+    nested.update(dict(BASE.items()))
     with pytest.raises(ConfigError, match=r"storage\.fsync\.syncfsMinFiles"):
         StorageConfig.from_mapping({**BASE, "storage.fsync.syncfsMinFiles": -1})

@@ -1,8 +1,9 @@
-"""A storage node's batches of group fsyncs made durable by one ``syncfs`` (:class:`waltz.storage.fsync.GroupSync`
-with ``fs_sync``): a batch of enough files is one job and one ``syncfs``, a smaller one is fdatasynced file by
-file, each caller is answered only after the sync that covers its file returned 0, and a failed ``syncfs``
-falls back to each file's fdatasync so that only the failing files' groups fail. The thread runner and the
-file system handle are fakes the test drives; the clock is virtual: nothing here sleeps."""
+"""A storage node's batches of group fsyncs made durable by one ``syncfs``
+(:class:`waltz.storage.fsync.GroupSync` with ``fs_sync``): a batch of enough files is one job and one
+``syncfs``, a smaller one is fdatasynced file by file, each caller is answered only after the sync that
+covers its file returned 0, and a failed ``syncfs`` falls back to each file's fdatasync so that only the
+failing files' groups fail. The thread runner and the file system handle are fakes the test drives; the
+clock is virtual: nothing here sleeps."""
 
 from __future__ import annotations
 
@@ -139,7 +140,7 @@ def test_a_batch_below_the_threshold_is_fdatasynced_file_by_file() -> None:
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("min_files, with_fs", [(0, True), (4, False)])
+@pytest.mark.parametrize(("min_files", "with_fs"), [(0, True), (4, False)])
 def test_no_syncfs_when_turned_off_or_not_trusted(min_files: int, with_fs: bool) -> None:
     group, runner, _fs, ran = _group(min_files=min_files, with_fs=with_fs)
     files = _files(8, ran)
@@ -190,10 +191,12 @@ def test_a_failed_syncfs_falls_back_to_each_file_and_fails_only_the_bad_files_gr
         with caplog.at_level(logging.WARNING, logger="waltz.storage.fsync"):
             outcomes = await one_batch()
             assert [o is True for o in outcomes] == [True, True, False, True, True]
-            assert isinstance(outcomes[2], StorageError) and "p2: cannot fsync" in str(outcomes[2])
+            assert isinstance(outcomes[2], StorageError)
+            assert "p2: cannot fsync" in str(outcomes[2])
             fdatasyncs = [f"fsync p{i}" for i in range(5)]
             assert ran == [*(f"begin p{i}" for i in range(5)), "syncfs", *fdatasyncs]  # no "synced"
-            assert not files[2].durable and all(f.durable for i, f in enumerate(files) if i != 2)
+            assert not files[2].durable
+            assert all(f.durable for i, f in enumerate(files) if i != 2)
             files[2].fail = False
             ran.clear()
             assert await one_batch() == [True] * 5  # failed again: each fdatasync now succeeds
@@ -204,7 +207,8 @@ def test_a_failed_syncfs_falls_back_to_each_file_and_fails_only_the_bad_files_gr
         assert (group.syncfs_calls, group.syncfs_failures) == (2, 2)
         ran.clear()
         assert await one_batch() == [True] * 5  # syncfs works again: used again
-        assert "syncfs" in ran and not any(r.startswith("fsync") for r in ran)
+        assert "syncfs" in ran
+        assert not any(r.startswith("fsync") for r in ran)
 
     asyncio.run(main())
 

@@ -4,6 +4,7 @@ and the doubles' (CrashFS: data acknowledged after a ``syncfs`` survives a power
 
 from __future__ import annotations
 
+import platform
 import sys
 import uuid
 from pathlib import Path
@@ -32,14 +33,15 @@ def test_kernel_version_reads_major_and_minor() -> None:
 
 
 def test_syncfs_is_refused_off_linux_and_before_5_8(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(fileio.platform, "release", lambda: "5.4.0-42-generic")
+    monkeypatch.setattr(platform, "release", lambda: "5.4.0-42-generic")
     why, syncfs, _ = syncfs_support(str(tmp_path))
     assert syncfs is None
     assert why == "fdatasync per file: Linux 5.4.0-42-generic < 5.8 does not report syncfs(2) errors"
     monkeypatch.setattr(sys, "platform", "darwin")
     assert syncfs_support(str(tmp_path))[0] == "fdatasync per file: syncfs(2) is Linux-only (darwin)"
     handle, why = fileio.OS_FS.open_fs_sync(str(tmp_path))
-    assert handle is None and "Linux-only" in why
+    assert handle is None
+    assert "Linux-only" in why
 
 
 def _log(fs: CrashFS, pid: int) -> PartitionLog:
@@ -97,7 +99,7 @@ def test_a_faulty_syncfs_fails_while_a_file_fsync_is_armed_and_the_file_still_re
     assert handle is not None
     handle.syncfs()
     fs.fail_next_fsyncs(1, path_part="/d/b")
-    with pytest.raises(StorageError, match="cannot syncfs.*injected"):
+    with pytest.raises(StorageError, match=r"cannot syncfs.*injected"):
         handle.syncfs()
     files[0].fsync(data_only=True)  # the armed failure is still there for its own file
     with pytest.raises(StorageError, match="/d/b: cannot fsync"):
