@@ -108,7 +108,7 @@ def test_a_batch_of_enough_files_is_one_job_and_one_syncfs_answered_after_it() -
     files = _files(6, ran)
 
     async def main() -> None:
-        callers = [asyncio.create_task(group.sync(f.fsync, f.begin)) for f in files]
+        callers = [asyncio.create_task(group.sync(f.fsync, f.begin, f.name)) for f in files]
         await _passes()
         assert len(runner.jobs) == 1  # one hand-off for six files (not 4 jobs)
         assert ran == []
@@ -128,7 +128,7 @@ def test_a_batch_below_the_threshold_is_fdatasynced_file_by_file() -> None:
     files = _files(3, ran)
 
     async def main() -> None:
-        callers = [asyncio.create_task(group.sync(f.fsync, f.begin)) for f in files]
+        callers = [asyncio.create_task(group.sync(f.fsync, f.begin, f.name)) for f in files]
         await _passes()
         assert len(runner.jobs) == 3  # split into jobs as without syncfs
         while runner.jobs:
@@ -146,7 +146,7 @@ def test_no_syncfs_when_turned_off_or_not_trusted(min_files: int, with_fs: bool)
     files = _files(8, ran)
 
     async def main() -> None:
-        callers = [asyncio.create_task(group.sync(f.fsync, f.begin)) for f in files]
+        callers = [asyncio.create_task(group.sync(f.fsync, f.begin, f.name)) for f in files]
         await _passes()
         while runner.jobs:
             runner.finish()
@@ -162,7 +162,7 @@ def test_a_file_that_cannot_say_how_to_record_a_syncfs_keeps_its_batch_on_fdatas
     files = _files(5, ran)
 
     async def main() -> None:
-        callers = [asyncio.create_task(group.sync(f.fsync, f.begin)) for f in files[:4]]
+        callers = [asyncio.create_task(group.sync(f.fsync, f.begin, f.name)) for f in files[:4]]
         callers.append(asyncio.create_task(group.sync(files[4].fsync)))
         await _passes()
         while runner.jobs:
@@ -178,37 +178,71 @@ def test_a_failed_syncfs_falls_back_to_each_file_and_fails_only_the_bad_files_gr
 ) -> None:
     group, runner, fs, ran = _group(min_files=4)
     files = _files(5, ran, failing=2)
-    fs.fail = 2
-
-    async def one_batch() -> list[Any]:
-        callers = [asyncio.create_task(group.sync(f.fsync, f.begin)) for f in files]
-        await _passes()
-        assert len(runner.jobs) == 1
-        runner.finish()
-        return await asyncio.gather(*callers, return_exceptions=True)
+    fs.fail = 1
 
     async def main() -> None:
         with caplog.at_level(logging.WARNING, logger="waltz.storage.fsync"):
-            outcomes = await one_batch()
-            assert [o is True for o in outcomes] == [True, True, False, True, True]
-            assert isinstance(outcomes[2], StorageError)
-            assert "p2: cannot fsync" in str(outcomes[2])
-            fdatasyncs = [f"fsync p{i}" for i in range(5)]
-            assert ran == [*(f"begin p{i}" for i in range(5)), "syncfs", *fdatasyncs]  # no "synced"
-            assert not files[2].durable
-            assert all(f.durable for i, f in enumerate(files) if i != 2)
-            files[2].fail = False
+            callers = [asyncio.create_task(group.sync(f.fsync, f.begin, f.name)) for f in files]
+            await _passes()
+            assert len(runner.jobs) == 1
+            runner.finish()
+            outcomes = await asyncio.gather(*callers, return_exceptions=True)
+        assert [o is True for o in outcomes] == [True, True, False, True, True]
+        assert isinstance(outcomes[2], StorageError)
+        assert "p2: cannot fsync" in str(outcomes[2])
+        fdatasyncs = [f"fsync p{i}" for i in range(5)]
+        assert ran == [*(f"begin p{i}" for i in range(5)), "syncfs", *fdatasyncs]  # no "synced"
+        assert not files[2].durable
+        assert all(f.durable for i, f in enumerate(files) if i != 2)
+        assert (group.syncfs_calls, group.syncfs_failures) == (1, 1)
+        warnings = [r.getMessage() for r in caplog.records if "syncfs of /data failed" in r.getMessage()]
+        assert len(warnings) == 1
+        assert "fdatasync of each of the 5 files" in warnings[0]
+
+    asyncio.run(main())
+
+
+async def _batch(group: GroupSync, runner: _Runner, files: list[_File]) -> list[Any]:
+    callers = [asyncio.create_task(group.sync(f.fsync, f.begin, f.name)) for f in files]
+    await _passes()
+    while runner.jobs:
+        runner.finish()
+    return await asyncio.gather(*callers, return_exceptions=True)
+
+
+def test_after_a_failed_syncfs_each_file_is_fdatasynced_once_before_a_syncfs_covers_it_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The failed syncfs may have reported the error of a file outside its batch (``q``): a later syncfs
+    returns 0 whatever that file lost, only its own fdatasync still reports it."""
+    group, runner, fs, ran = _group(min_files=4)
+    files = _files(4, ran)
+    q = _File("q", ran)
+
+    async def main() -> None:
+        assert await _batch(group, runner, [*files[:3], q]) == [True] * 4  # syncfs, all trusted so far
+        assert ran.count("syncfs") == 1
+        fs.fail = 1
+        with caplog.at_level(logging.WARNING, logger="waltz.storage.fsync"):
+            assert await _batch(group, runner, files) == [True] * 4  # failed, each file's own fsync
             ran.clear()
-            assert await one_batch() == [True] * 5  # failed again: each fdatasync now succeeds
-            assert ran[5:] == ["syncfs", *fdatasyncs]
+            q.fail = True  # q's pages were lost: the failed syncfs reported it, no later one will
+            outcomes = await _batch(group, runner, [*files[:3], q])
+            assert "syncfs" not in ran  # q was not fdatasynced since the failure: the batch is not trusted
+            assert [o is True for o in outcomes] == [True, True, True, False]
+            ran.clear()
+            q.fail = False
+            assert await _batch(group, runner, [*files[:3], q]) == [True] * 4
+            assert "syncfs" not in ran  # q's own fdatasync has not succeeded yet
+            ran.clear()
+            assert await _batch(group, runner, [*files[:3], q]) == [True] * 4
+            assert ran.count("syncfs") == 1  # every file verified since the failure
+            assert not any(r.startswith("fsync") for r in ran)
+            fs.fail = 1
+            assert await _batch(group, runner, files) == [True] * 4
+        assert (group.syncfs_calls, group.syncfs_failures) == (4, 2)
         warnings = [r for r in caplog.records if "syncfs of /data failed" in r.getMessage()]
         assert len(warnings) == 1  # at most one line per 10 s
-        assert "fdatasync of each of the 5 files" in warnings[0].getMessage()
-        assert (group.syncfs_calls, group.syncfs_failures) == (2, 2)
-        ran.clear()
-        assert await one_batch() == [True] * 5  # syncfs works again: used again
-        assert "syncfs" in ran
-        assert not any(r.startswith("fsync") for r in ran)
 
     asyncio.run(main())
 
@@ -222,7 +256,7 @@ def test_a_file_closed_before_the_syncfs_is_fdatasynced_and_reports_its_own_erro
 
     async def main() -> None:
         callers = [
-            asyncio.create_task(group.sync(f.fsync, closed if i == 1 else f.begin))
+            asyncio.create_task(group.sync(f.fsync, closed if i == 1 else f.begin, f.name))
             for i, f in enumerate(files)
         ]
         await _passes()

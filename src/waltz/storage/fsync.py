@@ -18,6 +18,10 @@ Rules that keep it as safe as the fsyncs it replaces:
   writeback error is still reported by its fdatasync (Linux keeps an error sequence per file besides the
   file system's), so exactly the failing files' groups fail (their partitions fail-stop, as after any
   failed fsync) and the others succeed once their fdatasync returned 0.
+* A ``syncfs`` reports each error once, though the error may be another file's, outside the batch: the next
+  ``syncfs`` returns 0 whatever that file lost. So after a failed ``syncfs`` every file of the node is
+  fdatasynced on its own (its batch with it) until that succeeds once; only then may a ``syncfs`` stand for
+  its fsync again.
 * ``syncfs`` also writes back every other dirty file of the same file system (other programs' too): a node
   sharing its file system with heavy writers makes its appends wait for their data. docs/deploy.md
   recommends a dedicated data file system; ``storage.fsync.syncfsMinFiles: 0`` turns this off.
@@ -30,7 +34,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol, TypeVar
 
 from waltz.errors import StorageError
@@ -61,9 +65,26 @@ On ext4 over virtio, 2 files already cost less system time with one ``syncfs`` t
 SYNCFS_FAILURE_LOG_S = 10.0
 """At most one WARNING per this many seconds about failed ``syncfs`` calls."""
 
-FsyncEntry = tuple[Callable[[], None], Callable[[], Callable[[], None]] | None, "asyncio.Future[bool]"]
-"""An fsync asked for: the file's fsync, how to record a ``syncfs`` covering it (``flush_begin``; None: this
-one never joins a ``syncfs``), the caller's waiter."""
+
+class _Asked:
+    """An fsync asked for (see :meth:`GroupSync.sync`)."""
+
+    __slots__ = ("begin", "fsync", "key", "waiter")
+
+    def __init__(
+        self,
+        fsync: Callable[[], None],
+        begin: Callable[[], Callable[[], None]] | None,
+        key: Hashable,
+        waiter: asyncio.Future[bool],
+    ) -> None:
+        self.fsync = fsync
+        self.begin = begin
+        """How to record a ``syncfs`` covering the file (``flush_begin``); None: never covered by one."""
+        self.key = key
+        """The file's owner (its partition), to know whether its own fsync ran since the last failed
+        ``syncfs``; None: never covered by a ``syncfs``."""
+        self.waiter = waiter
 
 
 class JobRunner(Protocol):
@@ -187,6 +208,7 @@ class GroupSync:
 
     __slots__ = (
         "_fs_sync",
+        "_generation",
         "_jobs",
         "_last_failure_log_s",
         "_pending",
@@ -194,6 +216,7 @@ class GroupSync:
         "_queued",
         "_scheduled",
         "_syncfs_min_files",
+        "_verified",
         "handed_off",
         "handoffs",
         "syncfs_calls",
@@ -215,11 +238,18 @@ class GroupSync:
         self._fs_sync = fs_sync
         self._syncfs_min_files = syncfs_min_files if fs_sync is not None else 0
         self._last_failure_log_s = -1e9
+        self._generation = 0
+        """Failed ``syncfs`` calls so far (see :attr:`_verified`)."""
+        self._verified: dict[Hashable, int] = {}
+        """Per file (its key), :attr:`_generation` when its last fsync (or ``syncfs``) succeeded; missing: 0.
+        A failed ``syncfs`` reports a writeback error once, for whichever file it was; a later ``syncfs``
+        returns 0. Only a file's own fsync still reports it. So after a failure a file joins a ``syncfs``
+        again only once its own fsync succeeded."""
         self.syncfs_calls = 0
         """``syncfs`` calls made (each in place of a batch's fdatasyncs)."""
         self.syncfs_failures = 0
         """Of those, the ones that failed (their batch was then fdatasynced file by file)."""
-        self._pending: list[FsyncEntry] = []
+        self._pending: list[_Asked] = []
         """Fsyncs asked for, not handed off yet (at most one per partition), with their callers' waiters."""
         self._scheduled = False
         """A call of :meth:`_start` is scheduled on the loop."""
@@ -238,15 +268,19 @@ class GroupSync:
         self._policy.run_inline(fsync)
 
     async def sync(
-        self, fsync: Callable[[], None], begin: Callable[[], Callable[[], None]] | None = None
+        self,
+        fsync: Callable[[], None],
+        begin: Callable[[], Callable[[], None]] | None = None,
+        key: Hashable = None,
     ) -> bool:
         """Run ``fsync`` together with the others asked for meanwhile; its own error propagates. True if it
         ran in a thread, False if on the loop (alone, see :meth:`_start`). ``begin`` (called in the thread
-        before a ``syncfs`` that covers the file; what it returns, once that returned 0) lets a ``syncfs``
-        stand for ``fsync``; without it ``fsync`` itself runs."""
+        before a ``syncfs`` that covers the file; what it returns, once that returned 0) and ``key`` (the
+        file's owner, the same for each call) let a ``syncfs`` stand for ``fsync``; without them ``fsync``
+        itself runs."""
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[bool] = loop.create_future()
-        self._pending.append((fsync, begin, waiter))
+        self._pending.append(_Asked(fsync, begin, key, waiter))
         if not self._scheduled:
             # After the callbacks already due in this pass: the workers they wake add their fsyncs first.
             self._scheduled = True
@@ -258,21 +292,21 @@ class GroupSync:
         policy = self._policy
         if policy.in_flight:
             return  # started again when the last job of the batch in flight lands
-        batch = [entry for entry in self._pending if not entry[2].done()]  # done: its caller was cancelled
+        batch = [asked for asked in self._pending if not asked.waiter.done()]  # done: caller cancelled
         self._pending = []
         if not batch:
             return
         if len(batch) == 1 and self._queued.items == 0 and policy.inline_allowed():
-            fsync, _, waiter = batch[0]
+            waiter = batch[0].waiter
             try:
-                policy.run_inline(fsync)
+                policy.run_inline(batch[0].fsync)
             except Exception as e:  # noqa: BLE001 - the caller's group fails
                 _settle(waiter, False, e)
             else:
                 _settle(waiter, False, None)
             return
         self.handed_off += len(batch)
-        if 0 < self._syncfs_min_files <= len(batch) and all(begin is not None for _, begin, _ in batch):
+        if 0 < self._syncfs_min_files <= len(batch) and all(map(self._trusted, batch)):
             self.handoffs += 1
             self._hand_off(batch, self._sync_fs)
             return
@@ -281,21 +315,27 @@ class GroupSync:
         for i in range(jobs):
             self._hand_off(batch[i::jobs], _in_turn)
 
+    def _trusted(self, asked: _Asked) -> bool:
+        """Whether a ``syncfs`` may stand for this file's fsync (see :attr:`_verified`)."""
+        if asked.begin is None or asked.key is None:
+            return False
+        return self._verified.get(asked.key, 0) == self._generation
+
     def _hand_off(
         self,
-        batch: list[FsyncEntry],
-        job: Callable[[list[FsyncEntry]], list[Exception | None]],
+        batch: list[_Asked],
+        job: Callable[[list[_Asked]], list[Exception | None]],
     ) -> None:
         done = self._policy.run_threaded(lambda: job(batch))
         done.add_done_callback(lambda landed: self._landed(batch, landed))
 
-    def _sync_fs(self, batch: list[FsyncEntry]) -> list[Exception | None]:
+    def _sync_fs(self, batch: list[_Asked]) -> list[Exception | None]:
         """In a thread: one ``syncfs`` for the files of ``batch``; if it fails, each file's fdatasync in turn
         (its own error fails its own group only)."""
         fs_sync = self._fs_sync
         assert fs_sync is not None
         try:
-            synced = [begin() for _, begin, _ in batch if begin is not None]
+            synced = [asked.begin() for asked in batch if asked.begin is not None]
         except Exception:  # noqa: BLE001 - a closed file: its own fsync reports it
             return _in_turn(batch)
         self.syncfs_calls += 1
@@ -309,6 +349,8 @@ class GroupSync:
         return [None] * len(batch)
 
     def _syncfs_failed(self, e: Exception, files: int) -> None:
+        # Before the files' own fsyncs: those that succeed now are marked verified at the new generation.
+        self._generation += 1
         self.syncfs_failures += 1
         now = time.monotonic()
         if now - self._last_failure_log_s >= SYNCFS_FAILURE_LOG_S:
@@ -323,7 +365,7 @@ class GroupSync:
 
     def _landed(
         self,
-        batch: list[FsyncEntry],
+        batch: list[_Asked],
         landed: asyncio.Future[list[Exception | None]],
     ) -> None:
         """A job returned: tell each caller its own fsync's outcome; after the batch's last job, start the
@@ -335,8 +377,12 @@ class GroupSync:
             outcomes = [error] * len(batch)  # not one fsync's: none of the batch is known durable
         else:
             outcomes = list(landed.result())
-        for (_, _, waiter), outcome in zip(batch, outcomes, strict=True):
-            _settle(waiter, True, outcome)
+        generation = self._generation
+        for asked, outcome in zip(batch, outcomes, strict=True):
+            if outcome is None and asked.key is not None:
+                # Its own fsync, or a syncfs that could stand for it (it was verified already).
+                self._verified[asked.key] = generation
+            _settle(asked.waiter, True, outcome)
         if self._pending and not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._start)
@@ -346,12 +392,12 @@ def fs_sync_path(fs_sync: FsSync | None) -> str:
     return fs_sync.path if fs_sync is not None else "?"
 
 
-def _in_turn(batch: list[FsyncEntry]) -> list[Exception | None]:
+def _in_turn(batch: list[_Asked]) -> list[Exception | None]:
     """Run each fsync in turn (in a thread); each one's error, or None."""
     outcomes: list[Exception | None] = []
-    for fsync, _, _ in batch:
+    for asked in batch:
         try:
-            fsync()
+            asked.fsync()
         except Exception as e:  # noqa: BLE001 - that file's groups fail, the others' do not
             outcomes.append(e)
         else:

@@ -689,7 +689,7 @@ class StoragePartition:
         if node.queued.items == len(self.queue) and group.inline_allowed():
             return self._fsync_inline(plog)
         try:
-            threaded = await group.sync(plog.flush, plog.flush_begin)
+            threaded = await group.sync(plog.flush, plog.flush_begin, self.partition_id)
         except Exception as e:  # noqa: BLE001 - any fsync failure fails the whole group
             return self._fsync_failed(e)
         self.threaded_fsync_count += threaded
