@@ -6,7 +6,8 @@ Guarantees:
   while an fsync is running are written together and share the next fsync (group commit), so throughput
   does not collapse to one batch per fsync. The groups of different partitions waiting at the same time
   have their files fsynced in one hand-off to a thread (:class:`~waltz.storage.fsync.GroupSync`), each
-  answered after its own file's fsync.
+  answered after its own file's fsync, or, for a batch of ``storage.fsync.syncfsMinFiles`` files or more
+  where that is trusted, after one ``syncfs`` of the data directory's file system (``StorageNode.fs_sync``).
 * **Order.** Requests for one partition are processed one at a time, in arrival order, by that partition's
   worker task; responses to one connection for one partition leave in the same order. An append that finds
   the worker idle with nothing queued anywhere (and fsyncs running on the loop), and no request read behind
