@@ -14,7 +14,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from waltz.client.base import ClientBase
-from waltz.client.dispatch import runs_on_loop
 from waltz.client.lifecycle import Event, Hook, State
 from waltz.client.pool import Call, report_hook_failure
 from waltz.client.state import PartitionState, Run
@@ -29,6 +28,8 @@ _TRUE_ARGS = (True,)
 
 class HooksMixin(ClientBase):
     """Hook dispatch of the client core (see the module docstring)."""
+
+    __slots__ = ()
 
     def _on_applied(self, partition: PartitionState, transaction_id: int) -> None:
         """Transactions up to ``transaction_id`` are applied: on_application for the runs that wait for it."""
@@ -62,16 +63,17 @@ class HooksMixin(ClientBase):
         hooks, self._hooks = self._hooks, []
         runs, self._hook_runs = self._hook_runs, []
         lead, self._lead_awaitables = self._lead_awaitables, []
+        on_loop, self._hooks_on_loop = self._hooks_on_loop, 0
         pool = self._pool
         if pool is None or pool.is_shut_down:
             for _fn, awaitable in lead:
                 if inspect.iscoroutine(awaitable):
                     awaitable.close()  # Dropped with its batch, as the hooks never called.
             return
-        if not self._inline and not all(runs_on_loop(fn) for fn, _ in hooks):
-            # Plain hooks (on a callback thread): all of them when none is a coroutine function, else the
-            # batch in runs of one kind, in order.
-            if lead or any(runs_on_loop(fn) for fn, _ in hooks):
+        if on_loop < len(hooks):
+            # Plain hooks (on a callback thread): all of them when none runs on the loop, else the batch in
+            # runs of one kind, in order.
+            if lead or on_loop:
                 self._spawn(self._run_mixed_hooks(lead, hooks, runs), "waltz-hooks")
             else:
                 pool.post(hooks, then=functools.partial(self._hooks_done, runs))
@@ -96,15 +98,16 @@ class HooksMixin(ClientBase):
         coroutine a hook run now returns is awaited first by this iteration's batch, before the hooks
         queued after it, which therefore still run in order."""
         context = run.context
-        if self._hook_runs or not (
-            self._inline or runs_on_loop(context.on_completion if completion else context.on_application)
-        ):
+        on_loop = run.where[1 if completion else 2]
+        if self._hook_runs or not on_loop:
             if not self._hook_runs:
                 self._call_soon(self._flush_hooks)
             if completion:
                 self._hooks.append((context.on_completion, _TRUE_ARGS))
             else:
                 self._hooks.append((context.on_application, ()))
+            if on_loop:
+                self._hooks_on_loop += 1
         else:
             pool = self._pool
             if pool is None or pool.is_shut_down:  # As _flush_hooks: no hooks once the client is shut down.
