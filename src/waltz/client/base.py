@@ -21,6 +21,7 @@ from waltz.client.api import ClientCallbacks
 from waltz.client.config import ClientConfig
 from waltz.client.dispatch import Dispatch, runs_on_loop
 from waltz.client.driver import ClientDriver, CoordinationTrouble, MountState
+from waltz.client.eager import Runners
 from waltz.client.lifecycle import HOLDS_SLOT, Event, Hook
 from waltz.client.monitor import TransactionMonitor
 from waltz.client.pool import Call, CallbackPool, report_hook_failure
@@ -120,6 +121,7 @@ class ClientBase:
         "_pool",
         "_readahead",
         "_retry",
+        "_runners",
         "_runs",
         "_source",
         "_started",
@@ -154,6 +156,7 @@ class ClientBase:
         self._next_seq: dict[int, int] = {}  # Survives set_partitions, so request ids are never reused.
         self._runs: set[Run] = set()
         self._tasks = TaskSet(self._task_failed)  # Every task of the client; see waltz.client.tasks.
+        self._runners = Runners(self._spawn)  # The tasks coroutine hooks run in: see waltz.client.eager.
         self._pool: CallbackPool | None = None
         self._hooks: list[Call] = []  # Hooks queued during this loop iteration, run as one job.
         self._hooks_on_loop = 0  # How many of them run on the loop (the others on a callback thread).
