@@ -106,7 +106,7 @@ class HooksMixin(ClientBase):
         rest of a coroutine hook that suspended is awaited first by this iteration's batch, before the
         hooks queued after it, which therefore still run in order."""
         context = run.context
-        on_loop = run.where[1 if completion else 2]
+        on_loop = self._inline or run.where[1 if completion else 2]
         if self._hook_runs or not on_loop:
             if not self._hook_runs:
                 self._call_soon(self._flush_hooks)
@@ -126,7 +126,7 @@ class HooksMixin(ClientBase):
             result: Any  # The hooks are typed as returning None; an inline hook may return a coroutine.
             try:
                 result = fn(True) if completion else fn()
-                if type(result) is _Coroutine:
+                if result is not None and type(result) is _Coroutine:
                     result = self._runners.step(result)  # Its first step, now: None if that finished it.
             except (SystemExit, KeyboardInterrupt):
                 raise
