@@ -51,6 +51,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.procstat import cpu_s  # noqa: E402
 from tests.integration.raw_client import NotCommitted, RawClient  # noqa: E402
 from tests.integration.server_process import Cluster, settled_logs  # noqa: E402
 
@@ -60,17 +61,10 @@ from waltz.cluster.zkserver import ZooKeeperServer  # noqa: E402
 
 RECORD_BYTES = 512
 WARMUP_S = 2.0
-TICKS_S = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` so far (fields 14 and 15 of /proc/<pid>/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS_S
 
 
 def _cpu_snapshot(procs: dict[str, int]) -> dict[str, float]:
-    return {name: _cpu_s(pid) for name, pid in procs.items()}
+    return {name: cpu_s(pid) for name, pid in procs.items()}
 
 
 # ----------------------------------------------------------------------------------------- load generator

@@ -20,9 +20,7 @@ import argparse
 import asyncio
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,13 +28,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.scratch import run_in_temp_dir, zookeeper  # noqa: E402
 from tests.integration.client_cluster import ClientTestCluster, Tagged  # noqa: E402
 
 from waltz import Transaction, WaltzClient  # noqa: E402
 from waltz.client.api import ClientCallbacks  # noqa: E402
 from waltz.client.network import NetworkDriver  # noqa: E402
-from waltz.cluster import zk as zkutil  # noqa: E402
-from waltz.cluster.zkserver import ZooKeeperServer  # noqa: E402
 from waltz.protocol.records import Record  # noqa: E402
 
 
@@ -94,10 +91,7 @@ def _count_requests() -> dict[str, int]:
 
 
 async def run(args: argparse.Namespace, base: Path) -> None:
-    zks = ZooKeeperServer(base / "zk")
-    zks.start()
-    zk = zkutil.connect(zks.connect_string, session_timeout_ms=10000)
-    try:
+    with zookeeper(base) as (zks, zk):
         async with ClientTestCluster(base, zk, zks.connect_string, storages=args.storages) as cluster:
             writer = await asyncio.to_thread(
                 WaltzClient, Replayer(), cluster.client_config(max_concurrent_transactions=256)
@@ -132,10 +126,6 @@ async def run(args: argparse.Namespace, base: Path) -> None:
                 f"{counts['ranges']} range reads; {timeouts.timeouts} answer timeouts; "
                 f"load average {load:.1f} before, {os.getloadavg()[0]:.1f} after"
             )
-    finally:
-        zk.stop()
-        zk.close()
-        zks.stop()
 
 
 def main() -> None:
@@ -147,11 +137,7 @@ def main() -> None:
     parser.add_argument("--storages", type=int, default=3, help="storage nodes")
     parser.add_argument("--dir", default=None, help="parent of the temporary directory")
     args = parser.parse_args()
-    base = Path(tempfile.mkdtemp(prefix="waltz-catchup-", dir=args.dir))
-    try:
-        asyncio.run(run(args, base))
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    run_in_temp_dir("waltz-catchup-", args.dir, lambda base: run(args, base))
 
 
 if __name__ == "__main__":

@@ -14,9 +14,10 @@ app64      occ64 without the locks (64 writers, each waiting for its own ``on_ap
            app64 is what the write locks cost
 =========  ==================================================================================================
 
-The application's ``execute``, hooks and ``apply_transaction`` are coroutine functions, which the client's
-default ``client.callbackMode`` awaits on its loop (``--plain``: plain functions, which that mode runs on
-the callback threads and ``--mode inline`` on the loop).
+The application is ``client_peer.py``'s (``bench/client_app.py``): its ``execute``, hooks and
+``apply_transaction`` are coroutine functions, which the client's default ``client.callbackMode`` awaits on
+its loop (``--plain``: plain functions, which that mode runs on the callback threads and ``--mode inline``
+on the loop).
 
 Per phase it prints ops/s and client CPU per op (``time.process_time`` of this process over the measured
 seconds). Compare two source trees with the same command and ``PYTHONPATH`` at each tree's ``src``.
@@ -32,26 +33,24 @@ import inspect
 import multiprocessing
 import os
 import subprocess
+import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from waltz import (
-    AsyncWaltzClient,
-    ClientCallbacks,
-    ClientConfig,
-    PartitionLocalLock,
-    Transaction,
-    TransactionBuilder,
-    TransactionContext,
-)
+# The repository root (not its src: PYTHONPATH names the tree under test), for bench.client_app.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.client_app import AsyncCallbacks, AsyncCtx, Callbacks, Ctx
+
+from waltz import AsyncWaltzClient, ClientConfig
 from waltz.client.network import NetworkDriver
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
 from waltz.transport import FramedConnection, serve
 
-PAYLOAD = bytes(512)
 WARMUP_S = 1.0
 WARMUP_OPS = 500
 
@@ -119,65 +118,6 @@ class StaticDiscovery:
         pass
 
 
-class Callbacks(ClientCallbacks):
-    def __init__(self) -> None:
-        self.hwm = -1
-
-    def client_high_water_mark(self, partition_id: int) -> int:
-        return self.hwm
-
-    def apply_transaction(self, transaction: Transaction) -> None:
-        self.hwm = transaction.transaction_id
-
-    def uncaught_exception(self, partition_id: int, transaction_id: int, exception: BaseException) -> None:
-        print(f"apply failed: {exception!r}")
-
-
-class Ctx(TransactionContext):
-    def __init__(self, done: Callable[[bool], None], lock: int | None, wait_apply: bool) -> None:
-        super().__init__()
-        self._done = done
-        self._lock = PartitionLocalLock("k", lock) if lock is not None else None
-        self._wait_apply = wait_apply
-
-    def partition_id(self, num_partitions: int) -> int:
-        return 0
-
-    def execute(self, builder: TransactionBuilder) -> bool:
-        builder.set_transaction_data(PAYLOAD)
-        if self._lock is not None:
-            builder.set_write_locks([self._lock])
-        return True
-
-    def on_completion(self, result: bool) -> None:
-        if not result or not self._wait_apply:
-            self._done(result)
-
-    def on_application(self) -> None:
-        if self._wait_apply:
-            self._done(True)
-
-
-class AsyncCallbacks(Callbacks):
-    async def apply_transaction(self, transaction: Transaction) -> None:  # type: ignore[override]
-        self.hwm = transaction.transaction_id
-
-
-class AsyncCtx(Ctx):
-    """Coroutine ``execute`` and hooks: the client awaits them on its loop (``--plain``: ``Ctx``)."""
-
-    async def execute(self, builder: TransactionBuilder) -> bool:  # type: ignore[override]
-        return super().execute(builder)  # type: ignore[return-value]
-
-    async def on_completion(self, result: bool) -> None:  # type: ignore[override]
-        if not result or not self._wait_apply:
-            self._done(result)
-
-    async def on_application(self) -> None:  # type: ignore[override]
-        if self._wait_apply:
-            self._done(True)
-
-
 def callgrind(on: bool) -> None:
     """Switch callgrind's counting of this process on or off (run under ``--instr-atstart=no``)."""
     cmd = ["callgrind_control", "-i", "on" if on else "off", str(os.getpid())]
@@ -191,6 +131,7 @@ async def run_phase(
     count: int | None,
     toggle: bool = False,
     ctx_type: type[Ctx] = Ctx,
+    inline: bool = False,
 ) -> str:
     """``phase`` for ``seconds`` after a warm-up of WARMUP_S, or (``count`` given) for ``count``
     operations after WARMUP_OPS: a fixed amount of work, for an instruction count under
@@ -208,7 +149,7 @@ async def run_phase(
             if not future.done():
                 future.set_result(ok)
 
-        await client.submit(ctx_type(done, lock, wait_apply))
+        await client.submit(ctx_type(loop, inline, done, lock, wait_apply))
         return await future
 
     async def worker(w: int) -> None:
@@ -252,9 +193,12 @@ async def main_async(args: argparse.Namespace, endpoint: str) -> None:
     # --metrics: the client's Prometheus metrics on (waltz.client.metrics), in a registry nobody scrapes.
     # (Not passed without it: a tree from before the client's metrics runs this bench too.)
     metrics = {"metrics_registry": CollectorRegistry()} if args.metrics else {}
+    inline = args.mode == "inline"  # plain hooks on the loop; else on the callback threads
     async with AsyncWaltzClient(callbacks, config, driver=driver, **metrics) as client:
         for phase in args.phase:
-            result = await run_phase(client, phase, args.seconds, args.count, args.callgrind_toggle, ctx_type)
+            result = await run_phase(
+                client, phase, args.seconds, args.count, args.callgrind_toggle, ctx_type, inline
+            )
             print(result, flush=True)
         await client.flush_transactions(30)
 

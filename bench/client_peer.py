@@ -62,28 +62,28 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
+from bench.client_app import PAYLOAD, AsyncCallbacks, AsyncCtx, Callbacks, Ctx  # noqa: E402
+from bench.procstat import total_cpu_s  # noqa: E402
+
 from waltz import (  # noqa: E402
     AsyncWaltzClient,
-    ClientCallbacks,
     ClientConfig,
-    PartitionLocalLock,
-    Transaction,
     TransactionBuilder,
     TransactionContext,
     WaltzClient,
 )
+from waltz.cluster import zk as zkutil  # noqa: E402
 from waltz.local import cluster as local  # noqa: E402
+from waltz.local import configs  # noqa: E402
 from waltz.local.probe import http_get  # noqa: E402
+from waltz.ops.features import raise_features as raise_features_of  # noqa: E402
 
-RECORD_BYTES = 512
-PAYLOAD = bytes(RECORD_BYTES)
 WARMUP_S = 1.0
 PHASES = ("seq", "conc", "occ1", "occ64", "hot64", "read1", "read64", "sync8")
 OTHER_PHASES = ("partitions", "clients")
 """Run only when named: their cluster differs from the one of :data:`PHASES`."""
 FEW_PARTITIONS = 4
 """The few partitions of the ``partitions`` phase (``--few``)."""
-TICKS_S = os.sysconf("SC_CLK_TCK")
 
 
 def _metrics(http_port: int) -> str:
@@ -108,9 +108,9 @@ def batch_histogram(http_port: int | None) -> dict[str, float]:
 
 
 def storage_counts(http_ports: list[int]) -> tuple[float, float, float]:
-    """Group-commit fsyncs, append requests and fsyncs run in a thread of every storage node
-    (``waltz_storage_fsyncs_total``, ``waltz_storage_requests_total`` of append types,
-    ``waltz_storage_fsyncs_in_thread_total``), summed."""
+    """Group-commit fsyncs, append request frames (AppendRequests alone and MultiAppendRequests) and fsyncs
+    run in a thread of every storage node (``waltz_storage_fsyncs_total``, ``waltz_storage_requests_total``
+    of append types, ``waltz_storage_fsyncs_in_thread_total``), summed."""
     fsyncs = requests = threaded = 0.0
     for port in http_ports:
         text = _metrics(port)
@@ -120,7 +120,9 @@ def storage_counts(http_ports: list[int]) -> tuple[float, float, float]:
             elif line.startswith("waltz_storage_fsyncs_in_thread_total "):
                 threaded += float(line.rsplit(" ", 1)[1])
             elif line.startswith("waltz_storage_requests_total{") and "append" in line.lower():
-                requests += float(line.rsplit(" ", 1)[1])
+                # Request frames: an append inside a MultiAppendRequest is counted as an AppendRequest too.
+                sign = -1.0 if 'type="AppendInMultiAppend"' in line else 1.0
+                requests += sign * float(line.rsplit(" ", 1)[1])
     return fsyncs, requests, threaded
 
 
@@ -142,114 +144,6 @@ def batch_note(before: dict[str, float], after: dict[str, float]) -> str:
         if n:
             parts.append(f"<={le.removesuffix('.0')}: {n:.0f}")
     return f"appends/batch {mean:.1f} over {batches:.0f} batches ({', '.join(parts)})"
-
-
-def proc_cpu_s(pids: list[int]) -> float:
-    """User + system CPU seconds of ``pids`` (fields 14 and 15 of /proc/<pid>/stat)."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / TICKS_S
-
-
-class Callbacks(ClientCallbacks):
-    """Keeps only the high-water mark (the bench measures the client, not an application)."""
-
-    def __init__(self) -> None:
-        self.hwm = -1
-        self.counter = 0  # hot64's shared state: how many increments were applied
-
-    def client_high_water_mark(self, partition_id: int) -> int:
-        return self.hwm
-
-    def apply_transaction(self, transaction: Transaction) -> None:
-        self.hwm = transaction.transaction_id
-        if transaction.header == 1:
-            self.counter += 1
-
-    def uncaught_exception(self, partition_id: int, transaction_id: int, exception: BaseException) -> None:
-        print(f"apply failed: {exception!r}", file=sys.stderr)
-
-
-class AsyncCallbacks(Callbacks):
-    async def apply_transaction(self, transaction: Transaction) -> None:  # type: ignore[override]
-        self.hwm = transaction.transaction_id
-        if transaction.header == 1:
-            self.counter += 1
-
-
-class Ctx(TransactionContext):
-    """One append; ``done`` is called (on the loop) on completion or application, as asked."""
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        inline: bool,
-        done: Callable[[bool], None],
-        lock: int | None = None,
-        wait_apply: bool = False,
-        header: int = 0,
-        partition: int = 0,
-    ) -> None:
-        super().__init__()
-        self._partition = partition
-        self._loop = loop
-        self._inline = inline
-        self._done = done
-        self._lock = PartitionLocalLock("k", lock) if lock is not None else None
-        self._wait_apply = wait_apply
-        self._header = header
-
-    def partition_id(self, num_partitions: int) -> int:
-        return self._partition
-
-    def execute(self, builder: TransactionBuilder) -> bool:
-        builder.set_header(self._header)
-        builder.set_transaction_data(PAYLOAD)
-        if self._lock is not None:
-            builder.set_write_locks([self._lock])
-        return True
-
-    def _signal(self, ok: bool) -> None:
-        if self._inline:
-            self._done(ok)
-        else:
-            self._loop.call_soon_threadsafe(self._done, ok)
-
-    def on_completion(self, result: bool) -> None:
-        if not result or not self._wait_apply:
-            self._signal(result)
-
-    def on_application(self) -> None:
-        if self._wait_apply:
-            self._signal(True)
-
-    def on_exception(self, exception: BaseException) -> None:
-        print(f"context failed: {exception!r}", file=sys.stderr)
-        self._signal(False)
-
-
-class AsyncCtx(Ctx):
-    """``Ctx`` with a coroutine ``execute`` and hooks: the client awaits them on its loop."""
-
-    async def execute(self, builder: TransactionBuilder) -> bool:  # type: ignore[override]
-        return super().execute(builder)  # type: ignore[return-value]
-
-    async def on_completion(self, result: bool) -> None:  # type: ignore[override]
-        if not result or not self._wait_apply:
-            self._done(result)
-
-    async def on_application(self) -> None:  # type: ignore[override]
-        if self._wait_apply:
-            self._done(True)
-
-    async def on_exception(self, exception: BaseException) -> None:  # type: ignore[override]
-        print(f"context failed: {exception!r}", file=sys.stderr)
-        self._done(False)
 
 
 @dataclass
@@ -353,15 +247,15 @@ class Bench:
         f0, r0, x0 = await asyncio.to_thread(storage_counts, self.storage_http_ports)
         measuring = True
         # The server process alone too (the first pid; the rest are the storage nodes).
-        w0 = proc_cpu_s(self.pids[:1])
-        c0, k0, s0, t0 = time.process_time(), os.times().system, proc_cpu_s(self.pids), time.perf_counter()
+        w0 = total_cpu_s(self.pids[:1])
+        c0, k0, s0, t0 = time.process_time(), os.times().system, total_cpu_s(self.pids), time.perf_counter()
         while not stop and not all(t.done() for t in tasks):
             await asyncio.sleep(0.05)
             if self.loop.time() > deadline + 30:
                 stop = True  # A stuck phase ends (and says so through its count).
         elapsed = time.perf_counter() - t0
-        c1, k1, s1 = time.process_time(), os.times().system, proc_cpu_s(self.pids)
-        w1 = proc_cpu_s(self.pids[:1])
+        c1, k1, s1 = time.process_time(), os.times().system, total_cpu_s(self.pids)
+        w1 = total_cpu_s(self.pids[:1])
         f1, r1, x1 = await asyncio.to_thread(storage_counts, self.storage_http_ports)
         h1 = await asyncio.to_thread(batch_histogram, http_port)
         note = batch_note(h0, h1)
@@ -458,12 +352,12 @@ def sync8(args: argparse.Namespace, config: ClientConfig, pids: list[int]) -> Re
         with lock:
             n0 = committed[0]
             latencies.clear()
-        c0, k0, s0, t0 = time.process_time(), os.times().system, proc_cpu_s(pids), time.perf_counter()
+        c0, k0, s0, t0 = time.process_time(), os.times().system, total_cpu_s(pids), time.perf_counter()
         deadline = t0 + args.seconds
         while time.perf_counter() < deadline and committed[0] - n0 < args.count:
             time.sleep(0.05)
         elapsed = time.perf_counter() - t0
-        c1, k1, s1 = time.process_time(), os.times().system, proc_cpu_s(pids)
+        c1, k1, s1 = time.process_time(), os.times().system, total_cpu_s(pids)
         with lock:
             n = committed[0] - n0
             lat = list(latencies)
@@ -523,6 +417,18 @@ def partitions_summary(results: list[Result], few_n: int, many: int) -> str:
     )
 
 
+def raise_features(cluster: local.LocalCluster, target: int | None) -> None:
+    """Raise the new cluster's feature version (``waltz cluster raise-features``): every process runs this
+    release, and what its newest feature version allows (several partitions' appends in one storage request
+    from 3 on) is what the figures are about."""
+    client = configs.zk_connect(cluster, 10_000)
+    try:
+        old, new = raise_features_of(client, cluster.cluster_root, target, configs.admin_ssl(cluster))
+    finally:
+        zkutil.close(client)
+    print(f"cluster feature version {old} -> {new}", flush=True)
+
+
 def cpu_gauge_ms() -> float:
     """Milliseconds for a fixed pure-Python workload (best of 3): the machine's own speed, independent of
     Waltz. This VM's speed swings by ~1.6x within minutes with nothing else running; printed at the start
@@ -566,6 +472,9 @@ def main() -> None:
     parser.add_argument("--max-concurrent", type=int, help="client.maxConcurrentTransactions")
     parser.add_argument("--profile", help="write a cProfile of the async phases to this file")
     parser.add_argument(
+        "--features", type=int, help="raise the cluster's feature version to this (default: the newest)"
+    )
+    parser.add_argument(
         "--loop", choices=("uvloop", "asyncio"), default="uvloop", help="the application's event loop"
     )
     args = parser.parse_args()
@@ -583,6 +492,7 @@ def main() -> None:
         )
         cluster = local.up(opts)
         try:
+            raise_features(cluster, args.features)
             pids = [r.pid for r in [*cluster.servers, *cluster.storages] if r.pid is not None]
             http_port = cluster.servers[0].http_port
             storage_http_ports = [r.http_port for r in cluster.storages]

@@ -99,7 +99,8 @@ def measure(
 ) -> Run:
     """``processes`` children with ``in_flight`` each, over one window of ``seconds``; the CPU of ``pids``
     (the cluster's processes) and the server's batches (its HTTP port) over the same window."""
-    from bench.client_peer import batch_histogram, batch_note, proc_cpu_s
+    from bench.client_peer import batch_histogram, batch_note
+    from bench.procstat import total_cpu_s
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     cmd = _child_command(client_yaml, in_flight, mode, max_concurrent)
@@ -119,9 +120,9 @@ def measure(
             child.stdin.write(f"go {start} {start + seconds}\n")
             child.stdin.flush()
         time.sleep(max(0.0, start - time.time()))
-        s0, w0, h0 = proc_cpu_s(pids or []), proc_cpu_s((pids or [])[:1]), batch_histogram(http_port)
+        s0, w0, h0 = total_cpu_s(pids or []), total_cpu_s((pids or [])[:1]), batch_histogram(http_port)
         time.sleep(max(0.0, start + seconds - time.time()))
-        s1, w1, h1 = proc_cpu_s(pids or []), proc_cpu_s((pids or [])[:1]), batch_histogram(http_port)
+        s1, w1, h1 = total_cpu_s(pids or []), total_cpu_s((pids or [])[:1]), batch_histogram(http_port)
         results = []
         deadline = time.monotonic() + START_MARGIN_S + WARMUP_S + seconds + 60
         for child in children:
@@ -200,7 +201,7 @@ def verdict(one: Run, many: Run) -> str:
 
 
 async def _child(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.client_peer import Callbacks, Ctx
+    from bench.client_app import Callbacks, Ctx
 
     from waltz import AsyncWaltzClient, ClientConfig
 

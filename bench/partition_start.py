@@ -13,8 +13,9 @@ For each it prints:
   start to the last ``on_completion``;
 * the server's resident memory (VmRSS of ``/proc/<pid>/status``) after the appends, and the storage nodes';
 * ``idle``: the server's CPU over ``IDLE_S`` seconds with nothing to do (what its partitions' timers cost);
-* ``/metrics``: the size of the server's Prometheus text and the server CPU one scrape takes (the text is
-  made on the server's event loop, which serves nothing else meanwhile).
+* ``/metrics``: the size of the server's Prometheus text, the server CPU one scrape takes, and the longest
+  ``/ping`` round trip while the scrape was made (``/ping`` is answered on the server's event loop, so this is
+  how long a scrape held up everything else the server does).
 
 Memory per partition is ``(server RSS at --partitions - server RSS at --baseline) / (difference in
 partitions)``: what one more partition costs a server, without the interpreter's own footprint. The load
@@ -31,12 +32,16 @@ import asyncio
 import os
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
+
+from bench.procstat import cpu_s, rss_bytes  # noqa: E402
 
 from waltz import (  # noqa: E402
     AsyncWaltzClient,
@@ -51,23 +56,6 @@ from waltz.local import probe  # noqa: E402
 
 START_TIMEOUT_S = 300.0
 IDLE_S = 5.0
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` so far (fields 14 and 15 of /proc/<pid>/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_bytes(pid: int) -> int:
-    """VmRSS of ``pid`` in bytes (0 if it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class _Callbacks(ClientCallbacks):
@@ -133,6 +121,8 @@ class Figures:
     """Server CPU seconds per second, idle (after the appends)."""
     metrics_bytes: int
     metrics_cpu_s: float
+    metrics_ping_s: float
+    """The longest /ping round trip while /metrics was being made."""
 
     def line(self) -> str:
         mib = 1 << 20
@@ -145,8 +135,30 @@ class Figures:
             f"{', '.join(f'{r / mib:.1f}' for r in self.storage_rss)} MiB; "
             f"idle server CPU {100 * self.idle_cpu_s:.1f}% of a core; "
             f"/metrics {self.metrics_bytes / 1e6:.2f} MB "
-            f"in {self.metrics_cpu_s:.2f} s of server CPU"
+            f"in {self.metrics_cpu_s:.2f} s of server CPU, /ping meanwhile at most "
+            f"{1000 * self.metrics_ping_s:.0f} ms"
         )
+
+
+def scrape_with_pings(port: int) -> tuple[bytes, float]:
+    """The server's /metrics text, and the longest /ping round trip from another thread while it was made."""
+    done = threading.Event()
+    longest = [0.0]
+
+    def ping() -> None:
+        while not done.is_set():
+            t0 = time.perf_counter()
+            probe.http_get(port, "/ping", START_TIMEOUT_S)
+            longest[0] = max(longest[0], time.perf_counter() - t0)
+
+    pinger = threading.Thread(target=ping, name="ping")
+    pinger.start()
+    try:
+        body = probe.http_get(port, "/metrics", START_TIMEOUT_S)[1]
+    finally:
+        done.set()
+        pinger.join()
+    return body, longest[0]
 
 
 def measure(partitions: int) -> Figures:
@@ -180,7 +192,7 @@ def measure(partitions: int) -> Figures:
             time.sleep(IDLE_S)
             idle_cpu_s = (cpu_s(rec.pid or 0) - idle0) / IDLE_S
             scrape0 = cpu_s(rec.pid or 0)
-            metrics = probe.http_get(rec.http_port, "/metrics", START_TIMEOUT_S)[1]
+            metrics, metrics_ping_s = scrape_with_pings(rec.http_port)
             metrics_cpu_s = cpu_s(rec.pid or 0) - scrape0
             return Figures(
                 partitions,
@@ -194,6 +206,7 @@ def measure(partitions: int) -> Figures:
                 idle_cpu_s,
                 len(metrics),
                 metrics_cpu_s,
+                metrics_ping_s,
             )
         finally:
             local.down(cluster.directory, purge=True)

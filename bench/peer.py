@@ -53,8 +53,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from bench.client_peer import PAYLOAD, Callbacks, Ctx, cpu_gauge_ms, proc_cpu_s  # noqa: E402
+from bench.client_app import PAYLOAD, Callbacks, Ctx  # noqa: E402
+from bench.client_peer import cpu_gauge_ms  # noqa: E402
 from bench.jetstream import JetStreamCluster  # noqa: E402
+from bench.procstat import total_cpu_s  # noqa: E402
 
 from waltz import AsyncWaltzClient, ClientConfig  # noqa: E402
 from waltz.local import cluster as local  # noqa: E402
@@ -128,13 +130,13 @@ async def drive(system: str, phase: str, n: int, op: Op, args: argparse.Namespac
     tasks = [asyncio.create_task(worker(w)) for w in range(n)]
     await asyncio.sleep(args.warmup)
     measuring = True
-    s0, t0 = proc_cpu_s(pids), time.perf_counter()
+    s0, t0 = total_cpu_s(pids), time.perf_counter()
     while not stop and not any(t.done() for t in tasks):
         await asyncio.sleep(0.05)
         if loop.time() > deadline + 30:
             stop = True  # A stuck phase ends (and says so through its count).
     elapsed = time.perf_counter() - t0
-    s1 = proc_cpu_s(pids)
+    s1 = total_cpu_s(pids)
     stop = True
     await asyncio.wait(tasks, timeout=30)
     for t in tasks:

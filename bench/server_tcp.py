@@ -13,13 +13,16 @@ FeedData writes, and the storage requests and answers. This bench keeps all of t
 * child processes (not measured; under valgrind they are exec'd, so they run natively): three storage nodes
   (``waltz storage run`` on a tmpfs directory, so no fsync is slow) and the public ``AsyncWaltzClient``
   appending 512-byte records (``--phase conc``: 64 coroutines, each waiting for its own ``on_completion``;
-  ``seq``: one at a time), after a warm-up of a fixed count.
+  ``seq``: one at a time), after a warm-up of a fixed count. With ``--partitions N`` the cluster has N
+  partitions, all served here, and the appends go to them in turn; ``--multi`` lets the appends for several
+  partitions share a storage request (``MultiAppendRequest``, as from cluster feature version 3).
 
 Prints the server's CPU per append (process time over the measured appends) and the appends per storage
 request. Under ``valgrind --tool=callgrind`` the run is a fixed amount of work: ``bench/instructions.sh``
 runs it at N and 3N appends and divides the difference (start-up cancels).
 
     PYTHONPATH=src .venv/bin/python bench/server_tcp.py --appends 20000
+    PYTHONPATH=src .venv/bin/python bench/server_tcp.py --appends 5000 --partitions 256 --multi
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import uvloop
@@ -45,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from client_cpu import Callbacks, Ctx, StaticDiscovery
 from storage_append import KEY, start_node
-from waltz import AsyncWaltzClient, ClientConfig
+from waltz import AsyncWaltzClient, ClientConfig, Transaction
 from waltz.client.network import NetworkDriver
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
@@ -72,12 +76,50 @@ def _resolve(future: asyncio.Future[bool], ok: bool) -> None:
         future.set_result(ok)
 
 
-def load(endpoint: str, phase: str, appends: int, done: multiprocessing.connection.Connection) -> None:
-    """The child process: WARMUP_APPENDS, then ``appends`` more, then a word on ``done``."""
+class PartitionsDiscovery(StaticDiscovery):
+    """``partitions`` partitions, all placed on the server measured."""
+
+    def __init__(self, endpoint: str, partitions: int) -> None:
+        super().__init__(endpoint)
+        self.num_partitions = partitions
+        self.endpoints = dict.fromkeys(range(partitions), (endpoint, 1))
+
+
+class PartitionsCallbacks(Callbacks):
+    """The client's high-water mark of each partition."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hwms: dict[int, int] = {}
+
+    def client_high_water_mark(self, partition_id: int) -> int:
+        return self.hwms.get(partition_id, -1)
+
+    def apply_transaction(self, transaction: Transaction) -> None:
+        self.hwms[transaction.partition_id] = transaction.transaction_id
+
+
+class PartitionCtx(Ctx):
+    """An append to ``partition``."""
+
+    def __init__(self, done: Callable[[bool], None], partition: int) -> None:
+        super().__init__(done, None, False)
+        self._partition = partition
+
+    def partition_id(self, num_partitions: int) -> int:
+        return self._partition
+
+
+def load(
+    endpoint: str, phase: str, appends: int, partitions: int, done: multiprocessing.connection.Connection
+) -> None:
+    """The child process: WARMUP_APPENDS, then ``appends`` more (to the partitions in turn), then a word on
+    ``done``."""
 
     async def main() -> None:
         config = ClientConfig(max_concurrent_transactions=128, callback_mode="inline")
-        driver = NetworkDriver(config, discovery=StaticDiscovery(endpoint))  # type: ignore[arg-type]
+        discovery = PartitionsDiscovery(endpoint, partitions)
+        driver = NetworkDriver(config, discovery=discovery)  # type: ignore[arg-type]
         loop = asyncio.get_running_loop()
         total = WARMUP_APPENDS + appends
         issued = count = 0
@@ -87,13 +129,13 @@ def load(endpoint: str, phase: str, appends: int, done: multiprocessing.connecti
             while issued < total:  # exactly ``total`` appends, however many workers
                 issued += 1
                 future: asyncio.Future[bool] = loop.create_future()
-                await client.submit(Ctx(functools.partial(_resolve, future), None, False))
+                await client.submit(PartitionCtx(functools.partial(_resolve, future), issued % partitions))
                 if await future:
                     count += 1
                 else:
                     issued -= 1
 
-        async with AsyncWaltzClient(Callbacks(), config, driver=driver) as client:
+        async with AsyncWaltzClient(PartitionsCallbacks(), config, driver=driver) as client:
             await asyncio.gather(*(worker() for _ in range(64 if phase == "conc" else 1)))
         done.send(count)
 
@@ -103,8 +145,10 @@ def load(endpoint: str, phase: str, appends: int, done: multiprocessing.connecti
 # ----------------------------------------------------------------------------- the server (this process)
 
 
-async def serve_client(conn: FramedConnection, part: Partition, tasks: set[asyncio.Task[None]]) -> None:
-    """A client connection as ``WaltzServer._serve_client`` serves it, for one partition."""
+async def serve_client(
+    conn: FramedConnection, parts: list[Partition], tasks: set[asyncio.Task[None]]
+) -> None:
+    """A client connection as ``WaltzServer._serve_client`` serves it."""
     peer = ClientConnection(conn, 1024, 4 * 1024 * 1024)
     version = conn.negotiated_version
     decode_append = cs.decode_append_fields
@@ -112,10 +156,12 @@ async def serve_client(conn: FramedConnection, part: Partition, tasks: set[async
     def on_payload(payload: bytes) -> object:
         if payload[0] == APPEND_TYPE:
             msg = decode_append(payload, version)
+            part = parts[msg.req_id.partition_id]
             if part.append_nowait(peer, msg, conn.read_ahead):
                 return None
             return part.append(peer, msg)  # no room in the queue: wait (reading pauses meanwhile)
         msg = cs.decode(payload, version)
+        part = parts[msg.req_id.partition_id]
         if peer.client_id is None:
             peer.client_id = msg.req_id.client_id
         if isinstance(msg, cs.FeedRequest):
@@ -132,7 +178,8 @@ async def serve_client(conn: FramedConnection, part: Partition, tasks: set[async
     try:
         await conn.serve_payloads(on_payload)  # type: ignore[arg-type]
     finally:
-        part.disconnect(peer)
+        for part in parts:
+            part.disconnect(peer)
 
 
 def callgrind(args: argparse.Namespace, on: bool) -> None:
@@ -143,29 +190,37 @@ def callgrind(args: argparse.Namespace, on: bool) -> None:
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
-async def assign(admin_ports: list[int]) -> None:
+async def assign(admin_ports: list[int], partitions: int) -> None:
     for port in admin_ports:
-        admin = await AdminClient.connect("127.0.0.1", port, KEY, 1)
+        admin = await AdminClient.connect("127.0.0.1", port, KEY, partitions)
         try:
-            await admin.set_assigned([0], True)
+            await admin.set_assigned(list(range(partitions)), True)
         finally:
             await admin.aclose()
 
 
 async def run(args: argparse.Namespace, ports: list[int]) -> float:
     storages = [f"127.0.0.1:{port}" for port in ports]
-    connector = TcpReplicaConnector(KEY, 1)
-    store = StorePartition(0, GENERATION, storages, connector=connector, metadata_store=MemoryMetadataStore())
-    part = Partition(0, store, feed_cache=FeedCache(), transaction_cache=TransactionCache())
-    await part.start()
-    await part.wait_ready()
+    connector = TcpReplicaConnector(KEY, args.partitions)
+    if args.multi:
+        connector.allow_multi_append(True)
+    metadata, transaction_cache = MemoryMetadataStore(), TransactionCache()
+    feed_cache = FeedCache(num_partitions=args.partitions)
+    parts = []
+    for p in range(args.partitions):
+        store = StorePartition(p, GENERATION, storages, connector=connector, metadata_store=metadata)
+        parts.append(Partition(p, store, feed_cache=feed_cache, transaction_cache=transaction_cache))
+    for part in parts:
+        await part.start()
+    for part in parts:
+        await part.wait_ready()
     tasks: set[asyncio.Task[None]] = set()
     # A tree from before the one read path served payloads only on callback_reads connections.
     old = {"callback_reads": True} if "callback_reads" in inspect.signature(serve).parameters else {}
     server = await serve(
         "127.0.0.1",
         0,
-        lambda conn: serve_client(conn, part, tasks),
+        lambda conn: serve_client(conn, parts, tasks),
         magic=MAGIC_CLIENT,
         versions=cs.SUPPORTED_VERSIONS,
         hello_text="bench",
@@ -173,7 +228,8 @@ async def run(args: argparse.Namespace, ports: list[int]) -> float:
     )
     ours, theirs = multiprocessing.Pipe()
     ctx = multiprocessing.get_context("spawn")  # exec'd: not traced by valgrind
-    child = ctx.Process(target=load, args=(f"127.0.0.1:{server.port}", args.phase, args.appends, theirs))
+    endpoint = f"127.0.0.1:{server.port}"
+    child = ctx.Process(target=load, args=(endpoint, args.phase, args.appends, args.partitions, theirs))
     child.start()
     loop = asyncio.get_running_loop()
     finished: asyncio.Future[None] = loop.create_future()
@@ -198,7 +254,11 @@ async def run(args: argparse.Namespace, ports: list[int]) -> float:
             child.kill()
         server.close()
         await server.wait_closed()
-        await part.close()
+        # Storage requests that carried several partitions' appends (a tree without them has none).
+        multi = sum(getattr(c, "multi_requests", 0) for c in connector._clients.values())
+        print(f"multi-append requests: {multi}", flush=True)
+        for part in parts:
+            await part.close()
         await connector.aclose()
     return elapsed
 
@@ -209,6 +269,10 @@ def main() -> None:
     )
     parser.add_argument("--appends", type=int, default=20_000, help="measured appends (after the warm-up)")
     parser.add_argument("--phase", choices=("conc", "seq"), default="conc")
+    parser.add_argument("--partitions", type=int, default=1, help="partitions, appended to in turn")
+    parser.add_argument(
+        "--multi", action="store_true", help="appends for several partitions may share a storage request"
+    )
     parser.add_argument(
         "--callgrind-toggle",
         action="store_true",
@@ -229,8 +293,8 @@ def main() -> None:
     try:
         for i in range(3):
             (root / f"s{i}").mkdir()
-            nodes.append(start_node(root / f"s{i}", "uvloop"))
-        uvloop.run(assign([admin for _, _, admin in nodes]))
+            nodes.append(start_node(root / f"s{i}", "uvloop", partitions=args.partitions))
+        uvloop.run(assign([admin for _, _, admin in nodes], args.partitions))
         cpu_s = uvloop.run(run(args, [port for _, port, _ in nodes]))
         total = args.appends + WARMUP_APPENDS
         print(

@@ -19,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from procstat import rss_bytes
 from waltz import local
 from waltz.local.state import LocalCluster
 
@@ -32,15 +33,6 @@ def disk_bytes(directory: Path) -> tuple[int, int]:
             logical += st.st_size
             allocated += st.st_blocks * 512
     return logical, allocated
-
-
-def rss_bytes(pid: int | None) -> int:
-    if pid is None:
-        return 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def memory(cluster: LocalCluster) -> dict[str, list[int]]:

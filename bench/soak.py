@@ -50,6 +50,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.procstat import rss_bytes  # noqa: E402
 from tests.integration.raw_client import RawClient  # noqa: E402
 from tests.integration.server_process import Cluster  # noqa: E402
 
@@ -117,17 +118,6 @@ def load_main(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- driver
-
-
-def rss_bytes(pid: int) -> int:
-    """The resident set size of ``pid`` (``VmRSS`` in ``/proc/<pid>/status``), 0 once it has gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def slope(xs: list[float], ys: list[float]) -> float:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from procstat import comm
+from procstat import stat as proc_stat
 from waltz.local import UpOptions, down, up
 
 __all__ = ["PARTITIONS", "BenchCluster", "cpu_seconds", "median", "spark_session", "waltz_cluster"]
@@ -87,23 +89,6 @@ def median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-
-
-def _stat(pid: str, task: str | None = None) -> tuple[int, float]:
-    """(parent pid, user + system CPU seconds) of a process (or of one of its threads), from /proc."""
-    path = f"/proc/{pid}/stat" if task is None else f"/proc/{pid}/task/{task}/stat"
-    with open(path) as f:
-        fields = f.read().rpartition(")")[2].split()
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
-
-
-def _comm(pid: str, task: str | None = None) -> str:
-    path = f"/proc/{pid}/comm" if task is None else f"/proc/{pid}/task/{task}/comm"
-    with open(path) as f:
-        return f.read().strip()
-
-
 # JVM thread names (as /proc shows them: 15 characters) -> the group they are counted in.
 _JVM_THREAD_GROUPS = (
     ("Executor task", "jvm_tasks"),
@@ -122,8 +107,8 @@ def _jvm_threads(pid: str, out: dict[str, float]) -> None:
         return
     for task in tasks:
         try:
-            name = _comm(pid, task)
-            cpu = _stat(pid, task)[1]
+            name = comm(pid, task)
+            cpu = proc_stat(pid, task).cpu_s
         except (OSError, ValueError, IndexError):
             continue  # ended meanwhile
         for prefix, group in _JVM_THREAD_GROUPS:
@@ -144,7 +129,8 @@ def cpu_seconds(cluster: BenchCluster) -> dict[str, float]:
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
-                stats[pid] = _stat(pid)
+                one = proc_stat(pid)
+                stats[pid] = (one.ppid, one.cpu_s)
             except (OSError, ValueError, IndexError):
                 pass  # exited meanwhile
     me = os.getpid()
@@ -167,7 +153,7 @@ def cpu_seconds(cluster: BenchCluster) -> dict[str, float]:
         if int(parent) == me and int(pid) != me:
             out["spark"] += cpu
             try:
-                java = _comm(pid) == "java"
+                java = comm(pid) == "java"
             except OSError:
                 java = False
             if java:

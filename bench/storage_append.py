@@ -59,6 +59,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from procstat import stat as proc_stat
 from waltz.protocol import storage as st
 from waltz.protocol.framing import MAGIC_STORAGE
 from waltz.protocol.records import Record, ReqId
@@ -166,14 +167,6 @@ def append_path_cpu(per_request: int, rounds: int = 60, requests: int = 100) -> 
         f"append path, {per_request} records/request: {best * 1e6:7.1f} us/request "
         f"{best / per_request * 1e6:6.2f} us/record (least of {rounds} rounds)"
     )
-
-
-def process_cpu_s(pid: int) -> tuple[float, float]:
-    """User and system CPU seconds of process ``pid`` so far, all its threads (from /proc/<pid>/stat)."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def start_node(
@@ -355,7 +348,7 @@ async def read_back(client: StorageClient, records: int, passes: int, node_pid: 
     """Read the whole log back ``passes`` times with RecordRunRequests (10,000 records or 8 MiB each, one at
     a time, as a range reader does): the node's CPU per record served."""
     served = 0
-    cpu_before = process_cpu_s(node_pid)
+    cpu_before = proc_stat(node_pid)
     start = time.perf_counter()
     for _ in range(passes):
         txn = 0
@@ -366,9 +359,9 @@ async def read_back(client: StorageClient, records: int, passes: int, node_pid: 
             txn += count
             served += count
     elapsed = time.perf_counter() - start
-    cpu_after = process_cpu_s(node_pid)
-    user = cpu_after[0] - cpu_before[0]
-    total = user + cpu_after[1] - cpu_before[1]
+    cpu_after = proc_stat(node_pid)
+    user = cpu_after.user_s - cpu_before.user_s
+    total = user + cpu_after.system_s - cpu_before.system_s
     return (
         f"{'read runs, 10k records/8 MiB':<28} {served / elapsed:>10,.0f} rec/s  node CPU "
         f"{total / served * 1e6:6.2f} us/rec (user {user / served * 1e6:.2f})  "
@@ -405,11 +398,11 @@ async def spread(
     rounds = max(1, args.records // len(partitions))
     before = await fsyncs()
     callgrind_toggle(args, node_pid, True)
-    cpu_before = process_cpu_s(node_pid)
+    cpu_before = proc_stat(node_pid)
     start = time.perf_counter()
     await asyncio.gather(*(one(p, rounds) for p in partitions))
     elapsed = time.perf_counter() - start
-    cpu_after = process_cpu_s(node_pid)
+    cpu_after = proc_stat(node_pid)
     callgrind_toggle(args, node_pid, False)
     total = rounds * len(partitions)
     return Result(
@@ -418,8 +411,8 @@ async def spread(
         elapsed,
         latencies,
         await fsyncs() - before,
-        cpu_after[0] - cpu_before[0],
-        cpu_after[1] - cpu_before[1],
+        cpu_after.user_s - cpu_before.user_s,
+        cpu_after.system_s - cpu_before.system_s,
         total,
     )
 
@@ -484,9 +477,9 @@ async def bench(args: argparse.Namespace, port: int, admin_port: int, node_pid: 
             runner.acked = acked
             before = await fsync_count(admin)
             callgrind_toggle(args, node_pid, True)
-            cpu_before = process_cpu_s(node_pid)
+            cpu_before = proc_stat(node_pid)
             elapsed, lat = await runner.run(total, batch, in_flight)
-            cpu_after = process_cpu_s(node_pid)
+            cpu_after = proc_stat(node_pid)
             callgrind_toggle(args, node_pid, False)
             fsyncs = await fsync_count(admin) - before
             acked = runner.acked
@@ -497,8 +490,8 @@ async def bench(args: argparse.Namespace, port: int, admin_port: int, node_pid: 
                     elapsed,
                     lat,
                     fsyncs,
-                    cpu_after[0] - cpu_before[0],
-                    cpu_after[1] - cpu_before[1],
+                    cpu_after.user_s - cpu_before.user_s,
+                    cpu_after.system_s - cpu_before.system_s,
                     -(-total // batch),
                 )
             )

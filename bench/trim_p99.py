@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -36,12 +34,12 @@ from kazoo.client import KazooClient
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.scratch import run_in_temp_dir, zookeeper  # noqa: E402
 from tests.integration.client_cluster import CounterApp, Tagged  # noqa: E402
 from tests.integration.server_process import Cluster, free_port  # noqa: E402
 
 from waltz import WaltzClient  # noqa: E402
 from waltz.client.config import ClientConfig  # noqa: E402
-from waltz.cluster import zk as zkutil  # noqa: E402
 from waltz.cluster.retention import update_retention  # noqa: E402
 from waltz.cluster.zkserver import ZooKeeperServer  # noqa: E402
 from waltz.ops.trim import trim_partition  # noqa: E402
@@ -90,9 +88,11 @@ def summary(name: str, samples: list[tuple[float, float]]) -> str:
 
 
 async def run(args: argparse.Namespace, base: Path) -> None:
-    zks = ZooKeeperServer(base / "zk")
-    zks.start()
-    zk = zkutil.connect(zks.connect_string, session_timeout_ms=10000)
+    with zookeeper(base) as (zks, zk):
+        await _measure(args, base, zks, zk)
+
+
+async def _measure(args: argparse.Namespace, base: Path, zks: ZooKeeperServer, zk: KazooClient) -> None:
     cluster = Cluster(
         base,
         zk,
@@ -124,9 +124,6 @@ async def run(args: argparse.Namespace, base: Path) -> None:
             await asyncio.to_thread(client.close)
     finally:
         cluster.stop()
-        zk.stop()
-        zk.close()
-        zks.stop()
 
 
 def phases(args: argparse.Namespace, cluster: Cluster, zk: KazooClient, client: WaltzClient) -> None:
@@ -200,11 +197,7 @@ def main() -> None:
     parser.add_argument("--settle-s", type=float, default=5.0, help="quiet seconds before measuring")
     parser.add_argument("--dir", default=None, help="parent of the temporary directory")
     args = parser.parse_args()
-    base = Path(tempfile.mkdtemp(prefix="waltz-trim-p99-", dir=args.dir))
-    try:
-        asyncio.run(run(args, base))
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    run_in_temp_dir("waltz-trim-p99-", args.dir, lambda base: run(args, base))
 
 
 if __name__ == "__main__":

@@ -69,8 +69,9 @@ from waltz.client.config import ClientConfig
 from waltz.client.reader import LogReader
 from waltz.cluster import store_metadata as sm
 from waltz.cluster import zk as zkutil
-from waltz.local import probe, procs
+from waltz.local import configs, probe, procs
 from waltz.local.state import LocalCluster
+from waltz.ops.features import raise_features
 from waltz.protocol.records import Record
 from waltz.server.storage_client import AdminClient
 
@@ -118,6 +119,9 @@ class Options:
     """With a power kind: fsync does nothing on the storage nodes' mounts (the negative control)."""
     zk_strict_posix: bool = False
     """With a power kind: ZooKeeper's mount keeps the strict model (see :mod:`bench.faults.power`)."""
+    feature_version: int | None = None
+    """Raise the cluster's feature version to this once it serves (None: the newest this release supports,
+    as an operator does after an upgrade; 1: leave it, the formats and requests of 0.1.0)."""
 
 
 @dataclass(frozen=True)
@@ -292,7 +296,18 @@ class Harness:
             self.server_proxies.append(await LinkProxy.start(rec.name, rec.port, real))
             await asyncio.to_thread(local.start, self.directory, "server", rec.index, opts.start_timeout_s)
         await self.wait_served(opts.start_timeout_s)
+        if opts.feature_version != 1:
+            old, new = await asyncio.to_thread(self.raise_features, opts.feature_version)
+            self.log(f"feature version raised from {old} to {new}")
         self.log("cluster up, every link behind a proxy")
+
+    def raise_features(self, target: int | None) -> tuple[int, int]:
+        cluster = self.cluster()
+        client = configs.zk_connect(cluster, 10_000)
+        try:
+            return raise_features(client, cluster.cluster_root, target, configs.admin_ssl(cluster))
+        finally:
+            zkutil.close(client)
 
     async def wait_served(self, timeout_s: float) -> None:
         wanted = set(range(self.opts.partitions))

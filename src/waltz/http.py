@@ -3,6 +3,13 @@
 
 Servers and storage nodes expose it on their ``*.http.port``. It speaks just enough HTTP/1.1 for probes and
 Prometheus scrapers: one GET per connection, bounded request size and time, ``Connection: close``.
+
+``/metrics`` is collected and formatted on a thread, one scrape at a time: a server with 1,000 partitions
+writes about 58,000 lines, a few tenths of a second of CPU that would otherwise stall the event loop (every
+append, feed and keep-alive of the process) for all of it; on a thread the loop runs again at each of the
+interpreter's switch intervals (5 ms). Collectors therefore read loop-owned state from another thread, as
+prometheus_client's own threaded exporter does: they copy containers the loop may resize in one C-level call
+(``sorted(d.items())``, ``list(...)``) and never iterate them in Python.
 """
 
 from __future__ import annotations
@@ -120,6 +127,8 @@ class HttpEndpoint:
         self._registry = registry
         self._health = health
         self._server: asyncio.Server | None = None
+        self._scrape = asyncio.Lock()
+        """One scrape at a time: a second waits rather than doubling the CPU a scrape costs."""
 
     async def start(self, host: str, port: int, what: str = "http.port") -> int:
         """Listen on ``host:port`` (0 picks a free port) and return the bound port; ConfigError (naming the
@@ -153,6 +162,13 @@ class HttpEndpoint:
             return 200, "text/plain", b"pong\n"
         return 404, "text/plain", b"not found\n"
 
+    async def _respond(self, path: str) -> tuple[int, str, bytes]:
+        if path != "/metrics":
+            return self.respond(path)
+        async with self._scrape:
+            body = await asyncio.to_thread(generate_latest, self._registry)
+        return 200, CONTENT_TYPE_LATEST, body
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             async with asyncio.timeout(REQUEST_TIMEOUT_S):
@@ -162,7 +178,7 @@ class HttpEndpoint:
             if len(parts) != 3 or parts[0] != "GET":
                 status, ctype, body = 405, "text/plain", b"only GET is supported\n"
             else:
-                status, ctype, body = self.respond(parts[1].split("?", 1)[0])
+                status, ctype, body = await self._respond(parts[1].split("?", 1)[0])
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             writer.close()
             return

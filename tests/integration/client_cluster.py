@@ -64,8 +64,10 @@ class ClientTestCluster:
         num_partitions: int = 1,
         storages: int = 1,
         servers: int = 1,
+        feature_version: int | None = None,
     ) -> None:
         self.base = base
+        self.feature_version = feature_version
         self.zk = zk
         self.zk_connect = zk_connect
         self.num_partitions = num_partitions
@@ -84,6 +86,7 @@ class ClientTestCluster:
                 "client-test",
                 self.num_partitions,
                 cluster_key=DEFAULT_KEY,
+                feature_version=self.feature_version,
             )
             for _ in range(self._num_storages):
                 await self._add_storage()

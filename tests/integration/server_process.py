@@ -133,6 +133,7 @@ class Cluster:
         storage_config: dict[str, Any] | None = None,
         verbose: bool = False,
         cluster_key: uuid.UUID = DEFAULT_KEY,
+        feature_version: int | None = None,
     ) -> None:
         self.base = Path(base)
         self.zk = zk
@@ -147,7 +148,9 @@ class Cluster:
         self.faulty_storages: set[int] = set()
         """Indexes of the storage nodes to start on the failing file layer (see ``StorageProcess.faulty``)."""
         self.servers: list[ServerProcess] = []
-        sm.create_cluster(zk, root, "test", num_partitions, cluster_key=self.cluster_key)
+        sm.create_cluster(
+            zk, root, "test", num_partitions, cluster_key=self.cluster_key, feature_version=feature_version
+        )
 
     # -- storage nodes ---------------------------------------------------------------------------------------
 

@@ -15,9 +15,9 @@ import shutil
 import pytest
 
 from tests.integration.conftest import ClusterFactory
+from tests.integration.ops_cli import cli_config, verify_lines, waltz
 from tests.integration.server_process import assert_identical, settled_logs
 from tests.integration.test_metadata_rebuild import _append
-from tests.integration.test_ops_tools import cli_config, verify_lines, waltz
 from tests.integration.test_security_probes import _zk_storage_config
 from waltz.cluster import store_metadata as sm
 from waltz.cluster.partition_metadata import UNRESOLVED

@@ -37,7 +37,7 @@ def test_an_application_trims_its_partition_through_the_client(
     tmp_path: Path, zk: KazooClient, zk_connect_string: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     async def main() -> None:
-        async with ClientTestCluster(tmp_path, zk, zk_connect_string) as cluster:
+        async with ClientTestCluster(tmp_path, zk, zk_connect_string, feature_version=1) as cluster:
             config = cluster.client_config()
             async with AsyncWaltzClient(CounterApp(1), config) as client:
                 for i in range(RECORDS):

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 from kazoo.client import KazooClient
 
+from waltz.cluster import features as ft
 from waltz.cluster import store_metadata as sm
 from waltz.cluster.counter import decode_counter, encode_counter
 from waltz.cluster.partition_metadata import UNRESOLVED, PartitionMetadata, ReplicaState
@@ -262,3 +263,13 @@ def test_read_store_params_for_storage_nodes(zk: KazooClient, cluster: str) -> N
 def test_chroot_isolates_tests(zk: KazooClient, zk_chroot: str) -> None:
     assert zk.get_children("/") == []
     assert zk_chroot.startswith("/test-")
+
+
+def test_a_new_cluster_starts_at_the_newest_feature_version_unless_told(zk: KazooClient) -> None:
+    sm.create_cluster(zk, "/newest", "n", 1)
+    assert ft.read_feature_version(zk, "/newest")[0] == ft.SUPPORTED_FEATURES.hi
+    sm.create_cluster(zk, "/oldest", "o", 1, feature_version=1)
+    assert ft.read_feature_version(zk, "/oldest") == (1, -1)  # no znode, as a cluster made by Waltz 0.1.0
+    with pytest.raises(MetadataError, match="feature version must be between 1 and"):
+        sm.create_cluster(zk, "/beyond", "b", 1, feature_version=ft.SUPPORTED_FEATURES.hi + 1)
+    assert zk.exists("/beyond") is None

@@ -49,30 +49,32 @@ def test_features_shown_raised_once_and_never_lowered(
     zk_connect_string: str,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    cluster = cluster_factory(num_partitions=1)
+    cluster = cluster_factory(num_partitions=1, feature_version=1)
     asyncio.run(cluster.start(storages=2, servers=1))
     cfg = _cli_config(tmp_path, zk_connect_string)
 
     code, out, _ = run(capsys, "cluster", "features", "-c", cfg)
     assert code == 0
     assert "feature version: 1 (Waltz 0.1.0" in out
-    assert out.count(f"Waltz {__version__}, features 1-2") == 3, out  # two storage nodes, one server
+    assert out.count(f"Waltz {__version__}, features 1-3") == 3, out  # two storage nodes, one server
     assert "can raise to 2" in out
     assert out.rstrip().endswith(": yes")
 
-    code, out, _ = run(capsys, "cluster", "raise-features", "-c", cfg)
+    code, out, _ = run(capsys, "cluster", "raise-features", "-c", cfg, "--to", "2")
     assert (code, out.strip()) == (0, "feature version raised from 1 to 2")
     code, out, _ = run(capsys, "cluster", "raise-features", "-c", cfg)
-    assert (code, out.strip()) == (0, "feature version already 2: nothing to do")
+    assert (code, out.strip()) == (0, "feature version raised from 2 to 3")
+    code, out, _ = run(capsys, "cluster", "raise-features", "-c", cfg)
+    assert (code, out.strip()) == (0, "feature version already 3: nothing to do")
     code, _, err = run(capsys, "cluster", "raise-features", "-c", cfg, "--to", "1")
     assert code != 0
     assert "it is never lowered" in err
-    code, _, err = run(capsys, "cluster", "raise-features", "-c", cfg, "--to", "3")
+    code, _, err = run(capsys, "cluster", "raise-features", "-c", cfg, "--to", "4")
     assert code != 0
-    assert "feature version 3 is not one this Waltz knows" in err
+    assert "feature version 4 is not one this Waltz knows" in err
     code, out, _ = run(capsys, "cluster", "features", "-c", cfg)
-    assert "feature version: 2 (Waltz 0.2.0" in out
-    # A restarted server still starts: it supports 2.
+    assert "feature version: 3 (Waltz 0.2.0" in out
+    # A restarted server still starts: it supports 3.
     asyncio.run(asyncio.to_thread(cluster.servers[0].restart))
 
 
@@ -83,7 +85,7 @@ def test_a_raise_is_refused_while_a_process_could_not_follow(
     zk_connect_string: str,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    cluster = cluster_factory(num_partitions=1)
+    cluster = cluster_factory(num_partitions=1, feature_version=1)
     asyncio.run(cluster.start(storages=2, servers=1))
     cfg = _cli_config(tmp_path, zk_connect_string)
     paths = ClusterPaths(ROOT)
@@ -97,7 +99,7 @@ def test_a_raise_is_refused_while_a_process_could_not_follow(
     )
     code, _, err = run(capsys, "cluster", "raise-features", "-c", cfg)
     assert code != 0
-    assert "cannot raise the feature version from 1 to 2" in err
+    assert "cannot raise the feature version from 1 to 3" in err
     assert "server 99 (127.0.0.1:1): Waltz 0.1.0, features 1: no feature registration" in err
     zk.delete(old)
 
@@ -112,7 +114,7 @@ def test_a_raise_is_refused_while_a_process_could_not_follow(
 
     stopped.restart()
     code, out, _ = run(capsys, "cluster", "raise-features", "-c", cfg)
-    assert (code, out.strip()) == (0, "feature version raised from 1 to 2")
+    assert (code, out.strip()) == (0, "feature version raised from 1 to 3")
 
     # A 0.1.0 server started after the raise cannot check the feature version itself: `features` flags it.
     zk.create(
@@ -123,13 +125,13 @@ def test_a_raise_is_refused_while_a_process_could_not_follow(
     )
     code, out, _ = run(capsys, "cluster", "features", "-c", cfg)
     assert code == 1
-    assert "PROBLEM: server 98 (127.0.0.1:2) does not support feature version 2 (it supports 1)" in out
+    assert "PROBLEM: server 98 (127.0.0.1:2) does not support feature version 3 (it supports 1)" in out
 
 
 def test_processes_refuse_a_feature_version_they_do_not_support(
     cluster_factory: ClusterFactory, tmp_path: Path, zk: KazooClient, zk_connect_string: str
 ) -> None:
-    cluster_factory(num_partitions=1)  # creates the cluster at ROOT
+    cluster_factory(num_partitions=1, feature_version=1)  # creates the cluster at ROOT
     ft.write_feature_version(zk, ROOT, ft.SUPPORTED_FEATURES.hi + 1, -1)
     want = (
         f"the cluster's feature version is {ft.SUPPORTED_FEATURES.hi + 1} ({ROOT}/features), but Waltz "

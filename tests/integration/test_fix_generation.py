@@ -18,9 +18,9 @@ import pytest
 
 import waltz as waltz_package
 from tests.integration.conftest import ClusterFactory
+from tests.integration.ops_cli import cli_config, waltz
 from tests.integration.raw_client import RawClient
 from tests.integration.server_process import wait_until
-from tests.integration.test_ops_tools import cli_config, waltz
 from tests.integration.test_security_probes import _zk_storage_config
 from waltz.cluster import store_metadata as sm
 from waltz.cluster.membership import ClusterWatcher

@@ -14,9 +14,9 @@ import asyncio
 import pytest
 
 from tests.integration.conftest import ClusterFactory
+from tests.integration.ops_cli import admin, cli_config, waltz
 from tests.integration.raw_client import RawClient
 from tests.integration.server_process import Cluster, assert_identical, settled_logs
-from tests.integration.test_ops_tools import admin, cli_config, waltz
 from tests.integration.test_security_probes import _zk_storage_config
 from waltz.cluster import store_metadata as sm
 from waltz.cluster.membership import ClusterWatcher

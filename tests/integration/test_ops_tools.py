@@ -6,66 +6,27 @@ what they find (one line per problem, exit status 1)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
 import shutil
 
 import pytest
-import yaml
 
 from tests.integration.conftest import ClusterFactory
-from tests.integration.raw_client import RawClient, append_stream
+from tests.integration.ops_cli import (
+    add_partition,
+    cli_config,
+    recover_partition,
+    remove_partition_data,
+    served,
+    verify_lines,
+    waltz,
+)
 from tests.integration.server_process import Cluster, assert_identical, settled_logs, wait_until
 from tests.integration.storage_process import StorageProcess
-from waltz.cli.main import main as waltz_main
 from waltz.cluster import store_metadata as sm
-from waltz.cluster.membership import ClusterWatcher
 from waltz.ops import checks
 from waltz.ops.view import read_view
 
 pytestmark = [pytest.mark.integration]
-
-
-async def waltz(*args: str) -> tuple[int, str, str]:
-    """Run one ``waltz`` command in this process (in a thread: it runs its own event loop)."""
-
-    def run() -> tuple[int, str, str]:
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = waltz_main(list(args))
-        return code, out.getvalue(), err.getvalue()
-
-    return await asyncio.to_thread(run)
-
-
-def cli_config(cluster: Cluster) -> str:
-    path = cluster.base / "cli.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        yaml.safe_dump({"zookeeper.connectString": cluster.zk_connect, "cluster.root": cluster.root})
-    )
-    return str(path)
-
-
-def admin(sp: StorageProcess) -> str:
-    return f"127.0.0.1:{sp.admin_port}"
-
-
-async def served(cluster: Cluster, client_id: int, count: int) -> RawClient:
-    """A mounted client that appended ``count`` transactions (all acknowledged)."""
-    watcher = ClusterWatcher(cluster.zk, cluster.root)
-    await watcher.__aenter__()
-    client = await RawClient(watcher, client_id).start()
-    futures = await append_stream(client, count, size_bytes=64)
-    await asyncio.wait_for(asyncio.gather(*futures), 30)
-    await client.aclose()
-    await watcher.__aexit__(None, None, None)
-    return client
-
-
-async def verify_lines(config: str, *extra: str) -> tuple[int, list[str]]:
-    code, out, _ = await waltz("cluster", "verify", "-c", config, "--timeout", "5", *extra)
-    return code, out.splitlines()
 
 
 @pytest.mark.timeout(150)
@@ -82,22 +43,14 @@ def test_recover_partition_brings_back_two_wiped_replicas(cluster_factory: Clust
         assert (code, lines) == (0, ["OK: every partition served, replicated and healthy"])
 
         # Wiping one replica leaves two good copies: allowed. A second would leave one of three: refused.
-        assert (await waltz("storage", "remove-partition", "-s", admin(b), "-c", config, "-p", "0", "-d"))[
-            0
-        ] == 0
-        code, _, err = await waltz(
-            "storage", "remove-partition", "-s", admin(c), "-c", config, "-p", "0", "-d"
-        )
+        assert (await remove_partition_data(config, b))[0] == 0
+        code, _, err = await remove_partition_data(config, c)
         assert code == 1
         assert "leaves 1 good copy (127.0.0.1:" in err
         assert "fewer than the quorum of 2" in err
         assert await cluster.max_transaction_id(c) == 299  # nothing was deleted
-        code, _, _ = await waltz(
-            "storage", "remove-partition", "-s", admin(c), "-c", config, "-p", "0", "-d", "--force"
-        )
-        assert code == 0
-        for sp in (b, c):
-            assert (await waltz("storage", "add-partition", "-s", admin(sp), "-c", config, "-p", "0"))[0] == 0
+        assert (await remove_partition_data(config, c, force=True))[0] == 0
+        await add_partition(config, b, c)
 
         # The partition cannot be served: one replica can vote, two lost their data. verify says so.
         async def stuck() -> bool:
@@ -114,20 +67,7 @@ def test_recover_partition_brings_back_two_wiped_replicas(cluster_factory: Clust
             stuck, 30, "verify to report the two wiped replicas and the unhealthy partition", 0.5
         )
 
-        code, out, err = await waltz(
-            "storage",
-            "recover-partition",
-            "-c",
-            config,
-            "-p",
-            "0",
-            "--source",
-            Cluster.address(a),
-            "--destination",
-            Cluster.address(b),
-            "--batch-size",
-            "64",
-        )
+        code, out, err = await recover_partition(config, a, b, "--batch-size", "64")
         assert code == 0, err
         assert "copied 300 records" in out
         assert "holds 0..299" in out

@@ -18,7 +18,6 @@ from tests.integration.raw_client import RawClient
 from tests.integration.server_process import free_port, wait_until
 from tests.integration.storage_process import StorageProcess
 from waltz.cli.main import main as waltz_main
-from waltz.cluster.features import write_feature_version
 from waltz.cluster.membership import ClusterWatcher
 from waltz.cluster.retention import read_retention
 from waltz.cluster.trim_points import TrimSource, read_trim_points
@@ -69,8 +68,7 @@ def test_a_policy_trims_after_the_grace_and_the_disk_comes_back(
             cluster.storage_config["storage.http.port"] = free_port()
             await cluster.add_storage()
         await cluster.add_server()
-        # Pending trim points and limits in bytes need feature version 2 (every process 0.2.0 or later).
-        write_feature_version(cluster.zk, cluster.root, 2, -1)
+        # Pending trim points and limits in bytes need feature version 2: a new cluster starts at the newest.
         async with ClusterWatcher(cluster.zk, cluster.root) as watcher:
             writer = await RawClient(watcher, 1).start()
             try:
@@ -120,6 +118,11 @@ def test_a_policy_trims_after_the_grace_and_the_disk_comes_back(
         assert entry.pending.trim_point == 300
         code, out, _ = await cli("retention", "show")
         assert "partition 0: trim point 0, pending 300 (set by an operator at" in out
+        # verify names it too, after its verdict: no problem (exit 0), but what the grace's end deletes.
+        code, out, _ = await cli("verify", "--timeout", "5")
+        ok, pending = out.splitlines()
+        assert (code, ok) == (0, "OK: every partition served, replicated and healthy")
+        assert pending.startswith("pending trim: partition 0: trim point 0, pending 300 (set by an operator")
         await asyncio.sleep(1)  # the server had time to act on it: it must not have
         for sp in cluster.storages:
             assert control_trim_point(sp) == 0
@@ -129,6 +132,8 @@ def test_a_policy_trims_after_the_grace_and_the_disk_comes_back(
         code, out, _ = await cli("trim", "-p", "0", "--cancel")
         assert (code, out) == (0, "partition 0: pending trim point 300 cancelled (trim point in force: 0)\n")
         assert read_trim_points(cluster.zk, cluster.root).entry(0).pending is None
+        code, out, _ = await cli("verify", "--timeout", "5")
+        assert (code, out) == (0, "OK: every partition served, replicated and healthy\n")
 
     async def check_the_policy(before: list[float]) -> None:
         code, out, _ = await cli(
@@ -184,7 +189,6 @@ def test_a_limit_in_bytes_keeps_the_newest_segments_that_hold_them(
 
     async def main() -> None:
         await cluster.start(storages=3, servers=1)
-        write_feature_version(cluster.zk, cluster.root, 2, -1)
         async with ClusterWatcher(cluster.zk, cluster.root) as watcher:
             writer = await RawClient(watcher, 1).start()
             try:

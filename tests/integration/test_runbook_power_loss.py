@@ -15,8 +15,8 @@ import socket
 import pytest
 
 from tests.integration.conftest import ClusterFactory
+from tests.integration.ops_cli import cli_config, served, verify_lines
 from tests.integration.server_process import Cluster, assert_identical, settled_logs, wait_until
-from tests.integration.test_ops_tools import cli_config, served, verify_lines
 from waltz.local.probe import http_get
 
 pytestmark = [pytest.mark.integration]

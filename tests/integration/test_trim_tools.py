@@ -12,9 +12,17 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import ClusterFactory
+from tests.integration.ops_cli import (
+    admin,
+    cli_config,
+    recover_partition,
+    served,
+    verify_lines,
+    waltz,
+    wipe_replicas,
+)
 from tests.integration.raw_client import RawClient, append_stream
 from tests.integration.server_process import Cluster, wait_until
-from tests.integration.test_ops_tools import admin, cli_config, served, verify_lines, waltz
 from waltz.client.config import ClientConfig
 from waltz.client.reader import LogReader
 from waltz.cluster.membership import ClusterWatcher
@@ -141,23 +149,8 @@ def test_recover_partition_copies_a_trimmed_partition_from_the_trim_point(
         await wait_until(lambda: _refuses_below(cluster, 0, TRIM), 30, "every replica to take the trim point")
 
         # Two replicas wiped: the partition cannot be served until one is copied back.
-        for sp, force in ((b, ()), (c, ("--force",))):
-            argv = ("storage", "remove-partition", "-s", admin(sp), "-c", config, "-p", "0", "-d", *force)
-            assert (await waltz(*argv))[0] == 0
-        for sp in (b, c):
-            assert (await waltz("storage", "add-partition", "-s", admin(sp), "-c", config, "-p", "0"))[0] == 0
-        code, out, err = await waltz(
-            "storage",
-            "recover-partition",
-            "-c",
-            config,
-            "-p",
-            "0",
-            "--source",
-            Cluster.address(a),
-            "--destination",
-            Cluster.address(b),
-        )
+        await wipe_replicas(config, b, c)
+        code, out, err = await recover_partition(config, a, b)
         assert code == 0, err
         assert "copied 300 records" in out
         assert f"holds {TRIM}..599 (trimmed below)" in out

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from waltz.cluster.partition_metadata import UNRESOLVED, PartitionMetadata, ReplicaState
+from waltz.cluster.trim_points import PendingTrim, TrimEntry, TrimPoints, TrimSource
 from waltz.errors import ConfigError
-from waltz.ops.checks import Problem
+from waltz.ops.checks import Problem, pending_trims
 from waltz.ops.recover import copy_target
 from waltz.protocol.storage import SessionInfo
 from waltz.server.store.recovery import ReplicaClass
@@ -60,6 +61,28 @@ def test_problem_lines_name_their_partition() -> None:
     assert str(Problem(3, "no quorum")) == "partition 3: no quorum"
     assert str(Problem(None, "storage h:1: unreachable")) == "storage h:1: unreachable"
     assert sorted([Problem(2, "b"), Problem(1, "a")]) == [Problem(1, "a"), Problem(2, "b")]
+
+
+def test_verify_names_each_pending_trim_until_its_time_comes() -> None:
+    hour_ms = 3_600_000
+    set_at = 1_800_000_000_000
+    points = TrimPoints(
+        {
+            0: TrimEntry(0, 0, PendingTrim(300, set_at, set_at + hour_ms, TrimSource.OPERATOR)),
+            1: TrimEntry(50, set_at),  # in force, nothing pending
+            2: TrimEntry(10, 1, PendingTrim(40, set_at, set_at + 60_000, TrimSource.POLICY)),
+        }
+    )
+    lines = pending_trims(points, range(4), set_at + 30_000)
+    assert lines == [
+        "pending trim: partition 0: trim point 0, pending 300 (set by an operator at 2027-01-15T08:00:00Z, "
+        "takes effect at 2027-01-15T09:00:00Z, in 3570 s)",
+        "pending trim: partition 2: trim point 10, pending 40 (set by the retention policy at "
+        "2027-01-15T08:00:00Z, takes effect at 2027-01-15T08:01:00Z, in 30 s)",
+    ]
+    assert pending_trims(points, [1, 2], set_at + 30_000) == lines[1:]  # only the partitions asked about
+    # Once its time has come a pending trim point is in force: nothing is pending any more.
+    assert pending_trims(points, range(4), set_at + hour_ms) == []
 
 
 def test_a_damaged_source_is_refused_whatever_the_flags() -> None:

@@ -1,12 +1,15 @@
 """The server's commit metrics, counted in plain Python and exported when scraped: what the prometheus
 Counters and Histogram they replaced exported (same names, labels, buckets, values), and counts that outlive
-a partition's Partition object."""
+a partition's Partition object; the live per-partition gauges."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from waltz.server.metrics import CommitMetrics, ServerMetrics
+from waltz.server.metrics import CommitMetrics, PartitionGauges, ServerMetrics
 
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0)
 
@@ -56,3 +59,30 @@ def test_a_partition_reopened_here_keeps_counting_from_where_it_was() -> None:
     assert 'waltz_server_appended_bytes_total{partition="4"} 6144.0' in exported
     assert 'waltz_server_append_seconds_count{partition="4"} 2.0' in exported
     assert 'waltz_server_append_seconds_bucket{le="0.005",partition="4"} 1.0' in exported
+
+
+def test_partition_gauges_show_exactly_the_owned_partitions_with_their_live_values() -> None:
+    def part(hwm: int, generation: int, healthy: bool) -> Any:
+        store = SimpleNamespace(damaged_replicas={"s1": 2, "s2": 1})
+        return SimpleNamespace(
+            high_water_mark=hwm,
+            pending_appends=3,
+            feed_context_count=4,
+            generation=generation,
+            is_healthy=healthy,
+            store=store,
+        )
+
+    owned: dict[int, Any] = {0: part(41, 7, True), 5: part(-1, 2, False)}
+    registry = CollectorRegistry()
+    registry.register(PartitionGauges(lambda: owned))
+    lines = _lines(registry)
+    assert 'waltz_server_high_water_mark{partition="0"} 41.0' in lines
+    assert 'waltz_server_generation{partition="5"} 2.0' in lines
+    assert 'waltz_server_partition_healthy{partition="5"} 0.0' in lines
+    assert 'waltz_server_damaged_replica_reads{partition="0"} 3.0' in lines
+    owned[0].high_water_mark = 42  # read when scraped, not copied when the partition opened
+    del owned[5]  # moved away: its series go with it
+    lines = _lines(registry)
+    assert 'waltz_server_high_water_mark{partition="0"} 42.0' in lines
+    assert not [line for line in lines if 'partition="5"' in line]

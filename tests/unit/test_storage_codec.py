@@ -19,6 +19,7 @@ from waltz.errors import (
     TrimmedError,
 )
 from waltz.protocol import storage as s
+from waltz.protocol import storage_multi as sm
 from waltz.protocol.framing import MAGIC_STORAGE, FrameDecoder, encode_frame
 from waltz.protocol.record_run import run_bounds
 from waltz.protocol.records import Record, RecordHeader, ReqId, crc32
@@ -460,11 +461,13 @@ def test_the_truncate_and_replica_trailers_are_canonical_and_bounded() -> None:
 
 def test_every_codec_version_is_the_messages_it_adds() -> None:
     """V0 is Waltz 0.1.0's whole message set (1-25); every later version must add a message type (V1:
-    26/27), and no message may be newer than the newest version this codec speaks (a new message is a new
-    version)."""
-    classes = {type(msg) for msg, _ in CASES}
-    assert {cls.TYPE for cls in classes if s.available(cls, 0)} == set(range(1, 26))
+    26/27, V2: 28 in storage_multi), and no message may be newer than the newest version this codec speaks
+    (a new message is a new version)."""
+    classes: set[type[s.StorageMessage] | type[sm.MultiAppendRequest]] = {type(msg) for msg, _ in CASES}
+    classes.add(sm.MultiAppendRequest)
+    assert {cls.TYPE for cls in classes if cls.MIN_VERSION == 0} == set(range(1, 26))
     assert {cls.TYPE for cls in classes if cls.MIN_VERSION == 1} == {26, 27}
+    assert {cls.TYPE for cls in classes if cls.MIN_VERSION == 2} == {28}
     assert max(cls.MIN_VERSION for cls in classes) == max(s.STORAGE_VERSIONS)
     assert {cls.MIN_VERSION for cls in classes} == set(s.STORAGE_VERSIONS)
 

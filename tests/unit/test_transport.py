@@ -22,6 +22,7 @@ from waltz.errors import (
     RemoteProtocolError,
 )
 from waltz.protocol import storage as s
+from waltz.protocol import storage_multi as sm
 from waltz.protocol.framing import (
     FRAME_HEADER,
     MAGIC_STORAGE,
@@ -663,6 +664,45 @@ def test_rpc_client_start_call_sends_at_once_and_resolves_maps_fails_and_forgets
             lost = rpc.start_call(s.MaxTransactionIdRequest(1, 2, 7, False))
             with pytest.raises(BrokenResourceError, match="lost"):
                 await lost
+
+    run(main)
+
+
+def test_rpc_client_expect_answers_requests_the_caller_sent_in_one_payload() -> None:
+    """A storage MultiAppendRequest: requests registered with ``expect`` and sent in one payload each get
+    their own answer; if the payload cannot be sent, every pending request fails with the lost connection."""
+
+    async def main() -> None:
+        async def replier(conn: FramedConnection) -> None:
+            while True:
+                msg = sm.decode(await conn.receive())
+                assert isinstance(msg, sm.MultiAppendRequest)
+                for a in msg.appends:
+                    conn.send(s.encode(s.SuccessResponse(a.session_id, a.seq_num, a.partition_id)))
+
+        async with serving(replier) as port, storage_rpc(await connect(port)) as rpc:
+            answered: list[int] = []
+            futures = [
+                rpc.expect(seq, lambda f: answered.append(f.result().seq_num))
+                for seq in (rpc.next_seq(), rpc.next_seq())
+            ]
+            assert rpc.in_flight == 2
+            with pytest.raises(LocalProtocolError, match="already in flight"):
+                rpc.expect(1)
+            body = s.append_request_body(())
+            rpc.send_payload(sm.encode_multi_append([s.encode_append_request(1, q, q, body) for q in (0, 1)]))
+            assert [await f for f in futures] == [s.SuccessResponse(1, 0, 0), s.SuccessResponse(1, 1, 1)]
+            assert answered == [0, 1]
+            assert rpc.in_flight == 0
+
+            pending = rpc.expect(rpc.next_seq())
+            rpc.connection._transport.close()  # the next write cannot go out
+            rpc.connection._closed = True
+            rpc.send_payload(b"\x06")
+            with pytest.raises(BrokenResourceError, match="lost"):
+                await pending
+            assert not rpc.is_usable
+            rpc.send_payload(b"\x06")  # nothing to do once lost: its requests failed already
 
     run(main)
 

@@ -22,6 +22,7 @@ from waltz.cli.common import add_cli_config_arg, load_cli_config, load_cli_tls
 from waltz.cluster import retention
 from waltz.cluster import store_metadata as sm
 from waltz.cluster.partition_metadata import UNRESOLVED
+from waltz.cluster.trim_points import read_trim_points, wall_clock_ms
 from waltz.cluster.zk import session
 from waltz.config import host_port, parse_partition_ranges
 from waltz.errors import ConfigError
@@ -85,7 +86,14 @@ def _positive(text: str) -> int:
 
 
 def cmd_create(client: KazooClient, root: str, args: argparse.Namespace, out: TextIO) -> int:
-    store = sm.create_cluster(client, root, args.name, args.partitions, cluster_key=args.cluster_key)
+    store = sm.create_cluster(
+        client,
+        root,
+        args.name,
+        args.partitions,
+        cluster_key=args.cluster_key,
+        feature_version=args.feature_version,
+    )
     print(
         f"created cluster {args.name!r} at {root}: {args.partitions} partitions, key {store.cluster_key}",
         file=out,
@@ -220,6 +228,11 @@ def cmd_verify(client: KazooClient, root: str, args: argparse.Namespace, out: Te
     if not problems:
         scope = "every partition" if parts is None else f"partitions {sm.format_ranges(parts)}"
         print(f"OK: {scope} served, replicated and healthy", file=out)
+    # A pending trim is no problem (the exit status ignores it), but what is about to be deleted is news.
+    points = read_trim_points(client, root)
+    wanted = range(view.num_partitions) if parts is None else parts
+    for line in checks.pending_trims(points, wanted, wall_clock_ms()):
+        print(line, file=out)
     return 1 if problems else 0
 
 
@@ -377,6 +390,13 @@ def _add_metadata_commands(command: _AddCommand) -> None:
         type=_uuid,
         metavar="UUID",
         help="use this key instead of a random one (to restore a backup keeping its key: docs/operations.md)",
+    )
+    p.add_argument(
+        "--feature-version",
+        type=_positive,
+        metavar="N",
+        help="start at this feature version instead of the newest this release supports (for a cluster that "
+        "processes of an older release will join: docs/upgrade.md)",
     )
 
     p = command("delete", cmd_delete, "delete the cluster at cluster.root (recursively)")

@@ -4,7 +4,9 @@ A rolling upgrade runs two releases side by side, so a process may not write a f
 ZooKeeper) or send a message that an older process of the same cluster cannot read, even when its own
 release knows it. The decision is the cluster's, kept in one znode, and raised only by an operator
 (``waltz cluster raise-features``) once every running process supports the new feature version. Until then a
-rollback to the older release is safe; after it, it is not (the newer formats may be in use).
+rollback to the older release is safe; after it, it is not (the newer formats may be in use). A new cluster
+starts at the newest feature version of the release that creates it
+(:func:`waltz.cluster.store_metadata.create_cluster`), unless told an older one.
 
 ZooKeeper values (UTF-8 JSON, one object each)::
 
@@ -28,9 +30,10 @@ Feature versions (:data:`FEATURES`):
 * 2 -- every process is Waltz 0.2.0 or later: it registers its supported range (above) and refuses to start in
   a cluster whose feature version it does not support. A trim point may be pending for a grace
   (``<root>/store/trim`` format 2, :mod:`waltz.cluster.trim_points`) and a retention limit in bytes may be
-  set (the servers send storage message 26, :mod:`waltz.cluster.retention`). No format of 0.2.0 needs
-  more; later formats that a 0.2.0 process cannot read get feature version 3 and are used only once
-  :func:`read_feature_version` says so.
+  set (the servers send storage message 26, :mod:`waltz.cluster.retention`).
+* 3 -- (also 0.2.0) servers may send storage message 28 (storage codec V2, ``MultiAppendRequest``: several
+  partitions' appends in one frame, :mod:`waltz.protocol.storage_multi`) to nodes that negotiated V2. A
+  server follows the feature version (:func:`watch_feature_version`) and starts sending it once raised.
 
 A process checks the feature version when it starts (:func:`check_supported`), so that after a raise an older
 0.2.0-or-later process refuses to start rather than join a cluster whose formats it cannot read. Waltz 0.1.0
@@ -42,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -72,6 +75,7 @@ __all__ = [
     "read_feature_version",
     "read_server_processes",
     "register_process",
+    "watch_feature_version",
     "write_feature_version",
 ]
 
@@ -86,6 +90,8 @@ FEATURES: Final[Mapping[int, str]] = {
     1: "Waltz 0.1.0: the formats and protocols of the first release",
     2: "Waltz 0.2.0: every process registers its supported feature range and checks the cluster's; "
     "pending trim points (a grace) and retention limits in bytes",
+    3: "Waltz 0.2.0: servers send several partitions' appends to a storage node in one request "
+    "(storage codec V2)",
 }
 """What each feature version allows, for ``waltz cluster features``."""
 
@@ -193,6 +199,22 @@ def read_feature_version(client: KazooClient, root: str) -> tuple[int, int]:
         except NoNodeError:
             return BASE_FEATURE_VERSION, -1
     return decode_features(raw, path), stat.version
+
+
+def watch_feature_version(client: KazooClient, root: str, on_change: Callable[[int], None]) -> None:
+    """Call ``on_change(feature version)`` now and whenever ``<root>/features`` changes, on kazoo's thread
+    (hop onto a loop with ``call_soon_threadsafe``). An unreadable value is logged at ERROR and skipped: the
+    version known before stays in force (it is never lowered)."""
+    path = ClusterPaths(root).features
+
+    def changed(raw: bytes | None, _stat: Any, *_: Any) -> None:
+        try:
+            on_change(BASE_FEATURE_VERSION if raw is None else decode_features(raw, path))
+        except MetadataError as e:
+            log.error("unreadable cluster feature version (keeping the one known): %s", e)
+
+    with zk_errors("watch the cluster's feature version"):
+        client.DataWatch(path, changed)
 
 
 def write_feature_version(

@@ -15,6 +15,7 @@ All functions are blocking and take a started kazoo client and the cluster root.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from kazoo.security import ACL, Permissions
 from waltz.cluster.cluster_params import ClusterParams
 from waltz.cluster.connection_metadata import ConnectionMetadata
 from waltz.cluster.counter import decode_counter, encode_counter
+from waltz.cluster.features import BASE_FEATURE_VERSION, SUPPORTED_FEATURES, encode_features
 from waltz.cluster.group_descriptor import GroupDescriptor
 from waltz.cluster.partition_assignment import NOT_COMPUTED, PartitionAssignment
 from waltz.cluster.partition_metadata import PartitionMetadata
@@ -47,9 +49,24 @@ ADMIN_LOCK_TIMEOUT_S = 30.0
 
 
 def create_cluster(
-    client: KazooClient, root: str, name: str, num_partitions: int, cluster_key: uuid.UUID | None = None
+    client: KazooClient,
+    root: str,
+    name: str,
+    num_partitions: int,
+    cluster_key: uuid.UUID | None = None,
+    feature_version: int | None = None,
 ) -> StoreParams:
-    """Create a cluster at ``root`` with a random cluster key; refuses if ``root`` already exists."""
+    """Create a cluster at ``root`` with a random cluster key; refuses if ``root`` already exists.
+
+    The cluster starts at ``feature_version``, by default the newest this release supports: every process of
+    a new cluster runs this release or a later one, so nothing holds its formats and messages back. An older
+    one is for a cluster that processes of an older release will join (docs/upgrade.md)."""
+    version = SUPPORTED_FEATURES.hi if feature_version is None else feature_version
+    if not SUPPORTED_FEATURES.lo <= version <= SUPPORTED_FEATURES.hi:
+        raise MetadataError(
+            f"feature version must be between {SUPPORTED_FEATURES.lo} and {SUPPORTED_FEATURES.hi}, "
+            f"got {version}"
+        )
     if not name:
         raise MetadataError("the cluster name must not be empty")
     if not 0 < num_partitions <= MAX_PARTITIONS:
@@ -57,7 +74,11 @@ def create_cluster(
             f"number of partitions must be between 1 and {MAX_PARTITIONS}, got {num_partitions}"
         )
     store = StoreParams(cluster_key or uuid.uuid4(), num_partitions)
-    write_cluster_tree(client, root, ClusterTree(ClusterParams(name, num_partitions), store))
+    # Feature version 1 is the znode's absence, as in a cluster made by Waltz 0.1.0.
+    tree = ClusterTree(ClusterParams(name, num_partitions), store, feature_version=version)
+    if version == BASE_FEATURE_VERSION:
+        tree = dataclasses.replace(tree, feature_version=None)
+    write_cluster_tree(client, root, tree)
     return store
 
 
@@ -79,6 +100,9 @@ class ClusterTree:
     """The client-id counter's value: the next client takes ``last_client_id + 1``."""
     trim_points: TrimPoints = field(default_factory=TrimPoints)
     """``<root>/store/trim``, written only if a partition is listed (a fresh cluster has none)."""
+    feature_version: int | None = None
+    """``<root>/features``; None: not written (the cluster is at feature version 1, see
+    :mod:`waltz.cluster.features`)."""
 
 
 def write_cluster_tree(client: KazooClient, root: str, tree: ClusterTree) -> None:
@@ -108,6 +132,8 @@ def write_cluster_tree(client: KazooClient, root: str, tree: ClusterTree) -> Non
     t.create(paths.groups, tree.groups.encode())
     t.create(paths.connections, tree.connections.encode())
     t.create(paths.admin_lock, b"")
+    if tree.feature_version is not None:
+        t.create(paths.features, encode_features(tree.feature_version))
     if tree.trim_points.entries:
         t.create(paths.trim_points, tree.trim_points.encode())
     try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from waltz.cluster.partition_metadata import UNRESOLVED
+from waltz.cluster.trim_points import TrimPoints, describe_entry
 from waltz.errors import WaltzError
 from waltz.ops.servers import ServerReport, server_report
 from waltz.ops.view import ClusterView
@@ -315,6 +316,18 @@ async def verify(
                 Problem(p, f"server {owner[0]} reports it unhealthy (its store session is not open)")
             )
     return problems
+
+
+def pending_trims(points: TrimPoints, partitions: Iterable[int], now_ms: int) -> list[str]:
+    """A line per partition of ``partitions`` whose trim point is pending at ``now_ms``: set, in its grace,
+    nothing deleted for it yet (``waltz cluster trim -p N --cancel`` still stops it), worded as
+    ``waltz cluster retention show`` words it. Not a :class:`Problem`: a grace is how a trim is meant to wait,
+    but an operator checking the cluster should see what is about to be deleted."""
+    return [
+        f"pending trim: {describe_entry(p, points.entry(p), now_ms)}"
+        for p in partitions
+        if points.entry(p).settled(now_ms).pending is not None
+    ]
 
 
 def _zookeeper_problems(

@@ -49,7 +49,9 @@ highest version both ends list (:mod:`waltz.protocol.framing`; with none in comm
 lists). From V1 on, a new message type is a new codec version: its class sets ``MIN_VERSION``, the sender
 checks :func:`available` with the connection's negotiated version once, before it builds such a request,
 and the decoder refuses it below its version. The hot path (appends, run reads) is V0 and checks nothing.
-V1 (Waltz 0.2.0) adds 26/27.
+V1 (Waltz 0.2.0) adds 26/27. V2 adds 28, ``MultiAppendRequest`` (several partitions' appends in one frame,
+each answered as above), defined in :mod:`waltz.protocol.storage_multi`, whose ``decode`` is a storage node's
+request decoder; a server sends it only once the cluster's feature version allows (see there).
 
 The bracketed trailers of 3 and 5 are not the original's. Each is sent only when it says something (a
 flag set or a reason given) and a message without it decodes as if it were all zero, so the original's
@@ -200,7 +202,7 @@ __all__ = [
     "write_session_info",
 ]
 
-STORAGE_VERSIONS: Final = (0, 1)
+STORAGE_VERSIONS: Final = (0, 1, 2)
 """Codec versions of the storage protocol this implementation speaks (frame magic 'S')."""
 STORAGE_CLIENT_HELLO: Final = "Waltz Storage Client"
 STORAGE_SERVER_HELLO: Final = "Waltz Storage Server"
@@ -905,6 +907,8 @@ def decode(payload: bytes | bytearray | memoryview, version: int = STORAGE_VERSI
         raise RemoteProtocolError(f"unknown storage message type {type_code}")
     if version < cls.MIN_VERSION:
         raise RemoteProtocolError(f"storage message type {type_code} is not in codec V{version}")
+    if cls is SuccessResponse and len(data) == PREFIX.size:
+        return SuccessResponse(session_id, seq_num, partition_id)  # every append's answer: no Reader needed
     r = Reader(data, PREFIX.size)
     msg = cls._read(r, session_id, seq_num, partition_id)
     r.expect_end()

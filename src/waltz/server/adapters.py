@@ -166,6 +166,7 @@ class TcpReplicaConnector:
         self._locks: dict[str, asyncio.Lock] = {}
         self._bodies = _AppendBodies()
         self._closed = False
+        self._multi_append = False
 
     async def _client(self, storage: str) -> StorageClient:
         lock = self._locks.setdefault(storage, asyncio.Lock())
@@ -190,8 +191,16 @@ class TcpReplicaConnector:
                 connect_timeout_ms=self._connect_timeout_ms,
                 ssl=self._ssl,
             )
+            client.multi_append = self._multi_append
             self._clients[storage] = client
             return client
+
+    def allow_multi_append(self, allowed: bool) -> None:
+        """Whether the cluster's feature version allows MultiAppendRequests (to nodes that speak storage
+        codec V2; see :class:`StorageClient`): for the connections open now and later."""
+        self._multi_append = allowed
+        for client in self._clients.values():
+            client.multi_append = allowed
 
     async def connect(self, storage: str, partition_id: int, session_id: int) -> ReplicaConnection:
         client = await self._client(storage)

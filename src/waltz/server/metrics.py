@@ -7,7 +7,7 @@ scraped (:class:`CommitMetrics`, :class:`StoreCollector`).
 from __future__ import annotations
 
 import bisect
-import contextlib
+import functools
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -92,15 +92,18 @@ class CommitMetrics(Collector):
         yield latency
 
 
+@functools.cache
+def _le_labels(bounds: tuple[float, ...]) -> tuple[str, ...]:
+    """The "le" labels of ``bounds``, made once: a scrape writes them for every partition."""
+    return tuple(floatToGoString(b) for b in bounds)  # type: ignore[no-untyped-call]
+
+
 def _histogram_buckets(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[str, float]]:
     """A histogram's ``(le, cumulative count)`` buckets from per-bucket ``counts`` (one per bound, then one
     above every bound), the "le" labels as prometheus_client's own Histogram writes them (its helper is
     untyped)."""
     cumulative = list(itertools.accumulate(counts))
-    buckets: list[tuple[str, float]] = [
-        (floatToGoString(b), c)  # type: ignore[no-untyped-call]
-        for b, c in zip(bounds, cumulative, strict=False)
-    ]
+    buckets: list[tuple[str, float]] = list(zip(_le_labels(tuple(bounds)), cumulative, strict=False))
     buckets.append(("+Inf", cumulative[-1]))
     return buckets
 
@@ -122,19 +125,6 @@ class ServerMetrics:
         self.failed = Counter(
             "waltz_server_failed_appends", "Appends that failed", ["partition"], registry=registry
         )
-        self.hwm = Gauge(
-            "waltz_server_high_water_mark", "Committed high-water mark", ["partition"], registry=registry
-        )
-        self.pending = Gauge(
-            "waltz_server_pending_appends", "Appends in flight", ["partition"], registry=registry
-        )
-        self.feeds = Gauge("waltz_server_feed_contexts", "Mounted clients", ["partition"], registry=registry)
-        self.generation = Gauge(
-            "waltz_server_generation", "Partition generation", ["partition"], registry=registry
-        )
-        self.healthy = Gauge(
-            "waltz_server_partition_healthy", "1 if a store session is open", ["partition"], registry=registry
-        )
         self.cache_hit_rate = Gauge(
             "waltz_server_cache_hit_ratio", "Cache hits / lookups", ["cache"], registry=registry
         )
@@ -151,34 +141,11 @@ class ServerMetrics:
             ["partition"],
             registry=registry,
         )
-        self.damaged_reads = Gauge(
-            "waltz_server_damaged_replica_reads",
-            "Reads that found a replica's stored copy damaged and went to another replica",
-            ["partition"],
-            registry=registry,
-        )
         for pid in range(num_partitions):
             p = str(pid)
             self.commits.for_partition(p)
             for counter in (self.lock_failures, self.failed, self.read_bytes, self.generation_changes):
                 counter.labels(p)
-
-    # Gauges of live state are read when scraped (set_function), not copied now and then: a scrape of
-    # /metrics alone must see the current high-water mark.
-
-    def export_partition(self, pid: int, part: Partition) -> None:
-        label = str(pid)
-        self.hwm.labels(label).set_function(lambda: part.high_water_mark)
-        self.pending.labels(label).set_function(lambda: part.pending_appends)
-        self.feeds.labels(label).set_function(lambda: part.feed_context_count)
-        self.healthy.labels(label).set_function(lambda: 1 if part.is_healthy else 0)
-        self.damaged_reads.labels(label).set_function(lambda: sum(part.store.damaged_replicas.values()))
-
-    def unexport_partition(self, pid: int) -> None:
-        label = str(pid)
-        for gauge in (self.hwm, self.pending, self.feeds, self.healthy, self.generation, self.damaged_reads):
-            with contextlib.suppress(KeyError):
-                gauge.remove(label)
 
     def export_caches(self, feed: FeedCache, transactions: TransactionCache) -> None:
         for name, cache in (("feed", feed), ("transaction", transactions)):
@@ -193,6 +160,41 @@ class ServerMetrics:
             failed=self.failed.labels(p).inc,
             latency=commits.latency,
         )
+
+
+_PARTITION_GAUGES: tuple[tuple[str, str, Callable[[Partition], float]], ...] = (
+    ("waltz_server_high_water_mark", "Committed high-water mark", lambda p: p.high_water_mark),
+    ("waltz_server_pending_appends", "Appends in flight", lambda p: p.pending_appends),
+    ("waltz_server_feed_contexts", "Mounted clients", lambda p: p.feed_context_count),
+    ("waltz_server_generation", "Partition generation", lambda p: p.generation),
+    ("waltz_server_partition_healthy", "1 if a store session is open", lambda p: 1 if p.is_healthy else 0),
+    (
+        "waltz_server_damaged_replica_reads",
+        "Reads that found a replica's stored copy damaged and went to another replica",
+        lambda p: sum(p.store.damaged_replicas.values()),
+    ),
+)
+
+
+class PartitionGauges(Collector):
+    """The live state of each partition this server owns, read when scraped (a scrape of /metrics alone sees
+    the current high-water mark). A collector over the owned partitions rather than labelled gauges set as a
+    partition opens and removed as it closes: the scrape runs on a thread (see :mod:`waltz.http`) and must
+    never see a partition's series just created at 0, nor one left behind after it moved away."""
+
+    def __init__(self, partitions: Callable[[], dict[int, Partition]]) -> None:
+        self._partitions = partitions
+
+    def describe(self) -> list[Any]:
+        return []  # no eager collection at registration: the server has no partitions yet
+
+    def collect(self) -> Iterator[Metric]:
+        owned = sorted(dict(self._partitions()).items())  # one C-level copy: the loop may change it meanwhile
+        for name, documentation, value in _PARTITION_GAUGES:
+            family = GaugeMetricFamily(name, documentation, labels=["partition"])
+            for pid, part in owned:
+                family.add_metric([str(pid)], value(part))
+            yield family
 
 
 class _StoreTotals:
@@ -211,7 +213,7 @@ class _StoreTotals:
     def add(self, store: StorePartition) -> None:
         stats = store.stats
         self.opened += stats.sessions_opened
-        for reason, count in stats.sessions_ended.items():
+        for reason, count in list(stats.sessions_ended.items()):  # scraped on a thread: copy, then iterate
             self.ended[reason] = self.ended.get(reason, 0) + count
         self.recovery_seconds += stats.recovery_seconds_sum
         batch_counts = stats.batch_appends_counts
@@ -285,7 +287,7 @@ class StoreCollector:
             "1 if the replica takes part in the open store session's writes, 0 if it is recovering or out",
             labels=["partition", "replica", "role"],
         )
-        owned = self._partitions()
+        owned = dict(self._partitions())  # one C-level copy: this runs on the scrape thread (see waltz.http)
         for pid, part in sorted(owned.items()):
             store = part.store
             hwm = store.high_water_mark

@@ -52,6 +52,7 @@ from typing import Any
 from kazoo.client import KazooClient
 
 from waltz.cluster import zk
+from waltz.cluster.features import watch_feature_version
 from waltz.cluster.membership import ClusterMember
 from waltz.cluster.replica_assignments import ReplicaAssignments
 from waltz.cluster.store_metadata import read_store_params
@@ -64,13 +65,14 @@ from waltz.http import HttpEndpoint, listen, new_registry
 from waltz.protocol import client_server as cs
 from waltz.protocol.framing import MAGIC_CLIENT
 from waltz.protocol.record_run import RunBytes
+from waltz.protocol.storage_multi import MULTI_APPEND_FEATURE_VERSION
 from waltz.runtime import TaskSet
 from waltz.server import retention
 from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
 from waltz.server.config import ServerConfig
 from waltz.server.connection import BadMessage, ClientConnection, CloseConnection
 from waltz.server.feed_cache import FeedCache
-from waltz.server.metrics import ServerMetrics, StoreCollector
+from waltz.server.metrics import PartitionGauges, ServerMetrics, StoreCollector
 from waltz.server.partition import Partition
 from waltz.server.retention import RetentionKeeper
 from waltz.server.store.store_partition import StorePartition
@@ -118,6 +120,7 @@ class WaltzServer:
             self.transaction_cache, self._load_transaction, max_in_flight=config.max_fetches_in_flight
         )
         self.metrics.export_caches(self.feed_cache, self.transaction_cache)
+        self.registry.register(PartitionGauges(lambda: self.partitions))
         self.registry.register(StoreCollector(lambda: self.partitions, num_partitions))
         self.registry.register(ZooKeeperCollector(lambda: self.zk))
         self.partitions: dict[int, Partition] = {}
@@ -135,6 +138,8 @@ class WaltzServer:
         """Every task of the server: its own work, and requests of clients (see :meth:`_spawn`)."""
         self._reconcile_lock = asyncio.Lock()
         self._replicas_changed = asyncio.Event()
+        self.multi_append = False
+        """Whether the cluster's feature version lets appends share storage requests (see _watch_features)."""
         self.failure: BaseException | None = None
         """Why the server stopped following ZooKeeper (a bug): it must not go on serving; see run_server."""
         self._failed = asyncio.Event()
@@ -204,6 +209,7 @@ class WaltzServer:
             )
         await self._watch_replica_assignments()
         await retention.watch(self.zk, self.config.cluster_root, self.retention)
+        await self._watch_features()
         preferred = (
             parse_partition_ranges(self.config.preferred_partitions, self.num_partitions)
             if self.config.preferred_partitions
@@ -255,6 +261,27 @@ class WaltzServer:
     # -- ZooKeeper-driven state --
 
     # The ZooKeeper state change itself is logged once, by waltz.cluster.zk.
+
+    async def _watch_features(self) -> None:
+        """Follow the cluster's feature version: from 3 on, appends for several partitions go to a storage
+        node in one request (:mod:`waltz.protocol.storage_multi`)."""
+        loop = asyncio.get_running_loop()
+
+        def on_change(fv: int) -> None:
+            loop.call_soon_threadsafe(self._feature_version, fv)
+
+        await asyncio.to_thread(watch_feature_version, self.zk, self.config.cluster_root, on_change)
+
+    def _feature_version(self, fv: int) -> None:
+        allowed = fv >= MULTI_APPEND_FEATURE_VERSION
+        if allowed != self.multi_append:
+            self.multi_append = allowed
+            log.info(
+                "cluster feature version %d: multi-partition storage appends %s",
+                fv,
+                "on" if allowed else "off",
+            )
+        self.connector.allow_multi_append(allowed)
 
     def _on_suspended(self) -> None:
         self._suspended = True
@@ -330,7 +357,6 @@ class WaltzServer:
         ending = [(pid, self.partitions.pop(pid)) for pid in over]
         for pid, old in ending:
             if pid not in assignment:
-                self.metrics.unexport_partition(pid)
                 await old.close()
                 log.info(
                     "partition %d closed: moved away (generation %d, high-water mark %d)",
@@ -381,8 +407,6 @@ class WaltzServer:
                 # Not served until its first session opens: reads wait for that from now, not from the first
                 # read (see _wait_serving).
                 self._unserved[part] = (time.monotonic(), 0)
-                self.metrics.export_partition(pid, part)
-                self.metrics.generation.labels(str(pid)).set(generation)
                 self.metrics.generation_changes.labels(str(pid)).inc()
                 log.info(
                     "partition %d opened at generation %d, replicas %s; recovering",

@@ -19,6 +19,7 @@ from typing import Generic, NamedTuple, Self, TypeVar, cast
 from waltz.errors import LocalProtocolError, RemoteProtocolError, StorageError, StorageRpcError
 from waltz.protocol import admin as adm
 from waltz.protocol import storage as st
+from waltz.protocol import storage_multi as sm
 from waltz.protocol.framing import MAGIC_ADMIN, MAGIC_STORAGE
 from waltz.protocol.record_run import RunBytes
 from waltz.protocol.records import Record, RecordHeader
@@ -193,7 +194,27 @@ class _Endpoint(Generic[M]):
 
 
 class StorageClient(_Endpoint[st.StorageMessage]):
-    """A connection to one storage node's data port. Safe for concurrent use by many tasks of one loop."""
+    """A connection to one storage node's data port. Safe for concurrent use by many tasks of one loop.
+
+    With :attr:`multi_append` set (the cluster's feature version allows it) and storage codec V2 negotiated,
+    the appends :meth:`start_append_encoded` is given while others are in flight on the connection are held
+    until the end of the loop pass and leave together, in one MultiAppendRequest
+    (:mod:`waltz.protocol.storage_multi`), each still answered, and its future resolved, on its own. Every
+    other request sends the held appends first, so the node sees the requests in the order they were made.
+    """
+
+    def __init__(self, rpc: RpcClient[st.StorageMessage, st.StorageMessage], address: str) -> None:
+        super().__init__(rpc, address)
+        self.multi_append = False
+        """Whether the cluster's feature version allows MultiAppendRequests (set by the server)."""
+        self._multi_capable = rpc.connection.negotiated_version >= sm.MultiAppendRequest.MIN_VERSION
+        self._held: list[bytes] = []
+        """Whole AppendRequest payloads held for this loop pass's MultiAppendRequest, in order."""
+        self._held_bytes = 0
+        self._flush_handle: asyncio.Handle | None = None
+        self._loop = asyncio.get_running_loop()
+        self.multi_requests = 0
+        """MultiAppendRequests sent (each carries two appends or more)."""
 
     @classmethod
     async def connect(
@@ -318,14 +339,53 @@ class StorageClient(_Endpoint[st.StorageMessage]):
     ) -> asyncio.Future[object]:
         """:meth:`append_encoded` sent now, without a timeout of its own (see ``RpcClient.start_call``, also
         for ``on_answer``): the future's result is the node's SuccessResponse once it fsynced the records."""
-        request = cast(st.StorageMessage, EncodedAppend(session_id, self._seq(), partition_id, body))
-        future: asyncio.Future[object] = cast(
-            "asyncio.Future[object]",
-            self._rpc.start_call(
-                request, cast("Callable[[asyncio.Future[st.StorageMessage]], None] | None", on_answer)
-            ),
-        )
+        seq = self._seq()
+        answer = cast("Callable[[asyncio.Future[st.StorageMessage]], None] | None", on_answer)
+        if self.multi_append and self._multi_capable and self._rpc.in_flight:
+            return cast("asyncio.Future[object]", self._hold(session_id, seq, partition_id, body, answer))
+        request = cast(st.StorageMessage, EncodedAppend(session_id, seq, partition_id, body))
+        return cast("asyncio.Future[object]", self._rpc.start_call(request, answer))
+
+    def _hold(
+        self,
+        session_id: int,
+        seq: int,
+        partition_id: int,
+        body: bytes,
+        on_answer: Callable[[asyncio.Future[st.StorageMessage]], None] | None,
+    ) -> asyncio.Future[st.StorageMessage]:
+        """Hold an append for this pass's MultiAppendRequest (see the class docstring)."""
+        part = st.encode_append_request(session_id, seq, partition_id, body)
+        held = self._held
+        if held and (
+            len(held) >= sm.MAX_MULTI_APPENDS or self._held_bytes + len(part) > sm.MAX_MULTI_APPEND_BYTES
+        ):
+            self._send_held()
+        future = self._rpc.expect(seq, on_answer)
+        held.append(part)
+        self._held_bytes += len(part)
+        if self._flush_handle is None:
+            self._flush_handle = self._loop.call_soon(self._send_held)
         return future
+
+    def _send_held(self) -> None:
+        """Send the held appends: one alone as an AppendRequest, several as one MultiAppendRequest."""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        held, self._held, self._held_bytes = self._held, [], 0
+        if len(held) == 1:
+            self._rpc.send_payload(held[0])
+        elif held:
+            self.multi_requests += 1
+            self._rpc.send_payload(sm.encode_multi_append(held))
+
+    async def _call(
+        self, msg: st.StorageMessage, expected: type[T], timeout_ms: int = DEFAULT_TIMEOUT_MS
+    ) -> T:
+        if self._held:
+            self._send_held()  # the node sees requests in the order they were made
+        return await super()._call(msg, expected, timeout_ms)
 
     async def read_header(
         self, session_id: int, partition_id: int, transaction_id: int

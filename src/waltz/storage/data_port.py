@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from waltz.errors import (
@@ -17,6 +17,7 @@ from waltz.errors import (
     WaltzError,
 )
 from waltz.protocol import storage as st
+from waltz.protocol import storage_multi as sm
 from waltz.storage.authority import step_refusal
 from waltz.storage.work import MAX_LIST_BYTES, MAX_LIST_RECORDS, REFUSAL_LOG_INTERVAL_S, InFlight, Item
 from waltz.tls import peer_common_name
@@ -173,10 +174,9 @@ class DataSession:
         """Bytes of read responses this connection may hold (bounded)."""
 
     def on_payload(self, payload: bytes) -> Awaitable[None] | None:
-        node = self.node
         conn = self.conn
         try:
-            msg = st.decode(payload, conn.negotiated_version)
+            msg = sm.decode(payload, conn.negotiated_version)
         except RemoteProtocolError as e:
             _peer_warnings.warning(
                 conn.source,
@@ -186,18 +186,49 @@ class DataSession:
                 e,
             )
             raise  # ends serving; the connection is closed
+        if isinstance(msg, sm.MultiAppendRequest):
+            return self._multi(msg.appends)
+        return self._request(msg, conn.read_ahead)
+
+    def _request(self, msg: st.StorageMessage, ahead: bool) -> Awaitable[None] | None:
+        """Check and queue (or answer) one request; ``ahead``: more requests follow it right away."""
+        conn = self.conn
         if not self.opened or type(msg) is st.OpenRequest:
             self._open(msg)
             return None
-        partitions = node.partitions
+        partitions = self.node.partitions
         if not 0 <= msg.partition_id < len(partitions):
             err = PartitionNotAssignedError(f"Partition:{msg.partition_id} does not exist.")
             conn.send(st.encode(st.failure_from_error(msg.session_id, msg.seq_num, msg.partition_id, err)))
             return None
         part = partitions[msg.partition_id]
         if msg.session_id > part.session_id:
-            return self._admit_new_session(msg, part)
-        return self._admit(msg, part)
+            return self._admit_new_session(msg, part, ahead)
+        return self._admit(msg, part, ahead)
+
+    def _multi(self, appends: Sequence[st.AppendRequest]) -> Awaitable[None] | None:
+        """A MultiAppendRequest: each append as if it had arrived alone, in order (the same checks, its own
+        response); the rest continue in the connection's task once one has to wait."""
+        requests = self.node.metrics.requests
+        requests.inc("MultiAppendRequest")
+        requests.inc("AppendInMultiAppend", len(appends))  # also counted as AppendRequests, by the worker
+        last = len(appends) - 1
+        ahead = self.conn.read_ahead
+        for i, msg in enumerate(appends):
+            pending = self._request(msg, ahead or i < last)
+            if pending is not None:
+                return self._multi_rest(pending, appends[i + 1 :], ahead)
+        return None
+
+    async def _multi_rest(
+        self, pending: Awaitable[None], appends: Sequence[st.AppendRequest], ahead: bool
+    ) -> None:
+        await pending
+        last = len(appends) - 1
+        for i, msg in enumerate(appends):
+            waiting = self._request(msg, ahead or i < last)
+            if waiting is not None:
+                await waiting
 
     def _open(self, msg: st.StorageMessage) -> None:
         conn = self.conn
@@ -217,7 +248,7 @@ class DataSession:
         err = ClusterKeyMismatchError("the connection has not been opened with the cluster key")
         conn.send(st.encode(st.failure_from_error(msg.session_id, msg.seq_num, msg.partition_id, err)))
 
-    async def _admit_new_session(self, msg: st.StorageMessage, part: StoragePartition) -> None:
+    async def _admit_new_session(self, msg: st.StorageMessage, part: StoragePartition, ahead: bool) -> None:
         """A request whose session id is newer than the partition's: confirmed (or refused), then fencing."""
         node = self.node
         conn = self.conn
@@ -240,12 +271,13 @@ class DataSession:
             )
             part.session_id = msg.session_id  # fence older sessions on arrival
             node.metrics.session.labels(part.partition_id).set(part.session_id)
-        pending = self._admit(msg, part)
+        pending = self._admit(msg, part, ahead)
         if pending is not None:
             await pending
 
-    def _admit(self, msg: st.StorageMessage, part: StoragePartition) -> Awaitable[None] | None:
-        """Queue ``msg`` for its partition (or commit an append at once); an awaitable if it has to wait."""
+    def _admit(self, msg: st.StorageMessage, part: StoragePartition, ahead: bool) -> Awaitable[None] | None:
+        """Queue ``msg`` for its partition (or commit an append at once unless ``ahead``: more requests
+        follow it); an awaitable if it has to wait."""
         append = type(msg) is st.AppendRequest
         reserved = 0 if append else _response_estimate(msg)
         if not self.slots.try_acquire():
@@ -256,7 +288,7 @@ class DataSession:
         item = Item(
             msg, self.conn, slot=self.slots, arrived_s=time.monotonic(), budget=self.budget, reserved=reserved
         )
-        if append and part.may_commit_now and not self.conn.read_ahead:
+        if append and part.may_commit_now and not ahead:
             # Not when more requests were read behind it: those appends would each take an fsync of their
             # own here, one after the other; queued, the worker writes them together and fsyncs once.
             part.commit_now(item)

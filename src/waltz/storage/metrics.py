@@ -59,7 +59,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry, num_partitions: int = 0) -> None:
         # Appends counted from 0 at start (as the Counter's child made up front was): an idle node's rate is
         # 0 rather than missing, and increase() sees the first appends.
-        self.requests = RequestCounts(("AppendRequest",))
+        self.requests = RequestCounts(("AppendRequest", "MultiAppendRequest", "AppendInMultiAppend"))
         registry.register(self.requests)
         self.failures = Counter("waltz_storage_failures", "Failure responses", ["error"], registry=registry)
         self.append_latency = Latency(

@@ -151,21 +151,42 @@ class RpcClient(Generic[ReqT, RespT]):
         if seq in self._pending:
             raise LocalProtocolError(f"{self._name}: sequence number {seq} is already in flight")
         payload = self._encode(request)
-        future: asyncio.Future[RespT] = self._loop.create_future()
-        pending = self._pending
         if isinstance(payload, tuple):
             # A large body (a batch of records, the same bytes for every replica) written from where it is.
             self._conn.send(*payload)
-        elif pending:
+        elif self._pending:
             self._conn.send(payload)  # Joins this iteration's write (requests pipelined on a busy peer).
         else:
             # Nothing in flight to this peer (a lone append's replica request): written now rather than one
             # loop iteration later, with nothing to coalesce it with yet.
             self._conn.send(payload, now=True)
-        pending[seq] = future
+        return self.expect(seq, on_answer)
+
+    def expect(
+        self, seq: int, on_answer: Callable[[asyncio.Future[RespT]], None] | None = None
+    ) -> asyncio.Future[RespT]:
+        """:meth:`start_call` of a request the caller sends itself with :meth:`send_payload`, inside a
+        payload that carries several requests (each answered on its own, by its sequence number): the
+        future of its response, registered now. The caller sends the payload in this loop pass or the next;
+        until then the request counts as in flight."""
+        self._check_usable()
+        if seq in self._pending:
+            raise LocalProtocolError(f"{self._name}: sequence number {seq} is already in flight")
+        future: asyncio.Future[RespT] = self._loop.create_future()
+        self._pending[seq] = future
         if on_answer is not None:
             self._on_answer[seq] = on_answer
         return future
+
+    def send_payload(self, payload: bytes) -> None:
+        """Write ``payload`` (requests registered with :meth:`expect`) now, after every frame sent before it;
+        if the connection cannot take it, it is lost and every pending call fails (as after a lost read)."""
+        if not self.is_usable:
+            return  # its requests failed with the connection already
+        try:
+            self._conn.send(payload, now=True)
+        except Exception as e:  # noqa: BLE001 - whatever it was, the pending calls learn it
+            self._lost(e)
 
     async def _call_with_slot(self, request: ReqT) -> RespT:
         seq = self._request_seq(request)

@@ -240,9 +240,10 @@ class StorePartition:
         session = self._session
         if session is None:
             return {}
+        # A copy first (one C-level call): /metrics calls this from its scrape thread (see waltz.http).
         return {
             storage: (replica.role.value, replica.max_id)
-            for storage, replica in session.replica_sessions.items()
+            for storage, replica in list(session.replica_sessions.items())
             if not replica.retiring
         }
 
