@@ -120,7 +120,7 @@ class Runner:
 
     async def _serve(self) -> None:
         owner = self._owner
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         while True:
             while self._jobs:
                 job = self._jobs.popleft()
@@ -128,11 +128,16 @@ class Runner:
                 await job
             if self.rest is None and not owner.park(self):
                 return
+            await self._wait_for_a_job(loop)
+
+    async def _wait_for_a_job(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Idle (parked, or reserved for a hook's rest) until :meth:`give` hands a job."""
+        while not self._jobs:
             waiter = self._waiter = loop.create_future()
             try:
                 await waiter
             except asyncio.CancelledError as e:
-                if owner.closing:
+                if self._owner.closing:
                     raise
                 if self.rest is not None:
                     self.rest.error = e  # For the hook it waits to run (a timeout of its first step).
@@ -193,7 +198,7 @@ class Runners:
     def run(self, job: Coroutine[Any, Any, None], runner: Runner | None = None) -> None:
         """Run ``job`` in ``runner`` (reserved by :meth:`step`: the job awaits its rest), or in an idle
         runner, or a new one."""
-        if runner is None:
+        if runner is None or runner.task.done():  # (Done: the client closed before its job came.)
             runner = self._idle.pop() if self._idle else Runner(self)
         runner.give(job)
 

@@ -281,3 +281,36 @@ def test_closing_with_a_hook_suspended_ends_it() -> None:
         assert events == ["completion started", "apply:1"]
 
     run(main())
+
+
+class CancelsItsTaskCtx(AsyncCtx):
+    async def on_completion(self, result: bool) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()  # And returns without awaiting: nothing of this hook is left to cancel.
+        self.events.append("completion")
+
+
+def test_a_hook_that_cancels_its_task_and_returns_leaves_the_runner_usable() -> None:
+    async def main() -> None:
+        events: list[str] = []
+        client = await started(events)
+        try:
+            for _ in range(3):
+                ctx = CancelsItsTaskCtx()
+                await client.submit(ctx)
+                await client.flush_transactions(timeout=5)
+                assert ctx.events == ["completion", "application"]
+                for _ in range(3):
+                    await asyncio.sleep(0)  # The runner hears the cancellation, and takes it back.
+                idle = client._runners._idle
+                assert len({id(runner) for runner in idle}) == len(idle)  # Parked once each.
+                assert all(not runner.task.cancelling() for runner in idle)
+            ctx_t = TimeoutCtx()
+            await client.submit(ctx_t)
+            await asyncio.wait_for(ctx_t.done, 5)
+            assert ctx_t.timed_out
+        finally:
+            await client.close()
+
+    run(main())
