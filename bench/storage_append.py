@@ -10,9 +10,11 @@ test, assigns partition 0, and appends 512-byte records from this (separate) pro
                 ``--batch-in-flight`` requests outstanding.
 * ``read``      (not in the default list) the whole log read back ``--read-passes`` times with
                 RecordRunRequests of 10,000 records or 8 MiB, one at a time: the node's CPU per record served.
-* ``spread``    (not in the default list) ``--partitions`` partitions (default 256), one 1-record append in
-                flight on each, over one StorageClient (as a server writing many partitions, each with
-                one append in flight): what a request costs when every partition needs its own fsync.
+* ``spread``    (not in the default list) ``--partitions`` partitions (default 256), one append of
+                ``--spread-batch`` records (default 1) in flight on each, over one StorageClient (as a server
+                writing many partitions, each with one replication batch in flight): what a request costs
+                when every partition needs its own fsync. ``--partitions 5 --spread-batch 12`` is what a
+                node sees of 4 busy partitions.
 
 For each mode it prints records/s, MB/s (record data only), acknowledgement latency p50/p99 (send of the
 request to receipt of its Success, i.e. after the node's fsync) and the node's fsyncs/s. Before that it
@@ -372,21 +374,25 @@ async def read_back(client: StorageClient, records: int, passes: int, node_pid: 
 async def spread(
     args: argparse.Namespace, client: StorageClient, admin: AdminClient, node_pid: int
 ) -> Result:
-    """The ``spread`` mode: partitions 1 to ``--partitions`` - 1 (0 is the other modes'), one 1-record
-    append in flight on each, ``--records`` in all."""
+    """The ``spread`` mode: partitions 1 to ``--partitions`` - 1 (0 is the other modes'), one append of
+    ``--spread-batch`` records in flight on each, ``--records`` in all."""
     partitions = range(1, NUM_PARTITIONS[0])
     await admin.set_assigned(list(partitions), True)
     data = os.urandom(RECORD_BYTES)
     next_ids = dict.fromkeys(partitions, 0)
     latencies: list[float] = []
 
+    batch = max(1, args.spread_batch)
+
     async def one(partition: int, rounds: int) -> None:
         for _ in range(rounds):
             i = next_ids[partition]
-            next_ids[partition] = i + 1
-            record = Record.build(i, ReqId(7 << 32, partition << 32 | i), 0, data)
+            next_ids[partition] = i + batch
+            records = [
+                Record.build(j, ReqId(7 << 32, partition << 32 | j), 0, data) for j in range(i, i + batch)
+            ]
             t0 = time.perf_counter()
-            await client.append(SESSION, partition, [record])
+            await client.append(SESSION, partition, records)
             latencies.append(time.perf_counter() - t0)
 
     async def fsyncs() -> int:
@@ -395,7 +401,7 @@ async def spread(
 
     await asyncio.gather(*(one(p, 2) for p in partitions))  # warm-up: every partition's first segment
     latencies.clear()
-    rounds = max(1, args.records // len(partitions))
+    rounds = max(1, args.records // (len(partitions) * batch))
     before = await fsyncs()
     callgrind_toggle(args, node_pid, True)
     cpu_before = proc_stat(node_pid)
@@ -404,16 +410,16 @@ async def spread(
     elapsed = time.perf_counter() - start
     cpu_after = proc_stat(node_pid)
     callgrind_toggle(args, node_pid, False)
-    total = rounds * len(partitions)
+    total = rounds * len(partitions) * batch
     return Result(
-        f"{len(partitions)} partitions, 1 rec x1 each",
+        f"{len(partitions)} partitions, {batch} rec x1 each",
         total,
         elapsed,
         latencies,
         await fsyncs() - before,
         cpu_after.user_s - cpu_before.user_s,
         cpu_after.system_s - cpu_before.system_s,
-        total,
+        rounds * len(partitions),
     )
 
 
@@ -535,6 +541,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=100)
     parser.add_argument("--batch-in-flight", type=int, default=8)
     parser.add_argument("--partitions", type=int, default=256, help="partitions of the spread mode")
+    parser.add_argument("--spread-batch", type=int, default=1, help="records per append of the spread mode")
     parser.add_argument("--read-passes", type=int, default=3, help="passes over the log of the read mode")
     parser.add_argument(
         "--profile", metavar="FILE", help="run the node under cProfile and write its profile to FILE"

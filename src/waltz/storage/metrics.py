@@ -199,13 +199,23 @@ class RequestCounts(Collector):
         yield family
 
 
+class HandoffCounts(Protocol):
+    """What :class:`AppendCounters` reads of the node's group fsyncs (a ``GroupSync``)."""
+
+    @property
+    def handoffs(self) -> int: ...
+
+
 class AppendCounters(Collector):
     """``waltz_storage_appended_records``, ``_appended_bytes`` and ``_fsyncs``, read from the partitions'
     plain counts when scraped. A prometheus Counter takes a lock and a few calls per update: three per group
     commit were the largest part of the metrics' cost on the path of a lone append."""
 
-    def __init__(self, partitions: Callable[[], Sequence[PartitionCounters]]) -> None:
+    def __init__(
+        self, partitions: Callable[[], Sequence[PartitionCounters]], handoffs: HandoffCounts | None = None
+    ) -> None:
         self._partitions = partitions
+        self._handoffs = handoffs
 
     def collect(self) -> Iterable[Metric]:
         records = CounterMetricFamily(
@@ -248,6 +258,13 @@ class AppendCounters(Collector):
             "Group-commit fsyncs run in a thread (a slow disk, or other partitions busy), not on the loop",
             value=threaded,
         )
+        if self._handoffs is not None:
+            yield CounterMetricFamily(
+                "waltz_storage_fsync_handoffs",
+                "Jobs of group-commit fsyncs handed to a thread: each runs the fsyncs of every partition "
+                "whose group waited for one, in turn",
+                value=self._handoffs.handoffs,
+            )
 
 
 def directory_bytes(directory: str) -> int:

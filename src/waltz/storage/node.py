@@ -4,7 +4,9 @@ Guarantees:
 
 * **Durability.** An append is answered with Success only after its records are fsynced. Appends that arrive
   while an fsync is running are written together and share the next fsync (group commit), so throughput
-  does not collapse to one batch per fsync.
+  does not collapse to one batch per fsync. The groups of different partitions waiting at the same time
+  have their files fsynced in one hand-off to a thread (:class:`~waltz.storage.fsync.GroupSync`), each
+  answered after its own file's fsync.
 * **Order.** Requests for one partition are processed one at a time, in arrival order, by that partition's
   worker task; responses to one connection for one partition leave in the same order. An append that finds
   the worker idle with nothing queued anywhere (and fsyncs running on the loop), and no request read behind
@@ -88,7 +90,7 @@ from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import ControlFile
 from waltz.storage.data_port import serve_data
 from waltz.storage.fileio import OS_FS, FileSystem
-from waltz.storage.fsync import FsyncPolicy
+from waltz.storage.fsync import FsyncPolicy, GroupSync
 from waltz.storage.handlers import HANDLERS
 from waltz.storage.metrics import AppendCounters, Metrics, directory_bytes, free_bytes
 from waltz.storage.scrub import scrub_forever
@@ -128,6 +130,8 @@ class StorageNode:
         self.metrics = Metrics(self.registry, control.num_partitions)
         self.queued = Tally()
         """Requests queued in all partitions (see ``StoragePartition._fsync``)."""
+        self.group_sync = GroupSync(self.fsync, self.queued)
+        """The partitions' group fsyncs, several files to one hand-off to a thread (see ``_fsync``)."""
         self.handlers = HANDLERS
         self.partitions = [StoragePartition(self, pid) for pid in range(control.num_partitions)]
         self._register_gauges()
@@ -146,7 +150,7 @@ class StorageNode:
         self.http_port = 0
 
     def _register_gauges(self) -> None:
-        self.registry.register(AppendCounters(lambda: self.partitions))
+        self.registry.register(AppendCounters(lambda: self.partitions, self.group_sync))
         directory = str(self.config.directory)
         self.metrics.disk_bytes.set_function(lambda: directory_bytes(directory))
         self.metrics.disk_free_bytes.set_function(lambda: free_bytes(directory))

@@ -24,7 +24,7 @@ from waltz.runtime import TaskSet
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import FLAG_DAMAGED, ControlFile, PartitionInfo
 from waltz.storage.fileio import FileSystem
-from waltz.storage.fsync import FsyncPolicy
+from waltz.storage.fsync import FsyncPolicy, GroupSync
 from waltz.storage.metrics import Metrics
 from waltz.storage.partition import PartitionLog
 from waltz.storage.replica_check import lost_below_mark, missing_log
@@ -52,6 +52,7 @@ class PartitionHost(Protocol):
     control: ControlFile
     metrics: Metrics
     fsync: FsyncPolicy
+    group_sync: GroupSync
     queued: Tally
     tasks: TaskSet
     handlers: dict[type[st.StorageMessage], Handler]
@@ -509,7 +510,10 @@ class StoragePartition:
         (group commit)."""
         node = self.node
         return (
-            not self.busy and node.queued.items == 0 and not self.worker_gone and node.fsync.inline_allowed()
+            not self.busy
+            and node.queued.items == 0
+            and not self.worker_gone
+            and node.group_sync.inline_allowed()
         )
 
     def commit_now(self, item: Item) -> None:
@@ -672,26 +676,28 @@ class StoragePartition:
     async def _fsync(self, plog: PartitionLog) -> WaltzError | None:
         """Make the data file durable; return None, or the error that fails the whole group.
 
-        On the event loop thread when no other partition has requests queued and the node's
-        :class:`~waltz.storage.fsync.FsyncPolicy` allows it, otherwise in one of its threads (so the other
-        partitions are served while the disk works).
+        On the event loop thread when no other partition has requests queued or an fsync waiting and the
+        node's :class:`~waltz.storage.fsync.FsyncPolicy` allows it; otherwise through the node's
+        :class:`~waltz.storage.fsync.GroupSync`, in a thread together with the other partitions' fsyncs
+        asked for meanwhile (so the other partitions are served while the disk works, and one hand-off
+        serves them all). Either way only this file's fsync decides this group's outcome.
         """
         node = self.node
-        policy = node.fsync
-        if node.queued.items == len(self.queue) and policy.inline_allowed():
+        group = node.group_sync
+        if node.queued.items == len(self.queue) and group.inline_allowed():
             return self._fsync_inline(plog)
-        self.threaded_fsync_count += 1
         try:
-            await policy.run_threaded(plog.flush)
+            threaded = await group.sync(plog.flush)
         except Exception as e:  # noqa: BLE001 - any fsync failure fails the whole group
             return self._fsync_failed(e)
+        self.threaded_fsync_count += threaded
         self._fsynced(plog)
         return None
 
     def _fsync_inline(self, plog: PartitionLog) -> WaltzError | None:
         """:meth:`_fsync` on the loop thread (the caller checked that it may)."""
         try:
-            self.node.fsync.run_inline(plog.flush)
+            self.node.group_sync.run_inline(plog.flush)
         except Exception as e:  # noqa: BLE001 - any fsync failure fails the whole group
             return self._fsync_failed(e)
         self._fsynced(plog)

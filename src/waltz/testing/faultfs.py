@@ -39,11 +39,15 @@ class FaultyFileSystem:
         self.inner = inner
         self.fsync_failures = 0
         """How many of the next data fsyncs (``data_only=True``) fail with EIO."""
+        self.failing_path: str | None = None
+        """If set, only data fsyncs of files whose path contains it fail (and count down)."""
         self.failed_fsyncs = 0
         """How many failed so far."""
 
-    def fail_next_fsyncs(self, n: int = 1) -> None:
+    def fail_next_fsyncs(self, n: int = 1, *, path_part: str | None = None) -> None:
+        """Fail the next ``n`` data fsyncs, of files whose path contains ``path_part`` if given."""
         self.fsync_failures += n
+        self.failing_path = path_part
 
     def open(self, path: str, *, create: bool = False, read_only: bool = False) -> File:
         return FaultyFile(self, self.inner.open(path, create=create, read_only=read_only))
@@ -98,7 +102,7 @@ class FaultyFile:
 
     def fsync(self, *, data_only: bool = False) -> None:
         fs = self._fs
-        if data_only and fs.fsync_failures > 0:
+        if data_only and fs.fsync_failures > 0 and (fs.failing_path is None or fs.failing_path in self.path):
             fs.fsync_failures -= 1
             fs.failed_fsyncs += 1
             raise StorageError(f"{self.path}: cannot fsync: {os.strerror(errno.EIO)} (injected)")

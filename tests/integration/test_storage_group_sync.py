@@ -1,0 +1,135 @@
+"""Group fsyncs across partitions on a real storage node (real files and fdatasync, loopback sockets): appends
+to many partitions that reach the node together are made durable in a few hand-offs to threads, not one
+each, and a failed fsync of one partition's file in such a hand-off fails that partition's group alone."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.integration.storage_process import DEFAULT_KEY
+from waltz.errors import StorageError
+from waltz.protocol.records import Record, ReqId
+from waltz.server.storage_client import AdminClient, StorageClient
+from waltz.storage.config import StorageConfig
+from waltz.storage.node import StorageNode
+from waltz.testing.faultfs import FaultyFileSystem
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+NUM_PARTITIONS = 16
+SESSION = 1
+
+
+async def _node(tmp_path: Path, fs: FaultyFileSystem) -> StorageNode:
+    config = StorageConfig.from_mapping(
+        {
+            "storage.port": 0,
+            "storage.admin.port": 0,
+            "storage.directory": str(tmp_path / "storage"),
+            "storage.cluster.key": str(DEFAULT_KEY),
+            "storage.cluster.numPartitions": NUM_PARTITIONS,
+        }
+    )
+    return await StorageNode.start(config, DEFAULT_KEY, NUM_PARTITIONS, fs=fs)
+
+
+def _record(partition: int, i: int) -> Record:
+    return Record.build(i, ReqId(1 << 32, partition << 32 | i), 0, os.urandom(100))
+
+
+async def _connected(node: StorageNode) -> tuple[AdminClient, StorageClient]:
+    admin = await AdminClient.connect("127.0.0.1", node.admin_port, DEFAULT_KEY, NUM_PARTITIONS)
+    client = await StorageClient.connect(
+        "127.0.0.1", node.port, DEFAULT_KEY, NUM_PARTITIONS, max_in_flight=4 * NUM_PARTITIONS
+    )
+    await admin.set_assigned(list(range(NUM_PARTITIONS)), True)
+    for p in range(NUM_PARTITIONS):  # one append each first: segments opened, zeros written ahead
+        await client.append(SESSION, p, [_record(p, 0)])
+    return admin, client
+
+
+def _counts(node: StorageNode) -> tuple[int, int, int, int]:
+    """(group fsyncs, of them in a thread, hand-offs, fsyncs handed off) of the whole node."""
+    parts = node.partitions
+    group = node.group_sync
+    return (
+        sum(p.fsync_count for p in parts),
+        sum(p.threaded_fsync_count for p in parts),
+        group.handoffs,
+        group.handed_off,
+    )
+
+
+def _since(node: StorageNode, before: tuple[int, int, int, int]) -> tuple[int, ...]:
+    return tuple(a - b for a, b in zip(_counts(node), before, strict=True))
+
+
+def test_appends_to_many_partitions_read_together_are_fsynced_in_a_few_hand_offs(tmp_path: Path) -> None:
+    async def main() -> None:
+        node = await _node(tmp_path, FaultyFileSystem())
+        try:
+            admin, client = await _connected(node)
+            async with admin, client:
+                before = _counts(node)
+                for round_ in range(1, 4):
+                    # Sent in one loop pass: the frames leave in one write and reach the node together.
+                    await asyncio.gather(
+                        *(client.append(SESSION, p, [_record(p, round_)]) for p in range(NUM_PARTITIONS))
+                    )
+                fsyncs, threaded, handoffs, handed_off = _since(node, before)
+                assert fsyncs == 3 * NUM_PARTITIONS  # every partition's file, once per group
+                assert handed_off == threaded
+                assert threaded >= 2 * NUM_PARTITIONS  # at most a few alone on the loop
+                assert handoffs <= handed_off // 2  # a few per round (in up to 4 threads at once), not 16
+                for p in range(NUM_PARTITIONS):
+                    assert await client.max_transaction_id(SESSION, p) == 3
+                    assert node.partitions[p].durable_max == 3
+        finally:
+            await node.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_failed_fsync_in_a_shared_hand_off_fails_only_its_partitions_group(tmp_path: Path) -> None:
+    """The fsyncs after the failed one in the same job still run and count; the failed partition is
+    fail-stopped (as a failed fsync always makes it), the others serve on."""
+
+    async def main() -> None:
+        fs = FaultyFileSystem()
+        node = await _node(tmp_path, fs)
+        try:
+            admin, client = await _connected(node)
+            async with admin, client:
+                before = _counts(node)
+                fs.fail_next_fsyncs(1, path_part=str(tmp_path / "storage" / "5") + os.sep)
+                outcomes = await asyncio.gather(
+                    *(client.append(SESSION, p, [_record(p, 1)]) for p in range(NUM_PARTITIONS)),
+                    return_exceptions=True,
+                )
+                _fsyncs, _threaded, handoffs, handed_off = _since(node, before)
+                assert handed_off >= NUM_PARTITIONS - 1  # the failed one went with the others
+                assert handoffs <= handed_off // 2
+                assert fs.failed_fsyncs == 1
+                for p, outcome in enumerate(outcomes):
+                    if p == 5:
+                        assert isinstance(outcome, StorageError)
+                        assert "injected" in str(outcome)
+                    else:
+                        assert outcome is None, (p, outcome)
+                        assert node.partitions[p].durable_max == 1
+                        assert node.partitions[p].broken is None
+                broken = node.partitions[5].broken
+                assert broken is not None
+                assert broken.startswith("fsync failed")
+                assert node.partitions[5].durable_max == 0  # the failed group is not counted durable
+                await client.append(SESSION, 4, [_record(4, 2)])  # the others take appends on
+                with pytest.raises(StorageError, match="fail-stopped"):
+                    await client.append(SESSION, 5, [_record(5, 1)])
+        finally:
+            await node.aclose()
+
+    asyncio.run(main())
