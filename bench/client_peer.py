@@ -107,13 +107,14 @@ def batch_histogram(http_port: int | None) -> dict[str, float]:
     return out
 
 
-def storage_counts(http_ports: list[int]) -> tuple[float, float, float, float]:
+def storage_counts(http_ports: list[int]) -> tuple[float, float, float, float, float]:
     """Group-commit fsyncs, append request frames (AppendRequests alone and MultiAppendRequests), fsyncs run
-    in a thread and hand-offs of fsyncs to a thread of every storage node (``waltz_storage_fsyncs_total``,
-    ``waltz_storage_requests_total`` of append types, ``waltz_storage_fsyncs_in_thread_total``,
-    ``waltz_storage_fsync_handoffs_total``: a node without the last hands each fsync off alone, so its fsyncs
-    in a thread count), summed."""
-    fsyncs = requests = threaded = handoffs = 0.0
+    in a thread, hand-offs of fsyncs to a thread and syncfs calls of every storage node
+    (``waltz_storage_fsyncs_total``, ``waltz_storage_requests_total`` of append types,
+    ``waltz_storage_fsyncs_in_thread_total``, ``waltz_storage_fsync_handoffs_total``: a node without it hands
+    each fsync off alone, so its fsyncs in a thread count; ``waltz_storage_fsync_syncfs_total``: each stands
+    for the fsyncs of a batch), summed."""
+    fsyncs = requests = threaded = handoffs = syncfs = 0.0
     for port in http_ports:
         text = _metrics(port)
         node_handoffs = node_threaded = None
@@ -124,13 +125,15 @@ def storage_counts(http_ports: list[int]) -> tuple[float, float, float, float]:
                 node_threaded = float(line.rsplit(" ", 1)[1])
             elif line.startswith("waltz_storage_fsync_handoffs_total "):
                 node_handoffs = float(line.rsplit(" ", 1)[1])
+            elif line.startswith("waltz_storage_fsync_syncfs_total "):
+                syncfs += float(line.rsplit(" ", 1)[1])
             elif line.startswith("waltz_storage_requests_total{") and "append" in line.lower():
                 # Request frames: an append inside a MultiAppendRequest is counted as an AppendRequest too.
                 sign = -1.0 if 'type="AppendInMultiAppend"' in line else 1.0
                 requests += sign * float(line.rsplit(" ", 1)[1])
         threaded += node_threaded or 0.0
         handoffs += node_handoffs if node_handoffs is not None else node_threaded or 0.0
-    return fsyncs, requests, threaded, handoffs
+    return fsyncs, requests, threaded, handoffs, syncfs
 
 
 def batch_note(before: dict[str, float], after: dict[str, float]) -> str:
@@ -251,7 +254,7 @@ class Bench:
         # with many partitions (its histogram is read while the phase runs, skewing the counts per op).
         http_port = self.http_port if self.args.partitions <= FEW_PARTITIONS else None
         h0 = await asyncio.to_thread(batch_histogram, http_port)
-        f0, r0, x0, o0 = await asyncio.to_thread(storage_counts, self.storage_http_ports)
+        f0, r0, x0, o0, y0 = await asyncio.to_thread(storage_counts, self.storage_http_ports)
         measuring = True
         # The server process alone too (the first pid; the rest are the storage nodes).
         w0 = total_cpu_s(self.pids[:1])
@@ -263,7 +266,7 @@ class Bench:
         elapsed = time.perf_counter() - t0
         c1, k1, s1 = time.process_time(), os.times().system, total_cpu_s(self.pids)
         w1 = total_cpu_s(self.pids[:1])
-        f1, r1, x1, o1 = await asyncio.to_thread(storage_counts, self.storage_http_ports)
+        f1, r1, x1, o1, y1 = await asyncio.to_thread(storage_counts, self.storage_http_ports)
         h1 = await asyncio.to_thread(batch_histogram, http_port)
         note = batch_note(h0, h1)
         if count:
@@ -271,7 +274,7 @@ class Bench:
             note += f"; storage append requests/op {(r1 - r0) / count:.3f}, fsyncs/op {(f1 - f0) / count:.3f}"
             if f1 > f0:
                 note += f" ({100 * (x1 - x0) / (f1 - f0):.0f}% in a thread)"
-            note += f", hand-offs to a thread/op {(o1 - o0) / count:.3f}"
+            note += f", hand-offs to a thread/op {(o1 - o0) / count:.3f}, syncfs/op {(y1 - y0) / count:.3f}"
         await asyncio.wait(tasks, timeout=30)
         return Result(phase, count, elapsed, latencies, c1 - c0, k1 - k0, s1 - s0, note, r1 - r0, f1 - f0)
 

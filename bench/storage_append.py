@@ -29,7 +29,8 @@ Each mode also prints the node's CPU per record (user + system, all threads, fro
 steadier figure on a shared machine, and per request: wall time (the run's time over its requests), the
 node's user and system CPU. ``--preallocate BYTES`` sets the node's ``storage.segment.preallocateBytes`` (0 =
 off; not given: the node's default, and nothing is written to its config, so older trees run too): run it
-with 0 and without, alternating, for the A/B of zero-filled segments.
+with 0 and without, alternating, for the A/B of zero-filled segments. ``--syncfs-min-files N`` likewise sets
+``storage.fsync.syncfsMinFiles`` (0: an fdatasync per file; the A/B of one ``syncfs`` per batch in spread).
 
     .venv/bin/python bench/storage_append.py --modes single,raw-batched --preallocate 0
 
@@ -178,9 +179,11 @@ def start_node(
     preallocate: int | None = None,
     callgrind: str | None = None,
     partitions: int = 1,
+    syncfs_min_files: int | None = None,
 ) -> tuple[subprocess.Popen[bytes], int, int]:
     config = directory / "storage.yaml"
     extra = "" if preallocate is None else f"storage.segment.preallocateBytes: {preallocate}\n"
+    extra += "" if syncfs_min_files is None else f"storage.fsync.syncfsMinFiles: {syncfs_min_files}\n"
     config.write_text(
         f"storage.port: 0\nstorage.admin.port: 0\nstorage.directory: {directory / 'data'}\n"
         f"storage.cluster.key: {KEY}\nstorage.cluster.numPartitions: {partitions}\n{extra}",
@@ -566,6 +569,12 @@ def main() -> int:
         help="the node's storage.segment.preallocateBytes (0 = off; default: the node's own default)",
     )
     parser.add_argument(
+        "--syncfs-min-files",
+        type=int,
+        metavar="N",
+        help="the node's storage.fsync.syncfsMinFiles (0 = never syncfs; default: the node's own default)",
+    )
+    parser.add_argument(
         "--path-only",
         action="store_true",
         help="measure only the CPU of the node's append path in this process (no sockets, no fsync)",
@@ -592,7 +601,13 @@ def main() -> int:
             + ("node default" if args.preallocate is None else f"{args.preallocate} bytes (0 = off)")
         )
         proc, port, admin_port = start_node(
-            base, args.event_loop, args.profile, args.preallocate, args.callgrind, NUM_PARTITIONS[0]
+            base,
+            args.event_loop,
+            args.profile,
+            args.preallocate,
+            args.callgrind,
+            NUM_PARTITIONS[0],
+            args.syncfs_min_files,
         )
         spy = None
         if args.py_spy:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from bench.faults.powerfs import PowerMount, import_tree, mounted
+
+from waltz.storage.fileio import OS_FS
 
 pytestmark = pytest.mark.fault
 
@@ -178,3 +181,21 @@ def test_in_journal_mode_a_file_fsync_also_commits_every_directory_entry(tmp_pat
         assert (m / "version-2" / "log.1").read_bytes() == b"entry"
     finally:
         mount.stop()
+
+
+def test_syncfs_does_not_reach_a_fuse_daemon_so_the_storage_node_does_not_trust_it(fs: PowerMount) -> None:
+    """Linux sends FUSE_SYNCFS to virtiofs only: on powerfs a syncfs returns 0 and makes nothing durable. The
+    file layer must refuse it there (the node then fdatasyncs each file), and does."""
+    m = fs.mountpoint
+    handle, why = OS_FS.open_fs_sync(str(m))
+    assert handle is None
+    assert "not f_type 0x65735546" in why  # FUSE_SUPER_MAGIC
+    _write(m / "f", b"acknowledged?", sync=False)
+    _fsync(m)
+    fd = os.open(m, os.O_RDONLY)
+    try:
+        assert ctypes.CDLL(None, use_errno=True).syncfs(fd) == 0
+    finally:
+        os.close(fd)
+    fs.cut()
+    assert (m / "f").read_bytes() == b""  # what a node trusting that syncfs would have acknowledged, lost

@@ -98,3 +98,12 @@ def test_bad_files_give_one_line(tmp_path: Path, text: str | None, message: str)
         StorageConfig.load(path)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_syncfs_min_files_defaults_to_4_and_0_turns_it_off() -> None:
+    assert StorageConfig.from_mapping(dict(BASE)).syncfs_min_files == 4
+    assert StorageConfig.from_mapping({**BASE, "storage.fsync.syncfsMinFiles": 0}).syncfs_min_files == 0
+    nested = {**BASE, "storage": {"fsync": {"syncfsMinFiles": 16}}}
+    nested.update(dict(BASE.items()))
+    with pytest.raises(ConfigError, match=r"storage\.fsync\.syncfsMinFiles"):
+        StorageConfig.from_mapping({**BASE, "storage.fsync.syncfsMinFiles": -1})

@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,9 @@ class _Log:
     def flush(self) -> None:
         self.threads.append(threading.current_thread() is threading.main_thread())
         self.clock.now_s += self.delay_s
+
+    def flush_begin(self) -> Callable[[], None]:
+        raise AssertionError("one partition never makes a batch of several files to syncfs")
 
     def write_flushed_index(self) -> None:
         # After every fsync, on the loop thread whichever ran the fsync: it touches what appends touch.

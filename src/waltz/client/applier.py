@@ -18,7 +18,7 @@ from typing import Any
 from waltz.client.api import ApplyAction
 from waltz.client.attempts import AttemptsMixin
 from waltz.client.driver import MountState
-from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
+from waltz.client.monitor import Resolution, TransactionMonitor
 from waltz.client.retry import APPLY_RETRY
 from waltz.client.state import PartitionState, Stuck
 from waltz.client.transaction import Transaction, new_transactions
@@ -46,11 +46,12 @@ APPLY_BATCH_MAX_S = 0.005
 
 _READY = MountState.READY
 _MASK32 = 0xFFFFFFFF
-_COMMITTED = Outcome.COMMITTED
 
 
 class ApplierMixin(AttemptsMixin):
     """Mount, feed and apply of the client's partitions (see the module docstring)."""
+
+    __slots__ = ()
 
     def _add_partition(self, partition_id: int) -> None:
         partition = PartitionState(partition_id, self._config)
@@ -113,8 +114,7 @@ class ApplierMixin(AttemptsMixin):
         transactions = new_transactions(partition_id, entries, source)
         resolutions = partition.monitor.on_feed_run(entries)
         if resolutions:
-            _own_data(partition, resolutions, transactions)
-            self._resolve(partition, resolutions)
+            self._resolve(partition, resolutions, transactions)
         # Queued for apply_transaction after the resolutions, all at once: the applier's wake-up then follows
         # the application's (an on_completion on the loop that woke the task waiting for it), so that task's
         # next append goes out first and the apply runs while the server works on it; and nothing is queued
@@ -415,25 +415,6 @@ async def _apply_batch_inline(
         except Exception as e:  # noqa: BLE001 - application code: the loop reports it and delivers again
             return i, e
     return len(batch), None
-
-
-def _own_data(
-    partition: PartitionState, resolutions: list[Resolution], transactions: list[Transaction]
-) -> None:
-    """The appends of this client among ``transactions`` (consecutive ids) carry the data it sent: reading it
-    in ``apply_transaction`` then costs no request (other clients' transactions are fetched, read ahead in
-    ranges). Called before the resolutions take the runs out of ``partition.outcomes``."""
-    outcomes = partition.outcomes
-    first = transactions[0].transaction_id
-    count = len(transactions)
-    for resolution in resolutions:
-        if resolution.outcome is _COMMITTED:
-            i = resolution.transaction_id - first
-            if 0 <= i < count:
-                run = outcomes.get(resolution.req_id)
-                if run is not None:
-                    transactions[i]._data = run.data
-                    run.data = None
 
 
 class Listener:

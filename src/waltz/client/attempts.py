@@ -17,6 +17,7 @@ from waltz.client.hooks import HooksMixin
 from waltz.client.lifecycle import Event, State
 from waltz.client.monitor import Outcome, Resolution, TransactionMonitor
 from waltz.client.state import PartitionState, Run
+from waltz.client.transaction import Transaction
 from waltz.errors import (
     ClientAheadError,
     ClientError,
@@ -55,6 +56,8 @@ class _Expired(Exception):
 class AttemptsMixin(HooksMixin):
     """Sending appends, hearing their fate, and the retry path (see the module docstring)."""
 
+    __slots__ = ()
+
     def _send(
         self,
         partition: PartitionState,
@@ -75,7 +78,7 @@ class AttemptsMixin(HooksMixin):
         req_id = _new_tuple(ReqId, (partition.req_msb, partition.req_lsb_base | (seq & _MASK32)))
         outcomes = partition.outcomes
         outcomes[req_id] = run
-        run.data = builder.data
+        run.data = builder._data  # What its committed transaction carries (see _resolve).
         monitor.register(req_id, seq, self._clock())
         try:
             # Alone in flight (one append at a time): nothing would join it in this iteration's write, so it
@@ -99,13 +102,19 @@ class AttemptsMixin(HooksMixin):
             # Not fatal: the next nudge or READY sends another flush.
             log.warning("partition %d: flush not sent: %s", partition_id, e)
 
-    def _resolve(self, partition: PartitionState, resolutions: list[Resolution]) -> None:
+    def _resolve(
+        self, partition: PartitionState, resolutions: list[Resolution], feed: list[Transaction] | None = None
+    ) -> None:
         """Hand each resolution to the run whose append it is: a commit is finished here (its slot, its
         lifecycle, ``on_completion``), anything else through :meth:`_on_attempt_failed`. Once per feed run,
         not per append: the slots of the committed runs are given back in one ``Slots.release`` (one lock
         round) after the loop; with metrics on, their contexts' creation times go to the latency histogram in
-        one call too."""
+        one call too.
+
+        ``feed``: the transactions of the feed run that made ``resolutions`` (consecutive ids, every commit
+        among them): a commit's transaction gets the data its append sent, so applying it costs no fetch."""
         outcomes = partition.outcomes
+        first = feed[0].transaction_id if feed else 0
         awaiting_apply = partition.awaiting_apply
         metrics = self._metrics
         created: list[float] | None = None if metrics is None else []
@@ -121,7 +130,11 @@ class AttemptsMixin(HooksMixin):
                 # Committed (once per append): it leaves APPENDING (its COMMIT is made by _run_hook), so its
                 # slot is free.
                 released += 1
-                run.transaction_id = resolution.transaction_id
+                transaction_id = run.transaction_id = resolution.transaction_id
+                if feed is not None:
+                    transaction = feed[transaction_id - first]
+                    if transaction.transaction_id == transaction_id:  # (Always: the feed's ids are dense.)
+                        transaction._data = run.data
                 awaiting_apply.append(run)
                 self._run_hook(run, True)
                 if created is not None:

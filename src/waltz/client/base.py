@@ -21,6 +21,7 @@ from waltz.client.api import ClientCallbacks
 from waltz.client.config import ClientConfig
 from waltz.client.dispatch import Dispatch, runs_on_loop
 from waltz.client.driver import ClientDriver, CoordinationTrouble, MountState
+from waltz.client.eager import Runners
 from waltz.client.lifecycle import HOLDS_SLOT, Event, Hook
 from waltz.client.monitor import TransactionMonitor
 from waltz.client.pool import Call, CallbackPool, report_hook_failure
@@ -86,7 +87,47 @@ class DataSource:
 
 
 class ClientBase:
-    """The state of an :class:`~waltz.client.core.AsyncWaltzClient` and its shared helpers."""
+    """The state of an :class:`~waltz.client.core.AsyncWaltzClient` and its shared helpers.
+
+    The state lives in slots (the mixins add none): every ``self._x`` of the hot path is then a slot read
+    CPython specializes whatever the number of fields. (An instance dict with 30 keys or more is no longer a
+    split dict, and every attribute and method lookup on the client falls back to a dict lookup.)
+    """
+
+    __slots__ = (
+        "_callbacks",
+        "_client_id",
+        "_client_msb",
+        "_clock",
+        "_closed",
+        "_config",
+        "_dispatch",
+        "_driver",
+        "_driver_arg",
+        "_driver_error",
+        "_handoff",
+        "_handoff_lock",
+        "_handoff_scheduled",
+        "_hook_runs",
+        "_hooks",
+        "_hooks_on_loop",
+        "_inline",
+        "_lead_awaitables",
+        "_loop",
+        "_metrics",
+        "_next_seq",
+        "_num_partitions",
+        "_partitions",
+        "_pool",
+        "_readahead",
+        "_retry",
+        "_runners",
+        "_runs",
+        "_source",
+        "_started",
+        "_tasks",
+        "_told_outage_s",
+    )
 
     def __init__(
         self,
@@ -115,8 +156,10 @@ class ClientBase:
         self._next_seq: dict[int, int] = {}  # Survives set_partitions, so request ids are never reused.
         self._runs: set[Run] = set()
         self._tasks = TaskSet(self._task_failed)  # Every task of the client; see waltz.client.tasks.
+        self._runners = Runners(self._spawn)  # The tasks coroutine hooks run in: see waltz.client.eager.
         self._pool: CallbackPool | None = None
         self._hooks: list[Call] = []  # Hooks queued during this loop iteration, run as one job.
+        self._hooks_on_loop = 0  # How many of them run on the loop (the others on a callback thread).
         # Inline mode: a coroutine hook run at once (see _run_hook), awaited first by this
         # iteration's batch, with the hooks queued after it (its run leads _hook_runs).
         self._lead_awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]] = []

@@ -121,6 +121,7 @@ class AsyncWaltzClient(SubmissionMixin, ApplierMixin):
             for partition_id in range(self._driver.num_partitions):
                 self._add_partition(partition_id)
         self._spawn(self._nudge_loop(), "waltz-nudge")
+        self._runners.start()
 
     async def close(self) -> None:
         """Stop: contexts still in flight end with ``on_exception(ClientClosedError)``; nothing is flushed.
@@ -135,6 +136,7 @@ class AsyncWaltzClient(SubmissionMixin, ApplierMixin):
             partition.error = closed
             partition.notify()
             partition.slots.wake_threads()  # A sync client's threads waiting for room find it closed.
+        self._runners.closing = True
         await self._tasks.aclose()
         for run in list(self._runs):
             await self._end_with_exception(run, closed, Event.CLOSE)

@@ -21,7 +21,7 @@ from typing import Any, Final
 
 from waltz.client.context import TransactionContext
 
-__all__ = ["AUTO", "INLINE", "MODES", "THREADS", "Dispatch", "runs_on_loop"]
+__all__ = ["ALL_ON_LOOP", "AUTO", "INLINE", "MODES", "THREADS", "Dispatch", "Where", "runs_on_loop"]
 
 AUTO: Final = "auto"
 THREADS: Final = "threads"
@@ -37,6 +37,15 @@ _NO_OPS: Final = frozenset(
         TransactionContext.on_lock_failure,
     }
 )
+
+
+Where = tuple[bool, bool, bool]
+"""Where a context's callbacks run, decided once per context: ``(execute, on_completion, on_application)``,
+each True for the event loop, False for a callback thread (``partition_id`` runs where ``execute`` does)."""
+ALL_ON_LOOP: Final[Where] = (True, True, True)
+
+_CONTEXTS_KEPT: Final = 4096
+"""Context classes whose :data:`Where` a :class:`Dispatch` keeps (past that, it is decided per context)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -57,9 +66,10 @@ def runs_on_loop(fn: Callable[..., Any]) -> bool:
 
 
 class Dispatch:
-    """The client's rule for one ``client.callbackMode``: :meth:`on_loop` says where a callback runs."""
+    """The client's rule for one ``client.callbackMode``: :meth:`on_loop` says where a callback runs,
+    :meth:`where` where a context's run on the hot path (decided once per context class)."""
 
-    __slots__ = ("all_inline", "mode")
+    __slots__ = ("_by_class", "all_inline", "mode")
 
     def __init__(self, mode: str) -> None:
         if mode not in MODES:
@@ -67,6 +77,34 @@ class Dispatch:
         self.mode = mode
         self.all_inline = mode == INLINE
         """Every callback runs on the loop (``inline``): no thread is ever used for application code."""
+        self._by_class: dict[type[TransactionContext], Where] = {}
 
     def on_loop(self, fn: Callable[..., Any]) -> bool:
         return self.all_inline or runs_on_loop(fn)
+
+    def where(self, context: TransactionContext) -> Where:
+        """Where ``context``'s ``execute``, ``on_completion`` and ``on_application`` run: decided once per
+        context class (one dict lookup per submit instead of a test per call), unless the context itself
+        holds one of them (an instance attribute), which is decided for that context alone."""
+        if self.all_inline:
+            return ALL_ON_LOOP
+        try:
+            own = context.__dict__
+        except AttributeError:  # A class with __slots__ and no __dict__: its methods decide.
+            own = None
+        if own and ("execute" in own or "on_completion" in own or "on_application" in own):
+            return _decide(context)
+        where = self._by_class.get(type(context))
+        if where is None:
+            where = _decide(context)
+            if len(self._by_class) < _CONTEXTS_KEPT:
+                self._by_class[type(context)] = where
+        return where
+
+
+def _decide(context: TransactionContext) -> Where:
+    return (
+        runs_on_loop(context.execute),
+        runs_on_loop(context.on_completion),
+        runs_on_loop(context.on_application),
+    )

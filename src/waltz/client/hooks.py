@@ -1,6 +1,8 @@
-"""The application's context hooks (``on_completion``, ``on_application``): queued per loop iteration and run
-as one job, on a callback thread (plain functions) or on the loop (coroutine functions, the inherited no-op
-hooks, or every hook in inline mode), in the order the lifecycle owes them.
+"""The application's context hooks (``on_completion``, ``on_application``), in the order the lifecycle owes
+them: a hook that runs on the loop (a coroutine function, an inherited no-op hook, or every hook in inline
+mode) runs at once where its append's fate was heard, a coroutine's first step with a runner task current
+(:mod:`waltz.client.eager`); the others are queued per loop iteration and run as one job, on a callback
+thread (plain functions) or in a runner task on the loop (behind a coroutine hook still waiting).
 """
 
 from __future__ import annotations
@@ -9,12 +11,13 @@ import asyncio
 import functools
 import inspect
 import logging
+import types
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from waltz.client.base import ClientBase
-from waltz.client.dispatch import runs_on_loop
+from waltz.client.eager import Rest
 from waltz.client.lifecycle import Event, Hook, State
 from waltz.client.pool import Call, report_hook_failure
 from waltz.client.state import PartitionState, Run
@@ -25,10 +28,13 @@ log = logging.getLogger("waltz.client.core")  # The core's one logger (docs/clie
 
 _COMPLETED, _ENDED = State.COMPLETED, State.ENDED
 _TRUE_ARGS = (True,)
+_Coroutine = types.CoroutineType
 
 
 class HooksMixin(ClientBase):
     """Hook dispatch of the client core (see the module docstring)."""
+
+    __slots__ = ()
 
     def _on_applied(self, partition: PartitionState, transaction_id: int) -> None:
         """Transactions up to ``transaction_id`` are applied: on_application for the runs that wait for it."""
@@ -62,17 +68,20 @@ class HooksMixin(ClientBase):
         hooks, self._hooks = self._hooks, []
         runs, self._hook_runs = self._hook_runs, []
         lead, self._lead_awaitables = self._lead_awaitables, []
+        on_loop, self._hooks_on_loop = self._hooks_on_loop, 0
         pool = self._pool
         if pool is None or pool.is_shut_down:
             for _fn, awaitable in lead:
-                if inspect.iscoroutine(awaitable):
+                if inspect.iscoroutine(awaitable) or type(awaitable) is Rest:
                     awaitable.close()  # Dropped with its batch, as the hooks never called.
             return
-        if not self._inline and not all(runs_on_loop(fn) for fn, _ in hooks):
-            # Plain hooks (on a callback thread): all of them when none is a coroutine function, else the
-            # batch in runs of one kind, in order.
-            if lead or any(runs_on_loop(fn) for fn, _ in hooks):
-                self._spawn(self._run_mixed_hooks(lead, hooks, runs), "waltz-hooks")
+        # A lead hook that suspended in its first step runs its rest in the runner that was its task then.
+        runner = lead[0][1].runner if lead and type(lead[0][1]) is Rest else None
+        if on_loop < len(hooks):
+            # Plain hooks (on a callback thread): all of them when none runs on the loop, else the batch in
+            # runs of one kind, in order.
+            if lead or on_loop:
+                self._runners.run(self._run_mixed_hooks(lead, hooks, runs), runner)
             else:
                 pool.post(hooks, then=functools.partial(self._hooks_done, runs))
             return
@@ -80,7 +89,7 @@ class HooksMixin(ClientBase):
         if lead:
             awaitables = lead + awaitables
         if awaitables:
-            self._spawn(self._await_hooks(awaitables, runs), "waltz-hooks")
+            self._runners.run(self._await_hooks(awaitables, runs), runner)
         else:
             self._hooks_done(runs)
 
@@ -91,20 +100,22 @@ class HooksMixin(ClientBase):
 
         A hook that runs on the loop (see :mod:`waltz.client.dispatch`), with no hook queued in this loop
         iteration, runs now, where the commit or the apply was heard (the socket reader, the applier): a
-        lone append's application hears of it one loop pass sooner. Otherwise the hook joins this
-        iteration's batch (:meth:`_flush_hooks`, one callback job or one pass on the loop), in order. A
-        coroutine a hook run now returns is awaited first by this iteration's batch, before the hooks
-        queued after it, which therefore still run in order."""
+        lone append's application hears of it one loop pass sooner. A coroutine hook takes its first step
+        now too, with a runner task as its task (:mod:`waltz.client.eager`). Otherwise the hook joins this
+        iteration's batch (:meth:`_flush_hooks`, one callback job or one job on the loop), in order. The
+        rest of a coroutine hook that suspended is awaited first by this iteration's batch, before the
+        hooks queued after it, which therefore still run in order."""
         context = run.context
-        if self._hook_runs or not (
-            self._inline or runs_on_loop(context.on_completion if completion else context.on_application)
-        ):
+        on_loop = self._inline or run.where[1 if completion else 2]
+        if self._hook_runs or not on_loop:
             if not self._hook_runs:
                 self._call_soon(self._flush_hooks)
             if completion:
                 self._hooks.append((context.on_completion, _TRUE_ARGS))
             else:
                 self._hooks.append((context.on_application, ()))
+            if on_loop:
+                self._hooks_on_loop += 1
         else:
             pool = self._pool
             if pool is None or pool.is_shut_down:  # As _flush_hooks: no hooks once the client is shut down.
@@ -115,6 +126,8 @@ class HooksMixin(ClientBase):
             result: Any  # The hooks are typed as returning None; an inline hook may return a coroutine.
             try:
                 result = fn(True) if completion else fn()
+                if result is not None and type(result) is _Coroutine:
+                    result = self._runners.step(result)  # Its first step, now: None if that finished it.
             except (SystemExit, KeyboardInterrupt):
                 raise
             except BaseException as e:  # noqa: BLE001 - reported to the application, as in _run_hooks_inline
@@ -135,14 +148,30 @@ class HooksMixin(ClientBase):
     async def _await_hooks(
         self, awaitables: list[tuple[Callable[..., Any], Awaitable[Any]]], runs: list[tuple[Run, bool]]
     ) -> None:
-        """Coroutine hooks (inline mode), one after the other, then the runs' next step."""
+        """Coroutine hooks (on the loop), one after the other, then the runs' next step."""
         loop = asyncio.get_running_loop()
         for fn, awaitable in awaitables:
-            try:
-                await awaitable
-            except Exception as e:  # noqa: BLE001 - reported to the application, not swallowed
-                report_hook_failure(loop, fn, e)
+            await self._await_hook(loop, fn, awaitable)
         self._hooks_done(runs)
+
+    async def _await_hook(
+        self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], awaitable: Awaitable[Any]
+    ) -> None:
+        """Await what a hook returned (in a runner task), reporting its exception. A cancellation the
+        hook let out while the client is open (it cancelled its own task) is reported too, and taken back
+        from the task, which goes on with the next hook; once the client is closing, it ends the task."""
+        if type(awaitable) is _Coroutine:
+            awaitable = Rest.unstarted(awaitable)  # Its own context, as if it had started at once.
+        try:
+            await awaitable
+        except asyncio.CancelledError as e:
+            task = asyncio.current_task()
+            if self._closed or task is None:
+                raise
+            task.uncancel()
+            report_hook_failure(loop, fn, e)
+        except Exception as e:  # noqa: BLE001 - reported to the application, not swallowed
+            report_hook_failure(loop, fn, e)
 
     async def _run_mixed_hooks(
         self,
@@ -158,10 +187,7 @@ class HooksMixin(ClientBase):
         i = 0
         while True:
             for fn, awaitable in awaitables:
-                try:
-                    await awaitable
-                except Exception as e:  # noqa: BLE001 - reported to the application, not swallowed
-                    report_hook_failure(loop, fn, e)
+                await self._await_hook(loop, fn, awaitable)
             if i == len(hooks):
                 break
             j = i

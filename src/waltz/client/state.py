@@ -16,6 +16,7 @@ from typing import Any
 
 from waltz.client.config import ClientConfig
 from waltz.client.context import TransactionContext
+from waltz.client.dispatch import Where
 from waltz.client.driver import MountState
 from waltz.client.lifecycle import Lifecycle, State
 from waltz.client.lock_queue import LockQueue
@@ -249,13 +250,15 @@ class Run(Lifecycle):
         "partition",
         "transaction_id",
         "turn",
+        "where",
     )
 
-    def __init__(self, context: TransactionContext) -> None:
+    def __init__(self, context: TransactionContext, where: Where) -> None:
         # Lifecycle.__init__'s two fields, set here (one call less per append).
         self.state = SUBMITTED
         self.attempts = 0
         self.context = context
+        self.where = where  # Where its execute and hooks run (on the loop or a thread), decided at submit.
         self.partition: PartitionState | None = None  # Known once partition_id() returned.
         # Slow path only: resolved when the first append is sent (or the context ended).
         self.first_send: asyncio.Future[None] | None = None
@@ -264,8 +267,9 @@ class Run(Lifecycle):
         self.finished_waiter: asyncio.Future[None] | None = None
         self.transaction_id = -1  # Fast path, once committed.
         self.turn: asyncio.Future[None] | None = None  # Set while waiting in a lock queue.
-        # The data of the last append sent: the committed transaction carries it (no fetch; see applier).
-        self.data: bytes | None = None
+        # ``data``: the data of the last append sent, set when it is sent (read only while it is in flight):
+        # its committed transaction carries it (no fetch; see AttemptsMixin._resolve).
+        self.data: bytes
 
     def done(self) -> asyncio.Future[None]:
         """A future resolved when the run is finished; only for a run that is not finished yet (one of the

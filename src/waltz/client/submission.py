@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeAlias
 from waltz.client.attempts import AttemptsMixin
 from waltz.client.builder import TransactionBuilder
 from waltz.client.context import TransactionContext
-from waltz.client.dispatch import runs_on_loop
+from waltz.client.dispatch import ALL_ON_LOOP
 from waltz.client.driver import MountState
 from waltz.client.lifecycle import HOLDS_SLOT, Event
 from waltz.client.monitor import TransactionMonitor
@@ -70,6 +70,8 @@ _Executed: TypeAlias = TransactionBuilder | Literal[False] | Exception | _Pendin
 class SubmissionMixin(AttemptsMixin):
     """``submit`` and the first attempt of a context (see the module docstring)."""
 
+    __slots__ = ()
+
     async def submit(self, context: TransactionContext) -> None:
         """Execute ``context`` and append its transaction; return once the first append is sent.
 
@@ -84,10 +86,10 @@ class SubmissionMixin(AttemptsMixin):
         if self._closed or self._driver is None or pool is None or pool.is_shut_down:
             self._check_open()  # Raises the error that says why.
             pool = self._require_pool()
-        run = Run(context)
+        run = Run(context, ALL_ON_LOOP if self._inline else self._dispatch.where(context))
         # Executed here, on the loop, without an await since the partition was found ready: nothing can
         # have changed it (set_partitions and close are coroutines), so it need not be checked again.
-        fresh = on_loop = self._inline or runs_on_loop(context.execute)
+        fresh = on_loop = run.where[0]
         try:
             first: _First
             if on_loop:
@@ -171,7 +173,7 @@ class SubmissionMixin(AttemptsMixin):
         taken: list[tuple[Run, _Executed | _Refused]] = []
         try:
             for context in contexts:
-                run = Run(context)
+                run = Run(context, self._dispatch.where(context))
                 try:
                     first = self._first_attempt(run, num_partitions)
                     if first is None and not taken and wait_s > 0:

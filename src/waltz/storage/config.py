@@ -15,6 +15,7 @@ from typing import Any
 from waltz.cluster.zk import ZkAuth, zk_auth_keys
 from waltz.config import ConfigSchema, Key, distinct_ports, read_yaml
 from waltz.errors import ConfigError
+from waltz.storage.fsync import DEFAULT_SYNCFS_MIN_FILES
 from waltz.tls import TlsConfig, parse_peer_names, tls_keys
 
 DEFAULT_DELETE_BYTES_PER_SECOND = 64 * 1024 * 1024
@@ -94,6 +95,16 @@ STORAGE_SCHEMA = ConfigSchema(
         Key("storage.maxConnections", int, 1024, "data and admin connections served at once", 1, 1_000_000),
         Key("storage.connection.maxPerSource", int, 128, "connections from one address", 1, 1_000_000),
         Key("storage.maxGroupCommitRecords", int, 20_000, "records written before one fsync", 1, 10_000_000),
+        Key(
+            "storage.fsync.syncfsMinFiles",
+            int,
+            DEFAULT_SYNCFS_MIN_FILES,
+            "make a batch of at least this many partitions' files durable with one syncfs(2) of the data "
+            "directory's file system instead of an fdatasync each (Linux >= 5.8 on ext4, XFS or btrfs only; "
+            "0 = never)",
+            0,
+            1_000_000,
+        ),
         Key(
             "storage.trim.deleteBytesPerSecond",
             int,
@@ -177,6 +188,9 @@ class StorageConfig:
     segment_preallocate_bytes: int = DEFAULT_SEGMENT_PREALLOCATE_BYTES
     """``storage.segment.preallocateBytes``: zeros kept ahead of the writable segment's last record (see
     :meth:`waltz.storage.segment.Segment.prefill`); 0 = off."""
+    syncfs_min_files: int = DEFAULT_SYNCFS_MIN_FILES
+    """``storage.fsync.syncfsMinFiles``: batches of fsyncs of at least this many files become one ``syncfs``
+    where that is trusted (see :mod:`waltz.storage.fsync`); 0 = never."""
     """Standalone nodes: the largest jump above the newest accepted session id of a partition (see
     :func:`waltz.storage.authority.step_refusal`)."""
     """``storage.ssl.allowedPeers``: the certificate common names (servers, operators) that may connect."""
@@ -224,6 +238,7 @@ class StorageConfig:
             max_session_id_step=c["storage.maxSessionIdStep"],
             segment_preallocate_bytes=c["storage.segment.preallocateBytes"],
             delete_bytes_per_second=c["storage.trim.deleteBytesPerSecond"],
+            syncfs_min_files=c["storage.fsync.syncfsMinFiles"],
         )
 
     @classmethod

@@ -13,13 +13,26 @@ Durability follows POSIX and nothing kinder: a file's data is durable once the f
 directory entry (a create, a mkdir, a rename, an unlink, an rmdir) once its parent directory is fsynced.
 ``rename`` fsyncs the directory itself; everything else is the caller's to fsync (:func:`make_dirs_durable`
 for new directories).
+
+:meth:`FileSystem.open_fs_sync` gives a handle whose :meth:`FsSync.syncfs` makes every file of a whole file
+system durable at once (``syncfs(2)``, one call for the data files of many partitions), where that is
+trustworthy: on Linux from kernel 5.8 (before, ``syncfs`` returned 0 even when writeback failed), with a libc
+that has ``syncfs``, and on a file system known to commit it to the disk (ext4, XFS, btrfs; not FUSE, whose
+``syncfs`` never reaches the daemon, nor network file systems). Elsewhere it gives no handle and says why;
+the caller then fsyncs each file. A failed ``syncfs`` does not consume the files' own error reports: each
+file's next ``fsync`` still reports its own writeback error (Linux keeps one error sequence per file and one
+per file system), which is how the caller finds which files failed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
+import platform
+import sys
+from collections.abc import Callable
 from typing import Protocol
 
 from waltz.errors import ClosedResourceError, StorageError
@@ -93,6 +106,25 @@ class FileSystem(Protocol):
         ...
 
     def fsync_dir(self, path: str) -> None: ...
+
+    def open_fs_sync(self, path: str) -> tuple[FsSync | None, str]:
+        """A handle on directory ``path`` whose :meth:`FsSync.syncfs` makes every file of its file system
+        durable, or None where that cannot be trusted; and a few words saying which and why (for the log)."""
+        ...
+
+
+class FsSync(Protocol):
+    """A descriptor on a directory, for ``syncfs(2)`` of the file system that holds it."""
+
+    @property
+    def path(self) -> str: ...
+
+    def syncfs(self) -> None:
+        """Make every write issued so far to any file of the file system durable (data and sizes); a
+        StorageError if the file system reports a writeback error since the last call (or since the open)."""
+        ...
+
+    def close(self) -> None: ...
 
 
 _HAS_FDATASYNC = hasattr(os, "fdatasync")
@@ -255,6 +287,85 @@ class OsFileSystem:
         except OSError as e:
             raise _storage_error(path, "fsync directory", e) from None
         finally:
+            os.close(fd)
+
+    def open_fs_sync(self, path: str) -> tuple[FsSync | None, str]:
+        why_not, syncfs, fs_name = syncfs_support(path)
+        if syncfs is None:
+            return None, why_not
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise _storage_error(path, "open directory", e) from None
+        return OsFsSync(path, fd, syncfs), f"syncfs(2) on {fs_name}, Linux {platform.release()}"
+
+
+_FS_TYPES = {0xEF53: "ext4", 0x58465342: "XFS", 0x9123683E: "btrfs"}
+"""``statfs`` ``f_type`` of the file systems whose ``syncfs`` writes back every dirty file, commits the
+journal (or transaction) and flushes the disk's cache, as an ``fsync`` of each file would (0xEF53 also names
+ext2 and ext3, mounted by the ext4 driver nowadays)."""
+MIN_SYNCFS_KERNEL = (5, 8)
+"""Linux reports writeback errors from ``syncfs`` from 5.8 on (commit 735e4ae5ba28); before, it returned 0."""
+
+
+def kernel_version(release: str) -> tuple[int, int]:
+    """(major, minor) of a ``uname -r`` string such as ``6.18.44-fc``; (0, 0) if it does not start so."""
+    parts = release.split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1].split("-")[0] if c.isdigit()) or "x")
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def syncfs_support(path: str) -> tuple[str, Callable[[int], int] | None, str]:
+    """Whether ``syncfs`` may replace the fsyncs of the files under ``path``: (why not, or "", libc's
+    ``syncfs`` or None, the file system's name)."""
+    if not sys.platform.startswith("linux"):
+        return f"fdatasync per file: syncfs(2) is Linux-only ({sys.platform})", None, ""
+    release = platform.release()
+    if kernel_version(release) < MIN_SYNCFS_KERNEL:
+        return f"fdatasync per file: Linux {release} < 5.8 does not report syncfs(2) errors", None, ""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        syncfs, statfs = libc.syncfs, libc.statfs
+    except (OSError, AttributeError):
+        return "fdatasync per file: the C library has no syncfs(2)", None, ""
+    syncfs.argtypes, syncfs.restype = [ctypes.c_int], ctypes.c_int
+    buf = ctypes.create_string_buffer(256)  # struct statfs (120 bytes on 64-bit Linux); f_type first
+    if statfs(os.fsencode(path), buf) != 0:
+        return f"fdatasync per file: statfs({path}): {os.strerror(ctypes.get_errno())}", None, ""
+    f_type = ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
+    name = _FS_TYPES.get(f_type)
+    if name is None:
+        why = f"fdatasync per file: syncfs(2) is trusted only on ext4, XFS and btrfs, not f_type {f_type:#x}"
+        return why, None, ""
+    return "", syncfs, name
+
+
+class OsFsSync:
+    """A descriptor on a directory for ``syncfs(2)`` (called through ctypes, which releases the GIL)."""
+
+    __slots__ = ("_fd", "_path", "_syncfs")
+
+    def __init__(self, path: str, fd: int, syncfs: Callable[[int], int]) -> None:
+        self._path = path
+        self._fd = fd
+        self._syncfs = syncfs
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    def syncfs(self) -> None:
+        if self._fd < 0:
+            raise ClosedResourceError(f"{self._path}: file system sync handle is closed")
+        if self._syncfs(self._fd) != 0:
+            e = ctypes.get_errno()
+            raise StorageError(f"{self._path}: cannot syncfs: {os.strerror(e)}")
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
             os.close(fd)
 
 

@@ -205,6 +205,12 @@ class HandoffCounts(Protocol):
     @property
     def handoffs(self) -> int: ...
 
+    @property
+    def syncfs_calls(self) -> int: ...
+
+    @property
+    def syncfs_failures(self) -> int: ...
+
 
 class AppendCounters(Collector):
     """``waltz_storage_appended_records``, ``_appended_bytes`` and ``_fsyncs``, read from the partitions'
@@ -264,6 +270,17 @@ class AppendCounters(Collector):
                 "Jobs of group-commit fsyncs handed to a thread: each runs the fsyncs of every partition "
                 "whose group waited for one, in turn",
                 value=self._handoffs.handoffs,
+            )
+            yield CounterMetricFamily(
+                "waltz_storage_fsync_syncfs",
+                "syncfs calls that made a batch of group-commit fsyncs durable at once (storage.fsync."
+                "syncfsMinFiles): each stands for the fsyncs of every file of its batch",
+                value=self._handoffs.syncfs_calls,
+            )
+            yield CounterMetricFamily(
+                "waltz_storage_fsync_syncfs_failures",
+                "syncfs calls that failed: each file of their batch was then fsynced on its own",
+                value=self._handoffs.syncfs_failures,
             )
 
 

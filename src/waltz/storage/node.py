@@ -6,7 +6,8 @@ Guarantees:
   while an fsync is running are written together and share the next fsync (group commit), so throughput
   does not collapse to one batch per fsync. The groups of different partitions waiting at the same time
   have their files fsynced in one hand-off to a thread (:class:`~waltz.storage.fsync.GroupSync`), each
-  answered after its own file's fsync.
+  answered after its own file's fsync, or, for a batch of ``storage.fsync.syncfsMinFiles`` files or more
+  where that is trusted, after one ``syncfs`` of the data directory's file system (``StorageNode.fs_sync``).
 * **Order.** Requests for one partition are processed one at a time, in arrival order, by that partition's
   worker task; responses to one connection for one partition leave in the same order. An append that finds
   the worker idle with nothing queued anywhere (and fsyncs running on the loop), and no request read behind
@@ -89,7 +90,7 @@ from waltz.storage.authority import SessionAuthority
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import ControlFile
 from waltz.storage.data_port import serve_data
-from waltz.storage.fileio import OS_FS, FileSystem
+from waltz.storage.fileio import OS_FS, FileSystem, FsSync
 from waltz.storage.fsync import FsyncPolicy, GroupSync
 from waltz.storage.handlers import HANDLERS
 from waltz.storage.metrics import AppendCounters, Metrics, directory_bytes, free_bytes
@@ -130,7 +131,16 @@ class StorageNode:
         self.metrics = Metrics(self.registry, control.num_partitions)
         self.queued = Tally()
         """Requests queued in all partitions (see ``StoragePartition._fsync``)."""
-        self.group_sync = GroupSync(self.fsync, self.queued)
+        self.fs_sync: FsSync | None = None
+        """The descriptor on the data directory for ``syncfs`` (see :meth:`_open_fs_sync`); None: never."""
+        self.fs_sync_mode = "fdatasync per file"
+        if config.syncfs_min_files > 0:
+            self.fs_sync, self.fs_sync_mode = fs.open_fs_sync(str(config.directory))
+        else:
+            self.fs_sync_mode += ": storage.fsync.syncfsMinFiles is 0"
+        self.group_sync = GroupSync(
+            self.fsync, self.queued, fs_sync=self.fs_sync, syncfs_min_files=config.syncfs_min_files
+        )
         """The partitions' group fsyncs, several files to one hand-off to a thread (see ``_fsync``)."""
         self.handlers = HANDLERS
         self.partitions = [StoragePartition(self, pid) for pid in range(control.num_partitions)]
@@ -204,6 +214,7 @@ class StorageNode:
             num_partitions,
             _tls_note(config.tls),
         )
+        log.info("storage node group commits: %s%s", node.fs_sync_mode, _syncfs_note(node))
         return node
 
     async def _listen(self, server_ssl: ssl.SSLContext | None) -> None:
@@ -312,6 +323,8 @@ class StorageNode:
         await asyncio.to_thread(self.fsync.close)
         for p in self.partitions:
             p.close_log()
+        if self.fs_sync is not None:
+            self.fs_sync.close()
         self.control.close()
 
     async def on_partition(self, pid: int, op: Callable[[], Any]) -> Any:
@@ -364,6 +377,12 @@ class StorageNode:
                 conn.send(payload)
         except ConnectionError_:
             pass  # the peer is gone; it learns nothing more from us
+
+
+def _syncfs_note(node: StorageNode) -> str:
+    if node.fs_sync is None:
+        return ""
+    return f" for batches of >= {node.config.syncfs_min_files} files, fdatasync per file below"
 
 
 def _tls_note(tls: TlsConfig) -> str:

@@ -286,6 +286,11 @@ class PartitionLog:
         """Make every appended record durable (fsync of the writable segment's data file)."""
         self._writable().flush()
 
+    def flush_begin(self) -> Callable[[], None]:
+        """:meth:`flush` around a ``syncfs`` that covers the writable segment's data file: call before it
+        starts; call what it returns once it returned 0 (see :meth:`Segment.flush_begin`)."""
+        return self._writable().flush_begin()
+
     def write_flushed_index(self) -> None:
         """After :meth:`flush`, on the thread that appends: write the index entries of the records it made
         durable (not fsynced; see :meth:`Segment.write_flushed_index`). A failure is logged (at most once per

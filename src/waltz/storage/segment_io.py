@@ -10,7 +10,7 @@ import bisect
 import itertools
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, overload
 
@@ -296,6 +296,19 @@ class SegmentIO:
             data_file.fsync(data_only=True)
             self._data_dirty = False
         self._flushed_count = covered
+
+    def flush_begin(self) -> Callable[[], None]:
+        """:meth:`flush` in two halves around one ``syncfs`` of the whole file system (instead of this data
+        file's fsync), called before it starts: returns what to call once it returned 0, which records what
+        it made durable (the records appended so far). As for :meth:`flush`, nothing is appended meanwhile."""
+        self._files()
+        covered = self._count
+
+        def synced() -> None:
+            self._data_dirty = False
+            self._flushed_count = covered
+
+        return synced
 
     def write_flushed_index(self) -> None:
         """Write the index entries waiting in memory of the records the last :meth:`flush` made durable, not

@@ -680,14 +680,16 @@ class StoragePartition:
         node's :class:`~waltz.storage.fsync.FsyncPolicy` allows it; otherwise through the node's
         :class:`~waltz.storage.fsync.GroupSync`, in a thread together with the other partitions' fsyncs
         asked for meanwhile (so the other partitions are served while the disk works, and one hand-off
-        serves them all). Either way only this file's fsync decides this group's outcome.
+        serves them all; with many files, one ``syncfs`` of the file system for all of them, see
+        :class:`~waltz.storage.fsync.GroupSync`). Either way this group is answered Success only after a
+        sync that covers its file returned 0, and only this file's own failure fails it.
         """
         node = self.node
         group = node.group_sync
         if node.queued.items == len(self.queue) and group.inline_allowed():
             return self._fsync_inline(plog)
         try:
-            threaded = await group.sync(plog.flush)
+            threaded = await group.sync(plog.flush, plog.flush_begin, self.partition_id)
         except Exception as e:  # noqa: BLE001 - any fsync failure fails the whole group
             return self._fsync_failed(e)
         self.threaded_fsync_count += threaded
@@ -715,7 +717,7 @@ class StoragePartition:
         zeros = self._zeros
         if zeros is not None:
             # Written before this fsync began (after the previous group's answers; never during a group):
-            # the fdatasync of the data file made them durable with the file's size.
+            # the fdatasync of the data file (or a syncfs of the file system) made them durable with the size.
             self._zeros = None
             zeros.done()
         self.fsync_count += 1

@@ -23,6 +23,9 @@ pending, so the crash may still apply, tear or garble it), which lets a test cra
 workload. :meth:`CrashFS.crash` with ``mode="apply"`` keeps everything issued (a process kill, not a power
 loss); ``mode="drop"`` keeps only what was made durable.
 
+:meth:`CrashFS.open_fs_sync` gives a ``syncfs`` handle: it makes the data of every file durable (as an
+fsync of each would), and no directory entry (stricter than ext4, whose journal commit would).
+
 ``rename`` stays within one directory (the storage code renames nothing across directories) and, like
 :class:`~waltz.storage.fileio.OsFileSystem`, fsyncs that directory before returning.
 """
@@ -37,9 +40,9 @@ from dataclasses import dataclass, field
 from typing import Literal, Union
 
 from waltz.errors import ClosedResourceError, StorageError
-from waltz.storage.fileio import Buffer, File
+from waltz.storage.fileio import Buffer, File, FsSync
 
-__all__ = ["CRASH_MODES", "CrashFS", "CrashFile", "CrashMode", "SimulatedCrash"]
+__all__ = ["CRASH_MODES", "CrashFS", "CrashFile", "CrashFsSync", "CrashMode", "SimulatedCrash"]
 
 CrashMode = Literal["apply", "drop", "garble", "torn"]
 CRASH_MODES: tuple[CrashMode, ...] = ("apply", "drop", "garble", "torn")
@@ -183,6 +186,7 @@ class CrashFS:
         self.epoch = 0
         self.fsync_count = 0
         self.dir_fsync_count = 0
+        self.syncfs_count = 0
         self.ops = 0
         self._root = _Dir()
         self._crash_at: int | None = None
@@ -393,3 +397,46 @@ class CrashFS:
         self.dir_fsync_count += 1
         d.durable = dict(d.current)
         d.pending.clear()
+
+    def open_fs_sync(self, path: str) -> tuple[FsSync | None, str]:
+        self._dir(path, "open directory")
+        return CrashFsSync(self, path), "syncfs(2) on CrashFS"
+
+    def _sync_all(self) -> None:
+        """Every file's data durable (what a ``syncfs`` does here)."""
+        stack: list[_Dir] = [self._root]
+        seen: set[int] = set()
+        while stack:
+            d = stack.pop()
+            for entry in d.current.values():
+                if id(entry) in seen:
+                    continue
+                seen.add(id(entry))
+                if isinstance(entry, _Dir):
+                    stack.append(entry)
+                else:
+                    entry.durable = bytearray(entry.current)
+                    entry.pending.clear()
+
+
+class CrashFsSync:
+    """A ``syncfs`` handle on a :class:`CrashFS`; invalid after the file system crashes."""
+
+    def __init__(self, fs: CrashFS, path: str) -> None:
+        self._fs = fs
+        self._path = path
+        self._epoch = fs.epoch
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    def syncfs(self) -> None:
+        if self._epoch != self._fs.epoch:
+            raise ClosedResourceError(f"{self._path}: the process crashed")
+        self._fs._tick(f"syncfs {self._path}")
+        self._fs.syncfs_count += 1
+        self._fs._sync_all()
+
+    def close(self) -> None:
+        pass

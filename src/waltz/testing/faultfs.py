@@ -4,7 +4,10 @@ process that runs on it.
 :class:`FaultyFileSystem` wraps a real file layer (the OS's by default) and passes everything through,
 except that the next N data fsyncs (``fsync(data_only=True)``: a segment's data or index file, as a group
 commit makes them durable) fail with EIO after :meth:`FaultyFileSystem.fail_next_fsyncs`, as a dying disk's
-would. A test that runs a node in its own process injects it with
+would. While data fsyncs are armed to fail, or after :meth:`FaultyFileSystem.fail_next_syncfs`, a
+``syncfs`` of the file system (:meth:`~waltz.storage.fileio.FileSystem.open_fs_sync`) fails too, as the
+kernel's would report a writeback error of any of its files; the files' own fsyncs then tell which failed.
+A test that runs a node in its own process injects it with
 :class:`~waltz.storage.node.StorageNode` ``.start(..., fs=FaultyFileSystem())``.
 
 For a node in a subprocess, ``python -m waltz.testing.faultfs --config FILE`` runs one as
@@ -27,9 +30,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from waltz.errors import StorageError
-from waltz.storage.fileio import OS_FS, Buffer, File, FileSystem
+from waltz.storage.fileio import OS_FS, Buffer, File, FileSystem, FsSync
 
-__all__ = ["FaultyFile", "FaultyFileSystem", "main"]
+__all__ = ["FaultyFile", "FaultyFileSystem", "FaultyFsSync", "main"]
 
 
 class FaultyFileSystem:
@@ -43,11 +46,25 @@ class FaultyFileSystem:
         """If set, only data fsyncs of files whose path contains it fail (and count down)."""
         self.failed_fsyncs = 0
         """How many failed so far."""
+        self.syncfs_failures = 0
+        """How many of the next syncfs calls fail with EIO (besides those failing while fsyncs are armed)."""
+        self.failed_syncfs = 0
+        """How many syncfs calls failed so far."""
+        self.syncfs_calls = 0
+        """How many syncfs calls were made (failed or not)."""
 
     def fail_next_fsyncs(self, n: int = 1, *, path_part: str | None = None) -> None:
         """Fail the next ``n`` data fsyncs, of files whose path contains ``path_part`` if given."""
         self.fsync_failures += n
         self.failing_path = path_part
+
+    def fail_next_syncfs(self, n: int = 1) -> None:
+        """Fail the next ``n`` syncfs calls (the files' own fsyncs still succeed unless armed)."""
+        self.syncfs_failures += n
+
+    def open_fs_sync(self, path: str) -> tuple[FsSync | None, str]:
+        inner, why = self.inner.open_fs_sync(path)
+        return (FaultyFsSync(self, inner) if inner is not None else None), why
 
     def open(self, path: str, *, create: bool = False, read_only: bool = False) -> File:
         return FaultyFile(self, self.inner.open(path, create=create, read_only=read_only))
@@ -116,6 +133,33 @@ class FaultyFile:
 
     def duplicate(self) -> File:
         return FaultyFile(self._fs, self._inner.duplicate())
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class FaultyFsSync:
+    """A syncfs handle of a :class:`FaultyFileSystem`: fails (syncing nothing) while the file system has data
+    fsync failures armed, without consuming them, or syncfs failures armed (consuming one)."""
+
+    __slots__ = ("_fs", "_inner")
+
+    def __init__(self, fs: FaultyFileSystem, inner: FsSync) -> None:
+        self._fs = fs
+        self._inner = inner
+
+    @property
+    def path(self) -> str:
+        return self._inner.path
+
+    def syncfs(self) -> None:
+        fs = self._fs
+        fs.syncfs_calls += 1
+        if fs.syncfs_failures > 0 or fs.fsync_failures > 0:
+            fs.syncfs_failures = max(0, fs.syncfs_failures - 1)
+            fs.failed_syncfs += 1
+            raise StorageError(f"{self.path}: cannot syncfs: {os.strerror(errno.EIO)} (injected)")
+        self._inner.syncfs()
 
     def close(self) -> None:
         self._inner.close()

@@ -18,7 +18,7 @@ from waltz import (
     TransactionContext,
     WaltzClient,
 )
-from waltz.client.dispatch import runs_on_loop
+from waltz.client.dispatch import ALL_ON_LOOP, Dispatch, runs_on_loop
 from waltz.errors import ConfigError
 from waltz.testing import MockDriver
 
@@ -151,6 +151,60 @@ def test_runs_on_loop_per_function() -> None:
     assert runs_on_loop(AsyncCtx(seen).on_exception)
     assert not runs_on_loop(PlainCallbacks(seen).apply_transaction)
     assert runs_on_loop(AsyncCallbacks(seen).apply_transaction)
+
+
+def test_where_a_context_runs_is_decided_once_per_class_unless_the_context_holds_its_own() -> None:
+    seen = Seen()
+    dispatch = Dispatch("auto")
+    assert dispatch.where(AsyncCtx(seen)) == (True, True, True)
+    assert dispatch.where(PlainCtx(seen)) == (False, False, False)
+    assert dispatch.where(MixedCtx(seen)) == (False, True, False)
+    assert dispatch.where(AsyncCtx(seen)) is dispatch.where(AsyncCtx(seen))  # Kept for the class.
+    # A hook set on the context itself (not its class) decides for that context alone.
+    own = PlainCtx(seen)
+
+    async def on_application() -> None:
+        seen.note("application")
+
+    own.on_application = on_application  # type: ignore[method-assign]
+    assert dispatch.where(own) == (False, False, True)
+    assert dispatch.where(PlainCtx(seen)) == (False, False, False)
+    assert Dispatch("inline").where(PlainCtx(seen)) is ALL_ON_LOOP
+
+
+def test_a_coroutine_hook_set_on_a_plain_context_is_awaited_on_the_loop() -> None:
+    async def main() -> None:
+        seen = Seen()
+        async with AsyncWaltzClient(PlainCallbacks(seen), FAST, driver=MockDriver()) as client:
+            plain = PlainCtx(seen, b"plain")
+            own = PlainCtx(seen, b"own")
+
+            async def on_completion(result: bool) -> None:
+                seen.note("own completion")
+
+            own.on_completion = on_completion  # type: ignore[method-assign]
+            await client.submit(plain)
+            await client.submit(own)
+            await client.flush_transactions(timeout=5)
+        assert seen.places("own completion") == {"loop"}
+        assert seen.places("completion") == {"thread"}
+
+    asyncio.run(main())
+
+
+def test_the_client_keeps_its_state_in_slots() -> None:
+    # Every attribute of the client is a slot: CPython (3.11) stops specializing attribute and method
+    # lookups on an instance whose dict holds 30 keys or more, which made every self._x on the hot path a
+    # dict lookup (about 3% more instructions per append).
+    async def main() -> None:
+        seen = Seen()
+        client = AsyncWaltzClient(AsyncCallbacks(seen), FAST, driver=MockDriver())
+        async with client:
+            await client.submit(AsyncCtx(seen))
+            await client.flush_transactions(timeout=5)
+            assert vars(client) == {}
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("mode", ["auto", "threads"])
