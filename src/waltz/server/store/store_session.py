@@ -191,9 +191,7 @@ class StoreSession:
         ``StorePartition.submit``); calling it more often does no harm."""
         self.notify_at_bytes = config.max_batch_bytes
         self._wake = asyncio.Event()
-        """Wakes the writer while it waits for batches to be decided: one was decided with appends queued
-        (or an end requested or due), or a full batch is queued; or, once a decision left it idle (see
-        :meth:`_batch_decided`), an append arrived."""
+        """Wakes the writer waiting on decisions (or left idle by one: see :meth:`_batch_decided`)."""
         self._was_opened = False
         self._stopped = False  # run() returned: no task of the session runs
         self._tasks = TaskSet(self._task_failed)
