@@ -102,12 +102,8 @@ class PartitionsCallbacks(Callbacks):
 class PartitionCtx(Ctx):
     """An append to ``partition``."""
 
-    def __init__(self, done: Callable[[bool], None], partition: int) -> None:
-        super().__init__(done, None, False)
-        self._partition = partition
-
-    def partition_id(self, num_partitions: int) -> int:
-        return self._partition
+    def __init__(self, loop: asyncio.AbstractEventLoop, done: Callable[[bool], None], partition: int) -> None:
+        super().__init__(loop, True, done, partition=partition)
 
 
 def load(
@@ -129,7 +125,9 @@ def load(
             while issued < total:  # exactly ``total`` appends, however many workers
                 issued += 1
                 future: asyncio.Future[bool] = loop.create_future()
-                await client.submit(PartitionCtx(functools.partial(_resolve, future), issued % partitions))
+                await client.submit(
+                    PartitionCtx(loop, functools.partial(_resolve, future), issued % partitions)
+                )
                 if await future:
                     count += 1
                 else:

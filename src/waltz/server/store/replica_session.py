@@ -300,7 +300,8 @@ class ReplicaSession:
             done = mailbox.popleft()
             self.max_id = self.readable_max = done.last
             done.voting.vote()
-        self._send()
+        if self._unsent < len(mailbox):  # (_send's own first test: most answers leave nothing unsent)
+            self._send()
 
     def _check_deadline(self) -> None:
         """The timer fired: fail the replica if its oldest request is overdue, else wait for its deadline.

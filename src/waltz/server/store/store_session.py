@@ -191,7 +191,7 @@ class StoreSession:
         ``StorePartition.submit``); calling it more often does no harm."""
         self.notify_at_bytes = config.max_batch_bytes
         self._wake = asyncio.Event()
-        """Wakes the writer while batches are in flight: one was decided, or a full batch is queued."""
+        """Wakes the writer waiting on decisions (or left idle by one: see :meth:`_batch_decided`)."""
         self._was_opened = False
         self._stopped = False  # run() returned: no task of the session runs
         self._tasks = TaskSet(self._task_failed)
@@ -547,6 +547,9 @@ class StoreSession:
             if batches and (len(batches) >= config.max_inflight_batches or not self._full_batch_queued()):
                 self._wake.clear()
                 await self._wake.wait()
+                # _batch_decided may have made it idle while it waited.
+                self._writer_idle = False
+                self._host.queue.wake_on_arrival = None
                 continue
             if not batches and queue.empty():
                 self._writer_idle = True
@@ -609,7 +612,20 @@ class StoreSession:
             if not batches:
                 self.notify_at_count = 1
             self._host.batch_committed(self, appends)
-        self._wake.set()
+        if (
+            batches
+            or self._end_requested is not None
+            or not self._host.queue.empty()
+            or self.next_id - 1 - self.low_water_mark >= self.config.checkpoint_interval
+        ):
+            self._wake.set()
+        else:
+            # Nothing in flight, nothing queued, no checkpoint due: the writer would wake only to wait for an
+            # append. It stays parked on _wake and counts as idle (appends_queued sends a lone append
+            # itself); the append that ends the queue's emptiness sets _wake too (wake_on_arrival). One
+            # task wake-up per batch fewer (with many partitions, every batch is about one append).
+            self._writer_idle = True
+            self._host.queue.wake_on_arrival = self._wake
         if not batches and self._end_requested is not None:
             self.end(*self._end_requested)
 
