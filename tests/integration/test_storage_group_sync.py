@@ -94,6 +94,44 @@ def test_appends_to_many_partitions_read_together_are_fsynced_in_a_few_hand_offs
     asyncio.run(main())
 
 
+def test_appends_to_many_idle_partitions_read_together_are_written_without_their_workers(
+    tmp_path: Path,
+) -> None:
+    """Each idle partition's append of a read that brings many is written where it is read and answered from
+    its fsync's callback (``commit_soon``): no worker wake-up per partition; still Success only after the
+    fsync, durable across a restart; the first goes to its worker (which groups what follows it)."""
+
+    async def main() -> None:
+        node = await _node(tmp_path, FaultyFileSystem())
+        try:
+            admin, client = await _connected(node)
+            worker_groups = [0]
+            for part in node.partitions:
+                original = part._group_commit
+
+                async def counted(first: object, original: object = original) -> None:
+                    worker_groups[0] += 1
+                    await original(first)  # type: ignore[operator]
+
+                part._group_commit = counted  # type: ignore[method-assign,assignment]
+            async with admin, client:
+                before = _counts(node)
+                for round_ in range(1, 4):
+                    await asyncio.gather(
+                        *(client.append(SESSION, p, [_record(p, round_)]) for p in range(NUM_PARTITIONS))
+                    )
+                fsyncs, _threaded, _handoffs, _handed_off = _since(node, before)
+                assert fsyncs == 3 * NUM_PARTITIONS
+                assert worker_groups[0] <= 3 * 2  # about one per read, not one per partition
+                for p in range(NUM_PARTITIONS):
+                    assert node.partitions[p].durable_max == 3
+                    assert not node.partitions[p].busy
+        finally:
+            await node.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_failed_fsync_in_a_shared_hand_off_fails_only_its_partitions_group(tmp_path: Path) -> None:
     """The fsyncs after the failed one in the same job still run and count; the failed partition is
     fail-stopped (as a failed fsync always makes it), the others serve on."""

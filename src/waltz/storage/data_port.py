@@ -293,6 +293,10 @@ class DataSession:
             # own here, one after the other; queued, the worker writes them together and fsyncs once.
             part.commit_now(item)
             return None
+        if append and part.may_commit_soon:
+            # One of many partitions' appends read at once: written here, fsynced in the node's batch.
+            part.commit_soon(item)
+            return None
         if part.enqueue_nowait(item):
             return None
         return part.enqueue(item)

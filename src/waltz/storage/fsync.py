@@ -199,7 +199,8 @@ class GroupSync:
     A lone fsync (no other one asked for, none in a thread, nothing queued on the node) runs on the loop
     instead, while the :class:`FsyncPolicy` allows: the caller checks :meth:`inline_allowed` and calls
     :meth:`run_inline` at once, without a loop pass. Ordering: a partition has at most one group waiting here
-    (its worker awaits it), so each partition's groups are answered in order.
+    (its worker awaits it, or its ``commit_soon``, which the worker waits for), so each partition's groups
+    are answered in order.
 
     With ``fs_sync`` and a batch of at least ``syncfs_min_files`` fsyncs that all say how to record a
     ``syncfs`` (``begin``), the batch is one job instead: one ``syncfs`` for all its files, every file's
@@ -278,6 +279,20 @@ class GroupSync:
         before a ``syncfs`` that covers the file; what it returns, once that returned 0) and ``key`` (the
         file's owner, the same for each call) let a ``syncfs`` stand for ``fsync``; without them ``fsync``
         itself runs."""
+        return await self.ask(fsync, begin, key)
+
+    @property
+    def asked(self) -> bool:
+        """Some fsync was asked for and not handed off yet (more join it in this loop pass)."""
+        return bool(self._pending)
+
+    def ask(
+        self,
+        fsync: Callable[[], None],
+        begin: Callable[[], Callable[[], None]] | None = None,
+        key: Hashable = None,
+    ) -> asyncio.Future[bool]:
+        """:meth:`sync` without a coroutine: the future it awaits (for a caller that is a callback)."""
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[bool] = loop.create_future()
         self._pending.append(_Asked(fsync, begin, key, waiter))
@@ -285,7 +300,7 @@ class GroupSync:
             # After the callbacks already due in this pass: the workers they wake add their fsyncs first.
             self._scheduled = True
             loop.call_soon(self._start)
-        return await waiter
+        return waiter
 
     def _start(self) -> None:
         self._scheduled = False
