@@ -3,9 +3,11 @@
 Starts a 3-node JetStream cluster on loopback (``bench/jetstream.py``: ``sync_interval: always``, an R3 file
 stream, so every acknowledgement follows an fsync on a quorum), runs the phases against it, stops it; then
 starts a ``waltz local`` cluster (ZooKeeper, 3 storage nodes, 1 server, 1 partition) and runs the same phases
-through the public :class:`~waltz.AsyncWaltzClient` twice: with the client's default configuration (the
-application's callbacks plain functions, as ``docs/client.md`` writes them) and tuned
-(``bench/client_peer.py``'s fast path: ``client.callbackMode: inline``,
+through the public :class:`~waltz.AsyncWaltzClient` three times: ``waltz``, the client's default
+configuration with the application's callbacks plain functions (which the default ``client.callbackMode``
+runs on the callback threads); ``waltz-async``, the default configuration with coroutine callbacks, as
+``docs/client.md``'s asyncio service writes them (the client awaits them on its loop); and ``waltz-tuned``
+(``bench/client_peer.py``'s fast path: ``client.callbackMode: inline``, plain callbacks on the loop,
 ``client.maxConcurrentTransactions`` 128). Every record is 512 bytes; the driver (one process, uvloop) is
 the same for every system.
 
@@ -53,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from bench.client_app import PAYLOAD, Callbacks, Ctx  # noqa: E402
+from bench.client_app import PAYLOAD, AsyncCallbacks, AsyncCtx, Callbacks, Ctx  # noqa: E402
 from bench.client_peer import cpu_gauge_ms  # noqa: E402
 from bench.jetstream import JetStreamCluster  # noqa: E402
 from bench.procstat import total_cpu_s  # noqa: E402
@@ -62,7 +64,7 @@ from waltz import AsyncWaltzClient, ClientConfig  # noqa: E402
 from waltz.local import cluster as local  # noqa: E402
 
 PHASES = ("conc", "seq", "occ64", "hot64")
-SYSTEMS = ("jetstream", "waltz", "waltz-tuned")
+SYSTEMS = ("jetstream", "waltz", "waltz-async", "waltz-tuned")
 TUNED = {"client.callbackMode": "inline", "client.maxConcurrentTransactions": 128}
 """``bench/client_peer.py``'s fast path."""
 STREAM = "BENCH"
@@ -256,8 +258,10 @@ async def waltz_phases(
 ) -> list[Result]:
     loop = asyncio.get_running_loop()
     inline = config.callback_mode == "inline"
+    coroutines = system == "waltz-async"
+    context = AsyncCtx if coroutines else Ctx
 
-    async with AsyncWaltzClient(Callbacks(), config) as client:
+    async with AsyncWaltzClient(AsyncCallbacks() if coroutines else Callbacks(), config) as client:
 
         async def one(lock: int | None = None, wait_apply: bool = False, header: int = 0) -> bool:
             future: asyncio.Future[bool] = loop.create_future()
@@ -266,7 +270,7 @@ async def waltz_phases(
                 if not future.done():
                     future.set_result(ok)
 
-            await client.submit(Ctx(loop, inline, done, lock, wait_apply, header))
+            await client.submit(context(loop, inline, done, lock, wait_apply, header))
             return await future
 
         ops: dict[str, tuple[int, Op]] = {
@@ -291,7 +295,7 @@ def run_waltz(args: argparse.Namespace, tmp: Path) -> list[Result]:
     try:
         pids = [r.pid for r in [*cluster.servers, *cluster.storages] if r.pid is not None]
         client_yaml = Path(cluster.directory) / "client.yaml"
-        for system in ("waltz", "waltz-tuned"):
+        for system in ("waltz", "waltz-async", "waltz-tuned"):
             if system not in args.systems:
                 continue
             overrides: dict[str, Any] = TUNED if system == "waltz-tuned" else {}
@@ -372,7 +376,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     with tempfile.TemporaryDirectory(prefix="waltz-peer-") as tmp:
         if "jetstream" in args.systems:
             results += run_jetstream(args, Path(tmp))
-        if {"waltz", "waltz-tuned"} & set(args.systems):
+        if {"waltz", "waltz-async", "waltz-tuned"} & set(args.systems):
             results += run_waltz(args, Path(tmp))
     print(f"load average at end: {os.getloadavg()}; cpu gauge {cpu_gauge_ms():.0f} ms", flush=True)
     print(table(results), flush=True)
