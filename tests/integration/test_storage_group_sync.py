@@ -10,46 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.storage_process import DEFAULT_KEY
+from tests.integration.group_sync_node import (
+    NUM_PARTITIONS,
+    SESSION,
+    append_round,
+    connected,
+    record,
+    start_node,
+)
 from waltz.errors import StorageError
-from waltz.protocol.records import Record, ReqId
-from waltz.server.storage_client import AdminClient, StorageClient
-from waltz.storage.config import StorageConfig
 from waltz.storage.node import StorageNode
 from waltz.testing.faultfs import FaultyFileSystem
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
-
-NUM_PARTITIONS = 16
-SESSION = 1
-
-
-async def _node(tmp_path: Path, fs: FaultyFileSystem) -> StorageNode:
-    config = StorageConfig.from_mapping(
-        {
-            "storage.port": 0,
-            "storage.admin.port": 0,
-            "storage.directory": str(tmp_path / "storage"),
-            "storage.cluster.key": str(DEFAULT_KEY),
-            "storage.cluster.numPartitions": NUM_PARTITIONS,
-        }
-    )
-    return await StorageNode.start(config, DEFAULT_KEY, NUM_PARTITIONS, fs=fs)
-
-
-def _record(partition: int, i: int) -> Record:
-    return Record.build(i, ReqId(1 << 32, partition << 32 | i), 0, os.urandom(100))
-
-
-async def _connected(node: StorageNode) -> tuple[AdminClient, StorageClient]:
-    admin = await AdminClient.connect("127.0.0.1", node.admin_port, DEFAULT_KEY, NUM_PARTITIONS)
-    client = await StorageClient.connect(
-        "127.0.0.1", node.port, DEFAULT_KEY, NUM_PARTITIONS, max_in_flight=4 * NUM_PARTITIONS
-    )
-    await admin.set_assigned(list(range(NUM_PARTITIONS)), True)
-    for p in range(NUM_PARTITIONS):  # one append each first: segments opened, zeros written ahead
-        await client.append(SESSION, p, [_record(p, 0)])
-    return admin, client
 
 
 def _counts(node: StorageNode) -> tuple[int, int, int, int]:
@@ -70,15 +43,15 @@ def _since(node: StorageNode, before: tuple[int, int, int, int]) -> tuple[int, .
 
 def test_appends_to_many_partitions_read_together_are_fsynced_in_a_few_hand_offs(tmp_path: Path) -> None:
     async def main() -> None:
-        node = await _node(tmp_path, FaultyFileSystem())
+        node = await start_node(tmp_path, FaultyFileSystem())
         try:
-            admin, client = await _connected(node)
+            admin, client = await connected(node)
             async with admin, client:
                 before = _counts(node)
                 for round_ in range(1, 4):
                     # Sent in one loop pass: the frames leave in one write and reach the node together.
                     await asyncio.gather(
-                        *(client.append(SESSION, p, [_record(p, round_)]) for p in range(NUM_PARTITIONS))
+                        *(client.append(SESSION, p, [record(p, round_)]) for p in range(NUM_PARTITIONS))
                     )
                 fsyncs, threaded, handoffs, handed_off = _since(node, before)
                 assert fsyncs == 3 * NUM_PARTITIONS  # every partition's file, once per group
@@ -102,9 +75,9 @@ def test_appends_to_many_idle_partitions_read_together_are_written_without_their
     fsync, durable across a restart; the first goes to its worker (which groups what follows it)."""
 
     async def main() -> None:
-        node = await _node(tmp_path, FaultyFileSystem())
+        node = await start_node(tmp_path, FaultyFileSystem())
         try:
-            admin, client = await _connected(node)
+            admin, client = await connected(node)
             worker_groups = [0]
             for part in node.partitions:
                 original = part._group_commit
@@ -118,7 +91,7 @@ def test_appends_to_many_idle_partitions_read_together_are_written_without_their
                 before = _counts(node)
                 for round_ in range(1, 4):
                     await asyncio.gather(
-                        *(client.append(SESSION, p, [_record(p, round_)]) for p in range(NUM_PARTITIONS))
+                        *(client.append(SESSION, p, [record(p, round_)]) for p in range(NUM_PARTITIONS))
                     )
                 fsyncs, _threaded, _handoffs, _handed_off = _since(node, before)
                 assert fsyncs == 3 * NUM_PARTITIONS
@@ -138,16 +111,13 @@ def test_a_failed_fsync_in_a_shared_hand_off_fails_only_its_partitions_group(tmp
 
     async def main() -> None:
         fs = FaultyFileSystem()
-        node = await _node(tmp_path, fs)
+        node = await start_node(tmp_path, fs)
         try:
-            admin, client = await _connected(node)
+            admin, client = await connected(node)
             async with admin, client:
                 before = _counts(node)
                 fs.fail_next_fsyncs(1, path_part=str(tmp_path / "storage" / "5") + os.sep)
-                outcomes = await asyncio.gather(
-                    *(client.append(SESSION, p, [_record(p, 1)]) for p in range(NUM_PARTITIONS)),
-                    return_exceptions=True,
-                )
+                outcomes = await append_round(client, 1)
                 _fsyncs, _threaded, handoffs, handed_off = _since(node, before)
                 assert handed_off >= NUM_PARTITIONS - 1  # the failed one went with the others
                 assert handoffs <= handed_off // 2
@@ -164,9 +134,9 @@ def test_a_failed_fsync_in_a_shared_hand_off_fails_only_its_partitions_group(tmp
                 assert broken is not None
                 assert broken.startswith("fsync failed")
                 assert node.partitions[5].durable_max == 0  # the failed group is not counted durable
-                await client.append(SESSION, 4, [_record(4, 2)])  # the others take appends on
+                await client.append(SESSION, 4, [record(4, 2)])  # the others take appends on
                 with pytest.raises(StorageError, match="fail-stopped"):
-                    await client.append(SESSION, 5, [_record(5, 1)])
+                    await client.append(SESSION, 5, [record(5, 1)])
         finally:
             await node.aclose()
 

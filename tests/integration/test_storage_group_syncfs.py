@@ -13,55 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.storage_process import DEFAULT_KEY
+from tests.integration.group_sync_node import NUM_PARTITIONS, SESSION, append_round, connected, start_node
 from waltz.errors import StorageError
-from waltz.protocol.records import Record, ReqId
-from waltz.server.storage_client import AdminClient, StorageClient
-from waltz.storage.config import StorageConfig
 from waltz.storage.fileio import OS_FS
-from waltz.storage.node import StorageNode
 from waltz.testing.faultfs import FaultyFileSystem
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
-
-NUM_PARTITIONS = 16
-SESSION = 1
-
-
-async def _node(tmp_path: Path, fs: FaultyFileSystem, min_files: int = 4) -> StorageNode:
-    config = StorageConfig.from_mapping(
-        {
-            "storage.port": 0,
-            "storage.admin.port": 0,
-            "storage.directory": str(tmp_path / "storage"),
-            "storage.cluster.key": str(DEFAULT_KEY),
-            "storage.cluster.numPartitions": NUM_PARTITIONS,
-            "storage.fsync.syncfsMinFiles": min_files,
-        }
-    )
-    return await StorageNode.start(config, DEFAULT_KEY, NUM_PARTITIONS, fs=fs)
-
-
-def _record(partition: int, i: int) -> Record:
-    return Record.build(i, ReqId(1 << 32, partition << 32 | i), 0, os.urandom(100))
-
-
-async def _connected(node: StorageNode) -> tuple[AdminClient, StorageClient]:
-    admin = await AdminClient.connect("127.0.0.1", node.admin_port, DEFAULT_KEY, NUM_PARTITIONS)
-    client = await StorageClient.connect(
-        "127.0.0.1", node.port, DEFAULT_KEY, NUM_PARTITIONS, max_in_flight=4 * NUM_PARTITIONS
-    )
-    await admin.set_assigned(list(range(NUM_PARTITIONS)), True)
-    for p in range(NUM_PARTITIONS):  # one append each first: segments opened, zeros written ahead
-        await client.append(SESSION, p, [_record(p, 0)])
-    return admin, client
-
-
-async def _round(client: StorageClient, i: int) -> list[BaseException | None]:
-    """One append to every partition, sent in one loop pass (the frames reach the node together)."""
-    return await asyncio.gather(
-        *(client.append(SESSION, p, [_record(p, i)]) for p in range(NUM_PARTITIONS)), return_exceptions=True
-    )
 
 
 def test_appends_to_many_partitions_together_take_one_syncfs_and_survive_a_restart(
@@ -74,24 +31,24 @@ def test_appends_to_many_partitions_together_take_one_syncfs_and_survive_a_resta
     async def main() -> None:
         fs = FaultyFileSystem()
         with caplog.at_level(logging.INFO, logger="waltz.storage.node"):
-            node = await _node(tmp_path, fs)
+            node = await start_node(tmp_path, fs)
         assert "group commits: syncfs(2) on ext4, Linux " in caplog.text
         assert "for batches of >= 4 files" in caplog.text
         try:
-            admin, client = await _connected(node)
+            admin, client = await connected(node)
             async with admin, client:
                 calls, fsyncs = node.group_sync.syncfs_calls, sum(p.fsync_count for p in node.partitions)
                 for i in range(1, 4):
-                    assert await _round(client, i) == [None] * NUM_PARTITIONS
+                    assert await append_round(client, i) == [None] * NUM_PARTITIONS
                 assert sum(p.fsync_count for p in node.partitions) - fsyncs == 3 * NUM_PARTITIONS
                 assert 1 <= node.group_sync.syncfs_calls - calls <= 6  # one or two per round, not 16
                 assert node.group_sync.syncfs_failures == 0
                 assert all(p.durable_max == 3 for p in node.partitions)
         finally:
             await node.aclose()
-        node = await _node(tmp_path, FaultyFileSystem())
+        node = await start_node(tmp_path, FaultyFileSystem())
         try:
-            admin, client = await _connected_again(node)
+            admin, client = await connected(node, first_appends=False)
             async with admin, client:
                 for p in range(NUM_PARTITIONS):
                     assert await client.max_transaction_id(SESSION, p) == 3
@@ -101,26 +58,19 @@ def test_appends_to_many_partitions_together_take_one_syncfs_and_survive_a_resta
     asyncio.run(main())
 
 
-async def _connected_again(node: StorageNode) -> tuple[AdminClient, StorageClient]:
-    admin = await AdminClient.connect("127.0.0.1", node.admin_port, DEFAULT_KEY, NUM_PARTITIONS)
-    client = await StorageClient.connect("127.0.0.1", node.port, DEFAULT_KEY, NUM_PARTITIONS)
-    await admin.set_assigned(list(range(NUM_PARTITIONS)), True)
-    return admin, client
-
-
 def test_a_failed_syncfs_falls_back_and_fails_only_the_bad_files_partition(tmp_path: Path) -> None:
     async def main() -> None:
         fs = FaultyFileSystem()
-        node = await _node(tmp_path, fs)
+        node = await start_node(tmp_path, fs)
         try:
-            admin, client = await _connected(node)
+            admin, client = await connected(node)
             async with admin, client:
                 fs.fail_next_syncfs(1)  # a writeback error of some other file: every file's own is clean
-                assert await _round(client, 1) == [None] * NUM_PARTITIONS
+                assert await append_round(client, 1) == [None] * NUM_PARTITIONS
                 assert fs.failed_syncfs == 1
                 assert node.group_sync.syncfs_failures == 1
                 fs.fail_next_fsyncs(1, path_part=str(tmp_path / "storage" / "5") + os.sep)
-                outcomes = await _round(client, 2)
+                outcomes = await append_round(client, 2)
                 assert fs.failed_syncfs >= 2
                 assert fs.failed_fsyncs == 1
                 for p, outcome in enumerate(outcomes):
@@ -135,7 +85,7 @@ def test_a_failed_syncfs_falls_back_and_fails_only_the_bad_files_partition(tmp_p
                 assert broken.startswith("fsync failed")
                 assert node.partitions[5].durable_max == 1
                 calls = node.group_sync.syncfs_calls
-                outcomes = await _round(client, 3)  # syncfs again, the failed partition fail-stopped
+                outcomes = await append_round(client, 3)  # syncfs again, the failed partition fail-stopped
                 assert node.group_sync.syncfs_calls > calls
                 assert isinstance(outcomes[5], StorageError)
                 assert "fail-stopped" in str(outcomes[5])
@@ -150,12 +100,12 @@ def test_syncfs_min_files_0_fdatasyncs_every_file(tmp_path: Path, caplog: pytest
     async def main() -> None:
         fs = FaultyFileSystem()
         with caplog.at_level(logging.INFO, logger="waltz.storage.node"):
-            node = await _node(tmp_path, fs, min_files=0)
+            node = await start_node(tmp_path, fs, **{"storage.fsync.syncfsMinFiles": 0})
         assert "group commits: fdatasync per file: storage.fsync.syncfsMinFiles is 0" in caplog.text
         try:
-            admin, client = await _connected(node)
+            admin, client = await connected(node)
             async with admin, client:
-                assert await _round(client, 1) == [None] * NUM_PARTITIONS
+                assert await append_round(client, 1) == [None] * NUM_PARTITIONS
                 assert node.group_sync.syncfs_calls == 0
                 assert fs.syncfs_calls == 0
         finally:
