@@ -7,8 +7,6 @@ Each test starts its own ``waltz storage run`` subprocess on free ports and a te
 from __future__ import annotations
 
 import asyncio
-import socket
-import struct
 import urllib.request
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -23,10 +21,10 @@ from waltz.errors import (
 )
 from waltz.protocol import storage as st
 from waltz.protocol import storage_multi as sm
-from waltz.protocol.framing import MAGIC_HELLO, MAGIC_STORAGE, encode_frame, encode_hello
 from waltz.protocol.records import Record, ReqId
 from waltz.server.storage_client import StorageClient
 
+from .raw_storage import RawConnection
 from .server_process import free_port
 from .storage_process import DEFAULT_KEY, StorageProcess
 
@@ -136,45 +134,13 @@ def test_held_appends_leave_before_a_later_request_of_another_type(node: Storage
     run(go())
 
 
-class RawConnection:
-    """A blocking socket speaking storage codec ``version`` (frames of that version), to misbehave."""
-
-    def __init__(self, port: int, version: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        self.version = version
-        self.sock.sendall(encode_frame(MAGIC_HELLO, 0, encode_hello((version,), "raw test")))
-        self.read_payload()  # the node's hello
-        self.send_payload(st.encode(st.OpenRequest(-1, 0, -1, DEFAULT_KEY, NUM_PARTITIONS)))
-        assert isinstance(st.decode(self.read_payload()), st.SuccessResponse)
-
-    def send_payload(self, payload: bytes) -> None:
-        self.sock.sendall(encode_frame(MAGIC_STORAGE, self.version, payload))
-
-    def _read_exact(self, n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionResetError("closed")
-            buf += chunk
-        return buf
-
-    def read_payload(self) -> bytes:
-        _, _, length = struct.unpack(">Bhi", self._read_exact(7))
-        return self._read_exact(length)
-
-    def closed_by_peer(self) -> bool:
-        try:
-            while self.sock.recv(65536):
-                pass
-        except ConnectionResetError:
-            return True
-        except TimeoutError:
-            return False
-        return True
-
-    def close(self) -> None:
-        self.sock.close()
+def _opened(port: int, version: int) -> RawConnection:
+    """A raw connection speaking storage codec ``version`` with a session open, to misbehave on."""
+    c = RawConnection(port)
+    c.hello(version)
+    c.send_payload(st.encode(st.OpenRequest(-1, 0, -1, DEFAULT_KEY, NUM_PARTITIONS)))
+    assert isinstance(st.decode(c.read_payload()), st.SuccessResponse)
+    return c
 
 
 def _append(seq: int, partition: int, first: int) -> bytes:
@@ -210,7 +176,7 @@ def test_malformed_multi_requests_close_only_their_connection(node: StorageProce
                 ]
                 closed = []
                 for version, payload in bad:
-                    c = RawConnection(node.port, version)
+                    c = _opened(node.port, version)
                     c.send_payload(payload)
                     closed.append(c.closed_by_peer())
                     c.close()

@@ -27,11 +27,12 @@ from waltz.errors import (
     TransactionOutOfOrderError,
 )
 from waltz.protocol import storage as st
-from waltz.protocol.framing import MAGIC_HELLO, MAGIC_STORAGE, encode_frame, encode_hello
+from waltz.protocol.framing import MAGIC_STORAGE, encode_frame
 from waltz.protocol.record_run import RecordRun
 from waltz.protocol.records import Record, ReqId
 from waltz.server.storage_client import AdminClient, StorageClient
 
+from .raw_storage import RawConnection
 from .storage_process import DEFAULT_KEY, StorageProcess, append_until_killed
 
 pytestmark = pytest.mark.integration
@@ -304,49 +305,6 @@ def test_wrong_cluster_key_or_partition_count_is_refused(node: StorageProcess) -
             await client.append(0, 0, records(0, 1))
 
     run(go())
-
-
-class RawConnection:
-    """A blocking socket that speaks just enough of the storage protocol to misbehave precisely."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-
-    def hello(self) -> None:
-        # Codec V0 only: the frames below say version 0 (the node refuses a frame of another version).
-        self.sock.sendall(encode_frame(MAGIC_HELLO, 0, encode_hello((0,), "raw test")))
-        self.read_payload()  # the node's hello
-
-    def send_payload(self, payload: bytes) -> None:
-        self.sock.sendall(encode_frame(MAGIC_STORAGE, 0, payload))
-
-    def _read_exact(self, n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionResetError("closed")
-            buf += chunk
-        return buf
-
-    def read_payload(self) -> bytes:
-        _, _, length = struct.unpack(">Bhi", self._read_exact(7))
-        return self._read_exact(length)
-
-    def closed_by_peer(self, timeout_s: float = 10.0) -> bool:
-        """True once the node closed (or reset) the connection."""
-        self.sock.settimeout(timeout_s)
-        try:
-            while self.sock.recv(65536):
-                pass
-        except ConnectionResetError:
-            return True
-        except TimeoutError:
-            return False
-        return True
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.mark.timeout(90)
