@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import os
@@ -582,18 +583,10 @@ class StoragePartition:
         plog: PartitionLog,
         waiter: asyncio.Future[bool],
     ) -> None:
-        """The fsync of a :meth:`commit_soon` group returned: answer it as :meth:`_fsync` and
-        :meth:`_answer_group` do, then let the worker go on."""
+        """The fsync of a :meth:`commit_soon` group returned: answer it as :meth:`_answer_group` does, then
+        let the worker go on."""
         try:
-            if waiter.cancelled():
-                error: WaltzError | None = self._fsync_failed(StorageError("the fsync was cancelled"))
-            elif (e := waiter.exception()) is not None:
-                error = self._fsync_failed(e if isinstance(e, Exception) else StorageError(repr(e)))
-            else:
-                error = None
-                self.threaded_fsync_count += waiter.result()
-                self._fsynced(plog)
-            self._answer_group([item], results, accepted, error)
+            self._answer_group([item], results, accepted, self._sync_outcome(plog, waiter))
         except Exception as e:  # noqa: BLE001 - a bug: as in run(), fail the partition, answer the request
             self.fail(f"AppendRequest: {e!r}", e)
             self.answer_failed(item)
@@ -759,11 +752,20 @@ class StoragePartition:
         group = node.group_sync
         if node.queued.items == len(self.queue) and group.inline_allowed():
             return self._fsync_inline(plog)
-        try:
-            threaded = await group.sync(plog.flush, plog.flush_begin, self.partition_id)
-        except Exception as e:  # noqa: BLE001 - any fsync failure fails the whole group
-            return self._fsync_failed(e)
-        self.threaded_fsync_count += threaded
+        waiter = group.ask(plog.flush, plog.flush_begin, self.partition_id)
+        with contextlib.suppress(Exception):  # any fsync failure fails the whole group: read below
+            await waiter
+        return self._sync_outcome(plog, waiter)
+
+    def _sync_outcome(self, plog: PartitionLog, waiter: asyncio.Future[bool]) -> WaltzError | None:
+        """The error that fails a group whose fsync the node's GroupSync ran (``waiter``, done), or None
+        once its file is durable; counts the fsync either way."""
+        if waiter.cancelled():
+            return self._fsync_failed(StorageError("the fsync was cancelled"))
+        e = waiter.exception()
+        if e is not None:
+            return self._fsync_failed(e if isinstance(e, Exception) else StorageError(repr(e)))
+        self.threaded_fsync_count += waiter.result()
         self._fsynced(plog)
         return None
 
