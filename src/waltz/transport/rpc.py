@@ -160,7 +160,7 @@ class RpcClient(Generic[ReqT, RespT]):
             # Nothing in flight to this peer (a lone append's replica request): written now rather than one
             # loop iteration later, with nothing to coalesce it with yet.
             self._conn.send(payload, now=True)
-        return self.expect(seq, on_answer)
+        return self._register(seq, on_answer)
 
     def expect(
         self, seq: int, on_answer: Callable[[asyncio.Future[RespT]], None] | None = None
@@ -172,6 +172,12 @@ class RpcClient(Generic[ReqT, RespT]):
         self._check_usable()
         if seq in self._pending:
             raise LocalProtocolError(f"{self._name}: sequence number {seq} is already in flight")
+        return self._register(seq, on_answer)
+
+    def _register(
+        self, seq: int, on_answer: Callable[[asyncio.Future[RespT]], None] | None
+    ) -> asyncio.Future[RespT]:
+        """The future of request ``seq``'s response, in flight from now (the caller checked it may be)."""
         future: asyncio.Future[RespT] = self._loop.create_future()
         self._pending[seq] = future
         if on_answer is not None:
