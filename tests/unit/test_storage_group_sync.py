@@ -82,7 +82,7 @@ async def _passes(n: int = 3) -> None:
 
 
 def test_fsyncs_asked_for_in_one_pass_go_to_a_thread_in_one_hand_off_and_run_in_turn() -> None:
-    group, runner, _queued, clock, _policy = _group(jobs=1)
+    group, runner, _queued, clock, policy = _group(jobs=1)
     ran: list[str] = []
     files = [_File(f"p{i}", ran, clock) for i in range(3)]
 
@@ -91,12 +91,13 @@ def test_fsyncs_asked_for_in_one_pass_go_to_a_thread_in_one_hand_off_and_run_in_
         await _passes()
         assert len(runner.jobs) == 1  # one job for the three files
         assert ran == []  # nothing ran on the loop
-        assert not group.inline_allowed()  # a batch is in flight
+        assert not policy.inline_allowed()  # a batch is in flight
         runner.finish()
         assert await asyncio.gather(*callers) == [True, True, True]  # each ran in the thread
         assert ran == ["p0", "p1", "p2"]  # in turn, in the order asked for
         assert (group.handoffs, group.handed_off) == (1, 3)
-        assert group.inline_allowed()
+        assert not group.pending
+        assert policy.inline_allowed()
 
     asyncio.run(main())
 
@@ -162,12 +163,13 @@ def test_fsyncs_asked_for_while_a_batch_runs_wait_for_it_and_then_go_together() 
 
 
 def test_a_lone_fsync_runs_on_the_loop_without_a_hand_off_unless_requests_are_queued() -> None:
-    group, runner, queued, clock, _policy = _group()
+    group, runner, queued, clock, policy = _group()
     ran: list[str] = []
 
     async def main() -> None:
-        assert group.inline_allowed()
-        group.run_inline(_File("now", ran, clock).fsync)  # the caller's fast path: no loop pass at all
+        assert not group.pending
+        assert policy.inline_allowed()
+        policy.run_inline(_File("now", ran, clock).fsync)  # the caller's fast path: no loop pass at all
         assert await group.sync(_File("lone", ran, clock).fsync) is False  # alone in its pass: on the loop
         assert runner.handed == 0
         queued.items = 1  # another partition has work queued: its fsync is coming, so this one waits for it
@@ -190,7 +192,6 @@ def test_a_slow_fsync_on_the_loop_sends_the_next_lone_one_to_a_thread() -> None:
     async def main() -> None:
         assert await group.sync(slow.fsync) is False
         assert not policy.inline_allowed()
-        assert not group.inline_allowed()
         caller = asyncio.create_task(group.sync(_File("next", ran, clock).fsync))
         await _passes()
         assert runner.handed == 1

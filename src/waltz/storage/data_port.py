@@ -167,6 +167,8 @@ class DataSession:
     def __init__(self, node: NodeServices, conn: FramedConnection) -> None:
         self.node = node
         self.conn = conn
+        self.version = conn.negotiated_version
+        """The storage codec version of the connection (fixed by its hello)."""
         self.opened = False
         self.slots = InFlight(node.config.connection_max_in_flight)
         """Unanswered requests of this connection (bounded)."""
@@ -176,7 +178,7 @@ class DataSession:
     def on_payload(self, payload: bytes) -> Awaitable[None] | None:
         conn = self.conn
         try:
-            msg = sm.decode(payload, conn.negotiated_version)
+            msg = sm.decode(payload, self.version)
         except RemoteProtocolError as e:
             _peer_warnings.warning(
                 conn.source,

@@ -163,16 +163,15 @@ class OsFile:
 
     def pwrite(self, data: Buffer, offset: int) -> None:
         fd = self._check()
-        view = memoryview(data)
-        total = len(view)
-        done = 0
+        total = len(data)
         try:
-            while done < total:
-                done += os.pwrite(fd, view[done:], offset + done)
+            done = os.pwrite(fd, data, offset)
+            if done < total:  # a short write (rare): the rest through a view, not a copy per retry
+                with memoryview(data) as view:
+                    while done < total:
+                        done += os.pwrite(fd, view[done:], offset + done)
         except OSError as e:
             raise _storage_error(self._path, "write", e) from None
-        finally:
-            view.release()
         self._size = max(self._size, offset + total)
 
     def append(self, data: Buffer) -> int:

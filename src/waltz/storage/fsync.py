@@ -197,10 +197,10 @@ class GroupSync:
     batch starts when every job of the last one landed.
 
     A lone fsync (no other one asked for, none in a thread, nothing queued on the node) runs on the loop
-    instead, while the :class:`FsyncPolicy` allows: the caller checks :meth:`inline_allowed` and calls
-    :meth:`run_inline` at once, without a loop pass. Ordering: a partition has at most one group waiting here
-    (its worker awaits it, or its ``commit_soon``, which the worker waits for), so each partition's groups
-    are answered in order.
+    instead, while the :class:`FsyncPolicy` allows: the caller checks that :attr:`pending` is empty and the
+    policy's ``inline_allowed``, and calls its ``run_inline`` at once, without a loop pass. Ordering: a
+    partition has at most one group waiting here (its worker awaits it, or its ``commit_soon``, which the
+    worker waits for), so each partition's groups are answered in order.
 
     With ``fs_sync`` and a batch of at least ``syncfs_min_files`` fsyncs that all say how to record a
     ``syncfs`` (``begin``), the batch is one job instead: one ``syncfs`` for all its files, every file's
@@ -212,7 +212,6 @@ class GroupSync:
         "_generation",
         "_jobs",
         "_last_failure_log_s",
-        "_pending",
         "_policy",
         "_queued",
         "_scheduled",
@@ -220,6 +219,7 @@ class GroupSync:
         "_verified",
         "handed_off",
         "handoffs",
+        "pending",
         "syncfs_calls",
         "syncfs_failures",
     )
@@ -250,23 +250,15 @@ class GroupSync:
         """``syncfs`` calls made (each in place of a batch's fdatasyncs)."""
         self.syncfs_failures = 0
         """Of those, the ones that failed (their batch was then fdatasynced file by file)."""
-        self._pending: list[_Asked] = []
-        """Fsyncs asked for, not handed off yet (at most one per partition), with their callers' waiters."""
+        self.pending: list[_Asked] = []
+        """Fsyncs asked for, not handed off yet (at most one per partition), with their callers' waiters;
+        read-only outside. While any waits, a partition's fsync joins them instead of running on the loop."""
         self._scheduled = False
         """A call of :meth:`_start` is scheduled on the loop."""
         self.handoffs = 0
         """Jobs handed to a thread."""
         self.handed_off = 0
         """Fsyncs those jobs ran."""
-
-    def inline_allowed(self) -> bool:
-        """No fsync is waiting or running in a thread, and the policy lets fsyncs run on the loop."""
-        return not self._pending and self._policy.inline_allowed()
-
-    def run_inline(self, fsync: Callable[[], None]) -> None:
-        """Run ``fsync`` on the loop thread now (the caller checked :meth:`inline_allowed`); its error
-        propagates."""
-        self._policy.run_inline(fsync)
 
     async def sync(
         self,
@@ -281,11 +273,6 @@ class GroupSync:
         itself runs."""
         return await self.ask(fsync, begin, key)
 
-    @property
-    def asked(self) -> bool:
-        """Some fsync was asked for and not handed off yet (more join it in this loop pass)."""
-        return bool(self._pending)
-
     def ask(
         self,
         fsync: Callable[[], None],
@@ -295,7 +282,7 @@ class GroupSync:
         """:meth:`sync` without a coroutine: the future it awaits (for a caller that is a callback)."""
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[bool] = loop.create_future()
-        self._pending.append(_Asked(fsync, begin, key, waiter))
+        self.pending.append(_Asked(fsync, begin, key, waiter))
         if not self._scheduled:
             # After the callbacks already due in this pass: the workers they wake add their fsyncs first.
             self._scheduled = True
@@ -307,8 +294,8 @@ class GroupSync:
         policy = self._policy
         if policy.in_flight:
             return  # started again when the last job of the batch in flight lands
-        batch = [asked for asked in self._pending if not asked.waiter.done()]  # done: caller cancelled
-        self._pending = []
+        batch = [asked for asked in self.pending if not asked.waiter.done()]  # done: caller cancelled
+        self.pending = []
         if not batch:
             return
         if len(batch) == 1 and self._queued.items == 0 and policy.inline_allowed():
@@ -398,7 +385,7 @@ class GroupSync:
                 # Its own fsync, or a syncfs that could stand for it (it was verified already).
                 self._verified[asked.key] = generation
             _settle(asked.waiter, True, outcome)
-        if self._pending and not self._scheduled:
+        if self.pending and not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._start)
 

@@ -141,8 +141,12 @@ class SegmentIO:
 
     def _files(self) -> tuple[File, File]:
         if self._data is None or self._index is None:
-            raise StorageError(f"{self.data_path}: segment is closed")
+            raise self._closed_error()
         return self._data, self._index
+
+    def _closed_error(self) -> StorageError:
+        # (The append path reads _data and _index with this check of its own: no _files() call per append.)
+        return StorageError(f"{self.data_path}: segment is closed")
 
     # -------------------------------------------------------------------------------------------- state
 
@@ -205,39 +209,39 @@ class SegmentIO:
         file (the index entries wait in memory); a run is split only at a checkpoint id (a multiple of 1000),
         before which the index entries waiting are written and both files fsynced.
         """
-        data_file, _ = self._files()
+        data_file = self._data
+        if data_file is None:
+            raise self._closed_error()
         if not self.writable:
             raise StorageError(f"{self.data_path}: segment is read-only")
         threshold = size_threshold_bytes if size_threshold_bytes is not None else 1 << 62
         i = start
         total = len(ends)
-        view = memoryview(run)
-        try:
-            while i < total and self._data_size <= threshold:
-                next_id = self.next_transaction_id
-                if next_id % CHECKPOINT_INTERVAL == 0 and self._count > 0:
-                    self._checkpoint()
-                # This stretch ends before the next checkpoint id, or after the record crossing the threshold.
-                j = min(total, i + CHECKPOINT_INTERVAL - next_id % CHECKPOINT_INTERVAL)
-                run_base = ends[i - 1] if i else 0
-                base = self._data_size
-                if base + ends[j - 1] - run_base > threshold:
-                    j = bisect.bisect_right(ends, threshold - base + run_base, i, j) + 1
-                data_file.pwrite(view[run_base : ends[j - 1]], base)
-                if base + ends[j - 1] - run_base > self._zeros_durable_end:
-                    self.extending_writes += 1
-                # The index entries wait in memory for the next checkpoint (see _index_tail): recovery never
-                # trusts entries after the last checkpoint anyway, and their pwrite cost a syscall per append
-                # request (~2 us of CPU here).
-                self._index_tail += struct.pack(
-                    f">{j - i}q", base, *map((base - run_base).__add__, ends[i : j - 1])
-                )
-                self._data_size = base + ends[j - 1] - run_base
-                self._count += j - i
-                self._data_dirty = True
-                i = j
-        finally:
-            view.release()
+        whole = len(run)
+        while i < total and self._data_size <= threshold:
+            next_id = self.next_transaction_id
+            if next_id % CHECKPOINT_INTERVAL == 0 and self._count > 0:
+                self._checkpoint()
+            # This stretch ends before the next checkpoint id, or after the record crossing the threshold.
+            j = min(total, i + CHECKPOINT_INTERVAL - next_id % CHECKPOINT_INTERVAL)
+            run_base = ends[i - 1] if i else 0
+            base = self._data_size
+            if base + ends[j - 1] - run_base > threshold:
+                j = bisect.bisect_right(ends, threshold - base + run_base, i, j) + 1
+            end = ends[j - 1]
+            # The whole run (the usual case) as it is: a memoryview costs more than a small write's syscall.
+            data_file.pwrite(run if run_base == 0 and end == whole else memoryview(run)[run_base:end], base)
+            if base + end - run_base > self._zeros_durable_end:
+                self.extending_writes += 1
+            # The index entries wait in memory (see _index_tail) until the fsync that makes their records
+            # durable (write_flushed_index) or the next checkpoint: one index write per group.
+            self._index_tail += struct.pack(
+                f">{j - i}q", base, *map((base - run_base).__add__, ends[i : j - 1])
+            )
+            self._data_size = base + end - run_base
+            self._count += j - i
+            self._data_dirty = True
+            i = j
         return i - start
 
     def prefill(self, ahead_bytes: int, limit_bytes: int) -> ZeroFill | None:
@@ -253,7 +257,9 @@ class SegmentIO:
         (they extend the file, as without preallocation), and recovery never relies on the zeros (they fail
         every record check, see the module docstring).
         """
-        data_file, _ = self._files()
+        data_file = self._data
+        if data_file is None:
+            raise self._closed_error()
         if not self.writable:
             raise StorageError(f"{self.data_path}: segment is read-only")
         # Half the distance at most, so the next chunk is written while the other half is still ahead.
@@ -290,7 +296,9 @@ class SegmentIO:
     def flush(self) -> None:
         """Make every appended record durable (fsync of the data file; the index waits for a checkpoint, or
         for :meth:`write_flushed_index`)."""
-        data_file, _ = self._files()
+        data_file = self._data
+        if data_file is None:
+            raise self._closed_error()
         covered = self._count
         if self._data_dirty:
             data_file.fsync(data_only=True)
@@ -319,7 +327,9 @@ class SegmentIO:
         n = min(len(tail) // INDEX_ENTRY_BYTES, self._flushed_count - written)
         if n <= 0:
             return
-        _, index_file = self._files()
+        index_file = self._index
+        if index_file is None:
+            raise self._closed_error()
         index_file.pwrite(tail[: INDEX_ENTRY_BYTES * n], SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * written)
         del tail[: INDEX_ENTRY_BYTES * n]
         self._index_dirty = True

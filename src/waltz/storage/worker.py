@@ -23,7 +23,7 @@ from waltz.errors import (
 from waltz.protocol import storage as st
 from waltz.runtime import TaskSet
 from waltz.storage.config import StorageConfig
-from waltz.storage.controlfile import FLAG_DAMAGED, ControlFile, PartitionInfo
+from waltz.storage.controlfile import FLAG_ASSIGNED, FLAG_AVAILABLE, FLAG_DAMAGED, ControlFile, PartitionInfo
 from waltz.storage.fileio import FileSystem
 from waltz.storage.fsync import FsyncPolicy, GroupSync
 from waltz.storage.metrics import Metrics
@@ -267,11 +267,12 @@ class StoragePartition:
                 raise StorageError(f"partition {self.partition_id} failed: {self.health_reason}")
             if not self._heal():
                 raise StorageError(f"partition {self.partition_id} is fail-stopped: {self.health_reason}")
-        info = self.info
-        if not info.assigned or self.log is None:
+        info = self.node.control.partition_info(self.partition_id)
+        flags = info.flags  # tested here, not through its properties: this runs for every request
+        if not flags & FLAG_ASSIGNED or self.log is None:
             raise PartitionNotAssignedError(f"Partition:{self.partition_id} is not assigned.")
         if offline:
-            if info.available:
+            if flags & FLAG_AVAILABLE:
                 raise PartitionNotAssignedError(
                     f"Partition:{self.partition_id} is available; offline requests need it offline"
                 )
@@ -280,7 +281,7 @@ class StoragePartition:
                     f"offline request session {msg.session_id} is not the persisted session {info.session_id}"
                 )
         else:
-            if not info.available:
+            if not flags & FLAG_AVAILABLE:
                 raise PartitionNotAssignedError(f"Partition:{self.partition_id} is not available.")
             if msg.session_id != self.session_id:
                 raise SessionFencedError(
@@ -520,7 +521,8 @@ class StoragePartition:
             not self.busy
             and node.queued.items == 0
             and not self.worker_gone
-            and node.group_sync.inline_allowed()
+            and not node.group_sync.pending
+            and node.fsync.inline_allowed()
         )
 
     def commit_now(self, item: Item) -> None:
@@ -550,7 +552,7 @@ class StoragePartition:
             not self.busy
             and not self.queue
             and not self.worker_gone
-            and (node.queued.items > 0 or node.group_sync.asked)
+            and (node.queued.items > 0 or bool(node.group_sync.pending))
         )
 
     def commit_soon(self, item: Item) -> None:
@@ -642,13 +644,13 @@ class StoragePartition:
             accepted.append(i)
             expected += len(records)
         if accepted and plog is not None:
-            before = plog.max_transaction_id
+            first = expected - len(ends)
             try:
-                plog.append_run(b"".join(parts), ends, expected - len(ends))
+                plog.append_run(b"".join(parts), ends, first)
             except WaltzError as e:
                 # Every record was checked above, so this is the disk (or a bug): nothing of the group may
                 # be acknowledged, and if part of it reached the file the partition stops taking writes.
-                if plog.max_transaction_id != before or _is_io_error(e):
+                if plog.max_transaction_id != first - 1 or _is_io_error(e):
                     self._break(f"write failed: {e}")
                 for i in accepted:
                     results[i] = st.encode(self._failure(batch[i].msg, e))  # type: ignore[arg-type]
@@ -704,7 +706,7 @@ class StoragePartition:
         records, so the groups in between overwrite zeros synced earlier and only the one fsync that
         carries a chunk commits a new file size."""
         plog = self.log
-        if self.preallocating or plog is None or self.health is not Health.SERVING:
+        if self._zeros is not None or plog is None or self.health is not Health.SERVING:
             return
         if self.preallocate_off_until and time.monotonic() < self.preallocate_off_until:
             return
@@ -750,7 +752,7 @@ class StoragePartition:
         """
         node = self.node
         group = node.group_sync
-        if node.queued.items == len(self.queue) and group.inline_allowed():
+        if node.queued.items == len(self.queue) and not group.pending and node.fsync.inline_allowed():
             return self._fsync_inline(plog)
         waiter = group.ask(plog.flush, plog.flush_begin, self.partition_id)
         with contextlib.suppress(Exception):  # any fsync failure fails the whole group: read below
@@ -772,7 +774,7 @@ class StoragePartition:
     def _fsync_inline(self, plog: PartitionLog) -> WaltzError | None:
         """:meth:`_fsync` on the loop thread (the caller checked that it may)."""
         try:
-            self.node.group_sync.run_inline(plog.flush)
+            self.node.fsync.run_inline(plog.flush)
         except Exception as e:  # noqa: BLE001 - any fsync failure fails the whole group
             return self._fsync_failed(e)
         self._fsynced(plog)
