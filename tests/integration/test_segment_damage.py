@@ -15,6 +15,7 @@ from tests.integration.server_process import wait_until
 from tests.integration.test_security_probes import _flip_byte
 from waltz.cluster.membership import ClusterWatcher
 from waltz.errors import CorruptionError, StorageRpcError
+from waltz.storage.index_writes import FLUSHED_INDEX_DELAY_S
 
 pytestmark = [pytest.mark.integration]
 
@@ -36,6 +37,9 @@ def test_a_flipped_byte_near_the_start_of_a_segment_loses_nothing_at_a_restart(
             try:
                 futures = [await client.append(b"record-%04d" % i) for i in range(RECORDS)]
                 assert await asyncio.gather(*futures) == list(range(RECORDS))
+                # The node writes the index entries of flushed records within FLUSHED_INDEX_DELAY_S of their
+                # fsync (waltz.storage.index_writes); bit rot strikes records older than that.
+                await asyncio.sleep(5 * FLUSHED_INDEX_DELAY_S)
                 # A crash (no clean close: the index was never completed by a checkpoint), then bit rot.
                 await asyncio.to_thread(bad.kill)
                 _flip_byte(bad, 0, b"record-0001")

@@ -21,9 +21,10 @@ from waltz.storage import fsync as fsync_module
 from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import ControlFile
 from waltz.storage.fsync import FsyncPolicy
+from waltz.storage.index_writes import FLUSHED_INDEX_DELAY_S
 from waltz.storage.metrics import Latency, RequestCounts
 from waltz.storage.node import StorageNode
-from waltz.storage.segment import PREFILL_CHUNK_BYTES, ZeroFill, data_file_name
+from waltz.storage.segment import PREFILL_CHUNK_BYTES, ZeroFill, data_file_name, index_file_name
 from waltz.storage.worker import StoragePartition
 
 
@@ -357,6 +358,11 @@ def test_zeros_pending_across_a_roll_over_or_a_truncation_never_count_and_do_not
     fsyncs a file whose zeros were cut: neither may count the pending chunk as durable zeros of the segment
     now written (its appends would skip the size's journal commit), and neither may leave the chunk pending
     (no more preallocation)."""
+    asyncio.run(_zeros_across_roll_over_and_truncation(tmp_path))
+
+
+async def _zeros_across_roll_over_and_truncation(tmp_path: Path) -> None:
+    # On a loop, as a node runs: a group fsync schedules its index write there.
     node = _node(
         tmp_path,
         _Clock(),
@@ -403,3 +409,23 @@ def test_zeros_pending_across_a_roll_over_or_a_truncation_never_count_and_do_not
     assert partition.broken is None
     assert partition.failed is None
     partition.close_log()
+
+
+def test_a_group_fsyncs_index_entries_reach_the_index_file_soon_after_not_at_once(tmp_path: Path) -> None:
+    """The entries of the records a group fsync made durable are written (for recovery after a kill, see
+    waltz.storage.index_writes) within FLUSHED_INDEX_DELAY_S, not on the acknowledgement's path."""
+
+    async def main() -> None:
+        node = _node(tmp_path)
+        partition = node.partitions[0]
+        plog = partition.open_log()
+        index = tmp_path / "0" / index_file_name(0)
+        empty = index.stat().st_size
+        plog.append([Record.build(i, ReqId(1 << 32, i), 0, b"x") for i in range(3)])
+        assert partition._fsync_inline(plog) is None
+        assert index.stat().st_size == empty
+        await asyncio.sleep(FLUSHED_INDEX_DELAY_S + 0.05)
+        assert index.stat().st_size == empty + 3 * 8  # one i64 offset per record
+        partition.close_log()
+
+    asyncio.run(main())

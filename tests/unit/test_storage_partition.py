@@ -347,7 +347,7 @@ def _workload(fs: CrashFS, seed: int, durable: list[int], prefill: int = 0) -> N
             log.flush()
             durable[0] = txn - 1
             if rng.random() < 0.5:
-                log.write_flushed_index()  # as the node does after every group fsync
+                log.write_flushed_index()  # as the node does after group fsyncs
         _prefill_now_and_then(log, rng, prefill)
     log.flush()
     durable[0] = txn - 1
@@ -515,7 +515,7 @@ def _long_workload(fs: CrashFS, seed: int, written: list[Record], acked: list[in
             log.flush()
             acked[0] = len(written)
             if rng.random() < 0.5:
-                log.write_flushed_index()  # as the node does after every group fsync
+                log.write_flushed_index()  # as the node does after group fsyncs
         elif roll < 0.34 and len(written) > 10:
             target = max(-1, len(written) - 1 - rng.randint(0, 1500))
             # The caller gives up the records after the target as it asks: a crash part-way may cut them.

@@ -93,6 +93,7 @@ from waltz.storage.data_port import serve_data
 from waltz.storage.fileio import OS_FS, FileSystem, FsSync
 from waltz.storage.fsync import FsyncPolicy, GroupSync
 from waltz.storage.handlers import HANDLERS
+from waltz.storage.index_writes import FlushedIndexWrites
 from waltz.storage.metrics import AppendCounters, Metrics, directory_bytes, free_bytes
 from waltz.storage.scrub import scrub_forever
 from waltz.storage.work import Item, Tally
@@ -142,6 +143,8 @@ class StorageNode:
             self.fsync, self.queued, fs_sync=self.fs_sync, syncfs_min_files=config.syncfs_min_files
         )
         """The partitions' group fsyncs, several files to one hand-off to a thread (see ``_fsync``)."""
+        self.index_writes = FlushedIndexWrites()
+        """The index entries the group fsyncs made due, written together a little later."""
         self.handlers = HANDLERS
         self.partitions = [StoragePartition(self, pid) for pid in range(control.num_partitions)]
         self._register_gauges()
@@ -321,6 +324,7 @@ class StorageNode:
         await self.tasks.aclose()  # a worker that died was reported by _worker_failed already
         # An fsync a cancelled worker handed off may still run: it finishes before its file is closed.
         await asyncio.to_thread(self.fsync.close)
+        self.index_writes.close()  # closing the logs writes every entry
         for p in self.partitions:
             p.close_log()
         if self.fs_sync is not None:

@@ -41,9 +41,10 @@ The index file holds, after its header, one i64 per record: entry ``i`` at ``128
 offset of transaction ``first + i``; the index length gives the max id (``first + (size - 128) // 8 - 1``) of
 a closed segment. The writable segment's newest entries (at most 1000, those after the last checkpoint)
 live in memory until the next checkpoint, close, truncation or :meth:`Segment.sync`; the storage node also
-writes (without an fsync) those of the records each group fsync made durable
-(:meth:`Segment.write_flushed_index`). **An index entry reaches the file only after an fsync of the data
-file covered its record**, so an entry on disk proves its record was durable (recovery relies on it).
+writes (without an fsync) those of the records its group fsyncs made durable, a little later
+(:meth:`Segment.write_flushed_index`, :mod:`waltz.storage.index_writes`). **An index entry reaches the file
+only after an fsync of the data file covered its record**, so an entry on disk proves its record was durable
+(recovery relies on it).
 
 Durability protocol (what recovery relies on):
 

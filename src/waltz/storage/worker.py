@@ -26,6 +26,7 @@ from waltz.storage.config import StorageConfig
 from waltz.storage.controlfile import FLAG_ASSIGNED, FLAG_AVAILABLE, FLAG_DAMAGED, ControlFile, PartitionInfo
 from waltz.storage.fileio import FileSystem
 from waltz.storage.fsync import FsyncPolicy, GroupSync
+from waltz.storage.index_writes import FlushedIndexWrites
 from waltz.storage.metrics import Metrics
 from waltz.storage.partition import PartitionLog
 from waltz.storage.replica_check import lost_below_mark, missing_log
@@ -54,6 +55,7 @@ class PartitionHost(Protocol):
     metrics: Metrics
     fsync: FsyncPolicy
     group_sync: GroupSync
+    index_writes: FlushedIndexWrites
     queued: Tally
     tasks: TaskSet
     handlers: dict[type[st.StorageMessage], Handler]
@@ -780,6 +782,18 @@ class StoragePartition:
         self._fsynced(plog)
         return None
 
+    def write_flushed_index(self) -> None:
+        """Write the index entries of the records the group fsyncs made durable (see
+        :mod:`waltz.storage.index_writes`); an I/O failure is the log's to report, a bug fails the
+        partition."""
+        plog = self.log
+        if plog is None:
+            return  # closed meanwhile: closing wrote them
+        try:
+            plog.write_flushed_index()
+        except Exception as e:  # noqa: BLE001 - a bug: as in run(), the partition fails; heard, not raised
+            self.fail(f"index write: {e!r}", e)
+
     def _fsync_failed(self, e: Exception) -> WaltzError:
         # Nothing of this group may be acknowledged: its durability is unknown. After a failed fsync Linux
         # may have dropped the dirty pages and report the next fsync as clean, so the partition stops taking
@@ -788,7 +802,7 @@ class StoragePartition:
         return e if isinstance(e, WaltzError) else StorageError(f"fsync failed: {e}")
 
     def _fsynced(self, plog: PartitionLog) -> None:
-        plog.write_flushed_index()  # lets recovery after a kill tell damage from a torn tail
+        self.node.index_writes.owe(self)  # lets recovery after a kill tell damage from a torn tail
         zeros = self._zeros
         if zeros is not None:
             # Written before this fsync began (after the previous group's answers; never during a group):
