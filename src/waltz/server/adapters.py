@@ -109,8 +109,11 @@ class TcpReplicaConnection:
     def start_append(
         self, records: Sequence[Record], on_answer: Callable[[asyncio.Future[object]], None]
     ) -> asyncio.Future[object]:
+        if self._closed:
+            raise ClosedResourceError(f"replica connection to {self._storage} is closed")
         body = self._bodies.body_of(records)
-        return self._live().start_append_encoded(self._session_id, self._partition_id, body, on_answer)
+        # (A broken connection raises in start_call, which checks it anyway: no _live() per append.)
+        return self._client.start_append_encoded(self._session_id, self._partition_id, body, on_answer)
 
     async def read_records(self, transaction_id: int, max_count: int) -> list[Record]:
         return await self._live().read_records(

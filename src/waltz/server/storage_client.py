@@ -339,12 +339,13 @@ class StorageClient(_Endpoint[st.StorageMessage]):
     ) -> asyncio.Future[object]:
         """:meth:`append_encoded` sent now, without a timeout of its own (see ``RpcClient.start_call``, also
         for ``on_answer``): the future's result is the node's SuccessResponse once it fsynced the records."""
-        seq = self._seq()
-        answer = cast("Callable[[asyncio.Future[st.StorageMessage]], None] | None", on_answer)
-        if self.multi_append and self._multi_capable and self._rpc.in_flight:
-            return cast("asyncio.Future[object]", self._hold(session_id, seq, partition_id, body, answer))
-        request = cast(st.StorageMessage, EncodedAppend(session_id, seq, partition_id, body))
-        return cast("asyncio.Future[object]", self._rpc.start_call(request, answer))
+        # (Once per replica of every append: the types are adjusted with ignores, not typing.cast calls.)
+        rpc = self._rpc
+        seq = rpc.next_seq()
+        if self.multi_append and self._multi_capable and rpc.in_flight:
+            return self._hold(session_id, seq, partition_id, body, on_answer)  # type: ignore[arg-type,return-value]
+        request: st.StorageMessage = EncodedAppend(session_id, seq, partition_id, body)  # type: ignore[assignment]
+        return rpc.start_call(request, on_answer)  # type: ignore[arg-type,return-value]
 
     def _hold(
         self,

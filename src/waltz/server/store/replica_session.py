@@ -41,7 +41,7 @@ import logging
 import random
 from collections import deque
 from collections.abc import Awaitable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import islice
 from typing import Protocol, TypeVar
@@ -87,10 +87,11 @@ class Batch:
     first: int
     records: tuple[Record, ...]
     voting: Voting
+    last: int = field(init=False)
+    """The last record's id (a field: read several times per replica of every batch)."""
 
-    @property
-    def last(self) -> int:
-        return self.first + len(self.records) - 1
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "last", self.first + len(self.records) - 1)
 
 
 @dataclass(frozen=True)
