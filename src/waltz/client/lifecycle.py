@@ -161,6 +161,26 @@ _ADMIT_ROW, _EXECUTE_ROW, _SEND_ROW = STEPS[Event.ADMIT], STEPS[Event.EXECUTE], 
 _COMMIT_ROW, _COMPLETE_ROW, _APPLY_ROW = STEPS[Event.COMMIT], STEPS[Event.COMPLETE], STEPS[Event.APPLY]
 
 
+def _composed(*rows: dict[State, tuple[State, Hook | None]]) -> dict[State, State]:
+    """``state -> the state after the rows' transitions in turn``, for each state all of them take: several
+    steps of the table in one lookup, for the methods below that make them together."""
+    out: dict[State, State] = {}
+    for start in State:
+        state: State | None = start
+        for row in rows:
+            step = row.get(state) if state is not None else None
+            state = step[0] if step is not None else None
+        if state is not None:
+            out[start] = state
+    return out
+
+
+_COMMIT_NEXT, _APPLY_NEXT = _composed(_COMMIT_ROW), _composed(_APPLY_ROW)
+_ADMIT_EXECUTE = _composed(_ADMIT_ROW, _EXECUTE_ROW)
+_ADMIT_EXECUTE_SEND = _composed(_ADMIT_ROW, _EXECUTE_ROW, _SEND_ROW)
+_COMMIT_COMPLETE = _composed(_COMMIT_ROW, _COMPLETE_ROW)
+
+
 class Lifecycle:
     """The state of one context. ``attempts`` counts the appends sent (what ``client.maxTransactionAttempts``
     bounds: an execution queued behind our own lock holder never reached the server, so it does not count)."""
@@ -188,7 +208,7 @@ class Lifecycle:
     def admit_execute(self) -> None:
         """``handle(ADMIT)`` then ``handle(EXECUTE)``: a first attempt that took its slot and executed."""
         try:
-            self.state = _EXECUTE_ROW[_ADMIT_ROW[self.state][0]][0]
+            self.state = _ADMIT_EXECUTE[self.state]
         except KeyError:
             self.handle(Event.ADMIT)  # Raises LifecycleError (or EXECUTE below does).
             self.handle(Event.EXECUTE)
@@ -198,7 +218,7 @@ class Lifecycle:
         """``handle(ADMIT)``, ``handle(EXECUTE)`` then ``handle(SEND)``: a first attempt that took its slot
         and executed off the loop (or on it, before this) is sent."""
         try:
-            self.state = _SEND_ROW[_EXECUTE_ROW[_ADMIT_ROW[self.state][0]][0]][0]
+            self.state = _ADMIT_EXECUTE_SEND[self.state]
         except KeyError:
             self.admit_execute()  # Raises LifecycleError (or SEND below does).
             self.handle(_SEND)
@@ -225,7 +245,7 @@ class Lifecycle:
     def commit(self) -> None:
         """``handle(COMMIT)``: the append committed; ``on_completion(True)`` is owed."""
         try:
-            self.state = _COMMIT_ROW[self.state][0]
+            self.state = _COMMIT_NEXT[self.state]
         except KeyError:
             self.handle(Event.COMMIT)  # Raises LifecycleError.
             raise
@@ -234,7 +254,7 @@ class Lifecycle:
         """``handle(COMMIT)`` then ``handle(COMPLETE)``: the append committed and the ``on_completion(True)``
         that owes was run at once (inline mode); ``on_application`` follows the apply."""
         try:
-            self.state = _COMPLETE_ROW[_COMMIT_ROW[self.state][0]][0]
+            self.state = _COMMIT_COMPLETE[self.state]
         except KeyError:
             self.handle(Event.COMMIT)  # Raises LifecycleError (or COMPLETE below does).
             self.handle(Event.COMPLETE)
@@ -258,7 +278,7 @@ class Lifecycle:
         meanwhile (the client closed, the partition was released: nothing is owed)."""
         before = self.state
         try:
-            self.state = _APPLY_ROW[before][0]
+            self.state = _APPLY_NEXT[before]
         except KeyError:
             self.handle(Event.APPLY)  # Raises LifecycleError.
             raise

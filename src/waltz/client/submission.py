@@ -259,22 +259,20 @@ class SubmissionMixin(AttemptsMixin):
         error."""
         partition = run.partition
         assert partition is not None
-        if type(first) is TransactionBuilder and monitor is not None and not first.write_lock_hashes:
-            run.admit_execute_send()  # The common case. Before _send: a failed send resolves at once.
-            self._send(partition, monitor, first, run)
-            return
-        if type(first) is TransactionBuilder and monitor is not None:
-            # Write locks: take them and send, or wait for the turn behind the context of ours holding one
-            # (it executes again then). Either way submit returns now.
-            wake = partition.lock_queue.take(run, first.write_lock_hashes)
-            if wake is None:
-                run.admit_execute()
-                run.handle(Event.QUEUE)
-                self._park(partition, run, first)
-                self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
-                return
-            if wake:
-                self._wake(wake)
+        if type(first) is TransactionBuilder and monitor is not None:  # The common case: sent now.
+            locks = first.write_lock_hashes
+            if locks:
+                # Write locks: take them and send, or wait for the turn behind the context of ours holding
+                # one (it executes again then). Either way submit returns now.
+                wake = partition.lock_queue.take(run, locks)
+                if wake is None:
+                    run.admit_execute()
+                    run.handle(Event.QUEUE)
+                    self._park(partition, run, first)
+                    self._spawn(self._run_context(run), f"waltz-run-p{partition.id}")
+                    return
+                if wake:
+                    self._wake(wake)
             run.admit_execute_send()  # Before _send: a failed send resolves at once.
             self._send(partition, monitor, first, run)
             return
