@@ -28,6 +28,7 @@ import yaml
 
 from tests.integration.conftest import ClusterFactory
 from tests.integration.raw_client import RawClient, append_stream
+from tests.integration.raw_storage import FramedSocket
 from tests.integration.storage_process import DEFAULT_KEY, StorageProcess
 from waltz.cluster.membership import ClusterWatcher
 from waltz.protocol import client_server as cs
@@ -88,20 +89,20 @@ class RssSampler:
         return self.peak - self.baseline
 
 
-class RawPeer:
+class RawPeer(FramedSocket):
     """A blocking socket that completes the hello, then sends frames and reads only when told to."""
 
     def __init__(
         self, port: int, *, source: str = "127.0.0.1", rcvbuf: int | None = None, timeout_s: float = 10.0
     ) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         if rcvbuf is not None:
             # Set before connecting, so the advertised window stays small: the peer truly reads nothing.
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-        self.sock.bind((source, 0))
-        self.sock.settimeout(timeout_s)
-        self.sock.connect(("127.0.0.1", port))
-        self.version = 0
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.bind((source, 0))
+        sock.settimeout(timeout_s)
+        sock.connect(("127.0.0.1", port))
+        super().__init__(sock)
 
     def hello(self, versions: tuple[int, ...]) -> int:
         """Exchange hellos; the version the other side will speak (the highest both know)."""
@@ -115,36 +116,6 @@ class RawPeer:
     def send(self, magic: int, *payloads: bytes) -> None:
         """Send ``payloads`` as frames in one write (a pipelining peer's requests arrive together)."""
         self.sock.sendall(b"".join(encode_frame(magic, self.version, p) for p in payloads))
-
-    def _read_exact(self, n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionResetError("closed")
-            buf += chunk
-        return buf
-
-    def read_payload(self) -> bytes:
-        _, _, length = struct.unpack(">Bhi", self._read_exact(7))
-        return self._read_exact(length)
-
-    def closed_by_peer(self, timeout_s: float) -> bool:
-        """True once the other side closed (or reset) the connection, reading whatever is still queued."""
-        deadline = time.monotonic() + timeout_s
-        try:
-            while time.monotonic() < deadline:
-                self.sock.settimeout(max(0.01, deadline - time.monotonic()))
-                if not self.sock.recv(1 << 20):
-                    return True
-        except (ConnectionResetError, BrokenPipeError):
-            return True
-        except TimeoutError:
-            return False
-        return False
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def flood(port: int, versions: tuple[int, ...], count: int) -> tuple[list[RawPeer], int]:
