@@ -147,16 +147,17 @@ TRANSITIONS: dict[tuple[State, Event], tuple[State, Hook | None]] = {
 STEPS: dict[Event, dict[State, tuple[State, Hook | None]]] = {
     event: {state: TRANSITIONS[(state, e)] for (state, e) in TRANSITIONS if e is event} for event in Event
 }
-""":data:`TRANSITIONS` by event: ``STEPS[event][state]``. The same table, for the client core's hot path,
-which applies a transition it knows by one lookup in the event's row instead of a call of
-:meth:`Lifecycle.handle` (a missing state there is still handed to ``handle``, which raises)."""
+""":data:`TRANSITIONS` by event: ``STEPS[event][state]``. The same table, for the client core's hot path:
+:class:`Lifecycle`'s methods for the transitions every append makes look the next state up in maps made from
+these rows instead of calling :meth:`Lifecycle.handle` (a missing state is still handed to ``handle``, which
+raises)."""
 
 HOLDS_SLOT = frozenset({S.ADMITTED, S.EXECUTING, S.QUEUED, S.APPENDING, S.RETRY})
 """The states of a run that holds one of its partition's slots (``client.maxConcurrentTransactions``)."""
 
 # Module constants for what handle() compares on every call (an enum member lookup costs far more in 3.11).
 _SEND, _COMPLETED, _APPLIED = Event.SEND, State.COMPLETED, State.APPLIED
-# The rows of the transitions every append makes, for the methods of the same names below.
+# The rows of the transitions every append makes, from which the maps below are made.
 _ADMIT_ROW, _EXECUTE_ROW, _SEND_ROW = STEPS[Event.ADMIT], STEPS[Event.EXECUTE], STEPS[Event.SEND]
 _COMMIT_ROW, _COMPLETE_ROW, _APPLY_ROW = STEPS[Event.COMMIT], STEPS[Event.COMPLETE], STEPS[Event.APPLY]
 
@@ -175,7 +176,10 @@ def _composed(*rows: dict[State, tuple[State, Hook | None]]) -> dict[State, Stat
     return out
 
 
-_COMMIT_NEXT, _APPLY_NEXT = _composed(_COMMIT_ROW), _composed(_APPLY_ROW)
+# Each transition one lookup (the rows hold (state, hook) pairs; these the next state only).
+_EXECUTE_NEXT, _SEND_NEXT = _composed(_EXECUTE_ROW), _composed(_SEND_ROW)
+_COMMIT_NEXT, _COMPLETE_NEXT = _composed(_COMMIT_ROW), _composed(_COMPLETE_ROW)
+_APPLY_NEXT = _composed(_APPLY_ROW)
 _ADMIT_EXECUTE = _composed(_ADMIT_ROW, _EXECUTE_ROW)
 _ADMIT_EXECUTE_SEND = _composed(_ADMIT_ROW, _EXECUTE_ROW, _SEND_ROW)
 _COMMIT_COMPLETE = _composed(_COMMIT_ROW, _COMPLETE_ROW)
@@ -228,7 +232,7 @@ class Lifecycle:
     def execute(self) -> None:
         """``handle(EXECUTE)``: an attempt executes (no hook)."""
         try:
-            self.state = _EXECUTE_ROW[self.state][0]
+            self.state = _EXECUTE_NEXT[self.state]
         except KeyError:
             self.handle(Event.EXECUTE)  # Raises LifecycleError.
             raise
@@ -236,7 +240,7 @@ class Lifecycle:
     def send(self) -> None:
         """``handle(SEND)``: the attempt's append is sent (no hook); counted in :attr:`attempts`."""
         try:
-            self.state = _SEND_ROW[self.state][0]
+            self.state = _SEND_NEXT[self.state]
         except KeyError:
             self.handle(_SEND)  # Raises LifecycleError.
             raise
@@ -266,7 +270,7 @@ class Lifecycle:
         ended meanwhile (ENDED: the run is over)."""
         before = self.state
         try:
-            self.state = _COMPLETE_ROW[before][0]
+            self.state = _COMPLETE_NEXT[before]
         except KeyError:
             self.handle(Event.COMPLETE)  # Raises LifecycleError.
             raise
