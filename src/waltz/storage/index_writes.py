@@ -48,18 +48,16 @@ class FlushedIndexWrites:
         """``part``'s last group fsync made records durable: write their entries soon, on the loop."""
         self._owed[part.partition_id] = part
         if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self._delay_s, self.write_owed)
+            self._timer = asyncio.get_running_loop().call_later(self._delay_s, self._write_owed)
 
     @property
     def owed(self) -> int:
         """Partitions whose entries wait for their write."""
         return len(self._owed)
 
-    def write_owed(self) -> None:
-        """Write every owed partition's entries now (the timer's callback)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+    def _write_owed(self) -> None:
+        """The timer's callback: every owed partition's entries, one write each."""
+        self._timer = None
         owed, self._owed = self._owed, {}
         for part in owed.values():
             part.write_flushed_index()

@@ -177,8 +177,8 @@ class PartitionLog:
 
     # ------------------------------------------------------------------------------------------- state
 
-    # The append path (max_transaction_id, append_run, flush, write_flushed_index, prefill) reads _current
-    # with its own None check: a call of _writable() there is a fifth of the node's per-append calls.
+    # The append path (max_transaction_id, append_run, flush, prefill) reads _current with its own None
+    # check: a call of _writable() there was a fifth of the node's per-append calls.
     def _writable(self) -> Segment:
         if self._current is None:
             raise self._closed_error()
@@ -309,11 +309,8 @@ class PartitionLog:
         """After :meth:`flush`, on the thread that appends: write the index entries of the records it made
         durable (not fsynced; see :meth:`Segment.write_flushed_index`). A failure is logged (at most once per
         10 s) and changes nothing: the entries wait for the next checkpoint, as they did before."""
-        current = self._current
-        if current is None:
-            raise self._closed_error()
         try:
-            current.write_flushed_index()
+            self._writable().write_flushed_index()
         except (WaltzError, OSError) as e:
             now = time.monotonic()
             if now - self._index_write_failure_log_s >= 10:
