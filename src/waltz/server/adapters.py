@@ -80,10 +80,13 @@ class TcpReplicaConnection:
 
     def _live(self) -> StorageClient:
         if self._closed:
-            raise ClosedResourceError(f"replica connection to {self._storage} is closed")
+            raise self._closed_error()
         if not self._client.is_usable:
             raise BrokenResourceError(f"connection to storage {self._storage} is broken")
         return self._client
+
+    def _closed_error(self) -> ClosedResourceError:
+        return ClosedResourceError(f"replica connection to {self._storage} is closed")
 
     async def last_session_info(self) -> SessionInfo:
         info = await self._live().last_session_info(self._session_id, self._partition_id)
@@ -110,7 +113,7 @@ class TcpReplicaConnection:
         self, records: Sequence[Record], on_answer: Callable[[asyncio.Future[object]], None]
     ) -> asyncio.Future[object]:
         if self._closed:
-            raise ClosedResourceError(f"replica connection to {self._storage} is closed")
+            raise self._closed_error()
         body = self._bodies.body_of(records)
         # (A broken connection raises in start_call, which checks it anyway: no _live() per append.)
         return self._client.start_append_encoded(self._session_id, self._partition_id, body, on_answer)
