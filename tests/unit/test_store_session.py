@@ -282,6 +282,45 @@ def test_a_lone_append_is_batched_in_the_call_that_queued_it_and_its_burst_follo
     run_virtual(main())
 
 
+def test_lone_appends_after_a_commit_leave_in_the_call_and_the_parked_writer_is_not_woken() -> None:
+    async def main() -> None:
+        world = World()
+        async with world.partition() as partition:
+            await partition.wait_open()
+            session = partition.session
+            assert session is not None
+            for i in range(3):
+                done = submit_now(partition, req(i))
+                assert [b.first for b in session.batches_in_flight] == [i]
+                # The writer, parked idle by the last decision, is where it would wait with this batch in
+                # flight: nothing wakes it (one task wake-up per lone append fewer).
+                assert not session._wake.is_set()
+                assert done is not None
+                assert await done == i
+                assert session.batches_in_flight == ()
+            # While batches are in flight, a full batch still wakes it, and it sends that batch.
+            first = submit_now(partition, req(3))
+            rest = [submit_now(partition, req(i)) for i in range(4, 4 + session.full_count)]
+            assert session._wake.is_set()
+            await asyncio.sleep(0)
+            assert [b.first for b in session.batches_in_flight] == [3, 4]
+            end = 4 + session.full_count
+            assert [await f for f in [first, *rest] if f is not None] == list(range(3, end))
+            # Parked idle again, an append that promises more that never come (the rest of the read was for
+            # other partitions): a callback of the next loop pass sends it; the writer is not woken.
+            assert session.batches_in_flight == ()
+            future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            assert partition.submit(req(end), FUTURES, future, 0.0, more=True)
+            assert session.batches_in_flight == ()
+            await asyncio.sleep(0)
+            assert [b.first for b in session.batches_in_flight] == [end]
+            assert not session._wake.is_set()
+            assert await asyncio.wait_for(future, 5) == end
+            assert [r.transaction_id for r in world.log(NAMES[0])] == list(range(end + 1))
+
+    run_virtual(main())
+
+
 def test_submit_refuses_when_the_queue_is_full_and_append_checks_the_checksum_that_submit_trusts() -> None:
     async def main() -> None:
         world = World(max_queued_appends=3)

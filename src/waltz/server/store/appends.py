@@ -125,9 +125,6 @@ class AppendQueue:
         self._room = asyncio.Event()
         self._room.set()
         self._arrived = asyncio.Event()
-        self.wake_on_arrival: asyncio.Event | None = None
-        """Set (once, then forgotten) with the queue's own arrival event: the store session's writer parked
-        waiting for a batch's decision and made idle by it waits on its own event (see ``StoreSession``)."""
 
     def qsize(self) -> int:
         return len(self._items)
@@ -161,10 +158,6 @@ class AppendQueue:
             # Only a getter that found the queue empty waits (after clearing the event): the append that
             # ends the emptiness wakes it, those after it need not (Event.set is a Python call per append).
             self._arrived.set()
-            wake = self.wake_on_arrival
-            if wake is not None:
-                self.wake_on_arrival = None
-                wake.set()
         return n + 1
 
     async def get(self) -> PendingAppend:

@@ -354,12 +354,13 @@ class StorePartition:
         self._submitted += 1
         session = self._session
         # The session's test, inlined: the call is needed only for an idle writer or a full batch (only the
-        # latter while more appends follow).
+        # latter, and the first append, while more appends follow).
         if session is not None and (
             queued >= (session.full_count if more else session.notify_at_count)
             or queue.data_bytes >= session.notify_at_bytes
+            or (more and queued == 1)
         ):
-            session.appends_queued()
+            session.appends_queued(more)
         return True
 
     async def wait_open(self) -> int:

@@ -179,6 +179,12 @@ class StoreSession:
         self._outcome: SessionOutcome | None = None
         self._end_requested: tuple[EndReason, str] | None = None
         self._writer_idle = False
+        self._parked_idle = False
+        """The writer waits on ``_wake`` where the last decision left it idle (see :meth:`_batch_decided`)."""
+        self._burst_end_due = False
+        """A callback of the next loop pass sends the burst an idle writer was promised (see
+        :meth:`appends_queued`)."""
+        self._loop = asyncio.get_running_loop()
         self._batches: deque[tuple[Batch, list[PendingAppend]]] = deque()
         """Batches sent and not yet committed, oldest first."""
         self.full_count = min(config.max_batch_size, host.queue.capacity)
@@ -187,8 +193,8 @@ class StoreSession:
         """How many queued appends (or :attr:`notify_at_bytes` of data) need :meth:`appends_queued`: one
         while no batch is in flight (an idle writer sends it at once), a full batch otherwise (the only
         thing a writer with batches in flight acts on). A host may skip the call below both, and below a full
-        batch while it queues more appends in the same call chain (their last one makes the call: see
-        ``StorePartition.submit``); calling it more often does no harm."""
+        batch while it queues more appends in the same call chain, except for the first of them (their last
+        one sends them; see ``StorePartition.submit``); calling it more often does no harm."""
         self.notify_at_bytes = config.max_batch_bytes
         self._wake = asyncio.Event()
         """Wakes the writer waiting on decisions (or left idle by one: see :meth:`_batch_decided`)."""
@@ -251,9 +257,10 @@ class StoreSession:
     def ended(self) -> bool:
         return self._outcome is not None
 
-    def appends_queued(self) -> None:
+    def appends_queued(self, more: bool = False) -> None:
         """The host queued appends: a writer waiting for a batch to be decided may send another; an idle
-        writer's batch is formed and sent right here."""
+        writer's batch is formed and sent right here. ``more``: the host queues more right after these (see
+        ``StorePartition.submit``); it calls this for the first of them too."""
         if self._batches:
             # Only a writer with batches in flight waits on _wake (an idle one waits for the queue itself);
             # the test is _full_batch_queued's, inlined: this runs once per append.
@@ -273,10 +280,31 @@ class StoreSession:
             and self.next_id - 1 - self.low_water_mark < self.config.checkpoint_interval
         ):
             # Nothing in flight and the writer waits for appends (the session is open, no end requested or
-            # due): this is a lone append (or the first of a burst). It leaves for the replicas now, in the
-            # call that queued it, instead of after the writer task's wake-up one loop iteration later; the
-            # writer, woken, finds the queue empty (or the burst that came with it) and goes on.
+            # due): this is a lone append (or a burst). It leaves for the replicas now, in the call that
+            # queued it, instead of after the writer task's wake-up one loop iteration later.
+            if more and self._host.queue.qsize() < self.full_count:
+                # The first of a burst: its last append sends them all. The rest of the read may be other
+                # partitions' appends, though: then a callback sends it in the next loop pass (not a wake-up
+                # of the writer task, which costs several times more, for each of many partitions).
+                if not self._burst_end_due:
+                    self._burst_end_due = True
+                    self._loop.call_soon(self._burst_ended)
+                return
+            if self._parked_idle:
+                # The writer waits on _wake, where it would wait with this batch in flight: it is not woken
+                # (with many partitions, or one append at a time, a task wake-up per batch fewer).
+                self._parked_idle = self._writer_idle = False
+            # (A writer waiting for the queue wakes, finds it empty or the burst that came with it, goes on.)
             self._send_batch(self._host.queue.get_nowait())
+        elif self._parked_idle:
+            self._parked_idle = False
+            self._wake.set()  # an end or a checkpoint due: the writer acts on it
+
+    def _burst_ended(self) -> None:
+        """The loop pass that queued a burst is over: what is left of it goes (if nothing took it yet)."""
+        self._burst_end_due = False
+        if not self._host.queue.empty():
+            self.appends_queued()
 
     def _full_batch_queued(self) -> bool:
         queue = self._host.queue
@@ -548,8 +576,7 @@ class StoreSession:
                 self._wake.clear()
                 await self._wake.wait()
                 # _batch_decided may have made it idle while it waited.
-                self._writer_idle = False
-                self._host.queue.wake_on_arrival = None
+                self._writer_idle = self._parked_idle = False
                 continue
             if not batches and queue.empty():
                 self._writer_idle = True
@@ -621,11 +648,10 @@ class StoreSession:
             self._wake.set()
         else:
             # Nothing in flight, nothing queued, no checkpoint due: the writer would wake only to wait for an
-            # append. It stays parked on _wake and counts as idle (appends_queued sends a lone append
-            # itself); the append that ends the queue's emptiness sets _wake too (wake_on_arrival). One
-            # task wake-up per batch fewer (with many partitions, every batch is about one append).
-            self._writer_idle = True
-            self._host.queue.wake_on_arrival = self._wake
+            # append. It stays parked on _wake and counts as idle: appends_queued sends the next append itself
+            # and leaves it parked, or wakes it when there is more to do. With many partitions (every batch
+            # about one append) or one append at a time, the writer task then never runs.
+            self._writer_idle = self._parked_idle = True
         if not batches and self._end_requested is not None:
             self.end(*self._end_requested)
 
