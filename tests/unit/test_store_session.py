@@ -316,7 +316,16 @@ def test_lone_appends_after_a_commit_leave_in_the_call_and_the_parked_writer_is_
             assert [b.first for b in session.batches_in_flight] == [end]
             assert not session._wake.is_set()
             assert await asyncio.wait_for(future, 5) == end
-            assert [r.transaction_id for r in world.log(NAMES[0])] == list(range(end + 1))
+            # The host that knows the burst ended (its read's last request was another partition's) says so:
+            # the appends leave in that call.
+            futures = [asyncio.get_running_loop().create_future() for _ in range(2)]
+            for i, f in enumerate(futures):
+                assert partition.submit(req(end + 1 + i), FUTURES, f, 0.0, more=True)
+            assert session.batches_in_flight == ()
+            partition.end_burst()
+            assert [(b.first, b.last) for b in session.batches_in_flight] == [(end + 1, end + 2)]
+            assert [await f for f in futures] == [end + 1, end + 2]
+            assert [r.transaction_id for r in world.log(NAMES[0])] == list(range(end + 3))
 
     run_virtual(main())
 

@@ -399,6 +399,10 @@ class Partition:
         queue.put_nowait(_Append(peer, msg, received_s))
         return True
 
+    def end_burst(self) -> None:
+        """The appends this partition took with ``more=True`` are the last of their read: they go now."""
+        self.store.end_burst()
+
     async def append(self, peer: Peer, msg: cs.AppendMessage) -> bool:
         """:meth:`append_nowait`, waiting for room in the append queue while it is full (back pressure on that
         connection); False if this incarnation cannot take it (see :meth:`accepts`)."""

@@ -363,6 +363,13 @@ class StorePartition:
             session.appends_queued(more)
         return True
 
+    def end_burst(self) -> None:
+        """The appends submitted with ``more=True`` are the last of their burst after all: they go now (else
+        a callback of the next loop pass sends them)."""
+        session = self._session
+        if session is not None:
+            session.end_burst()
+
     async def wait_open(self) -> int:
         """Wait until a store session is open (recovered) and return the committed high-water mark."""
         while not self.is_healthy:

@@ -181,9 +181,9 @@ class StoreSession:
         self._writer_idle = False
         self._parked_idle = False
         """The writer waits on ``_wake`` where the last decision left it idle (see :meth:`_batch_decided`)."""
-        self._burst_end_due = False
-        """A callback of the next loop pass sends the burst an idle writer was promised (see
-        :meth:`appends_queued`)."""
+        self._burst_end: asyncio.Handle | None = None
+        """The callback of the next loop pass that sends the burst an idle writer was promised (see
+        :meth:`appends_queued`), unless :meth:`end_burst` comes first."""
         self._loop = asyncio.get_running_loop()
         self._batches: deque[tuple[Batch, list[PendingAppend]]] = deque()
         """Batches sent and not yet committed, oldest first."""
@@ -286,9 +286,8 @@ class StoreSession:
                 # The first of a burst: its last append sends them all. The rest of the read may be other
                 # partitions' appends, though: then a callback sends it in the next loop pass (not a wake-up
                 # of the writer task, which costs several times more, for each of many partitions).
-                if not self._burst_end_due:
-                    self._burst_end_due = True
-                    self._loop.call_soon(self._burst_ended)
+                if self._burst_end is None:
+                    self._burst_end = self._loop.call_soon(self._burst_ended)
                 return
             if self._parked_idle:
                 # The writer waits on _wake, where it would wait with this batch in flight: it is not woken
@@ -300,9 +299,17 @@ class StoreSession:
             self._parked_idle = False
             self._wake.set()  # an end or a checkpoint due: the writer acts on it
 
+    def end_burst(self) -> None:
+        """The host says the burst it promised ended (the rest of its read was for other partitions): what
+        is left of it goes now rather than in the next loop pass."""
+        handle = self._burst_end
+        if handle is not None:
+            handle.cancel()
+            self._burst_ended()
+
     def _burst_ended(self) -> None:
         """The loop pass that queued a burst is over: what is left of it goes (if nothing took it yet)."""
-        self._burst_end_due = False
+        self._burst_end = None
         if not self._host.queue.empty():
             self.appends_queued()
 
