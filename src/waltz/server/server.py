@@ -69,6 +69,7 @@ from waltz.protocol.storage_multi import MULTI_APPEND_FEATURE_VERSION
 from waltz.runtime import TaskSet
 from waltz.server import retention
 from waltz.server.adapters import TcpReplicaConnector, ZkPartitionMetadataStore
+from waltz.server.bursts import ReadBursts
 from waltz.server.config import ServerConfig
 from waltz.server.connection import BadMessage, ClientConnection, CloseConnection
 from waltz.server.feed_cache import FeedCache
@@ -560,9 +561,7 @@ class WaltzServer:
         append_cls = cs.AppendFields
         feed_request_cls = cs.FeedRequest
         dispatch = self._dispatch
-        # Partitions given an append with more of the read behind it: the read's last request sends what
-        # they queued (the rest of the read may have been other partitions' appends).
-        bursts: list[Partition] = []
+        bursts = ReadBursts()
 
         def on_payload(payload: bytes) -> Awaitable[None] | None:
             """One message of the client, in order, from the transport's data callback (no task wake-up and
@@ -576,8 +575,8 @@ class WaltzServer:
                 raise BadMessage(e) from None
             if peer.client_id is None:
                 peer.client_id = msg.req_id.client_id
-            if bursts and type(msg) is not append_cls and not conn.read_ahead:
-                _end_bursts(bursts)  # the read ends with another request
+            if bursts.pending and type(msg) is not append_cls and not conn.read_ahead:
+                bursts.end()  # the read ends with another request
             if type(msg) is append_cls and not self._suspended:
                 # Appends first, without a coroutine when nothing has to wait (nearly every message under
                 # load is one): the partition takes it, refuses it, or says it must wait. The partition id is
@@ -589,13 +588,8 @@ class WaltzServer:
                     # read_ahead: more requests of this read come next, in this callback. An idle store
                     # writer then waits for the last of them, so a burst read in one go leaves as one batch
                     # (one request and one fsync per replica) while a lone append still leaves at once.
-                    more = conn.read_ahead
-                    taken = part.append_nowait(peer, msg, more)
-                    if more:
-                        if not bursts or bursts[-1] is not part:
-                            bursts.append(part)
-                    elif bursts:
-                        _end_bursts(bursts)
+                    taken = part.append_nowait(peer, msg, more := conn.read_ahead)
+                    bursts.took(part, more)
                     if taken:
                         return None
                     if taken is False:
@@ -889,13 +883,6 @@ class WaltzServer:
         new = current | ids if isinstance(msg, cs.AddPreferredPartitionRequest) else current - ids
         await self.member.set_preferred_partitions(new)
         return True
-
-
-def _end_bursts(bursts: list[Partition]) -> None:
-    """A client's read ended: each partition sends the appends it was told more would follow."""
-    for part in bursts:
-        part.end_burst()
-    bursts.clear()
 
 
 def _log_closing(conn: FramedConnection, peer: ClientConnection, error: BadMessage | CloseConnection) -> None:

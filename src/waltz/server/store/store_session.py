@@ -178,6 +178,19 @@ class StoreSession:
         self._ended = asyncio.Event()
         self._outcome: SessionOutcome | None = None
         self._end_requested: tuple[EndReason, str] | None = None
+        self._init_writer(config, host)
+        self._was_opened = False
+        self._stopped = False  # run() returned: no task of the session runs
+        self._tasks = TaskSet(self._task_failed)
+        self._error: BaseException | None = None  # A task's bug that ended the session: run() raises it.
+        self.started_ms = _loop_ms()
+        self.recovery_ms = -1
+        """How long recovery took, from the session's start until it opened (-1 until it opens)."""
+        self.repairing: set[str] = set()
+        """Replicas a background repair is running for (at most one at a time each)."""
+
+    def _init_writer(self, config: StoreConfig, host: SessionHost) -> None:
+        """The writer's state: batches in flight, when it must be told of queued appends, how it waits."""
         self._writer_idle = False
         self._parked_idle = False
         """The writer waits on ``_wake`` where the last decision left it idle (see :meth:`_batch_decided`)."""
@@ -198,15 +211,6 @@ class StoreSession:
         self.notify_at_bytes = config.max_batch_bytes
         self._wake = asyncio.Event()
         """Wakes the writer waiting on decisions (or left idle by one: see :meth:`_batch_decided`)."""
-        self._was_opened = False
-        self._stopped = False  # run() returned: no task of the session runs
-        self._tasks = TaskSet(self._task_failed)
-        self._error: BaseException | None = None  # A task's bug that ended the session: run() raises it.
-        self.started_ms = _loop_ms()
-        self.recovery_ms = -1
-        """How long recovery took, from the session's start until it opened (-1 until it opens)."""
-        self.repairing: set[str] = set()
-        """Replicas a background repair is running for (at most one at a time each)."""
 
     def __repr__(self) -> str:
         return f"StoreSession(partition={self.partition_id}, session={self.session_id}, open={self.is_open})"
