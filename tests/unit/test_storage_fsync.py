@@ -164,6 +164,12 @@ def test_the_request_counts_export_what_a_prometheus_counter_would() -> None:
     assert sorted(generate_latest(ours).decode().splitlines()) == sorted(expected)
 
 
+def _exported(node: StorageNode) -> list[str]:
+    from prometheus_client import generate_latest
+
+    return generate_latest(node.registry).decode().splitlines()
+
+
 def test_a_fresh_node_exports_its_append_request_count_at_zero(tmp_path: Path) -> None:
     """As when it was a prometheus Counter whose AppendRequest child was made at start: an idle node shows 0
     (a rate of 0, and the first appends counted by increase()), not a series that appears later."""
@@ -424,8 +430,10 @@ def test_a_group_fsyncs_index_entries_reach_the_index_file_soon_after_not_at_onc
         plog.append([Record.build(i, ReqId(1 << 32, i), 0, b"x") for i in range(3)])
         assert partition._fsync_inline(plog) is None
         assert index.stat().st_size == empty
+        assert "waltz_storage_index_writes_total 0.0" in _exported(node)
         await asyncio.sleep(FLUSHED_INDEX_DELAY_S + 0.05)
         assert index.stat().st_size == empty + 3 * 8  # one i64 offset per record
+        assert "waltz_storage_index_writes_total 1.0" in _exported(node)  # one write for the group's three
         partition.close_log()
 
     asyncio.run(main())

@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from waltz.storage.index_writes import FLUSHED_INDEX_DELAY_S
+
 log = logging.getLogger(__name__)
 
 
@@ -212,16 +214,27 @@ class HandoffCounts(Protocol):
     def syncfs_failures(self) -> int: ...
 
 
+class IndexWriteCounts(Protocol):
+    """What :class:`AppendCounters` reads of the node's deferred index writes (a ``FlushedIndexWrites``)."""
+
+    @property
+    def writes(self) -> int: ...
+
+
 class AppendCounters(Collector):
     """``waltz_storage_appended_records``, ``_appended_bytes`` and ``_fsyncs``, read from the partitions'
     plain counts when scraped. A prometheus Counter takes a lock and a few calls per update: three per group
     commit were the largest part of the metrics' cost on the path of a lone append."""
 
     def __init__(
-        self, partitions: Callable[[], Sequence[PartitionCounters]], handoffs: HandoffCounts | None = None
+        self,
+        partitions: Callable[[], Sequence[PartitionCounters]],
+        handoffs: HandoffCounts | None = None,
+        index_writes: IndexWriteCounts | None = None,
     ) -> None:
         self._partitions = partitions
         self._handoffs = handoffs
+        self._index_writes = index_writes
 
     def collect(self) -> Iterable[Metric]:
         records = CounterMetricFamily(
@@ -281,6 +294,14 @@ class AppendCounters(Collector):
                 "waltz_storage_fsync_syncfs_failures",
                 "syncfs calls that failed: each file of their batch was then fsynced on its own",
                 value=self._handoffs.syncfs_failures,
+            )
+        if self._index_writes is not None:
+            yield CounterMetricFamily(
+                "waltz_storage_index_writes",
+                "Writes of the index entries of fsynced records, made at most "
+                f"{FLUSHED_INDEX_DELAY_S * 1000:g} ms after their group fsyncs: one per partition per "
+                "interval, for every group of that interval",
+                value=self._index_writes.writes,
             )
 
 

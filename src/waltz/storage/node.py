@@ -163,7 +163,7 @@ class StorageNode:
         self.http_port = 0
 
     def _register_gauges(self) -> None:
-        self.registry.register(AppendCounters(lambda: self.partitions, self.group_sync))
+        self.registry.register(AppendCounters(lambda: self.partitions, self.group_sync, self.index_writes))
         directory = str(self.config.directory)
         self.metrics.disk_bytes.set_function(lambda: directory_bytes(directory))
         self.metrics.disk_free_bytes.set_function(lambda: free_bytes(directory))
