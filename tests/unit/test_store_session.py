@@ -74,11 +74,11 @@ class World:
         return self.storages[name].durable_records(0)
 
 
-def submit_now(partition: StorePartition, request: Req) -> asyncio.Future[int] | None:
-    """Submit ``request`` without waiting: the future of its id, or None (nothing queued) if the queue is
-    full."""
+def submit_now(partition: StorePartition, request: Req, more: bool = False) -> asyncio.Future[int] | None:
+    """Submit ``request`` without waiting (``more``: as ``StorePartition.submit``'s): the future of its id,
+    or None (nothing queued) if the queue is full."""
     future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    return future if partition.submit(request, FUTURES, future) else None
+    return future if partition.submit(request, FUTURES, future, more=more) else None
 
 
 async def submit(partition: StorePartition, request: Req) -> asyncio.Future[int]:
@@ -309,8 +309,8 @@ def test_lone_appends_after_a_commit_leave_in_the_call_and_the_parked_writer_is_
             # Parked idle again, an append that promises more that never come (the rest of the read was for
             # other partitions): a callback of the next loop pass sends it; the writer is not woken.
             assert session.batches_in_flight == ()
-            future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-            assert partition.submit(req(end), FUTURES, future, 0.0, more=True)
+            future = submit_now(partition, req(end), more=True)
+            assert future is not None
             assert session.batches_in_flight == ()
             await asyncio.sleep(0)
             assert [b.first for b in session.batches_in_flight] == [end]
@@ -318,13 +318,12 @@ def test_lone_appends_after_a_commit_leave_in_the_call_and_the_parked_writer_is_
             assert await asyncio.wait_for(future, 5) == end
             # The host that knows the burst ended (its read's last request was another partition's) says so:
             # the appends leave in that call.
-            futures = [asyncio.get_running_loop().create_future() for _ in range(2)]
-            for i, f in enumerate(futures):
-                assert partition.submit(req(end + 1 + i), FUTURES, f, 0.0, more=True)
+            futures = [submit_now(partition, req(i), more=True) for i in (end + 1, end + 2)]
+            assert None not in futures
             assert session.batches_in_flight == ()
             partition.end_burst()
             assert [(b.first, b.last) for b in session.batches_in_flight] == [(end + 1, end + 2)]
-            assert [await f for f in futures] == [end + 1, end + 2]
+            assert [await f for f in futures if f is not None] == [end + 1, end + 2]
             assert [r.transaction_id for r in world.log(NAMES[0])] == list(range(end + 3))
 
     run_virtual(main())
