@@ -78,18 +78,22 @@ class AttemptsMixin(HooksMixin):
         req_id = _new_tuple(ReqId, (partition.req_msb, partition.req_lsb_base | (seq & _MASK32)))
         outcomes = partition.outcomes
         outcomes[req_id] = run
+        self._outstanding += 1
         run.data = builder._data  # What its committed transaction carries (see _resolve).
         monitor.register(req_id, seq, self._clock())
         try:
-            # Alone in flight (one append at a time): nothing would join it in this iteration's write, so it
-            # leaves now instead of one loop pass later. Pipelined appends share one write.
-            driver.send_append(p, req_id, builder, len(outcomes) == 1)
+            # Alone in flight on the whole client (one append at a time): nothing would join it in this
+            # iteration's write, so it leaves now instead of one loop pass later. Pipelined appends share one
+            # write, also when each is alone on its partition (many partitions: a write per append cost the
+            # client a third of its CPU and the server a read per append).
+            driver.send_append(p, req_id, builder, self._outstanding == 1)
         except LocalProtocolError as e:
             # It can never be sent (over the connection's frame limit, or a field the format cannot carry):
             # retrying would execute the context again for ever. The context ends with this error instead.
             log.warning("partition %d: append %r cannot be sent: %s", partition.id, req_id, e)
             monitor.fail(req_id)
             del outcomes[req_id]  # Registered above, in this same synchronous call.
+            self._outstanding -= 1
             self._on_attempt_failed(run, e)
         except WaltzError as e:
             log.warning("partition %d: append %r not sent: %s", partition.id, req_id, e)
@@ -124,6 +128,7 @@ class AttemptsMixin(HooksMixin):
                 run = outcomes.pop(resolution.req_id, None)
                 if run is None:
                     continue
+                self._outstanding -= 1
                 if resolution.outcome is not _COMMITTED:
                     self._on_attempt_failed(run, resolution)
                     continue
@@ -147,6 +152,7 @@ class AttemptsMixin(HooksMixin):
 
     def _fail_outcomes(self, partition: PartitionState, error: ClientError | TrimmedError) -> None:
         outcomes, partition.outcomes = partition.outcomes, {}
+        self._outstanding -= len(outcomes)
         for run in outcomes.values():
             self._on_attempt_failed(run, error)
 

@@ -117,6 +117,7 @@ class ClientBase:
         "_metrics",
         "_next_seq",
         "_num_partitions",
+        "_outstanding",
         "_partitions",
         "_pool",
         "_readahead",
@@ -154,6 +155,9 @@ class ClientBase:
         )
         self._partitions: dict[int, PartitionState] = {}
         self._next_seq: dict[int, int] = {}  # Survives set_partitions, so request ids are never reused.
+        # Appends in flight on every partition (the sum of the partitions' outcomes): one alone leaves at
+        # once (see AttemptsMixin._send).
+        self._outstanding = 0
         self._runs: set[Run] = set()
         self._tasks = TaskSet(self._task_failed)  # Every task of the client; see waltz.client.tasks.
         self._runners = Runners(self._spawn)  # The tasks coroutine hooks run in: see waltz.client.eager.

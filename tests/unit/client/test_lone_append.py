@@ -73,6 +73,32 @@ def test_a_lone_append_is_sent_at_once_and_pipelined_ones_are_queued(mode: str) 
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("mode", ["inline", "threads"])
+def test_appends_alone_on_their_partitions_but_not_on_the_client_are_queued(mode: str) -> None:
+    # With many partitions nearly every append is alone on its own partition: each used to leave in its own
+    # socket write. Alone means alone on the client.
+    async def main() -> None:
+        driver = SendRecordingDriver(num_partitions=4)
+        client = AsyncWaltzClient(ApplyOrderCallbacks([]), FAST.replace(callback_mode=mode), driver=driver)
+        async with client:
+            await client.submit(Ctx(b"w", 0))  # warm-up: the first submit may wait for the mount
+            await client.flush_transactions(timeout=5)
+            del driver.sends[:]
+            driver.suspend_feed()
+            for partition in range(4):
+                await client.submit(Ctx(b"y", partition))
+            driver.resume_feed()
+            await client.flush_transactions(timeout=5)
+            assert driver.sends == ["now", "queued", "queued", "queued"]
+            del driver.sends[:]
+            for partition in (3, 1):  # the count went back to nothing in flight
+                await client.submit(Ctx(b"z", partition))
+                await client.flush_transactions(timeout=5)
+            assert driver.sends == ["now", "now"]
+
+    asyncio.run(main())
+
+
 class _SignallingCtx(Ctx):
     def __init__(self, data: bytes, done: asyncio.Future[bool], events: list[str]) -> None:
         super().__init__(data)
