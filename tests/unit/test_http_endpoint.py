@@ -4,6 +4,7 @@ server with many partitions) does not stop the process from serving meanwhile.""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -11,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from waltz.http import HttpEndpoint
+from waltz.http import SCRAPE_SWITCH_INTERVAL_S, HttpEndpoint
 
 WAIT_S = 10.0
 
@@ -108,3 +109,49 @@ async def _a_failing_collector_gets_a_500_and_the_endpoint_keeps_serving() -> No
         assert await _get(port, "/ping") == (200, b"pong\n")
     finally:
         await endpoint.aclose()
+
+
+class _NotingInterval(Collector):
+    """Notes the interpreter's switch interval while it collects."""
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def collect(self) -> Iterator[Metric]:
+        self.seen.append(sys.getswitchinterval())
+        yield GaugeMetricFamily("test_gauge", "A gauge", value=1)
+
+
+def test_a_scrape_shortens_the_switch_interval_and_puts_it_back() -> None:
+    asyncio.run(_a_scrape_shortens_the_switch_interval_and_puts_it_back())
+
+
+async def _a_scrape_shortens_the_switch_interval_and_puts_it_back() -> None:
+    # The loop takes the GIL back at every system call; with Python's 5 ms interval a scrape at 1,000
+    # partitions held a /ping for a third of a second.
+    before = sys.getswitchinterval()
+    noting = _NotingInterval()
+    slow = _Blocking()
+    endpoints = []
+    for collector in (noting, slow):
+        registry = CollectorRegistry()
+        registry.register(collector)
+        endpoints.append(HttpEndpoint(registry, lambda: (True, {})))
+    ports = [await endpoint.start("127.0.0.1", 0) for endpoint in endpoints]
+    try:
+        assert (await _get(ports[0], "/metrics"))[0] == 200
+        assert sys.getswitchinterval() == before
+        # Two endpoints of one process scraped at once: the first to end leaves it short for the other.
+        held = asyncio.create_task(_get(ports[1], "/metrics"))
+        assert await asyncio.to_thread(slow.started.wait, WAIT_S)
+        assert (await _get(ports[0], "/metrics"))[0] == 200
+        assert sys.getswitchinterval() == SCRAPE_SWITCH_INTERVAL_S
+        slow.release.set()
+        assert (await asyncio.wait_for(held, WAIT_S))[0] == 200
+    finally:
+        slow.release.set()
+        for endpoint in endpoints:
+            await endpoint.aclose()
+    assert noting.seen == [SCRAPE_SWITCH_INTERVAL_S] * 2
+    assert before > SCRAPE_SWITCH_INTERVAL_S
+    assert sys.getswitchinterval() == before
