@@ -14,7 +14,7 @@ prometheus_client's own threaded exporter does: they copy containers the loop ma
 While a scrape is built the switch interval is :data:`SCRAPE_SWITCH_INTERVAL_S` instead of Python's 5 ms. The
 loop gives up the GIL at every system call (each read, write and poll), and with the collecting thread
 running it waited up to an interval to take it back each time: a ``/ping`` during a scrape at 1,000
-partitions took 328 ms, 33 ms with the shorter interval (``bench/partition_start.py``), at the same CPU.
+partitions took 328 ms, 33 to 35 ms with the shorter interval (``bench/partition_start.py``), at the same CPU.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Consumer: first appends ``num_txns`` transactions (untimed, a few producer clien
 transaction's data; the time runs from the consumers' start to the last transaction read by the last one.
 
 Both run their clients with the configuration as given (the client's defaults unless the file says
-otherwise), on the path an asyncio application gets from coroutine callbacks: hooks and
+otherwise), on the path an asyncio application gets from coroutine callbacks: ``execute``, the hooks and
 ``apply_transaction`` are ``async def``, so the client awaits them on its event loop (the consumer's awaits
 ``fetch_transaction_data``), on uvloop when the CLI finds it, with a live progress line and the stall
 check.
