@@ -253,9 +253,7 @@ def test_a_lone_append_is_batched_in_the_call_that_queued_it_and_its_burst_follo
     async def main() -> None:
         world = World()
         async with world.partition() as partition:
-            await partition.wait_open()
-            session = partition.session
-            assert session is not None
+            session = await _open_session(partition)
             await asyncio.sleep(0)  # the writer waits for appends
             first = submit_now(partition, req(0))
             # No loop iteration in between: the idle writer's batch was formed and delivered by the call.
@@ -286,9 +284,7 @@ def test_lone_appends_after_a_commit_leave_in_the_call_and_the_parked_writer_is_
     async def main() -> None:
         world = World()
         async with world.partition() as partition:
-            await partition.wait_open()
-            session = partition.session
-            assert session is not None
+            session = await _open_session(partition)
             for i in range(3):
                 done = submit_now(partition, req(i))
                 assert [b.first for b in session.batches_in_flight] == [i]
@@ -426,9 +422,7 @@ def test_appends_submitted_with_more_to_follow_leave_with_the_last_of_them_as_on
         world = World(max_batch_size=4, max_queued_appends=8)
         listener = _BatchListener()
         async with world.partition() as partition:
-            await partition.wait_open()
-            session = partition.session
-            assert session is not None
+            session = await _open_session(partition)
             await asyncio.sleep(0)  # the writer waits for appends
             # A burst read in one go: the idle writer sends nothing while more follow, then all of it with
             # the last one, in that call.
