@@ -122,9 +122,12 @@ class AppendQueue:
         self._items: deque[PendingAppend] = deque()
         self.data_bytes = 0
         """Bytes of data queued (a batch is full by count or by bytes)."""
+        # Every waiter clears its event, then waits: an event is set only while a waiter says it waits (set
+        # is a Python call, and appends come and go once per append).
         self._room = asyncio.Event()
-        self._room.set()
+        self._room_awaited = False
         self._arrived = asyncio.Event()
+        self._arrival_awaited = False
 
     def qsize(self) -> int:
         return len(self._items)
@@ -139,6 +142,7 @@ class AppendQueue:
         """Return once the queue has room (at once if it has), or was cleared."""
         while len(self._items) >= self.capacity:
             self._room.clear()
+            self._room_awaited = True
             await self._room.wait()
 
     def put_nowait(self, append: PendingAppend) -> None:
@@ -154,15 +158,17 @@ class AppendQueue:
             return 0
         items.append(append)
         self.data_bytes += len(append.data)
-        if not n:
+        if self._arrival_awaited:
             # Only a getter that found the queue empty waits (after clearing the event): the append that
-            # ends the emptiness wakes it, those after it need not (Event.set is a Python call per append).
+            # ends the emptiness wakes it, those after it need not.
+            self._arrival_awaited = False
             self._arrived.set()
         return n + 1
 
     async def get(self) -> PendingAppend:
         while not self._items:
             self._arrived.clear()
+            self._arrival_awaited = True
             await self._arrived.wait()
         return self.get_nowait()
 
@@ -171,6 +177,7 @@ class AppendQueue:
         the store session's writer then checks again what to do)."""
         if not self._items:
             self._arrived.clear()
+            self._arrival_awaited = True
             await self._arrived.wait()
 
     def peek(self) -> PendingAppend | None:
@@ -180,7 +187,9 @@ class AppendQueue:
     def get_nowait(self) -> PendingAppend:
         append = self._items.popleft()
         self.data_bytes -= len(append.data)
-        self._room.set()
+        if self._room_awaited:  # (once per batch, with take_more: no call while nobody waits)
+            self._room_awaited = False
+            self._room.set()
         return append
 
     def take_more(self, batch: list[PendingAppend], size: int, max_count: int, max_bytes: int) -> int:
@@ -197,7 +206,9 @@ class AppendQueue:
             items.clear()
             size += self.data_bytes
             self.data_bytes = 0
-            self._room.set()
+            if self._room_awaited:
+                self._room_awaited = False
+                self._room.set()
             return size
         taken = 0
         while room > 0 and items:
@@ -209,7 +220,9 @@ class AppendQueue:
             taken += n
             room -= 1
         self.data_bytes -= taken
-        self._room.set()
+        if self._room_awaited:
+            self._room_awaited = False
+            self._room.set()
         return size
 
     def clear(self) -> list[PendingAppend]:
@@ -217,5 +230,6 @@ class AppendQueue:
         items = list(self._items)
         self._items.clear()
         self.data_bytes = 0
+        self._room_awaited = False
         self._room.set()
         return items
