@@ -119,7 +119,9 @@ class AppendQueue:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
-        self._items: deque[PendingAppend] = deque()
+        self.items: deque[PendingAppend] = deque()
+        """The queued appends, oldest first (read only: the methods change it; the store session reads it
+        once or twice per batch, where a method call would cost more than the test)."""
         self.data_bytes = 0
         """Bytes of data queued (a batch is full by count or by bytes)."""
         # Every waiter clears its event, then waits: an event is set only while a waiter says it waits (set
@@ -130,17 +132,17 @@ class AppendQueue:
         self._arrival_awaited = False
 
     def qsize(self) -> int:
-        return len(self._items)
+        return len(self.items)
 
     def empty(self) -> bool:
-        return not self._items
+        return not self.items
 
     def full(self) -> bool:
-        return len(self._items) >= self.capacity
+        return len(self.items) >= self.capacity
 
     async def wait_room(self) -> None:
         """Return once the queue has room (at once if it has), or was cleared."""
-        while len(self._items) >= self.capacity:
+        while len(self.items) >= self.capacity:
             self._room.clear()
             self._room_awaited = True
             await self._room.wait()
@@ -152,7 +154,7 @@ class AppendQueue:
 
     def offer(self, append: PendingAppend) -> int:
         """Queue ``append`` if there is room: how many appends are queued now, 0 if none was (full)."""
-        items = self._items
+        items = self.items
         n = len(items)
         if n >= self.capacity:
             return 0
@@ -166,7 +168,7 @@ class AppendQueue:
         return n + 1
 
     async def get(self) -> PendingAppend:
-        while not self._items:
+        while not self.items:
             self._arrived.clear()
             self._arrival_awaited = True
             await self._arrived.wait()
@@ -175,17 +177,17 @@ class AppendQueue:
     async def wait_arrived(self) -> None:
         """Return at once if an append is queued, else once one was queued (it may have been taken since:
         the store session's writer then checks again what to do)."""
-        if not self._items:
+        if not self.items:
             self._arrived.clear()
             self._arrival_awaited = True
             await self._arrived.wait()
 
     def peek(self) -> PendingAppend | None:
         """The oldest queued append, left in the queue (None if empty)."""
-        return self._items[0] if self._items else None
+        return self.items[0] if self.items else None
 
     def get_nowait(self) -> PendingAppend:
-        append = self._items.popleft()
+        append = self.items.popleft()
         self.data_bytes -= len(append.data)
         if self._room_awaited:  # (once per batch, with take_more: no call while nobody waits)
             self._room_awaited = False
@@ -198,7 +200,7 @@ class AppendQueue:
 
         One call per batch rather than a :meth:`peek` and :meth:`get_nowait` per append: forming batches is
         per-record work on the write path."""
-        items = self._items
+        items = self.items
         room = max_count - len(batch)
         if len(items) <= room and size + self.data_bytes <= max_bytes:
             # Everything queued fits (the common case under a steady load): take it in one C call.
@@ -227,8 +229,8 @@ class AppendQueue:
 
     def clear(self) -> list[PendingAppend]:
         """Take every queued append (oldest first) and wake the producers waiting for room."""
-        items = list(self._items)
-        self._items.clear()
+        items = list(self.items)
+        self.items.clear()
         self.data_bytes = 0
         self._room_awaited = False
         self._room.set()

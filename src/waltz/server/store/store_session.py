@@ -270,7 +270,7 @@ class StoreSession:
             # the test is _full_batch_queued's, inlined: this runs once per append.
             queue = self._host.queue
             config = self.config
-            n = queue.qsize()
+            n = len(queue.items)
             if (
                 n >= config.max_batch_size
                 or queue.data_bytes >= config.max_batch_bytes
@@ -286,7 +286,7 @@ class StoreSession:
             # Nothing in flight and the writer waits for appends (the session is open, no end requested or
             # due): this is a lone append (or a burst). It leaves for the replicas now, in the call that
             # queued it, instead of after the writer task's wake-up one loop iteration later.
-            if more and self._host.queue.qsize() < self.full_count:
+            if more and len(self._host.queue.items) < self.full_count:
                 # The first of a burst: its last append sends them all. The rest of the read may be other
                 # partitions' appends, though: then a callback sends it in the next loop pass (not a wake-up
                 # of the writer task, which costs several times more, for each of many partitions).
@@ -314,7 +314,7 @@ class StoreSession:
     def _burst_ended(self) -> None:
         """The loop pass that queued a burst is over: what is left of it goes (if nothing took it yet)."""
         self._burst_end = None
-        if not self._host.queue.empty():
+        if self._host.queue.items:
             self.appends_queued()
 
     def _full_batch_queued(self) -> bool:
@@ -653,7 +653,7 @@ class StoreSession:
         if (
             batches
             or self._end_requested is not None
-            or not self._host.queue.empty()
+            or self._host.queue.items
             or self.next_id - 1 - self.low_water_mark >= self.config.checkpoint_interval
         ):
             self._wake.set()
