@@ -116,8 +116,11 @@ class TcpReplicaConnection:
         if self._closed:
             raise self._closed_error()
         bodies = self._bodies
-        # (body_of's test, inlined: once per replica of every batch, and all but the first find it cached.)
-        body = bodies.body if records is bodies.records else bodies.body_of(records)
+        # (body_of, inlined: once per replica of every batch, and all but the first find it cached.)
+        if records is not bodies.records:
+            bodies.body = append_request_body(records)
+            bodies.records = records
+        body = bodies.body
         # (A broken connection raises in start_call, which checks it anyway: no _live() per append.)
         return self._client.start_append_encoded(self._session_id, self._partition_id, body, on_answer)
 
