@@ -324,23 +324,26 @@ class ReplicaSession:
             return
         error = future.exception()
         if error is None:
-            requests = self._requests
-            # The node answers one connection's requests in order: this is the oldest request unanswered,
-            # and an acknowledgement means every earlier append of this session is durable on the node too.
-            if requests[0][0] is future:
+            mailbox = self._mailbox
+            try:
+                # The node answers one connection's requests in order: this is the oldest request unanswered,
+                # and an acknowledgement means every earlier append of this session is durable on the node.
+                requests = self._requests
+                if requests[0][0] is not future:
+                    raise InvariantViolation(
+                        f"{self.storage} answered an append request before the one from {mailbox[0].first}"
+                    )
                 count = requests.popleft()[1]
-                mailbox = self._mailbox
                 self._unsent -= count
                 for _ in range(count):
                     done = mailbox.popleft()
                     self.max_id = self.readable_max = done.last
-                    done.voting.vote()
+                    done.voting.vote()  # (a broken invariant of the commit it decides fails this replica)
                 if self._unsent < len(mailbox):  # (_send's own first test: most answers leave nothing unsent)
                     self._send()
                 return
-            error = InvariantViolation(
-                f"{self.storage} answered an append request before the one from {self._mailbox[0].first}"
-            )
+            except InvariantViolation as e:
+                error = e
         if self._failure is None:
             self._failure = error
             self._mail.set()
