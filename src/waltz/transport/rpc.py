@@ -164,7 +164,11 @@ class RpcClient(Generic[ReqT, RespT]):
             # Nothing in flight to this peer (a lone append's replica request): written now rather than one
             # loop iteration later, with nothing to coalesce it with yet.
             self._conn.send(payload, now=True)
-        return self._register(seq, on_answer)
+        future: asyncio.Future[RespT] = self._loop.create_future()
+        self._pending[seq] = future
+        if on_answer is not None:
+            self._on_answer[seq] = on_answer
+        return future
 
     def expect(
         self, seq: int, on_answer: Callable[[asyncio.Future[RespT]], None] | None = None
@@ -178,19 +182,8 @@ class RpcClient(Generic[ReqT, RespT]):
         pending = self._pending
         if seq in pending:
             raise LocalProtocolError(f"{self._name}: sequence number {seq} is already in flight")
-        # (_register's lines: this runs once per replica of every append held for a MultiAppendRequest.)
         future: asyncio.Future[RespT] = self._loop.create_future()
         pending[seq] = future
-        if on_answer is not None:
-            self._on_answer[seq] = on_answer
-        return future
-
-    def _register(
-        self, seq: int, on_answer: Callable[[asyncio.Future[RespT]], None] | None
-    ) -> asyncio.Future[RespT]:
-        """The future of request ``seq``'s response, in flight from now (the caller checked it may be)."""
-        future: asyncio.Future[RespT] = self._loop.create_future()
-        self._pending[seq] = future
         if on_answer is not None:
             self._on_answer[seq] = on_answer
         return future

@@ -198,6 +198,9 @@ class StoreSession:
         """The callback of the next loop pass that sends the burst an idle writer was promised (see
         :meth:`appends_queued`), unless :meth:`end_burst` comes first."""
         self._loop = asyncio.get_running_loop()
+        self._on_decided = self._batch_decided
+        self._on_burst_end = self._burst_ended
+        """(Bound once: each is handed over once per batch at 256 partitions.)"""
         self._batches: deque[tuple[Batch, list[PendingAppend]]] = deque()
         """Batches sent and not yet committed, oldest first."""
         self.full_count = min(config.max_batch_size, host.queue.capacity)
@@ -291,7 +294,7 @@ class StoreSession:
                 # partitions' appends, though: then a callback sends it in the next loop pass (not a wake-up
                 # of the writer task, which costs several times more, for each of many partitions).
                 if self._burst_end is None:
-                    self._burst_end = self._loop.call_soon(self._burst_ended)
+                    self._burst_end = self._loop.call_soon(self._on_burst_end)
                 return
             if self._parked_idle:
                 # The writer waits on _wake, where it would wait with this batch in flight: it is not woken
@@ -626,7 +629,7 @@ class StoreSession:
             txn += 1
         # From here on the appends' fate is decided by this batch, or by the next session's recovery.
         self.next_id = txn
-        voting = Voting(self.quorum, len(self.participants), self._batch_decided)
+        voting = Voting(self.quorum, len(self.participants), self._on_decided)
         batch = Batch(start, tuple(records), voting)
         batches.append((batch, appends))
         self.notify_at_count = self.full_count
