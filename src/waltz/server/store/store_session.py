@@ -615,7 +615,8 @@ class StoreSession:
         appends = [first]
         # A batch is bounded in appends and in data bytes (one larger append still goes, alone): every
         # replica request and every in-flight batch holds its data until the batch is decided.
-        queue.take_more(appends, len(first.data), config.max_batch_size, config.max_batch_bytes)
+        if queue.items:  # (most batches at many partitions are one append: no call then)
+            queue.take_more(appends, len(first.data), config.max_batch_size, config.max_batch_bytes)
         start = txn = self.next_id
         session_id = self.session_id
         records = []
