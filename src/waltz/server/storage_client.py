@@ -346,7 +346,8 @@ class StorageClient(_Endpoint[st.StorageMessage]):
         # (Once per replica of every append: the types are adjusted with ignores, not typing.cast calls.)
         rpc = self._rpc
         seq = rpc.next_seq()
-        if not (self.multi_append and self._multi_capable and rpc.in_flight):
+        # Appends held already are in flight: the in_flight call is needed only for the first of a pass.
+        if not (self.multi_append and self._multi_capable and (self._held or rpc.in_flight)):
             request: st.StorageMessage = EncodedAppend(session_id, seq, partition_id, body)  # type: ignore[assignment]
             return rpc.start_call(request, on_answer)  # type: ignore[arg-type,return-value]
         # Held for this pass's MultiAppendRequest (see the class docstring).
