@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -23,7 +23,7 @@ from waltz.protocol.records import Record, ReqId, crc32
 from waltz.server.store import EndReason, StoreConfig, StoreSession
 from waltz.server.store.appends import FUTURES, AppendQueue, PendingAppend
 from waltz.server.store.store_partition import StorePartition
-from waltz.server.store.support import Backoff
+from waltz.server.store.support import Backoff, InvariantViolation
 from waltz.testing import run_virtual
 from waltz.testing.store import (
     MemoryConnection,
@@ -908,6 +908,52 @@ def test_a_replica_whose_connection_broke_before_a_batch_was_sent_fails_alone() 
             assert outcome.reason is EndReason.REPLICA_FAILED, outcome
             assert "s2:1" in outcome.detail
             assert await partition.append(req(2)) == 2  # the next session serves
+
+    run_virtual(main())
+
+
+def test_a_replica_answering_a_later_append_request_before_an_earlier_one_fails() -> None:
+    """A node answers one connection's requests in order, so an acknowledgement vouches for every earlier
+    append of the session: an answer that overtakes an older request's is a broken invariant. It is not
+    voted for, nor logged and forgotten: it ends the session as a bug, counted, and the next session
+    serves."""
+
+    async def main() -> None:
+        world = World(max_batch_size=1)
+        async with world.partition() as partition:
+            session = await _open_session(partition)
+            assert await partition.append(req(0)) == 0
+            replica = session.replica_sessions["s2:1"]
+            connection = replica.connection
+            assert connection is not None
+            send = connection.start_append
+            held: list[tuple[Callable[[asyncio.Future[object]], None], asyncio.Future[object]]] = []
+
+            def start_append(
+                records: Sequence[Record], on_answer: Callable[[asyncio.Future[object]], None]
+            ) -> asyncio.Future[object]:
+                def answered(future: asyncio.Future[object]) -> None:
+                    if not held and records[0].transaction_id == 1:
+                        held.append((on_answer, future))  # the older answer waits for the younger one
+                        return
+                    on_answer(future)
+                    for later, older in held:
+                        later(older)
+
+                return send(records, answered)
+
+            connection.start_append = start_append  # type: ignore[method-assign]
+            first, second = submit_now(partition, req(1)), submit_now(partition, req(2))
+            assert first is not None
+            assert second is not None
+            assert await first == 1  # s0 and s1 are a quorum
+            assert await second == 2
+            await _wait(lambda: partition.internal_errors)
+            (error,) = partition.internal_errors
+            assert isinstance(error, InvariantViolation)
+            assert "s2:1 answered an append request before the one from 1" in str(error)
+            assert session.ended
+            assert await partition.append(req(3)) == 3  # the next session serves
 
     run_virtual(main())
 

@@ -47,10 +47,13 @@ def _check_count(n: int, what: str) -> None:
 
 def write_record_list(w: Writer, records: Sequence[Record]) -> None:
     """Append ``i32 n · n x Record``. This is the hot path of replication: one struct call per record."""
-    _check_count(len(records), "records")
+    n = len(records)
+    if n > 0x7FFFFFFF:  # (_check_count, inlined: once per batch)
+        _check_count(n, "records")
     buf = w.buf
-    buf += I32.pack(len(records))
-    if isinstance(records, WireRecordList):
+    buf += I32.pack(n)
+    # (A tuple, the server's batches, is tested first: the ABC's isinstance is a Python call.)
+    if type(records) is not tuple and isinstance(records, WireRecordList):
         # Already in wire form (a decoded list relayed as it is).
         buf += memoryview(records.buffer)[records.starts[0] : records.starts[-1]]
         return

@@ -108,9 +108,10 @@ cannot carry. Sequences decode as tuples.
 
 from __future__ import annotations
 
+import operator
 import struct
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Final, NamedTuple, Self
 
@@ -845,7 +846,7 @@ def append_request_body(records: Sequence[Record], offline: bool = False) -> byt
     batch goes to, so a server encodes them once per batch (see :func:`encode_append_request`)."""
     w = Writer()
     write_record_list(w, records)
-    w.bool(offline)
+    w.buf.append(1 if offline else 0)  # (w.bool(offline), without the call)
     return bytes(w.buf)
 
 
@@ -895,29 +896,41 @@ def encode_success(session_id: int, seq_num: int, partition_id: int) -> bytes:
         raise LocalProtocolError("storage message prefix out of range") from None
 
 
+_PREFIX_BYTES: Final = PREFIX.size
+_SUCCESS: Final = SuccessResponse.TYPE
+_new = object.__new__
+_setattr = object.__setattr__
+
+
 def decode(payload: bytes | bytearray | memoryview, version: int = STORAGE_VERSIONS[-1]) -> StorageMessage:
     """Decode one whole payload of codec ``version``; raises RemoteProtocolError if it is not exactly one
     valid message of that version."""
     data = payload if isinstance(payload, bytes) else bytes(payload)
-    if len(data) < PREFIX.size:
-        raise RemoteProtocolError(f"storage message truncated: {len(data)} bytes, the prefix alone is 21")
+    if (size := len(data)) < _PREFIX_BYTES:
+        raise RemoteProtocolError(f"storage message truncated: {size} bytes, the prefix alone is 21")
     type_code, session_id, seq_num, partition_id = PREFIX.unpack_from(data, 0)
+    if type_code == _SUCCESS and size == _PREFIX_BYTES:
+        # Every append's answer (in every codec version): no Reader, and no generated __init__ call (a frozen
+        # dataclass's sets its fields with object.__setattr__ anyway).
+        ok = _new(SuccessResponse)
+        _setattr(ok, "session_id", session_id)
+        _setattr(ok, "seq_num", seq_num)
+        _setattr(ok, "partition_id", partition_id)
+        return ok
     cls = _BY_TYPE.get(type_code)
     if cls is None:
         raise RemoteProtocolError(f"unknown storage message type {type_code}")
     if version < cls.MIN_VERSION:
         raise RemoteProtocolError(f"storage message type {type_code} is not in codec V{version}")
-    if cls is SuccessResponse and len(data) == PREFIX.size:
-        return SuccessResponse(session_id, seq_num, partition_id)  # every append's answer: no Reader needed
     r = Reader(data, PREFIX.size)
     msg = cls._read(r, session_id, seq_num, partition_id)
     r.expect_end()
     return msg
 
 
-def seq_num_of(msg: StorageMessage) -> int:
-    """The sequence number requests and responses are matched by (for :class:`waltz.transport.RpcClient`)."""
-    return msg.seq_num
+seq_num_of: Callable[[StorageMessage], int] = operator.attrgetter("seq_num")
+"""``seq_num_of(msg)``: the sequence number requests and responses are matched by (for
+:class:`waltz.transport.RpcClient`). An attrgetter, not a function: a server asks it of every response."""
 
 
 def failure_from_error(

@@ -244,7 +244,8 @@ class FeedCache:
                 if block is not None:
                     block.present |= present
                 base = txn & ~_LOW_BITS
-                block = self._block_for(partition, base)
+                # The newest block, usually local: found, or allocated.
+                block = self._find(partition, base) or self._allocate(partition, base)
                 entries = block.entries
                 present = 0
             index = txn & _LOW_BITS
@@ -253,13 +254,6 @@ class FeedCache:
             present |= 1 << index
         if block is not None:
             block.present |= present
-
-    def _block_for(self, partition: int, base: int) -> _Block:
-        """The block of ``base`` in ``partition``, found or allocated (the newest block, usually local)."""
-        block = self._find(partition, base)
-        if block is None:
-            block = self._allocate(partition, base)
-        return block
 
     def fill(self, partition: int, headers: Iterable[RecordHeader]) -> None:
         """Cache many headers, e.g. the rest of a block read from storage after a miss."""

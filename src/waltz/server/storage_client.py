@@ -74,6 +74,7 @@ async def _open_rpc(
     decode: Callable[[bytes], M],
     seq_of: Callable[[M], int],
     error_of: Callable[[M], BaseException | None],
+    ok_type: type[object] | None,
     max_in_flight: int,
     max_frame_bytes: int,
     connect_timeout_ms: int,
@@ -101,6 +102,7 @@ async def _open_rpc(
         request_seq=seq_of,
         response_seq=seq_of,
         error_of=error_of,
+        ok_type=ok_type,
         max_in_flight=max_in_flight,
         name=name,
     )
@@ -120,6 +122,7 @@ async def _open_admin_rpc(
         decode=adm.decode,
         seq_of=adm.seq_num_of,
         error_of=_admin_error,
+        ok_type=adm.AdminSuccessResponse,
         max_in_flight=max_in_flight,
         max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
         connect_timeout_ms=connect_timeout_ms,
@@ -242,6 +245,7 @@ class StorageClient(_Endpoint[st.StorageMessage]):
             decoder_for=_storage_decoder,
             seq_of=st.seq_num_of,
             error_of=_storage_error,
+            ok_type=st.SuccessResponse,  # every append's answer: no _storage_error call for it
             max_in_flight=max_in_flight,
             max_frame_bytes=max_frame_bytes,
             connect_timeout_ms=connect_timeout_ms,
@@ -342,32 +346,23 @@ class StorageClient(_Endpoint[st.StorageMessage]):
         # (Once per replica of every append: the types are adjusted with ignores, not typing.cast calls.)
         rpc = self._rpc
         seq = rpc.next_seq()
-        if self.multi_append and self._multi_capable and rpc.in_flight:
-            return self._hold(session_id, seq, partition_id, body, on_answer)  # type: ignore[arg-type,return-value]
-        request: st.StorageMessage = EncodedAppend(session_id, seq, partition_id, body)  # type: ignore[assignment]
-        return rpc.start_call(request, on_answer)  # type: ignore[arg-type,return-value]
-
-    def _hold(
-        self,
-        session_id: int,
-        seq: int,
-        partition_id: int,
-        body: bytes,
-        on_answer: Callable[[asyncio.Future[st.StorageMessage]], None] | None,
-    ) -> asyncio.Future[st.StorageMessage]:
-        """Hold an append for this pass's MultiAppendRequest (see the class docstring)."""
+        # Appends held already are in flight: the in_flight call is needed only for the first of a pass.
+        if not (self.multi_append and self._multi_capable and (self._held or rpc.in_flight)):
+            request: st.StorageMessage = EncodedAppend(session_id, seq, partition_id, body)  # type: ignore[assignment]
+            return rpc.start_call(request, on_answer)  # type: ignore[arg-type,return-value]
+        # Held for this pass's MultiAppendRequest (see the class docstring).
         part = st.encode_append_request(session_id, seq, partition_id, body)
         held = self._held
         if held and (
             len(held) >= sm.MAX_MULTI_APPENDS or self._held_bytes + len(part) > sm.MAX_MULTI_APPEND_BYTES
         ):
             self._send_held()
-        future = self._rpc.expect(seq, on_answer)
+        future = rpc.expect(seq, on_answer)  # type: ignore[arg-type]
         held.append(part)
         self._held_bytes += len(part)
         if self._flush_handle is None:
             self._flush_handle = self._loop.call_soon(self._send_held)
-        return future
+        return future  # type: ignore[return-value]
 
     def _send_held(self) -> None:
         """Send the held appends: one alone as an AppendRequest, several as one MultiAppendRequest."""

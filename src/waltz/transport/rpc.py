@@ -44,7 +44,8 @@ class RpcClient(Generic[ReqT, RespT]):
     The caller chooses sequence numbers (see :meth:`next_seq`); two requests with the same number may not be
     in flight at once. ``encode`` returns a request's payload, or its ``(head, body)`` parts: one frame whose
     body is written after the head without being joined to it (``FramedConnection.send(head, body)``), for a
-    large body sent as it is (a server's batch of records, the same bytes for every replica).
+    large body sent as it is (a server's batch of records, the same bytes for every replica). ``error_of``
+    is not asked about a response of exactly ``ok_type`` (a success: most answers, which then cost no call).
     """
 
     def __init__(
@@ -56,6 +57,7 @@ class RpcClient(Generic[ReqT, RespT]):
         request_seq: Callable[[ReqT], int],
         response_seq: Callable[[RespT], int],
         error_of: Callable[[RespT], BaseException | None] | None = None,
+        ok_type: type[object] | None = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         name: str = "rpc",
     ) -> None:
@@ -67,6 +69,7 @@ class RpcClient(Generic[ReqT, RespT]):
         self._request_seq = request_seq
         self._response_seq = response_seq
         self._error_of = error_of
+        self._ok_type = ok_type
         self._name = name
         self._loop = asyncio.get_running_loop()
         self._slots = asyncio.Semaphore(max_in_flight)
@@ -146,7 +149,8 @@ class RpcClient(Generic[ReqT, RespT]):
         is called with the future once the response or the connection's end resolved it, in the callback
         that did (a done callback runs a loop pass later: one more pass per answer of a replica), and not
         if the caller cancelled it first; an exception from it is logged."""
-        self._check_usable()
+        if self._closed or self._broken is not None:
+            self._check_usable()
         seq = self._request_seq(request)
         if seq in self._pending:
             raise LocalProtocolError(f"{self._name}: sequence number {seq} is already in flight")
@@ -160,7 +164,11 @@ class RpcClient(Generic[ReqT, RespT]):
             # Nothing in flight to this peer (a lone append's replica request): written now rather than one
             # loop iteration later, with nothing to coalesce it with yet.
             self._conn.send(payload, now=True)
-        return self._register(seq, on_answer)
+        future: asyncio.Future[RespT] = self._loop.create_future()
+        self._pending[seq] = future
+        if on_answer is not None:
+            self._on_answer[seq] = on_answer
+        return future
 
     def expect(
         self, seq: int, on_answer: Callable[[asyncio.Future[RespT]], None] | None = None
@@ -169,17 +177,13 @@ class RpcClient(Generic[ReqT, RespT]):
         payload that carries several requests (each answered on its own, by its sequence number): the
         future of its response, registered now. The caller sends the payload in this loop pass or the next;
         until then the request counts as in flight."""
-        self._check_usable()
-        if seq in self._pending:
+        if self._closed or self._broken is not None:
+            self._check_usable()
+        pending = self._pending
+        if seq in pending:
             raise LocalProtocolError(f"{self._name}: sequence number {seq} is already in flight")
-        return self._register(seq, on_answer)
-
-    def _register(
-        self, seq: int, on_answer: Callable[[asyncio.Future[RespT]], None] | None
-    ) -> asyncio.Future[RespT]:
-        """The future of request ``seq``'s response, in flight from now (the caller checked it may be)."""
         future: asyncio.Future[RespT] = self._loop.create_future()
-        self._pending[seq] = future
+        pending[seq] = future
         if on_answer is not None:
             self._on_answer[seq] = on_answer
         return future
@@ -217,13 +221,36 @@ class RpcClient(Generic[ReqT, RespT]):
         return response  # a failure response raised above: the reader makes it the future's exception
 
     def _on_payloads(self, payloads: list[bytes]) -> None:
-        """The responses of one socket read, from the transport's callback (see the constructor)."""
-        decode = self._decode
-        deliver = self._deliver
+        """The responses of one socket read, from the transport's callback (see the constructor): each
+        resolves its request's future, then the request's ``on_answer`` is called (see :meth:`start_call`)."""
+        decode, response_seq = self._decode, self._response_seq
+        error_of, ok_type = self._error_of, self._ok_type
+        pending, on_answers = self._pending, self._on_answer
         self.last_answer_s = self._loop.time()
         try:
             for payload in payloads:
-                deliver(decode(payload))
+                response = decode(payload)
+                seq = response_seq(response)
+                # Popped here, so a start_call request is forgotten once answered (a call's own cleanup
+                # finds it gone, which it allows for).
+                future = pending.pop(seq, None)
+                on_answer = on_answers.pop(seq, None) if on_answers else None
+                if future is None or future.done():
+                    # Normal after a caller timed out or was cancelled.
+                    peer = self._conn.peername
+                    log.debug("%s: dropping response %d from %s: no caller waits", self._name, seq, peer)
+                    continue
+                error = None if error_of is None or type(response) is ok_type else error_of(response)
+                if error is None:
+                    future.set_result(response)
+                else:
+                    future.set_exception(error)
+                if on_answer is not None:
+                    try:
+                        on_answer(future)
+                    except Exception:  # (_answered's handling, inlined: once per answer)
+                        peer = self._conn.peername
+                        log.exception("%s: the answer callback of a request to %s failed", self._name, peer)
         except RemoteProtocolError as e:
             # Garbage inside a well-formed frame: the peer's fault, logged (rate-limited) like bad framing.
             self._conn.reject(e)  # tells _lost
@@ -245,26 +272,6 @@ class RpcClient(Generic[ReqT, RespT]):
                 listener(BrokenResourceError(self._broken))
             except Exception:
                 log.exception("%s: a loss listener failed", self._name)
-
-    def _deliver(self, response: RespT) -> None:
-        seq = self._response_seq(response)
-        # Popped here, so a start_call request is forgotten once answered (a call's own cleanup finds it
-        # gone, which it allows for).
-        future = self._pending.pop(seq, None)
-        on_answer = self._on_answer.pop(seq, None) if self._on_answer else None
-        if future is None or future.done():
-            # Normal after a caller timed out or was cancelled.
-            log.debug(
-                "%s: dropping response %d from %s: no caller waits", self._name, seq, self._conn.peername
-            )
-            return
-        error = self._error_of(response) if self._error_of is not None else None
-        if error is None:
-            future.set_result(response)
-        else:
-            future.set_exception(error)
-        if on_answer is not None:
-            self._answered(on_answer, future)
 
     def _answered(
         self, on_answer: Callable[[asyncio.Future[RespT]], None], future: asyncio.Future[RespT]

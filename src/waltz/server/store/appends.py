@@ -119,26 +119,32 @@ class AppendQueue:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
-        self._items: deque[PendingAppend] = deque()
+        self.items: deque[PendingAppend] = deque()
+        """The queued appends, oldest first (read only: the methods change it; the store session reads it
+        once or twice per batch, where a method call would cost more than the test)."""
         self.data_bytes = 0
         """Bytes of data queued (a batch is full by count or by bytes)."""
+        # Every waiter clears its event, then waits: an event is set only while a waiter says it waits (set
+        # is a Python call, and appends come and go once per append).
         self._room = asyncio.Event()
-        self._room.set()
+        self._room_awaited = False
         self._arrived = asyncio.Event()
+        self._arrival_awaited = False
 
     def qsize(self) -> int:
-        return len(self._items)
+        return len(self.items)
 
     def empty(self) -> bool:
-        return not self._items
+        return not self.items
 
     def full(self) -> bool:
-        return len(self._items) >= self.capacity
+        return len(self.items) >= self.capacity
 
     async def wait_room(self) -> None:
         """Return once the queue has room (at once if it has), or was cleared."""
-        while len(self._items) >= self.capacity:
+        while len(self.items) >= self.capacity:
             self._room.clear()
+            self._room_awaited = True
             await self._room.wait()
 
     def put_nowait(self, append: PendingAppend) -> None:
@@ -148,39 +154,44 @@ class AppendQueue:
 
     def offer(self, append: PendingAppend) -> int:
         """Queue ``append`` if there is room: how many appends are queued now, 0 if none was (full)."""
-        items = self._items
+        items = self.items
         n = len(items)
         if n >= self.capacity:
             return 0
         items.append(append)
         self.data_bytes += len(append.data)
-        if not n:
+        if self._arrival_awaited:
             # Only a getter that found the queue empty waits (after clearing the event): the append that
-            # ends the emptiness wakes it, those after it need not (Event.set is a Python call per append).
+            # ends the emptiness wakes it, those after it need not.
+            self._arrival_awaited = False
             self._arrived.set()
         return n + 1
 
     async def get(self) -> PendingAppend:
-        while not self._items:
+        while not self.items:
             self._arrived.clear()
+            self._arrival_awaited = True
             await self._arrived.wait()
         return self.get_nowait()
 
     async def wait_arrived(self) -> None:
         """Return at once if an append is queued, else once one was queued (it may have been taken since:
         the store session's writer then checks again what to do)."""
-        if not self._items:
+        if not self.items:
             self._arrived.clear()
+            self._arrival_awaited = True
             await self._arrived.wait()
 
     def peek(self) -> PendingAppend | None:
         """The oldest queued append, left in the queue (None if empty)."""
-        return self._items[0] if self._items else None
+        return self.items[0] if self.items else None
 
     def get_nowait(self) -> PendingAppend:
-        append = self._items.popleft()
+        append = self.items.popleft()
         self.data_bytes -= len(append.data)
-        self._room.set()
+        if self._room_awaited:  # (once per batch, with take_more: no call while nobody waits)
+            self._room_awaited = False
+            self._room.set()
         return append
 
     def take_more(self, batch: list[PendingAppend], size: int, max_count: int, max_bytes: int) -> int:
@@ -189,7 +200,7 @@ class AppendQueue:
 
         One call per batch rather than a :meth:`peek` and :meth:`get_nowait` per append: forming batches is
         per-record work on the write path."""
-        items = self._items
+        items = self.items
         room = max_count - len(batch)
         if len(items) <= room and size + self.data_bytes <= max_bytes:
             # Everything queued fits (the common case under a steady load): take it in one C call.
@@ -197,7 +208,9 @@ class AppendQueue:
             items.clear()
             size += self.data_bytes
             self.data_bytes = 0
-            self._room.set()
+            if self._room_awaited:
+                self._room_awaited = False
+                self._room.set()
             return size
         taken = 0
         while room > 0 and items:
@@ -209,13 +222,16 @@ class AppendQueue:
             taken += n
             room -= 1
         self.data_bytes -= taken
-        self._room.set()
+        if self._room_awaited:
+            self._room_awaited = False
+            self._room.set()
         return size
 
     def clear(self) -> list[PendingAppend]:
         """Take every queued append (oldest first) and wake the producers waiting for room."""
-        items = list(self._items)
-        self._items.clear()
+        items = list(self.items)
+        self.items.clear()
         self.data_bytes = 0
+        self._room_awaited = False
         self._room.set()
         return items

@@ -41,7 +41,7 @@ import logging
 import random
 from collections import deque
 from collections.abc import Awaitable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from itertools import islice
 from typing import Protocol, TypeVar
@@ -80,18 +80,22 @@ class ReplicaRole(enum.Enum):
     RETIRED = "retired"
 
 
-@dataclass(frozen=True)
 class Batch:
-    """Records ``first .. first+len-1`` sent to every participant, with the vote they answer."""
+    """Records ``first .. first+len-1`` sent to every participant, with the vote they answer (never changed
+    once made: a plain slotted class rather than a frozen dataclass, whose generated ``__init__`` and
+    ``__post_init__`` cost two calls and four ``object.__setattr__`` per batch)."""
 
-    first: int
-    records: tuple[Record, ...]
-    voting: Voting
-    last: int = field(init=False)
-    """The last record's id (a field: read several times per replica of every batch)."""
+    __slots__ = ("first", "last", "records", "voting")
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "last", self.first + len(self.records) - 1)
+    def __init__(self, first: int, records: tuple[Record, ...], voting: Voting) -> None:
+        self.first = first
+        self.records = records
+        self.voting = voting
+        self.last = first + len(records) - 1
+        """The last record's id (an attribute: read several times per replica of every batch)."""
+
+    def __repr__(self) -> str:
+        return f"Batch({self.first}..{self.last}, {self.voting.outcome})"
 
 
 @dataclass(frozen=True)
@@ -179,10 +183,17 @@ class ReplicaSession:
         """Index in the mailbox of the first batch not sent yet."""
         self._sent_max = _NOT_WRITING
         """The last id sent to the node; batches are sent only when they continue it (see :meth:`_send`)."""
-        self._requests: deque[asyncio.Future[object]] = deque()
-        """Append requests sent and not answered yet, oldest first."""
-        self._deadlines: deque[float] = deque()
-        """When each of :attr:`_requests` times out (loop time), oldest first."""
+        self._requests: deque[tuple[asyncio.Future[object], int, float]] = deque()
+        """Append requests sent and not answered yet, oldest first: each one's future, how many batches of
+        the mailbox it carries, and when it times out (loop time)."""
+        self._on_answer = self._answered
+        """The ``on_answer`` of every append request (bound once, not once per request)."""
+        self._rpc_timeout_s = context.config.rpc_timeout_ms / 1000
+        self._max_requests = context.config.max_inflight_batches
+        self._max_behind = context.config.max_pending_batches
+        self._idle_interval_s = context.config.idle_probe_interval_ms / 1000
+        self._on_idle_tick = self._idle_tick
+        """The idle timer's callback (bound once: every replica re-arms it once per interval)."""
         self._timer: asyncio.TimerHandle | None = None
         """Checks the oldest request's deadline (see :meth:`_check_deadline`); None while not armed."""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -213,7 +224,7 @@ class ReplicaSession:
         # The mailbox holds the session's other batches in flight (unless this replica already acknowledged
         # them) and before them the committed batches this replica still owes: how far behind it is.
         behind = len(self._mailbox) - (in_flight - 1)
-        if behind >= self._ctx.config.max_pending_batches:
+        if behind >= self._max_behind:
             batch.voting.abstain()
             self._host.replica_failed(self, "cannot keep up with the writes")
             return
@@ -243,9 +254,8 @@ class ReplicaSession:
         """
         mailbox = self._mailbox
         requests = self._requests
-        limit = self._ctx.config.max_inflight_batches
-        while self._unsent < len(mailbox):
-            if len(requests) >= limit:
+        while self._unsent < (count := len(mailbox)):
+            if len(requests) >= self._max_requests:
                 return False
             first = self._unsent
             batch = mailbox[first]
@@ -255,7 +265,7 @@ class ReplicaSession:
             # quorum then catches up instead of falling max_pending_batches behind. Mailbox batches are
             # contiguous (the writer gives them dense ids, in order).
             end = first + 1
-            while end < len(mailbox) and mailbox[end].first == mailbox[end - 1].last + 1:
+            while end < count and mailbox[end].first == mailbox[end - 1].last + 1:
                 end += 1
             records = (
                 batch.records
@@ -270,7 +280,7 @@ class ReplicaSession:
             # in the iteration that formed it, the three writes back to back (a task per request cost a
             # loop iteration and ~40 us of the server's CPU each, and spaced the replicas' writes apart).
             try:
-                future = conn.start_append(records, partial(self._answered, batch.first, end - first))
+                future = conn.start_append(records, self._on_answer)
             except (WaltzError, OSError) as e:
                 # The connection broke before the request could leave: this replica fails (its task raises
                 # and retries it), not the writer that delivered the batch, which would end the session.
@@ -278,31 +288,13 @@ class ReplicaSession:
                     self._failure = e
                     self._mail.set()
                 return False
-            requests.append(future)
-            deadline = loop.time() + self._ctx.config.rpc_timeout_ms / 1000
-            self._deadlines.append(deadline)
+            deadline = loop.time() + self._rpc_timeout_s
+            requests.append((future, end - first, deadline))
             if self._timer is None:
                 self._timer = loop.call_at(deadline, self._check_deadline)
             self._unsent = end
             self._sent_max = mailbox[end - 1].last
         return True
-
-    def _acknowledged(self, first: int, count: int) -> None:
-        """The node fsynced the request of the ``count`` oldest unacknowledged batches (from ``first``)."""
-        mailbox = self._mailbox
-        # The node answers one connection's requests in order: this is the oldest request unanswered, and an
-        # acknowledgement means every earlier append of this session is durable on the node too.
-        if mailbox[0].first != first:
-            raise InvariantViolation(f"{self.storage} acknowledged {first} before {mailbox[0].first}")
-        self._requests.popleft()
-        self._deadlines.popleft()
-        self._unsent -= count
-        for _ in range(count):
-            done = mailbox.popleft()
-            self.max_id = self.readable_max = done.last
-            done.voting.vote()
-        if self._unsent < len(mailbox):  # (_send's own first test: most answers leave nothing unsent)
-            self._send()
 
     def _check_deadline(self) -> None:
         """The timer fired: fail the replica if its oldest request is overdue, else wait for its deadline.
@@ -311,27 +303,44 @@ class ReplicaSession:
         every answer: one timer handle per ``rpc_timeout_ms`` under a steady load instead of a timeout (two
         timer operations) per request."""
         self._timer = None
-        deadlines = self._deadlines
-        if not deadlines:
+        requests = self._requests
+        if not requests:
             return
         loop = self._loop
         assert loop is not None  # armed only while _write runs
-        if deadlines[0] > loop.time():
-            self._timer = loop.call_at(deadlines[0], self._check_deadline)
+        deadline = requests[0][2]
+        if deadline > loop.time():
+            self._timer = loop.call_at(deadline, self._check_deadline)
             return
         if self._failure is None:
             ms = self._ctx.config.rpc_timeout_ms
             self._failure = BrokenResourceError(f"storage request timed out after {ms} ms")
             self._mail.set()
 
-    def _answered(self, first: int, count: int, future: asyncio.Future[object]) -> None:
-        """A request's response (or failure) arrived: vote, or fail the replica (its task raises)."""
+    def _answered(self, future: asyncio.Future[object]) -> None:
+        """A request's response (or failure) arrived: vote for its batches, or fail the replica (its task
+        raises)."""
         if future.cancelled():
             return
         error = future.exception()
         if error is None:
+            mailbox = self._mailbox
             try:
-                self._acknowledged(first, count)
+                # The node answers one connection's requests in order: this is the oldest request unanswered,
+                # and an acknowledgement means every earlier append of this session is durable on the node.
+                requests = self._requests
+                if requests[0][0] is not future:
+                    raise InvariantViolation(
+                        f"{self.storage} answered an append request before the one from {mailbox[0].first}"
+                    )
+                count = requests.popleft()[1]
+                self._unsent -= count
+                for _ in range(count):
+                    done = mailbox.popleft()
+                    self.max_id = self.readable_max = done.last
+                    done.voting.vote()  # (a broken invariant of the commit it decides fails this replica)
+                if self._unsent < len(mailbox):  # (_send's own first test: most answers leave nothing unsent)
+                    self._send()
                 return
             except InvariantViolation as e:
                 error = e
@@ -618,7 +627,7 @@ class ReplicaSession:
                     self._probe_due = False
                     if not self._requests:
                         await self._probe(conn)
-                    self._arm_idle(loop.time() + self._ctx.config.idle_probe_interval_ms / 1000)
+                    self._arm_idle(loop.time() + self._idle_interval_s)
         finally:
             self._sent_max = _NOT_WRITING
             if self._timer is not None:
@@ -627,7 +636,7 @@ class ReplicaSession:
             if self._idle_timer is not None:
                 self._idle_timer.cancel()
                 self._idle_timer = None
-            requests = list(self._requests)
+            requests = [future for future, _, _ in self._requests]
             for future in requests:
                 future.cancel()
             if requests:
@@ -650,18 +659,23 @@ class ReplicaSession:
 
     def _idle_active(self, now: float) -> None:
         """The replica wrote (or starts writing): the per-partition check starts its backoff again."""
-        interval_s = self._ctx.config.idle_probe_interval_ms / 1000
+        interval_s = self._idle_interval_s
         self._idle_seen = self.max_id
         self._check_gap_s = interval_s
-        self._check_at = now + interval_s
-        self._arm_idle(now + interval_s)
+        self._check_at = when = now + interval_s
+        # (_arm_idle, inlined: a busy replica comes here once per interval, every replica of every partition.)
+        loop = self._loop
+        assert loop is not None  # armed only while _write runs
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        self._idle_timer = loop.call_at(when, self._on_idle_tick)
 
     def _arm_idle(self, when: float) -> None:
         loop = self._loop
         assert loop is not None  # armed only while _write runs
         if self._idle_timer is not None:
             self._idle_timer.cancel()
-        self._idle_timer = loop.call_at(when, self._idle_tick)
+        self._idle_timer = loop.call_at(when, self._on_idle_tick)
 
     def _idle_tick(self) -> None:
         """The idle timer fired: nothing to do while busy; else wake the task if a probe is due."""
@@ -674,7 +688,7 @@ class ReplicaSession:
         if self._requests or self._mailbox or self.max_id != self._idle_seen:
             self._idle_active(now)  # busy: a failure shows on the requests under way
             return
-        interval_s = self._ctx.config.idle_probe_interval_ms / 1000
+        interval_s = self._idle_interval_s
         heard_s = conn.last_answer_s()
         if heard_s + interval_s / 2 > now and self._check_at > now:
             # Alive. Look again before the answer is an interval old, each replica of the link at a random

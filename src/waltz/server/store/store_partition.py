@@ -134,7 +134,10 @@ class StorePartition:
         self._resolved = 0
         """Appends queued and appends resolved so far (resolved in queue order: see :meth:`flush`)."""
         self._resolutions = asyncio.Event()
-        """Set whenever appends are resolved (for flush)."""
+        """Set whenever appends are resolved while a waiter (flush, wait_resolution) waits on it."""
+        self._resolution_awaited = False
+        """A waiter cleared :attr:`_resolutions` and waits: every commit sets it only then (Event.set is a
+        Python call, and commits come once per batch)."""
         self._hwm = -1
         self.trim_point = 0
         """Reads below it fail with TrimmedError; raised by :meth:`set_trim_point` only."""
@@ -389,6 +392,7 @@ class StorePartition:
         last = self._submitted
         while self._resolved < last:
             self._resolutions.clear()
+            self._resolution_awaited = True
             await self._resolutions.wait()
         return self._hwm
 
@@ -399,6 +403,7 @@ class StorePartition:
         if self._resolved == self._submitted:
             return False
         self._resolutions.clear()
+        self._resolution_awaited = True
         await self._resolutions.wait()
         return True
 
@@ -692,8 +697,14 @@ class StorePartition:
             heard.append(pending)
         self._resolved += n - skipped
         if heard:
-            _tell_committed(listener, heard)  # type: ignore[arg-type]
-        self._resolutions.set()
+            assert listener is not None
+            try:  # (_tell_committed, inlined: once per batch)
+                listener.appends_committed(heard)
+            except Exception:
+                log.exception("an append's resolution listener failed")
+        if self._resolution_awaited:
+            self._resolution_awaited = False
+            self._resolutions.set()
 
     def _fail_everything(self, error: WaltzError) -> None:
         """Fail every append not resolved yet (survivors of failed sessions and queued appends; a session's

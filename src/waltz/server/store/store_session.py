@@ -198,6 +198,9 @@ class StoreSession:
         """The callback of the next loop pass that sends the burst an idle writer was promised (see
         :meth:`appends_queued`), unless :meth:`end_burst` comes first."""
         self._loop = asyncio.get_running_loop()
+        self._on_decided = self._batch_decided
+        self._on_burst_end = self._burst_ended
+        """(Bound once: each is handed over once per batch at 256 partitions.)"""
         self._batches: deque[tuple[Batch, list[PendingAppend]]] = deque()
         """Batches sent and not yet committed, oldest first."""
         self.full_count = min(config.max_batch_size, host.queue.capacity)
@@ -270,7 +273,7 @@ class StoreSession:
             # the test is _full_batch_queued's, inlined: this runs once per append.
             queue = self._host.queue
             config = self.config
-            n = queue.qsize()
+            n = len(queue.items)
             if (
                 n >= config.max_batch_size
                 or queue.data_bytes >= config.max_batch_bytes
@@ -286,12 +289,12 @@ class StoreSession:
             # Nothing in flight and the writer waits for appends (the session is open, no end requested or
             # due): this is a lone append (or a burst). It leaves for the replicas now, in the call that
             # queued it, instead of after the writer task's wake-up one loop iteration later.
-            if more and self._host.queue.qsize() < self.full_count:
+            if more and len(self._host.queue.items) < self.full_count:
                 # The first of a burst: its last append sends them all. The rest of the read may be other
                 # partitions' appends, though: then a callback sends it in the next loop pass (not a wake-up
                 # of the writer task, which costs several times more, for each of many partitions).
                 if self._burst_end is None:
-                    self._burst_end = self._loop.call_soon(self._burst_ended)
+                    self._burst_end = self._loop.call_soon(self._on_burst_end)
                 return
             if self._parked_idle:
                 # The writer waits on _wake, where it would wait with this batch in flight: it is not woken
@@ -314,7 +317,7 @@ class StoreSession:
     def _burst_ended(self) -> None:
         """The loop pass that queued a burst is over: what is left of it goes (if nothing took it yet)."""
         self._burst_end = None
-        if not self._host.queue.empty():
+        if self._host.queue.items:
             self.appends_queued()
 
     def _full_batch_queued(self) -> bool:
@@ -612,7 +615,8 @@ class StoreSession:
         appends = [first]
         # A batch is bounded in appends and in data bytes (one larger append still goes, alone): every
         # replica request and every in-flight batch holds its data until the batch is decided.
-        queue.take_more(appends, len(first.data), config.max_batch_size, config.max_batch_bytes)
+        if queue.items:  # (most batches at many partitions are one append: no call then)
+            queue.take_more(appends, len(first.data), config.max_batch_size, config.max_batch_bytes)
         start = txn = self.next_id
         session_id = self.session_id
         records = []
@@ -626,7 +630,7 @@ class StoreSession:
             txn += 1
         # From here on the appends' fate is decided by this batch, or by the next session's recovery.
         self.next_id = txn
-        voting = Voting(self.quorum, len(self.participants), self._batch_decided)
+        voting = Voting(self.quorum, len(self.participants), self._on_decided)
         batch = Batch(start, tuple(records), voting)
         batches.append((batch, appends))
         self.notify_at_count = self.full_count
@@ -653,7 +657,7 @@ class StoreSession:
         if (
             batches
             or self._end_requested is not None
-            or not self._host.queue.empty()
+            or self._host.queue.items
             or self.next_id - 1 - self.low_water_mark >= self.config.checkpoint_interval
         ):
             self._wake.set()

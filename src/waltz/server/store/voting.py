@@ -31,7 +31,7 @@ class Voting:
     nothing.
     """
 
-    __slots__ = ("_on_decided", "_outcome", "abstentions", "quorum", "voters", "votes")
+    __slots__ = ("_on_decided", "abstentions", "outcome", "quorum", "voters", "votes")
 
     def __init__(self, quorum: int, voters: int, on_decided: Callable[[bool], None] | None = None) -> None:
         if quorum <= 0:
@@ -40,14 +40,12 @@ class Voting:
         self.voters = voters
         self.votes = 0
         self.abstentions = 0
-        self._outcome: bool | None = None
+        self.outcome: bool | None = None
+        """True once a quorum voted, False once a quorum became impossible, None while undecided (read
+        only: a plain attribute, read for every batch)."""
         self._on_decided = on_decided
-        self._check()
-
-    @property
-    def outcome(self) -> bool | None:
-        """True once a quorum voted, False once a quorum became impossible, None while undecided."""
-        return self._outcome
+        if voters < quorum:  # _check with no votes and no abstentions (the one call per batch spared)
+            self._check()
 
     def add_voter(self) -> None:
         """One more replica will vote (a replica joined the writes while this batch was in flight)."""
@@ -56,7 +54,12 @@ class Voting:
     def vote(self) -> None:
         """One replica acknowledged (fsynced) the batch."""
         self.votes += 1
-        self._check()
+        # _check's first test, inlined (once per replica of every batch): a vote can only reach the quorum.
+        # It cannot make a quorum impossible, and had abstentions done so, the vote would be decided already.
+        if self.votes >= self.quorum and self.outcome is None:
+            self.outcome = True
+            if self._on_decided is not None:
+                self._on_decided(True)
 
     def abstain(self) -> None:
         """One replica will not acknowledge the batch (it failed or fell behind)."""
@@ -64,16 +67,16 @@ class Voting:
         self._check()
 
     def _check(self) -> None:
-        if self._outcome is not None:
+        if self.outcome is not None:
             return
         if self.votes >= self.quorum:
-            self._outcome = True
+            self.outcome = True
         elif self.abstentions > self.voters - self.quorum:
-            self._outcome = False
+            self.outcome = False
         else:
             return
         if self._on_decided is not None:
-            self._on_decided(self._outcome)
+            self._on_decided(self.outcome)
 
 
 def resolve_high_water_mark(known: Iterable[int], num_replicas: int) -> int | None:
