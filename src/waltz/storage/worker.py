@@ -148,9 +148,12 @@ class StoragePartition:
         self.busy = False
         """True while a request of this partition is being processed (by the worker, or by ``commit_now`` or
         ``commit_soon``)."""
-        self._committing: asyncio.Future[None] | None = None
-        """Set while a group of ``commit_soon`` waits for its fsync: the worker waits for it before its next
+        self._committing = False
+        """True while a group of ``commit_soon`` waits for its fsync: the worker waits for it before its next
         item (so requests are answered in order, and the partition has one fsync waiting at a time)."""
+        self._committed: asyncio.Future[None] | None = None
+        """What the worker awaits while ``_committing`` (made only then: most groups have no worker
+        waiting)."""
         # Metric children looked up once: ``labels()`` costs more than the update on the append path.
         # Read when scraped: setting it for every request the worker takes cost as much as the update.
         node.metrics.queue.labels(partition_id).set_function(lambda: len(self.queue))
@@ -343,8 +346,9 @@ class StoragePartition:
             item = self.current = await self.queue.get()
             self.busy = True
             try:
-                if self._committing is not None:
-                    await asyncio.shield(self._committing)
+                if self._committing:
+                    committed = self._committed = asyncio.get_running_loop().create_future()
+                    await committed
                 if item.op is not None:
                     await self._run_op(item)
                 elif isinstance(item.msg, st.AppendRequest):
@@ -576,7 +580,7 @@ class StoragePartition:
             self.answer_failed(item)
             self.busy = False
             return
-        self._committing = asyncio.get_running_loop().create_future()
+        self._committing = True
         waiter.add_done_callback(lambda w: self._soon_synced(item, results, accepted, plog, w))
 
     def _soon_synced(
@@ -596,9 +600,10 @@ class StoragePartition:
             self.answer_failed(item)
         finally:
             self.busy = self.current is not None  # the worker holds an item: it goes on with it now
-            committing, self._committing = self._committing, None
-            if committing is not None and not committing.done():
-                committing.set_result(None)
+            self._committing = False
+            committed, self._committed = self._committed, None
+            if committed is not None and not committed.done():
+                committed.set_result(None)
 
     def _write_group(self, batch: list[Item]) -> tuple[list[bytes | None], list[int], PartitionLog | None]:
         """Check each append of ``batch`` and write the accepted ones' records with one ``append_run``:
