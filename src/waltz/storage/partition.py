@@ -269,12 +269,13 @@ class PartitionLog:
                 f"partition {self.partition_id}: transaction out of order: expected {expected}, "
                 f"got {first_transaction_id}"
             )
-        i = 0
-        total = len(ends)
         threshold = self.segment_size_threshold_bytes
+        # The segment writes until a record takes it past the threshold (at once, if it is past it already):
+        # then the rest goes to a new one.
+        i = current.append_run(run, ends, 0, size_threshold_bytes=threshold)
+        total = len(ends)
         while i < total:
-            if current.size_bytes > threshold and current.record_count > 0:
-                current = self._roll_over()
+            current = self._roll_over()
             i += current.append_run(run, ends, i, size_threshold_bytes=threshold)
 
     def _roll_over(self) -> Segment:
