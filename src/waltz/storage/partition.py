@@ -325,8 +325,7 @@ class PartitionLog:
         current = self._current
         if current is None:
             raise self._closed_error()
-        if current.size_bytes > self.segment_size_threshold_bytes:
-            return None  # the next append rolls over
+        # Past the threshold (the next append rolls over) it writes nothing: no zeros go past the threshold.
         return current.prefill(ahead_bytes, self.segment_size_threshold_bytes)
 
     @property

@@ -267,7 +267,8 @@ class StoragePartition:
     def check(self, msg: st.StorageMessage, offline: bool, *, may_adopt: bool = False) -> PartitionLog:
         """``may_adopt``: an offline request may carry a *newer* session id than the persisted one (an offline
         SetLowWaterMark, which then persists it: see ``_set_low_water_mark``)."""
-        damage = self.node.control.damaged.get(self.partition_id)
+        control = self.node.control
+        damage = control.damaged.get(self.partition_id)
         if damage is not None:
             raise CorruptionError(
                 f"partition {self.partition_id} is down on this node: its control file entry is damaged "
@@ -278,7 +279,7 @@ class StoragePartition:
                 raise StorageError(f"partition {self.partition_id} failed: {self.health_reason}")
             if not self._heal():
                 raise StorageError(f"partition {self.partition_id} is fail-stopped: {self.health_reason}")
-        info = self.node.control.partition_info(self.partition_id)
+        info = control.partition_info(self.partition_id)
         flags = info.flags  # tested here, not through its properties: this runs for every request
         if not flags & FLAG_ASSIGNED or self.log is None:
             raise PartitionNotAssignedError(f"Partition:{self.partition_id} is not assigned.")
@@ -698,14 +699,15 @@ class StoragePartition:
                     msg = batch[i].msg
                     assert msg is not None
                     results[i] = st.encode(self._failure(msg, error))
+        node = self.node
         # One latency observation per group (its oldest request): observing every request costs more than
         # the rest of the acknowledgement path.
-        self.node.metrics.append_latency.observe(time.monotonic() - batch[0].arrived_s)
-        send = self.node.send_payload
+        node.metrics.append_latency.observe(time.monotonic() - batch[0].arrived_s)
+        send = node.send_payload
         for item, payload in zip(batch, results, strict=True):
             assert payload is not None
             send(item, payload)
-        if accepted and error is None and self.node.config.segment_preallocate_bytes:
+        if accepted and error is None and node.config.segment_preallocate_bytes:
             self._preallocate()
 
     def _preallocate(self) -> None:
