@@ -339,7 +339,9 @@ class SegmentIO:
         n = min(len(tail) // INDEX_ENTRY_BYTES, self._flushed_count - written)
         if n <= 0:
             return
-        _, index_file = self._files()
+        index_file = self._index  # (both files close together)
+        if index_file is None:
+            raise self._closed_error()
         index_file.pwrite(tail[: INDEX_ENTRY_BYTES * n], SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * written)
         del tail[: INDEX_ENTRY_BYTES * n]
         self._index_dirty = True
