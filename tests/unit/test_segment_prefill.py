@@ -211,6 +211,24 @@ def test_close_and_truncate_cut_the_zero_tail() -> None:
     assert fs.open(seg.data_path).size() == SEGMENT_HEADER_BYTES + 5 * 56
 
 
+def test_prefill_looks_again_after_a_truncation_cut_its_zeros() -> None:
+    # prefill remembers how far its zeros reach (a node calls it after every group, and asking the file each
+    # time cost three calls); a truncation cuts the zeros, and the next prefill must write them again.
+    fs = CrashFS()
+    seg = new_segment(fs)
+    prefilled(fs, seg)
+    seg.append(recs(0, 10))
+    assert seg.prefill(AHEAD, 1 << 30) is None  # the zeros reach far enough ahead
+    assert seg.prefill(AHEAD, 1 << 30) is None
+    seg.truncate(4)
+    job = seg.prefill(AHEAD, 1 << 30)
+    assert job is not None
+    assert (job.start, job.end) == (seg.size_bytes, seg.size_bytes + AHEAD // 2)
+    job.sync()
+    job.done()
+    seg.close()
+
+
 def test_roll_over_cuts_the_zeros_of_the_full_segment(tmp_path: Path) -> None:
     log = PartitionLog.open(str(tmp_path), KEY, PID, segment_size_threshold_bytes=4096)
     try:

@@ -16,15 +16,17 @@ from pathlib import Path
 import pytest
 
 from waltz.errors import StorageError
+from waltz.protocol import storage as st
 from waltz.protocol.records import Record, ReqId
 from waltz.storage import fsync as fsync_module
 from waltz.storage.config import StorageConfig
-from waltz.storage.controlfile import ControlFile
+from waltz.storage.controlfile import FLAG_ASSIGNED, FLAG_AVAILABLE, ControlFile
 from waltz.storage.fsync import FsyncPolicy
 from waltz.storage.index_writes import FLUSHED_INDEX_DELAY_S
 from waltz.storage.metrics import Latency, RequestCounts
 from waltz.storage.node import StorageNode
 from waltz.storage.segment import PREFILL_CHUNK_BYTES, ZeroFill, data_file_name, index_file_name
+from waltz.storage.work import Item
 from waltz.storage.worker import StoragePartition
 
 
@@ -437,3 +439,39 @@ def test_a_group_fsyncs_index_entries_reach_the_index_file_soon_after_not_at_onc
         partition.close_log()
 
     asyncio.run(main())
+
+
+def test_appended_records_and_bytes_count_a_groups_accepted_requests_once_answered_success(
+    tmp_path: Path,
+) -> None:
+    """``appended_records`` and ``appended_bytes`` (waltz_storage_appended_*) count the data of the requests
+    a group accepted, as decoded from the wire or as Records, and nothing of a group whose fsync failed."""
+    node, partition = _assigned(tmp_path)
+    node.control.update(0, session_id=1, flags=FLAG_ASSIGNED | FLAG_AVAILABLE)
+    partition.session_id = 1
+
+    def records(first: int, n: int, size: int) -> list[Record]:
+        return [Record.build(i, ReqId(1, i), 0, bytes([i % 251]) * size) for i in range(first, first + n)]
+
+    def wire(recs: list[Record]) -> Item:
+        msg = st.decode(st.encode(st.AppendRequest(1, 0, 0, recs, False)))  # as the data port decodes it
+        assert isinstance(msg, st.AppendRequest)
+        assert isinstance(msg.records, st.WireRecordList)
+        return Item(msg, None)
+
+    ok = [
+        wire(records(0, 2, 100)),
+        wire(records(7, 1, 9)),
+        Item(st.AppendRequest(1, 0, 0, records(2, 3, 50), False), None),
+    ]
+    results, accepted, _plog = partition._write_group(ok)
+    assert accepted == [0, 2]  # the second is out of order: refused alone
+    partition._answer_group(ok, results, accepted, None)
+    assert (partition.appended_records, partition.appended_bytes) == (5, 2 * 100 + 3 * 50)
+
+    failed = [wire(records(5, 4, 10))]
+    results, accepted, _plog = partition._write_group(failed)
+    assert accepted == [0]
+    partition._answer_group(failed, results, accepted, StorageError("fsync failed (injected)"))
+    assert (partition.appended_records, partition.appended_bytes) == (5, 350)
+    partition.close_log()

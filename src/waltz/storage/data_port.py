@@ -287,10 +287,9 @@ class DataSession:
         if reserved and not self.budget.try_acquire(reserved):
             self.slots.release()
             return self._admit_waiting(msg, part, reserved)
-        item = Item(
-            msg, self.conn, slot=self.slots, arrived_s=time.monotonic(), budget=self.budget, reserved=reserved
-        )
-        if append and part.may_commit_now and not ahead:
+        # Positional (msg, conn, op, done, slot, arrived_s, budget, reserved): keywords cost more per request.
+        item = Item(msg, self.conn, None, None, self.slots, time.monotonic(), self.budget, reserved)
+        if append and not ahead and part.may_commit_now:
             # Not when more requests were read behind it: those appends would each take an fsync of their
             # own here, one after the other; queued, the worker writes them together and fsyncs once.
             part.commit_now(item)

@@ -151,8 +151,11 @@ class OsFile:
 
     def _check(self) -> int:
         if self._fd < 0:
-            raise ClosedResourceError(f"{self._path}: file is closed")
+            raise self._closed_error()
         return self._fd
+
+    def _closed_error(self) -> ClosedResourceError:
+        return ClosedResourceError(f"{self._path}: file is closed")
 
     def pread(self, size: int, offset: int) -> bytes:
         fd = self._check()
@@ -161,8 +164,12 @@ class OsFile:
         except OSError as e:
             raise _storage_error(self._path, "read", e) from None
 
+    # pwrite and fsync (once or twice per group commit each) test the descriptor themselves: a call of
+    # _check() cost more than the test.
     def pwrite(self, data: Buffer, offset: int) -> None:
-        fd = self._check()
+        fd = self._fd
+        if fd < 0:
+            raise self._closed_error()
         total = len(data)
         try:
             done = os.pwrite(fd, data, offset)
@@ -172,7 +179,8 @@ class OsFile:
                         done += os.pwrite(fd, view[done:], offset + done)
         except OSError as e:
             raise _storage_error(self._path, "write", e) from None
-        self._size = max(self._size, offset + total)
+        if offset + total > self._size:
+            self._size = offset + total
 
     def append(self, data: Buffer) -> int:
         offset = self._size
@@ -188,7 +196,9 @@ class OsFile:
         self._size = size
 
     def fsync(self, *, data_only: bool = False) -> None:
-        fd = self._check()
+        fd = self._fd
+        if fd < 0:
+            raise self._closed_error()
         try:
             if data_only and _HAS_FDATASYNC:
                 os.fdatasync(fd)

@@ -212,6 +212,7 @@ class GroupSync:
         "_generation",
         "_jobs",
         "_last_failure_log_s",
+        "_loop",
         "_policy",
         "_queued",
         "_scheduled",
@@ -255,6 +256,9 @@ class GroupSync:
         read-only outside. While any waits, a partition's fsync joins them instead of running on the loop."""
         self._scheduled = False
         """A call of :meth:`_start` is scheduled on the loop."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop of the first :meth:`ask` (a node's one loop), kept: each ``asyncio.get_running_loop()``
+        costs a ``getpid`` system call, and this ran twice per group."""
         self.handoffs = 0
         """Jobs handed to a thread."""
         self.handed_off = 0
@@ -280,7 +284,9 @@ class GroupSync:
         key: Hashable = None,
     ) -> asyncio.Future[bool]:
         """:meth:`sync` without a coroutine: the future it awaits (for a caller that is a callback)."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         waiter: asyncio.Future[bool] = loop.create_future()
         self.pending.append(_Asked(fsync, begin, key, waiter))
         if not self._scheduled:
@@ -387,7 +393,7 @@ class GroupSync:
             _settle(asked.waiter, True, outcome)
         if self.pending and not self._scheduled:
             self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._start)
+            landed.get_loop().call_soon(self._start)
 
 
 def fs_sync_path(fs_sync: FsSync | None) -> str:
@@ -423,12 +429,16 @@ class FsyncThreads:
             queue.SimpleQueue()
         )
         self._threads: list[threading.Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop the threads were started for (they settle every job's future there)."""
 
     def run(self, fn: Callable[[], R]) -> asyncio.Future[R]:
         """Run ``fn`` in one of the threads; the future resolves on the loop with what it returned or
         raised."""
-        loop = asyncio.get_running_loop()
-        if not self._threads:
+        loop = self._loop
+        if loop is None or not self._threads:
+            # The threads settle each job's future on this loop (a ``getpid`` saved per hand-off, too).
+            loop = self._loop = asyncio.get_running_loop()
             for i in range(self._size):
                 thread = threading.Thread(
                     target=self._serve, args=(loop,), name=f"storage-fsync-{i}", daemon=True

@@ -269,12 +269,13 @@ class PartitionLog:
                 f"partition {self.partition_id}: transaction out of order: expected {expected}, "
                 f"got {first_transaction_id}"
             )
-        i = 0
-        total = len(ends)
         threshold = self.segment_size_threshold_bytes
+        # The segment writes until a record takes it past the threshold (at once, if it is past it already):
+        # then the rest goes to a new one.
+        i = current.append_run(run, ends, 0, size_threshold_bytes=threshold)
+        total = len(ends)
         while i < total:
-            if current.size_bytes > threshold and current.record_count > 0:
-                current = self._roll_over()
+            current = self._roll_over()
             i += current.append_run(run, ends, i, size_threshold_bytes=threshold)
 
     def _roll_over(self) -> Segment:
@@ -310,7 +311,10 @@ class PartitionLog:
         durable (not fsynced; see :meth:`Segment.write_flushed_index`). A failure is logged (at most once per
         10 s) and changes nothing: the entries wait for the next checkpoint, as they did before."""
         try:
-            self._writable().write_flushed_index()
+            current = self._current  # (read here, not through _writable(): a call less per group)
+            if current is None:
+                raise self._closed_error()
+            current.write_flushed_index()
         except (WaltzError, OSError) as e:
             now = time.monotonic()
             if now - self._index_write_failure_log_s >= 10:
@@ -324,8 +328,7 @@ class PartitionLog:
         current = self._current
         if current is None:
             raise self._closed_error()
-        if current.size_bytes > self.segment_size_threshold_bytes:
-            return None  # the next append rolls over
+        # Past the threshold (the next append rolls over) it writes nothing: no zeros go past the threshold.
         return current.prefill(ahead_bytes, self.segment_size_threshold_bytes)
 
     @property

@@ -363,6 +363,7 @@ class Segment(SegmentIO):
         index_file.fsync()
         self._count = self._flushed_count = keep
         self._data_size = self._zeros_durable_end = end
+        self._prefill_idle_below = 0
         self._data_dirty = self._index_dirty = False
 
     def _verify_at(self, transaction_id: int, data_size: int) -> int | None:

@@ -105,6 +105,11 @@ class SegmentIO:
         """The data file holds fsynced zeros up to here past the last record (see :meth:`prefill`)."""
         self._zero_epoch = 0
         """Bumped when a truncation cuts the file: a :class:`ZeroFill` of before then counts for nothing."""
+        self._prefill_idle_below = 0
+        self._prefill_idle_ahead = 0
+        """:meth:`prefill` with ``ahead_bytes`` ``_prefill_idle_ahead`` has nothing to write while the last
+        record ends below ``_prefill_idle_below`` (the file only grows meanwhile; a cut resets it): the
+        answer without asking the file's size, after every group."""
         self.extending_writes = 0
         """Data-file writes that reached past the fsynced zeros (see :meth:`prefill`): they extended the file
         (or overwrote zeros whose fsync had not returned yet) and so cost their fsync a journal commit."""
@@ -219,7 +224,7 @@ class SegmentIO:
         total = len(ends)
         whole = len(run)
         while i < total and self._data_size <= threshold:
-            next_id = self.next_transaction_id
+            next_id = self.first_transaction_id + self._count
             if next_id % CHECKPOINT_INTERVAL == 0 and self._count > 0:
                 self._checkpoint()
             # This stretch ends before the next checkpoint id, or after the record crossing the threshold.
@@ -262,10 +267,16 @@ class SegmentIO:
             raise self._closed_error()
         if not self.writable:
             raise StorageError(f"{self.data_path}: segment is read-only")
+        if self._data_size < self._prefill_idle_below and ahead_bytes == self._prefill_idle_ahead:
+            return None
         # Half the distance at most, so the next chunk is written while the other half is still ahead.
         chunk = min(PREFILL_CHUNK_BYTES, ahead_bytes // 2)
         size = data_file.size()
-        if chunk <= 0 or size - self._data_size > ahead_bytes - chunk:
+        if chunk <= 0:
+            return None
+        if size - self._data_size > ahead_bytes - chunk:
+            self._prefill_idle_below = size - ahead_bytes + chunk
+            self._prefill_idle_ahead = ahead_bytes
             return None
         end = min(size + chunk, limit_bytes)
         if end <= size:
@@ -284,6 +295,7 @@ class SegmentIO:
         data_file, _ = self._files()
         if data_file.size() > self._data_size:
             data_file.truncate(self._data_size)
+            self._prefill_idle_below = 0
             self._zero_epoch += 1
             self._zeros_durable_end = self._data_size
             self._data_dirty = True
@@ -327,7 +339,9 @@ class SegmentIO:
         n = min(len(tail) // INDEX_ENTRY_BYTES, self._flushed_count - written)
         if n <= 0:
             return
-        _, index_file = self._files()
+        index_file = self._index  # (both files close together)
+        if index_file is None:
+            raise self._closed_error()
         index_file.pwrite(tail[: INDEX_ENTRY_BYTES * n], SEGMENT_HEADER_BYTES + INDEX_ENTRY_BYTES * written)
         del tail[: INDEX_ENTRY_BYTES * n]
         self._index_dirty = True
@@ -379,6 +393,7 @@ class SegmentIO:
         index_file.fsync()
         self._count = self._flushed_count = keep
         self._data_size = self._zeros_durable_end = cut
+        self._prefill_idle_below = 0
         self._zero_epoch += 1  # the zeros went with the records; the next prefill writes them again
         self._data_dirty = self._index_dirty = False
 
