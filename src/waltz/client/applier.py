@@ -378,6 +378,7 @@ class ApplierMixin(AttemptsMixin):
     def _stop_partition(self, partition: PartitionState, error: ClientError | TrimmedError) -> None:
         """End the partition's use: ``error`` for everything in flight on it and everything asked of it."""
         partition.error = error
+        self._readahead.forget(partition.id)  # Its kept records and window; a later mount starts clean.
         self._fail_outcomes(partition, error)
         self._drop_awaiting_apply(partition)
         partition.notify()
