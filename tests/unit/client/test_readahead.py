@@ -99,7 +99,8 @@ def test_a_released_partition_and_a_closed_client_keep_no_readahead() -> None:
             await reader.wait_applied(1, 19, timeout=5)
             assert callbacks.data(0) == [str(i).encode() for i in range(0, 40, 2)]
             assert any(count > 1 for p, _, count in driver.range_reads if p == 0)  # It did read ahead.
-            assert reader._readahead.holds(0) and reader._readahead.holds(1)
+            assert reader._readahead.holds(0)
+            assert reader._readahead.holds(1)
 
             await reader.set_partitions({1})
             assert not reader._readahead.holds(0)
