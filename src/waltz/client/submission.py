@@ -13,7 +13,7 @@ import logging
 import time
 import types
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, NamedTuple, TypeAlias
 
 from waltz.client.attempts import AttemptsMixin
 from waltz.client.builder import TransactionBuilder
@@ -44,14 +44,15 @@ _Coroutine = types.CoroutineType
 """What an ``async def`` returns: tested by type first (a C check), ``inspect.isawaitable`` for the rest."""
 
 
-class _Pending:
-    """A first attempt whose ``execute`` returned an awaitable (a coroutine, in inline mode)."""
+class _Pending(NamedTuple):
+    """A first attempt whose ``execute`` returned an awaitable (a coroutine on the loop). A named tuple, built
+    in C with ``_new_tuple`` (no Python ``__init__`` call per coroutine ``execute``)."""
 
-    __slots__ = ("awaitable", "builder")
+    builder: TransactionBuilder
+    awaitable: Awaitable[Any]
 
-    def __init__(self, builder: TransactionBuilder, awaitable: Awaitable[Any]) -> None:
-        self.builder = builder
-        self.awaitable = awaitable
+
+_new_tuple = tuple.__new__
 
 
 class _Refused:
@@ -348,7 +349,7 @@ class SubmissionMixin(AttemptsMixin):
         if result is True:
             return builder
         if result is not None and (type(result) is _Coroutine or inspect.isawaitable(result)):
-            return _Pending(builder, result)  # A coroutine execute (inline mode): submit awaits it.
+            return _new_tuple(_Pending, (builder, result))  # A coroutine execute: submit awaits it.
         return builder if result else False
 
     async def _execute_after_wait(
