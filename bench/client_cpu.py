@@ -14,6 +14,9 @@ app64      occ64 without the locks (64 writers, each waiting for its own ``on_ap
            app64 is what the write locks cost
 =========  ==================================================================================================
 
+``--partitions N`` (N > 1) spreads the phase over N partitions instead: N writers, writer ``w`` appending to
+partition ``w``, one append in flight on each (every commit then reaches the client as its own feed run).
+
 The application is ``client_peer.py``'s (``bench/client_app.py``): its ``execute``, hooks and
 ``apply_transaction`` are coroutine functions, which the client's default ``client.callbackMode`` awaits on
 its loop (``--plain``: plain functions, which that mode runs on the callback threads and ``--mode inline``
@@ -60,20 +63,21 @@ def fake_server(port_out: multiprocessing.connection.Connection) -> None:  # typ
 
     async def handle(conn: FramedConnection) -> None:
         version = conn.negotiated_version
-        next_id = 0
+        next_ids: dict[int, int] = {}  # Per partition.
         append_type = int(cs.MessageType.APPEND_REQUEST)
 
         def on_payload(payload: bytes) -> None:
             # From the data callback: the answers to one read leave in one write when it returns.
-            nonlocal next_id
             if payload[0] == append_type:
                 request = cs.decode_append_request(payload, version)
+                p = request.req_id.partition_id
+                next_id = next_ids.get(p, 0)
                 conn.send(cs.encode(cs.FeedData(request.req_id, next_id, request.header), version))
-                next_id += 1
+                next_ids[p] = next_id + 1
                 return
             msg = cs.decode(payload, version)
             if isinstance(msg, cs.MountRequest):
-                next_id = msg.client_high_water_mark + 1
+                next_ids[msg.req_id.partition_id] = msg.client_high_water_mark + 1
                 conn.send(cs.encode(cs.MountResponse(msg.req_id, cs.PartitionState.READY), version))
 
         await conn.serve_payloads(on_payload)
@@ -97,12 +101,12 @@ def fake_server(port_out: multiprocessing.connection.Connection) -> None:  # typ
 
 
 class StaticDiscovery:
-    """One partition, placed on the fake server."""
+    """``num_partitions`` partitions, all placed on the fake server."""
 
-    def __init__(self, endpoint: str) -> None:
-        self.num_partitions = 1
+    def __init__(self, endpoint: str, num_partitions: int = 1) -> None:
+        self.num_partitions = num_partitions
         self.cluster_name = "fake"
-        self.endpoints = {0: (endpoint, 1)}
+        self.endpoints = dict.fromkeys(range(num_partitions), (endpoint, 1))
 
     async def open(self) -> None:
         pass
@@ -132,32 +136,34 @@ async def run_phase(
     toggle: bool = False,
     ctx_type: type[Ctx] = Ctx,
     inline: bool = False,
+    partitions: int = 1,
 ) -> str:
     """``phase`` for ``seconds`` after a warm-up of WARMUP_S, or (``count`` given) for ``count``
     operations after WARMUP_OPS: a fixed amount of work, for an instruction count under
-    ``valgrind --tool=callgrind``."""
+    ``valgrind --tool=callgrind``. ``partitions`` > 1: one writer per partition instead of 64 on one."""
     loop = asyncio.get_running_loop()
     done_ops = 0
     stop = False
     finished = loop.create_future()
     warm = asyncio.Event()
 
-    async def one(lock: int | None, wait_apply: bool) -> bool:
+    async def one(lock: int | None, wait_apply: bool, partition: int) -> bool:
         future: asyncio.Future[bool] = loop.create_future()
 
         def done(ok: bool) -> None:
             if not future.done():
                 future.set_result(ok)
 
-        await client.submit(ctx_type(loop, inline, done, lock, wait_apply))
+        await client.submit(ctx_type(loop, inline, done, lock, wait_apply, partition=partition))
         return await future
 
     async def worker(w: int) -> None:
         nonlocal done_ops, stop
         lock = w + 1 if phase == "occ64" else None
         wait_apply = phase in ("occ64", "app64")
+        partition = w if partitions > 1 else 0
         while not stop:
-            if await one(lock, wait_apply):
+            if await one(lock, wait_apply, partition):
                 done_ops += 1
                 if done_ops == WARMUP_OPS:
                     warm.set()
@@ -165,7 +171,7 @@ async def run_phase(
                     stop = True
                     finished.set_result(None)
 
-    tasks = [asyncio.create_task(worker(w)) for w in range(64)]
+    tasks = [asyncio.create_task(worker(w)) for w in range(partitions if partitions > 1 else 64)]
     if count is None:
         await asyncio.sleep(WARMUP_S)
     else:
@@ -189,7 +195,8 @@ async def run_phase(
 async def main_async(args: argparse.Namespace, endpoint: str) -> None:
     config = ClientConfig(max_concurrent_transactions=128, callback_mode=args.mode)
     callbacks, ctx_type = (Callbacks(), Ctx) if args.plain else (AsyncCallbacks(), AsyncCtx)
-    driver = NetworkDriver(config, discovery=StaticDiscovery(endpoint))  # type: ignore[arg-type]
+    discovery = StaticDiscovery(endpoint, args.partitions)
+    driver = NetworkDriver(config, discovery=discovery)  # type: ignore[arg-type]
     # --metrics: the client's Prometheus metrics on (waltz.client.metrics), in a registry nobody scrapes.
     # (Not passed without it: a tree from before the client's metrics runs this bench too.)
     metrics = {"metrics_registry": CollectorRegistry()} if args.metrics else {}
@@ -197,7 +204,14 @@ async def main_async(args: argparse.Namespace, endpoint: str) -> None:
     async with AsyncWaltzClient(callbacks, config, driver=driver, **metrics) as client:
         for phase in args.phase:
             result = await run_phase(
-                client, phase, args.seconds, args.count, args.callgrind_toggle, ctx_type, inline
+                client,
+                phase,
+                args.seconds,
+                args.count,
+                args.callgrind_toggle,
+                ctx_type,
+                inline,
+                args.partitions,
             )
             print(result, flush=True)
         await client.flush_transactions(30)
@@ -220,6 +234,12 @@ def main() -> None:
         help="count instructions of the measured operations only (run valgrind with --instr-atstart=no)",
     )
     parser.add_argument("--metrics", action="store_true", help="with the client's metrics_registry")
+    parser.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="spread over this many partitions, one append in flight on each",
+    )
     args = parser.parse_args()
     args.phase = args.phase or ["conc", "occ64"]
     print(f"load average at start: {os.getloadavg()}", flush=True)

@@ -288,42 +288,44 @@ def test_decode_feed_data_takes_exactly_the_feed_data_payloads(
 
 
 @pytest.mark.parametrize(("msg", "version", "payload"), CASES, ids=CASE_IDS)
-def test_decode_feed_run_takes_a_payload_exactly_as_decode_feed_data(
+def test_decode_feed_runs_takes_a_payload_exactly_as_decode_feed_data(
     msg: Message, version: int, payload: bytes
 ) -> None:
-    partition, entries, end = cs.decode_feed_run([b"x", payload, payload + b"\x00"], 1)
+    runs = cs.decode_feed_runs([b"x", payload, payload + b"\x00"])
     fast = cs.decode_feed_data(payload)
     if fast is None:
-        assert entries == []
-        assert end == 1
+        assert runs == [(-1, [], 0), (-1, [], 1), (-1, [], 2)]
     else:
-        assert entries == [(fast[1], fast[0], fast[2])]
-        assert end == 2  # The payload with a trailing byte is not taken.
-        assert partition == fast[0].lsb >> 32 & 0xFFFFFFFF
+        partition = fast[0].lsb >> 32 & 0xFFFFFFFF
+        # The payload with a trailing byte is not taken.
+        assert runs == [(-1, [], 0), (partition, [(fast[1], fast[0], fast[2])], 1), (-1, [], 2)]
 
 
-def test_decode_feed_run_stops_where_the_partition_changes_or_another_message_starts() -> None:
+def test_decode_feed_runs_splits_where_the_partition_changes_or_another_message_starts() -> None:
     def feed(partition: int, seq: int, tid: int) -> bytes:
         return encode(FeedData(ReqId.of(7, 1, partition, seq), tid, tid * 10), 4)
 
     flush = encode(FlushRequest(ReqId.of(7, 1, 0, 9)), 4)
-    payloads = [feed(0, 1, 5), feed(0, 2, 6), feed(3, 1, 7), feed(3, 2, 8), flush, feed(0, 3, 9)]
-    assert cs.decode_feed_run(payloads, 0) == (
-        0,
-        [(5, ReqId.of(7, 1, 0, 1), 50), (6, ReqId.of(7, 1, 0, 2), 60)],
-        2,
-    )
-    assert cs.decode_feed_run(payloads, 2) == (
-        3,
-        [(7, ReqId.of(7, 1, 3, 1), 70), (8, ReqId.of(7, 1, 3, 2), 80)],
-        4,
-    )
-    assert cs.decode_feed_run(payloads, 4) == (-1, [], 4)
-    assert cs.decode_feed_run(payloads, 5) == (0, [(9, ReqId.of(7, 1, 0, 3), 90)], 6)
-    assert cs.decode_feed_run(payloads, 6) == (-1, [], 6)
+    payloads = [
+        feed(0, 1, 5),
+        feed(0, 2, 6),
+        feed(3, 1, 7),
+        feed(3, 2, 8),
+        flush,
+        feed(0, 3, 9),
+        feed(3, 3, 10),
+    ]
+    assert cs.decode_feed_runs(payloads) == [
+        (0, [(5, ReqId.of(7, 1, 0, 1), 50), (6, ReqId.of(7, 1, 0, 2), 60)], 0),
+        (3, [(7, ReqId.of(7, 1, 3, 1), 70), (8, ReqId.of(7, 1, 3, 2), 80)], 2),
+        (-1, [], 4),
+        (0, [(9, ReqId.of(7, 1, 0, 3), 90)], 5),
+        (3, [(10, ReqId.of(7, 1, 3, 3), 100)], 6),
+    ]
+    assert cs.decode_feed_runs([]) == []
     # A partition id of 2**31 or more is read unsigned (no mount has it, as its signed reading).
     high = encode(FeedData(ReqId(1, (2**31 + 5) << 32 | 1), 1, 0), 4)
-    assert cs.decode_feed_run([high], 0)[0] == 2**31 + 5
+    assert cs.decode_feed_runs([high])[0][0] == 2**31 + 5
 
 
 @pytest.mark.parametrize(("msg", "version"), NEWER_MESSAGES)

@@ -12,6 +12,7 @@ import functools
 import inspect
 import logging
 import time
+import types
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -46,6 +47,8 @@ APPLY_BATCH_MAX_S = 0.005
 
 _READY = MountState.READY
 _MASK32 = 0xFFFFFFFF
+_Coroutine = types.CoroutineType
+"""What an ``async def`` returns: tested by type first (a C check), ``inspect.isawaitable`` for the rest."""
 
 
 class ApplierMixin(AttemptsMixin):
@@ -179,7 +182,8 @@ class ApplierMixin(AttemptsMixin):
         batch: list[Transaction] = []
         while True:
             if not batch:
-                await partition.wait_feed()
+                while not partition.feed:
+                    await partition.feed_waiter()  # A future: no coroutine made and resumed per wait.
                 batch = partition.take_feed(APPLY_BATCH_MAX)
             if inline:
                 applied, error = await _apply_batch_inline(apply, batch)
@@ -225,7 +229,9 @@ class ApplierMixin(AttemptsMixin):
 
     def _advance_applied(self, partition: PartitionState, monitor: TransactionMonitor, last: int) -> None:
         """Transactions up to ``last`` are applied (or skipped): release what waited for them."""
-        self._resolve(partition, monitor.on_applied(last))
+        resolutions = monitor.on_applied(last)
+        if resolutions:  # Lock failures that waited for this apply (rare: no call of _resolve otherwise).
+            self._resolve(partition, resolutions)
         self._on_applied(partition, last)
         partition.notify()
 
@@ -378,6 +384,7 @@ class ApplierMixin(AttemptsMixin):
     def _stop_partition(self, partition: PartitionState, error: ClientError | TrimmedError) -> None:
         """End the partition's use: ``error`` for everything in flight on it and everything asked of it."""
         partition.error = error
+        self._readahead.forget(partition.id)  # Its kept records and window; a later mount starts clean.
         self._fail_outcomes(partition, error)
         self._drop_awaiting_apply(partition)
         partition.notify()
@@ -389,7 +396,8 @@ def _apply_batch(
 ) -> tuple[int, Exception | None]:
     """On a callback thread: apply ``batch`` in order; stop at the first exception or after
     :data:`APPLY_BATCH_MAX_S`. Returns how many were applied, and the exception that stopped it."""
-    deadline = time.monotonic() + APPLY_BATCH_MAX_S
+    # Read only for a batch long enough to be checked (most batches are a few transactions: no clock read).
+    deadline = time.monotonic() + APPLY_BATCH_MAX_S if len(batch) > 8 else 0.0
     for i, transaction in enumerate(batch):
         if i and not i % 8 and time.monotonic() > deadline:
             return i, None
@@ -404,13 +412,14 @@ async def _apply_batch_inline(
     apply: Callable[[Transaction], Any], batch: list[Transaction]
 ) -> tuple[int, Exception | None]:
     """On the loop (inline mode): like :func:`_apply_batch`; a coroutine ``apply_transaction`` is awaited."""
-    deadline = time.monotonic() + APPLY_BATCH_MAX_S
+    # Read only for a batch long enough to be checked (most batches are a few transactions: no clock read).
+    deadline = time.monotonic() + APPLY_BATCH_MAX_S if len(batch) > 8 else 0.0
     for i, transaction in enumerate(batch):
         if i and not i % 8 and time.monotonic() > deadline:
             return i, None
         try:
             result = apply(transaction)
-            if result is not None and inspect.isawaitable(result):
+            if result is not None and (type(result) is _Coroutine or inspect.isawaitable(result)):
                 await result
         except Exception as e:  # noqa: BLE001 - application code: the loop reports it and delivers again
             return i, e

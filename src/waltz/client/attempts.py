@@ -125,17 +125,18 @@ class AttemptsMixin(HooksMixin):
         released = 0
         try:
             for resolution in resolutions:
-                run = outcomes.pop(resolution.req_id, None)
+                req_id, outcome, transaction_id = resolution
+                run = outcomes.pop(req_id, None)
                 if run is None:
                     continue
                 self._outstanding -= 1
-                if resolution.outcome is not _COMMITTED:
+                if outcome is not _COMMITTED:
                     self._on_attempt_failed(run, resolution)
                     continue
                 # Committed (once per append): it leaves APPENDING (its COMMIT is made by _run_hook), so its
                 # slot is free.
                 released += 1
-                transaction_id = run.transaction_id = resolution.transaction_id
+                run.transaction_id = transaction_id
                 if feed is not None:
                     transaction = feed[transaction_id - first]
                     if transaction.transaction_id == transaction_id:  # (Always: the feed's ids are dense.)

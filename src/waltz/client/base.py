@@ -306,16 +306,24 @@ class ClientBase:
             f"(mounted: {sorted(self._partitions)}; see set_partitions)"
         )
 
+    def _in_use(self, partition_id: int) -> bool:
+        """True while ``partition_id`` is mounted by this client and not stopped."""
+        partition = self._partitions.get(partition_id)
+        return partition is not None and partition.error is None
+
     async def _fetch_data(self, partition_id: int, transaction_id: int) -> bytes:
         self._check_open()
         driver = self._require_driver()
-        window = self._readahead.window(partition_id, transaction_id)
+        # Readahead only for a partition in use: one released or stopped is forgotten (_stop_partition),
+        # and a read of its data after that (a Transaction kept by the application) is a single request.
+        window = self._readahead.window(partition_id, transaction_id) if self._in_use(partition_id) else 1
         read_range = getattr(driver, "read_range", None)  # The network driver's; the mock has none.
         if window > 1 and read_range is not None:
             # Sequential reads: one range read (retried within client.requestTimeout, every checksum
             # verified), the records after the first kept for the fetches that follow.
             records: list[Record] = await read_range(partition_id, transaction_id, window)
-            self._readahead.keep(partition_id, records)
+            if self._in_use(partition_id):  # Not released or stopped meanwhile.
+                self._readahead.keep(partition_id, records)
             if records:
                 return records[0].data
         for _ in range(MAX_CHECKSUM_ATTEMPTS):

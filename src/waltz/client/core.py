@@ -146,6 +146,7 @@ class AsyncWaltzClient(SubmissionMixin, ApplierMixin):
             except Exception:
                 log.exception("closing the client driver failed")
         self._flush_hooks()  # Terminal hooks already decided still run.
+        self._readahead.clear()
         if self._pool is not None:
             await asyncio.to_thread(self._pool.shutdown)
         if self._metrics is not None:

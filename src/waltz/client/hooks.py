@@ -42,7 +42,7 @@ class HooksMixin(ClientBase):
         queue = partition.lock_queue
         # Nothing held (no context of this partition takes write locks): no release to make per run. Releases
         # only pass locks on, so nothing becomes held during this loop either.
-        locked = queue.holds_any
+        locked = bool(queue.held)  # queue.holds_any, without its property call (once per feed run).
         while waiting and waiting[0].transaction_id <= transaction_id:
             run = waiting.popleft()
             if locked:

@@ -164,7 +164,10 @@ class TransactionMonitor:
 
     def on_applied(self, transaction_id: int) -> list[Resolution]:
         """The application applied ``transaction_id``."""
-        self.applied_high_water_mark = max(self.applied_high_water_mark, transaction_id)
+        if transaction_id > self.applied_high_water_mark:
+            self.applied_high_water_mark = transaction_id
+        if not self._lock_failures:
+            return []  # The common case: no lock failure waits for an apply.
         return self._release_lock_failures()
 
     def fail(self, req_id: ReqId) -> list[Resolution]:

@@ -6,7 +6,8 @@ A miss at ``transaction_id`` that starts where the partition's previous read end
 (how many records the next read asks for) doubles, up to :data:`READAHEAD_MAX`; any other miss starts again at
 one record (the single data request), so an application that reads the data of a few transactions only pays
 for those. The records a range read returns beyond the one asked for are kept, per partition, until taken
-(each once) or replaced by the partition's next read: at most one window per partition is held.
+(each once) or replaced by the partition's next read: at most one window per partition is held, and only
+while the partition is mounted (the client forgets a partition it releases or stops, and all at close).
 
 Thread safety: :meth:`Readahead.take` runs on any thread (``Transaction.get_transaction_data`` on a callback
 thread takes its data without a hop to the event loop); everything else runs on the loop. A partition's kept
@@ -56,7 +57,18 @@ class Readahead:
             self._ends[partition_id] = records[-1].transaction_id + 1
         self._kept[partition_id] = {r.transaction_id: r.data for r in records[1:]}
 
+    def holds(self, partition_id: int) -> bool:
+        """True while anything of ``partition_id`` is kept: its window, where its last read ended, records."""
+        return partition_id in self._windows or partition_id in self._ends or partition_id in self._kept
+
     def forget(self, partition_id: int) -> None:
+        """Drop everything of ``partition_id`` (released or stopped: a later mount starts with one record)."""
         self._kept.pop(partition_id, None)
         self._windows.pop(partition_id, None)
         self._ends.pop(partition_id, None)
+
+    def clear(self) -> None:
+        """Drop everything (the client closed)."""
+        self._kept.clear()
+        self._windows.clear()
+        self._ends.clear()

@@ -178,14 +178,14 @@ class PartitionState:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def wait_feed(self) -> None:
+    def feed_waiter(self) -> asyncio.Future[None]:
+        """A future the applier awaits while the feed is empty, resolved by the next :meth:`push_feed_run`."""
         loop = self._loop
         if loop is None:
             # Looked up once: asyncio.get_running_loop() costs a getpid() system call per call in 3.11.
             loop = self._loop = asyncio.get_running_loop()
-        while not self.feed:
-            self._feed_waiter = loop.create_future()
-            await self._feed_waiter
+        waiter = self._feed_waiter = loop.create_future()
+        return waiter
 
     async def wait_room(self) -> None:
         while len(self.feed) >= self.feed_limit:

@@ -414,7 +414,7 @@ class StreamLink:
 
         version = conn.negotiated_version
         decode = cs.decode
-        decode_feed_run = cs.decode_feed_run
+        decode_feed_runs = cs.decode_feed_runs
         mounts = self.owner.mounts
         listener = self.owner.listener
         # A listener that takes feed entries without a coroutine (the core does) gets them straight from here
@@ -424,17 +424,13 @@ class StreamLink:
 
         def on_payloads(burst: list[bytes]) -> None:
             """The payloads of one socket read, in order (from the transport's data callback)."""
-            i, n = 0, len(burst)
             full = False
             try:
-                while i < n:
-                    # The feed entries of one partition at burst[i:], decoded in one pass (most of a read).
-                    partition_id, entries, end = decode_feed_run(burst, i)
+                # The feed entries of the read in one pass (most of a read), run by run of one partition.
+                for partition_id, entries, i in decode_feed_runs(burst):
                     if not entries:
                         self._on_message(decode(burst[i], version))
-                        i += 1
                         continue
-                    i = end
                     mount = mounts.get(partition_id)
                     if (
                         mount is not None
@@ -524,11 +520,12 @@ def _on_feed_run(run_nowait: FeedRunNowait | None, mount: Mount, entries: list[c
     k, n = 0, len(entries)
     if run_nowait is not None and not mount.inbox and not mount.busy:
         position = mount.position
-        if entries[0][0] == position + 1 and list(map(_ID, entries)) == list(
-            range(position + 1, position + n + 1)
+        if entries[0][0] == position + 1 and (
+            n == 1 or list(map(_ID, entries)) == list(range(position + 1, position + n + 1))
         ):
             # The common case, the whole run follows the position one by one: checked in C, not by the
-            # loops below (a dozen bytecodes per entry).
+            # loops below (a dozen bytecodes per entry); a run of one (many partitions, one commit each) at
+            # once.
             m = n
         else:
             while k < n and entries[k][0] <= position:
@@ -539,7 +536,15 @@ def _on_feed_run(run_nowait: FeedRunNowait | None, mount: Mount, entries: list[c
                 position += 1
                 m += 1
         if m > k:
-            taken = _deliver_run(run_nowait, mount, entries if k == 0 and m == n else entries[k:m])
+            try:
+                taken = run_nowait(mount.partition_id, entries if k == 0 and m == n else entries[k:m])
+            except Exception:
+                # As the delivery task does: logged, and the position stays where it was, so the entries are
+                # queued and the first of them delivered again by the delivery task.
+                log.exception(
+                    "partition %d: delivering transaction %d failed", mount.partition_id, entries[k][0]
+                )
+                taken = 0
             if taken:
                 k += taken
                 mount.position = entries[k - 1][0]
@@ -548,14 +553,3 @@ def _on_feed_run(run_nowait: FeedRunNowait | None, mount: Mount, entries: list[c
     for transaction_id, req_id, header in itertools.islice(entries, k, None):
         mount.put(Feed(session, transaction_id, req_id, header))
     return mount.feed_queued >= INBOX_FEED_LIMIT
-
-
-def _deliver_run(run_nowait: FeedRunNowait, mount: Mount, entries: list[cs.FeedEntry]) -> int:
-    """Hand ``entries`` (the next ids of the partition, in order) to the listener; how many it took."""
-    try:
-        return run_nowait(mount.partition_id, entries)
-    except Exception:
-        # As the delivery task does: logged, and the position stays where it was, so the entries are queued
-        # and the first of them delivered again by the delivery task.
-        log.exception("partition %d: delivering transaction %d failed", mount.partition_id, entries[0][0])
-        return 0

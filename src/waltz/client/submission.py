@@ -11,8 +11,9 @@ import functools
 import inspect
 import logging
 import time
+import types
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, NamedTuple, TypeAlias
 
 from waltz.client.attempts import AttemptsMixin
 from waltz.client.builder import TransactionBuilder
@@ -39,16 +40,19 @@ STUCK_SUBMIT_AFTER = 3
 :class:`~waltz.errors.PartitionStuckError` (the feed cannot advance, so nothing appended would be applied)."""
 
 _READY = MountState.READY
+_Coroutine = types.CoroutineType
+"""What an ``async def`` returns: tested by type first (a C check), ``inspect.isawaitable`` for the rest."""
 
 
-class _Pending:
-    """A first attempt whose ``execute`` returned an awaitable (a coroutine, in inline mode)."""
+class _Pending(NamedTuple):
+    """A first attempt whose ``execute`` returned an awaitable (a coroutine on the loop). A named tuple, built
+    in C with ``_new_tuple`` (no Python ``__init__`` call per coroutine ``execute``)."""
 
-    __slots__ = ("awaitable", "builder")
+    builder: TransactionBuilder
+    awaitable: Awaitable[Any]
 
-    def __init__(self, builder: TransactionBuilder, awaitable: Awaitable[Any]) -> None:
-        self.builder = builder
-        self.awaitable = awaitable
+
+_new_tuple = tuple.__new__
 
 
 class _Refused:
@@ -103,9 +107,12 @@ class SubmissionMixin(AttemptsMixin):
                     self._num_partitions,
                     orphan=functools.partial(self._orphaned, run),
                 )
-            if first is None or type(first) is _Pending:
+            if first is None:
                 fresh = False
-                first = await self._first_after_wait(run, first)
+                first = await self._first_after_wait(run)
+            elif type(first) is _Pending:  # A coroutine execute (on the loop): awaited here.
+                fresh = False
+                first = await self._finish_first(run, first)
         except Exception as e:
             await self._end_with_exception(run, e)  # on_exception, and raised here as well.
             raise
@@ -122,13 +129,10 @@ class SubmissionMixin(AttemptsMixin):
             # Not sent yet (or gave up, or failed): wait for the first send, or the end (raising its error).
             await asyncio.shield(run.first_send)
 
-    async def _first_after_wait(self, run: Run, first: _Pending | None) -> _Executed | None:
-        """A first attempt that did not finish in its first call: a coroutine ``execute`` to await (inline
-        mode), or no free slot (or no ready partition) when it was made. Returns what the first attempt
-        returns; None if it took the slot but still did not execute (the run is ADMITTED: the retry path
-        decides)."""
-        if first is not None:
-            return await self._finish_first(run, first)
+    async def _first_after_wait(self, run: Run) -> _Executed | None:
+        """A first attempt that found no free slot (or no ready partition) when it was made. Returns what the
+        first attempt returns; None if it took the slot but still did not execute (the run is ADMITTED: the
+        retry path decides)."""
         partition = run.partition
         assert partition is not None
         await self._acquire_slot(partition)
@@ -344,8 +348,8 @@ class SubmissionMixin(AttemptsMixin):
             return e
         if result is True:
             return builder
-        if result is not None and inspect.isawaitable(result):
-            return _Pending(builder, result)  # A coroutine execute (inline mode): submit awaits it.
+        if result is not None and (type(result) is _Coroutine or inspect.isawaitable(result)):
+            return _new_tuple(_Pending, (builder, result))  # A coroutine execute: submit awaits it.
         return builder if result else False
 
     async def _execute_after_wait(

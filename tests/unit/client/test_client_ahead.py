@@ -82,3 +82,101 @@ def test_a_client_ahead_of_a_stale_owner_gets_its_partition_back_from_the_new_on
             await current.aclose()
 
     asyncio.run(main())
+
+
+class CountingLoop(asyncio.SelectorEventLoop):
+    """Counts the loop's iterations: a client that retries without a wait shows as thousands of them."""
+
+    iterations = 0
+
+    def _run_once(self) -> None:
+        self.iterations += 1
+        super()._run_once()  # type: ignore[misc]
+
+
+class SilentOwner(ScriptedOwner):
+    """Mounts as READY and never answers an append (they stay in flight)."""
+
+    def answer(self, conn: FramedConnection, msg: cs.Message) -> None:
+        if not isinstance(msg, cs.AppendRequest):
+            super().answer(conn, msg)
+
+
+IDLE_S = 0.3
+"""How long the tests watch an idle client with a CLIENT_AHEAD partition (nudges every 25 ms)."""
+MAX_IDLE_ITERATIONS = 200
+"""Loop iterations allowed meanwhile: a dozen nudges and the driver's own timers, far below a busy retry."""
+
+
+@pytest.mark.timeout(60)
+def test_submits_on_a_client_ahead_partition_fail_at_once_and_nothing_retries_without_a_wait() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, CountingLoop)
+        owner = ScriptedOwner(cs.PartitionState.CLIENT_AHEAD, 4)
+        discovery = StaticDiscovery()
+        discovery.publish({0: (await owner.start(), 5)})
+        config = FAST.replace(mount_timeout_ms=10_000, submit_timeout_ms=10_000)
+        client = AsyncWaltzClient(
+            RecordingCallbacks({0: 10}), config, driver=NetworkDriver(config, discovery=discovery)
+        )
+        try:
+            async with client:
+                started = loop.time()
+                contexts = [Ctx(str(i).encode()) for i in range(8)]
+                results = await asyncio.gather(*(client.submit(c) for c in contexts), return_exceptions=True)
+                assert all(isinstance(r, ClientAheadError) for r in results), results
+                assert loop.time() - started < 5  # Well before client.mountTimeout and submitTimeout.
+                assert all(c.events == ["exception:ClientAheadError"] for c in contexts)
+                with pytest.raises(ClientAheadError):
+                    await client.wait_applied(0, 11, timeout=5)
+
+                before = loop.iterations
+                await asyncio.sleep(IDLE_S)  # Watching, not synchronising: nothing may happen meanwhile.
+                assert loop.iterations - before < MAX_IDLE_ITERATIONS
+                assert len(owner.mounts) == 1  # Not asked again while the same owner holds the partition.
+                assert not client.has_pending_transactions()
+        finally:
+            await owner.aclose()
+
+    with asyncio.Runner(loop_factory=CountingLoop) as runner:
+        runner.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_appends_in_flight_when_the_partition_answers_client_ahead_end_without_a_busy_retry() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, CountingLoop)
+        silent = SilentOwner(cs.PartitionState.READY, 10)
+        ahead = ScriptedOwner(cs.PartitionState.CLIENT_AHEAD, 4)
+        silent_endpoint, ahead_endpoint = await silent.start(), await ahead.start()
+        discovery = StaticDiscovery()
+        discovery.publish({0: (silent_endpoint, 5)})
+        config = FAST.replace(mount_timeout_ms=10_000, answer_timeout_ms=10_000)
+        client = AsyncWaltzClient(
+            RecordingCallbacks({0: 10}), config, driver=NetworkDriver(config, discovery=discovery)
+        )
+        try:
+            async with client:
+                contexts = [Ctx(str(i).encode()) for i in range(8)]
+                for ctx in contexts:
+                    await client.submit(ctx)  # Sent; the silent owner never answers.
+                discovery.publish({0: (ahead_endpoint, 6)})  # A new owner, which finds the client ahead.
+                async with asyncio.timeout(5):
+                    for ctx in contexts:
+                        await asyncio.to_thread(ctx.finished.wait)
+                assert all(c.events == ["exception:ClientAheadError"] for c in contexts)
+                assert all(c.executions == 1 for c in contexts)  # Not executed again.
+
+                before = loop.iterations
+                await asyncio.sleep(IDLE_S)  # Watching, not synchronising: nothing may happen meanwhile.
+                assert loop.iterations - before < MAX_IDLE_ITERATIONS
+                assert len(ahead.mounts) == 1
+                assert not client.has_pending_transactions()
+        finally:
+            await silent.aclose()
+            await ahead.aclose()
+
+    with asyncio.Runner(loop_factory=CountingLoop) as runner:
+        runner.run(main())

@@ -3,8 +3,14 @@ record taken once, at most one window kept per partition."""
 
 from __future__ import annotations
 
+import asyncio
+
+from waltz import AsyncWaltzClient
 from waltz.client.readahead import READAHEAD_MAX, Readahead
 from waltz.protocol.records import Record, ReqId
+from waltz.testing import MockCluster, MockDriver
+
+from .helpers import FAST, Ctx, RecordingCallbacks
 
 
 def records(start: int, count: int) -> list[Record]:
@@ -60,3 +66,45 @@ def test_partitions_are_independent_and_forget_drops_a_partition() -> None:
     ahead.forget(0)
     assert ahead.take(0, 2) is None
     assert ahead.window(0, 3) == 1
+
+
+class RangeReadingDriver(MockDriver):
+    """A mock driver with the network driver's range reads, so the client keeps what it reads ahead."""
+
+    def __init__(self, cluster: MockCluster) -> None:
+        super().__init__(cluster=cluster)
+        self.range_reads: list[tuple[int, int, int]] = []
+
+    async def read_range(self, partition_id: int, start: int, max_count: int) -> list[Record]:
+        self.range_reads.append((partition_id, start, max_count))
+        return self.cluster.records(partition_id)[start : start + max_count]
+
+
+def test_a_released_partition_and_a_closed_client_keep_no_readahead() -> None:
+    """What a partition's reads kept (records, window, position) is dropped when set_partitions releases it
+    and when the client closes, so it holds no memory and a later mount starts again at one record."""
+
+    async def main() -> None:
+        cluster = MockCluster(num_partitions=2)
+        async with AsyncWaltzClient(RecordingCallbacks(), FAST, driver=MockDriver(cluster=cluster)) as writer:
+            for i in range(40):
+                await writer.submit(Ctx(str(i).encode(), partition=i % 2))
+            await writer.flush_transactions(timeout=5)
+        driver = RangeReadingDriver(cluster)
+        callbacks = RecordingCallbacks()
+        reader = AsyncWaltzClient(callbacks, FAST.replace(auto_mount=False), driver=driver)
+        async with reader:
+            await reader.set_partitions({0, 1})
+            await reader.wait_applied(0, 19, timeout=5)
+            await reader.wait_applied(1, 19, timeout=5)
+            assert callbacks.data(0) == [str(i).encode() for i in range(0, 40, 2)]
+            assert any(count > 1 for p, _, count in driver.range_reads if p == 0)  # It did read ahead.
+            assert reader._readahead.holds(0)
+            assert reader._readahead.holds(1)
+
+            await reader.set_partitions({1})
+            assert not reader._readahead.holds(0)
+            assert reader._readahead.holds(1)
+        assert not reader._readahead.holds(1)
+
+    asyncio.run(main())

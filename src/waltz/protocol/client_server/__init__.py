@@ -123,7 +123,7 @@ from waltz.protocol.client_server.feed import (
     FeedRequest,
     FeedSuspended,
     decode_feed_data,
-    decode_feed_run,
+    decode_feed_runs,
 )
 from waltz.protocol.client_server.feed import encode_feed_data as encode_feed_data
 from waltz.protocol.client_server.feed import encode_feed_entries as encode_feed_entries
@@ -184,7 +184,7 @@ __all__ = [
     "decode",
     "decode_append_fields",
     "decode_feed_data",
-    "decode_feed_run",
+    "decode_feed_runs",
     "frame_append",
     "new_append_request",
     "encode",

@@ -4,7 +4,6 @@ a run of entries in one buffer and a client decoding one without message objects
 
 from __future__ import annotations
 
-import itertools
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -104,35 +103,38 @@ def decode_feed_data(payload: bytes | bytearray | memoryview) -> tuple[ReqId, in
 
 
 FeedEntry: TypeAlias = tuple[int, ReqId, int]
-"""``(transaction_id, req_id, header)`` of one FeedData, as :func:`decode_feed_run` returns it."""
+"""``(transaction_id, req_id, header)`` of one FeedData, as :func:`decode_feed_runs` returns it."""
 
 
-def decode_feed_run(
-    payloads: Sequence[bytes | bytearray | memoryview], start: int
-) -> tuple[int, list[FeedEntry], int]:
-    """The run of well-formed FeedData payloads of one partition at ``payloads[start:]``, decoded in one pass
-    (the client's feed reader takes a burst of a read this way): ``(partition, entries, end)`` where
-    ``entries`` are those of ``payloads[start:end]``, in order, and ``partition`` is their ReqId's partition
-    id read unsigned (as the reader looks it up). ``entries`` is empty when ``payloads[start]`` is not a
-    well-formed FeedData (then :func:`decode` it). Each entry is what :func:`decode_feed_data` returns."""
+def decode_feed_runs(
+    payloads: Iterable[bytes | bytearray | memoryview],
+) -> list[tuple[int, list[FeedEntry], int]]:
+    """The payloads of a burst (the client's feed reader hands it each socket read's), decoded in one pass
+    into runs, in order: ``(partition, entries, index)`` for each run of consecutive well-formed FeedData
+    payloads of one partition (``entries`` in order, each what :func:`decode_feed_data` returns;
+    ``partition`` their ReqId's partition id read unsigned, as the reader looks it up; ``index`` where the
+    run starts), and ``(-1, [], index)`` for each payload that is not a well-formed FeedData (then
+    :func:`decode` it). Each payload is read once: a burst of many partitions' entries (one commit each)
+    costs one call."""
     size = _FEED_DATA.size
     unpack = _FEED_DATA.unpack_from
     code = _FEED_DATA_TYPE
-    entries: list[FeedEntry] = []
+    runs: list[tuple[int, list[FeedEntry], int]] = []
+    entries: list[FeedEntry] | None = None
     partition = -1
-    end = start
-    for payload in itertools.islice(payloads, start, None):
+    for index, payload in enumerate(payloads):
         if len(payload) != size or payload[0] != code:
-            break
+            runs.append((-1, [], index))
+            entries = None
+            continue
         _, msb, lsb, transaction_id, header = unpack(payload, 0)
         p = lsb >> 32 & 0xFFFFFFFF
-        if p != partition:
-            if entries:
-                break  # Another partition's run starts here.
+        if p != partition or entries is None:
             partition = p
+            entries = []
+            runs.append((p, entries, index))
         entries.append((transaction_id, _tuple_new(ReqId, (msb, lsb)), header))
-        end += 1
-    return partition, entries, end
+    return runs
 
 
 def encode_feed_data(headers: Iterable[RecordHeader], version: int) -> list[bytes]:
