@@ -662,13 +662,8 @@ class ReplicaSession:
         interval_s = self._idle_interval_s
         self._idle_seen = self.max_id
         self._check_gap_s = interval_s
-        self._check_at = when = now + interval_s
-        # (_arm_idle, inlined: a busy replica comes here once per interval, every replica of every partition.)
-        loop = self._loop
-        assert loop is not None  # armed only while _write runs
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-        self._idle_timer = loop.call_at(when, self._on_idle_tick)
+        self._check_at = now + interval_s
+        self._arm_idle(now + interval_s)
 
     def _arm_idle(self, when: float) -> None:
         loop = self._loop
