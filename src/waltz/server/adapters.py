@@ -33,18 +33,17 @@ class _AppendBodies:
     every replica of the batch, so they are encoded once, not once per replica. Keeping that object keeps
     its identity from being reused while it is cached."""
 
-    __slots__ = ("body", "records")
+    __slots__ = ("_body", "_records")
 
     def __init__(self) -> None:
-        self.records: Sequence[Record] | None = None
-        self.body = b""
-        """The encoded :attr:`records` (read only)."""
+        self._records: Sequence[Record] | None = None
+        self._body = b""
 
     def body_of(self, records: Sequence[Record]) -> bytes:
-        if records is not self.records:
-            self.body = append_request_body(records)
-            self.records = records
-        return self.body
+        if records is not self._records:
+            self._body = append_request_body(records)
+            self._records = records
+        return self._body
 
 
 class TcpReplicaConnection:
@@ -115,12 +114,7 @@ class TcpReplicaConnection:
     ) -> asyncio.Future[object]:
         if self._closed:
             raise self._closed_error()
-        bodies = self._bodies
-        # (body_of, inlined: once per replica of every batch, and all but the first find it cached.)
-        if records is not bodies.records:
-            bodies.body = append_request_body(records)
-            bodies.records = records
-        body = bodies.body
+        body = self._bodies.body_of(records)
         # (A broken connection raises in start_call, which checks it anyway: no _live() per append.)
         return self._client.start_append_encoded(self._session_id, self._partition_id, body, on_answer)
 

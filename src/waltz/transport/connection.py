@@ -578,12 +578,7 @@ class FramedConnection:
     def drain_needed(self) -> bool:
         """True if more is unsent than the accepting side's high-water mark (see :func:`serve`), i.e. if
         :meth:`drain` may have to wait; always True on a connecting side."""
-        high = self._pause_reading_above_bytes
-        if high is None:
-            return True
-        # (_write_backlogged, inlined: a server's feed asks once per committed batch.)
-        out = self._out
-        return self._transport.get_write_buffer_size() + (len(out) if out is not None else 0) > high
+        return self._pause_reading_above_bytes is None or self._write_backlogged()
 
     async def drain(self) -> None:
         """Wait until the write buffer is below its high-water mark (back pressure)."""

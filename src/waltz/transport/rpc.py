@@ -164,11 +164,7 @@ class RpcClient(Generic[ReqT, RespT]):
             # Nothing in flight to this peer (a lone append's replica request): written now rather than one
             # loop iteration later, with nothing to coalesce it with yet.
             self._conn.send(payload, now=True)
-        future: asyncio.Future[RespT] = self._loop.create_future()
-        self._pending[seq] = future
-        if on_answer is not None:
-            self._on_answer[seq] = on_answer
-        return future
+        return self._register(seq, on_answer)
 
     def expect(
         self, seq: int, on_answer: Callable[[asyncio.Future[RespT]], None] | None = None
@@ -179,11 +175,16 @@ class RpcClient(Generic[ReqT, RespT]):
         until then the request counts as in flight."""
         if self._closed or self._broken is not None:
             self._check_usable()
-        pending = self._pending
-        if seq in pending:
+        if seq in self._pending:
             raise LocalProtocolError(f"{self._name}: sequence number {seq} is already in flight")
+        return self._register(seq, on_answer)
+
+    def _register(
+        self, seq: int, on_answer: Callable[[asyncio.Future[RespT]], None] | None
+    ) -> asyncio.Future[RespT]:
+        """The future of request ``seq``'s response, in flight from now (the caller checked it may be)."""
         future: asyncio.Future[RespT] = self._loop.create_future()
-        pending[seq] = future
+        self._pending[seq] = future
         if on_answer is not None:
             self._on_answer[seq] = on_answer
         return future
@@ -246,11 +247,7 @@ class RpcClient(Generic[ReqT, RespT]):
                 else:
                     future.set_exception(error)
                 if on_answer is not None:
-                    try:
-                        on_answer(future)
-                    except Exception:  # (_answered's handling, inlined: once per answer)
-                        peer = self._conn.peername
-                        log.exception("%s: the answer callback of a request to %s failed", self._name, peer)
+                    self._answered(on_answer, future)
         except RemoteProtocolError as e:
             # Garbage inside a well-formed frame: the peer's fault, logged (rate-limited) like bad framing.
             self._conn.reject(e)  # tells _lost

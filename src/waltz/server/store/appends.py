@@ -190,8 +190,7 @@ class AppendQueue:
         append = self.items.popleft()
         self.data_bytes -= len(append.data)
         if self._room_awaited:  # (once per batch, with take_more: no call while nobody waits)
-            self._room_awaited = False
-            self._room.set()
+            self._wake_room()
         return append
 
     def take_more(self, batch: list[PendingAppend], size: int, max_count: int, max_bytes: int) -> int:
@@ -209,8 +208,7 @@ class AppendQueue:
             size += self.data_bytes
             self.data_bytes = 0
             if self._room_awaited:
-                self._room_awaited = False
-                self._room.set()
+                self._wake_room()
             return size
         taken = 0
         while room > 0 and items:
@@ -223,9 +221,13 @@ class AppendQueue:
             room -= 1
         self.data_bytes -= taken
         if self._room_awaited:
-            self._room_awaited = False
-            self._room.set()
+            self._wake_room()
         return size
+
+    def _wake_room(self) -> None:
+        """Wake the producers that wait for room (they set ``_room_awaited`` before they wait)."""
+        self._room_awaited = False
+        self._room.set()
 
     def clear(self) -> list[PendingAppend]:
         """Take every queued append (oldest first) and wake the producers waiting for room."""

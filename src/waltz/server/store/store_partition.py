@@ -697,11 +697,7 @@ class StorePartition:
             heard.append(pending)
         self._resolved += n - skipped
         if heard:
-            assert listener is not None
-            try:  # (_tell_committed, inlined: once per batch)
-                listener.appends_committed(heard)
-            except Exception:
-                log.exception("an append's resolution listener failed")
+            _tell_committed(listener, heard)  # type: ignore[arg-type]
         if self._resolution_awaited:
             self._resolution_awaited = False
             self._resolutions.set()
