@@ -5,6 +5,8 @@ a stale incarnation of a partition may answer a newer generation's mount before 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
 import pytest
 
@@ -108,6 +110,23 @@ MAX_IDLE_ITERATIONS = 200
 """Loop iterations allowed meanwhile: a dozen nudges and the driver's own timers, far below a busy retry."""
 
 
+async def assert_quiet(client: AsyncWaltzClient, owner: ScriptedOwner) -> None:
+    """Watch the idle client (not synchronising: nothing may happen meanwhile): few loop iterations, no
+    second mount while the same owner holds the partition, nothing pending."""
+    loop = asyncio.get_running_loop()
+    assert isinstance(loop, CountingLoop)
+    before = loop.iterations
+    await asyncio.sleep(IDLE_S)
+    assert loop.iterations - before < MAX_IDLE_ITERATIONS
+    assert len(owner.mounts) == 1
+    assert not client.has_pending_transactions()
+
+
+def run_counting(main: Coroutine[Any, Any, None]) -> None:
+    with asyncio.Runner(loop_factory=CountingLoop) as runner:
+        runner.run(main)
+
+
 @pytest.mark.timeout(60)
 def test_submits_on_a_client_ahead_partition_fail_at_once_and_nothing_retries_without_a_wait() -> None:
     async def main() -> None:
@@ -131,23 +150,16 @@ def test_submits_on_a_client_ahead_partition_fail_at_once_and_nothing_retries_wi
                 with pytest.raises(ClientAheadError):
                     await client.wait_applied(0, 11, timeout=5)
 
-                before = loop.iterations
-                await asyncio.sleep(IDLE_S)  # Watching, not synchronising: nothing may happen meanwhile.
-                assert loop.iterations - before < MAX_IDLE_ITERATIONS
-                assert len(owner.mounts) == 1  # Not asked again while the same owner holds the partition.
-                assert not client.has_pending_transactions()
+                await assert_quiet(client, owner)
         finally:
             await owner.aclose()
 
-    with asyncio.Runner(loop_factory=CountingLoop) as runner:
-        runner.run(main())
+    run_counting(main())
 
 
 @pytest.mark.timeout(60)
 def test_appends_in_flight_when_the_partition_answers_client_ahead_end_without_a_busy_retry() -> None:
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        assert isinstance(loop, CountingLoop)
         silent = SilentOwner(cs.PartitionState.READY, 10)
         ahead = ScriptedOwner(cs.PartitionState.CLIENT_AHEAD, 4)
         silent_endpoint, ahead_endpoint = await silent.start(), await ahead.start()
@@ -169,14 +181,9 @@ def test_appends_in_flight_when_the_partition_answers_client_ahead_end_without_a
                 assert all(c.events == ["exception:ClientAheadError"] for c in contexts)
                 assert all(c.executions == 1 for c in contexts)  # Not executed again.
 
-                before = loop.iterations
-                await asyncio.sleep(IDLE_S)  # Watching, not synchronising: nothing may happen meanwhile.
-                assert loop.iterations - before < MAX_IDLE_ITERATIONS
-                assert len(ahead.mounts) == 1
-                assert not client.has_pending_transactions()
+                await assert_quiet(client, ahead)
         finally:
             await silent.aclose()
             await ahead.aclose()
 
-    with asyncio.Runner(loop_factory=CountingLoop) as runner:
-        runner.run(main())
+    run_counting(main())
