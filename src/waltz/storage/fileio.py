@@ -151,11 +151,8 @@ class OsFile:
 
     def _check(self) -> int:
         if self._fd < 0:
-            raise self._closed_error()
+            raise ClosedResourceError(f"{self._path}: file is closed")
         return self._fd
-
-    def _closed_error(self) -> ClosedResourceError:
-        return ClosedResourceError(f"{self._path}: file is closed")
 
     def pread(self, size: int, offset: int) -> bytes:
         fd = self._check()
@@ -164,12 +161,8 @@ class OsFile:
         except OSError as e:
             raise _storage_error(self._path, "read", e) from None
 
-    # pwrite and fsync (once or twice per group commit each) test the descriptor themselves: a call of
-    # _check() cost more than the test.
     def pwrite(self, data: Buffer, offset: int) -> None:
-        fd = self._fd
-        if fd < 0:
-            raise self._closed_error()
+        fd = self._check()
         total = len(data)
         try:
             done = os.pwrite(fd, data, offset)
@@ -196,9 +189,7 @@ class OsFile:
         self._size = size
 
     def fsync(self, *, data_only: bool = False) -> None:
-        fd = self._fd
-        if fd < 0:
-            raise self._closed_error()
+        fd = self._check()
         try:
             if data_only and _HAS_FDATASYNC:
                 os.fdatasync(fd)

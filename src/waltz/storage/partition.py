@@ -311,10 +311,7 @@ class PartitionLog:
         durable (not fsynced; see :meth:`Segment.write_flushed_index`). A failure is logged (at most once per
         10 s) and changes nothing: the entries wait for the next checkpoint, as they did before."""
         try:
-            current = self._current  # (read here, not through _writable(): a call less per group)
-            if current is None:
-                raise self._closed_error()
-            current.write_flushed_index()
+            self._writable().write_flushed_index()
         except (WaltzError, OSError) as e:
             now = time.monotonic()
             if now - self._index_write_failure_log_s >= 10:

@@ -224,7 +224,7 @@ class SegmentIO:
         total = len(ends)
         whole = len(run)
         while i < total and self._data_size <= threshold:
-            next_id = self.first_transaction_id + self._count
+            next_id = self.next_transaction_id
             if next_id % CHECKPOINT_INTERVAL == 0 and self._count > 0:
                 self._checkpoint()
             # This stretch ends before the next checkpoint id, or after the record crossing the threshold.
